@@ -1,0 +1,28 @@
+# Two entry points, each installs what it needs into .venv first:
+#   make demo   - 2 local CPU ranks (gloo) train a small model with graphddp
+#   make test   - the test suite
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# The CPU wheel of torch 2.13.0 is what tests pin; an unpinned torch pulls a CUDA build.
+TORCH := torch==2.13.0
+
+$(VENV)/.installed-%: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -e '.[$*]' '$(TORCH)'
+	touch $@
+
+$(VENV)/.installed-base: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -e . '$(TORCH)'
+	touch $@
+
+.PHONY: demo test bench
+demo: $(VENV)/.installed-base
+	$(PY) examples/demo.py
+
+test: $(VENV)/.installed-test
+	$(PY) -m pytest -q tests
+
+bench: $(VENV)/.installed-plot
+	$(PY) tools/bench.py

@@ -1,0 +1,174 @@
+"""``graphddp.compile``: the user entry point and the module it returns."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from graphddp.backend import GraphDDPBackend, GraphRecord
+from graphddp.capture import names_by_identity
+from graphddp.comm import group_name_of
+from graphddp.config import DDPConfig
+from graphddp.schedule import Schedule
+from graphddp.sync import broadcast_tensors
+
+log = logging.getLogger("graphddp")
+
+
+def _check_devices(module: nn.Module) -> None:
+    devices: dict[torch.device, str] = {}
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        devices.setdefault(t.device, name)
+    if len(devices) > 1:
+        spread = ", ".join(f"{name!r} on {dev}" for dev, name in devices.items())
+        raise ValueError(
+            "graphddp.compile: module parameters and buffers must live on one device "
+            f"(data parallelism replicates the whole module per rank); found {spread}"
+        )
+
+
+class GraphDDP(nn.Module):
+    """A data-parallel module whose backward graphs carry their own gradient all-reduces.
+
+    It shares parameters with ``self.module`` (the module it wraps); ``state_dict()`` and
+    ``load_state_dict()`` use the wrapped module's keys, so checkpoints move freely between
+    a plain model and a graphddp one.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: Any,
+        config: DDPConfig,
+        *,
+        broadcast_buffers: bool,
+        fullgraph: bool,
+        dynamic: bool | None,
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.config = config
+        self.process_group = process_group
+        self.broadcast_buffers = broadcast_buffers
+        self._records: list[GraphRecord] = []
+        backend = GraphDDPBackend(
+            config, names_by_identity(module.named_parameters()), self._records.append
+        )
+        # Stored outside the module registry so parameters are not listed twice.
+        object.__setattr__(
+            self, "_compiled", torch.compile(module, backend=backend, fullgraph=fullgraph, dynamic=dynamic)
+        )
+        self._graph_params: set[str] = set()
+        self._guard_handles: dict[str, Any] = {}
+
+    # -- inspection -------------------------------------------------------------------------
+    @property
+    def schedules(self) -> list[Schedule]:
+        """One Schedule per compiled backward graph, in compile order (after the first backward)."""
+        return [r.schedule for r in self._records]
+
+    @property
+    def records(self) -> list[GraphRecord]:
+        """Schedules with the rewritten graphs and, under inductor, the generated code."""
+        return list(self._records)
+
+    # -- execution ----------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.broadcast_buffers and self.config.world_size > 1:
+            buffers = [b for b in self.module.buffers()]
+            if buffers:
+                broadcast_tensors(buffers, self.process_group)
+        out = self._compiled(*args, **kwargs)
+        if torch.is_grad_enabled():
+            self._guard_uncovered_parameters()
+        return out
+
+    def _guard_uncovered_parameters(self) -> None:
+        """Fail loudly if a gradient is produced outside the compiled graphs.
+
+        A parameter that Dynamo did not lift into any graph (used only in eager code between
+        graph breaks) would get a gradient nobody averages. Such parameters get a hook that
+        raises at backward time, instead of a silently wrong gradient.
+        """
+        covered = {s.param_name for r in self._records for b in r.schedule.buckets for s in b.slots}
+        covered |= {n for r in self._records for n in r.schedule.unreduced}
+        if covered == self._graph_params and self._guard_handles:
+            return
+        self._graph_params = covered
+        for name, handle in list(self._guard_handles.items()):
+            if name in covered:
+                handle.remove()
+                del self._guard_handles[name]
+        if not self._records or self.config.world_size == 1:
+            return
+        for name, p in self.module.named_parameters():
+            if p.requires_grad and name not in covered and name not in self._guard_handles:
+                self._guard_handles[name] = p.register_post_accumulate_grad_hook(_uncovered_error(name))
+
+    # -- checkpoints use the wrapped module's keys -------------------------------------------------
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:  # type: ignore[override]
+        return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+
+def _uncovered_error(name: str) -> Any:
+    def hook(_param: torch.Tensor) -> None:
+        raise RuntimeError(
+            f"graphddp: parameter {name!r} received a gradient outside graphddp's compiled "
+            "graphs (it is used in eager code between graph breaks), so it would not be "
+            "averaged across ranks. Move its use inside the compiled region."
+        )
+
+    return hook
+
+
+def compile(  # noqa: A001 - mirrors torch.compile
+    module: nn.Module,
+    *,
+    process_group: Any = None,
+    bucket_cap_mb: float = 25.0,
+    first_bucket_cap_mb: float = 1.0,
+    backend: str = "inductor",
+    fullgraph: bool = False,
+    dynamic: bool | None = None,
+    broadcast_buffers: bool = True,
+    verify: bool = True,
+) -> GraphDDP:
+    """Compile ``module`` for data-parallel training with all-reduces inside its backward graph.
+
+    Drop-in for ``DistributedDataParallel(torch.compile(module))``: after ``loss.backward()``
+    every ``p.grad`` is the average over the ranks of ``process_group`` (default: WORLD).
+    Parameters and buffers are broadcast from the group's first rank now, like DDP; with
+    ``broadcast_buffers`` buffers are re-broadcast before every forward, like DDP.
+    ``verify`` runs the graph checker after every rewrite (cheap; on by default).
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"graphddp.compile: module must be a torch.nn.Module, got {type(module).__name__}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "graphddp.compile: torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group(...) first (e.g. under torchrun)"
+        )
+    group = process_group if process_group is not None else dist.group.WORLD
+    config = DDPConfig(
+        bucket_cap_mb=bucket_cap_mb,
+        first_bucket_cap_mb=first_bucket_cap_mb,
+        backend=backend,
+        world_size=dist.get_world_size(group),
+        group_name=group_name_of(group),
+        verify=verify,
+    )
+    _check_devices(module)
+    if config.world_size > 1:
+        broadcast_tensors(list(module.parameters()) + list(module.buffers()), group)
+    return GraphDDP(
+        module, group, config, broadcast_buffers=broadcast_buffers, fullgraph=fullgraph, dynamic=dynamic
+    )

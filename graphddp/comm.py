@@ -1,0 +1,37 @@
+"""The one collective vocabulary graphddp emits, and predicates to recognise it.
+
+graphddp writes exactly two collective ops into graphs: the in-place functional all-reduce
+``_c10d_functional.all_reduce_`` (on a fresh flat bucket, so no extra buffer is allocated)
+and ``_c10d_functional.wait_tensor``. Every pass and the verifier use these helpers, so the
+vocabulary lives in one place.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+ALL_REDUCE = torch.ops._c10d_functional.all_reduce_.default
+WAIT = torch.ops._c10d_functional.wait_tensor.default
+COLLECTIVES = (
+    torch.ops._c10d_functional.all_reduce_.default,
+    torch.ops._c10d_functional.all_reduce.default,
+    torch.ops._c10d_functional.all_reduce_coalesced.default,
+    torch.ops._c10d_functional.all_reduce_coalesced_.default,
+)
+
+# Meta keys graphddp sets on nodes it creates; the verifier and renderers read them.
+BUCKET_KEY = "graphddp_bucket"
+ROLE_KEY = "graphddp_role"
+
+
+def is_all_reduce(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in COLLECTIVES
+
+
+def is_wait(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target == WAIT
+
+
+def group_name_of(process_group: object) -> str:
+    """The registered name functional collectives use to find ``process_group``."""
+    return str(process_group.group_name)  # type: ignore[attr-defined]

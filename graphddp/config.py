@@ -1,0 +1,46 @@
+"""User-facing options, validated once, frozen for the lifetime of a compiled model.
+
+Every option that changes the plan is part of :class:`DDPConfig`, so the plan is a pure
+function of (graph, config) and two ranks with equal configs plan identically.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+BACKENDS = ("inductor", "aot_eager", "eager")
+MB = 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class DDPConfig:
+    """Options that shape the bucket plan and the rewrite.
+
+    bucket_cap_mb / first_bucket_cap_mb follow DDP: the first bucket of each (dtype, device)
+    is small so communication starts early, the rest are ``bucket_cap_mb``. A bucket closes
+    once it reaches its cap, so it may exceed the cap by at most one gradient.
+    """
+
+    bucket_cap_mb: float = 25.0
+    first_bucket_cap_mb: float = 1.0
+    backend: str = "inductor"
+    world_size: int = 1
+    group_name: str = ""
+    verify: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a positive number of megabytes, got {value!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {self.world_size!r}")
+
+    @property
+    def bucket_cap_bytes(self) -> int:
+        return int(self.bucket_cap_mb * MB)
+
+    @property
+    def first_bucket_cap_bytes(self) -> int:
+        return int(self.first_bucket_cap_mb * MB)

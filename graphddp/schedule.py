@@ -1,0 +1,171 @@
+"""The Schedule: the one artifact that passes from planning to rewriting, to users and tests.
+
+A Schedule is immutable and holds only plain values (names, ints, strings), so it can be
+compared across ranks, hashed, serialised and rendered without touching a graph.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+from graphddp.capture import GradSlot
+
+SCHEMA_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """Gradients reduced by one all-reduce, in the order they are laid out in the flat buffer.
+
+    ``issue_after`` is the node that finalises the bucket's last gradient: the all-reduce is
+    issued right after it. ``wait_before`` is the first node that reads a reduced gradient;
+    the wait sits just before it. ``overlap`` names the compute nodes in between, the work
+    that can hide this bucket's communication.
+    """
+
+    index: int
+    slots: tuple[GradSlot, ...]
+    dtype: str
+    device: str
+    issue_after: str
+    wait_before: str
+    overlap: tuple[str, ...]
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        return tuple(s.param_name for s in self.slots)
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel for s in self.slots)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.slots)
+
+    def offsets(self) -> tuple[int, ...]:
+        """Element offset of each slot in the flat bucket buffer."""
+        out, acc = [], 0
+        for s in self.slots:
+            out.append(acc)
+            acc += s.numel
+        return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """The communication plan for one compiled backward graph."""
+
+    graph_index: int
+    world_size: int
+    group_name: str
+    bucket_cap_mb: float
+    first_bucket_cap_mb: float
+    buckets: tuple[Bucket, ...]
+    unreduced: tuple[str, ...] = ()  # parameters in this graph that get no gradient
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.buckets)
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        return tuple(n for b in self.buckets for n in b.param_names)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+    def to_dict(self) -> dict:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "graph_index": self.graph_index,
+            "world_size": self.world_size,
+            "group_name": self.group_name,
+            "bucket_cap_mb": self.bucket_cap_mb,
+            "first_bucket_cap_mb": self.first_bucket_cap_mb,
+            "unreduced": list(self.unreduced),
+            "buckets": [
+                {
+                    "index": b.index,
+                    "dtype": b.dtype,
+                    "device": b.device,
+                    "numel": b.numel,
+                    "nbytes": b.nbytes,
+                    "issue_after": b.issue_after,
+                    "wait_before": b.wait_before,
+                    "overlap": list(b.overlap),
+                    "slots": [dataclasses.asdict(s) for s in b.slots],
+                }
+                for b in self.buckets
+            ],
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Schedule":
+        if data.get("schema_version") != SCHEMA_VERSION:
+            raise ValueError(f"unsupported schedule schema_version {data.get('schema_version')!r}")
+        buckets = tuple(
+            Bucket(
+                index=b["index"],
+                slots=tuple(GradSlot(**{**s, "shape": tuple(s["shape"])}) for s in b["slots"]),
+                dtype=b["dtype"],
+                device=b["device"],
+                issue_after=b["issue_after"],
+                wait_before=b["wait_before"],
+                overlap=tuple(b["overlap"]),
+            )
+            for b in data["buckets"]
+        )
+        return cls(
+            graph_index=data["graph_index"],
+            world_size=data["world_size"],
+            group_name=data["group_name"],
+            bucket_cap_mb=data["bucket_cap_mb"],
+            first_bucket_cap_mb=data["first_bucket_cap_mb"],
+            buckets=buckets,
+            unreduced=tuple(data["unreduced"]),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> "Schedule":
+        return cls.from_dict(json.loads(text))
+
+    def fingerprint(self) -> str:
+        """Stable hash of the plan: equal across ranks and runs for the same model and options.
+
+        The process-group name is left out (it is a per-process registry key); the world size
+        and everything that decides what goes on the wire is in.
+        """
+        data = self.to_dict()
+        data.pop("group_name")
+        blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def to_table(self) -> str:
+        """A terminal table: one row per bucket, in issue order."""
+        head = f"{'bucket':>6}  {'dtype':<9} {'device':<7} {'params':>6} {'numel':>10} {'MB':>8}  {'issue after':<22} {'overlap':>7}  parameters"
+        lines = [
+            f"graph {self.graph_index}: {self.num_buckets} buckets, {self.nbytes / 2**20:.2f} MB, "
+            f"world_size={self.world_size}, caps first={self.first_bucket_cap_mb} MB rest={self.bucket_cap_mb} MB",
+            head,
+            "-" * len(head),
+        ]
+        for b in self.buckets:
+            names = ", ".join(b.param_names)
+            if len(names) > 60:
+                names = names[:57] + "..."
+            lines.append(
+                f"{b.index:>6}  {b.dtype:<9} {b.device:<7} {len(b.slots):>6} {b.numel:>10} "
+                f"{b.nbytes / 2**20:>8.3f}  {b.issue_after:<22} {len(b.overlap):>7}  {names}"
+            )
+        if self.unreduced:
+            lines.append(f"no gradient in this graph (not reduced): {', '.join(self.unreduced)}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.to_table()

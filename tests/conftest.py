@@ -1,0 +1,27 @@
+"""Shared test settings: one inductor cache for all tests (and spawned ranks), one thread."""
+import os
+import tempfile
+
+import pytest
+import torch
+
+os.environ.setdefault(
+    "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "graphddp-test-inductor-cache")
+)
+torch.set_num_threads(1)
+
+
+@pytest.fixture
+def fake_world():
+    """A fake process group of 8 ranks in this process, torn down after the test."""
+    import torch.distributed as dist
+
+    from graphddp.testing import init_fake_process_group
+
+    def make(world_size: int = 8) -> None:
+        init_fake_process_group(world_size)
+
+    yield make
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    torch._dynamo.reset()
