@@ -54,14 +54,14 @@ class GraphDDP(nn.Module):
         self.process_group = process_group
         self.broadcast_buffers = broadcast_buffers
         self._records: list[GraphRecord] = []
-        backend = GraphDDPBackend(
+        self._backend = GraphDDPBackend(
             config, names_by_identity(module.named_parameters()), self._records.append
         )
         # Stored outside the module registry so parameters are not listed twice.
         object.__setattr__(
-            self, "_compiled", torch.compile(module, backend=backend, fullgraph=fullgraph, dynamic=dynamic)
+            self, "_compiled", torch.compile(module, backend=self._backend, fullgraph=fullgraph, dynamic=dynamic)
         )
-        self._graph_params: set[str] = set()
+        self._covered_count = -1
         self._guard_handles: dict[str, Any] = {}
 
     # -- inspection -------------------------------------------------------------------------
@@ -93,17 +93,14 @@ class GraphDDP(nn.Module):
         graph breaks) would get a gradient nobody averages. Such parameters get a hook that
         raises at backward time, instead of a silently wrong gradient.
         """
-        covered = {s.param_name for r in self._records for b in r.schedule.buckets for s in b.slots}
-        covered |= {n for r in self._records for n in r.schedule.unreduced}
-        if covered == self._graph_params and self._guard_handles:
+        covered = self._backend.params_in_graphs
+        if self.config.world_size == 1 or len(covered) == self._covered_count:
             return
-        self._graph_params = covered
+        self._covered_count = len(covered)
         for name, handle in list(self._guard_handles.items()):
             if name in covered:
                 handle.remove()
                 del self._guard_handles[name]
-        if not self._records or self.config.world_size == 1:
-            return
         for name, p in self.module.named_parameters():
             if p.requires_grad and name not in covered and name not in self._guard_handles:
                 self._guard_handles[name] = p.register_post_accumulate_grad_hook(_uncovered_error(name))

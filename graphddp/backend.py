@@ -64,9 +64,13 @@ class GraphDDPBackend:
         self.names_by_id = names_by_id
         self.on_record = on_record
         self._graph_counter = itertools.count()
+        # Parameters lifted into some compiled graph: their gradients come out of a backward
+        # graph we rewrite. Known at forward-compile time, before any backward has run.
+        self.params_in_graphs: set[str] = set()
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         param_inputs = parameter_of_inputs(example_inputs, self.names_by_id)
+        self.params_in_graphs.update(param_inputs.values())
         graph_index = next(self._graph_counter)
         rewrite = lambda bw: self.rewrite_backward(bw, param_inputs, graph_index)  # noqa: E731
         if self.config.backend == "inductor":
