@@ -6,6 +6,7 @@ function of (graph, config) and two ranks with equal configs plan identically.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 BACKENDS = ("inductor", "aot_eager", "eager")
 MB = 1024 * 1024
@@ -30,11 +31,11 @@ class DDPConfig:
     def __post_init__(self) -> None:
         for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} must be a positive number of megabytes, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a positive, finite number of megabytes, got {value!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        if not isinstance(self.world_size, int) or self.world_size < 1:
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {self.world_size!r}")
 
     @property

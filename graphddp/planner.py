@@ -27,7 +27,7 @@ def partition(slots: tuple[GradSlot, ...], config: DDPConfig) -> list[tuple[Grad
     open_buckets: dict[tuple[str, str], list[GradSlot]] = {}
     closed_count: dict[tuple[str, str], int] = {}
     done: list[tuple[GradSlot, ...]] = []
-    for slot in slots:
+    for slot in sorted(slots, key=lambda s: (s.position, s.output_index)):
         key = (slot.dtype, slot.device)
         bucket = open_buckets.setdefault(key, [])
         bucket.append(slot)

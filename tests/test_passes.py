@@ -1,0 +1,345 @@
+"""insert_allreduce and verify on small fake-traced FX graphs.
+
+The graphs are only built and inspected, never run, so no process group is needed.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from graphddp.capture import extract_facts, is_compute, output_nodes
+from graphddp.comm import BUCKET_KEY, ROLE_KEY, is_all_reduce, is_wait
+from graphddp.config import DDPConfig
+from graphddp.passes import insert_allreduce
+from graphddp.planner import plan
+from graphddp.verify import VerificationError, verify
+
+aten = torch.ops.aten
+KIB = 1 / 1024  # in MB
+
+# output index -> parameter; output 0 (the input gradient) needs no synchronisation
+PARAMS = {1: "scale", 2: "w2", 3: "w1", 4: "bias", 5: "wt"}
+
+# (first_bucket_cap_mb, bucket_cap_mb)
+ONE_PER_BUCKET = (1e-6, 1e-6)  # every gradient closes its bucket
+MIXED = (0.25 * KIB, 1 * KIB)
+ONE_PER_DTYPE = (100.0, 100.0)
+CAPS = pytest.mark.parametrize("caps", [ONE_PER_BUCKET, MIXED, ONE_PER_DTYPE], ids=["one-each", "mixed", "per-dtype"])
+
+
+def backward(x, w1, w2, tangent):
+    """A stand-in backward: 'gradients' with compute between them, in a known production order."""
+    g_scale = (x * tangent).sum().to(torch.bfloat16)  # 0-d, bf16: a bucket of its own dtype
+    h = x @ w1
+    g_w2 = h.t() @ tangent  # [16, 4]
+    gh = tangent @ w2.t()
+    g_w1 = x.t() @ gh  # [4, 16]
+    g_x = gh @ w1.t()  # not a parameter's gradient
+    g_bias = tangent.sum(0)  # [4]
+    g_wt = (gh.t() @ x).t()  # [4, 16], non-contiguous: takes the clone path
+    return g_x, g_scale, g_w2, g_w1, g_bias, g_wt
+
+
+def trace() -> fx.GraphModule:
+    example = (torch.randn(8, 4), torch.randn(4, 16), torch.randn(16, 4), torch.randn(8, 4))
+    return make_fx(backward, tracing_mode="fake")(*example)
+
+
+def schedule_for(facts, caps, world_size=2):
+    first, rest = caps
+    cfg = DDPConfig(world_size=world_size, group_name="0", first_bucket_cap_mb=first, bucket_cap_mb=rest)
+    return plan(facts, cfg)
+
+
+def rewritten(caps=MIXED, params=PARAMS):
+    """(rewritten graph, its schedule, facts, the original graph's nodes)."""
+    gm = trace()
+    facts = extract_facts(gm, params)
+    schedule = schedule_for(facts, caps)
+    original = list(gm.graph.nodes)
+    insert_allreduce(gm, schedule)
+    return gm, schedule, facts, original
+
+
+def nodes_by_name(gm):
+    return {n.name: n for n in gm.graph.nodes}
+
+
+def positions(gm):
+    return {n: i for i, n in enumerate(gm.graph.nodes)}
+
+
+def all_reduces(gm):
+    return [n for n in gm.graph.nodes if is_all_reduce(n)]
+
+
+def waits(gm):
+    return [n for n in gm.graph.nodes if is_wait(n)]
+
+
+def issued_after(all_reduce: fx.Node) -> fx.Node:
+    """The original node an all-reduce follows, skipping the flatten/cat/div chain before it."""
+    node = all_reduce.prev
+    while ROLE_KEY in node.meta:
+        node = node.prev
+    return node
+
+
+def set_outputs(gm, outs):
+    gm.graph.output_node().args = (tuple(outs),)
+
+
+# ---------------------------------------------------------------------------------------------
+# the shape of the rewrite
+
+
+def test_facts_of_the_traced_graph():
+    facts = extract_facts(trace(), PARAMS)
+    assert [s.param_name for s in facts.slots] == ["scale", "w2", "w1", "bias", "wt"]
+    assert {s.dtype for s in facts.slots} == {"float32", "bfloat16"}
+
+
+@pytest.mark.parametrize(
+    "caps, layout",
+    [
+        (ONE_PER_BUCKET, [("scale",), ("w2",), ("w1",), ("bias",), ("wt",)]),
+        (MIXED, [("scale",), ("w2",), ("w1", "bias", "wt")]),
+        (ONE_PER_DTYPE, [("scale",), ("w2", "w1", "bias", "wt")]),
+    ],
+    ids=["one-each", "mixed", "per-dtype"],
+)
+def test_one_all_reduce_and_one_wait_per_bucket(caps, layout):
+    gm, schedule, _, _ = rewritten(caps)
+    assert [b.param_names for b in schedule.buckets] == layout
+    reduces, done = all_reduces(gm), waits(gm)
+    assert [ar.meta[BUCKET_KEY] for ar in reduces] == list(range(len(layout)))
+    assert [w.meta[BUCKET_KEY] for w in done] == list(range(len(layout)))
+    assert [w.args[0] for w in done] == reduces
+    assert all(ar.target == torch.ops._c10d_functional.all_reduce_.default for ar in reduces)
+    assert [ar.args[1:] for ar in reduces] == [("sum", "0")] * len(layout)
+
+
+@CAPS
+def test_each_all_reduce_directly_follows_its_last_gradient(caps):
+    gm, schedule, _, _ = rewritten(caps)
+    for bucket, ar in zip(schedule.buckets, all_reduces(gm)):
+        assert issued_after(ar).name == bucket.issue_after
+        chain = []
+        node = ar.prev
+        while ROLE_KEY in node.meta:
+            chain.append(node)
+            node = node.prev
+        assert {n.meta[ROLE_KEY] for n in chain} <= {"flatten", "scale"}
+        assert {n.meta[BUCKET_KEY] for n in chain} == {bucket.index}
+        scaled = ar.args[0]
+        assert scaled.target == aten.div.Tensor and scaled.args[1] == 2  # pre-divide by world size
+        assert (scaled.args[0].target == aten.cat.default) == (len(bucket.slots) > 1)
+
+
+@CAPS
+def test_all_reduces_are_issued_in_schedule_order_and_waited_after_all_compute(caps):
+    gm, schedule, _, original = rewritten(caps)
+    pos = positions(gm)
+    last_compute = max(pos[n] for n in original if is_compute(n))
+    assert [pos[ar] for ar in all_reduces(gm)] == sorted(pos[ar] for ar in all_reduces(gm))
+    assert all(pos[w] > last_compute for w in waits(gm))
+    # the overlap window: the planned compute nodes lie between issue and wait
+    by_name = nodes_by_name(gm)
+    for bucket, ar, wait in zip(schedule.buckets, all_reduces(gm), waits(gm)):
+        assert all(pos[ar] < pos[by_name[name]] < pos[wait] for name in bucket.overlap)
+
+
+@CAPS
+def test_gradients_are_views_into_their_bucket_wait(caps):
+    gm, schedule, facts, original = rewritten(caps)
+    outs = output_nodes(gm)
+    done = waits(gm)
+    for bucket in schedule.buckets:
+        for slot, offset in zip(bucket.slots, bucket.offsets()):
+            view = outs[slot.output_index]
+            assert view.target == aten.view.default and view.args[1] == list(slot.shape)
+            piece = view.args[0]
+            assert piece.target == aten.slice.Tensor
+            assert piece.args == (done[bucket.index], 0, offset, offset + slot.numel)
+            assert tuple(view.meta["val"].shape) == slot.shape
+    assert outs[0] in original  # the input gradient is returned untouched
+
+
+def test_contiguous_gradients_are_viewed_and_non_contiguous_ones_cloned_first():
+    gm, schedule, facts, _ = rewritten(ONE_PER_BUCKET)
+    by_name = nodes_by_name(gm)
+    for slot in facts.slots:
+        producer = by_name[slot.producer]
+        (flat,) = [u for u in producer.users if u.meta.get(ROLE_KEY) == "flatten"]
+        source = producer
+        if slot.param_name == "wt":
+            assert not producer.meta["val"].is_contiguous()
+            assert flat.target == aten.clone.default
+            assert flat.kwargs == {"memory_format": torch.contiguous_format}
+            source, (flat,) = flat, flat.users
+        assert flat.target == aten.view.default and flat.args == (source, [slot.numel])
+
+
+@CAPS
+def test_every_new_node_has_a_fake_value_and_a_bucket(caps):
+    gm, schedule, _, original = rewritten(caps)
+    new = [n for n in gm.graph.nodes if n not in original]
+    assert new and all(isinstance(n.meta.get("val"), FakeTensor) for n in new)
+    assert all(0 <= n.meta[BUCKET_KEY] < schedule.num_buckets for n in new)
+    for bucket, ar in zip(schedule.buckets, all_reduces(gm)):
+        val = ar.meta["val"]
+        assert tuple(val.shape) == (bucket.numel,)
+        assert str(val.dtype) == f"torch.{bucket.dtype}"
+
+
+@CAPS
+def test_rewritten_graph_verifies(caps):
+    gm, schedule, _, _ = rewritten(caps)
+    code = gm.code
+    verify(gm, schedule, PARAMS)
+    assert gm.code == code  # verify only reads
+
+
+def test_empty_schedule_leaves_the_graph_unchanged():
+    gm = trace()
+    schedule = schedule_for(extract_facts(gm, {}), MIXED)
+    assert schedule.num_buckets == 0
+    before = [n.format_node() for n in gm.graph.nodes]
+    code = gm.code
+    insert_allreduce(gm, schedule)
+    assert [n.format_node() for n in gm.graph.nodes] == before
+    assert gm.code == code
+    verify(gm, schedule, {})
+
+
+def test_gradient_that_is_a_graph_input_is_issued_after_the_placeholders():
+    def bias_backward(x, tangent):
+        return x.t() @ tangent, tangent  # the bias gradient *is* the incoming tangent
+
+    gm = make_fx(bias_backward, tracing_mode="fake")(torch.randn(8, 4), torch.randn(8, 4))
+    params = {0: "w", 1: "bias"}
+    schedule = schedule_for(extract_facts(gm, params), ONE_PER_BUCKET)
+    assert [b.issue_after for b in schedule.buckets] == ["tangent_1", "mm"]
+    insert_allreduce(gm, schedule)
+    first = all_reduces(gm)[0]
+    assert issued_after(first).name == "tangent_1"
+    assert all(n.op == "placeholder" for n in gm.graph.nodes if n.name in ("x_1", "tangent_1"))
+    assert [n.op for n in gm.graph.nodes][:2] == ["placeholder", "placeholder"]
+    verify(gm, schedule, params)
+
+
+# ---------------------------------------------------------------------------------------------
+# verify rejects broken graphs
+
+
+def test_verify_rejects_an_unreduced_gradient():
+    gm, schedule, facts, _ = rewritten()
+    outs = output_nodes(gm)
+    (w1,) = [s for s in facts.slots if s.param_name == "w1"]
+    outs[w1.output_index] = nodes_by_name(gm)[w1.producer]
+    set_outputs(gm, outs)
+    with pytest.raises(VerificationError, match=r"gradient of 'w1' \(output 3\) is returned unreduced"):
+        verify(gm, schedule, PARAMS)
+
+
+def test_verify_rejects_a_missing_wait():
+    gm, schedule, _, _ = rewritten()
+    wait = waits(gm)[0]
+    wait.replace_all_uses_with(wait.args[0])
+    gm.graph.erase_node(wait)
+    with pytest.raises(VerificationError, match="all-reduce must have exactly one user, its wait"):
+        verify(gm, schedule, PARAMS)
+
+
+def test_verify_rejects_a_second_user_of_an_all_reduce():
+    gm, schedule, _, _ = rewritten()
+    ar = all_reduces(gm)[1]
+    with gm.graph.inserting_before(gm.graph.output_node()):
+        gm.graph.call_function(aten.clone.default, (ar,))
+    with pytest.raises(VerificationError, match=r"exactly one user, its wait; has \['wait_tensor.*', 'clone.*'\]"):
+        verify(gm, schedule, PARAMS)
+
+
+def test_verify_rejects_reading_the_buffer_while_it_is_reduced():
+    gm, schedule, _, _ = rewritten()
+    buffer = all_reduces(gm)[0].args[0]
+    with gm.graph.inserting_before(waits(gm)[0]):
+        gm.graph.call_function(aten.add.Tensor, (buffer, 1))
+    with pytest.raises(VerificationError, match=rf"reads bucket 0's buffer {buffer.name} after its all-reduce was issued"):
+        verify(gm, schedule, PARAMS)
+
+
+def test_verify_rejects_reading_a_view_of_the_buffer_while_it_is_reduced():
+    gm, schedule, _, _ = rewritten()
+    reduce = all_reduces(gm)[0]
+    buffer = reduce.args[0]
+    with gm.graph.inserting_before(reduce):
+        alias = gm.graph.call_function(aten.view.default, (buffer, [-1]))
+    with gm.graph.inserting_before(waits(gm)[0]):
+        gm.graph.call_function(aten.add.Tensor, (alias, 1))
+    with pytest.raises(VerificationError, match=rf"reads bucket 0's buffer {buffer.name} after its all-reduce was issued"):
+        verify(gm, schedule, PARAMS)
+
+
+def test_verify_rejects_gradients_swapped_within_a_bucket():
+    gm, schedule, facts, _ = rewritten(ONE_PER_DTYPE)
+    big = max(schedule.buckets, key=lambda b: len(b.slots))
+    first, second = big.slots[0], big.slots[1]
+    outs = output_nodes(gm)
+    outs[first.output_index], outs[second.output_index] = outs[second.output_index], outs[first.output_index]
+    set_outputs(gm, outs)
+    with pytest.raises(VerificationError, match=rf"gradient of '{first.param_name}' is not the slice"):
+        verify(gm, schedule, PARAMS)
+
+
+def test_verify_rejects_a_bucket_without_an_all_reduce():
+    gm, coarse, facts, _ = rewritten(ONE_PER_DTYPE)
+    finer = schedule_for(facts, MIXED)
+    assert (coarse.num_buckets, finer.num_buckets) == (2, 3)
+    with pytest.raises(VerificationError, match=r"buckets \[2\] have no all-reduce in the graph"):
+        verify(gm, finer, PARAMS)
+
+
+def test_verify_rejects_an_all_reduce_outside_the_schedule():
+    gm, fine, facts, _ = rewritten(ONE_PER_BUCKET)
+    coarse = schedule_for(facts, ONE_PER_DTYPE)
+    with pytest.raises(VerificationError, match="all-reduce that belongs to no schedule bucket"):
+        verify(gm, coarse, PARAMS)
+
+
+def test_verify_rejects_a_gradient_taken_from_the_wrong_bucket():
+    gm, schedule, facts, _ = rewritten(ONE_PER_BUCKET)
+    outs = output_nodes(gm)
+    slot = {s.param_name: s.output_index for s in facts.slots}
+    outs[slot["w1"]], outs[slot["wt"]] = outs[slot["wt"]], outs[slot["w1"]]
+    set_outputs(gm, outs)
+    with pytest.raises(VerificationError, match=r"gradient of 'w1' comes from bucket 4, planned 2"):
+        verify(gm, schedule, PARAMS)
+
+
+def test_verify_rejects_an_expected_gradient_in_no_bucket():
+    gm, schedule, _, _ = rewritten()
+    with pytest.raises(VerificationError, match=r"gradient of 'x' \(output 0\) is in no bucket"):
+        verify(gm, schedule, {**PARAMS, 0: "x"})
+
+
+def test_verify_rejects_a_reduced_gradient_that_is_not_expected():
+    gm, schedule, _, _ = rewritten()
+    expected = {i: name for i, name in PARAMS.items() if name != "bias"}
+    with pytest.raises(VerificationError, match=r"outputs \[4\] are reduced but need no synchronisation"):
+        verify(gm, schedule, expected)
+
+
+def test_verify_ignores_collectives_the_model_itself_issues():
+    def tp_backward(x, w, tangent):  # e.g. a tensor-parallel layer all-reduces its input grad
+        funcol = torch.ops._c10d_functional
+        return funcol.wait_tensor(funcol.all_reduce(tangent @ w.t(), "sum", "tp")), x.t() @ tangent
+
+    gm = make_fx(tp_backward, tracing_mode="fake")(torch.randn(8, 4), torch.randn(4, 4), torch.randn(8, 4))
+    params = {1: "w"}
+    schedule = schedule_for(extract_facts(gm, params), ONE_PER_DTYPE)
+    insert_allreduce(gm, schedule)
+    verify(gm, schedule, params)

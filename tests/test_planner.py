@@ -1,0 +1,330 @@
+"""The pure planner, fed hand-built GraphFacts: no graphs, no process groups."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from graphddp.capture import GradSlot, GraphFacts, NodeFact
+from graphddp.config import DDPConfig
+from graphddp.planner import plan
+from graphddp.schedule import Schedule
+
+KIB = 1 / 1024  # in MB: caps below are given in KiB so gradient sizes stay small
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def make_facts(specs, *, num_nodes=None, non_compute=()):
+    """GraphFacts from ``(name, numel, dtype, position[, device])`` specs.
+
+    Output index = index in ``specs``. Node ``n{p}`` at position ``p`` produces the gradients
+    at ``p``; the graph has ``num_nodes`` nodes (default: two past the last producer) plus a
+    final ``output`` node. Positions in ``non_compute`` are view-like nodes. Slots are put in
+    production order, (position, output_index), as ``extract_facts`` returns them.
+    """
+    last = max((s[3] for s in specs), default=0)
+    num_nodes = last + 3 if num_nodes is None else num_nodes
+    nodes = tuple(NodeFact(f"n{p}", p, p not in non_compute) for p in range(num_nodes))
+    nodes += (NodeFact("output", num_nodes, False),)
+    slots = []
+    for index, (name, numel, dtype, position, *device) in enumerate(specs):
+        itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        slots.append(
+            GradSlot(
+                output_index=index,
+                param_name=name,
+                shape=(numel,),
+                dtype=dtype,
+                device=device[0] if device else "cpu",
+                numel=numel,
+                nbytes=numel * itemsize,
+                producer=f"n{position}",
+                position=position,
+            )
+        )
+    slots.sort(key=lambda s: (s.position, s.output_index))
+    return GraphFacts(nodes=nodes, slots=tuple(slots), num_outputs=len(specs))
+
+
+def config(first_kib=1, rest_kib=4, **kwargs):
+    return DDPConfig(first_bucket_cap_mb=first_kib * KIB, bucket_cap_mb=rest_kib * KIB, **kwargs)
+
+
+def names(schedule):
+    """The bucket layout as nested tuples of parameter names: the shape of a schedule."""
+    return [b.param_names for b in schedule.buckets]
+
+
+def order_key(slot):
+    return (slot.position, slot.output_index)
+
+
+def buckets_by_key(schedule):
+    """(dtype, device) -> that key's buckets in the order they were opened."""
+    out = collections.defaultdict(list)
+    for b in sorted(schedule.buckets, key=lambda b: order_key(b.slots[0])):
+        out[(b.dtype, b.device)].append(b)
+    return out
+
+
+def random_specs(n, seed=0, dtypes=("float32",), devices=("cpu",)):
+    """``n`` gradients of mixed size/dtype/device at distinct positions, shuffled output order."""
+    rng = random.Random(seed)
+    positions = rng.sample(range(4, 4 + 3 * n), n)  # leave non-producer nodes in between
+    return [
+        (f"p{i}", rng.choice([1, 16, 100, 256, 300, 700, 1024, 2000]), rng.choice(dtypes), pos, rng.choice(devices))
+        for i, pos in enumerate(positions)
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# production order
+
+
+def test_buckets_follow_production_order_not_output_order():
+    # outputs listed c, a, b but produced a (pos 3), b (pos 5), c (pos 9): 256 floats = 1 KiB
+    facts = make_facts([("c", 256, "float32", 9), ("a", 256, "float32", 3), ("b", 256, "float32", 5)])
+    assert names(plan(facts, config(first_kib=1, rest_kib=1))) == [("a",), ("b",), ("c",)]
+    assert names(plan(facts, config(first_kib=100, rest_kib=100))) == [("a", "b", "c")]
+
+
+def test_production_ties_are_broken_by_output_index():
+    # one node finalises two gradients (same position): lower output index first
+    facts = make_facts([("x", 8, "float32", 7), ("w", 8, "float32", 4), ("y", 8, "float32", 7)])
+    assert names(plan(facts, config())) == [("w", "x", "y")]
+
+
+def test_bucket_order_ties_are_broken_by_output_index():
+    # two buckets (different dtypes) become ready at the same node; 'full' closes first
+    facts = make_facts([("half", 8, "float16", 5), ("full", 256, "float32", 5)])
+    schedule = plan(facts, config(first_kib=1))
+    assert names(schedule) == [("half",), ("full",)]
+    assert [b.issue_after for b in schedule.buckets] == ["n5", "n5"]
+
+
+def test_plan_does_not_depend_on_the_order_of_facts_slots():
+    facts = make_facts([("a", 256, "float32", 3), ("b", 256, "float32", 5)])
+    shuffled = dataclasses.replace(facts, slots=facts.slots[::-1])
+    assert plan(shuffled, config(first_kib=100)) == plan(facts, config(first_kib=100))
+
+
+# ---------------------------------------------------------------------------------------------
+# caps
+
+
+def test_first_bucket_uses_first_cap_and_later_buckets_the_bucket_cap():
+    # ten 1 KiB gradients, first cap 1 KiB, rest 3 KiB -> 1 + 3 + 3 + 3
+    facts = make_facts([(f"p{i}", 256, "float32", 2 + i) for i in range(10)])
+    schedule = plan(facts, config(first_kib=1, rest_kib=3))
+    assert [len(b.slots) for b in schedule.buckets] == [1, 3, 3, 3]
+    # the other way round: a big first bucket, then small ones
+    schedule = plan(facts, config(first_kib=4, rest_kib=2))
+    assert [len(b.slots) for b in schedule.buckets] == [4, 2, 2, 2]
+
+
+def test_bucket_closes_at_cap_and_exceeds_it_by_at_most_its_last_gradient():
+    facts = make_facts(random_specs(60, seed=1))
+    cfg = config(first_kib=2, rest_kib=5)
+    for buckets in buckets_by_key(plan(facts, cfg)).values():
+        for i, b in enumerate(buckets):
+            cap = cfg.first_bucket_cap_bytes if i == 0 else cfg.bucket_cap_bytes
+            before_last = b.nbytes - b.slots[-1].nbytes
+            assert before_last < cap, f"bucket {b.index} stayed open past its cap"
+            if i < len(buckets) - 1:  # only a key's trailing bucket may end below its cap
+                assert b.nbytes >= cap, f"bucket {b.index} closed below its cap"
+
+
+def test_a_gradient_larger_than_the_cap_gets_a_bucket_of_its_own():
+    facts = make_facts([("small", 16, "float32", 2), ("huge", 4096, "float32", 3), ("tail", 16, "float32", 4)])
+    # 'small' (64 B) + 'huge' (16 KiB) closes the 1 KiB first bucket; 'tail' starts the next
+    assert names(plan(facts, config(first_kib=1, rest_kib=1))) == [("small", "huge"), ("tail",)]
+    facts = make_facts([("huge", 4096, "float32", 2), ("tail", 16, "float32", 4)])
+    assert names(plan(facts, config(first_kib=1, rest_kib=1))) == [("huge",), ("tail",)]
+
+
+# ---------------------------------------------------------------------------------------------
+# partition invariants
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_buckets_never_mix_dtypes_or_devices(seed):
+    specs = random_specs(40, seed, dtypes=("float32", "float16", "bfloat16"), devices=("cpu", "meta"))
+    schedule = plan(make_facts(specs), config(first_kib=1, rest_kib=3))
+    for b in schedule.buckets:
+        assert {(s.dtype, s.device) for s in b.slots} == {(b.dtype, b.device)}
+
+
+def test_each_dtype_gets_its_own_first_bucket():
+    specs = [(f"f{i}", 256, "float32", 2 * i + 2) for i in range(4)]
+    specs += [(f"h{i}", 512, "float16", 2 * i + 3) for i in range(4)]
+    schedule = plan(make_facts(specs), config(first_kib=1, rest_kib=2))
+    assert names(schedule) == [("f0",), ("h0",), ("f1", "f2"), ("h1", "h2"), ("f3",), ("h3",)]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_every_slot_is_in_exactly_one_bucket_in_production_order(seed):
+    specs = random_specs(50, seed, dtypes=("float32", "float16"))
+    facts = make_facts(specs)
+    schedule = plan(facts, config(first_kib=1, rest_kib=3))
+    placed = collections.Counter(s.output_index for b in schedule.buckets for s in b.slots)
+    assert placed == collections.Counter(range(len(specs)))
+    assert [b.index for b in schedule.buckets] == list(range(schedule.num_buckets))
+    # per (dtype, device), concatenating the buckets gives that key's slots in production order
+    for (dtype, device), buckets in buckets_by_key(schedule).items():
+        expected = [s for s in facts.slots if (s.dtype, s.device) == (dtype, device)]
+        assert [s for b in buckets for s in b.slots] == sorted(expected, key=order_key)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_buckets_are_ordered_by_their_last_slot(seed):
+    specs = random_specs(50, seed, dtypes=("float32", "float16"))
+    schedule = plan(make_facts(specs), config(first_kib=1, rest_kib=3))
+    ready = [order_key(b.slots[-1]) for b in schedule.buckets]
+    assert ready == sorted(ready)
+
+
+# ---------------------------------------------------------------------------------------------
+# issue point and overlap window
+
+
+def test_issue_after_is_the_producer_of_the_last_slot():
+    schedule = plan(make_facts(random_specs(30, seed=3)), config(first_kib=1, rest_kib=2))
+    for b in schedule.buckets:
+        assert b.issue_after == b.slots[-1].producer == f"n{b.slots[-1].position}"
+        assert b.wait_before == "output"
+
+
+def test_overlap_is_the_compute_strictly_between_issue_and_output():
+    # nodes n0..n9 then output; n6 and n8 are views; gradients finalised at n2 and n5
+    facts = make_facts(
+        [("a", 256, "float32", 2), ("b", 256, "float32", 5)], num_nodes=10, non_compute={6, 8}
+    )
+    schedule = plan(facts, config(first_kib=1, rest_kib=1))
+    assert [(b.issue_after, b.overlap) for b in schedule.buckets] == [
+        ("n2", ("n3", "n4", "n5", "n7", "n9")),
+        ("n5", ("n7", "n9")),
+    ]
+
+
+def test_overlap_is_empty_when_the_last_gradient_is_the_last_node():
+    facts = make_facts([("a", 8, "float32", 4)], num_nodes=5)
+    (bucket,) = plan(facts, config()).buckets
+    assert bucket.issue_after == "n4" and bucket.overlap == ()
+
+
+def test_overlap_holds_only_compute_nodes_after_the_issue_point():
+    facts = make_facts(random_specs(30, seed=4), non_compute={5, 9, 10, 20, 33})
+    position = {n.name: n for n in facts.nodes}
+    output = facts.nodes[-1].position
+    for b in plan(facts, config(first_kib=1, rest_kib=2)).buckets:
+        issue = position[b.issue_after].position
+        assert all(position[name].is_compute for name in b.overlap)
+        assert all(issue < position[name].position < output for name in b.overlap)
+        assert len(b.overlap) == sum(n.is_compute and issue < n.position < output for n in facts.nodes)
+
+
+def test_no_gradients_no_buckets():
+    schedule = plan(make_facts([]), config(), unreduced=("frozen",))
+    assert schedule.buckets == () and schedule.unreduced == ("frozen",)
+
+
+# ---------------------------------------------------------------------------------------------
+# determinism and fingerprint
+
+
+def test_plan_is_deterministic():
+    facts = make_facts(random_specs(40, seed=5, dtypes=("float32", "float16")))
+    cfg = config(first_kib=1, rest_kib=3, world_size=4, group_name="7")
+    same_facts = make_facts(random_specs(40, seed=5, dtypes=("float32", "float16")))
+    first, second = plan(facts, cfg), plan(same_facts, cfg)
+    assert first == second
+    assert first.fingerprint() == second.fingerprint()
+
+
+def test_fingerprint_changes_with_the_caps_but_not_the_group_name():
+    facts = make_facts(random_specs(20, seed=6))
+    base = plan(facts, config(first_kib=1, rest_kib=3, group_name="0")).fingerprint()
+    assert plan(facts, config(first_kib=1, rest_kib=3, group_name="9")).fingerprint() == base
+    assert plan(facts, config(first_kib=1, rest_kib=5)).fingerprint() != base
+    assert plan(facts, config(first_kib=2, rest_kib=3)).fingerprint() != base
+    # caps so large that the buckets are the same still give a different plan identity
+    big = plan(facts, config(first_kib=10_000, rest_kib=10_000))
+    assert names(big) == names(plan(facts, config(first_kib=20_000, rest_kib=20_000)))
+    assert big.fingerprint() != plan(facts, config(first_kib=20_000, rest_kib=20_000)).fingerprint()
+
+
+# ---------------------------------------------------------------------------------------------
+# DDPConfig validation
+
+
+@pytest.mark.parametrize("option", ["bucket_cap_mb", "first_bucket_cap_mb"])
+@pytest.mark.parametrize(
+    "value",
+    [
+        0,
+        -1,
+        -0.5,
+        True,
+        False,
+        "25",
+        None,
+        float("nan"),
+        float("inf"),
+    ],
+)
+def test_config_rejects_bad_caps_naming_the_option(option, value):
+    with pytest.raises(ValueError, match=rf"^{option} "):
+        DDPConfig(**{option: value})
+
+
+def test_config_accepts_int_and_float_caps():
+    cfg = DDPConfig(bucket_cap_mb=2, first_bucket_cap_mb=0.5)
+    assert (cfg.bucket_cap_bytes, cfg.first_bucket_cap_bytes) == (2 * 2**20, 2**19)
+
+
+def test_config_rejects_unknown_backend():
+    with pytest.raises(ValueError, match=r"^backend .*'tvm'"):
+        DDPConfig(backend="tvm")
+
+
+# ---------------------------------------------------------------------------------------------
+# Schedule rendering and serialisation
+
+
+def mixed_schedule():
+    specs = random_specs(12, seed=7, dtypes=("float32", "bfloat16"))
+    return plan(make_facts(specs), config(first_kib=1, rest_kib=2, world_size=2, group_name="3"),
+                graph_index=1, unreduced=("frozen.weight",))
+
+
+def test_schedule_json_round_trip():
+    schedule = mixed_schedule()
+    assert schedule.num_buckets > 2
+    again = Schedule.from_json(schedule.to_json())
+    assert again == schedule
+    assert again.fingerprint() == schedule.fingerprint()
+    assert Schedule.from_json(schedule.to_json(indent=None)) == schedule
+
+
+def test_schedule_json_rejects_other_schema_versions():
+    text = mixed_schedule().to_json().replace('"schema_version": 1', '"schema_version": 99')
+    with pytest.raises(ValueError, match="schema_version"):
+        Schedule.from_json(text)
+
+
+def test_to_table_has_one_row_per_bucket_naming_every_parameter():
+    schedule = plan(make_facts([(f"layer{i}.w", 256, "float32", 2 + i) for i in range(5)]),
+                    config(first_kib=1, rest_kib=2), unreduced=("frozen.weight",))
+    table = schedule.to_table()
+    assert names(schedule) == [("layer0.w",), ("layer1.w", "layer2.w"), ("layer3.w", "layer4.w")]
+    for name in schedule.param_names + schedule.unreduced:
+        assert name in table
+    rows = [line for line in table.splitlines() if line.split()[0].isdigit()]
+    assert [row.split()[0] for row in rows] == ["0", "1", "2"]
+    assert [row.split()[-1] for row in rows] == ["layer0.w", "layer2.w", "layer4.w"]
