@@ -1,8 +1,38 @@
-"""graphddp: data-parallel gradient all-reduces planned ahead of time inside torch.compile."""
+"""graphddp: data-parallel gradient all-reduces planned ahead of time inside torch.compile.
+
+Set ``GRAPHDDP_LOG=info`` to log every plan, ``GRAPHDDP_LOG=debug`` to also log each backward
+graph before and after every pass (logger name: ``graphddp``).
+"""
+import logging as _logging
+import os as _os
+
+from graphddp.agree import ScheduleMismatchError
 from graphddp.api import GraphDDP, compile
 from graphddp.config import DDPConfig
+from graphddp.cost import CostModel, Timeline
+from graphddp.explain import explain
 from graphddp.schedule import Bucket, Schedule
 from graphddp.verify import VerificationError, verify
 
-__all__ = ["Bucket", "DDPConfig", "GraphDDP", "Schedule", "VerificationError", "compile", "verify"]
+__all__ = [
+    "Bucket", "CostModel", "DDPConfig", "GraphDDP", "Schedule", "ScheduleMismatchError", "Timeline",
+    "VerificationError", "compile", "explain", "verify",
+]
 __version__ = "0.1.0"
+
+
+def _configure_logging() -> None:
+    level = _os.environ.get("GRAPHDDP_LOG", "").strip().upper()
+    if not level:
+        return
+    if level not in ("INFO", "DEBUG", "WARNING", "ERROR"):
+        raise ValueError(f"GRAPHDDP_LOG must be info or debug, got {level.lower()!r}")
+    logger = _logging.getLogger("graphddp")
+    logger.setLevel(level)
+    if not logger.handlers:
+        handler = _logging.StreamHandler()
+        handler.setFormatter(_logging.Formatter("[graphddp %(levelname)s] %(message)s"))
+        logger.addHandler(handler)
+
+
+_configure_logging()

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from graphddp.agree import check_parameter_agreement
 from graphddp.backend import GraphDDPBackend, GraphRecord
 from graphddp.capture import names_by_identity
 from graphddp.comm import group_name_of
@@ -55,7 +56,7 @@ class GraphDDP(nn.Module):
         self.broadcast_buffers = broadcast_buffers
         self._records: list[GraphRecord] = []
         self._backend = GraphDDPBackend(
-            config, names_by_identity(module.named_parameters()), self._records.append
+            config, names_by_identity(module.named_parameters()), self._records.append, process_group
         )
         # Stored outside the module registry so parameters are not listed twice.
         object.__setattr__(
@@ -164,6 +165,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
         verify=verify,
     )
     _check_devices(module)
+    check_parameter_agreement(module, group)
     if config.world_size > 1:
         broadcast_tensors(list(module.parameters()) + list(module.buffers()), group)
     return GraphDDP(

@@ -26,6 +26,7 @@ import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
+from graphddp.agree import check_schedule_agreement
 from graphddp.capture import extract_facts, parameter_of_inputs
 from graphddp.config import DDPConfig
 from graphddp.passes import insert_allreduce
@@ -59,8 +60,10 @@ class GraphDDPBackend:
         config: DDPConfig,
         names_by_id: Mapping[int, str],
         on_record: Callable[[GraphRecord], None],
+        group: Any = None,
     ) -> None:
         self.config = config
+        self.group = group
         self.names_by_id = names_by_id
         self.on_record = on_record
         self._graph_counter = itertools.count()
@@ -95,7 +98,9 @@ class GraphDDPBackend:
         graded = {s.output_index for s in facts.slots}
         unreduced = tuple(name for i, name in sorted(param_inputs.items()) if i not in graded)
         schedule = plan(facts, self.config, graph_index=graph_index, unreduced=unreduced)
-        log.info("graphddp plan for backward graph %d:\n%s", graph_index, schedule.to_table())
+        log.info("graphddp plan for backward graph %d (fingerprint %s):\n%s", graph_index, schedule.fingerprint(), schedule.to_table())
+        if self.group is not None:
+            check_schedule_agreement(schedule, self.group)
         log.debug("backward graph %d before insert_allreduce:\n%s", graph_index, gm.code)
         if self.config.world_size > 1:
             insert_allreduce(gm, schedule)

@@ -49,9 +49,14 @@ class GradSlot:
 
 @dataclasses.dataclass(frozen=True)
 class NodeFact:
+    """One backward-graph node: its order, whether it computes, its cost inputs and edges."""
+
     name: str
     position: int
     is_compute: bool
+    flops: int = 0
+    nbytes: int = 0
+    inputs: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,10 +96,18 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def _node_fact(node: fx.Node, position: int) -> NodeFact:
+    from graphddp.cost import node_flops_and_bytes
+
+    flops, nbytes = node_flops_and_bytes(node)
+    inputs = tuple(n.name for n in node.all_input_nodes)
+    return NodeFact(node.name, position, is_compute(node), flops, nbytes, inputs)
+
+
 def extract_facts(gm: fx.GraphModule, param_inputs: Mapping[int, str]) -> GraphFacts:
     """Read production order and gradient slots out of a backward graph (no mutation)."""
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
-    nodes = tuple(NodeFact(n.name, order[n], is_compute(n)) for n in gm.graph.nodes)
+    nodes = tuple(_node_fact(n, order[n]) for n in gm.graph.nodes)
     outs = output_nodes(gm)
     slots = []
     for index in sorted(param_inputs):

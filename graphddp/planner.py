@@ -74,4 +74,5 @@ def plan(
         first_bucket_cap_mb=config.first_bucket_cap_mb,
         buckets=tuple(buckets),
         unreduced=unreduced,
+        nodes=facts.nodes,
     )

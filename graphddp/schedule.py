@@ -9,7 +9,10 @@ import dataclasses
 import hashlib
 import json
 
-from graphddp.capture import GradSlot
+from typing import Any, Mapping
+
+from graphddp.capture import GradSlot, NodeFact
+from graphddp.cost import CostModel, Timeline, simulate
 
 SCHEMA_VERSION = 1
 
@@ -44,6 +47,11 @@ class Bucket:
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.slots)
 
+    @property
+    def wire_nbytes(self) -> int:
+        """Bytes each rank contributes to the all-reduce (what the link carries)."""
+        return self.nbytes
+
     def offsets(self) -> tuple[int, ...]:
         """Element offset of each slot in the flat bucket buffer."""
         out, acc = [], 0
@@ -64,6 +72,7 @@ class Schedule:
     first_bucket_cap_mb: float
     buckets: tuple[Bucket, ...]
     unreduced: tuple[str, ...] = ()  # parameters in this graph that get no gradient
+    nodes: tuple[NodeFact, ...] = ()  # the backward graph, in order, with cost inputs
 
     @property
     def num_buckets(self) -> int:
@@ -86,6 +95,7 @@ class Schedule:
             "bucket_cap_mb": self.bucket_cap_mb,
             "first_bucket_cap_mb": self.first_bucket_cap_mb,
             "unreduced": list(self.unreduced),
+            "nodes": [{**dataclasses.asdict(n), "inputs": list(n.inputs)} for n in self.nodes],
             "buckets": [
                 {
                     "index": b.index,
@@ -93,6 +103,7 @@ class Schedule:
                     "device": b.device,
                     "numel": b.numel,
                     "nbytes": b.nbytes,
+                    "wire_nbytes": b.wire_nbytes,
                     "issue_after": b.issue_after,
                     "wait_before": b.wait_before,
                     "overlap": list(b.overlap),
@@ -129,6 +140,7 @@ class Schedule:
             first_bucket_cap_mb=data["first_bucket_cap_mb"],
             buckets=buckets,
             unreduced=tuple(data["unreduced"]),
+            nodes=tuple(NodeFact(**{**n, "inputs": tuple(n["inputs"])}) for n in data.get("nodes", [])),
         )
 
     @classmethod
@@ -143,12 +155,37 @@ class Schedule:
         """
         data = self.to_dict()
         data.pop("group_name")
+        data.pop("nodes")  # cost inputs, not the plan
         blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
-    def to_table(self) -> str:
-        """A terminal table: one row per bucket, in issue order."""
-        head = f"{'bucket':>6}  {'dtype':<9} {'device':<7} {'params':>6} {'numel':>10} {'MB':>8}  {'issue after':<22} {'overlap':>7}  parameters"
+    # -- cost model ------------------------------------------------------------------------
+    def estimate(self, cost: CostModel | None = None, measured: Mapping[str, float] | None = None) -> Timeline:
+        """Predicted backward timeline under ``cost``; ``measured`` overrides node seconds."""
+        return simulate(self, cost or CostModel(), measured)
+
+    # -- renderers -----------------------------------------------------------------------------
+    def to_chrome_trace(self, path: str | None = None, cost: CostModel | None = None) -> dict[str, Any]:
+        from graphddp.render import chrome_trace
+
+        return chrome_trace(self, cost or CostModel(), path)
+
+    def to_dot(self) -> str:
+        from graphddp.render import dot
+
+        return dot(self)
+
+    def plot(self, path: str, cost: CostModel | None = None) -> None:
+        from graphddp.render import plot_timeline
+
+        plot_timeline(self, cost or CostModel(), path)
+
+    def to_table(self, cost: CostModel | None = None) -> str:
+        """A terminal table: one row per bucket, in issue order; predicted times with ``cost``."""
+        timeline = simulate(self, cost, None) if cost is not None else None
+        head = f"{'bucket':>6}  {'dtype':<9} {'device':<7} {'params':>6} {'numel':>10} {'MB':>8}  {'issue after':<22} {'overlap':>7}"
+        head += f"  {'ready ms':>8} {'start ms':>8} {'end ms':>8}" if timeline else ""
+        head += "  parameters"
         lines = [
             f"graph {self.graph_index}: {self.num_buckets} buckets, {self.nbytes / 2**20:.2f} MB, "
             f"world_size={self.world_size}, caps first={self.first_bucket_cap_mb} MB rest={self.bucket_cap_mb} MB",
@@ -159,9 +196,19 @@ class Schedule:
             names = ", ".join(b.param_names)
             if len(names) > 60:
                 names = names[:57] + "..."
-            lines.append(
+            row = (
                 f"{b.index:>6}  {b.dtype:<9} {b.device:<7} {len(b.slots):>6} {b.numel:>10} "
-                f"{b.nbytes / 2**20:>8.3f}  {b.issue_after:<22} {len(b.overlap):>7}  {names}"
+                f"{b.nbytes / 2**20:>8.3f}  {b.issue_after:<22} {len(b.overlap):>7}"
+            )
+            if timeline:
+                t = timeline.buckets[b.index]
+                row += f"  {t.ready * 1e3:>8.3f} {t.start * 1e3:>8.3f} {t.end * 1e3:>8.3f}"
+            lines.append(f"{row}  {names}")
+        if timeline:
+            lines.append(
+                f"predicted ({cost.bandwidth_gbps:g} Gbit/s, {cost.latency_us:g} us): backward compute "
+                f"{timeline.compute_seconds * 1e3:.3f} ms, communication {timeline.comm_seconds * 1e3:.3f} ms, "
+                f"step {timeline.step_seconds * 1e3:.3f} ms, exposed communication {timeline.exposed_seconds * 1e3:.3f} ms"
             )
         if self.unreduced:
             lines.append(f"no gradient in this graph (not reduced): {', '.join(self.unreduced)}")

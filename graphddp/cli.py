@@ -1,0 +1,79 @@
+"""``python -m graphddp explain PATH.py:FACTORY``: print or write a model's schedule.
+
+FACTORY is a function in PATH.py returning ``(model, example_inputs)``, where example_inputs is
+a tuple of positional arguments. Formats: table (default), json, trace (Chrome/Perfetto), dot,
+png/svg (needs matplotlib).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+from typing import Sequence
+
+FORMATS = ("table", "json", "trace", "dot", "png", "svg")
+
+
+def _load_factory(spec: str):
+    path, sep, name = spec.rpartition(":")
+    if not sep or not path or not name:
+        raise SystemExit(f"expected PATH.py:FACTORY, got {spec!r}")
+    if not os.path.exists(path):
+        raise SystemExit(f"no such file: {path}")
+    module_spec = importlib.util.spec_from_file_location("graphddp_user_factory", path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules["graphddp_user_factory"] = module
+    module_spec.loader.exec_module(module)
+    if not hasattr(module, name):
+        raise SystemExit(f"{path} has no function {name!r}")
+    return getattr(module, name)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from graphddp.cost import CostModel
+    from graphddp.explain import explain
+
+    parser = argparse.ArgumentParser(prog="python -m graphddp", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("explain", help="plan a model for N ranks in one process and render the schedule")
+    p.add_argument("factory", help="PATH.py:FACTORY returning (model, example_inputs)")
+    p.add_argument("--world-size", type=int, default=8)
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    p.add_argument("--first-bucket-cap-mb", type=float, default=1.0)
+    p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager", "eager"])
+    p.add_argument("--bandwidth-gbps", type=float, default=CostModel.bandwidth_gbps)
+    p.add_argument("--latency-us", type=float, default=CostModel.latency_us)
+    p.add_argument("--compute-tflops", type=float, default=CostModel.compute_tflops)
+    p.add_argument("--format", choices=FORMATS, default="table")
+    p.add_argument("--out", help="file to write (default: stdout; required for png/svg)")
+    args = parser.parse_args(argv)
+
+    model, example_inputs = _load_factory(args.factory)()
+    cost = CostModel(bandwidth_gbps=args.bandwidth_gbps, latency_us=args.latency_us, compute_tflops=args.compute_tflops)
+    schedules = explain(model, *example_inputs, world_size=args.world_size, bucket_cap_mb=args.bucket_cap_mb,
+                        first_bucket_cap_mb=args.first_bucket_cap_mb, backend=args.backend)
+    if args.format in ("png", "svg"):
+        if not args.out:
+            raise SystemExit(f"--format {args.format} needs --out FILE")
+        root, ext = os.path.splitext(args.out)
+        for s in schedules:
+            s.plot(args.out if len(schedules) == 1 else f"{root}.{s.graph_index}{ext}", cost)
+        return 0
+    if args.format == "table":
+        text = "\n\n".join(f"fingerprint {s.fingerprint()}\n{s.to_table(cost)}" for s in schedules)
+    elif args.format == "json":
+        text = json.dumps([s.to_dict() for s in schedules], indent=2, sort_keys=True)
+    elif args.format == "trace":
+        events = [e for s in schedules for e in s.to_chrome_trace(None, cost)["traceEvents"]]
+        text = json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
+    else:
+        text = "\n".join(s.to_dot() for s in schedules)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    else:
+        print(text)
+    return 0
