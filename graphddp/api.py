@@ -1,6 +1,7 @@
 """``graphddp.compile``: the user entry point and the module it returns."""
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Iterator, Mapping
 
@@ -14,7 +15,7 @@ from graphddp.capture import names_by_identity
 from graphddp.comm import group_name_of
 from graphddp.config import DDPConfig
 from graphddp.schedule import Schedule
-from graphddp.sync import broadcast_tensors
+from graphddp.sync import average_async, broadcast_tensors
 
 log = logging.getLogger("graphddp")
 
@@ -55,15 +56,23 @@ class GraphDDP(nn.Module):
         self.process_group = process_group
         self.broadcast_buffers = broadcast_buffers
         self._records: list[GraphRecord] = []
+        runner = _Runner(module)
         self._backend = GraphDDPBackend(
-            config, names_by_identity(module.named_parameters()), self._records.append, process_group
+            config,
+            names_by_identity(module.named_parameters()),
+            self._records.append,
+            process_group,
+            sync_enabled=lambda: runner.sync,
         )
         # Stored outside the module registry so parameters are not listed twice.
+        object.__setattr__(self, "_runner", runner)
         object.__setattr__(
-            self, "_compiled", torch.compile(module, backend=self._backend, fullgraph=fullgraph, dynamic=dynamic)
+            self, "_compiled", torch.compile(runner, backend=self._backend, fullgraph=fullgraph, dynamic=dynamic)
         )
         self._covered_count = -1
         self._guard_handles: dict[str, Any] = {}
+        self._sync_buffers_next = True  # DDP: buffers sync before a forward that follows a synced one
+        self._grads_accumulated_locally = False
 
     # -- inspection -------------------------------------------------------------------------
     @property
@@ -77,14 +86,44 @@ class GraphDDP(nn.Module):
         return list(self._records)
 
     # -- execution ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally, with no communication.
+
+        The next synchronised backward yields DDP's result: the average over ranks of
+        everything accumulated. The locally accumulated gradients are averaged by one async
+        all-reduce launched when that synchronised forward starts and waited when it ends, so
+        it hides behind the forward; the new gradients are reduced in the backward graph as
+        usual. Inside, the compiled graph variant without collectives runs (two variants in
+        all, each compiled once).
+        """
+        previous = self._runner.sync
+        self._runner.sync = False
+        try:
+            yield
+        finally:
+            self._runner.sync = previous
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.broadcast_buffers and self.config.world_size > 1:
-            buffers = [b for b in self.module.buffers()]
+        distributed = self.config.world_size > 1
+        if distributed and self.broadcast_buffers and self._sync_buffers_next:
+            buffers = list(self.module.buffers())
             if buffers:
                 broadcast_tensors(buffers, self.process_group)
+        syncing = self._runner.sync and torch.is_grad_enabled()
+        pending = None
+        if distributed and syncing and self._grads_accumulated_locally:
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            pending = average_async(grads, self.process_group)
         out = self._compiled(*args, **kwargs)
+        if pending is not None:
+            pending.wait()
+            self._grads_accumulated_locally = False
         if torch.is_grad_enabled():
             self._guard_uncovered_parameters()
+            if not self._runner.sync:
+                self._grads_accumulated_locally = True
+        self._sync_buffers_next = syncing
         return out
 
     def _guard_uncovered_parameters(self) -> None:
@@ -117,6 +156,24 @@ class GraphDDP(nn.Module):
         return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
 
+class _Runner(nn.Module):
+    """What torch.compile sees: the user's module behind a sync flag.
+
+    Reading ``self.sync`` in a branch makes Dynamo guard on it, so sync and no-sync steps get
+    one graph variant each; the backend reads the flag when it compiles a variant.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.inner = module
+        self.sync = True
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.sync:
+            return self.inner(*args, **kwargs)
+        return self.inner(*args, **kwargs)
+
+
 def _uncovered_error(name: str) -> Any:
     def hook(_param: torch.Tensor) -> None:
         raise RuntimeError(
@@ -139,6 +196,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
     dynamic: bool | None = None,
     broadcast_buffers: bool = True,
     verify: bool = True,
+    comm_hook: str | None = None,
 ) -> GraphDDP:
     """Compile ``module`` for data-parallel training with all-reduces inside its backward graph.
 
@@ -147,7 +205,14 @@ def compile(  # noqa: A001 - mirrors torch.compile
     Parameters and buffers are broadcast from the group's first rank now, like DDP; with
     ``broadcast_buffers`` buffers are re-broadcast before every forward, like DDP.
     ``verify`` runs the graph checker after every rewrite (cheap; on by default).
+    ``comm_hook``: ``"fp16_compress"`` or ``"bf16_compress"`` sends buckets in half precision
+    (DDP's compression hooks, run inside the graph); the schedule shows the bytes on the wire.
     """
+    if callable(comm_hook):
+        raise NotImplementedError(
+            "comm_hook: user-supplied hook functions are not supported yet; use "
+            "'fp16_compress' or 'bf16_compress'"
+        )
     if not isinstance(module, nn.Module):
         raise TypeError(f"graphddp.compile: module must be a torch.nn.Module, got {type(module).__name__}")
     if not dist.is_available() or not dist.is_initialized():
@@ -163,6 +228,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
         world_size=dist.get_world_size(group),
         group_name=group_name_of(group),
         verify=verify,
+        comm_hook=comm_hook,
     )
     _check_devices(module)
     check_parameter_agreement(module, group)

@@ -61,19 +61,25 @@ class GraphDDPBackend:
         names_by_id: Mapping[int, str],
         on_record: Callable[[GraphRecord], None],
         group: Any = None,
+        sync_enabled: Callable[[], bool] = lambda: True,
     ) -> None:
         self.config = config
         self.group = group
+        self.sync_enabled = sync_enabled
         self.names_by_id = names_by_id
         self.on_record = on_record
         self._graph_counter = itertools.count()
         # Parameters lifted into some compiled graph: their gradients come out of a backward
         # graph we rewrite. Known at forward-compile time, before any backward has run.
         self.params_in_graphs: set[str] = set()
+        self.graphs_compiled = 0  # every Dynamo graph this backend compiled, both sync variants
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         param_inputs = parameter_of_inputs(example_inputs, self.names_by_id)
         self.params_in_graphs.update(param_inputs.values())
+        self.graphs_compiled += 1
+        if not self.sync_enabled():  # the no_sync variant: backward without communication
+            return _compile_plain(gm, example_inputs, self.config.backend)
         graph_index = next(self._graph_counter)
         rewrite = lambda bw: self.rewrite_backward(bw, param_inputs, graph_index)  # noqa: E731
         if self.config.backend == "inductor":
@@ -108,6 +114,17 @@ class GraphDDPBackend:
             if self.config.verify:
                 verify(gm, schedule, {s.output_index: s.param_name for s in facts.slots})
         return GraphRecord(schedule=schedule, graph=gm)
+
+
+def _compile_plain(gm: fx.GraphModule, example_inputs: Sequence[Any], backend: str) -> Callable[..., Any]:
+    """Compile with the same inner compiler and no graphddp pass."""
+    if backend == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs)
+    run = _interpret if backend == "eager" else _as_is
+    compiler = lambda g, _inputs: make_boxed_func(run(g))  # noqa: E731
+    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, keep_inference_input_mutations=True)(gm, example_inputs)
 
 
 def _as_is(gm: fx.GraphModule) -> Callable[..., Any]:

@@ -9,6 +9,9 @@ import dataclasses
 import math
 
 BACKENDS = ("inductor", "aot_eager", "eager")
+# Built-in communication hooks, applied to whole buckets inside the graph (DDP's
+# fp16_compress_hook / bf16_compress_hook): cast, divide, all-reduce, cast back.
+COMM_HOOKS = {"fp16_compress": "float16", "bf16_compress": "bfloat16"}
 MB = 1024 * 1024
 
 
@@ -27,6 +30,7 @@ class DDPConfig:
     world_size: int = 1
     group_name: str = ""
     verify: bool = True
+    comm_hook: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
@@ -35,8 +39,15 @@ class DDPConfig:
                 raise ValueError(f"{name} must be a positive, finite number of megabytes, got {value!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.comm_hook is not None and self.comm_hook not in COMM_HOOKS:
+            raise ValueError(f"comm_hook must be None or one of {sorted(COMM_HOOKS)}, got {self.comm_hook!r}")
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {self.world_size!r}")
+
+    @property
+    def comm_dtype(self) -> str | None:
+        """The dtype buckets travel in, or None to send them as they are."""
+        return COMM_HOOKS.get(self.comm_hook) if self.comm_hook else None
 
     @property
     def bucket_cap_bytes(self) -> int:

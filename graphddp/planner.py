@@ -64,6 +64,7 @@ def plan(
                 issue_after=ready.producer,
                 wait_before="output",
                 overlap=overlap,
+                comm_dtype=config.comm_dtype if config.comm_dtype not in (None, ready.dtype) else None,
             )
         )
     return Schedule(

@@ -11,6 +11,8 @@ import json
 
 from typing import Any, Mapping
 
+import torch
+
 from graphddp.capture import GradSlot, NodeFact
 from graphddp.cost import CostModel, Timeline, simulate
 
@@ -34,6 +36,7 @@ class Bucket:
     issue_after: str
     wait_before: str
     overlap: tuple[str, ...]
+    comm_dtype: str | None = None  # set by a compression hook: the dtype on the wire
 
     @property
     def param_names(self) -> tuple[str, ...]:
@@ -50,7 +53,9 @@ class Bucket:
     @property
     def wire_nbytes(self) -> int:
         """Bytes each rank contributes to the all-reduce (what the link carries)."""
-        return self.nbytes
+        if self.comm_dtype is None:
+            return self.nbytes
+        return self.numel * getattr(torch, self.comm_dtype).itemsize
 
     def offsets(self) -> tuple[int, ...]:
         """Element offset of each slot in the flat bucket buffer."""
@@ -104,6 +109,7 @@ class Schedule:
                     "numel": b.numel,
                     "nbytes": b.nbytes,
                     "wire_nbytes": b.wire_nbytes,
+                    "comm_dtype": b.comm_dtype,
                     "issue_after": b.issue_after,
                     "wait_before": b.wait_before,
                     "overlap": list(b.overlap),
@@ -129,6 +135,7 @@ class Schedule:
                 issue_after=b["issue_after"],
                 wait_before=b["wait_before"],
                 overlap=tuple(b["overlap"]),
+                comm_dtype=b.get("comm_dtype"),
             )
             for b in data["buckets"]
         )

@@ -9,10 +9,12 @@ Postcondition, per bucket, in graph order::
     <issue_after node>
     flat_i  = view(g_i, [-1])            # clone first if g_i is not contiguous
     bucket  = cat([flat_0, ..., flat_k]) # skipped for a one-gradient bucket
+    bucket  = _to_copy(bucket, comm_dtype) # only with a compression hook (fp16/bf16)
     scaled  = div(bucket, world_size)    # DDP pre-divides; same rounding as DDP
     reduced = all_reduce_(scaled, "sum", group)
     ... the rest of the backward (the overlap window) ...
     done    = wait_tensor(reduced)       # just before the first reader: the output
+    done    = _to_copy(done, dtype)      # only with a compression hook
     grad_i  = view(slice(done, 0, off_i, off_i + n_i), shape_i)
     output(..., grad_i, ...)
 
@@ -82,6 +84,9 @@ def insert_allreduce(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
     for bucket, reduced in pending:
         with graph.inserting_before(output):
             done = _call(graph, WAIT, (reduced,), "wait", bucket.index)
+            if bucket.comm_dtype is not None:  # decompress back to the gradients' dtype
+                dtype = getattr(torch, bucket.dtype)
+                done = _call(graph, aten._to_copy.default, (done,), "decompress", bucket.index, {"dtype": dtype})
             for slot, off in zip(bucket.slots, bucket.offsets()):
                 piece = _call(graph, aten.slice.Tensor, (done, 0, off, off + slot.numel), "unflatten", bucket.index)
                 outs[slot.output_index] = _call(graph, aten.view.default, (piece, list(slot.shape)), "unflatten", bucket.index)
@@ -116,5 +121,7 @@ def _issue(graph: fx.Graph, bucket: Any, outs: Sequence[Any], schedule: Schedule
             grad = emit(aten.clone.default, (grad,), "flatten", memory_format=torch.contiguous_format)
         flats.append(emit(aten.view.default, (grad, [slot.numel]), "flatten"))
     flat = flats[0] if len(flats) == 1 else emit(aten.cat.default, (flats,), "flatten")
+    if bucket.comm_dtype is not None:  # compression hook: cast first, then divide, like DDP's
+        flat = emit(aten._to_copy.default, (flat,), "compress", dtype=getattr(torch, bucket.comm_dtype))
     scaled = emit(aten.div.Tensor, (flat, schedule.world_size), "scale")
     return emit(ALL_REDUCE, (scaled, "sum", schedule.group_name), "all_reduce")
