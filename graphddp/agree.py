@@ -12,8 +12,10 @@ dtypes), run before the initial broadcast so a mismatch is an error, not a hang.
 from __future__ import annotations
 
 import hashlib
+import pickle
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 
@@ -29,9 +31,22 @@ def _is_fake(group: Any) -> bool:
 
 
 def _gather(obj: Any, group: Any) -> list[Any]:
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+    """All-gather a small picklable object with two tensor all-gathers.
+
+    Not ``dist.all_gather_object``: that needs NumPy, which torch does not require.
+    """
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    data = pickle.dumps(obj)
+    world = dist.get_world_size(group)
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    longest = int(max(s.item() for s in sizes))
+    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+    mine[: len(data)] = torch.tensor(list(data), dtype=torch.uint8, device=device)
+    everyone = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine, group=group)
+    return [pickle.loads(bytes(t[: int(n.item())].tolist())) for t, n in zip(everyone, sizes)]
 
 
 def _bucket_summary(schedule: Schedule) -> list[tuple[tuple[str, ...], int, str]]:
