@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from graphddp.schedule import Schedule
 
@@ -33,8 +34,14 @@ def _is_fake(group: Any) -> bool:
 def _gather(obj: Any, group: Any) -> list[Any]:
     """All-gather a small picklable object with two tensor all-gathers.
 
-    Not ``dist.all_gather_object``: that needs NumPy, which torch does not require.
+    Not ``dist.all_gather_object``: that needs NumPy, which torch does not require. Runs
+    outside any fake-tensor mode: AOTAutograd may compile the backward under one.
     """
+    with unset_fake_temporarily():
+        return _gather_real(obj, group)
+
+
+def _gather_real(obj: Any, group: Any) -> list[Any]:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
     data = pickle.dumps(obj)
     world = dist.get_world_size(group)

@@ -69,7 +69,6 @@ class GraphDDP(nn.Module):
         object.__setattr__(
             self, "_compiled", torch.compile(runner, backend=self._backend, fullgraph=fullgraph, dynamic=dynamic)
         )
-        self._covered_count = -1
         self._guard_handles: dict[str, Any] = {}
         self._sync_buffers_next = True  # DDP: buffers sync before a forward that follows a synced one
         self._grads_accumulated_locally = False
@@ -115,32 +114,34 @@ class GraphDDP(nn.Module):
         if distributed and syncing and self._grads_accumulated_locally:
             grads = [p.grad for p in self.module.parameters() if p.grad is not None]
             pending = average_async(grads, self.process_group)
+        self._backend.ran_params.clear()
         out = self._compiled(*args, **kwargs)
         if pending is not None:
             pending.wait()
             self._grads_accumulated_locally = False
         if torch.is_grad_enabled():
-            self._guard_uncovered_parameters()
+            self._guard_uncovered_parameters(syncing)
             if not self._runner.sync:
                 self._grads_accumulated_locally = True
         self._sync_buffers_next = syncing
         return out
 
-    def _guard_uncovered_parameters(self) -> None:
-        """Fail loudly if a gradient is produced outside the compiled graphs.
+    def _guard_uncovered_parameters(self, syncing: bool) -> None:
+        """Fail loudly if a gradient is produced outside the compiled graphs that ran.
 
-        A parameter that Dynamo did not lift into any graph (used only in eager code between
-        graph breaks) would get a gradient nobody averages. Such parameters get a hook that
-        raises at backward time, instead of a silently wrong gradient.
+        A parameter that no compiled graph of this forward covers (used in eager code between
+        graph breaks, or a frame Dynamo ran eagerly after hitting its recompile limit) would
+        get a gradient nobody averages. Such parameters get a hook that raises at backward
+        time, instead of a silently wrong gradient. Unused parameters get no gradient, so
+        their hook never fires. No hooks in the steady state, where every graph ran.
         """
-        covered = self._backend.params_in_graphs
-        if self.config.world_size == 1 or len(covered) == self._covered_count:
-            return
-        self._covered_count = len(covered)
+        covered = self._backend.ran_params
         for name, handle in list(self._guard_handles.items()):
-            if name in covered:
+            if name in covered or not syncing:
                 handle.remove()
                 del self._guard_handles[name]
+        if self.config.world_size == 1 or not syncing:
+            return
         for name, p in self.module.named_parameters():
             if p.requires_grad and name not in covered and name not in self._guard_handles:
                 self._guard_handles[name] = p.register_post_accumulate_grad_hook(_uncovered_error(name))
@@ -178,8 +179,9 @@ def _uncovered_error(name: str) -> Any:
     def hook(_param: torch.Tensor) -> None:
         raise RuntimeError(
             f"graphddp: parameter {name!r} received a gradient outside graphddp's compiled "
-            "graphs (it is used in eager code between graph breaks), so it would not be "
-            "averaged across ranks. Move its use inside the compiled region."
+            "graphs (used in eager code between graph breaks, or Dynamo ran the frame eagerly, "
+            "e.g. after torch._dynamo.config.recompile_limit was hit), so it would not be "
+            "averaged across ranks. Move its use inside the compiled region or raise the limit."
         )
 
     return hook

@@ -73,11 +73,25 @@ class GraphDDPBackend:
         # graph we rewrite. Known at forward-compile time, before any backward has run.
         self.params_in_graphs: set[str] = set()
         self.graphs_compiled = 0  # every Dynamo graph this backend compiled, both sync variants
+        # Parameters of the compiled graphs that actually ran since the wrapper last cleared it:
+        # a parameter missing here got its gradient (if any) from eager code.
+        self.ran_params: set[str] = set()
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         param_inputs = parameter_of_inputs(example_inputs, self.names_by_id)
         self.params_in_graphs.update(param_inputs.values())
         self.graphs_compiled += 1
+        return self._track(self._compile(gm, example_inputs, param_inputs), frozenset(param_inputs.values()))
+
+    def _track(self, compiled: Callable[..., Any], names: frozenset[str]) -> Callable[..., Any]:
+        def run(*args: Any) -> Any:
+            self.ran_params.update(names)
+            return compiled(*args)
+
+        run._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
+        return run
+
+    def _compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], param_inputs: Mapping[int, str]) -> Callable[..., Any]:
         if not self.sync_enabled():  # the no_sync variant: backward without communication
             return _compile_plain(gm, example_inputs, self.config.backend)
         graph_index = next(self._graph_counter)

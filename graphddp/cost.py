@@ -56,19 +56,32 @@ def node_flops_and_bytes(node: fx.Node) -> tuple[int, int]:
     """FLOPs (torch's flop-counter formulas) and bytes read + written by one graph node."""
     if node.op != "call_function":
         return 0, 0
+    try:
+        return _flops_and_bytes(node)
+    except Exception:  # symbolic sizes (dynamic shapes): no estimate rather than a guard
+        return 0, 0
+
+
+def _concrete(x: Any) -> int:
+    """An int without specialising: symbolic values raise instead of adding a guard."""
+    if isinstance(x, int):
+        return x
+    if isinstance(x, torch.SymInt) and x.node.is_constant():
+        return int(x)
+    raise TypeError("symbolic")
+
+
+def _flops_and_bytes(node: fx.Node) -> tuple[int, int]:
     val = node.meta.get("val")
     args_vals = tree_map_only(fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs))
-    nbytes = sum(t.numel() * t.element_size() for t in tree_leaves((args_vals, val)) if isinstance(t, torch.Tensor))
+    nbytes = sum(_concrete(t.numel()) * t.element_size() for t in tree_leaves((args_vals, val)) if isinstance(t, torch.Tensor))
     flops = 0
     packet = getattr(node.target, "overloadpacket", None)
     from torch.utils.flop_counter import flop_registry
 
     if packet in flop_registry:
-        try:
-            flops = int(flop_registry[packet](*args_vals[0], out_val=val, **args_vals[1]))
-        except Exception:  # a formula that does not fit these args: count bytes only
-            flops = 0
-    return flops, int(nbytes)
+        flops = _concrete(flop_registry[packet](*args_vals[0], out_val=val, **args_vals[1]))
+    return flops, nbytes
 
 
 @dataclasses.dataclass(frozen=True)
