@@ -193,6 +193,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
     process_group: Any = None,
     bucket_cap_mb: float = 25.0,
     first_bucket_cap_mb: float = 1.0,
+    last_bucket_cap_mb: float | None = None,
     backend: str = "inductor",
     fullgraph: bool = False,
     dynamic: bool | None = None,
@@ -206,6 +207,9 @@ def compile(  # noqa: A001 - mirrors torch.compile
     every ``p.grad`` is the average over the ranks of ``process_group`` (default: WORLD).
     Parameters and buffers are broadcast from the group's first rank now, like DDP; with
     ``broadcast_buffers`` buffers are re-broadcast before every forward, like DDP.
+    ``last_bucket_cap_mb`` caps the bucket of the gradients produced last (default: off, the
+    last bucket is what remains, as in DDP); its all-reduce starts after the last backward
+    kernel, so nothing hides it: on a slow link a small tail bucket shortens the step.
     ``verify`` runs the graph checker after every rewrite (cheap; on by default).
     ``comm_hook``: ``"fp16_compress"`` or ``"bf16_compress"`` sends buckets in half precision
     (DDP's compression hooks, run inside the graph); the schedule shows the bytes on the wire.
@@ -226,6 +230,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
     config = DDPConfig(
         bucket_cap_mb=bucket_cap_mb,
         first_bucket_cap_mb=first_bucket_cap_mb,
+        last_bucket_cap_mb=last_bucket_cap_mb,
         backend=backend,
         world_size=dist.get_world_size(group),
         group_name=group_name_of(group),

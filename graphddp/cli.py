@@ -43,6 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--world-size", type=int, default=8)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--first-bucket-cap-mb", type=float, default=1.0)
+    p.add_argument("--last-bucket-cap-mb", type=float, default=None)
     p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager", "eager"])
     p.add_argument("--bandwidth-gbps", type=float, default=CostModel.bandwidth_gbps)
     p.add_argument("--latency-us", type=float, default=CostModel.latency_us)
@@ -54,7 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     model, example_inputs = _load_factory(args.factory)()
     cost = CostModel(bandwidth_gbps=args.bandwidth_gbps, latency_us=args.latency_us, compute_tflops=args.compute_tflops)
     schedules = explain(model, *example_inputs, world_size=args.world_size, bucket_cap_mb=args.bucket_cap_mb,
-                        first_bucket_cap_mb=args.first_bucket_cap_mb, backend=args.backend)
+                        first_bucket_cap_mb=args.first_bucket_cap_mb,
+                        last_bucket_cap_mb=args.last_bucket_cap_mb, backend=args.backend)
     if args.format in ("png", "svg"):
         if not args.out:
             raise SystemExit(f"--format {args.format} needs --out FILE")

@@ -22,10 +22,13 @@ class DDPConfig:
     bucket_cap_mb / first_bucket_cap_mb follow DDP: the first bucket of each (dtype, device)
     is small so communication starts early, the rest are ``bucket_cap_mb``. A bucket closes
     once it reaches its cap, so it may exceed the cap by at most one gradient.
+    ``last_bucket_cap_mb`` (None: off, as in DDP) caps the bucket of the gradients produced
+    last; its transfer starts after the last backward kernel, so all of it is exposed.
     """
 
     bucket_cap_mb: float = 25.0
     first_bucket_cap_mb: float = 1.0
+    last_bucket_cap_mb: float | None = None
     backend: str = "inductor"
     world_size: int = 1
     group_name: str = ""
@@ -33,8 +36,10 @@ class DDPConfig:
     comm_hook: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
+        for name in ("bucket_cap_mb", "first_bucket_cap_mb", "last_bucket_cap_mb"):
             value = getattr(self, name)
+            if name == "last_bucket_cap_mb" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a positive, finite number of megabytes, got {value!r}")
         if self.backend not in BACKENDS:
@@ -56,3 +61,9 @@ class DDPConfig:
     @property
     def first_bucket_cap_bytes(self) -> int:
         return int(self.first_bucket_cap_mb * MB)
+
+    @property
+    def last_bucket_cap_bytes(self) -> int:
+        if self.last_bucket_cap_mb is None:
+            raise ValueError("last_bucket_cap_mb is not set")
+        return int(self.last_bucket_cap_mb * MB)

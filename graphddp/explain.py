@@ -32,6 +32,7 @@ def explain(
     world_size: int = 8,
     bucket_cap_mb: float = 25.0,
     first_bucket_cap_mb: float = 1.0,
+    last_bucket_cap_mb: float | None = None,
     backend: str = "inductor",
     fullgraph: bool = False,
     dynamic: bool | None = None,
@@ -52,7 +53,7 @@ def explain(
     try:
         compiled = graphddp.compile(
             copy.deepcopy(model), bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb,
-            backend=backend, fullgraph=fullgraph, dynamic=dynamic,
+            last_bucket_cap_mb=last_bucket_cap_mb, backend=backend, fullgraph=fullgraph, dynamic=dynamic,
         )
         out = compiled(*example_inputs)
         (loss_fn or _default_loss)(out).backward()

@@ -12,6 +12,10 @@ order instead of registration order):
 2. Keep one open bucket per (dtype, device); buckets never mix the two.
 3. Add the gradient to its open bucket; once the bucket holds >= its cap, close it. The
    first bucket of each key uses ``first_bucket_cap_mb``, later ones ``bucket_cap_mb``.
+   With ``last_bucket_cap_mb``, the gradients produced last (a suffix of at most that many
+   bytes, at least one gradient) form a bucket of their own: that bucket can only start
+   once the backward has no compute left, so its whole transfer is exposed and should be
+   small. Without it the last bucket is whatever remains, up to a full cap (DDP's rule).
 4. Close the remaining open buckets. Buckets are issued in the order they became ready
    (position of their last gradient), which is the order the rewrite inserts them.
 """
@@ -24,10 +28,15 @@ from graphddp.schedule import Bucket, Schedule
 
 def partition(slots: tuple[GradSlot, ...], config: DDPConfig) -> list[tuple[GradSlot, ...]]:
     """Group production-ordered slots into buckets; returns buckets in ready order."""
+    ordered = sorted(slots, key=lambda s: (s.position, s.output_index))
+    tails = _tails(ordered, config.last_bucket_cap_bytes) if config.last_bucket_cap_mb is not None else {}
+    in_tail = {id(s) for tail in tails.values() for s in tail}
     open_buckets: dict[tuple[str, str], list[GradSlot]] = {}
     closed_count: dict[tuple[str, str], int] = {}
-    done: list[tuple[GradSlot, ...]] = []
-    for slot in sorted(slots, key=lambda s: (s.position, s.output_index)):
+    done: list[tuple[GradSlot, ...]] = [tuple(t) for t in tails.values()]
+    for slot in ordered:
+        if id(slot) in in_tail:
+            continue
         key = (slot.dtype, slot.device)
         bucket = open_buckets.setdefault(key, [])
         bucket.append(slot)
@@ -39,6 +48,20 @@ def partition(slots: tuple[GradSlot, ...], config: DDPConfig) -> list[tuple[Grad
     done.extend(tuple(b) for b in open_buckets.values())  # dict order: first-opened first
     done.sort(key=lambda b: (b[-1].position, b[-1].output_index))
     return done
+
+
+def _tails(ordered: list[GradSlot], cap: int) -> dict[tuple[str, str], list[GradSlot]]:
+    """Per (dtype, device): the last-produced gradients, at most ``cap`` bytes (at least one)."""
+    tails: dict[tuple[str, str], list[GradSlot]] = {}
+    full: set[tuple[str, str]] = set()
+    for slot in reversed(ordered):
+        key = (slot.dtype, slot.device)
+        tail = tails.setdefault(key, [])
+        if key in full or (tail and sum(s.nbytes for s in tail) + slot.nbytes > cap):
+            full.add(key)
+            continue
+        tail.insert(0, slot)
+    return tails
 
 
 def plan(
@@ -73,6 +96,7 @@ def plan(
         group_name=config.group_name,
         bucket_cap_mb=config.bucket_cap_mb,
         first_bucket_cap_mb=config.first_bucket_cap_mb,
+        last_bucket_cap_mb=config.last_bucket_cap_mb,
         buckets=tuple(buckets),
         unreduced=unreduced,
         nodes=facts.nodes,

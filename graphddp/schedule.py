@@ -78,6 +78,7 @@ class Schedule:
     buckets: tuple[Bucket, ...]
     unreduced: tuple[str, ...] = ()  # parameters in this graph that get no gradient
     nodes: tuple[NodeFact, ...] = ()  # the backward graph, in order, with cost inputs
+    last_bucket_cap_mb: float | None = None  # cap of the exposed tail bucket (None: off)
 
     @property
     def num_buckets(self) -> int:
@@ -99,6 +100,7 @@ class Schedule:
             "group_name": self.group_name,
             "bucket_cap_mb": self.bucket_cap_mb,
             "first_bucket_cap_mb": self.first_bucket_cap_mb,
+            "last_bucket_cap_mb": self.last_bucket_cap_mb,
             "unreduced": list(self.unreduced),
             "nodes": [{**dataclasses.asdict(n), "inputs": list(n.inputs)} for n in self.nodes],
             "buckets": [
@@ -145,6 +147,7 @@ class Schedule:
             group_name=data["group_name"],
             bucket_cap_mb=data["bucket_cap_mb"],
             first_bucket_cap_mb=data["first_bucket_cap_mb"],
+            last_bucket_cap_mb=data.get("last_bucket_cap_mb"),
             buckets=buckets,
             unreduced=tuple(data["unreduced"]),
             nodes=tuple(NodeFact(**{**n, "inputs": tuple(n["inputs"])}) for n in data.get("nodes", [])),
@@ -195,7 +198,8 @@ class Schedule:
         head += "  parameters"
         lines = [
             f"graph {self.graph_index}: {self.num_buckets} buckets, {self.nbytes / 2**20:.2f} MB, "
-            f"world_size={self.world_size}, caps first={self.first_bucket_cap_mb} MB rest={self.bucket_cap_mb} MB",
+            f"world_size={self.world_size}, caps first={self.first_bucket_cap_mb} MB rest={self.bucket_cap_mb} MB"
+            + (f" last={self.last_bucket_cap_mb} MB" if self.last_bucket_cap_mb is not None else ""),
             head,
             "-" * len(head),
         ]

@@ -148,6 +148,47 @@ def test_a_gradient_larger_than_the_cap_gets_a_bucket_of_its_own():
     assert names(plan(facts, config(first_kib=1, rest_kib=1))) == [("huge",), ("tail",)]
 
 
+def test_last_bucket_cap_splits_off_the_last_produced_gradients():
+    # ten 1 KiB gradients, caps 1 / 4 KiB: without a tail cap the last bucket is the remainder
+    facts = make_facts([(f"p{i}", 256, "float32", 2 + i) for i in range(10)])
+    assert [len(b.slots) for b in plan(facts, config(first_kib=1, rest_kib=4)).buckets] == [1, 4, 4, 1]
+    facts = make_facts([(f"p{i}", 256, "float32", 2 + i) for i in range(11)])
+    assert [len(b.slots) for b in plan(facts, config(first_kib=1, rest_kib=4)).buckets] == [1, 4, 4, 2]
+    # a 1 KiB tail cap: the last gradient alone, the rest partitioned as before
+    schedule = plan(facts, config(first_kib=1, rest_kib=4, last_bucket_cap_mb=KIB))
+    assert names(schedule)[-1] == ("p10",)
+    assert [len(b.slots) for b in schedule.buckets] == [1, 4, 4, 1, 1]
+    # a 2 KiB tail cap takes the last two; the tail is always issued last
+    schedule = plan(facts, config(first_kib=1, rest_kib=4, last_bucket_cap_mb=2 * KIB))
+    assert names(schedule)[-1] == ("p9", "p10")
+    assert schedule.buckets[-1].issue_after == "n12"
+    assert schedule.last_bucket_cap_mb == 2 * KIB
+
+
+def test_last_bucket_cap_takes_one_gradient_even_if_it_exceeds_the_cap():
+    facts = make_facts([("a", 256, "float32", 2), ("b", 256, "float32", 3), ("emb", 4096, "float32", 4)])
+    schedule = plan(facts, config(first_kib=100, rest_kib=100, last_bucket_cap_mb=KIB))
+    assert names(schedule) == [("a", "b"), ("emb",)]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_last_bucket_cap_per_dtype_keeps_every_slot_once_and_in_order(seed):
+    specs = random_specs(40, seed, dtypes=("float32", "bfloat16"))
+    facts = make_facts(specs)
+    cfg = config(first_kib=1, rest_kib=3, last_bucket_cap_mb=2 * KIB)
+    schedule = plan(facts, cfg)
+    assert sorted(s.output_index for b in schedule.buckets for s in b.slots) == list(range(40))
+    for key, buckets in buckets_by_key(schedule).items():
+        tail = buckets[-1]
+        produced = [s for s in facts.slots if (s.dtype, s.device) == key]
+        assert tail.slots == tuple(produced[-len(tail.slots):])  # the key's last-produced suffix
+        assert len(tail.slots) == 1 or tail.nbytes <= cfg.last_bucket_cap_bytes
+        slots = [s for b in buckets for s in b.slots]
+        assert slots == sorted(slots, key=order_key)
+    ready = [order_key(b.slots[-1]) for b in schedule.buckets]
+    assert ready == sorted(ready)
+
+
 # ---------------------------------------------------------------------------------------------
 # partition invariants
 
@@ -263,7 +304,7 @@ def test_fingerprint_changes_with_the_caps_but_not_the_group_name():
 # DDPConfig validation
 
 
-@pytest.mark.parametrize("option", ["bucket_cap_mb", "first_bucket_cap_mb"])
+@pytest.mark.parametrize("option", ["bucket_cap_mb", "first_bucket_cap_mb", "last_bucket_cap_mb"])
 @pytest.mark.parametrize(
     "value",
     [
@@ -273,7 +314,6 @@ def test_fingerprint_changes_with_the_caps_but_not_the_group_name():
         True,
         False,
         "25",
-        None,
         float("nan"),
         float("inf"),
     ],
@@ -281,6 +321,18 @@ def test_fingerprint_changes_with_the_caps_but_not_the_group_name():
 def test_config_rejects_bad_caps_naming_the_option(option, value):
     with pytest.raises(ValueError, match=rf"^{option} "):
         DDPConfig(**{option: value})
+
+
+@pytest.mark.parametrize("option", ["bucket_cap_mb", "first_bucket_cap_mb"])
+def test_config_rejects_none_for_the_required_caps(option):
+    with pytest.raises(ValueError, match=rf"^{option} "):
+        DDPConfig(**{option: None})
+
+
+def test_last_bucket_cap_is_off_by_default():
+    assert DDPConfig().last_bucket_cap_mb is None
+    with pytest.raises(ValueError, match="last_bucket_cap_mb"):
+        DDPConfig().last_bucket_cap_bytes
 
 
 def test_config_accepts_int_and_float_caps():
@@ -299,7 +351,7 @@ def test_config_rejects_unknown_backend():
 
 def mixed_schedule():
     specs = random_specs(12, seed=7, dtypes=("float32", "bfloat16"))
-    return plan(make_facts(specs), config(first_kib=1, rest_kib=2, world_size=2, group_name="3"),
+    return plan(make_facts(specs), config(first_kib=1, rest_kib=2, world_size=2, group_name="3", last_bucket_cap_mb=KIB),
                 graph_index=1, unreduced=("frozen.weight",))
 
 
