@@ -25,4 +25,4 @@ test: $(VENV)/.installed-test
 	$(PY) -m pytest -q tests
 
 bench: $(VENV)/.installed-plot
-	$(PY) tools/bench.py
+	$(PY) -m graphddp.bench --out bench_out

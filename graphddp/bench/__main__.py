@@ -1,0 +1,5 @@
+import sys
+
+from graphddp.bench.cli import main
+
+sys.exit(main())

@@ -1,0 +1,132 @@
+"""``python -m graphddp.bench``: parse options, set up the link, spawn the ranks, report."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import graphddp.bench
+
+from graphddp.bench.netns import (NETNS_ENV, NETNS_SETUP_FAILED, _tc_stats, machine_load, reexec_in_netns,
+                                  setup_netns_link)
+from graphddp.bench.ranks import rank_main
+from graphddp.bench.report import plot, render_table
+from graphddp.bench.summary import summarize
+from graphddp.bench.workload import MB, MODES, BenchConfig, model_spec
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m graphddp.bench", description=graphddp.bench.__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=("gpt", "mlp"), default="gpt")
+    p.add_argument("--steps", type=int, default=20, help="timed rounds (median over these)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed rounds after each mode's first (compile) step")
+    p.add_argument("--tiny", action="store_true",
+                   help="tiny MLP and the aot_eager backend: a fast smoke run, not a measurement")
+    p.add_argument("--backend", choices=("inductor", "aot_eager"), default=None,
+                   help="inner compiler for the compiled modes (default inductor; aot_eager with --tiny)")
+    p.add_argument("--bucket-cap-mb", type=float, default=None, help="graphddp's cap (default per model)")
+    p.add_argument("--first-bucket-cap-mb", type=float, default=None)
+    p.add_argument("--last-bucket-cap-mb", type=float, default=None, help="graphddp's tail cap (default per model; 0: off, the last bucket is the remainder)")
+    p.add_argument("--link-gbit", type=float, default=2.0,
+                   help="emulated link rate in Gbit/s (tbf on a private namespace's loopback); 0: plain loopback")
+    p.add_argument("--out", default="bench_out", help="directory for bench.json and bench.png")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ready-probe-runs", type=int, default=5)
+    p.add_argument("--inductor-cache", default=os.path.join(tempfile.gettempdir(), "graphddp-bench-inductor-cache"),
+                   help="TORCHINDUCTOR_CACHE_DIR for the ranks ('' for a fresh one: cold compile times)")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of modes (graphddp always runs)")
+    p.add_argument("--timeout", type=float, default=1500.0, help="seconds before the ranks are killed")
+    p.add_argument("--wait-quiet", type=float, default=0.0,
+                   help="wait up to this many seconds for the cores to be idle (< 15%% busy) before starting")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    network: dict[str, Any]
+    if args.link_gbit > 0 and os.environ.get(NETNS_ENV) != "1":
+        rc, reason = reexec_in_netns(argv)
+        if rc is not None:
+            return rc
+        print(f"[bench] network emulation unavailable: {reason}; falling back to plain loopback", flush=True)
+        network = {"emulated": False, "label": f"plain loopback, NOT emulated ({reason})", "rate_gbit": None}
+    elif args.link_gbit > 0:
+        try:
+            network = {"emulated": True, "rate_gbit": args.link_gbit, **setup_netns_link(args.link_gbit)}
+        except (OSError, subprocess.CalledProcessError, RuntimeError) as e:
+            detail = getattr(e, "stderr", "") or str(e)
+            print(f"[bench] namespace link setup failed: {detail}", file=sys.stderr, flush=True)
+            return NETNS_SETUP_FAILED
+        network["label"] = (f"emulated {args.link_gbit:g} Gbit/s link: tbf on the loopback of a private netns, "
+                            f"shared by both ranks' traffic (2-rank all-reduce of B bytes ~ 16*B/R ns)")
+    else:
+        network = {"emulated": False, "label": "plain loopback (no emulation: --link-gbit 0), CPU-bound", "rate_gbit": None}
+
+    kwargs, batch, cap, first_cap, last_cap = model_spec(args.model, args.tiny)
+    backend = args.backend or ("aot_eager" if args.tiny else "inductor")
+    modes = tuple(m for m in MODES if m in set(args.modes.split(",")) | {"graphddp"})
+    unknown = set(args.modes.split(",")) - set(MODES)
+    if unknown:
+        raise SystemExit(f"unknown modes {sorted(unknown)}; choose from {MODES}")
+    cfg = BenchConfig(
+        model=args.model, tiny=args.tiny, steps=args.steps, warmup=args.warmup, backend=backend,
+        bucket_cap_mb=args.bucket_cap_mb or cap, first_bucket_cap_mb=args.first_bucket_cap_mb or first_cap,
+        last_bucket_cap_mb=last_cap if args.last_bucket_cap_mb is None else (args.last_bucket_cap_mb if args.last_bucket_cap_mb > 0 else None),
+        seed=args.seed, out=args.out, network=network, model_kwargs=kwargs, batch=batch,
+        ready_probe_runs=args.ready_probe_runs, modes=modes,
+    )
+    os.makedirs(args.out, exist_ok=True)
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # traffic stays on the loopback (of our namespace)
+    fresh_cache = not args.inductor_cache
+    cache = args.inductor_cache or tempfile.mkdtemp(prefix="graphddp-bench-inductor-")
+    os.environ["GRAPHDDP_BENCH_CACHE_WARM"] = "1" if os.path.isdir(cache) and os.listdir(cache) else "0"
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+    print(f"[bench] model {'tiny mlp' if args.tiny else args.model}, backend {backend}, "
+          f"{args.steps} steps + {args.warmup} warm-up, network: {network['label']}", flush=True)
+    from graphddp.testing import spawn
+
+    deadline = time.time() + args.wait_quiet
+    load_before = machine_load()
+    while load_before.get("busy_fraction", 0) > 0.15 and time.time() < deadline:
+        load_before = machine_load(2.0)
+    if load_before.get("busy_fraction", 0) > 0.25:
+        print(f"[bench] WARNING: the machine is already {100 * load_before['busy_fraction']:.0f}% busy "
+              f"(loadavg {load_before['loadavg']}): other processes will perturb the timings", flush=True)
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        result_path = os.path.join(tmp, "ranks.json")
+        try:
+            spawn(rank_main, 2, cfg, result_path, timeout=args.timeout)
+        finally:
+            if fresh_cache:
+                shutil.rmtree(cache, ignore_errors=True)
+        with open(result_path) as f:
+            ranks = json.load(f)
+    summary = summarize(cfg, ranks, time.time() - t0)
+    grad_bytes = sum(b["nbytes"] for b in (summary["graphddp"] or {}).get("buckets", []))
+    summary["graphddp_grad_mb"] = grad_bytes / MB
+    summary["graphddp_buckets"] = len((summary["graphddp"] or {}).get("buckets", []))
+    summary["environment"]["load_before"] = load_before
+    # Only what was measured during the timed steps (runqueue delay, cpu/wall) makes a warning:
+    # the machine can be busy before the run and quiet during it.
+    if network.get("emulated"):
+        network["tc_stats_after"] = _tc_stats()
+    table = render_table(summary)  # after the warnings are complete
+    print("\n" + "\n".join(summary["graphddp"]["schedules"]) + "\n")
+    print(table)
+    json_path = os.path.join(args.out, "bench.json")
+    with open(json_path, "w") as f:
+        json.dump(summary, f, indent=2)
+    with open(os.path.join(args.out, "bench.txt"), "w") as f:
+        f.write(table + "\n")
+    print(f"[bench] wrote {json_path}")
+    print("[bench] " + plot(summary, os.path.join(args.out, "bench.png")))
+    print(f"[bench] total wall time {time.time() - t0:.0f} s")
+    return 0

@@ -1,0 +1,188 @@
+"""The per-rank modes the benchmark times, and the probes it runs around them."""
+from __future__ import annotations
+
+import copy
+import os
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from graphddp.bench.workload import MB, BenchConfig
+
+class CountingBackend:
+    """A torch.compile backend that counts the graphs it is handed, then runs ``inner``.
+
+    Under DDPOptimizer it is called once per split subgraph, so ``graphs`` shows the split.
+    """
+
+    def __init__(self, inner: str) -> None:
+        self.inner = inner
+        self.graphs = 0
+
+    def __call__(self, gm: Any, example_inputs: Any) -> Any:
+        self.graphs += 1
+        return torch._dynamo.lookup_backend(self.inner)(gm, example_inputs)
+
+
+def _now() -> float:
+    return time.perf_counter()
+
+
+def _runqueue_wait() -> float:
+    """Seconds this thread has spent runnable but not running (waiting for a core)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+class TrainMode:
+    """One model + optimizer; ``step()`` times fwd, bwd, post-backward comm, optimizer."""
+
+    def __init__(self, name: str, model: nn.Module, params: Any, batch: Any, loss: Callable,
+                 after_backward: Callable[[], None] | None = None) -> None:
+        self.name = name
+        self.model = model
+        self.opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+        self.inputs, self.target = batch
+        self.loss = loss
+        self.after_backward = after_backward
+
+    def step(self) -> dict[str, float]:
+        c0, q0, p0 = time.thread_time(), _runqueue_wait(), time.process_time()
+        t0 = _now()
+        self.opt.zero_grad(set_to_none=True)
+        out = self.model(*self.inputs)
+        loss = self.loss(out, self.target)
+        t1 = _now()
+        loss.backward()
+        t2 = _now()
+        if self.after_backward is not None:
+            self.after_backward()
+        t3 = _now()
+        self.opt.step()
+        t4 = _now()
+        return {"step": t4 - t0, "fwd": t1 - t0, "bwd": t2 - t1, "comm": t3 - t2, "opt": t4 - t3,
+                "cpu": time.thread_time() - c0, "rq_wait": _runqueue_wait() - q0,
+                "proc_cpu": time.process_time() - p0}
+
+
+class CommOnlyMode:
+    """graphddp's buckets, all-reduced one after another on preallocated flat tensors."""
+
+    name = "comm_only"
+
+    def __init__(self, buckets: list[tuple[int, torch.dtype]]) -> None:
+        self.flats = [torch.ones(numel, dtype=dtype) for numel, dtype in buckets]
+
+    def step(self) -> dict[str, Any]:
+        times = []
+        c0, q0, p0 = time.thread_time(), _runqueue_wait(), time.process_time()
+        t0 = _now()
+        for flat in self.flats:
+            s = _now()
+            dist.all_reduce(flat)
+            times.append(_now() - s)
+        total = _now() - t0
+        return {"step": total, "fwd": 0.0, "bwd": 0.0, "comm": total, "opt": 0.0, "buckets": times,
+                "cpu": time.thread_time() - c0, "rq_wait": _runqueue_wait() - q0,
+                "proc_cpu": time.process_time() - p0}
+
+
+def flat_allreduce(model: nn.Module, world: int) -> Callable[[], None]:
+    """no_overlap's post-backward communication: one flat all-reduce of every gradient."""
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def run() -> None:
+        grads = [p.grad for p in params if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat.div_(world)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset: offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    return run
+
+
+def _ddp_buckets(ddp: nn.parallel.DistributedDataParallel, names: dict[int, str]) -> list[dict]:
+    """DDP's current bucket partition (after its rebuild), in reduction order."""
+    out = []
+    for b in ddp.reducer._get_zeros_like_grad_buckets():
+        out.append({"nbytes": b.buffer().numel() * b.buffer().element_size(),
+                    "params": [names.get(id(p), "?") for p in b.parameters()]})
+    return out
+
+
+def _ready_fractions(cfg: BenchConfig, base: nn.Module, batch: Any, loss: Callable,
+                     buckets: list[list[str]]) -> dict[str, Any]:
+    """Per bucket, when its last gradient is accumulated, as a fraction of the eager backward.
+
+    Measured with ``register_post_accumulate_grad_hook`` on an eager copy of the model (a
+    compiled backward hands all gradients back at its very end, so hooks there say nothing).
+    """
+    model = copy.deepcopy(base)
+    named = dict(model.named_parameters())
+    stamps: dict[str, float] = {}
+    handles = [named[n].register_post_accumulate_grad_hook(lambda _p, n=n: stamps.__setitem__(n, _now()))
+               for b in buckets for n in b]
+    runs = []
+    inputs, target = batch
+    for i in range(cfg.ready_probe_runs + 1):
+        model.zero_grad(set_to_none=True)
+        stamps.clear()
+        l_ = loss(model(*inputs), target)
+        t1 = _now()
+        l_.backward()
+        t2 = _now()
+        if i == 0:
+            continue  # warm-up
+        runs.append([(max(stamps[n] for n in b) - t1) / (t2 - t1) for b in buckets])
+    for h in handles:
+        h.remove()
+    fractions = [statistics.median(r[i] for r in runs) for i in range(len(buckets))]
+    return {"fractions": fractions, "runs": len(runs)}
+
+
+def _profile_step(mode: Any) -> dict[str, Any]:
+    """One extra step under torch.profiler(profile_memory=True): allocator peak and collectives."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier()
+    saved = os.dup(2)  # kineto prints start/stop lines on fd 2
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            mode.step()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+    events = list(prof.profiler.kineto_results.events())
+    mem = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in mem:
+        live += e.nbytes()
+        peak = max(peak, live)
+    # Collective issue/wait times relative to the first event of the step.
+    ops = [e for e in events if e.name() != "[memory]"]
+    start = min((e.start_ns() for e in ops), default=0)
+    colls = []
+    for e in sorted(ops, key=lambda e: e.start_ns()):
+        name = e.name()
+        if any(k in name for k in ("all_reduce", "allreduce", "wait_tensor")) and "gloo" not in name:
+            colls.append({"name": name, "start_ms": (e.start_ns() - start) / 1e6, "dur_ms": e.duration_ns() / 1e6})
+    bwd = sorted((e for e in ops if e.name() == "CompiledFunctionBackward"), key=lambda e: e.start_ns())
+    return {
+        "peak_mb": peak / MB,
+        "retained_mb": live / MB,
+        "collectives": colls,
+        "compiled_backward_ms": [[(e.start_ns() - start) / 1e6, e.duration_ns() / 1e6] for e in bwd],
+    }

@@ -1,0 +1,77 @@
+"""The emulated link: a private network namespace whose loopback is rate-limited by tbf.
+
+Only the loopback of a namespace this process created is touched; ``setup_netns_link``
+refuses to run where any other device is visible.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from typing import Any
+
+NETNS_ENV = "GRAPHDDP_BENCH_IN_NETNS"
+NETNS_SETUP_FAILED = 86  # exit code of the re-executed child when the namespace could not be set up
+
+def _tc_args(rate_gbit: float) -> list[str]:
+    rate_bytes = rate_gbit * 1e9 / 8
+    burst = max(256 * 1024, int(rate_bytes * 0.001))  # >= 4 lo MTUs (64 KiB), ~1 ms of traffic
+    return ["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", f"{rate_gbit}gbit",
+            "burst", str(burst), "latency", "200ms"]
+
+
+def setup_netns_link(rate_gbit: float) -> dict[str, Any]:
+    """Inside the fresh namespace: bring lo up and rate-limit it. Raises on failure."""
+    links = subprocess.run(["ip", "-o", "link", "show"], check=True, capture_output=True, text=True).stdout
+    devices = [line.split(":")[1].strip() for line in links.splitlines() if line.strip()]
+    if devices != ["lo"]:
+        raise RuntimeError(f"not a private network namespace (devices {devices}); refusing to touch them")
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True, capture_output=True, text=True)
+    args = _tc_args(rate_gbit)
+    subprocess.run(args, check=True, capture_output=True, text=True)
+    shown = subprocess.run(["tc", "qdisc", "show", "dev", "lo"], check=True, capture_output=True, text=True).stdout.strip()
+    return {"tc": " ".join(args), "qdisc": shown}
+
+
+def _tc_stats() -> str:
+    try:
+        return subprocess.run(["tc", "-s", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""
+
+
+def reexec_in_netns(argv: list[str]) -> tuple[int | None, str]:
+    """Run this script again in a new network namespace; (exit code, reason) or (None, reason)."""
+    missing = [t for t in ("unshare", "ip", "tc") if shutil.which(t) is None]
+    if missing:
+        hint = "apt-get install -y iproute2 util-linux" if os.geteuid() == 0 else "ask for iproute2 / util-linux"
+        return None, f"missing {', '.join(missing)} ({hint})"
+    cmd = ["unshare", "-n"] if os.geteuid() == 0 else ["unshare", "-r", "-n"]
+    probe = subprocess.run(cmd + ["true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return None, f"'{' '.join(cmd)}' failed: {probe.stderr.strip() or probe.returncode}"
+    env = dict(os.environ, **{NETNS_ENV: "1"})
+    rc = subprocess.call(cmd + [sys.executable, "-m", "graphddp.bench", *argv], env=env)
+    if rc == NETNS_SETUP_FAILED:
+        return None, "could not rate-limit the namespace's loopback (see message above)"
+    return rc, ""
+
+
+def machine_load(seconds: float = 1.0) -> dict[str, Any]:
+    """Load average and the busy fraction of all cores over ``seconds`` (other processes' use)."""
+    def busy() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            vals = [int(v) for v in f.readline().split()[1:]]
+        idle = vals[3] + vals[4]
+        return sum(vals) - idle, sum(vals)
+    try:
+        b0, t0 = busy()
+        time.sleep(seconds)
+        b1, t1 = busy()
+        with open("/proc/loadavg") as f:
+            load = f.read().split()[:3]
+        return {"busy_fraction": (b1 - b0) / max(1, t1 - t0), "loadavg": [float(x) for x in load]}
+    except OSError:
+        return {}

@@ -1,0 +1,142 @@
+"""One rank's side of the benchmark: build every mode, run the interleaved timed rounds."""
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from graphddp.bench.modes import (CommOnlyMode, CountingBackend, TrainMode, _ddp_buckets, _now,
+                                  _profile_step, _ready_fractions, flat_allreduce)
+from graphddp.bench.workload import DDP_CAPS, MB, MODES, BenchConfig, loss_fn, make_batch, make_model
+
+def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None:
+    import graphddp
+
+    torch._dynamo.config.optimize_ddp = True  # DDPOptimizer for ddp_compiled (the default)
+    for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit", "accumulated_recompile_limit"):
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, max(64, getattr(torch._dynamo.config, knob)))
+    torch.manual_seed(cfg.seed)
+    base = make_model(cfg)
+    batch = make_batch(cfg, rank)
+    loss = loss_fn(cfg)
+    modes: dict[str, Any] = {}
+    first: dict[str, float] = {}
+    info: dict[str, Any] = {}
+
+    def first_step(name: str, mode: Any) -> None:
+        dist.barrier()
+        t = _now()
+        mode.step()
+        first[name] = _now() - t
+        dist.barrier()
+        modes[name] = mode
+        if rank == 0:
+            print(f"[bench] {name}: first step {first[name]:.2f} s", flush=True)
+
+    # graphddp first: its schedule gives comm_only's buckets and ddp_same_buckets' caps.
+    m = graphddp.compile(copy.deepcopy(base), backend=cfg.backend, bucket_cap_mb=cfg.bucket_cap_mb,
+                         first_bucket_cap_mb=cfg.first_bucket_cap_mb, last_bucket_cap_mb=cfg.last_bucket_cap_mb)
+    first_step("graphddp", TrainMode("graphddp", m, m.parameters(), batch, loss))
+    schedules = m.schedules
+    buckets = [b for s in schedules for b in s.buckets]
+    info["graphddp"] = {
+        "schedules": [s.to_table() for s in schedules],
+        "fingerprints": [s.fingerprint() for s in schedules],
+        "buckets": [{"index": b.index, "nbytes": b.nbytes, "dtype": b.dtype, "params": list(b.param_names)} for b in buckets],
+        "estimate": [s.estimate().to_dict() for s in schedules],
+    }
+    if len(buckets) < 2:
+        raise RuntimeError(f"graphddp made {len(buckets)} bucket(s); the benchmark needs several")
+
+    counting = CountingBackend(cfg.backend)
+    if "compute_only" in cfg.modes:
+        m = torch.compile(copy.deepcopy(base), backend=counting)
+        first_step("compute_only", TrainMode("compute_only", m, m.parameters(), batch, loss))
+    if "compute_eager" in cfg.modes:  # what eager DDP computes, without its communication
+        m = copy.deepcopy(base)
+        first_step("compute_eager", TrainMode("compute_eager", m, m.parameters(), batch, loss))
+    if "no_overlap" in cfg.modes:
+        m = torch.compile(copy.deepcopy(base), backend=CountingBackend(cfg.backend))
+        first_step("no_overlap", TrainMode("no_overlap", m, m.parameters(), batch, loss, flat_allreduce(m, world)))
+    if "comm_only" in cfg.modes:
+        dtypes = {str(d).replace("torch.", ""): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+        first_step("comm_only", CommOnlyMode([(b.numel, dtypes[b.dtype]) for b in buckets]))
+
+    DDP = nn.parallel.DistributedDataParallel
+    ddp_variants: dict[str, dict] = {"ddp_default": {}}
+    same_caps = [b.nbytes / MB for b in buckets]
+
+    if "bucket_cap_mb_list" in inspect.signature(DDP.__init__).parameters:
+        ddp_variants["ddp_same_buckets"] = {"bucket_cap_mb_list": same_caps}
+        info["ddp_same_buckets"] = {"method": "bucket_cap_mb_list", "caps_mb": same_caps}
+    else:  # older torch: uniform cap only
+        ddp_variants["ddp_same_buckets"] = {"bucket_cap_mb": cfg.bucket_cap_mb}
+        info["ddp_same_buckets"] = {"method": "bucket_cap_mb (no bucket_cap_mb_list in this torch)",
+                                    "caps_mb": [cfg.bucket_cap_mb]}
+    for c in DDP_CAPS:
+        ddp_variants[f"ddp_cap{c}"] = {"bucket_cap_mb": c}
+    for name, kwargs in ddp_variants.items():
+        if name not in cfg.modes:
+            continue
+        m = DDP(copy.deepcopy(base), **kwargs)
+        first_step(name, TrainMode(name, m, m.parameters(), batch, loss))
+
+    # ddp_compiled is DDP(torch.compile(model)) as users write it (DDP's default caps);
+    # ddp_compiled_samecap gives DDPOptimizer graphddp's cap, for a like-for-like split.
+    compiled_variants = {"ddp_compiled": {}, "ddp_compiled_samecap": {"bucket_cap_mb": cfg.bucket_cap_mb}}
+    for name, kwargs in compiled_variants.items():
+        if name not in cfg.modes:
+            continue
+        dc = CountingBackend(cfg.backend)
+        m = DDP(torch.compile(copy.deepcopy(base), backend=dc), **kwargs)
+        first_step(name, TrainMode(name, m, m.parameters(), batch, loss))
+        plain_graphs = counting.graphs if "compute_only" in cfg.modes else 1
+        info[name] = {"graphs": dc.graphs, "graphs_without_ddp": plain_graphs,
+                      "bucket_cap_mb": kwargs.get("bucket_cap_mb", "default (25, DDPOptimizer first bucket 1)")}
+        if dc.graphs <= max(1, plain_graphs):
+            raise RuntimeError(
+                f"{name}: Dynamo compiled {dc.graphs} graph(s), the model alone compiles to "
+                f"{plain_graphs}: DDPOptimizer did not split the graph (optimize_ddp="
+                f"{torch._dynamo.config.optimize_ddp!r}); the baseline would not be DDP+compile as users run it"
+            )
+
+    info["ready"] = _ready_fractions(cfg, base, batch, loss, [list(b.param_names) for b in buckets])
+
+    # The timed rounds: every mode once per round, order rotated each round.
+    order = [n for n in MODES if n in modes]
+    records: dict[str, list] = {n: [] for n in order}
+    rounds = cfg.warmup + cfg.steps
+    for r in range(rounds):
+        k = r % len(order)
+        for name in order[k:] + order[:k]:
+            dist.barrier()
+            rec = modes[name].step()
+            dist.barrier()
+            if r >= cfg.warmup:
+                records[name].append(rec)
+        if rank == 0 and (r + 1) % 5 == 0:
+            print(f"[bench] round {r + 1}/{rounds}", flush=True)
+
+    # DDP rebuilds its buckets in gradient-ready order at the second forward; read them now.
+    for name in order:
+        if isinstance(modes[name].model if hasattr(modes[name], "model") else None, DDP) and not name.startswith("ddp_compiled"):
+            local = {id(p): n for n, p in modes[name].model.module.named_parameters()}
+            info.setdefault("ddp_buckets", {})[name] = _ddp_buckets(modes[name].model, local)
+    if "ddp_same_buckets" in info.get("ddp_buckets", {}):
+        got = info["ddp_buckets"]["ddp_same_buckets"]
+        info["ddp_same_buckets"]["ddp_bucket_mb"] = [b["nbytes"] / MB for b in got]
+        info["ddp_same_buckets"]["same_sizes"] = [b["nbytes"] for b in got] == [b.nbytes for b in buckets]
+        info["ddp_same_buckets"]["same_params"] = [sorted(b["params"]) for b in got] == [sorted(b.param_names) for b in buckets]
+
+    profiles = {name: _profile_step(modes[name]) for name in order}
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, {"records": records, "first": first, "profiles": profiles, "info": info})
+    if rank == 0:
+        with open(result_path, "w") as f:
+            json.dump(gathered, f)

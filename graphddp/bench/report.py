@@ -1,0 +1,116 @@
+"""The terminal table and the PNG chart, both drawn from the summary dict alone."""
+from __future__ import annotations
+
+from typing import Any
+
+from graphddp.bench.workload import REPORTED
+
+def render_table(s: dict[str, Any]) -> str:
+    net = s["network"]
+    cfg = s["config"]
+    lines = [
+        f"graphddp benchmark: model {cfg['model'] if not cfg['tiny'] else 'tiny mlp'}, "
+        f"{s['graphddp_grad_mb']:.1f} MB of gradients in {s['graphddp_buckets']} graphddp buckets, "
+        f"2 ranks x 1 thread, backend {cfg['backend']}, median of {cfg['steps']} steps after {cfg['warmup']} warm-up rounds",
+        f"compile s = first step - median step; inductor cache {'warm' if s['environment']['inductor_cache_was_warm'] else 'cold'} "
+        f"({s['environment']['inductor_cache']})",
+        f"network: {net['label']}",
+    ]
+    if cfg["backend"] != "inductor":
+        lines.append(f"NOTE: compiled modes use backend={cfg['backend']!r}, not inductor (--tiny or --backend)")
+    head = f"{'mode':<20} {'step ms':>9} {'fwd':>8} {'bwd':>8} {'comm':>8} {'opt':>7} {'compile s':>9} {'peak MB':>8} {'cpu/wall':>8} {'rq ms':>6} {'graphddp/x':>10}  note"
+    lines += [head, "-" * len(head)]
+    g = s["modes"].get("graphddp", {}).get("step_ms")
+    for name in REPORTED:
+        r = s["modes"].get(name)
+        if not r:
+            continue
+        ratio = f"{g / r['step_ms']:.3f}" if g and name != "graphddp" else ""
+        lines.append(
+            f"{name:<20} {r['step_ms']:>9.1f} {r['fwd_ms']:>8.1f} {r['bwd_ms']:>8.1f} {r['comm_ms']:>8.1f} "
+            f"{r['opt_ms']:>7.1f} {r['compile_s']:>9.2f} {r['peak_step_mb']:>8.1f} {r['cpu_per_wall']:>8.2f} {r['rq_wait_ms']:>6.1f} {ratio:>10}  {r['note']}"
+        )
+    b = s["bounds"]
+    if b:
+        lines.append("-" * len(head))
+        lines.append(f"{'max(compute,comm)':<20} {b['max_compute_comm_ms']:>9.1f} {'':>83} {s['ratios']['max_compute_comm_bound']:>10.3f}  bound")
+        lines.append(f"{'release-time':<20} {b['release_time_ms']:>9.1f} {'':>83} {s['ratios']['release_time_bound']:>10.3f}  "
+                     f"bound (link tail after backward {b['tail_after_backward_ms']:.1f} ms; ready times from eager hooks)")
+        if "release_time_graphddp_issue_ms" in b:
+            v = b["release_time_graphddp_issue_ms"]
+            lines.append(f"{'release-time*':<20} {v:>9.1f} {'':>83} {s['modes']['graphddp']['step_ms'] / v:>10.3f}  "
+                         "bound, ready times = graphddp's own issue times (profiled step)")
+    if s["exposed_comm_ms"] is not None:
+        lines.append(f"exposed communication (graphddp - compute_only): {s['exposed_comm_ms']:.1f} ms")
+    lines.append("cpu/wall: main-thread CPU time / wall time; rq ms: time the main thread was runnable "
+                 "but had no core (median per step, worst rank): > 0 means the 2 cores were oversubscribed")
+    lines.append("peak MB: torch CPU-allocator peak during one step above its start (torch.profiler "
+                 "profile_memory), max over ranks; excludes parameters, optimizer state, DDP's persistent buckets")
+    ov = s.get("graphddp_overlap")
+    if ov:
+        lines.append(f"graphddp all-reduces issued at {', '.join('%.0f%%' % (100 * f) for f in ov['issue_fraction'])} of its "
+                     f"backward; waits {', '.join('%.1f' % w for w in ov['wait_ms'])} ms (profiled step)")
+    lines.append("targets:")
+    for t in s["targets"]:
+        extra = ""
+        if t.get("release_bound_ms") and not t["target"].endswith("bound"):
+            extra = (f"  needs a step <= {t['needs_ms']:.0f} ms; release-time bound {t['release_bound_ms']:.0f} ms"
+                     + (" (target below the bound)" if t["below_release_bound"] else ""))
+        lines.append(f"  {t['target']:<32} {t['ratio']:.3f}  (<= {t['limit']:.2f})  {'met' if t['met'] else 'MISSED'}{extra}")
+    for name in ("ddp_compiled", "ddp_compiled_samecap"):
+        dc = s.get(name)
+        if dc:
+            lines.append(f"{name}: DDPOptimizer split the model into {dc['graphs']} graphs (model alone: "
+                         f"{dc['graphs_without_ddp']}), checked")
+    sb = s.get("ddp_same_buckets")
+    if sb and "ddp_bucket_mb" in sb:
+        lines.append(f"ddp_same_buckets via {sb['method']}: DDP buckets {['%.2f' % x for x in sb['ddp_bucket_mb']]} MB, "
+                     f"same sizes as graphddp: {sb['same_sizes']}, same parameters: {sb['same_params']}")
+    for w in s.get("warnings", []):
+        lines.append(f"WARNING: {w}")
+    return "\n".join(lines)
+
+
+def plot(s: dict[str, Any], path: str) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no PNG (pip install matplotlib)"
+    names = [n for n in REPORTED if n in s["modes"]]
+    fig, ax = plt.subplots(figsize=(13, 5.5))
+    bottoms = [0.0] * len(names)
+    colors = {"fwd": "#4c72b0", "bwd": "#55a868", "comm": "#c44e52", "opt": "#8172b2"}
+    for phase in ("fwd", "bwd", "comm", "opt"):
+        vals = [s["modes"][n][f"{phase}_ms"] for n in names]
+        ax.bar(names, vals, bottom=bottoms, color=colors[phase], label=phase)
+        bottoms = [a + v for a, v in zip(bottoms, vals)]
+    for i, n in enumerate(names):
+        ax.text(i, s["modes"][n]["step_ms"], f"{s['modes'][n]['step_ms']:.0f}", ha="center", va="bottom", fontsize=8)
+        ax.plot([i - 0.4, i + 0.4], [s["modes"][n]["step_ms"]] * 2, color="black", lw=1)
+    b = s["bounds"]
+    if b:
+        ax.axhline(b["max_compute_comm_ms"], ls=":", color="gray", label="max(compute, comm) bound")
+        ax.axhline(b["release_time_ms"], ls="--", color="black", label="release-time bound")
+        if "release_time_graphddp_issue_ms" in b:
+            ax.axhline(b["release_time_graphddp_issue_ms"], ls="-.", color="gray", lw=0.8,
+                       label="release-time bound (graphddp's issue times)")
+    ax.set_ylabel("median step time (ms); bars: phase medians")
+    g = s["modes"].get("graphddp", {}).get("step_ms")
+    net = s["network"]
+    short = (f"emulated {net['rate_gbit']:g} Gbit/s link (tbf, private netns loopback)" if net.get("emulated")
+             else "plain loopback, no link emulation")
+    ax.set_title(f"graphddp benchmark, {s['config']['model'] if not s['config']['tiny'] else 'tiny mlp'}, 2 ranks x 1 "
+                 f"thread, {s['config']['backend']}: {short}; white: graphddp / mode", fontsize=9)
+    if g:
+        for i, n in enumerate(names):
+            if n != "graphddp":
+                ax.text(i, 2, f"{g / s['modes'][n]['step_ms']:.2f}x", ha="center", va="bottom", fontsize=7, color="white")
+    plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return f"wrote {path}"

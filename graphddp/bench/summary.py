@@ -1,0 +1,189 @@
+"""Rank records -> per-mode medians, the two bounds, the ratios and the targets."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import sys
+from typing import Any
+
+import torch
+
+from graphddp.bench.workload import DDP_CAPS, MB, TARGETS, BenchConfig
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, Any]:
+    info = ranks[0]["info"]
+    modes: dict[str, dict] = {}
+    for name in ranks[0]["records"]:
+        per_rank = [r["records"][name] for r in ranks]
+        n = min(len(x) for x in per_rank)
+        steps = [max(per_rank[k][i]["step"] for k in range(len(ranks))) for i in range(n)]
+        step = _median(steps)
+        rec: dict[str, Any] = {
+            "step_ms": step * 1e3,
+            "steps_ms": [s * 1e3 for s in steps],
+            "min_ms": min(steps) * 1e3,
+            "max_ms": max(steps) * 1e3,
+            "first_step_s": max(r["first"][name] for r in ranks),
+        }
+        for phase in ("fwd", "bwd", "comm", "opt"):
+            rec[f"{phase}_ms"] = statistics.fmean(_median([x[phase] for x in pr]) for pr in per_rank) * 1e3
+        # CPU time of the rank's main thread over wall time: < 1 where it waited (communication)
+        # or was descheduled (another process on the core: contention).
+        rec["cpu_per_wall"] = statistics.fmean(_median([x["cpu"] / x["step"] for x in pr]) for pr in per_rank)
+        # Time the main thread was runnable but had no core, per step (median, worst rank).
+        rec["rq_wait_ms"] = max(_median([x["rq_wait"] for x in pr]) for pr in per_rank) * 1e3
+        # CPU time of the rank's other threads (gloo's workers: copies, reductions, sockets).
+        rec["other_threads_cpu_ms"] = statistics.fmean(
+            _median([x["proc_cpu"] - x["cpu"] for x in pr]) for pr in per_rank) * 1e3
+        rec["compile_s"] = rec["first_step_s"] - step
+        rec["peak_step_mb"] = max(r["profiles"][name]["peak_mb"] for r in ranks)
+        rec["retained_mb"] = max(r["profiles"][name]["retained_mb"] for r in ranks)
+        if name == "comm_only":
+            nb = len(per_rank[0][0]["buckets"])
+            rec["bucket_ms"] = [
+                _median([max(pr[i]["buckets"][j] for pr in per_rank) for i in range(n)]) * 1e3 for j in range(nb)
+            ]
+        modes[name] = rec
+    notes = {
+        "compute_only": f"torch.compile({cfg.backend}), no communication",
+        "compute_eager": "eager model, no communication (what eager DDP computes)",
+        "comm_only": "graphddp's buckets, all-reduced one at a time",
+        "no_overlap": f"torch.compile({cfg.backend}) + 1 flat all-reduce after backward",
+        "ddp_default": "DDP eager, default caps (25 MB, first 1 MB)",
+        "ddp_same_buckets": "DDP eager, " + info.get("ddp_same_buckets", {}).get("method", "?") + " = graphddp's buckets",
+        "ddp_compiled": "DDP(torch.compile) + DDPOptimizer, "
+                        f"{info.get('ddp_compiled', {}).get('graphs', '?')} graphs, DDP's default caps",
+        "ddp_compiled_samecap": "DDP(torch.compile) + DDPOptimizer, "
+                                f"{info.get('ddp_compiled_samecap', {}).get('graphs', '?')} graphs, "
+                                f"cap {cfg.bucket_cap_mb:g} MB (graphddp's)",
+        "graphddp": f"graphddp.compile({cfg.backend}), caps {cfg.bucket_cap_mb:g} MB, first "
+                    f"{cfg.first_bucket_cap_mb:g}, last {cfg.last_bucket_cap_mb if cfg.last_bucket_cap_mb is not None else 'off'}",
+    }
+    for c in DDP_CAPS:
+        notes[f"ddp_cap{c}"] = f"DDP eager, bucket_cap_mb={c}"
+    for name, rec in modes.items():
+        rec["note"] = notes.get(name, "")
+    caps = [f"ddp_cap{c}" for c in DDP_CAPS if f"ddp_cap{c}" in modes]
+    if caps:
+        best = min(caps, key=lambda n: modes[n]["step_ms"])
+        modes["ddp_best"] = {**modes[best], "best_of": best, "note": f"fastest of {', '.join(caps)}: {best}"}
+
+    bounds: dict[str, Any] = {}
+    ratios: dict[str, float] = {}
+    g = modes.get("graphddp", {}).get("step_ms")
+    c, k = modes.get("compute_only"), modes.get("comm_only")
+    overlap = _graphddp_overlap(ranks[0]["profiles"].get("graphddp"))
+    if c and k:
+        bounds["max_compute_comm_ms"] = max(c["step_ms"], k["step_ms"])
+        fr = info["ready"]["fractions"]
+        link, timeline = _release_link(fr, c["bwd_ms"], k["bucket_ms"])
+        bounds["release_time_ms"] = c["fwd_ms"] + max(c["bwd_ms"], link) + c["opt_ms"]
+        bounds["release_timeline"] = timeline
+        bounds["ready_fractions"] = fr
+        bounds["ready_source"] = ("post-accumulate-grad hooks on the eager backward (median of "
+                                  f"{info['ready']['runs']} runs), scaled to compute_only's backward")
+        bounds["bucket_comm_ms"] = k["bucket_ms"]
+        bounds["tail_after_backward_ms"] = max(0.0, link - c["bwd_ms"])
+        if overlap and overlap.get("compute_fractions") and len(overlap["compute_fractions"]) == len(fr):
+            # The same bound with the ready times graphddp's compiled backward showed (its issue times).
+            link2, _ = _release_link(overlap["compute_fractions"], c["bwd_ms"], k["bucket_ms"])
+            bounds["release_time_graphddp_issue_ms"] = c["fwd_ms"] + max(c["bwd_ms"], link2) + c["opt_ms"]
+    eager_ddp = [n for n in ("ddp_default", "ddp_same_buckets", *caps) if n in modes]
+    denominators = {n: modes[n]["step_ms"] for n in modes if n != "graphddp"}
+    if eager_ddp:
+        best_eager = min(eager_ddp, key=lambda n: modes[n]["step_ms"])
+        denominators["best_eager_ddp"] = modes[best_eager]["step_ms"]
+    if "max_compute_comm_ms" in bounds:
+        denominators["max_compute_comm_bound"] = bounds["max_compute_comm_ms"]
+        denominators["release_time_bound"] = bounds["release_time_ms"]
+        if "release_time_graphddp_issue_ms" in bounds:
+            denominators["release_time_graphddp_issue_bound"] = bounds["release_time_graphddp_issue_ms"]
+    if g:
+        ratios = {k_: g / v for k_, v in denominators.items() if v}
+    targets = []
+    for label, key, limit in TARGETS:
+        if key in ratios:
+            # The step time the target asks for, next to the release-time bound: a target below
+            # the bound cannot be met by any schedule of these buckets on this link.
+            needs = limit * denominators[key]
+            known = [bounds[k_] for k_ in ("release_time_ms", "release_time_graphddp_issue_ms") if k_ in bounds]
+            floor = min(known) if known else None
+            targets.append({"target": label, "ratio": ratios[key], "limit": limit, "met": ratios[key] <= limit,
+                            "needs_ms": needs, "release_bound_ms": floor,
+                            "below_release_bound": floor is not None and key != "release_time_bound" and needs < floor})
+    exposed = (g - c["step_ms"]) if (g and c) else None
+    warnings = []
+    waited = sum(x["rq_wait"] for r in ranks for recs in r["records"].values() for x in recs)
+    stepped = sum(x["step"] for r in ranks for recs in r["records"].values() for x in recs)
+    contention = waited / stepped if stepped else 0.0
+    if c and c["cpu_per_wall"] < 0.9:
+        warnings.append(f"compute_only's main thread got {c['cpu_per_wall']:.2f} s of CPU per wall second: "
+                        "other processes competed for the 2 cores, so times are noisy/inflated")
+    if contention > 0.05:
+        warnings.append(f"the ranks' main threads waited for a core {100 * contention:.0f}% of the timed steps "
+                        "(runqueue delay, /proc/thread-self/schedstat): the cores were shared")
+    return {
+        "config": {k_: v for k_, v in dataclasses.asdict(cfg).items() if k_ not in ("network",)},
+        "environment": {
+            "torch": torch.__version__, "python": sys.version.split()[0], "world_size": 2,
+            "threads_per_rank": 1, "cpu_count": os.cpu_count(), "wall_s": wall_s,
+            "inductor_cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+            "inductor_cache_was_warm": os.environ.get("GRAPHDDP_BENCH_CACHE_WARM") == "1",
+        },
+        "network": cfg.network,
+        "memory_note": ("peak_step_mb: peak of torch CPU-allocator bytes during one extra step above the "
+                        "bytes live at its start (torch.profiler profile_memory; the step frees the old "
+                        "grads with zero_grad(set_to_none) first); excludes parameters, optimizer state, "
+                        "persistent DDP reducer buckets and gloo's own buffers. retained_mb: allocator bytes "
+                        "still live after the step minus at its start. Max over ranks."),
+        "modes": modes,
+        "bounds": bounds,
+        "ratios": ratios,
+        "targets": targets,
+        "exposed_comm_ms": exposed,
+        "graphddp_overlap": overlap,
+        "warnings": warnings,
+        "runqueue_wait_fraction": contention,
+        "graphddp": info.get("graphddp"),
+        "graphddp_profile": ranks[0]["profiles"].get("graphddp"),
+        "ddp_compiled": info.get("ddp_compiled"),
+        "ddp_compiled_samecap": info.get("ddp_compiled_samecap"),
+        "ddp_same_buckets": info.get("ddp_same_buckets"),
+        "ddp_buckets_mb": {n: [b["nbytes"] / MB for b in v] for n, v in info.get("ddp_buckets", {}).items()},
+        "ddp_same_buckets_params": [b["params"] for b in info.get("ddp_buckets", {}).get("ddp_same_buckets", [])],
+    }
+
+
+def _release_link(fractions: list[float], bwd_ms: float, comm_ms: list[float]) -> tuple[float, list[dict]]:
+    """When the link finishes if bucket i may start at fractions[i] * bwd_ms, one bucket at a time."""
+    ready = [f * bwd_ms for f in fractions]
+    link, timeline = 0.0, []
+    for i in sorted(range(len(ready)), key=lambda i: ready[i]):  # earliest release first is optimal
+        start = max(ready[i], link)
+        link = start + comm_ms[i]
+        timeline.append({"bucket": i, "ready_ms": ready[i], "start_ms": start, "end_ms": link})
+    return link, timeline
+
+
+def _graphddp_overlap(profile: dict | None) -> dict[str, Any] | None:
+    """From graphddp's profiled step: when each all-reduce was issued inside the backward."""
+    if not profile or not profile["compiled_backward_ms"]:
+        return None
+    start, dur = profile["compiled_backward_ms"][0]
+    issues = [c["start_ms"] - start for c in profile["collectives"] if c["name"].endswith("all_reduce_")]
+    waits = [c for c in profile["collectives"] if c["name"].endswith("wait_tensor")]
+    compute_end = (waits[0]["start_ms"] - start) if waits else dur  # the waits sit after the last kernel
+    return {
+        "compute_fractions": [min(1.0, t / compute_end) for t in issues],
+        "backward_ms": dur,
+        "issue_ms": issues,
+        "issue_fraction": [t / dur for t in issues],
+        "first_wait_at_ms": (waits[0]["start_ms"] - start) if waits else None,
+        "wait_ms": [w["dur_ms"] for w in waits],
+        "note": "one extra graphddp step under torch.profiler, rank 0; times from the start of the compiled backward",
+    }

@@ -1,0 +1,82 @@
+"""What every mode trains: the model, the per-rank batch, the loss, and the run's constants."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+MB = 1024 * 1024
+DDP_CAPS = (1, 4, 25)
+MODES = (
+    "compute_only", "compute_eager", "comm_only", "no_overlap", "ddp_default", "ddp_same_buckets",
+    *(f"ddp_cap{c}" for c in DDP_CAPS), "ddp_compiled", "ddp_compiled_samecap", "graphddp",
+)
+REPORTED = (  # rows of the table, in this order
+    "graphddp", "compute_only", "compute_eager", "comm_only", "no_overlap", "ddp_default", "ddp_same_buckets",
+    "ddp_best", "ddp_compiled", "ddp_compiled_samecap", *(f"ddp_cap{c}" for c in DDP_CAPS),
+)
+TARGETS = (  # (label, denominator key in ratios, limit)
+    ("graphddp / best eager DDP", "best_eager_ddp", 0.90),
+    ("graphddp / ddp_compiled", "ddp_compiled", 0.80),
+    ("graphddp / no_overlap", "no_overlap", 0.75),
+    ("graphddp / release-time bound", "release_time_bound", 1.15),
+)
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    model: str
+    tiny: bool
+    steps: int
+    warmup: int
+    backend: str  # inner compiler of compute_only / no_overlap / ddp_compiled / graphddp
+    bucket_cap_mb: float
+    first_bucket_cap_mb: float
+    last_bucket_cap_mb: float | None
+    seed: int
+    out: str
+    network: dict
+    model_kwargs: dict
+    batch: int
+    ready_probe_runs: int
+    modes: tuple[str, ...] = MODES
+
+
+def model_spec(name: str, tiny: bool) -> tuple[dict, int, float, float, float]:
+    """(model kwargs, batch, graphddp's bucket_cap_mb, first_bucket_cap_mb, last_bucket_cap_mb)."""
+    if tiny:
+        # ~3 MB of gradients: DDPOptimizer's 1 MB first-bucket floor still yields > 1 graph.
+        return {"width": 256, "depth": 12, "d_in": 256, "d_out": 256}, 16, 1.0, 1.0, 1.0
+    if name == "gpt":  # 6.8 M parameters, 26 MB of fp32 gradients
+        return {"vocab": 2048, "dim": 256, "heads": 8, "layers": 8, "seq": 64}, 8, 4.0, 1.0, 1.0
+    if name == "mlp":  # 8.4 M parameters, 32 MB of fp32 gradients; batch sized so bwd ~ comm at 2 Gbit/s
+        return {"width": 1024, "depth": 8, "d_in": 1024, "d_out": 1024}, 640, 4.0, 1.0, 1.0
+    raise SystemExit(f"unknown --model {name!r} (gpt or mlp)")
+
+
+def make_model(cfg: BenchConfig) -> nn.Module:
+    from graphddp.models import MLP, TinyGPT
+
+    if cfg.tiny or cfg.model == "mlp":
+        return MLP(**cfg.model_kwargs)
+    return TinyGPT(**cfg.model_kwargs)
+
+
+def make_batch(cfg: BenchConfig, rank: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    gen = torch.Generator().manual_seed(cfg.seed + 1000 + rank)  # each rank its own data
+    if cfg.tiny or cfg.model == "mlp":
+        x = torch.randn(cfg.batch, cfg.model_kwargs["d_in"], generator=gen)
+        y = torch.randn(cfg.batch, cfg.model_kwargs["d_out"], generator=gen)
+        return (x,), y
+    vocab, seq = cfg.model_kwargs["vocab"], cfg.model_kwargs["seq"]
+    idx = torch.randint(0, vocab, (cfg.batch, seq + 1), generator=gen)
+    return (idx[:, :-1].contiguous(),), idx[:, 1:].contiguous()
+
+
+def loss_fn(cfg: BenchConfig) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    if cfg.tiny or cfg.model == "mlp":
+        return F.mse_loss
+    return lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())
