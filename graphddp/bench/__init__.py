@@ -10,6 +10,9 @@ Modes
   compute_eager     the eager model, no communication: the compute eager DDP does (diagnostic)
   comm_only         graphddp's own bucket list (sizes and dtypes from ``model.schedules``),
                     all-reduced back to back on preallocated flat tensors, one at a time
+  ideal_overlap     torch.compile(model) with graphddp's buckets all-reduced asynchronously from
+                    the start of backward, on their own tensors (no dependency on gradients):
+                    the step the link and the communication's CPU cost allow, measured
   no_overlap        torch.compile(model), then after backward one flat all-reduce of all grads
                     (cat, all_reduce, divide, copy back)
   ddp_default       DistributedDataParallel, eager, default bucket caps (25 MB, first 1 MB)
@@ -18,8 +21,8 @@ Modes
   ddp_compiled      DDP(torch.compile(model)) with Dynamo's DDPOptimizer, DDP's default caps, as
                     users write it (checked: > 1 graph); ddp_compiled_samecap: the same with
                     graphddp's bucket_cap_mb, a like-for-like split (reported, not a target)
-  graphddp          graphddp.compile(model, backend="inductor", bucket caps per model: 4 MB,
-                    first 1 MB, last 1 MB; see ``workload.model_spec``)
+  graphddp          graphddp.compile(model, backend="inductor", bucket caps per model (gpt: 2 MB,
+                    first 1 MB, last 1 MB; see ``workload.model_spec``))
 
 Bounds
   max(compute, comm)  max(compute_only step, comm_only step)

@@ -45,13 +45,15 @@ class TrainMode:
     """One model + optimizer; ``step()`` times fwd, bwd, post-backward comm, optimizer."""
 
     def __init__(self, name: str, model: nn.Module, params: Any, batch: Any, loss: Callable,
-                 after_backward: Callable[[], None] | None = None) -> None:
+                 after_backward: Callable[[], None] | None = None,
+                 before_backward: Callable[[], None] | None = None) -> None:
         self.name = name
         self.model = model
         self.opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9)
         self.inputs, self.target = batch
         self.loss = loss
         self.after_backward = after_backward
+        self.before_backward = before_backward
 
     def step(self) -> dict[str, float]:
         c0, q0, p0 = time.thread_time(), _runqueue_wait(), time.process_time()
@@ -60,6 +62,8 @@ class TrainMode:
         out = self.model(*self.inputs)
         loss = self.loss(out, self.target)
         t1 = _now()
+        if self.before_backward is not None:
+            self.before_backward()
         loss.backward()
         t2 = _now()
         if self.after_backward is not None:
@@ -92,6 +96,29 @@ class CommOnlyMode:
         return {"step": total, "fwd": 0.0, "bwd": 0.0, "comm": total, "opt": 0.0, "buckets": times,
                 "cpu": time.thread_time() - c0, "rq_wait": _runqueue_wait() - q0,
                 "proc_cpu": time.process_time() - p0}
+
+
+class UnboundComm:
+    """ideal_overlap's communication: graphddp's buckets, all issued as the backward starts.
+
+    ``issue`` (before backward) launches an async all-reduce of every bucket on its own
+    preallocated tensor, so the link is never idle for want of a ready gradient; ``wait``
+    (after backward) waits for them. Nothing depends on the gradients, so the step shows
+    what the link and the shared CPU cores allow: the communication's CPU cost slows the
+    compute exactly as it does in a real overlapped step, but no schedule can do better.
+    """
+
+    def __init__(self, buckets: list[tuple[int, torch.dtype]]) -> None:
+        self.flats = [torch.ones(numel, dtype=dtype) for numel, dtype in buckets]
+        self.works: list[Any] = []
+
+    def issue(self) -> None:
+        self.works = [dist.all_reduce(flat, async_op=True) for flat in self.flats]
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works = []
 
 
 def flat_allreduce(model: nn.Module, world: int) -> Callable[[], None]:

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from graphddp.bench.modes import (CommOnlyMode, CountingBackend, TrainMode, _ddp_buckets, _now,
+from graphddp.bench.modes import (CommOnlyMode, CountingBackend, TrainMode, UnboundComm, _ddp_buckets, _now,
                                   _profile_step, _ready_fractions, flat_allreduce)
 from graphddp.bench.workload import DDP_CAPS, MB, MODES, BenchConfig, loss_fn, make_batch, make_model
 
@@ -64,9 +64,15 @@ def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None
     if "no_overlap" in cfg.modes:
         m = torch.compile(copy.deepcopy(base), backend=CountingBackend(cfg.backend))
         first_step("no_overlap", TrainMode("no_overlap", m, m.parameters(), batch, loss, flat_allreduce(m, world)))
+    dtypes = {str(d).replace("torch.", ""): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+    bucket_specs = [(b.numel, dtypes[b.dtype]) for b in buckets]
     if "comm_only" in cfg.modes:
-        dtypes = {str(d).replace("torch.", ""): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
-        first_step("comm_only", CommOnlyMode([(b.numel, dtypes[b.dtype]) for b in buckets]))
+        first_step("comm_only", CommOnlyMode(bucket_specs))
+    if "ideal_overlap" in cfg.modes:
+        m = torch.compile(copy.deepcopy(base), backend=CountingBackend(cfg.backend))
+        comm = UnboundComm(bucket_specs)
+        first_step("ideal_overlap", TrainMode("ideal_overlap", m, m.parameters(), batch, loss,
+                                              after_backward=comm.wait, before_backward=comm.issue))
 
     DDP = nn.parallel.DistributedDataParallel
     ddp_variants: dict[str, dict] = {"ddp_default": {}}
