@@ -1,6 +1,7 @@
 # Two entry points, each installs what it needs into .venv first:
 #   make demo   - 2 local CPU ranks (gloo) train a small model with graphddp
 #   make test   - the test suite
+#   make bench  - the benchmark (not a test; ARGS="--model mlp" etc.)
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -25,4 +26,4 @@ test: $(VENV)/.installed-test
 	$(PY) -m pytest -q tests
 
 bench: $(VENV)/.installed-plot
-	$(PY) -m graphddp.bench --out bench_out
+	$(PY) -m graphddp.bench --out bench_out $(ARGS)

@@ -13,7 +13,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = (
     "compute_only", "comm_only", "ideal_overlap", "no_overlap", "ddp_default", "ddp_same_buckets", "ddp_cap1", "ddp_cap4",
-    "ddp_cap25", "ddp_best", "ddp_compiled", "ddp_compiled_samecap", "graphddp", "compute_eager",
+    "ddp_cap25", "ddp_best", "ddp_compiled", "ddp_compiled_samecap", "graphddp", "graphddp_tail_off", "compute_eager",
 )
 
 
@@ -39,6 +39,8 @@ def test_bench_tiny_runs_every_mode(tmp_path):
     for mode in ("compute_only", "graphddp", "no_overlap"):
         assert all(data["modes"][mode][f"{p}_ms"] > 0 for p in ("fwd", "bwd", "opt")), mode
     assert data["modes"]["comm_only"]["comm_ms"] > 0
+    assert data["modes"]["comm_only"]["machine_cpu_ms"] >= 0
+    assert data["bounds"]["ideal_overlap_ms"] == data["modes"]["ideal_overlap"]["step_ms"]
     assert len(data["modes"]["comm_only"]["bucket_ms"]) == data["graphddp_buckets"] >= 2
 
     assert data["bounds"]["release_time_ms"] > 0 and data["bounds"]["max_compute_comm_ms"] > 0

@@ -24,7 +24,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m graphddp.bench", description=graphddp.bench.__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=("gpt", "mlp"), default="gpt")
-    p.add_argument("--steps", type=int, default=20, help="timed rounds (median over these)")
+    p.add_argument("--steps", type=int, default=25, help="timed rounds (median over these)")
     p.add_argument("--warmup", type=int, default=3, help="untimed rounds after each mode's first (compile) step")
     p.add_argument("--tiny", action="store_true",
                    help="tiny MLP and the aot_eager backend: a fast smoke run, not a measurement")

@@ -54,6 +54,13 @@ def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None
     if len(buckets) < 2:
         raise RuntimeError(f"graphddp made {len(buckets)} bucket(s); the benchmark needs several")
 
+    if "graphddp_tail_off" in cfg.modes and cfg.last_bucket_cap_mb is not None:
+        # The same caps without last_bucket_cap_mb: what the small tail bucket buys, in this run.
+        m = graphddp.compile(copy.deepcopy(base), backend=cfg.backend, bucket_cap_mb=cfg.bucket_cap_mb,
+                             first_bucket_cap_mb=cfg.first_bucket_cap_mb)
+        first_step("graphddp_tail_off", TrainMode("graphddp_tail_off", m, m.parameters(), batch, loss))
+        info["graphddp_tail_off"] = {"buckets_mb": [b.nbytes / MB for s in m.schedules for b in s.buckets]}
+
     counting = CountingBackend(cfg.backend)
     if "compute_only" in cfg.modes:
         m = torch.compile(copy.deepcopy(base), backend=counting)

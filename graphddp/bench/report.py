@@ -42,6 +42,11 @@ def render_table(s: dict[str, Any]) -> str:
                          "bound, ready times = graphddp's own issue times (profiled step)")
     if s["exposed_comm_ms"] is not None:
         lines.append(f"exposed communication (graphddp - compute_only): {s['exposed_comm_ms']:.1f} ms")
+    k = s["modes"].get("comm_only")
+    if k and k.get("machine_cpu_ms") is not None:
+        lines.append(f"CPU cost of communication: while comm_only runs, the machine's cores are busy "
+                     f"{k['machine_cpu_ms']:.0f} ms per step ({100 * k['machine_cpu_ms'] / (2 * k['step_ms']):.0f}% of "
+                     f"2 cores x {k['step_ms']:.0f} ms; /proc/stat, kernel included): work that competes with compute when overlapped")
     lines.append("cpu/wall: main-thread CPU time / wall time; rq ms: time the main thread was runnable "
                  "but had no core (median per step, worst rank): > 0 means the 2 cores were oversubscribed")
     lines.append("peak MB: torch CPU-allocator peak during one step above its start (torch.profiler "
@@ -56,6 +61,9 @@ def render_table(s: dict[str, Any]) -> str:
         if t.get("release_bound_ms") and not t["target"].endswith("bound"):
             extra = (f"  needs a step <= {t['needs_ms']:.0f} ms; release-time bound {t['release_bound_ms']:.0f} ms"
                      + (" (target below the bound)" if t["below_release_bound"] else ""))
+            if t.get("ideal_overlap_ms"):
+                extra += (f"; ideal_overlap {t['ideal_overlap_ms']:.0f} ms"
+                          + (" (target below this measured floor)" if t["below_measured_floor"] else ""))
         lines.append(f"  {t['target']:<32} {t['ratio']:.3f}  (<= {t['limit']:.2f})  {'met' if t['met'] else 'MISSED'}{extra}")
     for name in ("ddp_compiled", "ddp_compiled_samecap"):
         dc = s.get(name)

@@ -12,10 +12,10 @@ MB = 1024 * 1024
 DDP_CAPS = (1, 4, 25)
 MODES = (
     "compute_only", "compute_eager", "comm_only", "ideal_overlap", "no_overlap", "ddp_default", "ddp_same_buckets",
-    *(f"ddp_cap{c}" for c in DDP_CAPS), "ddp_compiled", "ddp_compiled_samecap", "graphddp",
+    *(f"ddp_cap{c}" for c in DDP_CAPS), "ddp_compiled", "ddp_compiled_samecap", "graphddp_tail_off", "graphddp",
 )
 REPORTED = (  # rows of the table, in this order
-    "graphddp", "compute_only", "compute_eager", "comm_only", "ideal_overlap", "no_overlap", "ddp_default", "ddp_same_buckets",
+    "graphddp", "graphddp_tail_off", "compute_only", "compute_eager", "comm_only", "ideal_overlap", "no_overlap", "ddp_default", "ddp_same_buckets",
     "ddp_best", "ddp_compiled", "ddp_compiled_samecap", *(f"ddp_cap{c}" for c in DDP_CAPS),
 )
 TARGETS = (  # (label, denominator key in ratios, limit)
