@@ -18,7 +18,7 @@ def render_table(s: dict[str, Any]) -> str:
     ]
     if cfg["backend"] != "inductor":
         lines.append(f"NOTE: compiled modes use backend={cfg['backend']!r}, not inductor (--tiny or --backend)")
-    head = f"{'mode':<20} {'step ms':>9} {'fwd':>8} {'bwd':>8} {'comm':>8} {'opt':>7} {'compile s':>9} {'peak MB':>8} {'cpu/wall':>8} {'rq ms':>6} {'graphddp/x':>10}  note"
+    head = f"{'mode':<20} {'step ms':>9} {'fwd':>8} {'bwd':>8} {'comm':>8} {'opt':>7} {'compile s':>9} {'peak MB':>8} {'cpu/wall':>8} {'rq ms':>6} {'cpu ms':>7} {'graphddp/x':>10}  note"
     lines += [head, "-" * len(head)]
     g = s["modes"].get("graphddp", {}).get("step_ms")
     for name in REPORTED:
@@ -28,17 +28,17 @@ def render_table(s: dict[str, Any]) -> str:
         ratio = f"{g / r['step_ms']:.3f}" if g and name != "graphddp" else ""
         lines.append(
             f"{name:<20} {r['step_ms']:>9.1f} {r['fwd_ms']:>8.1f} {r['bwd_ms']:>8.1f} {r['comm_ms']:>8.1f} "
-            f"{r['opt_ms']:>7.1f} {r['compile_s']:>9.2f} {r['peak_step_mb']:>8.1f} {r['cpu_per_wall']:>8.2f} {r['rq_wait_ms']:>6.1f} {ratio:>10}  {r['note']}"
+            f"{r['opt_ms']:>7.1f} {r['compile_s']:>9.2f} {r['peak_step_mb']:>8.1f} {r['cpu_per_wall']:>8.2f} {r['rq_wait_ms']:>6.1f} {r.get('machine_cpu_ms', float('nan')):>7.0f} {ratio:>10}  {r['note']}"
         )
     b = s["bounds"]
     if b:
         lines.append("-" * len(head))
-        lines.append(f"{'max(compute,comm)':<20} {b['max_compute_comm_ms']:>9.1f} {'':>83} {s['ratios']['max_compute_comm_bound']:>10.3f}  bound")
-        lines.append(f"{'release-time':<20} {b['release_time_ms']:>9.1f} {'':>83} {s['ratios']['release_time_bound']:>10.3f}  "
+        lines.append(f"{'max(compute,comm)':<20} {b['max_compute_comm_ms']:>9.1f} {'':>91} {s['ratios']['max_compute_comm_bound']:>10.3f}  bound")
+        lines.append(f"{'release-time':<20} {b['release_time_ms']:>9.1f} {'':>91} {s['ratios']['release_time_bound']:>10.3f}  "
                      f"bound (link tail after backward {b['tail_after_backward_ms']:.1f} ms; ready times from eager hooks)")
         if "release_time_graphddp_issue_ms" in b:
             v = b["release_time_graphddp_issue_ms"]
-            lines.append(f"{'release-time*':<20} {v:>9.1f} {'':>83} {s['modes']['graphddp']['step_ms'] / v:>10.3f}  "
+            lines.append(f"{'release-time*':<20} {v:>9.1f} {'':>91} {s['modes']['graphddp']['step_ms'] / v:>10.3f}  "
                          "bound, ready times = graphddp's own issue times (profiled step)")
     if s["exposed_comm_ms"] is not None:
         lines.append(f"exposed communication (graphddp - compute_only): {s['exposed_comm_ms']:.1f} ms")
@@ -47,6 +47,8 @@ def render_table(s: dict[str, Any]) -> str:
         lines.append(f"CPU cost of communication: while comm_only runs, the machine's cores are busy "
                      f"{k['machine_cpu_ms']:.0f} ms per step ({100 * k['machine_cpu_ms'] / (2 * k['step_ms']):.0f}% of "
                      f"2 cores x {k['step_ms']:.0f} ms; /proc/stat, kernel included): work that competes with compute when overlapped")
+    lines.append("cpu ms: busy CPU time of the whole machine per step (both ranks, all threads, kernel; /proc/stat "
+                 "mean), out of 2 cores x step ms")
     lines.append("cpu/wall: main-thread CPU time / wall time; rq ms: time the main thread was runnable "
                  "but had no core (median per step, worst rank): > 0 means the 2 cores were oversubscribed")
     lines.append("peak MB: torch CPU-allocator peak during one step above its start (torch.profiler "
