@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = (
     "compute_only", "comm_only", "ideal_overlap", "no_overlap", "ddp_default", "ddp_same_buckets", "ddp_cap1", "ddp_cap4",
@@ -49,3 +51,39 @@ def test_bench_tiny_runs_every_mode(tmp_path):
     assert data["ddp_compiled"]["graphs"] > 1  # DDPOptimizer really split the graph
     assert {t["target"] for t in data["targets"]} >= {"graphddp / no_overlap", "graphddp / ddp_compiled"}
     assert (out / "bench.txt").exists()
+
+
+def _run_tiny(out, *extra, env=None):
+    cmd = [sys.executable, "-m", "graphddp.bench", "--tiny", "--steps", "2", "--warmup", "0",
+           "--ready-probe-runs", "1", "--out", str(out), "--timeout", "100",
+           "--modes", "compute_only,comm_only", *extra]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=115, env=env)
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
+    return json.loads((out / "bench.json").read_text())
+
+
+def test_bench_falls_back_to_plain_loopback_and_says_so(tmp_path):
+    # No unshare / ip / tc on PATH: the emulated link cannot be built.
+    env = dict(os.environ, PATH=str(tmp_path))
+    data = _run_tiny(tmp_path / "bench", "--link-gbit", "2", env=env)
+    assert not data["network"]["emulated"]
+    assert "NOT emulated" in data["network"]["label"] and "missing" in data["network"]["label"]
+    assert "NOT emulated" in (tmp_path / "bench" / "bench.txt").read_text()
+
+
+def _can_unshare_net() -> bool:
+    import shutil
+
+    if not all(shutil.which(t) for t in ("unshare", "ip", "tc")):
+        return False
+    cmd = ["unshare", "-n", "true"] if os.geteuid() == 0 else ["unshare", "-r", "-n", "true"]
+    return subprocess.run(cmd, capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _can_unshare_net(), reason="no network namespaces here (needs root or user namespaces, iproute2)")
+def test_bench_runs_on_the_emulated_link(tmp_path):
+    data = _run_tiny(tmp_path / "bench", "--link-gbit", "1")
+    net = data["network"]
+    assert net["emulated"] and net["rate_gbit"] == 1.0
+    assert "tbf" in net["qdisc"] and "1Gbit" in net["qdisc"]
+    assert "Sent" in net["tc_stats_after"]  # the ranks' traffic went through the limited loopback
