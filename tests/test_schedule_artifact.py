@@ -58,6 +58,22 @@ def test_explain_leaves_the_model_untouched():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+def test_last_bucket_cap_leaves_the_tied_embedding_alone_at_the_end():
+    # TinyGPT ties its head to the embedding: that gradient is finished last, by the embedding
+    # backward, so with a small tail cap it travels alone in the last bucket.
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=512, dim=64, layers=3, seq=16)
+    idx = torch.randint(0, 512, (2, 16))
+    (plain,) = graphddp.explain(model, idx, world_size=8, backend="aot_eager", bucket_cap_mb=0.5)
+    (tail,) = graphddp.explain(model, idx, world_size=8, backend="aot_eager", bucket_cap_mb=0.5,
+                               last_bucket_cap_mb=0.01)
+    assert "tok.weight" in plain.buckets[-1].param_names and len(plain.buckets[-1].param_names) > 1
+    assert tail.buckets[-1].param_names == ("tok.weight",)
+    assert sorted(tail.param_names) == sorted(plain.param_names)
+    assert tail.last_bucket_cap_mb == 0.01 and tail.fingerprint() != plain.fingerprint()
+    assert "last=0.01 MB" in tail.to_table()
+
+
 def test_fingerprint_is_stable_across_runs_and_sensitive_to_options(mlp_schedule):
     model, inputs = _mlp_inputs()
     (again,) = graphddp.explain(model, *inputs, world_size=64, backend="aot_eager", **CAPS)
