@@ -14,7 +14,13 @@ from graphddp.bench.modes import (CommOnlyMode, CountingBackend, TrainMode, Unbo
                                   _profile_step, _ready_fractions, flat_allreduce)
 from graphddp.bench.workload import DDP_CAPS, MB, MODES, BenchConfig, loss_fn, make_batch, make_model
 
+
 def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None:
+    """Build every mode from one seeded model, time them interleaved, gather to rank 0's file.
+
+    graphddp is built first: its schedule gives comm_only / ideal_overlap their bucket list and
+    ddp_same_buckets its caps. Each mode's first step (compile included) is timed apart.
+    """
     import graphddp
 
     torch._dynamo.config.optimize_ddp = True  # DDPOptimizer for ddp_compiled (the default)
