@@ -42,6 +42,12 @@ def test_bench_tiny_runs_every_mode(tmp_path):
         assert all(data["modes"][mode][f"{p}_ms"] > 0 for p in ("fwd", "bwd", "opt")), mode
     assert data["modes"]["comm_only"]["comm_ms"] > 0
     assert data["modes"]["comm_only"]["machine_cpu_ms"] >= 0
+    # DDP's reducer buckets hold every gradient for the model's lifetime: counted in its peak
+    grad_mb = data["graphddp_grad_mb"]
+    for mode in ("ddp_default", "ddp_cap1", "ddp_compiled"):
+        rec = data["modes"][mode]
+        assert abs(rec["persistent_comm_mb"] - grad_mb) < 1e-6 and rec["peak_mb"] > rec["peak_step_mb"], mode
+    assert data["modes"]["graphddp"]["persistent_comm_mb"] == 0.0
     assert data["bounds"]["ideal_overlap_ms"] == data["modes"]["ideal_overlap"]["step_ms"]
     assert len(data["modes"]["comm_only"]["bucket_ms"]) == data["graphddp_buckets"] >= 2
 

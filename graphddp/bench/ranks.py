@@ -143,10 +143,14 @@ def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None
             print(f"[bench] round {r + 1}/{rounds}", flush=True)
 
     # DDP rebuilds its buckets in gradient-ready order at the second forward; read them now.
+    # Their buffers live as long as the model: the memory figures add them to DDP's peak.
     for name in order:
-        if isinstance(modes[name].model if hasattr(modes[name], "model") else None, DDP) and not name.startswith("ddp_compiled"):
+        if isinstance(getattr(modes[name], "model", None), DDP):
             local = {id(p): n for n, p in modes[name].model.module.named_parameters()}
-            info.setdefault("ddp_buckets", {})[name] = _ddp_buckets(modes[name].model, local)
+            try:
+                info.setdefault("ddp_buckets", {})[name] = _ddp_buckets(modes[name].model, local)
+            except (RuntimeError, AttributeError) as e:  # a reducer without readable buckets
+                info.setdefault("ddp_buckets_unreadable", {})[name] = repr(e)
     if "ddp_same_buckets" in info.get("ddp_buckets", {}):
         got = info["ddp_buckets"]["ddp_same_buckets"]
         info["ddp_same_buckets"]["ddp_bucket_mb"] = [b["nbytes"] / MB for b in got]

@@ -28,7 +28,7 @@ def render_table(s: dict[str, Any]) -> str:
         ratio = f"{g / r['step_ms']:.3f}" if g and name != "graphddp" else ""
         lines.append(
             f"{name:<20} {r['step_ms']:>9.1f} {r['fwd_ms']:>8.1f} {r['bwd_ms']:>8.1f} {r['comm_ms']:>8.1f} "
-            f"{r['opt_ms']:>7.1f} {r['compile_s']:>9.2f} {r['peak_step_mb']:>8.1f} {r['cpu_per_wall']:>8.2f} {r['rq_wait_ms']:>6.1f} {r.get('machine_cpu_ms', float('nan')):>7.0f} {ratio:>10}  {r['note']}"
+            f"{r['opt_ms']:>7.1f} {r['compile_s']:>9.2f} {r.get('peak_mb', r['peak_step_mb']):>8.1f} {r['cpu_per_wall']:>8.2f} {r['rq_wait_ms']:>6.1f} {r.get('machine_cpu_ms', float('nan')):>7.0f} {ratio:>10}  {r['note']}"
         )
     b = s["bounds"]
     if b:
@@ -52,7 +52,8 @@ def render_table(s: dict[str, Any]) -> str:
     lines.append("cpu/wall: main-thread CPU time / wall time; rq ms: time the main thread was runnable "
                  "but had no core (median per step, worst rank): > 0 means the 2 cores were oversubscribed")
     lines.append("peak MB: torch CPU-allocator peak during one step above its start (torch.profiler "
-                 "profile_memory), max over ranks; excludes parameters, optimizer state, DDP's persistent buckets")
+                 "profile_memory) plus, for DDP, its reducer's bucket buffers, which live as long as the model; "
+                 "max over ranks; parameters and optimizer state left out")
     ov = s.get("graphddp_overlap")
     if ov:
         lines.append(f"graphddp all-reduces issued at {', '.join('%.0f%%' % (100 * f) for f in ov['issue_fraction'])} of its "

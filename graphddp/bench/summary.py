@@ -46,6 +46,11 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
         rec["compile_s"] = rec["first_step_s"] - step
         rec["peak_step_mb"] = max(r["profiles"][name]["peak_mb"] for r in ranks)
         rec["retained_mb"] = max(r["profiles"][name]["retained_mb"] for r in ranks)
+        # DDP's reducer keeps one flat buffer per bucket for the model's lifetime; graphddp and
+        # no_overlap allocate theirs inside the step, so the step's peak already holds them.
+        ddp_buckets = info.get("ddp_buckets", {}).get(name)
+        rec["persistent_comm_mb"] = sum(b["nbytes"] for b in ddp_buckets) / MB if ddp_buckets else 0.0
+        rec["peak_mb"] = rec["peak_step_mb"] + rec["persistent_comm_mb"]
         if name == "comm_only":
             nb = len(per_rank[0][0]["buckets"])
             rec["bucket_ms"] = [
@@ -150,9 +155,10 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
         "network": cfg.network,
         "memory_note": ("peak_step_mb: peak of torch CPU-allocator bytes during one extra step above the "
                         "bytes live at its start (torch.profiler profile_memory; the step frees the old "
-                        "grads with zero_grad(set_to_none) first); excludes parameters, optimizer state, "
-                        "persistent DDP reducer buckets and gloo's own buffers. retained_mb: allocator bytes "
-                        "still live after the step minus at its start. Max over ranks."),
+                        "grads with zero_grad(set_to_none) first). persistent_comm_mb: DDP's reducer bucket "
+                        "buffers, alive for the model's lifetime. peak_mb = peak_step_mb + persistent_comm_mb: "
+                        "the memory a mode needs beyond parameters, optimizer state and gloo's own buffers. "
+                        "retained_mb: allocator bytes still live after the step minus at its start. Max over ranks."),
         "modes": modes,
         "bounds": bounds,
         "ratios": ratios,
