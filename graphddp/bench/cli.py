@@ -12,13 +12,13 @@ import time
 from typing import Any
 
 import graphddp.bench
-
-from graphddp.bench.netns import (NETNS_ENV, NETNS_SETUP_FAILED, _tc_stats, machine_load, reexec_in_netns,
-                                  setup_netns_link)
+from graphddp.bench.netns import NETNS_ENV, NETNS_SETUP_FAILED, _tc_stats, reexec_in_netns, setup_netns_link
+from graphddp.bench.procstat import machine_load
 from graphddp.bench.ranks import rank_main
 from graphddp.bench.report import plot, render_table
 from graphddp.bench.summary import summarize
-from graphddp.bench.workload import MB, MODES, BenchConfig, model_spec
+from graphddp.bench.workload import MODES, BenchConfig, model_spec
+
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m graphddp.bench", description=graphddp.bench.__doc__,
@@ -110,9 +110,6 @@ def main(argv: list[str] | None = None) -> int:
         with open(result_path) as f:
             ranks = json.load(f)
     summary = summarize(cfg, ranks, time.time() - t0)
-    grad_bytes = sum(b["nbytes"] for b in (summary["graphddp"] or {}).get("buckets", []))
-    summary["graphddp_grad_mb"] = grad_bytes / MB
-    summary["graphddp_buckets"] = len((summary["graphddp"] or {}).get("buckets", []))
     summary["environment"]["load_before"] = load_before
     # Only what was measured during the timed steps (runqueue delay, cpu/wall) makes a warning:
     # the machine can be busy before the run and quiet during it.

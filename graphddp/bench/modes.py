@@ -11,7 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from graphddp.bench.procstat import cpu_seconds, runqueue_wait
 from graphddp.bench.workload import MB, BenchConfig
+
 
 class CountingBackend:
     """A torch.compile backend that counts the graphs it is handed, then runs ``inner``.
@@ -32,33 +34,16 @@ def _now() -> float:
     return time.perf_counter()
 
 
-def _runqueue_wait() -> float:
-    """Seconds this thread has spent runnable but not running (waiting for a core)."""
-    try:
-        with open("/proc/thread-self/schedstat") as f:
-            return int(f.read().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return 0.0
+class _StepProbe:
+    """CPU accounting around one step: this thread, its process, the whole machine."""
 
+    def __init__(self) -> None:
+        self.thread, self.rq, self.proc = time.thread_time(), runqueue_wait(), time.process_time()
+        self.machine = cpu_seconds()[0]
 
-_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def _machine_busy() -> float:
-    """CPU-seconds all cores of the machine have spent busy (user, system, irq, softirq...).
-
-    Machine-wide on purpose: the kernel's share of loopback TCP (softirq) is charged to no
-    thread of ours, yet it takes cores from the compute. Ticks of 1/CLK_TCK s: summed over many
-    steps it is accurate, one step alone is not.
-    """
-    try:
-        with open("/proc/stat") as f:
-            vals = [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return 0.0
-    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
-    guest = sum(vals[8:10]) if len(vals) > 9 else 0  # already counted in user / nice
-    return (sum(vals) - idle - guest) / _CLK_TCK
+    def finish(self) -> dict[str, float]:
+        return {"cpu": time.thread_time() - self.thread, "rq_wait": runqueue_wait() - self.rq,
+                "proc_cpu": time.process_time() - self.proc, "machine_busy": cpu_seconds()[0] - self.machine}
 
 
 class TrainMode:
@@ -76,7 +61,7 @@ class TrainMode:
         self.before_backward = before_backward
 
     def step(self) -> dict[str, float]:
-        c0, q0, p0, m0 = time.thread_time(), _runqueue_wait(), time.process_time(), _machine_busy()
+        probe = _StepProbe()
         t0 = _now()
         self.opt.zero_grad(set_to_none=True)
         out = self.model(*self.inputs)
@@ -92,8 +77,7 @@ class TrainMode:
         self.opt.step()
         t4 = _now()
         return {"step": t4 - t0, "fwd": t1 - t0, "bwd": t2 - t1, "comm": t3 - t2, "opt": t4 - t3,
-                "cpu": time.thread_time() - c0, "rq_wait": _runqueue_wait() - q0,
-                "proc_cpu": time.process_time() - p0, "machine_busy": _machine_busy() - m0}
+                **probe.finish()}
 
 
 class CommOnlyMode:
@@ -106,7 +90,7 @@ class CommOnlyMode:
 
     def step(self) -> dict[str, Any]:
         times = []
-        c0, q0, p0, m0 = time.thread_time(), _runqueue_wait(), time.process_time(), _machine_busy()
+        probe = _StepProbe()
         t0 = _now()
         for flat in self.flats:
             s = _now()
@@ -114,8 +98,7 @@ class CommOnlyMode:
             times.append(_now() - s)
         total = _now() - t0
         return {"step": total, "fwd": 0.0, "bwd": 0.0, "comm": total, "opt": 0.0, "buckets": times,
-                "cpu": time.thread_time() - c0, "rq_wait": _runqueue_wait() - q0,
-                "proc_cpu": time.process_time() - p0, "machine_busy": _machine_busy() - m0}
+                **probe.finish()}
 
 
 class UnboundComm:

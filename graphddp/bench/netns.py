@@ -9,11 +9,11 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from typing import Any
 
 NETNS_ENV = "GRAPHDDP_BENCH_IN_NETNS"
 NETNS_SETUP_FAILED = 86  # exit code of the re-executed child when the namespace could not be set up
+
 
 def _tc_args(rate_gbit: float) -> list[str]:
     rate_bytes = rate_gbit * 1e9 / 8
@@ -57,21 +57,3 @@ def reexec_in_netns(argv: list[str]) -> tuple[int | None, str]:
     if rc == NETNS_SETUP_FAILED:
         return None, "could not rate-limit the namespace's loopback (see message above)"
     return rc, ""
-
-
-def machine_load(seconds: float = 1.0) -> dict[str, Any]:
-    """Load average and the busy fraction of all cores over ``seconds`` (other processes' use)."""
-    def busy() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            vals = [int(v) for v in f.readline().split()[1:]]
-        idle = vals[3] + vals[4]
-        return sum(vals) - idle, sum(vals)
-    try:
-        b0, t0 = busy()
-        time.sleep(seconds)
-        b1, t1 = busy()
-        with open("/proc/loadavg") as f:
-            load = f.read().split()[:3]
-        return {"busy_fraction": (b1 - b0) / max(1, t1 - t0), "loadavg": [float(x) for x in load]}
-    except OSError:
-        return {}

@@ -65,7 +65,6 @@ def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None
         m = graphddp.compile(copy.deepcopy(base), backend=cfg.backend, bucket_cap_mb=cfg.bucket_cap_mb,
                              first_bucket_cap_mb=cfg.first_bucket_cap_mb)
         first_step("graphddp_tail_off", TrainMode("graphddp_tail_off", m, m.parameters(), batch, loss))
-        info["graphddp_tail_off"] = {"buckets_mb": [b.nbytes / MB for s in m.schedules for b in s.buckets]}
 
     counting = CountingBackend(cfg.backend)
     if "compute_only" in cfg.modes:
@@ -77,8 +76,7 @@ def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None
     if "no_overlap" in cfg.modes:
         m = torch.compile(copy.deepcopy(base), backend=CountingBackend(cfg.backend))
         first_step("no_overlap", TrainMode("no_overlap", m, m.parameters(), batch, loss, flat_allreduce(m, world)))
-    dtypes = {str(d).replace("torch.", ""): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
-    bucket_specs = [(b.numel, dtypes[b.dtype]) for b in buckets]
+    bucket_specs = [(b.numel, getattr(torch, b.dtype)) for b in buckets]
     if "comm_only" in cfg.modes:
         first_step("comm_only", CommOnlyMode(bucket_specs))
     if "ideal_overlap" in cfg.modes:

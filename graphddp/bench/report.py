@@ -5,6 +5,7 @@ from typing import Any
 
 from graphddp.bench.workload import REPORTED
 
+
 def render_table(s: dict[str, Any]) -> str:
     net = s["network"]
     cfg = s["config"]

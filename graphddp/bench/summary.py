@@ -11,6 +11,7 @@ import torch
 
 from graphddp.bench.workload import DDP_CAPS, MB, TARGETS, BenchConfig
 
+
 def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -168,6 +169,8 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
         "warnings": warnings,
         "runqueue_wait_fraction": contention,
         "graphddp": info.get("graphddp"),
+        "graphddp_grad_mb": sum(b["nbytes"] for b in info["graphddp"]["buckets"]) / MB,
+        "graphddp_buckets": len(info["graphddp"]["buckets"]),
         "graphddp_profile": ranks[0]["profiles"].get("graphddp"),
         "ddp_compiled": info.get("ddp_compiled"),
         "ddp_compiled_samecap": info.get("ddp_compiled_samecap"),
