@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import copy
 import datetime
+import faulthandler
+import gc
 import os
+import sys
 import tempfile
 import time
 import traceback
@@ -17,6 +20,9 @@ import torch.nn as nn
 
 
 def _entry(rank: int, fn: Callable[..., Any], world_size: int, store_path: str, args: tuple, errors: Any) -> None:
+    # A rank that dies in C++ (abort, segfault) reports no Python traceback; faulthandler
+    # prints where each thread was, so a crash in CI says more than an exit code.
+    faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
@@ -28,11 +34,31 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, store_path: str, 
         )
         try:
             fn(rank, world_size, *args)
+            dist.barrier()  # leave together: no rank tears gloo down under a peer still using it
         finally:
-            dist.destroy_process_group()
+            release_process_group()
     except BaseException:  # report to the parent; the exit code alone loses the traceback
         errors.put((rank, traceback.format_exc()))
         raise
+    # Passed. Skip interpreter finalization: gloo objects still referenced there (from Dynamo's
+    # caches, say) are destroyed while Python is half torn down, which can abort the process
+    # ("terminate called without an active exception") after every check has passed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def release_process_group() -> None:
+    """Destroy the default group once nothing of ours holds it any more.
+
+    Compiled modules, their guards and DDP reducers keep the group alive; dropping Dynamo's
+    caches and collecting cycles first lets its last reference die inside
+    ``destroy_process_group``, while the interpreter is whole.
+    """
+    torch._dynamo.reset()
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0) -> None:
