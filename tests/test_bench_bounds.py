@@ -44,3 +44,27 @@ def test_published_results_render_and_hold_what_the_readme_quotes(name):
         if denominator:
             assert value == pytest.approx(g / denominator)
     assert summary["ddp_compiled"]["graphs"] > 1 and summary["ddp_compiled_samecap"]["graphs"] > 1
+
+
+def test_a_run_of_some_modes_renders_without_the_bounds_it_did_not_measure():
+    # --modes without comm_only: no max(compute, comm) or release-time bound to print.
+    with open(os.path.join(DOCS, "bench_gpt.json")) as f:
+        summary = json.load(f)
+    summary["modes"].pop("comm_only")
+    summary["bounds"] = {"ideal_overlap_ms": summary["bounds"]["ideal_overlap_ms"]}
+    summary["ratios"] = {k: v for k, v in summary["ratios"].items() if "bound" not in k}
+    table = render_table(summary)
+    assert "\ngraphddp " in table and "\ncomm_only " not in table
+    rows = [line.split(" ")[0] for line in table.splitlines()]
+    assert "release-time" not in rows and "max(compute,comm)" not in rows
+
+
+def test_readme_quotes_the_published_gpt_run():
+    with open(os.path.join(DOCS, "bench_gpt.json")) as f:
+        summary = json.load(f)
+    with open(os.path.join(os.path.dirname(DOCS), "README.md")) as f:
+        readme = f.read()
+    modes = summary["modes"]
+    assert f"| **graphddp** | **{modes['graphddp']['step_ms']:.0f}** |" in readme
+    assert f"| ideal_overlap (measured floor) | {modes['ideal_overlap']['step_ms']:.0f} |" in readme
+    assert f"**{summary['ratios']['best_eager_ddp']:.3f}**" in readme

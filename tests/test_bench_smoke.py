@@ -42,6 +42,7 @@ def test_bench_tiny_runs_every_mode(tmp_path):
         assert all(data["modes"][mode][f"{p}_ms"] > 0 for p in ("fwd", "bwd", "opt")), mode
     assert data["modes"]["comm_only"]["comm_ms"] > 0
     assert data["modes"]["comm_only"]["machine_cpu_ms"] >= 0
+    assert all(data["modes"][m]["minor_faults"] >= 0 for m in MODES)
     # DDP's reducer buckets hold every gradient for the model's lifetime: counted in its peak
     grad_mb = data["graphddp_grad_mb"]
     for mode in ("ddp_default", "ddp_cap1", "ddp_compiled"):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import os
+import resource
 import statistics
 import time
 from typing import Any, Callable
@@ -40,10 +41,12 @@ class _StepProbe:
     def __init__(self) -> None:
         self.thread, self.rq, self.proc = time.thread_time(), runqueue_wait(), time.process_time()
         self.machine = cpu_seconds()[0]
+        self.faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
     def finish(self) -> dict[str, float]:
         return {"cpu": time.thread_time() - self.thread, "rq_wait": runqueue_wait() - self.rq,
-                "proc_cpu": time.process_time() - self.proc, "machine_busy": cpu_seconds()[0] - self.machine}
+                "proc_cpu": time.process_time() - self.proc, "machine_busy": cpu_seconds()[0] - self.machine,
+                "minor_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - self.faults}
 
 
 class TrainMode:

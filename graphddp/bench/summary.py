@@ -44,6 +44,9 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
         # Machine-wide busy CPU per step (both ranks, their threads and the kernel's network
         # work), rank 0's reading, mean over steps (tick resolution); of 2 cores x step time.
         rec["machine_cpu_ms"] = statistics.fmean(x["machine_busy"] for x in per_rank[0]) * 1e3
+        # Pages the rank's process touched for the first time in the step (fresh allocations the
+        # kernel had to map and zero: CPU taken from the compute), median per step, worst rank.
+        rec["minor_faults"] = max(_median([x.get("minor_faults", 0) for x in pr]) for pr in per_rank)
         rec["compile_s"] = rec["first_step_s"] - step
         rec["peak_step_mb"] = max(r["profiles"][name]["peak_mb"] for r in ranks)
         rec["retained_mb"] = max(r["profiles"][name]["retained_mb"] for r in ranks)
