@@ -14,14 +14,10 @@ torch.set_num_threads(1)
 @pytest.fixture
 def fake_world():
     """A fake process group of 8 ranks in this process, torn down after the test."""
-    import torch.distributed as dist
-
-    from graphddp.testing import init_fake_process_group
+    from graphddp.testing import init_fake_process_group, release_process_group
 
     def make(world_size: int = 8) -> None:
         init_fake_process_group(world_size)
 
     yield make
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    torch._dynamo.reset()
+    release_process_group()

@@ -12,6 +12,12 @@ from graphddp.bench.summary import _release_link
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
 
 
+def _published(name: str) -> dict:
+    """The summary of a published benchmark run (docs/bench_*.json)."""
+    with open(os.path.join(DOCS, name)) as f:
+        return json.load(f)
+
+
 def test_release_link_starts_each_bucket_when_ready_if_the_link_is_free():
     link, timeline = _release_link([0.1, 0.5, 1.0], 100.0, [20.0, 30.0, 10.0])
     assert [(t["start_ms"], t["end_ms"]) for t in timeline] == [(10.0, 30.0), (50.0, 80.0), (100.0, 110.0)]
@@ -32,8 +38,7 @@ def test_release_link_serves_buckets_in_ready_order_whatever_their_index():
 
 @pytest.mark.parametrize("name", ["bench_gpt.json", "bench_mlp.json"])
 def test_published_results_render_and_hold_what_the_readme_quotes(name):
-    with open(os.path.join(DOCS, name)) as f:
-        summary = json.load(f)
+    summary = _published(name)
     table = render_table(summary)
     assert summary["network"]["emulated"], "the published figures come from the emulated link"
     for mode in ("graphddp", "ideal_overlap", "no_overlap", "ddp_best", "ddp_compiled"):
@@ -48,8 +53,7 @@ def test_published_results_render_and_hold_what_the_readme_quotes(name):
 
 def test_a_run_of_some_modes_renders_without_the_bounds_it_did_not_measure():
     # --modes without comm_only: no max(compute, comm) or release-time bound to print.
-    with open(os.path.join(DOCS, "bench_gpt.json")) as f:
-        summary = json.load(f)
+    summary = _published("bench_gpt.json")
     summary["modes"].pop("comm_only")
     summary["bounds"] = {"ideal_overlap_ms": summary["bounds"]["ideal_overlap_ms"]}
     summary["ratios"] = {k: v for k, v in summary["ratios"].items() if "bound" not in k}
@@ -60,8 +64,7 @@ def test_a_run_of_some_modes_renders_without_the_bounds_it_did_not_measure():
 
 
 def test_readme_quotes_the_published_gpt_run():
-    with open(os.path.join(DOCS, "bench_gpt.json")) as f:
-        summary = json.load(f)
+    summary = _published("bench_gpt.json")
     with open(os.path.join(os.path.dirname(DOCS), "README.md")) as f:
         readme = f.read()
     modes = summary["modes"]
