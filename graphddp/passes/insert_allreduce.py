@@ -1,5 +1,32 @@
 """Apply a Schedule to a backward graph: flatten, average, all-reduce, wait, unflatten.
 
+The Schedule is the contract between the planner and this pass: every decision about where
+communication goes is made by the planner and written into the Schedule; this pass only
+carries it out, and refuses (before editing anything) a Schedule that does not fit the graph.
+
+Fields read, and what each one decides:
+
+* ``Schedule.world_size``: the divisor of each bucket (DDP pre-divides).
+* ``Schedule.group_name``: the process group every all-reduce runs on.
+* ``Bucket.index``: tags every node made for the bucket (``meta[BUCKET_KEY]``); must equal
+  the bucket's position in ``Schedule.buckets``.
+* ``Bucket.issue_after``: the all-reduce is issued right after this node (after the last
+  placeholder when it names a placeholder). It may not come before any slot's producer.
+* ``Bucket.wait_before``: the wait, the decompress cast and the unflatten views go right
+  before this node; ``"output"`` is the graph's output node. It must come after the issue
+  point.
+* ``Bucket.slots`` in order, with ``Bucket.offsets()``: the layout of the flat buffer. Per
+  slot, ``output_index`` says which output is flattened and replaced, ``numel`` and
+  ``shape`` size the flatten and unflatten views. ``producer``, ``shape`` and ``dtype`` are
+  checked against the graph (the output must be that node, of that shape and dtype).
+* ``Bucket.dtype`` / ``Bucket.device``: checked against every slot's gradient; ``dtype`` is
+  what a compressed bucket is cast back to.
+* ``Bucket.comm_dtype``: with a compression hook, the dtype on the wire.
+
+Not read (derived from the above, or for people and the cost model): ``Bucket.overlap``,
+``Schedule.graph_index``, the bucket caps, ``Schedule.unreduced``, ``Schedule.nodes``,
+``GradSlot.position``, ``GradSlot.nbytes``; ``GradSlot.param_name`` only names things in errors.
+
 Precondition: ``gm`` is the AOTAutograd backward graph the schedule was planned from (node
 names in the schedule exist, output ``slot.output_index`` is that slot's gradient, every
 node has ``meta["val"]``).
@@ -13,9 +40,10 @@ Postcondition, per bucket, in graph order::
     scaled  = div(bucket, world_size)    # DDP pre-divides; same rounding as DDP
     reduced = all_reduce_(scaled, "sum", group)
     ... the rest of the backward (the overlap window) ...
-    done    = wait_tensor(reduced)       # just before the first reader: the output
+    done    = wait_tensor(reduced)       # just before wait_before (today: the output)
     done    = _to_copy(done, dtype)      # only with a compression hook
     grad_i  = view(slice(done, 0, off_i, off_i + n_i), shape_i)
+    <wait_before node>
     output(..., grad_i, ...)
 
 The returned gradients are views into the reduced flat buffer (DDP's gradient_as_bucket_view),
@@ -23,6 +51,7 @@ so no copy back is made. A no-op when the schedule has no buckets.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
 import torch
@@ -31,9 +60,20 @@ from torch._guards import detect_fake_mode
 from torch.utils._pytree import tree_map_only
 
 from graphddp.comm import ALL_REDUCE, BUCKET_KEY, ROLE_KEY, WAIT
-from graphddp.schedule import Schedule
+from graphddp.schedule import Bucket, Schedule
 
 aten = torch.ops.aten
+
+OUTPUT = "output"  # the wait_before that means "the graph's output node"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Placement:
+    """Where one bucket's communication goes in this graph, resolved from its names."""
+
+    bucket: Bucket
+    issue: fx.Node  # the all-reduce chain goes right after this node
+    wait: fx.Node  # the wait and unflatten views go right before this node
 
 
 def _call(
@@ -58,14 +98,74 @@ def _call(
     return node
 
 
-def _anchor(gm: fx.GraphModule, name: str) -> fx.Node:
-    nodes = {n.name: n for n in gm.graph.nodes}
+def _node_named(nodes: dict[str, fx.Node], bucket: Bucket, field: str, name: str) -> fx.Node:
     if name not in nodes:
-        raise RuntimeError(f"graphddp: schedule names node {name!r}, which is not in the graph")
-    node = nodes[name]
-    if node.op == "placeholder":  # keep placeholders first: issue after the last one
-        node = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
-    return node
+        raise RuntimeError(f"graphddp: bucket {bucket.index}: {field} names node {name!r}, which is not in the graph")
+    return nodes[name]
+
+
+def _issue_point(nodes: dict[str, fx.Node], placeholders: list[fx.Node], bucket: Bucket) -> fx.Node:
+    """The node the bucket's all-reduce chain follows; placeholders stay first."""
+    node = _node_named(nodes, bucket, "issue_after", bucket.issue_after)
+    return placeholders[-1] if node.op == "placeholder" else node
+
+
+def _wait_point(nodes: dict[str, fx.Node], output: fx.Node, bucket: Bucket) -> fx.Node:
+    return output if bucket.wait_before == OUTPUT else _node_named(nodes, bucket, "wait_before", bucket.wait_before)
+
+
+def _check_slots(bucket: Bucket, outs: Sequence[Any], order: dict[fx.Node, int], issue: fx.Node) -> None:
+    """The graph must hold what the schedule says each slot is, produced by the issue point."""
+    for slot in bucket.slots:
+        where = f"graphddp: bucket {bucket.index}, gradient of {slot.param_name!r} (output {slot.output_index})"
+        grad = outs[slot.output_index] if 0 <= slot.output_index < len(outs) else None
+        if not isinstance(grad, fx.Node):
+            raise RuntimeError(f"{where}: the graph returns no gradient node there")
+        if grad.name != slot.producer:
+            raise RuntimeError(f"{where}: the schedule says it is produced by {slot.producer}, the graph returns {grad.name}")
+        val = grad.meta.get("val")
+        found = (tuple(val.shape), str(val.dtype).replace("torch.", ""), str(val.device)) if isinstance(val, torch.Tensor) else None
+        if found != (slot.shape, bucket.dtype, bucket.device) or slot.dtype != bucket.dtype:
+            raise RuntimeError(
+                f"{where}: {grad.name} is {found}, the schedule says {(slot.shape, slot.dtype, bucket.device)} "
+                f"in a {bucket.dtype} bucket"
+            )
+        if order[grad] > order[issue]:
+            raise RuntimeError(f"{where}: issued after {issue.name}, before its producer {grad.name}")
+
+
+def _place(gm: fx.GraphModule, schedule: Schedule, outs: Sequence[Any]) -> list[_Placement]:
+    """Resolve every bucket's names to nodes and check the schedule fits the graph.
+
+    Runs before any edit, so a schedule that does not fit leaves the graph untouched.
+    """
+    graph = gm.graph
+    nodes = {n.name: n for n in graph.nodes}
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    output = graph.output_node()
+    seen: dict[int, int] = {}
+    placements = []
+    for position, bucket in enumerate(schedule.buckets):
+        if bucket.index != position:
+            raise RuntimeError(f"graphddp: bucket {bucket.index} is at position {position} of the schedule")
+        for slot in bucket.slots:
+            if slot.output_index in seen:
+                raise RuntimeError(
+                    f"graphddp: output {slot.output_index} ({slot.param_name!r}) is in bucket "
+                    f"{seen[slot.output_index]} and bucket {bucket.index}"
+                )
+            seen[slot.output_index] = bucket.index
+        issue = _issue_point(nodes, placeholders, bucket)
+        wait = _wait_point(nodes, output, bucket)
+        if order[wait] <= order[issue]:
+            raise RuntimeError(
+                f"graphddp: bucket {bucket.index}: wait_before {wait.name} is not after the issue point "
+                f"{issue.name} (issue_after={bucket.issue_after!r})"
+            )
+        _check_slots(bucket, outs, order, issue)
+        placements.append(_Placement(bucket, issue, wait))
+    return placements
 
 
 def insert_allreduce(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
@@ -73,30 +173,35 @@ def insert_allreduce(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
     graph = gm.graph
     output = graph.output_node()
     outs: list[Any] = list(output.args[0])
-    cursor: dict[fx.Node, fx.Node] = {}  # anchor -> last node inserted after it
-    pending: list[tuple[Any, fx.Node]] = []  # (bucket, all_reduce node), in issue order
-    for bucket in schedule.buckets:
-        anchor = _anchor(gm, bucket.issue_after)
-        with graph.inserting_after(cursor.get(anchor, anchor)):
-            last = _issue(graph, bucket, outs, schedule)
-        cursor[anchor] = last
-        pending.append((bucket, last))
-    for bucket, reduced in pending:
-        with graph.inserting_before(output):
-            done = _call(graph, WAIT, (reduced,), "wait", bucket.index)
-            if bucket.comm_dtype is not None:  # decompress back to the gradients' dtype
-                dtype = getattr(torch, bucket.dtype)
-                done = _call(graph, aten._to_copy.default, (done,), "decompress", bucket.index, {"dtype": dtype})
-            for slot, off in zip(bucket.slots, bucket.offsets()):
-                piece = _call(graph, aten.slice.Tensor, (done, 0, off, off + slot.numel), "unflatten", bucket.index)
-                outs[slot.output_index] = _call(graph, aten.view.default, (piece, list(slot.shape)), "unflatten", bucket.index)
+    placements = _place(gm, schedule, outs)
+    cursor: dict[fx.Node, fx.Node] = {}  # issue point -> last node inserted after it
+    pending: list[tuple[_Placement, fx.Node]] = []  # (placement, all_reduce node), in issue order
+    for p in placements:
+        with graph.inserting_after(cursor.get(p.issue, p.issue)):
+            last = _issue(graph, p.bucket, outs, schedule)
+        cursor[p.issue] = last
+        pending.append((p, last))
+    for p, reduced in pending:
+        with graph.inserting_before(p.wait):
+            _unflatten(graph, p.bucket, reduced, outs)
     output.args = (tuple(outs),)
     graph.lint()
     gm.recompile()
     return gm
 
 
-def _issue(graph: fx.Graph, bucket: Any, outs: Sequence[Any], schedule: Schedule) -> fx.Node:
+def _unflatten(graph: fx.Graph, bucket: Bucket, reduced: fx.Node, outs: list[Any]) -> None:
+    """Emit wait/decompress/slice/view at the current insertion point; repoint the outputs."""
+    done = _call(graph, WAIT, (reduced,), "wait", bucket.index)
+    if bucket.comm_dtype is not None:  # decompress back to the gradients' dtype
+        dtype = getattr(torch, bucket.dtype)
+        done = _call(graph, aten._to_copy.default, (done,), "decompress", bucket.index, {"dtype": dtype})
+    for slot, off in zip(bucket.slots, bucket.offsets()):
+        piece = _call(graph, aten.slice.Tensor, (done, 0, off, off + slot.numel), "unflatten", bucket.index)
+        outs[slot.output_index] = _call(graph, aten.view.default, (piece, list(slot.shape)), "unflatten", bucket.index)
+
+
+def _issue(graph: fx.Graph, bucket: Bucket, outs: Sequence[Any], schedule: Schedule) -> fx.Node:
     """Emit flatten/cat/div/all_reduce_ for one bucket at the current insertion point.
 
     Nodes are chained with ``inserting_after`` so they appear in program order; returns the
