@@ -6,7 +6,7 @@ graph before and after every pass (logger name: ``graphddp``).
 import logging as _logging
 import os as _os
 
-from graphddp.agree import ScheduleMismatchError
+from graphddp.agree import CollectiveError, ScheduleMismatchError
 from graphddp.api import GraphDDP, compile
 from graphddp.config import DDPConfig
 from graphddp.cost import CostModel, Timeline
@@ -15,7 +15,7 @@ from graphddp.schedule import Bucket, Schedule
 from graphddp.verify import VerificationError, verify
 
 __all__ = [
-    "Bucket", "CostModel", "DDPConfig", "GraphDDP", "Schedule", "ScheduleMismatchError", "Timeline",
+    "Bucket", "CollectiveError", "CostModel", "DDPConfig", "GraphDDP", "Schedule", "ScheduleMismatchError", "Timeline",
     "VerificationError", "compile", "explain", "verify",
 ]
 __version__ = "0.1.0"

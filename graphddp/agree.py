@@ -1,93 +1,147 @@
-"""Cross-rank agreement on schedules, checked before the first all-reduce runs.
+"""Cross-rank agreement: every rank must put the same bytes on the wire, in the same order.
 
-Ranks that trace different graphs (different model code, input shapes or options on one
-rank) would plan different buckets and then all-reduce buffers of different sizes: a hang or
-garbage. When a backward graph is first compiled, every rank all-gathers its schedule
-fingerprint (one tiny collective per graph). On any difference all ranks raise the same
-:class:`ScheduleMismatchError`, naming the first bucket that differs.
+Design (why no collective runs at compile time). A rank may compile a graph that no other
+rank compiles at that moment: it saw a new sequence length, took a branch another rank took
+earlier, or missed a cache. A collective issued while compiling would then pair with another
+rank's bucket all-reduce: a hang, or a buffer reduced with the wrong one. So compiling never
+talks. Instead, agreement is checked *in band*, at run time, as the first collective of every
+synchronising backward graph (and of the eager average after ``no_sync``):
+
+* Each rank hashes its **wire layout**: world size and, per bucket in issue order, dtype,
+  device type, wire dtype and the ordered (parameter name, shape) list
+  (:meth:`graphddp.schedule.Schedule.wire_layout`). Node names, positions and overlap windows
+  are left out: ranks whose compute differs (a data-dependent branch, a recompile for a
+  longer sequence) but whose layout is equal reduce the same gradients, like DDP.
+* Every rank all-reduces ``[h, -h]`` with MAX: one fixed-size collective whose result,
+  ``[max h, -min h]``, is the same on every rank. All layouts are equal iff max == min, so
+  every rank reaches the same verdict, and the check can never pair with a bucket of another
+  size. On a difference every rank gathers the layouts (all of them are in this branch, so
+  the gather pairs with itself) and raises :class:`ScheduleMismatchError` naming the graph,
+  the first differing bucket and the parameter and shape on each side.
+* If the check itself fails (a dead peer, a timeout), :class:`CollectiveError` names
+  graphddp and what was being checked, with the original error chained.
 
 Also here: the wrap-time check that every rank has the same parameters (names, shapes,
-dtypes), run before the initial broadcast so a mismatch is an error, not a hang.
+dtypes), run by ``graphddp.compile`` on every rank before the initial broadcast.
 """
 from __future__ import annotations
 
 import hashlib
 import pickle
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from graphddp.schedule import Schedule
+# One bucket on the wire: (dtype, device type, wire dtype or None, ((param name, shape), ...)).
+WireBucket = tuple[str, str, "str | None", tuple[tuple[str, tuple[int, ...]], ...]]
 
 
 class ScheduleMismatchError(RuntimeError):
-    pass
+    """Ranks would put different buckets on the wire; raised on every rank."""
+
+
+class CollectiveError(RuntimeError):
+    """A collective graphddp issued failed (dead peer, timeout); the cause is chained."""
 
 
 def _is_fake(group: Any) -> bool:
     return dist.get_backend(group) == "fake"
 
 
+def _device(group: Any) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def layout_hash(layout: Any) -> int:
+    """A 60-bit hash of a wire layout: fits an int64 and its negation exactly."""
+    return int(hashlib.sha256(repr(layout).encode()).hexdigest()[:15], 16)
+
+
+def check_in_band(layout: tuple[int, tuple[WireBucket, ...]], group: Any, what: str) -> None:
+    """Raise on every rank unless every rank of ``group`` passes an equal ``layout`` here.
+
+    ``layout`` is ``(world_size, buckets)``; ``what`` names the graph for messages. Must be
+    called by every rank at the same point of its collective sequence: right before the
+    collectives the layout describes.
+    """
+    if dist.get_world_size(group) == 1 or _is_fake(group):
+        return
+    h = layout_hash(layout)
+    with unset_fake_temporarily():
+        probe = torch.tensor([h, -h], dtype=torch.int64, device=_device(group))
+        try:
+            dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
+        except Exception as e:  # noqa: BLE001 - any backend failure, re-raised with context
+            raise CollectiveError(
+                f"graphddp: the layout check before the gradient all-reduces of {what} failed "
+                f"({type(e).__name__}); a peer may have died or timed out. Original error: {e}"
+            ) from e
+        high, neg_low = (int(v) for v in probe.tolist())
+    if high == -neg_low:
+        return
+    layouts = _gather(layout, group)
+    raise ScheduleMismatchError(describe_mismatch(layouts, what))
+
+
+def describe_mismatch(layouts: Sequence[tuple[int, tuple[WireBucket, ...]]], what: str) -> str:
+    """Name the first bucket (and parameter) where some rank's layout differs from rank 0's."""
+    base_world, base = layouts[0]
+    other = next(r for r, lay in enumerate(layouts) if lay != layouts[0])
+    world, theirs = layouts[other]
+    head = f"graphddp: ranks would reduce different gradients in {what}: "
+    tail = (
+        ". graphddp buckets gradients in the order each backward graph produces them, so every "
+        "rank must run graphs over the same parameters, produced in the same order (per-rank "
+        "branches are fine when they use the same parameters in the same order), with the "
+        "same graphddp options."
+    )
+    if world != base_world:
+        return head + f"rank 0 has world size {base_world}, rank {other} has {world}" + tail
+    k = next((i for i, (a, b) in enumerate(zip(base, theirs)) if a != b), min(len(base), len(theirs)))
+    return head + f"first difference at bucket {k}: {_side(base, k, 0)}; {_side(theirs, k, other)}" + tail
+
+
+def _side(buckets: tuple[WireBucket, ...], k: int, rank: int) -> str:
+    if k >= len(buckets):
+        return f"rank {rank} has no bucket {k} (it has {len(buckets)} buckets)"
+    dtype, device, wire, params = buckets[k]
+    listed = ", ".join(f"{name} {list(shape)}" for name, shape in params)
+    wire_note = f", sent as {wire}" if wire else ""
+    return f"rank {rank} sends {dtype} on {device}{wire_note}: [{listed}]"
+
+
 def _gather(obj: Any, group: Any) -> list[Any]:
     """All-gather a small picklable object with two tensor all-gathers.
 
     Not ``dist.all_gather_object``: that needs NumPy, which torch does not require. Runs
-    outside any fake-tensor mode: AOTAutograd may compile the backward under one.
+    outside any fake-tensor mode: it may be reached while AOTAutograd traces.
     """
     with unset_fake_temporarily():
-        return _gather_real(obj, group)
-
-
-def _gather_real(obj: Any, group: Any) -> list[Any]:
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    data = pickle.dumps(obj)
-    world = dist.get_world_size(group)
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
-    longest = int(max(s.item() for s in sizes))
-    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
-    mine[: len(data)] = torch.tensor(list(data), dtype=torch.uint8, device=device)
-    everyone = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(everyone, mine, group=group)
-    return [pickle.loads(bytes(t[: int(n.item())].tolist())) for t, n in zip(everyone, sizes)]
-
-
-def _bucket_summary(schedule: Schedule) -> list[tuple[tuple[str, ...], int, str]]:
-    return [(b.param_names, b.nbytes, b.dtype) for b in schedule.buckets]
-
-
-def check_schedule_agreement(schedule: Schedule, group: Any) -> None:
-    """Raise on every rank if any rank planned a different schedule for this graph."""
-    if dist.get_world_size(group) == 1 or _is_fake(group):
-        return
-    prints = _gather(schedule.fingerprint(), group)
-    if len(set(prints)) == 1:
-        return
-    summaries = _gather(_bucket_summary(schedule), group)
-    other = next(r for r, p in enumerate(prints) if p != prints[0])
-    a, b = summaries[0], summaries[other]
-    k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-    def describe(buckets: list, rank: int) -> str:
-        if k >= len(buckets):
-            return f"rank {rank} has no bucket {k} ({len(buckets)} buckets)"
-        names, nbytes, dtype = buckets[k]
-        return f"rank {rank} has {list(names)} ({nbytes} bytes, {dtype})"
-
-    raise ScheduleMismatchError(
-        f"graphddp: ranks disagree on the gradient schedule of backward graph {schedule.graph_index} "
-        f"(fingerprints {dict(enumerate(prints))}). First difference at bucket {k}: "
-        f"{describe(a, 0)}; {describe(b, other)}. Every rank must run the same model code with "
-        "the same input shapes and graphddp options."
-    )
+        device = _device(group)
+        data = pickle.dumps(obj)
+        world = dist.get_world_size(group)
+        size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+        sizes = [torch.zeros_like(size) for _ in range(world)]
+        dist.all_gather(sizes, size, group=group)
+        longest = int(max(s.item() for s in sizes))
+        mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+        mine[: len(data)] = torch.tensor(list(data), dtype=torch.uint8, device=device)
+        everyone = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(everyone, mine, group=group)
+        return [pickle.loads(bytes(t[: int(n.item())].tolist())) for t, n in zip(everyone, sizes)]
 
 
 def check_parameter_agreement(module: nn.Module, group: Any) -> None:
-    """Raise on every rank if parameter names, shapes or dtypes differ between ranks."""
+    """Raise on every rank if parameter names, shapes or dtypes differ between ranks.
+
+    Called by ``graphddp.compile`` on every rank, before the initial broadcast, so a
+    mismatch is an error, not a broadcast of the wrong size.
+    """
     if dist.get_world_size(group) == 1 or _is_fake(group):
         return
     mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]

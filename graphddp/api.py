@@ -56,18 +56,17 @@ class GraphDDP(nn.Module):
         self.process_group = process_group
         self.broadcast_buffers = broadcast_buffers
         self._records: list[GraphRecord] = []
-        runner = _Runner(module)
+        self._sync = True  # cleared inside no_sync(); read by every compiled graph at each forward
         self._backend = GraphDDPBackend(
             config,
             names_by_identity(module.named_parameters()),
             self._records.append,
             process_group,
-            sync_enabled=lambda: runner.sync,
+            sync_enabled=lambda: self._sync,
         )
         # Stored outside the module registry so parameters are not listed twice.
-        object.__setattr__(self, "_runner", runner)
         object.__setattr__(
-            self, "_compiled", torch.compile(runner, backend=self._backend, fullgraph=fullgraph, dynamic=dynamic)
+            self, "_compiled", torch.compile(module, backend=self._backend, fullgraph=fullgraph, dynamic=dynamic)
         )
         self._guard_handles: dict[str, Any] = {}
         self._sync_buffers_next = True  # DDP: buffers sync before a forward that follows a synced one
@@ -89,19 +88,20 @@ class GraphDDP(nn.Module):
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients locally, with no communication.
 
-        The next synchronised backward yields DDP's result: the average over ranks of
-        everything accumulated. The locally accumulated gradients are averaged by one async
-        all-reduce launched when that synchronised forward starts and waited when it ends, so
-        it hides behind the forward; the new gradients are reduced in the backward graph as
-        usual. Inside, the compiled graph variant without collectives runs (two variants in
-        all, each compiled once).
+        As in DDP, what counts is where the *forward* runs: the backward of a forward run
+        inside uses each compiled graph's communication-free backward, whatever the frame
+        structure (graph breaks included; see :mod:`graphddp.variants`). The next
+        synchronised backward yields DDP's result: the average over ranks of everything
+        accumulated. The locally accumulated gradients are averaged by one async all-reduce
+        launched when that synchronised forward starts and waited when it ends, so it hides
+        behind the forward; the new gradients are reduced in the backward graph as usual.
         """
-        previous = self._runner.sync
-        self._runner.sync = False
+        previous = self._sync
+        self._sync = False
         try:
             yield
         finally:
-            self._runner.sync = previous
+            self._sync = previous
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         distributed = self.config.world_size > 1
@@ -109,11 +109,11 @@ class GraphDDP(nn.Module):
             buffers = list(self.module.buffers())
             if buffers:
                 broadcast_tensors(buffers, self.process_group)
-        syncing = self._runner.sync and torch.is_grad_enabled()
+        syncing = self._sync and torch.is_grad_enabled()
         pending = None
         if distributed and syncing and self._grads_accumulated_locally:
-            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-            pending = average_async(grads, self.process_group)
+            trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+            pending = average_async(trainable, self.process_group)
         self._backend.ran_params.clear()
         out = self._compiled(*args, **kwargs)
         if pending is not None:
@@ -121,7 +121,7 @@ class GraphDDP(nn.Module):
             self._grads_accumulated_locally = False
         if torch.is_grad_enabled():
             self._guard_uncovered_parameters(syncing)
-            if not self._runner.sync:
+            if not self._sync:
                 self._grads_accumulated_locally = True
         self._sync_buffers_next = syncing
         return out
@@ -155,24 +155,6 @@ class GraphDDP(nn.Module):
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:  # type: ignore[override]
         return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
-
-
-class _Runner(nn.Module):
-    """What torch.compile sees: the user's module behind a sync flag.
-
-    Reading ``self.sync`` in a branch makes Dynamo guard on it, so sync and no-sync steps get
-    one graph variant each; the backend reads the flag when it compiles a variant.
-    """
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.inner = module
-        self.sync = True
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.sync:
-            return self.inner(*args, **kwargs)
-        return self.inner(*args, **kwargs)
 
 
 def _uncovered_error(name: str) -> Any:

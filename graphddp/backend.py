@@ -16,6 +16,7 @@ capture -> plan -> insert_allreduce -> verify before the inner compiler sees it:
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import logging
@@ -26,20 +27,26 @@ import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
-from graphddp.agree import check_schedule_agreement
 from graphddp.capture import extract_facts, parameter_of_inputs
 from graphddp.config import DDPConfig
 from graphddp.passes import insert_allreduce
 from graphddp.planner import plan
 from graphddp.schedule import Schedule
+from graphddp.variants import BackwardDispatch, GraphState, compiled_backward_node
 from graphddp.verify import verify
 
 log = logging.getLogger("graphddp")
 
-# Keep waits late: see the module docstring.
-INDUCTOR_OVERLAP_CONFIG: dict[str, Any] = {
+# Inductor settings graphddp's correctness or overlap depends on, patched around each of its
+# compiles only (the user's process-wide config is left as it is):
+# * comm reordering: raise each all-reduce to where its bucket is ready, sink each wait to its
+#   first reader (with default settings inductor waits right after issuing: no overlap);
+# * ``_fuse_ddp_communication`` off: DDP(..., python_reducer) turns it on process-wide, and its
+#   passes would re-fuse graphddp's buckets (and crash on them).
+INDUCTOR_PINNED_CONFIG: dict[str, Any] = {
     "reorder_for_compute_comm_overlap": True,
     "reorder_for_compute_comm_overlap_passes": ["raise_comms", "sink_waits"],
+    "_fuse_ddp_communication": False,
 }
 
 
@@ -53,7 +60,12 @@ class GraphRecord:
 
 
 class GraphDDPBackend:
-    """A torch.compile backend that rewrites every backward graph per the bucket plan."""
+    """A torch.compile backend that rewrites every backward graph per the bucket plan.
+
+    Each Dynamo graph is compiled once. Its backward comes in two variants, chosen per
+    forward call (see :mod:`graphddp.variants`): synchronising (rewritten) and local (for
+    ``no_sync``). ``sync_enabled`` is read at every forward call, never at compile time.
+    """
 
     def __init__(
         self,
@@ -69,41 +81,55 @@ class GraphDDPBackend:
         self.names_by_id = names_by_id
         self.on_record = on_record
         self._graph_counter = itertools.count()
-        # Parameters lifted into some compiled graph: their gradients come out of a backward
-        # graph we rewrite. Known at forward-compile time, before any backward has run.
-        self.params_in_graphs: set[str] = set()
-        self.graphs_compiled = 0  # every Dynamo graph this backend compiled, both sync variants
+        self.graphs_compiled = 0  # Dynamo graphs this backend compiled
+        self.states: list[GraphState] = []  # one per compiled graph
         # Parameters of the compiled graphs that actually ran since the wrapper last cleared it:
         # a parameter missing here got its gradient (if any) from eager code.
         self.ran_params: set[str] = set()
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         param_inputs = parameter_of_inputs(example_inputs, self.names_by_id)
-        self.params_in_graphs.update(param_inputs.values())
         self.graphs_compiled += 1
-        return self._track(self._compile(gm, example_inputs, param_inputs), frozenset(param_inputs.values()))
+        state = GraphState()
+        self.states.append(state)
+        compiled = self._compile(gm, example_inputs, param_inputs, state)
+        return self._runtime(compiled, frozenset(param_inputs.values()), state)
 
-    def _track(self, compiled: Callable[..., Any], names: frozenset[str]) -> Callable[..., Any]:
+    def _runtime(self, compiled: Callable[..., Any], names: frozenset[str], state: GraphState) -> Callable[..., Any]:
+        boxed = getattr(compiled, "_boxed_call", False)
+
         def run(*args: Any) -> Any:
             self.ran_params.update(names)
-            return compiled(*args)
+            local = not self.sync_enabled()
+            inputs = list(args[0]) if boxed and local else args
+            out = compiled(*args)
+            if local:
+                node = compiled_backward_node(out if isinstance(out, (list, tuple)) else [out], inputs)
+                if node is not None:
+                    node.register_prehook(state.mark_local)
+            return out
 
-        run._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
+        run._boxed_call = boxed  # type: ignore[attr-defined]
         return run
 
-    def _compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], param_inputs: Mapping[int, str]) -> Callable[..., Any]:
-        if not self.sync_enabled():  # the no_sync variant: backward without communication
-            return _compile_plain(gm, example_inputs, self.config.backend)
+    def _compile(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], param_inputs: Mapping[int, str], state: GraphState
+    ) -> Callable[..., Any]:
         graph_index = next(self._graph_counter)
+
+        def dispatch(synced: Callable[..., Any], record: GraphRecord, compile_plain: Callable[[], Any]) -> BackwardDispatch:
+            self.on_record(record)
+            return BackwardDispatch(state, synced, compile_plain, record.schedule, self.group)
+
         rewrite = lambda bw: self.rewrite_backward(bw, param_inputs, graph_index)  # noqa: E731
         if self.config.backend == "inductor":
-            return _compile_inductor(gm, example_inputs, rewrite, self.on_record)
+            return _compile_inductor(gm, example_inputs, rewrite, dispatch)
         run = _interpret if self.config.backend == "eager" else _as_is
 
         def bw_compiler(bw: fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., Any]:
+            plain = copy.deepcopy(bw)
             record = rewrite(bw)
-            self.on_record(record)
-            return make_boxed_func(run(record.graph))
+            return dispatch(make_boxed_func(run(record.graph)), record, lambda: make_boxed_func(run(plain)))
 
         fw_compiler = lambda fw, _inputs: make_boxed_func(run(fw))  # noqa: E731
         return aot_autograd(
@@ -113,14 +139,12 @@ class GraphDDPBackend:
     def rewrite_backward(
         self, gm: fx.GraphModule, param_inputs: Mapping[int, str], graph_index: int
     ) -> GraphRecord:
-        """capture -> plan -> rewrite -> verify for one backward graph."""
+        """capture -> plan -> rewrite -> verify for one backward graph. Talks to no rank."""
         facts = extract_facts(gm, param_inputs)
         graded = {s.output_index for s in facts.slots}
         unreduced = tuple(name for i, name in sorted(param_inputs.items()) if i not in graded)
         schedule = plan(facts, self.config, graph_index=graph_index, unreduced=unreduced)
         log.info("graphddp plan for backward graph %d (fingerprint %s):\n%s", graph_index, schedule.fingerprint(), schedule.to_table())
-        if self.group is not None:
-            check_schedule_agreement(schedule, self.group)
         log.debug("backward graph %d before insert_allreduce:\n%s", graph_index, gm.code)
         if self.config.world_size > 1:
             insert_allreduce(gm, schedule)
@@ -128,17 +152,6 @@ class GraphDDPBackend:
             if self.config.verify:
                 verify(gm, schedule, {s.output_index: s.param_name for s in facts.slots})
         return GraphRecord(schedule=schedule, graph=gm)
-
-
-def _compile_plain(gm: fx.GraphModule, example_inputs: Sequence[Any], backend: str) -> Callable[..., Any]:
-    """Compile with the same inner compiler and no graphddp pass."""
-    if backend == "inductor":
-        from torch._inductor.compile_fx import compile_fx
-
-        return compile_fx(gm, example_inputs)
-    run = _interpret if backend == "eager" else _as_is
-    compiler = lambda g, _inputs: make_boxed_func(run(g))  # noqa: E731
-    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, keep_inference_input_mutations=True)(gm, example_inputs)
 
 
 def _as_is(gm: fx.GraphModule) -> Callable[..., Any]:
@@ -153,21 +166,41 @@ def _compile_inductor(
     gm: fx.GraphModule,
     example_inputs: Sequence[Any],
     rewrite: Callable[[fx.GraphModule], GraphRecord],
-    on_record: Callable[[GraphRecord], None],
+    dispatch: Callable[..., BackwardDispatch],
 ) -> Callable[..., Any]:
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     def inner_compile(graph: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
-        if not kwargs.get("is_backward", False):
-            return compile_fx_inner(graph, inputs, **kwargs)
-        record = rewrite(graph)
-        with inductor_config.patch(INDUCTOR_OVERLAP_CONFIG):
+        with inductor_config.patch(INDUCTOR_PINNED_CONFIG):
+            if not kwargs.get("is_backward", False):
+                return compile_fx_inner(graph, inputs, **kwargs)
+            plain = copy.deepcopy(graph)
+            record = rewrite(graph)
             compiled = compile_fx_inner(record.graph, inputs, **kwargs)
         record.generated_code = getattr(compiled, "source_code", None)
-        on_record(record)
-        return compiled
+        return dispatch(compiled, record, _later(compile_fx_inner, plain, inputs, kwargs))
 
     with functorch_config.patch(enable_autograd_cache=False):
         return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+
+
+def _later(compile_inner: Callable[..., Any], graph: fx.GraphModule, inputs: Sequence[Any], kwargs: dict) -> Callable[[], Any]:
+    """Compile ``graph`` on first use, in the tracing and compile context of now.
+
+    The local (``no_sync``) backward is compiled only if a step ever needs it, the way
+    AOTAutograd compiles its own backward lazily: under the saved contexts, so shape
+    guards and fake tensors are the ones the graph was traced with.
+    """
+    from torch._dynamo.convert_frame import compile_lock
+    from torch._guards import CompileContext, TracingContext, compile_context, tracing
+    from torch._inductor import config as inductor_config
+
+    saved_tracing, saved_compile = TracingContext.try_get(), CompileContext.try_get()
+
+    def compile_now() -> Any:
+        with compile_lock, tracing(saved_tracing), compile_context(saved_compile), inductor_config.patch(INDUCTOR_PINNED_CONFIG):
+            return compile_inner(graph, inputs, **kwargs)
+
+    return compile_now

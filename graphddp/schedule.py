@@ -157,6 +157,20 @@ class Schedule:
     def from_json(cls, text: str) -> "Schedule":
         return cls.from_dict(json.loads(text))
 
+    def wire_layout(self) -> tuple[int, tuple]:
+        """What goes on the wire, and nothing else: what ranks must agree on.
+
+        ``(world_size, buckets)`` with, per bucket in issue order, dtype, device type (the
+        index may differ per rank), wire dtype and the ordered (parameter name, shape) list.
+        Node names, positions and overlap windows are left out: two ranks whose compute
+        differs but whose layouts are equal reduce the same gradients.
+        """
+        buckets = tuple(
+            (b.dtype, b.device.split(":")[0], b.comm_dtype, tuple((s.param_name, s.shape) for s in b.slots))
+            for b in self.buckets
+        )
+        return self.world_size, buckets
+
     def fingerprint(self) -> str:
         """Stable hash of the plan: equal across ranks and runs for the same model and options.
 

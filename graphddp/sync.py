@@ -10,6 +10,9 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+
+from graphddp.agree import check_in_band
 
 
 def _coalesce(tensors: Sequence[torch.Tensor]) -> dict[tuple[torch.dtype, torch.device], list[torch.Tensor]]:
@@ -32,27 +35,51 @@ def _scatter_back(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
 
 
 class PendingAverage:
-    """An in-flight average of some tensors; ``wait()`` writes the result back in place."""
+    """An in-flight average of accumulated gradients; ``wait()`` writes the result back."""
 
-    def __init__(self, jobs: list[tuple[Any, torch.Tensor, list[torch.Tensor]]]) -> None:
+    def __init__(self, jobs: list[tuple[Any, torch.Tensor, list[nn.Parameter]]]) -> None:
         self._jobs = jobs
 
     @torch.no_grad()
     def wait(self) -> None:
-        for work, flat, tensors in self._jobs:
+        for work, flat, params in self._jobs:
             work.wait()
-            _scatter_back(flat, tensors)
+            offset, counts = 0, flat[-len(params):]
+            for p, count in zip(params, counts.tolist()):
+                piece = flat[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+                if p.grad is not None:
+                    p.grad.copy_(piece)
+                elif count > 0:  # no gradient here, but on some rank: take the average
+                    p.grad = piece.clone()
         self._jobs = []
 
 
 @torch.no_grad()
-def average_async(tensors: Sequence[torch.Tensor], group: Any) -> PendingAverage:
-    """Start averaging ``tensors`` over ``group`` (pre-divided, like DDP); returns a handle."""
+def average_async(named: Sequence[tuple[str, nn.Parameter]], group: Any) -> PendingAverage:
+    """Start averaging the ``.grad`` of ``named`` over ``group`` (pre-divided, like DDP).
+
+    The layout is canonical, the same on every rank whatever each accumulated: every given
+    parameter, in order, per (dtype, device); a parameter with no gradient on this rank
+    sends zeros, and a count per parameter tells whether any rank had one (then every rank
+    gets the average, as DDP gives a parameter unused on one rank). Checked in band first.
+    """
     world = dist.get_world_size(group)
+    groups: dict[tuple[torch.dtype, torch.device], list[tuple[str, nn.Parameter]]] = {}
+    for name, p in named:
+        groups.setdefault((p.dtype, p.device), []).append((name, p))
+    layout = tuple(
+        (str(dtype).replace("torch.", ""), device.type, None, tuple((n, tuple(p.shape)) for n, p in members))
+        for (dtype, device), members in groups.items()
+    )
+    check_in_band((world, layout), group, "the average of gradients accumulated under no_sync")
     jobs = []
-    for ts in _coalesce(tensors).values():
-        flat = torch.cat([t.reshape(-1) for t in ts]).div_(world)
-        jobs.append((dist.all_reduce(flat, group=group, async_op=True), flat, ts))
+    for members in groups.values():
+        params = [p for _, p in members]
+        grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device) for p in params]
+        present = torch.tensor([p.grad is not None for p in params], dtype=params[0].dtype, device=params[0].device)
+        flat = torch.cat([torch.cat(grads).div_(world), present])
+        jobs.append((dist.all_reduce(flat, group=group, async_op=True), flat, params))
     return PendingAverage(jobs)
 
 

@@ -19,7 +19,9 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 
-def _entry(rank: int, fn: Callable[..., Any], world_size: int, store_path: str, args: tuple, errors: Any) -> None:
+def _entry(
+    rank: int, fn: Callable[..., Any], world_size: int, store_path: str, args: tuple, errors: Any, pg_timeout: float
+) -> None:
     # A rank that dies in C++ (abort, segfault) reports no Python traceback; faulthandler
     # prints where each thread was, so a crash in CI says more than an exit code.
     faulthandler.enable(all_threads=True)
@@ -30,7 +32,7 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, store_path: str, 
             init_method=f"file://{store_path}",
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=120),
+            timeout=datetime.timedelta(seconds=pg_timeout),
         )
         try:
             fn(rank, world_size, *args)
@@ -61,18 +63,19 @@ def release_process_group() -> None:
         dist.destroy_process_group()
 
 
-def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0) -> None:
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0, pg_timeout: float = 120.0) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo CPU ranks; re-raise failures.
 
     ``fn`` must be importable (module level). A rank that fails makes the others be
     terminated; ranks still running after ``timeout`` seconds are killed, so a test never hangs.
+    ``pg_timeout`` is the process group's collective timeout, in seconds.
     """
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_entry, args=(r, fn, world_size, store, args, errors), daemon=True)
+            ctx.Process(target=_entry, args=(r, fn, world_size, store, args, errors, pg_timeout), daemon=True)
             for r in range(world_size)
         ]
         for p in procs:

@@ -1,0 +1,109 @@
+"""Which backward runs, the synchronising one or the local one: decided per forward call.
+
+DDP decides at forward time whether the coming backward communicates (``no_sync`` clears
+``require_backward_grad_sync``, the forward reads it). graphddp does the same, per compiled
+graph and per call, without Dynamo guards: a guard lives in one frame, and after a graph break
+the inner frames are compiled on their own, without it, so a guard-selected variant was
+silently reused for the wrong kind of step.
+
+Each compiled graph has one forward and one backward entry point, :class:`BackwardDispatch`,
+holding two compiled backwards: the rewritten one (bucketed all-reduces) and the plain one
+(no communication, compiled the first time it is needed). A forward that runs under
+``no_sync`` registers a pre-hook on the autograd node of *that call*; the hook fires right
+before the node's backward and tells the dispatcher to run the plain variant once. A forward
+outside ``no_sync`` registers nothing: synchronising steps pay no hook.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+
+from graphddp.agree import check_in_band
+from graphddp.failures import collective_failure
+from graphddp.schedule import Schedule
+
+_COMPILED_BACKWARD = "CompiledFunctionBackward"
+
+
+class GraphState:
+    """Shared by one compiled graph's forward wrapper and its backward dispatcher."""
+
+    def __init__(self) -> None:
+        self._local_next = False  # set by a pre-hook right before the node's backward runs
+        self.plain_compiles = 0  # how often the communication-free backward was compiled
+
+    def mark_local(self, _grad_outputs: Any = None) -> None:
+        self._local_next = True
+
+    def take_local(self) -> bool:
+        local, self._local_next = self._local_next, False
+        return local
+
+
+def compiled_backward_node(outputs: Iterable[Any], inputs: Iterable[Any]) -> Any:
+    """The autograd node this call of a compiled graph created, or None.
+
+    Walks from the outputs' ``grad_fn`` (through view nodes AOTAutograd adds for aliased
+    outputs) to the first ``CompiledFunctionBackward``, never past a node that an input
+    already had: that one belongs to an earlier graph.
+    """
+    earlier = {t.grad_fn for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+    todo = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen: set[Any] = set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen or node in earlier:
+            continue
+        seen.add(node)
+        if node.name() == _COMPILED_BACKWARD:
+            return node
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return None
+
+
+class BackwardDispatch:
+    """The compiled backward AOTAutograd calls: the local or the synchronising variant.
+
+    Before the synchronising variant runs, every rank checks in band that it is about to put
+    the same buckets on the wire (:func:`graphddp.agree.check_in_band`); a collective that
+    fails inside the graph is re-raised naming graphddp, the graph and the bucket.
+    """
+
+    def __init__(
+        self,
+        state: GraphState,
+        synced: Callable[[list[Any]], Any],
+        compile_plain: Callable[[], Callable[[list[Any]], Any]],
+        schedule: Schedule,
+        group: Any,
+    ) -> None:
+        # Called with one list of arguments, which the callee may free. An instance attribute:
+        # wrappers (torch._dynamo.disable) copy __dict__, not class attributes.
+        self._boxed_call = True
+        self.state = state
+        self.synced = synced
+        self._compile_plain = compile_plain
+        self._plain: Callable[[list[Any]], Any] | None = None
+        self.schedule = schedule
+        self.group = group
+        self._what = f"backward graph {schedule.graph_index}"
+
+    def __call__(self, args: list[Any]) -> Any:
+        if self.state.take_local():
+            return self.plain()(args)
+        if self.schedule.buckets:
+            check_in_band(self.schedule.wire_layout(), self.group, self._what)
+        try:
+            return self.synced(args)
+        except Exception as e:  # noqa: BLE001 - re-raised as-is unless a collective failed
+            failure = collective_failure(e, self.schedule)
+            if failure is None:
+                raise
+            raise failure from e
+
+    def plain(self) -> Callable[[list[Any]], Any]:
+        if self._plain is None:
+            self._plain = self._compile_plain()
+            self.state.plain_compiles += 1
+        return self._plain
