@@ -231,3 +231,33 @@ def _mlp_batch(rank: int, step: int):
 @pytest.mark.slow
 def test_process_wide_ddp_fusion_setting_does_not_reach_graphddp():
     spawn(_python_reducer_elsewhere, 2)
+
+
+class SometimesExtra(nn.Module):
+    """A layer used only when asked: under no_sync one rank uses it, the other does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.extra = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        h = self.body(x)
+        return self.extra(h) if use_extra else h
+
+
+def _no_sync_uneven_use(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model = SometimesExtra()
+    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    ours = graphddp.compile(copy.deepcopy(model), backend="aot_eager", **CAPS)
+    g = torch.Generator().manual_seed(rank)
+    x1, x2 = torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)
+    for m in (ref, ours):
+        with m.no_sync():
+            m(x1, rank == 0).square().mean().backward()  # only rank 0 touches `extra`
+        m(x2, False).square().mean().backward()  # nobody does
+    _assert_grads_equal(ours.module, ref.module, "after the synchronising step")
+
+
+def test_no_sync_with_a_parameter_only_one_rank_used_matches_ddp():
+    spawn(_no_sync_uneven_use, 2)
