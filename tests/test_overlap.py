@@ -6,11 +6,18 @@ this process (the generated code does not depend on real communication).
 """
 from __future__ import annotations
 
+import re
+
 import torch
 
 import graphddp
+from graphddp import failures
 from graphddp.codeinspect import windows_in_generated_code, windows_in_graph
 from graphddp.models import MLP
+
+
+_ALLOC = re.compile(r"(buf\d+) = empty_strided_\w+\(\((\d+), \)")
+_COLLECTIVE = re.compile(r"_c10d_functional\.(all_reduce_|wait_tensor)\.default\((buf\d+)")
 
 
 def _compile_and_step(backend: str):
@@ -30,12 +37,31 @@ def _assert_overlapped(windows, num_buckets):
     assert counts == sorted(counts, reverse=True), counts
 
 
-def test_inductor_generated_code_keeps_overlap(fake_world):
+def test_inductor_generated_code_keeps_overlap(fake_world, tmp_path):
     fake_world(8)
     record = _compile_and_step("inductor")
     assert record.generated_code and "all_reduce_" in record.generated_code
     assert record.schedule.num_buckets >= 3
     _assert_overlapped(windows_in_generated_code(record.generated_code), record.schedule.num_buckets)
+    _assert_collective_lines_name_their_buckets(record, tmp_path)
+
+
+def _assert_collective_lines_name_their_buckets(record, tmp_path) -> None:
+    """graphddp.failures maps a failing collective line to its bucket by issue order: check
+    that the k-th all-reduce of the code that runs reduces a buffer of bucket k's size."""
+    path = tmp_path / "generated.py"
+    path.write_text(record.generated_code)
+    lines = record.generated_code.splitlines()
+    sizes = {m.group(1): int(m.group(2)) for m in map(_ALLOC.search, lines) if m}
+    seen = []
+    for lineno, line in enumerate(lines, start=1):
+        if m := _COLLECTIVE.search(line):
+            ordinal, phase = failures._bucket_of_line(str(path), lineno)
+            assert phase == ("issue" if m.group(1) == "all_reduce_" else "wait")
+            assert sizes[m.group(2)] == record.schedule.buckets[ordinal].numel, (line, ordinal)
+            seen.append((phase, ordinal))
+    n = record.schedule.num_buckets
+    assert sorted(seen) == sorted([("issue", k) for k in range(n)] + [("wait", k) for k in range(n)])
 
 
 def test_aot_eager_graph_keeps_overlap(fake_world):
