@@ -7,41 +7,78 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 BACKENDS = ("inductor", "aot_eager", "eager")
 # Built-in communication hooks, applied to whole buckets inside the graph (DDP's
 # fp16_compress_hook / bf16_compress_hook): cast, divide, all-reduce, cast back.
 COMM_HOOKS = {"fp16_compress": "float16", "bf16_compress": "bfloat16"}
 MB = 1024 * 1024
+# DDP's defaults: torch.nn.parallel.distributed._DEFAULT_BUCKET_CAP_MB and
+# torch.distributed._DEFAULT_FIRST_BUCKET_BYTES (1 MiB), the latter used only while
+# bucket_cap_mb is left unset.
+DEFAULT_BUCKET_CAP_MB = 25.0
+DEFAULT_FIRST_BUCKET_CAP_MB = 1.0
+
+
+def _check_megabytes(name: str, value: Any) -> None:
+    """A cap is a positive, finite number (bools are ints in Python, but never a size)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a positive, finite number of megabytes, got {value!r}")
+
+
+def _normalise_cap_list(value: Any) -> tuple[float, ...] | None:
+    """``bucket_cap_mb_list`` as a tuple (hashable, so the config stays frozen and comparable).
+
+    An empty list means "not given", as in DDP (``if bucket_cap_mb_list:``).
+    """
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"bucket_cap_mb_list must be a list or tuple of megabytes, got {value!r}")
+    for i, cap in enumerate(value):
+        _check_megabytes(f"bucket_cap_mb_list[{i}]", cap)
+    return tuple(value) or None
 
 
 @dataclasses.dataclass(frozen=True)
 class DDPConfig:
     """Options that shape the bucket plan and the rewrite.
 
-    bucket_cap_mb / first_bucket_cap_mb follow DDP: the first bucket of each (dtype, device)
-    is small so communication starts early, the rest are ``bucket_cap_mb``. A bucket closes
-    once it reaches its cap, so it may exceed the cap by at most one gradient.
-    ``last_bucket_cap_mb`` (None: off, as in DDP) caps the bucket of the gradients produced
-    last; its transfer starts after the last backward kernel, so all of it is exposed.
+    Bucket caps follow ``DistributedDataParallel`` exactly (its ``_BucketCapacityConfig`` and
+    the reducer's ``compute_bucket_assignment_by_size``); a bucket closes once its size reaches
+    its cap, so it may exceed the cap by one gradient, and caps are counted per (dtype, device).
+
+    * ``bucket_cap_mb=None`` (DDP's default): 25 MB buckets after a 1 MB first bucket, so
+      communication starts early.
+    * ``bucket_cap_mb=x``: every bucket, the first included, is capped at ``x`` (DDP uses its
+      small first bucket only at the default).
+    * ``bucket_cap_mb_list``: per-bucket caps in the order buckets become ready, the last entry
+      repeating; as in DDP it overrides ``bucket_cap_mb``. An empty list means not given.
+    * ``first_bucket_cap_mb`` (graphddp's extension; None: DDP's rule above) sets the first
+      bucket's cap, clamped to the rest: ``min(first_bucket_cap_mb, bucket cap)``. A first cap
+      above the rest would defeat its purpose (start early) and silently make the first bucket
+      the largest; ``bucket_cap_mb_list`` expresses any other shape, so the two are exclusive.
+    * ``last_bucket_cap_mb`` (graphddp's own; None: off, as in DDP) caps the bucket of the
+      gradients produced last; its transfer starts after the last backward kernel, so all of it
+      is exposed.
+
+    The fields keep what the user passed; ``effective_*`` and ``bucket_size_limits`` are the
+    resolved caps the planner uses and the Schedule records.
     """
 
-    bucket_cap_mb: float = 25.0
-    first_bucket_cap_mb: float = 1.0
+    bucket_cap_mb: float | None = None
+    first_bucket_cap_mb: float | None = None
     last_bucket_cap_mb: float | None = None
     backend: str = "inductor"
     world_size: int = 1
     group_name: str = ""
     verify: bool = True
     comm_hook: str | None = None
+    bucket_cap_mb_list: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("bucket_cap_mb", "first_bucket_cap_mb", "last_bucket_cap_mb"):
-            value = getattr(self, name)
-            if name == "last_bucket_cap_mb" and value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
-                raise ValueError(f"{name} must be a positive, finite number of megabytes, got {value!r}")
+        self._check_caps()
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.comm_hook is not None and self.comm_hook not in COMM_HOOKS:
@@ -49,18 +86,62 @@ class DDPConfig:
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {self.world_size!r}")
 
+    def _check_caps(self) -> None:
+        for name in ("bucket_cap_mb", "first_bucket_cap_mb", "last_bucket_cap_mb"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_megabytes(name, value)
+        object.__setattr__(self, "bucket_cap_mb_list", _normalise_cap_list(self.bucket_cap_mb_list))
+        if self.bucket_cap_mb_list is not None and self.first_bucket_cap_mb is not None:
+            raise ValueError(
+                "bucket_cap_mb_list and first_bucket_cap_mb cannot both be set: the list's first "
+                f"entry is the first bucket's cap (got bucket_cap_mb_list={list(self.bucket_cap_mb_list)!r}, "
+                f"first_bucket_cap_mb={self.first_bucket_cap_mb!r})"
+            )
+
     @property
     def comm_dtype(self) -> str | None:
         """The dtype buckets travel in, or None to send them as they are."""
         return COMM_HOOKS.get(self.comm_hook) if self.comm_hook else None
 
+    # -- resolved caps ---------------------------------------------------------------------
+    @property
+    def effective_bucket_cap_mb(self) -> float:
+        """DDP's ``bucket_bytes_cap`` in MB: 25 when unset, the largest entry of a cap list."""
+        if self.bucket_cap_mb_list is not None:
+            return float(max(self.bucket_cap_mb_list))
+        return float(DEFAULT_BUCKET_CAP_MB if self.bucket_cap_mb is None else self.bucket_cap_mb)
+
+    @property
+    def effective_first_bucket_cap_mb(self) -> float:
+        """The cap the first bucket of each (dtype, device) is closed at."""
+        if self.bucket_cap_mb_list is not None:
+            return float(self.bucket_cap_mb_list[0])
+        if self.first_bucket_cap_mb is not None:
+            return float(min(self.first_bucket_cap_mb, self.effective_bucket_cap_mb))
+        if self.bucket_cap_mb is None:
+            return DEFAULT_FIRST_BUCKET_CAP_MB
+        return float(self.bucket_cap_mb)
+
+    @property
+    def bucket_size_limits_mb(self) -> tuple[float, ...]:
+        """Caps walked one per bucket of each (dtype, device), the last repeating (DDP's list)."""
+        if self.bucket_cap_mb_list is not None:
+            return tuple(float(c) for c in self.bucket_cap_mb_list)
+        return (self.effective_first_bucket_cap_mb, self.effective_bucket_cap_mb)
+
+    @property
+    def bucket_size_limits(self) -> tuple[int, ...]:
+        """``bucket_size_limits_mb`` in bytes, truncated as DDP does (``int(mb * 2**20)``)."""
+        return tuple(int(c * MB) for c in self.bucket_size_limits_mb)
+
     @property
     def bucket_cap_bytes(self) -> int:
-        return int(self.bucket_cap_mb * MB)
+        return int(self.effective_bucket_cap_mb * MB)
 
     @property
     def first_bucket_cap_bytes(self) -> int:
-        return int(self.first_bucket_cap_mb * MB)
+        return self.bucket_size_limits[0]
 
     @property
     def last_bucket_cap_bytes(self) -> int:

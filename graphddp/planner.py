@@ -4,18 +4,21 @@ No graph edits and no process-group calls happen here. The input is :class:`Grap
 (production order of every gradient) and :class:`DDPConfig`; the output depends on nothing
 else, so every rank that traced the same graph computes the same plan.
 
-Algorithm (DDP's ``_compute_bucket_assignment_by_size`` applied to the static production
-order instead of registration order):
+Algorithm (DDP's ``compute_bucket_assignment_by_size``, as its reducer runs it when it
+rebuilds buckets in gradient-ready order, applied to the static production order):
 
 1. Walk gradients in production order (topological position of the node that finalises
    each gradient, ties broken by output index).
 2. Keep one open bucket per (dtype, device); buckets never mix the two.
-3. Add the gradient to its open bucket; once the bucket holds >= its cap, close it. The
-   first bucket of each key uses ``first_bucket_cap_mb``, later ones ``bucket_cap_mb``.
+3. Add the gradient to its open bucket; once the bucket's bytes reach its cap, close it (so a
+   bucket exceeds its cap by at most its last gradient). Each (dtype, device) walks
+   ``config.bucket_size_limits`` one cap per bucket, the last cap repeating: with DDP's
+   defaults that is (1 MB, 25 MB); with ``bucket_cap_mb`` set, that cap for every bucket;
+   with ``bucket_cap_mb_list``, the list.
    With ``last_bucket_cap_mb``, the gradients produced last (a suffix of at most that many
    bytes, at least one gradient) form a bucket of their own: that bucket can only start
    once the backward has no compute left, so its whole transfer is exposed and should be
-   small. Without it the last bucket is whatever remains, up to a full cap (DDP's rule).
+   small. Without it the last bucket is whatever remains (DDP's rule).
 4. Close the remaining open buckets. Buckets are issued in the order they became ready
    (position of their last gradient), which is the order the rewrite inserts them.
 """
@@ -25,42 +28,62 @@ from graphddp.capture import GradSlot, GraphFacts
 from graphddp.config import DDPConfig
 from graphddp.schedule import Bucket, Schedule
 
+Key = tuple[str, str]  # (dtype, device): buckets never mix either
+
+
+def _order(slot: GradSlot) -> tuple[int, int]:
+    """Production order: the producer's topological position, then the output index."""
+    return (slot.position, slot.output_index)
+
 
 def partition(slots: tuple[GradSlot, ...], config: DDPConfig) -> list[tuple[GradSlot, ...]]:
     """Group production-ordered slots into buckets; returns buckets in ready order."""
-    ordered = sorted(slots, key=lambda s: (s.position, s.output_index))
+    ordered = sorted(slots, key=_order)
     tails = _tails(ordered, config.last_bucket_cap_bytes) if config.last_bucket_cap_mb is not None else {}
     in_tail = {id(s) for tail in tails.values() for s in tail}
-    open_buckets: dict[tuple[str, str], list[GradSlot]] = {}
-    closed_count: dict[tuple[str, str], int] = {}
-    done: list[tuple[GradSlot, ...]] = [tuple(t) for t in tails.values()]
-    for slot in ordered:
-        if id(slot) in in_tail:
-            continue
-        key = (slot.dtype, slot.device)
-        bucket = open_buckets.setdefault(key, [])
-        bucket.append(slot)
-        cap = config.first_bucket_cap_bytes if closed_count.get(key, 0) == 0 else config.bucket_cap_bytes
-        if sum(s.nbytes for s in bucket) >= cap:
-            done.append(tuple(bucket))
-            closed_count[key] = closed_count.get(key, 0) + 1
-            del open_buckets[key]
-    done.extend(tuple(b) for b in open_buckets.values())  # dict order: first-opened first
-    done.sort(key=lambda b: (b[-1].position, b[-1].output_index))
+    body = [s for s in ordered if id(s) not in in_tail]
+    done = _assign_by_size(body, config.bucket_size_limits) + [tuple(t) for t in tails.values()]
+    done.sort(key=lambda b: _order(b[-1]))
     return done
 
 
-def _tails(ordered: list[GradSlot], cap: int) -> dict[tuple[str, str], list[GradSlot]]:
+def _assign_by_size(ordered: list[GradSlot], limits: tuple[int, ...]) -> list[tuple[GradSlot, ...]]:
+    """DDP's ``compute_bucket_assignment_by_size`` over slots already in production order.
+
+    Per (dtype, device): append, and close the bucket once its bytes reach the current limit
+    (``>=``, as the reducer does); each closed bucket advances that key to the next limit,
+    and the last limit repeats. Leftover open buckets are closed at the end.
+    """
+    open_buckets: dict[Key, list[GradSlot]] = {}
+    sizes: dict[Key, int] = {}
+    closed: dict[Key, int] = {}
+    done: list[tuple[GradSlot, ...]] = []
+    for slot in ordered:
+        key = (slot.dtype, slot.device)
+        open_buckets.setdefault(key, []).append(slot)
+        sizes[key] = sizes.get(key, 0) + slot.nbytes
+        count = closed.get(key, 0)
+        if sizes[key] >= limits[min(count, len(limits) - 1)]:
+            done.append(tuple(open_buckets.pop(key)))
+            sizes[key] = 0
+            closed[key] = count + 1
+    done.extend(tuple(b) for b in open_buckets.values())
+    return done
+
+
+def _tails(ordered: list[GradSlot], cap: int) -> dict[Key, list[GradSlot]]:
     """Per (dtype, device): the last-produced gradients, at most ``cap`` bytes (at least one)."""
-    tails: dict[tuple[str, str], list[GradSlot]] = {}
-    full: set[tuple[str, str]] = set()
+    tails: dict[Key, list[GradSlot]] = {}
+    sizes: dict[Key, int] = {}
+    full: set[Key] = set()
     for slot in reversed(ordered):
         key = (slot.dtype, slot.device)
         tail = tails.setdefault(key, [])
-        if key in full or (tail and sum(s.nbytes for s in tail) + slot.nbytes > cap):
+        if key in full or (tail and sizes[key] + slot.nbytes > cap):
             full.add(key)
             continue
         tail.insert(0, slot)
+        sizes[key] = sizes.get(key, 0) + slot.nbytes
     return tails
 
 
@@ -94,8 +117,8 @@ def plan(
         graph_index=graph_index,
         world_size=config.world_size,
         group_name=config.group_name,
-        bucket_cap_mb=config.bucket_cap_mb,
-        first_bucket_cap_mb=config.first_bucket_cap_mb,
+        bucket_cap_mb=config.effective_bucket_cap_mb,  # resolved, so tables and JSON show real caps
+        first_bucket_cap_mb=config.effective_first_bucket_cap_mb,
         last_bucket_cap_mb=config.last_bucket_cap_mb,
         buckets=tuple(buckets),
         unreduced=unreduced,

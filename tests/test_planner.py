@@ -123,9 +123,6 @@ def test_first_bucket_uses_first_cap_and_later_buckets_the_bucket_cap():
     facts = make_facts([(f"p{i}", 256, "float32", 2 + i) for i in range(10)])
     schedule = plan(facts, config(first_kib=1, rest_kib=3))
     assert [len(b.slots) for b in schedule.buckets] == [1, 3, 3, 3]
-    # the other way round: a big first bucket, then small ones
-    schedule = plan(facts, config(first_kib=4, rest_kib=2))
-    assert [len(b.slots) for b in schedule.buckets] == [4, 2, 2, 2]
 
 
 def test_bucket_closes_at_cap_and_exceeds_it_by_at_most_its_last_gradient():
@@ -187,6 +184,111 @@ def test_last_bucket_cap_per_dtype_keeps_every_slot_once_and_in_order(seed):
         assert slots == sorted(slots, key=order_key)
     ready = [order_key(b.slots[-1]) for b in schedule.buckets]
     assert ready == sorted(ready)
+
+
+# ---------------------------------------------------------------------------------------------
+# DDP's cap rules, one test each: torch.nn.parallel.distributed._BucketCapacityConfig resolves
+# the options into a list of byte limits; the reducer's compute_bucket_assignment_by_size walks
+# it per (dtype, device), one limit per bucket, the last repeating, closing a bucket once its
+# bytes reach its limit.
+
+MIB_F32 = 2**20 // 4  # float32 elements in 1 MiB
+
+
+def sizes(schedule):
+    return [len(b.slots) for b in schedule.buckets]
+
+
+def test_rule_default_is_a_1mb_first_bucket_then_25mb():
+    cfg = DDPConfig()
+    assert (cfg.bucket_cap_mb, cfg.first_bucket_cap_mb, cfg.bucket_cap_mb_list) == (None, None, None)
+    assert cfg.bucket_size_limits == (2**20, 25 * 2**20)
+    facts = make_facts([(f"p{i}", MIB_F32, "float32", 2 + i) for i in range(60)])  # sixty 1 MiB grads
+    schedule = plan(facts, cfg)
+    assert sizes(schedule) == [1, 25, 25, 9]
+    assert (schedule.first_bucket_cap_mb, schedule.bucket_cap_mb) == (1.0, 25.0)
+
+
+def test_rule_a_set_bucket_cap_is_also_the_first_bucket_cap():
+    # 16 KiB gradients, cap 0.1 MB = 104857 B: 7 per bucket from the first on (never a 1 MB first)
+    facts = make_facts([(f"p{i}", 4096, "float32", 2 + i) for i in range(100)])
+    schedule = plan(facts, DDPConfig(bucket_cap_mb=0.1))
+    assert sizes(schedule) == [7] * 14 + [2]
+    assert (schedule.first_bucket_cap_mb, schedule.bucket_cap_mb) == (0.1, 0.1)
+    assert "caps first=0.1 MB rest=0.1 MB" in schedule.to_table()
+
+
+def test_rule_setting_the_default_value_explicitly_drops_the_small_first_bucket():
+    # DDP tests ``bucket_cap_mb is None``, not the value: 25 passed explicitly means 25 for all
+    assert DDPConfig(bucket_cap_mb=25).bucket_size_limits == (25 * 2**20, 25 * 2**20)
+    facts = make_facts([(f"p{i}", MIB_F32, "float32", 2 + i) for i in range(60)])
+    assert sizes(plan(facts, DDPConfig(bucket_cap_mb=25))) == [25, 25, 10]
+
+
+def test_rule_a_bucket_closes_when_its_bytes_reach_the_cap():
+    facts = make_facts([(f"p{i}", 256, "float32", 2 + i) for i in range(10)])  # ten 1 KiB grads
+    assert sizes(plan(facts, DDPConfig(bucket_cap_mb=2 * KIB))) == [2, 2, 2, 2, 2]  # == cap closes
+    # one byte more: the third gradient takes the bucket past its cap, by less than one gradient
+    assert sizes(plan(facts, DDPConfig(bucket_cap_mb=2049 / 2**20))) == [3, 3, 3, 1]
+
+
+def test_rule_megabytes_become_bytes_truncated_as_ddp_does():
+    assert DDPConfig(bucket_cap_mb=0.1).bucket_cap_bytes == int(0.1 * 2**20) == 104857
+    assert DDPConfig(bucket_cap_mb_list=[0.1, 1 / 3]).bucket_size_limits == (104857, 349525)
+
+
+def test_rule_first_bucket_cap_is_clamped_to_the_bucket_cap():
+    facts = make_facts([(f"p{i}", 256, "float32", 2 + i) for i in range(10)])
+    # below the cap it is used: 1 + 3 + 3 + 3; above it, clamped: 2 KiB for every bucket
+    assert sizes(plan(facts, config(first_kib=1, rest_kib=3))) == [1, 3, 3, 3]
+    schedule = plan(facts, config(first_kib=4, rest_kib=2))
+    assert sizes(schedule) == [2, 2, 2, 2, 2]
+    assert schedule.first_bucket_cap_mb == schedule.bucket_cap_mb == 2 * KIB
+    # with bucket_cap_mb unset the clamp is against DDP's 25 MB
+    assert DDPConfig(first_bucket_cap_mb=0.5).bucket_size_limits == (2**19, 25 * 2**20)
+    assert DDPConfig(first_bucket_cap_mb=100).bucket_size_limits == (25 * 2**20, 25 * 2**20)
+
+
+def test_rule_bucket_cap_mb_list_is_walked_one_cap_per_bucket_and_its_last_repeats():
+    facts = make_facts([(f"p{i}", 256, "float32", 2 + i) for i in range(10)])
+    schedule = plan(facts, DDPConfig(bucket_cap_mb_list=[1 * KIB, 2 * KIB, 3 * KIB]))
+    assert sizes(schedule) == [1, 2, 3, 3, 1]
+    assert (schedule.first_bucket_cap_mb, schedule.bucket_cap_mb) == (1 * KIB, 3 * KIB)  # first, max
+
+
+def test_rule_bucket_cap_mb_list_restarts_for_each_dtype_and_device():
+    # float32 / float16 on cpu and float32 on meta interleaved, 1 KiB each: every key 1 + 2 + 1
+    keys = [("float32", 256, "cpu"), ("float16", 512, "cpu"), ("float32", 256, "meta")]
+    specs = [(f"{d}{dev}{i}", n, d, 3 * i + k + 2, dev) for i in range(4) for k, (d, n, dev) in enumerate(keys)]
+    schedule = plan(make_facts(specs), DDPConfig(bucket_cap_mb_list=(1 * KIB, 2 * KIB)))
+    for buckets in buckets_by_key(schedule).values():
+        assert [len(b.slots) for b in buckets] == [1, 2, 1]
+
+
+def test_rule_bucket_cap_mb_list_overrides_bucket_cap_mb():
+    cfg = DDPConfig(bucket_cap_mb=100, bucket_cap_mb_list=[1 * KIB])
+    assert cfg.bucket_size_limits == (1024,)
+    facts = make_facts([(f"p{i}", 256, "float32", 2 + i) for i in range(3)])
+    assert sizes(plan(facts, cfg)) == [1, 1, 1]
+
+
+def test_rule_bucket_cap_mb_list_excludes_first_bucket_cap_mb():
+    with pytest.raises(ValueError, match=r"bucket_cap_mb_list and first_bucket_cap_mb cannot both be set"):
+        DDPConfig(bucket_cap_mb_list=[1.0, 2.0], first_bucket_cap_mb=1.0)
+
+
+@pytest.mark.parametrize("bucket_cap_mb", [None, 0.1, 1, 4.5, 25, 100])
+@pytest.mark.parametrize("cap_list", [None, [0.5, 2.0, 1.0], [3]])
+def test_resolved_limits_equal_ddps_own_resolution(bucket_cap_mb, cap_list):
+    """Against torch itself: the limits DDP's reducer uses when it rebuilds buckets in ready order."""
+    ddp_config = getattr(torch.nn.parallel.distributed, "_BucketCapacityConfig", None)
+    if ddp_config is None:
+        pytest.skip("this torch has no _BucketCapacityConfig")
+    ddp = ddp_config.create(bucket_cap_mb=bucket_cap_mb, bucket_cap_mb_list=cap_list, use_python_reducer=False)
+    expected = ddp.per_bucket_bytes_caps or (ddp.first_bucket_bytes_cap, ddp.bucket_bytes_cap)
+    cfg = DDPConfig(bucket_cap_mb=bucket_cap_mb, bucket_cap_mb_list=cap_list)
+    assert cfg.bucket_size_limits == tuple(expected)
+    assert cfg.bucket_cap_bytes == ddp.bucket_bytes_cap
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,10 +425,28 @@ def test_config_rejects_bad_caps_naming_the_option(option, value):
         DDPConfig(**{option: value})
 
 
-@pytest.mark.parametrize("option", ["bucket_cap_mb", "first_bucket_cap_mb"])
-def test_config_rejects_none_for_the_required_caps(option):
-    with pytest.raises(ValueError, match=rf"^{option} "):
-        DDPConfig(**{option: None})
+def test_config_error_names_the_option_and_the_value():
+    with pytest.raises(ValueError) as err:
+        DDPConfig(bucket_cap_mb=-1)
+    assert str(err.value) == "bucket_cap_mb must be a positive, finite number of megabytes, got -1"
+
+
+@pytest.mark.parametrize("value", [[1.0, -1], [0], (1, float("nan")), [1, "2"], [True]])
+def test_config_rejects_bad_cap_list_entries_naming_the_index_and_value(value):
+    bad = next(i for i, v in enumerate(value) if isinstance(v, (bool, str)) or not (v > 0 and v < float("inf")))
+    with pytest.raises(ValueError, match=rf"^bucket_cap_mb_list\[{bad}\] must be a positive, finite number .*got {value[bad]!r}"):
+        DDPConfig(bucket_cap_mb_list=value)
+
+
+@pytest.mark.parametrize("value", [2.0, "1,2", {1: 2}])
+def test_config_rejects_a_cap_list_that_is_not_a_list(value):
+    with pytest.raises(ValueError, match=r"^bucket_cap_mb_list must be a list or tuple"):
+        DDPConfig(bucket_cap_mb_list=value)
+
+
+def test_an_empty_cap_list_means_not_given_as_in_ddp():
+    assert DDPConfig(bucket_cap_mb_list=[]) == DDPConfig()
+    assert DDPConfig(bucket_cap_mb_list=[1, 2]).bucket_cap_mb_list == (1, 2)  # stored as a tuple
 
 
 def test_last_bucket_cap_is_off_by_default():
