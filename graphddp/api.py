@@ -173,9 +173,10 @@ def compile(  # noqa: A001 - mirrors torch.compile
     module: nn.Module,
     *,
     process_group: Any = None,
-    bucket_cap_mb: float = 25.0,
-    first_bucket_cap_mb: float = 1.0,
+    bucket_cap_mb: float | None = None,
+    first_bucket_cap_mb: float | None = None,
     last_bucket_cap_mb: float | None = None,
+    bucket_cap_mb_list: list[float] | tuple[float, ...] | None = None,
     backend: str = "inductor",
     fullgraph: bool = False,
     dynamic: bool | None = None,
@@ -189,6 +190,15 @@ def compile(  # noqa: A001 - mirrors torch.compile
     every ``p.grad`` is the average over the ranks of ``process_group`` (default: WORLD).
     Parameters and buffers are broadcast from the group's first rank now, like DDP; with
     ``broadcast_buffers`` buffers are re-broadcast before every forward, like DDP.
+
+    Bucket caps mean what they mean to DDP, per (dtype, device), a bucket closing once its
+    bytes reach its cap: ``bucket_cap_mb=None`` is DDP's default, 25 MB buckets after a 1 MB
+    first one (so communication starts early); a set ``bucket_cap_mb`` caps every bucket, the
+    first included, exactly as DDP does. ``bucket_cap_mb_list`` gives one cap per bucket in
+    the order buckets become ready, its last entry repeating (DDP's option; it overrides
+    ``bucket_cap_mb``). ``first_bucket_cap_mb`` is graphddp's extension for a smaller first
+    bucket with a set ``bucket_cap_mb``; it is clamped to the bucket cap and cannot be combined
+    with ``bucket_cap_mb_list``. ``model.schedules`` record the resolved caps.
     ``last_bucket_cap_mb`` caps the bucket of the gradients produced last (default: off, the
     last bucket is what remains, as in DDP); its all-reduce starts after the last backward
     kernel, so nothing hides it: on a slow link a small tail bucket shortens the step.
@@ -213,6 +223,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
         bucket_cap_mb=bucket_cap_mb,
         first_bucket_cap_mb=first_bucket_cap_mb,
         last_bucket_cap_mb=last_bucket_cap_mb,
+        bucket_cap_mb_list=bucket_cap_mb_list,
         backend=backend,
         world_size=dist.get_world_size(group),
         group_name=group_name_of(group),
