@@ -26,7 +26,10 @@ def _configure_logging() -> None:
     if not level:
         return
     if level not in ("INFO", "DEBUG", "WARNING", "ERROR"):
-        raise ValueError(f"GRAPHDDP_LOG must be info or debug, got {level.lower()!r}")
+        import warnings
+
+        warnings.warn(f"GRAPHDDP_LOG must be info or debug, got {level.lower()!r}; ignored", stacklevel=2)
+        return
     logger = _logging.getLogger("graphddp")
     logger.setLevel(level)
     if not logger.handlers:
