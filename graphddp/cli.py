@@ -31,7 +31,16 @@ def _load_factory(spec: str):
     return getattr(module, name)
 
 
+def _cap_list(text: str) -> list[float]:
+    """``--bucket-cap-mb-list 1,25``: comma-separated megabytes (DDPConfig checks the values)."""
+    try:
+        return [float(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated megabytes, got {text!r}") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    from graphddp.config import DDPConfig
     from graphddp.cost import CostModel
     from graphddp.explain import explain
 
@@ -41,9 +50,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("explain", help="plan a model for N ranks in one process and render the schedule")
     p.add_argument("factory", help="PATH.py:FACTORY returning (model, example_inputs)")
     p.add_argument("--world-size", type=int, default=8)
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
-    p.add_argument("--first-bucket-cap-mb", type=float, default=1.0)
-    p.add_argument("--last-bucket-cap-mb", type=float, default=None)
+    p.add_argument("--bucket-cap-mb", type=float, default=None,
+                   help="bucket cap in MB, the first bucket's too (default: DDP's, 25 after a 1 MB first bucket)")
+    p.add_argument("--first-bucket-cap-mb", type=float, default=None,
+                   help="smaller first bucket (graphddp's extension; clamped to --bucket-cap-mb)")
+    p.add_argument("--bucket-cap-mb-list", type=_cap_list, default=None, metavar="MB,MB,...",
+                   help="one cap per bucket in ready order, the last repeating (DDP's bucket_cap_mb_list)")
+    p.add_argument("--last-bucket-cap-mb", type=float, default=None,
+                   help="cap of the bucket of the gradients produced last (default: off)")
     p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager", "eager"])
     p.add_argument("--bandwidth-gbps", type=float, default=CostModel.bandwidth_gbps)
     p.add_argument("--latency-us", type=float, default=CostModel.latency_us)
@@ -51,11 +65,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--format", choices=FORMATS, default="table")
     p.add_argument("--out", help="file to write (default: stdout; required for png/svg)")
     args = parser.parse_args(argv)
+    try:  # a bad cap is a usage error: say so before loading and tracing the model
+        DDPConfig(bucket_cap_mb=args.bucket_cap_mb, first_bucket_cap_mb=args.first_bucket_cap_mb,
+                  bucket_cap_mb_list=args.bucket_cap_mb_list, last_bucket_cap_mb=args.last_bucket_cap_mb)
+    except ValueError as e:
+        p.error(str(e))
 
     model, example_inputs = _load_factory(args.factory)()
     cost = CostModel(bandwidth_gbps=args.bandwidth_gbps, latency_us=args.latency_us, compute_tflops=args.compute_tflops)
     schedules = explain(model, *example_inputs, world_size=args.world_size, bucket_cap_mb=args.bucket_cap_mb,
-                        first_bucket_cap_mb=args.first_bucket_cap_mb,
+                        first_bucket_cap_mb=args.first_bucket_cap_mb, bucket_cap_mb_list=args.bucket_cap_mb_list,
                         last_bucket_cap_mb=args.last_bucket_cap_mb, backend=args.backend)
     if args.format in ("png", "svg"):
         if not args.out:

@@ -30,15 +30,20 @@ def explain(
     model: nn.Module,
     *example_inputs: Any,
     world_size: int = 8,
-    bucket_cap_mb: float = 25.0,
-    first_bucket_cap_mb: float = 1.0,
+    bucket_cap_mb: float | None = None,
+    first_bucket_cap_mb: float | None = None,
     last_bucket_cap_mb: float | None = None,
+    bucket_cap_mb_list: list[float] | tuple[float, ...] | None = None,
     backend: str = "inductor",
     fullgraph: bool = False,
     dynamic: bool | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
 ) -> list[Schedule]:
-    """Plan ``model`` for ``world_size`` ranks in this process; returns one Schedule per graph."""
+    """Plan ``model`` for ``world_size`` ranks in this process; returns one Schedule per graph.
+
+    The cap options mean what they mean to ``graphddp.compile`` (DDP's rules: None is DDP's
+    default, 25 MB after a 1 MB first bucket), so the plan shown is the plan a run would use.
+    """
     import graphddp
     from graphddp.testing import init_fake_process_group
 
@@ -53,7 +58,7 @@ def explain(
     try:
         compiled = graphddp.compile(
             copy.deepcopy(model), bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb,
-            last_bucket_cap_mb=last_bucket_cap_mb, backend=backend, fullgraph=fullgraph, dynamic=dynamic,
+            last_bucket_cap_mb=last_bucket_cap_mb, bucket_cap_mb_list=bucket_cap_mb_list, backend=backend, fullgraph=fullgraph, dynamic=dynamic,
         )
         out = compiled(*example_inputs)
         (loss_fn or _default_loss)(out).backward()
