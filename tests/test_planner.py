@@ -1,7 +1,12 @@
-"""The pure planner, fed hand-built GraphFacts: no graphs, no process groups."""
+"""The pure planner, fed hand-built GraphFacts: no graphs, no process groups.
+
+One test at the end checks the same rules end to end: graphddp's buckets against the buckets
+DDP's reducer builds, on two spawned gloo ranks.
+"""
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import random
 
@@ -12,6 +17,7 @@ from graphddp.capture import GradSlot, GraphFacts, NodeFact
 from graphddp.config import DDPConfig
 from graphddp.planner import plan
 from graphddp.schedule import Schedule
+from graphddp.testing import spawn
 
 KIB = 1 / 1024  # in MB: caps below are given in KiB so gradient sizes stay small
 
@@ -500,3 +506,47 @@ def test_to_table_has_one_row_per_bucket_naming_every_parameter():
     rows = [line for line in table.splitlines() if line.split()[0].isdigit()]
     assert [row.split()[0] for row in rows] == ["0", "1", "2"]
     assert [row.split()[-1] for row in rows] == ["layer0.w", "layer2.w", "layer4.w"]
+
+
+# ---------------------------------------------------------------------------------------------
+# against DDP's own buckets: two spawned gloo ranks, the real reducer
+
+WIDTHS = (96, 256, 128, 224, 160, 256, 192, 96, 240, 128, 256, 200, 112)  # 12 weights, 40-256 KiB
+
+
+def _chain() -> torch.nn.Module:
+    """Bias-free linears of mixed sizes: eager autograd and the compiled backward both finish
+    the weights' gradients last layer first, so DDP's ready order is graphddp's production order."""
+    layers = [torch.nn.Linear(a, b, bias=False) for a, b in zip(WIDTHS, WIDTHS[1:])]
+    return torch.nn.Sequential(*(m for layer in layers for m in (layer, torch.nn.Tanh())))
+
+
+def _ddp_buckets(model: torch.nn.Module, caps: dict) -> set[tuple[str, ...]]:
+    """DDP's buckets after its reducer rebuilt them in gradient-ready order (iteration 2)."""
+    ddp = torch.nn.parallel.DistributedDataParallel(model, **caps)
+    for _ in range(3):
+        ddp(torch.randn(4, WIDTHS[0])).sum().backward()
+    data = ddp._get_ddp_logging_data()
+    assert data["has_rebuilt_buckets"] == 1, data
+    names_by_index = [n for n, _ in model.named_parameters()]
+    return {tuple(names_by_index[int(i)] for i in bucket.split())
+            for bucket in data["rebuilt_per_bucket_param_indices"].split(",")}
+
+
+def _compare_with_ddp(rank: int, world_size: int) -> None:
+    import graphddp
+
+    for caps in ({}, {"bucket_cap_mb": 0.3}, {"bucket_cap_mb_list": [0.1, 0.5, 0.2]}):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = _chain()
+        ours = graphddp.compile(copy.deepcopy(model), backend="aot_eager", **caps)
+        ours(torch.randn(4, WIDTHS[0])).sum().backward()
+        (schedule,) = ours.schedules
+        assert set(names(schedule)) == _ddp_buckets(model, caps), (caps, schedule.to_table())
+        if not caps:  # DDP's default: the 1 MB first bucket really is smaller than the rest
+            assert schedule.num_buckets == 2 and schedule.first_bucket_cap_mb == 1.0
+
+
+def test_buckets_equal_ddps_reducer_buckets_with_and_without_bucket_cap_mb():
+    spawn(_compare_with_ddp, 2)
