@@ -32,6 +32,17 @@ def is_wait(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target == WAIT
 
 
+def is_ours(node: fx.Node, bucket: int | None = None) -> bool:
+    """Made by graphddp (tagged with a bucket), and for ``bucket`` when one is given."""
+    tag = node.meta.get(BUCKET_KEY)
+    return tag is not None and (bucket is None or tag == bucket)
+
+
+def is_cast(node: fx.Node) -> bool:
+    """A dtype cast as graphddp emits them (compress before the all-reduce, decompress after)."""
+    return node.op == "call_function" and node.target == torch.ops.aten._to_copy.default
+
+
 def group_name_of(process_group: object) -> str:
     """The registered name functional collectives use to find ``process_group``."""
     return str(process_group.group_name)  # type: ignore[attr-defined]

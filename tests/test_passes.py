@@ -4,6 +4,8 @@ The graphs are only built and inspected, never run, so no process group is neede
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.fx as fx
@@ -90,6 +92,20 @@ def issued_after(all_reduce: fx.Node) -> fx.Node:
 
 def set_outputs(gm, outs):
     gm.graph.output_node().args = (tuple(outs),)
+
+
+def with_buckets(schedule, **changes_by_index):
+    """The schedule with some buckets' fields replaced: ``b1=dict(wait_before="mm_3")``."""
+    buckets = tuple(
+        dataclasses.replace(b, **changes_by_index.get(f"b{b.index}", {})) for b in schedule.buckets
+    )
+    return dataclasses.replace(schedule, buckets=buckets)
+
+
+def planned(caps=MIXED):
+    """(fresh traced graph, its schedule), not yet rewritten."""
+    gm = trace()
+    return gm, schedule_for(extract_facts(gm, PARAMS), caps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,6 +248,94 @@ def test_gradient_that_is_a_graph_input_is_issued_after_the_placeholders():
 
 
 # ---------------------------------------------------------------------------------------------
+# the rewrite honours the schedule: wait_before, issue_after, slots
+
+
+def test_waits_go_right_before_wait_before():
+    gm, schedule = planned(MIXED)  # buckets: (scale,), (w2,), (w1, bias, wt)
+    schedule = with_buckets(schedule, b0=dict(wait_before="mm_3"), b1=dict(wait_before="mm_3"))
+    insert_allreduce(gm, schedule)
+    by_name = nodes_by_name(gm)
+    before = []
+    node = by_name["mm_3"].prev
+    while ROLE_KEY in node.meta and node.meta[ROLE_KEY] in ("wait", "unflatten"):
+        before.insert(0, node)
+        node = node.prev
+    assert [(n.meta[BUCKET_KEY], n.meta[ROLE_KEY]) for n in before] == [
+        (0, "wait"), (0, "unflatten"), (0, "unflatten"), (1, "wait"), (1, "unflatten"), (1, "unflatten"),
+    ]
+    assert waits(gm)[2].next.meta[ROLE_KEY] == "unflatten"  # bucket 2 still waits before the output
+    assert positions(gm)[waits(gm)[2]] > positions(gm)[by_name["t_5"]]
+    verify(gm, schedule, PARAMS)
+
+
+def test_wait_before_output_is_todays_rewrite():
+    gm, schedule = planned(MIXED)
+    explicit, _ = planned(MIXED)
+    assert {b.wait_before for b in schedule.buckets} == {"output"}
+    insert_allreduce(gm, schedule)
+    insert_allreduce(explicit, with_buckets(schedule, b0=dict(wait_before="output")))
+    assert gm.code == explicit.code
+    assert all(w.next.meta.get(ROLE_KEY) in ("unflatten", None) for w in waits(gm))
+    assert gm.graph.output_node().prev.meta[ROLE_KEY] == "unflatten"
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(b1=dict(wait_before="nope")), r"bucket 1: wait_before names node 'nope', which is not in the graph"),
+        (dict(b1=dict(issue_after="nope")), r"bucket 1: issue_after names node 'nope', which is not in the graph"),
+        (dict(b1=dict(wait_before="mm")), r"bucket 1: wait_before mm is not after the issue point mm_1"),
+        (dict(b1=dict(wait_before="mm_1")), r"bucket 1: wait_before mm_1 is not after the issue point mm_1"),
+        (dict(b0=dict(wait_before="x_1")), r"bucket 0: wait_before x_1 is not after the issue point _to_copy"),
+        (dict(b2=dict(issue_after="mm_3")), r"bucket 2, gradient of 'bias' \(output 4\): issued after mm_3, before its producer sum_2"),
+        (dict(b1=dict(index=7)), r"bucket 7 is at position 1 of the schedule"),
+    ],
+    ids=["unknown-wait-before", "unknown-issue-after", "wait-before-issue", "wait-before-is-issue", "wait-before-placeholder",
+         "issue-before-producer", "index-not-position"],
+)
+def test_a_schedule_that_does_not_fit_is_refused_before_any_edit(changes, message):
+    gm, schedule = planned(MIXED)
+    code = gm.code
+    with pytest.raises(RuntimeError, match=message):
+        insert_allreduce(gm, with_buckets(schedule, **changes))
+    assert gm.code == code and not all_reduces(gm)
+
+
+def test_slots_must_match_the_graph():
+    gm, schedule = planned(MIXED)
+    (bucket,) = [b for b in schedule.buckets if "w2" in b.param_names]
+    wrong_producer = dataclasses.replace(bucket.slots[0], producer="mm_3")
+    wrong_shape = dataclasses.replace(bucket.slots[0], shape=(4, 16))
+    for slot, message in [
+        (wrong_producer, r"gradient of 'w2' \(output 2\): the schedule says it is produced by mm_3, the graph returns mm_1"),
+        (wrong_shape, r"gradient of 'w2' \(output 2\): mm_1 is \(\(16, 4\), 'float32', 'cpu'\), the schedule says \(\(4, 16\)"),
+    ]:
+        broken = with_buckets(schedule, **{f"b{bucket.index}": dict(slots=(slot,))})
+        with pytest.raises(RuntimeError, match=message):
+            insert_allreduce(gm, broken)
+    twice = with_buckets(schedule, b0=dict(slots=schedule.buckets[0].slots + bucket.slots))
+    with pytest.raises(RuntimeError, match=r"output 2 \('w2'\) is in bucket 0 and bucket 1"):
+        insert_allreduce(gm, twice)
+
+
+def test_compressed_bucket_is_cast_down_before_the_divide_and_back_after_the_wait():
+    gm = trace()
+    cfg = DDPConfig(world_size=4, group_name="g", first_bucket_cap_mb=MIXED[0], bucket_cap_mb=MIXED[1], comm_hook="fp16_compress")
+    schedule = plan(extract_facts(gm, PARAMS), cfg)
+    assert {b.comm_dtype for b in schedule.buckets} == {"float16"}
+    insert_allreduce(gm, schedule)
+    for bucket, ar, wait in zip(schedule.buckets, all_reduces(gm), waits(gm)):
+        scaled = ar.args[0]
+        assert scaled.target == aten.div.Tensor and scaled.args[1] == 4
+        assert scaled.args[0].target == aten._to_copy.default and scaled.args[0].kwargs == {"dtype": torch.float16}
+        assert ar.args[1:] == ("sum", "g")
+        (back,) = wait.users
+        assert back.target == aten._to_copy.default and back.kwargs == {"dtype": getattr(torch, bucket.dtype)}
+    verify(gm, schedule, PARAMS)
+
+
+# ---------------------------------------------------------------------------------------------
 # verify rejects broken graphs
 
 
@@ -250,7 +354,7 @@ def test_verify_rejects_a_missing_wait():
     wait = waits(gm)[0]
     wait.replace_all_uses_with(wait.args[0])
     gm.graph.erase_node(wait)
-    with pytest.raises(VerificationError, match="all-reduce must have exactly one user, its wait"):
+    with pytest.raises(VerificationError, match=r"all-reduce all_reduce__default of bucket 0 must have exactly one user, its wait; has \['slice_tensor'\]"):
         verify(gm, schedule, PARAMS)
 
 
@@ -268,7 +372,7 @@ def test_verify_rejects_reading_the_buffer_while_it_is_reduced():
     buffer = all_reduces(gm)[0].args[0]
     with gm.graph.inserting_before(waits(gm)[0]):
         gm.graph.call_function(aten.add.Tensor, (buffer, 1))
-    with pytest.raises(VerificationError, match=rf"reads bucket 0's buffer {buffer.name} after its all-reduce was issued"):
+    with pytest.raises(VerificationError, match=rf"add_tensor reads bucket 0's buffer {buffer.name} after its all-reduce all_reduce__default was issued"):
         verify(gm, schedule, PARAMS)
 
 
@@ -280,7 +384,7 @@ def test_verify_rejects_reading_a_view_of_the_buffer_while_it_is_reduced():
         alias = gm.graph.call_function(aten.view.default, (buffer, [-1]))
     with gm.graph.inserting_before(waits(gm)[0]):
         gm.graph.call_function(aten.add.Tensor, (alias, 1))
-    with pytest.raises(VerificationError, match=rf"reads bucket 0's buffer {buffer.name} after its all-reduce was issued"):
+    with pytest.raises(VerificationError, match=rf"add_tensor reads bucket 0's buffer {buffer.name} after its all-reduce all_reduce__default was issued"):
         verify(gm, schedule, PARAMS)
 
 
@@ -291,7 +395,7 @@ def test_verify_rejects_gradients_swapped_within_a_bucket():
     outs = output_nodes(gm)
     outs[first.output_index], outs[second.output_index] = outs[second.output_index], outs[first.output_index]
     set_outputs(gm, outs)
-    with pytest.raises(VerificationError, match=rf"gradient of '{first.param_name}' is not the slice"):
+    with pytest.raises(VerificationError, match=rf"gradient of '{first.param_name}' \(output {first.output_index}\) is slice_tensor_\d+, the slice .* not its own slice"):
         verify(gm, schedule, PARAMS)
 
 
@@ -306,7 +410,7 @@ def test_verify_rejects_a_bucket_without_an_all_reduce():
 def test_verify_rejects_an_all_reduce_outside_the_schedule():
     gm, fine, facts, _ = rewritten(ONE_PER_BUCKET)
     coarse = schedule_for(facts, ONE_PER_DTYPE)
-    with pytest.raises(VerificationError, match="all-reduce that belongs to no schedule bucket"):
+    with pytest.raises(VerificationError, match="all-reduce all_reduce__default_2 is tagged bucket 2, which belongs to no schedule bucket"):
         verify(gm, coarse, PARAMS)
 
 
@@ -316,7 +420,7 @@ def test_verify_rejects_a_gradient_taken_from_the_wrong_bucket():
     slot = {s.param_name: s.output_index for s in facts.slots}
     outs[slot["w1"]], outs[slot["wt"]] = outs[slot["wt"]], outs[slot["w1"]]
     set_outputs(gm, outs)
-    with pytest.raises(VerificationError, match=r"gradient of 'w1' comes from bucket 4, planned 2"):
+    with pytest.raises(VerificationError, match=r"gradient of 'w1' \(output 3\) comes from bucket 4's wait wait_tensor_default_4, planned bucket 2"):
         verify(gm, schedule, PARAMS)
 
 
@@ -331,6 +435,32 @@ def test_verify_rejects_a_reduced_gradient_that_is_not_expected():
     expected = {i: name for i, name in PARAMS.items() if name != "bias"}
     with pytest.raises(VerificationError, match=r"outputs \[4\] are reduced but need no synchronisation"):
         verify(gm, schedule, expected)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(b1=dict(index=7)), r"schedule bucket 7 is at position 1$"),
+        (dict(b0=dict(slots=None)), r"schedule puts output 2 \('w2'\) in bucket 0 and bucket 1: it would be reduced twice$"),
+        (dict(b1=dict(issue_after="nope")), r"bucket 1's issue_after 'nope' is not in the graph\n(.*\n)*>> .*%all_reduce__default_1 :"),
+        (dict(b2=dict(wait_before="nope")), r"bucket 2's wait_before 'nope' is not in the graph\n(.*\n)*>> .*%wait_tensor_default_2 :"),
+    ],
+    ids=["index-not-position", "output-in-two-buckets", "unknown-issue-after", "unknown-wait-before"],
+)
+def test_verify_rejects_a_schedule_that_does_not_describe_the_graph(changes, message):
+    gm, schedule, _, _ = rewritten(MIXED)
+    if "b0" in changes:  # bucket 0 also claims bucket 1's gradient
+        changes = {"b0": dict(slots=schedule.buckets[0].slots + schedule.buckets[1].slots)}
+    with pytest.raises(VerificationError, match=message):
+        verify(gm, with_buckets(schedule, **changes), PARAMS)
+
+
+def test_verify_runs_fx_lint_last():
+    gm, schedule, _, _ = rewritten()
+    with gm.graph.inserting_before(gm.graph.output_node()), pytest.warns(UserWarning, match="no underlying reference"):
+        gm.graph.get_attr("no_such_attribute")
+    with pytest.raises(VerificationError, match=r"not lint-clean: .*no_such_attribute"):
+        verify(gm, schedule, PARAMS)
 
 
 def test_verify_ignores_collectives_the_model_itself_issues():

@@ -134,18 +134,9 @@ def _check_slots(bucket: Bucket, outs: Sequence[Any], order: dict[fx.Node, int],
             raise RuntimeError(f"{where}: issued after {issue.name}, before its producer {grad.name}")
 
 
-def _place(gm: fx.GraphModule, schedule: Schedule, outs: Sequence[Any]) -> list[_Placement]:
-    """Resolve every bucket's names to nodes and check the schedule fits the graph.
-
-    Runs before any edit, so a schedule that does not fit leaves the graph untouched.
-    """
-    graph = gm.graph
-    nodes = {n.name: n for n in graph.nodes}
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    output = graph.output_node()
+def _check_buckets(schedule: Schedule) -> None:
+    """Bucket ``i`` is at position ``i`` (its nodes are tagged ``i``); no output is in two buckets."""
     seen: dict[int, int] = {}
-    placements = []
     for position, bucket in enumerate(schedule.buckets):
         if bucket.index != position:
             raise RuntimeError(f"graphddp: bucket {bucket.index} is at position {position} of the schedule")
@@ -156,6 +147,21 @@ def _place(gm: fx.GraphModule, schedule: Schedule, outs: Sequence[Any]) -> list[
                     f"{seen[slot.output_index]} and bucket {bucket.index}"
                 )
             seen[slot.output_index] = bucket.index
+
+
+def _place(gm: fx.GraphModule, schedule: Schedule, outs: Sequence[Any]) -> list[_Placement]:
+    """Resolve every bucket's names to nodes and check the schedule fits the graph.
+
+    Runs before any edit, so a schedule that does not fit leaves the graph untouched.
+    """
+    graph = gm.graph
+    nodes = {n.name: n for n in graph.nodes}
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    output = graph.output_node()
+    _check_buckets(schedule)
+    placements = []
+    for bucket in schedule.buckets:
         issue = _issue_point(nodes, placeholders, bucket)
         wait = _wait_point(nodes, output, bucket)
         if order[wait] <= order[issue]:
