@@ -425,11 +425,10 @@ def _check_gradient(g: _Graph, index: int, name: str, bucket: Bucket, slot: Grad
     """Output ``index`` is ``view(slice(wait [-> cast], 0, off, off+n), shape)`` of its bucket."""
     returned = g.returned(index)
     what = f"gradient of {name!r} (output {index})"
-    if not is_ours(returned):
-        _fail(g.gm, returned, f"{what} is returned unreduced, as {returned.name}")
     wait, path = _trace_back(returned)
-    if wait is None:
-        _fail(g.gm, returned, f"{what} is returned unreduced, as {returned.name}: graphddp's nodes {_names(path)} lead to no bucket's wait")
+    if wait is None:  # not graphddp's at all, or graphddp's nodes that lead to no wait
+        how = f": graphddp's nodes {_names(path)} lead to no bucket's wait" if path else ""
+        _fail(g.gm, returned, f"{what} is returned unreduced, as {returned.name}{how}")
     if wait.meta[BUCKET_KEY] != bucket.index:
         _fail(g.gm, wait, f"{what} comes from bucket {wait.meta[BUCKET_KEY]}'s wait {wait.name}, planned bucket {bucket.index}")
     shape = [aten.view.default, aten.slice.Tensor] + ([aten._to_copy.default] if bucket.comm_dtype else [])
