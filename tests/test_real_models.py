@@ -1,0 +1,578 @@
+"""Every DDP feature graphddp supports, on models written the way real code is written.
+
+Models: a TinyGPT with a Dynamo graph break between its blocks (tied embedding used on both
+sides of the break), a 3-layer net with BatchNorm and a graph break that returns
+``types.SimpleNamespace(loss=...)``, and Hugging Face ``GPT2LMHeadModel`` (tied embeddings; a
+graph break: 2 graphs) and ``BertForMaskedLM`` (tied decoder, attention mask with padding; one
+graph) built from tiny configs, no download, dropout 0, loss computed by the model from
+``labels=``.
+
+Features, each checked against ``torch.nn.parallel.DistributedDataParallel`` on 2 spawned gloo
+ranks with rank-dependent data, every ``p.grad`` each step and the parameters (and buffers)
+after the steps:
+
+* ``no_sync``: two accumulated micro-batches under ``no_sync()``, then a synchronised one;
+* ``toggle_requires_grad``: freeze a block, train, unfreeze (DDP with find_unused_parameters);
+  graphddp must re-plan without the frozen parameters, their grads stay ``None`` in both;
+* ``fp16_compress``: ``comm_hook="fp16_compress"`` against DDP + ``default_hooks.fp16_compress_hook``;
+* ``buffers_on`` / ``buffers_off``: ``broadcast_buffers`` True / False on both sides; buffers
+  compared with DDP each step, and after an eval forward the ranks' buffers are equal with the
+  broadcast (it happens before that forward) and differ without it (models whose buffers
+  change in forward); the Hugging Face models (constant bool / int64 buffers) run ``buffers_on``;
+* ``buffers_off_rank_local`` (BatchNorm model): ``broadcast_buffers=False`` with buffers that
+  differ between ranks before wrapping; DDP leaves them rank-local, at construction too;
+* ``resume``: train 1 step, save model + optimizer state, load into a fresh graphddp model with
+  other initial weights, continue: bitwise equal to the uninterrupted run;
+* ``dynamic_shapes``: a different sequence length (or batch size) each step, different
+  between the ranks at one step (``dynamic=None``: a static graph, then automatic dynamic).
+
+Spawning costs seconds, so each (model, backend) runs all its features in ONE spawn; a feature's
+checks never raise inside a step (a rank that raised while its peer went on to the next
+collective would hang the pair), they are collected, and each (model, feature) is its own
+pytest test that reports what its feature collected. aot_eager for the whole matrix; inductor
+for a representative subset (slow: it compiles C++). ``GRAPHDDP_TEST_TIMES=1`` (with ``-s``)
+prints each feature's wall and CPU time per rank.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import io
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+import types
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import graphddp
+from graphddp import models
+from graphddp.testing import spawn
+
+CAP_MB = 0.02  # a few buckets per graph on these models
+FP32_TOL = {"atol": 1e-5, "rtol": 1e-4}
+# fp16 on the wire: a 1-ulp rounding difference of a half-precision value (2^-11 relative).
+FP16_TOL = {"atol": 1e-3, "rtol": 2e-3}
+
+
+# -- models ------------------------------------------------------------------------------------------
+
+
+class BreakGPT(models.TinyGPT):
+    """TinyGPT with a graph break between its first and second half of blocks: the tied
+    embedding is used in the first graph (lookup) and in the second (output head), so its
+    gradient comes from two backward graphs. (A break inside the ``for block in ...`` loop,
+    e.g. inside a block, makes Dynamo skip the whole outer frame: see
+    test_graph_break_inside_the_layer_loop_is_a_loud_error.)"""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        half = len(self.blocks) // 2
+        for block in self.blocks[:half]:
+            x = block(x)
+        torch._dynamo.graph_break()
+        for block in self.blocks[half:]:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+class NamespaceNet(nn.Module):
+    """Three linear layers, BatchNorm (buffers that change in forward), a graph break, and the
+    loss computed inside forward and returned as ``SimpleNamespace(loss=..., logits=...)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(16, 32)
+        self.bn = nn.BatchNorm1d(32)
+        self.l2 = nn.Linear(32, 32)
+        self.l3 = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> types.SimpleNamespace:
+        h = torch.relu(self.bn(self.l1(x)))
+        torch._dynamo.graph_break()
+        out = self.l3(torch.relu(self.l2(h)))
+        return types.SimpleNamespace(loss=F.mse_loss(out, y), logits=out)
+
+
+def _hf_gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=64,
+        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, use_cache=False,
+    ))
+
+
+def _hf_bert() -> nn.Module:
+    from transformers import BertConfig, BertForMaskedLM
+
+    return BertForMaskedLM(BertConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    ))
+
+
+# -- data: (rank, step, length) -> (args, kwargs, target); length None means the default ------------
+
+
+def _gen(rank: int, step: int) -> torch.Generator:
+    return torch.Generator().manual_seed(1000 * rank + step)
+
+
+def _tokens(rank: int, step: int, length: int | None):
+    idx = torch.randint(0, 128, (4, (length or 16) + 1), generator=_gen(rank, step))
+    return (idx[:, :-1],), {}, idx[:, 1:]
+
+
+def _vectors(rank: int, step: int, length: int | None):
+    g = _gen(rank, step)
+    x, y = torch.randn(length or 8, 16, generator=g), torch.randn(length or 8, 4, generator=g)
+    return (x, y), {}, None
+
+
+def _gpt2_batch(rank: int, step: int, length: int | None):
+    idx = torch.randint(0, 128, (4, length or 16), generator=_gen(rank, step))
+    return (), {"input_ids": idx, "labels": idx}, None
+
+
+def _bert_batch(rank: int, step: int, length: int | None):
+    g = _gen(rank, step)
+    n = length or 16
+    idx = torch.randint(4, 128, (4, n), generator=g)
+    mask = torch.ones(4, n, dtype=torch.long)
+    mask[0, n - 1 - rank:] = 0  # padding, rank-dependent
+    labels = torch.where(torch.rand(4, n, generator=g) < 0.3, idx, torch.full_like(idx, -100))
+    labels[:, 0] = idx[:, 0]  # at least one predicted token per row
+    masked = torch.where(labels != -100, torch.full_like(idx, 3), idx)  # 3 = [MASK] here
+    return (), {"input_ids": masked, "attention_mask": mask, "labels": labels}, None
+
+
+def _loss_field(out: Any, _target: Any) -> torch.Tensor:
+    return out["loss"] if isinstance(out, dict) else out.loss
+
+
+def _token_xent(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.flatten(0, -2), target.flatten())
+
+
+@dataclasses.dataclass
+class Spec:
+    make: Callable[[], nn.Module]
+    batch: Callable[[int, int, int | None], tuple[tuple, dict, Any]]
+    loss: Callable[[Any, Any], torch.Tensor]
+    freeze: str  # parameter-name prefix frozen by toggle_requires_grad
+    lengths: tuple[tuple[int, ...], tuple[int, ...]]  # per rank, per step, for dynamic_shapes
+    min_graphs: int  # Dynamo graphs (so backward schedules) per step: > 1 where the forward graph-breaks
+    mutable_buffers: bool = False  # buffers that forward changes (BatchNorm running stats)
+
+
+SPECS: dict[str, Spec] = {
+    "break_gpt": Spec(lambda: BreakGPT(layers=2, seq=16), _tokens, _token_xent, "blocks.0.",
+                      ((16, 12, 8), (16, 10, 8)), min_graphs=2),
+    "namespace_bn": Spec(NamespaceNet, _vectors, _loss_field, "l2.", ((8, 6, 4), (8, 5, 4)), min_graphs=2,
+                         mutable_buffers=True),
+    "hf_gpt2": Spec(_hf_gpt2, _gpt2_batch, _loss_field, "transformer.h.0.", ((16, 12, 8), (16, 10, 8)), min_graphs=2),
+    "hf_bert": Spec(_hf_bert, _bert_batch, _loss_field, "bert.encoder.layer.0.", ((16, 12, 8), (16, 10, 8)),
+                    min_graphs=1),
+}
+
+
+# -- soft checks: collect, never raise inside a step ------------------------------------------------
+
+
+class Check:
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.failures: list[str] = []
+
+    def fail(self, msg: str) -> None:
+        self.failures.append(f"rank {self.rank}: {msg}")
+
+    def expect(self, cond: bool, msg: str) -> None:
+        if not cond:
+            self.fail(msg)
+
+    def close(self, actual: torch.Tensor, expected: torch.Tensor, what: str, tol: dict) -> None:
+        try:
+            torch.testing.assert_close(actual, expected, **tol)
+        except AssertionError as e:
+            self.fail(f"{what}: {e}")
+
+
+class _DictOut(nn.Module):
+    """DDP's side only: DDP looks for output tensors in tensors, lists, dicts and dataclasses,
+    not in a SimpleNamespace (with find_unused_parameters it would then count every parameter
+    unused); hand it the same fields as a dict. Parameters keep the wrapped module's objects."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.m = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.m(*args, **kwargs)
+        return dict(vars(out)) if isinstance(out, types.SimpleNamespace) else out
+
+
+@dataclasses.dataclass
+class Pair:
+    ref: DDP  # DDP(_DictOut(ref_module))
+    ref_module: nn.Module
+    ours: Any
+    opt_ref: torch.optim.Optimizer
+    opt_ours: torch.optim.Optimizer
+
+
+def _pair(spec: Spec, backend: str, ddp_kwargs: dict | None = None, prepare: Callable[[nn.Module], None] | None = None,
+          **graphddp_kwargs: Any) -> Pair:
+    torch.manual_seed(1234)
+    model = spec.make()
+    if prepare is not None:
+        prepare(model)
+    ref_module = copy.deepcopy(model)
+    ref = DDP(_DictOut(ref_module), bucket_cap_mb=CAP_MB, **(ddp_kwargs or {}))
+    ours = graphddp.compile(copy.deepcopy(model), backend=backend, bucket_cap_mb=CAP_MB, **graphddp_kwargs)
+    return Pair(ref, ref_module, ours,
+                torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9),
+                torch.optim.SGD(ours.parameters(), lr=0.05, momentum=0.9))
+
+
+def _fwd_bwd(m: nn.Module, spec: Spec, rank: int, step: int, length: int | None = None) -> None:
+    args, kwargs, target = spec.batch(rank, step, length)
+    spec.loss(m(*args, **kwargs), target).backward()
+
+
+def _both(pair: Pair):
+    return ((pair.ref, pair.opt_ref), (pair.ours, pair.opt_ours))
+
+
+def _compare_grads(check: Check, pair: Pair, what: str, tol: dict = FP32_TOL) -> None:
+    named_ref = dict(pair.ref_module.named_parameters())
+    for name, p in pair.ours.module.named_parameters():
+        q = named_ref[name]
+        if p.grad is None or q.grad is None:
+            check.expect(p.grad is None and q.grad is None,
+                         f"{what} {name}: grad is None in {'graphddp' if p.grad is None else 'DDP'} only")
+            continue
+        check.close(p.grad, q.grad, f"{what} grad {name}", tol)
+
+
+def _compare_state(check: Check, pair: Pair, what: str, tol: dict = FP32_TOL) -> None:
+    named_ref = dict(pair.ref_module.named_parameters())
+    for name, p in pair.ours.module.named_parameters():
+        check.close(p.detach(), named_ref[name].detach(), f"{what} param {name}", tol)
+    named_buf = dict(pair.ref_module.named_buffers())
+    for name, b in pair.ours.module.named_buffers():
+        check.close(b, named_buf[name], f"{what} buffer {name}", tol)
+
+
+def _opt_step(pair: Pair) -> None:
+    for _, opt in _both(pair):
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _check_every_trainable_reduced(check: Check, ours: Any, what: str) -> None:
+    """Across the graphs of one step's forward every trainable parameter is reduced; a
+    parameter appearing in several graphs (a tied weight across a graph break) is fine."""
+    reduced = {n for s in ours.schedules for n in s.param_names}
+    trainable = {n for n, p in ours.module.named_parameters() if p.requires_grad}
+    check.expect(trainable <= reduced, f"{what}: never reduced by any schedule: {sorted(trainable - reduced)}")
+
+
+# -- features ----------------------------------------------------------------------------------------
+
+
+def _feature_no_sync(spec: Spec, rank: int, world: int, backend: str, check: Check) -> None:
+    pair = _pair(spec, backend)
+    for step in range(2):
+        for m, _ in _both(pair):
+            for micro in range(2):  # accumulated locally, no communication
+                with m.no_sync():
+                    _fwd_bwd(m, spec, rank, 10 * step + micro)
+            _fwd_bwd(m, spec, rank, 10 * step + 9)  # synchronised: average of everything accumulated
+        _compare_grads(check, pair, f"step {step}")
+        _opt_step(pair)
+    _compare_state(check, pair, "after 2 accumulation steps")
+
+
+def _feature_toggle(spec: Spec, rank: int, world: int, backend: str, check: Check) -> None:
+    pair = _pair(spec, backend, ddp_kwargs={"find_unused_parameters": True})
+    frozen = [n for n, _ in pair.ours.module.named_parameters() if n.startswith(spec.freeze)]
+    check.expect(bool(frozen), f"no parameter starts with {spec.freeze!r}")
+    for step, freeze in enumerate((False, True, False)):
+        for module in (pair.ref_module, pair.ours.module):
+            for name, p in module.named_parameters():
+                if name in frozen:
+                    p.requires_grad_(not freeze)
+        before = len(pair.ours.schedules)
+        for m, _ in _both(pair):
+            _fwd_bwd(m, spec, rank, step)
+        _compare_grads(check, pair, f"step {step} ({'frozen' if freeze else 'trainable'})")
+        params = dict(pair.ours.module.named_parameters())
+        for name in frozen:
+            check.expect((params[name].grad is None) == freeze, f"step {step}: {name}.grad is None should be {freeze}")
+        new = pair.ours.schedules[before:]
+        if step == 1:
+            check.expect(bool(new), "freezing compiled no new backward graph (no re-plan)")
+            for s in new:
+                left = sorted(set(s.param_names) & set(frozen))
+                check.expect(not left, f"frozen parameters still in the new plan: {left}")
+        _opt_step(pair)
+    _compare_state(check, pair, "after freeze / unfreeze")
+
+
+def _feature_fp16(spec: Spec, rank: int, world: int, backend: str, check: Check) -> None:
+    pair = _pair(spec, backend, comm_hook="fp16_compress")
+    pair.ref.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    for step in range(2):
+        for m, _ in _both(pair):
+            _fwd_bwd(m, spec, rank, step)
+        _compare_grads(check, pair, f"step {step}", FP16_TOL)
+        _opt_step(pair)
+    _compare_state(check, pair, "after 2 fp16-compressed steps", FP16_TOL)
+    # Same shapes both steps, no recompile: one schedule per Dynamo graph of the forward.
+    check.expect(len(pair.ours.schedules) >= spec.min_graphs,
+                 f"{len(pair.ours.schedules)} backward schedule(s), expected >= {spec.min_graphs} (graph breaks)")
+    for s in pair.ours.schedules:
+        for b in s.buckets:
+            check.expect(b.comm_dtype == "float16" and 2 * b.wire_nbytes == b.nbytes,
+                         f"graph {s.graph_index} bucket {b.index}: {b.comm_dtype}, {b.wire_nbytes} of {b.nbytes} bytes on the wire")
+
+
+def _ranks_equal(tensors: list[torch.Tensor]) -> bool:
+    flat = torch.cat([t.detach().double().reshape(-1) for t in tensors])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    return all(torch.equal(g, gathered[0]) for g in gathered)
+
+
+def _feature_buffers(broadcast: bool) -> Callable[..., None]:
+    def run(spec: Spec, rank: int, world: int, backend: str, check: Check) -> None:
+        pair = _pair(spec, backend, ddp_kwargs={"broadcast_buffers": broadcast}, broadcast_buffers=broadcast)
+        for step in range(3):
+            for m, _ in _both(pair):
+                _fwd_bwd(m, spec, rank, step)
+            _compare_grads(check, pair, f"step {step}")
+            _compare_state(check, pair, f"step {step} before the optimizer")  # buffers after this forward
+            _opt_step(pair)
+        floats = [b for b in pair.ours.module.buffers() if b.is_floating_point()]
+        if spec.mutable_buffers:
+            # Each rank's forward updated the stats with its own batch: they differ now.
+            check.expect(not _ranks_equal(floats), "buffers equal on every rank after a training forward")
+        # An eval forward (no gradients, stats not updated) that follows a synchronised step:
+        # with broadcast_buffers both DDP and graphddp broadcast rank 0's buffers first.
+        args, kwargs, _ = spec.batch(rank, 99, None)
+        with torch.no_grad():
+            for m, _ in _both(pair):
+                m.eval()
+                m(*args, **kwargs)
+                m.train()
+        _compare_state(check, pair, "after an eval forward")
+        if spec.mutable_buffers:
+            same = _ranks_equal(floats)
+            check.expect(same == broadcast, f"broadcast_buffers={broadcast}: after the eval forward the ranks' "
+                                            f"buffers are {'equal' if same else 'different'}")
+
+    return run
+
+
+def _feature_rank_local_buffers(spec: Spec, rank: int, world: int, backend: str, check: Check) -> None:
+    """broadcast_buffers=False with buffers that differ between ranks before wrapping: DDP
+    (torch 2.13: init_sync_buffers follows broadcast_buffers) leaves them rank-local, at
+    construction too; graphddp must match it."""
+
+    def rank_local(model: nn.Module) -> None:
+        with torch.no_grad():
+            for b in model.buffers():
+                if b.is_floating_point():
+                    b.add_(0.5 * (rank + 1))
+
+    pair = _pair(spec, backend, ddp_kwargs={"broadcast_buffers": False}, prepare=rank_local, broadcast_buffers=False)
+    _compare_state(check, pair, "right after wrapping")
+    for step in range(2):
+        for m, _ in _both(pair):
+            _fwd_bwd(m, spec, rank, step)
+        _compare_grads(check, pair, f"step {step}")
+        _opt_step(pair)
+    _compare_state(check, pair, "after 2 steps")
+
+
+def _snapshot(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _roundtrip(obj: Any) -> Any:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def _feature_resume(spec: Spec, rank: int, world: int, backend: str, check: Check) -> None:
+    pair = _pair(spec, backend)  # the uninterrupted run, next to DDP
+    after, saved = [], None
+    for step in range(3):
+        for m, _ in _both(pair):
+            _fwd_bwd(m, spec, rank, step)
+        _compare_grads(check, pair, f"uninterrupted step {step}")
+        _opt_step(pair)
+        after.append(_snapshot(pair.ours.module))
+        if step == 0:
+            saved = _roundtrip({"model": pair.ours.state_dict(), "opt": pair.opt_ours.state_dict()})
+    _compare_state(check, pair, "uninterrupted, after 3 steps")
+    check.expect(bool(saved["opt"]["state"]), "no momentum buffers in the optimizer checkpoint")
+
+    torch.manual_seed(4321)  # a fresh model with other initial weights
+    resumed = graphddp.compile(spec.make(), backend=backend, bucket_cap_mb=CAP_MB)
+    check.expect(any(not torch.equal(v, after[0][k]) for k, v in resumed.state_dict().items()),
+                 "the fresh model already had the checkpoint's weights")
+    resumed.load_state_dict(saved["model"])
+    opt = torch.optim.SGD(resumed.parameters(), lr=0.05, momentum=0.9)
+    opt.load_state_dict(saved["opt"])
+    for step in (1, 2):
+        _fwd_bwd(resumed, spec, rank, step)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        got = _snapshot(resumed.module)
+        for k, v in after[step].items():
+            check.expect(torch.equal(got[k], v), f"{k} differs after step {step} of the resumed run "
+                                                 f"(max diff {(got[k].double() - v.double()).abs().max().item():.3g})")
+
+
+def _feature_dynamic(spec: Spec, rank: int, world: int, backend: str, check: Check) -> None:
+    pair = _pair(spec, backend)
+    lengths = spec.lengths[rank]  # rank-dependent at one step, as DDP allows
+    for step, length in enumerate(lengths):
+        for m, _ in _both(pair):
+            _fwd_bwd(m, spec, rank, step, length)
+        _compare_grads(check, pair, f"step {step} (length {length})")
+        _opt_step(pair)
+    _compare_state(check, pair, f"after lengths {lengths}")
+    _check_every_trainable_reduced(check, pair.ours, "dynamic shapes")
+
+
+FEATURES: dict[str, Callable[..., None]] = {
+    "no_sync": _feature_no_sync,
+    "toggle_requires_grad": _feature_toggle,
+    "fp16_compress": _feature_fp16,
+    "buffers_on": _feature_buffers(True),
+    "buffers_off": _feature_buffers(False),
+    "buffers_off_rank_local": _feature_rank_local_buffers,
+    "resume": _feature_resume,
+    "dynamic_shapes": _feature_dynamic,
+}
+
+
+# -- one spawn per (model, backend) ------------------------------------------------------------------
+
+
+def _matrix(rank: int, world: int, model: str, backend: str, features: tuple[str, ...], out_dir: str) -> None:
+    spec = SPECS[model]
+    results: dict[str, list[str]] = {}
+    for feature in features:
+        torch._dynamo.reset()  # a fresh recompile budget per feature
+        check = Check(rank)
+        t0, c0 = time.perf_counter(), time.process_time()
+        try:
+            FEATURES[feature](spec, rank, world, backend, check)
+        except Exception:  # graphddp raised: same on every rank in practice; recorded, not fatal
+            check.fail("raised:\n" + traceback.format_exc())
+        if os.environ.get("GRAPHDDP_TEST_TIMES"):
+            print(f"[rank {rank}] {model} {backend} {feature}: {time.perf_counter() - t0:.1f} s wall, "
+                  f"{time.process_time() - c0:.1f} s cpu", file=sys.stderr, flush=True)
+        results[feature] = check.failures
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:  # after each: partial results survive
+            json.dump(results, f)
+
+
+_RESULTS: dict[tuple, dict[str, list[str]]] = {}
+
+
+def _results(model: str, backend: str, features: tuple[str, ...]) -> dict[str, list[str]]:
+    key = (model, backend, features)
+    if key not in _RESULTS:
+        merged: dict[str, list[str]] = {f: [] for f in features}
+        with tempfile.TemporaryDirectory() as out_dir:
+            error = None
+            try:
+                spawn(_matrix, 2, model, backend, features, out_dir, timeout=400)
+            except Exception as e:  # a rank died or hung: report it with every feature it did not finish
+                error = f"spawn failed: {e}"
+            done: set[str] = set(features)
+            for r in range(2):
+                path = os.path.join(out_dir, f"rank{r}.json")
+                got = json.load(open(path)) if os.path.exists(path) else {}
+                done &= set(got)
+                for f, msgs in got.items():
+                    merged[f] += msgs
+            for f in features:
+                if f not in done or (error and done == set(features)):  # not finished, or teardown failed
+                    merged[f].append(error or "not run")
+        _RESULTS[key] = merged
+    return _RESULTS[key]
+
+
+def _report(failures: list[str]) -> str:
+    shown = failures[:8]
+    more = f"\n... and {len(failures) - len(shown)} more" if len(failures) > len(shown) else ""
+    return "\n".join(shown) + more
+
+
+ALL = tuple(FEATURES)
+# Buffer features where they test something: break_gpt has no buffers; the Hugging Face models'
+# buffers (GPT-2's bool causal mask, BERT's position / token-type ids) never change, so one
+# setting checks they survive the broadcast (bool and int64 included); BatchNorm gets both.
+NO_BUFFERS = tuple(f for f in ALL if not f.startswith("buffers"))
+CONSTANT_BUFFERS = tuple(f for f in ALL if f in NO_BUFFERS or f == "buffers_on")
+FEATURES_OF = {"break_gpt": NO_BUFFERS, "namespace_bn": ALL, "hf_gpt2": CONSTANT_BUFFERS, "hf_bert": CONSTANT_BUFFERS}
+MATRIX = [(m, f) for m, fs in FEATURES_OF.items() for f in fs]
+
+
+@pytest.mark.parametrize("model,feature", MATRIX, ids=[f"{m}-{f}" for m, f in MATRIX])
+def test_feature_matches_ddp_aot_eager(model, feature):
+    failures = _results(model, "aot_eager", FEATURES_OF[model])[feature]
+    assert not failures, _report(failures)
+
+
+INDUCTOR = {"hf_gpt2": ("no_sync",), "namespace_bn": ("fp16_compress", "buffers_on")}
+INDUCTOR_CASES = [(m, f) for m, fs in INDUCTOR.items() for f in fs]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,feature", INDUCTOR_CASES, ids=[f"{m}-{f}" for m, f in INDUCTOR_CASES])
+def test_feature_matches_ddp_inductor(model, feature):
+    failures = _results(model, "inductor", INDUCTOR[model])[feature]
+    assert not failures, _report(failures)
+
+
+class LoopBreakGPT(models.TinyGPT):
+    """A graph break inside a block called from the ``for block in self.blocks`` loop."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i == 0:
+                torch._dynamo.graph_break()
+        return self.head(self.ln(x))
+
+
+def test_graph_break_inside_the_layer_loop_is_a_loud_error(fake_world):
+    """Dynamo cannot resume inside the loop, so it runs the whole outer forward eagerly: the
+    embedding, final norm and tied head get gradients outside every compiled graph. DDP
+    averages them anyway; graphddp cannot, and must say so rather than leave them local."""
+    fake_world(2)
+    model = graphddp.compile(LoopBreakGPT(), backend="aot_eager", bucket_cap_mb=CAP_MB)
+    (idx,), _, target = _tokens(0, 0, None)
+    with pytest.raises(RuntimeError, match=r"graphddp: parameter '(tok\.weight|pos|ln\.\w+)' received a gradient outside"):
+        _token_xent(model(idx), target).backward()
