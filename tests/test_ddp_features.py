@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import graphddp
 from graphddp import models
-from graphddp.testing import assert_matches_ddp, spawn
+from graphddp.testing import spawn
 
 CAPS = dict(bucket_cap_mb=0.01, first_bucket_cap_mb=0.002)
 
@@ -99,17 +99,56 @@ def _xent(out, target):
     return F.cross_entropy(out, target)
 
 
+def _same_on_every_rank(t: torch.Tensor) -> bool:
+    gathered = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, t)
+    return all(torch.equal(g, gathered[0]) for g in gathered)
+
+
+def _assert_buffers_equal(ours: nn.Module, ref: nn.Module, what: str) -> None:
+    named = dict(ref.named_buffers())
+    for name, b in ours.named_buffers():
+        torch.testing.assert_close(b, named[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{what} buffer {name}: {m}")
+
+
 def _buffers(rank: int, world: int, broadcast: bool) -> None:
-    ours = assert_matches_ddp(
-        models.CNN, _image_batch, _xent, backend="aot_eager", broadcast_buffers=broadcast,
-        ddp_kwargs=dict(broadcast_buffers=broadcast), **CAPS,
+    torch.manual_seed(0)
+    model = models.CNN()
+    ref = DDP(copy.deepcopy(model), broadcast_buffers=broadcast)
+    ours = graphddp.compile(copy.deepcopy(model), backend="aot_eager", broadcast_buffers=broadcast, bucket_cap_mb=0.01)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ref, ours)]
+    for step in range(3):
+        (x,), y = _image_batch(rank, step)
+        for m, opt in zip((ref, ours), opts):
+            opt.zero_grad(set_to_none=True)
+            _xent(m(x), y).backward()
+        _assert_grads_equal(ours.module, ref.module, atol=1e-5, rtol=1e-4)
+        # DDP's rule, both settings: with broadcast, each forward after a synced step starts
+        # from rank 0's buffers, then updates them with the rank's own batch.
+        _assert_buffers_equal(ours.module, ref.module, f"step {step}")
+        for opt in opts:
+            opt.step()
+
+    def stats(m: nn.Module) -> torch.Tensor:
+        return torch.cat([m.bn1.running_mean, m.bn1.running_var])
+
+    # Each rank's last forward updated the running stats with its own batch: they differ
+    # between the ranks in both settings (hence the eval forward below).
+    assert not _same_on_every_rank(stats(ours.module))
+    # An eval forward (stats not updated) after a synchronised step: DDP broadcasts rank 0's
+    # buffers before it with broadcast_buffers, and leaves each rank's own without.
+    (x,), _ = _image_batch(rank, 99)
+    with torch.no_grad():
+        for m in (ref, ours):
+            m.eval()
+            m(x)
+    assert _same_on_every_rank(stats(ref.module)) == broadcast  # the reference does what we claim
+    _assert_buffers_equal(ours.module, ref.module, "after the eval forward")
+    same = _same_on_every_rank(stats(ours.module))
+    assert same == broadcast, (
+        f"broadcast_buffers={broadcast}: BatchNorm stats are {'equal' if same else 'different'} on the ranks "
+        "after the eval forward"
     )
-    mean = ours.module.bn1.running_mean.clone()
-    gathered = [torch.zeros_like(mean) for _ in range(world)]
-    dist.all_gather(gathered, mean)
-    # With broadcast the ranks share rank 0's stats from the last forward's start; without,
-    # each rank keeps its own statistics, exactly like DDP(broadcast_buffers=False).
-    assert torch.equal(gathered[0], gathered[1]) is False
 
 
 @pytest.mark.parametrize("broadcast", [True, False])
