@@ -188,8 +188,9 @@ def compile(  # noqa: A001 - mirrors torch.compile
 
     Drop-in for ``DistributedDataParallel(torch.compile(module))``: after ``loss.backward()``
     every ``p.grad`` is the average over the ranks of ``process_group`` (default: WORLD).
-    Parameters and buffers are broadcast from the group's first rank now, like DDP; with
-    ``broadcast_buffers`` buffers are re-broadcast before every forward, like DDP.
+    Parameters are broadcast from the group's first rank now, like DDP; with
+    ``broadcast_buffers`` buffers are too, and again before every forward, like DDP (without
+    it they stay rank-local, as DDP leaves them).
 
     Bucket caps mean what they mean to DDP, per (dtype, device), a bucket closing once its
     bytes reach its cap: ``bucket_cap_mb=None`` is DDP's default, 25 MB buckets after a 1 MB
@@ -233,7 +234,10 @@ def compile(  # noqa: A001 - mirrors torch.compile
     _check_devices(module)
     check_parameter_agreement(module, group)
     if config.world_size > 1:
-        broadcast_tensors(list(module.parameters()) + list(module.buffers()), group)
+        # Like DDP (torch >= 2.13, init_sync_buffers follows broadcast_buffers): buffers are
+        # made equal at wrap time only when they will be kept equal; otherwise rank-local.
+        buffers = list(module.buffers()) if broadcast_buffers else []
+        broadcast_tensors(list(module.parameters()) + buffers, group)
     return GraphDDP(
         module, group, config, broadcast_buffers=broadcast_buffers, fullgraph=fullgraph, dynamic=dynamic
     )
