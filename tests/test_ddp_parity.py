@@ -403,15 +403,40 @@ def test_dynamic_shapes_do_not_recompile_per_length():
 
 
 def _recompile_limit_fallback(rank: int, world: int) -> None:
-    # When Dynamo gives up on a frame (here: recompile_limit 1 and a new batch size under
-    # dynamic=False) the step runs eagerly: graphddp must still average or fail loudly.
+    # When Dynamo gives up on a frame (recompile_limit 1 and a new batch size under
+    # dynamic=False) the step runs eagerly. The contract: either every p.grad is DDP's average,
+    # or every rank raises a RuntimeError naming graphddp; never local, unaveraged grads.
+    torch.manual_seed(1234)
+    model = models.MLP()
+    ref = DDP(copy.deepcopy(model), **DDP_CAPS)
+    ours = graphddp.compile(copy.deepcopy(model), backend="aot_eager", dynamic=False, bucket_cap_mb=0.01)
+    named_ref = dict(ref.module.named_parameters())
     with torch._dynamo.config.patch(recompile_limit=1):
-        try:
-            _train_side_by_side(
-                models.MLP, lambda r, s: _vector_batch(r, s, batch=(8, 6)[s]), _mse, steps=2, dynamic=False
-            )
-        except RuntimeError as e:  # a loud error naming graphddp is acceptable
-            assert "graphddp" in str(e), e
+        for step, batch in enumerate((8, 6)):
+            inputs, target = _vector_batch(rank, step, batch=batch)
+            for m in (ref, ours):
+                m.zero_grad(set_to_none=True)
+            _mse(ref(*inputs), target).backward()
+            error = None
+            try:
+                _mse(ours(*inputs), target).backward()
+            except RuntimeError as e:
+                error = str(e)
+            outcomes: list = [None] * world
+            dist.all_gather_object(outcomes, error is None)
+            assert len(set(outcomes)) == 1, f"step {step}: raised on some ranks only: {outcomes} ({error})"
+            if error is not None:
+                assert step == 1, f"step {step} compiles normally, yet raised: {error}"
+                assert "graphddp" in error, error
+                continue
+            for name, p in ours.module.named_parameters():
+                assert p.grad is not None, f"step {step} {name}: no grad"
+                torch.testing.assert_close(p.grad, named_ref[name].grad, **FP32_TOL,
+                                           msg=lambda m: f"rank {rank} step {step} grad {name}: {m}")
+            _assert_same_on_every_rank([p.grad for p in ours.parameters()], None, f"step {step} grads")
+    # The second batch size really hit the limit: no second graph was compiled for it.
+    assert ours._backend.graphs_compiled == 1, ours._backend.graphs_compiled
+    assert len(ours.schedules) == 1, [s.to_table() for s in ours.schedules]
 
 
 def test_eager_fallback_after_recompile_limit_still_averages():
