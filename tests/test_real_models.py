@@ -29,7 +29,8 @@ after the steps:
 Spawning costs seconds, so each (model, backend) runs all its features in ONE spawn; a feature's
 checks never raise inside a step (a rank that raised while its peer went on to the next
 collective would hang the pair), they are collected, and each (model, feature) is its own
-pytest test that reports what its feature collected. aot_eager for the whole matrix; inductor
+pytest test that reports what its feature collected (selecting one such test still runs its
+model's whole spawn, once per session). aot_eager for the whole matrix; inductor
 for a representative subset (slow: it compiles C++). ``GRAPHDDP_TEST_TIMES=1`` (with ``-s``)
 prints each feature's wall and CPU time per rank.
 """
