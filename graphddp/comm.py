@@ -38,9 +38,14 @@ def is_ours(node: fx.Node, bucket: int | None = None) -> bool:
     return tag is not None and (bucket is None or tag == bucket)
 
 
+# The cast graphddp emits for compression hooks: a prim, because the backward graph it is
+# written into is already decomposed, and inductor refuses a decomposable aten._to_copy there.
+CAST = torch.ops.prims.convert_element_type.default
+
+
 def is_cast(node: fx.Node) -> bool:
     """A dtype cast as graphddp emits them (compress before the all-reduce, decompress after)."""
-    return node.op == "call_function" and node.target == torch.ops.aten._to_copy.default
+    return node.op == "call_function" and node.target == CAST
 
 
 def group_name_of(process_group: object) -> str:

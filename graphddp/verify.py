@@ -58,7 +58,7 @@ import torch
 import torch.fx as fx
 
 from graphddp.capture import GradSlot
-from graphddp.comm import ALL_REDUCE, BUCKET_KEY, ROLE_KEY, is_all_reduce, is_cast, is_ours, is_wait
+from graphddp.comm import CAST, ALL_REDUCE, BUCKET_KEY, ROLE_KEY, is_all_reduce, is_cast, is_ours, is_wait
 from graphddp.schedule import Bucket, Schedule
 
 aten = torch.ops.aten
@@ -253,7 +253,7 @@ def _check_scale(g: _Graph, bucket: Bucket, ar: fx.Node, chain: list[fx.Node], w
 
 
 def _cast_dtype(node: fx.Node) -> str:
-    return _dtype_name(node.kwargs.get("dtype"))
+    return _dtype_name(node.args[1] if len(node.args) > 1 else node.kwargs.get("dtype"))
 
 
 def _check_compress(g: _Graph, bucket: Bucket, ar: fx.Node, chain: list[fx.Node]) -> None:
@@ -431,7 +431,7 @@ def _check_gradient(g: _Graph, index: int, name: str, bucket: Bucket, slot: Grad
         _fail(g.gm, returned, f"{what} is returned unreduced, as {returned.name}{how}")
     if wait.meta[BUCKET_KEY] != bucket.index:
         _fail(g.gm, wait, f"{what} comes from bucket {wait.meta[BUCKET_KEY]}'s wait {wait.name}, planned bucket {bucket.index}")
-    shape = [aten.view.default, aten.slice.Tensor] + ([aten._to_copy.default] if bucket.comm_dtype else [])
+    shape = [aten.view.default, aten.slice.Tensor] + ([CAST] if bucket.comm_dtype else [])
     if [n.target for n in path] != shape:
         _fail(g.gm, returned, f"{what} reaches bucket {bucket.index}'s wait {wait.name} through {_names(path)}, not view(slice({'cast(' if bucket.comm_dtype else ''}wait))")
     view, piece = path[0], path[1]

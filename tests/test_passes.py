@@ -8,6 +8,8 @@ import dataclasses
 
 import pytest
 import torch
+
+from graphddp.comm import CAST
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -328,10 +330,10 @@ def test_compressed_bucket_is_cast_down_before_the_divide_and_back_after_the_wai
     for bucket, ar, wait in zip(schedule.buckets, all_reduces(gm), waits(gm)):
         scaled = ar.args[0]
         assert scaled.target == aten.div.Tensor and scaled.args[1] == 4
-        assert scaled.args[0].target == aten._to_copy.default and scaled.args[0].kwargs == {"dtype": torch.float16}
+        assert scaled.args[0].target == CAST and scaled.args[0].args[1] == torch.float16
         assert ar.args[1:] == ("sum", "g")
         (back,) = wait.users
-        assert back.target == aten._to_copy.default and back.kwargs == {"dtype": getattr(torch, bucket.dtype)}
+        assert back.target == CAST and back.args[1] == getattr(torch, bucket.dtype)
     verify(gm, schedule, PARAMS)
 
 

@@ -18,6 +18,8 @@ from typing import Any, Callable
 
 import pytest
 import torch
+
+from graphddp.comm import CAST
 import torch.fx as fx
 
 import graphddp
@@ -242,15 +244,15 @@ def missing_compress(c: Case) -> str:
 
 def wrong_compress_dtype(c: Case) -> str:
     cast = c.one(c.biggest().index, "compress")
-    other = torch.bfloat16 if cast.kwargs["dtype"] == torch.float16 else torch.float16
-    cast.kwargs = {"dtype": other}
+    other = torch.bfloat16 if cast.args[1] == torch.float16 else torch.float16
+    cast.args = (cast.args[0], other)
     return cast.name
 
 
 def extra_compress(c: Case) -> str:
     b = c.biggest().index
     scale = c.one(b, "scale")
-    cast = add_node(c, scale, aten._to_copy.default, (scale.args[0],), like=scale, kwargs={"dtype": torch.bfloat16},
+    cast = add_node(c, scale, CAST, (scale.args[0], torch.bfloat16), like=scale,
                     tag=(b, "compress"), before=True)
     scale.args = (cast, *scale.args[1:])
     return cast.name
@@ -259,15 +261,15 @@ def extra_compress(c: Case) -> str:
 def compressed_twice(c: Case) -> str:
     b = c.biggest()
     cast = c.one(b.index, "compress")
-    again = add_node(c, cast, aten._to_copy.default, (cast.args[0],), like=cast,
-                     kwargs={"dtype": getattr(torch, b.comm_dtype)}, tag=(b.index, "compress"), before=True)
+    again = add_node(c, cast, CAST, (cast.args[0], getattr(torch, b.comm_dtype)), like=cast,
+                     tag=(b.index, "compress"), before=True)
     cast.args = (again,)
     return again.name
 
 
 def wrong_decompress_dtype(c: Case) -> str:
     cast = c.one(c.biggest().index, "decompress")
-    cast.kwargs = {"dtype": torch.float64}
+    cast.args = (cast.args[0], torch.float64)
     return cast.name
 
 
@@ -282,7 +284,7 @@ def missing_decompress(c: Case) -> str:
 def extra_decompress(c: Case) -> str:
     b = c.biggest()
     wait = c.one(b.index, "wait")
-    cast = add_node(c, wait, aten._to_copy.default, (wait,), like=wait, kwargs={"dtype": getattr(torch, b.dtype)},
+    cast = add_node(c, wait, CAST, (wait, getattr(torch, b.dtype)), like=wait,
                     tag=(b.index, "decompress"))
     wait.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
     return cast.name

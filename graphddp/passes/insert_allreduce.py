@@ -59,7 +59,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.utils._pytree import tree_map_only
 
-from graphddp.comm import ALL_REDUCE, BUCKET_KEY, ROLE_KEY, WAIT
+from graphddp.comm import CAST, ALL_REDUCE, BUCKET_KEY, ROLE_KEY, WAIT
 from graphddp.schedule import Bucket, Schedule
 
 aten = torch.ops.aten
@@ -201,7 +201,7 @@ def _unflatten(graph: fx.Graph, bucket: Bucket, reduced: fx.Node, outs: list[Any
     done = _call(graph, WAIT, (reduced,), "wait", bucket.index)
     if bucket.comm_dtype is not None:  # decompress back to the gradients' dtype
         dtype = getattr(torch, bucket.dtype)
-        done = _call(graph, aten._to_copy.default, (done,), "decompress", bucket.index, {"dtype": dtype})
+        done = _call(graph, CAST, (done, dtype), "decompress", bucket.index)
     for slot, off in zip(bucket.slots, bucket.offsets()):
         piece = _call(graph, aten.slice.Tensor, (done, 0, off, off + slot.numel), "unflatten", bucket.index)
         outs[slot.output_index] = _call(graph, aten.view.default, (piece, list(slot.shape)), "unflatten", bucket.index)
@@ -233,6 +233,6 @@ def _issue(graph: fx.Graph, bucket: Bucket, outs: Sequence[Any], schedule: Sched
         flats.append(emit(aten.view.default, (grad, [slot.numel]), "flatten"))
     flat = flats[0] if len(flats) == 1 else emit(aten.cat.default, (flats,), "flatten")
     if bucket.comm_dtype is not None:  # compression hook: cast first, then divide, like DDP's
-        flat = emit(aten._to_copy.default, (flat,), "compress", dtype=getattr(torch, bucket.comm_dtype))
+        flat = emit(CAST, (flat, getattr(torch, bucket.comm_dtype)), "compress")
     scaled = emit(aten.div.Tensor, (flat, schedule.world_size), "scale")
     return emit(ALL_REDUCE, (scaled, "sum", schedule.group_name), "all_reduce")
