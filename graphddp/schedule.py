@@ -92,6 +92,26 @@ class Schedule:
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.buckets)
 
+    def structure_error(self) -> str | None:
+        """Why this schedule is malformed on its own (no graph needed), or None.
+
+        Bucket ``i`` must sit at position ``i`` (the rewrite tags its nodes ``i``), and no output
+        may be planned into two buckets (it would be reduced twice). The rewrite refuses such a
+        schedule before editing, and the verifier checks it again after.
+        """
+        seen: dict[int, int] = {}
+        for position, bucket in enumerate(self.buckets):
+            if bucket.index != position:
+                return f"bucket {bucket.index} is at position {position} of the schedule"
+            for slot in bucket.slots:
+                if slot.output_index in seen:
+                    return (
+                        f"output {slot.output_index} ({slot.param_name!r}) is in bucket {seen[slot.output_index]} "
+                        f"and bucket {bucket.index}: it would be reduced twice"
+                    )
+                seen[slot.output_index] = bucket.index
+        return None
+
     def to_dict(self) -> dict:
         return {
             "schema_version": SCHEMA_VERSION,

@@ -125,24 +125,6 @@ class _Graph:
         return out if isinstance(out, fx.Node) else self.output
 
 
-# -- 0. the schedule ----------------------------------------------------------------------------
-
-
-def _check_schedule(schedule: Schedule) -> None:
-    """Bucket indices are positions, and each output is planned into one bucket only."""
-    seen: dict[int, int] = {}
-    for position, bucket in enumerate(schedule.buckets):
-        if bucket.index != position:
-            raise VerificationError(f"graphddp verify: schedule bucket {bucket.index} is at position {position}")
-        for slot in bucket.slots:
-            if slot.output_index in seen:
-                raise VerificationError(
-                    f"graphddp verify: schedule puts output {slot.output_index} ({slot.param_name!r}) in "
-                    f"bucket {seen[slot.output_index]} and bucket {bucket.index}: it would be reduced twice"
-                )
-            seen[slot.output_index] = bucket.index
-
-
 # -- 1. accounting ------------------------------------------------------------------------------
 
 
@@ -480,7 +462,9 @@ def _check_lint(gm: fx.GraphModule) -> None:
 
 def verify(gm: fx.GraphModule, schedule: Schedule, expected: Mapping[int, str]) -> None:
     """Check invariants 0-11 (module docstring). ``expected``: output index -> param name."""
-    _check_schedule(schedule)
+    problem = schedule.structure_error()
+    if problem:
+        raise VerificationError(f"graphddp verify: {problem}")
     g = _Graph(gm)
     reduces = _collect_all_reduces(g, schedule)
     _check_stray_waits(g)

@@ -442,8 +442,8 @@ def test_verify_rejects_a_reduced_gradient_that_is_not_expected():
 @pytest.mark.parametrize(
     "changes, message",
     [
-        (dict(b1=dict(index=7)), r"schedule bucket 7 is at position 1$"),
-        (dict(b0=dict(slots=None)), r"schedule puts output 2 \('w2'\) in bucket 0 and bucket 1: it would be reduced twice$"),
+        (dict(b1=dict(index=7)), r"verify: bucket 7 is at position 1 of the schedule$"),
+        (dict(b0=dict(slots=None)), r"verify: output 2 \('w2'\) is in bucket 0 and bucket 1: it would be reduced twice$"),
         (dict(b1=dict(issue_after="nope")), r"bucket 1's issue_after 'nope' is not in the graph\n(.*\n)*>> .*%all_reduce__default_1 :"),
         (dict(b2=dict(wait_before="nope")), r"bucket 2's wait_before 'nope' is not in the graph\n(.*\n)*>> .*%wait_tensor_default_2 :"),
     ],

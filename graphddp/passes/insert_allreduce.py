@@ -134,21 +134,6 @@ def _check_slots(bucket: Bucket, outs: Sequence[Any], order: dict[fx.Node, int],
             raise RuntimeError(f"{where}: issued after {issue.name}, before its producer {grad.name}")
 
 
-def _check_buckets(schedule: Schedule) -> None:
-    """Bucket ``i`` is at position ``i`` (its nodes are tagged ``i``); no output is in two buckets."""
-    seen: dict[int, int] = {}
-    for position, bucket in enumerate(schedule.buckets):
-        if bucket.index != position:
-            raise RuntimeError(f"graphddp: bucket {bucket.index} is at position {position} of the schedule")
-        for slot in bucket.slots:
-            if slot.output_index in seen:
-                raise RuntimeError(
-                    f"graphddp: output {slot.output_index} ({slot.param_name!r}) is in bucket "
-                    f"{seen[slot.output_index]} and bucket {bucket.index}"
-                )
-            seen[slot.output_index] = bucket.index
-
-
 def _place(gm: fx.GraphModule, schedule: Schedule, outs: Sequence[Any]) -> list[_Placement]:
     """Resolve every bucket's names to nodes and check the schedule fits the graph.
 
@@ -159,7 +144,9 @@ def _place(gm: fx.GraphModule, schedule: Schedule, outs: Sequence[Any]) -> list[
     order = {n: i for i, n in enumerate(graph.nodes)}
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     output = graph.output_node()
-    _check_buckets(schedule)
+    problem = schedule.structure_error()
+    if problem:
+        raise RuntimeError(f"graphddp: {problem}")
     placements = []
     for bucket in schedule.buckets:
         issue = _issue_point(nodes, placeholders, bucket)
