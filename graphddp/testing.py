@@ -11,7 +11,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -110,6 +110,20 @@ def init_fake_process_group(world_size: int, rank: int = 0) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
+def paired_grads(ours: nn.Module, ref: nn.Module, step: int) -> Iterator[tuple[str, nn.Parameter, nn.Parameter]]:
+    """``(name, our parameter, reference parameter)`` for every parameter both have a grad for.
+
+    A gradient present on one side only fails here: that is a missed or extra reduction.
+    """
+    named_ref = dict(ref.named_parameters())
+    for name, p in ours.named_parameters():
+        q = named_ref[name]
+        if q.grad is None or p.grad is None:
+            assert q.grad is None and p.grad is None, f"step {step} {name}: grad None mismatch"
+            continue
+        yield name, p, q
+
+
 def assert_matches_ddp(
     make_model: Callable[[], nn.Module],
     make_batch: Callable[[int, int], Sequence[Any]],
@@ -141,12 +155,7 @@ def assert_matches_ddp(
         for m, opt in ((ref, opt_ref), (ours, opt_ours)):
             opt.zero_grad(set_to_none=True)
             loss_fn(m(*inputs), target).backward()
-        named_ref = dict(ref.module.named_parameters())
-        for name, p in ours.module.named_parameters():
-            q = named_ref[name]
-            if q.grad is None or p.grad is None:
-                assert q.grad is None and p.grad is None, f"step {step} {name}: grad None mismatch"
-                continue
+        for name, p, q in paired_grads(ours.module, ref.module, step):
             torch.testing.assert_close(p.grad, q.grad, atol=atol, rtol=rtol, msg=lambda m: f"step {step} grad {name}: {m}")
         opt_ref.step()
         opt_ours.step()

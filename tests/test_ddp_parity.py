@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 import graphddp
 from graphddp import models
 from graphddp.comm import BUCKET_KEY, is_all_reduce
-from graphddp.testing import spawn
+from graphddp.testing import paired_grads, spawn
 
 # Small caps: several buckets per graph, so bucketing (and its dtype split) is exercised.
 CAPS = {"bucket_cap_mb": 0.01, "first_bucket_cap_mb": 0.002}
@@ -153,12 +153,7 @@ def _train_side_by_side(
             outs.append(out)
         assert outs[0].dtype == outs[1].dtype, (outs[0].dtype, outs[1].dtype)
         _assert_same_on_every_rank([p.grad for p in ours.parameters() if p.grad is not None], process_group, f"step {step} grads")
-        named_ref = dict(ref.module.named_parameters())
-        for name, p in ours.module.named_parameters():
-            q = named_ref[name]
-            if q.grad is None or p.grad is None:
-                assert q.grad is None and p.grad is None, f"step {step} {name}: grad None mismatch"
-                continue
+        for name, p, q in paired_grads(ours.module, ref.module, step):
             assert p.grad.dtype == q.grad.dtype == p.dtype, (name, p.grad.dtype, q.grad.dtype, p.dtype)
             worst = max(worst, (p.grad.float() - q.grad.float()).abs().max().item())
             torch.testing.assert_close(p.grad, q.grad, **tol, msg=lambda m: f"rank {rank} step {step} grad {name}: {m}")

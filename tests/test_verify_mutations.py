@@ -18,13 +18,11 @@ from typing import Any, Callable
 
 import pytest
 import torch
-
-from graphddp.comm import CAST
 import torch.fx as fx
 
 import graphddp
 from graphddp.capture import extract_facts, output_nodes
-from graphddp.comm import ALL_REDUCE, BUCKET_KEY, ROLE_KEY, WAIT
+from graphddp.comm import ALL_REDUCE, BUCKET_KEY, CAST, ROLE_KEY, WAIT
 from graphddp.config import DDPConfig
 from graphddp.models import MLP
 from graphddp.passes import insert_allreduce
@@ -273,12 +271,16 @@ def wrong_decompress_dtype(c: Case) -> str:
     return cast.name
 
 
+def drop_node(c: Case, node: fx.Node, keep: fx.Node) -> str:
+    """Erase ``node``, its users reading ``keep`` (its input) instead; names ``keep``."""
+    node.replace_all_uses_with(keep)
+    c.gm.graph.erase_node(node)
+    return keep.name
+
+
 def missing_decompress(c: Case) -> str:
     b = c.biggest().index
-    wait, cast = c.one(b, "wait"), c.one(b, "decompress")
-    cast.replace_all_uses_with(wait)
-    c.gm.graph.erase_node(cast)
-    return wait.name
+    return drop_node(c, c.one(b, "decompress"), keep=c.one(b, "wait"))
 
 
 def extra_decompress(c: Case) -> str:
@@ -346,10 +348,7 @@ def reduced_twice(c: Case) -> str:
 
 def no_wait(c: Case) -> str:
     b = c.biggest().index
-    ar, wait = c.one(b, "all_reduce"), c.one(b, "wait")
-    wait.replace_all_uses_with(ar)
-    c.gm.graph.erase_node(wait)
-    return ar.name
+    return drop_node(c, c.one(b, "wait"), keep=c.one(b, "all_reduce"))
 
 
 def two_waits(c: Case) -> str:
