@@ -26,4 +26,4 @@ test: $(VENV)/.installed-test
 	$(PY) -m pytest -q tests
 
 bench: $(VENV)/.installed-plot
-	$(PY) -m graphddp.bench --out bench_out $(ARGS)
+	$(PY) -m tools.bench --out bench_out $(ARGS)

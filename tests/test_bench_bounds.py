@@ -10,9 +10,9 @@ import os
 
 import pytest
 
-from graphddp.bench.report import render_table
-from graphddp.bench.summary import _release_link, summarize
-from graphddp.bench.workload import MB, BenchConfig
+from tools.bench.report import render_table
+from tools.bench.summary import _release_link, summarize
+from tools.bench.workload import MB, BenchConfig
 
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
 

@@ -1,4 +1,4 @@
-"""The benchmark harness runs end to end: python -m graphddp.bench --tiny for 2 steps on plain loopback.
+"""The benchmark harness runs end to end: python -m tools.bench --tiny for 2 steps on plain loopback.
 
 A smoke test of the harness, not a measurement: a tiny MLP, aot_eager for the compiled modes,
 no network emulation. Checks every mode reports positive times and the JSON holds the bounds.
@@ -22,7 +22,7 @@ MODES = (
 def test_bench_tiny_runs_every_mode(tmp_path):
     out = tmp_path / "bench"
     cmd = [
-        sys.executable, "-m", "graphddp.bench", "--tiny", "--steps", "2", "--warmup", "0",
+        sys.executable, "-m", "tools.bench", "--tiny", "--steps", "2", "--warmup", "0",
         "--link-gbit", "0", "--ready-probe-runs", "1", "--out", str(out), "--timeout", "100",
     ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=115)
@@ -61,7 +61,7 @@ def test_bench_tiny_runs_every_mode(tmp_path):
 
 
 def _run_tiny(out, *extra, env=None):
-    cmd = [sys.executable, "-m", "graphddp.bench", "--tiny", "--steps", "2", "--warmup", "0",
+    cmd = [sys.executable, "-m", "tools.bench", "--tiny", "--steps", "2", "--warmup", "0",
            "--ready-probe-runs", "1", "--out", str(out), "--timeout", "100",
            "--modes", "compute_only,comm_only", *extra]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=115, env=env)

@@ -1,4 +1,4 @@
-"""graphddp.bench: the benchmark, graphddp next to DDP (eager and compiled), no overlap, and two bounds.
+"""tools.bench: the benchmark, graphddp next to DDP (eager and compiled), no overlap, and two bounds.
 
 One launch, 2 spawned CPU ranks (gloo, one thread each), one process group; every mode trains
 a copy of the same model on the same per-rank batch from the same seed. Modes run round-robin

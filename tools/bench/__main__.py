@@ -1,5 +1,5 @@
 import sys
 
-from graphddp.bench.cli import main
+from tools.bench.cli import main
 
 sys.exit(main())

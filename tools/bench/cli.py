@@ -1,4 +1,4 @@
-"""``python -m graphddp.bench``: parse options, set up the link, spawn the ranks, report."""
+"""``python -m tools.bench``: parse options, set up the link, spawn the ranks, report."""
 from __future__ import annotations
 
 import argparse
@@ -11,17 +11,17 @@ import tempfile
 import time
 from typing import Any
 
-import graphddp.bench
-from graphddp.bench.netns import NETNS_ENV, NETNS_SETUP_FAILED, _tc_stats, reexec_in_netns, setup_netns_link
-from graphddp.bench.procstat import machine_load
-from graphddp.bench.ranks import rank_main
-from graphddp.bench.report import plot, render_table
-from graphddp.bench.summary import summarize
-from graphddp.bench.workload import MODES, BenchConfig, model_spec
+import tools.bench
+from tools.bench.netns import NETNS_ENV, NETNS_SETUP_FAILED, _tc_stats, reexec_in_netns, setup_netns_link
+from tools.bench.procstat import machine_load
+from tools.bench.ranks import rank_main
+from tools.bench.report import plot, render_table
+from tools.bench.summary import summarize
+from tools.bench.workload import MODES, BenchConfig, model_spec
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m graphddp.bench", description=graphddp.bench.__doc__,
+    p = argparse.ArgumentParser(prog="python -m tools.bench", description=tools.bench.__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=("gpt", "mlp"), default="gpt")
     p.add_argument("--steps", type=int, default=25, help="timed rounds (median over these)")

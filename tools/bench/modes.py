@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from graphddp.bench.procstat import cpu_seconds, runqueue_wait
-from graphddp.bench.workload import MB, BenchConfig
+from tools.bench.procstat import cpu_seconds, runqueue_wait
+from tools.bench.workload import MB, BenchConfig
 
 
 class CountingBackend:

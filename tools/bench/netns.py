@@ -52,8 +52,11 @@ def reexec_in_netns(argv: list[str]) -> tuple[int | None, str]:
     probe = subprocess.run(cmd + ["true"], capture_output=True, text=True)
     if probe.returncode != 0:
         return None, f"'{' '.join(cmd)}' failed: {probe.stderr.strip() or probe.returncode}"
-    env = dict(os.environ, **{NETNS_ENV: "1"})
-    rc = subprocess.call(cmd + [sys.executable, "-m", "graphddp.bench", *argv], env=env)
+    # The child runs -m tools.bench as well: the repository root goes on its path, whatever the cwd.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, **{NETNS_ENV: "1", "PYTHONPATH": path})
+    rc = subprocess.call(cmd + [sys.executable, "-m", "tools.bench", *argv], env=env)
     if rc == NETNS_SETUP_FAILED:
         return None, "could not rate-limit the namespace's loopback (see message above)"
     return rc, ""

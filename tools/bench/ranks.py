@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from graphddp.bench.modes import (CommOnlyMode, CountingBackend, TrainMode, UnboundComm, _ddp_buckets, _now,
+from tools.bench.modes import (CommOnlyMode, CountingBackend, TrainMode, UnboundComm, _ddp_buckets, _now,
                                   _profile_step, _ready_fractions, flat_allreduce)
-from graphddp.bench.workload import DDP_CAPS, MB, MODES, BenchConfig, loss_fn, make_batch, make_model
+from tools.bench.workload import DDP_CAPS, MB, MODES, BenchConfig, loss_fn, make_batch, make_model
 
 
 def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None:

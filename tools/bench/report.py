@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from graphddp.bench.workload import REPORTED
+from tools.bench.workload import REPORTED
 
 
 def render_table(s: dict[str, Any]) -> str:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from graphddp.bench.workload import DDP_CAPS, MB, TARGETS, BenchConfig
+from tools.bench.workload import DDP_CAPS, MB, TARGETS, BenchConfig
 
 
 def _median(xs: list[float]) -> float:
