@@ -10,32 +10,77 @@ import os
 
 import pytest
 
+from graphddp.cost import CostModel
+from graphddp.schedule import Bucket, GradSlot, Schedule
+from tools.bench.release import fit_link, release_timeline
 from tools.bench.report import render_table
-from tools.bench.summary import _release_link, summarize
+from tools.bench.summary import summarize
 from tools.bench.workload import MB, BenchConfig
 
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
 
 
-# -- the release-time link model ----------------------------------------------------------------------
+# -- the release-time link model: graphddp.cost.simulate over the run's buckets --------------------
 
 
-def test_release_link_starts_each_bucket_when_ready_if_the_link_is_free():
-    link, timeline = _release_link([0.1, 0.5, 1.0], 100.0, [20.0, 30.0, 10.0])
-    assert [(t["start_ms"], t["end_ms"]) for t in timeline] == [(10.0, 30.0), (50.0, 80.0), (100.0, 110.0)]
-    assert link == 110.0  # the last bucket's transfer is the exposed tail
+def _schedule(sizes):
+    """A 2-rank schedule of one-gradient buckets of ``sizes`` bytes (fp32), in this order."""
+    buckets = tuple(
+        Bucket(index=i, slots=(GradSlot(output_index=i, param_name=f"p{i}", shape=(n // 4,), dtype="float32",
+                                        device="cpu", numel=n // 4, nbytes=n, producer=f"g{i}", position=i),),
+               dtype="float32", device="cpu", issue_after=f"g{i}", wait_before="output", overlap=())
+        for i, n in enumerate(sizes))
+    return Schedule(graph_index=0, world_size=2, group_name="0", bucket_cap_mb=4.0, first_bucket_cap_mb=1.0,
+                    buckets=buckets)
 
 
-def test_release_link_queues_buckets_behind_a_busy_link():
-    link, timeline = _release_link([0.1, 0.5, 1.0], 100.0, [50.0, 50.0, 10.0])
-    assert [(t["start_ms"], t["end_ms"]) for t in timeline] == [(10.0, 60.0), (60.0, 110.0), (110.0, 120.0)]
-    assert link == 120.0
+# 0.008 Gbit/s and no latency: a 2-rank all-reduce of n bytes puts n on the wire, n microseconds.
+SLOW = CostModel(bandwidth_gbps=0.008, latency_us=0.0)
 
 
-def test_release_link_serves_buckets_in_ready_order_whatever_their_index():
-    link, timeline = _release_link([1.0, 0.2], 100.0, [5.0, 5.0])
-    assert [t["bucket"] for t in timeline] == [1, 0]
-    assert link == 105.0
+def _spans(timeline):
+    """(bucket, start ms, end ms) in link order, to the nanosecond (the simulation sums seconds)."""
+    return [(t["bucket"], round(t["start_ms"], 6), round(t["end_ms"], 6)) for t in timeline]
+
+
+def test_release_starts_each_bucket_when_ready_if_the_link_is_free():
+    timeline = release_timeline([_schedule([20_000, 30_000, 10_000])], [10.0, 50.0, 100.0], SLOW)
+    assert _spans(timeline) == [(0, 10.0, 30.0), (1, 50.0, 80.0), (2, 100.0, 110.0)]
+
+
+def test_release_queues_buckets_behind_a_busy_link():
+    timeline = release_timeline([_schedule([50_000, 50_000, 10_000])], [10.0, 50.0, 100.0], SLOW)
+    assert _spans(timeline) == [(0, 10.0, 60.0), (1, 60.0, 110.0), (2, 110.0, 120.0)]
+
+
+def test_release_serves_buckets_in_ready_order_whatever_their_index():
+    timeline = release_timeline([_schedule([5_000, 5_000])], [100.0, 20.0], SLOW)
+    assert _spans(timeline) == [(1, 20.0, 25.0), (0, 100.0, 105.0)]
+
+
+def test_release_takes_the_buckets_of_every_graph():
+    timeline = release_timeline([_schedule([5_000]), _schedule([5_000, 1_000])], [0.0, 1.0, 2.0], SLOW)
+    assert _spans(timeline) == [(0, 0.0, 5.0), (1, 5.0, 10.0), (2, 10.0, 11.0)]
+
+
+def test_fit_link_recovers_the_alpha_beta_line():
+    # 2 ranks: a + b * n with a = 2 * 50 us and b = 8 / 4 Gbit/s: 2 ns per byte.
+    true = CostModel(bandwidth_gbps=4.0, latency_us=50.0)
+    sizes = [MB, 2 * MB, 4 * MB]
+    fit = fit_link(sizes, [true.allreduce_seconds(n, 2) for n in sizes], 2)
+    assert (fit.bandwidth_gbps, fit.latency_us) == (pytest.approx(4.0), pytest.approx(50.0))
+
+
+def test_fit_link_keeps_latency_and_bandwidth_physical():
+    # A line through these points would cross zero below 0 bytes: refitted through the origin.
+    fit = fit_link([MB, 2 * MB], [0.001, 0.003], 2)
+    assert fit.latency_us == 0.0 and fit.allreduce_seconds(MB, 2) == pytest.approx(0.0014)
+    # Bigger buckets no slower: latency only, no bandwidth term.
+    fit = fit_link([MB, 2 * MB], [0.003, 0.002], 2)
+    assert fit.bandwidth_gbps == float("inf") and fit.allreduce_seconds(MB, 2) == pytest.approx(0.0025)
+    # One size: nothing tells latency from bandwidth; the fit puts it all on the bandwidth.
+    fit = fit_link([MB, MB], [0.002, 0.004], 2)
+    assert fit.latency_us == 0.0 and fit.allreduce_seconds(MB, 2) == pytest.approx(0.003)
 
 
 # -- synthetic runs ---------------------------------------------------------------------------------------
@@ -96,6 +141,8 @@ def _synthetic_ranks(modes=None):
         for r in range(2):
             records[r][name] = per_rank[r]
     # comm_only: per-bucket times; each bucket's figure is the median over steps of the slower rank.
+    # 15, 20, 30 ms for the 1, 2 and 4 MB buckets lie on one line, 10 ms + 5 ms per MB: the link
+    # fitted to them (a 2-rank ring: latency 5 ms per step, 8 bits / 5 ns per byte) gives them back.
     bucket_times = ([0.010, 0.020, 0.030], [0.015, 0.020, 0.025])  # -> 15, 20, 30 ms
     for r in range(2):
         records[r]["comm_only"] = [_rec(0.065, 0.0, 0.0, 0.065, 0.0, buckets=list(bucket_times[r])) for _ in range(3)]
@@ -111,7 +158,8 @@ def _synthetic_ranks(modes=None):
         ])
     info = {
         "ready": {"fractions": [0.25, 0.5, 1.0], "runs": 5},
-        "graphddp": {"buckets": [{"nbytes": MB}, {"nbytes": MB}, {"nbytes": 2 * MB}]},
+        "graphddp": {"buckets": [{"nbytes": MB}, {"nbytes": 2 * MB}, {"nbytes": 4 * MB}],
+                     "schedule_dicts": [_schedule([MB, 2 * MB, 4 * MB]).to_dict()]},
         "ddp_buckets": {"ddp_cap4": [{"nbytes": MB, "params": ["a"]}, {"nbytes": MB // 2, "params": ["b"]}]},
         "ddp_compiled": {"graphs": 3, "graphs_without_ddp": 1, "bucket_cap_mb": "default"},
     }
@@ -161,7 +209,7 @@ def test_summary_medians_per_mode_from_the_slower_rank():
     # The best eager DDP cap: 115 ms (cap 4) against 150 (cap 1).
     assert s["modes"]["ddp_best"]["best_of"] == "ddp_cap4"
     assert s["modes"]["ddp_best"]["step_ms"] == pytest.approx(115.0)
-    assert s["graphddp_grad_mb"] == pytest.approx(4.0) and s["graphddp_buckets"] == 3
+    assert s["graphddp_grad_mb"] == pytest.approx(7.0) and s["graphddp_buckets"] == 3
     assert s["exposed_comm_ms"] == pytest.approx(120.0 - 80.0)  # graphddp - compute_only
     assert s["warnings"] == []
 
@@ -174,6 +222,9 @@ def test_summary_bounds_by_hand():
     assert [(t["start_ms"], t["end_ms"]) for t in b["release_timeline"]] == [
         pytest.approx((12.5, 27.5)), pytest.approx((27.5, 47.5)), pytest.approx((50.0, 80.0))]
     assert b["tail_after_backward_ms"] == pytest.approx(30.0)
+    assert b["link_model"]["latency_us"] == pytest.approx(5000.0)
+    assert b["link_model"]["bandwidth_gbps"] == pytest.approx(8 * MB / 5e6)
+    assert b["link_model"]["bucket_ms"] == pytest.approx([15.0, 20.0, 30.0])
     assert b["release_time_ms"] == pytest.approx(20.0 + 80.0 + 10.0)  # fwd + max(bwd, link) + opt
     # With graphddp's own issue times: 5, 30, 40 ms of a 40 ms compute phase -> fractions
     # 1/8, 3/4, 1 -> ready 6.25, 37.5, 50: b0 6.25 -> 21.25, b1 37.5 -> 57.5, b2 57.5 -> 87.5.

@@ -29,8 +29,9 @@ Bounds
   release-time        fwd + max(bwd, link finish) + opt of compute_only, where the link carries
                       one bucket at a time, bucket i no earlier than its gradients are ready;
                       ready times = per-bucket ready fraction measured with post-accumulate-grad
-                      hooks on the eager backward, times compute_only's backward time; bucket
-                      transfer times = comm_only's per-bucket medians.
+                      hooks on the eager backward, times compute_only's backward time; the link
+                      is graphddp.cost.simulate with an alpha-beta CostModel fitted to
+                      comm_only's per-bucket medians (``release.py``).
 
 Network: ``--link-gbit R`` (default 2) re-executes the benchmark under ``unshare -n`` in a
 private network namespace whose loopback carries a ``tbf`` rate limit of R Gbit/s. Both ranks'

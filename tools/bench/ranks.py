@@ -56,6 +56,8 @@ def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None
         "fingerprints": [s.fingerprint() for s in schedules],
         "buckets": [{"index": b.index, "nbytes": b.nbytes, "dtype": b.dtype, "params": list(b.param_names)} for b in buckets],
         "estimate": [s.estimate().to_dict() for s in schedules],
+        # The plans without their backward nodes: the release-time bound simulates the buckets.
+        "schedule_dicts": [{**s.to_dict(), "nodes": []} for s in schedules],
     }
     if len(buckets) < 2:
         raise RuntimeError(f"graphddp made {len(buckets)} bucket(s); the benchmark needs several")

@@ -37,6 +37,10 @@ def render_table(s: dict[str, Any]) -> str:
         lines.append(f"{'max(compute,comm)':<20} {b['max_compute_comm_ms']:>9.1f} {'':>91} {s['ratios']['max_compute_comm_bound']:>10.3f}  bound")
         lines.append(f"{'release-time':<20} {b['release_time_ms']:>9.1f} {'':>91} {s['ratios']['release_time_bound']:>10.3f}  "
                      f"bound (link tail after backward {b['tail_after_backward_ms']:.1f} ms; ready times from eager hooks)")
+        if "link_model" in b:  # bench.json files written before the fit have none
+            lm = b["link_model"]
+            lines.append(f"{'':<20} release-time link: graphddp.cost.simulate, CostModel fitted to comm_only's buckets: "
+                         f"{lm['bandwidth_gbps']:.3g} Gbit/s, {lm['latency_us']:.0f} us per ring step")
         if "release_time_graphddp_issue_ms" in b:
             v = b["release_time_graphddp_issue_ms"]
             lines.append(f"{'release-time*':<20} {v:>9.1f} {'':>91} {s['modes']['graphddp']['step_ms'] / v:>10.3f}  "

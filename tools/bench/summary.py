@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from graphddp.schedule import Schedule
+from tools.bench.release import fit_link, release_timeline
 from tools.bench.workload import DDP_CAPS, MB, TARGETS, BenchConfig
 
 
@@ -96,17 +98,31 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
     if c and k:
         bounds["max_compute_comm_ms"] = max(c["step_ms"], k["step_ms"])
         fr = info["ready"]["fractions"]
-        link, timeline = _release_link(fr, c["bwd_ms"], k["bucket_ms"])
+        schedules = [Schedule.from_dict(d) for d in info["graphddp"]["schedule_dicts"]]
+        wire = [b.wire_nbytes for s in schedules for b in s.buckets]
+        link_model = fit_link(wire, [ms / 1e3 for ms in k["bucket_ms"]], schedules[0].world_size)
+
+        def link_end(fractions: list[float]) -> tuple[float, list[dict]]:
+            timeline = release_timeline(schedules, [f * c["bwd_ms"] for f in fractions], link_model)
+            return max(t["end_ms"] for t in timeline), timeline
+
+        link, timeline = link_end(fr)
         bounds["release_time_ms"] = c["fwd_ms"] + max(c["bwd_ms"], link) + c["opt_ms"]
         bounds["release_timeline"] = timeline
         bounds["ready_fractions"] = fr
         bounds["ready_source"] = ("post-accumulate-grad hooks on the eager backward (median of "
                                   f"{info['ready']['runs']} runs), scaled to compute_only's backward")
         bounds["bucket_comm_ms"] = k["bucket_ms"]
+        bounds["link_model"] = {
+            "bandwidth_gbps": link_model.bandwidth_gbps, "latency_us": link_model.latency_us,
+            "bucket_ms": [link_model.allreduce_seconds(n, schedules[0].world_size) * 1e3 for n in wire],
+            "source": "graphddp.cost.CostModel fitted (least squares) to comm_only's per-bucket medians; "
+                      "the timeline is graphddp.cost.simulate",
+        }
         bounds["tail_after_backward_ms"] = max(0.0, link - c["bwd_ms"])
         if overlap and overlap.get("compute_fractions") and len(overlap["compute_fractions"]) == len(fr):
             # The same bound with the ready times graphddp's compiled backward showed (its issue times).
-            link2, _ = _release_link(overlap["compute_fractions"], c["bwd_ms"], k["bucket_ms"])
+            link2, _ = link_end(overlap["compute_fractions"])
             bounds["release_time_graphddp_issue_ms"] = c["fwd_ms"] + max(c["bwd_ms"], link2) + c["opt_ms"]
     if "ideal_overlap" in modes:
         # Measured, not modelled: the link and the CPU cost of communication, with every
@@ -181,17 +197,6 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
         "ddp_buckets_mb": {n: [b["nbytes"] / MB for b in v] for n, v in info.get("ddp_buckets", {}).items()},
         "ddp_same_buckets_params": [b["params"] for b in info.get("ddp_buckets", {}).get("ddp_same_buckets", [])],
     }
-
-
-def _release_link(fractions: list[float], bwd_ms: float, comm_ms: list[float]) -> tuple[float, list[dict]]:
-    """When the link finishes if bucket i may start at fractions[i] * bwd_ms, one bucket at a time."""
-    ready = [f * bwd_ms for f in fractions]
-    link, timeline = 0.0, []
-    for i in sorted(range(len(ready)), key=lambda i: ready[i]):  # earliest release first is optimal
-        start = max(ready[i], link)
-        link = start + comm_ms[i]
-        timeline.append({"bucket": i, "ready_ms": ready[i], "start_ms": start, "end_ms": link})
-    return link, timeline
 
 
 def _graphddp_overlap(profile: dict | None) -> dict[str, Any] | None:
