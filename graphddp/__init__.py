@@ -9,14 +9,15 @@ import os as _os
 from graphddp.agree import CollectiveError, ScheduleMismatchError
 from graphddp.api import GraphDDP, compile
 from graphddp.config import DDPConfig
-from graphddp.cost import CostModel, Timeline
+from graphddp import render
+from graphddp.cost import CostModel, simulate
 from graphddp.explain import explain
-from graphddp.schedule import Bucket, Schedule
+from graphddp.schedule import Bucket, Schedule, Timeline
 from graphddp.verify import VerificationError, verify
 
 __all__ = [
     "Bucket", "CollectiveError", "CostModel", "DDPConfig", "GraphDDP", "Schedule", "ScheduleMismatchError", "Timeline",
-    "VerificationError", "compile", "explain", "verify",
+    "VerificationError", "compile", "explain", "render", "simulate", "verify",
 ]
 __version__ = "0.1.0"
 

@@ -1,4 +1,5 @@
-"""From a compiled backward graph to plain facts: which output is which parameter's gradient.
+"""From a compiled backward graph to plain facts: which output is which parameter's gradient,
+which nodes compute, and what each node costs.
 
 AOTAutograd's backward graph returns one output per input of the Dynamo graph, in the same
 order (``None`` where the input gets no gradient). Dynamo lifts parameters to graph inputs and
@@ -9,71 +10,35 @@ to the graph, so planning is a pure function that tests can feed by hand.
 """
 from __future__ import annotations
 
-import dataclasses
 import operator
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils.flop_counter import flop_registry
 
-# Nodes that move no data: excluded from "compute in the overlap window".
-_NON_COMPUTE_TARGETS = {
-    torch.ops.aten.view.default,
-    torch.ops.aten._unsafe_view.default,
-    torch.ops.aten.t.default,
-    torch.ops.aten.permute.default,
-    torch.ops.aten.expand.default,
-    torch.ops.aten.slice.Tensor,
-    torch.ops.aten.select.int,
-    torch.ops.aten.squeeze.dim,
-    torch.ops.aten.unsqueeze.default,
-    torch.ops.aten.detach.default,
-    torch.ops.aten.alias.default,
-}
+from graphddp.schedule import GradSlot, GraphFacts, NodeFact
+
+# Views whose schema does not say so: ``_unsafe_view`` is a view that skips the alias checks.
+_UNMARKED_VIEWS = {torch.ops.aten._unsafe_view.default}
 
 
-@dataclasses.dataclass(frozen=True)
-class GradSlot:
-    """One gradient output of a backward graph that belongs to a parameter."""
+def is_view(node: fx.Node) -> bool:
+    """A node that returns an alias of its input: it moves no data and shares storage.
 
-    output_index: int
-    param_name: str
-    shape: tuple[int, ...]
-    dtype: str
-    device: str
-    numel: int
-    nbytes: int
-    producer: str  # name of the node that finalises this gradient
-    position: int  # topological index of ``producer``: the production order
-
-
-@dataclasses.dataclass(frozen=True)
-class NodeFact:
-    """One backward-graph node: its order, whether it computes, its cost inputs and edges."""
-
-    name: str
-    position: int
-    is_compute: bool
-    flops: int = 0
-    nbytes: int = 0
-    inputs: tuple[str, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class GraphFacts:
-    """What the planner may know about one backward graph: ordered nodes and gradient slots."""
-
-    nodes: tuple[NodeFact, ...]
-    slots: tuple[GradSlot, ...]
-    num_outputs: int
+    The op schema says so (``OpOverload.is_view``: view, reshape, t, permute, expand, slice,
+    select, split, detach, alias, ...); ``_unsafe_view`` is the one view it does not mark.
+    """
+    if node.op != "call_function":
+        return False
+    target = node.target
+    return target in _UNMARKED_VIEWS or (isinstance(target, torch._ops.OpOverload) and target.is_view)
 
 
 def is_compute(node: fx.Node) -> bool:
-    if node.op != "call_function":
-        return False
-    if node.target is operator.getitem:
-        return False
-    return node.target not in _NON_COMPUTE_TARGETS
+    """A node that runs a kernel: a call that is neither a view nor a tuple lookup."""
+    return node.op == "call_function" and node.target is not operator.getitem and not is_view(node)
 
 
 def output_nodes(gm: fx.GraphModule) -> list[object]:
@@ -97,11 +62,48 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _node_fact(node: fx.Node, position: int) -> NodeFact:
-    from graphddp.cost import node_flops_and_bytes
-
     flops, nbytes = node_flops_and_bytes(node)
     inputs = tuple(n.name for n in node.all_input_nodes)
     return NodeFact(node.name, position, is_compute(node), flops, nbytes, inputs)
+
+
+class _Symbolic(Exception):
+    """A size that is not a constant (dynamic shapes): the node gets no estimate."""
+
+
+def node_flops_and_bytes(node: fx.Node) -> tuple[int, int]:
+    """FLOPs (torch's flop-counter formulas) and bytes read + written by one graph node.
+
+    Symbolic sizes give ``(0, 0)`` rather than a specialisation guard: the estimate is for
+    people and the cost model, and must never change what gets compiled.
+    """
+    if node.op != "call_function":
+        return 0, 0
+    try:
+        return _flops_and_bytes(node)
+    except _Symbolic:
+        return 0, 0
+
+
+def _concrete(x: Any) -> int:
+    """An int without specialising: a symbolic value raises ``_Symbolic`` instead of guarding."""
+    if isinstance(x, int):
+        return x
+    if isinstance(x, torch.SymInt) and x.node.is_constant():
+        return int(x)
+    raise _Symbolic(x)
+
+
+def _flops_and_bytes(node: fx.Node) -> tuple[int, int]:
+    val = node.meta.get("val")
+    args_vals = tree_map_only(fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs))
+    nbytes = sum(_concrete(t.numel()) * t.element_size() for t in tree_leaves((args_vals, val)) if isinstance(t, torch.Tensor))
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet not in flop_registry:
+        return 0, nbytes
+    return _concrete(flop_registry[packet](*args_vals[0], out_val=val, **args_vals[1])), nbytes
+
+
 
 
 def extract_facts(gm: fx.GraphModule, param_inputs: Mapping[int, str]) -> GraphFacts:
@@ -138,7 +140,7 @@ def extract_facts(gm: fx.GraphModule, param_inputs: Mapping[int, str]) -> GraphF
             )
         )
     slots.sort(key=lambda s: (s.position, s.output_index))
-    return GraphFacts(nodes=nodes, slots=tuple(slots), num_outputs=len(outs))
+    return GraphFacts(nodes=nodes, slots=tuple(slots))
 
 
 def names_by_identity(named: Iterable[tuple[str, torch.Tensor]]) -> dict[int, str]:

@@ -41,6 +41,7 @@ def _cap_list(text: str) -> list[float]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from graphddp.config import DDPConfig
+    from graphddp import render
     from graphddp.cost import CostModel
     from graphddp.explain import explain
 
@@ -81,17 +82,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise SystemExit(f"--format {args.format} needs --out FILE")
         root, ext = os.path.splitext(args.out)
         for s in schedules:
-            s.plot(args.out if len(schedules) == 1 else f"{root}.{s.graph_index}{ext}", cost)
+            render.plot(s, args.out if len(schedules) == 1 else f"{root}.{s.graph_index}{ext}", cost)
         return 0
     if args.format == "table":
-        text = "\n\n".join(f"fingerprint {s.fingerprint()}\n{s.to_table(cost)}" for s in schedules)
+        text = "\n\n".join(f"fingerprint {s.fingerprint()}\n{render.table(s, cost)}" for s in schedules)
     elif args.format == "json":
         text = json.dumps([s.to_dict() for s in schedules], indent=2, sort_keys=True)
     elif args.format == "trace":
-        events = [e for s in schedules for e in s.to_chrome_trace(None, cost)["traceEvents"]]
+        events = [e for s in schedules for e in render.chrome_trace(s, cost)["traceEvents"]]
         text = json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
     else:
-        text = "\n".join(s.to_dot() for s in schedules)
+        text = "\n".join(render.dot(s) for s in schedules)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")

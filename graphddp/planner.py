@@ -24,9 +24,8 @@ rebuilds buckets in gradient-ready order, applied to the static production order
 """
 from __future__ import annotations
 
-from graphddp.capture import GradSlot, GraphFacts
 from graphddp.config import DDPConfig
-from graphddp.schedule import Bucket, Schedule
+from graphddp.schedule import Bucket, GradSlot, GraphFacts, Schedule
 
 Key = tuple[str, str]  # (dtype, device): buckets never mix either
 

@@ -1,23 +1,27 @@
 """Renderers for a Schedule: Chrome/Perfetto trace, Graphviz dot, and a timeline plot.
 
 All work from the Schedule value alone (no graph, no process group), so they run on a
-schedule loaded from JSON as well as on a live one.
+schedule loaded from JSON as well as on a live one. The plain table is the Schedule's own
+``to_table()``; these need the cost model's timeline, or graphviz/matplotlib conventions.
 """
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from graphddp.cost import CostModel, simulate
-
-if TYPE_CHECKING:
-    from graphddp.schedule import Schedule
+from graphddp.schedule import Schedule
 
 COMPUTE_TID, COMM_TID = 0, 1
 _PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"]
 
 
-def chrome_trace(schedule: "Schedule", cost: CostModel, path: str | None = None) -> dict[str, Any]:
+def table(schedule: Schedule, cost: CostModel | None = None) -> str:
+    """``schedule.to_table()`` with each bucket's predicted ready, start and end times."""
+    return schedule.to_table(simulate(schedule, cost))
+
+
+def chrome_trace(schedule: Schedule, cost: CostModel | None = None, path: str | None = None) -> dict[str, Any]:
     """Trace Event Format: a compute lane (one event per node) and a communication lane (one
     event per bucket). Opens in Perfetto and chrome://tracing. Written to ``path`` if given."""
     timeline = simulate(schedule, cost)
@@ -43,7 +47,7 @@ def chrome_trace(schedule: "Schedule", cost: CostModel, path: str | None = None)
     return trace
 
 
-def dot(schedule: "Schedule") -> str:
+def dot(schedule: Schedule) -> str:
     """The backward graph as Graphviz dot: each bucket's gradient producers filled in the
     bucket's colour, and the inserted all-reduce (box) and wait (octagon) nodes marked."""
     colour = {}
@@ -72,7 +76,7 @@ def dot(schedule: "Schedule") -> str:
     return "\n".join(lines)
 
 
-def plot_timeline(schedule: "Schedule", cost: CostModel, path: str) -> None:
+def plot(schedule: Schedule, path: str, cost: CostModel | None = None) -> None:
     """PNG/SVG (by extension) of the predicted compute and communication lanes."""
     try:
         import matplotlib
@@ -82,6 +86,7 @@ def plot_timeline(schedule: "Schedule", cost: CostModel, path: str) -> None:
     except ImportError as e:
         raise RuntimeError("the timeline plot needs matplotlib: pip install 'graphddp[plot]'") from e
     timeline = simulate(schedule, cost)
+    link = timeline.link
     fig, ax = plt.subplots(figsize=(10, 2.6))
     ax.broken_barh([(s.start * 1e3, (s.end - s.start) * 1e3) for s in timeline.compute], (10, 8), facecolors="#888888")
     for b, t in zip(schedule.buckets, timeline.buckets):
@@ -93,7 +98,7 @@ def plot_timeline(schedule: "Schedule", cost: CostModel, path: str) -> None:
     ax.set_xlabel("ms from backward start (predicted)")
     ax.set_title(
         f"graph {schedule.graph_index}: {schedule.num_buckets} buckets, world {schedule.world_size}, "
-        f"{cost.bandwidth_gbps:g} Gbit/s; exposed comm {timeline.exposed_seconds * 1e3:.2f} ms"
+        f"{link}; exposed comm {timeline.exposed_seconds * 1e3:.2f} ms"
     )
     fig.tight_layout()
     fig.savefig(path)

@@ -1,7 +1,10 @@
-"""The Schedule: the one artifact that passes from planning to rewriting, to users and tests.
+"""The value types of graphddp, the Schedule first: the one artifact that passes from planning
+to rewriting, to users and tests.
 
-A Schedule is immutable and holds only plain values (names, ints, strings), so it can be
-compared across ranks, hashed, serialised and rendered without touching a graph.
+Everything here is immutable and holds only plain values (names, ints, strings), so it can be
+compared across ranks, hashed, serialised and rendered without touching a graph. This module
+is the bottom layer: it imports nothing from graphddp. ``capture`` reads graphs into these
+values, ``planner`` and ``cost`` compute on them, ``render`` and the passes consume them.
 """
 from __future__ import annotations
 
@@ -9,14 +12,83 @@ import dataclasses
 import hashlib
 import json
 
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
-from graphddp.capture import GradSlot, NodeFact
-from graphddp.cost import CostModel, Timeline, simulate
-
 SCHEMA_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class GradSlot:
+    """One gradient output of a backward graph that belongs to a parameter."""
+
+    output_index: int
+    param_name: str
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+    numel: int
+    nbytes: int
+    producer: str  # name of the node that finalises this gradient
+    position: int  # topological index of ``producer``: the production order
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeFact:
+    """One backward-graph node: its order, whether it computes, its cost inputs and edges."""
+
+    name: str
+    position: int
+    is_compute: bool
+    flops: int = 0
+    nbytes: int = 0
+    inputs: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphFacts:
+    """What the planner may know about one backward graph: ordered nodes and gradient slots."""
+
+    nodes: tuple[NodeFact, ...]
+    slots: tuple[GradSlot, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketTiming:
+    index: int
+    ready: float  # seconds from backward start: its last gradient is produced
+    start: float  # the link picks it up
+    end: float
+    nbytes_on_wire: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+    """Predicted backward pass: compute spans, bucket transfers, step time, exposed comm."""
+
+    compute: tuple[Span, ...]
+    buckets: tuple[BucketTiming, ...]
+    compute_seconds: float
+    step_seconds: float
+    link: str = ""  # the cost model's link, for people: "10 Gbit/s, 20 us"
+
+    @property
+    def exposed_seconds(self) -> float:
+        return self.step_seconds - self.compute_seconds
+
+    @property
+    def comm_seconds(self) -> float:
+        return sum(b.end - b.start for b in self.buckets)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "compute_seconds": self.compute_seconds,
+            "comm_seconds": self.comm_seconds,
+            "step_seconds": self.step_seconds,
+            "exposed_seconds": self.exposed_seconds,
+            "buckets": [dataclasses.asdict(b) for b in self.buckets],
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,30 +275,12 @@ class Schedule:
         blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
-    # -- cost model ------------------------------------------------------------------------
-    def estimate(self, cost: CostModel | None = None, measured: Mapping[str, float] | None = None) -> Timeline:
-        """Predicted backward timeline under ``cost``; ``measured`` overrides node seconds."""
-        return simulate(self, cost or CostModel(), measured)
+    def to_table(self, timeline: Timeline | None = None) -> str:
+        """A terminal table: one row per bucket, in issue order.
 
-    # -- renderers -----------------------------------------------------------------------------
-    def to_chrome_trace(self, path: str | None = None, cost: CostModel | None = None) -> dict[str, Any]:
-        from graphddp.render import chrome_trace
-
-        return chrome_trace(self, cost or CostModel(), path)
-
-    def to_dot(self) -> str:
-        from graphddp.render import dot
-
-        return dot(self)
-
-    def plot(self, path: str, cost: CostModel | None = None) -> None:
-        from graphddp.render import plot_timeline
-
-        plot_timeline(self, cost or CostModel(), path)
-
-    def to_table(self, cost: CostModel | None = None) -> str:
-        """A terminal table: one row per bucket, in issue order; predicted times with ``cost``."""
-        timeline = simulate(self, cost, None) if cost is not None else None
+        With ``timeline`` (``graphddp.simulate(schedule, cost)``) each row gets its predicted
+        ready, start and end times, and a last line sums the step up.
+        """
         head = f"{'bucket':>6}  {'dtype':<9} {'device':<7} {'params':>6} {'numel':>10} {'MB':>8}  {'issue after':<22} {'overlap':>7}"
         head += f"  {'ready ms':>8} {'start ms':>8} {'end ms':>8}" if timeline else ""
         head += "  parameters"
@@ -251,7 +305,7 @@ class Schedule:
             lines.append(f"{row}  {names}")
         if timeline:
             lines.append(
-                f"predicted ({cost.bandwidth_gbps:g} Gbit/s, {cost.latency_us:g} us): backward compute "
+                f"predicted ({timeline.link}): backward compute "
                 f"{timeline.compute_seconds * 1e3:.3f} ms, communication {timeline.comm_seconds * 1e3:.3f} ms, "
                 f"step {timeline.step_seconds * 1e3:.3f} ms, exposed communication {timeline.exposed_seconds * 1e3:.3f} ms"
             )
@@ -261,3 +315,13 @@ class Schedule:
 
     def __str__(self) -> str:
         return self.to_table()
+
+
+# -- a predicted backward pass (graphddp.cost.simulate makes these) ------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    name: str
+    start: float
+    end: float

@@ -52,14 +52,15 @@ The checker reads the graph and the schedule; it never mutates either.
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, Iterable, Mapping, NoReturn
 
 import torch
 import torch.fx as fx
 
-from graphddp.capture import GradSlot
+from graphddp.capture import is_view
 from graphddp.comm import CAST, ALL_REDUCE, BUCKET_KEY, ROLE_KEY, is_all_reduce, is_cast, is_ours, is_wait
-from graphddp.schedule import Bucket, Schedule
+from graphddp.schedule import Bucket, GradSlot, Schedule
 
 aten = torch.ops.aten
 
@@ -297,24 +298,8 @@ def _aliases(node: fx.Node) -> list[fx.Node]:
         if n in out:
             continue
         out.append(n)
-        todo.extend(u for u in n.users if u.op == "call_function" and u.target in _VIEW_OPS)
+        todo.extend(u for u in n.users if is_view(u) or u.target is operator.getitem)  # split -> getitem
     return out
-
-
-_VIEW_OPS = {
-    aten.view.default,
-    aten._unsafe_view.default,
-    aten.slice.Tensor,
-    aten.reshape.default,
-    aten.as_strided.default,
-    aten.t.default,
-    aten.permute.default,
-    aten.expand.default,
-    aten.select.int,
-    aten.alias.default,
-    aten.squeeze.dim,
-    aten.unsqueeze.default,
-}
 
 
 def _check_in_flight(g: _Graph, bucket: Bucket, ar: fx.Node) -> None:

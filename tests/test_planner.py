@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from graphddp.capture import GradSlot, GraphFacts, NodeFact
+from graphddp.schedule import GradSlot, GraphFacts, NodeFact
 from graphddp.config import DDPConfig
 from graphddp.planner import plan
 from graphddp.schedule import Schedule
@@ -55,7 +55,7 @@ def make_facts(specs, *, num_nodes=None, non_compute=()):
             )
         )
     slots.sort(key=lambda s: (s.position, s.output_index))
-    return GraphFacts(nodes=nodes, slots=tuple(slots), num_outputs=len(specs))
+    return GraphFacts(nodes=nodes, slots=tuple(slots))
 
 
 def config(first_kib=1, rest_kib=4, **kwargs):

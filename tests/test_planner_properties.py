@@ -16,7 +16,7 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from graphddp.capture import GradSlot, GraphFacts, NodeFact
+from graphddp.schedule import GradSlot, GraphFacts, NodeFact
 from graphddp.config import DDPConfig
 from graphddp.planner import plan
 from graphddp.schedule import Bucket, Schedule
@@ -49,7 +49,7 @@ def gradient_facts(draw: st.DrawFn) -> GraphFacts:
     )
     num_nodes = max((s.position for s in slots), default=0) + 3
     nodes = tuple(NodeFact(f"n{p}", p, p % 5 != 0) for p in range(num_nodes)) + (NodeFact("output", num_nodes, False),)
-    return GraphFacts(nodes=nodes, slots=slots, num_outputs=len(slots))
+    return GraphFacts(nodes=nodes, slots=slots)
 
 
 # caps from 1 byte to 3 MiB, often small so several buckets close, as exact binary fractions of

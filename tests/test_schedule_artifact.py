@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import graphddp
-from graphddp import CostModel, Schedule
+from graphddp import CostModel, Schedule, render, simulate
 from graphddp.models import MLP, TinyGPT
 from graphddp.testing import spawn
 
@@ -105,22 +105,22 @@ def test_cost_model_alpha_beta_ring():
 
 
 def test_timeline_respects_readiness_and_one_bucket_on_the_link(mlp_schedule):
-    timeline = mlp_schedule.estimate(CostModel(bandwidth_gbps=1.0))
+    timeline = simulate(mlp_schedule, CostModel(bandwidth_gbps=1.0))
     previous_end = 0.0
     for t in timeline.buckets:
         assert t.start >= t.ready and t.start >= previous_end and t.end > t.start
         previous_end = t.end
     assert timeline.step_seconds == pytest.approx(max(timeline.compute_seconds, previous_end))
-    faster = mlp_schedule.estimate(CostModel(bandwidth_gbps=1000.0))
+    faster = simulate(mlp_schedule, CostModel(bandwidth_gbps=1000.0))
     assert faster.exposed_seconds < timeline.exposed_seconds
     slow_node = next(n.name for n in mlp_schedule.nodes if n.is_compute)
-    measured = mlp_schedule.estimate(CostModel(bandwidth_gbps=1.0), measured={slow_node: 1.0})
+    measured = simulate(mlp_schedule, CostModel(bandwidth_gbps=1.0), measured={slow_node: 1.0})
     assert measured.compute_seconds == pytest.approx(timeline.compute_seconds + 1.0, rel=1e-3)
 
 
 def test_chrome_trace_is_valid_with_compute_and_comm_lanes(mlp_schedule, tmp_path):
     path = tmp_path / "trace.json"
-    mlp_schedule.to_chrome_trace(str(path))
+    render.chrome_trace(mlp_schedule, path=str(path))
     trace = json.loads(path.read_text())
     events = trace["traceEvents"]
     comm = [e for e in events if e.get("cat") == "all_reduce"]
@@ -133,7 +133,7 @@ def test_chrome_trace_is_valid_with_compute_and_comm_lanes(mlp_schedule, tmp_pat
 
 
 def test_dot_marks_collectives_and_waits(mlp_schedule):
-    text = mlp_schedule.to_dot()
+    text = render.dot(mlp_schedule)
     assert text.startswith("digraph")
     for b in mlp_schedule.buckets:
         assert f'"all_reduce[{b.index}]" [shape=box' in text and f'"wait[{b.index}]" [shape=octagon' in text
@@ -142,7 +142,7 @@ def test_dot_marks_collectives_and_waits(mlp_schedule):
 def test_timeline_png(mlp_schedule, tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "timeline.png"
-    mlp_schedule.plot(str(path))
+    render.plot(mlp_schedule, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from graphddp.cost import simulate
 from tools.bench.modes import (CommOnlyMode, CountingBackend, TrainMode, UnboundComm, _ddp_buckets, _now,
                                   _profile_step, _ready_fractions, flat_allreduce)
 from tools.bench.workload import DDP_CAPS, MB, MODES, BenchConfig, loss_fn, make_batch, make_model
@@ -55,7 +56,7 @@ def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None
         "schedules": [s.to_table() for s in schedules],
         "fingerprints": [s.fingerprint() for s in schedules],
         "buckets": [{"index": b.index, "nbytes": b.nbytes, "dtype": b.dtype, "params": list(b.param_names)} for b in buckets],
-        "estimate": [s.estimate().to_dict() for s in schedules],
+        "estimate": [simulate(s).to_dict() for s in schedules],
         # The plans without their backward nodes: the release-time bound simulates the buckets.
         "schedule_dicts": [{**s.to_dict(), "nodes": []} for s in schedules],
     }
