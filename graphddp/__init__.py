@@ -23,17 +23,20 @@ __version__ = "0.1.0"
 
 
 def _configure_logging() -> None:
+    """The standard library's rule for libraries: no output unless asked (a NullHandler keeps
+    logging's last-resort handler quiet); ``GRAPHDDP_LOG`` asks, and a bad value only warns."""
+    logger = _logging.getLogger("graphddp")
+    logger.addHandler(_logging.NullHandler())
     level = _os.environ.get("GRAPHDDP_LOG", "").strip().upper()
     if not level:
         return
     if level not in ("INFO", "DEBUG", "WARNING", "ERROR"):
         import warnings
 
-        warnings.warn(f"GRAPHDDP_LOG must be info or debug, got {level.lower()!r}; ignored", stacklevel=2)
+        warnings.warn(f"GRAPHDDP_LOG must be debug, info, warning or error, got {level.lower()!r}; ignored", stacklevel=2)
         return
-    logger = _logging.getLogger("graphddp")
     logger.setLevel(level)
-    if not logger.handlers:
+    if not any(isinstance(h, _logging.StreamHandler) for h in logger.handlers):
         handler = _logging.StreamHandler()
         handler.setFormatter(_logging.Formatter("[graphddp %(levelname)s] %(message)s"))
         logger.addHandler(handler)

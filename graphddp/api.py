@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from typing import Any, Iterator, Mapping
 
@@ -18,6 +19,11 @@ from graphddp.schedule import Schedule
 from graphddp.sync import average_async, broadcast_tensors
 
 log = logging.getLogger("graphddp")
+
+# Each wrapper counts its own recompiles (torch >= 2.13): by default every torch.compile of the
+# same code shares one recompile limit, so earlier compiles of the model's class (explain's,
+# another wrapper's) would push this one into eager fallback.
+_ISOLATED = {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
 
 
 def _check_devices(module: nn.Module) -> None:
@@ -40,21 +46,11 @@ class GraphDDP(nn.Module):
     a plain model and a graphddp one.
     """
 
-    def __init__(
-        self,
-        module: nn.Module,
-        process_group: Any,
-        config: DDPConfig,
-        *,
-        broadcast_buffers: bool,
-        fullgraph: bool,
-        dynamic: bool | None,
-    ) -> None:
+    def __init__(self, module: nn.Module, process_group: Any, config: DDPConfig) -> None:
         super().__init__()
         self.module = module
         self.config = config
         self.process_group = process_group
-        self.broadcast_buffers = broadcast_buffers
         self._records: list[GraphRecord] = []
         self._sync = True  # cleared inside no_sync(); read by every compiled graph at each forward
         self._backend = GraphDDPBackend(
@@ -66,7 +62,9 @@ class GraphDDP(nn.Module):
         )
         # Stored outside the module registry so parameters are not listed twice.
         object.__setattr__(
-            self, "_compiled", torch.compile(module, backend=self._backend, fullgraph=fullgraph, dynamic=dynamic)
+            self, "_compiled", torch.compile(
+                module, backend=self._backend, fullgraph=config.fullgraph, dynamic=config.dynamic, **_ISOLATED
+            )
         )
         self._guard_handles: dict[str, Any] = {}
         self._sync_buffers_next = True  # DDP: buffers sync before a forward that follows a synced one
@@ -105,7 +103,7 @@ class GraphDDP(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         distributed = self.config.world_size > 1
-        if distributed and self.broadcast_buffers and self._sync_buffers_next:
+        if distributed and self.config.broadcast_buffers and self._sync_buffers_next:
             buffers = list(self.module.buffers())
             if buffers:
                 broadcast_tensors(buffers, self.process_group)
@@ -169,22 +167,11 @@ def _uncovered_error(name: str) -> Any:
     return hook
 
 
-def compile(  # noqa: A001 - mirrors torch.compile
-    module: nn.Module,
-    *,
-    process_group: Any = None,
-    bucket_cap_mb: float | None = None,
-    first_bucket_cap_mb: float | None = None,
-    last_bucket_cap_mb: float | None = None,
-    bucket_cap_mb_list: list[float] | tuple[float, ...] | None = None,
-    backend: str = "inductor",
-    fullgraph: bool = False,
-    dynamic: bool | None = None,
-    broadcast_buffers: bool = True,
-    verify: bool = True,
-    comm_hook: str | None = None,
-) -> GraphDDP:
+def compile(module: nn.Module, *, process_group: Any = None, **options: Any) -> GraphDDP:  # noqa: A001 - mirrors torch.compile
     """Compile ``module`` for data-parallel training with all-reduces inside its backward graph.
+
+    ``options`` are :class:`~graphddp.config.DDPConfig`'s fields (the one definition that
+    ``explain``, the CLI and the benchmark share); an unknown name is a TypeError.
 
     Drop-in for ``DistributedDataParallel(torch.compile(module))``: after ``loss.backward()``
     every ``p.grad`` is the average over the ranks of ``process_group`` (default: WORLD).
@@ -207,7 +194,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
     ``comm_hook``: ``"fp16_compress"`` or ``"bf16_compress"`` sends buckets in half precision
     (DDP's compression hooks, run inside the graph); the schedule shows the bytes on the wire.
     """
-    if callable(comm_hook):
+    if callable(options.get("comm_hook")):
         raise NotImplementedError(
             "comm_hook: user-supplied hook functions are not supported yet; use "
             "'fp16_compress' or 'bf16_compress'"
@@ -220,24 +207,14 @@ def compile(  # noqa: A001 - mirrors torch.compile
             "torch.distributed.init_process_group(...) first (e.g. under torchrun)"
         )
     group = process_group if process_group is not None else dist.group.WORLD
-    config = DDPConfig(
-        bucket_cap_mb=bucket_cap_mb,
-        first_bucket_cap_mb=first_bucket_cap_mb,
-        last_bucket_cap_mb=last_bucket_cap_mb,
-        bucket_cap_mb_list=bucket_cap_mb_list,
-        backend=backend,
-        world_size=dist.get_world_size(group),
-        group_name=group_name_of(group),
-        verify=verify,
-        comm_hook=comm_hook,
+    config = DDPConfig.from_options(
+        "graphddp.compile", options, world_size=dist.get_world_size(group), group_name=group_name_of(group)
     )
     _check_devices(module)
     check_parameter_agreement(module, group)
     if config.world_size > 1:
         # Like DDP (torch >= 2.13, init_sync_buffers follows broadcast_buffers): buffers are
         # made equal at wrap time only when they will be kept equal; otherwise rank-local.
-        buffers = list(module.buffers()) if broadcast_buffers else []
+        buffers = list(module.buffers()) if config.broadcast_buffers else []
         broadcast_tensors(list(module.parameters()) + buffers, group)
-    return GraphDDP(
-        module, group, config, broadcast_buffers=broadcast_buffers, fullgraph=fullgraph, dynamic=dynamic
-    )
+    return GraphDDP(module, group, config)

@@ -11,7 +11,7 @@ import importlib.util
 import json
 import os
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 FORMATS = ("table", "json", "trace", "dot", "png", "svg")
 
@@ -39,9 +39,48 @@ def _cap_list(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected comma-separated megabytes, got {text!r}") from None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _optional_bool(text: str) -> bool | None:
+    choices = {"none": None, "true": True, "false": False}
+    if text.lower() not in choices:
+        raise argparse.ArgumentTypeError(f"expected true, false or none, got {text!r}")
+    return choices[text.lower()]
+
+
+def add_option_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per ``DDPConfig`` option (``bucket_cap_mb`` -> ``--bucket-cap-mb``), its help text
+    from the field, its default None: "not given", so ``options_from_args`` passes only what the
+    user set and graphddp's own defaults apply."""
     from graphddp.config import DDPConfig
+
+    for field in DDPConfig.options():
+        flag = "--" + field.name.replace("_", "-")
+        kind: dict = {"type": float}
+        if field.name == "bucket_cap_mb_list":
+            kind = {"type": _cap_list, "metavar": "MB,MB,..."}
+        elif field.name in ("backend", "comm_hook"):
+            kind = {"type": str}
+        elif field.name == "dynamic":
+            kind = {"type": _optional_bool, "metavar": "true|false|none"}
+        elif isinstance(field.default, bool):
+            kind = {"action": argparse.BooleanOptionalAction}
+        parser.add_argument(flag, dest=field.name, default=None, help=_help(field), **kind)
+
+
+def _help(field: Any) -> str:
+    text = field.metadata["help"]
+    return text if field.default is None or "default" in text else f"{text} (default: {field.default})"
+
+
+def options_from_args(args: argparse.Namespace) -> dict:
+    """The options the user gave on the command line, as keywords for compile/explain."""
+    from graphddp.config import DDPConfig
+
+    return {f.name: getattr(args, f.name) for f in DDPConfig.options() if getattr(args, f.name) is not None}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     from graphddp import render
+    from graphddp.config import DDPConfig
     from graphddp.cost import CostModel
     from graphddp.explain import explain
 
@@ -51,32 +90,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("explain", help="plan a model for N ranks in one process and render the schedule")
     p.add_argument("factory", help="PATH.py:FACTORY returning (model, example_inputs)")
     p.add_argument("--world-size", type=int, default=8)
-    p.add_argument("--bucket-cap-mb", type=float, default=None,
-                   help="bucket cap in MB, the first bucket's too (default: DDP's, 25 after a 1 MB first bucket)")
-    p.add_argument("--first-bucket-cap-mb", type=float, default=None,
-                   help="smaller first bucket (graphddp's extension; clamped to --bucket-cap-mb)")
-    p.add_argument("--bucket-cap-mb-list", type=_cap_list, default=None, metavar="MB,MB,...",
-                   help="one cap per bucket in ready order, the last repeating (DDP's bucket_cap_mb_list)")
-    p.add_argument("--last-bucket-cap-mb", type=float, default=None,
-                   help="cap of the bucket of the gradients produced last (default: off)")
-    p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager", "eager"])
+    add_option_flags(p)
     p.add_argument("--bandwidth-gbps", type=float, default=CostModel.bandwidth_gbps)
     p.add_argument("--latency-us", type=float, default=CostModel.latency_us)
     p.add_argument("--compute-tflops", type=float, default=CostModel.compute_tflops)
     p.add_argument("--format", choices=FORMATS, default="table")
     p.add_argument("--out", help="file to write (default: stdout; required for png/svg)")
     args = parser.parse_args(argv)
-    try:  # a bad cap is a usage error: say so before loading and tracing the model
-        DDPConfig(bucket_cap_mb=args.bucket_cap_mb, first_bucket_cap_mb=args.first_bucket_cap_mb,
-                  bucket_cap_mb_list=args.bucket_cap_mb_list, last_bucket_cap_mb=args.last_bucket_cap_mb)
+    options = options_from_args(args)
+    try:  # a bad option is a usage error: say so before loading and tracing the model
+        DDPConfig.from_options("python -m graphddp explain", options)
     except ValueError as e:
         p.error(str(e))
 
     model, example_inputs = _load_factory(args.factory)()
     cost = CostModel(bandwidth_gbps=args.bandwidth_gbps, latency_us=args.latency_us, compute_tflops=args.compute_tflops)
-    schedules = explain(model, *example_inputs, world_size=args.world_size, bucket_cap_mb=args.bucket_cap_mb,
-                        first_bucket_cap_mb=args.first_bucket_cap_mb, bucket_cap_mb_list=args.bucket_cap_mb_list,
-                        last_bucket_cap_mb=args.last_bucket_cap_mb, backend=args.backend)
+    schedules = explain(model, *example_inputs, world_size=args.world_size, **options)
     if args.format in ("png", "svg"):
         if not args.out:
             raise SystemExit(f"--format {args.format} needs --out FILE")

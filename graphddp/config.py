@@ -1,7 +1,11 @@
-"""User-facing options, validated once, frozen for the lifetime of a compiled model.
+"""The user's options, defined once, validated once, frozen for the life of a compiled model.
 
-Every option that changes the plan is part of :class:`DDPConfig`, so the plan is a pure
-function of (graph, config) and two ranks with equal configs plan identically.
+:class:`DDPConfig` is the one definition of graphddp's options: ``compile`` and ``explain``
+take them as keywords (``DDPConfig.from_options``), the CLI builds its flags from the fields'
+metadata (``cli_flags``), the benchmark passes a DDPConfig. It holds the user's *policy*
+only; facts of the running job (world size, process group) come from the process group and
+reach the planner separately. Every option that changes the plan is a field, so the plan is
+a pure function of (graph, options, world size) and ranks with equal options plan identically.
 """
 from __future__ import annotations
 
@@ -41,6 +45,11 @@ def _normalise_cap_list(value: Any) -> tuple[float, ...] | None:
     return tuple(value) or None
 
 
+def _option(default: Any, help: str, runtime: bool = False) -> Any:  # noqa: A002 - argparse's word
+    """A field of DDPConfig with the help text the CLI shows; ``runtime`` fields are no option."""
+    return dataclasses.field(default=default, metadata={"help": help, "runtime": runtime})
+
+
 @dataclasses.dataclass(frozen=True)
 class DDPConfig:
     """Options that shape the bucket plan and the rewrite.
@@ -67,18 +76,46 @@ class DDPConfig:
     resolved caps the planner uses and the Schedule records.
     """
 
-    bucket_cap_mb: float | None = None
-    first_bucket_cap_mb: float | None = None
-    last_bucket_cap_mb: float | None = None
-    backend: str = "inductor"
-    world_size: int = 1
-    group_name: str = ""
-    verify: bool = True
-    comm_hook: str | None = None
-    bucket_cap_mb_list: tuple[float, ...] | None = None
+    bucket_cap_mb: float | None = _option(None, "bucket cap in MB, the first bucket's too (default: DDP's, 25 after a 1 MB first bucket)")
+    first_bucket_cap_mb: float | None = _option(None, "smaller first bucket (graphddp's extension; clamped to bucket_cap_mb)")
+    last_bucket_cap_mb: float | None = _option(None, "cap of the bucket of the gradients produced last (default: off)")
+    bucket_cap_mb_list: tuple[float, ...] | None = _option(
+        None, "one cap per bucket in ready order, the last repeating (DDP's bucket_cap_mb_list)"
+    )
+    comm_hook: str | None = _option(None, f"send buckets compressed: one of {sorted(COMM_HOOKS)} (DDP's compression hooks)")
+    backend: str = _option("inductor", f"inner compiler: one of {BACKENDS}")
+    verify: bool = _option(True, "run the graph checker after every rewrite")
+    broadcast_buffers: bool = _option(True, "keep buffers equal: broadcast from rank 0 before every forward, like DDP")
+    fullgraph: bool = _option(False, "passed to torch.compile: a graph break is an error")
+    dynamic: bool | None = _option(None, "passed to torch.compile: dynamic shapes (None: torch's default)")
+    world_size: int = _option(1, "", runtime=True)  # a fact of the job, not a choice: see GraphDDP
+    group_name: str = _option("", "", runtime=True)
+
+    @classmethod
+    def options(cls) -> tuple[dataclasses.Field, ...]:
+        """The user's options, in definition order (runtime facts left out)."""
+        return tuple(f for f in dataclasses.fields(cls) if not f.metadata["runtime"])
+
+    @classmethod
+    def from_options(cls, where: str, options: dict[str, Any], **runtime: Any) -> "DDPConfig":
+        """Build a config from keyword options; an unknown name is a TypeError naming it."""
+        known = {f.name for f in cls.options()}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"{where} got unknown option(s) {unknown}; the options are {sorted(known)}")
+        return cls(**options, **runtime)
+
+    def as_options(self) -> dict[str, Any]:
+        """The options as ``compile``/``explain`` keywords: ``compile(m, **config.as_options())``."""
+        return {f.name: getattr(self, f.name) for f in self.options()}
 
     def __post_init__(self) -> None:
         self._check_caps()
+        for name in ("verify", "broadcast_buffers", "fullgraph"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.dynamic is not None and not isinstance(self.dynamic, bool):
+            raise ValueError(f"dynamic must be None, True or False, got {self.dynamic!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.comm_hook is not None and self.comm_hook not in COMM_HOOKS:

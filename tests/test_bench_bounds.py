@@ -10,6 +10,7 @@ import os
 
 import pytest
 
+from graphddp.config import DDPConfig
 from graphddp.cost import CostModel
 from graphddp.schedule import Bucket, GradSlot, Schedule
 from tools.bench.release import fit_link, release_timeline
@@ -178,8 +179,8 @@ def _synthetic_ranks(modes=None):
 
 
 CFG = BenchConfig(
-    model="gpt", tiny=False, steps=3, warmup=1, backend="inductor", bucket_cap_mb=2.0, first_bucket_cap_mb=1.0,
-    last_bucket_cap_mb=1.0, seed=0, out="unused", network={"label": "synthetic", "emulated": False},
+    model="gpt", tiny=False, steps=3, warmup=1,
+    graphddp=DDPConfig(backend="inductor", bucket_cap_mb=2.0, first_bucket_cap_mb=1.0, last_bucket_cap_mb=1.0), seed=0, out="unused", network={"label": "synthetic", "emulated": False},
     model_kwargs={}, batch=8, ready_probe_runs=5,
 )
 

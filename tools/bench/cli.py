@@ -11,6 +11,8 @@ import tempfile
 import time
 from typing import Any
 
+from graphddp.cli import add_option_flags, options_from_args
+from graphddp.config import DDPConfig
 import tools.bench
 from tools.bench.netns import NETNS_ENV, NETNS_SETUP_FAILED, _tc_stats, reexec_in_netns, setup_netns_link
 from tools.bench.procstat import machine_load
@@ -28,11 +30,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed rounds after each mode's first (compile) step")
     p.add_argument("--tiny", action="store_true",
                    help="tiny MLP and the aot_eager backend: a fast smoke run, not a measurement")
-    p.add_argument("--backend", choices=("inductor", "aot_eager"), default=None,
-                   help="inner compiler for the compiled modes (default inductor; aot_eager with --tiny)")
-    p.add_argument("--bucket-cap-mb", type=float, default=None, help="graphddp's cap (default per model)")
-    p.add_argument("--first-bucket-cap-mb", type=float, default=None)
-    p.add_argument("--last-bucket-cap-mb", type=float, default=None, help="graphddp's tail cap (default per model; 0: off, the last bucket is the remainder)")
+    graphddp_options = p.add_argument_group(
+        "graphddp's options", "graphddp.compile's options (caps default per model; backend inductor, aot_eager with "
+        "--tiny); the backend is also the inner compiler of every compiled mode")
+    add_option_flags(graphddp_options)
+    p.add_argument("--tail-off", action="store_true", help="no last_bucket_cap_mb (the model's default sets one)")
     p.add_argument("--link-gbit", type=float, default=2.0,
                    help="emulated link rate in Gbit/s (tbf on a private namespace's loopback); 0: plain loopback")
     p.add_argument("--out", default="bench_out", help="directory for bench.json and bench.png")
@@ -70,15 +72,19 @@ def main(argv: list[str] | None = None) -> int:
         network = {"emulated": False, "label": "plain loopback (no emulation: --link-gbit 0), CPU-bound", "rate_gbit": None}
 
     kwargs, batch, cap, first_cap, last_cap = model_spec(args.model, args.tiny)
-    backend = args.backend or ("aot_eager" if args.tiny else "inductor")
+    defaults = {"backend": "aot_eager" if args.tiny else "inductor", "bucket_cap_mb": cap,
+                "first_bucket_cap_mb": first_cap, "last_bucket_cap_mb": None if args.tail_off else last_cap}
+    try:
+        graphddp_config = DDPConfig.from_options("python -m tools.bench", {**defaults, **options_from_args(args)})
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"python -m tools.bench: {e}") from None
+    backend = graphddp_config.backend
     modes = tuple(m for m in MODES if m in set(args.modes.split(",")) | {"graphddp"})
     unknown = set(args.modes.split(",")) - set(MODES)
     if unknown:
         raise SystemExit(f"unknown modes {sorted(unknown)}; choose from {MODES}")
     cfg = BenchConfig(
-        model=args.model, tiny=args.tiny, steps=args.steps, warmup=args.warmup, backend=backend,
-        bucket_cap_mb=args.bucket_cap_mb or cap, first_bucket_cap_mb=args.first_bucket_cap_mb or first_cap,
-        last_bucket_cap_mb=last_cap if args.last_bucket_cap_mb is None else (args.last_bucket_cap_mb if args.last_bucket_cap_mb > 0 else None),
+        model=args.model, tiny=args.tiny, steps=args.steps, warmup=args.warmup, graphddp=graphddp_config,
         seed=args.seed, out=args.out, network=network, model_kwargs=kwargs, batch=batch,
         ready_probe_runs=args.ready_probe_runs, modes=modes,
     )

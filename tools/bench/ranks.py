@@ -47,8 +47,7 @@ def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None
             print(f"[bench] {name}: first step {first[name]:.2f} s", flush=True)
 
     # graphddp first: its schedule gives comm_only's buckets and ddp_same_buckets' caps.
-    m = graphddp.compile(copy.deepcopy(base), backend=cfg.backend, bucket_cap_mb=cfg.bucket_cap_mb,
-                         first_bucket_cap_mb=cfg.first_bucket_cap_mb, last_bucket_cap_mb=cfg.last_bucket_cap_mb)
+    m = graphddp.compile(copy.deepcopy(base), **cfg.graphddp.as_options())
     first_step("graphddp", TrainMode("graphddp", m, m.parameters(), batch, loss))
     schedules = m.schedules
     buckets = [b for s in schedules for b in s.buckets]
@@ -63,13 +62,12 @@ def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None
     if len(buckets) < 2:
         raise RuntimeError(f"graphddp made {len(buckets)} bucket(s); the benchmark needs several")
 
-    if "graphddp_tail_off" in cfg.modes and cfg.last_bucket_cap_mb is not None:
+    if "graphddp_tail_off" in cfg.modes and cfg.graphddp.last_bucket_cap_mb is not None:
         # The same caps without last_bucket_cap_mb: what the small tail bucket buys, in this run.
-        m = graphddp.compile(copy.deepcopy(base), backend=cfg.backend, bucket_cap_mb=cfg.bucket_cap_mb,
-                             first_bucket_cap_mb=cfg.first_bucket_cap_mb)
+        m = graphddp.compile(copy.deepcopy(base), **{**cfg.graphddp.as_options(), "last_bucket_cap_mb": None})
         first_step("graphddp_tail_off", TrainMode("graphddp_tail_off", m, m.parameters(), batch, loss))
 
-    counting = CountingBackend(cfg.backend)
+    counting = CountingBackend(cfg.graphddp.backend)
     if "compute_only" in cfg.modes:
         m = torch.compile(copy.deepcopy(base), backend=counting)
         first_step("compute_only", TrainMode("compute_only", m, m.parameters(), batch, loss))
@@ -77,13 +75,13 @@ def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None
         m = copy.deepcopy(base)
         first_step("compute_eager", TrainMode("compute_eager", m, m.parameters(), batch, loss))
     if "no_overlap" in cfg.modes:
-        m = torch.compile(copy.deepcopy(base), backend=CountingBackend(cfg.backend))
+        m = torch.compile(copy.deepcopy(base), backend=CountingBackend(cfg.graphddp.backend))
         first_step("no_overlap", TrainMode("no_overlap", m, m.parameters(), batch, loss, flat_allreduce(m, world)))
     bucket_specs = [(b.numel, getattr(torch, b.dtype)) for b in buckets]
     if "comm_only" in cfg.modes:
         first_step("comm_only", CommOnlyMode(bucket_specs))
     if "ideal_overlap" in cfg.modes:
-        m = torch.compile(copy.deepcopy(base), backend=CountingBackend(cfg.backend))
+        m = torch.compile(copy.deepcopy(base), backend=CountingBackend(cfg.graphddp.backend))
         comm = UnboundComm(bucket_specs)
         first_step("ideal_overlap", TrainMode("ideal_overlap", m, m.parameters(), batch, loss,
                                               after_backward=comm.wait, before_backward=comm.issue))
@@ -96,9 +94,9 @@ def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None
         ddp_variants["ddp_same_buckets"] = {"bucket_cap_mb_list": same_caps}
         info["ddp_same_buckets"] = {"method": "bucket_cap_mb_list", "caps_mb": same_caps}
     else:  # older torch: uniform cap only
-        ddp_variants["ddp_same_buckets"] = {"bucket_cap_mb": cfg.bucket_cap_mb}
+        ddp_variants["ddp_same_buckets"] = {"bucket_cap_mb": cfg.graphddp.effective_bucket_cap_mb}
         info["ddp_same_buckets"] = {"method": "bucket_cap_mb (no bucket_cap_mb_list in this torch)",
-                                    "caps_mb": [cfg.bucket_cap_mb]}
+                                    "caps_mb": [cfg.graphddp.effective_bucket_cap_mb]}
     for c in DDP_CAPS:
         ddp_variants[f"ddp_cap{c}"] = {"bucket_cap_mb": c}
     for name, kwargs in ddp_variants.items():
@@ -109,11 +107,11 @@ def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None
 
     # ddp_compiled is DDP(torch.compile(model)) as users write it (DDP's default caps);
     # ddp_compiled_samecap gives DDPOptimizer graphddp's cap, for a like-for-like split.
-    compiled_variants = {"ddp_compiled": {}, "ddp_compiled_samecap": {"bucket_cap_mb": cfg.bucket_cap_mb}}
+    compiled_variants = {"ddp_compiled": {}, "ddp_compiled_samecap": {"bucket_cap_mb": cfg.graphddp.effective_bucket_cap_mb}}
     for name, kwargs in compiled_variants.items():
         if name not in cfg.modes:
             continue
-        dc = CountingBackend(cfg.backend)
+        dc = CountingBackend(cfg.graphddp.backend)
         m = DDP(torch.compile(copy.deepcopy(base), backend=dc), **kwargs)
         first_step(name, TrainMode(name, m, m.parameters(), batch, loss))
         plain_graphs = counting.graphs if "compute_only" in cfg.modes else 1

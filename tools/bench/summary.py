@@ -63,13 +63,14 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
                 _median([max(pr[i]["buckets"][j] for pr in per_rank) for i in range(n)]) * 1e3 for j in range(nb)
             ]
         modes[name] = rec
+    g = cfg.graphddp
     notes = {
-        "compute_only": f"torch.compile({cfg.backend}), no communication",
+        "compute_only": f"torch.compile({g.backend}), no communication",
         "compute_eager": "eager model, no communication (what eager DDP computes)",
         "comm_only": "graphddp's buckets, all-reduced one at a time",
-        "no_overlap": f"torch.compile({cfg.backend}) + 1 flat all-reduce after backward",
+        "no_overlap": f"torch.compile({g.backend}) + 1 flat all-reduce after backward",
         "graphddp_tail_off": "graphddp, same caps, last_bucket_cap_mb off (DDP's rule: the tail is the remainder)",
-        "ideal_overlap": f"torch.compile({cfg.backend}) + graphddp's buckets all issued at backward start "
+        "ideal_overlap": f"torch.compile({g.backend}) + graphddp's buckets all issued at backward start "
                          "(no data dependency): the measured floor",
         "ddp_default": "DDP eager, default caps (25 MB, first 1 MB)",
         "ddp_same_buckets": "DDP eager, " + info.get("ddp_same_buckets", {}).get("method", "?") + " = graphddp's buckets",
@@ -77,9 +78,9 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
                         f"{info.get('ddp_compiled', {}).get('graphs', '?')} graphs, DDP's default caps",
         "ddp_compiled_samecap": "DDP(torch.compile) + DDPOptimizer, "
                                 f"{info.get('ddp_compiled_samecap', {}).get('graphs', '?')} graphs, "
-                                f"cap {cfg.bucket_cap_mb:g} MB (graphddp's)",
-        "graphddp": f"graphddp.compile({cfg.backend}), caps {cfg.bucket_cap_mb:g} MB, first "
-                    f"{cfg.first_bucket_cap_mb:g}, last {cfg.last_bucket_cap_mb if cfg.last_bucket_cap_mb is not None else 'off'}",
+                                f"cap {g.effective_bucket_cap_mb:g} MB (graphddp's)",
+        "graphddp": f"graphddp.compile({g.backend}), caps {g.effective_bucket_cap_mb:g} MB, first "
+                    f"{g.effective_first_bucket_cap_mb:g}, last {g.last_bucket_cap_mb if g.last_bucket_cap_mb is not None else 'off'}",
     }
     for c in DDP_CAPS:
         notes[f"ddp_cap{c}"] = f"DDP eager, bucket_cap_mb={c}"
@@ -165,7 +166,9 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
         warnings.append(f"the ranks' main threads waited for a core {100 * contention:.0f}% of the timed steps "
                         "(runqueue delay, /proc/thread-self/schedstat): the cores were shared")
     return {
-        "config": {k_: v for k_, v in dataclasses.asdict(cfg).items() if k_ not in ("network",)},
+        # graphddp's options flattened in, as bench.json has always had them (backend, caps).
+        "config": {**{k_: v for k_, v in dataclasses.asdict(cfg).items() if k_ not in ("network", "graphddp")},
+                   **cfg.graphddp.as_options()},
         "environment": {
             "torch": torch.__version__, "python": sys.version.split()[0], "world_size": 2,
             "threads_per_rank": 1, "cpu_count": os.cpu_count(), "wall_s": wall_s,

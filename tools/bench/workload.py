@@ -8,6 +8,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from graphddp.config import DDPConfig
+
 MB = 1024 * 1024
 DDP_CAPS = (1, 4, 25)
 MODES = (
@@ -32,10 +34,7 @@ class BenchConfig:
     tiny: bool
     steps: int
     warmup: int
-    backend: str  # inner compiler of compute_only / no_overlap / ddp_compiled / graphddp
-    bucket_cap_mb: float
-    first_bucket_cap_mb: float
-    last_bucket_cap_mb: float | None
+    graphddp: DDPConfig  # graphddp's options; its backend is every compiled mode's inner compiler
     seed: int
     out: str
     network: dict
