@@ -96,6 +96,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # -- setup ---------------------------------------------------------------------------------------
 def init_distributed() -> Env:
     """Join the job torchrun started: NCCL with one GPU per process, else gloo on CPU."""
+    if "RANK" not in os.environ:
+        raise SystemExit("launch with torchrun, e.g. torchrun --nproc-per-node 2 examples/train_gpt2.py")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
