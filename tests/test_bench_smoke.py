@@ -23,7 +23,7 @@ def test_bench_tiny_runs_every_mode(tmp_path):
     out = tmp_path / "bench"
     cmd = [
         sys.executable, "-m", "tools.bench", "--tiny", "--steps", "2", "--warmup", "0",
-        "--link-gbit", "0", "--ready-probe-runs", "1", "--out", str(out), "--timeout", "100",
+        "--link-gbit", "0", "--ready-probe-runs", "1", "--out", str(out), "--timeout", "240",
     ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=115)
     log = proc.stdout[-5000:] + proc.stderr[-5000:]
@@ -62,9 +62,9 @@ def test_bench_tiny_runs_every_mode(tmp_path):
 
 def _run_tiny(out, *extra, env=None):
     cmd = [sys.executable, "-m", "tools.bench", "--tiny", "--steps", "2", "--warmup", "0",
-           "--ready-probe-runs", "1", "--out", str(out), "--timeout", "100",
+           "--ready-probe-runs", "1", "--out", str(out), "--timeout", "240",
            "--modes", "compute_only,comm_only", *extra]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=115, env=env)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=270, env=env)
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
     return json.loads((out / "bench.json").read_text())
 
