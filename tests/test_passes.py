@@ -354,9 +354,10 @@ def test_verify_rejects_an_unreduced_gradient():
 def test_verify_rejects_a_missing_wait():
     gm, schedule, _, _ = rewritten()
     wait = waits(gm)[0]
-    wait.replace_all_uses_with(wait.args[0])
+    (piece,), reduce = wait.users, wait.args[0]
+    wait.replace_all_uses_with(reduce)
     gm.graph.erase_node(wait)
-    with pytest.raises(VerificationError, match=r"all-reduce all_reduce__default of bucket 0 must have exactly one user, its wait; has \['slice_tensor'\]"):
+    with pytest.raises(VerificationError, match=rf"all-reduce {reduce.name} of bucket 0 must have exactly one user, its wait; has \['{piece.name}'\]"):
         verify(gm, schedule, PARAMS)
 
 
@@ -371,10 +372,11 @@ def test_verify_rejects_a_second_user_of_an_all_reduce():
 
 def test_verify_rejects_reading_the_buffer_while_it_is_reduced():
     gm, schedule, _, _ = rewritten()
-    buffer = all_reduces(gm)[0].args[0]
+    reduce = all_reduces(gm)[0]
+    buffer = reduce.args[0]
     with gm.graph.inserting_before(waits(gm)[0]):
         gm.graph.call_function(aten.add.Tensor, (buffer, 1))
-    with pytest.raises(VerificationError, match=rf"add_tensor reads bucket 0's buffer {buffer.name} after its all-reduce all_reduce__default was issued"):
+    with pytest.raises(VerificationError, match=rf"add_tensor reads bucket 0's buffer {buffer.name} after its all-reduce {reduce.name} was issued"):
         verify(gm, schedule, PARAMS)
 
 
@@ -386,7 +388,7 @@ def test_verify_rejects_reading_a_view_of_the_buffer_while_it_is_reduced():
         alias = gm.graph.call_function(aten.view.default, (buffer, [-1]))
     with gm.graph.inserting_before(waits(gm)[0]):
         gm.graph.call_function(aten.add.Tensor, (alias, 1))
-    with pytest.raises(VerificationError, match=rf"add_tensor reads bucket 0's buffer {buffer.name} after its all-reduce all_reduce__default was issued"):
+    with pytest.raises(VerificationError, match=rf"add_tensor reads bucket 0's buffer {buffer.name} after its all-reduce {reduce.name} was issued"):
         verify(gm, schedule, PARAMS)
 
 
@@ -397,7 +399,8 @@ def test_verify_rejects_gradients_swapped_within_a_bucket():
     outs = output_nodes(gm)
     outs[first.output_index], outs[second.output_index] = outs[second.output_index], outs[first.output_index]
     set_outputs(gm, outs)
-    with pytest.raises(VerificationError, match=rf"gradient of '{first.param_name}' \(output {first.output_index}\) is slice_tensor_\d+, the slice .* not its own slice"):
+    piece = outs[first.output_index].args[0]
+    with pytest.raises(VerificationError, match=rf"gradient of '{first.param_name}' \(output {first.output_index}\) is {piece.name}, the slice .* not its own slice"):
         verify(gm, schedule, PARAMS)
 
 
@@ -412,7 +415,7 @@ def test_verify_rejects_a_bucket_without_an_all_reduce():
 def test_verify_rejects_an_all_reduce_outside_the_schedule():
     gm, fine, facts, _ = rewritten(ONE_PER_BUCKET)
     coarse = schedule_for(facts, ONE_PER_DTYPE)
-    with pytest.raises(VerificationError, match="all-reduce all_reduce__default_2 is tagged bucket 2, which belongs to no schedule bucket"):
+    with pytest.raises(VerificationError, match=f"all-reduce {all_reduces(gm)[2].name} is tagged bucket 2, which belongs to no schedule bucket"):
         verify(gm, coarse, PARAMS)
 
 
@@ -422,7 +425,7 @@ def test_verify_rejects_a_gradient_taken_from_the_wrong_bucket():
     slot = {s.param_name: s.output_index for s in facts.slots}
     outs[slot["w1"]], outs[slot["wt"]] = outs[slot["wt"]], outs[slot["w1"]]
     set_outputs(gm, outs)
-    with pytest.raises(VerificationError, match=r"gradient of 'w1' \(output 3\) comes from bucket 4's wait wait_tensor_default_4, planned bucket 2"):
+    with pytest.raises(VerificationError, match=rf"gradient of 'w1' \(output 3\) comes from bucket 4's wait {waits(gm)[4].name}, planned bucket 2"):
         verify(gm, schedule, PARAMS)
 
 
@@ -444,8 +447,8 @@ def test_verify_rejects_a_reduced_gradient_that_is_not_expected():
     [
         (dict(b1=dict(index=7)), r"verify: bucket 7 is at position 1 of the schedule$"),
         (dict(b0=dict(slots=None)), r"verify: output 2 \('w2'\) is in bucket 0 and bucket 1: it would be reduced twice$"),
-        (dict(b1=dict(issue_after="nope")), r"bucket 1's issue_after 'nope' is not in the graph\n(.*\n)*>> .*%all_reduce__default_1 :"),
-        (dict(b2=dict(wait_before="nope")), r"bucket 2's wait_before 'nope' is not in the graph\n(.*\n)*>> .*%wait_tensor_default_2 :"),
+        (dict(b1=dict(issue_after="nope")), r"bucket 1's issue_after 'nope' is not in the graph\n(.*\n)*>> .*%{all_reduce_1} :"),
+        (dict(b2=dict(wait_before="nope")), r"bucket 2's wait_before 'nope' is not in the graph\n(.*\n)*>> .*%{wait_2} :"),
     ],
     ids=["index-not-position", "output-in-two-buckets", "unknown-issue-after", "unknown-wait-before"],
 )
@@ -453,6 +456,7 @@ def test_verify_rejects_a_schedule_that_does_not_describe_the_graph(changes, mes
     gm, schedule, _, _ = rewritten(MIXED)
     if "b0" in changes:  # bucket 0 also claims bucket 1's gradient
         changes = {"b0": dict(slots=schedule.buckets[0].slots + schedule.buckets[1].slots)}
+    message = message.format(all_reduce_1=all_reduces(gm)[1].name, wait_2=waits(gm)[2].name)  # the pointed-at node
     with pytest.raises(VerificationError, match=message):
         verify(gm, with_buckets(schedule, **changes), PARAMS)
 

@@ -4,6 +4,13 @@ The Schedule is the contract between the planner and this pass: every decision a
 communication goes is made by the planner and written into the Schedule; this pass only
 carries it out, and refuses (before editing anything) a Schedule that does not fit the graph.
 
+A bucket is two small Python functions, traced (``passes/trace.py``, the pattern of
+Inductor's ``bucketing.py``) on the graph's fake gradients and spliced in: ``issue`` right
+after the issue point, ``wait`` right before the wait point. The communication hook
+(``graphddp.hooks``) is called inside them, so a hook is traced exactly like the rest of the
+bucket and the pass knows nothing of what it does. Every bucket is traced before the first
+edit, so neither a schedule nor a hook that does not fit leaves a half-rewritten graph.
+
 Fields read, and what each one decides:
 
 * ``Schedule.world_size``: the divisor of each bucket (DDP pre-divides).
@@ -20,8 +27,9 @@ Fields read, and what each one decides:
   ``shape`` size the flatten and unflatten views. ``producer``, ``shape`` and ``dtype`` are
   checked against the graph (the output must be that node, of that shape and dtype).
 * ``Bucket.dtype`` / ``Bucket.device``: checked against every slot's gradient; ``dtype`` is
-  what a compressed bucket is cast back to.
-* ``Bucket.comm_dtype``: with a compression hook, the dtype on the wire.
+  what the hook's decompress must return.
+* ``Bucket.comm_dtype``: the dtype on the wire (None: ``dtype``). It picks the built-in hook
+  (``hooks.for_bucket``), and the hook's compress must return it.
 
 Not read (derived from the above, or for people and the cost model): ``Bucket.overlap``,
 ``Schedule.graph_index``, the bucket caps, ``Schedule.unreduced``, ``Schedule.nodes``,
@@ -29,25 +37,30 @@ Not read (derived from the above, or for people and the cost model): ``Bucket.ov
 
 Precondition: ``gm`` is the AOTAutograd backward graph the schedule was planned from (node
 names in the schedule exist, output ``slot.output_index`` is that slot's gradient, every
-node has ``meta["val"]``).
+node has ``meta["val"]`` fake tensors, all from one fake mode).
 
-Postcondition, per bucket, in graph order::
+Postcondition, per bucket, in graph order; every node is tagged with the bucket
+(``meta[BUCKET_KEY]``), the role of the part of the function that made it (``meta[ROLE_KEY]``,
+left column) and a fake ``meta["val"]``::
 
     <issue_after node>
-    flat_i  = view(g_i, [-1])            # clone first if g_i is not contiguous
-    bucket  = cat([flat_0, ..., flat_k]) # skipped for a one-gradient bucket
-    bucket  = _to_copy(bucket, comm_dtype) # only with a compression hook (fp16/bf16)
-    scaled  = div(bucket, world_size)    # DDP pre-divides; same rounding as DDP
-    reduced = all_reduce_(scaled, "sum", group)
+    # issue(*grads), traced:
+    flatten     flat_i  = view(g_i, [n_i])         # clone first if g_i is not contiguous
+    flatten     flat    = cat([flat_0, ..., flat_k]) # skipped for a one-gradient bucket
+    compress    sent    = hook.compress(flat)      # fp16/bf16: convert_element_type(flat, comm_dtype)
+    scale       scaled  = div(sent, world_size)    # DDP pre-divides, after the cast as DDP does
+    all_reduce  reduced = all_reduce_(scaled, "sum", group)
     ... the rest of the backward (the overlap window) ...
-    done    = wait_tensor(reduced)       # just before wait_before (today: the output)
-    done    = _to_copy(done, dtype)      # only with a compression hook
-    grad_i  = view(slice(done, 0, off_i, off_i + n_i), shape_i)
+    # wait(reduced), traced, just before wait_before (by default the output):
+    wait        done    = wait_tensor(reduced)
+    decompress  done    = hook.decompress(done)    # fp16/bf16: convert_element_type(done, dtype)
+    unflatten   grad_i  = view(slice(done, 0, off_i, off_i + n_i), shape_i)
     <wait_before node>
     output(..., grad_i, ...)
 
-The returned gradients are views into the reduced flat buffer (DDP's gradient_as_bucket_view),
-so no copy back is made. A no-op when the schedule has no buckets.
+The default hook adds no node in ``compress`` and ``decompress``. The returned gradients are
+views into the reduced flat buffer (DDP's gradient_as_bucket_view), so no copy back is made.
+A no-op when the schedule has no buckets.
 """
 from __future__ import annotations
 
@@ -56,10 +69,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
-from torch.utils._pytree import tree_map_only
 
-from graphddp.comm import CAST, ALL_REDUCE, BUCKET_KEY, ROLE_KEY, WAIT
+from graphddp import hooks
+from graphddp.comm import ALL_REDUCE, WAIT
+from graphddp.passes.trace import role, splice, trace
 from graphddp.schedule import Bucket, Schedule
 
 aten = torch.ops.aten
@@ -76,26 +89,13 @@ class _Placement:
     wait: fx.Node  # the wait and unflatten views go right before this node
 
 
-def _call(
-    graph: fx.Graph,
-    target: Callable[..., Any],
-    args: tuple,
-    role: str,
-    bucket: int,
-    kwargs: dict[str, Any] | None = None,
-) -> fx.Node:
-    """Create a node and give it ``meta["val"]`` by running the op on the fake inputs."""
-    kwargs = kwargs or {}
-    node = graph.call_function(target, args, kwargs)
-    vals = tree_map_only(fx.Node, lambda n: n.meta["val"], args)
-    fake_mode = detect_fake_mode(tuple(v for v in torch.utils._pytree.tree_leaves(vals)))
-    if fake_mode is None:
-        raise RuntimeError(f"graphddp: no fake mode found for the inputs of {node.name}")
-    with fake_mode:
-        node.meta["val"] = target(*vals, **kwargs)
-    node.meta[BUCKET_KEY] = bucket
-    node.meta[ROLE_KEY] = role
-    return node
+@dataclasses.dataclass(frozen=True)
+class _Traced:
+    """One bucket's two halves, traced on the graph's fake values but not yet in the graph."""
+
+    placement: _Placement
+    issue: fx.GraphModule  # gradients -> all-reduce
+    wait: fx.GraphModule  # all-reduce -> gradients, views into the reduced buffer
 
 
 def _node_named(nodes: dict[str, fx.Node], bucket: Bucket, field: str, name: str) -> fx.Node:
@@ -161,65 +161,101 @@ def _place(gm: fx.GraphModule, schedule: Schedule, outs: Sequence[Any]) -> list[
     return placements
 
 
-def insert_allreduce(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
-    """Insert one bucketed async all-reduce per schedule bucket (see module docstring)."""
+
+# -- the bucket as two traced functions -----------------------------------------------------
+
+
+def _flatten(grads: Sequence[torch.Tensor], bucket: Bucket) -> torch.Tensor:
+    """The bucket's gradients as one flat buffer, in slot order."""
+    flats = []
+    for grad, slot in zip(grads, bucket.slots, strict=True):
+        if not grad.is_contiguous():  # a view can only flatten contiguous memory
+            grad = aten.clone.default(grad, memory_format=torch.contiguous_format)
+        flats.append(aten.view.default(grad, [slot.numel]))
+    return flats[0] if len(flats) == 1 else aten.cat.default(flats)
+
+
+def _issue_fn(bucket: Bucket, hook: hooks.CommHook, schedule: Schedule) -> Callable[..., torch.Tensor]:
+    """gradients -> flatten -> hook.compress -> divide -> in-place all-reduce (in flight)."""
+    wire = getattr(torch, bucket.comm_dtype or bucket.dtype)
+
+    def issue(*grads: torch.Tensor) -> torch.Tensor:
+        with role("flatten"):
+            flat = _flatten(grads, bucket)
+        with role("compress"):
+            sent = hook.compress(flat, bucket)
+        if sent.dtype != wire:  # the schedule's bytes on the wire (and the cost model) assume `wire`
+            raise RuntimeError(
+                f"graphddp: bucket {bucket.index}: hook {hook.name!r} sends {sent.dtype}, the schedule plans {wire}"
+            )
+        with role("scale"):
+            scaled = aten.div.Tensor(sent, schedule.world_size)  # DDP pre-divides, after compressing
+        with role("all_reduce"):
+            return ALL_REDUCE(scaled, "sum", schedule.group_name)
+
+    return issue
+
+
+def _wait_fn(bucket: Bucket, hook: hooks.CommHook) -> Callable[[torch.Tensor], list[torch.Tensor]]:
+    """all-reduce -> wait -> hook.decompress -> one view per slot into the reduced buffer."""
+    dtype = getattr(torch, bucket.dtype)
+
+    def wait(reduced: torch.Tensor) -> list[torch.Tensor]:
+        with role("wait"):
+            done = WAIT(reduced)
+        with role("decompress"):
+            done = hook.decompress(done, bucket)
+        if done.dtype != dtype or tuple(done.shape) != (bucket.numel,):
+            raise RuntimeError(
+                f"graphddp: bucket {bucket.index}: hook {hook.name!r} decompresses to {done.dtype} "
+                f"{list(done.shape)}, the bucket's gradients need {dtype} [{bucket.numel}]"
+            )
+        with role("unflatten"):  # views, not copies: DDP's gradient_as_bucket_view
+            return [
+                aten.view.default(aten.slice.Tensor(done, 0, off, off + slot.numel), list(slot.shape))
+                for slot, off in zip(bucket.slots, bucket.offsets())
+            ]
+
+    return wait
+
+
+def _trace_bucket(p: _Placement, outs: Sequence[Any], schedule: Schedule, hook: hooks.CommHook) -> _Traced:
+    """Trace both halves of one bucket on the fake values of its gradients; edits nothing."""
+    bucket = p.bucket
+    what = f"bucket {bucket.index} (hook {hook.name!r})"
+    grads = [outs[slot.output_index].meta["val"] for slot in bucket.slots]
+    issue = trace(_issue_fn(bucket, hook, schedule), grads, f"the issue half of {what}")
+    reduced = issue.graph.output_node().args[0].meta["val"]
+    wait = trace(_wait_fn(bucket, hook), [reduced], f"the wait half of {what}")
+    return _Traced(p, issue, wait)
+
+
+def insert_allreduce(gm: fx.GraphModule, schedule: Schedule, *, hook: hooks.CommHook | None = None) -> fx.GraphModule:
+    """Insert one bucketed async all-reduce per schedule bucket (see module docstring).
+
+    ``hook`` is traced around every bucket's all-reduce; by default each bucket gets the
+    built-in hook its ``comm_dtype`` names (``hooks.for_bucket``).
+    """
     graph = gm.graph
     output = graph.output_node()
     outs: list[Any] = list(output.args[0])
     placements = _place(gm, schedule, outs)
+    traced = [_trace_bucket(p, outs, schedule, hook or hooks.for_bucket(p.bucket)) for p in placements]
+    # Edits start here, once every bucket has been placed and traced.
     cursor: dict[fx.Node, fx.Node] = {}  # issue point -> last node inserted after it
-    pending: list[tuple[_Placement, fx.Node]] = []  # (placement, all_reduce node), in issue order
-    for p in placements:
-        with graph.inserting_after(cursor.get(p.issue, p.issue)):
-            last = _issue(graph, p.bucket, outs, schedule)
-        cursor[p.issue] = last
-        pending.append((p, last))
-    for p, reduced in pending:
-        with graph.inserting_before(p.wait):
-            _unflatten(graph, p.bucket, reduced, outs)
+    reduced: list[fx.Node] = []  # each bucket's all-reduce, in schedule order
+    for t in traced:
+        p = t.placement
+        grads = [outs[slot.output_index] for slot in p.bucket.slots]
+        before = cursor.get(p.issue, p.issue).next
+        reduced.append(splice(graph, t.issue, grads, before, p.bucket.index))
+        cursor[p.issue] = before.prev  # the next bucket issued at this point follows this one
+    for t, all_reduce in zip(traced, reduced):
+        p = t.placement
+        views = splice(graph, t.wait, [all_reduce], p.wait, p.bucket.index)
+        for slot, view in zip(p.bucket.slots, views, strict=True):
+            outs[slot.output_index] = view
     output.args = (tuple(outs),)
     graph.lint()
     gm.recompile()
     return gm
-
-
-def _unflatten(graph: fx.Graph, bucket: Bucket, reduced: fx.Node, outs: list[Any]) -> None:
-    """Emit wait/decompress/slice/view at the current insertion point; repoint the outputs."""
-    done = _call(graph, WAIT, (reduced,), "wait", bucket.index)
-    if bucket.comm_dtype is not None:  # decompress back to the gradients' dtype
-        dtype = getattr(torch, bucket.dtype)
-        done = _call(graph, CAST, (done, dtype), "decompress", bucket.index)
-    for slot, off in zip(bucket.slots, bucket.offsets()):
-        piece = _call(graph, aten.slice.Tensor, (done, 0, off, off + slot.numel), "unflatten", bucket.index)
-        outs[slot.output_index] = _call(graph, aten.view.default, (piece, list(slot.shape)), "unflatten", bucket.index)
-
-
-def _issue(graph: fx.Graph, bucket: Bucket, outs: Sequence[Any], schedule: Schedule) -> fx.Node:
-    """Emit flatten/cat/div/all_reduce_ for one bucket at the current insertion point.
-
-    Nodes are chained with ``inserting_after`` so they appear in program order; returns the
-    all-reduce node.
-    """
-    prev: fx.Node | None = None
-
-    def emit(target: Callable[..., Any], args: tuple, role: str, **kwargs: Any) -> fx.Node:
-        nonlocal prev
-        if prev is None:
-            node = _call(graph, target, args, role, bucket.index, kwargs)
-        else:
-            with graph.inserting_after(prev):
-                node = _call(graph, target, args, role, bucket.index, kwargs)
-        prev = node
-        return node
-
-    flats = []
-    for slot in bucket.slots:
-        grad = outs[slot.output_index]
-        if not grad.meta["val"].is_contiguous():
-            grad = emit(aten.clone.default, (grad,), "flatten", memory_format=torch.contiguous_format)
-        flats.append(emit(aten.view.default, (grad, [slot.numel]), "flatten"))
-    flat = flats[0] if len(flats) == 1 else emit(aten.cat.default, (flats,), "flatten")
-    if bucket.comm_dtype is not None:  # compression hook: cast first, then divide, like DDP's
-        flat = emit(CAST, (flat, getattr(torch, bucket.comm_dtype)), "compress")
-    scaled = emit(aten.div.Tensor, (flat, schedule.world_size), "scale")
-    return emit(ALL_REDUCE, (scaled, "sum", schedule.group_name), "all_reduce")
