@@ -17,7 +17,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from graphddp.capture import extract_facts, is_compute, output_nodes
 from graphddp.comm import BUCKET_KEY, ROLE_KEY, is_all_reduce, is_wait
 from graphddp.config import DDPConfig
+from graphddp.hooks import CommHook
 from graphddp.passes import insert_allreduce
+from graphddp.passes.trace import role
+from graphddp.passes.trace import trace as trace_fn
 from graphddp.planner import plan
 from graphddp.verify import VerificationError, verify
 
@@ -335,6 +338,112 @@ def test_compressed_bucket_is_cast_down_before_the_divide_and_back_after_the_wai
         (back,) = wait.users
         assert back.target == CAST and back.args[1] == getattr(torch, bucket.dtype)
     verify(gm, schedule, PARAMS)
+
+
+# ---------------------------------------------------------------------------------------------
+# a bucket is two traced functions; a hook is a pair of functions traced inside them
+
+
+def fp16_schedule(gm, world_size=4):
+    cfg = DDPConfig(world_size=world_size, group_name="g", first_bucket_cap_mb=MIXED[0], bucket_cap_mb=MIXED[1], comm_hook="fp16_compress")
+    return plan(extract_facts(gm, PARAMS), cfg)
+
+
+def bucket_nodes(gm, index):
+    """(target, role) of every node made for bucket ``index``, in graph order."""
+    return [(n.target, n.meta[ROLE_KEY]) for n in gm.graph.nodes if n.meta.get(BUCKET_KEY) == index]
+
+
+@pytest.mark.parametrize("comm_hook", [None, "fp16_compress"])
+def test_each_bucket_is_its_issue_function_then_its_wait_function_with_a_role_per_node(comm_hook):
+    gm = trace()
+    cfg = DDPConfig(world_size=2, group_name="0", first_bucket_cap_mb=MIXED[0], bucket_cap_mb=MIXED[1], comm_hook=comm_hook)
+    schedule = plan(extract_facts(gm, PARAMS), cfg)
+    insert_allreduce(gm, schedule)
+    (big,) = [b for b in schedule.buckets if b.param_names == ("w1", "bias", "wt")]
+    compressed = comm_hook is not None
+    assert bucket_nodes(gm, big.index) == [
+        (aten.view.default, "flatten"),  # w1
+        (aten.view.default, "flatten"),  # bias
+        (aten.clone.default, "flatten"),  # wt is not contiguous
+        (aten.view.default, "flatten"),
+        (aten.cat.default, "flatten"),
+        *[(CAST, "compress")] * compressed,
+        (aten.div.Tensor, "scale"),
+        (torch.ops._c10d_functional.all_reduce_.default, "all_reduce"),
+        (torch.ops._c10d_functional.wait_tensor.default, "wait"),
+        *[(CAST, "decompress")] * compressed,
+        *[(aten.slice.Tensor, "unflatten"), (aten.view.default, "unflatten")] * 3,
+    ]
+    verify(gm, schedule, PARAMS)
+
+
+def cast_to_fp16(flat, bucket):
+    return CAST(flat, torch.float16)
+
+
+def cast_back(reduced, bucket):
+    return CAST(reduced, getattr(torch, bucket.dtype))
+
+
+def test_a_hook_written_outside_graphddp_goes_through_the_same_path_as_the_built_in_one():
+    built_in, ours = trace(), trace()
+    schedule = fp16_schedule(built_in)
+    insert_allreduce(built_in, schedule)
+    insert_allreduce(ours, schedule, hook=CommHook("test_fp16", cast_to_fp16, cast_back))
+    assert ours.code == built_in.code
+    verify(ours, schedule, PARAMS)
+
+
+def test_a_hook_is_traced_between_flatten_and_scale_and_between_wait_and_unflatten():
+    def times_one(flat, bucket):
+        return aten.mul.Tensor(flat, 1)
+
+    def plus_zero(reduced, bucket):
+        return aten.add.Tensor(reduced, 0)
+
+    gm, schedule = planned(MIXED)
+    insert_allreduce(gm, schedule, hook=CommHook("identity", times_one, plus_zero))
+    for bucket, ar, wait in zip(schedule.buckets, all_reduces(gm), waits(gm)):
+        scaled = ar.args[0]
+        assert scaled.target == aten.div.Tensor
+        assert (scaled.args[0].target, scaled.args[0].meta[ROLE_KEY]) == (aten.mul.Tensor, "compress")
+        (back,) = wait.users
+        assert (back.target, back.meta[ROLE_KEY], back.args) == (aten.add.Tensor, "decompress", (wait, 0))
+        assert {u.meta[ROLE_KEY] for u in back.users} == {"unflatten"}
+    # The verifier knows only the built-in hooks' shape: a second scale op is refused.
+    with pytest.raises(VerificationError, match=r"bucket 0 is scaled 2 times"):
+        verify(gm, schedule, PARAMS)
+
+
+@pytest.mark.parametrize(
+    "hook, message",
+    [
+        (CommHook("no_cast", lambda flat, b: flat, cast_back), r"bucket 0: hook 'no_cast' sends torch.bfloat16, the schedule plans torch.float16"),
+        (CommHook("no_cast_back", cast_to_fp16, lambda reduced, b: reduced),
+         r"bucket 0: hook 'no_cast_back' decompresses to torch.float16 \[1\], the bucket's gradients need torch.bfloat16 \[1\]"),
+    ],
+    ids=["compress-dtype", "decompress-dtype"],
+)
+def test_a_hook_that_does_not_fit_the_schedule_is_refused_before_any_edit(hook, message):
+    gm = trace()
+    schedule = fp16_schedule(gm)
+    code = gm.code
+    with pytest.raises(RuntimeError, match=message):
+        insert_allreduce(gm, schedule, hook=hook)
+    assert gm.code == code and not all_reduces(gm)
+
+
+def test_every_traced_node_must_come_from_a_role_block():
+    def untagged(flat):
+        with role("flatten"):
+            flat = aten.view.default(flat, [-1])
+        return aten.mul.Tensor(flat, 2)
+
+    gm = trace()
+    vals = [gm.graph.output_node().args[0][2].meta["val"]]
+    with pytest.raises(RuntimeError, match=r"graphddp: the test function made mul = aten.mul.Tensor outside a role\(\) block"):
+        trace_fn(untagged, vals, "the test function")
 
 
 # ---------------------------------------------------------------------------------------------
