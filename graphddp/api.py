@@ -13,7 +13,6 @@ import torch.nn as nn
 from graphddp.agree import check_parameter_agreement
 from graphddp.backend import GraphDDPBackend, GraphRecord
 from graphddp.capture import names_by_identity
-from graphddp.comm import group_name_of
 from graphddp.config import DDPConfig
 from graphddp.schedule import Schedule
 from graphddp.sync import average_async, broadcast_tensors
@@ -51,6 +50,7 @@ class GraphDDP(nn.Module):
         self.module = module
         self.config = config
         self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)  # a fact of the job, not an option
         self._records: list[GraphRecord] = []
         self._sync = True  # cleared inside no_sync(); read by every compiled graph at each forward
         self._backend = GraphDDPBackend(
@@ -102,7 +102,7 @@ class GraphDDP(nn.Module):
             self._sync = previous
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        distributed = self.config.world_size > 1
+        distributed = self.world_size > 1
         if distributed and self.config.broadcast_buffers and self._sync_buffers_next:
             buffers = list(self.module.buffers())
             if buffers:
@@ -138,7 +138,7 @@ class GraphDDP(nn.Module):
             if name in covered or not syncing:
                 handle.remove()
                 del self._guard_handles[name]
-        if self.config.world_size == 1 or not syncing:
+        if self.world_size == 1 or not syncing:
             return
         for name, p in self.module.named_parameters():
             if p.requires_grad and name not in covered and name not in self._guard_handles:
@@ -207,12 +207,10 @@ def compile(module: nn.Module, *, process_group: Any = None, **options: Any) -> 
             "torch.distributed.init_process_group(...) first (e.g. under torchrun)"
         )
     group = process_group if process_group is not None else dist.group.WORLD
-    config = DDPConfig.from_options(
-        "graphddp.compile", options, world_size=dist.get_world_size(group), group_name=group_name_of(group)
-    )
+    config = DDPConfig.from_options("graphddp.compile", options)
     _check_devices(module)
     check_parameter_agreement(module, group)
-    if config.world_size > 1:
+    if dist.get_world_size(group) > 1:
         # Like DDP (torch >= 2.13, init_sync_buffers follows broadcast_buffers): buffers are
         # made equal at wrap time only when they will be kept equal; otherwise rank-local.
         buffers = list(module.buffers()) if config.broadcast_buffers else []

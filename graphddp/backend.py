@@ -23,11 +23,13 @@ import logging
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
 from graphddp.capture import extract_facts, parameter_of_inputs
+from graphddp.comm import group_name_of
 from graphddp.config import DDPConfig
 from graphddp.passes import insert_allreduce
 from graphddp.planner import plan
@@ -77,6 +79,9 @@ class GraphDDPBackend:
     ) -> None:
         self.config = config
         self.group = group
+        # Facts of the job, not options: the planner records them in every Schedule.
+        self.world_size = dist.get_world_size(group) if group is not None else 1
+        self.group_name = group_name_of(group) if group is not None else ""
         self.sync_enabled = sync_enabled
         self.names_by_id = names_by_id
         self.on_record = on_record
@@ -143,10 +148,12 @@ class GraphDDPBackend:
         facts = extract_facts(gm, param_inputs)
         graded = {s.output_index for s in facts.slots}
         unreduced = tuple(name for i, name in sorted(param_inputs.items()) if i not in graded)
-        schedule = plan(facts, self.config, graph_index=graph_index, unreduced=unreduced)
+        schedule = plan(
+            facts, self.config, world_size=self.world_size, group_name=self.group_name, graph_index=graph_index, unreduced=unreduced
+        )
         log.info("graphddp plan for backward graph %d (fingerprint %s):\n%s", graph_index, schedule.fingerprint(), schedule.to_table())
         log.debug("backward graph %d before insert_allreduce:\n%s", graph_index, gm.code)
-        if self.config.world_size > 1:
+        if self.world_size > 1:
             insert_allreduce(gm, schedule)
             log.debug("backward graph %d after insert_allreduce:\n%s", graph_index, gm.code)
             if self.config.verify:

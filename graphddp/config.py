@@ -45,9 +45,9 @@ def _normalise_cap_list(value: Any) -> tuple[float, ...] | None:
     return tuple(value) or None
 
 
-def _option(default: Any, help: str, runtime: bool = False) -> Any:  # noqa: A002 - argparse's word
-    """A field of DDPConfig with the help text the CLI shows; ``runtime`` fields are no option."""
-    return dataclasses.field(default=default, metadata={"help": help, "runtime": runtime})
+def _option(default: Any, help: str) -> Any:  # noqa: A002 - argparse's word
+    """A field of DDPConfig with the help text the CLI shows."""
+    return dataclasses.field(default=default, metadata={"help": help})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,22 +88,20 @@ class DDPConfig:
     broadcast_buffers: bool = _option(True, "keep buffers equal: broadcast from rank 0 before every forward, like DDP")
     fullgraph: bool = _option(False, "passed to torch.compile: a graph break is an error")
     dynamic: bool | None = _option(None, "passed to torch.compile: dynamic shapes (None: torch's default)")
-    world_size: int = _option(1, "", runtime=True)  # a fact of the job, not a choice: see GraphDDP
-    group_name: str = _option("", "", runtime=True)
 
     @classmethod
     def options(cls) -> tuple[dataclasses.Field, ...]:
-        """The user's options, in definition order (runtime facts left out)."""
-        return tuple(f for f in dataclasses.fields(cls) if not f.metadata["runtime"])
+        """The user's options, in definition order."""
+        return dataclasses.fields(cls)
 
     @classmethod
-    def from_options(cls, where: str, options: dict[str, Any], **runtime: Any) -> "DDPConfig":
+    def from_options(cls, where: str, options: dict[str, Any]) -> "DDPConfig":
         """Build a config from keyword options; an unknown name is a TypeError naming it."""
         known = {f.name for f in cls.options()}
         unknown = sorted(set(options) - known)
         if unknown:
             raise TypeError(f"{where} got unknown option(s) {unknown}; the options are {sorted(known)}")
-        return cls(**options, **runtime)
+        return cls(**options)
 
     def as_options(self) -> dict[str, Any]:
         """The options as ``compile``/``explain`` keywords: ``compile(m, **config.as_options())``."""
@@ -120,8 +118,6 @@ class DDPConfig:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.comm_hook is not None and self.comm_hook not in COMM_HOOKS:
             raise ValueError(f"comm_hook must be None or one of {sorted(COMM_HOOKS)}, got {self.comm_hook!r}")
-        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
-            raise ValueError(f"world_size must be a positive int, got {self.world_size!r}")
 
     def _check_caps(self) -> None:
         for name in ("bucket_cap_mb", "first_bucket_cap_mb", "last_bucket_cap_mb"):

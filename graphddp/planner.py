@@ -90,10 +90,19 @@ def plan(
     facts: GraphFacts,
     config: DDPConfig,
     *,
+    world_size: int = 1,
+    group_name: str = "",
     graph_index: int = 0,
     unreduced: tuple[str, ...] = (),
 ) -> Schedule:
-    """Plan the buckets of one backward graph. Pure: same inputs, same Schedule."""
+    """Plan the buckets of one backward graph. Pure: same inputs, same Schedule.
+
+    ``config`` is the user's policy; ``world_size`` and ``group_name`` are facts of the job
+    (the process group), recorded in the Schedule: the divisor and the group of every
+    all-reduce. The buckets do not depend on them.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     compute = [n for n in facts.nodes if n.is_compute]
     output_position = len(facts.nodes) - 1
     buckets = []
@@ -114,8 +123,8 @@ def plan(
         )
     return Schedule(
         graph_index=graph_index,
-        world_size=config.world_size,
-        group_name=config.group_name,
+        world_size=world_size,
+        group_name=group_name,
         bucket_cap_mb=config.effective_bucket_cap_mb,  # resolved, so tables and JSON show real caps
         first_bucket_cap_mb=config.effective_first_bucket_cap_mb,
         last_bucket_cap_mb=config.last_bucket_cap_mb,

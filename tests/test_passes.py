@@ -57,8 +57,8 @@ def trace() -> fx.GraphModule:
 
 def schedule_for(facts, caps, world_size=2):
     first, rest = caps
-    cfg = DDPConfig(world_size=world_size, group_name="0", first_bucket_cap_mb=first, bucket_cap_mb=rest)
-    return plan(facts, cfg)
+    cfg = DDPConfig(first_bucket_cap_mb=first, bucket_cap_mb=rest)
+    return plan(facts, cfg, world_size=world_size, group_name="0")
 
 
 def rewritten(caps=MIXED, params=PARAMS):
@@ -326,8 +326,8 @@ def test_slots_must_match_the_graph():
 
 def test_compressed_bucket_is_cast_down_before_the_divide_and_back_after_the_wait():
     gm = trace()
-    cfg = DDPConfig(world_size=4, group_name="g", first_bucket_cap_mb=MIXED[0], bucket_cap_mb=MIXED[1], comm_hook="fp16_compress")
-    schedule = plan(extract_facts(gm, PARAMS), cfg)
+    cfg = DDPConfig(first_bucket_cap_mb=MIXED[0], bucket_cap_mb=MIXED[1], comm_hook="fp16_compress")
+    schedule = plan(extract_facts(gm, PARAMS), cfg, world_size=4, group_name="g")
     assert {b.comm_dtype for b in schedule.buckets} == {"float16"}
     insert_allreduce(gm, schedule)
     for bucket, ar, wait in zip(schedule.buckets, all_reduces(gm), waits(gm)):
@@ -345,8 +345,8 @@ def test_compressed_bucket_is_cast_down_before_the_divide_and_back_after_the_wai
 
 
 def fp16_schedule(gm, world_size=4):
-    cfg = DDPConfig(world_size=world_size, group_name="g", first_bucket_cap_mb=MIXED[0], bucket_cap_mb=MIXED[1], comm_hook="fp16_compress")
-    return plan(extract_facts(gm, PARAMS), cfg)
+    cfg = DDPConfig(first_bucket_cap_mb=MIXED[0], bucket_cap_mb=MIXED[1], comm_hook="fp16_compress")
+    return plan(extract_facts(gm, PARAMS), cfg, world_size=world_size, group_name="g")
 
 
 def bucket_nodes(gm, index):
@@ -357,8 +357,8 @@ def bucket_nodes(gm, index):
 @pytest.mark.parametrize("comm_hook", [None, "fp16_compress"])
 def test_each_bucket_is_its_issue_function_then_its_wait_function_with_a_role_per_node(comm_hook):
     gm = trace()
-    cfg = DDPConfig(world_size=2, group_name="0", first_bucket_cap_mb=MIXED[0], bucket_cap_mb=MIXED[1], comm_hook=comm_hook)
-    schedule = plan(extract_facts(gm, PARAMS), cfg)
+    cfg = DDPConfig(first_bucket_cap_mb=MIXED[0], bucket_cap_mb=MIXED[1], comm_hook=comm_hook)
+    schedule = plan(extract_facts(gm, PARAMS), cfg, world_size=2, group_name="0")
     insert_allreduce(gm, schedule)
     (big,) = [b for b in schedule.buckets if b.param_names == ("w1", "bias", "wt")]
     compressed = comm_hook is not None

@@ -389,17 +389,17 @@ def test_no_gradients_no_buckets():
 
 def test_plan_is_deterministic():
     facts = make_facts(random_specs(40, seed=5, dtypes=("float32", "float16")))
-    cfg = config(first_kib=1, rest_kib=3, world_size=4, group_name="7")
+    cfg = config(first_kib=1, rest_kib=3)
     same_facts = make_facts(random_specs(40, seed=5, dtypes=("float32", "float16")))
-    first, second = plan(facts, cfg), plan(same_facts, cfg)
+    first, second = plan(facts, cfg, world_size=4, group_name="7"), plan(same_facts, cfg, world_size=4, group_name="7")
     assert first == second
     assert first.fingerprint() == second.fingerprint()
 
 
 def test_fingerprint_changes_with_the_caps_but_not_the_group_name():
     facts = make_facts(random_specs(20, seed=6))
-    base = plan(facts, config(first_kib=1, rest_kib=3, group_name="0")).fingerprint()
-    assert plan(facts, config(first_kib=1, rest_kib=3, group_name="9")).fingerprint() == base
+    base = plan(facts, config(first_kib=1, rest_kib=3), group_name="0").fingerprint()
+    assert plan(facts, config(first_kib=1, rest_kib=3), group_name="9").fingerprint() == base
     assert plan(facts, config(first_kib=1, rest_kib=5)).fingerprint() != base
     assert plan(facts, config(first_kib=2, rest_kib=3)).fingerprint() != base
     # caps so large that the buckets are the same still give a different plan identity
@@ -477,8 +477,8 @@ def test_config_rejects_unknown_backend():
 
 def mixed_schedule():
     specs = random_specs(12, seed=7, dtypes=("float32", "bfloat16"))
-    return plan(make_facts(specs), config(first_kib=1, rest_kib=2, world_size=2, group_name="3", last_bucket_cap_mb=KIB),
-                graph_index=1, unreduced=("frozen.weight",))
+    return plan(make_facts(specs), config(first_kib=1, rest_kib=2, last_bucket_cap_mb=KIB),
+                world_size=2, group_name="3", graph_index=1, unreduced=("frozen.weight",))
 
 
 def test_schedule_json_round_trip():

@@ -71,7 +71,7 @@ def configs(draw: st.DrawFn, with_tail: bool | None = None) -> DDPConfig:
     tail = draw(st.booleans()) if with_tail is None else with_tail
     if tail:
         kwargs["last_bucket_cap_mb"] = draw(cap_mb)
-    return DDPConfig(world_size=draw(st.integers(1, 64)), **kwargs)
+    return DDPConfig(**kwargs)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -107,7 +107,7 @@ def test_compile_explain_and_the_cli_take_exactly_ddpconfigs_options(fake_world)
     with pytest.raises(TypeError, match=r"graphddp.compile got unknown option\(s\) \['bucket_cap'\]"):
         graphddp.compile(MLP(), bucket_cap=1)
     model = graphddp.compile(MLP(), **DDPConfig(backend="aot_eager", bucket_cap_mb=0.001, verify=False).as_options())
-    assert (model.config.bucket_cap_mb, model.config.verify, model.config.world_size) == (0.001, False, 2)
+    assert (model.config.bucket_cap_mb, model.config.verify, model.world_size) == (0.001, False, 2)
 
 
 def test_explain_takes_every_option_compile_does():

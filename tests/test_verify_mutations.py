@@ -104,8 +104,8 @@ def _real(comm_hook: str | None) -> tuple[fx.GraphModule, Schedule, dict[int, st
 def _hand(comm_hook: str | None = None, early_waits: bool = False) -> tuple[fx.GraphModule, Schedule, dict[int, str]]:
     gm = test_passes.trace()
     first, rest = test_passes.MIXED
-    config = DDPConfig(world_size=WORLD, group_name="0", first_bucket_cap_mb=first, bucket_cap_mb=rest, comm_hook=comm_hook)
-    schedule = plan(extract_facts(gm, test_passes.PARAMS), config)
+    config = DDPConfig(first_bucket_cap_mb=first, bucket_cap_mb=rest, comm_hook=comm_hook)
+    schedule = plan(extract_facts(gm, test_passes.PARAMS), config, world_size=WORLD, group_name="0")
     if early_waits:  # every bucket but the last waits before the first compute after their issue points
         names = [n.name for n in schedule.nodes]
         last_issue = max(names.index(b.issue_after) for b in schedule.buckets[:-1])
