@@ -62,13 +62,14 @@ def test_matches_ddp_two_ranks(case):
     spawn(_check, 2, case, "aot_eager", 0.01, 0.002)
 
 
-@pytest.mark.parametrize("case", ["mlp", "transformer_tied", "graph_break"])
-def test_matches_ddp_three_ranks(case):
-    spawn(_check, 3, case, "aot_eager", 0.01, 0.002)
+def test_matches_ddp_three_ranks_across_a_graph_break():
+    """An odd world size (the divisor is not a power of two) through two graphs. Tied weights
+    and plain MLPs on 3 ranks are covered by tests/test_random_models.py's world=3 case."""
+    spawn(_check, 3, "graph_break", "aot_eager", 0.01, 0.002)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["mlp", "transformer_tied"])
+@pytest.mark.parametrize("case", ["transformer_tied"])  # more inductor numerics: test_real_models, test_trust
 def test_matches_ddp_inductor(case):
     spawn(_check, 2, case, "inductor", 0.01, 0.002)
 
