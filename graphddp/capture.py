@@ -18,7 +18,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.flop_counter import flop_registry
 
-from graphddp.schedule import GradSlot, GraphFacts, NodeFact
+from graphddp.schedule import GradSlot, GraphFacts, NodeFact, dtype_name
 
 # Views whose schema does not say so: ``_unsafe_view`` is a view that skips the alias checks.
 _UNMARKED_VIEWS = {torch.ops.aten._unsafe_view.default}
@@ -55,10 +55,6 @@ def parameter_of_inputs(
         for i, t in enumerate(example_inputs)
         if isinstance(t, torch.Tensor) and id(t) in names_by_id
     }
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def _node_fact(node: fx.Node, position: int) -> NodeFact:
@@ -131,7 +127,7 @@ def extract_facts(gm: fx.GraphModule, param_inputs: Mapping[int, str]) -> GraphF
                 output_index=index,
                 param_name=param_inputs[index],
                 shape=shape,
-                dtype=_dtype_name(val.dtype),
+                dtype=dtype_name(val.dtype),
                 device=str(val.device),
                 numel=numel,
                 nbytes=numel * val.element_size(),

@@ -19,6 +19,11 @@ import torch
 SCHEMA_VERSION = 1
 
 
+def dtype_name(dtype: object) -> str:
+    """How every value here spells a dtype: ``torch.float32`` -> ``"float32"``."""
+    return str(dtype).replace("torch.", "")
+
+
 @dataclasses.dataclass(frozen=True)
 class GradSlot:
     """One gradient output of a backward graph that belongs to a parameter."""

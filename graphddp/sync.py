@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from graphddp.agree import check_in_band
+from graphddp.schedule import dtype_name
 
 
 def _coalesce(tensors: Sequence[torch.Tensor]) -> dict[tuple[torch.dtype, torch.device], list[torch.Tensor]]:
@@ -69,7 +70,7 @@ def average_async(named: Sequence[tuple[str, nn.Parameter]], group: Any) -> Pend
     for name, p in named:
         groups.setdefault((p.dtype, p.device), []).append((name, p))
     layout = tuple(
-        (str(dtype).replace("torch.", ""), device.type, None, tuple((n, tuple(p.shape)) for n, p in members))
+        (dtype_name(dtype), device.type, None, tuple((n, tuple(p.shape)) for n, p in members))
         for (dtype, device), members in groups.items()
     )
     check_in_band((world, layout), group, "the average of gradients accumulated under no_sync")

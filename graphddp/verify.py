@@ -60,7 +60,7 @@ import torch.fx as fx
 
 from graphddp.capture import is_view
 from graphddp.comm import CAST, ALL_REDUCE, BUCKET_KEY, ROLE_KEY, is_all_reduce, is_cast, is_ours, is_wait
-from graphddp.schedule import Bucket, GradSlot, Schedule
+from graphddp.schedule import Bucket, GradSlot, Schedule, dtype_name
 
 aten = torch.ops.aten
 
@@ -88,10 +88,6 @@ def _context(gm: fx.GraphModule, node: fx.Node, radius: int = 3) -> str:
 
 def _fail(gm: fx.GraphModule, node: fx.Node, message: str) -> NoReturn:
     raise VerificationError(f"graphddp verify: {message}\n{_context(gm, node)}")
-
-
-def _dtype_name(dtype: object) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def _names(nodes: Iterable[fx.Node]) -> list[str]:
@@ -236,7 +232,7 @@ def _check_scale(g: _Graph, bucket: Bucket, ar: fx.Node, chain: list[fx.Node], w
 
 
 def _cast_dtype(node: fx.Node) -> str:
-    return _dtype_name(node.args[1] if len(node.args) > 1 else node.kwargs.get("dtype"))
+    return dtype_name(node.args[1] if len(node.args) > 1 else node.kwargs.get("dtype"))
 
 
 def _check_compress(g: _Graph, bucket: Bucket, ar: fx.Node, chain: list[fx.Node]) -> None:

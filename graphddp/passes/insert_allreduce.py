@@ -73,7 +73,7 @@ import torch.fx as fx
 from graphddp import hooks
 from graphddp.comm import ALL_REDUCE, WAIT
 from graphddp.passes.trace import role, splice, trace
-from graphddp.schedule import Bucket, Schedule
+from graphddp.schedule import Bucket, Schedule, dtype_name
 
 aten = torch.ops.aten
 
@@ -124,7 +124,7 @@ def _check_slots(bucket: Bucket, outs: Sequence[Any], order: dict[fx.Node, int],
         if grad.name != slot.producer:
             raise RuntimeError(f"{where}: the schedule says it is produced by {slot.producer}, the graph returns {grad.name}")
         val = grad.meta.get("val")
-        found = (tuple(val.shape), str(val.dtype).replace("torch.", ""), str(val.device)) if isinstance(val, torch.Tensor) else None
+        found = (tuple(val.shape), dtype_name(val.dtype), str(val.device)) if isinstance(val, torch.Tensor) else None
         if found != (slot.shape, bucket.dtype, bucket.device) or slot.dtype != bucket.dtype:
             raise RuntimeError(
                 f"{where}: {grad.name} is {found}, the schedule says {(slot.shape, slot.dtype, bucket.device)} "
@@ -159,7 +159,6 @@ def _place(gm: fx.GraphModule, schedule: Schedule, outs: Sequence[Any]) -> list[
         _check_slots(bucket, outs, order, issue)
         placements.append(_Placement(bucket, issue, wait))
     return placements
-
 
 
 # -- the bucket as two traced functions -----------------------------------------------------
