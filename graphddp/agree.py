@@ -58,20 +58,23 @@ def _device(group: Any) -> torch.device:
 
 
 def layout_hash(layout: Any) -> int:
-    """A 60-bit hash of a wire layout: fits an int64 and its negation exactly."""
+    """A 60-bit hash of a layout (any value with a stable repr): fits an int64 and its negation."""
     return int(hashlib.sha256(repr(layout).encode()).hexdigest()[:15], 16)
 
 
-def check_in_band(layout: tuple[int, tuple[WireBucket, ...]], group: Any, what: str) -> None:
+def check_in_band(
+    layout: tuple[int, tuple[WireBucket, ...]], group: Any, what: str, digest: int | None = None
+) -> None:
     """Raise on every rank unless every rank of ``group`` passes an equal ``layout`` here.
 
-    ``layout`` is ``(world_size, buckets)``; ``what`` names the graph for messages. Must be
-    called by every rank at the same point of its collective sequence: right before the
-    collectives the layout describes.
+    ``layout`` is ``(world_size, buckets)``; ``what`` names the graph for messages;
+    ``digest`` is ``layout_hash(layout)`` when the caller keeps it (a compiled graph checks
+    the same layout every step). Must be called by every rank at the same point of its
+    collective sequence: right before the collectives the layout describes.
     """
     if dist.get_world_size(group) == 1 or _is_fake(group):
         return
-    h = layout_hash(layout)
+    h = layout_hash(layout) if digest is None else digest
     with unset_fake_temporarily():
         probe = torch.tensor([h, -h], dtype=torch.int64, device=_device(group))
         try:
@@ -145,8 +148,7 @@ def check_parameter_agreement(module: nn.Module, group: Any) -> None:
     if dist.get_world_size(group) == 1 or _is_fake(group):
         return
     mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]
-    digest = hashlib.sha256(repr(mine).encode()).hexdigest()
-    digests = _gather(digest, group)
+    digests = _gather(layout_hash(mine), group)
     if len(set(digests)) == 1:
         return
     everyone = _gather(mine, group)

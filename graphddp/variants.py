@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from graphddp.agree import check_in_band
+from graphddp.agree import check_in_band, layout_hash
 from graphddp.failures import collective_failure
 from graphddp.schedule import Schedule
 
@@ -88,12 +88,15 @@ class BackwardDispatch:
         self.schedule = schedule
         self.group = group
         self._what = f"backward graph {schedule.graph_index}"
+        # Checked before every synchronising step, computed once: the layout never changes.
+        self._layout = schedule.wire_layout()
+        self._digest = layout_hash(self._layout)
 
     def __call__(self, args: list[Any]) -> Any:
         if self.state.take_local():
             return self.plain()(args)
         if self.schedule.buckets:
-            check_in_band(self.schedule.wire_layout(), self.group, self._what)
+            check_in_band(self._layout, self.group, self._what, self._digest)
         try:
             return self.synced(args)
         except Exception as e:  # noqa: BLE001 - re-raised as-is unless a collective failed
