@@ -50,7 +50,6 @@ class GraphDDP(nn.Module):
         self.module = module
         self.config = config
         self.process_group = process_group
-        self.world_size = dist.get_world_size(process_group)  # a fact of the job, not an option
         self._records: list[GraphRecord] = []
         self._sync = True  # cleared inside no_sync(); read by every compiled graph at each forward
         self._backend = GraphDDPBackend(
@@ -71,6 +70,11 @@ class GraphDDP(nn.Module):
         self._grads_accumulated_locally = False
 
     # -- inspection -------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        """The size of ``process_group``: a fact of the job, read once by the backend."""
+        return self._backend.world_size
+
     @property
     def schedules(self) -> list[Schedule]:
         """One Schedule per compiled backward graph, in compile order (after the first backward)."""

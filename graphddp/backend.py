@@ -74,14 +74,14 @@ class GraphDDPBackend:
         config: DDPConfig,
         names_by_id: Mapping[int, str],
         on_record: Callable[[GraphRecord], None],
-        group: Any = None,
+        group: Any,
         sync_enabled: Callable[[], bool] = lambda: True,
     ) -> None:
         self.config = config
         self.group = group
         # Facts of the job, not options: the planner records them in every Schedule.
-        self.world_size = dist.get_world_size(group) if group is not None else 1
-        self.group_name = group_name_of(group) if group is not None else ""
+        self.world_size = dist.get_world_size(group)
+        self.group_name = group_name_of(group)
         self.sync_enabled = sync_enabled
         self.names_by_id = names_by_id
         self.on_record = on_record
