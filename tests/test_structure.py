@@ -19,7 +19,7 @@ import torch.distributed as dist
 import graphddp
 from graphddp.cli import add_option_flags, options_from_args
 from graphddp.config import DDPConfig
-from graphddp.models import MLP
+from graphddp.models import MLP, GraphBreakMLP
 
 PACKAGE = pathlib.Path(graphddp.__file__).parent
 
@@ -120,18 +120,20 @@ def test_explain_takes_every_option_compile_does():
 
 
 def test_explain_leaves_no_group_no_hook_and_no_recompile_budget_behind(fake_world):
-    """Ten explains of one model class, then a real compile of it still compiles its graph.
+    """Ten explains of a model with a graph break, then a real compile of it still compiles
+    both of its graphs.
 
-    Without per-wrapper recompile regions, each explain's compile of ``MLP.forward`` counted
-    against the one shared recompile limit (8), and the wrapper then ran eagerly.
+    Without per-wrapper recompile regions, each explain's compile of the model's frames (the
+    forward and the frame resumed after the break) counted against the one shared recompile
+    limit (8), and the wrapper then ran eagerly.
     """
     hook = sys.excepthook
     x = torch.randn(4, 16)
     for _ in range(torch._dynamo.config.recompile_limit + 2):
-        graphddp.explain(MLP(), x, world_size=8, backend="aot_eager")
+        graphddp.explain(GraphBreakMLP(), x, world_size=8, backend="aot_eager")
     assert not dist.is_initialized()
     assert sys.excepthook is hook, "init_process_group's [rank0] hook was left installed"
     fake_world(2)
-    model = graphddp.compile(MLP(), backend="aot_eager")
+    model = graphddp.compile(GraphBreakMLP(), backend="aot_eager")
     model(x).sum().backward()
-    assert len(model.schedules) == 1
+    assert len(model.schedules) == 2
