@@ -1,7 +1,7 @@
 """Numerics tier: spawned gloo ranks train graphddp next to torch's DDP; grads and params match.
 
-Each rank sees different data; DDP is the reference. aot_eager for most models (fast to
-compile), inductor for two.
+Each rank sees different data; DDP is the reference. aot_eager throughout (fast to compile);
+inductor runs in test_real_models.py.
 """
 from __future__ import annotations
 
@@ -68,43 +68,5 @@ def test_matches_ddp_three_ranks_across_a_graph_break():
     spawn(_check, 3, "graph_break", "aot_eager", 0.01, 0.002)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", ["transformer_tied"])  # more inductor numerics: test_real_models, test_trust
-def test_matches_ddp_inductor(case):
-    spawn(_check, 2, case, "inductor", 0.01, 0.002)
-
-
-def _world_one(rank: int, world: int) -> None:
-    assert_matches_ddp(models.MLP, _batch_fn("vector"), _mse, backend="aot_eager")
-
-
-def test_world_size_one():
-    spawn(_world_one, 1)
-
-
-def _hf_gpt2():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(
-        vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=4,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
-    )
-    return GPT2LMHeadModel(config)
-
-
-def _hf_loss(out, target):
-    return _xent(out.logits, target)
-
-
-def _real_world(rank: int, world: int) -> None:
-    ours = assert_matches_ddp(
-        _hf_gpt2, _batch_fn("tokens"), _hf_loss, backend="aot_eager", bucket_cap_mb=0.02, first_bucket_cap_mb=0.005
-    )
-    names = [n for s in ours.schedules for n in s.param_names]
-    assert "transformer.wte.weight" in names  # tied to lm_head: reduced once, under one name
-    assert len(names) == len(set(names)) == len(list(ours.module.parameters()))
-
-
-def test_matches_ddp_huggingface_gpt2():
-    """Real model-library code (Hugging Face GPT-2: Conv1D, tied head, HF attention masks)."""
-    spawn(_real_world, 2)
+# World size one: test_ddp_parity.py (against local training). Inductor, and Hugging Face
+# GPT-2 and BERT with every feature: test_real_models.py.

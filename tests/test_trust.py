@@ -80,11 +80,6 @@ def test_no_sync_with_graph_breaks_matches_ddp(make, backend):
     spawn(_no_sync_across_graph_breaks, 2, make, backend)
 
 
-@pytest.mark.slow
-def test_no_sync_with_graph_breaks_matches_ddp_inductor():
-    spawn(_no_sync_across_graph_breaks, 2, "graph_break_mlp", "inductor")
-
-
 class Branchy(nn.Module):
     """A data-dependent branch (a graph break) whose two sides use the same parameters."""
 
