@@ -63,13 +63,22 @@ def release_process_group() -> None:
         dist.destroy_process_group()
 
 
-def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0, pg_timeout: float = 120.0) -> None:
+def spawn(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0, pg_timeout: float = 120.0,
+    fresh: bool = False,
+) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo CPU ranks; re-raise failures.
 
     ``fn`` must be importable (module level). A rank that fails makes the others be
     terminated; ranks still running after ``timeout`` seconds are killed, so a test never hangs.
     ``pg_timeout`` is the process group's collective timeout, in seconds.
+
+    After :func:`reuse_ranks` (the test suite turns it on), 2-rank calls with the default
+    ``pg_timeout`` run on a :class:`RankPool` instead of new processes; ``fresh=True`` asks
+    for new processes anyway (a function that changes process-wide state, or kills a rank).
     """
+    if _POOL_ENABLED and world_size == RankPool.WORLD and pg_timeout == RankPool.PG_TIMEOUT and not fresh:
+        return _pool().run(fn, args, timeout)
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -101,6 +110,140 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
         bad = [p.exitcode for p in procs if p.exitcode != 0]
         if bad:
             raise RuntimeError(f"ranks exited with codes {bad}")
+
+
+# -- a pool of ranks reused across spawn() calls ----------------------------------------------------
+
+_POOL_ENABLED = False
+_POOL: "RankPool | None" = None
+
+
+def reuse_ranks(enabled: bool = True) -> None:
+    """Let :func:`spawn` run 2-rank functions on one long-lived pair of ranks.
+
+    Starting two ranks (interpreters, ``import torch``, the process group) and their first
+    compile costs seconds per call, most of a short test; a pool pays it once.
+    """
+    global _POOL_ENABLED
+    _POOL_ENABLED = enabled
+    if not enabled and _POOL is not None:
+        _POOL.close()
+
+
+def _pool() -> "RankPool":
+    global _POOL
+    if _POOL is None or not _POOL.healthy():
+        _POOL = RankPool()
+    return _POOL
+
+
+def _pool_entry(rank: int, world_size: int, store_path: str, tasks: Any, results: Any) -> None:
+    faulthandler.enable(all_threads=True)
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=RankPool.PG_TIMEOUT),
+    )
+    while (task := tasks.get()) is not None:
+        task_id, fn, args = task
+        error = None
+        try:
+            fn(rank, world_size, *args)
+        except BaseException:  # noqa: BLE001 - reported to the parent, which retires the pool
+            error = traceback.format_exc()
+        torch._dynamo.reset()
+        gc.collect()
+        if error is None:
+            # Leave together, and prove the pair still pairs its collectives: a function that
+            # left one unmatched would make these disagree (or hang: the parent's timeout).
+            seen: list[Any] = [None] * world_size
+            try:
+                dist.all_gather_object(seen, task_id)
+                if seen != [task_id] * world_size:
+                    error = f"after the task the ranks' collectives no longer pair up: {seen}"
+            except BaseException:  # noqa: BLE001
+                error = traceback.format_exc()
+        results.put((task_id, rank, error))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+class RankPool:
+    """Two gloo ranks that run one function after another (see :func:`reuse_ranks`).
+
+    Between functions each rank resets Dynamo and collects garbage; after a failure or a
+    timeout the pool is retired (its processes terminated) and the next call starts a new one,
+    so one failing test cannot leave a half-finished collective for the next.
+    """
+
+    WORLD = 2
+    PG_TIMEOUT = 120.0
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._tmp = tempfile.TemporaryDirectory()
+        store = os.path.join(self._tmp.name, "store")
+        self._tasks = [ctx.SimpleQueue() for _ in range(self.WORLD)]
+        self._results = ctx.Queue()
+        self._procs = [
+            ctx.Process(target=_pool_entry, args=(r, self.WORLD, store, self._tasks[r], self._results), daemon=True)
+            for r in range(self.WORLD)
+        ]
+        for p in self._procs:
+            p.start()
+        self._next_id = 0
+        self._ok = True
+
+    def healthy(self) -> bool:
+        return self._ok and all(p.is_alive() for p in self._procs)
+
+    def run(self, fn: Callable[..., Any], args: tuple, timeout: float) -> None:
+        import queue
+
+        task_id, self._next_id = self._next_id, self._next_id + 1
+        for q in self._tasks:
+            q.put((task_id, fn, args))
+        errors: dict[int, str] = {}
+        done: set[int] = set()
+        deadline = time.monotonic() + timeout
+        while len(done) < self.WORLD:
+            try:
+                got_id, rank, error = self._results.get(timeout=0.2 if not errors else 5.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in done]
+                if errors or dead or time.monotonic() > deadline:
+                    self.close()
+                    if errors:
+                        break
+                    if dead:
+                        raise RuntimeError(f"rank(s) {dead} of the rank pool died running {fn.__name__}") from None
+                    raise TimeoutError(f"ranks still running {fn.__name__} after {timeout}s") from None
+                continue
+            if got_id != task_id:
+                continue  # a late report of a task that was abandoned
+            done.add(rank)
+            if error is not None:
+                errors[rank] = error
+        if errors:
+            self.close()
+            text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+            raise RuntimeError(f"{len(errors)} rank(s) failed:\n{text}")
+
+    def close(self) -> None:
+        self._ok = False
+        for q, p in zip(self._tasks, self._procs):
+            if p.is_alive():
+                try:
+                    q.put(None)
+                except Exception:  # noqa: BLE001 - terminated below either way
+                    pass
+        for p in self._procs:
+            p.join(timeout=2)
+            if p.is_alive():
+                p.terminate()
+                p.join()
+        self._tmp.cleanup()
 
 
 def init_fake_process_group(world_size: int, rank: int = 0) -> None:

@@ -1,4 +1,5 @@
-"""Shared test settings: one inductor cache for all tests (and spawned ranks), one thread."""
+"""Shared test settings: one inductor cache for all tests (and spawned ranks), one thread, and
+one long-lived pair of gloo ranks that 2-rank tests run on (``graphddp.testing.reuse_ranks``)."""
 import os
 import tempfile
 
@@ -9,6 +10,15 @@ os.environ.setdefault(
     "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "graphddp-test-inductor-cache")
 )
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _rank_pool():
+    from graphddp.testing import reuse_ranks
+
+    reuse_ranks(os.environ.get("GRAPHDDP_TEST_FRESH_RANKS") != "1")
+    yield
+    reuse_ranks(False)
 
 
 @pytest.fixture

@@ -225,7 +225,7 @@ def _mlp_batch(rank: int, step: int):
 
 @pytest.mark.slow
 def test_process_wide_ddp_fusion_setting_does_not_reach_graphddp():
-    spawn(_python_reducer_elsewhere, 2)
+    spawn(_python_reducer_elsewhere, 2, fresh=True)  # it changes inductor's config process-wide
 
 
 class SometimesExtra(nn.Module):
