@@ -12,12 +12,14 @@ from graphddp.config import DDPConfig
 from graphddp import render
 from graphddp.cost import CostModel, simulate
 from graphddp.explain import explain
+from graphddp.pipeline import GraphDDPCompileBackend, backend
+from graphddp.pipeline import register as _register_backend_name
 from graphddp.schedule import Bucket, Schedule, Timeline
 from graphddp.verify import VerificationError, verify
 
 __all__ = [
-    "Bucket", "CollectiveError", "CostModel", "DDPConfig", "GraphDDP", "Schedule", "ScheduleMismatchError", "Timeline",
-    "VerificationError", "compile", "explain", "render", "simulate", "verify",
+    "Bucket", "CollectiveError", "CostModel", "DDPConfig", "GraphDDP", "GraphDDPCompileBackend", "Schedule",
+    "ScheduleMismatchError", "Timeline", "VerificationError", "backend", "compile", "explain", "render", "simulate", "verify",
 ]
 __version__ = "0.1.0"
 
@@ -43,3 +45,4 @@ def _configure_logging() -> None:
 
 
 _configure_logging()
+_register_backend_name()  # torch.compile(model, backend="graphddp") after graphddp.backend(model, ...)

@@ -4,18 +4,16 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import warnings
 from typing import Any, Iterator, Mapping
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from graphddp.agree import check_parameter_agreement
-from graphddp.backend import GraphDDPBackend, GraphRecord
-from graphddp.capture import names_by_identity
+from graphddp.dynamo_backend import GraphDDPBackend, GraphRecord
 from graphddp.config import DDPConfig
+from graphddp.replica import Replica, prepare, resolve_group
 from graphddp.schedule import Schedule
-from graphddp.sync import average_async, broadcast_tensors
 
 log = logging.getLogger("graphddp")
 
@@ -23,18 +21,13 @@ log = logging.getLogger("graphddp")
 # same code shares one recompile limit, so earlier compiles of the model's class (explain's,
 # another wrapper's) would push this one into eager fallback.
 _ISOLATED = {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
-
-
-def _check_devices(module: nn.Module) -> None:
-    devices: dict[torch.device, str] = {}
-    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-        devices.setdefault(t.device, name)
-    if len(devices) > 1:
-        spread = ", ".join(f"{name!r} on {dev}" for dev, name in devices.items())
-        raise ValueError(
-            "graphddp.compile: module parameters and buffers must live on one device "
-            f"(data parallelism replicates the whole module per rank); found {spread}"
-        )
+# Compiling a graphddp module again (torch.compile(gd), gd.compile()) composes: its forward is
+# opaque to the outer compile, which runs it as it is. The outer compile's settings do nothing.
+_OUTER_COMPILE = (
+    "a graphddp module compiles itself: an outer torch.compile (or .compile()) runs it as it is "
+    "and its backend, mode and options do not apply; pass mode=/options= to graphddp.compile, or "
+    "use torch.compile(model, backend=graphddp.backend(model)) to own the torch.compile call"
+)
 
 
 class GraphDDP(nn.Module):
@@ -50,44 +43,36 @@ class GraphDDP(nn.Module):
         self.module = module
         self.config = config
         self.process_group = process_group
-        self._records: list[GraphRecord] = []
-        self._sync = True  # cleared inside no_sync(); read by every compiled graph at each forward
-        self._backend = GraphDDPBackend(
-            config,
-            names_by_identity(module.named_parameters()),
-            self._records.append,
-            process_group,
-            sync_enabled=lambda: self._sync,
-        )
+        self._replica = Replica(module, process_group, config)
         # Stored outside the module registry so parameters are not listed twice.
         object.__setattr__(
             self, "_compiled", torch.compile(
-                module, backend=self._backend, fullgraph=config.fullgraph, dynamic=config.dynamic, **_ISOLATED
+                module, backend=self._replica.backend, fullgraph=config.fullgraph, dynamic=config.dynamic, **_ISOLATED
             )
         )
-        self._guard_handles: dict[str, Any] = {}
-        self._sync_buffers_next = True  # DDP: buffers sync before a forward that follows a synced one
-        self._grads_accumulated_locally = False
 
     # -- inspection -------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
         """The size of ``process_group``: a fact of the job, read once by the backend."""
-        return self._backend.world_size
+        return self._replica.world_size
 
     @property
     def schedules(self) -> list[Schedule]:
         """One Schedule per compiled backward graph, in compile order (after the first backward)."""
-        return [r.schedule for r in self._records]
+        return self._replica.schedules
 
     @property
     def records(self) -> list[GraphRecord]:
         """Schedules with the rewritten graphs and, under inductor, the generated code."""
-        return list(self._records)
+        return self._replica.records
+
+    @property
+    def _backend(self) -> GraphDDPBackend:
+        return self._replica.backend
 
     # -- execution ----------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backward passes inside accumulate gradients locally, with no communication.
 
         As in DDP, what counts is where the *forward* runs: the backward of a forward run
@@ -98,55 +83,24 @@ class GraphDDP(nn.Module):
         launched when that synchronised forward starts and waited when it ends, so it hides
         behind the forward; the new gradients are reduced in the backward graph as usual.
         """
-        previous = self._sync
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = previous
+        return self._replica.no_sync()
 
+    @torch._dynamo.disable(reason=_OUTER_COMPILE)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        distributed = self.world_size > 1
-        if distributed and self.config.broadcast_buffers and self._sync_buffers_next:
-            buffers = list(self.module.buffers())
-            if buffers:
-                broadcast_tensors(buffers, self.process_group)
-        syncing = self._sync and torch.is_grad_enabled()
-        pending = None
-        if distributed and syncing and self._grads_accumulated_locally:
-            trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-            pending = average_async(trainable, self.process_group)
-        self._backend.ran_params.clear()
+        self._replica.before_forward()
         out = self._compiled(*args, **kwargs)
-        if pending is not None:
-            pending.wait()
-            self._grads_accumulated_locally = False
-        if torch.is_grad_enabled():
-            self._guard_uncovered_parameters(syncing)
-            if not self._sync:
-                self._grads_accumulated_locally = True
-        self._sync_buffers_next = syncing
+        self._replica.after_forward()
         return out
 
-    def _guard_uncovered_parameters(self, syncing: bool) -> None:
-        """Fail loudly if a gradient is produced outside the compiled graphs that ran.
+    def compile(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        """A graphddp module is compiled already: ``nn.Module.compile`` would add nothing.
 
-        A parameter that no compiled graph of this forward covers (used in eager code between
-        graph breaks, or a frame Dynamo ran eagerly after hitting its recompile limit) would
-        get a gradient nobody averages. Such parameters get a hook that raises at backward
-        time, instead of a silently wrong gradient. Unused parameters get no gradient, so
-        their hook never fires. No hooks in the steady state, where every graph ran.
+        Kept working, as pipelines call it on whatever model they are handed; their
+        ``backend``/``mode``/``options`` do not reach graphddp's graphs, so a warning says where
+        to pass them instead.
         """
-        covered = self._backend.ran_params
-        for name, handle in list(self._guard_handles.items()):
-            if name in covered or not syncing:
-                handle.remove()
-                del self._guard_handles[name]
-        if self.world_size == 1 or not syncing:
-            return
-        for name, p in self.module.named_parameters():
-            if p.requires_grad and name not in covered and name not in self._guard_handles:
-                self._guard_handles[name] = p.register_post_accumulate_grad_hook(_uncovered_error(name))
+        warnings.warn(_OUTER_COMPILE, stacklevel=2)
+        super().compile(*args, **kwargs)
 
     # -- checkpoints use the wrapped module's keys -------------------------------------------------
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
@@ -157,18 +111,6 @@ class GraphDDP(nn.Module):
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:  # type: ignore[override]
         return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
-
-
-def _uncovered_error(name: str) -> Any:
-    def hook(_param: torch.Tensor) -> None:
-        raise RuntimeError(
-            f"graphddp: parameter {name!r} received a gradient outside graphddp's compiled "
-            "graphs (used in eager code between graph breaks, or Dynamo ran the frame eagerly, "
-            "e.g. after torch._dynamo.config.recompile_limit was hit), so it would not be "
-            "averaged across ranks. Move its use inside the compiled region or raise the limit."
-        )
-
-    return hook
 
 
 def compile(module: nn.Module, *, process_group: Any = None, **options: Any) -> GraphDDP:  # noqa: A001 - mirrors torch.compile
@@ -198,25 +140,7 @@ def compile(module: nn.Module, *, process_group: Any = None, **options: Any) -> 
     ``comm_hook``: ``"fp16_compress"`` or ``"bf16_compress"`` sends buckets in half precision
     (DDP's compression hooks, run inside the graph); the schedule shows the bytes on the wire.
     """
-    if callable(options.get("comm_hook")):
-        raise NotImplementedError(
-            "comm_hook: user-supplied hook functions are not supported yet; use "
-            "'fp16_compress' or 'bf16_compress'"
-        )
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"graphddp.compile: module must be a torch.nn.Module, got {type(module).__name__}")
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "graphddp.compile: torch.distributed is not initialized; call "
-            "torch.distributed.init_process_group(...) first (e.g. under torchrun)"
-        )
-    group = process_group if process_group is not None else dist.group.WORLD
+    group = resolve_group("graphddp.compile", module, process_group, options)
     config = DDPConfig.from_options("graphddp.compile", options)
-    _check_devices(module)
-    check_parameter_agreement(module, group)
-    if dist.get_world_size(group) > 1:
-        # Like DDP (torch >= 2.13, init_sync_buffers follows broadcast_buffers): buffers are
-        # made equal at wrap time only when they will be kept equal; otherwise rank-local.
-        buffers = list(module.buffers()) if config.broadcast_buffers else []
-        broadcast_tensors(list(module.parameters()) + buffers, group)
+    prepare("graphddp.compile", module, group, config)
     return GraphDDP(module, group, config)

@@ -39,6 +39,17 @@ def _cap_list(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected comma-separated megabytes, got {text!r}") from None
 
 
+def _json_dict(text: str) -> dict:
+    """``--options '{"max_autotune": true}'``: inductor settings as a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def _optional_bool(text: str) -> bool | None:
     choices = {"none": None, "true": True, "false": False}
     if text.lower() not in choices:
@@ -52,13 +63,15 @@ def add_option_flags(parser: argparse.ArgumentParser) -> None:
     user set and graphddp's own defaults apply."""
     from graphddp.config import DDPConfig
 
-    for field in DDPConfig.options():
+    for field in DDPConfig.option_fields():
         flag = "--" + field.name.replace("_", "-")
         kind: dict = {"type": float}
         if field.name == "bucket_cap_mb_list":
             kind = {"type": _cap_list, "metavar": "MB,MB,..."}
-        elif field.name in ("backend", "comm_hook"):
+        elif field.name in ("backend", "comm_hook", "mode"):
             kind = {"type": str}
+        elif field.name == "options":
+            kind = {"type": _json_dict, "metavar": "JSON"}
         elif field.name == "dynamic":
             kind = {"type": _optional_bool, "metavar": "true|false|none"}
         elif isinstance(field.default, bool):
@@ -75,7 +88,7 @@ def options_from_args(args: argparse.Namespace) -> dict:
     """The options the user gave on the command line, as keywords for compile/explain."""
     from graphddp.config import DDPConfig
 
-    return {f.name: getattr(args, f.name) for f in DDPConfig.options() if getattr(args, f.name) is not None}
+    return {f.name: getattr(args, f.name) for f in DDPConfig.option_fields() if getattr(args, f.name) is not None}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,10 +14,25 @@ import math
 from typing import Any
 
 BACKENDS = ("inductor", "aot_eager", "eager")
+# torch.compile's modes (torch._inductor.list_mode_options); those with CUDA graphs are refused
+# on CUDA by check_inductor_settings.
+INDUCTOR_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 # Built-in communication hooks, applied to whole buckets inside the graph (DDP's
 # fp16_compress_hook / bf16_compress_hook): cast, divide, all-reduce, cast back.
 COMM_HOOKS = {"fp16_compress": "float16", "bf16_compress": "bfloat16"}
 MB = 1024 * 1024
+# Inductor settings graphddp's correctness or overlap depends on, patched around each of its
+# compiles only (the user's process-wide config is left as it is), on top of the user's mode
+# and options (which may not name them):
+# * comm reordering: raise each all-reduce to where its bucket is ready, sink each wait to its
+#   first reader (with default settings inductor waits right after issuing: no overlap);
+# * ``_fuse_ddp_communication`` off: DDP(..., python_reducer) turns it on process-wide, and its
+#   passes would re-fuse graphddp's buckets (and crash on them).
+INDUCTOR_PINNED_CONFIG: dict[str, Any] = {
+    "reorder_for_compute_comm_overlap": True,
+    "reorder_for_compute_comm_overlap_passes": ["raise_comms", "sink_waits"],
+    "_fuse_ddp_communication": False,
+}
 # DDP's defaults: torch.nn.parallel.distributed._DEFAULT_BUCKET_CAP_MB and
 # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES (1 MiB), the latter used only while
 # bucket_cap_mb is left unset.
@@ -43,6 +58,16 @@ def _normalise_cap_list(value: Any) -> tuple[float, ...] | None:
     for i, cap in enumerate(value):
         _check_megabytes(f"bucket_cap_mb_list[{i}]", cap)
     return tuple(value) or None
+
+
+def _normalise_inductor_options(value: Any) -> tuple[tuple[str, Any], ...] | None:
+    """``options`` as sorted (key, value) pairs: hashable, and equal for equal dicts."""
+    if value is None:
+        return None
+    pairs = tuple(value.items()) if isinstance(value, dict) else value
+    if not isinstance(pairs, tuple) or not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in pairs):
+        raise ValueError(f"options must be a dict of inductor config settings (string keys), got {value!r}")
+    return tuple(sorted(pairs)) or None
 
 
 def _option(default: Any, help: str) -> Any:  # noqa: A002 - argparse's word
@@ -88,16 +113,20 @@ class DDPConfig:
     broadcast_buffers: bool = _option(True, "keep buffers equal: broadcast from rank 0 before every forward, like DDP")
     fullgraph: bool = _option(False, "passed to torch.compile: a graph break is an error")
     dynamic: bool | None = _option(None, "passed to torch.compile: dynamic shapes (None: torch's default)")
+    mode: str | None = _option(None, f"inductor's mode, as torch.compile's: one of {INDUCTOR_MODES}")
+    options: tuple[tuple[str, Any], ...] | None = _option(
+        None, "inductor config settings, as torch.compile's options= (a dict; JSON on the command line)"
+    )
 
     @classmethod
-    def options(cls) -> tuple[dataclasses.Field, ...]:
+    def option_fields(cls) -> tuple[dataclasses.Field, ...]:
         """The user's options, in definition order."""
         return dataclasses.fields(cls)
 
     @classmethod
     def from_options(cls, where: str, options: dict[str, Any]) -> "DDPConfig":
         """Build a config from keyword options; an unknown name is a TypeError naming it."""
-        known = {f.name for f in cls.options()}
+        known = {f.name for f in cls.option_fields()}
         unknown = sorted(set(options) - known)
         if unknown:
             raise TypeError(f"{where} got unknown option(s) {unknown}; the options are {sorted(known)}")
@@ -105,7 +134,7 @@ class DDPConfig:
 
     def as_options(self) -> dict[str, Any]:
         """The options as ``compile``/``explain`` keywords: ``compile(m, **config.as_options())``."""
-        return {f.name: getattr(self, f.name) for f in self.options()}
+        return {f.name: getattr(self, f.name) for f in self.option_fields()}
 
     def __post_init__(self) -> None:
         self._check_caps()
@@ -118,6 +147,68 @@ class DDPConfig:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.comm_hook is not None and self.comm_hook not in COMM_HOOKS:
             raise ValueError(f"comm_hook must be None or one of {sorted(COMM_HOOKS)}, got {self.comm_hook!r}")
+        object.__setattr__(self, "options", _normalise_inductor_options(self.options))
+        if self.mode is not None and self.mode not in INDUCTOR_MODES:
+            raise ValueError(f"mode must be None or one of {INDUCTOR_MODES}, got {self.mode!r}")
+        if (self.mode is not None or self.options) and self.backend != "inductor":
+            raise ValueError(
+                f"mode and options configure inductor; backend={self.backend!r} does not use them "
+                f"(got mode={self.mode!r}, options={self.inductor_options})"
+            )
+
+    @property
+    def inductor_options(self) -> dict[str, Any]:
+        """``options`` as the dict the user passed (empty when not given)."""
+        return dict(self.options or ())
+
+    def inductor_patches(self, mode: str | None = None, options: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Inductor config for ``mode`` then ``options`` (these, or the config's own).
+
+        ``mode``/``options`` come from a ``torch.compile(model, backend=...)`` call when the
+        pipeline owns it; otherwise from this config. graphddp's pinned settings go on top of
+        these at compile time (INDUCTOR_PINNED_CONFIG), never under them.
+        """
+        from torch._inductor import list_mode_options
+
+        mode = self.mode if mode is None else mode
+        options = self.inductor_options if options is None else dict(options)
+        if mode is not None and mode not in INDUCTOR_MODES:
+            raise ValueError(f"mode must be None or one of {INDUCTOR_MODES}, got {mode!r}")
+        return {**list_mode_options(mode or "default"), **options}
+
+    def check_inductor_settings(self, where: str, device: Any, mode: str | None = None,
+                                options: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The inductor patches, refused where graphddp cannot keep its promises.
+
+        * a key of graphddp's pinned settings (comm reordering, DDP fusion off): overriding it
+          would lose the overlap or re-fuse the buckets;
+        * an unknown key: inductor would fail later, inside the first backward;
+        * CUDA graphs (``reduce-overhead``, ``max-autotune``, ``triton.cudagraphs``) on a CUDA
+          model: the backward graph's collectives and the in-band check between them are not
+          captured or replayed safely; on CPU inductor does not use CUDA graphs, so they are
+          harmless there.
+        """
+        from torch._inductor import list_options
+
+        patches = self.inductor_patches(mode, options)
+        given = self.inductor_options if options is None else dict(options)
+        pinned = sorted(set(given) & set(INDUCTOR_PINNED_CONFIG))
+        if pinned:
+            raise ValueError(
+                f"{where}: options {pinned} are set by graphddp (its overlap and bucket correctness depend on "
+                f"them: {INDUCTOR_PINNED_CONFIG}); leave them out"
+            )
+        unknown = sorted(set(given) - set(list_options()))
+        if unknown:
+            raise ValueError(f"{where}: options {unknown} are not inductor config settings (torch._inductor.list_options())")
+        if getattr(device, "type", None) == "cuda" and patches.get("triton.cudagraphs"):
+            why = f"mode={mode or self.mode!r}" if not given.get("triton.cudagraphs") else "options['triton.cudagraphs']"
+            raise ValueError(
+                f"{where}: {why} turns on CUDA graphs, which graphddp does not support: its backward "
+                "graphs carry collectives and an in-band check that CUDA graph replay would not run "
+                "safely. Use mode='max-autotune-no-cudagraphs' or the default mode."
+            )
+        return patches
 
     def _check_caps(self) -> None:
         for name in ("bucket_cap_mb", "first_bucket_cap_mb", "last_bucket_cap_mb"):

@@ -88,7 +88,7 @@ def test_a_break_in_the_layering_is_caught():
 
 
 def test_compile_explain_and_the_cli_take_exactly_ddpconfigs_options(fake_world):
-    names = [f.name for f in DDPConfig.options()]
+    names = [f.name for f in DDPConfig.option_fields()]
     assert set(names) >= {"bucket_cap_mb", "bucket_cap_mb_list", "comm_hook", "backend", "verify",
                           "broadcast_buffers", "fullgraph", "dynamic"}
     assert not {"world_size", "group_name"} & set(names), "facts of the job are not options"

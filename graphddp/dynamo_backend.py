@@ -9,7 +9,9 @@ capture -> plan -> insert_allreduce -> verify before the inner compiler sees it:
   passes run unchanged. Inductor's comm reordering runs ``raise_comms`` then ``sink_waits``
   so each all-reduce is issued as soon as its bucket is ready and its wait stays late (with
   default settings inductor issues and waits them back to back: no overlap). The
-  AOTAutograd cache is turned off for our graphs: a cache hit would skip the rewrite.
+  AOTAutograd cache is turned off for our graphs: a cache hit would skip the rewrite. The
+  user's ``mode`` and ``options`` (torch.compile's) patch inductor's config around the whole
+  compile, graphddp's pinned settings (``config.INDUCTOR_PINNED_CONFIG``) go on top.
 * ``aot_eager``: the rewritten graphs run as plain FX code (fast to compile, for tests).
 * ``eager``: the rewritten graphs run node by node through :class:`torch.fx.Interpreter`
   (slowest; for stepping through with a debugger).
@@ -30,7 +32,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 
 from graphddp.capture import extract_facts, parameter_of_inputs
 from graphddp.comm import group_name_of
-from graphddp.config import DDPConfig
+from graphddp.config import INDUCTOR_PINNED_CONFIG, DDPConfig
 from graphddp.passes import insert_allreduce
 from graphddp.planner import plan
 from graphddp.schedule import Schedule
@@ -38,19 +40,6 @@ from graphddp.variants import BackwardDispatch, GraphState, compiled_backward_no
 from graphddp.verify import verify
 
 log = logging.getLogger("graphddp")
-
-# Inductor settings graphddp's correctness or overlap depends on, patched around each of its
-# compiles only (the user's process-wide config is left as it is):
-# * comm reordering: raise each all-reduce to where its bucket is ready, sink each wait to its
-#   first reader (with default settings inductor waits right after issuing: no overlap);
-# * ``_fuse_ddp_communication`` off: DDP(..., python_reducer) turns it on process-wide, and its
-#   passes would re-fuse graphddp's buckets (and crash on them).
-INDUCTOR_PINNED_CONFIG: dict[str, Any] = {
-    "reorder_for_compute_comm_overlap": True,
-    "reorder_for_compute_comm_overlap_passes": ["raise_comms", "sink_waits"],
-    "_fuse_ddp_communication": False,
-}
-
 
 @dataclasses.dataclass
 class GraphRecord:
@@ -92,12 +81,20 @@ class GraphDDPBackend:
         # a parameter missing here got its gradient (if any) from eager code.
         self.ran_params: set[str] = set()
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    def __call__(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None, options: dict | None = None
+    ) -> Callable[..., Any]:
+        """Compile one Dynamo graph. ``mode``/``options`` are what a ``torch.compile(...,
+        backend=this, mode=..., options=...)`` call passes; without them the config's apply."""
         param_inputs = parameter_of_inputs(example_inputs, self.names_by_id)
+        device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), None)
+        if (mode is not None or options) and self.config.backend != "inductor":
+            raise ValueError(f"graphddp: mode and options configure inductor; this model's backend is {self.config.backend!r}")
+        patches = self.config.check_inductor_settings("graphddp", device, mode, options)
         self.graphs_compiled += 1
         state = GraphState()
         self.states.append(state)
-        compiled = self._compile(gm, example_inputs, param_inputs, state)
+        compiled = self._compile(gm, example_inputs, param_inputs, state, patches)
         return self._runtime(compiled, frozenset(param_inputs.values()), state)
 
     def _runtime(self, compiled: Callable[..., Any], names: frozenset[str], state: GraphState) -> Callable[..., Any]:
@@ -118,7 +115,8 @@ class GraphDDPBackend:
         return run
 
     def _compile(
-        self, gm: fx.GraphModule, example_inputs: Sequence[Any], param_inputs: Mapping[int, str], state: GraphState
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], param_inputs: Mapping[int, str], state: GraphState,
+        inductor_patches: dict[str, Any],
     ) -> Callable[..., Any]:
         graph_index = next(self._graph_counter)
 
@@ -128,7 +126,7 @@ class GraphDDPBackend:
 
         rewrite = lambda bw: self.rewrite_backward(bw, param_inputs, graph_index)  # noqa: E731
         if self.config.backend == "inductor":
-            return _compile_inductor(gm, example_inputs, rewrite, dispatch)
+            return _compile_inductor(gm, example_inputs, rewrite, dispatch, inductor_patches)
         run = _interpret if self.config.backend == "eager" else _as_is
 
         def bw_compiler(bw: fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -174,7 +172,10 @@ def _compile_inductor(
     example_inputs: Sequence[Any],
     rewrite: Callable[[fx.GraphModule], GraphRecord],
     dispatch: Callable[..., BackwardDispatch],
+    patches: dict[str, Any],
 ) -> Callable[..., Any]:
+    """Inductor's compile_fx under the user's ``patches`` (mode and options), with graphddp's
+    pinned settings on top of them for every inner compile."""
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
@@ -187,13 +188,15 @@ def _compile_inductor(
             record = rewrite(graph)
             compiled = compile_fx_inner(record.graph, inputs, **kwargs)
         record.generated_code = getattr(compiled, "source_code", None)
-        return dispatch(compiled, record, _later(compile_fx_inner, plain, inputs, kwargs))
+        return dispatch(compiled, record, _later(compile_fx_inner, plain, inputs, kwargs, patches))
 
-    with functorch_config.patch(enable_autograd_cache=False):
+    with functorch_config.patch(enable_autograd_cache=False), inductor_config.patch(patches):
         return compile_fx(gm, example_inputs, inner_compile=inner_compile)
 
 
-def _later(compile_inner: Callable[..., Any], graph: fx.GraphModule, inputs: Sequence[Any], kwargs: dict) -> Callable[[], Any]:
+def _later(
+    compile_inner: Callable[..., Any], graph: fx.GraphModule, inputs: Sequence[Any], kwargs: dict, patches: dict[str, Any]
+) -> Callable[[], Any]:
     """Compile ``graph`` on first use, in the tracing and compile context of now.
 
     The local (``no_sync``) backward is compiled only if a step ever needs it, the way
@@ -207,7 +210,8 @@ def _later(compile_inner: Callable[..., Any], graph: fx.GraphModule, inputs: Seq
     saved_tracing, saved_compile = TracingContext.try_get(), CompileContext.try_get()
 
     def compile_now() -> Any:
-        with compile_lock, tracing(saved_tracing), compile_context(saved_compile), inductor_config.patch(INDUCTOR_PINNED_CONFIG):
+        pinned = {**patches, **INDUCTOR_PINNED_CONFIG}
+        with compile_lock, tracing(saved_tracing), compile_context(saved_compile), inductor_config.patch(pinned):
             return compile_inner(graph, inputs, **kwargs)
 
     return compile_now

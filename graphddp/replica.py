@@ -1,0 +1,176 @@
+"""One rank's replica of a data-parallel model: the work around every forward call.
+
+DDP does three things at forward time that no compiled graph can do: it broadcasts buffers
+before the forward (``broadcast_buffers``), it starts averaging gradients that were
+accumulated locally under ``no_sync`` once a synchronising forward begins, and (in graphddp)
+a parameter that no compiled graph of this forward covers must not end up with an un-averaged
+gradient. :class:`Replica` holds that state and does that work, so that both forms graphddp
+comes in share it:
+
+* ``graphddp.compile(model)`` returns a module whose ``forward`` calls
+  :meth:`Replica.before_forward`, the compiled model, then :meth:`Replica.after_forward`;
+* ``torch.compile(model, backend=graphddp.backend(model))`` registers the same two calls as
+  the model's forward pre-hook and forward hook (which ``torch.compile(model)`` runs outside
+  Dynamo, around the compiled forward).
+
+Wrap-time work (parameter agreement, the initial broadcast) is :func:`prepare`.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from graphddp.agree import check_parameter_agreement
+from graphddp.dynamo_backend import GraphDDPBackend, GraphRecord
+from graphddp.capture import names_by_identity
+from graphddp.config import DDPConfig
+from graphddp.schedule import Schedule
+from graphddp.sync import PendingAverage, average_async, broadcast_tensors
+
+
+def _check_devices(module: nn.Module) -> torch.device | None:
+    """The one device of the module's parameters and buffers (None when it has none)."""
+    devices: dict[torch.device, str] = {}
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        devices.setdefault(t.device, name)
+    if len(devices) > 1:
+        spread = ", ".join(f"{name!r} on {dev}" for dev, name in devices.items())
+        raise ValueError(
+            "graphddp: module parameters and buffers must live on one device "
+            f"(data parallelism replicates the whole module per rank); found {spread}"
+        )
+    return next(iter(devices), None)
+
+
+def resolve_group(where: str, module: Any, process_group: Any, options: dict[str, Any]) -> Any:
+    """``process_group`` or WORLD, after checking what needs no process group: the module's
+    type and the options a config cannot hold."""
+    if callable(options.get("comm_hook")):
+        raise NotImplementedError(
+            "comm_hook: user-supplied hook functions are not supported yet; use 'fp16_compress' or 'bf16_compress'"
+        )
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{where}: module must be a torch.nn.Module, got {type(module).__name__}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"{where}: torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group(...) first (e.g. under torchrun)"
+        )
+    return process_group if process_group is not None else dist.group.WORLD
+
+
+def prepare(where: str, module: nn.Module, group: Any, config: DDPConfig) -> None:
+    """Wrap-time checks and broadcast, as DDP's constructor does them.
+
+    Parameters are broadcast from the group's first rank; buffers too, but only with
+    ``broadcast_buffers`` (torch >= 2.13's DDP: ``init_sync_buffers`` follows it), since
+    otherwise DDP leaves them rank-local.
+    """
+    device = _check_devices(module)
+    config.check_inductor_settings(where, device)
+    check_parameter_agreement(module, group)
+    if dist.get_world_size(group) > 1:
+        buffers = list(module.buffers()) if config.broadcast_buffers else []
+        broadcast_tensors(list(module.parameters()) + buffers, group)
+
+
+class Replica:
+    """The data-parallel state of one model on this rank (see the module docstring)."""
+
+    def __init__(self, module: nn.Module, group: Any, config: DDPConfig) -> None:
+        self.module = module
+        self.group = group
+        self.config = config
+        self._records: list[GraphRecord] = []
+        self._sync = True  # cleared inside no_sync(); read by every compiled graph at each forward
+        self.backend = GraphDDPBackend(
+            config, names_by_identity(module.named_parameters()), self._records.append, group,
+            sync_enabled=lambda: self._sync,
+        )
+        self._guard_handles: dict[str, Any] = {}
+        self._sync_buffers_next = True  # DDP: buffers sync before a forward that follows a synced one
+        self._grads_accumulated_locally = False
+        self._pending: PendingAverage | None = None
+        self._syncing = True
+
+    @property
+    def world_size(self) -> int:
+        return self.backend.world_size
+
+    @property
+    def records(self) -> list[GraphRecord]:
+        return list(self._records)
+
+    @property
+    def schedules(self) -> list[Schedule]:
+        return [r.schedule for r in self._records]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        previous = self._sync
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def before_forward(self) -> None:
+        """Broadcast buffers; start averaging gradients accumulated under ``no_sync``."""
+        distributed = self.world_size > 1
+        if distributed and self.config.broadcast_buffers and self._sync_buffers_next:
+            buffers = list(self.module.buffers())
+            if buffers:
+                broadcast_tensors(buffers, self.group)
+        self._syncing = self._sync and torch.is_grad_enabled()
+        if distributed and self._syncing and self._grads_accumulated_locally:
+            trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+            self._pending = average_async(trainable, self.group)  # hidden behind the forward
+        self.backend.ran_params.clear()
+
+    def after_forward(self) -> None:
+        """Finish the average; guard parameters no compiled graph of this forward covered."""
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+            self._grads_accumulated_locally = False
+        if torch.is_grad_enabled():
+            self._guard_uncovered_parameters(self._syncing)
+            if not self._sync:
+                self._grads_accumulated_locally = True
+        self._sync_buffers_next = self._syncing
+
+    def _guard_uncovered_parameters(self, syncing: bool) -> None:
+        """Fail loudly if a gradient is produced outside the compiled graphs that ran.
+
+        A parameter that no compiled graph of this forward covers (used in eager code between
+        graph breaks, or a frame Dynamo ran eagerly after hitting its recompile limit) would
+        get a gradient nobody averages. Such parameters get a hook that raises at backward
+        time, instead of a silently wrong gradient. Unused parameters get no gradient, so
+        their hook never fires. No hooks in the steady state, where every graph ran.
+        """
+        covered = self.backend.ran_params
+        for name, handle in list(self._guard_handles.items()):
+            if name in covered or not syncing:
+                handle.remove()
+                del self._guard_handles[name]
+        if self.world_size == 1 or not syncing:
+            return
+        for name, p in self.module.named_parameters():
+            if p.requires_grad and name not in covered and name not in self._guard_handles:
+                self._guard_handles[name] = p.register_post_accumulate_grad_hook(_uncovered_error(name))
+
+
+def _uncovered_error(name: str) -> Callable[[torch.Tensor], None]:
+    def hook(_param: torch.Tensor) -> None:
+        raise RuntimeError(
+            f"graphddp: parameter {name!r} received a gradient outside graphddp's compiled "
+            "graphs (used in eager code between graph breaks, or Dynamo ran the frame eagerly, "
+            "e.g. after torch._dynamo.config.recompile_limit was hit), so it would not be "
+            "averaged across ranks. Move its use inside the compiled region or raise the limit."
+        )
+
+    return hook
