@@ -139,6 +139,11 @@ def compile(module: nn.Module, *, process_group: Any = None, **options: Any) -> 
     ``verify`` runs the graph checker after every rewrite (cheap; on by default).
     ``comm_hook``: ``"fp16_compress"`` or ``"bf16_compress"`` sends buckets in half precision
     (DDP's compression hooks, run inside the graph); the schedule shows the bytes on the wire.
+    ``mode`` and ``options`` are torch.compile's, for inductor; graphddp's own inductor
+    settings stay on top of them (``config.INDUCTOR_PINNED_CONFIG``).
+
+    Compiling the result again (``torch.compile(gd)``, ``gd.compile()``) runs it as it is; for
+    a pipeline that owns its torch.compile call, see :func:`graphddp.backend`.
     """
     group = resolve_group("graphddp.compile", module, process_group, options)
     config = DDPConfig.from_options("graphddp.compile", options)

@@ -118,6 +118,10 @@ def _train_form(rank: int, form: Form) -> None:
     base = _gpt2()
     ref = DDP(copy.deepcopy(base))
     mine = copy.deepcopy(base)
+    if rank == 1:  # every form must broadcast rank 0's parameters when it wraps, as DDP does
+        with torch.no_grad():
+            for p in mine.parameters():
+                p.add_(0.01)
     model, no_sync, schedules = form(mine)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, mine)]
     for step in range(2):
