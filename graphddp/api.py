@@ -1,21 +1,17 @@
 """``graphddp.compile``: the user entry point and the module it returns."""
 from __future__ import annotations
 
-import contextlib
 import inspect
-import logging
 import warnings
 from typing import Any, Iterator, Mapping
 
 import torch
 import torch.nn as nn
 
-from graphddp.dynamo_backend import GraphDDPBackend, GraphRecord
+from graphddp.dynamo_backend import GraphDDPBackend
 from graphddp.config import DDPConfig
-from graphddp.replica import Replica, prepare, resolve_group
-from graphddp.schedule import Schedule
+from graphddp.replica import Replica, ReplicaView, prepare, resolve_group
 
-log = logging.getLogger("graphddp")
 
 # Each wrapper counts its own recompiles (torch >= 2.13): by default every torch.compile of the
 # same code shares one recompile limit, so earlier compiles of the model's class (explain's,
@@ -30,12 +26,13 @@ _OUTER_COMPILE = (
 )
 
 
-class GraphDDP(nn.Module):
+class GraphDDP(ReplicaView, nn.Module):
     """A data-parallel module whose backward graphs carry their own gradient all-reduces.
 
     It shares parameters with ``self.module`` (the module it wraps); ``state_dict()`` and
     ``load_state_dict()`` use the wrapped module's keys, so checkpoints move freely between
-    a plain model and a graphddp one.
+    a plain model and a graphddp one. ``schedules``, ``records``, ``world_size`` and
+    ``no_sync()`` come from :class:`~graphddp.replica.ReplicaView`.
     """
 
     def __init__(self, module: nn.Module, process_group: Any, config: DDPConfig) -> None:
@@ -51,40 +48,11 @@ class GraphDDP(nn.Module):
             )
         )
 
-    # -- inspection -------------------------------------------------------------------------
-    @property
-    def world_size(self) -> int:
-        """The size of ``process_group``: a fact of the job, read once by the backend."""
-        return self._replica.world_size
-
-    @property
-    def schedules(self) -> list[Schedule]:
-        """One Schedule per compiled backward graph, in compile order (after the first backward)."""
-        return self._replica.schedules
-
-    @property
-    def records(self) -> list[GraphRecord]:
-        """Schedules with the rewritten graphs and, under inductor, the generated code."""
-        return self._replica.records
-
     @property
     def _backend(self) -> GraphDDPBackend:
         return self._replica.backend
 
     # -- execution ----------------------------------------------------------------------------
-    def no_sync(self) -> contextlib.AbstractContextManager[None]:
-        """Backward passes inside accumulate gradients locally, with no communication.
-
-        As in DDP, what counts is where the *forward* runs: the backward of a forward run
-        inside uses each compiled graph's communication-free backward, whatever the frame
-        structure (graph breaks included; see :mod:`graphddp.variants`). The next
-        synchronised backward yields DDP's result: the average over ranks of everything
-        accumulated. The locally accumulated gradients are averaged by one async all-reduce
-        launched when that synchronised forward starts and waited when it ends, so it hides
-        behind the forward; the new gradients are reduced in the backward graph as usual.
-        """
-        return self._replica.no_sync()
-
     @torch._dynamo.disable(reason=_OUTER_COMPILE)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._replica.before_forward()

@@ -27,16 +27,14 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from graphddp.dynamo_backend import GraphRecord
 from graphddp.config import DDPConfig
-from graphddp.replica import Replica, prepare, resolve_group
-from graphddp.schedule import Schedule
+from graphddp.replica import Replica, ReplicaView, prepare, resolve_group
 
 NAME = "graphddp"  # the registered backend name
 _LIVE: list[weakref.ref] = []  # every GraphDDPCompileBackend made, for the name to find
 
 
-class GraphDDPCompileBackend:
+class GraphDDPCompileBackend(ReplicaView):
     """A torch.compile backend bound to one model: ``torch.compile(model, backend=this)``.
 
     Made by :func:`backend`. Holds the model's :class:`~graphddp.replica.Replica`, so the same
@@ -78,22 +76,6 @@ class GraphDDPCompileBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **compile_kwargs: Any) -> Callable[..., Any]:
         return self._replica.backend(gm, example_inputs, **compile_kwargs)
-
-    def no_sync(self) -> Any:
-        """Backward passes of forwards run inside accumulate gradients locally (DDP's no_sync)."""
-        return self._replica.no_sync()
-
-    @property
-    def schedules(self) -> list[Schedule]:
-        return self._replica.schedules
-
-    @property
-    def records(self) -> list[GraphRecord]:
-        return self._replica.records
-
-    @property
-    def world_size(self) -> int:
-        return self._replica.world_size
 
     @property
     def attached(self) -> bool:

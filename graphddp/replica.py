@@ -164,6 +164,41 @@ class Replica:
                 self._guard_handles[name] = p.register_post_accumulate_grad_hook(_uncovered_error(name))
 
 
+class ReplicaView:
+    """What both forms show of their :class:`Replica` (``self._replica``): the plans, the
+    rewritten graphs, the world size, and DDP's ``no_sync``."""
+
+    _replica: Replica
+
+    @property
+    def world_size(self) -> int:
+        """The size of the process group: a fact of the job, read once by the backend."""
+        return self._replica.world_size
+
+    @property
+    def schedules(self) -> list[Schedule]:
+        """One Schedule per compiled backward graph, in compile order (after the first backward)."""
+        return self._replica.schedules
+
+    @property
+    def records(self) -> list[GraphRecord]:
+        """Schedules with the rewritten graphs and, under inductor, the generated code."""
+        return self._replica.records
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Backward passes inside accumulate gradients locally, with no communication.
+
+        As in DDP, what counts is where the *forward* runs: the backward of a forward run
+        inside uses each compiled graph's communication-free backward, whatever the frame
+        structure (graph breaks included; see :mod:`graphddp.variants`). The next
+        synchronised backward yields DDP's result: the average over ranks of everything
+        accumulated. The locally accumulated gradients are averaged by one async all-reduce
+        launched when that synchronised forward starts and waited when it ends, so it hides
+        behind the forward; the new gradients are reduced in the backward graph as usual.
+        """
+        return self._replica.no_sync()
+
+
 def _uncovered_error(name: str) -> Callable[[torch.Tensor], None]:
     def hook(_param: torch.Tensor) -> None:
         raise RuntimeError(
