@@ -70,6 +70,18 @@ def _normalise_inductor_options(value: Any) -> tuple[tuple[str, Any], ...] | Non
     return tuple(sorted(pairs)) or None
 
 
+def _check_inductor_request(backend: str, mode: str | None, options: dict[str, Any]) -> None:
+    """``mode`` is one of torch.compile's, and ``mode``/``options`` come with inductor only:
+    checked for the config's own and for those a torch.compile call passes."""
+    if mode is not None and mode not in INDUCTOR_MODES:
+        raise ValueError(f"mode must be None or one of {INDUCTOR_MODES}, got {mode!r}")
+    if (mode is not None or options) and backend != "inductor":
+        raise ValueError(
+            f"mode and options configure inductor; backend={backend!r} does not use them "
+            f"(got mode={mode!r}, options={options})"
+        )
+
+
 def _option(default: Any, help: str) -> Any:  # noqa: A002 - argparse's word
     """A field of DDPConfig with the help text the CLI shows."""
     return dataclasses.field(default=default, metadata={"help": help})
@@ -148,33 +160,12 @@ class DDPConfig:
         if self.comm_hook is not None and self.comm_hook not in COMM_HOOKS:
             raise ValueError(f"comm_hook must be None or one of {sorted(COMM_HOOKS)}, got {self.comm_hook!r}")
         object.__setattr__(self, "options", _normalise_inductor_options(self.options))
-        if self.mode is not None and self.mode not in INDUCTOR_MODES:
-            raise ValueError(f"mode must be None or one of {INDUCTOR_MODES}, got {self.mode!r}")
-        if (self.mode is not None or self.options) and self.backend != "inductor":
-            raise ValueError(
-                f"mode and options configure inductor; backend={self.backend!r} does not use them "
-                f"(got mode={self.mode!r}, options={self.inductor_options})"
-            )
+        _check_inductor_request(self.backend, self.mode, self.inductor_options)
 
     @property
     def inductor_options(self) -> dict[str, Any]:
         """``options`` as the dict the user passed (empty when not given)."""
         return dict(self.options or ())
-
-    def inductor_patches(self, mode: str | None = None, options: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Inductor config for ``mode`` then ``options`` (these, or the config's own).
-
-        ``mode``/``options`` come from a ``torch.compile(model, backend=...)`` call when the
-        pipeline owns it; otherwise from this config. graphddp's pinned settings go on top of
-        these at compile time (INDUCTOR_PINNED_CONFIG), never under them.
-        """
-        from torch._inductor import list_mode_options
-
-        mode = self.mode if mode is None else mode
-        options = self.inductor_options if options is None else dict(options)
-        if mode is not None and mode not in INDUCTOR_MODES:
-            raise ValueError(f"mode must be None or one of {INDUCTOR_MODES}, got {mode!r}")
-        return {**list_mode_options(mode or "default"), **options}
 
     def check_inductor_settings(self, where: str, device: Any, mode: str | None = None,
                                 options: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -187,11 +178,17 @@ class DDPConfig:
           model: the backward graph's collectives and the in-band check between them are not
           captured or replayed safely; on CPU inductor does not use CUDA graphs, so they are
           harmless there.
-        """
-        from torch._inductor import list_options
 
-        patches = self.inductor_patches(mode, options)
+        ``mode``/``options`` come from a ``torch.compile(model, backend=...)`` call when the
+        pipeline owns it; otherwise this config's apply. The result is ``mode``'s settings, then
+        ``options``; graphddp's pinned settings go on top of these at compile time, never under.
+        """
+        from torch._inductor import list_mode_options, list_options
+
+        mode = self.mode if mode is None else mode
         given = self.inductor_options if options is None else dict(options)
+        _check_inductor_request(self.backend, mode, given)
+        patches = {**list_mode_options(mode or "default"), **given}
         pinned = sorted(set(given) & set(INDUCTOR_PINNED_CONFIG))
         if pinned:
             raise ValueError(
@@ -202,7 +199,7 @@ class DDPConfig:
         if unknown:
             raise ValueError(f"{where}: options {unknown} are not inductor config settings (torch._inductor.list_options())")
         if getattr(device, "type", None) == "cuda" and patches.get("triton.cudagraphs"):
-            why = f"mode={mode or self.mode!r}" if not given.get("triton.cudagraphs") else "options['triton.cudagraphs']"
+            why = f"mode={mode!r}" if not given.get("triton.cudagraphs") else "options['triton.cudagraphs']"
             raise ValueError(
                 f"{where}: {why} turns on CUDA graphs, which graphddp does not support: its backward "
                 "graphs carry collectives and an in-band check that CUDA graph replay would not run "

@@ -19,21 +19,23 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 
-def _entry(
-    rank: int, fn: Callable[..., Any], world_size: int, store_path: str, args: tuple, errors: Any, pg_timeout: float
-) -> None:
+def _init_rank(rank: int, world_size: int, store_path: str, pg_timeout: float) -> None:
+    """One spawned rank: one thread, a gloo group over a file store, faulthandler on."""
     # A rank that dies in C++ (abort, segfault) reports no Python traceback; faulthandler
     # prints where each thread was, so a crash in CI says more than an exit code.
     faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=pg_timeout),
+    )
+
+
+def _entry(
+    rank: int, fn: Callable[..., Any], world_size: int, store_path: str, args: tuple, errors: Any, pg_timeout: float
+) -> None:
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{store_path}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=pg_timeout),
-        )
+        _init_rank(rank, world_size, store_path, pg_timeout)
         try:
             fn(rank, world_size, *args)
             dist.barrier()  # leave together: no rank tears gloo down under a peer still using it
@@ -138,12 +140,7 @@ def _pool() -> "RankPool":
 
 
 def _pool_entry(rank: int, world_size: int, store_path: str, tasks: Any, results: Any) -> None:
-    faulthandler.enable(all_threads=True)
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
-        timeout=datetime.timedelta(seconds=RankPool.PG_TIMEOUT),
-    )
+    _init_rank(rank, world_size, store_path, RankPool.PG_TIMEOUT)
     while (task := tasks.get()) is not None:
         task_id, fn, args = task
         error = None
