@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from graphddp.dynamo_backend import GraphDDPBackend
 from graphddp.config import DDPConfig
+from graphddp.optim import AttachedOptimizer
 from graphddp.replica import Replica, ReplicaView, prepare, resolve_group
 
 
@@ -35,12 +36,12 @@ class GraphDDP(ReplicaView, nn.Module):
     ``no_sync()`` come from :class:`~graphddp.replica.ReplicaView`.
     """
 
-    def __init__(self, module: nn.Module, process_group: Any, config: DDPConfig) -> None:
+    def __init__(self, module: nn.Module, process_group: Any, config: DDPConfig, optimizer: AttachedOptimizer | None = None) -> None:
         super().__init__()
         self.module = module
         self.config = config
         self.process_group = process_group
-        self._replica = Replica(module, process_group, config)
+        self._replica = Replica(module, process_group, config, optimizer)
         # Stored outside the module registry so parameters are not listed twice.
         object.__setattr__(
             self, "_compiled", torch.compile(
@@ -81,7 +82,7 @@ class GraphDDP(ReplicaView, nn.Module):
         return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
 
-def compile(module: nn.Module, *, process_group: Any = None, **options: Any) -> GraphDDP:  # noqa: A001 - mirrors torch.compile
+def compile(module: nn.Module, *, process_group: Any = None, optimizer: Any = None, **options: Any) -> GraphDDP:  # noqa: A001 - mirrors torch.compile
     """Compile ``module`` for data-parallel training with all-reduces inside its backward graph.
 
     ``options`` are :class:`~graphddp.config.DDPConfig`'s fields (the one definition that
@@ -110,10 +111,21 @@ def compile(module: nn.Module, *, process_group: Any = None, **options: Any) -> 
     ``mode`` and ``options`` are torch.compile's, for inductor; graphddp's own inductor
     settings stay on top of them (``config.INDUCTOR_PINNED_CONFIG``).
 
+    ``optimizer``: a ``torch.optim.SGD``, ``Adam`` or ``AdamW`` over the module's parameters.
+    Its update is compiled into the backward, each bucket's parameters right after that
+    bucket's wait: after a synchronising ``backward()`` the parameters are updated and every
+    ``p.grad`` is None; ``optimizer.step()``/``zero_grad()`` become no-ops, hyperparameters
+    are read from ``param_groups`` every step, state stays in ``optimizer.state``. Gradient
+    clipping and ``GradScaler`` need the gradients after the backward: do not attach the
+    optimizer for them (``max_grad_norm`` is refused). See :mod:`graphddp.optim`.
+
     Compiling the result again (``torch.compile(gd)``, ``gd.compile()``) runs it as it is; for
     a pipeline that owns its torch.compile call, see :func:`graphddp.backend`.
     """
     group = resolve_group("graphddp.compile", module, process_group, options)
     config = DDPConfig.from_options("graphddp.compile", options)
+    attached = AttachedOptimizer(optimizer, module, "graphddp.compile") if optimizer is not None else None
     prepare("graphddp.compile", module, group, config)
-    return GraphDDP(module, group, config)
+    if attached is not None:
+        attached.attach()
+    return GraphDDP(module, group, config, attached)

@@ -15,6 +15,10 @@ capture -> plan -> insert_allreduce -> verify before the inner compiler sees it:
 * ``aot_eager``: the rewritten graphs run as plain FX code (fast to compile, for tests).
 * ``eager``: the rewritten graphs run node by node through :class:`torch.fx.Interpreter`
   (slowest; for stepping through with a debugger).
+
+With an optimizer attached (``graphddp.compile(..., optimizer=)``) the rewrite goes on:
+with_updates -> insert_update -> verify_updates (:mod:`graphddp.optim`); the graph without
+the update is kept as the variant for steps the graph cannot update alone.
 """
 from __future__ import annotations
 
@@ -31,13 +35,16 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
 from graphddp.capture import extract_facts, parameter_of_inputs
-from graphddp.comm import group_name_of
+from graphddp.comm import ROLE_KEY, group_name_of
 from graphddp.config import INDUCTOR_PINNED_CONFIG, DDPConfig
-from graphddp.passes import insert_allreduce
-from graphddp.planner import plan
+from graphddp.optim import AttachedOptimizer
+from graphddp.passes import insert_allreduce, insert_update
+from graphddp.passes.insert_update import ALIAS_OF, UPDATE_INPUT, UpdateInputs
+from graphddp.planner import plan, with_updates
 from graphddp.schedule import Schedule
-from graphddp.variants import BackwardDispatch, GraphState, compiled_backward_node
+from graphddp.variants import BackwardDispatch, GraphState, InGraphUpdate, compiled_backward_node
 from graphddp.verify import verify
+from graphddp.verify_update import verify_updates
 
 log = logging.getLogger("graphddp")
 
@@ -48,6 +55,13 @@ class GraphRecord:
     schedule: Schedule
     graph: fx.GraphModule
     generated_code: str | None = None
+    # With an optimizer: the graph before insert_update (all-reduces only), for the steps
+    # the graph cannot update alone.
+    without_update: fx.GraphModule | None = None
+
+    def update_inputs(self) -> list[Any]:
+        """Fake values of the inputs insert_update appended (empty without an update)."""
+        return [n.meta["val"] for n in self.graph.graph.nodes if n.op == "placeholder" and n.meta.get(ROLE_KEY) == UPDATE_INPUT]
 
 
 class GraphDDPBackend:
@@ -65,6 +79,7 @@ class GraphDDPBackend:
         on_record: Callable[[GraphRecord], None],
         group: Any,
         sync_enabled: Callable[[], bool] = lambda: True,
+        optimizer: AttachedOptimizer | None = None,
     ) -> None:
         self.config = config
         self.group = group
@@ -80,6 +95,8 @@ class GraphDDPBackend:
         # Parameters of the compiled graphs that actually ran since the wrapper last cleared it:
         # a parameter missing here got its gradient (if any) from eager code.
         self.ran_params: set[str] = set()
+        self.optimizer = optimizer
+        self.param_sets: list[frozenset[str]] = []  # per compiled graph: its parameters
 
     def __call__(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None, options: dict | None = None
@@ -92,6 +109,7 @@ class GraphDDPBackend:
         self.graphs_compiled += 1
         state = GraphState()
         self.states.append(state)
+        self.param_sets.append(frozenset(param_inputs.values()))
         compiled = self._compile(gm, example_inputs, param_inputs, state, patches)
         return self._runtime(compiled, frozenset(param_inputs.values()), state)
 
@@ -101,6 +119,8 @@ class GraphDDPBackend:
         def run(*args: Any) -> Any:
             self.ran_params.update(names)
             local = not self.sync_enabled()
+            if self.optimizer is not None and not local and torch.is_grad_enabled():
+                state.forwards += 1
             inputs = list(args[0]) if boxed and local else args
             out = compiled(*args)
             if local:
@@ -117,44 +137,115 @@ class GraphDDPBackend:
         inductor_patches: dict[str, Any],
     ) -> Callable[..., Any]:
         graph_index = next(self._graph_counter)
+        fw_values: dict[str, Any] = {}  # parameter -> its value in the forward graph (fake)
 
-        def dispatch(synced: Callable[..., Any], record: GraphRecord, compile_plain: Callable[[], Any]) -> BackwardDispatch:
+        def record_forward(fw: fx.GraphModule) -> None:
+            placeholders = [n for n in fw.graph.nodes if n.op == "placeholder"]
+            for i, name in param_inputs.items():
+                if i < len(placeholders):
+                    fw_values[name] = placeholders[i].meta.get("val")
+
+        def dispatch(
+            synced: Callable[..., Any], record: GraphRecord, compile_plain: Callable[[], Any], compile_grads: Callable[[], Any]
+        ) -> BackwardDispatch:
             self.on_record(record)
-            return BackwardDispatch(state, synced, compile_plain, record.schedule, self.group)
+            update = self._in_graph_update(record, state, compile_grads)
+            return BackwardDispatch(state, synced, compile_plain, record.schedule, self.group, update)
 
-        rewrite = lambda bw: self.rewrite_backward(bw, param_inputs, graph_index)  # noqa: E731
+        rewrite = lambda bw: self.rewrite_backward(bw, param_inputs, graph_index, fw_values)  # noqa: E731
         if self.config.backend == "inductor":
-            return _compile_inductor(gm, example_inputs, rewrite, dispatch, inductor_patches)
+            return _compile_inductor(gm, example_inputs, record_forward, rewrite, dispatch, inductor_patches)
         run = _interpret if self.config.backend == "eager" else _as_is
 
         def bw_compiler(bw: fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., Any]:
             plain = copy.deepcopy(bw)
             record = rewrite(bw)
-            return dispatch(make_boxed_func(run(record.graph)), record, lambda: make_boxed_func(run(plain)))
+            grads = record.without_update
+            return dispatch(
+                make_boxed_func(run(record.graph)), record, lambda: make_boxed_func(run(plain)),
+                lambda: make_boxed_func(run(grads)),
+            )
 
-        fw_compiler = lambda fw, _inputs: make_boxed_func(run(fw))  # noqa: E731
+        def fw_compiler(fw: fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., Any]:
+            record_forward(fw)
+            return make_boxed_func(run(fw))
+
         return aot_autograd(
             fw_compiler=fw_compiler, bw_compiler=bw_compiler, keep_inference_input_mutations=True
         )(gm, example_inputs)
 
+    def _in_graph_update(self, record: GraphRecord, state: GraphState, compile_grads: Callable[[], Any]) -> InGraphUpdate | None:
+        optimizer = self.optimizer
+        names = tuple(n for b in record.schedule.buckets for n in b.updates)
+        if optimizer is None or not names:
+            return None
+        wanted = frozenset(names)
+
+        def allowed() -> bool:
+            """The graph's update is the whole step for its parameters: its forward ran once
+            since the last step, no other graph run since holds one of them (tied across a
+            graph break), and none holds a gradient already (accumulated under no_sync)."""
+            if state.forwards != 1:
+                return False
+            for params, other in zip(self.param_sets, self.states):
+                if other is not state and other.forwards and params & wanted:
+                    return False
+            return all(optimizer.params[n].grad is None for n in names)
+
+        placeholders = [n for n in record.graph.graph.nodes if n.op == "placeholder"]
+        aliases = tuple((i, ph.meta[ALIAS_OF]) for i, ph in enumerate(placeholders) if ALIAS_OF in ph.meta)
+        groups = tuple(sorted({optimizer.group_of[n] for n in names}))
+        return InGraphUpdate(optimizer, names, groups, allowed, compile_grads, aliases, self._end_of_step)
+
+    def _end_of_step(self) -> None:
+        for state in self.states:
+            state.forwards = 0
+
     def rewrite_backward(
-        self, gm: fx.GraphModule, param_inputs: Mapping[int, str], graph_index: int
+        self, gm: fx.GraphModule, param_inputs: Mapping[int, str], graph_index: int,
+        fw_values: Mapping[str, Any] | None = None,
     ) -> GraphRecord:
-        """capture -> plan -> rewrite -> verify for one backward graph. Talks to no rank."""
+        """capture -> plan -> rewrite -> verify for one backward graph. Talks to no rank.
+
+        With an optimizer attached and the forward values of the parameters (``fw_values``),
+        then with_updates -> insert_update -> verify_updates.
+        """
         facts = extract_facts(gm, param_inputs)
         graded = {s.output_index for s in facts.slots}
         unreduced = tuple(name for i, name in sorted(param_inputs.items()) if i not in graded)
         schedule = plan(
             facts, self.config, world_size=self.world_size, group_name=self.group_name, graph_index=graph_index, unreduced=unreduced
         )
-        log.info("graphddp plan for backward graph %d (fingerprint %s):\n%s", graph_index, schedule.fingerprint(), schedule.to_table())
         log.debug("backward graph %d before insert_allreduce:\n%s", graph_index, gm.code)
         if self.world_size > 1:
             insert_allreduce(gm, schedule)
             log.debug("backward graph %d after insert_allreduce:\n%s", graph_index, gm.code)
             if self.config.verify:
                 verify(gm, schedule, {s.output_index: s.param_name for s in facts.slots})
-        return GraphRecord(schedule=schedule, graph=gm)
+        without_update = None
+        # A parameter another graph also reads (tied across a graph break) gets part of its
+        # gradient there: it keeps the gradient route, and torch's step after the backward.
+        elsewhere = {n for i, names in enumerate(self.param_sets) if i != graph_index for n in names}
+        updatable = [
+            n for n in schedule.param_names
+            if self.optimizer and self.optimizer.rule(n) and fw_values and n in fw_values and n not in elsewhere
+        ]
+        if updatable:
+            assert self.optimizer is not None and fw_values is not None
+            without_update = copy.deepcopy(gm)
+            schedule = with_updates(schedule, updatable, str(self.optimizer))
+            optimizer = self.optimizer
+            inputs = UpdateInputs(
+                rules={n: optimizer.rules[optimizer.group_of[n]] for n in updatable},
+                groups={n: optimizer.group_of[n] for n in updatable},
+                values={n: fw_values[n] for n in updatable},
+            )
+            insert_update(gm, schedule, inputs)
+            log.debug("backward graph %d after insert_update:\n%s", graph_index, gm.code)
+            if self.config.verify:
+                verify_updates(gm, schedule)
+        log.info("graphddp plan for backward graph %d (fingerprint %s):\n%s", graph_index, schedule.fingerprint(), schedule.to_table())
+        return GraphRecord(schedule=schedule, graph=gm, without_update=without_update)
 
 
 def _as_is(gm: fx.GraphModule) -> Callable[..., Any]:
@@ -168,6 +259,7 @@ def _interpret(gm: fx.GraphModule) -> Callable[..., Any]:
 def _compile_inductor(
     gm: fx.GraphModule,
     example_inputs: Sequence[Any],
+    record_forward: Callable[[fx.GraphModule], None],
     rewrite: Callable[[fx.GraphModule], GraphRecord],
     dispatch: Callable[..., BackwardDispatch],
     patches: dict[str, Any],
@@ -181,12 +273,14 @@ def _compile_inductor(
     def inner_compile(graph: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
         with inductor_config.patch(INDUCTOR_PINNED_CONFIG):
             if not kwargs.get("is_backward", False):
+                record_forward(graph)
                 return compile_fx_inner(graph, inputs, **kwargs)
             plain = copy.deepcopy(graph)
             record = rewrite(graph)
-            compiled = compile_fx_inner(record.graph, inputs, **kwargs)
+            compiled = compile_fx_inner(record.graph, list(inputs) + record.update_inputs(), **kwargs)
         record.generated_code = getattr(compiled, "source_code", None)
-        return dispatch(compiled, record, _later(compile_fx_inner, plain, inputs, kwargs, patches))
+        grads = _later(compile_fx_inner, record.without_update, inputs, kwargs, patches) if record.without_update else None
+        return dispatch(compiled, record, _later(compile_fx_inner, plain, inputs, kwargs, patches), grads)
 
     with functorch_config.patch(enable_autograd_cache=False), inductor_config.patch(patches):
         return compile_fx(gm, example_inputs, inner_compile=inner_compile)

@@ -24,6 +24,9 @@ rebuilds buckets in gradient-ready order, applied to the static production order
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Collection
+
 from graphddp.config import DDPConfig
 from graphddp.schedule import Bucket, GradSlot, GraphFacts, Schedule
 
@@ -132,3 +135,15 @@ def plan(
         unreduced=unreduced,
         nodes=facts.nodes,
     )
+
+
+def with_updates(schedule: Schedule, updatable: Collection[str], optimizer: str) -> Schedule:
+    """``schedule`` with every bucket updating its ``updatable`` parameters right after its
+    wait (``Bucket.updates``, in slot order), and ``optimizer`` recorded. Pure, like ``plan``:
+    which parameters may be updated in the graph is the caller's fact (the optimizer holds
+    them); where each update runs follows from the buckets.
+    """
+    buckets = tuple(
+        dataclasses.replace(b, updates=tuple(n for n in b.param_names if n in updatable)) for b in schedule.buckets
+    )
+    return dataclasses.replace(schedule, buckets=buckets, optimizer=optimizer)

@@ -28,6 +28,7 @@ from graphddp.agree import check_parameter_agreement
 from graphddp.dynamo_backend import GraphDDPBackend, GraphRecord
 from graphddp.capture import names_by_identity
 from graphddp.config import DDPConfig
+from graphddp.optim import AttachedOptimizer
 from graphddp.schedule import Schedule
 from graphddp.sync import PendingAverage, average_async, broadcast_tensors
 
@@ -49,6 +50,12 @@ def _check_devices(module: nn.Module) -> torch.device | None:
 def resolve_group(where: str, module: Any, process_group: Any, options: dict[str, Any]) -> Any:
     """``process_group`` or WORLD, after checking what needs no process group: the module's
     type and the options a config cannot hold."""
+    if "max_grad_norm" in options:
+        raise ValueError(
+            "max_grad_norm: clipping by global norm needs every bucket's average before any update, "
+            "which is what the in-graph optimizer gives up; compile without optimizer= and clip as usual "
+            "(torch.nn.utils.clip_grad_norm_ between backward() and optimizer.step())"
+        )
     if callable(options.get("comm_hook")):
         raise NotImplementedError(
             "comm_hook: user-supplied hook functions are not supported yet; use 'fp16_compress' or 'bf16_compress'"
@@ -81,15 +88,16 @@ def prepare(where: str, module: nn.Module, group: Any, config: DDPConfig) -> Non
 class Replica:
     """The data-parallel state of one model on this rank (see the module docstring)."""
 
-    def __init__(self, module: nn.Module, group: Any, config: DDPConfig) -> None:
+    def __init__(self, module: nn.Module, group: Any, config: DDPConfig, optimizer: AttachedOptimizer | None = None) -> None:
         self.module = module
+        self.optimizer = optimizer
         self.group = group
         self.config = config
         self._records: list[GraphRecord] = []
         self._sync = True  # cleared inside no_sync(); read by every compiled graph at each forward
         self.backend = GraphDDPBackend(
             config, names_by_identity(module.named_parameters()), self._records.append, group,
-            sync_enabled=lambda: self._sync,
+            sync_enabled=lambda: self._sync, optimizer=optimizer,
         )
         self._guard_handles: dict[str, Any] = {}
         self._sync_buffers_next = True  # DDP: buffers sync before a forward that follows a synced one

@@ -114,6 +114,9 @@ class Bucket:
     wait_before: str
     overlap: tuple[str, ...]
     comm_dtype: str | None = None  # set by a compression hook: the dtype on the wire
+    # Parameters whose optimizer update runs in the graph right after this bucket's wait
+    # (``graphddp.compile(..., optimizer=)``); their gradients are not returned.
+    updates: tuple[str, ...] = ()
 
     @property
     def param_names(self) -> tuple[str, ...]:
@@ -156,6 +159,7 @@ class Schedule:
     unreduced: tuple[str, ...] = ()  # parameters in this graph that get no gradient
     nodes: tuple[NodeFact, ...] = ()  # the backward graph, in order, with cost inputs
     last_bucket_cap_mb: float | None = None  # cap of the exposed tail bucket (None: off)
+    optimizer: str | None = None  # the update compiled after the waits (graphddp.optim), if any
 
     @property
     def num_buckets(self) -> int:
@@ -198,6 +202,7 @@ class Schedule:
             "bucket_cap_mb": self.bucket_cap_mb,
             "first_bucket_cap_mb": self.first_bucket_cap_mb,
             "last_bucket_cap_mb": self.last_bucket_cap_mb,
+            "optimizer": self.optimizer,
             "unreduced": list(self.unreduced),
             "nodes": [{**dataclasses.asdict(n), "inputs": list(n.inputs)} for n in self.nodes],
             "buckets": [
@@ -212,6 +217,7 @@ class Schedule:
                     "issue_after": b.issue_after,
                     "wait_before": b.wait_before,
                     "overlap": list(b.overlap),
+                    "updates": list(b.updates),
                     "slots": [dataclasses.asdict(s) for s in b.slots],
                 }
                 for b in self.buckets
@@ -235,6 +241,7 @@ class Schedule:
                 wait_before=b["wait_before"],
                 overlap=tuple(b["overlap"]),
                 comm_dtype=b.get("comm_dtype"),
+                updates=tuple(b.get("updates", ())),
             )
             for b in data["buckets"]
         )
@@ -245,6 +252,7 @@ class Schedule:
             bucket_cap_mb=data["bucket_cap_mb"],
             first_bucket_cap_mb=data["first_bucket_cap_mb"],
             last_bucket_cap_mb=data.get("last_bucket_cap_mb"),
+            optimizer=data.get("optimizer"),
             buckets=buckets,
             unreduced=tuple(data["unreduced"]),
             nodes=tuple(NodeFact(**{**n, "inputs": tuple(n["inputs"])}) for n in data.get("nodes", [])),
@@ -314,6 +322,12 @@ class Schedule:
                 f"{timeline.compute_seconds * 1e3:.3f} ms, communication {timeline.comm_seconds * 1e3:.3f} ms, "
                 f"step {timeline.step_seconds * 1e3:.3f} ms, exposed communication {timeline.exposed_seconds * 1e3:.3f} ms"
             )
+        if self.optimizer:
+            updated = sum(len(b.updates) for b in self.buckets)
+            lines.append(f"optimizer {self.optimizer}: {updated} of {len(self.param_names)} parameters updated in the graph, each right after its bucket's wait")
+            late = [n for b in self.buckets for n in b.param_names if n not in b.updates]
+            if late:
+                lines.append(f"updated after the backward instead (see graphddp.optim): {', '.join(late)}")
         if self.unreduced:
             lines.append(f"no gradient in this graph (not reduced): {', '.join(self.unreduced)}")
         return "\n".join(lines)

@@ -12,16 +12,26 @@ holding two compiled backwards: the rewritten one (bucketed all-reduces) and the
 ``no_sync`` registers a pre-hook on the autograd node of *that call*; the hook fires right
 before the node's backward and tells the dispatcher to run the plain variant once. A forward
 outside ``no_sync`` registers nothing: synchronising steps pay no hook.
+
+With an optimizer attached (:mod:`graphddp.optim`) the synchronising variant also updates
+the parameters after each bucket's wait. A step it cannot update alone (the backend's rule,
+:attr:`InGraphUpdate.allowed`) runs a third variant instead, the all-reduces without the
+update, compiled the first time it is needed; torch's step then runs at the end of the
+backward for the gradients it returned.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 
 from graphddp.agree import check_in_band, layout_hash
 from graphddp.failures import collective_failure
 from graphddp.schedule import Schedule
+
+if TYPE_CHECKING:
+    from graphddp.optim import AttachedOptimizer
 
 _COMPILED_BACKWARD = "CompiledFunctionBackward"
 
@@ -32,6 +42,9 @@ class GraphState:
     def __init__(self) -> None:
         self._local_next = False  # set by a pre-hook right before the node's backward runs
         self.plain_compiles = 0  # how often the communication-free backward was compiled
+        self.forwards = 0  # synchronising forwards since the last optimizer step (graphddp.optim)
+        self.steps_in_graph = 0  # synchronising backwards that updated inside the graph
+        self.steps_after = 0  # ... that left the update to torch's step after the backward
 
     def mark_local(self, _grad_outputs: Any = None) -> None:
         self._local_next = True
@@ -62,6 +75,32 @@ def compiled_backward_node(outputs: Iterable[Any], inputs: Iterable[Any]) -> Any
     return None
 
 
+@dataclasses.dataclass
+class InGraphUpdate:
+    """How one graph's synchronising variant runs the optimizer (module docstring)."""
+
+    attached: "AttachedOptimizer"
+    names: tuple[str, ...]  # parameters the graph updates, in its input order
+    groups: tuple[int, ...]  # their param groups, whose hyperparameters it reads
+    allowed: Callable[[], bool]  # may this step update inside the graph
+    compile_grads: Callable[[], Callable[[list[Any]], Any]]  # the variant without the update
+    aliases: tuple[tuple[int, str], ...]  # backward inputs that must share a parameter's memory
+    end_of_step: Callable[[], None]  # after torch's step at the end of the backward
+    grads: Callable[[list[Any]], Any] | None = None
+    aliases_checked: bool = False
+
+    def check_aliases(self, args: list[Any]) -> None:
+        """Once: the inputs the rewrite took for a parameter's memory really are it."""
+        for index, name in self.aliases:
+            param = self.attached.params[name]
+            if args[index].untyped_storage().data_ptr() != param.untyped_storage().data_ptr():
+                raise RuntimeError(
+                    f"graphddp: backward input {index} was traced as sharing the memory of {name!r} but does not; "
+                    "the in-graph update would miss it. Please report this with the model."
+                )
+        self.aliases_checked = True
+
+
 class BackwardDispatch:
     """The compiled backward AOTAutograd calls: the local or the synchronising variant.
 
@@ -77,6 +116,7 @@ class BackwardDispatch:
         compile_plain: Callable[[], Callable[[list[Any]], Any]],
         schedule: Schedule,
         group: Any,
+        update: InGraphUpdate | None = None,
     ) -> None:
         # Called with one list of arguments, which the callee may free. An instance attribute:
         # wrappers (torch._dynamo.disable) copy __dict__, not class attributes.
@@ -87,6 +127,7 @@ class BackwardDispatch:
         self._plain: Callable[[list[Any]], Any] | None = None
         self.schedule = schedule
         self.group = group
+        self.update = update
         self._what = f"backward graph {schedule.graph_index}"
         # Checked before every synchronising step, computed once: the layout never changes.
         self._layout = schedule.wire_layout()
@@ -98,12 +139,31 @@ class BackwardDispatch:
         if self.schedule.buckets:
             check_in_band(self._layout, self.group, self._what, self._digest)
         try:
+            if self.update is not None:
+                return self._with_update(self.update, args)
             return self.synced(args)
         except Exception as e:  # noqa: BLE001 - re-raised as-is unless a collective failed
             failure = collective_failure(e, self.schedule)
             if failure is None:
                 raise
             raise failure from e
+
+    def _with_update(self, update: InGraphUpdate, args: list[Any]) -> Any:
+        update.attached.finish_at_end_of_backward(update.end_of_step)
+        if not update.allowed():
+            self.state.steps_after += 1
+            if update.grads is None:
+                update.grads = update.compile_grads()
+            return update.grads(args)
+        if not update.aliases_checked:
+            update.check_aliases(args)
+        extra = update.attached.update_args(update.names, update.groups)
+        args.extend(extra.tensors)  # the same list: the callee frees what it no longer needs
+        with torch.no_grad():
+            out = self.synced(args)
+        update.attached.updated(extra)
+        self.state.steps_in_graph += 1
+        return out
 
     def plain(self) -> Callable[[list[Any]], Any]:
         if self._plain is None:

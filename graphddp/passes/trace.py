@@ -15,7 +15,7 @@ splicing so a caller can trace (and check) everything before it edits anything.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -44,19 +44,22 @@ def _role_of(node: fx.Node) -> str | None:
     return custom.get(ROLE_KEY) if isinstance(custom, dict) else None
 
 
-def trace(fn: Callable[..., Any], vals: Sequence[torch.Tensor], what: str) -> fx.GraphModule:
+def trace(
+    fn: Callable[..., Any], vals: Sequence[torch.Tensor], what: str, decompositions: Mapping[Any, Callable[..., Any]] | None = None
+) -> fx.GraphModule:
     """``fn`` traced on ``vals`` (fake tensors of one graph) into a graph of aten ops.
 
     Traced inside the values' own fake mode, so shapes (symbolic ones included) and devices
     are the graph's. ``what`` names the function in errors. Raises if ``fn`` made a node no
     :func:`role` block covers, or a tensor constant (a ``get_attr`` that would dangle once
-    spliced into another graph).
+    spliced into another graph). ``decompositions`` (e.g. inductor's table) decompose ops
+    the graph's compiler expects decomposed, when ``fn`` is written with composite ops.
     """
     fake_mode = detect_fake_mode(tuple(vals))
     if fake_mode is None:
         raise RuntimeError(f"graphddp: {what}: its inputs carry no fake values to trace it on")
     with fake_mode, fx_traceback.preserve_node_meta():
-        traced = make_fx(fn)(*vals)
+        traced = make_fx(fn, decomposition_table=decompositions)(*vals)
     for node in traced.graph.nodes:
         if node.op == "get_attr":
             raise RuntimeError(f"graphddp: {what} made a tensor constant ({node.target}); make it from its inputs instead")
