@@ -39,6 +39,7 @@ from torch._guards import detect_fake_mode
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphddp import optim
+from graphddp.capture import is_view
 from graphddp.comm import BUCKET_KEY, ROLE_KEY
 from graphddp.passes.trace import splice, trace
 from graphddp.schedule import Schedule
@@ -137,6 +138,21 @@ def _new_inputs(graph: fx.Graph, schedule: Schedule, inputs: UpdateInputs) -> tu
     return names, per_name, per_group
 
 
+def _update_point(graph: fx.Graph, index: int, params: list[fx.Node]) -> fx.Node:
+    """The node the bucket's update goes before: right after the bucket's own nodes (its wait
+    and unflatten views) and after every read of its parameters, whichever is later."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    last = [n for n in graph.nodes if n.meta.get(BUCKET_KEY) == index]
+    readers, todo = [], list(params)
+    while todo:  # readers of the parameter's memory, through views of it
+        for user in todo.pop().users:
+            readers.append(user)
+            if is_view(user):
+                todo.append(user)
+    after = max(last + readers, key=order.__getitem__, default=None)
+    return graph.output_node() if after is None else after.next
+
+
 def insert_update(gm: fx.GraphModule, schedule: Schedule, inputs: UpdateInputs) -> fx.GraphModule:
     """Splice every bucket's optimizer update after its wait (module docstring).
 
@@ -168,9 +184,7 @@ def insert_update(gm: fx.GraphModule, schedule: Schedule, inputs: UpdateInputs) 
             args += per_group[g]
         fn = optim.bucket_update_fn(rules, group_of, groups)
         traced = trace(fn, [a.meta["val"] for a in args], f"the optimizer update of bucket {bucket.index}", decompositions)
-        ours = [n for n in graph.nodes if n.meta.get(BUCKET_KEY) == bucket.index]
-        after = ours[-1] if ours else None
-        splice(graph, traced, args, after.next if after is not None else output, bucket.index)
+        splice(graph, traced, args, _update_point(graph, bucket.index, [param_node[s.param_name] for s in updated]), bucket.index)
         for s in updated:
             outs[s.output_index] = None
     output.args = (tuple(outs),)
