@@ -124,8 +124,5 @@ def compile(module: nn.Module, *, process_group: Any = None, optimizer: Any = No
     """
     group = resolve_group("graphddp.compile", module, process_group, options)
     config = DDPConfig.from_options("graphddp.compile", options)
-    attached = AttachedOptimizer(optimizer, module, "graphddp.compile") if optimizer is not None else None
-    prepare("graphddp.compile", module, group, config)
-    if attached is not None:
-        attached.attach()
+    attached = prepare("graphddp.compile", module, group, config, optimizer)
     return GraphDDP(module, group, config, attached)

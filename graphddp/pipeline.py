@@ -28,6 +28,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from graphddp.config import DDPConfig
+from graphddp.optim import AttachedOptimizer
 from graphddp.replica import Replica, ReplicaView, prepare, resolve_group
 
 NAME = "graphddp"  # the registered backend name
@@ -42,10 +43,10 @@ class GraphDDPCompileBackend(ReplicaView):
     ``world_size``, and ``no_sync()``.
     """
 
-    def __init__(self, module: nn.Module, group: Any, config: DDPConfig) -> None:
+    def __init__(self, module: nn.Module, group: Any, config: DDPConfig, optimizer: AttachedOptimizer | None = None) -> None:
         self.module = module
         self.config = config
-        self._replica = Replica(module, group, config)
+        self._replica = Replica(module, group, config, optimizer)
         self._param_ids = {id(p) for p in module.parameters()}
         self._wrap_forward()
         _LIVE.append(weakref.ref(self))
@@ -101,16 +102,17 @@ _UNSET, _DETACHED = object(), object()
 _WRAPPER_REASON = "graphddp's per-forward work (buffer broadcast, no_sync average, guard) runs eagerly"
 
 
-def backend(module: nn.Module, *, process_group: Any = None, **options: Any) -> GraphDDPCompileBackend:
+def backend(module: nn.Module, *, process_group: Any = None, optimizer: Any = None, **options: Any) -> GraphDDPCompileBackend:
     """A torch.compile backend doing graphddp's job for ``module`` (see the module docstring).
 
-    ``options`` are ``graphddp.compile``'s (DDPConfig's fields). Parameters are broadcast from
-    the group's first rank now, as by ``graphddp.compile``.
+    ``options`` are ``graphddp.compile``'s (DDPConfig's fields), and so is ``optimizer`` (the
+    update inside the backward, :mod:`graphddp.optim`). Parameters are broadcast from the
+    group's first rank now, as by ``graphddp.compile``.
     """
     group = resolve_group("graphddp.backend", module, process_group, options)
     config = DDPConfig.from_options("graphddp.backend", options)
-    prepare("graphddp.backend", module, group, config)
-    return GraphDDPCompileBackend(module, group, config)
+    attached = prepare("graphddp.backend", module, group, config, optimizer)
+    return GraphDDPCompileBackend(module, group, config, attached)
 
 
 def _by_name(gm: fx.GraphModule, example_inputs: Sequence[Any], **compile_kwargs: Any) -> Callable[..., Any]:

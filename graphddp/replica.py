@@ -70,19 +70,24 @@ def resolve_group(where: str, module: Any, process_group: Any, options: dict[str
     return process_group if process_group is not None else dist.group.WORLD
 
 
-def prepare(where: str, module: nn.Module, group: Any, config: DDPConfig) -> None:
-    """Wrap-time checks and broadcast, as DDP's constructor does them.
+def prepare(where: str, module: nn.Module, group: Any, config: DDPConfig, optimizer: Any = None) -> AttachedOptimizer | None:
+    """Wrap-time checks and broadcast, as DDP's constructor does them; attach ``optimizer``.
 
     Parameters are broadcast from the group's first rank; buffers too, but only with
     ``broadcast_buffers`` (torch >= 2.13's DDP: ``init_sync_buffers`` follows it), since
-    otherwise DDP leaves them rank-local.
+    otherwise DDP leaves them rank-local. The optimizer is checked before any collective (so
+    every rank fails alike) and attached (its ``step`` made a no-op) after the last one.
     """
+    attached = AttachedOptimizer(optimizer, module, where) if optimizer is not None else None
     device = _check_devices(module)
     config.check_inductor_settings(where, device)
     check_parameter_agreement(module, group)
     if dist.get_world_size(group) > 1:
         buffers = list(module.buffers()) if config.broadcast_buffers else []
         broadcast_tensors(list(module.parameters()) + buffers, group)
+    if attached is not None:
+        attached.attach()
+    return attached
 
 
 class Replica:

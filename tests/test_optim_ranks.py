@@ -121,11 +121,12 @@ class Case:
     round_trip: bool = False  # checkpoint the optimizer into plain torch.optim and back
     # Per graph with buckets: (steps updated inside the graph, steps left to torch's step).
     expect_runs: tuple = ((3, 1),)  # the step after no_sync updates after the backward
+    form: str = "compile"  # or "backend": torch.compile(model, backend=graphddp.backend(model, ...))
 
 
 CASES = {
     "cnn_adamw": Case(CNN, _cnn_loss, _adamw),
-    "cnn_adam_amsgrad_groups": Case(CNN, _cnn_loss, _amsgrad_groups),
+    "cnn_adam_amsgrad_groups_backend_form": Case(CNN, _cnn_loss, _amsgrad_groups, form="backend"),
     "tied_across_break_sgd_nesterov": Case(lambda: BreakGPT(vocab=64, dim=32, heads=2, layers=2, seq=8), _gpt_loss, _sgd,
                                            expect_runs=((3, 1), (3, 1))),  # the tied embedding: after, in both
     "hf_gpt2_adamw_round_trip": Case(_hf_gpt2, _hf_loss, _adamw, tol=ADAM_NOISE, round_trip=True),
@@ -159,12 +160,17 @@ def _train(rank: int, world: int, name: str) -> None:
                 p.add_(0.25)
     ref = DDP(copy.deepcopy(base))
     opt, ref_opt = case.optimizer(ours_model), case.optimizer(ref.module)
-    ours = graphddp.compile(ours_model, optimizer=opt, backend=case.backend, bucket_cap_mb=0.004)
+    options = dict(optimizer=opt, backend=case.backend, bucket_cap_mb=0.004)
+    if case.form == "backend":
+        view = graphddp.backend(ours_model, **options)  # schedules, no_sync() and the replica, as below
+        ours = torch.compile(ours_model, backend=view)
+    else:
+        ours = view = graphddp.compile(ours_model, **options)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)  # created after: the issue's order
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.7)
     for step in range(case.steps):
         if step == case.no_sync_step:
-            with ours.no_sync():
+            with view.no_sync():
                 case.loss(ours, rank, 50 + step).backward()
             with ref.no_sync():
                 case.loss(ref, rank, 50 + step).backward()
@@ -181,10 +187,10 @@ def _train(rank: int, world: int, name: str) -> None:
             assert p.grad is None, f"step {step}: {n}.grad kept after a synchronising backward"
             torch.testing.assert_close(p.detach(), q.detach(), **case.tol, msg=lambda m: f"{name} step {step} param {n}: {m}")
         _assert_state_equal(opt, ref_opt, case.tol, f"{name} step {step}")
-    updated = sum(len(b.updates) for s in ours.schedules for b in s.buckets)
+    updated = sum(len(b.updates) for s in view.schedules for b in s.buckets)
     assert updated > 0, f"{name}: no parameter was updated inside a graph"
     # Which variant each graph ran: inside the graph, except where it cannot be the whole step.
-    runs = tuple((st.steps_in_graph, st.steps_after) for st, sched in zip(ours._backend.states, _by_graph(ours)) if sched.buckets)
+    runs = tuple((st.steps_in_graph, st.steps_after) for st, sched in zip(view._replica.backend.states, _by_graph(view)) if sched.buckets)
     assert runs == case.expect_runs, f"{name}: (in-graph, after-backward) steps per graph {runs}, expected {case.expect_runs}"
     if case.round_trip:
         _round_trip(ours, opt, ref, ref_opt, case, rank)
@@ -193,7 +199,7 @@ def _train(rank: int, world: int, name: str) -> None:
 def _round_trip(ours: Any, opt: torch.optim.Optimizer, ref: DDP, ref_opt: torch.optim.Optimizer, case: Case, rank: int) -> None:
     """graphddp's optimizer checkpoint resumes plain torch.optim, and plain torch.optim's resumes graphddp."""
     buf = io.BytesIO()
-    torch.save({"model": ours.state_dict(), "opt": opt.state_dict()}, buf)
+    torch.save({"model": ours.module.state_dict(), "opt": opt.state_dict()}, buf)
     buf.seek(0)
     saved = torch.load(buf)
     plain_model = copy.deepcopy(ref.module)
