@@ -264,3 +264,27 @@ def test_inductor_code_updates_each_bucket_between_the_waits(fake_world) -> None
             f"no update kernel between line {start} (a wait) and line {end}:\n" + "\n".join(lines[start:end])
         )
     assert all(p.grad is None for p in gd.parameters())
+
+
+def test_two_forwards_then_one_backward_is_one_step(fake_world) -> None:
+    """Two forwards of the same graph before one backward: one torch step on the summed
+    gradient, after the backward (an in-graph update per forward would step twice)."""
+    fake_world(4)  # the fake group's all-reduce sums one rank: every gradient is divided by 4
+    torch.manual_seed(0)
+    model = MLP(width=32, depth=4)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    gd = graphddp.compile(model, optimizer=opt, backend="aot_eager")
+    a, b = torch.randn(8, 16), torch.randn(8, 16)
+    (gd(a).sum() + gd(b).sum()).backward()
+    ((ref(a).sum() + ref(b).sum()) / 4).backward()
+    ref_opt.step()
+    (state,) = gd._backend.states
+    assert (state.steps_in_graph, state.steps_after) == (0, 2)
+    assert all(opt.state[p]["step"].item() == 1.0 for p in gd.parameters())
+    for p, q in zip(gd.parameters(), ref.parameters()):
+        assert p.grad is None
+        torch.testing.assert_close(p.detach(), q.detach(), atol=1e-6, rtol=1e-5)
+    gd(a).sum().backward()  # and the next step is in the graph again
+    assert (state.steps_in_graph, state.steps_after) == (1, 2)
