@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -208,7 +208,7 @@ def _attached_step(self: torch.optim.Optimizer, closure: Any = None) -> None:
         )
 
 
-def _attached_zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+def _attached_zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:  # noqa: ARG001 - its signature
     """``optimizer.zero_grad`` while attached: a no-op (gradients are already None after a
     synchronising backward, and ``no_sync`` accumulation must survive until it)."""
 
@@ -351,6 +351,3 @@ def layout(rules: Sequence[UpdateRule], group_of: Sequence[int]) -> tuple[list[s
         names.extend(f"update_group{g}_{h}" for h in rules[group_of.index(g)].hyper)
     return names, groups
 
-
-def optimised(names: Iterable[str], attached: AttachedOptimizer) -> list[str]:
-    return [n for n in names if attached.rule(n) is not None]

@@ -21,32 +21,18 @@ from typing import Any, Callable
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import graphddp
-from graphddp import models
 from graphddp.testing import spawn
+
+# A GPT whose tied embedding is read on both sides of a graph break.
+from test_real_models import BreakGPT
 
 TIGHT = {"atol": 2e-6, "rtol": 1e-5}
 ADAM_NOISE = {"atol": 1e-4, "rtol": 1e-3}  # Adam on zero-gradient parameters (module docstring)
-
-
-class BreakGPT(models.TinyGPT):
-    """TinyGPT with a graph break in the middle: the tied embedding is read in both graphs, so
-    its gradient comes from two backward graphs (the update must wait for both)."""
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos[: idx.shape[1]]
-        half = len(self.blocks) // 2
-        for block in self.blocks[:half]:
-            x = block(x)
-        torch._dynamo.graph_break()
-        for block in self.blocks[half:]:
-            x = block(x)
-        return self.head(self.ln(x))
 
 
 class CNN(nn.Module):
