@@ -319,6 +319,11 @@ class AttachedOptimizer:
         for name, buf in args.fresh_buffers.items():
             self.optimizer.state[self.params[name]]["momentum_buffer"] = buf
 
+    def before_forward(self) -> None:
+        """A forward runs outside any backward: a finish still marked queued belongs to a
+        backward that raised (the engine drops its callbacks), so queue afresh next time."""
+        self._finish_queued = False
+
     def finish_at_end_of_backward(self, on_finish: Callable[[], None]) -> None:
         """Once per backward pass: torch's step for what the graphs returned, then no grads."""
         if self._finish_queued:

@@ -134,6 +134,8 @@ class Replica:
     def before_forward(self) -> None:
         """Broadcast buffers; start averaging gradients accumulated under ``no_sync``."""
         distributed = self.world_size > 1
+        if self.optimizer is not None:
+            self.optimizer.before_forward()
         if distributed and self.config.broadcast_buffers and self._sync_buffers_next:
             buffers = list(self.module.buffers())
             if buffers:

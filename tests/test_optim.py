@@ -288,3 +288,25 @@ def test_two_forwards_then_one_backward_is_one_step(fake_world) -> None:
         torch.testing.assert_close(p.detach(), q.detach(), atol=1e-6, rtol=1e-5)
     gd(a).sum().backward()  # and the next step is in the graph again
     assert (state.steps_in_graph, state.steps_after) == (1, 2)
+
+
+def test_a_backward_that_raises_does_not_stop_later_steps(fake_world) -> None:
+    """The end-of-backward step is queued once per backward; one that raised drops its queue,
+    and the next backward must queue it again (or fallback steps would never be taken)."""
+    gd, opt, _ = _compiled(fake_world, OPTIMIZERS["sgd"])
+    x = torch.randn(8, 16)
+    loss = gd(x).sum()
+
+    def boom(_grad: torch.Tensor) -> None:
+        raise ValueError("boom")
+
+    handle = gd.module[0].weight.register_hook(boom)
+    with pytest.raises(ValueError, match="boom"):
+        loss.backward()
+    handle.remove()
+    before = [p.detach().clone() for p in gd.parameters()]
+    gd(x).sum().backward()
+    (state,) = gd._backend.states
+    assert state.steps_after >= 1, "the step after a failed backward updates after the backward"
+    assert all(p.grad is None for p in gd.parameters()), "torch's step ran and cleared the gradients"
+    assert any(not torch.equal(a, b) for a, b in zip(before, gd.parameters()))
