@@ -310,3 +310,23 @@ def test_a_backward_that_raises_does_not_stop_later_steps(fake_world) -> None:
     assert state.steps_after >= 1, "the step after a failed backward updates after the backward"
     assert all(p.grad is None for p in gd.parameters()), "torch's step ran and cleared the gradients"
     assert any(not torch.equal(a, b) for a, b in zip(before, gd.parameters()))
+
+
+def test_world_size_one_updates_in_the_graph_like_torch(fake_world) -> None:
+    """No all-reduce to follow: each bucket's update still goes in the graph, before the output."""
+    fake_world(1)
+    torch.manual_seed(0)
+    model = MLP(width=32, depth=4)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = OPTIMIZERS["adam_wd_amsgrad"](model.parameters()), OPTIMIZERS["adam_wd_amsgrad"](ref.parameters())
+    gd = graphddp.compile(model, optimizer=opt, backend="aot_eager", bucket_cap_mb=0.005)
+    for step in range(3):
+        x = torch.randn(8, 16)
+        gd(x).sum().backward()
+        ref(x).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for p, q in zip(gd.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), atol=1e-6, rtol=1e-5, msg=lambda m: f"step {step}: {m}")
+    (state,) = gd._backend.states
+    assert state.steps_in_graph == 3 and gd.records[0].schedule.num_buckets >= 2

@@ -138,11 +138,12 @@ def _new_inputs(graph: fx.Graph, schedule: Schedule, inputs: UpdateInputs) -> tu
     return names, per_name, per_group
 
 
-def _update_point(graph: fx.Graph, index: int, params: list[fx.Node]) -> fx.Node:
+def _update_point(graph: fx.Graph, index: int, params: list[fx.Node], grads: list[fx.Node]) -> fx.Node:
     """The node the bucket's update goes before: right after the bucket's own nodes (its wait
-    and unflatten views) and after every read of its parameters, whichever is later."""
+    and unflatten views), its gradients (at world size 1 there is no wait) and every read of
+    its parameters, whichever is last."""
     order = {n: i for i, n in enumerate(graph.nodes)}
-    last = [n for n in graph.nodes if n.meta.get(BUCKET_KEY) == index]
+    last = [n for n in graph.nodes if n.meta.get(BUCKET_KEY) == index] + list(grads)
     readers, todo = [], list(params)
     while todo:  # readers of the parameter's memory, through views of it
         for user in todo.pop().users:
@@ -184,7 +185,7 @@ def insert_update(gm: fx.GraphModule, schedule: Schedule, inputs: UpdateInputs) 
             args += per_group[g]
         fn = optim.bucket_update_fn(rules, group_of, groups)
         traced = trace(fn, [a.meta["val"] for a in args], f"the optimizer update of bucket {bucket.index}", decompositions)
-        splice(graph, traced, args, _update_point(graph, bucket.index, [param_node[s.param_name] for s in updated]), bucket.index)
+        splice(graph, traced, args, _update_point(graph, bucket.index, [param_node[s.param_name] for s in updated], grads), bucket.index)
         for s in updated:
             outs[s.output_index] = None
     output.args = (tuple(outs),)
