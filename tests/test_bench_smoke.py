@@ -55,6 +55,9 @@ def test_bench_tiny_runs_every_mode_and_falls_back_to_plain_loopback(tmp_path):
         rec = data["modes"][mode]
         assert abs(rec["persistent_comm_mb"] - grad_mb) < 1e-6 and rec["peak_mb"] > rec["peak_step_mb"], mode
     assert data["modes"]["graphddp"]["persistent_comm_mb"] == 0.0
+    # Every mode's peak counts the gradients it keeps between steps.
+    assert abs(data["modes"]["ddp_default"]["held_grad_mb"] - grad_mb) < 1e-6
+    assert data["config"]["optimizer"].startswith("AdamW")
     assert data["bounds"]["ideal_overlap_ms"] == data["modes"]["ideal_overlap"]["step_ms"]
     assert len(data["modes"]["comm_only"]["bucket_ms"]) == data["graphddp_buckets"] >= 2
 

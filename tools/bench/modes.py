@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tools.bench.procstat import cpu_seconds, runqueue_wait
-from tools.bench.workload import MB, BenchConfig
+from tools.bench.workload import MB, BenchConfig, make_optimizer
 
 
 class CountingBackend:
@@ -50,14 +50,20 @@ class _StepProbe:
 
 
 class TrainMode:
-    """One model + optimizer; ``step()`` times fwd, bwd, post-backward comm, optimizer."""
+    """One model + optimizer; ``step()`` times fwd, bwd, post-backward comm, optimizer.
+
+    The optimizer is :func:`~tools.bench.workload.make_optimizer`'s over ``params`` unless
+    ``opt`` is given: graphddp_optim passes the one attached to its backward, whose
+    ``step``/``zero_grad`` are then no-ops, so its update is timed inside ``bwd``.
+    """
 
     def __init__(self, name: str, model: nn.Module, params: Any, batch: Any, loss: Callable,
                  after_backward: Callable[[], None] | None = None,
-                 before_backward: Callable[[], None] | None = None) -> None:
+                 before_backward: Callable[[], None] | None = None, *,
+                 opt: torch.optim.Optimizer | None = None) -> None:
         self.name = name
         self.model = model
-        self.opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+        self.opt = opt if opt is not None else make_optimizer(params)
         self.inputs, self.target = batch
         self.loss = loss
         self.after_backward = after_backward
@@ -81,6 +87,16 @@ class TrainMode:
         t4 = _now()
         return {"step": t4 - t0, "fwd": t1 - t0, "bwd": t2 - t1, "comm": t3 - t2, "opt": t4 - t3,
                 **probe.finish()}
+
+    def held_grad_bytes(self) -> int:
+        """Bytes of the gradients alive now, which the next step frees in its ``zero_grad``."""
+        seen: dict[int, torch.Tensor] = {}
+        for group in self.opt.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    seen[id(p)] = p.grad
+        return sum(g.numel() * g.element_size() for g in seen.values())
+
 
 
 class CommOnlyMode:
@@ -184,9 +200,16 @@ def _ready_fractions(cfg: BenchConfig, base: nn.Module, batch: Any, loss: Callab
 
 
 def _profile_step(mode: Any) -> dict[str, Any]:
-    """One extra step under torch.profiler(profile_memory=True): allocator peak and collectives."""
+    """One extra step under torch.profiler(profile_memory=True): allocator peak and collectives.
+
+    The peak is counted from the bytes live at the step's start, which hold the previous
+    step's gradients where a mode keeps them (DDP, a separate optimizer) and none where it
+    does not (graphddp_optim); the step's ``zero_grad`` frees them first. ``held_grad_mb``
+    records them, so the summary can count every mode's gradients in its peak.
+    """
     from torch.profiler import ProfilerActivity, profile
 
+    held = mode.held_grad_bytes() if hasattr(mode, "held_grad_bytes") else 0
     dist.barrier()
     saved = os.dup(2)  # kineto prints start/stop lines on fd 2
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -215,6 +238,7 @@ def _profile_step(mode: Any) -> dict[str, Any]:
     bwd = sorted((e for e in ops if e.name() == "CompiledFunctionBackward"), key=lambda e: e.start_ns())
     return {
         "peak_mb": peak / MB,
+        "held_grad_mb": held / MB,
         "retained_mb": live / MB,
         "collectives": colls,
         "compiled_backward_ms": [[(e.start_ns() - start) / 1e6, e.duration_ns() / 1e6] for e in bwd],

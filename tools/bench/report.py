@@ -13,6 +13,7 @@ def render_table(s: dict[str, Any]) -> str:
         f"graphddp benchmark: model {cfg['model'] if not cfg['tiny'] else 'tiny mlp'}, "
         f"{s['graphddp_grad_mb']:.1f} MB of gradients in {s['graphddp_buckets']} graphddp buckets, "
         f"2 ranks x 1 thread, backend {cfg['backend']}, median of {cfg['steps']} steps after {cfg['warmup']} warm-up rounds",
+        f"optimizer: {cfg.get('optimizer', 'SGD(lr=1e-3, momentum=0.9)')} in every mode",
         f"compile s = first step - median step; inductor cache {'warm' if s['environment']['inductor_cache_was_warm'] else 'cold'} "
         f"({s['environment']['inductor_cache']})",
         f"network: {net['label']}",
@@ -57,8 +58,9 @@ def render_table(s: dict[str, Any]) -> str:
     lines.append("cpu/wall: main-thread CPU time / wall time; rq ms: time the main thread was runnable "
                  "but had no core (median per step, worst rank): > 0 means the 2 cores were oversubscribed")
     lines.append("peak MB: torch CPU-allocator peak during one step above its start (torch.profiler "
-                 "profile_memory) plus, for DDP, its reducer's bucket buffers, which live as long as the model; "
-                 "max over ranks; parameters and optimizer state left out")
+                 "profile_memory), plus the gradients alive at its start (kept between steps) and, for DDP, its "
+                 "reducer's bucket buffers, which live as long as the model; max over ranks; parameters and "
+                 "optimizer state left out")
     ov = s.get("graphddp_overlap")
     if ov:
         lines.append(f"graphddp all-reduces issued at {', '.join('%.0f%%' % (100 * f) for f in ov['issue_fraction'])} of its "

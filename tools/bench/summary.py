@@ -11,7 +11,7 @@ import torch
 
 from graphddp.schedule import Schedule
 from tools.bench.release import fit_link, release_timeline
-from tools.bench.workload import DDP_CAPS, MB, TARGETS, BenchConfig
+from tools.bench.workload import DDP_CAPS, MB, OPTIMIZER, TARGETS, BenchConfig
 
 
 def _median(xs: list[float]) -> float:
@@ -52,11 +52,14 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
         rec["compile_s"] = rec["first_step_s"] - step
         rec["peak_step_mb"] = max(r["profiles"][name]["peak_mb"] for r in ranks)
         rec["retained_mb"] = max(r["profiles"][name]["retained_mb"] for r in ranks)
+        # The previous step's gradients, alive at the step's start and freed by its zero_grad:
+        # memory the mode holds between steps, which the peak above the start leaves out.
+        rec["held_grad_mb"] = max(r["profiles"][name].get("held_grad_mb", 0.0) for r in ranks)
         # DDP's reducer keeps one flat buffer per bucket for the model's lifetime; graphddp and
         # no_overlap allocate theirs inside the step, so the step's peak already holds them.
         ddp_buckets = info.get("ddp_buckets", {}).get(name)
         rec["persistent_comm_mb"] = sum(b["nbytes"] for b in ddp_buckets) / MB if ddp_buckets else 0.0
-        rec["peak_mb"] = rec["peak_step_mb"] + rec["persistent_comm_mb"]
+        rec["peak_mb"] = rec["peak_step_mb"] + rec["held_grad_mb"] + rec["persistent_comm_mb"]
         if name == "comm_only":
             nb = len(per_rank[0][0]["buckets"])
             rec["bucket_ms"] = [
@@ -168,7 +171,7 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
     return {
         # graphddp's options flattened in, as bench.json has always had them (backend, caps).
         "config": {**{k_: v for k_, v in dataclasses.asdict(cfg).items() if k_ not in ("network", "graphddp")},
-                   **cfg.graphddp.as_options()},
+                   **cfg.graphddp.as_options(), "optimizer": OPTIMIZER},
         "environment": {
             "torch": torch.__version__, "python": sys.version.split()[0], "world_size": 2,
             "threads_per_rank": 1, "cpu_count": os.cpu_count(), "wall_s": wall_s,
@@ -178,10 +181,13 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
         "network": cfg.network,
         "memory_note": ("peak_step_mb: peak of torch CPU-allocator bytes during one extra step above the "
                         "bytes live at its start (torch.profiler profile_memory; the step frees the old "
-                        "grads with zero_grad(set_to_none) first). persistent_comm_mb: DDP's reducer bucket "
-                        "buffers, alive for the model's lifetime. peak_mb = peak_step_mb + persistent_comm_mb: "
-                        "the memory a mode needs beyond parameters, optimizer state and gloo's own buffers. "
-                        "retained_mb: allocator bytes still live after the step minus at its start. Max over ranks."),
+                        "grads with zero_grad(set_to_none) first). held_grad_mb: those old grads, alive "
+                        "between steps. persistent_comm_mb: DDP's reducer bucket buffers, alive for the "
+                        "model's lifetime. peak_mb = peak_step_mb + held_grad_mb + "
+                        "persistent_comm_mb: the memory a mode needs beyond parameters, optimizer state and "
+                        "gloo's own buffers. retained_mb: allocator bytes still live after the step minus at "
+                        "its start. Max over ranks. Before held_grad_mb (runs published before issue 11), "
+                        "peak_mb left the held grads out."),
         "modes": modes,
         "bounds": bounds,
         "ratios": ratios,
