@@ -317,6 +317,55 @@ def test_a_run_of_some_modes_has_no_bounds_it_did_not_measure():
     assert "release-time" not in rows and "max(compute,comm)" not in rows
 
 
+def _with_optimizer_modes(ranks):
+    """Issue 11's modes added to a run: graphddp_optim (96 ms, AdamW inside its backward, no
+    gradients kept) and ddp_compiled_autograd (128 ms); ddp_cap4 and the latter keep 7 MB of
+    gradients between steps."""
+    for rank in ranks:
+        rank["records"]["graphddp_optim"] = [_rec(0.096, 0.02, 0.076, 0.0, 0.0) for _ in range(3)]
+        rank["records"]["ddp_compiled_autograd"] = [_rec(0.128, 0.02, 0.09, 0.0, 0.018) for _ in range(3)]
+        rank["first"].update(graphddp_optim=3.0, ddp_compiled_autograd=4.0)
+        rank["profiles"]["graphddp_optim"] = _profile(peak_mb=5.25)
+        rank["profiles"]["ddp_compiled_autograd"] = {**_profile(peak_mb=9.0), "held_grad_mb": 7.0}
+        rank["profiles"]["ddp_cap4"]["held_grad_mb"] = 7.0
+        rank["info"]["ddp_compiled_autograd"] = {"fuse_passes": ["fuse_ddp_with_coalesced_op"], "fuse_bucket_mb": 25}
+    return ranks
+
+
+def test_summary_targets_of_the_optimizer_in_the_backward():
+    s = summarize(CFG, _with_optimizer_modes(_synthetic_ranks()), wall_s=12.0)
+    o = s["modes"]["graphddp_optim"]
+    assert o["step_ms"] == pytest.approx(96.0) and o["held_grad_mb"] == 0.0 and o["peak_mb"] == pytest.approx(5.25)
+    # Held gradients count in the peak: ddp_cap4 peaks 9 MB above its start, holds 7 MB of
+    # gradients between steps and 1.5 MB of reducer buckets.
+    assert s["modes"]["ddp_cap4"]["peak_mb"] == pytest.approx(9.0 + 7.0 + 1.5)
+    assert s["optim_ratios"]["best_eager_ddp"] == pytest.approx(96 / 115)
+    assert s["optim_ratios"]["ddp_compiled_autograd"] == pytest.approx(0.75)
+    assert s["optim_ratios"]["graphddp"] == pytest.approx(0.8)
+    assert s["ratios"]["graphddp_optim"] == pytest.approx(1.25)  # graphddp / graphddp_optim
+    targets = {t["target"]: t for t in s["targets"]}
+    best = targets["graphddp_optim / best eager DDP"]
+    assert best["met"] and best["needs_ms"] == pytest.approx(103.5)
+    assert best["release_bound_ms"] is None  # the bounds model a separate optimizer step
+    assert targets["graphddp_optim / ddp_compiled_autograd"]["ratio"] == pytest.approx(0.75)
+    # 5.25 MB against the best eager DDP's (ddp_cap4) 17.5 MB less 7 MB of gradients.
+    memory = targets["graphddp_optim peak / (DDP peak - grads)"]
+    assert memory["ddp_mode"] == "ddp_cap4" and memory["needs_mb"] == pytest.approx(10.5)
+    assert memory["ratio"] == pytest.approx(0.5) and memory["met"]
+    table = render_table(s)
+    assert "graphddp_optim / best eager DDP          0.835  (<= 0.90)  met  needs a step <= 104 ms" in table
+    assert ("graphddp_optim peak / (DDP peak - grads) 0.500  (<= 1.00)  met  graphddp_optim peak 5.2 MB; "
+            "needs <= 10.5 MB = ddp_cap4 peak 17.5 MB - 7.0 MB of gradients") in table
+    rows = {line.split(" ")[0]: line for line in table.splitlines() if line and not line.startswith(" ")}
+    assert f"{96 / 128:.3f}" in rows["ddp_compiled_autograd"]  # graphddp_optim / mode
+
+
+def test_no_optimizer_targets_without_graphddp_optim():
+    s = summarize(CFG, _synthetic_ranks(), wall_s=12.0)
+    assert s["optim_ratios"] == {} and s["memory_target"] is None
+    assert not any(t["target"].startswith("graphddp_optim") for t in s["targets"])
+
+
 # -- the published run --------------------------------------------------------------------------------
 
 

@@ -18,6 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = (
     "compute_only", "comm_only", "ideal_overlap", "no_overlap", "ddp_default", "ddp_same_buckets", "ddp_cap1", "ddp_cap4",
     "ddp_cap25", "ddp_best", "ddp_compiled", "ddp_compiled_samecap", "graphddp", "graphddp_tail_off", "compute_eager",
+    "graphddp_optim", "ddp_compiled_autograd",
 )
 
 
@@ -55,9 +56,12 @@ def test_bench_tiny_runs_every_mode_and_falls_back_to_plain_loopback(tmp_path):
         rec = data["modes"][mode]
         assert abs(rec["persistent_comm_mb"] - grad_mb) < 1e-6 and rec["peak_mb"] > rec["peak_step_mb"], mode
     assert data["modes"]["graphddp"]["persistent_comm_mb"] == 0.0
-    # Every mode's peak counts the gradients it keeps between steps.
+    # Every mode's peak counts the gradients it keeps between steps; graphddp_optim keeps none.
+    assert all(data["modes"][m]["peak_mb"] > 0 for m in MODES if m != "comm_only")
     assert abs(data["modes"]["ddp_default"]["held_grad_mb"] - grad_mb) < 1e-6
-    assert data["config"]["optimizer"].startswith("AdamW")
+    optim = data["modes"]["graphddp_optim"]
+    assert optim["held_grad_mb"] == 0.0 and optim["persistent_comm_mb"] == 0.0
+    assert optim["opt_ms"] < optim["bwd_ms"]  # step() is a no-op: the update runs inside the backward
     assert data["bounds"]["ideal_overlap_ms"] == data["modes"]["ideal_overlap"]["step_ms"]
     assert len(data["modes"]["comm_only"]["bucket_ms"]) == data["graphddp_buckets"] >= 2
 
@@ -65,7 +69,17 @@ def test_bench_tiny_runs_every_mode_and_falls_back_to_plain_loopback(tmp_path):
     for key in ("ddp_default", "ddp_compiled", "no_overlap", "best_eager_ddp", "release_time_bound"):
         assert data["ratios"][key] > 0, key
     assert data["ddp_compiled"]["graphs"] > 1  # DDPOptimizer really split the graph
-    assert {t["target"] for t in data["targets"]} >= {"graphddp / no_overlap", "graphddp / ddp_compiled"}
+    # Compiled autograd's DDP all-reduced and averaged once (the run checks it, and fails if not).
+    errors = data["ddp_compiled_autograd"]["grad_error_vs_averaged_eager"]
+    assert errors["averaged"] < 1e-3 and errors["summed"] > 0.5
+    # The in-backward AdamW step is torch.optim's, and leaves no gradient behind.
+    check = data["graphddp_optim"]["step_vs_torch"]
+    assert check["moved_l2"] > 0 and check["relative"] < 1e-3 and check["grads_none"], check
+    assert data["config"]["optimizer"].startswith("AdamW")
+    assert {t["target"] for t in data["targets"]} >= {
+        "graphddp / no_overlap", "graphddp / ddp_compiled", "graphddp_optim / best eager DDP",
+        "graphddp_optim / ddp_compiled_autograd", "graphddp_optim peak / (DDP peak - grads)"}
+    assert data["optim_ratios"]["ddp_compiled_autograd"] > 0 and data["memory_target"]["grad_mb"] == grad_mb
     assert (out / "bench.txt").exists()
 
 

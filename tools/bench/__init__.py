@@ -4,6 +4,8 @@ One launch, 2 spawned CPU ranks (gloo, one thread each), one process group; ever
 a copy of the same model on the same per-rank batch from the same seed. Modes run round-robin
 (one step each per round, the order rotated every round) after warm-up rounds; each step is
 fenced by ``dist.barrier()``; a mode's step time is the median over steps of the slowest rank.
+Every mode trains with the same optimizer, ``torch.optim.AdamW(lr=1e-4, weight_decay=0.01)``
+(``workload.make_optimizer``), stepped after the backward unless said otherwise.
 
 Modes
   compute_only      torch.compile(model) (inductor), no communication; fwd/bwd/opt timed apart
@@ -21,8 +23,23 @@ Modes
   ddp_compiled      DDP(torch.compile(model)) with Dynamo's DDPOptimizer, DDP's default caps, as
                     users write it (checked: > 1 graph); ddp_compiled_samecap: the same with
                     graphddp's bucket_cap_mb, a like-for-like split (reported, not a target)
+  ddp_compiled_autograd
+                    torch.compile(DDP(model)) built with optimize_ddp="python_reducer", its
+                    backward under compiled autograd, inductor's DDP fusion passes
+                    (fuse_ddp_with_coalesced_op, schedule_comm_wait) at DDP's caps: PyTorch's
+                    whole-backward DDP (checked: its gradients are the ranks' average)
   graphddp          graphddp.compile(model, backend="inductor", bucket caps per model (gpt: 2 MB,
-                    first 1 MB, last 1 MB; see ``workload.model_spec``))
+                    first 1 MB, last 1 MB; see ``workload.model_spec``)), separate optimizer
+  graphddp_optim    graphddp.compile(model, optimizer=AdamW(...)): the same caps, each bucket's
+                    parameters updated inside the backward right after its wait; step() and
+                    zero_grad() are no-ops, so the update's time is in bwd (checked: one
+                    step against torch.optim's AdamW on a copy)
+
+Memory: ``peak MB`` is the allocator's peak during one profiled step above its start, plus
+the gradients alive at its start (kept between steps by every mode but graphddp_optim) and
+DDP's reducer bucket buffers. Targets of issue 11: graphddp_optim / best eager DDP and
+graphddp_optim / ddp_compiled_autograd <= 0.90; graphddp_optim's peak <= the best eager DDP's
+peak less the gradient bytes.
 
 Bounds
   max(compute, comm)  max(compute_only step, comm_only step)

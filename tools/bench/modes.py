@@ -1,19 +1,20 @@
 """The per-rank modes the benchmark times, and the probes it runs around them."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import resource
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from tools.bench.procstat import cpu_seconds, runqueue_wait
-from tools.bench.workload import MB, BenchConfig, make_optimizer
+from tools.bench.workload import CA_FUSE_PASSES, MB, BenchConfig, make_optimizer
 
 
 class CountingBackend:
@@ -55,12 +56,15 @@ class TrainMode:
     The optimizer is :func:`~tools.bench.workload.make_optimizer`'s over ``params`` unless
     ``opt`` is given: graphddp_optim passes the one attached to its backward, whose
     ``step``/``zero_grad`` are then no-ops, so its update is timed inside ``bwd``.
+    ``backward_ctx`` wraps ``loss.backward()`` only (ddp_compiled_autograd's compiled
+    autograd), so no other mode's backward runs under it.
     """
 
     def __init__(self, name: str, model: nn.Module, params: Any, batch: Any, loss: Callable,
                  after_backward: Callable[[], None] | None = None,
                  before_backward: Callable[[], None] | None = None, *,
-                 opt: torch.optim.Optimizer | None = None) -> None:
+                 opt: torch.optim.Optimizer | None = None,
+                 backward_ctx: Callable[[], ContextManager[Any]] | None = None) -> None:
         self.name = name
         self.model = model
         self.opt = opt if opt is not None else make_optimizer(params)
@@ -68,6 +72,7 @@ class TrainMode:
         self.loss = loss
         self.after_backward = after_backward
         self.before_backward = before_backward
+        self.backward_ctx = backward_ctx
 
     def step(self) -> dict[str, float]:
         probe = _StepProbe()
@@ -78,7 +83,8 @@ class TrainMode:
         t1 = _now()
         if self.before_backward is not None:
             self.before_backward()
-        loss.backward()
+        with self.backward_ctx() if self.backward_ctx is not None else contextlib.nullcontext():
+            loss.backward()
         t2 = _now()
         if self.after_backward is not None:
             self.after_backward()
@@ -97,6 +103,84 @@ class TrainMode:
                     seen[id(p)] = p.grad
         return sum(g.numel() * g.element_size() for g in seen.values())
 
+
+class CompiledAutogradBackward:
+    """ddp_compiled_autograd's backward context: compiled autograd plus DDP's fusion passes.
+
+    ``DDP(..., python_reducer)`` hooks every parameter's gradient accumulation with a
+    functional all-reduce; compiled autograd traces those hooks into one backward graph, and
+    inductor's ``_fuse_ddp_communication`` passes bucket the all-reduces (at DDP's caps,
+    ``_fuse_ddp_bucket_size``). Both are switched on only inside this context, so the modes
+    it is interleaved with keep the plain autograd engine and inductor's default passes
+    (graphddp pins the fusion off for its own compiles anyway).
+    """
+
+    def __init__(self, backend: str, bucket_size_mb: float) -> None:
+        self.backend = backend
+        self.bucket_size_mb = bucket_size_mb
+        self.inductor_patch = {"_fuse_ddp_communication": True, "_fuse_ddp_bucket_size": bucket_size_mb,
+                               "_fuse_ddp_communication_passes": list(CA_FUSE_PASSES)}
+
+    def compiler_fn(self, gm: Any) -> Any:
+        """The compiled-autograd graph's compiler: torch.compile with the benchmark's backend."""
+        return torch.compile(gm, backend=self.backend, fullgraph=True)
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        from torch._dynamo import compiled_autograd
+
+        with torch._inductor.config.patch(self.inductor_patch), \
+                compiled_autograd._enable(self.compiler_fn, dynamic=False):
+            yield
+
+
+def ddp_compiled_autograd(module: nn.Module, backend: str) -> tuple[nn.Module, CompiledAutogradBackward]:
+    """``torch.compile(DDP(module))`` with DDP's Python reducer, for compiled autograd.
+
+    ``optimize_ddp = "python_reducer"`` is what makes DDP register its traceable hooks; DDP
+    reads it once, at construction, and then turns inductor's ``_fuse_ddp_communication`` on
+    for the whole process. All three settings are restored here, so the DDPOptimizer modes
+    and later compiles see the process as it was; :class:`CompiledAutogradBackward` applies
+    the fusion to this mode's backward alone.
+    """
+    dynamo, inductor = torch._dynamo.config, torch._inductor.config
+    saved = (dynamo.optimize_ddp, inductor._fuse_ddp_communication, inductor._fuse_ddp_bucket_size)
+    dynamo.optimize_ddp = "python_reducer"
+    try:
+        ddp = nn.parallel.DistributedDataParallel(module)
+        bucket_size_mb = inductor._fuse_ddp_bucket_size  # DDP's resolved cap (25 MB by default)
+    finally:
+        dynamo.optimize_ddp, inductor._fuse_ddp_communication, inductor._fuse_ddp_bucket_size = saved
+    return torch.compile(ddp, backend=backend), CompiledAutogradBackward(backend, bucket_size_mb)
+
+
+def check_averaged_once(mode: TrainMode, module: nn.Module, world: int) -> dict[str, float]:
+    """That ``mode``'s backward leaves every rank the average of the ranks' local gradients.
+
+    One more forward/backward of ``mode`` (no optimizer step) against an eager copy of
+    ``module`` (the mode's parameters as they are now) whose gradients are summed over the
+    ranks and divided by ``world`` here. Relative max errors: ``averaged`` must be ~0;
+    ``summed`` (``world - 1``) and ``local`` show a missing division and a
+    missing all-reduce apart.
+    """
+    local = copy.deepcopy(module)
+    mode.loss(local(*mode.inputs), mode.target).backward()
+    local_grads = [p.grad.detach().clone() for p in local.parameters()]
+    averaged = [g.clone() for g in local_grads]
+    for g in averaged:
+        dist.all_reduce(g)
+        g.div_(world)
+    mode.opt.zero_grad(set_to_none=True)
+    loss = mode.loss(mode.model(*mode.inputs), mode.target)
+    with mode.backward_ctx() if mode.backward_ctx is not None else contextlib.nullcontext():
+        loss.backward()
+    got = [p.grad for p in module.parameters()]
+    scale = max(g.abs().max().item() for g in averaged) or 1.0
+
+    def err(ref: list[torch.Tensor]) -> float:
+        return max((a - b).abs().max().item() for a, b in zip(got, ref)) / scale
+
+    return {"averaged": err(averaged), "summed": err([g * world for g in averaged]), "local": err(local_grads)}
 
 
 class CommOnlyMode:
@@ -158,6 +242,34 @@ def flat_allreduce(model: nn.Module, world: int) -> Callable[[], None]:
             offset += g.numel()
 
     return run
+
+
+def check_update_in_backward(mode: TrainMode, module: nn.Module, world: int) -> dict[str, Any]:
+    """One step of ``mode`` (its optimizer inside the backward) against torch's own step.
+
+    A copy of ``module`` and of the optimizer's state gets the ranks' average of eager
+    gradients and ``torch.optim``'s step; then ``mode`` steps. ``relative``: the L2 norm of the
+    parameters' difference over the L2 norm of the step's move, float32 rounding (~1e-6)
+    when the update is right, order 1 when it is not (wrong lr, decay, bias correction or
+    gradient). One step, not whole trajectories: a ReLU network's training amplifies rounding
+    differences within a few steps (an activation flips), between any two correct paths.
+    """
+    ref = copy.deepcopy(module)
+    ref_opt = make_optimizer(ref.parameters())
+    ref_opt.load_state_dict(copy.deepcopy(mode.opt.state_dict()))  # its own state tensors
+    mode.loss(ref(*mode.inputs), mode.target).backward()
+    for p in ref.parameters():
+        dist.all_reduce(p.grad)
+        p.grad.div_(world)
+    before = [p.detach().clone() for p in ref.parameters()]
+    ref_opt.step()
+    mode.step()
+    diff_sq = moved_sq = 0.0
+    for p, r, b in zip(module.parameters(), ref.parameters(), before):
+        diff_sq += (p.detach() - r.detach()).double().square().sum().item()
+        moved_sq += (r.detach() - b).double().square().sum().item()
+    return {"relative": (diff_sq / moved_sq) ** 0.5 if moved_sq else float("inf"), "moved_l2": moved_sq ** 0.5,
+            "grads_none": all(p.grad is None for p in module.parameters())}
 
 
 def _ddp_buckets(ddp: nn.parallel.DistributedDataParallel, names: dict[int, str]) -> list[dict]:

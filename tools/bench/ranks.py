@@ -12,15 +12,20 @@ import torch.nn as nn
 
 from graphddp.cost import simulate
 from tools.bench.modes import (CommOnlyMode, CountingBackend, TrainMode, UnboundComm, _ddp_buckets, _now,
-                                  _profile_step, _ready_fractions, flat_allreduce)
-from tools.bench.workload import DDP_CAPS, MB, MODES, BenchConfig, loss_fn, make_batch, make_model
+                                  _profile_step, _ready_fractions, check_averaged_once, check_update_in_backward,
+                                  ddp_compiled_autograd, flat_allreduce)
+from tools.bench.workload import (CA_FUSE_PASSES, DDP_CAPS, MB, MODES, OPTIMIZER, BenchConfig, loss_fn, make_batch,
+                                  make_model, make_optimizer)
 
 
 def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None:
     """Build every mode from one seeded model, time them interleaved, gather to rank 0's file.
 
     graphddp is built first: its schedule gives comm_only / ideal_overlap their bucket list and
-    ddp_same_buckets its caps. Each mode's first step (compile included) is timed apart.
+    ddp_same_buckets its caps. ddp_compiled_autograd is built last (its DDP touches
+    process-wide settings). Each mode's first step (compile included) is timed apart. After
+    the timed rounds, the two modes of issue 11 are checked (their gradients averaged once;
+    the in-backward step equal to torch's), then every mode runs one profiled step.
     """
     import graphddp
 
@@ -66,6 +71,15 @@ def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None
         # The same caps without last_bucket_cap_mb: what the small tail bucket buys, in this run.
         m = graphddp.compile(copy.deepcopy(base), **{**cfg.graphddp.as_options(), "last_bucket_cap_mb": None})
         first_step("graphddp_tail_off", TrainMode("graphddp_tail_off", m, m.parameters(), batch, loss))
+
+    if "graphddp_optim" in cfg.modes:
+        # The optimizer first, over the module's parameters, then attached: its update runs
+        # inside the backward and TrainMode's step()/zero_grad() on it are no-ops.
+        model = copy.deepcopy(base)
+        opt = make_optimizer(model.parameters())
+        m = graphddp.compile(model, optimizer=opt, **cfg.graphddp.as_options())
+        first_step("graphddp_optim", TrainMode("graphddp_optim", m, None, batch, loss, opt=opt))
+        info["graphddp_optim"] = {"optimizer": OPTIMIZER, "buckets": sum(len(s.buckets) for s in m.schedules)}
 
     counting = CountingBackend(cfg.graphddp.backend)
     if "compute_only" in cfg.modes:
@@ -124,6 +138,15 @@ def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None
                 f"{torch._dynamo.config.optimize_ddp!r}); the baseline would not be DDP+compile as users run it"
             )
 
+    if "ddp_compiled_autograd" in cfg.modes:
+        # Last of the compiled modes: its DDP construction touches process-wide settings
+        # (restored by ddp_compiled_autograd(); see there).
+        m, ca_backward = ddp_compiled_autograd(copy.deepcopy(base), cfg.graphddp.backend)
+        first_step("ddp_compiled_autograd", TrainMode("ddp_compiled_autograd", m, m.parameters(), batch, loss,
+                                                      backward_ctx=ca_backward))
+        info["ddp_compiled_autograd"] = {"fuse_passes": list(CA_FUSE_PASSES),
+                                         "fuse_bucket_mb": ca_backward.bucket_size_mb}
+
     info["ready"] = _ready_fractions(cfg, base, batch, loss, [list(b.param_names) for b in buckets])
 
     # The timed rounds: every mode once per round, order rotated each round.
@@ -143,11 +166,14 @@ def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None
 
     # DDP rebuilds its buckets in gradient-ready order at the second forward; read them now.
     # Their buffers live as long as the model: the memory figures add them to DDP's peak.
+    # torch.compile(DDP(...)) (ddp_compiled_autograd) too: its C++ reducer, unused by the
+    # Python reducer, still allocates its bucket buffers.
     for name in order:
-        if isinstance(getattr(modes[name], "model", None), DDP):
-            local = {id(p): n for n, p in modes[name].model.module.named_parameters()}
+        ddp = _as_ddp(getattr(modes[name], "model", None))
+        if ddp is not None:
+            local = {id(p): n for n, p in ddp.module.named_parameters()}
             try:
-                info.setdefault("ddp_buckets", {})[name] = _ddp_buckets(modes[name].model, local)
+                info.setdefault("ddp_buckets", {})[name] = _ddp_buckets(ddp, local)
             except (RuntimeError, AttributeError) as e:  # a reducer without readable buckets
                 info.setdefault("ddp_buckets_unreadable", {})[name] = repr(e)
     if "ddp_same_buckets" in info.get("ddp_buckets", {}):
@@ -156,9 +182,41 @@ def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None
         info["ddp_same_buckets"]["same_sizes"] = [b["nbytes"] for b in got] == [b.nbytes for b in buckets]
         info["ddp_same_buckets"]["same_params"] = [sorted(b["params"]) for b in got] == [sorted(b.param_names) for b in buckets]
 
+    if "ddp_compiled_autograd" in modes:
+        _check_compiled_autograd(modes["ddp_compiled_autograd"], world, info["ddp_compiled_autograd"])
+    if "graphddp_optim" in modes:
+        mode = modes["graphddp_optim"]
+        info["graphddp_optim"]["step_vs_torch"] = check_update_in_backward(mode, mode.model.module, world)
+
     profiles = {name: _profile_step(modes[name]) for name in order}
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, {"records": records, "first": first, "profiles": profiles, "info": info})
     if rank == 0:
         with open(result_path, "w") as f:
             json.dump(gathered, f)
+
+
+def _check_compiled_autograd(mode: TrainMode, world: int, info: dict[str, Any]) -> None:
+    """ddp_compiled_autograd must all-reduce, and average once: else it is no DDP baseline.
+
+    Without compiled autograd around its backward, or with the hooks traced away, the
+    gradients would stay local (or come out summed); both fail here, as DDPOptimizer's
+    unsplit graph fails ddp_compiled's check.
+    """
+    ddp = mode.model._orig_mod  # torch.compile(DDP(module))
+    errors = check_averaged_once(mode, ddp.module, world)
+    info["grad_error_vs_averaged_eager"] = errors
+    if not errors["averaged"] < 1e-3 < min(errors["summed"], errors["local"]):
+        raise RuntimeError(
+            f"ddp_compiled_autograd: its gradients are not the ranks' average of eager gradients "
+            f"(relative max error vs averaged {errors['averaged']:.2g}, vs summed {errors['summed']:.2g}, "
+            f"vs local {errors['local']:.2g}): compiled autograd or DDP's Python reducer did not all-reduce"
+        )
+
+
+def _as_ddp(model: nn.Module | None) -> nn.parallel.DistributedDataParallel | None:
+    """The DDP instance a mode trains through: the model itself, or what torch.compile wraps."""
+    for m in (model, getattr(model, "_orig_mod", None)):
+        if isinstance(m, nn.parallel.DistributedDataParallel):
+            return m
+    return None

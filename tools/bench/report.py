@@ -13,38 +13,42 @@ def render_table(s: dict[str, Any]) -> str:
         f"graphddp benchmark: model {cfg['model'] if not cfg['tiny'] else 'tiny mlp'}, "
         f"{s['graphddp_grad_mb']:.1f} MB of gradients in {s['graphddp_buckets']} graphddp buckets, "
         f"2 ranks x 1 thread, backend {cfg['backend']}, median of {cfg['steps']} steps after {cfg['warmup']} warm-up rounds",
-        f"optimizer: {cfg.get('optimizer', 'SGD(lr=1e-3, momentum=0.9)')} in every mode",
+        f"optimizer: {cfg.get('optimizer', 'SGD(lr=1e-3, momentum=0.9)')} in every mode (graphddp_optim: inside its backward)",
         f"compile s = first step - median step; inductor cache {'warm' if s['environment']['inductor_cache_was_warm'] else 'cold'} "
         f"({s['environment']['inductor_cache']})",
         f"network: {net['label']}",
     ]
     if cfg["backend"] != "inductor":
         lines.append(f"NOTE: compiled modes use backend={cfg['backend']!r}, not inductor (--tiny or --backend)")
-    head = f"{'mode':<20} {'step ms':>9} {'fwd':>8} {'bwd':>8} {'comm':>8} {'opt':>7} {'compile s':>9} {'peak MB':>8} {'cpu/wall':>8} {'rq ms':>6} {'cpu ms':>7} {'graphddp/x':>10}  note"
+    head = (f"{'mode':<21} {'step ms':>9} {'fwd':>8} {'bwd':>8} {'comm':>8} {'opt':>7} {'compile s':>9} {'peak MB':>8} "
+            f"{'cpu/wall':>8} {'rq ms':>6} {'cpu ms':>7} {'graphddp/x':>10} {'optim/x':>7}  note")
     lines += [head, "-" * len(head)]
     g = s["modes"].get("graphddp", {}).get("step_ms")
+    o = s["modes"].get("graphddp_optim", {}).get("step_ms")
     for name in REPORTED:
         r = s["modes"].get(name)
         if not r:
             continue
         ratio = f"{g / r['step_ms']:.3f}" if g and name != "graphddp" else ""
+        optim = f"{o / r['step_ms']:.3f}" if o and name != "graphddp_optim" else ""
         lines.append(
-            f"{name:<20} {r['step_ms']:>9.1f} {r['fwd_ms']:>8.1f} {r['bwd_ms']:>8.1f} {r['comm_ms']:>8.1f} "
-            f"{r['opt_ms']:>7.1f} {r['compile_s']:>9.2f} {r.get('peak_mb', r['peak_step_mb']):>8.1f} {r['cpu_per_wall']:>8.2f} {r['rq_wait_ms']:>6.1f} {r.get('machine_cpu_ms', float('nan')):>7.0f} {ratio:>10}  {r['note']}"
+            f"{name:<21} {r['step_ms']:>9.1f} {r['fwd_ms']:>8.1f} {r['bwd_ms']:>8.1f} {r['comm_ms']:>8.1f} "
+            f"{r['opt_ms']:>7.1f} {r['compile_s']:>9.2f} {r.get('peak_mb', r['peak_step_mb']):>8.1f} {r['cpu_per_wall']:>8.2f} "
+            f"{r['rq_wait_ms']:>6.1f} {r.get('machine_cpu_ms', float('nan')):>7.0f} {ratio:>10} {optim:>7}  {r['note']}"
         )
     b = s["bounds"]
     if "max_compute_comm_ms" in b:  # needs compute_only and comm_only among the modes run
         lines.append("-" * len(head))
-        lines.append(f"{'max(compute,comm)':<20} {b['max_compute_comm_ms']:>9.1f} {'':>91} {s['ratios']['max_compute_comm_bound']:>10.3f}  bound")
-        lines.append(f"{'release-time':<20} {b['release_time_ms']:>9.1f} {'':>91} {s['ratios']['release_time_bound']:>10.3f}  "
+        lines.append(f"{'max(compute,comm)':<21} {b['max_compute_comm_ms']:>9.1f} {'':>77} {s['ratios']['max_compute_comm_bound']:>10.3f}  bound")
+        lines.append(f"{'release-time':<21} {b['release_time_ms']:>9.1f} {'':>77} {s['ratios']['release_time_bound']:>10.3f}  "
                      f"bound (link tail after backward {b['tail_after_backward_ms']:.1f} ms; ready times from eager hooks)")
         if "link_model" in b:  # bench.json files written before the fit have none
             lm = b["link_model"]
-            lines.append(f"{'':<20} release-time link: graphddp.cost.simulate, CostModel fitted to comm_only's buckets: "
+            lines.append(f"{'':<21} release-time link: graphddp.cost.simulate, CostModel fitted to comm_only's buckets: "
                          f"{lm['bandwidth_gbps']:.3g} Gbit/s, {lm['latency_us']:.0f} us per ring step")
         if "release_time_graphddp_issue_ms" in b:
             v = b["release_time_graphddp_issue_ms"]
-            lines.append(f"{'release-time*':<20} {v:>9.1f} {'':>91} {s['modes']['graphddp']['step_ms'] / v:>10.3f}  "
+            lines.append(f"{'release-time*':<21} {v:>9.1f} {'':>77} {s['modes']['graphddp']['step_ms'] / v:>10.3f}  "
                          "bound, ready times = graphddp's own issue times (profiled step)")
     if s["exposed_comm_ms"] is not None:
         lines.append(f"exposed communication (graphddp - compute_only): {s['exposed_comm_ms']:.1f} ms")
@@ -58,28 +62,43 @@ def render_table(s: dict[str, Any]) -> str:
     lines.append("cpu/wall: main-thread CPU time / wall time; rq ms: time the main thread was runnable "
                  "but had no core (median per step, worst rank): > 0 means the 2 cores were oversubscribed")
     lines.append("peak MB: torch CPU-allocator peak during one step above its start (torch.profiler "
-                 "profile_memory), plus the gradients alive at its start (kept between steps) and, for DDP, its "
-                 "reducer's bucket buffers, which live as long as the model; max over ranks; parameters and "
-                 "optimizer state left out")
+                 "profile_memory), plus the gradients alive at its start (kept between steps; none for "
+                 "graphddp_optim) and, for DDP, its reducer's bucket buffers, which live as long as the model; "
+                 "max over ranks; parameters and optimizer state left out")
     ov = s.get("graphddp_overlap")
     if ov:
         lines.append(f"graphddp all-reduces issued at {', '.join('%.0f%%' % (100 * f) for f in ov['issue_fraction'])} of its "
                      f"backward; waits {', '.join('%.1f' % w for w in ov['wait_ms'])} ms (profiled step)")
     lines.append("targets:")
     for t in s["targets"]:
+        if t.get("kind") == "memory":
+            lines.append(_memory_target_line(t))
+            continue
         extra = ""
-        if t.get("release_bound_ms") and not t["target"].endswith("bound"):
+        if t["target"].startswith("graphddp_optim"):  # no bound models an update inside the backward
+            extra = f"  needs a step <= {t['needs_ms']:.0f} ms"
+        elif t.get("release_bound_ms") and not t["target"].endswith("bound"):
             extra = (f"  needs a step <= {t['needs_ms']:.0f} ms; release-time bound {t['release_bound_ms']:.0f} ms"
                      + (" (target below the bound)" if t["below_release_bound"] else ""))
             if t.get("ideal_overlap_ms"):
                 extra += (f"; ideal_overlap {t['ideal_overlap_ms']:.0f} ms"
                           + (" (target below this measured floor)" if t["below_measured_floor"] else ""))
-        lines.append(f"  {t['target']:<32} {t['ratio']:.3f}  (<= {t['limit']:.2f})  {'met' if t['met'] else 'MISSED'}{extra}")
+        lines.append(f"  {t['target']:<40} {t['ratio']:.3f}  (<= {t['limit']:.2f})  {'met' if t['met'] else 'MISSED'}{extra}")
     for name in ("ddp_compiled", "ddp_compiled_samecap"):
         dc = s.get(name)
         if dc:
             lines.append(f"{name}: DDPOptimizer split the model into {dc['graphs']} graphs (model alone: "
                          f"{dc['graphs_without_ddp']}), checked")
+    ca = s.get("ddp_compiled_autograd")
+    if ca and "grad_error_vs_averaged_eager" in ca:
+        e = ca["grad_error_vs_averaged_eager"]
+        lines.append(f"ddp_compiled_autograd: gradients = the ranks' average of eager gradients (relative max error "
+                     f"{e['averaged']:.1e}; vs summed {e['summed']:.2f}, vs local {e['local']:.2f}), checked")
+    check = (s.get("graphddp_optim") or {}).get("step_vs_torch")
+    if check:
+        lines.append(f"graphddp_optim: one step against torch.optim's on a copy (same state, the ranks' average of eager "
+                     f"gradients): parameters differ by {check['relative']:.1e} of the step's move (L2); "
+                     f"every p.grad None after it: {check['grads_none']}")
     sb = s.get("ddp_same_buckets")
     if sb and "ddp_bucket_mb" in sb:
         lines.append(f"ddp_same_buckets via {sb['method']}: DDP buckets {['%.2f' % x for x in sb['ddp_bucket_mb']]} MB, "
@@ -87,6 +106,12 @@ def render_table(s: dict[str, Any]) -> str:
     for w in s.get("warnings", []):
         lines.append(f"WARNING: {w}")
     return "\n".join(lines)
+
+
+def _memory_target_line(t: dict[str, Any]) -> str:
+    return (f"  {t['target']:<40} {t['ratio']:.3f}  (<= {t['limit']:.2f})  {'met' if t['met'] else 'MISSED'}  "
+            f"graphddp_optim peak {t['graphddp_optim_peak_mb']:.1f} MB; needs <= {t['needs_mb']:.1f} MB = "
+            f"{t['ddp_mode']} peak {t['ddp_peak_mb']:.1f} MB - {t['grad_mb']:.1f} MB of gradients")
 
 
 def plot(s: dict[str, Any], path: str) -> str:

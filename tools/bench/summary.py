@@ -11,7 +11,7 @@ import torch
 
 from graphddp.schedule import Schedule
 from tools.bench.release import fit_link, release_timeline
-from tools.bench.workload import DDP_CAPS, MB, OPTIMIZER, TARGETS, BenchConfig
+from tools.bench.workload import DDP_CAPS, MB, MEMORY_TARGET, OPTIMIZER, TARGETS, BenchConfig
 
 
 def _median(xs: list[float]) -> float:
@@ -82,8 +82,11 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
         "ddp_compiled_samecap": "DDP(torch.compile) + DDPOptimizer, "
                                 f"{info.get('ddp_compiled_samecap', {}).get('graphs', '?')} graphs, "
                                 f"cap {g.effective_bucket_cap_mb:g} MB (graphddp's)",
+        "ddp_compiled_autograd": _compiled_autograd_note(g.backend, info.get("ddp_compiled_autograd", {})),
         "graphddp": f"graphddp.compile({g.backend}), caps {g.effective_bucket_cap_mb:g} MB, first "
-                    f"{g.effective_first_bucket_cap_mb:g}, last {g.last_bucket_cap_mb if g.last_bucket_cap_mb is not None else 'off'}",
+                    f"{g.effective_first_bucket_cap_mb:g}, last {g.last_bucket_cap_mb if g.last_bucket_cap_mb is not None else 'off'}"
+                    ", separate optimizer",
+        "graphddp_optim": "graphddp, same caps, optimizer inside the backward (its update is in bwd)",
     }
     for c in DDP_CAPS:
         notes[f"ddp_cap{c}"] = f"DDP eager, bucket_cap_mb={c}"
@@ -133,30 +136,23 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
         # bucket released at once. No gradient-dependent schedule can beat it.
         bounds["ideal_overlap_ms"] = modes["ideal_overlap"]["step_ms"]
     eager_ddp = [n for n in ("ddp_default", "ddp_same_buckets", *caps) if n in modes]
-    denominators = {n: modes[n]["step_ms"] for n in modes if n != "graphddp"}
-    if eager_ddp:
-        best_eager = min(eager_ddp, key=lambda n: modes[n]["step_ms"])
+    best_eager = min(eager_ddp, key=lambda n: modes[n]["step_ms"]) if eager_ddp else None
+    denominators = {n: modes[n]["step_ms"] for n in modes}
+    if best_eager:
         denominators["best_eager_ddp"] = modes[best_eager]["step_ms"]
     if "max_compute_comm_ms" in bounds:
         denominators["max_compute_comm_bound"] = bounds["max_compute_comm_ms"]
         denominators["release_time_bound"] = bounds["release_time_ms"]
         if "release_time_graphddp_issue_ms" in bounds:
             denominators["release_time_graphddp_issue_bound"] = bounds["release_time_graphddp_issue_ms"]
-    if g:
-        ratios = {k_: g / v for k_, v in denominators.items() if v}
-    targets = []
-    for label, key, limit in TARGETS:
-        if key in ratios:
-            # The step time the target asks for, next to the release-time bound: a target below
-            # the bound cannot be met by any schedule of these buckets on this link.
-            needs = limit * denominators[key]
-            known = [bounds[k_] for k_ in ("release_time_ms", "release_time_graphddp_issue_ms") if k_ in bounds]
-            floor = min(known) if known else None
-            targets.append({"target": label, "ratio": ratios[key], "limit": limit, "met": ratios[key] <= limit,
-                            "needs_ms": needs, "release_bound_ms": floor,
-                            "below_release_bound": floor is not None and key != "release_time_bound" and needs < floor,
-                            "ideal_overlap_ms": bounds.get("ideal_overlap_ms"),
-                            "below_measured_floor": "ideal_overlap_ms" in bounds and needs < bounds["ideal_overlap_ms"]})
+    by_mode = {n: _ratios(modes, n, denominators) for n in ("graphddp", "graphddp_optim")}
+    ratios, optim_ratios = by_mode["graphddp"], by_mode["graphddp_optim"]
+    targets = [_step_target(label, by_mode[num][key], limit, denominators[key], bounds if num == "graphddp" else {},
+                            bound_itself=key == "release_time_bound")
+               for label, num, key, limit in TARGETS if key in by_mode[num]]
+    memory = _memory_target(modes, best_eager, sum(b["nbytes"] for b in info["graphddp"]["buckets"]) / MB)
+    if memory:
+        targets.append(memory)
     exposed = (g - c["step_ms"]) if (g and c) else None
     warnings = []
     waited = sum(x["rq_wait"] for r in ranks for recs in r["records"].values() for x in recs)
@@ -165,6 +161,10 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
     if c and c["cpu_per_wall"] < 0.9:
         warnings.append(f"compute_only's main thread got {c['cpu_per_wall']:.2f} s of CPU per wall second: "
                         "other processes competed for the 2 cores, so times are noisy/inflated")
+    check = (info.get("graphddp_optim") or {}).get("step_vs_torch")
+    if check and not (check["relative"] < 1e-3 and check["grads_none"]):
+        warnings.append(f"graphddp_optim's in-backward step differs from torch.optim's by {check['relative']:.2g} of the "
+                        f"step's move (L2), grads None after it: {check['grads_none']}: its update does not match torch's")
     if contention > 0.05:
         warnings.append(f"the ranks' main threads waited for a core {100 * contention:.0f}% of the timed steps "
                         "(runqueue delay, /proc/thread-self/schedstat): the cores were shared")
@@ -182,8 +182,9 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
         "memory_note": ("peak_step_mb: peak of torch CPU-allocator bytes during one extra step above the "
                         "bytes live at its start (torch.profiler profile_memory; the step frees the old "
                         "grads with zero_grad(set_to_none) first). held_grad_mb: those old grads, alive "
-                        "between steps. persistent_comm_mb: DDP's reducer bucket buffers, alive for the "
-                        "model's lifetime. peak_mb = peak_step_mb + held_grad_mb + "
+                        "between steps (none for graphddp_optim, whose gradients die with their bucket). "
+                        "persistent_comm_mb: DDP's reducer bucket buffers, alive for the model's lifetime "
+                        "(the Python reducer's DDP allocates them too). peak_mb = peak_step_mb + held_grad_mb + "
                         "persistent_comm_mb: the memory a mode needs beyond parameters, optimizer state and "
                         "gloo's own buffers. retained_mb: allocator bytes still live after the step minus at "
                         "its start. Max over ranks. Before held_grad_mb (runs published before issue 11), "
@@ -191,7 +192,9 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
         "modes": modes,
         "bounds": bounds,
         "ratios": ratios,
+        "optim_ratios": optim_ratios,
         "targets": targets,
+        "memory_target": memory,
         "exposed_comm_ms": exposed,
         "graphddp_overlap": overlap,
         "warnings": warnings,
@@ -202,6 +205,8 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
         "graphddp_profile": ranks[0]["profiles"].get("graphddp"),
         "ddp_compiled": info.get("ddp_compiled"),
         "ddp_compiled_samecap": info.get("ddp_compiled_samecap"),
+        "ddp_compiled_autograd": info.get("ddp_compiled_autograd"),
+        "graphddp_optim": info.get("graphddp_optim"),
         "ddp_same_buckets": info.get("ddp_same_buckets"),
         "ddp_buckets_mb": {n: [b["nbytes"] / MB for b in v] for n, v in info.get("ddp_buckets", {}).items()},
         "ddp_same_buckets_params": [b["params"] for b in info.get("ddp_buckets", {}).get("ddp_same_buckets", [])],
@@ -225,3 +230,54 @@ def _graphddp_overlap(profile: dict | None) -> dict[str, Any] | None:
         "wait_ms": [w["dur_ms"] for w in waits],
         "note": "one extra graphddp step under torch.profiler, rank 0; times from the start of the compiled backward",
     }
+
+
+def _ratios(modes: dict[str, dict], numerator: str, denominators: dict[str, float]) -> dict[str, float]:
+    """``numerator``'s step over every other figure; empty when that mode did not run."""
+    step = modes.get(numerator, {}).get("step_ms")
+    if not step:
+        return {}
+    return {k: step / v for k, v in denominators.items() if v and k != numerator}
+
+
+def _step_target(label: str, ratio: float, limit: float, denominator_ms: float, bounds: dict[str, Any], *,
+                 bound_itself: bool) -> dict[str, Any]:
+    """One step-time target, with the step it asks for next to the bounds.
+
+    A target below the release-time bound cannot be met by any schedule of these buckets on
+    this link. The bounds model a separate optimizer step after the backward, so only
+    graphddp's targets get them (``bounds`` is empty for graphddp_optim's).
+    """
+    needs = limit * denominator_ms
+    known = [bounds[k] for k in ("release_time_ms", "release_time_graphddp_issue_ms") if k in bounds]
+    floor = min(known) if known else None
+    return {"target": label, "kind": "step", "ratio": ratio, "limit": limit, "met": ratio <= limit,
+            "needs_ms": needs, "release_bound_ms": floor,
+            "below_release_bound": floor is not None and not bound_itself and needs < floor,
+            "ideal_overlap_ms": bounds.get("ideal_overlap_ms"),
+            "below_measured_floor": "ideal_overlap_ms" in bounds and needs < bounds["ideal_overlap_ms"]}
+
+
+def _memory_target(modes: dict[str, dict], ddp: str | None, grad_mb: float) -> dict[str, Any] | None:
+    """graphddp_optim's peak against ``ddp``'s (the best eager DDP) less the gradient bytes.
+
+    DDP holds every gradient until its optimizer step (and its reducer's buckets for the
+    model's lifetime); with the update inside the backward no gradient outlives its bucket,
+    so the issue asks for at least the gradients' worth of memory back.
+    """
+    optim = modes.get("graphddp_optim")
+    if not optim or not ddp:
+        return None
+    label, limit = MEMORY_TARGET
+    allowed = modes[ddp]["peak_mb"] - grad_mb
+    ratio = optim["peak_mb"] / allowed if allowed > 0 else float("inf")
+    return {"target": label, "kind": "memory", "ratio": ratio, "limit": limit, "met": ratio <= limit,
+            "graphddp_optim_peak_mb": optim["peak_mb"], "ddp_mode": ddp, "ddp_peak_mb": modes[ddp]["peak_mb"],
+            "grad_mb": grad_mb, "needs_mb": limit * allowed}
+
+
+def _compiled_autograd_note(backend: str, info: dict[str, Any]) -> str:
+    if backend != "inductor":  # the fusion passes are inductor's: one all-reduce per parameter
+        return f"torch.compile(DDP, python_reducer) + compiled autograd ({backend}: all-reduces not fused)"
+    return (f"torch.compile(DDP, python_reducer) + compiled autograd, inductor fusion "
+            f"{'+'.join(info.get('fuse_passes', ['?']))}, cap {info.get('fuse_bucket_mb', '?')} MB")
