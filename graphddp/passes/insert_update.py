@@ -83,6 +83,8 @@ def _parameter_nodes(graph: fx.Graph, names: list[str], inputs: UpdateInputs, ne
         sharing = by_storage.get(_storage(value), [])
         same = [ph for ph in sharing if _same_view(ph.meta["val"], value)]
         chosen[name] = node = same[0] if same else new[name]
+        if node is not new[name]:  # a saved input taken for the parameter: checked at run time
+            node.meta[ALIAS_OF] = name
         first = next(n for n in graph.nodes if n.op != "placeholder")
         for alias in sharing:
             if alias is node or not alias.users:
