@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import graphddp
@@ -33,6 +34,9 @@ from test_real_models import BreakGPT
 
 TIGHT = {"atol": 2e-6, "rtol": 1e-5}
 ADAM_NOISE = {"atol": 1e-4, "rtol": 1e-3}  # Adam on zero-gradient parameters (module docstring)
+# fp16 on the wire: gradients 1 ulp of half precision apart, which Adam's normalised step
+# passes on at up to lr * 2^-10 relative per step.
+FP16_ADAM = {"atol": 2e-4, "rtol": 2e-3}
 
 
 class CNN(nn.Module):
@@ -108,11 +112,13 @@ class Case:
     # Per graph with buckets: (steps updated inside the graph, steps left to torch's step).
     expect_runs: tuple = ((3, 1),)  # the step after no_sync updates after the backward
     form: str = "compile"  # or "backend": torch.compile(model, backend=graphddp.backend(model, ...))
+    fp16_compress: bool = False  # comm_hook="fp16_compress" here, DDP's fp16_compress_hook there
 
 
 CASES = {
     "cnn_adamw": Case(CNN, _cnn_loss, _adamw),
     "cnn_adam_amsgrad_groups_backend_form": Case(CNN, _cnn_loss, _amsgrad_groups, form="backend"),
+    "cnn_adamw_fp16_compress": Case(CNN, _cnn_loss, _adamw, tol=FP16_ADAM, fp16_compress=True),
     "tied_across_break_sgd_nesterov": Case(lambda: BreakGPT(vocab=64, dim=32, heads=2, layers=2, seq=8), _gpt_loss, _sgd,
                                            expect_runs=((3, 1), (3, 1))),  # the tied embedding: after, in both
     "hf_gpt2_adamw_round_trip": Case(_hf_gpt2, _hf_loss, _adamw, tol=ADAM_NOISE, round_trip=True),
@@ -145,8 +151,10 @@ def _train(rank: int, world: int, name: str) -> None:
             for p in ours_model.parameters():
                 p.add_(0.25)
     ref = DDP(copy.deepcopy(base))
+    if case.fp16_compress:
+        ref.register_comm_hook(None, default_hooks.fp16_compress_hook)
     opt, ref_opt = case.optimizer(ours_model), case.optimizer(ref.module)
-    options = dict(optimizer=opt, backend=case.backend, bucket_cap_mb=0.004)
+    options = dict(optimizer=opt, backend=case.backend, bucket_cap_mb=0.004, comm_hook="fp16_compress" if case.fp16_compress else None)
     if case.form == "backend":
         view = graphddp.backend(ours_model, **options)  # schedules, no_sync() and the replica, as below
         ours = torch.compile(ours_model, backend=view)
