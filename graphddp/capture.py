@@ -15,6 +15,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.flop_counter import flop_registry
 
@@ -34,6 +35,27 @@ def is_view(node: fx.Node) -> bool:
         return False
     target = node.target
     return target in _UNMARKED_VIEWS or (isinstance(target, torch._ops.OpOverload) and target.is_view)
+
+
+def views_of(node: fx.Node) -> list[fx.Node]:
+    """``node`` and every view of it, transitively (they share its storage); ``split``'s
+    pieces are reached through their ``getitem``."""
+    out: list[fx.Node] = []
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n in out:
+            continue
+        out.append(n)
+        todo.extend(u for u in n.users if is_view(u) or u.target is operator.getitem)
+    return out
+
+
+def storage_of(val: Any) -> int | None:
+    """Identity of the memory behind a (fake) tensor value, shared by its views; None for
+    anything else. Fake tensors keep their real counterparts' aliasing, so two graph inputs
+    with the same storage are the same memory at run time."""
+    return StorageWeakRef(val.untyped_storage()).cdata if isinstance(val, torch.Tensor) else None
 
 
 def is_compute(node: fx.Node) -> bool:

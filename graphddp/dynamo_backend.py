@@ -69,7 +69,9 @@ class GraphDDPBackend:
 
     Each Dynamo graph is compiled once. Its backward comes in two variants, chosen per
     forward call (see :mod:`graphddp.variants`): synchronising (rewritten) and local (for
-    ``no_sync``). ``sync_enabled`` is read at every forward call, never at compile time.
+    ``no_sync``); with an optimizer, a third (the all-reduces without the update) for steps
+    the graph cannot update alone. ``sync_enabled`` is read at every forward call, never at
+    compile time.
     """
 
     def __init__(
@@ -109,9 +111,10 @@ class GraphDDPBackend:
         self.graphs_compiled += 1
         state = GraphState()
         self.states.append(state)
-        self.param_sets.append(frozenset(param_inputs.values()))
+        names = frozenset(param_inputs.values())
+        self.param_sets.append(names)
         compiled = self._compile(gm, example_inputs, param_inputs, state, patches)
-        return self._runtime(compiled, frozenset(param_inputs.values()), state)
+        return self._runtime(compiled, names, state)
 
     def _runtime(self, compiled: Callable[..., Any], names: frozenset[str], state: GraphState) -> Callable[..., Any]:
         boxed = getattr(compiled, "_boxed_call", False)
@@ -223,29 +226,35 @@ class GraphDDPBackend:
             if self.config.verify:
                 verify(gm, schedule, {s.output_index: s.param_name for s in facts.slots})
         without_update = None
+        if self.optimizer is not None and fw_values:
+            schedule, without_update = self._add_updates(gm, schedule, graph_index, self.optimizer, fw_values)
+        log.info("graphddp plan for backward graph %d (fingerprint %s):\n%s", graph_index, schedule.fingerprint(), schedule.to_table())
+        return GraphRecord(schedule=schedule, graph=gm, without_update=without_update)
+
+
+    def _add_updates(
+        self, gm: fx.GraphModule, schedule: Schedule, graph_index: int, optimizer: AttachedOptimizer, fw_values: Mapping[str, Any]
+    ) -> tuple[Schedule, fx.GraphModule | None]:
+        """with_updates -> insert_update -> verify_updates; returns the schedule with its
+        updates and a copy of the graph from before them (None when nothing is updated)."""
         # A parameter another graph also reads (tied across a graph break) gets part of its
         # gradient there: it keeps the gradient route, and torch's step after the backward.
         elsewhere = {n for i, names in enumerate(self.param_sets) if i != graph_index for n in names}
-        updatable = [
-            n for n in schedule.param_names
-            if self.optimizer and self.optimizer.rule(n) and fw_values and n in fw_values and n not in elsewhere
-        ]
-        if updatable:
-            assert self.optimizer is not None and fw_values is not None
-            without_update = copy.deepcopy(gm)
-            schedule = with_updates(schedule, updatable, str(self.optimizer))
-            optimizer = self.optimizer
-            inputs = UpdateInputs(
-                rules={n: optimizer.rules[optimizer.group_of[n]] for n in updatable},
-                groups={n: optimizer.group_of[n] for n in updatable},
-                values={n: fw_values[n] for n in updatable},
-            )
-            insert_update(gm, schedule, inputs)
-            log.debug("backward graph %d after insert_update:\n%s", graph_index, gm.code)
-            if self.config.verify:
-                verify_updates(gm, schedule)
-        log.info("graphddp plan for backward graph %d (fingerprint %s):\n%s", graph_index, schedule.fingerprint(), schedule.to_table())
-        return GraphRecord(schedule=schedule, graph=gm, without_update=without_update)
+        updatable = [n for n in schedule.param_names if optimizer.rule(n) and n in fw_values and n not in elsewhere]
+        if not updatable:
+            return schedule, None
+        without_update = copy.deepcopy(gm)
+        schedule = with_updates(schedule, updatable, str(optimizer))
+        inputs = UpdateInputs(
+            rules={n: optimizer.rule(n) for n in updatable},
+            groups={n: optimizer.group_of[n] for n in updatable},
+            values={n: fw_values[n] for n in updatable},
+        )
+        insert_update(gm, schedule, inputs)
+        log.debug("backward graph %d after insert_update:\n%s", graph_index, gm.code)
+        if self.config.verify:
+            verify_updates(gm, schedule)
+        return schedule, without_update
 
 
 def _as_is(gm: fx.GraphModule) -> Callable[..., Any]:

@@ -55,6 +55,11 @@ SUPPORTED = ("SGD", "Adam", "AdamW")
 F64 = torch.float64
 
 
+def step_dtype() -> torch.dtype:
+    """The dtype of Adam's ``state["step"]``, as torch creates it (``_get_scalar_dtype``)."""
+    return F64 if torch.get_default_dtype() == F64 else torch.float32
+
+
 @dataclasses.dataclass(frozen=True)
 class UpdateRule:
     """What one param group's update compiles to: the optimizer and its shape-changing flags.
@@ -217,7 +222,6 @@ def _attached_zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -
 class UpdateArgs:
     """The extra graph inputs of one backward graph's update, built fresh at every step."""
 
-    names: tuple[str, ...]  # updated parameters, in graph order
     tensors: list[torch.Tensor]
     fresh_buffers: dict[str, torch.Tensor]  # SGD momentum buffers started by this step
 
@@ -298,7 +302,7 @@ class AttachedOptimizer:
             tensors.append(p)
             if rule.kind == "adam":
                 if "step" not in state:  # torch.optim.Adam._init_group, non-capturable
-                    state["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype() if torch.get_default_dtype() == F64 else torch.float32)
+                    state["step"] = torch.tensor(0.0, dtype=step_dtype())
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 if rule.flag("amsgrad") and "max_exp_avg_sq" not in state:
@@ -312,7 +316,7 @@ class AttachedOptimizer:
         for g in groups:
             group = self.optimizer.param_groups[g]
             tensors.extend(torch.tensor(v, dtype=F64) for v in _hyper_values(group, self.rules[g]))
-        return UpdateArgs(tuple(names), tensors, fresh)
+        return UpdateArgs(tensors, fresh)
 
     def updated(self, args: UpdateArgs) -> None:
         """After the graph ran ``args``: momentum buffers it started now belong to the state."""

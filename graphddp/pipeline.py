@@ -49,6 +49,7 @@ class GraphDDPCompileBackend(ReplicaView):
         self._replica = Replica(module, group, config, optimizer)
         self._param_ids = {id(p) for p in module.parameters()}
         self._wrap_forward()
+        _LIVE[:] = [ref for ref in _LIVE if ref() is not None]  # forget backends gone since
         _LIVE.append(weakref.ref(self))
 
     def _wrap_forward(self) -> None:

@@ -9,11 +9,12 @@ comes in share it:
 
 * ``graphddp.compile(model)`` returns a module whose ``forward`` calls
   :meth:`Replica.before_forward`, the compiled model, then :meth:`Replica.after_forward`;
-* ``torch.compile(model, backend=graphddp.backend(model))`` registers the same two calls as
-  the model's forward pre-hook and forward hook (which ``torch.compile(model)`` runs outside
-  Dynamo, around the compiled forward).
+* ``torch.compile(model, backend=graphddp.backend(model))`` wraps ``model.forward`` with the
+  same two calls, Dynamo-disabled, so they run eagerly around the compiled forward
+  (:mod:`graphddp.pipeline` says why not hooks).
 
-Wrap-time work (parameter agreement, the initial broadcast) is :func:`prepare`.
+Wrap-time work (parameter agreement, the initial broadcast, attaching an optimizer) is
+:func:`prepare`.
 """
 from __future__ import annotations
 

@@ -52,13 +52,12 @@ The checker reads the graph and the schedule; it never mutates either.
 """
 from __future__ import annotations
 
-import operator
 from typing import Any, Iterable, Mapping, NoReturn
 
 import torch
 import torch.fx as fx
 
-from graphddp.capture import is_view
+from graphddp.capture import views_of
 from graphddp.comm import CAST, ALL_REDUCE, BUCKET_KEY, ROLE_KEY, is_all_reduce, is_cast, is_ours, is_wait
 from graphddp.schedule import Bucket, GradSlot, Schedule, dtype_name
 
@@ -285,25 +284,12 @@ def _check_piece(g: _Graph, bucket: Bucket, i: int, piece: Any, slot: GradSlot, 
         _fail(g.gm, piece, f"{what}, {piece.name}, is {size} of {_numel(source)} elements; {slot.param_name!r} has {slot.numel}")
 
 
-def _aliases(node: fx.Node) -> list[fx.Node]:
-    """``node`` and every view of it, transitively (they share its storage)."""
-    out: list[fx.Node] = []
-    todo = [node]
-    while todo:
-        n = todo.pop()
-        if n in out:
-            continue
-        out.append(n)
-        todo.extend(u for u in n.users if is_view(u) or u.target is operator.getitem)  # split -> getitem
-    return out
-
-
 def _check_in_flight(g: _Graph, bucket: Bucket, ar: fx.Node) -> None:
     """The all-reduce is in place: its input must not be read after it is issued."""
     buffer = ar.args[0]
     if not isinstance(buffer, fx.Node):
         return
-    for alias in _aliases(buffer):
+    for alias in views_of(buffer):
         for reader in alias.users:
             if reader is not ar and g.before(ar, reader):
                 _fail(g.gm, reader, f"{reader.name} reads bucket {bucket.index}'s buffer {buffer.name} after its all-reduce {ar.name} was issued")

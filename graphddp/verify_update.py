@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
+from graphddp.capture import storage_of
 from graphddp.comm import BUCKET_KEY, ROLE_KEY, is_wait
 from graphddp.schedule import Schedule
 from graphddp.verify import VerificationError, _fail
@@ -39,8 +39,7 @@ aten = torch.ops.aten
 
 def _storage(node: Any) -> int | None:
     """Identity of the memory behind a node's (fake) value; views share it."""
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return StorageWeakRef(val.untyped_storage()).cdata if isinstance(val, torch.Tensor) else None
+    return storage_of(node.meta.get("val")) if isinstance(node, fx.Node) else None
 
 
 def _root(node: fx.Node) -> fx.Node:

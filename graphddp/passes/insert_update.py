@@ -36,10 +36,9 @@ from typing import Any, Mapping
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphddp import optim
-from graphddp.capture import is_view
+from graphddp.capture import storage_of, views_of
 from graphddp.comm import BUCKET_KEY, ROLE_KEY
 from graphddp.passes.trace import splice, trace
 from graphddp.schedule import Schedule
@@ -64,23 +63,18 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (tuple(a.shape), tuple(a.stride()), a.storage_offset(), a.dtype) == (tuple(b.shape), tuple(b.stride()), b.storage_offset(), b.dtype)
 
 
-def _storage(val: Any) -> int | None:
-    """Identity of the memory behind a (fake) tensor; views share it."""
-    return StorageWeakRef(val.untyped_storage()).cdata if isinstance(val, torch.Tensor) else None
-
-
 def _parameter_nodes(graph: fx.Graph, names: list[str], inputs: UpdateInputs, new: dict[str, fx.Node]) -> dict[str, fx.Node]:
     """The node each parameter is read and updated through; aliases rewritten to views of it."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder" and n.meta.get(ROLE_KEY) != UPDATE_INPUT]
     by_storage: dict[int, list[fx.Node]] = {}
     for ph in placeholders:
-        ref = _storage(ph.meta.get("val"))
+        ref = storage_of(ph.meta.get("val"))
         if ref is not None:
             by_storage.setdefault(ref, []).append(ph)
     chosen: dict[str, fx.Node] = {}
     for name in names:
         value = inputs.values[name]
-        sharing = by_storage.get(_storage(value), [])
+        sharing = by_storage.get(storage_of(value), [])
         same = [ph for ph in sharing if _same_view(ph.meta["val"], value)]
         chosen[name] = node = same[0] if same else new[name]
         if node is not new[name]:  # a saved input taken for the parameter: checked at run time
@@ -113,7 +107,7 @@ def _new_inputs(graph: fx.Graph, schedule: Schedule, inputs: UpdateInputs) -> tu
             vals.append(p)
             for s in rule.state:
                 if s == "step":
-                    vals.append(torch.empty((), dtype=torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32))
+                    vals.append(torch.empty((), dtype=optim.step_dtype()))
                 elif s == "first":
                     vals.append(torch.empty((), dtype=torch.bool))
                 else:
@@ -146,12 +140,7 @@ def _update_point(graph: fx.Graph, index: int, params: list[fx.Node], grads: lis
     its parameters, whichever is last."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     last = [n for n in graph.nodes if n.meta.get(BUCKET_KEY) == index] + list(grads)
-    readers, todo = [], list(params)
-    while todo:  # readers of the parameter's memory, through views of it
-        for user in todo.pop().users:
-            readers.append(user)
-            if is_view(user):
-                todo.append(user)
+    readers = [user for p in params for view in views_of(p) for user in view.users]
     after = max(last + readers, key=order.__getitem__, default=None)
     return graph.output_node() if after is None else after.next
 
