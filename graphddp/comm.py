@@ -28,6 +28,22 @@ def is_all_reduce(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in COLLECTIVES
 
 
+def is_collective(node: fx.Node) -> bool:
+    """Any functional collective (a user hook may issue others than all-reduce); not a wait."""
+    target = node.target
+    return (
+        node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
+        and target.namespace == "_c10d_functional" and target != WAIT
+    )
+
+
+def group_of(node: fx.Node) -> object:
+    """The ``group_name`` argument of a functional collective."""
+    names = [a.name for a in node.target._schema.arguments]  # type: ignore[union-attr]
+    i = names.index("group_name")
+    return node.args[i] if len(node.args) > i else node.kwargs.get("group_name")
+
+
 def is_wait(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target == WAIT
 

@@ -65,19 +65,23 @@ A no-op when the schedule has no buckets.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
+from torch._guards import detect_fake_mode
 
 from graphddp import hooks
-from graphddp.comm import ALL_REDUCE, WAIT
+from graphddp.comm import ALL_REDUCE, BUCKET_KEY, ROLE_KEY, WAIT, group_of, is_collective, is_wait
 from graphddp.passes.trace import role, splice, trace
 from graphddp.schedule import Bucket, Schedule, dtype_name
+from graphddp.user_hooks import GradBucket, StateSpec, TracedHook
 
 aten = torch.ops.aten
 
 OUTPUT = "output"  # the wait_before that means "the graph's output node"
+HOOK_STATE = "hook_state"  # ROLE_KEY of the placeholders a user hook's state tensors get
+HOOK_STATE_SPEC = "graphddp_hook_state"  # their meta: the StateSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,15 +91,6 @@ class _Placement:
     bucket: Bucket
     issue: fx.Node  # the all-reduce chain goes right after this node
     wait: fx.Node  # the wait and unflatten views go right before this node
-
-
-@dataclasses.dataclass(frozen=True)
-class _Traced:
-    """One bucket's two halves, traced on the graph's fake values but not yet in the graph."""
-
-    placement: _Placement
-    issue: fx.GraphModule  # gradients -> all-reduce
-    wait: fx.GraphModule  # all-reduce -> gradients, views into the reduced buffer
 
 
 def _node_named(nodes: dict[str, fx.Node], bucket: Bucket, field: str, name: str) -> fx.Node:
@@ -161,7 +156,26 @@ def _place(gm: fx.GraphModule, schedule: Schedule, outs: Sequence[Any]) -> list[
     return placements
 
 
-# -- the bucket as two traced functions -----------------------------------------------------
+# -- a bucket is one traced function ----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class HookContext:
+    """What a user hook's ``GradBucket`` offers beyond the schedule: the process group and
+    the parameters (by name). Only needed for a :class:`~graphddp.user_hooks.TracedHook`."""
+
+    group: Any
+    parameters: Mapping[str, torch.nn.Parameter] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Traced:
+    """One bucket's function, traced on the graph's fake values but not yet in the graph."""
+
+    placement: _Placement
+    gm: fx.GraphModule  # (*gradients, *state tensors) -> one view per slot
+    late: frozenset[fx.Node]  # nodes that go at the wait point; the rest at the issue point
+    states: tuple[StateSpec, ...]  # the hook's state tensors, inputs after the gradients
 
 
 def _flatten(grads: Sequence[torch.Tensor], bucket: Bucket) -> torch.Tensor:
@@ -174,11 +188,34 @@ def _flatten(grads: Sequence[torch.Tensor], bucket: Bucket) -> torch.Tensor:
     return flats[0] if len(flats) == 1 else aten.cat.default(flats)
 
 
-def _issue_fn(bucket: Bucket, hook: hooks.CommHook, schedule: Schedule) -> Callable[..., torch.Tensor]:
-    """gradients -> flatten -> hook.compress -> divide -> in-place all-reduce (in flight)."""
+def _unflatten(done: torch.Tensor, bucket: Bucket) -> list[torch.Tensor]:
+    """One view per slot into the reduced buffer: DDP's gradient_as_bucket_view, no copy."""
+    with role("unflatten"):
+        return [
+            aten.view.default(aten.slice.Tensor(done, 0, off, off + slot.numel), list(slot.shape))
+            for slot, off in zip(bucket.slots, bucket.offsets())
+        ]
+
+
+def _check_result(bucket: Bucket, hook_name: str, done: Any, verb: str = "returns") -> None:
+    dtype = getattr(torch, bucket.dtype)
+    if not isinstance(done, torch.Tensor):
+        raise TypeError(
+            f"graphddp: comm hook {hook_name!r} returned {type(done).__name__} for bucket {bucket.index}; a traced hook "
+            "returns the averaged flat tensor (not a Future: collectives come from torch.distributed._functional_collectives)"
+        )
+    if done.dtype != dtype or tuple(done.shape) != (bucket.numel,):
+        raise RuntimeError(
+            f"graphddp: bucket {bucket.index}: hook {hook_name!r} {verb} {done.dtype} "
+            f"{list(done.shape)}, the bucket's gradients need {dtype} [{bucket.numel}]"
+        )
+
+
+def _builtin_fn(bucket: Bucket, hook: hooks.CommHook, schedule: Schedule) -> Callable[..., list[torch.Tensor]]:
+    """gradients -> flatten -> compress -> divide -> all_reduce_ -> wait -> decompress -> views."""
     wire = getattr(torch, bucket.comm_dtype or bucket.dtype)
 
-    def issue(*grads: torch.Tensor) -> torch.Tensor:
+    def run(*grads: torch.Tensor) -> list[torch.Tensor]:
         with role("flatten"):
             flat = _flatten(grads, bucket)
         with role("compress"):
@@ -190,68 +227,192 @@ def _issue_fn(bucket: Bucket, hook: hooks.CommHook, schedule: Schedule) -> Calla
         with role("scale"):
             scaled = aten.div.Tensor(sent, schedule.world_size)  # DDP pre-divides, after compressing
         with role("all_reduce"):
-            return ALL_REDUCE(scaled, "sum", schedule.group_name)
-
-    return issue
-
-
-def _wait_fn(bucket: Bucket, hook: hooks.CommHook) -> Callable[[torch.Tensor], list[torch.Tensor]]:
-    """all-reduce -> wait -> hook.decompress -> one view per slot into the reduced buffer."""
-    dtype = getattr(torch, bucket.dtype)
-
-    def wait(reduced: torch.Tensor) -> list[torch.Tensor]:
+            reduced = ALL_REDUCE(scaled, "sum", schedule.group_name)
         with role("wait"):
             done = WAIT(reduced)
         with role("decompress"):
             done = hook.decompress(done, bucket)
-        if done.dtype != dtype or tuple(done.shape) != (bucket.numel,):
-            raise RuntimeError(
-                f"graphddp: bucket {bucket.index}: hook {hook.name!r} decompresses to {done.dtype} "
-                f"{list(done.shape)}, the bucket's gradients need {dtype} [{bucket.numel}]"
-            )
-        with role("unflatten"):  # views, not copies: DDP's gradient_as_bucket_view
-            return [
-                aten.view.default(aten.slice.Tensor(done, 0, off, off + slot.numel), list(slot.shape))
-                for slot, off in zip(bucket.slots, bucket.offsets())
-            ]
+        _check_result(bucket, hook.name, done, "decompresses to")
+        return _unflatten(done, bucket)
 
-    return wait
+    return run
+
+
+def _user_fn(
+    bucket: Bucket, hook: TracedHook, schedule: Schedule, ctx: HookContext, declared: list[StateSpec] | None
+) -> Callable[..., list[torch.Tensor]]:
+    """gradients -> flatten (fresh memory) -> the user's hook -> views; ``declared`` None: a
+    dry run that only learns the hook's state tensors (appended to ``learned``)."""
+    n = len(bucket.slots)
+    params = [ctx.parameters[name] for name in bucket.param_names if name in ctx.parameters]
+
+    def run(*args: torch.Tensor) -> list[torch.Tensor]:
+        grads, states = args[:n], args[n:]
+        with role("flatten"):
+            flat = _flatten(grads, bucket)
+            if n == 1:  # the hook may write its buffer in place: never the gradient's own memory
+                flat = aten.clone.default(flat)
+        is_last = bucket.index == schedule.num_buckets - 1
+        gb = GradBucket(bucket, flat, ctx.group, schedule.world_size, is_last, params, None if declared is None else states)
+        with role("hook"):
+            done = hook(gb)
+        if declared is None:
+            run.learned = gb.declared  # type: ignore[attr-defined]
+        _check_result(bucket, hook.name, done)
+        return _unflatten(done, bucket)
+
+    return run
+
+
+def _hook_advice(e: Exception) -> str:
+    text = f"{type(e).__name__}: {e}"
+    if "DataDependent" in type(e).__name__ or "data-dependent" in text:
+        return "it reads a tensor's value in Python (.item(), `if tensor:`, a tensor as a size); compute with tensor ops instead"
+    if "Future" in text or "Work" in text:
+        return "it uses an eager collective or a Future; use torch.distributed._functional_collectives on bucket.group and return the tensor"
+    return "see graphddp.user_hooks for what a traced hook may do"
+
+
+def _trace_user_bucket(p: _Placement, outs: Sequence[Any], schedule: Schedule, hook: TracedHook, ctx: HookContext) -> _Traced:
+    bucket = p.bucket
+    what = f"comm hook {hook.name!r} on bucket {bucket.index}"
+    grads = [outs[slot.output_index].meta["val"] for slot in bucket.slots]
+    fake_mode = detect_fake_mode(tuple(grads))
+    try:
+        dry = _user_fn(bucket, hook, schedule, ctx, None)
+        with fake_mode:
+            dry(*grads)
+            specs = list(dry.learned)  # type: ignore[attr-defined]
+            states = [torch.empty(s.shape, dtype=s.dtype, device=s.device) for s in specs]
+        gm = trace(_user_fn(bucket, hook, schedule, ctx, specs), [*grads, *states], what)
+    except (TypeError, RuntimeError, ValueError) as e:
+        if str(e).startswith("graphddp"):
+            raise
+        raise RuntimeError(f"graphddp: {what} cannot be traced ({_hook_advice(e)}): {type(e).__name__}: {e}") from e
+    except Exception as e:  # noqa: BLE001 - anything the tracer raises, named with the hook
+        raise RuntimeError(f"graphddp: {what} cannot be traced ({_hook_advice(e)}): {type(e).__name__}: {e}") from e
+    _check_user_ops(gm, schedule, what)
+    return _Traced(p, gm, _late_part(gm, what), tuple(specs))
+
+
+def _check_user_ops(gm: fx.GraphModule, schedule: Schedule, what: str) -> None:
+    """Refuse what traces but would be wrong in the graph: eager collectives, random numbers,
+    collectives on another group."""
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        if target.namespace == "c10d":
+            raise RuntimeError(f"graphddp: {what} calls {target}, an eager collective; use torch.distributed._functional_collectives")
+        if torch.Tag.nondeterministic_seeded in target.tags:
+            raise RuntimeError(f"graphddp: {what} draws random numbers ({target}) inside the graph; ranks would disagree. Draw them outside, into state")
+        if is_collective(node):
+            group = group_of(node)
+            if group != schedule.group_name:
+                raise RuntimeError(f"graphddp: {what} runs {target} on group {group!r}; use bucket.group ({schedule.group_name!r})")
+
+
+def _descendants(start: Sequence[fx.Node]) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    todo = list(start)
+    while todo:
+        node = todo.pop()
+        if node in seen or node.op == "output":
+            continue
+        seen.add(node)
+        todo.extend(node.users)
+    return seen
+
+
+def _late_part(gm: fx.GraphModule, what: str) -> frozenset[fx.Node]:
+    """The nodes that go at the wait point: the waits of the last stage and what follows.
+
+    The last stage is the collectives no other collective depends on. Everything else, the
+    earlier stages with their waits included, goes at the issue point.
+    """
+    nodes = list(gm.graph.nodes)
+    collectives = [n for n in nodes if is_collective(n)]
+    after = {c: _descendants(list(c.users)) for c in collectives}
+    last = [c for c in collectives if not any(other in after[c] for other in collectives if other is not c)]
+    late = frozenset(_descendants([u for c in last for u in c.users if is_wait(u)]))
+    order = {n: i for i, n in enumerate(nodes)}
+    for node in nodes:  # moving the late part after the early one must not reorder a write
+        target = node.target
+        if node in late or not isinstance(target, torch._ops.OpOverload) or not target._schema.is_mutable:
+            continue
+        written = node.args[0] if node.args else None
+        for reader in getattr(written, "users", ()):
+            if reader in late and order[reader] < order[node]:
+                raise RuntimeError(
+                    f"graphddp: {what}: {node.name} writes {written.name} after {reader.name}, which needs the last "
+                    "collective's result, reads it; write state after the last wait"
+                )
+    return late
 
 
 def _trace_bucket(p: _Placement, outs: Sequence[Any], schedule: Schedule, hook: hooks.CommHook) -> _Traced:
-    """Trace both halves of one bucket on the fake values of its gradients; edits nothing."""
-    bucket = p.bucket
-    what = f"bucket {bucket.index} (hook {hook.name!r})"
-    grads = [outs[slot.output_index].meta["val"] for slot in bucket.slots]
-    issue = trace(_issue_fn(bucket, hook, schedule), grads, f"the issue half of {what}")
-    reduced = issue.graph.output_node().args[0].meta["val"]
-    wait = trace(_wait_fn(bucket, hook), [reduced], f"the wait half of {what}")
-    return _Traced(p, issue, wait)
+    """The built-in hook's bucket traced on the fake values of its gradients; edits nothing."""
+    what = f"bucket {p.bucket.index} (hook {hook.name!r})"
+    grads = [outs[slot.output_index].meta["val"] for slot in p.bucket.slots]
+    gm = trace(_builtin_fn(p.bucket, hook, schedule), grads, what)
+    return _Traced(p, gm, _late_part(gm, what), ())
 
 
-def insert_allreduce(gm: fx.GraphModule, schedule: Schedule, *, hook: hooks.CommHook | None = None) -> fx.GraphModule:
-    """Insert one bucketed async all-reduce per schedule bucket (see module docstring).
+def _add_state_inputs(graph: fx.Graph, traced: Sequence[_Traced]) -> dict[int, list[fx.Node]]:
+    """Placeholders for every bucket's hook state, after the existing ones (role hook_state)."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    last = placeholders[-1] if placeholders else None
+    by_bucket: dict[int, list[fx.Node]] = {}
+    fake = [t.gm.graph.find_nodes(op="placeholder") for t in traced]
+    for t, phs in zip(traced, fake):
+        index = t.placement.bucket.index
+        for spec, ph in zip(t.states, phs[len(t.placement.bucket.slots):]):
+            with graph.inserting_after(last):
+                node = graph.placeholder(f"hook_state_{index}_{spec.name}")
+            node.meta["val"] = ph.meta["val"]
+            node.meta[ROLE_KEY] = HOOK_STATE
+            node.meta[BUCKET_KEY] = index
+            node.meta[HOOK_STATE_SPEC] = spec
+            by_bucket.setdefault(index, []).append(node)
+            last = node
+    return by_bucket
+
+
+def insert_allreduce(
+    gm: fx.GraphModule, schedule: Schedule, *, hook: hooks.CommHook | TracedHook | None = None,
+    context: HookContext | None = None,
+) -> fx.GraphModule:
+    """Insert every schedule bucket's communication (see module docstring).
 
     ``hook`` is traced around every bucket's all-reduce; by default each bucket gets the
-    built-in hook its ``comm_dtype`` names (``hooks.for_bucket``).
+    built-in hook its ``comm_dtype`` names (``hooks.for_bucket``). A
+    :class:`~graphddp.user_hooks.TracedHook` replaces the all-reduce with the user's function
+    (``context`` gives it the process group and the parameters); the state tensors it declares
+    become placeholders (``meta[ROLE_KEY] == "hook_state"``, ``meta[HOOK_STATE_SPEC]``).
     """
     graph = gm.graph
     output = graph.output_node()
     outs: list[Any] = list(output.args[0])
     placements = _place(gm, schedule, outs)
-    traced = [_trace_bucket(p, outs, schedule, hook or hooks.for_bucket(p.bucket)) for p in placements]
+    if isinstance(hook, TracedHook):
+        ctx = context or HookContext(group=None)
+        traced = [_trace_user_bucket(p, outs, schedule, hook, ctx) for p in placements]
+    else:
+        traced = [_trace_bucket(p, outs, schedule, hook or hooks.for_bucket(p.bucket)) for p in placements]
     # Edits start here, once every bucket has been placed and traced.
+    states = _add_state_inputs(graph, traced)
+    last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
     cursor: dict[fx.Node, fx.Node] = {}  # issue point -> last node inserted after it
-    reduced: list[fx.Node] = []  # each bucket's all-reduce, in schedule order
+    results = []
     for t in traced:
         p = t.placement
         grads = [outs[slot.output_index] for slot in p.bucket.slots]
-        before = cursor.get(p.issue, p.issue).next
-        reduced.append(splice(graph, t.issue, grads, before, p.bucket.index))
-        cursor[p.issue] = before.prev  # the next bucket issued at this point follows this one
-    for t, all_reduce in zip(traced, reduced):
-        p = t.placement
-        views = splice(graph, t.wait, [all_reduce], p.wait, p.bucket.index)
+        issue = last_placeholder if p.issue.op == "placeholder" else p.issue
+        early = cursor.get(issue, issue).next
+        views = splice(graph, t.gm, grads + states.get(p.bucket.index, []), early, p.bucket.index, late=(t.late, p.wait))
+        cursor[issue] = early.prev  # the next bucket issued at this point follows this one
+        results.append((p, views))
+    for p, views in results:
         for slot, view in zip(p.bucket.slots, views, strict=True):
             outs[slot.output_index] = view
     output.args = (tuple(outs),)

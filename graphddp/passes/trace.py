@@ -15,7 +15,7 @@ splicing so a caller can trace (and check) everything before it edits anything.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -68,25 +68,31 @@ def trace(
     return traced
 
 
-def splice(graph: fx.Graph, traced: fx.GraphModule, inputs: Sequence[fx.Node], before: fx.Node, bucket: int) -> Any:
+def splice(
+    graph: fx.Graph, traced: fx.GraphModule, inputs: Sequence[fx.Node], before: fx.Node, bucket: int,
+    late: tuple[Collection[fx.Node], fx.Node] | None = None,
+) -> Any:
     """Copy ``traced``'s nodes into ``graph`` right before ``before``, reading ``inputs``.
 
+    With ``late = (nodes, point)``, those of ``traced``'s nodes go right before ``point``
+    instead (a bucket's waits and what follows them; ``point`` must come after ``before``).
     Each copy is tagged with ``bucket`` and its role. Returns the traced function's outputs,
     as nodes of ``graph`` in the same structure (a node, or a list of them).
     """
+    late_nodes, late_point = late if late is not None else ((), before)
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     env: dict[fx.Node, fx.Node] = dict(zip(placeholders, inputs, strict=True))
     outputs: Any = None
-    with graph.inserting_before(before):
-        for node in traced.graph.nodes:
-            if node.op == "placeholder":
-                continue
-            if node.op == "output":
-                outputs = tree_map_only(fx.Node, env.__getitem__, node.args[0])
-                continue
+    for node in traced.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "output":
+            outputs = tree_map_only(fx.Node, env.__getitem__, node.args[0])
+            continue
+        with graph.inserting_before(late_point if node in late_nodes else before):
             copy = graph.node_copy(node, env.__getitem__)
-            copy.meta = {key: node.meta[key] for key in _KEPT_META if key in node.meta}
-            copy.meta[BUCKET_KEY] = bucket
-            copy.meta[ROLE_KEY] = _role_of(node)
-            env[node] = copy
+        copy.meta = {key: node.meta[key] for key in _KEPT_META if key in node.meta}
+        copy.meta[BUCKET_KEY] = bucket
+        copy.meta[ROLE_KEY] = _role_of(node)
+        env[node] = copy
     return outputs
