@@ -67,3 +67,14 @@ def is_cast(node: fx.Node) -> bool:
 def group_name_of(process_group: object) -> str:
     """The registered name functional collectives use to find ``process_group``."""
     return str(process_group.group_name)  # type: ignore[attr-defined]
+
+
+def wire_bytes(gm: fx.GraphModule) -> dict[int, int]:
+    """Per bucket, the bytes graphddp's collectives send per rank: the sum of their inputs."""
+    out: dict[int, int] = {}
+    for node in gm.graph.nodes:
+        if is_collective(node) and is_ours(node):
+            val = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+            size = val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+            out[node.meta[BUCKET_KEY]] = out.get(node.meta[BUCKET_KEY], 0) + int(size)
+    return out

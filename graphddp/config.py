@@ -13,6 +13,8 @@ import dataclasses
 import math
 from typing import Any
 
+from graphddp.user_hooks import as_traced_hook
+
 BACKENDS = ("inductor", "aot_eager", "eager")
 # torch.compile's modes (torch._inductor.list_mode_options); those with CUDA graphs are refused
 # on CUDA by check_inductor_settings.
@@ -119,7 +121,9 @@ class DDPConfig:
     bucket_cap_mb_list: tuple[float, ...] | None = _option(
         None, "one cap per bucket in ready order, the last repeating (DDP's bucket_cap_mb_list)"
     )
-    comm_hook: str | None = _option(None, f"send buckets compressed: one of {sorted(COMM_HOOKS)} (DDP's compression hooks)")
+    comm_hook: Any = _option(
+        None, f"send buckets compressed: one of {sorted(COMM_HOOKS)} (DDP's compression hooks); from Python also (state, hook) or graphddp.hooks.PowerSGD(...)"
+    )
     backend: str = _option("inductor", f"inner compiler: one of {BACKENDS}")
     verify: bool = _option(True, "run the graph checker after every rewrite")
     broadcast_buffers: bool = _option(True, "keep buffers equal: broadcast from rank 0 before every forward, like DDP")
@@ -157,8 +161,13 @@ class DDPConfig:
             raise ValueError(f"dynamic must be None, True or False, got {self.dynamic!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.comm_hook is not None and self.comm_hook not in COMM_HOOKS:
-            raise ValueError(f"comm_hook must be None or one of {sorted(COMM_HOOKS)}, got {self.comm_hook!r}")
+        traced = as_traced_hook(self.comm_hook)
+        if traced is not None:
+            object.__setattr__(self, "comm_hook", traced)
+        elif self.comm_hook is not None and self.comm_hook not in COMM_HOOKS:
+            raise ValueError(
+                f"comm_hook must be None, one of {sorted(COMM_HOOKS)}, (state, hook) or a graphddp.hooks hook object, got {self.comm_hook!r}"
+            )
         object.__setattr__(self, "options", _normalise_inductor_options(self.options))
         _check_inductor_request(self.backend, self.mode, self.inductor_options)
 
@@ -223,7 +232,12 @@ class DDPConfig:
     @property
     def comm_dtype(self) -> str | None:
         """The dtype buckets travel in, or None to send them as they are."""
-        return COMM_HOOKS.get(self.comm_hook) if self.comm_hook else None
+        return COMM_HOOKS.get(self.comm_hook) if isinstance(self.comm_hook, str) else None
+
+    @property
+    def traced_hook(self) -> Any:
+        """The user's traced hook (``graphddp.user_hooks.TracedHook``), or None."""
+        return None if self.comm_hook is None or isinstance(self.comm_hook, str) else self.comm_hook
 
     # -- resolved caps ---------------------------------------------------------------------
     @property

@@ -35,14 +35,16 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
 from graphddp.capture import extract_facts, parameter_of_inputs
-from graphddp.comm import ROLE_KEY, group_name_of
+from graphddp.comm import BUCKET_KEY, ROLE_KEY, group_name_of, wire_bytes
 from graphddp.config import INDUCTOR_PINNED_CONFIG, DDPConfig
 from graphddp.optim import AttachedOptimizer
 from graphddp.passes import insert_allreduce, insert_update
+from graphddp.passes.insert_allreduce import HOOK_STATE, HOOK_STATE_SPEC, HookContext
 from graphddp.passes.insert_update import ALIAS_OF, UPDATE_INPUT, UpdateInputs
-from graphddp.planner import plan, with_updates
+from graphddp.planner import plan, with_updates, with_wire_bytes
 from graphddp.schedule import Schedule
-from graphddp.variants import BackwardDispatch, GraphState, InGraphUpdate, compiled_backward_node
+from graphddp.user_hooks import HookState
+from graphddp.variants import BackwardDispatch, GraphState, InGraphUpdate, Synced, compiled_backward_node
 from graphddp.verify import verify
 from graphddp.verify_update import verify_updates
 
@@ -59,9 +61,19 @@ class GraphRecord:
     # the graph cannot update alone.
     without_update: fx.GraphModule | None = None
 
-    def update_inputs(self) -> list[Any]:
-        """Fake values of the inputs insert_update appended (empty without an update)."""
-        return [n.meta["val"] for n in self.graph.graph.nodes if n.op == "placeholder" and n.meta.get(ROLE_KEY) == UPDATE_INPUT]
+    # A user hook with phases (graphddp.hooks.PowerSGD): every phase's record, this one included.
+    phases: dict[str, "GraphRecord"] = dataclasses.field(default_factory=dict)
+
+    def _inputs(self, *roles: str) -> list[Any]:
+        return [n.meta["val"] for n in self.graph.graph.nodes if n.op == "placeholder" and n.meta.get(ROLE_KEY) in roles]
+
+    def extra_inputs(self) -> list[Any]:
+        """Fake values of the inputs graphddp appended: a hook's state, then the update's."""
+        return self._inputs(HOOK_STATE, UPDATE_INPUT)
+
+    def hook_inputs(self) -> list[Any]:
+        """Fake values of a user hook's state inputs (what the graph without update reads)."""
+        return self._inputs(HOOK_STATE)
 
 
 class GraphDDPBackend:
@@ -82,6 +94,7 @@ class GraphDDPBackend:
         group: Any,
         sync_enabled: Callable[[], bool] = lambda: True,
         optimizer: AttachedOptimizer | None = None,
+        parameters: Mapping[str, torch.nn.Parameter] | None = None,
     ) -> None:
         self.config = config
         self.group = group
@@ -99,6 +112,11 @@ class GraphDDPBackend:
         self.ran_params: set[str] = set()
         self.optimizer = optimizer
         self.param_sets: list[frozenset[str]] = []  # per compiled graph: its parameters
+        # A user's traced hook runs only where there is someone to talk to.
+        self.hook = config.traced_hook if self.world_size > 1 else None
+        self.hook_state = HookState(self.hook) if self.hook is not None else None
+        self._hook_context = HookContext(group, dict(parameters or {}))
+        self._hook_callback_queued = False
 
     def __call__(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None, options: dict | None = None
@@ -148,25 +166,46 @@ class GraphDDPBackend:
                 if i < len(placeholders):
                     fw_values[name] = placeholders[i].meta.get("val")
 
-        def dispatch(
-            synced: Callable[..., Any], record: GraphRecord, compile_plain: Callable[[], Any], compile_grads: Callable[[], Any]
-        ) -> BackwardDispatch:
-            self.on_record(record)
-            update = self._in_graph_update(record, state, compile_grads)
-            return BackwardDispatch(state, synced, compile_plain, record.schedule, self.group, update)
+        phases = self.hook.phases if self.hook is not None else ("sync",)
 
-        rewrite = lambda bw: self.rewrite_backward(bw, param_inputs, graph_index, fw_values)  # noqa: E731
+        def rewrite(bw: fx.GraphModule) -> dict[str, GraphRecord]:
+            """One record per phase, each from its own copy of the untouched graph."""
+            graphs = [copy.deepcopy(bw) for _ in phases[1:]] + [bw]
+            return {
+                phase: self.rewrite_backward(g, param_inputs, graph_index, fw_values, phase=phase)
+                for phase, g in zip(phases, graphs)
+            }
+
+        def dispatch(
+            records: dict[str, GraphRecord], compile_synced: Callable[[GraphRecord], Callable[[], Any]],
+            compile_grads: Callable[[GraphRecord], Callable[[], Any]], compile_plain: Callable[[], Any],
+            compiled: dict[str, Any],
+        ) -> BackwardDispatch:
+            main = records[phases[-1]]  # the steady state is what people inspect
+            if len(records) > 1:
+                main.phases = dict(records)
+            self.on_record(main)
+            variants = {
+                phase: Synced(
+                    record.schedule, compile_synced(record), self._in_graph_update(record, state, compile_grads(record)),
+                    self._hook_args(record, graph_index), compiled.get(phase),
+                )
+                for phase, record in records.items()
+            }
+            phase = self.hook.phase if self.hook is not None and len(phases) > 1 else None
+            return BackwardDispatch(state, variants, compile_plain, self.group, phase, self._on_sync if self.hook else None)
+
         if self.config.backend == "inductor":
-            return _compile_inductor(gm, example_inputs, record_forward, rewrite, dispatch, inductor_patches)
+            return _compile_inductor(gm, example_inputs, record_forward, rewrite, dispatch, inductor_patches, self._phase_now(phases))
         run = _interpret if self.config.backend == "eager" else _as_is
 
         def bw_compiler(bw: fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., Any]:
             plain = copy.deepcopy(bw)
-            record = rewrite(bw)
-            grads = record.without_update
+            records = rewrite(bw)
             return dispatch(
-                make_boxed_func(run(record.graph)), record, lambda: make_boxed_func(run(plain)),
-                lambda: make_boxed_func(run(grads)),
+                records, lambda record: lambda: make_boxed_func(run(record.graph)),
+                lambda record: lambda: make_boxed_func(run(record.without_update)),
+                lambda: make_boxed_func(run(plain)), {},
             )
 
         def fw_compiler(fw: fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -177,7 +216,38 @@ class GraphDDPBackend:
             fw_compiler=fw_compiler, bw_compiler=bw_compiler, keep_inference_input_mutations=True
         )(gm, example_inputs)
 
-    def _in_graph_update(self, record: GraphRecord, state: GraphState, compile_grads: Callable[[], Any]) -> InGraphUpdate | None:
+    def _phase_now(self, phases: tuple[str, ...]) -> str:
+        return self.hook.phase() if self.hook is not None and len(phases) > 1 else phases[0]
+
+    # -- a user's traced hook at run time ------------------------------------------------------
+    def _hook_args(self, record: GraphRecord, graph_index: int) -> Callable[[], list[torch.Tensor]]:
+        """The real state tensors of ``record``'s hook inputs, in input order (graphddp owns them)."""
+        specs = [
+            (n.meta[BUCKET_KEY], n.meta[HOOK_STATE_SPEC]) for n in record.graph.graph.nodes
+            if n.op == "placeholder" and n.meta.get(ROLE_KEY) == HOOK_STATE
+        ]
+        if not specs:
+            return list
+        tensors = [self.hook_state.allocate(graph_index, bucket, [spec])[0] for bucket, spec in specs]  # type: ignore[union-attr]
+        return lambda: list(tensors)
+
+    def _on_sync(self, synced: Synced) -> None:
+        """Before a synchronising variant runs: the hook's eager work, and once per backward
+        a callback at its end (a hook counts steps there, as DDP's ``bucket.is_last()``)."""
+        self.hook.before_step(self.hook_state, synced.schedule.graph_index, synced.schedule)
+        if not self._hook_callback_queued:
+            self._hook_callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._hook_after_backward)
+
+    def _hook_after_backward(self) -> None:
+        self._hook_callback_queued = False
+        self.hook.after_backward()
+
+    def before_forward(self) -> None:
+        """A backward that raised never ran its callback: a new step starts clean."""
+        self._hook_callback_queued = False
+
+    def _in_graph_update(self, record: GraphRecord, state: GraphState, compile_grads: Callable[[], Any] | None) -> InGraphUpdate | None:
         optimizer = self.optimizer
         names = tuple(n for b in record.schedule.buckets for n in b.updates)
         if optimizer is None or not names:
@@ -206,22 +276,28 @@ class GraphDDPBackend:
 
     def rewrite_backward(
         self, gm: fx.GraphModule, param_inputs: Mapping[int, str], graph_index: int,
-        fw_values: Mapping[str, Any] | None = None,
+        fw_values: Mapping[str, Any] | None = None, phase: str = "sync",
     ) -> GraphRecord:
         """capture -> plan -> rewrite -> verify for one backward graph. Talks to no rank.
 
+        With a user's traced hook, every bucket runs it, except in its ``"allreduce"`` phase
+        (PowerSGD before ``start_powerSGD_iter``), where buckets are averaged as by default.
         With an optimizer attached and the forward values of the parameters (``fw_values``),
         then with_updates -> insert_update -> verify_updates.
         """
+        hook = self.hook if phase != "allreduce" else None
         facts = extract_facts(gm, param_inputs)
         graded = {s.output_index for s in facts.slots}
         unreduced = tuple(name for i, name in sorted(param_inputs.items()) if i not in graded)
         schedule = plan(
-            facts, self.config, world_size=self.world_size, group_name=self.group_name, graph_index=graph_index, unreduced=unreduced
+            facts, self.config, world_size=self.world_size, group_name=self.group_name, graph_index=graph_index,
+            unreduced=unreduced, hook=hook.name if hook is not None else None,
         )
         log.debug("backward graph %d before insert_allreduce:\n%s", graph_index, gm.code)
         if self.world_size > 1:
-            insert_allreduce(gm, schedule)
+            insert_allreduce(gm, schedule, hook=hook, context=self._hook_context)
+            if hook is not None:
+                schedule = with_wire_bytes(schedule, wire_bytes(gm))
             log.debug("backward graph %d after insert_allreduce:\n%s", graph_index, gm.code)
             if self.config.verify:
                 verify(gm, schedule, {s.output_index: s.param_name for s in facts.slots})
@@ -269,12 +345,14 @@ def _compile_inductor(
     gm: fx.GraphModule,
     example_inputs: Sequence[Any],
     record_forward: Callable[[fx.GraphModule], None],
-    rewrite: Callable[[fx.GraphModule], GraphRecord],
+    rewrite: Callable[[fx.GraphModule], dict[str, GraphRecord]],
     dispatch: Callable[..., BackwardDispatch],
     patches: dict[str, Any],
+    phase_now: str,
 ) -> Callable[..., Any]:
     """Inductor's compile_fx under the user's ``patches`` (mode and options), with graphddp's
-    pinned settings on top of them for every inner compile."""
+    pinned settings on top of them for every inner compile. The backward of the phase in use
+    now is compiled now; the other variants the first time a step needs them."""
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
@@ -285,11 +363,27 @@ def _compile_inductor(
                 record_forward(graph)
                 return compile_fx_inner(graph, inputs, **kwargs)
             plain = copy.deepcopy(graph)
-            record = rewrite(graph)
-            compiled = compile_fx_inner(record.graph, list(inputs) + record.update_inputs(), **kwargs)
-        record.generated_code = getattr(compiled, "source_code", None)
-        grads = _later(compile_fx_inner, record.without_update, inputs, kwargs, patches) if record.without_update else None
-        return dispatch(compiled, record, _later(compile_fx_inner, plain, inputs, kwargs, patches), grads)
+            records = rewrite(graph)
+            now = records[phase_now]
+            compiled = compile_fx_inner(now.graph, list(inputs) + now.extra_inputs(), **kwargs)
+        now.generated_code = getattr(compiled, "source_code", None)
+
+        def synced(record: GraphRecord) -> Callable[[], Any]:
+            later = _later(compile_fx_inner, record.graph, list(inputs) + record.extra_inputs(), kwargs, patches)
+
+            def compile_and_record() -> Any:
+                code = later()
+                record.generated_code = getattr(code, "source_code", None)
+                return code
+
+            return compile_and_record
+
+        def grads(record: GraphRecord) -> Callable[[], Any] | None:
+            if record.without_update is None:
+                return None
+            return _later(compile_fx_inner, record.without_update, list(inputs) + record.hook_inputs(), kwargs, patches)
+
+        return dispatch(records, synced, grads, _later(compile_fx_inner, plain, inputs, kwargs, patches), {phase_now: compiled})
 
     with functorch_config.patch(enable_autograd_cache=False), inductor_config.patch(patches):
         return compile_fx(gm, example_inputs, inner_compile=inner_compile)

@@ -1,5 +1,9 @@
 """Communication hooks: what a bucket does to its flat buffer on each side of the all-reduce.
 
+Users' hooks, ``comm_hook=(state, hook)``, and PowerSGD (``graphddp.hooks.PowerSGD``) are
+traced into the graph in place of the all-reduce: :mod:`graphddp.user_hooks`,
+:mod:`graphddp.powersgd`. This module's built-in hooks are the default and compression ones.
+
 A hook is a pair of plain tensor functions, traced into the backward graph with the rest of
 the bucket (``passes/insert_allreduce.py``):
 
@@ -27,7 +31,11 @@ import torch
 
 from graphddp.comm import CAST
 from graphddp.config import COMM_HOOKS
+from graphddp.powersgd import PowerSGD
 from graphddp.schedule import Bucket
+from graphddp.user_hooks import HOOK_STATE_KEY, GradBucket, TracedHook
+
+__all__ = ["ALLREDUCE", "BUILTIN", "HOOK_STATE_KEY", "CommHook", "GradBucket", "PowerSGD", "TracedHook", "cast_hook", "for_bucket"]
 
 HookFn = Callable[[torch.Tensor, Bucket], torch.Tensor]
 

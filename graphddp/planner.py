@@ -25,7 +25,7 @@ rebuilds buckets in gradient-ready order, applied to the static production order
 from __future__ import annotations
 
 import dataclasses
-from typing import Collection
+from typing import Collection, Mapping
 
 from graphddp.config import DDPConfig
 from graphddp.schedule import Bucket, GradSlot, GraphFacts, Schedule
@@ -97,12 +97,14 @@ def plan(
     group_name: str = "",
     graph_index: int = 0,
     unreduced: tuple[str, ...] = (),
+    hook: str | None = None,
 ) -> Schedule:
     """Plan the buckets of one backward graph. Pure: same inputs, same Schedule.
 
     ``config`` is the user's policy; ``world_size`` and ``group_name`` are facts of the job
     (the process group), recorded in the Schedule: the divisor and the group of every
-    all-reduce. The buckets do not depend on them.
+    all-reduce. The buckets do not depend on them. ``hook`` names a user's traced hook
+    (``graphddp.user_hooks``) that every bucket runs instead of the all-reduce.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -122,6 +124,7 @@ def plan(
                 wait_before="output",
                 overlap=overlap,
                 comm_dtype=config.comm_dtype if config.comm_dtype not in (None, ready.dtype) else None,
+                hook=hook,
             )
         )
     return Schedule(
@@ -147,3 +150,12 @@ def with_updates(schedule: Schedule, updatable: Collection[str], optimizer: str)
         dataclasses.replace(b, updates=tuple(n for n in b.param_names if n in updatable)) for b in schedule.buckets
     )
     return dataclasses.replace(schedule, buckets=buckets, optimizer=optimizer)
+
+
+def with_wire_bytes(schedule: Schedule, wire: Mapping[int, int]) -> Schedule:
+    """``schedule`` with each hooked bucket's bytes on the wire (bucket index -> bytes), as
+    read from the rewritten graph: a user's hook decides them, not the plan."""
+    buckets = tuple(
+        dataclasses.replace(b, hook_wire_nbytes=wire.get(b.index, 0)) if b.hook else b for b in schedule.buckets
+    )
+    return dataclasses.replace(schedule, buckets=buckets)

@@ -57,10 +57,6 @@ def resolve_group(where: str, module: Any, process_group: Any, options: dict[str
             "which is what the in-graph optimizer gives up; compile without optimizer= and clip as usual "
             "(torch.nn.utils.clip_grad_norm_ between backward() and optimizer.step())"
         )
-    if callable(options.get("comm_hook")):
-        raise NotImplementedError(
-            "comm_hook: user-supplied hook functions are not supported yet; use 'fp16_compress' or 'bf16_compress'"
-        )
     if not isinstance(module, nn.Module):
         raise TypeError(f"{where}: module must be a torch.nn.Module, got {type(module).__name__}")
     if not dist.is_available() or not dist.is_initialized():
@@ -103,7 +99,7 @@ class Replica:
         self._sync = True  # cleared inside no_sync(); read by every compiled graph at each forward
         self.backend = GraphDDPBackend(
             config, names_by_identity(module.named_parameters()), self._records.append, group,
-            sync_enabled=lambda: self._sync, optimizer=optimizer,
+            sync_enabled=lambda: self._sync, optimizer=optimizer, parameters=dict(module.named_parameters()),
         )
         self._guard_handles: dict[str, Any] = {}
         self._sync_buffers_next = True  # DDP: buffers sync before a forward that follows a synced one
@@ -137,6 +133,7 @@ class Replica:
         distributed = self.world_size > 1
         if self.optimizer is not None:
             self.optimizer.before_forward()
+        self.backend.before_forward()
         if distributed and self.config.broadcast_buffers and self._sync_buffers_next:
             buffers = list(self.module.buffers())
             if buffers:

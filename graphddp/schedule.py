@@ -117,6 +117,10 @@ class Bucket:
     # Parameters whose optimizer update runs in the graph right after this bucket's wait
     # (``graphddp.compile(..., optimizer=)``); their gradients are not returned.
     updates: tuple[str, ...] = ()
+    # A user's traced hook (graphddp.user_hooks) replaces the all-reduce: its name, and the
+    # bytes its collectives put on the wire per rank, read from the rewritten graph.
+    hook: str | None = None
+    hook_wire_nbytes: int | None = None
 
     @property
     def param_names(self) -> tuple[str, ...]:
@@ -133,6 +137,8 @@ class Bucket:
     @property
     def wire_nbytes(self) -> int:
         """Bytes each rank contributes to the all-reduce (what the link carries)."""
+        if self.hook_wire_nbytes is not None:
+            return self.hook_wire_nbytes
         if self.comm_dtype is None:
             return self.nbytes
         return self.numel * getattr(torch, self.comm_dtype).itemsize
@@ -214,6 +220,8 @@ class Schedule:
                     "nbytes": b.nbytes,
                     "wire_nbytes": b.wire_nbytes,
                     "comm_dtype": b.comm_dtype,
+                    "hook": b.hook,
+                    "hook_wire_nbytes": b.hook_wire_nbytes,
                     "issue_after": b.issue_after,
                     "wait_before": b.wait_before,
                     "overlap": list(b.overlap),
@@ -241,6 +249,8 @@ class Schedule:
                 wait_before=b["wait_before"],
                 overlap=tuple(b["overlap"]),
                 comm_dtype=b.get("comm_dtype"),
+                hook=b.get("hook"),
+                hook_wire_nbytes=b.get("hook_wire_nbytes"),
                 updates=tuple(b.get("updates", ())),
             )
             for b in data["buckets"]
@@ -271,7 +281,7 @@ class Schedule:
         differs but whose layouts are equal reduce the same gradients.
         """
         buckets = tuple(
-            (b.dtype, b.device.split(":")[0], b.comm_dtype, tuple((s.param_name, s.shape) for s in b.slots))
+            (b.dtype, b.device.split(":")[0], b.comm_dtype, b.hook, b.wire_nbytes, tuple((s.param_name, s.shape) for s in b.slots))
             for b in self.buckets
         )
         return self.world_size, buckets
@@ -295,6 +305,8 @@ class Schedule:
         ready, start and end times, and a last line sums the step up.
         """
         head = f"{'bucket':>6}  {'dtype':<9} {'device':<7} {'params':>6} {'numel':>10} {'MB':>8}  {'issue after':<22} {'overlap':>7}"
+        hooked = any(b.hook for b in self.buckets)
+        head += f" {'wire MB':>8}  {'hook':<12}" if hooked else ""
         head += f"  {'ready ms':>8} {'start ms':>8} {'end ms':>8}" if timeline else ""
         head += "  parameters"
         lines = [
@@ -312,6 +324,8 @@ class Schedule:
                 f"{b.index:>6}  {b.dtype:<9} {b.device:<7} {len(b.slots):>6} {b.numel:>10} "
                 f"{b.nbytes / 2**20:>8.3f}  {b.issue_after:<22} {len(b.overlap):>7}"
             )
+            if hooked:
+                row += f" {b.wire_nbytes / 2**20:>8.3f}  {(b.hook or 'allreduce')[:12]:<12}"
             if timeline:
                 t = timeline.buckets[b.index]
                 row += f"  {t.ready * 1e3:>8.3f} {t.start * 1e3:>8.3f} {t.end * 1e3:>8.3f}"

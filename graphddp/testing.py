@@ -274,11 +274,13 @@ def assert_matches_ddp(
     atol: float = 1e-5,
     rtol: float = 1e-4,
     ddp_kwargs: dict | None = None,
+    ddp_hook: tuple[Any, Callable[..., Any]] | None = None,
     **graphddp_kwargs: Any,
 ) -> Any:
     """On every rank: train DDP and graphddp side by side, compare every grad and param.
 
     ``make_batch(rank, step) -> (inputs, target)``; inputs is a tuple of positional args.
+    ``ddp_hook``: ``(state, hook)`` registered on DDP with ``register_comm_hook``.
     Returns the graphddp module for further checks.
     """
     import graphddp
@@ -286,6 +288,8 @@ def assert_matches_ddp(
     torch.manual_seed(1234)
     model = make_model()
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(model), **(ddp_kwargs or {}))
+    if ddp_hook is not None:
+        ref.register_comm_hook(*ddp_hook)
     ours = graphddp.compile(copy.deepcopy(model), **graphddp_kwargs)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=lr, momentum=0.9)
     opt_ours = torch.optim.SGD(ours.parameters(), lr=lr, momentum=0.9)

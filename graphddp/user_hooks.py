@@ -91,6 +91,11 @@ class GradBucket:
     def buffer(self) -> torch.Tensor:
         return self._flat
 
+    @property
+    def plan(self) -> Bucket:
+        """The Schedule's bucket: slots (names, shapes, offsets), dtype, index."""
+        return self._bucket
+
     def index(self) -> int:
         return self._bucket.index
 

@@ -101,54 +101,83 @@ class InGraphUpdate:
         self.aliases_checked = True
 
 
-class BackwardDispatch:
-    """The compiled backward AOTAutograd calls: the local or the synchronising variant.
+@dataclasses.dataclass
+class Synced:
+    """One synchronising variant of a graph's backward: its plan, its code (compiled on first
+    use), its in-graph update, and the state tensors a user's hook reads (in input order).
 
-    Before the synchronising variant runs, every rank checks in band that it is about to put
+    A hook with phases (PowerSGD's plain all-reduce before ``start_powerSGD_iter``) has one
+    per phase; every other graph has one.
+    """
+
+    schedule: Schedule
+    compile: Callable[[], Callable[[list[Any]], Any]]
+    update: InGraphUpdate | None = None
+    hook_args: Callable[[], list[torch.Tensor]] = list
+    fn: Callable[[list[Any]], Any] | None = None
+
+    def __post_init__(self) -> None:
+        # Checked before every synchronising step, computed once: the layout never changes.
+        self.layout = self.schedule.wire_layout()
+        self.digest = layout_hash(self.layout)
+
+    def code(self) -> Callable[[list[Any]], Any]:
+        if self.fn is None:
+            self.fn = self.compile()
+        return self.fn
+
+
+class BackwardDispatch:
+    """The compiled backward AOTAutograd calls: the local or a synchronising variant.
+
+    Before a synchronising variant runs, every rank checks in band that it is about to put
     the same buckets on the wire (:func:`graphddp.agree.check_in_band`); a collective that
     fails inside the graph is re-raised naming graphddp, the graph and the bucket.
+    ``phase`` picks the synchronising variant (a user hook's phase; one variant otherwise)
+    and ``on_sync`` runs before it (a hook's eager work, its end-of-backward callback).
     """
 
     def __init__(
         self,
         state: GraphState,
-        synced: Callable[[list[Any]], Any],
+        variants: dict[str, Synced],
         compile_plain: Callable[[], Callable[[list[Any]], Any]],
-        schedule: Schedule,
         group: Any,
-        update: InGraphUpdate | None = None,
+        phase: Callable[[], str] | None = None,
+        on_sync: Callable[[Synced], None] | None = None,
     ) -> None:
         # Called with one list of arguments, which the callee may free. An instance attribute:
         # wrappers (torch._dynamo.disable) copy __dict__, not class attributes.
         self._boxed_call = True
         self.state = state
-        self.synced = synced
+        self.variants = variants
         self._compile_plain = compile_plain
         self._plain: Callable[[list[Any]], Any] | None = None
-        self.schedule = schedule
         self.group = group
-        self.update = update
-        self._what = f"backward graph {schedule.graph_index}"
-        # Checked before every synchronising step, computed once: the layout never changes.
-        self._layout = schedule.wire_layout()
-        self._digest = layout_hash(self._layout)
+        self._phase = phase or (lambda: next(iter(variants)))
+        self._on_sync = on_sync
 
     def __call__(self, args: list[Any]) -> Any:
         if self.state.take_local():
             return self.plain()(args)
-        if self.schedule.buckets:
-            check_in_band(self._layout, self.group, self._what, self._digest)
+        synced = self.variants[self._phase()]
+        schedule = synced.schedule
+        if schedule.buckets:
+            check_in_band(synced.layout, self.group, f"backward graph {schedule.graph_index}", synced.digest)
+        if self._on_sync is not None:
+            self._on_sync(synced)
+        args.extend(synced.hook_args())  # inputs after the graph's own, before the update's
         try:
-            if self.update is not None:
-                return self._with_update(self.update, args)
-            return self.synced(args)
+            if synced.update is not None:
+                return self._with_update(synced, synced.update, args)
+            return synced.code()(args)
         except Exception as e:  # noqa: BLE001 - re-raised as-is unless a collective failed
-            failure = collective_failure(e, self.schedule)
+            failure = collective_failure(e, schedule)
             if failure is None:
                 raise
             raise failure from e
 
-    def _with_update(self, update: InGraphUpdate, args: list[Any]) -> Any:
+    def _with_update(self, synced: Synced, update: InGraphUpdate, args: list[Any]) -> Any:
         update.attached.finish_at_end_of_backward(update.end_of_step)
         if not update.allowed():
             self.state.steps_after += 1
@@ -160,7 +189,7 @@ class BackwardDispatch:
         extra = update.attached.update_args(update.names, update.groups)
         args.extend(extra.tensors)  # the same list: the callee frees what it no longer needs
         with torch.no_grad():
-            out = self.synced(args)
+            out = synced.code()(args)
         update.attached.updated(extra)
         self.state.steps_in_graph += 1
         return out

@@ -41,6 +41,15 @@ only it catches. Checks run in this order:
     ``view(slice(wait [-> cast back], 0, off, off + numel), shape)`` of its own bucket's
     wait, at its own offset; every slot of the schedule is expected; an output that needs no
     synchronisation is not one of graphddp's nodes (the rewrite left it as it was).
+12. **User hooks.** A bucket with ``hook`` (a user's traced hook, ``graphddp.user_hooks``) is
+    checked instead of 1 and 3-10 by what graphddp can know of any hook: it issues at least
+    one collective (else its gradients would not be averaged), every one on
+    ``schedule.group_name``, after ``issue_after``, each with exactly one user, a wait of
+    the bucket; its flat buffer is the bucket's slots in order (7); the bytes its collectives
+    send equal ``Bucket.hook_wire_nbytes``; every wait comes before ``wait_before`` and
+    nothing but the bucket's own nodes reads what depends on a wait before it; every gradient
+    is ``view(slice(r, 0, off, off + numel), shape)`` of one result ``r`` of the bucket that
+    depends on its waits. The scale is the hook's business (DDP leaves averaging to a hook).
 11. **Order and lint.** Every argument is defined before its use (so the graph is acyclic),
     and the graph is FX lint-clean. This runs last, so a misplaced collective is first
     reported in terms of the schedule.
@@ -58,7 +67,9 @@ import torch
 import torch.fx as fx
 
 from graphddp.capture import views_of
-from graphddp.comm import CAST, ALL_REDUCE, BUCKET_KEY, ROLE_KEY, is_all_reduce, is_cast, is_ours, is_wait
+from graphddp.comm import (
+    ALL_REDUCE, BUCKET_KEY, CAST, ROLE_KEY, group_of, is_all_reduce, is_cast, is_collective, is_ours, is_wait, wire_bytes,
+)
 from graphddp.schedule import Bucket, GradSlot, Schedule, dtype_name
 
 aten = torch.ops.aten
@@ -124,12 +135,13 @@ class _Graph:
 # -- 1. accounting ------------------------------------------------------------------------------
 
 
-def _collect_all_reduces(g: _Graph, schedule: Schedule) -> dict[int, fx.Node]:
-    """Bucket index -> its one graphddp all-reduce; each with exactly one wait of its bucket."""
+def _collect_all_reduces(g: _Graph, schedule: Schedule, hooked: set[int]) -> dict[int, fx.Node]:
+    """Bucket index -> its one graphddp all-reduce; each with exactly one wait of its bucket.
+    Buckets in ``hooked`` run a user's hook, checked by 12 instead."""
     by_bucket: dict[int, fx.Node] = {}
     for ar in g.nodes:
         # Collectives the model itself issues (e.g. tensor parallelism) are not ours to check.
-        if not (is_all_reduce(ar) and is_ours(ar)):
+        if not (is_all_reduce(ar) and is_ours(ar)) or ar.meta[BUCKET_KEY] in hooked:
             continue
         index = ar.meta[BUCKET_KEY]
         if not (isinstance(index, int) and 0 <= index < schedule.num_buckets):
@@ -144,16 +156,16 @@ def _collect_all_reduces(g: _Graph, schedule: Schedule) -> dict[int, fx.Node]:
         if not is_ours(users[0], index):
             _fail(g.gm, users[0], f"wait {users[0].name} of bucket {index}'s all-reduce {ar.name} is not tagged bucket {index}")
         by_bucket[index] = ar
-    missing = sorted(set(range(schedule.num_buckets)) - set(by_bucket))
+    missing = sorted(set(range(schedule.num_buckets)) - set(by_bucket) - hooked)
     if missing:
         raise VerificationError(f"graphddp verify: buckets {missing} have no all-reduce in the graph")
     return by_bucket
 
 
-def _check_stray_waits(g: _Graph) -> None:
+def _check_stray_waits(g: _Graph, hooked: set[int]) -> None:
     """Every graphddp wait waits on its own bucket's graphddp all-reduce."""
     for wait in g.nodes:
-        if not (is_wait(wait) and is_ours(wait)):
+        if not (is_wait(wait) and is_ours(wait)) or wait.meta[BUCKET_KEY] in hooked:
             continue
         index = wait.meta[BUCKET_KEY]
         target = wait.args[0] if wait.args else None
@@ -398,7 +410,8 @@ def _check_outputs(g: _Graph, schedule: Schedule, expected: Mapping[int, str]) -
     for index, name in sorted(expected.items()):
         if index not in planned:
             _fail(g.gm, g.returned(index), f"gradient of {name!r} (output {index}) is in no bucket")
-        _check_gradient(g, index, name, *planned[index])
+        check = _check_hook_gradient if planned[index][0].hook else _check_gradient
+        check(g, index, name, *planned[index])
     extra = sorted(set(planned) - set(expected))
     if extra:
         _fail(g.gm, g.returned(extra[0]), f"outputs {extra} are reduced but need no synchronisation")
@@ -406,6 +419,90 @@ def _check_outputs(g: _Graph, schedule: Schedule, expected: Mapping[int, str]) -
         returned = g.returned(index)
         if index not in planned and is_ours(returned):  # the rewrite replaced what it should not have
             _fail(g.gm, returned, f"output {index} needs no synchronisation, but is {returned.name}, graphddp's node for bucket {returned.meta[BUCKET_KEY]}")
+
+
+# -- 12. user hooks ----------------------------------------------------------------------------
+
+
+def _wait_target(g: _Graph, bucket: Bucket, at: fx.Node) -> fx.Node:
+    if bucket.wait_before == OUTPUT:
+        return g.output
+    if bucket.wait_before not in g.by_name:
+        _fail(g.gm, at, f"bucket {bucket.index}'s wait_before {bucket.wait_before!r} is not in the graph")
+    return g.by_name[bucket.wait_before]
+
+
+def _hook_buffer(g: _Graph, bucket: Bucket, nodes: list[fx.Node]) -> Any:
+    """The flat buffer handed to the hook: the last flatten node (through graphddp's copy of a
+    one-gradient bucket, so the hook may write it)."""
+    flats = [n for n in nodes if n.meta.get(ROLE_KEY) == "flatten"]
+    top = [n for n in flats if not any(u in flats for u in n.users)]
+    if len(top) != 1:
+        _fail(g.gm, (top or nodes)[0], f"bucket {bucket.index}'s hook {bucket.hook!r} reads {len(top)} flat buffers, expected one")
+    flat = top[0]
+    if flat.target == aten.clone.default and len(bucket.slots) == 1:
+        flat = flat.args[0]
+    return flat
+
+
+def _check_hook_bucket(g: _Graph, bucket: Bucket, schedule: Schedule, sent: int) -> None:
+    index, hook = bucket.index, bucket.hook
+    nodes = [n for n in g.nodes if is_ours(n, index)]
+    collectives = [n for n in nodes if is_collective(n)]
+    if not collectives:
+        _fail(g.gm, nodes[-1] if nodes else g.output, f"bucket {index}'s hook {hook!r} issues no collective: its gradients would not be averaged")
+    anchor = g.by_name.get(bucket.issue_after)
+    if anchor is not None and anchor.op == "placeholder":
+        anchor = g.last_placeholder
+    for c in collectives:
+        if group_of(c) != schedule.group_name:
+            _fail(g.gm, c, f"bucket {index}'s {c.name} runs on group {group_of(c)!r}, the schedule's is {schedule.group_name!r}")
+        users = list(c.users)
+        if len(users) != 1 or not is_wait(users[0]) or not is_ours(users[0], index):
+            _fail(g.gm, c, f"{c.name} of bucket {index} must have exactly one user, a wait of the bucket; has {_names(users)}")
+        if anchor is None or g.before(c, anchor):
+            _fail(g.gm, c, f"bucket {index}'s {c.name} is issued before {bucket.issue_after}, its issue_after")
+    for wait in (n for n in nodes if is_wait(n)):
+        if wait.args[0] not in collectives:
+            _fail(g.gm, wait, f"wait {wait.name} of bucket {index} waits on {wait.args[0]}, not one of the bucket's collectives")
+    if sent != bucket.wire_nbytes:
+        _fail(g.gm, collectives[0], f"bucket {index}'s collectives send {sent} bytes, the schedule records {bucket.wire_nbytes}")
+    _check_layout(g, bucket, collectives[0], _hook_buffer(g, bucket, nodes))
+    target = _wait_target(g, bucket, collectives[0])
+    region = _after_waits(nodes)
+    for node in sorted(region, key=g.order.__getitem__):
+        if is_wait(node) and not g.before(node, target):
+            _fail(g.gm, node, f"bucket {index}'s wait {node.name} is not before {target.name}, its wait_before")
+        for reader in node.users:
+            if not is_ours(reader, index) and reader.op != "output" and g.before(reader, target):
+                _fail(g.gm, reader, f"{reader.name} reads bucket {index}'s reduced values ({node.name}) before {target.name}, the bucket's wait_before")
+
+
+def _after_waits(nodes: list[fx.Node]) -> set[fx.Node]:
+    """The bucket's nodes that depend on one of its waits."""
+    mine, region = set(nodes), set()
+    for node in nodes:  # graph order: a node's bucket inputs come before it
+        if is_wait(node) or any(a in region for a in node.all_input_nodes if a in mine):
+            region.add(node)
+    return region
+
+
+def _check_hook_gradient(g: _Graph, index: int, name: str, bucket: Bucket, slot: GradSlot, offset: int) -> None:
+    """Output ``index`` is ``view(slice(r, 0, off, off+n), shape)`` of the bucket's hook result."""
+    returned = g.returned(index)
+    what = f"gradient of {name!r} (output {index})"
+    view = returned
+    piece = view.args[0] if view.target == aten.view.default and view.args else None
+    result = piece.args[0] if isinstance(piece, fx.Node) and piece.target == aten.slice.Tensor else None
+    if not (is_ours(view, bucket.index) and isinstance(result, fx.Node) and is_ours(piece, bucket.index)):
+        _fail(g.gm, returned, f"{what} is {returned.name}, not view(slice(..)) of bucket {bucket.index}'s hook result")
+    if not is_ours(result, bucket.index) or result not in _after_waits([n for n in g.nodes if is_ours(n, bucket.index)]):
+        _fail(g.gm, result, f"{what} is sliced from {result.name}, which does not depend on a wait of bucket {bucket.index}: it is not averaged")
+    want = (0, offset, offset + slot.numel)
+    if tuple(piece.args[1:4]) != want or (len(piece.args) > 4 and piece.args[4] != 1):
+        _fail(g.gm, piece, f"{what} is {piece.name}, the slice {tuple(piece.args[1:])} of bucket {bucket.index}, not its own slice (dim, start, end) = {want}")
+    if list(view.args[1]) != list(slot.shape):
+        _fail(g.gm, view, f"{what} is viewed as {list(view.args[1])} by {view.name}; its shape is {list(slot.shape)}")
 
 
 # -- 11. lint -----------------------------------------------------------------------------------
@@ -433,11 +530,16 @@ def verify(gm: fx.GraphModule, schedule: Schedule, expected: Mapping[int, str]) 
     if problem:
         raise VerificationError(f"graphddp verify: {problem}")
     g = _Graph(gm)
-    reduces = _collect_all_reduces(g, schedule)
-    _check_stray_waits(g)
+    hooked = {b.index for b in schedule.buckets if b.hook}
+    reduces = _collect_all_reduces(g, schedule, hooked)
+    _check_stray_waits(g, hooked)
     _check_fake_values(g)
+    sent = wire_bytes(gm)
     for bucket in schedule.buckets:
-        _check_bucket(g, bucket, reduces[bucket.index], schedule)
+        if bucket.hook:
+            _check_hook_bucket(g, bucket, schedule, sent.get(bucket.index, 0))
+        else:
+            _check_bucket(g, bucket, reduces[bucket.index], schedule)
     _check_outputs(g, schedule, expected)
     _check_order(g)
     _check_lint(gm)

@@ -284,7 +284,10 @@ def _trace_user_bucket(p: _Placement, outs: Sequence[Any], schedule: Schedule, h
             dry(*grads)
             specs = list(dry.learned)  # type: ignore[attr-defined]
             states = [torch.empty(s.shape, dtype=s.dtype, device=s.device) for s in specs]
-        gm = trace(_user_fn(bucket, hook, schedule, ctx, specs), [*grads, *states], what)
+        # Decomposed as inductor wants the backward graph (it refuses e.g. a bare _to_copy).
+        from torch._inductor.decomposition import select_decomp_table
+
+        gm = trace(_user_fn(bucket, hook, schedule, ctx, specs), [*grads, *states], what, select_decomp_table())
     except (TypeError, RuntimeError, ValueError) as e:
         if str(e).startswith("graphddp"):
             raise
