@@ -12,6 +12,7 @@ from graphddp.dynamo_backend import GraphDDPBackend
 from graphddp.config import DDPConfig
 from graphddp.optim import AttachedOptimizer
 from graphddp.replica import Replica, ReplicaView, prepare, resolve_group
+from graphddp.user_hooks import HOOK_STATE_KEY
 
 
 # Each wrapper counts its own recompiles (torch >= 2.13): by default every torch.compile of the
@@ -72,10 +73,22 @@ class GraphDDP(ReplicaView, nn.Module):
         super().compile(*args, **kwargs)
 
     # -- checkpoints use the wrapped module's keys -------------------------------------------------
+    # A traced communication hook's state (PowerSGD's Q and error, its step count) rides along
+    # under HOOK_STATE_KEY; the model's own keys stay as they are.
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        return self.module.state_dict(*args, **kwargs)
+        out = self.module.state_dict(*args, **kwargs)
+        hook_state = self._backend.hook_state
+        if hook_state is not None:
+            out[HOOK_STATE_KEY] = hook_state.state_dict()
+        return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+        state_dict = dict(state_dict)
+        hook = state_dict.pop(HOOK_STATE_KEY, None)
+        if hook is not None:
+            if self._backend.hook_state is None:
+                raise ValueError(f"the checkpoint has {HOOK_STATE_KEY!r} (a comm hook's state), but this module runs no traced comm hook")
+            self._backend.hook_state.load_state_dict(hook)
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:  # type: ignore[override]
@@ -107,7 +120,11 @@ def compile(module: nn.Module, *, process_group: Any = None, optimizer: Any = No
     kernel, so nothing hides it: on a slow link a small tail bucket shortens the step.
     ``verify`` runs the graph checker after every rewrite (cheap; on by default).
     ``comm_hook``: ``"fp16_compress"`` or ``"bf16_compress"`` sends buckets in half precision
-    (DDP's compression hooks, run inside the graph); the schedule shows the bytes on the wire.
+    (DDP's compression hooks, run inside the graph); ``(state, hook)`` traces a hook written
+    with DDP's vocabulary and functional collectives into every bucket
+    (:mod:`graphddp.user_hooks`); ``graphddp.hooks.PowerSGD(...)`` is DDP's PowerSGD in the
+    graph. The schedule shows each bucket's hook and bytes on the wire; a hook's state is
+    saved in ``state_dict()`` under ``"graphddp_comm_hook"``.
     ``mode`` and ``options`` are torch.compile's, for inductor; graphddp's own inductor
     settings stay on top of them (``config.INDUCTOR_PINNED_CONFIG``).
 

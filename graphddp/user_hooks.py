@@ -138,7 +138,7 @@ class TracedHook:
             raise TypeError(f"comm_hook: the hook of (state, hook) must be callable, got {type(hook).__name__}")
         self.state = state
         self.hook = hook
-        self.name = name or getattr(hook, "__qualname__", None) or type(hook).__name__
+        self.name = name or getattr(hook, "__name__", None) or type(hook).__name__
 
     def __repr__(self) -> str:
         return f"TracedHook({self.name})"

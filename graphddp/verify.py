@@ -15,8 +15,8 @@ only it catches. Checks run in this order:
    ``all_reduce_`` and belongs to a schedule bucket; every bucket has exactly one. Every such
    all-reduce has exactly one user, a wait of the same bucket; every graphddp wait waits on
    its own bucket's all-reduce (no stray waits).
-2. **Fake values.** Every node graphddp inserted carries a tensor ``meta["val"]`` (later
-   passes and inductor read it).
+2. **Fake values.** Every node graphddp inserted carries a tensor ``meta["val"]``, or a
+   tuple of them for an op with several results (later passes and inductor read it).
 3. **Reduction.** Each all-reduce uses reduce op ``"sum"`` on ``schedule.group_name``.
 4. **Issue order.** Each all-reduce comes after (in graph order) its ``issue_after`` node
    (the last placeholder, when that names a placeholder). That it also comes after the
@@ -179,7 +179,9 @@ def _check_stray_waits(g: _Graph, hooked: set[int]) -> None:
 
 def _check_fake_values(g: _Graph) -> None:
     for node in g.nodes:
-        if is_ours(node) and not isinstance(node.meta.get("val"), torch.Tensor):
+        val = node.meta.get("val")
+        tensors = val if isinstance(val, (tuple, list)) and val else [val]  # an op returning several (linalg_qr)
+        if is_ours(node) and not all(isinstance(v, torch.Tensor) for v in tensors):
             _fail(g.gm, node, f"{node.name} (bucket {node.meta[BUCKET_KEY]}) has no tensor meta['val']")
 
 

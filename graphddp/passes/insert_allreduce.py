@@ -299,14 +299,12 @@ def _trace_user_bucket(p: _Placement, outs: Sequence[Any], schedule: Schedule, h
 
 
 def _check_user_ops(gm: fx.GraphModule, schedule: Schedule, what: str) -> None:
-    """Refuse what traces but would be wrong in the graph: eager collectives, random numbers,
-    collectives on another group."""
+    """Refuse what traces but would be wrong in the graph: random numbers, collectives on
+    another group (``trace`` refuses eager collectives and constants)."""
     for node in gm.graph.nodes:
         target = node.target
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
             continue
-        if target.namespace == "c10d":
-            raise RuntimeError(f"graphddp: {what} calls {target}, an eager collective; use torch.distributed._functional_collectives")
         if torch.Tag.nondeterministic_seeded in target.tags:
             raise RuntimeError(f"graphddp: {what} draws random numbers ({target}) inside the graph; ranks would disagree. Draw them outside, into state")
         if is_collective(node):

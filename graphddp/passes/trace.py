@@ -60,6 +60,11 @@ def trace(
         raise RuntimeError(f"graphddp: {what}: its inputs carry no fake values to trace it on")
     with fake_mode, fx_traceback.preserve_node_meta():
         traced = make_fx(fn, decomposition_table=decompositions)(*vals)
+    for node in traced.graph.nodes:  # before the constants: an eager collective makes one (its group)
+        if node.op == "call_function" and getattr(node.target, "namespace", None) == "c10d":
+            raise RuntimeError(
+                f"graphddp: {what} calls {node.target}, an eager collective; use torch.distributed._functional_collectives"
+            )
     for node in traced.graph.nodes:
         if node.op == "get_attr":
             raise RuntimeError(f"graphddp: {what} made a tensor constant ({node.target}); make it from its inputs instead")
