@@ -117,6 +117,11 @@ class GraphDDPBackend:
         self.hook_state = HookState(self.hook) if self.hook is not None else None
         self._hook_context = HookContext(group, dict(parameters or {}))
         self._hook_callback_queued = False
+        # The synchronising step after no_sync with a hook running: graphs run locally and the
+        # hook runs eagerly over the accumulated gradients at the end of the backward.
+        self.eager_hook_step = False
+        self._eager_graphs: list[int] = []
+        self.dispatches: dict[int, BackwardDispatch] = {}
 
     def __call__(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None, options: dict | None = None
@@ -136,6 +141,7 @@ class GraphDDPBackend:
 
     def _runtime(self, compiled: Callable[..., Any], names: frozenset[str], state: GraphState) -> Callable[..., Any]:
         boxed = getattr(compiled, "_boxed_call", False)
+        graph_index = len(self.states) - 1
 
         def run(*args: Any) -> Any:
             self.ran_params.update(names)
@@ -148,6 +154,9 @@ class GraphDDPBackend:
                 node = compiled_backward_node(out if isinstance(out, (list, tuple)) else [out], inputs)
                 if node is not None:
                     node.register_prehook(state.mark_local)
+                    if self.eager_hook_step:
+                        self._eager_graphs.append(graph_index)
+                        node.register_prehook(self._queue_eager_hook)
             return out
 
         run._boxed_call = boxed  # type: ignore[attr-defined]
@@ -193,7 +202,10 @@ class GraphDDPBackend:
                 for phase, record in records.items()
             }
             phase = self.hook.phase if self.hook is not None and len(phases) > 1 else None
-            return BackwardDispatch(state, variants, compile_plain, self.group, phase, self._on_sync if self.hook else None)
+            self.dispatches[graph_index] = BackwardDispatch(
+                state, variants, compile_plain, self.group, phase, self._on_sync if self.hook else None
+            )
+            return self.dispatches[graph_index]
 
         if self.config.backend == "inductor":
             return _compile_inductor(gm, example_inputs, record_forward, rewrite, dispatch, inductor_patches, self._phase_now(phases))
@@ -246,6 +258,34 @@ class GraphDDPBackend:
     def before_forward(self) -> None:
         """A backward that raised never ran its callback: a new step starts clean."""
         self._hook_callback_queued = False
+        self.eager_hook_step = False
+        self._eager_graphs.clear()
+
+    def hook_runs_now(self) -> bool:
+        """A user's hook averages the coming synchronising step (not a plain all-reduce phase)."""
+        return self.hook is not None and (len(self.hook.phases) == 1 or self.hook.phase() != "allreduce")
+
+    def _queue_eager_hook(self, _grad_outputs: Any = None) -> None:
+        if not self._hook_callback_queued:
+            self._hook_callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._run_hook_eagerly)
+
+    def _run_hook_eagerly(self) -> None:
+        """DDP's semantics after ``no_sync``: the hook sees each bucket's *accumulated* local
+        gradients (a nonlinear hook such as PowerSGD differs from hooking each micro-batch).
+        The graphs ran without communication; here every bucket of every graph that ran goes
+        through the same hook function, eagerly, and its result replaces the gradients."""
+        from graphddp.passes.insert_allreduce import run_hook_eagerly
+
+        self._hook_callback_queued = False
+        for graph_index in dict.fromkeys(self._eager_graphs):
+            dispatch = self.dispatches[graph_index]
+            synced = dispatch.variants[dispatch.phase()]
+            self.hook.before_step(self.hook_state, graph_index, synced.schedule)
+            run_hook_eagerly(self.hook, synced.schedule, self._hook_context, self.hook_state)
+        self._eager_graphs.clear()
+        self.eager_hook_step = False
+        self.hook.after_backward()
 
     def _in_graph_update(self, record: GraphRecord, state: GraphState, compile_grads: Callable[[], Any] | None) -> InGraphUpdate | None:
         optimizer = self.optimizer

@@ -75,6 +75,11 @@ def prepare(where: str, module: nn.Module, group: Any, config: DDPConfig, optimi
     otherwise DDP leaves them rank-local. The optimizer is checked before any collective (so
     every rank fails alike) and attached (its ``step`` made a no-op) after the last one.
     """
+    if optimizer is not None and config.traced_hook is not None:
+        raise ValueError(
+            f"{where}: optimizer= with comm_hook={config.traced_hook.name} is not supported yet (the in-graph update "
+            "is checked against graphddp's own all-reduce only); compile without optimizer= and step it as usual"
+        )
     attached = AttachedOptimizer(optimizer, module, where) if optimizer is not None else None
     device = _check_devices(module)
     config.check_inductor_settings(where, device)
@@ -99,7 +104,7 @@ class Replica:
         self._sync = True  # cleared inside no_sync(); read by every compiled graph at each forward
         self.backend = GraphDDPBackend(
             config, names_by_identity(module.named_parameters()), self._records.append, group,
-            sync_enabled=lambda: self._sync, optimizer=optimizer, parameters=dict(module.named_parameters()),
+            sync_enabled=lambda: self._sync and not self.backend.eager_hook_step, optimizer=optimizer, parameters=dict(module.named_parameters()),
         )
         self._guard_handles: dict[str, Any] = {}
         self._sync_buffers_next = True  # DDP: buffers sync before a forward that follows a synced one
@@ -139,7 +144,9 @@ class Replica:
             if buffers:
                 broadcast_tensors(buffers, self.group)
         self._syncing = self._sync and torch.is_grad_enabled()
-        if distributed and self._syncing and self._grads_accumulated_locally:
+        if distributed and self._syncing and self._grads_accumulated_locally and self.backend.hook_runs_now():
+            self.backend.eager_hook_step = True  # a user's hook must see the accumulated total
+        elif distributed and self._syncing and self._grads_accumulated_locally:
             trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
             self._pending = average_async(trainable, self.group)  # hidden behind the forward
         self.backend.ran_params.clear()
@@ -149,6 +156,8 @@ class Replica:
         if self._pending is not None:
             self._pending.wait()
             self._pending = None
+            self._grads_accumulated_locally = False
+        if self.backend.eager_hook_step:  # averaged by the hook at the end of the backward
             self._grads_accumulated_locally = False
         if torch.is_grad_enabled():
             self._guard_uncovered_parameters(self._syncing)

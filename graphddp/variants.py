@@ -154,13 +154,13 @@ class BackwardDispatch:
         self._compile_plain = compile_plain
         self._plain: Callable[[list[Any]], Any] | None = None
         self.group = group
-        self._phase = phase or (lambda: next(iter(variants)))
+        self.phase = phase or (lambda: next(iter(variants)))
         self._on_sync = on_sync
 
     def __call__(self, args: list[Any]) -> Any:
         if self.state.take_local():
             return self.plain()(args)
-        synced = self.variants[self._phase()]
+        synced = self.variants[self.phase()]
         schedule = synced.schedule
         if schedule.buckets:
             check_in_band(synced.layout, self.group, f"backward graph {schedule.graph_index}", synced.digest)

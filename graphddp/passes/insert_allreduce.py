@@ -420,3 +420,36 @@ def insert_allreduce(
     graph.lint()
     gm.recompile()
     return gm
+
+
+def run_hook_eagerly(hook: TracedHook, schedule: Schedule, ctx: HookContext, states: Any) -> None:
+    """Run ``hook`` on every bucket of ``schedule`` now, on the parameters' ``.grad``, and
+    write its average back: the step after ``no_sync`` (``dynamo_backend``). The same hook
+    function as in the graph, on real tensors; ``states`` (``HookState``) holds its state."""
+    for bucket in schedule.buckets:
+        params = [ctx.parameters[name] for name in bucket.param_names]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dry = GradBucket(bucket, flat, ctx.group, schedule.world_size, bucket.index == schedule.num_buckets - 1, params, None)
+        specs = [StateSpec(n, s.shape, s.dtype, s.device) for n, s in _declared(hook, dry)]
+        tensors = states.allocate(schedule.graph_index, bucket.index, specs) if specs else []
+        gb = GradBucket(bucket, flat, ctx.group, schedule.world_size, bucket.index == schedule.num_buckets - 1, params, tensors)
+        with torch.no_grad():
+            done = hook(gb)
+            _check_result(bucket, hook.name, done)
+            for p, slot, off in zip(params, bucket.slots, bucket.offsets()):
+                value = done[off:off + slot.numel].view(slot.shape)
+                if p.grad is None:
+                    p.grad = value.clone()
+                else:
+                    p.grad.copy_(value)
+
+
+def _declared(hook: TracedHook, dry: GradBucket) -> list[tuple[str, StateSpec]]:
+    """The state a hook declares, learned on fake tensors (no collective runs)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = GradBucket(dry.plan, mode.from_tensor(dry.buffer()), dry.group, dry.world_size, dry.is_last(), dry.parameters(), None)
+        hook(fake)
+    return [(s.name, s) for s in fake.declared]
