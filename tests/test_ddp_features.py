@@ -202,11 +202,11 @@ def test_compression_hooks_match_ddp(hook):
     spawn(_compression, 2, hook)
 
 
-def test_unknown_or_callable_comm_hook_is_a_clear_error(fake_world):
+def test_unknown_or_bare_callable_comm_hook_is_a_clear_error(fake_world):
     fake_world(2)
     with pytest.raises(ValueError, match="comm_hook"):
         graphddp.compile(models.MLP(), comm_hook="powersgd")
-    with pytest.raises(NotImplementedError, match="comm_hook"):
+    with pytest.raises(TypeError, match=r"comm_hook: pass a hook as \(state, hook\)"):
         graphddp.compile(models.MLP(), comm_hook=lambda bucket, group: bucket)
 
 
