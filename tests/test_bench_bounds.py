@@ -366,6 +366,86 @@ def test_no_optimizer_targets_without_graphddp_optim():
     assert not any(t["target"].startswith("graphddp_optim") for t in s["targets"])
 
 
+def _with_powersgd_modes(ranks, *, ddp_counters=None):
+    """Issue 13's modes added to a run: graphddp_powersgd (90 ms, against graphddp's 120) and
+    ddp_powersgd / ddp_powersgd_serial (160 / 180 ms, against ddp_default's 200), 7 MB of
+    gradients sent as 0.25 MB (graphddp: 4 buckets; DDP: 1 bucket, 2 serialised)."""
+    grads, sent = 7 * MB, MB // 4
+    counters = sent if ddp_counters is None else ddp_counters
+    for rank in ranks:
+        rank["records"]["graphddp_powersgd"] = [_rec(0.090, 0.02, 0.05, 0.0, 0.02) for _ in range(3)]
+        rank["records"]["ddp_powersgd"] = [_rec(0.160, 0.03, 0.11, 0.0, 0.02) for _ in range(3)]
+        rank["records"]["ddp_powersgd_serial"] = [_rec(0.180, 0.03, 0.13, 0.0, 0.02) for _ in range(3)]
+        for name in ("graphddp_powersgd", "ddp_powersgd", "ddp_powersgd_serial"):
+            rank["first"][name] = 1.0
+            rank["profiles"][name] = _profile()
+        src = {"source": "synthetic", "uncompressed_bytes": grads}
+        rank["info"]["wire"] = {
+            "graphddp": {**src, "bytes": grads, "buckets": 3}, "ddp_default": {**src, "bytes": grads, "buckets": 2},
+            "compute_only": {**src, "bytes": 0},
+            "graphddp_powersgd": {**src, "bytes": sent, "bytes_by_layout": sent, "buckets": 4,
+                                  "schedules": ["graph 0: ... PowerSGD"]},
+            "ddp_powersgd": {**src, "bytes": sent, "bytes_by_counters": float(counters), "buckets": 1},
+            "ddp_powersgd_serial": {**src, "bytes": sent, "bytes_by_counters": float(sent), "buckets": 2},
+        }
+        rank["info"]["powersgd"] = {
+            "settings": {"matrix_approximation_rank": 1, "start_powerSGD_iter": 2, "use_error_feedback": True,
+                         "warm_start": True},
+            "modes": {"graphddp_powersgd": {"iter_before_rounds": 3, "iter_after_rounds": 7},
+                      "ddp_powersgd": {"iter_before_rounds": 3, "iter_after_rounds": 7, "ddp_kwargs": {"bucket_cap_mb": 8}},
+                      "ddp_powersgd_serial": {"iter_before_rounds": 3, "iter_after_rounds": 7, "ddp_kwargs": {}}},
+        }
+    return ranks
+
+
+def test_summary_powersgd_rows_step_time_and_bytes_on_the_wire():
+    s = summarize(CFG, _with_powersgd_modes(_synthetic_ranks()), wall_s=12.0)
+    assert s["modes"]["graphddp_powersgd"]["wire_mb"] == 0.25
+    assert s["modes"]["ddp_default"]["uncompressed_wire_mb"] == 7.0
+    assert "wire_mb" not in s["modes"]["ddp_cap1"]  # no wire figure recorded for it
+    ps = s["powersgd"]
+    rows = ps["rows"]
+    assert list(rows) == ["graphddp", "graphddp_powersgd", "ddp_default", "ddp_powersgd", "ddp_powersgd_serial"]
+    assert rows["graphddp"]["wire_fraction"] == 1.0 and "vs" not in rows["graphddp"]
+    assert rows["graphddp_powersgd"]["wire_fraction"] == 1 / 28
+    assert rows["graphddp_powersgd"]["vs"] == "graphddp"
+    assert rows["graphddp_powersgd"]["step_vs_uncompressed"] == pytest.approx(90 / 120)
+    assert rows["ddp_powersgd"]["vs"] == "ddp_default"
+    assert rows["ddp_powersgd"]["step_vs_uncompressed"] == pytest.approx(160 / 200)
+    assert rows["ddp_powersgd_serial"]["step_vs_uncompressed"] == pytest.approx(180 / 200)
+    assert ps["graphddp_powersgd / ddp_powersgd"] == pytest.approx(90 / 160)
+    assert ps["graphddp_powersgd / ddp_powersgd_serial"] == pytest.approx(0.5)
+    assert ps["graphddp_powersgd_schedules"] == ["graph 0: ... PowerSGD"]
+    assert not any("disagree" in w for w in s["warnings"])
+    # PowerSGD modes are no eager-DDP baseline: the best eager DDP stays ddp_cap4.
+    assert s["ratios"]["best_eager_ddp"] == pytest.approx(120 / 115)
+    table = render_table(s)
+    assert "PowerSGD (issue 13): rank 1, start_powerSGD_iter 2" in table
+    lines: dict[str, str] = {}
+    for line in table.splitlines():  # the first indented line of each name: the section's rows
+        if line.startswith("  ") and line.split():
+            lines.setdefault(line.split()[0], line)
+    assert lines["graphddp_powersgd"].split()[1:6] == ["90.0", "0.250", "7.000", "0.0357", "4"]
+    assert lines["graphddp_powersgd"].endswith("0.750 of graphddp")
+    assert lines["ddp_powersgd"].split()[1:6] == ["160.0", "0.250", "7.000", "0.0357", "1"]
+    assert lines["ddp_powersgd"].endswith("0.800 of ddp_default")
+    assert "graphddp_powersgd / ddp_powersgd         0.562" in table
+    rows_ = {line.split(" ")[0]: line for line in table.splitlines() if line and not line.startswith(" ")}
+    assert "ONE bucket (bucket_cap_mb=8)" in rows_["ddp_powersgd"]
+    assert f"{120 / 90:.3f}" in rows_["graphddp_powersgd"]  # graphddp / mode in the main table
+
+
+def test_summary_warns_when_the_wire_accounts_disagree():
+    s = summarize(CFG, _with_powersgd_modes(_synthetic_ranks(), ddp_counters=MB), wall_s=12.0)
+    assert any(w.startswith("ddp_powersgd: 262144 bytes on the wire") and "disagree" in w for w in s["warnings"])
+    assert s["powersgd"]["rows"]["ddp_powersgd"]["cross_check"] == {"bytes_by_counters": float(MB)}
+
+
+def test_no_powersgd_section_without_its_modes():
+    s = summarize(CFG, _synthetic_ranks(), wall_s=12.0)
+    assert s["powersgd"] is None and "PowerSGD" not in render_table(s)
+
+
 # -- the published run --------------------------------------------------------------------------------
 
 

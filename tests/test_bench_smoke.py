@@ -14,11 +14,13 @@ import sys
 
 import pytest
 
+MB = 1024 * 1024
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = (
     "compute_only", "comm_only", "ideal_overlap", "no_overlap", "ddp_default", "ddp_same_buckets", "ddp_cap1", "ddp_cap4",
     "ddp_cap25", "ddp_best", "ddp_compiled", "ddp_compiled_samecap", "graphddp", "graphddp_tail_off", "compute_eager",
-    "graphddp_optim", "ddp_compiled_autograd",
+    "graphddp_optim", "ddp_compiled_autograd", "graphddp_powersgd", "ddp_powersgd", "ddp_powersgd_serial",
 )
 
 
@@ -80,6 +82,28 @@ def test_bench_tiny_runs_every_mode_and_falls_back_to_plain_loopback(tmp_path):
         "graphddp / no_overlap", "graphddp / ddp_compiled", "graphddp_optim / best eager DDP",
         "graphddp_optim / ddp_compiled_autograd", "graphddp_optim peak / (DDP peak - grads)"}
     assert data["optim_ratios"]["ddp_compiled_autograd"] > 0 and data["memory_target"]["grad_mb"] == grad_mb
+    # Issue 13: the PowerSGD modes time compressed steps only (stepped past start_powerSGD_iter
+    # first, even with --warmup 0), and report the bytes each rank puts on the wire per step.
+    ps = data["powersgd"]
+    assert ps["settings"]["start_powerSGD_iter"] == 2 and ps["settings"]["matrix_approximation_rank"] == 1
+    for mode in ("graphddp_powersgd", "ddp_powersgd", "ddp_powersgd_serial"):
+        m = ps["modes"][mode]
+        assert m["timed_steps_compressed"] and m["iter_before_rounds"] > m["start_powerSGD_iter"], (mode, m)
+        assert m["iter_after_rounds"] == m["iter_before_rounds"] + 2, (mode, m)  # 0 warm-up + 2 timed rounds
+        row = ps["rows"][mode]
+        assert 0 < row["wire_mb"] < 0.1 * row["uncompressed_wire_mb"], (mode, row)
+        assert abs(row["uncompressed_wire_mb"] - grad_mb) < 1e-6, (mode, row)
+        [(how, nbytes)] = row["cross_check"].items()  # the graph / DDP's counters agree with the layout
+        assert nbytes == row["wire_mb"] * MB, (mode, how, nbytes)
+        assert data["modes"][mode]["wire_mb"] == row["wire_mb"]
+    # One rule per tensor: graphddp's buckets and DDP's send the same bytes.
+    assert ps["rows"]["graphddp_powersgd"]["wire_mb"] == ps["rows"]["ddp_powersgd"]["wire_mb"]
+    assert ps["rows"]["ddp_powersgd"]["buckets"] == 1  # DDP's hook on gloo: one bucket, or it deadlocks
+    assert ps["rows"]["ddp_powersgd_serial"]["buckets"] > 1
+    assert ps["rows"]["graphddp"]["wire_fraction"] == 1.0 and ps["rows"]["ddp_default"]["wire_fraction"] == 1.0
+    assert ps["rows"]["graphddp_powersgd"]["vs"] == "graphddp" and ps["rows"]["ddp_powersgd"]["vs"] == "ddp_default"
+    assert "PowerSGD" in "".join(ps["graphddp_powersgd_schedules"])
+    assert "PowerSGD (issue 13)" in (out / "bench.txt").read_text()
     assert (out / "bench.txt").exists()
 
 

@@ -34,6 +34,20 @@ Modes
                     parameters updated inside the backward right after its wait; step() and
                     zero_grad() are no-ops, so the update's time is in bwd (checked: one
                     step against torch.optim's AdamW on a copy)
+  graphddp_powersgd graphddp.compile(model, comm_hook=graphddp.hooks.PowerSGD(rank --powersgd-rank,
+                    start_powerSGD_iter=2, DDP's other defaults)), graphddp's caps, separate optimizer
+  ddp_powersgd      DDP eager + DDP's powerSGD_hook (same settings) on ONE bucket (bucket_cap_mb = the
+                    model's gradients + 1 MB): with gloo the hook deadlocks when more than one bucket
+                    is in flight; one bucket never overlaps the backward
+  ddp_powersgd_serial
+                    DDP eager, default caps, powerSGD_hook waited per bucket inside the hook (DDP's
+                    math, no deadlock, no overlap)
+                    The PowerSGD modes are stepped past start_powerSGD_iter and their first
+                    compressed step before the timed rounds (checked: every timed step compresses);
+                    the report adds bytes on the wire per rank per step next to graphddp and
+                    ddp_default, the same gradients uncompressed (``powersgd.py``). Issue 13's rows:
+                    ``--model mlp --link-gbit 1 --modes graphddp,graphddp_powersgd,ddp_default,
+                    ddp_powersgd,ddp_powersgd_serial``
 
 Memory: ``peak MB`` is the allocator's peak during one profiled step above its start, plus
 the gradients alive at its start (kept between steps by every mode but graphddp_optim) and

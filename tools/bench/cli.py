@@ -19,7 +19,7 @@ from tools.bench.procstat import machine_load
 from tools.bench.ranks import rank_main
 from tools.bench.report import plot, render_table
 from tools.bench.summary import summarize
-from tools.bench.workload import MODES, BenchConfig, model_spec
+from tools.bench.workload import MODE_ALIASES, MODES, BenchConfig, model_spec
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -37,12 +37,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tail-off", action="store_true", help="no last_bucket_cap_mb (the model's default sets one)")
     p.add_argument("--link-gbit", type=float, default=2.0,
                    help="emulated link rate in Gbit/s (tbf on a private namespace's loopback); 0: plain loopback")
+    p.add_argument("--powersgd-rank", type=int, default=1,
+                   help="matrix_approximation_rank of the PowerSGD modes (graphddp_powersgd, ddp_powersgd*; DDP's default 1)")
     p.add_argument("--out", default="bench_out", help="directory for bench.json and bench.png")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ready-probe-runs", type=int, default=5)
     p.add_argument("--inductor-cache", default=os.path.join(tempfile.gettempdir(), "graphddp-bench-inductor-cache"),
                    help="TORCHINDUCTOR_CACHE_DIR for the ranks ('' for a fresh one: cold compile times)")
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of modes (graphddp always runs)")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of modes (graphddp always runs; ddp means ddp_default)")
     p.add_argument("--timeout", type=float, default=1500.0, help="seconds before the ranks are killed")
     p.add_argument("--wait-quiet", type=float, default=0.0,
                    help="wait up to this many seconds for the cores to be idle (< 15%% busy) before starting")
@@ -79,14 +81,17 @@ def main(argv: list[str] | None = None) -> int:
     except (TypeError, ValueError) as e:
         raise SystemExit(f"python -m tools.bench: {e}") from None
     backend = graphddp_config.backend
-    modes = tuple(m for m in MODES if m in set(args.modes.split(",")) | {"graphddp"})
-    unknown = set(args.modes.split(",")) - set(MODES)
+    if args.powersgd_rank < 1:
+        raise SystemExit("python -m tools.bench: --powersgd-rank must be >= 1")
+    asked = {MODE_ALIASES.get(m, m) for m in args.modes.split(",")}
+    modes = tuple(m for m in MODES if m in asked | {"graphddp"})
+    unknown = asked - set(MODES)
     if unknown:
         raise SystemExit(f"unknown modes {sorted(unknown)}; choose from {MODES}")
     cfg = BenchConfig(
         model=args.model, tiny=args.tiny, steps=args.steps, warmup=args.warmup, graphddp=graphddp_config,
         seed=args.seed, out=args.out, network=network, model_kwargs=kwargs, batch=batch,
-        ready_probe_runs=args.ready_probe_runs, modes=modes,
+        ready_probe_runs=args.ready_probe_runs, modes=modes, powersgd_rank=args.powersgd_rank,
     )
     os.makedirs(args.out, exist_ok=True)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # traffic stays on the loopback (of our namespace)

@@ -14,8 +14,9 @@ from graphddp.cost import simulate
 from tools.bench.modes import (CommOnlyMode, CountingBackend, TrainMode, UnboundComm, _ddp_buckets, _now,
                                   _profile_step, _ready_fractions, check_averaged_once, check_update_in_backward,
                                   ddp_compiled_autograd, flat_allreduce)
-from tools.bench.workload import (CA_FUSE_PASSES, DDP_CAPS, MB, MODES, OPTIMIZER, BenchConfig, loss_fn, make_batch,
-                                  make_model, make_optimizer)
+from tools.bench import powersgd
+from tools.bench.workload import (CA_FUSE_PASSES, DDP_CAPS, MB, MODES, OPTIMIZER, POWERSGD_MODES, POWERSGD_SETTINGS,
+                                  BenchConfig, loss_fn, make_batch, make_model, make_optimizer)
 
 
 def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None:
@@ -25,7 +26,9 @@ def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None
     ddp_same_buckets its caps. ddp_compiled_autograd is built last (its DDP touches
     process-wide settings). Each mode's first step (compile included) is timed apart. After
     the timed rounds, the two modes of issue 11 are checked (their gradients averaged once;
-    the in-backward step equal to torch's), then every mode runs one profiled step.
+    the in-backward step equal to torch's), then every mode runs one profiled step. The
+    PowerSGD modes are stepped into their compressed phase right after their first step, and
+    checked to compress every timed step (``powersgd.py``).
     """
     import graphddp
 
@@ -81,6 +84,23 @@ def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None
         first_step("graphddp_optim", TrainMode("graphddp_optim", m, None, batch, loss, opt=opt))
         info["graphddp_optim"] = {"optimizer": OPTIMIZER, "buckets": sum(len(s.buckets) for s in m.schedules)}
 
+    # Issue 13: PowerSGD. Each mode is stepped past its plain all-reduce steps (and its first
+    # compressed one: graphddp compiles that variant on first use) before the timed rounds.
+    psgd: dict[str, tuple[powersgd.PowerSGDMode, Any]] = {}
+
+    def powersgd_mode(built: tuple[powersgd.PowerSGDMode, Any]) -> None:
+        mode, _ = built
+        first_step(mode.name, mode.train)
+        if mode.name == "ddp_powersgd":
+            powersgd.check_one_bucket(mode)  # before a compressed step: more than one would hang
+        mode.step_to_compressed()
+        psgd[mode.name] = built
+        if rank == 0:
+            print(f"[bench] {mode.name}: first compressed step {mode.first_compressed_s:.2f} s", flush=True)
+
+    if "graphddp_powersgd" in cfg.modes:
+        powersgd_mode(powersgd.build_graphddp(cfg, base, batch, loss))
+
     counting = CountingBackend(cfg.graphddp.backend)
     if "compute_only" in cfg.modes:
         m = torch.compile(copy.deepcopy(base), backend=counting)
@@ -118,6 +138,9 @@ def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None
             continue
         m = DDP(copy.deepcopy(base), **kwargs)
         first_step(name, TrainMode(name, m, m.parameters(), batch, loss))
+    for name in ("ddp_powersgd", "ddp_powersgd_serial"):
+        if name in cfg.modes:
+            powersgd_mode(powersgd.build_ddp(cfg, base, batch, loss, serial=name.endswith("_serial")))
 
     # ddp_compiled is DDP(torch.compile(model)) as users write it (DDP's default caps);
     # ddp_compiled_samecap gives DDPOptimizer graphddp's cap, for a like-for-like split.
@@ -153,6 +176,8 @@ def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None
     order = [n for n in MODES if n in modes]
     records: dict[str, list] = {n: [] for n in order}
     rounds = cfg.warmup + cfg.steps
+    for mode, _ in psgd.values():
+        mode.check_compressed()  # fails loudly unless every round below is a compressed step
     for r in range(rounds):
         k = r % len(order)
         for name in order[k:] + order[:k]:
@@ -182,6 +207,22 @@ def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None
         info["ddp_same_buckets"]["same_sizes"] = [b["nbytes"] for b in got] == [b.nbytes for b in buckets]
         info["ddp_same_buckets"]["same_params"] = [sorted(b["params"]) for b in got] == [sorted(b.param_names) for b in buckets]
 
+    info["wire"] = _wire(modes, order, info, base)
+    if psgd:
+        info["powersgd"] = {"settings": {"matrix_approximation_rank": cfg.powersgd_rank, **POWERSGD_SETTINGS},
+                            "modes": {}}
+    for name, (mode, hook_or_state) in psgd.items():
+        checked = mode.check_all_compressed(rounds)
+        if name == "graphddp_powersgd":
+            wire = powersgd.graphddp_wire(mode.train.model, hook_or_state)
+        else:
+            wire = powersgd.ddp_wire(mode.train.model, hook_or_state)
+        info["wire"][name] = wire
+        info["powersgd"]["modes"][name] = {
+            **checked, "start_powerSGD_iter": mode.start, "first_compressed_step_s": mode.first_compressed_s,
+            "timed_steps_compressed": True, **({"ddp_kwargs": mode.ddp_kwargs} if mode.ddp_kwargs is not None else {}),
+        }
+
     if "ddp_compiled_autograd" in modes:
         _check_compiled_autograd(modes["ddp_compiled_autograd"], world, info["ddp_compiled_autograd"])
     if "graphddp_optim" in modes:
@@ -194,6 +235,33 @@ def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None
     if rank == 0:
         with open(result_path, "w") as f:
             json.dump(gathered, f)
+
+
+def _wire(modes: dict[str, Any], order: list[str], info: dict[str, Any], base: nn.Module) -> dict[str, dict]:
+    """Bytes each rank puts on the wire per step, for the modes without a compression hook of
+    their own (the PowerSGD modes are filled in apart): graphddp's from its schedules, every
+    other all-reducing mode's the model's gradients (fp32, sent as they are)."""
+    grads = sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)
+    graphddp_wire = sum(b.wire_nbytes for s in modes["graphddp"].model.schedules for b in s.buckets)
+    out: dict[str, dict] = {}
+    for name in order:
+        if name in POWERSGD_MODES:
+            continue
+        if name.startswith("graphddp"):
+            nbytes = sum(b.wire_nbytes for s in modes[name].model.schedules for b in s.buckets)
+            src = "sum(Bucket.wire_nbytes) of model.schedules"
+        elif name in ("comm_only", "ideal_overlap"):
+            nbytes, src = graphddp_wire, "graphddp's buckets"
+        elif name.startswith("compute"):
+            nbytes, src = 0, "no communication"
+        else:
+            nbytes, src = grads, "every gradient, fp32, all-reduced as it is"
+        out[name] = {"bytes": nbytes, "uncompressed_bytes": grads, "source": src}
+        if name.startswith("graphddp"):
+            out[name]["buckets"] = sum(len(s.buckets) for s in modes[name].model.schedules)
+        elif name in info.get("ddp_buckets", {}) and name != "ddp_compiled_autograd":  # its C++ buckets go unused
+            out[name]["buckets"] = len(info["ddp_buckets"][name])
+    return out
 
 
 def _check_compiled_autograd(mode: TrainMode, world: int, info: dict[str, Any]) -> None:

@@ -84,6 +84,7 @@ def render_table(s: dict[str, Any]) -> str:
                 extra += (f"; ideal_overlap {t['ideal_overlap_ms']:.0f} ms"
                           + (" (target below this measured floor)" if t["below_measured_floor"] else ""))
         lines.append(f"  {t['target']:<40} {t['ratio']:.3f}  (<= {t['limit']:.2f})  {'met' if t['met'] else 'MISSED'}{extra}")
+    lines += _powersgd_lines(s)
     for name in ("ddp_compiled", "ddp_compiled_samecap"):
         dc = s.get(name)
         if dc:
@@ -106,6 +107,40 @@ def render_table(s: dict[str, Any]) -> str:
     for w in s.get("warnings", []):
         lines.append(f"WARNING: {w}")
     return "\n".join(lines)
+
+
+def _powersgd_lines(s: dict[str, Any]) -> list[str]:
+    """Issue 13's rows: step time and bytes on the wire per rank per step, with and without PowerSGD."""
+    ps = s.get("powersgd")
+    if not ps or not ps.get("rows"):
+        return []
+    st = ps["settings"]
+    lines = [f"PowerSGD (issue 13): rank {st['matrix_approximation_rank']}, start_powerSGD_iter {st['start_powerSGD_iter']}, "
+             f"error feedback {st['use_error_feedback']}, warm start {st['warm_start']}; every timed step compressed "
+             "(checked: each mode stepped past the start and its first compressed step before the rounds)",
+             f"  {'mode':<21} {'step ms':>9} {'wire MB':>9} {'uncompr. MB':>11} {'wire/unc.':>9} {'buckets':>7}  step vs uncompressed"]
+    for name, r in ps["rows"].items():
+        frac = f"{r['wire_fraction']:.4f}" if r.get("wire_fraction") is not None else ""
+        vs = f"{r['step_vs_uncompressed']:.3f} of {r['vs']}" if "vs" in r else ""
+        lines.append(f"  {name:<21} {r['step_ms']:>9.1f} {r['wire_mb']:>9.3f} {r['uncompressed_wire_mb']:>11.3f} "
+                     f"{frac:>9} {r.get('buckets') if r.get('buckets') is not None else '':>7}  {vs}")
+    for key in ("graphddp_powersgd / ddp_powersgd", "graphddp_powersgd / ddp_powersgd_serial"):
+        if key in ps:
+            lines.append(f"  {key:<40} {ps[key]:.3f}")
+    firsts = [f"{n} {m['first_compressed_step_s']:.2f}" for n, m in ps.get("modes", {}).items()
+              if m.get("first_compressed_step_s") is not None]
+    if firsts:
+        lines.append(f"  first compressed step, s (graphddp compiles its PowerSGD variant then; not in 'compile s'): "
+                     f"{', '.join(firsts)}")
+    lines.append("  wire MB: what each rank puts into its all-reduces per step (graphddp: Bucket.wire_nbytes read from "
+                 "the rewritten graph; DDP: its hook's rule over its buckets, checked against PowerSGDState's counters)")
+    if "ddp_powersgd" in ps["rows"]:
+        lines.append("  ddp_powersgd: DDP's powerSGD_hook as it is, on one bucket (with gloo it deadlocks with more than "
+                     "one bucket in flight), so none of its communication overlaps the backward")
+    if "ddp_powersgd_serial" in ps["rows"]:
+        lines.append("  ddp_powersgd_serial: DDP's default caps, the hook waits for each bucket before returning "
+                     "(DDP's math, no deadlock, no overlap)")
+    return lines
 
 
 def _memory_target_line(t: dict[str, Any]) -> str:

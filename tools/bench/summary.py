@@ -11,7 +11,8 @@ import torch
 
 from graphddp.schedule import Schedule
 from tools.bench.release import fit_link, release_timeline
-from tools.bench.workload import DDP_CAPS, MB, MEMORY_TARGET, OPTIMIZER, TARGETS, BenchConfig
+from tools.bench.workload import (DDP_CAPS, MB, MEMORY_TARGET, OPTIMIZER, POWERSGD_MODES, POWERSGD_SETTINGS, TARGETS,
+                                  WIRE_ROWS, BenchConfig)
 
 
 def _median(xs: list[float]) -> float:
@@ -65,6 +66,10 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
             rec["bucket_ms"] = [
                 _median([max(pr[i]["buckets"][j] for pr in per_rank) for i in range(n)]) * 1e3 for j in range(nb)
             ]
+        wire = info.get("wire", {}).get(name)
+        if wire is not None:  # bytes each rank puts on the wire per step (ranks._wire, powersgd.py)
+            rec["wire_mb"] = wire["bytes"] / MB
+            rec["uncompressed_wire_mb"] = wire["uncompressed_bytes"] / MB
         modes[name] = rec
     g = cfg.graphddp
     notes = {
@@ -87,6 +92,7 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
                     f"{g.effective_first_bucket_cap_mb:g}, last {g.last_bucket_cap_mb if g.last_bucket_cap_mb is not None else 'off'}"
                     ", separate optimizer",
         "graphddp_optim": "graphddp, same caps, optimizer inside the backward (its update is in bwd)",
+        **_powersgd_notes(cfg, info),
     }
     for c in DDP_CAPS:
         notes[f"ddp_cap{c}"] = f"DDP eager, bucket_cap_mb={c}"
@@ -165,6 +171,7 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
     if check and not (check["relative"] < 1e-3 and check["grads_none"]):
         warnings.append(f"graphddp_optim's in-backward step differs from torch.optim's by {check['relative']:.2g} of the "
                         f"step's move (L2), grads None after it: {check['grads_none']}: its update does not match torch's")
+    powersgd = _powersgd_summary(cfg, modes, info, warnings)
     if contention > 0.05:
         warnings.append(f"the ranks' main threads waited for a core {100 * contention:.0f}% of the timed steps "
                         "(runqueue delay, /proc/thread-self/schedstat): the cores were shared")
@@ -207,6 +214,7 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
         "ddp_compiled_samecap": info.get("ddp_compiled_samecap"),
         "ddp_compiled_autograd": info.get("ddp_compiled_autograd"),
         "graphddp_optim": info.get("graphddp_optim"),
+        "powersgd": powersgd,
         "ddp_same_buckets": info.get("ddp_same_buckets"),
         "ddp_buckets_mb": {n: [b["nbytes"] / MB for b in v] for n, v in info.get("ddp_buckets", {}).items()},
         "ddp_same_buckets_params": [b["params"] for b in info.get("ddp_buckets", {}).get("ddp_same_buckets", [])],
@@ -281,3 +289,59 @@ def _compiled_autograd_note(backend: str, info: dict[str, Any]) -> str:
         return f"torch.compile(DDP, python_reducer) + compiled autograd ({backend}: all-reduces not fused)"
     return (f"torch.compile(DDP, python_reducer) + compiled autograd, inductor fusion "
             f"{'+'.join(info.get('fuse_passes', ['?']))}, cap {info.get('fuse_bucket_mb', '?')} MB")
+
+
+# Each PowerSGD mode against the mode that sends the same gradients uncompressed.
+POWERSGD_BASELINE = {"graphddp_powersgd": "graphddp", "ddp_powersgd": "ddp_default", "ddp_powersgd_serial": "ddp_default"}
+
+
+def _powersgd_notes(cfg: BenchConfig, info: dict[str, Any]) -> dict[str, str]:
+    ps = (info.get("powersgd") or {}).get("modes", {})
+    rank = f"rank {cfg.powersgd_rank}, start_powerSGD_iter {POWERSGD_SETTINGS['start_powerSGD_iter']}"
+    cap = (ps.get("ddp_powersgd", {}).get("ddp_kwargs") or {}).get("bucket_cap_mb", "?")
+    return {
+        "graphddp_powersgd": f"graphddp, same caps, comm_hook=graphddp.hooks.PowerSGD({rank}) in the graph",
+        "ddp_powersgd": f"DDP eager + powerSGD_hook ({rank}), ONE bucket (bucket_cap_mb={cap}): gloo deadlocks "
+                        "with > 1 in flight; no overlap",
+        "ddp_powersgd_serial": f"DDP eager, default caps + powerSGD_hook ({rank}) waited per bucket in the hook "
+                               "(no deadlock, no overlap)",
+    }
+
+
+def _powersgd_summary(cfg: BenchConfig, modes: dict[str, dict], info: dict[str, Any],
+                      warnings: list[str]) -> dict[str, Any] | None:
+    """Issue 13's rows: step time and bytes on the wire, each PowerSGD mode against the same
+    gradients sent uncompressed; the wire figures' cross-checks become warnings if they differ."""
+    ps = info.get("powersgd")
+    if not ps or not any(n in modes for n in POWERSGD_MODES):
+        return None
+    rows: dict[str, dict] = {}
+    for name in WIRE_ROWS:
+        rec, wire = modes.get(name), info.get("wire", {}).get(name)
+        if rec is None or wire is None:
+            continue
+        row = {"step_ms": rec["step_ms"], "wire_mb": wire["bytes"] / MB,
+               "uncompressed_wire_mb": wire["uncompressed_bytes"] / MB,
+               "wire_fraction": wire["bytes"] / wire["uncompressed_bytes"] if wire["uncompressed_bytes"] else None,
+               "buckets": wire.get("buckets"), "source": wire["source"]}
+        base = POWERSGD_BASELINE.get(name)
+        if base in modes:
+            row["vs"] = base
+            row["step_vs_uncompressed"] = rec["step_ms"] / modes[base]["step_ms"]
+        rows[name] = row
+        cross = {"graphddp_powersgd": "bytes_by_layout", "ddp_powersgd": "bytes_by_counters",
+                 "ddp_powersgd_serial": "bytes_by_counters"}.get(name)
+        if cross and wire.get(cross) is not None:
+            row["cross_check"] = {cross: wire[cross]}
+        if cross and wire.get(cross) is not None and abs(wire[cross] - wire["bytes"]) > 0.5:
+            warnings.append(f"{name}: {wire['bytes']} bytes on the wire per step by its schedule/shapes, "
+                            f"{wire[cross]:.0f} by {cross}: the two accounts disagree")
+    out: dict[str, Any] = {"settings": ps["settings"], "modes": ps["modes"], "rows": rows}
+    graphddp_wire = info.get("wire", {}).get("graphddp_powersgd") or {}
+    if "schedules" in graphddp_wire:  # its plans, with each bucket's hook and wire MB
+        out["graphddp_powersgd_schedules"] = graphddp_wire["schedules"]
+    if "graphddp_powersgd" in modes:
+        for ddp in ("ddp_powersgd", "ddp_powersgd_serial"):
+            if ddp in modes:
+                out[f"graphddp_powersgd / {ddp}"] = modes["graphddp_powersgd"]["step_ms"] / modes[ddp]["step_ms"]
+    return out

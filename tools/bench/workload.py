@@ -15,13 +15,26 @@ DDP_CAPS = (1, 4, 25)
 MODES = (
     "compute_only", "compute_eager", "comm_only", "ideal_overlap", "no_overlap", "ddp_default", "ddp_same_buckets",
     *(f"ddp_cap{c}" for c in DDP_CAPS), "ddp_compiled", "ddp_compiled_samecap", "ddp_compiled_autograd",
-    "graphddp_tail_off", "graphddp", "graphddp_optim",
+    "graphddp_tail_off", "graphddp", "graphddp_optim", "graphddp_powersgd", "ddp_powersgd", "ddp_powersgd_serial",
 )
+MODE_ALIASES = {"ddp": "ddp_default"}  # --modes shorthand
 REPORTED = (  # rows of the table, in this order
     "graphddp", "graphddp_optim", "graphddp_tail_off", "compute_only", "compute_eager", "comm_only", "ideal_overlap",
     "no_overlap", "ddp_default", "ddp_same_buckets", "ddp_best", "ddp_compiled", "ddp_compiled_samecap",
-    "ddp_compiled_autograd", *(f"ddp_cap{c}" for c in DDP_CAPS),
+    "ddp_compiled_autograd", *(f"ddp_cap{c}" for c in DDP_CAPS), "graphddp_powersgd", "ddp_powersgd",
+    "ddp_powersgd_serial",
 )
+# Issue 13: PowerSGD, graphddp's in the graph against DDP's powerSGD_hook, with these settings
+# (DDP's PowerSGDState keywords less process_group; the rank is --powersgd-rank). Both do a
+# plain all-reduce for the first start_powerSGD_iter synchronising steps; the benchmark steps
+# every PowerSGD mode past them (and past the compressed variant's compile) before timing.
+POWERSGD_START_ITER = 2
+POWERSGD_SETTINGS = {"start_powerSGD_iter": POWERSGD_START_ITER, "min_compression_rate": 2,
+                     "use_error_feedback": True, "warm_start": True, "orthogonalization_epsilon": 0,
+                     "random_seed": 0, "batch_tensors_with_same_shape": False}
+POWERSGD_MODES = ("graphddp_powersgd", "ddp_powersgd", "ddp_powersgd_serial")
+# Rows of the bytes-on-the-wire table: each PowerSGD mode next to its uncompressed counterpart.
+WIRE_ROWS = ("graphddp", "graphddp_powersgd", "ddp_default", "ddp_powersgd", "ddp_powersgd_serial")
 TARGETS = (  # (label, numerator mode, denominator key in that mode's ratios, limit)
     ("graphddp / best eager DDP", "graphddp", "best_eager_ddp", 0.90),
     ("graphddp / ddp_compiled", "graphddp", "ddp_compiled", 0.80),
@@ -63,6 +76,7 @@ class BenchConfig:
     batch: int
     ready_probe_runs: int
     modes: tuple[str, ...] = MODES
+    powersgd_rank: int = 1  # PowerSGD's matrix_approximation_rank (DDP's default)
 
 
 def model_spec(name: str, tiny: bool) -> tuple[dict, int, float, float, float]:
