@@ -19,7 +19,7 @@ from tools.bench.procstat import machine_load
 from tools.bench.ranks import rank_main
 from tools.bench.report import plot, render_table
 from tools.bench.summary import summarize
-from tools.bench.workload import MODE_ALIASES, MODES, BenchConfig, model_spec
+from tools.bench.workload import MODE_ALIASES, MODES, POWERSGD_MODES, BenchConfig, model_spec
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -44,7 +44,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ready-probe-runs", type=int, default=5)
     p.add_argument("--inductor-cache", default=os.path.join(tempfile.gettempdir(), "graphddp-bench-inductor-cache"),
                    help="TORCHINDUCTOR_CACHE_DIR for the ranks ('' for a fresh one: cold compile times)")
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of modes (graphddp always runs; ddp means ddp_default)")
+    p.add_argument("--modes", default=",".join(m for m in MODES if m not in POWERSGD_MODES),
+                   help="comma-separated subset of modes (graphddp always runs; ddp means ddp_default); "
+                        f"the PowerSGD modes {POWERSGD_MODES} run only when named")
     p.add_argument("--timeout", type=float, default=1500.0, help="seconds before the ranks are killed")
     p.add_argument("--wait-quiet", type=float, default=0.0,
                    help="wait up to this many seconds for the cores to be idle (< 15%% busy) before starting")
