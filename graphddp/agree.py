@@ -35,8 +35,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-# One bucket on the wire: (dtype, device type, wire dtype or None, ((param name, shape), ...)).
-WireBucket = tuple[str, str, "str | None", tuple[tuple[str, tuple[int, ...]], ...]]
+# One bucket on the wire: (dtype, device type, wire dtype or None, user hook or None, bytes sent,
+# ((param name, shape), ...)).
+WireBucket = tuple[str, str, "str | None", "str | None", int, tuple[tuple[str, tuple[int, ...]], ...]]
 
 
 class ScheduleMismatchError(RuntimeError):
@@ -112,9 +113,10 @@ def describe_mismatch(layouts: Sequence[tuple[int, tuple[WireBucket, ...]]], wha
 def _side(buckets: tuple[WireBucket, ...], k: int, rank: int) -> str:
     if k >= len(buckets):
         return f"rank {rank} has no bucket {k} (it has {len(buckets)} buckets)"
-    dtype, device, wire, params = buckets[k]
+    dtype, device, wire, hook, nbytes, params = buckets[k]
     listed = ", ".join(f"{name} {list(shape)}" for name, shape in params)
     wire_note = f", sent as {wire}" if wire else ""
+    wire_note += f", through hook {hook} ({nbytes} bytes on the wire)" if hook else ""
     return f"rank {rank} sends {dtype} on {device}{wire_note}: [{listed}]"
 
 

@@ -16,6 +16,12 @@ capture -> plan -> insert_allreduce -> verify before the inner compiler sees it:
 * ``eager``: the rewritten graphs run node by node through :class:`torch.fx.Interpreter`
   (slowest; for stepping through with a debugger).
 
+A user's traced comm hook (``graphddp.user_hooks``) is traced into every bucket; a hook with
+phases (PowerSGD: a plain all-reduce first) gets one rewritten graph per phase, the one in use
+compiled now and the others on first use, and the hook's state tensors are appended to the
+graph's inputs at run time (``HookState``). After ``no_sync`` the hook runs eagerly on the
+accumulated gradients instead (``_run_hook_eagerly``).
+
 With an optimizer attached (``graphddp.compile(..., optimizer=)``) the rewrite goes on:
 with_updates -> insert_update -> verify_updates (:mod:`graphddp.optim`); the graph without
 the update is kept as the variant for steps the graph cannot update alone.

@@ -157,6 +157,11 @@ class BackwardDispatch:
         self.phase = phase or (lambda: next(iter(variants)))
         self._on_sync = on_sync
 
+    @property
+    def schedule(self) -> Schedule:
+        """The plan of the synchronising variant the next step runs."""
+        return self.variants[self.phase()].schedule
+
     def __call__(self, args: list[Any]) -> Any:
         if self.state.take_local():
             return self.plain()(args)

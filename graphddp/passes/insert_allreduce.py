@@ -4,12 +4,15 @@ The Schedule is the contract between the planner and this pass: every decision a
 communication goes is made by the planner and written into the Schedule; this pass only
 carries it out, and refuses (before editing anything) a Schedule that does not fit the graph.
 
-A bucket is two small Python functions, traced (``passes/trace.py``, the pattern of
-Inductor's ``bucketing.py``) on the graph's fake gradients and spliced in: ``issue`` right
-after the issue point, ``wait`` right before the wait point. The communication hook
-(``graphddp.hooks``) is called inside them, so a hook is traced exactly like the rest of the
-bucket and the pass knows nothing of what it does. Every bucket is traced before the first
-edit, so neither a schedule nor a hook that does not fit leaves a half-rewritten graph.
+A bucket is one small Python function, traced (``passes/trace.py``, the pattern of
+Inductor's ``bucketing.py``) on the graph's fake gradients and spliced in two parts: the waits
+of its last stage of collectives and everything after them right before the wait point, the
+rest right after the issue point (``_late_part``). The communication hook (``graphddp.hooks``)
+is called inside it, so a hook is traced exactly like the rest of the bucket and the pass knows
+nothing of what it does; a user's :class:`~graphddp.user_hooks.TracedHook` replaces compress,
+scale, all-reduce and decompress with its own function, and its state tensors become new
+placeholders. Every bucket is traced before the first edit, so neither a schedule nor a hook
+that does not fit leaves a half-rewritten graph.
 
 Fields read, and what each one decides:
 
@@ -44,14 +47,14 @@ Postcondition, per bucket, in graph order; every node is tagged with the bucket
 left column) and a fake ``meta["val"]``::
 
     <issue_after node>
-    # issue(*grads), traced:
+    # the bucket's function, traced; this part after the issue point:
     flatten     flat_i  = view(g_i, [n_i])         # clone first if g_i is not contiguous
     flatten     flat    = cat([flat_0, ..., flat_k]) # skipped for a one-gradient bucket
     compress    sent    = hook.compress(flat)      # fp16/bf16: convert_element_type(flat, comm_dtype)
     scale       scaled  = div(sent, world_size)    # DDP pre-divides, after the cast as DDP does
     all_reduce  reduced = all_reduce_(scaled, "sum", group)
     ... the rest of the backward (the overlap window) ...
-    # wait(reduced), traced, just before wait_before (by default the output):
+    # its late part (the last stage's wait on), just before wait_before (by default the output):
     wait        done    = wait_tensor(reduced)
     decompress  done    = hook.decompress(done)    # fp16/bf16: convert_element_type(done, dtype)
     unflatten   grad_i  = view(slice(done, 0, off_i, off_i + n_i), shape_i)
@@ -288,11 +291,9 @@ def _trace_user_bucket(p: _Placement, outs: Sequence[Any], schedule: Schedule, h
         from torch._inductor.decomposition import select_decomp_table
 
         gm = trace(_user_fn(bucket, hook, schedule, ctx, specs), [*grads, *states], what, select_decomp_table())
-    except (TypeError, RuntimeError, ValueError) as e:
-        if str(e).startswith("graphddp"):
-            raise
-        raise RuntimeError(f"graphddp: {what} cannot be traced ({_hook_advice(e)}): {type(e).__name__}: {e}") from e
     except Exception as e:  # noqa: BLE001 - anything the tracer raises, named with the hook
+        if str(e).startswith("graphddp"):  # ours already names it
+            raise
         raise RuntimeError(f"graphddp: {what} cannot be traced ({_hook_advice(e)}): {type(e).__name__}: {e}") from e
     _check_user_ops(gm, schedule, what)
     return _Traced(p, gm, _late_part(gm, what), tuple(specs))
