@@ -181,7 +181,7 @@ class GraphDDPBackend:
                 if i < len(placeholders):
                     fw_values[name] = placeholders[i].meta.get("val")
 
-        phases = self.hook.phases if self.hook is not None else ("sync",)
+        phases = self.hook.phases if self.hook is not None else ("sync",)  # keys of self._phase()
 
         def rewrite(bw: fx.GraphModule) -> dict[str, GraphRecord]:
             """One record per phase, each from its own copy of the untouched graph."""
@@ -207,14 +207,13 @@ class GraphDDPBackend:
                 )
                 for phase, record in records.items()
             }
-            phase = self.hook.phase if self.hook is not None and len(phases) > 1 else None
             self.dispatches[graph_index] = BackwardDispatch(
-                state, variants, compile_plain, self.group, phase, self._on_sync if self.hook else None
+                state, variants, compile_plain, self.group, self._phase, self._on_sync if self.hook else None
             )
             return self.dispatches[graph_index]
 
         if self.config.backend == "inductor":
-            return _compile_inductor(gm, example_inputs, record_forward, rewrite, dispatch, inductor_patches, self._phase_now(phases))
+            return _compile_inductor(gm, example_inputs, record_forward, rewrite, dispatch, inductor_patches, self._phase())
         run = _interpret if self.config.backend == "eager" else _as_is
 
         def bw_compiler(bw: fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -234,8 +233,9 @@ class GraphDDPBackend:
             fw_compiler=fw_compiler, bw_compiler=bw_compiler, keep_inference_input_mutations=True
         )(gm, example_inputs)
 
-    def _phase_now(self, phases: tuple[str, ...]) -> str:
-        return self.hook.phase() if self.hook is not None and len(phases) > 1 else phases[0]
+    def _phase(self) -> str:
+        """Which synchronising variant the next step runs: the hook's phase, else the one."""
+        return self.hook.phase() if self.hook is not None else "sync"
 
     # -- a user's traced hook at run time ------------------------------------------------------
     def _hook_args(self, record: GraphRecord, graph_index: int) -> Callable[[], list[torch.Tensor]]:
@@ -269,7 +269,7 @@ class GraphDDPBackend:
 
     def hook_runs_now(self) -> bool:
         """A user's hook averages the coming synchronising step (not a plain all-reduce phase)."""
-        return self.hook is not None and (len(self.hook.phases) == 1 or self.hook.phase() != "allreduce")
+        return self.hook is not None and self._phase() != "allreduce"
 
     def _queue_eager_hook(self, _grad_outputs: Any = None) -> None:
         if not self._hook_callback_queued:
@@ -285,10 +285,9 @@ class GraphDDPBackend:
 
         self._hook_callback_queued = False
         for graph_index in dict.fromkeys(self._eager_graphs):
-            dispatch = self.dispatches[graph_index]
-            synced = dispatch.variants[dispatch.phase()]
-            self.hook.before_step(self.hook_state, graph_index, synced.schedule)
-            run_hook_eagerly(self.hook, synced.schedule, self._hook_context, self.hook_state)
+            schedule = self.dispatches[graph_index].schedule
+            self.hook.before_step(self.hook_state, graph_index, schedule)
+            run_hook_eagerly(self.hook, schedule, self._hook_context, self.hook_state)
         self._eager_graphs.clear()
         self.eager_hook_step = False
         self.hook.after_backward()

@@ -213,6 +213,11 @@ class HookState:
             out.append(self.tensors[key])
         return out
 
+    def of(self, graph_index: int, bucket_index: int) -> list[torch.Tensor]:
+        """One bucket's tensors, in the order its hook declared them (the order allocated)."""
+        prefix = self.key(graph_index, bucket_index, "")
+        return [t for k, t in self.tensors.items() if k.startswith(prefix)]
+
     def state_dict(self) -> dict[str, Any]:
         return {"tensors": {k: t.detach().clone() for k, t in self.tensors.items()}, "hook": self.hook.extra_state()}
 

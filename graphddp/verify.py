@@ -122,9 +122,28 @@ class _Graph:
         self.outs = list(returned) if isinstance(returned, (tuple, list)) else [returned]
         placeholders = [n for n in self.nodes if n.op == "placeholder"]
         self.last_placeholder = placeholders[-1] if placeholders else None
+        self._bucket_nodes: dict[int, list[fx.Node]] = {}
+        self._after_waits: dict[int, set[fx.Node]] = {}
 
     def before(self, a: fx.Node, b: fx.Node) -> bool:
         return self.order[a] < self.order[b]
+
+    def bucket_nodes(self, index: int) -> list[fx.Node]:
+        """graphddp's nodes of bucket ``index``, in graph order."""
+        if index not in self._bucket_nodes:
+            self._bucket_nodes[index] = [n for n in self.nodes if is_ours(n, index)]
+        return self._bucket_nodes[index]
+
+    def after_waits(self, index: int) -> set[fx.Node]:
+        """The nodes of bucket ``index`` that depend on one of its waits (computed once)."""
+        if index not in self._after_waits:
+            nodes = self.bucket_nodes(index)
+            mine, region = set(nodes), set()
+            for node in nodes:  # graph order: a node's bucket inputs come before it
+                if is_wait(node) or any(a in region for a in node.all_input_nodes if a in mine):
+                    region.add(node)
+            self._after_waits[index] = region
+        return self._after_waits[index]
 
     def returned(self, index: int) -> fx.Node:
         """The node returned as output ``index`` (the output node itself when it is not a node)."""
@@ -449,7 +468,7 @@ def _hook_buffer(g: _Graph, bucket: Bucket, nodes: list[fx.Node]) -> Any:
 
 def _check_hook_bucket(g: _Graph, bucket: Bucket, schedule: Schedule, sent: int) -> None:
     index, hook = bucket.index, bucket.hook
-    nodes = [n for n in g.nodes if is_ours(n, index)]
+    nodes = g.bucket_nodes(index)
     collectives = [n for n in nodes if is_collective(n)]
     if not collectives:
         _fail(g.gm, nodes[-1] if nodes else g.output, f"bucket {index}'s hook {hook!r} issues no collective: its gradients would not be averaged")
@@ -471,22 +490,13 @@ def _check_hook_bucket(g: _Graph, bucket: Bucket, schedule: Schedule, sent: int)
         _fail(g.gm, collectives[0], f"bucket {index}'s collectives send {sent} bytes, the schedule records {bucket.wire_nbytes}")
     _check_layout(g, bucket, collectives[0], _hook_buffer(g, bucket, nodes))
     target = _wait_target(g, bucket, collectives[0])
-    region = _after_waits(nodes)
+    region = g.after_waits(index)
     for node in sorted(region, key=g.order.__getitem__):
         if is_wait(node) and not g.before(node, target):
             _fail(g.gm, node, f"bucket {index}'s wait {node.name} is not before {target.name}, its wait_before")
         for reader in node.users:
             if not is_ours(reader, index) and reader.op != "output" and g.before(reader, target):
                 _fail(g.gm, reader, f"{reader.name} reads bucket {index}'s reduced values ({node.name}) before {target.name}, the bucket's wait_before")
-
-
-def _after_waits(nodes: list[fx.Node]) -> set[fx.Node]:
-    """The bucket's nodes that depend on one of its waits."""
-    mine, region = set(nodes), set()
-    for node in nodes:  # graph order: a node's bucket inputs come before it
-        if is_wait(node) or any(a in region for a in node.all_input_nodes if a in mine):
-            region.add(node)
-    return region
 
 
 def _check_hook_gradient(g: _Graph, index: int, name: str, bucket: Bucket, slot: GradSlot, offset: int) -> None:
@@ -498,7 +508,7 @@ def _check_hook_gradient(g: _Graph, index: int, name: str, bucket: Bucket, slot:
     result = piece.args[0] if isinstance(piece, fx.Node) and piece.target == aten.slice.Tensor else None
     if not (is_ours(view, bucket.index) and isinstance(result, fx.Node) and is_ours(piece, bucket.index)):
         _fail(g.gm, returned, f"{what} is {returned.name}, not view(slice(..)) of bucket {bucket.index}'s hook result")
-    if not is_ours(result, bucket.index) or result not in _after_waits([n for n in g.nodes if is_ours(n, bucket.index)]):
+    if not is_ours(result, bucket.index) or result not in g.after_waits(bucket.index):
         _fail(g.gm, result, f"{what} is sliced from {result.name}, which does not depend on a wait of bucket {bucket.index}: it is not averaged")
     want = (0, offset, offset + slot.numel)
     if tuple(piece.args[1:4]) != want or (len(piece.args) > 4 and piece.args[4] != 1):

@@ -78,7 +78,7 @@ from graphddp import hooks
 from graphddp.comm import ALL_REDUCE, BUCKET_KEY, ROLE_KEY, WAIT, group_of, is_collective, is_wait
 from graphddp.passes.trace import role, splice, trace
 from graphddp.schedule import Bucket, Schedule, dtype_name
-from graphddp.user_hooks import GradBucket, StateSpec, TracedHook
+from graphddp.user_hooks import GradBucket, HookState, StateSpec, TracedHook
 
 aten = torch.ops.aten
 
@@ -423,18 +423,16 @@ def insert_allreduce(
     return gm
 
 
-def run_hook_eagerly(hook: TracedHook, schedule: Schedule, ctx: HookContext, states: Any) -> None:
+def run_hook_eagerly(hook: TracedHook, schedule: Schedule, ctx: HookContext, states: HookState) -> None:
     """Run ``hook`` on every bucket of ``schedule`` now, on the parameters' ``.grad``, and
     write its average back: the step after ``no_sync`` (``dynamo_backend``). The same hook
-    function as in the graph, on real tensors; ``states`` (``HookState``) holds its state."""
+    function as in the graph, on real tensors; its state is the graph's (``states``, allocated
+    when the graph was compiled, in the order the hook declares it)."""
     for bucket in schedule.buckets:
         params = [ctx.parameters[name] for name in bucket.param_names]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dry = GradBucket(bucket, flat, ctx.group, schedule.world_size, bucket.index == schedule.num_buckets - 1, params, None)
-        specs = [StateSpec(n, s.shape, s.dtype, s.device) for n, s in _declared(hook, dry)]
-        tensors = states.allocate(schedule.graph_index, bucket.index, specs) if specs else []
-        gb = GradBucket(bucket, flat, ctx.group, schedule.world_size, bucket.index == schedule.num_buckets - 1, params, tensors)
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        is_last = bucket.index == schedule.num_buckets - 1
+        gb = GradBucket(bucket, flat, ctx.group, schedule.world_size, is_last, params, states.of(schedule.graph_index, bucket.index))
         with torch.no_grad():
             done = hook(gb)
             _check_result(bucket, hook.name, done)
@@ -444,13 +442,3 @@ def run_hook_eagerly(hook: TracedHook, schedule: Schedule, ctx: HookContext, sta
                     p.grad = value.clone()
                 else:
                     p.grad.copy_(value)
-
-
-def _declared(hook: TracedHook, dry: GradBucket) -> list[tuple[str, StateSpec]]:
-    """The state a hook declares, learned on fake tensors (no collective runs)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fake = GradBucket(dry.plan, mode.from_tensor(dry.buffer()), dry.group, dry.world_size, dry.is_last(), dry.parameters(), None)
-        hook(fake)
-    return [(s.name, s) for s in fake.declared]
