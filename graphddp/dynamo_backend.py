@@ -331,6 +331,8 @@ class GraphDDPBackend:
         then with_updates -> insert_update -> verify_updates.
         """
         hook = self.hook if phase != "allreduce" else None
+        if hook is not None:
+            self._refuse_split_gradients(hook.name, graph_index, set(param_inputs.values()))
         facts = extract_facts(gm, param_inputs)
         graded = {s.output_index for s in facts.slots}
         unreduced = tuple(name for i, name in sorted(param_inputs.items()) if i not in graded)
@@ -353,6 +355,21 @@ class GraphDDPBackend:
         return GraphRecord(schedule=schedule, graph=gm, without_update=without_update)
 
 
+    def _in_other_graphs(self, graph_index: int) -> set[str]:
+        """Parameters another compiled graph also reads (tied across a graph break)."""
+        return {n for i, names in enumerate(self.param_sets) if i != graph_index for n in names}
+
+    def _refuse_split_gradients(self, hook: str, graph_index: int, names: set[str]) -> None:
+        """A parameter read by two graphs gets its gradient in two parts, and a traced hook
+        would compress each part on its own; DDP hooks their sum. Refused, never approximated."""
+        shared = sorted(names & self._in_other_graphs(graph_index))
+        if shared:
+            raise RuntimeError(
+                f"graphddp: comm_hook {hook!r}: parameters {shared} are read by more than one compiled graph "
+                "(tied across a graph break), so each graph's hook would see part of their gradient, where DDP's "
+                "hook sees the sum; move the graph break or untie them, or use a built-in comm_hook"
+            )
+
     def _add_updates(
         self, gm: fx.GraphModule, schedule: Schedule, graph_index: int, optimizer: AttachedOptimizer, fw_values: Mapping[str, Any]
     ) -> tuple[Schedule, fx.GraphModule | None]:
@@ -360,7 +377,7 @@ class GraphDDPBackend:
         updates and a copy of the graph from before them (None when nothing is updated)."""
         # A parameter another graph also reads (tied across a graph break) gets part of its
         # gradient there: it keeps the gradient route, and torch's step after the backward.
-        elsewhere = {n for i, names in enumerate(self.param_sets) if i != graph_index for n in names}
+        elsewhere = self._in_other_graphs(graph_index)
         updatable = [n for n in schedule.param_names if optimizer.rule(n) and n in fw_values and n not in elsewhere]
         if not updatable:
             return schedule, None

@@ -289,3 +289,14 @@ def test_verify_rejects_a_wait_after_its_wait_point(hooked):
     out.args = ((*out.args[0], reader),)
     with pytest.raises(VerificationError, match=r"neg.* reads bucket 0's reduced values .* before output"):
         verify(gm, schedule, _expected(schedule))
+
+
+def test_a_hook_on_a_parameter_tied_across_a_graph_break_is_refused(fake_world):
+    """Its gradient comes from two graphs: each graph's hook would compress a part of it."""
+    from test_real_models import BreakGPT
+
+    fake_world(2)
+    model = graphddp.compile(BreakGPT(), backend="aot_eager", comm_hook=(None, fp16_hook))
+    idx = torch.randint(0, 64, (2, 8))
+    with pytest.raises(RuntimeError, match=r"comm_hook 'fp16_hook': parameters \['tok.weight'\] are read by more than one compiled graph"):
+        model(idx).sum().backward()

@@ -175,3 +175,30 @@ def _resume(rank: int, world: int) -> None:
 
 def test_powersgd_checkpoint_and_resume_equals_an_uninterrupted_run():
     spawn(_resume, 2)
+
+
+# -- a forward with a graph break: two backward graphs, each with its own buckets and state ----
+
+
+def _graph_break_batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(rank * 1000 + step)
+    return (torch.randn(8, 16, generator=g),), torch.randn(8, 4, generator=g)
+
+
+def test_powersgd_across_a_graph_break_equals_ddp_powersgd_hook():
+    """One parameter per bucket (a tiny cap) on both sides, so DDP's buckets and graphddp's
+    per-graph buckets hold the same tensors and draw Q in the same order; the step count
+    advances once per backward although two graphs run the hook."""
+    spawn(_powersgd, 2, models.GraphBreakMLP, _graph_break_batch, F.mse_loss, dict(start_powerSGD_iter=2), 1e-6, "aot_eager", 6)
+
+
+def _user_fp16_graph_break(rank: int, world: int) -> None:
+    ours = assert_matches_ddp(
+        models.GraphBreakMLP, _graph_break_batch, F.mse_loss, steps=3, atol=1e-6, rtol=1e-5,
+        ddp_hook=(None, default_hooks.fp16_compress_hook), backend="aot_eager", comm_hook=(None, fp16_hook), bucket_cap_mb=CAP,
+    )
+    assert len(ours.schedules) == 2 and all(b.hook == "fp16_hook" for s in ours.schedules for b in s.buckets)
+
+
+def test_a_users_fp16_hook_across_a_graph_break_equals_ddps_fp16_compress_hook():
+    spawn(_user_fp16_graph_break, 2)
