@@ -2,8 +2,8 @@
 
 Two pieces, both thin over :mod:`graphddp.cost`, so the project has one link model:
 
-* ``fit_link``: the alpha-beta ``CostModel`` (latency, bandwidth) whose all-reduce times are
-  closest, in least squares, to comm_only's per-bucket medians.
+* ``fit_link`` (graphddp.cost's, which calibration uses too): the alpha-beta ``CostModel``
+  (latency, bandwidth) whose all-reduce times are closest, in least squares, to comm_only's per-bucket medians.
 * ``release_timeline``: ``graphddp.cost.simulate`` over the run's buckets, each released when
   its gradients were measured ready. The backward is reduced to one compute step per bucket,
   in ready order, ending at that bucket's ready time; the simulated link then takes one bucket
@@ -15,33 +15,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from graphddp.cost import CostModel, simulate
+from graphddp.cost import CostModel, fit_link, simulate  # noqa: F401 - fit_link is used from here
 from graphddp.schedule import NodeFact, Schedule
-
-
-def fit_link(nbytes: Sequence[int], seconds: Sequence[float], world_size: int) -> CostModel:
-    """The CostModel whose ``allreduce_seconds(nbytes[i], world_size)`` best fits ``seconds[i]``.
-
-    ``allreduce_seconds`` is ``a + b * nbytes`` with ``a = 2 (p-1) latency`` and
-    ``b = 2 (p-1)/p * 8 / bandwidth``; the least-squares line is refitted through the origin
-    when its intercept is negative, and flat when its slope is. Buckets of one size alone
-    cannot split the two: the fit then puts everything on the bandwidth.
-    """
-    if world_size < 2 or not nbytes or len(nbytes) != len(seconds):
-        raise ValueError(f"need >= 1 bucket time on >= 2 ranks, got {len(seconds)} times, {len(nbytes)} sizes, "
-                         f"world_size {world_size}")
-    n = len(nbytes)
-    mx, my = sum(nbytes) / n, sum(seconds) / n
-    sxx = sum((x - mx) ** 2 for x in nbytes)
-    slope = sum((x - mx) * (y - my) for x, y in zip(nbytes, seconds)) / sxx if sxx else my / mx
-    intercept = my - slope * mx
-    if slope <= 0:
-        slope, intercept = 0.0, my
-    elif intercept < 0:
-        slope, intercept = sum(x * y for x, y in zip(nbytes, seconds)) / sum(x * x for x in nbytes), 0.0
-    steps = 2 * (world_size - 1)
-    bandwidth_gbps = steps / world_size * 8 / (slope * 1e9) if slope > 0 else float("inf")
-    return CostModel(bandwidth_gbps=bandwidth_gbps, latency_us=intercept / steps * 1e6)
 
 
 def release_timeline(schedules: Sequence[Schedule], ready_ms: Sequence[float], link: CostModel) -> list[dict]:
