@@ -141,5 +141,5 @@ def compile(module: nn.Module, *, process_group: Any = None, optimizer: Any = No
     """
     group = resolve_group("graphddp.compile", module, process_group, options)
     config = DDPConfig.from_options("graphddp.compile", options)
-    attached = prepare("graphddp.compile", module, group, config, optimizer)
+    attached, config = prepare("graphddp.compile", module, group, config, optimizer)
     return GraphDDP(module, group, config, attached)

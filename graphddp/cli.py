@@ -39,6 +39,16 @@ def _cap_list(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected comma-separated megabytes, got {text!r}") from None
 
 
+def _cap(text: str) -> float | str:
+    """``--bucket-cap-mb 4`` or ``--bucket-cap-mb auto`` (DDPConfig checks the value)."""
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected megabytes or 'auto', got {text!r}") from None
+
+
 def _json_dict(text: str) -> dict:
     """``--options '{"max_autotune": true}'``: inductor settings as a JSON object."""
     try:
@@ -64,9 +74,13 @@ def add_option_flags(parser: argparse.ArgumentParser) -> None:
     from graphddp.config import DDPConfig
 
     for field in DDPConfig.option_fields():
+        if field.name == "cost":
+            continue  # an object: explain builds it from --bandwidth-gbps and the like
         flag = "--" + field.name.replace("_", "-")
         kind: dict = {"type": float}
-        if field.name == "bucket_cap_mb_list":
+        if field.name == "bucket_cap_mb":
+            kind = {"type": _cap, "metavar": "MB|auto"}
+        elif field.name == "bucket_cap_mb_list":
             kind = {"type": _cap_list, "metavar": "MB,MB,..."}
         elif field.name in ("backend", "comm_hook", "mode"):
             kind = {"type": str}
@@ -88,7 +102,7 @@ def options_from_args(args: argparse.Namespace) -> dict:
     """The options the user gave on the command line, as keywords for compile/explain."""
     from graphddp.config import DDPConfig
 
-    return {f.name: getattr(args, f.name) for f in DDPConfig.option_fields() if getattr(args, f.name) is not None}
+    return {f.name: getattr(args, f.name) for f in DDPConfig.option_fields() if getattr(args, f.name, None) is not None}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -104,20 +118,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("factory", help="PATH.py:FACTORY returning (model, example_inputs)")
     p.add_argument("--world-size", type=int, default=8)
     add_option_flags(p)
-    p.add_argument("--bandwidth-gbps", type=float, default=CostModel.bandwidth_gbps)
-    p.add_argument("--latency-us", type=float, default=CostModel.latency_us)
-    p.add_argument("--compute-tflops", type=float, default=CostModel.compute_tflops)
+    costs = p.add_argument_group("cost model", "for the predicted times, and the plan of --bucket-cap-mb auto")
+    costs.add_argument("--bandwidth-gbps", type=float, default=CostModel.bandwidth_gbps)
+    costs.add_argument("--latency-us", type=float, default=CostModel.latency_us)
+    costs.add_argument("--compute-tflops", type=float, default=CostModel.compute_tflops)
+    costs.add_argument("--collective-overhead-us", type=float, default=CostModel.collective_overhead_us)
     p.add_argument("--format", choices=FORMATS, default="table")
     p.add_argument("--out", help="file to write (default: stdout; required for png/svg)")
     args = parser.parse_args(argv)
     options = options_from_args(args)
     try:  # a bad option is a usage error: say so before loading and tracing the model
+        cost = CostModel(bandwidth_gbps=args.bandwidth_gbps, latency_us=args.latency_us, compute_tflops=args.compute_tflops,
+                         collective_overhead_us=args.collective_overhead_us, source="python -m graphddp explain's flags")
+        if options.get("bucket_cap_mb") == "auto":
+            options["cost"] = cost
         DDPConfig.from_options("python -m graphddp explain", options)
     except ValueError as e:
         p.error(str(e))
 
     model, example_inputs = _load_factory(args.factory)()
-    cost = CostModel(bandwidth_gbps=args.bandwidth_gbps, latency_us=args.latency_us, compute_tflops=args.compute_tflops)
     schedules = explain(model, *example_inputs, world_size=args.world_size, **options)
     if args.format in ("png", "svg"):
         if not args.out:

@@ -13,6 +13,7 @@ import dataclasses
 import math
 from typing import Any
 
+from graphddp.cost import CostModel
 from graphddp.user_hooks import as_traced_hook
 
 BACKENDS = ("inductor", "aot_eager", "eager")
@@ -40,10 +41,14 @@ INDUCTOR_PINNED_CONFIG: dict[str, Any] = {
 # bucket_cap_mb is left unset.
 DEFAULT_BUCKET_CAP_MB = 25.0
 DEFAULT_FIRST_BUCKET_CAP_MB = 1.0
+# bucket_cap_mb's value for "no cap: the buckets that minimise the predicted step".
+AUTO = "auto"
 
 
 def _check_megabytes(name: str, value: Any) -> None:
     """A cap is a positive, finite number (bools are ints in Python, but never a size)."""
+    if name == "bucket_cap_mb" and isinstance(value, str):
+        raise ValueError(f"bucket_cap_mb must be a positive, finite number of megabytes or {AUTO!r}, got {value!r}")
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
         raise ValueError(f"{name} must be a positive, finite number of megabytes, got {value!r}")
 
@@ -110,16 +115,27 @@ class DDPConfig:
     * ``last_bucket_cap_mb`` (graphddp's own; None: off, as in DDP) caps the bucket of the
       gradients produced last; its transfer starts after the last backward kernel, so all of it
       is exposed.
+    * ``bucket_cap_mb="auto"`` (graphddp's own): no caps; the buckets are the partition of the
+      production order that minimises the backward predicted by ``cost``
+      (:mod:`graphddp.autoplan`), a :class:`~graphddp.cost.CostModel` that is by default
+      calibrated on the process group when the model is wrapped (:mod:`graphddp.calibrate`).
+      The other cap options do not combine with it, and ``cost`` means nothing without it.
 
     The fields keep what the user passed; ``effective_*`` and ``bucket_size_limits`` are the
     resolved caps the planner uses and the Schedule records.
     """
 
-    bucket_cap_mb: float | None = _option(None, "bucket cap in MB, the first bucket's too (default: DDP's, 25 after a 1 MB first bucket)")
+    bucket_cap_mb: float | str | None = _option(
+        None, "bucket cap in MB, the first bucket's too, or 'auto': buckets chosen by the cost model "
+        "(default: DDP's, 25 after a 1 MB first bucket)"
+    )
     first_bucket_cap_mb: float | None = _option(None, "smaller first bucket (graphddp's extension; clamped to bucket_cap_mb)")
     last_bucket_cap_mb: float | None = _option(None, "cap of the bucket of the gradients produced last (default: off)")
     bucket_cap_mb_list: tuple[float, ...] | None = _option(
         None, "one cap per bucket in ready order, the last repeating (DDP's bucket_cap_mb_list)"
+    )
+    cost: CostModel | None = _option(
+        None, "the CostModel bucket_cap_mb='auto' minimises (default: calibrated on the process group at wrap time)"
     )
     comm_hook: Any = _option(
         None, f"send buckets compressed: one of {sorted(COMM_HOOKS)} (DDP's compression hooks); from Python also (state, hook) or graphddp.hooks.PowerSGD(...)"
@@ -217,6 +233,21 @@ class DDPConfig:
         return patches
 
     def _check_caps(self) -> None:
+        if self.cost is not None and not isinstance(self.cost, CostModel):
+            raise ValueError(f"cost must be a graphddp.CostModel, got {type(self.cost).__name__}")
+        if self.auto:
+            given = [n for n in ("first_bucket_cap_mb", "last_bucket_cap_mb", "bucket_cap_mb_list") if getattr(self, n)]
+            if given:
+                raise ValueError(
+                    f"bucket_cap_mb='auto' chooses every bucket from the cost model; {given} would overrule it: "
+                    "leave them out, or give caps instead of 'auto'"
+                )
+            return
+        if self.cost is not None:
+            raise ValueError(
+                "cost is the model bucket_cap_mb='auto' minimises; with caps it is unused: "
+                f"set bucket_cap_mb='auto' or leave cost out (bucket_cap_mb={self.bucket_cap_mb!r})"
+            )
         for name in ("bucket_cap_mb", "first_bucket_cap_mb", "last_bucket_cap_mb"):
             value = getattr(self, name)
             if value is not None:
@@ -239,10 +270,20 @@ class DDPConfig:
         """The user's traced hook (``graphddp.user_hooks.TracedHook``), or None."""
         return None if self.comm_hook is None or isinstance(self.comm_hook, str) else self.comm_hook
 
+    @property
+    def auto(self) -> bool:
+        """Buckets from the cost model (``bucket_cap_mb="auto"``), not from caps."""
+        return isinstance(self.bucket_cap_mb, str) and self.bucket_cap_mb == AUTO
+
+    def _no_caps(self, what: str) -> None:
+        if self.auto:
+            raise ValueError(f"bucket_cap_mb='auto' has no {what}: the plan's buckets are in its Schedule")
+
     # -- resolved caps ---------------------------------------------------------------------
     @property
     def effective_bucket_cap_mb(self) -> float:
         """DDP's ``bucket_bytes_cap`` in MB: 25 when unset, the largest entry of a cap list."""
+        self._no_caps("bucket cap")
         if self.bucket_cap_mb_list is not None:
             return float(max(self.bucket_cap_mb_list))
         return float(DEFAULT_BUCKET_CAP_MB if self.bucket_cap_mb is None else self.bucket_cap_mb)
@@ -250,6 +291,7 @@ class DDPConfig:
     @property
     def effective_first_bucket_cap_mb(self) -> float:
         """The cap the first bucket of each (dtype, device) is closed at."""
+        self._no_caps("first bucket cap")
         if self.bucket_cap_mb_list is not None:
             return float(self.bucket_cap_mb_list[0])
         if self.first_bucket_cap_mb is not None:
@@ -261,6 +303,7 @@ class DDPConfig:
     @property
     def bucket_size_limits_mb(self) -> tuple[float, ...]:
         """Caps walked one per bucket of each (dtype, device), the last repeating (DDP's list)."""
+        self._no_caps("caps")
         if self.bucket_cap_mb_list is not None:
             return tuple(float(c) for c in self.bucket_cap_mb_list)
         return (self.effective_first_bucket_cap_mb, self.effective_bucket_cap_mb)

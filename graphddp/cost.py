@@ -5,8 +5,9 @@ timeline of one backward pass with its communication.
   fixed per-op overhead; the FLOPs and bytes are read off the graph by
   :mod:`graphddp.capture` into each ``NodeFact``. Measured times override estimates.
 * Communication: ring all-reduce, ``2 (p-1) alpha + 2 (p-1)/p * bytes / bandwidth``.
-* Timeline: backward nodes run back to back on the compute lane; a bucket's all-reduce starts
-  once its last gradient is produced and the link is free (one bucket on the wire at a time).
+* Timeline: backward nodes run back to back on the compute lane, and issuing a collective
+  takes a fixed time there too; a bucket's all-reduce starts once its last gradient is
+  produced, its issue is done and the link is free (one bucket on the wire at a time).
   Whatever communication ends after the last compute node is *exposed*.
 
 Everything here is pure arithmetic on Schedule values, so a user can ask "what if the link
@@ -14,80 +15,57 @@ were 100 Gbit/s" without re-tracing.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Mapping, Sequence
 
-from graphddp.schedule import BucketTiming, Schedule, Span, Timeline
+from graphddp.schedule import BucketTiming, CostModel, NodeFact, Schedule, Span, Timeline
+
+__all__ = ["CostModel", "compute_timeline", "fit_link", "simulate"]  # CostModel is a value type: it lives in graphddp.schedule
 
 
-@dataclasses.dataclass(frozen=True)
-class CostModel:
-    """Machine parameters. Defaults describe a modest CPU rank on a 10 Gbit/s link.
-
-    ``source`` says where the numbers came from ("given", "default", or what
-    :func:`graphddp.calibrate.calibrate` measured them on); a Schedule planned with
-    ``bucket_cap_mb="auto"`` records its cost model, source included.
-    """
-
-    bandwidth_gbps: float = 10.0  # link bandwidth, gigabits per second
-    latency_us: float = 20.0  # alpha: per ring step
-    compute_tflops: float = 0.05  # sustained dense compute, TFLOP/s
-    memory_gbps: float = 20.0  # memory bandwidth, gigabytes per second
-    op_overhead_us: float = 2.0  # launch / dispatch cost per op
-    source: str = "given"
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.source, str):
-            raise ValueError(f"source must be a string, got {self.source!r}")
-        for f in dataclasses.fields(self):
-            if f.name == "source":
-                continue
-            value = getattr(self, f.name)
-            if not isinstance(value, (int, float)) or value < 0 or (value == 0 and f.name != "op_overhead_us" and f.name != "latency_us"):
-                raise ValueError(f"{f.name} must be a positive number, got {value!r}")
-
-    def compute_seconds(self, flops: int, nbytes: int) -> float:
-        return max(flops / (self.compute_tflops * 1e12), nbytes / (self.memory_gbps * 1e9)) + self.op_overhead_us * 1e-6
-
-    @property
-    def numbers(self) -> dict[str, float]:
-        """The machine parameters without ``source``: what a plan depends on."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "source"}
-
-    def describe(self) -> str:
-        """One line for tables and logs."""
-        return (f"{self.bandwidth_gbps:.3g} Gbit/s, {self.latency_us:.3g} us per ring step, "
-                f"{self.compute_tflops:.3g} TFLOP/s, {self.memory_gbps:.3g} GB/s, {self.op_overhead_us:.3g} us per op "
-                f"({self.source})")
-
-    def allreduce_seconds(self, nbytes: int, world_size: int) -> float:
-        if world_size <= 1:
-            return 0.0
-        steps = 2 * (world_size - 1)
-        wire = steps / world_size * nbytes * 8 / (self.bandwidth_gbps * 1e9)
-        return steps * self.latency_us * 1e-6 + wire
+def compute_timeline(
+    nodes: Sequence[NodeFact], cost: CostModel, measured: Mapping[str, float] | None = None,
+    issued_after: Mapping[str, int] | None = None,
+) -> tuple[list[Span], dict[str, float], float]:
+    """The compute lane: compute nodes back to back, each at its measured time if ``measured``
+    has it, else ``cost``'s estimate; after a node, ``issued_after[node]`` collectives are
+    issued, each taking ``collective_overhead_us`` of the lane. Returns (spans, when each node
+    and the issues after it end, when the compute ends)."""
+    measured = measured or {}
+    issued_after = issued_after or {}
+    overhead = cost.collective_overhead_us * 1e-6
+    clock = 0.0
+    finished: dict[str, float] = {}
+    spans = []
+    for node in nodes:
+        if node.is_compute:
+            seconds = measured.get(node.name, cost.compute_seconds(node.flops, node.nbytes))
+            spans.append(Span(node.name, clock, clock + seconds))
+            clock += seconds
+        clock += overhead * issued_after.get(node.name, 0)
+        finished[node.name] = clock
+    return spans, finished, clock
 
 
 def simulate(schedule: Schedule, cost: CostModel | None = None, measured: Mapping[str, float] | None = None) -> Timeline:
     """Predict the backward pass of ``schedule`` under ``cost`` (see module docstring).
 
     ``measured`` maps node names to seconds and overrides the estimate of those nodes.
+    Without ``cost``, the cost model the schedule was planned with (``bucket_cap_mb="auto"``),
+    else ``CostModel()``'s defaults. Issuing a bucket's collective takes
+    ``collective_overhead_us`` of the compute lane, right after the node it is issued after
+    (several there: in issue order, the bucket ready when its own issue is done).
     """
-    cost = cost or CostModel()
-    measured = measured or {}
-    clock = 0.0
-    finished: dict[str, float] = {}
-    spans = []
-    for node in schedule.nodes:
-        if node.is_compute:
-            seconds = measured.get(node.name, cost.compute_seconds(node.flops, node.nbytes))
-            spans.append(Span(node.name, clock, clock + seconds))
-            clock += seconds
-        finished[node.name] = clock
+    cost = cost or schedule.cost_model or CostModel()
+    issued: dict[str, int] = {}
+    for bucket in schedule.buckets:
+        issued[bucket.issue_after] = issued.get(bucket.issue_after, 0) + 1
+    spans, finished, clock = compute_timeline(schedule.nodes, cost, measured, issued)
+    overhead = cost.collective_overhead_us * 1e-6
     link_free = 0.0
     timings = []
     for bucket in schedule.buckets:
-        ready = finished.get(bucket.issue_after, clock)
+        issued[bucket.issue_after] -= 1  # later buckets at the same node are issued after this one
+        ready = finished.get(bucket.issue_after, clock) - overhead * issued[bucket.issue_after]
         start = max(ready, link_free)
         end = start + cost.allreduce_seconds(bucket.wire_nbytes, schedule.world_size)
         link_free = end

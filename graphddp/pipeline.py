@@ -112,7 +112,7 @@ def backend(module: nn.Module, *, process_group: Any = None, optimizer: Any = No
     """
     group = resolve_group("graphddp.backend", module, process_group, options)
     config = DDPConfig.from_options("graphddp.backend", options)
-    attached = prepare("graphddp.backend", module, group, config, optimizer)
+    attached, config = prepare("graphddp.backend", module, group, config, optimizer)
     return GraphDDPCompileBackend(module, group, config, attached)
 
 

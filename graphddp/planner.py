@@ -21,14 +21,22 @@ rebuilds buckets in gradient-ready order, applied to the static production order
    small. Without it the last bucket is whatever remains (DDP's rule).
 4. Close the remaining open buckets. Buckets are issued in the order they became ready
    (position of their last gradient), which is the order the rewrite inserts them.
+
+With ``bucket_cap_mb="auto"`` steps 2-4 are replaced by :func:`graphddp.autoplan.auto_partition`:
+the partition of the same order that minimises the backward ``config.cost`` predicts (its
+defaults when no cost model was resolved, as in a bare ``plan`` call); the Schedule records
+that cost model instead of caps.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Collection, Mapping
 
+import torch
+
+from graphddp.autoplan import auto_partition
 from graphddp.config import DDPConfig
-from graphddp.schedule import Bucket, GradSlot, GraphFacts, Schedule
+from graphddp.schedule import Bucket, CostModel, GradSlot, GraphFacts, NodeFact, Schedule
 
 Key = tuple[str, str]  # (dtype, device): buckets never mix either
 
@@ -38,15 +46,38 @@ def _order(slot: GradSlot) -> tuple[int, int]:
     return (slot.position, slot.output_index)
 
 
-def partition(slots: tuple[GradSlot, ...], config: DDPConfig) -> list[tuple[GradSlot, ...]]:
-    """Group production-ordered slots into buckets; returns buckets in ready order."""
+def partition(
+    slots: tuple[GradSlot, ...], config: DDPConfig, nodes: tuple[NodeFact, ...] = (), world_size: int = 1
+) -> list[tuple[GradSlot, ...]]:
+    """Group production-ordered slots into buckets; returns buckets in ready order.
+
+    ``nodes`` and ``world_size`` matter only to ``bucket_cap_mb="auto"``: the compute the
+    all-reduces overlap with, and the ring they run on."""
     ordered = sorted(slots, key=_order)
+    if config.auto:
+        done = auto_partition(ordered, nodes, cost_of(config), world_size, _wire_ratios(ordered, config.comm_dtype))
+        done.sort(key=lambda b: _order(b[-1]))
+        return done
     tails = _tails(ordered, config.last_bucket_cap_bytes) if config.last_bucket_cap_mb is not None else {}
     in_tail = {id(s) for tail in tails.values() for s in tail}
     body = [s for s in ordered if id(s) not in in_tail]
     done = _assign_by_size(body, config.bucket_size_limits) + [tuple(t) for t in tails.values()]
     done.sort(key=lambda b: _order(b[-1]))
     return done
+
+
+def cost_of(config: DDPConfig) -> CostModel:
+    """The cost model an auto plan minimises: the resolved one, else the defaults, saying so."""
+    return config.cost if config.cost is not None else CostModel(source="default: no cost model was given or calibrated")
+
+
+def _wire_ratios(slots: list[GradSlot], comm_dtype: str | None) -> dict[tuple[str, str], float]:
+    """Bytes on the wire per byte of gradient, per (dtype, device): a compression hook's
+    half precision sends half of a float32 bucket."""
+    if comm_dtype is None:
+        return {}
+    size = lambda name: torch.empty((), dtype=getattr(torch, name)).element_size()  # noqa: E731
+    return {(s.dtype, s.device): size(comm_dtype) / size(s.dtype) for s in slots}
 
 
 def _assign_by_size(ordered: list[GradSlot], limits: tuple[int, ...]) -> list[tuple[GradSlot, ...]]:
@@ -111,7 +142,7 @@ def plan(
     compute = [n for n in facts.nodes if n.is_compute]
     output_position = len(facts.nodes) - 1
     buckets = []
-    for index, slots in enumerate(partition(facts.slots, config)):
+    for index, slots in enumerate(partition(facts.slots, config, facts.nodes, world_size)):
         ready = slots[-1]
         overlap = tuple(n.name for n in compute if ready.position < n.position < output_position)
         buckets.append(
@@ -131,8 +162,9 @@ def plan(
         graph_index=graph_index,
         world_size=world_size,
         group_name=group_name,
-        bucket_cap_mb=config.effective_bucket_cap_mb,  # resolved, so tables and JSON show real caps
-        first_bucket_cap_mb=config.effective_first_bucket_cap_mb,
+        bucket_cap_mb=None if config.auto else config.effective_bucket_cap_mb,  # resolved: tables show real caps
+        first_bucket_cap_mb=None if config.auto else config.effective_first_bucket_cap_mb,
+        cost_model=cost_of(config) if config.auto else None,
         last_bucket_cap_mb=config.last_bucket_cap_mb,
         buckets=tuple(buckets),
         unreduced=unreduced,

@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from graphddp.agree import check_parameter_agreement
 from graphddp.dynamo_backend import GraphDDPBackend, GraphRecord
+from graphddp.calibrate import resolve_cost
 from graphddp.capture import names_by_identity
 from graphddp.config import DDPConfig
 from graphddp.optim import AttachedOptimizer
@@ -67,8 +68,12 @@ def resolve_group(where: str, module: Any, process_group: Any, options: dict[str
     return process_group if process_group is not None else dist.group.WORLD
 
 
-def prepare(where: str, module: nn.Module, group: Any, config: DDPConfig, optimizer: Any = None) -> AttachedOptimizer | None:
-    """Wrap-time checks and broadcast, as DDP's constructor does them; attach ``optimizer``.
+def prepare(
+    where: str, module: nn.Module, group: Any, config: DDPConfig, optimizer: Any = None
+) -> tuple[AttachedOptimizer | None, DDPConfig]:
+    """Wrap-time checks and broadcast, as DDP's constructor does them; attach ``optimizer``;
+    returns it and ``config`` with its cost model resolved (``bucket_cap_mb="auto"``: measured
+    on ``group`` now, by :mod:`graphddp.calibrate`, since compiling never talks).
 
     Parameters are broadcast from the group's first rank; buffers too, but only with
     ``broadcast_buffers`` (torch >= 2.13's DDP: ``init_sync_buffers`` follows it), since
@@ -87,9 +92,10 @@ def prepare(where: str, module: nn.Module, group: Any, config: DDPConfig, optimi
     if dist.get_world_size(group) > 1:
         buffers = list(module.buffers()) if config.broadcast_buffers else []
         broadcast_tensors(list(module.parameters()) + buffers, group)
+    config = resolve_cost(config, group, device)
     if attached is not None:
         attached.attach()
-    return attached
+    return attached, config
 
 
 class Replica:

@@ -24,6 +24,65 @@ def dtype_name(dtype: object) -> str:
     return str(dtype).replace("torch.", "")
 
 
+_MAY_BE_ZERO = ("latency_us", "op_overhead_us", "collective_overhead_us")
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Machine parameters. Defaults describe a modest CPU rank on a 10 Gbit/s link.
+
+    ``source`` says where the numbers came from ("given", "default", or what
+    :func:`graphddp.calibrate.calibrate` measured them on); a Schedule planned with
+    ``bucket_cap_mb="auto"`` records its cost model, source included.
+    """
+
+    bandwidth_gbps: float = 10.0  # link bandwidth, gigabits per second
+    latency_us: float = 20.0  # alpha: per ring step
+    compute_tflops: float = 0.05  # sustained dense compute, TFLOP/s
+    memory_gbps: float = 20.0  # memory bandwidth, gigabytes per second
+    op_overhead_us: float = 2.0  # launch / dispatch cost per op
+    collective_overhead_us: float = 20.0  # compute-lane time to issue and wait for one collective
+    source: str = "given"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.source, str):
+            raise ValueError(f"source must be a string, got {self.source!r}")
+        for f in dataclasses.fields(self):
+            if f.name == "source":
+                continue
+            value = getattr(self, f.name)
+            if not isinstance(value, (int, float)) or value < 0 or (value == 0 and f.name not in _MAY_BE_ZERO):
+                raise ValueError(f"{f.name} must be a positive number, got {value!r}")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CostModel":
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def compute_seconds(self, flops: int, nbytes: int) -> float:
+        return max(flops / (self.compute_tflops * 1e12), nbytes / (self.memory_gbps * 1e9)) + self.op_overhead_us * 1e-6
+
+    @property
+    def numbers(self) -> dict[str, float]:
+        """The machine parameters without ``source``: what a plan depends on."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "source"}
+
+    def describe(self) -> str:
+        """One line for tables and logs."""
+        return (f"{self.bandwidth_gbps:.3g} Gbit/s, {self.latency_us:.3g} us per ring step, "
+                f"{self.compute_tflops:.3g} TFLOP/s, {self.memory_gbps:.3g} GB/s, {self.op_overhead_us:.3g} us per op, {self.collective_overhead_us:.3g} us per collective "
+                f"({self.source})")
+
+    def allreduce_seconds(self, nbytes: int, world_size: int) -> float:
+        if world_size <= 1:
+            return 0.0
+        steps = 2 * (world_size - 1)
+        wire = steps / world_size * nbytes * 8 / (self.bandwidth_gbps * 1e9)
+        return steps * self.latency_us * 1e-6 + wire
+
+
 @dataclasses.dataclass(frozen=True)
 class GradSlot:
     """One gradient output of a backward graph that belongs to a parameter."""
@@ -159,13 +218,16 @@ class Schedule:
     graph_index: int
     world_size: int
     group_name: str
-    bucket_cap_mb: float
-    first_bucket_cap_mb: float
+    bucket_cap_mb: float | None  # None: planned by cost_model ("auto")
+    first_bucket_cap_mb: float | None
     buckets: tuple[Bucket, ...]
     unreduced: tuple[str, ...] = ()  # parameters in this graph that get no gradient
     nodes: tuple[NodeFact, ...] = ()  # the backward graph, in order, with cost inputs
     last_bucket_cap_mb: float | None = None  # cap of the exposed tail bucket (None: off)
     optimizer: str | None = None  # the update compiled after the waits (graphddp.optim), if any
+    # bucket_cap_mb="auto": the cost model whose predicted backward these buckets minimise
+    # (graphddp.autoplan); the caps above are then None.
+    cost_model: CostModel | None = None
 
     @property
     def num_buckets(self) -> int:
@@ -209,6 +271,7 @@ class Schedule:
             "first_bucket_cap_mb": self.first_bucket_cap_mb,
             "last_bucket_cap_mb": self.last_bucket_cap_mb,
             "optimizer": self.optimizer,
+            "cost_model": self.cost_model.to_dict() if self.cost_model is not None else None,
             "unreduced": list(self.unreduced),
             "nodes": [{**dataclasses.asdict(n), "inputs": list(n.inputs)} for n in self.nodes],
             "buckets": [
@@ -263,6 +326,7 @@ class Schedule:
             first_bucket_cap_mb=data["first_bucket_cap_mb"],
             last_bucket_cap_mb=data.get("last_bucket_cap_mb"),
             optimizer=data.get("optimizer"),
+            cost_model=CostModel.from_dict(data["cost_model"]) if data.get("cost_model") else None,
             buckets=buckets,
             unreduced=tuple(data["unreduced"]),
             nodes=tuple(NodeFact(**{**n, "inputs": tuple(n["inputs"])}) for n in data.get("nodes", [])),
@@ -295,6 +359,7 @@ class Schedule:
         data = self.to_dict()
         data.pop("group_name")
         data.pop("nodes")  # cost inputs, not the plan
+        data.pop("cost_model")  # calibrated numbers vary run to run; the buckets they chose are in
         blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -309,10 +374,14 @@ class Schedule:
         head += f" {'wire MB':>8}  {'hook':<12}" if hooked else ""
         head += f"  {'ready ms':>8} {'start ms':>8} {'end ms':>8}" if timeline else ""
         head += "  parameters"
+        if self.cost_model is not None:
+            policy = f"auto buckets, minimising the predicted backward under {self.cost_model.describe()}"
+        else:
+            policy = f"caps first={self.first_bucket_cap_mb} MB rest={self.bucket_cap_mb} MB" + (
+                f" last={self.last_bucket_cap_mb} MB" if self.last_bucket_cap_mb is not None else "")
         lines = [
             f"graph {self.graph_index}: {self.num_buckets} buckets, {self.nbytes / 2**20:.2f} MB, "
-            f"world_size={self.world_size}, caps first={self.first_bucket_cap_mb} MB rest={self.bucket_cap_mb} MB"
-            + (f" last={self.last_bucket_cap_mb} MB" if self.last_bucket_cap_mb is not None else ""),
+            f"world_size={self.world_size}, {policy}",
             head,
             "-" * len(head),
         ]

@@ -241,7 +241,7 @@ def _pair(spec: Spec, backend: str, ddp_kwargs: dict | None = None, prepare: Cal
         prepare(model)
     ref_module = copy.deepcopy(model)
     ref = DDP(_DictOut(ref_module), bucket_cap_mb=CAP_MB, **(ddp_kwargs or {}))
-    ours = graphddp.compile(copy.deepcopy(model), backend=backend, bucket_cap_mb=CAP_MB, **graphddp_kwargs)
+    ours = graphddp.compile(copy.deepcopy(model), backend=backend, **{"bucket_cap_mb": CAP_MB, **graphddp_kwargs})
     return Pair(ref, ref_module, ours,
                 torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9),
                 torch.optim.SGD(ours.parameters(), lr=0.05, momentum=0.9))
@@ -468,7 +468,30 @@ def _feature_dynamic(spec: Spec, rank: int, world: int, backend: str, check: Che
     _check_every_trainable_reduced(check, pair.ours, "dynamic shapes")
 
 
+def _feature_auto(spec: Spec, rank: int, world: int, backend: str, check: Check) -> None:
+    """bucket_cap_mb="auto" (issue 12): buckets from the cost model calibrated on this group at
+    wrap time, the same on every rank (else the in-band layout check raises), same gradients."""
+    pair = _pair(spec, backend, bucket_cap_mb="auto")
+    for step in range(2):
+        for m, _ in _both(pair):
+            with m.no_sync():
+                _fwd_bwd(m, spec, rank, 10 * step)
+            _fwd_bwd(m, spec, rank, 10 * step + 1)
+        _compare_grads(check, pair, f"step {step}")
+        _opt_step(pair)
+    _compare_state(check, pair, "after 2 steps")
+    _check_every_trainable_reduced(check, pair.ours, "auto buckets")
+    for s in pair.ours.schedules:
+        check.expect(s.cost_model is not None and s.cost_model.source.startswith("calibrated"),
+                     f"graph {s.graph_index}: planned with {s.cost_model}, not the calibrated cost model")
+    mine = [(s.fingerprint(), s.cost_model) for s in pair.ours.schedules]
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine)
+    check.expect(all(x == mine for x in everyone), f"ranks planned differently: {everyone}")
+
+
 FEATURES: dict[str, Callable[..., None]] = {
+    "auto_buckets": _feature_auto,
     "no_sync": _feature_no_sync,
     "toggle_requires_grad": _feature_toggle,
     "fp16_compress": _feature_fp16,

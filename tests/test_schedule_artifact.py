@@ -165,6 +165,10 @@ def test_cli_end_to_end(tmp_path):
     assert table.returncode == 0, table.stderr
     assert "predicted (1 Gbit/s" in table.stdout and "fingerprint" in table.stdout
     assert "[graphddp INFO] graphddp plan for backward graph 0" in table.stderr
+    auto = _cli("explain", "examples/factories.py:mlp", "--backend", "aot_eager", "--bucket-cap-mb", "auto",
+                "--bandwidth-gbps", "0.5", "--latency-us", "3000")
+    assert auto.returncode == 0, auto.stderr
+    assert "auto buckets, minimising the predicted backward under 0.5 Gbit/s, 3e+03 us" in auto.stdout
     bad = _cli("explain", "examples/factories.py:nope")
     assert bad.returncode != 0 and "no function 'nope'" in bad.stderr
 

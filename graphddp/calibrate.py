@@ -1,0 +1,141 @@
+"""Measure the cost model that ``bucket_cap_mb="auto"`` plans with, once per process group.
+
+When a model is wrapped (``graphddp.compile`` / ``graphddp.backend``: the point where DDP's
+constructor talks to every rank too, and never while compiling; see :mod:`graphddp.agree`),
+every rank of the group times
+
+* blocking all-reduces of a few sizes (``SIZES``), median of ``REPEATS`` after a warm-up:
+  the link's latency and bandwidth come from the alpha-beta line through them
+  (:func:`graphddp.cost.fit_link`, the same fit the benchmark's bounds use);
+* the time to issue an asynchronous all-reduce of one element: the compute lane's cost of a
+  collective;
+* a square matmul (FLOP rate), a large copy (memory bandwidth) and a one-element add (per-op
+  overhead) on the model's device: the rates the backward's node estimates are made from.
+
+The times are then all-reduced with MAX, so every rank fits the same numbers (the slowest
+rank's) and plans the same buckets; they are rounded to two significant figures, so reruns on
+the same machines usually plan the same buckets too (and hit the compile cache). The result
+is cached per (process group, device type): later models on the same group reuse it.
+
+On a group of one rank only the compute is timed (nothing is sent). Under graphddp.explain's
+fake process group nothing is timed: the plan uses ``CostModel()``'s defaults unless
+``cost=`` is given, and its Schedule says so.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from graphddp.comm import group_name_of
+from graphddp.config import DDPConfig
+from graphddp.cost import CostModel, fit_link
+
+SIZES = (1 << 14, 1 << 20, 1 << 22)  # bytes per all-reduce
+REPEATS = 5
+_CACHE: dict[tuple[str, str, int, str], CostModel] = {}  # (group name, backend, ranks, device type)
+
+
+def resolve_cost(config: DDPConfig, group: Any, device: torch.device | None) -> DDPConfig:
+    """``config`` with the cost model its plan needs: the user's ``cost`` if given, else a
+    calibrated one (``bucket_cap_mb="auto"`` only; caps need none). A collective: call it
+    on every rank of ``group`` at the same point."""
+    if not config.auto or config.cost is not None:
+        return config
+    return dataclasses.replace(config, cost=calibrate(group, device))
+
+
+def calibrate(group: Any, device: torch.device | None = None) -> CostModel:
+    """The cost model of ``group``'s link and this device (see the module docstring)."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    world = dist.get_world_size(group)
+    key = (group_name_of(group) if world > 1 else "", str(dist.get_backend(group)), world, device.type)
+    if key in _CACHE:
+        return _CACHE[key]
+    if key[1] == "fake":  # graphddp.explain's pretend ranks: nothing to time
+        return CostModel(source=f"default: a fake process group of {world} ranks has no link to measure")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = _compute_times(device, sync) + (_link_times(group, device, sync) if world > 1 else [])
+    agreed = torch.tensor(times, dtype=torch.float64)
+    if world > 1:
+        wire = agreed.to(device) if device.type == "cuda" else agreed
+        dist.all_reduce(wire, op=dist.ReduceOp.MAX, group=group)
+        agreed = wire.cpu()
+    matmul_s, copy_s, op_s, *link = agreed.tolist()
+    rates = {
+        "compute_tflops": _round2(2 * _MATMUL_N[device.type] ** 3 / matmul_s / 1e12),
+        "memory_gbps": _round2(2 * _COPY_BYTES / copy_s / 1e9),
+        "op_overhead_us": _round2(op_s * 1e6),
+    }
+    source = f"calibrated on process group {key[0] or 'of one rank'} ({world} ranks, {device.type})"
+    if world == 1:
+        model = CostModel(**rates, source=source)
+    else:
+        issue_s, *allreduce_s = link
+        fitted = fit_link(SIZES, allreduce_s, world)
+        model = CostModel(
+            bandwidth_gbps=_round2(fitted.bandwidth_gbps), latency_us=_round2(fitted.latency_us),
+            collective_overhead_us=_round2(issue_s * 1e6), **rates, source=source,
+        )
+    _CACHE[key] = model
+    return model
+
+
+_MATMUL_N = {"cpu": 256, "cuda": 4096}
+_COPY_BYTES = 32 << 20
+
+
+def _median_seconds(run: Callable[[], Any], sync: Callable[[], None], repeats: int = REPEATS) -> float:
+    run()  # warm-up: first-call allocation and dispatch
+    sync()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        sync()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def _compute_times(device: torch.device, sync: Callable[[], None]) -> list[float]:
+    n = _MATMUL_N.get(device.type, 256)
+    a = torch.randn(n, n, device=device)
+    big = torch.empty(_COPY_BYTES // 4, device=device)
+    one = torch.zeros(1, device=device)
+    return [
+        _median_seconds(lambda: a @ a, sync),
+        _median_seconds(big.clone, sync),
+        _median_seconds(lambda: one + 1, sync),
+    ]
+
+
+def _link_times(group: Any, device: torch.device, sync: Callable[[], None]) -> list[float]:
+    one = torch.zeros(1, device=device)
+
+    def issue() -> float:
+        start = time.perf_counter()
+        work = dist.all_reduce(one, group=group, async_op=True)
+        took = time.perf_counter() - start
+        work.wait()
+        sync()
+        return took
+
+    issue()
+    issue_s = statistics.median(issue() for _ in range(REPEATS))
+    out = [issue_s]
+    for nbytes in SIZES:
+        buf = torch.zeros(nbytes // 4, device=device)
+        out.append(_median_seconds(lambda: dist.all_reduce(buf, group=group), sync))
+    return out
+
+
+def _round2(x: float) -> float:
+    """Two significant figures (0 stays 0, inf stays inf)."""
+    if x == 0 or not math.isfinite(x):
+        return x
+    return round(x, 1 - int(math.floor(math.log10(abs(x)))))
