@@ -5,6 +5,7 @@ ties the README's quoted figures to the published run (docs/bench_gpt.json)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 
@@ -446,6 +447,134 @@ def test_no_powersgd_section_without_its_modes():
     assert s["powersgd"] is None and "PowerSGD" not in render_table(s)
 
 
+# -- issue 12: bucket_cap_mb="auto" against the swept caps, predicted against measured ---------------
+
+CALIBRATED = {"bandwidth_gbps": 1.0, "latency_us": 50.0, "compute_tflops": 0.05, "memory_gbps": 20.0,
+              "op_overhead_us": 2.0, "source": "calibrated on group 0 (2 ranks, cpu)", "calibrate_s": 0.5}
+
+
+def _with_sweep_modes(ranks, modes=("graphddp_auto", "graphddp_cap1", "graphddp_cap4", "ddp_cap2")):
+    """Issue 12's modes added to a run: graphddp_auto 100 ms (bwd 60), graphddp_cap1 130,
+    graphddp_cap4 108 (the fastest swept), ddp_cap2 112; predicted backwards for graphddp_auto
+    (50 ms), graphddp (64) and ddp_cap4 (56, graphddp's model of its layout)."""
+    steps = {"graphddp_auto": (0.100, 0.060), "graphddp_cap1": (0.130, 0.090), "graphddp_cap4": (0.108, 0.068),
+             "ddp_cap2": (0.112, 0.072)}
+    for rank in ranks:
+        for name in modes:
+            step, bwd = steps[name]
+            rank["records"][name] = [_rec(step, 0.02, bwd, 0.0, 0.02) for _ in range(3)]
+            rank["first"][name] = 1.0
+            rank["profiles"][name] = _profile()
+        rank["info"]["cost_model"] = dict(CALIBRATED)
+        pred = {"graphddp": {"bwd_ms": 64.0, "compute_ms": 40.0, "comm_ms": 30.0, "exposed_ms": 24.0, "buckets": 3},
+                "ddp_cap4": {"bwd_ms": 56.0, "compute_ms": 40.0, "comm_ms": 20.0, "exposed_ms": 16.0, "buckets": 2,
+                             "same_buckets_as_ddp": True, "same_layout_as": {"graphddp_cap4": True}}}
+        if "graphddp_auto" in modes:
+            pred["graphddp_auto"] = {"bwd_ms": 50.0, "compute_ms": 40.0, "comm_ms": 12.0, "exposed_ms": 10.0,
+                                     "buckets": 2}
+            rank["info"]["graphddp_auto"] = {"bucket_mb": [3.0, 4.0], "cost_model": dict(CALIBRATED),
+                                             "same_cost_model_as_calibrated": True, "schedules": ["graph 0: auto"]}
+        rank["info"]["predicted"] = pred
+    return ranks
+
+
+def test_summary_auto_against_the_best_swept_cap_and_ddp_defaults():
+    s = summarize(CFG, _with_sweep_modes(_synthetic_ranks()), wall_s=12.0)
+    best = s["modes"]["best_swept"]
+    # Swept: graphddp_cap1 130, graphddp_cap4 108, ddp_cap1 150, ddp_cap2 112, ddp_cap4 115.
+    assert best["best_of"] == "graphddp_cap4" and best["step_ms"] == pytest.approx(108.0)
+    assert best["swept"] == ["graphddp_cap1", "graphddp_cap4", "ddp_cap1", "ddp_cap2", "ddp_cap4"]
+    assert best["not_run"] == ["graphddp_cap2", "graphddp_cap8", "graphddp_cap25", "ddp_cap8", "ddp_cap25"]
+    assert s["modes"]["ddp_best"]["best_of"] == "ddp_cap2"  # eager DDP's caps only
+    assert s["auto_ratios"]["best_swept"] == pytest.approx(100 / 108)
+    targets = {t["target"]: t for t in s["targets"]}
+    swept = targets["graphddp_auto / best swept"]
+    assert swept["met"] and swept["needs_ms"] == pytest.approx(0.97 * 108) and swept["best_of"] == "graphddp_cap4"
+    assert swept["release_bound_ms"] is None  # the bounds are of graphddp's buckets, not auto's
+    default = targets["graphddp_auto / ddp_default"]
+    assert default["ratio"] == pytest.approx(0.5) and default["met"] and default["needs_ms"] == pytest.approx(180.0)
+    table = render_table(s)
+    assert ("graphddp_auto / best swept               0.926  (<= 0.97)  met  needs a step <= 105 ms; best swept: "
+            "graphddp_cap4 (not run: graphddp_cap2, graphddp_cap8, graphddp_cap25, ddp_cap8, ddp_cap25)") in table
+    assert "graphddp_auto / ddp_default              0.500  (<= 0.90)  met  needs a step <= 180 ms" in table
+    rows = {line.split(" ")[0]: line for line in table.splitlines() if line and not line.startswith(" ")}
+    assert "fastest of 5 swept: graphddp_cap4 (not run:" in rows["best_swept"]
+    assert "bucket_cap_mb='auto': 2 buckets of 3.00, 4.00 MB" in rows["graphddp_auto"]
+
+
+def test_summary_predicted_backward_next_to_the_measured():
+    s = summarize(CFG, _with_sweep_modes(_synthetic_ranks()), wall_s=12.0)
+    auto, g, d = s["modes"]["graphddp_auto"], s["modes"]["graphddp"], s["modes"]["ddp_cap4"]
+    assert auto["pred_bwd_ms"] == 50.0 and auto["bwd_over_pred"] == pytest.approx(60 / 50)
+    assert g["pred_bwd_ms"] == 64.0 and g["bwd_over_pred"] == pytest.approx(75 / 64)
+    assert d["pred_bwd_ms"] == 56.0 and d["bwd_over_pred"] == pytest.approx(70 / 56)
+    assert d["pred_exposed_ms"] == 16.0 and d["pred_compute_ms"] == 40.0
+    assert "pred_bwd_ms" not in s["modes"]["ddp_cap1"] and "pred_bwd_ms" not in s["modes"]["compute_only"]
+    assert s["cost_model"]["source"] == "calibrated on group 0 (2 ranks, cpu)"
+    p = s["predicted"]
+    assert p["modes"]["ddp_cap4"]["measured_bwd_ms"] == pytest.approx(70.0)
+    assert p["compute_check"] == {"graphddp_pred_compute_ms": 40.0, "compute_only_bwd_ms": pytest.approx(50.0)}
+    table = render_table(s)
+    assert "cost model (pred bwd): calibrated on group 0 (2 ranks, cpu): 1 Gbit/s, 50 us per ring step" in table
+    rows = {line.split(" ")[0]: line for line in table.splitlines() if line and not line.startswith(" ")}
+    assert rows["graphddp_auto"].split()[1:6] == ["100.0", "20.0", "60.0", "50.0", "1.20"]
+    assert rows["ddp_cap4"].split()[1:6] == ["115.0", "30.0", "70.0", "56.0", "1.25"]
+    assert rows["ddp_cap1"].split()[1:5] == ["150.0", "30.0", "100.0", "0.0"]  # no prediction: blank
+    assert "ddp_*: graphddp's model of that bucket layout" in table
+    assert "ddp_cap4 = DDP's buckets; ddp_cap4 = graphddp_cap4's" in table
+    assert "the same cost model as the calibration above: True" in table
+    # The bounds' rows stay under the graphddp/x column.
+    head = next(line for line in table.splitlines() if line.startswith("mode "))
+    assert rows["release-time"].index(f"{120 / 110:.3f}") + 5 == head.index("graphddp/x") + len("graphddp/x")
+
+
+def test_summary_without_graphddp_auto_has_no_auto_targets():
+    s = summarize(CFG, _with_sweep_modes(_synthetic_ranks(), modes=("graphddp_cap4", "ddp_cap2")), wall_s=12.0)
+    assert s["modes"]["best_swept"]["best_of"] == "graphddp_cap4"
+    assert s["auto_ratios"] == {} and not any(t["target"].startswith("graphddp_auto") for t in s["targets"])
+    # ...and none of it in a run without graphddp's sweep: no best_swept row.
+    s = summarize(CFG, _synthetic_ranks(), wall_s=12.0)
+    assert "best_swept" not in s["modes"] and s["predicted"] is None and s["cost_model"] is None
+
+
+def test_only_the_auto_target_whose_modes_ran():
+    ranks = _with_sweep_modes(_synthetic_ranks(("graphddp", "ddp_default")), modes=("graphddp_auto",))
+    s = summarize(CFG, ranks, wall_s=12.0)
+    assert [t["target"] for t in s["targets"] if t["target"].startswith("graphddp_auto")] == ["graphddp_auto / ddp_default"]
+
+
+def test_predictions_sum_the_simulated_schedules_and_plan_ddp_layouts_with_graphddp_planner():
+    from graphddp.cost import simulate
+    from graphddp.schedule import NodeFact
+    from tools.bench.predict import planned_like, predictions
+
+    # A backward of 4 compute nodes, each finalising one 0.75 MB gradient, then the output.
+    nodes = tuple(NodeFact(name=f"g{i}", position=i, is_compute=True, flops=10**8, nbytes=10**6) for i in range(4))
+    nodes += (NodeFact(name="output", position=4, is_compute=False),)
+    sizes = [3 * MB // 4] * 4
+    graph = dataclasses.replace(_schedule(sizes), nodes=nodes)
+    cost = CostModel(bandwidth_gbps=1.0, latency_us=50.0)
+    cap1 = planned_like([graph], DDPConfig(bucket_cap_mb=1))
+    assert [len(b.slots) for s in cap1 for b in s.buckets] == [2, 2]  # closed once >= 1 MB
+    two = [cap1[0], dataclasses.replace(cap1[0], graph_index=1)]  # two backward graphs: summed
+    ddp_buckets = {"ddp_cap1": [{"nbytes": 3 * MB // 2, "params": ["p0", "p1"]}, {"nbytes": 3 * MB // 2, "params": ["p3", "p2"]}],
+                   "ddp_default": [{"nbytes": 3 * MB, "params": ["p0", "p1", "p2", "p3"]}]}
+    out = predictions(cost, {"graphddp_cap1": two, "graphddp": [graph]}, ["ddp_cap1", "ddp_default"],
+                      ("graphddp", [graph]), ddp_buckets)
+    one = simulate(cap1[0], cost)
+    assert out["graphddp_cap1"]["bwd_ms"] == pytest.approx(2 * one.step_seconds * 1e3)
+    assert out["graphddp_cap1"]["exposed_ms"] == pytest.approx(2 * one.exposed_seconds * 1e3)
+    assert out["graphddp"]["bwd_ms"] == pytest.approx(simulate(graph, cost).step_seconds * 1e3)
+    ddp1 = out["ddp_cap1"]
+    assert ddp1["bwd_ms"] == pytest.approx(one.step_seconds * 1e3) and ddp1["buckets"] == 2
+    assert ddp1["same_buckets_as_ddp"] and ddp1["facts_from"] == "graphddp"
+    assert ddp1["same_layout_as"] == {"graphddp_cap1": False}  # cap1's layout, but graphddp_cap1 here is two graphs
+    # DDP's defaults: a 1 MB first bucket (2 gradients), then 25 MB: 2 buckets, not DDP's one here.
+    default = out["ddp_default"]
+    assert default["bucket_mb"] == [1.5, 1.5] and not default["same_buckets_as_ddp"]
+    assert "not eager DDP's compute" in default["model"]
+
+
 # -- the published run --------------------------------------------------------------------------------
 
 
@@ -460,3 +589,25 @@ def test_readme_quotes_the_published_gpt_run():
     assert f"| ideal_overlap (measured floor) | {modes['ideal_overlap']['step_ms']:.0f} |" in readme
     assert f"**{summary['ratios']['best_eager_ddp']:.3f}**" in readme
     render_table(summary)  # the published summary still renders
+
+
+# -- --modes ------------------------------------------------------------------------------------------
+
+
+def test_modes_presets_and_the_default_list():
+    from tools.bench.cli import parse_args, resolve_modes
+    from tools.bench.workload import DEFAULT_MODES, MODES, POWERSGD_MODES
+
+    assert resolve_modes("sweep") == (
+        "compute_only", "ddp_default", "ddp_cap1", "ddp_cap2", "ddp_cap4", "ddp_cap8", "ddp_cap25", "graphddp",
+        "graphddp_auto", "graphddp_cap1", "graphddp_cap2", "graphddp_cap4", "graphddp_cap8", "graphddp_cap25")
+    assert resolve_modes("ddp") == ("ddp_default", "graphddp")
+    assert resolve_modes("sweep,no_overlap") == tuple(m for m in MODES if m in {*resolve_modes("sweep"), "no_overlap"})
+    with pytest.raises(SystemExit, match="unknown modes \\['graphddp_cap3'\\]"):
+        resolve_modes("graphddp_cap3")
+    # make bench's default: the modes it ran before issue 12, and graphddp_auto; the sweep's
+    # other caps and the PowerSGD modes only when named.
+    assert parse_args([]).modes == ",".join(DEFAULT_MODES)
+    assert "graphddp_auto" in DEFAULT_MODES and {"ddp_cap1", "ddp_cap4", "ddp_cap25"} <= set(DEFAULT_MODES)
+    assert not {*POWERSGD_MODES, "graphddp_cap1", "graphddp_cap25", "ddp_cap2", "ddp_cap8"} & set(DEFAULT_MODES)
+    assert len(DEFAULT_MODES) == 17  # 16 before issue 12

@@ -21,7 +21,10 @@ MODES = (
     "compute_only", "comm_only", "ideal_overlap", "no_overlap", "ddp_default", "ddp_same_buckets", "ddp_cap1", "ddp_cap4",
     "ddp_cap25", "ddp_best", "ddp_compiled", "ddp_compiled_samecap", "graphddp", "graphddp_tail_off", "compute_eager",
     "graphddp_optim", "ddp_compiled_autograd", "graphddp_powersgd", "ddp_powersgd", "ddp_powersgd_serial",
+    "graphddp_auto", "graphddp_cap1", "ddp_cap2", "best_swept",  # issue 12's sweep, a few of its caps
 )
+# Rows that summarise others: not modes of --modes.
+SUMMARY_ROWS = ("ddp_best", "best_swept")
 
 
 def test_bench_tiny_runs_every_mode_and_falls_back_to_plain_loopback(tmp_path):
@@ -29,7 +32,7 @@ def test_bench_tiny_runs_every_mode_and_falls_back_to_plain_loopback(tmp_path):
     cmd = [
         sys.executable, "-m", "tools.bench", "--tiny", "--steps", "2", "--warmup", "0",
         "--link-gbit", "2", "--ready-probe-runs", "1", "--out", str(out), "--timeout", "240",
-        "--modes", ",".join(m for m in MODES if m != "ddp_best"),  # the PowerSGD modes run only when named
+        "--modes", ",".join(m for m in MODES if m not in SUMMARY_ROWS),  # PowerSGD and sweep modes: only when named
     ]
     # No unshare / ip / tc on PATH: the emulated link cannot be built.
     env = dict(os.environ, PATH=str(tmp_path))
@@ -106,6 +109,31 @@ def test_bench_tiny_runs_every_mode_and_falls_back_to_plain_loopback(tmp_path):
     assert "PowerSGD" in "".join(ps["graphddp_powersgd_schedules"])
     assert "PowerSGD (issue 13)" in (out / "bench.txt").read_text()
     assert (out / "bench.txt").exists()
+    # Issue 12: bucket_cap_mb="auto" planned under the cost model calibrated on the run's group
+    # (the bench's own calibration, cached: the same numbers), and every graphddp mode's and
+    # eager DDP layout's backward predicted by it next to the measured one.
+    cost = data["cost_model"]
+    assert cost["source"].startswith("calibrated on") and cost["bandwidth_gbps"] > 0 and cost["calibrate_s"] > 0
+    auto = data["graphddp_auto"]
+    assert auto["same_cost_model_as_calibrated"] and auto["cost_model"]["source"] == cost["source"]
+    assert sum(auto["bucket_mb"]) == pytest.approx(grad_mb) and data["modes"]["graphddp_auto"]["wire_mb"] == grad_mb
+    predicted = data["predicted"]["modes"]
+    for mode in ("graphddp", "graphddp_auto", "graphddp_cap1", "graphddp_optim", "graphddp_tail_off",
+                 "graphddp_powersgd", "ddp_default", "ddp_cap1", "ddp_cap2", "ddp_cap25"):
+        rec = data["modes"][mode]
+        assert rec["pred_bwd_ms"] > 0 and rec["bwd_over_pred"] == rec["bwd_ms"] / rec["pred_bwd_ms"], mode
+        assert predicted[mode]["compute_ms"] > 0 and predicted[mode]["exposed_ms"] >= 0, mode
+    assert "pred_bwd_ms" not in data["modes"]["compute_only"] and "ddp_compiled" not in predicted
+    # graphddp's model of DDP's layout at a cap is the layout DDP made, and graphddp's at that cap.
+    assert predicted["ddp_cap1"]["same_layout_as"] == {"graphddp_cap1": True}
+    assert predicted["ddp_cap1"]["same_buckets_as_ddp"] and predicted["ddp_default"]["same_buckets_as_ddp"]
+    assert data["modes"]["best_swept"]["swept"] == ["graphddp_cap1", "ddp_cap1", "ddp_cap2", "ddp_cap4", "ddp_cap25"]
+    targets = {t["target"]: t for t in data["targets"]}
+    assert targets["graphddp_auto / best swept"]["ratio"] == pytest.approx(
+        data["modes"]["graphddp_auto"]["step_ms"] / data["modes"]["best_swept"]["step_ms"])
+    assert targets["graphddp_auto / ddp_default"]["limit"] == 0.90
+    text = (out / "bench.txt").read_text()
+    assert "pred bwd bwd/pred" in text and "cost model (pred bwd): calibrated on" in text
 
 
 def _run_tiny(out, *extra):

@@ -19,7 +19,9 @@ Modes
                     (cat, all_reduce, divide, copy back)
   ddp_default       DistributedDataParallel, eager, default bucket caps (25 MB, first 1 MB)
   ddp_same_buckets  DDP with ``bucket_cap_mb_list`` = graphddp's bucket sizes, in issue order
-  ddp_cap{1,4,25}   DDP with bucket_cap_mb 1, 4, 25; ``ddp_best`` is the fastest of the three
+  ddp_cap{1,2,4,8,25}
+                    DDP with bucket_cap_mb 1, 2, 4, 8, 25 (ddp_cap2 and ddp_cap8 only when named, or
+                    by ``--modes sweep``); ``ddp_best`` is the fastest of those that ran
   ddp_compiled      DDP(torch.compile(model)) with Dynamo's DDPOptimizer, DDP's default caps, as
                     users write it (checked: > 1 graph); ddp_compiled_samecap: the same with
                     graphddp's bucket_cap_mb, a like-for-like split (reported, not a target)
@@ -34,6 +36,14 @@ Modes
                     parameters updated inside the backward right after its wait; step() and
                     zero_grad() are no-ops, so the update's time is in bwd (checked: one
                     step against torch.optim's AdamW on a copy)
+  graphddp_auto     graphddp.compile(model, bucket_cap_mb="auto", graphddp's other options, first/last
+                    caps unset): the buckets minimise the predicted backward under the cost model
+                    calibrated on the process group (issue 12)
+  graphddp_cap{1,2,4,8,25}
+                    graphddp at bucket_cap_mb 1, 2, 4, 8, 25, first/last caps unset (DDP's semantics
+                    for a set cap); only when named, or by ``--modes sweep``. ``best_swept`` is the
+                    fastest of the graphddp_cap and ddp_cap modes that ran (in runs with
+                    graphddp_auto or a graphddp_cap mode)
   graphddp_powersgd graphddp.compile(model, comm_hook=graphddp.hooks.PowerSGD(rank --powersgd-rank,
                     start_powerSGD_iter=2, DDP's other defaults)), graphddp's caps, separate optimizer
   ddp_powersgd      DDP eager + DDP's powerSGD_hook (same settings) on ONE bucket (bucket_cap_mb = the
@@ -48,6 +58,18 @@ Modes
                     ddp_default, the same gradients uncompressed (``powersgd.py``). Issue 13's rows:
                     ``--model mlp --link-gbit 1 --modes graphddp,graphddp_powersgd,ddp_default,
                     ddp_powersgd,ddp_powersgd_serial``
+
+Issue 12's sweep: ``--modes sweep`` = graphddp_auto, graphddp_cap{1,2,4,8,25}, ddp_cap{1,2,4,8,25},
+ddp_default, compute_only (and graphddp, which always runs). Targets: graphddp_auto / best_swept
+<= 0.97, graphddp_auto / ddp_default <= 0.90, each evaluated when its modes ran.
+
+Predicted backward (``pred bwd``, ``predict.py``): every rank calls
+``graphddp.calibrate.calibrate(WORLD, cpu)`` once, before any mode is built (a collective; the
+cached result is what graphddp_auto's planner uses too); bench.json records the cost model and
+its source. For every graphddp* mode, ``graphddp.cost.simulate(schedule, cost).step_seconds``
+summed over its schedules; for ddp_default and ddp_cap{c}, graphddp's model of that bucket
+layout (``graphddp.planner.plan`` at DDP's caps on graphddp's backward graph, simulated), not of
+eager DDP's compute. The table shows it next to the measured bwd, with bwd/pred.
 
 Memory: ``peak MB`` is the allocator's peak during one profiled step above its start, plus
 the gradients alive at its start (kept between steps by every mode but graphddp_optim) and

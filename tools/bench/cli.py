@@ -19,7 +19,8 @@ from tools.bench.procstat import machine_load
 from tools.bench.ranks import rank_main
 from tools.bench.report import plot, render_table
 from tools.bench.summary import summarize
-from tools.bench.workload import MODE_ALIASES, MODES, POWERSGD_MODES, BenchConfig, model_spec
+from tools.bench.workload import (DEFAULT_MODES, MODE_PRESETS, MODES, OPT_IN_MODES, SWEEP_MODES, BenchConfig,
+                                  model_spec)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -44,13 +45,27 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ready-probe-runs", type=int, default=5)
     p.add_argument("--inductor-cache", default=os.path.join(tempfile.gettempdir(), "graphddp-bench-inductor-cache"),
                    help="TORCHINDUCTOR_CACHE_DIR for the ranks ('' for a fresh one: cold compile times)")
-    p.add_argument("--modes", default=",".join(m for m in MODES if m not in POWERSGD_MODES),
-                   help="comma-separated subset of modes (graphddp always runs; ddp means ddp_default); "
-                        f"the PowerSGD modes {POWERSGD_MODES} run only when named")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                   help="comma-separated subset of modes (graphddp always runs; ddp means ddp_default; sweep means "
+                        f"issue 12's {','.join(SWEEP_MODES)}); {','.join(OPT_IN_MODES)} run only when named "
+                        "(or by sweep)")
     p.add_argument("--timeout", type=float, default=1500.0, help="seconds before the ranks are killed")
     p.add_argument("--wait-quiet", type=float, default=0.0,
                    help="wait up to this many seconds for the cores to be idle (< 15%% busy) before starting")
     return p.parse_args(argv)
+
+
+def resolve_modes(spec: str) -> tuple[str, ...]:
+    """``--modes``: names and presets (``MODE_PRESETS``: ddp, sweep), comma-separated, to the
+    modes that run, in ``MODES`` order; graphddp always runs (its schedule feeds other modes)."""
+    asked: set[str] = set()
+    for name in (m.strip() for m in spec.split(",")):
+        if name:
+            asked.update(MODE_PRESETS.get(name, (name,)))
+    unknown = asked - set(MODES)
+    if unknown:
+        raise SystemExit(f"unknown modes {sorted(unknown)}; choose from {MODES} or the presets {sorted(MODE_PRESETS)}")
+    return tuple(m for m in MODES if m in asked | {"graphddp"})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,18 +93,17 @@ def main(argv: list[str] | None = None) -> int:
     kwargs, batch, cap, first_cap, last_cap = model_spec(args.model, args.tiny)
     defaults = {"backend": "aot_eager" if args.tiny else "inductor", "bucket_cap_mb": cap,
                 "first_bucket_cap_mb": first_cap, "last_bucket_cap_mb": None if args.tail_off else last_cap}
+    given = options_from_args(args)
+    if given.get("bucket_cap_mb") == "auto":  # the cost model picks every bucket: no model caps with it
+        defaults.update(first_bucket_cap_mb=None, last_bucket_cap_mb=None)
     try:
-        graphddp_config = DDPConfig.from_options("python -m tools.bench", {**defaults, **options_from_args(args)})
+        graphddp_config = DDPConfig.from_options("python -m tools.bench", {**defaults, **given})
     except (TypeError, ValueError) as e:
         raise SystemExit(f"python -m tools.bench: {e}") from None
     backend = graphddp_config.backend
     if args.powersgd_rank < 1:
         raise SystemExit("python -m tools.bench: --powersgd-rank must be >= 1")
-    asked = {MODE_ALIASES.get(m, m) for m in args.modes.split(",")}
-    modes = tuple(m for m in MODES if m in asked | {"graphddp"})
-    unknown = asked - set(MODES)
-    if unknown:
-        raise SystemExit(f"unknown modes {sorted(unknown)}; choose from {MODES}")
+    modes = resolve_modes(args.modes)
     cfg = BenchConfig(
         model=args.model, tiny=args.tiny, steps=args.steps, warmup=args.warmup, graphddp=graphddp_config,
         seed=args.seed, out=args.out, network=network, model_kwargs=kwargs, batch=batch,
@@ -130,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         network["tc_stats_after"] = _tc_stats()
     table = render_table(summary)  # after the warnings are complete
     print("\n" + "\n".join(summary["graphddp"]["schedules"]) + "\n")
+    if summary.get("graphddp_auto"):  # its plan, with the timeline it was chosen for
+        print("graphddp_auto:\n" + "\n".join(summary["graphddp_auto"]["schedules"]) + "\n")
     print(table)
     json_path = os.path.join(args.out, "bench.json")
     with open(json_path, "w") as f:

@@ -15,8 +15,10 @@ from tools.bench.modes import (CommOnlyMode, CountingBackend, TrainMode, Unbound
                                   _profile_step, _ready_fractions, check_averaged_once, check_update_in_backward,
                                   ddp_compiled_autograd, flat_allreduce)
 from tools.bench import powersgd
+from tools.bench.predict import cost_record, ddp_config, predictions
 from tools.bench.workload import (CA_FUSE_PASSES, DDP_CAPS, MB, MODES, OPTIMIZER, POWERSGD_MODES, POWERSGD_SETTINGS,
-                                  BenchConfig, loss_fn, make_batch, make_model, make_optimizer)
+                                  SWEEP_CAPS, BenchConfig, graphddp_cap_mb, loss_fn, make_batch, make_model,
+                                  make_optimizer, swept_options)
 
 
 def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None:
@@ -32,17 +34,26 @@ def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None
     """
     import graphddp
 
+    info: dict[str, Any] = {}
     torch._dynamo.config.optimize_ddp = True  # DDPOptimizer for ddp_compiled (the default)
     for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit", "accumulated_recompile_limit"):
         if hasattr(torch._dynamo.config, knob):
             setattr(torch._dynamo.config, knob, max(64, getattr(torch._dynamo.config, knob)))
+    # Issue 12: the cost model bucket_cap_mb="auto" plans with, calibrated on this group once,
+    # here, on every rank (a collective; cached per group, so graphddp_auto's planner gets these
+    # very numbers); every graphddp* mode's backward is predicted with it (``predict.py``).
+    from graphddp.calibrate import calibrate
+
+    dist.barrier()
+    t = _now()
+    cost = calibrate(dist.group.WORLD, torch.device("cpu"))
+    info["cost_model"] = {**cost_record(cost), "calibrate_s": _now() - t}
     torch.manual_seed(cfg.seed)
     base = make_model(cfg)
     batch = make_batch(cfg, rank)
     loss = loss_fn(cfg)
     modes: dict[str, Any] = {}
     first: dict[str, float] = {}
-    info: dict[str, Any] = {}
 
     def first_step(name: str, mode: Any) -> None:
         dist.barrier()
@@ -84,6 +95,25 @@ def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None
         first_step("graphddp_optim", TrainMode("graphddp_optim", m, None, batch, loss, opt=opt))
         info["graphddp_optim"] = {"optimizer": OPTIMIZER, "buckets": sum(len(s.buckets) for s in m.schedules)}
 
+    # Issue 12: bucket_cap_mb="auto" (graphddp's planner minimises the predicted backward under
+    # the calibrated cost model) and graphddp at each swept cap, DDP's semantics for a set cap.
+    if "graphddp_auto" in cfg.modes:
+        m = graphddp.compile(copy.deepcopy(base), **swept_options(cfg.graphddp, "auto"))
+        first_step("graphddp_auto", TrainMode("graphddp_auto", m, m.parameters(), batch, loss))
+        models = [s.cost_model for s in m.schedules]
+        info["graphddp_auto"] = {
+            "schedules": [s.to_table(simulate(s, cost)) for s in m.schedules],
+            "bucket_mb": [b.nbytes / MB for s in m.schedules for b in s.buckets],
+            "cost_model": cost_record(models[0]) if models else None,
+            # The planner's own calibration is the cached one this rank made above.
+            "same_cost_model_as_calibrated": all(c == cost for c in models),
+        }
+    for c in SWEEP_CAPS:
+        name = f"graphddp_cap{c}"
+        if name in cfg.modes:
+            m = graphddp.compile(copy.deepcopy(base), **swept_options(cfg.graphddp, c))
+            first_step(name, TrainMode(name, m, m.parameters(), batch, loss))
+
     # Issue 13: PowerSGD. Each mode is stepped past its plain all-reduce steps (and its first
     # compressed one: graphddp compiles that variant on first use) before the timed rounds.
     psgd: dict[str, tuple[powersgd.PowerSGDMode, Any]] = {}
@@ -123,14 +153,15 @@ def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None
     DDP = nn.parallel.DistributedDataParallel
     ddp_variants: dict[str, dict] = {"ddp_default": {}}
     same_caps = [b.nbytes / MB for b in buckets]
+    same_cap = graphddp_cap_mb(cfg.graphddp, [b.nbytes for b in buckets])
 
     if "bucket_cap_mb_list" in inspect.signature(DDP.__init__).parameters:
         ddp_variants["ddp_same_buckets"] = {"bucket_cap_mb_list": same_caps}
         info["ddp_same_buckets"] = {"method": "bucket_cap_mb_list", "caps_mb": same_caps}
     else:  # older torch: uniform cap only
-        ddp_variants["ddp_same_buckets"] = {"bucket_cap_mb": cfg.graphddp.effective_bucket_cap_mb}
+        ddp_variants["ddp_same_buckets"] = {"bucket_cap_mb": same_cap}
         info["ddp_same_buckets"] = {"method": "bucket_cap_mb (no bucket_cap_mb_list in this torch)",
-                                    "caps_mb": [cfg.graphddp.effective_bucket_cap_mb]}
+                                    "caps_mb": [same_cap]}
     for c in DDP_CAPS:
         ddp_variants[f"ddp_cap{c}"] = {"bucket_cap_mb": c}
     for name, kwargs in ddp_variants.items():
@@ -144,7 +175,7 @@ def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None
 
     # ddp_compiled is DDP(torch.compile(model)) as users write it (DDP's default caps);
     # ddp_compiled_samecap gives DDPOptimizer graphddp's cap, for a like-for-like split.
-    compiled_variants = {"ddp_compiled": {}, "ddp_compiled_samecap": {"bucket_cap_mb": cfg.graphddp.effective_bucket_cap_mb}}
+    compiled_variants = {"ddp_compiled": {}, "ddp_compiled_samecap": {"bucket_cap_mb": same_cap}}
     for name, kwargs in compiled_variants.items():
         if name not in cfg.modes:
             continue
@@ -208,6 +239,11 @@ def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None
         info["ddp_same_buckets"]["same_params"] = [sorted(b["params"]) for b in got] == [sorted(b.param_names) for b in buckets]
 
     info["wire"] = _wire(modes, order, info, base)
+    # Issue 12: each mode's backward by the calibrated cost model (predict.py), next to the measured.
+    scheduled = {n: list(modes[n].model.schedules) for n in order if n.startswith("graphddp")}
+    facts = "graphddp_auto" if "graphddp_auto" in scheduled else "graphddp"
+    info["predicted"] = predictions(cost, scheduled, [n for n in order if ddp_config(n) is not None],
+                                    (facts, scheduled[facts]), info.get("ddp_buckets", {}))
     if psgd:
         info["powersgd"] = {"settings": {"matrix_approximation_rank": cfg.powersgd_rank, **POWERSGD_SETTINGS},
                             "modes": {}}

@@ -7,7 +7,8 @@ Two pieces, both thin over :mod:`graphddp.cost`, so the project has one link mod
 * ``release_timeline``: ``graphddp.cost.simulate`` over the run's buckets, each released when
   its gradients were measured ready. The backward is reduced to one compute step per bucket,
   in ready order, ending at that bucket's ready time; the simulated link then takes one bucket
-  at a time, each as soon as it is ready and the link is free. Earliest-ready-first is the best
+  at a time, each as soon as it is ready and the link is free (no collective overhead on the
+  compute lane: the measured ready times hold it). Earliest-ready-first is the best
   order for one link, so no schedule of these buckets finishes its communication sooner.
 """
 from __future__ import annotations
@@ -33,6 +34,8 @@ def release_timeline(schedules: Sequence[Schedule], ready_ms: Sequence[float], l
         clock = ready_ms[i] / 1e3
         released.append(dataclasses.replace(buckets[i], index=k, issue_after=name))
     plan = dataclasses.replace(schedules[0], buckets=tuple(released), nodes=tuple(nodes))
-    timings = simulate(plan, link, measured).buckets
+    # The ready times are measured: whatever issuing a collective costs the compute is in them
+    # already, so the simulated lane charges no collective overhead on top.
+    timings = simulate(plan, dataclasses.replace(link, collective_overhead_us=0.0), measured).buckets
     return [{"bucket": order[t.index], "ready_ms": ready_ms[order[t.index]], "start_ms": t.start * 1e3,
              "end_ms": t.end * 1e3} for t in timings]

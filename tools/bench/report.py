@@ -20,7 +20,14 @@ def render_table(s: dict[str, Any]) -> str:
     ]
     if cfg["backend"] != "inductor":
         lines.append(f"NOTE: compiled modes use backend={cfg['backend']!r}, not inductor (--tiny or --backend)")
-    head = (f"{'mode':<21} {'step ms':>9} {'fwd':>8} {'bwd':>8} {'comm':>8} {'opt':>7} {'compile s':>9} {'peak MB':>8} "
+    cm = s.get("cost_model")
+    if cm:
+        lines.append(f"cost model (pred bwd): {cm.get('source') or 'graphddp.calibrate.calibrate'}: "
+                     f"{cm['bandwidth_gbps']:.3g} Gbit/s, {cm['latency_us']:.3g} us per ring step, "
+                     f"{cm['compute_tflops']:.3g} TFLOP/s, {cm['memory_gbps']:.3g} GB/s, {cm['op_overhead_us']:.3g} us per op"
+                     + (f", {cm['collective_overhead_us']:.3g} us per collective" if "collective_overhead_us" in cm else ""))
+    head = (f"{'mode':<21} {'step ms':>9} {'fwd':>8} {'bwd':>8} {'pred bwd':>8} {'bwd/pred':>8} {'comm':>8} {'opt':>7} "
+            f"{'compile s':>9} {'peak MB':>8} "
             f"{'cpu/wall':>8} {'rq ms':>6} {'cpu ms':>7} {'graphddp/x':>10} {'optim/x':>7}  note")
     lines += [head, "-" * len(head)]
     g = s["modes"].get("graphddp", {}).get("step_ms")
@@ -31,16 +38,18 @@ def render_table(s: dict[str, Any]) -> str:
             continue
         ratio = f"{g / r['step_ms']:.3f}" if g and name != "graphddp" else ""
         optim = f"{o / r['step_ms']:.3f}" if o and name != "graphddp_optim" else ""
+        pred = f"{r['pred_bwd_ms']:.1f}" if r.get("pred_bwd_ms") is not None else ""
+        over = f"{r['bwd_over_pred']:.2f}" if r.get("bwd_over_pred") is not None else ""
         lines.append(
-            f"{name:<21} {r['step_ms']:>9.1f} {r['fwd_ms']:>8.1f} {r['bwd_ms']:>8.1f} {r['comm_ms']:>8.1f} "
+            f"{name:<21} {r['step_ms']:>9.1f} {r['fwd_ms']:>8.1f} {r['bwd_ms']:>8.1f} {pred:>8} {over:>8} {r['comm_ms']:>8.1f} "
             f"{r['opt_ms']:>7.1f} {r['compile_s']:>9.2f} {r.get('peak_mb', r['peak_step_mb']):>8.1f} {r['cpu_per_wall']:>8.2f} "
             f"{r['rq_wait_ms']:>6.1f} {r.get('machine_cpu_ms', float('nan')):>7.0f} {ratio:>10} {optim:>7}  {r['note']}"
         )
     b = s["bounds"]
     if "max_compute_comm_ms" in b:  # needs compute_only and comm_only among the modes run
         lines.append("-" * len(head))
-        lines.append(f"{'max(compute,comm)':<21} {b['max_compute_comm_ms']:>9.1f} {'':>77} {s['ratios']['max_compute_comm_bound']:>10.3f}  bound")
-        lines.append(f"{'release-time':<21} {b['release_time_ms']:>9.1f} {'':>77} {s['ratios']['release_time_bound']:>10.3f}  "
+        lines.append(f"{'max(compute,comm)':<21} {b['max_compute_comm_ms']:>9.1f} {'':>95} {s['ratios']['max_compute_comm_bound']:>10.3f}  bound")
+        lines.append(f"{'release-time':<21} {b['release_time_ms']:>9.1f} {'':>95} {s['ratios']['release_time_bound']:>10.3f}  "
                      f"bound (link tail after backward {b['tail_after_backward_ms']:.1f} ms; ready times from eager hooks)")
         if "link_model" in b:  # bench.json files written before the fit have none
             lm = b["link_model"]
@@ -48,7 +57,7 @@ def render_table(s: dict[str, Any]) -> str:
                          f"{lm['bandwidth_gbps']:.3g} Gbit/s, {lm['latency_us']:.0f} us per ring step")
         if "release_time_graphddp_issue_ms" in b:
             v = b["release_time_graphddp_issue_ms"]
-            lines.append(f"{'release-time*':<21} {v:>9.1f} {'':>77} {s['modes']['graphddp']['step_ms'] / v:>10.3f}  "
+            lines.append(f"{'release-time*':<21} {v:>9.1f} {'':>95} {s['modes']['graphddp']['step_ms'] / v:>10.3f}  "
                          "bound, ready times = graphddp's own issue times (profiled step)")
     if s["exposed_comm_ms"] is not None:
         lines.append(f"exposed communication (graphddp - compute_only): {s['exposed_comm_ms']:.1f} ms")
@@ -57,6 +66,9 @@ def render_table(s: dict[str, Any]) -> str:
         lines.append(f"CPU cost of communication: while comm_only runs, the machine's cores are busy "
                      f"{k['machine_cpu_ms']:.0f} ms per step ({100 * k['machine_cpu_ms'] / (2 * k['step_ms']):.0f}% of "
                      f"2 cores x {k['step_ms']:.0f} ms; /proc/stat, kernel included): work that competes with compute when overlapped")
+    if s.get("predicted"):
+        lines.append(s["predicted"]["note"])
+        lines += _prediction_lines(s)
     lines.append("cpu ms: busy CPU time of the whole machine per step (both ranks, all threads, kernel; /proc/stat "
                  "mean), out of 2 cores x step ms")
     lines.append("cpu/wall: main-thread CPU time / wall time; rq ms: time the main thread was runnable "
@@ -77,6 +89,11 @@ def render_table(s: dict[str, Any]) -> str:
         extra = ""
         if t["target"].startswith("graphddp_optim"):  # no bound models an update inside the backward
             extra = f"  needs a step <= {t['needs_ms']:.0f} ms"
+        elif t["target"].startswith("graphddp_auto"):  # the bounds are of graphddp's buckets, not auto's
+            extra = f"  needs a step <= {t['needs_ms']:.0f} ms"
+            if t.get("best_of"):
+                extra += f"; best swept: {t['best_of']}"
+                extra += f" (not run: {', '.join(t['not_run'])})" if t.get("not_run") else " (of the whole sweep)"
         elif t.get("release_bound_ms") and not t["target"].endswith("bound"):
             extra = (f"  needs a step <= {t['needs_ms']:.0f} ms; release-time bound {t['release_bound_ms']:.0f} ms"
                      + (" (target below the bound)" if t["below_release_bound"] else ""))
@@ -107,6 +124,31 @@ def render_table(s: dict[str, Any]) -> str:
     for w in s.get("warnings", []):
         lines.append(f"WARNING: {w}")
     return "\n".join(lines)
+
+
+def _prediction_lines(s: dict[str, Any]) -> list[str]:
+    """Issue 12: the auto plan's buckets, and whether each modelled DDP layout is DDP's own."""
+    lines = []
+    auto = s.get("graphddp_auto")
+    if auto:
+        mb = auto.get("bucket_mb", [])
+        src = (auto.get("cost_model") or {}).get("source")
+        lines.append(f"graphddp_auto: {len(mb)} buckets ({', '.join('%.2f' % b for b in mb)} MB), planned under "
+                     f"{src or 'its cost model'}; the same cost model as the calibration above: "
+                     f"{auto.get('same_cost_model_as_calibrated')}")
+    cc = s["predicted"].get("compute_check")
+    if cc:
+        lines.append(f"the model's backward compute (graphddp's schedule, no communication): "
+                     f"{cc['graphddp_pred_compute_ms']:.1f} ms; compute_only's measured bwd: {cc['compute_only_bwd_ms']:.1f} ms")
+    checks = []
+    for name, p in s["predicted"].get("modes", {}).items():
+        if "same_buckets_as_ddp" in p:
+            checks.append(f"{name} {'=' if p['same_buckets_as_ddp'] else '!='} DDP's buckets")
+        for twin, same in p.get("same_layout_as", {}).items():
+            checks.append(f"{name} {'=' if same else '!='} {twin}'s")
+    if checks:
+        lines.append("modelled DDP layouts (planner at DDP's caps) against the buckets that ran: " + "; ".join(checks))
+    return lines
 
 
 def _powersgd_lines(s: dict[str, Any]) -> list[str]:

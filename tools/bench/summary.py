@@ -11,8 +11,8 @@ import torch
 
 from graphddp.schedule import Schedule
 from tools.bench.release import fit_link, release_timeline
-from tools.bench.workload import (DDP_CAPS, MB, MEMORY_TARGET, OPTIMIZER, POWERSGD_MODES, POWERSGD_SETTINGS, TARGETS,
-                                  WIRE_ROWS, BenchConfig)
+from tools.bench.workload import (DDP_CAP_MODES, DDP_CAPS, GRAPHDDP_CAP_MODES, MB, MEMORY_TARGET, OPTIMIZER,
+                                  POWERSGD_MODES, POWERSGD_SETTINGS, SWEEP_CAPS, TARGETS, WIRE_ROWS, BenchConfig)
 
 
 def _median(xs: list[float]) -> float:
@@ -66,6 +66,12 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
             rec["bucket_ms"] = [
                 _median([max(pr[i]["buckets"][j] for pr in per_rank) for i in range(n)]) * 1e3 for j in range(nb)
             ]
+        pred = info.get("predicted", {}).get(name)
+        if pred is not None:  # issue 12: graphddp's cost model of this mode's backward (predict.py)
+            rec["pred_bwd_ms"] = pred["bwd_ms"]
+            rec["pred_compute_ms"] = pred["compute_ms"]
+            rec["pred_exposed_ms"] = pred["exposed_ms"]
+            rec["bwd_over_pred"] = rec["bwd_ms"] / pred["bwd_ms"] if pred["bwd_ms"] > 0 else None
         wire = info.get("wire", {}).get(name)
         if wire is not None:  # bytes each rank puts on the wire per step (ranks._wire, powersgd.py)
             rec["wire_mb"] = wire["bytes"] / MB
@@ -86,22 +92,35 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
                         f"{info.get('ddp_compiled', {}).get('graphs', '?')} graphs, DDP's default caps",
         "ddp_compiled_samecap": "DDP(torch.compile) + DDPOptimizer, "
                                 f"{info.get('ddp_compiled_samecap', {}).get('graphs', '?')} graphs, "
-                                f"cap {g.effective_bucket_cap_mb:g} MB (graphddp's)",
+                                f"cap {info.get('ddp_compiled_samecap', {}).get('bucket_cap_mb', float('nan')):g} MB "
+                                f"(graphddp's{', its largest auto bucket' if g.auto else ''})",
         "ddp_compiled_autograd": _compiled_autograd_note(g.backend, info.get("ddp_compiled_autograd", {})),
-        "graphddp": f"graphddp.compile({g.backend}), caps {g.effective_bucket_cap_mb:g} MB, first "
-                    f"{g.effective_first_bucket_cap_mb:g}, last {g.last_bucket_cap_mb if g.last_bucket_cap_mb is not None else 'off'}"
-                    ", separate optimizer",
+        "graphddp": f"graphddp.compile({g.backend}), " + (
+            "bucket_cap_mb='auto'" if g.auto else
+            f"caps {g.effective_bucket_cap_mb:g} MB, first {g.effective_first_bucket_cap_mb:g}, last "
+            f"{g.last_bucket_cap_mb if g.last_bucket_cap_mb is not None else 'off'}") + ", separate optimizer",
         "graphddp_optim": "graphddp, same caps, optimizer inside the backward (its update is in bwd)",
+        "graphddp_auto": _auto_note(info.get("graphddp_auto")),
         **_powersgd_notes(cfg, info),
     }
     for c in DDP_CAPS:
         notes[f"ddp_cap{c}"] = f"DDP eager, bucket_cap_mb={c}"
+    for c in SWEEP_CAPS:
+        notes[f"graphddp_cap{c}"] = f"graphddp, bucket_cap_mb={c} (first too, no last cap: DDP's semantics), separate optimizer"
     for name, rec in modes.items():
         rec["note"] = notes.get(name, "")
     caps = [f"ddp_cap{c}" for c in DDP_CAPS if f"ddp_cap{c}" in modes]
     if caps:
         best = min(caps, key=lambda n: modes[n]["step_ms"])
         modes["ddp_best"] = {**modes[best], "best_of": best, "note": f"fastest of {', '.join(caps)}: {best}"}
+    # Issue 12: the best of both cap sweeps, graphddp_auto's yardstick; in runs with graphddp's sweep or auto.
+    swept = [n for n in (*GRAPHDDP_CAP_MODES, *DDP_CAP_MODES) if n in modes]
+    if swept and any(n in modes for n in ("graphddp_auto", *GRAPHDDP_CAP_MODES)):
+        best = min(swept, key=lambda n: modes[n]["step_ms"])
+        missing = [n for n in (*GRAPHDDP_CAP_MODES, *DDP_CAP_MODES) if n not in modes]
+        modes["best_swept"] = {**modes[best], "best_of": best, "swept": swept, "not_run": missing,
+                               "note": f"fastest of {len(swept)} swept: {best}"
+                                       + (f" (not run: {', '.join(missing)})" if missing else " (the whole sweep)")}
 
     bounds: dict[str, Any] = {}
     ratios: dict[str, float] = {}
@@ -151,11 +170,15 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
         denominators["release_time_bound"] = bounds["release_time_ms"]
         if "release_time_graphddp_issue_ms" in bounds:
             denominators["release_time_graphddp_issue_bound"] = bounds["release_time_graphddp_issue_ms"]
-    by_mode = {n: _ratios(modes, n, denominators) for n in ("graphddp", "graphddp_optim")}
+    by_mode = {n: _ratios(modes, n, denominators) for n in ("graphddp", "graphddp_optim", "graphddp_auto")}
     ratios, optim_ratios = by_mode["graphddp"], by_mode["graphddp_optim"]
+    # The bounds are of graphddp's buckets with a separate optimizer step: graphddp's targets only.
     targets = [_step_target(label, by_mode[num][key], limit, denominators[key], bounds if num == "graphddp" else {},
                             bound_itself=key == "release_time_bound")
                for label, num, key, limit in TARGETS if key in by_mode[num]]
+    for t in targets:
+        if t["target"].endswith("best swept"):
+            t["best_of"], t["not_run"] = modes["best_swept"]["best_of"], modes["best_swept"]["not_run"]
     memory = _memory_target(modes, best_eager, sum(b["nbytes"] for b in info["graphddp"]["buckets"]) / MB)
     if memory:
         targets.append(memory)
@@ -200,6 +223,9 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
         "bounds": bounds,
         "ratios": ratios,
         "optim_ratios": optim_ratios,
+        "auto_ratios": by_mode["graphddp_auto"],
+        "cost_model": info.get("cost_model"),
+        "predicted": _predicted_summary(modes, info),
         "targets": targets,
         "memory_target": memory,
         "exposed_comm_ms": exposed,
@@ -214,11 +240,47 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
         "ddp_compiled_samecap": info.get("ddp_compiled_samecap"),
         "ddp_compiled_autograd": info.get("ddp_compiled_autograd"),
         "graphddp_optim": info.get("graphddp_optim"),
+        "graphddp_auto": info.get("graphddp_auto"),
         "powersgd": powersgd,
         "ddp_same_buckets": info.get("ddp_same_buckets"),
         "ddp_buckets_mb": {n: [b["nbytes"] / MB for b in v] for n, v in info.get("ddp_buckets", {}).items()},
         "ddp_same_buckets_params": [b["params"] for b in info.get("ddp_buckets", {}).get("ddp_same_buckets", [])],
     }
+
+
+PREDICTION_NOTE = (
+    "pred bwd: graphddp's cost model of the mode's backward, graphddp.cost.simulate(schedule, cost).step_seconds "
+    "summed over its backward graphs: compute (graphddp's per-node estimates at the cost model's rates) plus the "
+    "all-reduces left exposed after it, one bucket on the link at a time; cost = graphddp.calibrate.calibrate on "
+    "this run's process group (what bucket_cap_mb='auto' minimises). ddp_*: graphddp's model of that bucket layout "
+    "(graphddp.planner.plan with DDP's caps on graphddp's backward graph), not of eager DDP's own compute. "
+    "bwd/pred: measured bwd over predicted")
+
+
+def _predicted_summary(modes: dict[str, dict], info: dict[str, Any]) -> dict[str, Any] | None:
+    """Issue 12: per mode, the predicted backward and its parts next to the measured one."""
+    pred = info.get("predicted")
+    if not pred:
+        return None
+    rows = {}
+    for name, p in pred.items():
+        if name not in modes:
+            continue
+        rows[name] = {**p, "measured_bwd_ms": modes[name]["bwd_ms"], "bwd_over_pred": modes[name].get("bwd_over_pred")}
+    out = {"note": PREDICTION_NOTE, "cost_model": info.get("cost_model"), "modes": rows}
+    c = modes.get("compute_only")
+    if c and "graphddp" in rows:  # where a misprediction sits: the compute, or the communication
+        out["compute_check"] = {"graphddp_pred_compute_ms": rows["graphddp"]["compute_ms"],
+                                "compute_only_bwd_ms": c["bwd_ms"]}
+    return out
+
+
+def _auto_note(auto: dict[str, Any] | None) -> str:
+    if not auto:
+        return "graphddp, bucket_cap_mb='auto' (calibrated cost model), separate optimizer"
+    mb = auto.get("bucket_mb", [])
+    return (f"graphddp, bucket_cap_mb='auto': {len(mb)} buckets of {', '.join('%.2f' % b for b in mb[:8])}"
+            f"{', ...' if len(mb) > 8 else ''} MB, separate optimizer")
 
 
 def _graphddp_overlap(profile: dict | None) -> dict[str, Any] | None:

@@ -11,18 +11,28 @@ import torch.nn.functional as F
 from graphddp.config import DDPConfig
 
 MB = 1024 * 1024
-DDP_CAPS = (1, 4, 25)
+# Issue 12's sweep: the caps (MB) graphddp and eager DDP are both run at (graphddp_cap{c},
+# ddp_cap{c}); ddp_best is the fastest of the ddp_cap modes that ran.
+SWEEP_CAPS = (1, 2, 4, 8, 25)
+DDP_CAPS = SWEEP_CAPS
+GRAPHDDP_CAP_MODES = tuple(f"graphddp_cap{c}" for c in SWEEP_CAPS)
+DDP_CAP_MODES = tuple(f"ddp_cap{c}" for c in DDP_CAPS)
 MODES = (
     "compute_only", "compute_eager", "comm_only", "ideal_overlap", "no_overlap", "ddp_default", "ddp_same_buckets",
-    *(f"ddp_cap{c}" for c in DDP_CAPS), "ddp_compiled", "ddp_compiled_samecap", "ddp_compiled_autograd",
-    "graphddp_tail_off", "graphddp", "graphddp_optim", "graphddp_powersgd", "ddp_powersgd", "ddp_powersgd_serial",
+    *DDP_CAP_MODES, "ddp_compiled", "ddp_compiled_samecap", "ddp_compiled_autograd",
+    "graphddp_tail_off", "graphddp", "graphddp_optim", "graphddp_auto", *GRAPHDDP_CAP_MODES,
+    "graphddp_powersgd", "ddp_powersgd", "ddp_powersgd_serial",
 )
-MODE_ALIASES = {"ddp": "ddp_default"}  # --modes shorthand
+# Issue 12: graphddp_auto (bucket_cap_mb="auto") against both sweeps at their best, and
+# against DDP at its defaults; compute_only for the compute floor.
+SWEEP_MODES = ("graphddp_auto", *GRAPHDDP_CAP_MODES, *DDP_CAP_MODES, "ddp_default", "compute_only")
+# --modes shorthands: one name for several modes
+MODE_PRESETS: dict[str, tuple[str, ...]] = {"ddp": ("ddp_default",), "sweep": SWEEP_MODES}
 REPORTED = (  # rows of the table, in this order
-    "graphddp", "graphddp_optim", "graphddp_tail_off", "compute_only", "compute_eager", "comm_only", "ideal_overlap",
-    "no_overlap", "ddp_default", "ddp_same_buckets", "ddp_best", "ddp_compiled", "ddp_compiled_samecap",
-    "ddp_compiled_autograd", *(f"ddp_cap{c}" for c in DDP_CAPS), "graphddp_powersgd", "ddp_powersgd",
-    "ddp_powersgd_serial",
+    "graphddp", "graphddp_optim", "graphddp_tail_off", "graphddp_auto", *GRAPHDDP_CAP_MODES, "compute_only",
+    "compute_eager", "comm_only", "ideal_overlap", "no_overlap", "ddp_default", "ddp_same_buckets", "ddp_best",
+    "best_swept", "ddp_compiled", "ddp_compiled_samecap", "ddp_compiled_autograd", *DDP_CAP_MODES,
+    "graphddp_powersgd", "ddp_powersgd", "ddp_powersgd_serial",
 )
 # Issue 13: PowerSGD, graphddp's in the graph against DDP's powerSGD_hook, with these settings
 # (DDP's PowerSGDState keywords less process_group; the rank is --powersgd-rank). Both do a
@@ -33,6 +43,9 @@ POWERSGD_SETTINGS = {"start_powerSGD_iter": POWERSGD_START_ITER, "min_compressio
                      "use_error_feedback": True, "warm_start": True, "orthogonalization_epsilon": 0,
                      "random_seed": 0, "batch_tensors_with_same_shape": False}
 POWERSGD_MODES = ("graphddp_powersgd", "ddp_powersgd", "ddp_powersgd_serial")
+# Modes that run only when named (or by a preset): make bench's default list keeps its length.
+OPT_IN_MODES = (*POWERSGD_MODES, *GRAPHDDP_CAP_MODES, *(m for m in DDP_CAP_MODES if m not in ("ddp_cap1", "ddp_cap4", "ddp_cap25")))
+DEFAULT_MODES = tuple(m for m in MODES if m not in OPT_IN_MODES)
 # Rows of the bytes-on-the-wire table: each PowerSGD mode next to its uncompressed counterpart.
 WIRE_ROWS = ("graphddp", "graphddp_powersgd", "ddp_default", "ddp_powersgd", "ddp_powersgd_serial")
 TARGETS = (  # (label, numerator mode, denominator key in that mode's ratios, limit)
@@ -43,6 +56,10 @@ TARGETS = (  # (label, numerator mode, denominator key in that mode's ratios, li
     # Issue 11: the optimizer inside the backward, against what users run with the same AdamW.
     ("graphddp_optim / best eager DDP", "graphddp_optim", "best_eager_ddp", 0.90),
     ("graphddp_optim / ddp_compiled_autograd", "graphddp_optim", "ddp_compiled_autograd", 0.90),
+    # Issue 12: the auto plan against the best of both cap sweeps (graphddp_cap*, ddp_cap*: the
+    # fastest that ran, see summary's best_swept) and against eager DDP at its defaults.
+    ("graphddp_auto / best swept", "graphddp_auto", "best_swept", 0.97),
+    ("graphddp_auto / ddp_default", "graphddp_auto", "ddp_default", 0.90),
 )
 # Issue 11's memory target: no gradient outlives its bucket, so graphddp_optim's peak should be
 # at most the best eager DDP's peak less the model's gradient bytes.
@@ -77,6 +94,20 @@ class BenchConfig:
     ready_probe_runs: int
     modes: tuple[str, ...] = MODES
     powersgd_rank: int = 1  # PowerSGD's matrix_approximation_rank (DDP's default)
+
+
+def swept_options(config: DDPConfig, cap: float | str) -> dict:
+    """graphddp's options of the graphddp mode with ``bucket_cap_mb=cap`` and every other cap
+    unset: a number is DDP's semantics for a set cap (every bucket, the first too); "auto" is
+    issue 12's planner, which refuses first/last/list caps."""
+    return {**config.as_options(), "bucket_cap_mb": cap, "first_bucket_cap_mb": None, "last_bucket_cap_mb": None,
+            "bucket_cap_mb_list": None}
+
+
+def graphddp_cap_mb(config: DDPConfig, bucket_nbytes: Iterable[int]) -> float:
+    """graphddp's bucket cap in MB, for the modes that copy it (ddp_compiled_samecap): with
+    ``bucket_cap_mb="auto"`` (no caps), the largest bucket it planned."""
+    return max(bucket_nbytes) / MB if config.auto else config.effective_bucket_cap_mb
 
 
 def model_spec(name: str, tiny: bool) -> tuple[dict, int, float, float, float]:
