@@ -39,6 +39,7 @@ other, each as if it had the link alone.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping, Sequence
 
 import torch
@@ -81,7 +82,7 @@ def best_partition(
         done, start = link.min(dim=1)  # F_k(j) for j = 1..n, and where its last bucket starts
         choices.append(start)
         step = max(compute_end + k * issue, done[-1].item())
-        if step < best:
+        if step < best * (1 - 1e-9):  # a float-noise gain does not buy a bucket
             best, best_k = step, k
         before = torch.cat([torch.full((1,), float("inf"), dtype=f64), done[:-1]])
     starts, j = [], n
@@ -92,22 +93,74 @@ def best_partition(
     return starts[::-1], best
 
 
+# The model's errors the plan must tolerate: each is (compute speed-up, link speed-up) against
+# the cost model. The benchmark's measured backward lies within about 10% of the prediction,
+# but a model-optimal plan is fragile exactly where the model is wrong: on a busy link it sends
+# late gradients as one large last bucket, hidden only if the link never idles; if the link or
+# the compute is faster than modelled, that bucket is exposed whole. So the plan is chosen
+# against all of these, not the nominal model alone.
+SCENARIOS = ((1.0, 1.0), (1.5, 1.0), (1.0, 1.5))
+
+
+def _scaled(cost: CostModel, compute: float, link: float) -> CostModel:
+    """``cost`` with its compute ``compute`` times and its link ``link`` times as fast."""
+    return dataclasses.replace(
+        cost, compute_tflops=cost.compute_tflops * compute, memory_gbps=cost.memory_gbps * compute,
+        op_overhead_us=cost.op_overhead_us / compute, bandwidth_gbps=cost.bandwidth_gbps * link,
+        latency_us=cost.latency_us / link,
+    )
+
+
+def predicted_step(
+    starts: Sequence[int], ready: Sequence[float], wire_nbytes: Sequence[int], cost: CostModel, world_size: int,
+    compute_end: float,
+) -> float:
+    """The backward the model predicts for buckets starting at ``starts`` (what
+    :func:`best_partition` minimises, for one dtype and device)."""
+    issue = cost.collective_overhead_us * 1e-6
+    bounds = list(starts) + [len(ready)]
+    link = 0.0
+    for k, (a, b) in enumerate(zip(bounds, bounds[1:]), start=1):
+        link = max(ready[b - 1] + k * issue, link) + cost.allreduce_seconds(sum(wire_nbytes[a:b]), world_size)
+    return max(compute_end + (len(bounds) - 1) * issue, link)
+
+
+def robust_partition(
+    slots: Sequence[GradSlot], nodes: Sequence[NodeFact], cost: CostModel, world_size: int, ratio: float = 1.0,
+) -> list[int]:
+    """Where each bucket of ``slots`` (one dtype and device, production order) starts: of the
+    optimal plans for every scenario in ``SCENARIOS``, the one whose worst ratio to each
+    scenario's optimum is smallest (ties: fewer buckets). Under the nominal model alone
+    (``SCENARIOS = ((1, 1),)``) this is :func:`best_partition`'s optimum."""
+    wire = [int(s.nbytes * ratio) for s in slots]
+    cases = []
+    for compute, link in SCENARIOS:
+        scaled = _scaled(cost, compute, link)
+        _, finished, end = compute_timeline(nodes, scaled)
+        ready = [finished.get(s.producer, end) for s in slots]
+        starts, best = best_partition(ready, wire, scaled, world_size, end)
+        cases.append((scaled, ready, end, best, tuple(starts)))
+
+    def regret(starts: tuple[int, ...]) -> tuple[float, int]:
+        worst = max(predicted_step(starts, ready, wire, c, world_size, end) / max(best, 1e-12) for c, ready, end, best, _ in cases)
+        return (round(worst, 9), len(starts))
+
+    return list(min({case[-1] for case in cases}, key=regret))
+
+
 def auto_partition(
     ordered: Sequence[GradSlot], nodes: Sequence[NodeFact], cost: CostModel, world_size: int,
     wire_ratio: Mapping[tuple[str, str], float] | None = None,
 ) -> list[tuple[GradSlot, ...]]:
-    """Buckets of production-ordered ``ordered`` minimising the predicted backward, per
-    (dtype, device) key; ``wire_ratio[key]`` scales bytes to bytes on the wire (a compression
-    hook's half precision: 0.5). Buckets come back in ready order."""
-    _, finished, end = compute_timeline(nodes, cost)
+    """Buckets of production-ordered ``ordered``, per (dtype, device) key, by
+    :func:`robust_partition`; ``wire_ratio[key]`` scales bytes to bytes on the wire (a
+    compression hook's half precision: 0.5). Buckets come back in ready order."""
     by_key: dict[tuple[str, str], list[GradSlot]] = {}
     for slot in ordered:
         by_key.setdefault((slot.dtype, slot.device), []).append(slot)
     buckets: list[tuple[GradSlot, ...]] = []
     for key, slots in by_key.items():
-        ratio = (wire_ratio or {}).get(key, 1.0)
-        ready = [finished.get(s.producer, end) for s in slots]
-        starts, _ = best_partition(ready, [int(s.nbytes * ratio) for s in slots], cost, world_size, end)
+        starts = robust_partition(slots, nodes, cost, world_size, (wire_ratio or {}).get(key, 1.0))
         bounds = starts + [len(slots)]
         buckets += [tuple(slots[a:b]) for a, b in zip(bounds, bounds[1:])]
     return buckets

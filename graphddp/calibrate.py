@@ -9,8 +9,9 @@ every rank of the group times
   (:func:`graphddp.cost.fit_link`, the same fit the benchmark's bounds use);
 * the time to issue an asynchronous all-reduce of one element: the compute lane's cost of a
   collective;
-* a square matmul (FLOP rate), a large copy (memory bandwidth) and a one-element add (per-op
-  overhead) on the model's device: the rates the backward's node estimates are made from.
+* a square matmul (FLOP rate), a copy into a preallocated buffer (memory bandwidth) and a
+  one-element add (per-op overhead) on the model's device: the rates the backward's node
+  estimates are made from.
 
 The times are then all-reduced with MAX, so every rank fits the same numbers (the slowest
 rank's) and plans the same buckets; they are rounded to two significant figures, so reruns on
@@ -36,7 +37,7 @@ from graphddp.comm import group_name_of
 from graphddp.config import DDPConfig
 from graphddp.cost import CostModel, fit_link
 
-SIZES = (1 << 14, 1 << 20, 1 << 22)  # bytes per all-reduce
+SIZES = (1 << 16, 1 << 20, 1 << 22)  # bytes per all-reduce: the range buckets span
 REPEATS = 5
 _CACHE: dict[tuple[str, str, int, str], CostModel] = {}  # (group name, backend, ranks, device type)
 
@@ -86,7 +87,7 @@ def calibrate(group: Any, device: torch.device | None = None) -> CostModel:
     return model
 
 
-_MATMUL_N = {"cpu": 256, "cuda": 4096}
+_MATMUL_N = {"cpu": 512, "cuda": 4096}  # large enough to run at the device's matmul rate
 _COPY_BYTES = 32 << 20
 
 
@@ -106,10 +107,11 @@ def _compute_times(device: torch.device, sync: Callable[[], None]) -> list[float
     n = _MATMUL_N.get(device.type, 256)
     a = torch.randn(n, n, device=device)
     big = torch.empty(_COPY_BYTES // 4, device=device)
+    into = torch.empty_like(big)  # preallocated: a fresh clone would time the page faults
     one = torch.zeros(1, device=device)
     return [
         _median_seconds(lambda: a @ a, sync),
-        _median_seconds(big.clone, sync),
+        _median_seconds(lambda: into.copy_(big), sync),
         _median_seconds(lambda: one + 1, sync),
     ]
 
