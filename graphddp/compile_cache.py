@@ -66,6 +66,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
+from graphddp.record import GraphRecord
+
 log = logging.getLogger("graphddp")
 
 FORMAT = 2  # of Entry and of the key; bump when either changes meaning
@@ -347,33 +349,26 @@ def _catcher_class() -> type:
     return HitCatcher
 
 
-@functools.cache
-def record_class() -> type:
-    """GraphRecord whose ``graph`` is derived when first read."""
-    from graphddp.dynamo_backend import GraphRecord
+class CachedRecord(GraphRecord):
+    """A record from the compile cache: the plan and the code now, the graph on first read."""
 
-    class CachedRecord(GraphRecord):
-        """A record from the compile cache: the plan and the code now, the graph on first read."""
+    def __init__(self, schedule: Any, generated_code: str | None, phase: str, derivation: "Derivation") -> None:
+        self._phase, self._derivation = phase, derivation
+        self._graph = None
+        super().__init__(schedule=schedule, graph=None, generated_code=generated_code)
 
-        def __init__(self, schedule: Any, generated_code: str | None, phase: str, derivation: "Derivation") -> None:
-            self._phase, self._derivation = phase, derivation
-            self._graph = None
-            super().__init__(schedule=schedule, graph=None, generated_code=generated_code)
+    @property  # type: ignore[override]
+    def graph(self) -> torch.fx.GraphModule:
+        if self._graph is None:
+            self._graph = self._derivation.get().records[self._phase].graph
+        return self._graph
 
-        @property  # type: ignore[override]
-        def graph(self) -> torch.fx.GraphModule:
-            if self._graph is None:
-                self._graph = self._derivation.get().records[self._phase].graph
-            return self._graph
+    @graph.setter
+    def graph(self, value: Any) -> None:
+        self._graph = value
 
-        @graph.setter
-        def graph(self, value: Any) -> None:
-            self._graph = value
-
-        def __repr__(self) -> str:  # the dataclass repr would derive the graph
-            return f"CachedRecord(graph_index={self.schedule.graph_index}, phase={self._phase!r}, fingerprint={self.schedule.fingerprint()})"
-
-    return CachedRecord
+    def __repr__(self) -> str:  # the dataclass repr would derive the graph
+        return f"CachedRecord(graph_index={self.schedule.graph_index}, phase={self._phase!r}, fingerprint={self.schedule.fingerprint()})"
 
 
 @dataclasses.dataclass
@@ -476,7 +471,7 @@ def _autocast(state: list[tuple[str, bool, torch.dtype]]) -> Iterator[None]:
 
 def hit_record(schedule: Any, generated_code: str | None, phase: str, derivation: Derivation) -> Any:
     """The record of a hit: this run's plan (the cached plan's buckets, this run's cost model)."""
-    return record_class()(schedule, generated_code, phase, derivation)
+    return CachedRecord(schedule, generated_code, phase, derivation)
 
 
 def log_hit(graph_index: int, schedule: Any) -> None:

@@ -52,8 +52,9 @@ from graphddp.config import INDUCTOR_PINNED_CONFIG, DDPConfig
 from graphddp.optim import AttachedOptimizer
 from graphddp.passes import insert_allreduce, insert_update
 from graphddp.passes.insert_allreduce import HOOK_STATE, HOOK_STATE_SPEC, HookContext
-from graphddp.passes.insert_update import ALIAS_OF, UPDATE_INPUT, UpdateInputs
+from graphddp.passes.insert_update import ALIAS_OF, UpdateInputs
 from graphddp.planner import plan, with_updates, with_wire_bytes
+from graphddp.record import GraphRecord
 from graphddp.schedule import Schedule
 from graphddp.user_hooks import HookState
 from graphddp.variants import BackwardDispatch, GraphState, InGraphUpdate, Synced, compiled_backward_node
@@ -61,31 +62,6 @@ from graphddp.verify import verify
 from graphddp.verify_update import verify_updates
 
 log = logging.getLogger("graphddp")
-
-@dataclasses.dataclass
-class GraphRecord:
-    """What graphddp did to one backward graph: the plan, the graph, and inductor's code."""
-
-    schedule: Schedule
-    graph: fx.GraphModule
-    generated_code: str | None = None
-    # With an optimizer: the graph before insert_update (all-reduces only), for the steps
-    # the graph cannot update alone.
-    without_update: fx.GraphModule | None = None
-
-    # A user hook with phases (graphddp.hooks.PowerSGD): every phase's record, this one included.
-    phases: dict[str, "GraphRecord"] = dataclasses.field(default_factory=dict)
-
-    def _inputs(self, *roles: str) -> list[Any]:
-        return [n.meta["val"] for n in self.graph.graph.nodes if n.op == "placeholder" and n.meta.get(ROLE_KEY) in roles]
-
-    def extra_inputs(self) -> list[Any]:
-        """Fake values of the inputs graphddp appended: a hook's state, then the update's."""
-        return self._inputs(HOOK_STATE, UPDATE_INPUT)
-
-    def hook_inputs(self) -> list[Any]:
-        """Fake values of a user hook's state inputs (what the graph without update reads)."""
-        return self._inputs(HOOK_STATE)
 
 
 class GraphDDPBackend:

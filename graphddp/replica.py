@@ -26,7 +26,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from graphddp.agree import check_parameter_agreement
-from graphddp.dynamo_backend import GraphDDPBackend, GraphRecord
+from graphddp.dynamo_backend import GraphDDPBackend
+from graphddp.record import GraphRecord
 from graphddp.calibrate import resolve_cost
 from graphddp.capture import names_by_identity
 from graphddp.config import DDPConfig
