@@ -4,16 +4,20 @@ When a model is wrapped (``graphddp.compile`` / ``graphddp.backend``: the point 
 constructor talks to every rank too, and never while compiling; see :mod:`graphddp.agree`),
 every rank of the group times
 
-* blocking all-reduces of a few sizes (``SIZES``), median of ``REPEATS`` after a warm-up:
-  the link's latency and bandwidth come from the alpha-beta line through them
-  (:func:`graphddp.cost.fit_link`, the same fit the benchmark's bounds use);
+* blocking all-reduces of a few sizes (``SIZES``), the fastest of ``REPEATS`` after a
+  warm-up: the link's latency and bandwidth come from the alpha-beta line through them
+  (:func:`graphddp.cost.fit_link`, the fit the benchmark's bounds use, here by least relative
+  error: the 4 KB all-reduce, nearly all latency, then counts as much as the 4 MB one);
 * the time to issue an asynchronous all-reduce of one element: the compute lane's cost of a
   collective;
 * a square matmul (FLOP rate), a copy into a preallocated buffer (memory bandwidth) and a
   one-element add (per-op overhead) on the model's device: the rates the backward's node
   estimates are made from.
 
-The times are then all-reduced with MAX, so every rank fits the same numbers (the slowest
+Each time is the fastest of its repeats, not their median: what disturbs a microbenchmark
+(the other rank still compiling, a page fault, the scheduler) only ever adds time, and with
+five medians the benchmark's calibrations of one machine gave compute rates 2x apart and
+plans to match. The times are then all-reduced with MAX, so every rank fits the same numbers (the slowest
 rank's) and plans the same buckets; they are rounded to two significant figures, so reruns on
 the same machines usually plan the same buckets too (and hit the compile cache). The result
 is cached per (process group, device type): later models on the same group reuse it.
@@ -26,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
 import time
 from typing import Any, Callable
 
@@ -37,8 +40,9 @@ from graphddp.comm import group_name_of
 from graphddp.config import DDPConfig
 from graphddp.cost import CostModel, fit_link
 
-SIZES = (1 << 16, 1 << 20, 1 << 22)  # bytes per all-reduce: the range buckets span
-REPEATS = 5
+SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)  # bytes per all-reduce: 4 KB (mostly latency) to 4 MB
+REPEATS = 7  # per all-reduce size (a 4 MB one takes 70 ms at 1 Gbit/s)
+COMPUTE_REPEATS = 15  # a few ms each; this machine's cores run a matmul at 2.4 or 6.6 ms by turns
 _CACHE: dict[tuple[str, str, int, str], CostModel] = {}  # (group name, backend, ranks, device type)
 
 
@@ -78,7 +82,7 @@ def calibrate(group: Any, device: torch.device | None = None) -> CostModel:
         model = CostModel(**rates, source=source)
     else:
         issue_s, *allreduce_s = link
-        fitted = fit_link(SIZES, allreduce_s, world)
+        fitted = fit_link(SIZES, allreduce_s, world, relative=True)
         model = CostModel(
             bandwidth_gbps=_round2(fitted.bandwidth_gbps), latency_us=_round2(fitted.latency_us),
             collective_overhead_us=_round2(issue_s * 1e6), **rates, source=source,
@@ -91,7 +95,7 @@ _MATMUL_N = {"cpu": 512, "cuda": 4096}  # large enough to run at the device's ma
 _COPY_BYTES = 32 << 20
 
 
-def _median_seconds(run: Callable[[], Any], sync: Callable[[], None], repeats: int = REPEATS) -> float:
+def _fastest_seconds(run: Callable[[], Any], sync: Callable[[], None], repeats: int = REPEATS) -> float:
     run()  # warm-up: first-call allocation and dispatch
     sync()
     samples = []
@@ -100,7 +104,7 @@ def _median_seconds(run: Callable[[], Any], sync: Callable[[], None], repeats: i
         run()
         sync()
         samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return min(samples)
 
 
 def _compute_times(device: torch.device, sync: Callable[[], None]) -> list[float]:
@@ -110,9 +114,9 @@ def _compute_times(device: torch.device, sync: Callable[[], None]) -> list[float
     into = torch.empty_like(big)  # preallocated: a fresh clone would time the page faults
     one = torch.zeros(1, device=device)
     return [
-        _median_seconds(lambda: a @ a, sync),
-        _median_seconds(lambda: into.copy_(big), sync),
-        _median_seconds(lambda: one + 1, sync),
+        _fastest_seconds(lambda: a @ a, sync, COMPUTE_REPEATS),
+        _fastest_seconds(lambda: into.copy_(big), sync, COMPUTE_REPEATS),
+        _fastest_seconds(lambda: one + 1, sync, COMPUTE_REPEATS),
     ]
 
 
@@ -128,11 +132,11 @@ def _link_times(group: Any, device: torch.device, sync: Callable[[], None]) -> l
         return took
 
     issue()
-    issue_s = statistics.median(issue() for _ in range(REPEATS))
+    issue_s = min(issue() for _ in range(REPEATS))
     out = [issue_s]
     for nbytes in SIZES:
         buf = torch.zeros(nbytes // 4, device=device)
-        out.append(_median_seconds(lambda: dist.all_reduce(buf, group=group), sync))
+        out.append(_fastest_seconds(lambda: dist.all_reduce(buf, group=group), sync))
     return out
 
 

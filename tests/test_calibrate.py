@@ -1,0 +1,111 @@
+"""The cost model ``bucket_cap_mb="auto"`` plans with, measured on the process group.
+
+What must hold (graphddp/calibrate.py's docstring): every rank of a group ends up with the same
+numbers even when the ranks measure different ones (else they would plan different buckets and
+the in-band layout check would stop them), the numbers are the slowest rank's, a group is
+measured once, a group of one rank sends nothing, and a fake group measures nothing. The
+planner's use of the result is in test_autoplan.py and test_real_models.py ("auto_buckets").
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from graphddp import CostModel
+from graphddp import calibrate
+from graphddp.config import DDPConfig
+from graphddp.testing import spawn
+
+SLOW = 10.0  # rank 1 measures its compute this many times slower
+
+
+def _agree_on_the_slowest(rank: int, world: int) -> None:
+    group = dist.new_group(list(range(world)))  # a group no earlier test has calibrated
+    measure = calibrate._compute_times
+    seen: list[list[float]] = []
+
+    def compute_times(*args):
+        times = measure(*args)
+        if rank == 1:
+            times = [t * SLOW for t in times]
+        seen.append(times)
+        return times
+
+    calibrate._compute_times = compute_times
+    try:
+        model = calibrate.calibrate(group)
+    finally:
+        calibrate._compute_times = measure
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, (model, seen[0]))
+    models = [m for m, _ in everyone]
+    assert all(m == model for m in models), models
+    assert model.source.startswith("calibrated on process group") and f"({world} ranks, cpu)" in model.source
+    # MAX over ranks: the matmul rate is the slow rank's (two significant figures).
+    slowest_matmul = max(times[0] for _, times in everyone)
+    expected = calibrate._round2(2 * calibrate._MATMUL_N["cpu"] ** 3 / slowest_matmul / 1e12)
+    assert model.compute_tflops == pytest.approx(expected, rel=0.06), (model, expected)
+    for name in ("bandwidth_gbps", "latency_us", "collective_overhead_us", "compute_tflops", "memory_gbps", "op_overhead_us"):
+        value = getattr(model, name)
+        assert math.isfinite(value) and value >= 0, (name, value)
+    assert model.bandwidth_gbps > 0 and model.compute_tflops > 0 and model.memory_gbps > 0
+
+    # Measured once per group: the second call talks to nobody and times nothing.
+    def refuse(*args):
+        raise AssertionError("calibrated twice")
+
+    calibrate._compute_times, link = refuse, calibrate._link_times
+    calibrate._link_times = refuse
+    try:
+        assert calibrate.calibrate(group) is model
+    finally:
+        calibrate._compute_times, calibrate._link_times = measure, link
+
+    # A group of one rank: compute measured, nothing sent, the link left at its defaults.
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+    calibrate._link_times = refuse
+    try:
+        solo = calibrate.calibrate(alone)
+    finally:
+        calibrate._link_times = link
+    assert "of one rank" in solo.source and solo.compute_tflops > 0
+    assert (solo.bandwidth_gbps, solo.latency_us) == (CostModel().bandwidth_gbps, CostModel().latency_us)
+
+    # resolve_cost: only "auto" without a given cost is calibrated.
+    assert calibrate.resolve_cost(DDPConfig(bucket_cap_mb=4.0), group, None).cost is None
+    given = CostModel(bandwidth_gbps=3.0)
+    assert calibrate.resolve_cost(DDPConfig(cost=given), group, None).cost is given
+    assert calibrate.resolve_cost(DDPConfig(), group, None).cost is model  # the default is "auto"
+
+
+def test_ranks_that_measure_differently_agree_on_the_slowest_rank():
+    spawn(_agree_on_the_slowest, 2)
+
+
+def test_a_fake_group_measures_nothing_and_says_so(fake_world):
+    fake_world(64)
+    model = calibrate.calibrate(dist.group.WORLD)
+    assert model.numbers == CostModel().numbers
+    assert "fake process group of 64 ranks" in model.source
+
+
+def test_two_significant_figures():
+    assert [calibrate._round2(x) for x in (0.0, 1234.5, 0.012345, 9.96, float("inf"))] == [0.0, 1200.0, 0.012, 10.0, float("inf")]
+
+
+def test_the_relative_fit_takes_the_latency_from_the_small_all_reduces():
+    """Calibration's sizes span 4 KB to 4 MB: by least relative error, 3% of noise on the 4 MB
+    time (one scheduler hiccup) barely moves the latency; by least squares it sets it."""
+    from graphddp.cost import fit_link
+
+    true = CostModel(bandwidth_gbps=1.0, latency_us=500.0)
+    times = [true.allreduce_seconds(n, 2) for n in calibrate.SIZES]
+    exact = fit_link(calibrate.SIZES, times, 2, relative=True)
+    assert (exact.bandwidth_gbps, exact.latency_us) == (pytest.approx(1.0), pytest.approx(500.0))
+    noisy = times[:-1] + [times[-1] * 1.03]
+    relative, plain = fit_link(calibrate.SIZES, noisy, 2, relative=True), fit_link(calibrate.SIZES, noisy, 2)
+    assert relative.latency_us == pytest.approx(500.0, rel=0.05), relative
+    assert abs(plain.latency_us - 500.0) > 5 * abs(relative.latency_us - 500.0), (plain, relative)
