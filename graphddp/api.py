@@ -107,9 +107,13 @@ def compile(module: nn.Module, *, process_group: Any = None, optimizer: Any = No
     ``broadcast_buffers`` buffers are too, and again before every forward, like DDP (without
     it they stay rank-local, as DDP leaves them).
 
-    Bucket caps mean what they mean to DDP, per (dtype, device), a bucket closing once its
-    bytes reach its cap: ``bucket_cap_mb=None`` is DDP's default, 25 MB buckets after a 1 MB
-    first one (so communication starts early); a set ``bucket_cap_mb`` caps every bucket, the
+    With no cap option given (or ``bucket_cap_mb="auto"``) the buckets are those that minimise
+    the backward a cost model predicts, the model measured on ``process_group`` now
+    (:mod:`graphddp.calibrate`) or given as ``cost=graphddp.CostModel(...)``
+    (:mod:`graphddp.autoplan`). Bucket caps mean what they mean to DDP, per (dtype, device), a
+    bucket closing once its bytes reach its cap: ``bucket_cap_mb=25, first_bucket_cap_mb=1`` is
+    DDP's default, 25 MB buckets after a 1 MB first one (also what unset caps mean when another
+    cap option is given); a set ``bucket_cap_mb`` caps every bucket, the
     first included, exactly as DDP does. ``bucket_cap_mb_list`` gives one cap per bucket in
     the order buckets become ready, its last entry repeating (DDP's option; it overrides
     ``bucket_cap_mb``). ``first_bucket_cap_mb`` is graphddp's extension for a smaller first

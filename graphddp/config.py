@@ -41,6 +41,8 @@ INDUCTOR_PINNED_CONFIG: dict[str, Any] = {
 # bucket_cap_mb is left unset.
 DEFAULT_BUCKET_CAP_MB = 25.0
 DEFAULT_FIRST_BUCKET_CAP_MB = 1.0
+# DDP's default buckets as graphddp's options (graphddp's own default is "auto").
+DDP_DEFAULT_CAPS = {"bucket_cap_mb": DEFAULT_BUCKET_CAP_MB, "first_bucket_cap_mb": DEFAULT_FIRST_BUCKET_CAP_MB}
 # bucket_cap_mb's value for "no cap: the buckets that minimise the predicted step".
 AUTO = "auto"
 
@@ -102,12 +104,15 @@ class DDPConfig:
     the reducer's ``compute_bucket_assignment_by_size``); a bucket closes once its size reaches
     its cap, so it may exceed the cap by one gradient, and caps are counted per (dtype, device).
 
-    * ``bucket_cap_mb=None`` (DDP's default): 25 MB buckets after a 1 MB first bucket, so
-      communication starts early.
+    * nothing given (graphddp's default): ``"auto"``, below. DDP's own default caps, 25 MB
+      buckets after a 1 MB first bucket, are ``bucket_cap_mb=25, first_bucket_cap_mb=1``.
     * ``bucket_cap_mb=x``: every bucket, the first included, is capped at ``x`` (DDP uses its
       small first bucket only at the default).
     * ``bucket_cap_mb_list``: per-bucket caps in the order buckets become ready, the last entry
       repeating; as in DDP it overrides ``bucket_cap_mb``. An empty list means not given.
+    * ``first_bucket_cap_mb``, ``last_bucket_cap_mb`` or ``bucket_cap_mb_list`` given without
+      ``bucket_cap_mb``: caps as DDP leaves them unset, 25 MB after a 1 MB first bucket, with
+      the given ones applied.
     * ``first_bucket_cap_mb`` (graphddp's extension; None: DDP's rule above) sets the first
       bucket's cap, clamped to the rest: ``min(first_bucket_cap_mb, bucket cap)``. A first cap
       above the rest would defeat its purpose (start early) and silently make the first bucket
@@ -115,7 +120,7 @@ class DDPConfig:
     * ``last_bucket_cap_mb`` (graphddp's own; None: off, as in DDP) caps the bucket of the
       gradients produced last; its transfer starts after the last backward kernel, so all of it
       is exposed.
-    * ``bucket_cap_mb="auto"`` (graphddp's own): no caps; the buckets are the partition of the
+    * ``bucket_cap_mb="auto"`` (graphddp's own, and its default): no caps; the buckets are the partition of the
       production order that minimises the backward predicted by ``cost``
       (:mod:`graphddp.autoplan`), a :class:`~graphddp.cost.CostModel` that is by default
       calibrated on the process group when the model is wrapped (:mod:`graphddp.calibrate`).
@@ -127,7 +132,7 @@ class DDPConfig:
 
     bucket_cap_mb: float | str | None = _option(
         None, "bucket cap in MB, the first bucket's too, or 'auto': buckets chosen by the cost model "
-        "(default: DDP's, 25 after a 1 MB first bucket)"
+        "(default: 'auto'; DDP's default is 25 with first_bucket_cap_mb=1)"
     )
     first_bucket_cap_mb: float | None = _option(None, "smaller first bucket (graphddp's extension; clamped to bucket_cap_mb)")
     last_bucket_cap_mb: float | None = _option(None, "cap of the bucket of the gradients produced last (default: off)")
@@ -233,26 +238,29 @@ class DDPConfig:
         return patches
 
     def _check_caps(self) -> None:
+        object.__setattr__(self, "bucket_cap_mb_list", _normalise_cap_list(self.bucket_cap_mb_list))
         if self.cost is not None and not isinstance(self.cost, CostModel):
             raise ValueError(f"cost must be a graphddp.CostModel, got {type(self.cost).__name__}")
-        if self.auto:
+        if self.bucket_cap_mb == AUTO:
             given = [n for n in ("first_bucket_cap_mb", "last_bucket_cap_mb", "bucket_cap_mb_list") if getattr(self, n)]
             if given:
                 raise ValueError(
                     f"bucket_cap_mb='auto' chooses every bucket from the cost model; {given} would overrule it: "
                     "leave them out, or give caps instead of 'auto'"
                 )
+        if self.auto:
             return
         if self.cost is not None:
             raise ValueError(
                 "cost is the model bucket_cap_mb='auto' minimises; with caps it is unused: "
-                f"set bucket_cap_mb='auto' or leave cost out (bucket_cap_mb={self.bucket_cap_mb!r})"
+                f"leave the caps or cost out (bucket_cap_mb={self.bucket_cap_mb!r}, first_bucket_cap_mb="
+                f"{self.first_bucket_cap_mb!r}, last_bucket_cap_mb={self.last_bucket_cap_mb!r}, "
+                f"bucket_cap_mb_list={self.bucket_cap_mb_list!r})"
             )
         for name in ("bucket_cap_mb", "first_bucket_cap_mb", "last_bucket_cap_mb"):
             value = getattr(self, name)
             if value is not None:
                 _check_megabytes(name, value)
-        object.__setattr__(self, "bucket_cap_mb_list", _normalise_cap_list(self.bucket_cap_mb_list))
         if self.bucket_cap_mb_list is not None and self.first_bucket_cap_mb is not None:
             raise ValueError(
                 "bucket_cap_mb_list and first_bucket_cap_mb cannot both be set: the list's first "
@@ -272,7 +280,10 @@ class DDPConfig:
 
     @property
     def auto(self) -> bool:
-        """Buckets from the cost model (``bucket_cap_mb="auto"``), not from caps."""
+        """Buckets from the cost model, not from caps: ``bucket_cap_mb="auto"``, or no cap
+        option given at all (the default since the benchmark showed it wins; see README)."""
+        if self.bucket_cap_mb is None:
+            return self.first_bucket_cap_mb is None and self.last_bucket_cap_mb is None and not self.bucket_cap_mb_list
         return isinstance(self.bucket_cap_mb, str) and self.bucket_cap_mb == AUTO
 
     def _no_caps(self, what: str) -> None:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import graphddp
 from graphddp import CostModel, Schedule, simulate
 from graphddp import autoplan
-from graphddp.config import DDPConfig
+from graphddp.config import DDP_DEFAULT_CAPS, DDPConfig
 from graphddp.planner import plan
 from graphddp.schedule import Bucket, GradSlot, GraphFacts, NodeFact
 
@@ -211,7 +211,7 @@ def test_a_thousand_parameters_plan_in_seconds():
     ({"bucket_cap_mb": "auto", "last_bucket_cap_mb": 1.0}, ["last_bucket_cap_mb"]),
     ({"bucket_cap_mb": "auto", "bucket_cap_mb_list": [1.0, 2.0]}, ["bucket_cap_mb_list"]),
     ({"bucket_cap_mb": 4.0, "cost": CostModel()}, ["cost", "bucket_cap_mb='auto'"]),
-    ({"cost": CostModel()}, ["cost"]),
+    ({"cost": CostModel(), "last_bucket_cap_mb": 1.0}, ["cost", "last_bucket_cap_mb=1.0"]),
     ({"bucket_cap_mb": "fast"}, ["bucket_cap_mb", "'auto'", "'fast'"]),
     ({"bucket_cap_mb": "auto", "cost": {"bandwidth_gbps": 1}}, ["cost", "CostModel"]),
 ])
@@ -220,6 +220,14 @@ def test_bad_auto_options_are_refused_by_name(options, words):
         DDPConfig.from_options("graphddp.compile", options)
     for word in words:
         assert word in str(e.value)
+
+
+def test_auto_is_the_default_and_any_cap_option_turns_it_off():
+    assert DDPConfig().auto and DDPConfig(cost=CostModel()).auto and DDPConfig(bucket_cap_mb="auto").auto
+    for caps in ({"bucket_cap_mb": 25}, {"first_bucket_cap_mb": 1}, {"last_bucket_cap_mb": 1}, {"bucket_cap_mb_list": [1]}):
+        assert not DDPConfig(**caps).auto, caps
+    # caps unset with one of the others given: DDP's unset caps (25 MB after 1 MB), as before
+    assert DDPConfig(last_bucket_cap_mb=1).bucket_size_limits == DDPConfig(**DDP_DEFAULT_CAPS).bucket_size_limits
 
 
 def test_a_config_under_auto_has_no_caps_to_read():

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from graphddp.schedule import GradSlot, GraphFacts, NodeFact
-from graphddp.config import DDPConfig
+from graphddp.config import DDP_DEFAULT_CAPS, DDPConfig
 from graphddp.planner import plan
 from graphddp.schedule import Schedule
 from graphddp.testing import spawn
@@ -206,8 +206,9 @@ def sizes(schedule):
 
 
 def test_rule_default_is_a_1mb_first_bucket_then_25mb():
-    cfg = DDPConfig()
-    assert (cfg.bucket_cap_mb, cfg.first_bucket_cap_mb, cfg.bucket_cap_mb_list) == (None, None, None)
+    """DDP's default, spelled out for graphddp (whose own default is "auto", test_autoplan)."""
+    cfg = DDPConfig(**DDP_DEFAULT_CAPS)
+    assert cfg.bucket_size_limits == DDPConfig(last_bucket_cap_mb=1e6).bucket_size_limits  # unset caps with a tail
     assert cfg.bucket_size_limits == (2**20, 25 * 2**20)
     facts = make_facts([(f"p{i}", MIB_F32, "float32", 2 + i) for i in range(60)])  # sixty 1 MiB grads
     schedule = plan(facts, cfg)
@@ -292,7 +293,8 @@ def test_resolved_limits_equal_ddps_own_resolution(bucket_cap_mb, cap_list):
         pytest.skip("this torch has no _BucketCapacityConfig")
     ddp = ddp_config.create(bucket_cap_mb=bucket_cap_mb, bucket_cap_mb_list=cap_list, use_python_reducer=False)
     expected = ddp.per_bucket_bytes_caps or (ddp.first_bucket_bytes_cap, ddp.bucket_bytes_cap)
-    cfg = DDPConfig(bucket_cap_mb=bucket_cap_mb, bucket_cap_mb_list=cap_list)
+    unset = bucket_cap_mb is None and cap_list is None  # graphddp's "auto"; DDP's default spelled out
+    cfg = DDPConfig(**DDP_DEFAULT_CAPS) if unset else DDPConfig(bucket_cap_mb=bucket_cap_mb, bucket_cap_mb_list=cap_list)
     assert cfg.bucket_size_limits == tuple(expected)
     assert cfg.bucket_cap_bytes == ddp.bucket_bytes_cap
 
@@ -540,7 +542,7 @@ def _compare_with_ddp(rank: int, world_size: int) -> None:
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = _chain()
-        ours = graphddp.compile(copy.deepcopy(model), backend="aot_eager", **caps)
+        ours = graphddp.compile(copy.deepcopy(model), backend="aot_eager", **(caps or DDP_DEFAULT_CAPS))
         ours(torch.randn(4, WIDTHS[0])).sum().backward()
         (schedule,) = ours.schedules
         assert set(names(schedule)) == _ddp_buckets(model, caps), (caps, schedule.to_table())

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from graphddp.schedule import GradSlot, GraphFacts, NodeFact
-from graphddp.config import DDPConfig
+from graphddp.config import DDP_DEFAULT_CAPS, DDPConfig
 from graphddp.planner import plan
 from graphddp.schedule import Bucket, Schedule
 
@@ -61,7 +61,7 @@ cap_mb = st.one_of(st.integers(1, 64 * 1024), st.integers(1, 3 * MB)).map(lambda
 def configs(draw: st.DrawFn, with_tail: bool | None = None) -> DDPConfig:
     """A DDPConfig in one of the shapes users write; ``with_tail`` forces last_bucket_cap_mb on/off."""
     shape = draw(st.sampled_from(["default", "cap", "cap+first", "first", "list"]))
-    kwargs: dict = {}
+    kwargs: dict = dict(DDP_DEFAULT_CAPS) if shape == "default" else {}  # DDP's: graphddp's own is "auto"
     if shape in ("cap", "cap+first"):
         kwargs["bucket_cap_mb"] = draw(cap_mb)
     if shape in ("first", "cap+first"):
