@@ -74,34 +74,27 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, measured: Mappin
     return Timeline(tuple(spans), tuple(timings), clock, max([clock] + [t.end for t in timings]), link)
 
 
-def fit_link(
-    nbytes: Sequence[int], seconds: Sequence[float], world_size: int, *, relative: bool = False, **rest: object
-) -> CostModel:
+def fit_link(nbytes: Sequence[int], seconds: Sequence[float], world_size: int, **rest: object) -> CostModel:
     """The CostModel whose ``allreduce_seconds(nbytes[i], world_size)`` best fits ``seconds[i]``.
 
     ``allreduce_seconds`` is ``a + b * nbytes`` with ``a = 2 (p-1) latency`` and
     ``b = 2 (p-1)/p * 8 / bandwidth``; the least-squares line is refitted through the origin
     when its intercept is negative, and flat when its slope is. Buckets of one size alone
-    cannot split the two: the fit then puts everything on the bandwidth. ``relative`` weighs
-    each point by ``1 / seconds**2`` (least relative error): for sizes that span decades, as
-    calibration's do, an unweighted fit lets the largest size's noise set the latency. ``rest``
-    are the other CostModel fields (compute rates, ``source``).
+    cannot split the two: the fit then puts everything on the bandwidth. ``rest`` are the
+    other CostModel fields (compute rates, ``source``).
     """
     if world_size < 2 or not nbytes or len(nbytes) != len(seconds):
         raise ValueError(f"need >= 1 bucket time on >= 2 ranks, got {len(seconds)} times, {len(nbytes)} sizes, "
                          f"world_size {world_size}")
-    w = [1.0 / (y * y) if relative and y > 0 else 1.0 for y in seconds]
-    total = sum(w)
-    mx = sum(wi * x for wi, x in zip(w, nbytes)) / total
-    my = sum(wi * y for wi, y in zip(w, seconds)) / total
-    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, nbytes))
-    slope = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, nbytes, seconds)) / sxx if sxx else my / mx
+    n = len(nbytes)
+    mx, my = sum(nbytes) / n, sum(seconds) / n
+    sxx = sum((x - mx) ** 2 for x in nbytes)
+    slope = sum((x - mx) * (y - my) for x, y in zip(nbytes, seconds)) / sxx if sxx else my / mx
     intercept = my - slope * mx
     if slope <= 0:
         slope, intercept = 0.0, my
     elif intercept < 0:
-        slope = sum(wi * x * y for wi, x, y in zip(w, nbytes, seconds)) / sum(wi * x * x for wi, x in zip(w, nbytes))
-        intercept = 0.0
+        slope, intercept = sum(x * y for x, y in zip(nbytes, seconds)) / sum(x * x for x in nbytes), 0.0
     steps = 2 * (world_size - 1)
     bandwidth_gbps = steps / world_size * 8 / (slope * 1e9) if slope > 0 else float("inf")
     return CostModel(bandwidth_gbps=bandwidth_gbps, latency_us=intercept / steps * 1e6, **rest)  # type: ignore[arg-type]
