@@ -23,6 +23,9 @@ plans to match. The times are then all-reduced with MAX, so every rank fits the 
 rank's) and plans the same buckets; they are rounded to two significant figures, so reruns on
 the same machines usually plan the same buckets too (and hit the compile cache). The result
 is cached per (process group, device type): later models on the same group reuse it.
+A restart keeps the numbers an earlier run stored in the inductor cache directory when it
+measures within ``KEEP_WITHIN`` of them on every rank (:func:`_settle`), so noise does not
+change the plan, and the compile cache hits.
 
 On a group of one rank only the compute is timed (nothing is sent). Under graphddp.explain's
 fake process group nothing is timed: the plan uses ``CostModel()``'s defaults unless
@@ -30,8 +33,13 @@ fake process group nothing is timed: the plan uses ``CostModel()``'s defaults un
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
+import json
 import math
+import os
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -89,8 +97,98 @@ def calibrate(group: Any, device: torch.device | None = None) -> CostModel:
             bandwidth_gbps=_round2(fitted.bandwidth_gbps), latency_us=_round2(fitted.latency_us),
             collective_overhead_us=_round2(issue_s * 1e6), **rates, source=source,
         )
+    model = _settle(model, key, group, device)
     _CACHE[key] = model
     return model
+
+
+# -- the same plan after a restart ------------------------------------------------------------------
+
+# A measurement within this factor of the stored one, in every number, keeps the stored one.
+# The auto plan is chosen to hold up under a 1.5x error of the model (autoplan.SCENARIOS), so
+# within 1.25x the stored model's plan is one this run would accept as well.
+KEEP_WITHIN = 1.25
+
+
+def _settle(measured: CostModel, key: tuple[str, str, int, str], group: Any, device: torch.device) -> CostModel:
+    """This run's cost model: the one an earlier run of the same group stored, if this run's
+    measurement is within ``KEEP_WITHIN`` of it on every rank, else the measurement (stored).
+
+    Why: a restart measures the link anew, and two measurements of one link differ by their
+    noise; a plan made from other numbers is another compile (the compile cache checks the
+    plan, :mod:`graphddp.compile_cache`). The stored model sits in the inductor cache
+    directory, which each rank may have its own of, so the choice is agreed: kept only if
+    every rank holds the same stored model and finds it close (one more all-reduce, here at
+    wrap time, where calibration talks anyway). Nothing is stored or read where torch's compile
+    caches or graphddp's are off.
+    """
+    from graphddp import compile_cache
+
+    if not compile_cache.enabled():
+        return measured
+    path = _stored_path(key)
+    stored = _load(path)
+    keep = stored is not None and _close(stored, measured)
+    mine = _digest(stored) if keep else -1  # type: ignore[arg-type]
+    low = high = mine
+    if key[2] > 1:
+        agree = torch.tensor([mine, -mine], dtype=torch.int64)
+        wire = agree.to(device) if device.type == "cuda" else agree
+        dist.all_reduce(wire, op=dist.ReduceOp.MAX, group=group)
+        high, low = (int(v) for v in (wire[0], -wire[1]))
+    if keep and low == high == mine:
+        return dataclasses.replace(
+            stored, source=f"{measured.source}, kept from an earlier run: this run measured {_numbers(measured)}"  # type: ignore[arg-type]
+        )
+    _store(path, measured)
+    return measured
+
+
+def _stored_path(key: tuple[str, str, int, str]) -> str:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    name = "-".join(str(part) or "solo" for part in key)
+    return os.path.join(cache_dir(), "graphddp", f"calibration-{name}.json")
+
+
+def _numbers(model: CostModel) -> str:
+    return json.dumps(model.numbers, sort_keys=True)
+
+
+def _digest(model: CostModel) -> int:
+    """A non-negative int64 naming the stored numbers (ranks compare these)."""
+    return int(hashlib.sha256(_numbers(model).encode()).hexdigest()[:15], 16)
+
+
+def _close(stored: CostModel, measured: CostModel) -> bool:
+    for name, a in stored.numbers.items():
+        b = measured.numbers[name]
+        if a == b:
+            continue
+        if a <= 0 or b <= 0 or not (math.isfinite(a) and math.isfinite(b)) or max(a / b, b / a) > KEEP_WITHIN:
+            return False
+    return True
+
+
+def _load(path: str) -> CostModel | None:
+    try:
+        with open(path) as f:
+            return CostModel(**json.load(f))
+    except FileNotFoundError:
+        return None
+    except Exception:  # noqa: BLE001 - a damaged file is measured over
+        return None
+
+
+def _store(path: str, model: CostModel) -> None:
+    """Atomically (ranks sharing the directory write the same bytes); a failure only means
+    the next run measures again."""
+    with contextlib.suppress(OSError):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(model.to_dict(), f)
+        os.replace(tmp, path)
 
 
 _MATMUL_N = {"cpu": 512, "cuda": 4096}  # large enough to run at the device's matmul rate

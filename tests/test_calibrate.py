@@ -9,6 +9,7 @@ planner's use of the result is in test_autoplan.py and test_real_models.py ("aut
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -95,3 +96,53 @@ def test_a_fake_group_measures_nothing_and_says_so(fake_world):
 def test_two_significant_figures():
     assert [calibrate._round2(x) for x in (0.0, 1234.5, 0.012345, 9.96, float("inf"))] == [0.0, 1200.0, 0.012, 10.0, float("inf")]
 
+
+
+# -- a restart keeps the stored numbers when it measures close to them --------------------------------
+
+COMPUTE_S = [2.4e-3, 1.0e-3, 3.0e-6]  # matmul, copy, one-element add
+LINK_S = [2.0e-5, 1.5e-3, 9.0e-3, 35.0e-3]  # issue; all-reduces of calibrate.SIZES
+
+
+def _calibrate_world(compute_scale: float, link_scale: float) -> CostModel:
+    """A fresh calibration of WORLD (the in-memory cache cleared: a restart) on fixed times."""
+    measure, link = calibrate._compute_times, calibrate._link_times
+    calibrate._compute_times = lambda *a: [t * compute_scale for t in COMPUTE_S]
+    calibrate._link_times = lambda *a: [t * link_scale for t in LINK_S]
+    calibrate._CACHE.clear()
+    try:
+        return calibrate.calibrate(dist.group.WORLD)
+    finally:
+        calibrate._compute_times, calibrate._link_times = measure, link
+
+
+def _restarts(rank: int, world: int, dirs: list[str], empty: str) -> None:
+    saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = dirs[rank]
+    try:
+        first = _calibrate_world(1.0, 1.0)
+        assert "kept" not in first.source
+        again = _calibrate_world(1.1, 0.9)  # noise within KEEP_WITHIN: the stored numbers, said so
+        assert again.numbers == first.numbers and "kept from an earlier run" in again.source, again
+        slower = _calibrate_world(2.0, 1.0)  # the machine changed: measured, and stored
+        assert slower.compute_tflops == pytest.approx(first.compute_tflops / 2, rel=0.06) and "kept" not in slower.source
+        assert _calibrate_world(2.0, 1.1).numbers == slower.numbers
+        # One rank restarts on an empty cache directory: the ranks cannot agree to keep, so
+        # both use the measurement (the same on both), never one stored and one measured.
+        if rank == 1:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = empty
+        mixed = _calibrate_world(2.1, 1.1)
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, mixed)
+        assert all(m == mixed for m in everyone), everyone
+        assert "kept" not in mixed.source and mixed.numbers != slower.numbers
+    finally:
+        calibrate._CACHE.clear()
+        if saved is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
+
+
+def test_a_restart_keeps_the_stored_model_only_when_every_rank_measures_close_to_it(tmp_path):
+    spawn(_restarts, 2, [str(tmp_path / "rank0"), str(tmp_path / "rank1")], str(tmp_path / "empty"))
