@@ -122,16 +122,16 @@ def _restarts(rank: int, world: int, dirs: list[str], empty: str) -> None:
     try:
         first = _calibrate_world(1.0, 1.0)
         assert "kept" not in first.source
-        again = _calibrate_world(1.1, 0.9)  # noise within KEEP_WITHIN: the stored numbers, said so
+        again = _calibrate_world(1.5, 0.7)  # noise within KEEP_WITHIN: the stored numbers, said so
         assert again.numbers == first.numbers and "kept from an earlier run" in again.source, again
-        slower = _calibrate_world(2.0, 1.0)  # the machine changed: measured, and stored
-        assert slower.compute_tflops == pytest.approx(first.compute_tflops / 2, rel=0.06) and "kept" not in slower.source
-        assert _calibrate_world(2.0, 1.1).numbers == slower.numbers
+        slower = _calibrate_world(3.0, 1.0)  # the machine changed: measured, and stored
+        assert slower.compute_tflops == pytest.approx(first.compute_tflops / 3, rel=0.06) and "kept" not in slower.source
+        assert _calibrate_world(3.0, 1.1).numbers == slower.numbers
         # One rank restarts on an empty cache directory: the ranks cannot agree to keep, so
         # both use the measurement (the same on both), never one stored and one measured.
         if rank == 1:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = empty
-        mixed = _calibrate_world(2.1, 1.1)
+        mixed = _calibrate_world(3.1, 1.1)
         everyone: list = [None] * world
         dist.all_gather_object(everyone, mixed)
         assert all(m == mixed for m in everyone), everyone
