@@ -19,10 +19,10 @@ every rank of the group times
 Each time is the fastest of its repeats, not their median: what disturbs a microbenchmark
 (the other rank still compiling, a page fault, the scheduler) only ever adds time, and with
 five medians the benchmark's calibrations of one machine gave compute rates 2x apart and
-plans to match. The times are then all-reduced with MAX, so every rank fits the same numbers (the slowest
-rank's) and plans the same buckets; they are rounded to two significant figures, so reruns on
-the same machines usually plan the same buckets too (and hit the compile cache). The result
-is cached per (process group, device type): later models on the same group reuse it.
+plans to match. The times are then all-reduced with MAX, so every rank fits the same numbers
+(the slowest rank's) and plans the same buckets; they are rounded to two significant figures,
+so reruns on the same machines usually plan the same buckets too (and hit the compile cache).
+The result is cached per (process group, device type): later models on the same group reuse it.
 A restart keeps the numbers an earlier run stored in the inductor cache directory when it
 measures within ``KEEP_WITHIN`` of them on every rank (:func:`_settle`), so noise does not
 change the plan, and the compile cache hits.
@@ -33,19 +33,18 @@ fake process group nothing is timed: the plan uses ``CostModel()``'s defaults un
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
 import math
 import os
-import tempfile
 import time
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from graphddp import compile_cache
 from graphddp.comm import group_name_of
 from graphddp.config import DDPConfig
 from graphddp.cost import CostModel, fit_link
@@ -126,8 +125,6 @@ def _settle(measured: CostModel, key: tuple[str, str, int, str], group: Any, dev
     wrap time, where calibration talks anyway). Nothing is stored or read where torch's compile
     caches or graphddp's are off.
     """
-    from graphddp import compile_cache
-
     if not compile_cache.enabled():
         return measured
     path = _stored_path(key)
@@ -180,21 +177,12 @@ def _load(path: str) -> CostModel | None:
     try:
         with open(path) as f:
             return CostModel(**json.load(f))
-    except FileNotFoundError:
-        return None
-    except Exception:  # noqa: BLE001 - a damaged file is measured over
+    except Exception:  # noqa: BLE001 - none stored, or a damaged file: measured over
         return None
 
 
 def _store(path: str, model: CostModel) -> None:
-    """Atomically (ranks sharing the directory write the same bytes); a failure only means
-    the next run measures again."""
-    with contextlib.suppress(OSError):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-        with os.fdopen(fd, "w") as f:
-            json.dump(model.to_dict(), f)
-        os.replace(tmp, path)
+    compile_cache.write_atomically(path, json.dumps(model.to_dict()).encode())
 
 
 _MATMUL_N = {"cpu": 512, "cuda": 4096}  # large enough to run at the device's matmul rate

@@ -246,18 +246,24 @@ def load(key: str) -> Entry | None:
 
 
 def store(key: str, entry: Entry) -> bool:
-    """Write atomically (ranks sharing the directory write the same bytes); False on failure."""
-    path = _path(key)
+    """Write graphddp's entry; False on failure (AOTAutograd's is not written either)."""
+    return write_atomically(_path(key), pickle.dumps(entry))
+
+
+def write_atomically(path: str, data: bytes) -> bool:
+    """Write ``data`` to ``path`` through a temporary file and a rename, so a reader never sees
+    half a file and ranks sharing the directory can write the same bytes at once. False on
+    failure (logged): what is not written is computed again next time."""
     tmp = None
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
         with os.fdopen(fd, "wb") as f:
-            pickle.dump(entry, f)
+            f.write(data)
         os.replace(tmp, path)
         return True
-    except Exception:  # noqa: BLE001 - no entry: AOTAutograd's is not written either
-        log.warning("graphddp compile cache: could not write %s", path, exc_info=True)
+    except Exception:  # noqa: BLE001 - a cache that cannot be written is only a cache miss later
+        log.warning("graphddp: could not write %s", path, exc_info=True)
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.remove(tmp)
