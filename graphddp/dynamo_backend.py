@@ -34,7 +34,6 @@ the update is kept as the variant for steps the graph cannot update alone.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import itertools
 import logging
 from typing import Any, Callable, Mapping, Sequence

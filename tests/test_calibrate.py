@@ -12,7 +12,6 @@ import math
 import os
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from graphddp import CostModel
