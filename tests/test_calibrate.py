@@ -8,6 +8,7 @@ planner's use of the result is in test_autoplan.py and test_real_models.py ("aut
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -22,7 +23,31 @@ from graphddp.testing import spawn
 SLOW = 10.0  # rank 1 measures its compute this many times slower
 
 
-def _agree_on_the_slowest(rank: int, world: int) -> None:
+@contextlib.contextmanager
+def _cache_dir(path: str):
+    """Point the inductor cache, where calibrate stores its numbers, at ``path`` for a while.
+
+    The test ranks share one inductor cache across the suite, so without this a model stored
+    by an earlier test on the same group name would be kept instead of measured.
+    """
+    saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    try:
+        yield
+    finally:
+        calibrate._CACHE.clear()
+        if saved is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
+
+
+def _agree_on_the_slowest(rank: int, world: int, cache: str) -> None:
+    with _cache_dir(cache):
+        _check_agreement(rank, world)
+
+
+def _check_agreement(rank: int, world: int) -> None:
     group = dist.new_group(list(range(world)))  # a group no earlier test has calibrated
     measure = calibrate._compute_times
     seen: list[list[float]] = []
@@ -81,8 +106,8 @@ def _agree_on_the_slowest(rank: int, world: int) -> None:
     assert calibrate.resolve_cost(DDPConfig(), group, None).cost is model  # the default is "auto"
 
 
-def test_ranks_that_measure_differently_agree_on_the_slowest_rank():
-    spawn(_agree_on_the_slowest, 2)
+def test_ranks_that_measure_differently_agree_on_the_slowest_rank(tmp_path):
+    spawn(_agree_on_the_slowest, 2, str(tmp_path))
 
 
 def test_a_fake_group_measures_nothing_and_says_so(fake_world):
@@ -116,9 +141,7 @@ def _calibrate_world(compute_scale: float, link_scale: float) -> CostModel:
 
 
 def _restarts(rank: int, world: int, dirs: list[str], empty: str) -> None:
-    saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = dirs[rank]
-    try:
+    with _cache_dir(dirs[rank]):
         first = _calibrate_world(1.0, 1.0)
         assert "kept" not in first.source
         again = _calibrate_world(1.5, 0.7)  # noise within KEEP_WITHIN: the stored numbers, said so
@@ -135,12 +158,6 @@ def _restarts(rank: int, world: int, dirs: list[str], empty: str) -> None:
         dist.all_gather_object(everyone, mixed)
         assert all(m == mixed for m in everyone), everyone
         assert "kept" not in mixed.source and mixed.numbers != slower.numbers
-    finally:
-        calibrate._CACHE.clear()
-        if saved is None:
-            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-        else:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
 
 
 def test_a_restart_keeps_the_stored_model_only_when_every_rank_measures_close_to_it(tmp_path):
