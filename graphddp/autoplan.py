@@ -101,6 +101,12 @@ def best_partition(
 # against all of these, not the nominal model alone.
 SCENARIOS = ((1.0, 1.0), (1.5, 1.0), (1.0, 1.5))
 
+# Fixed-cap plans (DDP's rule: close a bucket once it holds this many bytes) that compete with
+# the scenarios' optima. Each scenario's optimum is extreme for its own scenario; a cap plan
+# is often the better compromise, and with them among the candidates the chosen plan's worst
+# regret is never above any of these caps' (DDP's default, 1 MB first then 25 MB, included).
+CANDIDATE_CAPS_MB = ((1.0,), (2.0,), (4.0,), (8.0,), (16.0,), (25.0,), (1.0, 25.0))
+
 
 def _scaled(cost: CostModel, compute: float, link: float) -> CostModel:
     """``cost`` with its compute ``compute`` times and its link ``link`` times as fast."""
@@ -125,13 +131,26 @@ def predicted_step(
     return max(compute_end + (len(bounds) - 1) * issue, link)
 
 
+def capped_starts(nbytes: Sequence[int], caps_mb: Sequence[float]) -> tuple[int, ...]:
+    """Where each bucket starts when gradients of ``nbytes`` (production order) are packed
+    as DDP packs them: a bucket closes once it reaches its cap; the last cap repeats."""
+    starts, size = [0], 0
+    for i, n in enumerate(nbytes):
+        size += n
+        if size >= caps_mb[min(len(starts) - 1, len(caps_mb) - 1)] * (1 << 20) and i + 1 < len(nbytes):
+            starts.append(i + 1)
+            size = 0
+    return tuple(starts) if nbytes else ()
+
+
 def robust_partition(
     slots: Sequence[GradSlot], nodes: Sequence[NodeFact], cost: CostModel, world_size: int, ratio: float = 1.0,
 ) -> list[int]:
     """Where each bucket of ``slots`` (one dtype and device, production order) starts: of the
-    optimal plans for every scenario in ``SCENARIOS``, the one whose worst ratio to each
-    scenario's optimum is smallest (ties: fewer buckets). Under the nominal model alone
-    (``SCENARIOS = ((1, 1),)``) this is :func:`best_partition`'s optimum."""
+    optimal plans for every scenario in ``SCENARIOS`` and the plans of ``CANDIDATE_CAPS_MB``,
+    the one whose worst ratio to each scenario's optimum is smallest (ties: fewer buckets).
+    Under the nominal model alone (``SCENARIOS = ((1, 1),)``) this is :func:`best_partition`'s
+    optimum: no cap plan beats it there."""
     wire = [int(s.nbytes * ratio) for s in slots]
     cases = []
     for compute, link in SCENARIOS:
@@ -145,7 +164,8 @@ def robust_partition(
         worst = max(predicted_step(starts, ready, wire, c, world_size, end) / max(best, 1e-12) for c, ready, end, best, _ in cases)
         return (round(worst, 9), len(starts))
 
-    return list(min({case[-1] for case in cases}, key=regret))
+    capped = {capped_starts([s.nbytes for s in slots], caps) for caps in CANDIDATE_CAPS_MB}
+    return list(min(sorted({case[-1] for case in cases} | capped), key=regret))
 
 
 def auto_partition(

@@ -85,6 +85,43 @@ def test_auto_plan_is_never_beaten_by_any_partition(sizes, flops, cost, world):
         return max(simulate(schedule, c).step_seconds / o for c, o in zip(cases, optimum))
 
     assert regret(robust) <= regret(auto) * (1 + 1e-9)
+    nbytes = [s.nbytes for s in facts.slots]
+    for caps in autoplan.CANDIDATE_CAPS_MB:  # never a worse compromise than a fixed cap
+        capped = _with_cuts(auto, facts, list(autoplan.capped_starts(nbytes, caps)[1:]))
+        assert regret(robust) <= regret(capped) * (1 + 1e-9), (caps, robust.to_table(), capped.to_table())
+
+
+@pytest.mark.parametrize("caps", autoplan.CANDIDATE_CAPS_MB)
+def test_cap_candidates_are_cut_as_ddp_cuts(caps):
+    """The cap plans the robust choice weighs are the planner's own DDP-rule buckets."""
+    facts = _facts([1 << 18, 3 << 18, 1 << 16, 1 << 20, 5 << 18, 1 << 10, 1 << 19, 7 << 17, 1 << 20], [0] * 9)
+    config = DDPConfig(bucket_cap_mb=caps[-1], first_bucket_cap_mb=caps[0])
+    ddp = [b.slots[0].output_index for b in plan(facts, config).buckets]
+    assert list(autoplan.capped_starts([s.nbytes for s in facts.slots], caps)) == ddp
+    assert autoplan.capped_starts([], caps) == ()
+
+
+def test_a_cap_plan_wins_when_it_is_the_better_compromise():
+    """Each scenario's optimum is extreme for its own scenario; here a fixed cap's worst
+    regret is smaller than all of theirs, and the robust choice takes it."""
+    facts = _facts([1 << 16] * 16, [10**7] * 16)  # 16 gradients of 256 KB
+    cost = CostModel(bandwidth_gbps=8.0, latency_us=50.0, collective_overhead_us=140.0)
+    with _candidate_caps(()):
+        optima_only = plan(facts, DDPConfig(bucket_cap_mb="auto", cost=cost), world_size=2)
+    chosen = plan(facts, DDPConfig(bucket_cap_mb="auto", cost=cost), world_size=2)
+    nbytes = [s.nbytes for s in facts.slots]
+    starts = [b.slots[0].output_index for b in chosen.buckets]
+    assert tuple(starts) == autoplan.capped_starts(nbytes, (1.0,)) == (0, 4, 8, 12)
+    assert starts != [b.slots[0].output_index for b in optima_only.buckets]
+
+
+@contextlib.contextmanager
+def _candidate_caps(caps):
+    saved, autoplan.CANDIDATE_CAPS_MB = autoplan.CANDIDATE_CAPS_MB, caps
+    try:
+        yield
+    finally:
+        autoplan.CANDIDATE_CAPS_MB = saved
 
 
 @contextlib.contextmanager
