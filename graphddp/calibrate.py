@@ -50,7 +50,10 @@ from graphddp.config import DDPConfig
 from graphddp.cost import CostModel, fit_link
 
 SIZES = (1 << 16, 1 << 20, 1 << 22)  # bytes per all-reduce: the range buckets span
-REPEATS = 7  # per all-reduce size (a 4 MB one takes 70 ms at 1 Gbit/s)
+# Per all-reduce size; a 4 MB one takes 35-70 ms at 1 Gbit/s, so about a second in all there.
+# With 7, eight calibrations of this machine's loopback fitted 10 to 27 Gbit/s, outside the 2x
+# a restart keeps (KEEP_WITHIN), and a warm restart replanned; with 15, 20 to 33.
+REPEATS = 15
 COMPUTE_REPEATS = 15  # a few ms each; this machine's cores run a matmul at 2.4 or 6.6 ms by turns
 _CACHE: dict[tuple[str, str, int, str], CostModel] = {}  # (group name, backend, ranks, device type)
 
