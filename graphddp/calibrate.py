@@ -50,7 +50,7 @@ from graphddp.config import DDPConfig
 from graphddp.cost import CostModel, fit_link
 
 SIZES = (1 << 16, 1 << 20, 1 << 22)  # bytes per all-reduce: the range buckets span
-# Per all-reduce size; a 4 MB one takes 35-70 ms at 1 Gbit/s, so about a second in all there.
+# Per all-reduce size; a 4 MB one takes 35-70 ms at 1 Gbit/s: the calibration takes 1.5 s there.
 # With 7, eight calibrations of this machine's loopback fitted 10 to 27 Gbit/s, outside the 2x
 # a restart keeps (KEEP_WITHIN), and a warm restart replanned; with 15, 20 to 33.
 REPEATS = 15
