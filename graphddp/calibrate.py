@@ -4,8 +4,8 @@ When a model is wrapped (``graphddp.compile`` / ``graphddp.backend``: the point 
 constructor talks to every rank too, and never while compiling; see :mod:`graphddp.agree`),
 every rank of the group times
 
-* blocking all-reduces of a few sizes (``SIZES``), the fastest of ``REPEATS`` after a
-  warm-up: the link's latency and bandwidth come from the alpha-beta line through them
+* blocking all-reduces of a few sizes (``SIZES``), each repeat started from a barrier and
+  timed as its slowest rank saw it, the fastest of ``REPEATS`` after a warm-up: the link's latency and bandwidth come from the alpha-beta line through them
   (:func:`graphddp.cost.fit_link`, the same fit the benchmark's bounds use), unweighted, so
   the large sizes that buckets have count most. A fit by least relative error over 4 KB to
   4 MB was tried: the small all-reduces, which a rate limiter lets through in a burst, halved
@@ -230,11 +230,31 @@ def _link_times(group: Any, device: torch.device, sync: Callable[[], None]) -> l
 
     issue()
     issue_s = min(issue() for _ in range(REPEATS))
-    out = [issue_s]
-    for nbytes in SIZES:
-        buf = torch.zeros(nbytes // 4, device=device)
-        out.append(_fastest_seconds(lambda: dist.all_reduce(buf, group=group), sync))
-    return out
+    return [issue_s] + [_collective_seconds(nbytes, group, device, sync) for nbytes in SIZES]
+
+
+def _collective_seconds(nbytes: int, group: Any, device: torch.device, sync: Callable[[], None]) -> float:
+    """How long a blocking all-reduce of ``nbytes`` takes: each repeat starts from a barrier,
+    and its time is the slowest rank's; the fastest repeat counts.
+
+    Why not each rank's own fastest: a rank that arrives late finds its peers' data already
+    sent and returns early, so its fastest repeat can be a fraction of the collective (this
+    machine's loopback fitted 12 to 42 Gbit/s that way, and restarts replanned).
+    """
+    buf = torch.zeros(nbytes // 4, device=device)
+    dist.all_reduce(buf, group=group)  # warm-up: first-call allocation and connection setup
+    sync()
+    samples = []
+    for _ in range(REPEATS):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        dist.all_reduce(buf, group=group)
+        sync()
+        samples.append(time.perf_counter() - start)
+    slowest = torch.tensor(samples, dtype=torch.float64)
+    wire = slowest.to(device) if device.type == "cuda" else slowest
+    dist.all_reduce(wire, op=dist.ReduceOp.MAX, group=group)
+    return float(wire.min())
 
 
 def _round2(x: float) -> float:

@@ -13,6 +13,7 @@ import math
 import os
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from graphddp import CostModel
@@ -77,6 +78,13 @@ def _check_agreement(rank: int, world: int) -> None:
         value = getattr(model, name)
         assert math.isfinite(value) and value >= 0, (name, value)
     assert model.bandwidth_gbps > 0 and model.compute_tflops > 0 and model.memory_gbps > 0
+
+    # A collective's time is one number for the group (each repeat's slowest rank), whatever
+    # each rank saw of it.
+    took = calibrate._collective_seconds(1 << 16, group, torch.device("cpu"), lambda: None)
+    seen_by: list = [None] * world
+    dist.all_gather_object(seen_by, took)
+    assert len(set(seen_by)) == 1 and took > 0, seen_by
 
     # Measured once per group: the second call talks to nobody and times nothing.
     def refuse(*args):
@@ -162,3 +170,4 @@ def _restarts(rank: int, world: int, dirs: list[str], empty: str) -> None:
 
 def test_a_restart_keeps_the_stored_model_only_when_every_rank_measures_close_to_it(tmp_path):
     spawn(_restarts, 2, [str(tmp_path / "rank0"), str(tmp_path / "rank1")], str(tmp_path / "empty"))
+

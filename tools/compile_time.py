@@ -172,6 +172,8 @@ def _rank(
     }
     if mode == "graphddp":
         report["fingerprints"] = [s.fingerprint() for s in compiled.schedules]
+        costs = {s.cost_model.describe() for s in compiled.schedules if s.cost_model is not None}
+        report["cost_models"] = sorted(costs)  # what "auto" planned with: kept from an earlier run, or measured
     with open(f"{out_path}.{rank}", "w") as f:
         json.dump(report, f)
 
@@ -207,6 +209,8 @@ def _print_breakdown(label: str, report: dict[str, Any]) -> None:
     print("    dynamo_timed: " + ", ".join(f"{k}={times[k]}" for k in keys if k in times))
     print("    wrapped: " + ", ".join(f"{k}={v} ({report['wrapped_calls'][k]}x)" for k, v in report["wrapped_s"].items()))
     print("    counters: " + json.dumps(report["counters"], sort_keys=True))
+    for cost in report.get("cost_models", ()):
+        print(f"    cost model: {cost}")
 
 
 def main(argv: list[str] | None = None) -> int:
