@@ -25,7 +25,8 @@ so reruns on the same machines usually plan the same buckets too (and hit the co
 The result is cached per (process group, device type): later models on the same group reuse it.
 A restart keeps the numbers an earlier run stored in the inductor cache directory when it
 measures within ``KEEP_WITHIN`` of them on every rank (:func:`_settle`), so noise does not
-change the plan, and the compile cache hits.
+change the plan, and the compile cache hits; one measurement outside that band does not
+replace them, two in a row do.
 
 On a group of one rank only the compute is timed (nothing is sent). Under graphddp.explain's
 fake process group nothing is timed: the plan uses ``CostModel()``'s defaults unless
@@ -118,7 +119,7 @@ US_SLACK = 100.0
 
 def _settle(measured: CostModel, key: tuple[str, str, int, str], group: Any, device: torch.device) -> CostModel:
     """This run's cost model: the one an earlier run of the same group stored, if this run's
-    measurement is within ``KEEP_WITHIN`` of it on every rank, else the measurement (stored).
+    measurement is within ``KEEP_WITHIN`` of it on every rank, else the measurement.
 
     Why: a restart measures the link anew, and two measurements of one link differ by their
     noise; a plan made from other numbers is another compile (the compile cache checks the
@@ -127,11 +128,17 @@ def _settle(measured: CostModel, key: tuple[str, str, int, str], group: Any, dev
     every rank holds the same stored model and finds it close (one more all-reduce, here at
     wrap time, where calibration talks anyway). Nothing is stored or read where torch's compile
     caches or graphddp's are off.
+
+    A measurement outside the band replaces the stored model only when the run before measured
+    outside it too (the file says so): a single outlying measurement (this machine's loopback
+    sometimes fits 2x its usual bandwidth) plans this run anew and leaves the stored model to
+    the next restart, where it would otherwise make every later restart replan; a machine or
+    link that really changed is stored on its second run.
     """
     if not compile_cache.enabled():
         return measured
     path = _stored_path(key)
-    stored = _load(path)
+    stored, outside_before = _load(path)
     keep = stored is not None and _close(stored, measured)
     mine = _digest(stored) if keep else -1  # type: ignore[arg-type]
     low = high = mine
@@ -141,10 +148,15 @@ def _settle(measured: CostModel, key: tuple[str, str, int, str], group: Any, dev
         dist.all_reduce(wire, op=dist.ReduceOp.MAX, group=group)
         high, low = (int(v) for v in (wire[0], -wire[1]))
     if keep and low == high == mine:
+        if outside_before:
+            _store(path, stored)  # type: ignore[arg-type] # the outlier is forgotten
         return dataclasses.replace(
             stored, source=f"{measured.source}, kept from an earlier run: this run measured {_numbers(measured)}"  # type: ignore[arg-type]
         )
-    _store(path, measured)
+    if stored is None or (not keep and outside_before):
+        _store(path, measured)
+    elif not keep:
+        _store(path, stored, outside=True)
     return measured
 
 
@@ -176,16 +188,19 @@ def _close(stored: CostModel, measured: CostModel) -> bool:
     return True
 
 
-def _load(path: str) -> CostModel | None:
+def _load(path: str) -> tuple[CostModel | None, bool]:
+    """The stored model, and whether the run that last read it measured outside its band."""
     try:
         with open(path) as f:
-            return CostModel(**json.load(f))
+            data = json.load(f)
+        outside = bool(data.pop("outside_before", False))
+        return CostModel(**data), outside
     except Exception:  # noqa: BLE001 - none stored, or a damaged file: measured over
-        return None
+        return None, False
 
 
-def _store(path: str, model: CostModel) -> None:
-    compile_cache.write_atomically(path, json.dumps(model.to_dict()).encode())
+def _store(path: str, model: CostModel, outside: bool = False) -> None:
+    compile_cache.write_atomically(path, json.dumps({**model.to_dict(), "outside_before": outside}).encode())
 
 
 _MATMUL_N = {"cpu": 512, "cuda": 4096}  # large enough to run at the device's matmul rate

@@ -154,9 +154,18 @@ def _restarts(rank: int, world: int, dirs: list[str], empty: str) -> None:
         assert "kept" not in first.source
         again = _calibrate_world(1.5, 0.7)  # noise within KEEP_WITHIN: the stored numbers, said so
         assert again.numbers == first.numbers and "kept from an earlier run" in again.source, again
-        slower = _calibrate_world(3.0, 1.0)  # the machine changed: measured, and stored
+        # One outlying measurement: this run plans with it, the stored numbers stay for the next.
+        outlier = _calibrate_world(1.0, 3.0)
+        assert "kept" not in outlier.source and outlier.numbers != first.numbers
+        assert _calibrate_world(1.0, 1.0).numbers == first.numbers
+        _calibrate_world(1.0, 3.0)  # another, later: the first one was forgotten when the next run kept
+        assert _calibrate_world(1.0, 1.0).numbers == first.numbers
+        # The machine changed: measured on its first run, stored on its second.
+        slower = _calibrate_world(3.0, 1.0)
         assert slower.compute_tflops == pytest.approx(first.compute_tflops / 3, rel=0.06) and "kept" not in slower.source
-        assert _calibrate_world(3.0, 1.1).numbers == slower.numbers
+        still = _calibrate_world(3.0, 1.1)
+        assert "kept" not in still.source
+        assert _calibrate_world(3.0, 1.0).numbers == still.numbers
         # One rank restarts on an empty cache directory: the ranks cannot agree to keep, so
         # both use the measurement (the same on both), never one stored and one measured.
         if rank == 1:
