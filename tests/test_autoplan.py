@@ -3,9 +3,9 @@ and what the Schedule records. Pure planning and fake process groups; the 2-rank
 test_real_models.py (feature "auto_buckets") and test_calibrate.py."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -115,22 +115,12 @@ def test_a_cap_plan_wins_when_it_is_the_better_compromise():
     assert starts != [b.slots[0].output_index for b in optima_only.buckets]
 
 
-@contextlib.contextmanager
 def _candidate_caps(caps):
-    saved, autoplan.CANDIDATE_CAPS_MB = autoplan.CANDIDATE_CAPS_MB, caps
-    try:
-        yield
-    finally:
-        autoplan.CANDIDATE_CAPS_MB = saved
+    return mock.patch.object(autoplan, "CANDIDATE_CAPS_MB", caps)
 
 
-@contextlib.contextmanager
 def _scenarios(cases):
-    saved, autoplan.SCENARIOS = autoplan.SCENARIOS, cases
-    try:
-        yield
-    finally:
-        autoplan.SCENARIOS = saved
+    return mock.patch.object(autoplan, "SCENARIOS", cases)
 
 
 def test_the_robust_plan_keeps_a_busy_links_last_bucket_small():

@@ -32,7 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from typing import Any
 
 PRESETS: dict[str, dict[str, int]] = {
     # n_layer, n_embd, n_head, vocab_size, seq (n_positions = seq), batch per rank
