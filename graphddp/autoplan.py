@@ -164,7 +164,8 @@ def robust_partition(
         worst = max(predicted_step(starts, ready, wire, c, world_size, end) / max(best, 1e-12) for c, ready, end, best, _ in cases)
         return (round(worst, 9), len(starts))
 
-    capped = {capped_starts([s.nbytes for s in slots], caps) for caps in CANDIDATE_CAPS_MB}
+    nbytes = [s.nbytes for s in slots]
+    capped = {capped_starts(nbytes, caps) for caps in CANDIDATE_CAPS_MB}
     return list(min(sorted({case[-1] for case in cases} | capped), key=regret))
 
 

@@ -5,7 +5,8 @@ constructor talks to every rank too, and never while compiling; see :mod:`graphd
 every rank of the group times
 
 * blocking all-reduces of a few sizes (``SIZES``), each repeat started from a barrier and
-  timed as its slowest rank saw it, the fastest of ``REPEATS`` after a warm-up: the link's latency and bandwidth come from the alpha-beta line through them
+  timed as its slowest rank saw it, the fastest of ``REPEATS`` after a warm-up: the link's
+  latency and bandwidth come from the alpha-beta line through them
   (:func:`graphddp.cost.fit_link`, the same fit the benchmark's bounds use), unweighted, so
   the large sizes that buckets have count most. A fit by least relative error over 4 KB to
   4 MB was tried: the small all-reduces, which a rate limiter lets through in a burst, halved
@@ -79,12 +80,7 @@ def calibrate(group: Any, device: torch.device | None = None) -> CostModel:
         return CostModel(source=f"default: a fake process group of {world} ranks has no link to measure")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = _compute_times(device, sync) + (_link_times(group, device, sync) if world > 1 else [])
-    agreed = torch.tensor(times, dtype=torch.float64)
-    if world > 1:
-        wire = agreed.to(device) if device.type == "cuda" else agreed
-        dist.all_reduce(wire, op=dist.ReduceOp.MAX, group=group)
-        agreed = wire.cpu()
-    matmul_s, copy_s, op_s, *link = agreed.tolist()
+    matmul_s, copy_s, op_s, *link = _max_over_ranks(times, torch.float64, group, device)
     rates = {
         "compute_tflops": _round2(2 * _MATMUL_N[device.type] ** 3 / matmul_s / 1e12),
         "memory_gbps": _round2(2 * _COPY_BYTES / copy_s / 1e9),
@@ -141,12 +137,8 @@ def _settle(measured: CostModel, key: tuple[str, str, int, str], group: Any, dev
     stored, outside_before = _load(path)
     keep = stored is not None and _close(stored, measured)
     mine = _digest(stored) if keep else -1  # type: ignore[arg-type]
-    low = high = mine
-    if key[2] > 1:
-        agree = torch.tensor([mine, -mine], dtype=torch.int64)
-        wire = agree.to(device) if device.type == "cuda" else agree
-        dist.all_reduce(wire, op=dist.ReduceOp.MAX, group=group)
-        high, low = (int(v) for v in (wire[0], -wire[1]))
+    high, minus_low = _max_over_ranks([mine, -mine], torch.int64, group, device)
+    low = -minus_low
     if keep and low == high == mine:
         if outside_before:
             _store(path, stored)  # type: ignore[arg-type] # the outlier is forgotten
@@ -207,7 +199,7 @@ _MATMUL_N = {"cpu": 512, "cuda": 4096}  # large enough to run at the device's ma
 _COPY_BYTES = 32 << 20
 
 
-def _fastest_seconds(run: Callable[[], Any], sync: Callable[[], None], repeats: int = REPEATS) -> float:
+def _fastest_seconds(run: Callable[[], Any], sync: Callable[[], None], repeats: int) -> float:
     run()  # warm-up: first-call allocation and dispatch
     sync()
     samples = []
@@ -266,10 +258,17 @@ def _collective_seconds(nbytes: int, group: Any, device: torch.device, sync: Cal
         dist.all_reduce(buf, group=group)
         sync()
         samples.append(time.perf_counter() - start)
-    slowest = torch.tensor(samples, dtype=torch.float64)
-    wire = slowest.to(device) if device.type == "cuda" else slowest
+    return min(_max_over_ranks(samples, torch.float64, group, device))
+
+
+def _max_over_ranks(values: list, dtype: torch.dtype, group: Any, device: torch.device) -> list:
+    """Element-wise MAX of ``values`` over the group's ranks (sent from the device NCCL
+    needs); a group of one rank sends nothing."""
+    if dist.get_world_size(group) == 1:
+        return list(values)
+    wire = torch.tensor(values, dtype=dtype, device=device if device.type == "cuda" else "cpu")
     dist.all_reduce(wire, op=dist.ReduceOp.MAX, group=group)
-    return float(wire.min())
+    return wire.cpu().tolist()
 
 
 def _round2(x: float) -> float:
