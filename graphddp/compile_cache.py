@@ -191,7 +191,7 @@ def plan_key(
         return None
     parts = (
         FORMAT, _source_digest(), torch.__version__, options, backend.world_size, backend.group_name, graph_index,
-        phase, torch.is_grad_enabled(), sorted(param_inputs.items()), sorted(backend._in_other_graphs(graph_index)),
+        phase, torch.is_grad_enabled(), sorted(param_inputs.items()), backend.frame_plans(graph_index),
         gm.code, [_input_meta(x) for x in example_inputs],
     )
 
@@ -201,12 +201,7 @@ def plan_key(
         return extract_facts(backward, param_inputs)
 
     def plan(facts: Any, unreduced: tuple[str, ...]) -> Any:
-        from graphddp.planner import plan as make_plan
-
-        return make_plan(
-            facts, backend.config, world_size=backend.world_size, group_name=backend.group_name,
-            graph_index=graph_index, unreduced=unreduced,
-        )
+        return backend.plan_graph(facts, graph_index, unreduced)
 
     return Key(hashlib.sha256(repr(parts).encode()).hexdigest(), facts, plan)
 

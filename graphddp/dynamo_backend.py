@@ -34,8 +34,8 @@ the update is kept as the variant for steps the graph cannot update alone.
 from __future__ import annotations
 
 import copy
-import itertools
 import logging
+import warnings
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -52,9 +52,10 @@ from graphddp.optim import AttachedOptimizer
 from graphddp.passes import insert_allreduce, insert_update
 from graphddp.passes.insert_allreduce import HOOK_STATE, HOOK_STATE_SPEC, HookContext
 from graphddp.passes.insert_update import ALIAS_OF, UpdateInputs
-from graphddp.planner import plan, with_updates, with_wire_bytes
+from graphddp.planner import plan, production_order, with_updates, with_wire_bytes
 from graphddp.record import GraphRecord
 from graphddp.schedule import Schedule
+from graphddp.step import StepState, current_frame
 from graphddp.user_hooks import HookState
 from graphddp.variants import BackwardDispatch, GraphState, InGraphUpdate, Synced, compiled_backward_node
 from graphddp.verify import verify
@@ -79,7 +80,7 @@ class GraphDDPBackend:
         names_by_id: Mapping[int, str],
         on_record: Callable[[GraphRecord], None],
         group: Any,
-        sync_enabled: Callable[[], bool] = lambda: True,
+        step: StepState | None = None,
         optimizer: AttachedOptimizer | None = None,
         parameters: Mapping[str, torch.nn.Parameter] | None = None,
     ) -> None:
@@ -88,27 +89,33 @@ class GraphDDPBackend:
         # Facts of the job, not options: the planner records them in every Schedule.
         self.world_size = dist.get_world_size(group)
         self.group_name = group_name_of(group)
-        self.sync_enabled = sync_enabled
+        self.step = step if step is not None else StepState()  # the replica's: read, never written here
         self.names_by_id = names_by_id
         self.on_record = on_record
-        self._graph_counter = itertools.count()
         self.graphs_compiled = 0  # Dynamo graphs this backend compiled
         self.states: list[GraphState] = []  # one per compiled graph
-        # Parameters of the compiled graphs that actually ran since the wrapper last cleared it:
-        # a parameter missing here got its gradient (if any) from eager code.
-        self.ran_params: set[str] = set()
         self.optimizer = optimizer
-        self.param_sets: list[frozenset[str]] = []  # per compiled graph: its parameters
         # A user's traced hook runs only where there is someone to talk to.
         self.hook = config.traced_hook if self.world_size > 1 else None
         self.hook_state = HookState(self.hook) if self.hook is not None else None
         self._hook_context = HookContext(group, dict(parameters or {}))
-        self._hook_callback_queued = False
-        # The synchronising step after no_sync with a hook running: graphs run locally and the
-        # hook runs eagerly over the accumulated gradients at the end of the backward.
-        self.eager_hook_step = False
-        self._eager_graphs: list[int] = []
         self.dispatches: dict[int, BackwardDispatch] = {}
+        # Per frame, the bucket partitions planned so far: a recompile of the frame whose
+        # gradients are the same reuses one, so ranks that recompile at different steps (or
+        # plan a dynamic-shape graph) still put the same buckets on the wire.
+        self._frame_plans: dict[int, dict[tuple[str, ...], tuple[tuple[str, ...], ...]]] = {}
+        # Per frame and bucket layout, the first (graph, bucket) with it: its hook state is the
+        # state of every later bucket of the frame with the same layout (HookState.share).
+        self._bucket_owners: dict[tuple[int, Any], tuple[int, int]] = {}
+        # Warnings about updates left to torch's step, once per graph and reason.
+        self._warned: set[tuple[int, str]] = set()
+        if self.hook is not None:
+            self.step.on_end_of_step(self._hook_end_of_step)
+
+    @property
+    def ran_params(self) -> set[str]:
+        """Parameters of the compiled graphs the current forward ran (the step's, read-only)."""
+        return self.step.ran_params
 
     def __call__(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None, options: dict | None = None
@@ -119,31 +126,39 @@ class GraphDDPBackend:
         device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), None)
         patches = self.config.check_inductor_settings("graphddp", device, mode, options)
         self.graphs_compiled += 1
+        entry = self.step.add_graph(current_frame(), param_inputs.values())
         state = GraphState()
         self.states.append(state)
-        names = frozenset(param_inputs.values())
-        self.param_sets.append(names)
-        compiled = self._compile(gm, example_inputs, param_inputs, state, patches)
-        return self._runtime(compiled, names, state)
+        compiled = self._compile(gm, example_inputs, param_inputs, state, patches, entry.index)
+        return self._runtime(compiled, entry.index, state)
 
-    def _runtime(self, compiled: Callable[..., Any], names: frozenset[str], state: GraphState) -> Callable[..., Any]:
+    def _runtime(self, compiled: Callable[..., Any], graph_index: int, state: GraphState) -> Callable[..., Any]:
+        """What Dynamo calls: the compiled forward, and the step's record of this call.
+
+        A call records the backward node it made with the step (:mod:`graphddp.step`); under
+        ``no_sync`` the node gets a pre-hook that picks the local backward (:mod:`graphddp.variants`).
+        """
         boxed = getattr(compiled, "_boxed_call", False)
-        graph_index = len(self.states) - 1
+        step = self.step
 
         def run(*args: Any) -> Any:
-            self.ran_params.update(names)
-            local = not self.sync_enabled()
-            if self.optimizer is not None and not local and torch.is_grad_enabled():
-                state.forwards += 1
-            inputs = list(args[0]) if boxed and local else args
+            syncing = step.graph_syncs()
+            # Dynamo calls a boxed function with one list (which the callee frees) or, for some
+            # recompiled graphs (dynamic sizes as ints), with the arguments themselves.
+            called_boxed = boxed and len(args) == 1 and isinstance(args[0], list)
+            inputs = list(args[0]) if called_boxed else args
             out = compiled(*args)
-            if local:
+            node = None
+            if torch.is_grad_enabled():
                 node = compiled_backward_node(out if isinstance(out, (list, tuple)) else [out], inputs)
-                if node is not None:
-                    node.register_prehook(state.mark_local)
-                    if self.eager_hook_step:
-                        self._eager_graphs.append(graph_index)
-                        node.register_prehook(self._queue_eager_hook)
+            step.forward_ran(graph_index, node, syncing)
+            if syncing and node is not None:
+                self.refuse_split_gradients(graph_index)
+            if not syncing and node is not None:
+                node.register_prehook(state.mark_local)
+                if step.eager_hook_step:
+                    step.eager_graphs.append(graph_index)
+                    node.register_prehook(self._queue_eager_hook)
             return out
 
         run._boxed_call = boxed  # type: ignore[attr-defined]
@@ -151,9 +166,8 @@ class GraphDDPBackend:
 
     def _compile(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], param_inputs: Mapping[int, str], state: GraphState,
-        inductor_patches: dict[str, Any],
+        inductor_patches: dict[str, Any], graph_index: int,
     ) -> Callable[..., Any]:
-        graph_index = next(self._graph_counter)
         fw_values: dict[str, Any] = {}  # parameter -> its value in the forward graph (fake)
 
         def record_forward(fw: fx.GraphModule) -> None:
@@ -183,13 +197,13 @@ class GraphDDPBackend:
             self.on_record(main)
             variants = {
                 phase: Synced(
-                    record.schedule, compile_synced(record), self._in_graph_update(record, state, compile_grads(record)),
+                    record.schedule, compile_synced(record), self._in_graph_update(record, graph_index, compile_grads(record)),
                     self._hook_args(record, graph_index), compiled.get(phase),
                 )
                 for phase, record in records.items()
             }
             self.dispatches[graph_index] = BackwardDispatch(
-                state, variants, compile_plain, self.group, self._phase, self._on_sync if self.hook else None
+                state, variants, compile_plain, self.group, self.step, self._phase, self._on_sync if self.hook else None
             )
             return self.dispatches[graph_index]
 
@@ -231,78 +245,101 @@ class GraphDDPBackend:
         ]
         if not specs:
             return list
+        frame = self.step.graphs[graph_index].frame
+        for bucket in record.schedule.buckets if frame is not None else ():
+            owner = self._bucket_owners.setdefault((frame, bucket.wire()), (graph_index, bucket.index))
+            self.hook_state.share(graph_index, bucket.index, owner)
         tensors = [self.hook_state.allocate(graph_index, bucket, [spec])[0] for bucket, spec in specs]  # type: ignore[union-attr]
         return lambda: list(tensors)
 
     def _on_sync(self, synced: Synced) -> None:
-        """Before a synchronising variant runs: the hook's eager work, and once per backward
-        a callback at its end (a hook counts steps there, as DDP's ``bucket.is_last()``)."""
+        """Before a synchronising variant runs: the hook's eager work (its step count moves
+        once per backward, at the step's end: :meth:`_hook_end_of_step`)."""
         self.hook.before_step(self.hook_state, synced.schedule.graph_index, synced.schedule)
-        if not self._hook_callback_queued:
-            self._hook_callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._hook_after_backward)
-
-    def _hook_after_backward(self) -> None:
-        self._hook_callback_queued = False
-        self.hook.after_backward()
-
-    def before_forward(self) -> None:
-        """A backward that raised never ran its callback: a new step starts clean."""
-        self._hook_callback_queued = False
-        self.eager_hook_step = False
-        self._eager_graphs.clear()
 
     def hook_runs_now(self) -> bool:
         """A user's hook averages the coming synchronising step (not a plain all-reduce phase)."""
         return self.hook is not None and self._phase() != "allreduce"
 
     def _queue_eager_hook(self, _grad_outputs: Any = None) -> None:
-        if not self._hook_callback_queued:
-            self._hook_callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._run_hook_eagerly)
+        self.step.synchronising_backward()
 
-    def _run_hook_eagerly(self) -> None:
-        """DDP's semantics after ``no_sync``: the hook sees each bucket's *accumulated* local
-        gradients (a nonlinear hook such as PowerSGD differs from hooking each micro-batch).
-        The graphs ran without communication; here every bucket of every graph that ran goes
-        through the same hook function, eagerly, and its result replaces the gradients."""
+    def _hook_end_of_step(self) -> None:
+        """At the end of every synchronising backward: after ``no_sync``, DDP's semantics (the
+        hook sees each bucket's *accumulated* local gradients; a nonlinear hook such as
+        PowerSGD differs from hooking each micro-batch): the graphs ran without communication,
+        and here every bucket of every graph that ran goes through the same hook function,
+        eagerly, and its result replaces the gradients. Then the hook counts the step, as
+        DDP's ``bucket.is_last()`` does."""
         from graphddp.passes.insert_allreduce import run_hook_eagerly
 
-        self._hook_callback_queued = False
-        for graph_index in dict.fromkeys(self._eager_graphs):
+        for graph_index in dict.fromkeys(self.step.eager_graphs):
             schedule = self.dispatches[graph_index].schedule
             self.hook.before_step(self.hook_state, graph_index, schedule)
             run_hook_eagerly(self.hook, schedule, self._hook_context, self.hook_state)
-        self._eager_graphs.clear()
-        self.eager_hook_step = False
         self.hook.after_backward()
 
-    def _in_graph_update(self, record: GraphRecord, state: GraphState, compile_grads: Callable[[], Any] | None) -> InGraphUpdate | None:
+    def _in_graph_update(
+        self, record: GraphRecord, graph_index: int, compile_grads: Callable[[], Any] | None
+    ) -> InGraphUpdate | None:
         optimizer = self.optimizer
         names = tuple(n for b in record.schedule.buckets for n in b.updates)
         if optimizer is None or not names:
             return None
-        wanted = frozenset(names)
 
         def allowed() -> bool:
-            """The graph's update is the whole step for its parameters: its forward ran once
-            since the last step, no other graph run since holds one of them (tied across a
-            graph break), and none holds a gradient already (accumulated under no_sync)."""
-            if state.forwards != 1:
-                return False
-            for params, other in zip(self.param_sets, self.states):
-                if other is not state and other.forwards and params & wanted:
-                    return False
-            return all(optimizer.params[n].grad is None for n in names)
+            """The graph's update is the whole step for its parameters: its backward runs once
+            in this step, no other graph of this step reads one of them (tied across a graph
+            break), and none holds a gradient already (accumulated under no_sync). Otherwise
+            torch's step runs for them after the backward; the first time, a warning says why."""
+            runs = self.step.runs(graph_index)
+            shared = self.step.shared_this_step(graph_index, names)
+            if runs > 1:
+                self._fallback(record, graph_index, "ran twice", names, f"the graph's forward ran {runs} times before one backward")
+            elif shared:
+                self._fallback(record, graph_index, "shared", sorted(shared), "another compiled graph of this step reads them too")
+            elif any(optimizer.params[n].grad is not None for n in names):
+                record.fallbacks["accumulated"] = tuple(n for n in names if optimizer.params[n].grad is not None)
+            else:
+                return True
+            return False
 
         placeholders = [n for n in record.graph.graph.nodes if n.op == "placeholder"]
         aliases = tuple((i, ph.meta[ALIAS_OF]) for i, ph in enumerate(placeholders) if ALIAS_OF in ph.meta)
         groups = tuple(sorted({optimizer.group_of[n] for n in names}))
-        return InGraphUpdate(optimizer, names, groups, allowed, compile_grads, aliases, self._end_of_step)
+        return InGraphUpdate(optimizer, names, groups, allowed, compile_grads, aliases)
 
-    def _end_of_step(self) -> None:
-        for state in self.states:
-            state.forwards = 0
+    def _fallback(self, record: GraphRecord, graph_index: int, kind: str, names: Sequence[str], why: str) -> None:
+        """Record (and, the first time per graph and kind, warn) that torch's step after the
+        backward updates ``names`` instead of the graph. Right, but not overlapped."""
+        record.fallbacks[kind] = tuple(names)
+        if (graph_index, kind) in self._warned:
+            return
+        self._warned.add((graph_index, kind))
+        warnings.warn(
+            f"graphddp: optimizer= : backward graph {graph_index} leaves the update of {list(names)} to torch's step "
+            f"after the backward ({why}); the result is the same, the update is not overlapped with the backward. "
+            "GraphRecord.fallbacks shows it.",
+            stacklevel=2,
+        )
+
+    def plan_graph(self, facts: Any, graph_index: int, unreduced: tuple[str, ...], hook: str | None = None) -> Schedule:
+        """The planner on one graph's facts; a recompile of a frame whose gradients (names in
+        production order) are an earlier graph's of that frame gets that graph's buckets."""
+        frame = self.step.graphs[graph_index].frame if graph_index < len(self.step.graphs) else None
+        plans = self._frame_plans.setdefault(frame, {}) if frame is not None else {}
+        order = production_order(facts)
+        schedule = plan(
+            facts, self.config, world_size=self.world_size, group_name=self.group_name, graph_index=graph_index,
+            unreduced=unreduced, hook=hook, like=plans.get(order),
+        )
+        plans.setdefault(order, tuple(b.param_names for b in schedule.buckets))
+        return schedule
+
+    def frame_plans(self, graph_index: int) -> list[Any]:
+        """What :meth:`plan_graph` would reuse for graph ``index`` (part of the compile cache's key)."""
+        frame = self.step.graphs[graph_index].frame if graph_index < len(self.step.graphs) else None
+        return sorted(self._frame_plans.get(frame, {}).items()) if frame is not None else []
 
     def rewrite_backward(
         self, gm: fx.GraphModule, param_inputs: Mapping[int, str], graph_index: int,
@@ -316,15 +353,10 @@ class GraphDDPBackend:
         then with_updates -> insert_update -> verify_updates.
         """
         hook = self.hook if phase != "allreduce" else None
-        if hook is not None:
-            self._refuse_split_gradients(hook.name, graph_index, set(param_inputs.values()))
         facts = extract_facts(gm, param_inputs)
         graded = {s.output_index for s in facts.slots}
         unreduced = tuple(name for i, name in sorted(param_inputs.items()) if i not in graded)
-        schedule = plan(
-            facts, self.config, world_size=self.world_size, group_name=self.group_name, graph_index=graph_index,
-            unreduced=unreduced, hook=hook.name if hook is not None else None,
-        )
+        schedule = self.plan_graph(facts, graph_index, unreduced, hook.name if hook is not None else None)
         log.debug("backward graph %d before insert_allreduce:\n%s", graph_index, gm.code)
         if self.world_size > 1:
             insert_allreduce(gm, schedule, hook=hook, context=self._hook_context)
@@ -340,19 +372,20 @@ class GraphDDPBackend:
         return GraphRecord(schedule=schedule, graph=gm, without_update=without_update)
 
 
-    def _in_other_graphs(self, graph_index: int) -> set[str]:
-        """Parameters another compiled graph also reads (tied across a graph break)."""
-        return {n for i, names in enumerate(self.param_sets) if i != graph_index for n in names}
-
-    def _refuse_split_gradients(self, hook: str, graph_index: int, names: set[str]) -> None:
-        """A parameter read by two graphs gets its gradient in two parts, and a traced hook
-        would compress each part on its own; DDP hooks their sum. Refused, never approximated."""
-        shared = sorted(names & self._in_other_graphs(graph_index))
+    def refuse_split_gradients(self, graph_index: int) -> None:
+        """A parameter that two graphs of one step read (tied across a graph break) gets its
+        gradient in two parts, and a traced hook would compress each part on its own; DDP
+        hooks their sum. Refused, never approximated: checked at each synchronising forward,
+        before any collective of the step, since only then is it known which graphs run
+        together (a recompile of a frame replaces its older graph, it never runs beside it)."""
+        if self.hook is None:
+            return
+        shared = sorted(self.step.shared_this_step(graph_index, self.step.graphs[graph_index].params))
         if shared:
             raise RuntimeError(
-                f"graphddp: comm_hook {hook!r}: parameters {shared} are read by more than one compiled graph "
-                "(tied across a graph break), so each graph's hook would see part of their gradient, where DDP's "
-                "hook sees the sum; move the graph break or untie them, or use a built-in comm_hook"
+                f"graphddp: comm_hook {self.hook.name!r}: parameters {shared} are read by more than one compiled graph "
+                "of this step (tied across a graph break), so each graph's hook would see part of their gradient, where "
+                "DDP's hook sees the sum; move the graph break or untie them, or use a built-in comm_hook"
             )
 
     def _add_updates(
@@ -360,10 +393,20 @@ class GraphDDPBackend:
     ) -> tuple[Schedule, fx.GraphModule | None]:
         """with_updates -> insert_update -> verify_updates; returns the schedule with its
         updates and a copy of the graph from before them (None when nothing is updated)."""
-        # A parameter another graph also reads (tied across a graph break) gets part of its
-        # gradient there: it keeps the gradient route, and torch's step after the backward.
-        elsewhere = self._in_other_graphs(graph_index)
+        # A parameter a graph of another frame also reads (tied across a graph break) gets part
+        # of its gradient there: it keeps the gradient route, and torch's step after the
+        # backward. Recompiles of this graph's own frame never run beside it: they do not count.
+        elsewhere = self.step.in_other_frames(graph_index)
         updatable = [n for n in schedule.param_names if optimizer.rule(n) and n in fw_values and n not in elsewhere]
+        tied = [n for n in schedule.param_names if optimizer.rule(n) and n in elsewhere]
+        if tied:
+            self._warned.add((graph_index, "shared"))
+            warnings.warn(
+                f"graphddp: optimizer= : parameters {tied} are read on both sides of a graph break, so their gradient "
+                f"comes in parts from several graphs; backward graph {graph_index} leaves their update to torch's step "
+                "after the backward (the result is the same, the update is not overlapped)",
+                stacklevel=2,
+            )
         if not updatable:
             return schedule, None
         without_update = copy.deepcopy(gm)

@@ -249,7 +249,6 @@ class AttachedOptimizer:
                 self.group_of[names[id(p)]] = g
         self.optimizer = optimizer
         self.rules = [_group_rule(optimizer, g) for g in range(len(optimizer.param_groups))]
-        self._finish_queued = False
 
     def attach(self) -> None:
         """From now on graphddp steps: ``step``/``zero_grad`` become no-ops on the instance.
@@ -323,30 +322,16 @@ class AttachedOptimizer:
         for name, buf in args.fresh_buffers.items():
             self.optimizer.state[self.params[name]]["momentum_buffer"] = buf
 
-    def before_forward(self) -> None:
-        """A forward runs outside any backward: a finish still marked queued belongs to a
-        backward that raised (the engine drops its callbacks), so queue afresh next time."""
-        self._finish_queued = False
-
-    def finish_at_end_of_backward(self, on_finish: Callable[[], None]) -> None:
-        """Once per backward pass: torch's step for what the graphs returned, then no grads."""
-        if self._finish_queued:
-            return
-        self._finish_queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._finish(on_finish))
-
     @torch.no_grad()
-    def _finish(self, on_finish: Callable[[], None]) -> None:
-        self._finish_queued = False
-        try:
-            if any(p.grad is not None for p in self.params.values()):
-                # The class's step, not the no-op bound on the instance: torch's own math and
-                # state for the parameters the graphs left to it (they are the ones with a grad).
-                type(self.optimizer).step(self.optimizer)
-            for p in self.params.values():
-                p.grad = None
-        finally:
-            on_finish()
+    def finish(self) -> None:
+        """At the end of every synchronising backward (:mod:`graphddp.step`): torch's step for
+        what the graphs returned (the parameters they left to it are the ones with a grad),
+        then no gradient is kept."""
+        if any(p.grad is not None for p in self.params.values()):
+            # The class's step, not the no-op bound on the instance: torch's own math and state.
+            type(self.optimizer).step(self.optimizer)
+        for p in self.params.values():
+            p.grad = None
 
 
 def layout(rules: Sequence[UpdateRule], group_of: Sequence[int]) -> tuple[list[str], list[int]]:

@@ -46,14 +46,28 @@ def _order(slot: GradSlot) -> tuple[int, int]:
     return (slot.position, slot.output_index)
 
 
+def production_order(facts: GraphFacts) -> tuple[str, ...]:
+    """The parameters whose gradients the backward produces, in production order."""
+    return tuple(s.param_name for s in sorted(facts.slots, key=_order))
+
+
 def partition(
-    slots: tuple[GradSlot, ...], config: DDPConfig, nodes: tuple[NodeFact, ...] = (), world_size: int = 1
+    slots: tuple[GradSlot, ...], config: DDPConfig, nodes: tuple[NodeFact, ...] = (), world_size: int = 1,
+    like: tuple[tuple[str, ...], ...] | None = None,
 ) -> list[tuple[GradSlot, ...]]:
     """Group production-ordered slots into buckets; returns buckets in ready order.
 
     ``nodes`` and ``world_size`` matter only to ``bucket_cap_mb="auto"``: the compute the
-    all-reduces overlap with, and the ring they run on."""
+    all-reduces overlap with, and the ring they run on. ``like`` (parameter names per bucket)
+    gives the buckets of an earlier plan of the same gradients instead (a recompile of a graph)."""
     ordered = sorted(slots, key=_order)
+    if like is not None:
+        by_name = {s.param_name: s for s in ordered}
+        if sorted(n for b in like for n in b) != sorted(by_name):
+            raise ValueError(f"like= names other gradients than the graph's: {sorted(by_name)}")
+        done = [tuple(by_name[n] for n in b) for b in like]
+        done.sort(key=lambda b: _order(b[-1]))
+        return done
     if config.auto:
         done = auto_partition(ordered, nodes, cost_of(config), world_size, _wire_ratios(ordered, config.comm_dtype))
         done.sort(key=lambda b: _order(b[-1]))
@@ -129,20 +143,24 @@ def plan(
     graph_index: int = 0,
     unreduced: tuple[str, ...] = (),
     hook: str | None = None,
+    like: tuple[tuple[str, ...], ...] | None = None,
 ) -> Schedule:
     """Plan the buckets of one backward graph. Pure: same inputs, same Schedule.
 
     ``config`` is the user's policy; ``world_size`` and ``group_name`` are facts of the job
     (the process group), recorded in the Schedule: the divisor and the group of every
     all-reduce. The buckets do not depend on them. ``hook`` names a user's traced hook
-    (``graphddp.user_hooks``) that every bucket runs instead of the all-reduce.
+    (``graphddp.user_hooks``) that every bucket runs instead of the all-reduce. ``like``: the
+    buckets (parameter names, in order) of an earlier plan of the same gradients, kept as they
+    are: a recompiled graph puts the same buckets on the wire as the graph it replaces, on
+    every rank, whatever its sizes or costs (:func:`partition`).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     compute = [n for n in facts.nodes if n.is_compute]
     output_position = len(facts.nodes) - 1
     buckets = []
-    for index, slots in enumerate(partition(facts.slots, config, facts.nodes, world_size)):
+    for index, slots in enumerate(partition(facts.slots, config, facts.nodes, world_size, like)):
         ready = slots[-1]
         overlap = tuple(n.name for n in compute if ready.position < n.position < output_position)
         buckets.append(

@@ -226,7 +226,7 @@ class PowerSGD(TracedHook):
         if self.phase() != "powersgd":
             return
         for bucket in schedule.buckets:
-            key = (graph_index, bucket.index)
+            key = states.owner(graph_index, bucket.index)  # a recompile's bucket shares its state
             if self.warm_start and key in self._has_q:
                 continue
             layout = self.layout(bucket)

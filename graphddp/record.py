@@ -30,6 +30,10 @@ class GraphRecord:
 
     # A user hook with phases (graphddp.hooks.PowerSGD): every phase's record, this one included.
     phases: dict[str, "GraphRecord"] = dataclasses.field(default_factory=dict)
+    # With an optimizer: parameters whose update torch's step took over after the backward, by
+    # reason ("shared": another graph of the step reads them; "ran twice": two forwards before
+    # one backward; "accumulated": gradients from no_sync), as of the last step it happened.
+    fallbacks: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     def _inputs(self, *roles: str) -> list[Any]:
         return [n.meta["val"] for n in self.graph.graph.nodes if n.op == "placeholder" and n.meta.get(ROLE_KEY) in roles]

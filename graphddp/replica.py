@@ -33,6 +33,7 @@ from graphddp.capture import names_by_identity
 from graphddp.config import DDPConfig
 from graphddp.optim import AttachedOptimizer
 from graphddp.schedule import Schedule
+from graphddp.step import StepState
 from graphddp.sync import PendingAverage, average_async, broadcast_tensors
 
 
@@ -108,14 +109,15 @@ class Replica:
         self.group = group
         self.config = config
         self._records: list[GraphRecord] = []
-        self._sync = True  # cleared inside no_sync(); read by every compiled graph at each forward
+        self.step = StepState()  # what this step is: the one owner (graphddp.step)
         self.backend = GraphDDPBackend(
             config, names_by_identity(module.named_parameters()), self._records.append, group,
-            sync_enabled=lambda: self._sync and not self.backend.eager_hook_step, optimizer=optimizer, parameters=dict(module.named_parameters()),
+            step=self.step, optimizer=optimizer, parameters=dict(module.named_parameters()),
         )
+        if optimizer is not None:
+            self.step.on_end_of_step(optimizer.finish)
         self._guard_handles: dict[str, Any] = {}
         self._sync_buffers_next = True  # DDP: buffers sync before a forward that follows a synced one
-        self._grads_accumulated_locally = False
         self._pending: PendingAverage | None = None
         self._syncing = True
 
@@ -133,43 +135,43 @@ class Replica:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        previous = self._sync
-        self._sync = False
+        step = self.step
+        previous = step.sync
+        step.sync = False
         try:
             yield
         finally:
-            self._sync = previous
+            step.sync = previous
 
     def before_forward(self) -> None:
         """Broadcast buffers; start averaging gradients accumulated under ``no_sync``."""
         distributed = self.world_size > 1
-        if self.optimizer is not None:
-            self.optimizer.before_forward()
-        self.backend.before_forward()
+        step = self.step
+        step.begin_forward()
         if distributed and self.config.broadcast_buffers and self._sync_buffers_next:
             buffers = list(self.module.buffers())
             if buffers:
                 broadcast_tensors(buffers, self.group)
-        self._syncing = self._sync and torch.is_grad_enabled()
-        if distributed and self._syncing and self._grads_accumulated_locally and self.backend.hook_runs_now():
-            self.backend.eager_hook_step = True  # a user's hook must see the accumulated total
-        elif distributed and self._syncing and self._grads_accumulated_locally:
+        self._syncing = step.sync and torch.is_grad_enabled()
+        if distributed and self._syncing and step.accumulated and self.backend.hook_runs_now():
+            step.eager_hook_step = True  # a user's hook must see the accumulated total
+        elif distributed and self._syncing and step.accumulated:
             trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
             self._pending = average_async(trainable, self.group)  # hidden behind the forward
-        self.backend.ran_params.clear()
 
     def after_forward(self) -> None:
         """Finish the average; guard parameters no compiled graph of this forward covered."""
+        step = self.step
         if self._pending is not None:
             self._pending.wait()
             self._pending = None
-            self._grads_accumulated_locally = False
-        if self.backend.eager_hook_step:  # averaged by the hook at the end of the backward
-            self._grads_accumulated_locally = False
+            step.accumulated = False
+        if step.eager_hook_step:  # averaged by the hook at the end of the backward
+            step.accumulated = False
         if torch.is_grad_enabled():
             self._guard_uncovered_parameters(self._syncing)
-            if not self._sync:
-                self._grads_accumulated_locally = True
+            if not step.sync:
+                step.accumulated = True
         self._sync_buffers_next = self._syncing
 
     def _guard_uncovered_parameters(self, syncing: bool) -> None:
@@ -181,7 +183,7 @@ class Replica:
         time, instead of a silently wrong gradient. Unused parameters get no gradient, so
         their hook never fires. No hooks in the steady state, where every graph ran.
         """
-        covered = self.backend.ran_params
+        covered = self.step.ran_params
         for name, handle in list(self._guard_handles.items()):
             if name in covered or not syncing:
                 handle.remove()

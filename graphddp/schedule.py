@@ -181,6 +181,14 @@ class Bucket:
     hook: str | None = None
     hook_wire_nbytes: int | None = None
 
+    def wire(self) -> tuple:
+        """What this bucket puts on the wire (:meth:`Schedule.wire_layout`): dtype, device
+        type, wire dtype, hook, bytes and the ordered (parameter name, shape) list."""
+        return (
+            self.dtype, self.device.split(":")[0], self.comm_dtype, self.hook, self.wire_nbytes,
+            tuple((s.param_name, s.shape) for s in self.slots),
+        )
+
     @property
     def param_names(self) -> tuple[str, ...]:
         return tuple(s.param_name for s in self.slots)
@@ -344,11 +352,7 @@ class Schedule:
         Node names, positions and overlap windows are left out: two ranks whose compute
         differs but whose layouts are equal reduce the same gradients.
         """
-        buckets = tuple(
-            (b.dtype, b.device.split(":")[0], b.comm_dtype, b.hook, b.wire_nbytes, tuple((s.param_name, s.shape) for s in b.slots))
-            for b in self.buckets
-        )
-        return self.world_size, buckets
+        return self.world_size, tuple(b.wire() for b in self.buckets)
 
     def fingerprint(self) -> str:
         """Stable hash of the plan: equal across ranks and runs for the same model and options.

@@ -185,17 +185,30 @@ class HookState:
 
     Keyed ``"g{graph}.b{bucket}.{name}"`` (graph and bucket indices are deterministic for a
     model and its options, so a checkpoint restores into the same slots in a new process).
-    Loaded state waiting for a graph that is not compiled yet is kept until it is.
+    Loaded state waiting for a graph that is not compiled yet is kept until it is. A bucket of
+    a recompiled graph that puts the same gradients on the wire as a bucket of the graph it
+    replaces shares that bucket's state (:meth:`share`), as DDP's hook keeps one state per
+    bucket whatever Dynamo compiles: PowerSGD's error feedback and warm-started Q go on.
     """
 
     def __init__(self, hook: TracedHook) -> None:
         self.hook = hook
         self.tensors: dict[str, torch.Tensor] = {}
         self._pending: dict[str, torch.Tensor] = {}
+        self._owners: dict[tuple[int, int], tuple[int, int]] = {}
 
-    @staticmethod
-    def key(graph_index: int, bucket_index: int, name: str) -> str:
-        return f"g{graph_index}.b{bucket_index}.{name}"
+    def share(self, graph_index: int, bucket_index: int, owner: tuple[int, int]) -> None:
+        """Bucket ``bucket_index`` of graph ``graph_index`` uses the state of ``owner``'s bucket."""
+        if owner != (graph_index, bucket_index):
+            self._owners[(graph_index, bucket_index)] = owner
+
+    def owner(self, graph_index: int, bucket_index: int) -> tuple[int, int]:
+        """The (graph, bucket) whose state this bucket uses: itself unless shared."""
+        return self._owners.get((graph_index, bucket_index), (graph_index, bucket_index))
+
+    def key(self, graph_index: int, bucket_index: int, name: str) -> str:
+        graph, bucket = self.owner(graph_index, bucket_index)
+        return f"g{graph}.b{bucket}.{name}"
 
     def allocate(self, graph_index: int, bucket_index: int, specs: Sequence[StateSpec]) -> list[torch.Tensor]:
         """The real tensors for one bucket's specs (a loaded checkpoint's where there is one)."""

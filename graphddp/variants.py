@@ -15,9 +15,11 @@ outside ``no_sync`` registers nothing: synchronising steps pay no hook.
 
 With an optimizer attached (:mod:`graphddp.optim`) the synchronising variant also updates
 the parameters after each bucket's wait. A step it cannot update alone (the backend's rule,
-:attr:`InGraphUpdate.allowed`) runs a third variant instead, the all-reduces without the
-update, compiled the first time it is needed; torch's step then runs at the end of the
-backward for the gradients it returned.
+:attr:`InGraphUpdate.allowed`, asked of the graphs of this step: :mod:`graphddp.step`) runs a
+third variant instead, the all-reduces without the update, compiled the first time it is
+needed; torch's step then runs at the end of the backward for the gradients it returned.
+Every synchronising backward tells the step (:meth:`StepState.synchronising_backward`), which
+ends it once the whole backward is done.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from graphddp.schedule import Schedule
 
 if TYPE_CHECKING:
     from graphddp.optim import AttachedOptimizer
+    from graphddp.step import StepState
 
 _COMPILED_BACKWARD = "CompiledFunctionBackward"
 
@@ -42,7 +45,6 @@ class GraphState:
     def __init__(self) -> None:
         self._local_next = False  # set by a pre-hook right before the node's backward runs
         self.plain_compiles = 0  # how often the communication-free backward was compiled
-        self.forwards = 0  # synchronising forwards since the last optimizer step (graphddp.optim)
         self.steps_in_graph = 0  # synchronising backwards that updated inside the graph
         self.steps_after = 0  # ... that left the update to torch's step after the backward
 
@@ -85,7 +87,6 @@ class InGraphUpdate:
     allowed: Callable[[], bool]  # may this step update inside the graph
     compile_grads: Callable[[], Callable[[list[Any]], Any]]  # the variant without the update
     aliases: tuple[tuple[int, str], ...]  # backward inputs that must share a parameter's memory
-    end_of_step: Callable[[], None]  # after torch's step at the end of the backward
     grads: Callable[[list[Any]], Any] | None = None
     aliases_checked: bool = False
 
@@ -143,6 +144,7 @@ class BackwardDispatch:
         variants: dict[str, Synced],
         compile_plain: Callable[[], Callable[[list[Any]], Any]],
         group: Any,
+        step: "StepState",
         phase: Callable[[], str] | None = None,
         on_sync: Callable[[Synced], None] | None = None,
     ) -> None:
@@ -154,6 +156,7 @@ class BackwardDispatch:
         self._compile_plain = compile_plain
         self._plain: Callable[[list[Any]], Any] | None = None
         self.group = group
+        self.step = step
         self.phase = phase or (lambda: next(iter(variants)))
         self._on_sync = on_sync
 
@@ -169,6 +172,7 @@ class BackwardDispatch:
         schedule = synced.schedule
         if schedule.buckets:
             check_in_band(synced.layout, self.group, f"backward graph {schedule.graph_index}", synced.digest)
+        self.step.synchronising_backward()
         if self._on_sync is not None:
             self._on_sync(synced)
         args.extend(synced.hook_args())  # inputs after the graph's own, before the update's
@@ -183,7 +187,6 @@ class BackwardDispatch:
             raise failure from e
 
     def _with_update(self, synced: Synced, update: InGraphUpdate, args: list[Any]) -> Any:
-        update.attached.finish_at_end_of_backward(update.end_of_step)
         if not update.allowed():
             self.state.steps_after += 1
             if update.grads is None:

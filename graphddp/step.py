@@ -1,0 +1,172 @@
+"""What a training step is, at run time: the one owner of the state of a step.
+
+Background
+    Dynamo compiles a model into several graphs for two different reasons, and graphddp must
+    never confuse them:
+
+    * a **graph break** splits one forward into several graphs that all run in the same step;
+      a parameter read by two of them (tied across the break) gets its gradient in parts;
+    * a **recompile** (a guard failed: a config attribute set by the first forward, another
+      batch or sequence length, ``requires_grad`` toggled, train/eval) makes a new graph that
+      *replaces* an older one for later steps; both read the same parameters, but they never
+      run in the same step.
+
+    Every decision that asks "is this parameter in another graph" must ask it of the graphs of
+    this step, not of every graph compiled so far: whether a graph may update its parameters
+    inside the backward, whether a traced hook sees a whole gradient. A graph's frame (Dynamo's
+    ``frame_id``: graphs of one frame are recompiles of each other) is known at compile time and
+    says which graphs *could* run together; which ones did is known only at run time, and kept
+    here.
+
+Algorithm
+    * Each synchronising forward of a compiled graph records the autograd node its call made
+      (:meth:`forward_ran`), with a pre-hook that notes when that backward starts. A graph is
+      *in this step* while it has a node whose backward already ran in this step, or a live
+      node that has not run yet. A forward whose output is dropped (an evaluation with grad
+      enabled) frees its node and stops counting, as it never reaches a backward.
+    * At the end of every synchronising backward (one engine callback per backward, however
+      many graphs ran) the listeners run in order (a traced hook's end-of-step work, torch's
+      optimizer step for gradients the graphs left) and the step is over: nodes that ran are
+      forgotten, nodes still waiting count for the next one.
+    * The user's ``no_sync`` switch, whether gradients were accumulated locally, and the step
+      after ``no_sync`` where a traced hook runs eagerly are held here too; the replica
+      writes them, the backend and the dispatchers read them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any, Callable, Iterable
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphEntry:
+    """One compiled Dynamo graph as the step sees it."""
+
+    index: int
+    frame: int | None  # Dynamo's frame id; None when not compiled under Dynamo (each its own frame)
+    params: frozenset[str]
+
+
+class _Run:
+    """One synchronising forward's backward node, and whether its backward started."""
+
+    __slots__ = ("node", "started")
+
+    def __init__(self, node: Any) -> None:
+        self.node = weakref.ref(node)
+        self.started = False
+
+    def mark_started(self, _grad_outputs: Any = None) -> None:
+        self.started = True
+
+    def counts(self) -> bool:
+        return self.started or self.node() is not None
+
+
+def current_frame() -> int | None:
+    """The frame Dynamo is compiling now (recompiles of one frame share it), or None."""
+    from torch._guards import CompileContext
+
+    compile_id = CompileContext.current_compile_id()
+    return None if compile_id is None else compile_id.frame_id
+
+
+class StepState:
+    """The state of the current step (module docstring). One per model replica."""
+
+    def __init__(self) -> None:
+        self.graphs: list[GraphEntry] = []
+        self.sync = True  # the user's switch: cleared inside no_sync()
+        self.eager_hook_step = False  # this step's hook runs eagerly on accumulated gradients
+        self.eager_graphs: list[int] = []  # ... over these graphs' buckets, at the end of the backward
+        self.accumulated = False  # gradients accumulated locally (no_sync) wait for a synchronising step
+        self.ran_params: set[str] = set()  # parameters of the graphs the current forward ran
+        self.steps = 0  # synchronising backwards ended
+        self._runs: dict[int, list[_Run]] = {}
+        self._listeners: list[Callable[[], None]] = []
+        self._end_queued = False
+
+    # -- compile time ---------------------------------------------------------------------------
+    def add_graph(self, frame: int | None, params: Iterable[str]) -> GraphEntry:
+        entry = GraphEntry(len(self.graphs), frame, frozenset(params))
+        self.graphs.append(entry)
+        return entry
+
+    def alternatives(self, index: int) -> list[GraphEntry]:
+        """Earlier graphs of the same frame as graph ``index``: the ones it may replace."""
+        frame = self.graphs[index].frame
+        return [g for g in self.graphs[:index] if frame is not None and g.frame == frame]
+
+    def in_other_frames(self, index: int) -> set[str]:
+        """Parameters that graphs of other frames read, which may run in the same step as
+        graph ``index`` (after a graph break); recompiles of its own frame never do."""
+        me = self.graphs[index]
+        return {
+            n for g in self.graphs
+            if g.index != index and (g.frame is None or g.frame != me.frame) for n in g.params
+        }
+
+    # -- forward --------------------------------------------------------------------------------
+    def begin_forward(self) -> None:
+        """A model forward begins: the graphs it runs are recorded afresh. A backward that
+        raised never ran its end-of-step callback: its runs are over and the next end is
+        queued anew."""
+        self._forget_started()
+        self.ran_params.clear()
+        self.eager_graphs.clear()
+        self.eager_hook_step = False
+        self._end_queued = False
+
+    def graph_syncs(self) -> bool:
+        """Does a compiled graph called now run its synchronising backward?"""
+        return self.sync and not self.eager_hook_step
+
+    def forward_ran(self, index: int, node: Any | None, syncing: bool) -> None:
+        """Graph ``index`` ran a forward; ``node`` is the backward node this call made."""
+        self.ran_params.update(self.graphs[index].params)
+        if syncing and node is not None and torch.is_grad_enabled():
+            run = _Run(node)
+            node.register_prehook(run.mark_started)
+            # Forwards whose outputs were dropped never reach a backward: forget them.
+            self._runs[index] = [r for r in self._runs.get(index, ()) if r.counts()] + [run]
+
+    # -- backward -------------------------------------------------------------------------------
+    def runs(self, index: int) -> int:
+        """Backwards of graph ``index`` in this step: run already, running, or still to come."""
+        return sum(r.counts() for r in self._runs.get(index, ()))
+
+    def shared_this_step(self, index: int, names: Iterable[str]) -> set[str]:
+        """Which of ``names`` another graph of this step also reads (its gradient comes in parts)."""
+        wanted = set(names)
+        return {n for g in self.graphs if g.index != index and self.runs(g.index) for n in g.params & wanted}
+
+    def on_end_of_step(self, listener: Callable[[], None]) -> None:
+        """Run ``listener`` at the end of every synchronising backward, in registration order."""
+        self._listeners.append(listener)
+
+    def synchronising_backward(self) -> None:
+        """A synchronising backward runs: end the step when the whole backward is done."""
+        if self._end_queued:
+            return
+        self._end_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_step)
+
+    def _forget_started(self) -> None:
+        """Runs whose backward started belong to a step that is over; those still waiting
+        count for the next one."""
+        for index, runs in list(self._runs.items()):
+            self._runs[index] = [r for r in runs if not r.started and r.node() is not None]
+
+    def _end_of_step(self) -> None:
+        self._end_queued = False
+        try:
+            for listener in self._listeners:
+                listener()
+        finally:
+            self.eager_hook_step = False
+            self.eager_graphs.clear()
+            self.steps += 1
+            self._forget_started()
