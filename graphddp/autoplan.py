@@ -43,6 +43,7 @@ import dataclasses
 from typing import Mapping, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from graphddp.cost import CostModel, compute_timeline
 from graphddp.schedule import GradSlot, NodeFact
@@ -175,7 +176,21 @@ def auto_partition(
 ) -> list[tuple[GradSlot, ...]]:
     """Buckets of production-ordered ``ordered``, per (dtype, device) key, by
     :func:`robust_partition`; ``wire_ratio[key]`` scales bytes to bytes on the wire (a
-    compression hook's half precision: 0.5). Buckets come back in ready order."""
+    compression hook's half precision: 0.5). Buckets come back in ready order.
+
+    Its arithmetic runs on real tensors even when the backward is compiled inside a fake mode
+    (a dynamic-shape graph's backward is compiled at once, under it): there, turning a result
+    into a float raised and torch hid the error, compiling the backward again later. Symbolic
+    sizes cost nothing in ``nodes`` (:func:`graphddp.capture.extract_facts`), never a rank's
+    own size hint, so ranks planning dynamic graphs from different batches agree."""
+    with unset_fake_temporarily():
+        return _auto_partition(ordered, nodes, cost, world_size, wire_ratio)
+
+
+def _auto_partition(
+    ordered: Sequence[GradSlot], nodes: Sequence[NodeFact], cost: CostModel, world_size: int,
+    wire_ratio: Mapping[tuple[str, str], float] | None,
+) -> list[tuple[GradSlot, ...]]:
     by_key: dict[tuple[str, str], list[GradSlot]] = {}
     for slot in ordered:
         by_key.setdefault((slot.dtype, slot.device), []).append(slot)

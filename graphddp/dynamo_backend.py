@@ -54,7 +54,7 @@ from graphddp.passes.insert_allreduce import HOOK_STATE, HOOK_STATE_SPEC, HookCo
 from graphddp.passes.insert_update import ALIAS_OF, UpdateInputs
 from graphddp.planner import plan, production_order, with_updates, with_wire_bytes
 from graphddp.record import GraphRecord
-from graphddp.schedule import Schedule
+from graphddp.schedule import GradSlot, Schedule
 from graphddp.step import StepState, current_frame
 from graphddp.user_hooks import HookState
 from graphddp.variants import BackwardDispatch, GraphState, InGraphUpdate, Synced, compiled_backward_node
@@ -103,7 +103,7 @@ class GraphDDPBackend:
         # Per frame, the bucket partitions planned so far: a recompile of the frame whose
         # gradients are the same reuses one, so ranks that recompile at different steps (or
         # plan a dynamic-shape graph) still put the same buckets on the wire.
-        self._frame_plans: dict[int, dict[tuple[str, ...], tuple[tuple[str, ...], ...]]] = {}
+        self._frame_plans: dict[int, list[tuple[tuple[GradSlot, ...], ...]]] = {}
         # Per frame and bucket layout, the first (graph, bucket) with it: its hook state is the
         # state of every later bucket of the frame with the same layout (HookState.share).
         self._bucket_owners: dict[tuple[int, Any], tuple[int, int]] = {}
@@ -324,22 +324,27 @@ class GraphDDPBackend:
         )
 
     def plan_graph(self, facts: Any, graph_index: int, unreduced: tuple[str, ...], hook: str | None = None) -> Schedule:
-        """The planner on one graph's facts; a recompile of a frame whose gradients (names in
-        production order) are an earlier graph's of that frame gets that graph's buckets."""
+        """The planner on one graph's facts. A recompile of a frame whose gradients an earlier
+        graph of that frame also produces gets that graph's buckets (``plan(like=)``): ranks
+        that recompile at different steps, or plan a dynamic-shape graph, agree, and a traced
+        hook sees DDP's buckets (zeros where a parameter stopped taking a gradient)."""
         frame = self.step.graphs[graph_index].frame if graph_index < len(self.step.graphs) else None
-        plans = self._frame_plans.setdefault(frame, {}) if frame is not None else {}
-        order = production_order(facts)
+        plans = self._frame_plans.setdefault(frame, []) if frame is not None else []
+        names = set(production_order(facts))
+        like = next((p for p in plans if names <= {s.param_name for b in p for s in b}), None)
         schedule = plan(
             facts, self.config, world_size=self.world_size, group_name=self.group_name, graph_index=graph_index,
-            unreduced=unreduced, hook=hook, like=plans.get(order),
+            unreduced=unreduced, hook=hook, like=like,
         )
-        plans.setdefault(order, tuple(b.param_names for b in schedule.buckets))
+        if like is None and frame is not None:
+            plans.append(tuple(b.slots for b in schedule.buckets))
         return schedule
 
     def frame_plans(self, graph_index: int) -> list[Any]:
-        """What :meth:`plan_graph` would reuse for graph ``index`` (part of the compile cache's key)."""
+        """The plans :meth:`plan_graph` may reuse for graph ``graph_index`` (part of the
+        compile cache's key): per earlier plan of its frame, the parameter names per bucket."""
         frame = self.step.graphs[graph_index].frame if graph_index < len(self.step.graphs) else None
-        return sorted(self._frame_plans.get(frame, {}).items()) if frame is not None else []
+        return [tuple(tuple(s.param_name for s in b) for b in p) for p in self._frame_plans.get(frame, [])]
 
     def rewrite_backward(
         self, gm: fx.GraphModule, param_inputs: Mapping[int, str], graph_index: int,
@@ -365,11 +370,14 @@ class GraphDDPBackend:
             log.debug("backward graph %d after insert_allreduce:\n%s", graph_index, gm.code)
             if self.config.verify:
                 verify(gm, schedule, {s.output_index: s.param_name for s in facts.slots})
-        without_update = None
+        without_update, tied = None, ()
         if self.optimizer is not None and fw_values:
-            schedule, without_update = self._add_updates(gm, schedule, graph_index, self.optimizer, fw_values)
+            schedule, without_update, tied = self._add_updates(gm, schedule, graph_index, self.optimizer, fw_values)
         log.info("graphddp plan for backward graph %d (fingerprint %s):\n%s", graph_index, schedule.fingerprint(), schedule.to_table())
-        return GraphRecord(schedule=schedule, graph=gm, without_update=without_update)
+        record = GraphRecord(schedule=schedule, graph=gm, without_update=without_update)
+        if tied:
+            record.fallbacks["shared"] = tied
+        return record
 
 
     def refuse_split_gradients(self, graph_index: int) -> None:
@@ -390,25 +398,29 @@ class GraphDDPBackend:
 
     def _add_updates(
         self, gm: fx.GraphModule, schedule: Schedule, graph_index: int, optimizer: AttachedOptimizer, fw_values: Mapping[str, Any]
-    ) -> tuple[Schedule, fx.GraphModule | None]:
+    ) -> tuple[Schedule, fx.GraphModule | None, tuple[str, ...]]:
         """with_updates -> insert_update -> verify_updates; returns the schedule with its
-        updates and a copy of the graph from before them (None when nothing is updated)."""
+        updates, a copy of the graph from before them (None when nothing is updated) and the
+        parameters left to torch's step because a graph of another frame reads them too."""
         # A parameter a graph of another frame also reads (tied across a graph break) gets part
         # of its gradient there: it keeps the gradient route, and torch's step after the
         # backward. Recompiles of this graph's own frame never run beside it: they do not count.
         elsewhere = self.step.in_other_frames(graph_index)
-        updatable = [n for n in schedule.param_names if optimizer.rule(n) and n in fw_values and n not in elsewhere]
-        tied = [n for n in schedule.param_names if optimizer.rule(n) and n in elsewhere]
+        zero_filled = {s.param_name for b in schedule.buckets for s in b.slots if s.zero_filled}
+        updatable = [
+            n for n in schedule.param_names if optimizer.rule(n) and n in fw_values and n not in elsewhere | zero_filled
+        ]
+        tied = tuple(n for n in schedule.param_names if optimizer.rule(n) and n in elsewhere)
         if tied:
             self._warned.add((graph_index, "shared"))
             warnings.warn(
-                f"graphddp: optimizer= : parameters {tied} are read on both sides of a graph break, so their gradient "
+                f"graphddp: optimizer= : parameters {list(tied)} are read on both sides of a graph break, so their gradient "
                 f"comes in parts from several graphs; backward graph {graph_index} leaves their update to torch's step "
                 "after the backward (the result is the same, the update is not overlapped)",
                 stacklevel=2,
             )
         if not updatable:
-            return schedule, None
+            return schedule, None, tied
         without_update = copy.deepcopy(gm)
         schedule = with_updates(schedule, updatable, str(optimizer))
         inputs = UpdateInputs(
@@ -420,7 +432,7 @@ class GraphDDPBackend:
         log.debug("backward graph %d after insert_update:\n%s", graph_index, gm.code)
         if self.config.verify:
             verify_updates(gm, schedule)
-        return schedule, without_update
+        return schedule, without_update, tied
 
 
 def _as_is(gm: fx.GraphModule) -> Callable[..., Any]:

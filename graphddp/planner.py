@@ -53,21 +53,18 @@ def production_order(facts: GraphFacts) -> tuple[str, ...]:
 
 def partition(
     slots: tuple[GradSlot, ...], config: DDPConfig, nodes: tuple[NodeFact, ...] = (), world_size: int = 1,
-    like: tuple[tuple[str, ...], ...] | None = None,
+    like: tuple[tuple[GradSlot, ...], ...] | None = None, fill: bool = False,
 ) -> list[tuple[GradSlot, ...]]:
     """Group production-ordered slots into buckets; returns buckets in ready order.
 
     ``nodes`` and ``world_size`` matter only to ``bucket_cap_mb="auto"``: the compute the
-    all-reduces overlap with, and the ring they run on. ``like`` (parameter names per bucket)
-    gives the buckets of an earlier plan of the same gradients instead (a recompile of a graph)."""
+    all-reduces overlap with, and the ring they run on. ``like`` (the slots of an earlier
+    plan's buckets, a superset of these gradients) gives its buckets instead (a recompile of a
+    graph): gradients it has and this graph lacks are dropped, or with ``fill`` kept as
+    zero-filled slots (:attr:`GradSlot.zero_filled`)."""
     ordered = sorted(slots, key=_order)
-    if like is not None:
-        by_name = {s.param_name: s for s in ordered}
-        if sorted(n for b in like for n in b) != sorted(by_name):
-            raise ValueError(f"like= names other gradients than the graph's: {sorted(by_name)}")
-        done = [tuple(by_name[n] for n in b) for b in like]
-        done.sort(key=lambda b: _order(b[-1]))
-        return done
+    if like is not None:  # in like's order: what a hook's random draws and state follow, as in DDP
+        return _as_like(ordered, like, fill)
     if config.auto:
         done = auto_partition(ordered, nodes, cost_of(config), world_size, _wire_ratios(ordered, config.comm_dtype))
         done.sort(key=lambda b: _order(b[-1]))
@@ -77,6 +74,23 @@ def partition(
     body = [s for s in ordered if id(s) not in in_tail]
     done = _assign_by_size(body, config.bucket_size_limits) + [tuple(t) for t in tails.values()]
     done.sort(key=lambda b: _order(b[-1]))
+    return done
+
+
+def _as_like(ordered: list[GradSlot], like: tuple[tuple[GradSlot, ...], ...], fill: bool) -> list[tuple[GradSlot, ...]]:
+    """``like``'s buckets over this graph's slots (see :func:`partition`)."""
+    current = {s.param_name: s for s in ordered}
+    missing = sorted(set(current) - {s.param_name for b in like for s in b})
+    if missing:
+        raise ValueError(f"like= does not hold the gradients of {missing}")
+    done = []
+    for bucket in like:
+        slots = tuple(
+            current[s.param_name] if s.param_name in current else s.zero_filled_copy()
+            for s in bucket if fill or s.param_name in current
+        )
+        if slots:
+            done.append(slots)
     return done
 
 
@@ -143,7 +157,7 @@ def plan(
     graph_index: int = 0,
     unreduced: tuple[str, ...] = (),
     hook: str | None = None,
-    like: tuple[tuple[str, ...], ...] | None = None,
+    like: tuple[tuple[GradSlot, ...], ...] | None = None,
 ) -> Schedule:
     """Plan the buckets of one backward graph. Pure: same inputs, same Schedule.
 
@@ -160,8 +174,9 @@ def plan(
     compute = [n for n in facts.nodes if n.is_compute]
     output_position = len(facts.nodes) - 1
     buckets = []
-    for index, slots in enumerate(partition(facts.slots, config, facts.nodes, world_size, like)):
-        ready = slots[-1]
+    for index, slots in enumerate(partition(facts.slots, config, facts.nodes, world_size, like, fill=hook is not None)):
+        ready = max(slots, key=lambda s: s.position)  # all zero-filled: ready when the backward starts
+        issue_after = ready.producer if not ready.zero_filled else facts.nodes[0].name
         overlap = tuple(n.name for n in compute if ready.position < n.position < output_position)
         buckets.append(
             Bucket(
@@ -169,7 +184,7 @@ def plan(
                 slots=slots,
                 dtype=ready.dtype,
                 device=ready.device,
-                issue_after=ready.producer,
+                issue_after=issue_after,
                 wait_before="output",
                 overlap=overlap,
                 comm_dtype=config.comm_dtype if config.comm_dtype not in (None, ready.dtype) else None,

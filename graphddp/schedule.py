@@ -97,6 +97,18 @@ class GradSlot:
     producer: str  # name of the node that finalises this gradient
     position: int  # topological index of ``producer``: the production order
 
+    @property
+    def zero_filled(self) -> bool:
+        """This graph produces no gradient for the parameter, but its bucket keeps its place
+        and carries zeros there, as DDP's bucket does for a parameter unused in a step: a
+        recompile that stopped a parameter's gradient (``requires_grad`` toggled) keeps the
+        buckets a traced hook and its state were made for. No gradient is returned for it."""
+        return self.output_index < 0
+
+    def zero_filled_copy(self) -> "GradSlot":
+        """This slot in a graph that produces no gradient for it (:attr:`zero_filled`)."""
+        return dataclasses.replace(self, output_index=-1, producer="", position=-1)
+
 
 @dataclasses.dataclass(frozen=True)
 class NodeFact:
@@ -261,6 +273,8 @@ class Schedule:
             if bucket.index != position:
                 return f"bucket {bucket.index} is at position {position} of the schedule"
             for slot in bucket.slots:
+                if slot.zero_filled:
+                    continue
                 if slot.output_index in seen:
                     return (
                         f"output {slot.output_index} ({slot.param_name!r}) is in bucket {seen[slot.output_index]} "

@@ -30,7 +30,8 @@ only it catches. Checks run in this order:
    without ``comm_dtype`` has neither cast.
 7. **Layout.** The flat buffer concatenates exactly the bucket's slots, in order: piece ``i``
    is a flattening ``view`` (of a contiguous ``clone`` at most) of the node named by slot
-   ``i``'s ``producer``, with ``numel`` elements.
+   ``i``'s ``producer``, with ``numel`` elements; a zero-filled slot's piece flattens
+   ``zeros`` made for that bucket (and no output is returned for it, 10).
 8. **No reads of the buffer in flight.** Once the (in-place) all-reduce is issued, nothing
    but it reads its input buffer or a view of it.
 9. **Wait placement.** Each wait comes before its bucket's ``wait_before`` node (``"output"``
@@ -308,7 +309,11 @@ def _check_piece(g: _Graph, bucket: Bucket, i: int, piece: Any, slot: GradSlot, 
     source = piece.args[0]
     if source.target == aten.clone.default and is_ours(source):  # the contiguous copy of a strided gradient
         source = source.args[0]
-    if not isinstance(source, fx.Node) or source.name != slot.producer:
+    if slot.zero_filled:  # no gradient in this graph: zeros of the bucket's own, in its place
+        if not (isinstance(source, fx.Node) and source.target == aten.zeros.default and source.meta.get(BUCKET_KEY) == bucket.index):
+            name = source.name if isinstance(source, fx.Node) else repr(source)
+            _fail(g.gm, piece, f"{what}, {piece.name}, flattens {name}; {slot.param_name!r} is zero-filled: expected bucket {bucket.index}'s zeros")
+    elif not isinstance(source, fx.Node) or source.name != slot.producer:
         name = source.name if isinstance(source, fx.Node) else repr(source)
         _fail(g.gm, piece, f"{what}, {piece.name}, flattens {name}; expected {slot.producer}, the gradient of {slot.param_name!r}")
     size = piece.args[1] if len(piece.args) > 1 else None
@@ -426,7 +431,7 @@ def _check_gradient(g: _Graph, index: int, name: str, bucket: Bucket, slot: Grad
 
 def _check_outputs(g: _Graph, schedule: Schedule, expected: Mapping[int, str]) -> None:
     planned = {
-        s.output_index: (b, s, off) for b in schedule.buckets for s, off in zip(b.slots, b.offsets())
+        s.output_index: (b, s, off) for b in schedule.buckets for s, off in zip(b.slots, b.offsets()) if not s.zero_filled
     }
     for index, name in sorted(expected.items()):
         if index not in planned:

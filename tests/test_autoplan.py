@@ -261,3 +261,17 @@ def test_a_config_under_auto_has_no_caps_to_read():
     cfg = DDPConfig(bucket_cap_mb="auto")
     with pytest.raises(ValueError, match="no bucket cap"):
         cfg.effective_bucket_cap_mb
+
+
+def test_an_auto_plan_made_inside_a_fake_mode_is_the_plan_made_outside():
+    """A dynamic-shape graph's backward is compiled at once, inside the fake mode: the planner
+    must plan there as it does outside (it raised DataDependentOutputException, which torch
+    hid, compiling the backward again later)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    facts = _facts([1 << 16] * 16, [10**7] * 16)
+    config = DDPConfig(bucket_cap_mb="auto", cost=CostModel(bandwidth_gbps=8.0, latency_us=50.0, collective_overhead_us=140.0))
+    outside = plan(facts, config, world_size=2)
+    with FakeTensorMode():
+        inside = plan(facts, config, world_size=2)
+    assert inside.fingerprint() == outside.fingerprint() and inside.num_buckets > 1

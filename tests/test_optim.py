@@ -290,6 +290,38 @@ def test_two_forwards_then_one_backward_is_one_step(fake_world) -> None:
     assert (state.steps_in_graph, state.steps_after) == (1, 2)
 
 
+def test_two_graphs_of_one_frame_in_one_step_fall_back_to_one_torch_step(fake_world) -> None:
+    """Two batch sizes before one backward, static shapes: two graphs of one frame (a recompile)
+    both run in the step and share every parameter. Which graphs share a step is known only at
+    run time: each leaves its update to one torch step after the backward, with a warning, and
+    the records say why. The next step, with one graph, updates inside it again."""
+    fake_world(4)
+    torch.manual_seed(0)
+    model = MLP(width=32, depth=4)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    gd = graphddp.compile(model, optimizer=opt, backend="aot_eager", dynamic=False)
+    a, b = torch.randn(8, 16), torch.randn(6, 16)
+    gd(a).sum().backward()  # graph 0 compiled, its backward too
+    ((ref(a).sum()) / 4).backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    with pytest.warns(UserWarning, match="another compiled graph of this step reads them"):
+        (gd(a).sum() + gd(b).sum()).backward()
+    ((ref(a).sum() + ref(b).sum()) / 4).backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    assert len(gd.records) == 2 and all(r.fallbacks.get("shared") for r in gd.records), [r.fallbacks for r in gd.records]
+    assert [(s.steps_in_graph, s.steps_after) for s in gd._backend.states] == [(1, 1), (0, 1)]
+    assert all(opt.state[p]["step"].item() == 2.0 for p in gd.parameters())
+    for p, q in zip(gd.parameters(), ref.parameters()):
+        assert p.grad is None
+        torch.testing.assert_close(p.detach(), q.detach(), atol=1e-6, rtol=1e-5)
+    gd(b).sum().backward()  # one graph in this step: inside it again
+    assert gd._backend.states[1].steps_in_graph == 1
+
+
 def test_a_backward_that_raises_does_not_stop_later_steps(fake_world) -> None:
     """The end-of-backward step is queued once per backward; one that raised drops its queue,
     and the next backward must queue it again (or fallback steps would never be taken)."""

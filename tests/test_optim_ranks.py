@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import io
+import warnings
 from typing import Any, Callable
 
 import pytest
@@ -113,6 +114,7 @@ class Case:
     expect_runs: tuple = ((3, 1),)  # the step after no_sync updates after the backward
     form: str = "compile"  # or "backend": torch.compile(model, backend=graphddp.backend(model, ...))
     fp16_compress: bool = False  # comm_hook="fp16_compress" here, DDP's fp16_compress_hook there
+    tied: tuple[str, ...] = ()  # parameters read on both sides of a graph break (records show them)
 
 
 CASES = {
@@ -120,7 +122,7 @@ CASES = {
     "cnn_adam_amsgrad_groups_backend_form": Case(CNN, _cnn_loss, _amsgrad_groups, form="backend"),
     "cnn_adamw_fp16_compress": Case(CNN, _cnn_loss, _adamw, tol=FP16_ADAM, fp16_compress=True),
     "tied_across_break_sgd_nesterov": Case(lambda: BreakGPT(vocab=64, dim=32, heads=2, layers=2, seq=8), _gpt_loss, _sgd,
-                                           expect_runs=((3, 1), (3, 1))),  # the tied embedding: after, in both
+                                           expect_runs=((3, 1), (3, 1)), tied=("tok.weight",)),  # after, in both
     "hf_gpt2_adamw_round_trip": Case(_hf_gpt2, _hf_loss, _adamw, tol=ADAM_NOISE, round_trip=True),
     "hf_gpt2_sgd_inductor": Case(_hf_gpt2, _hf_loss, _sgd, backend="inductor", steps=3, expect_runs=((2, 1),)),
 }
@@ -160,32 +162,38 @@ def _train(rank: int, world: int, name: str) -> None:
         ours = torch.compile(ours_model, backend=view)
     else:
         ours = view = graphddp.compile(ours_model, **options)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)  # created after: the order
-    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.7)
-    for step in range(case.steps):
-        if step == case.no_sync_step:
-            with view.no_sync():
-                case.loss(ours, rank, 50 + step).backward()
-            with ref.no_sync():
-                case.loss(ref, rank, 50 + step).backward()
-            assert any(p.grad is not None for p in ours_model.parameters()), "no_sync kept no gradient"
-        case.loss(ours, rank, step).backward()
-        opt.step()  # no-ops while attached: the loop need not change
-        opt.zero_grad()
-        sched.step()
-        case.loss(ref, rank, step).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_sched.step()
-        for (n, p), q in zip(ours_model.named_parameters(), ref.module.parameters()):
-            assert p.grad is None, f"step {step}: {n}.grad kept after a synchronising backward"
-            torch.testing.assert_close(p.detach(), q.detach(), **case.tol, msg=lambda m: f"{name} step {step} param {n}: {m}")
-        _assert_state_equal(opt, ref_opt, case.tol, f"{name} step {step}")
-    updated = sum(len(b.updates) for s in view.schedules for b in s.buckets)
-    assert updated > 0, f"{name}: no parameter was updated inside a graph"
-    # Which variant each graph ran: inside the graph, except where it cannot be the whole step.
-    runs = tuple((st.steps_in_graph, st.steps_after) for st, sched in zip(view._replica.backend.states, _by_graph(view)) if sched.buckets)
-    assert runs == case.expect_runs, f"{name}: (in-graph, after-backward) steps per graph {runs}, expected {case.expect_runs}"
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)  # created after: the order
+        ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.7)
+        for step in range(case.steps):
+            if step == case.no_sync_step:
+                with view.no_sync():
+                    case.loss(ours, rank, 50 + step).backward()
+                with ref.no_sync():
+                    case.loss(ref, rank, 50 + step).backward()
+                assert any(p.grad is not None for p in ours_model.parameters()), "no_sync kept no gradient"
+            case.loss(ours, rank, step).backward()
+            opt.step()  # no-ops while attached: the loop need not change
+            opt.zero_grad()
+            sched.step()
+            case.loss(ref, rank, step).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            ref_sched.step()
+            for (n, p), q in zip(ours_model.named_parameters(), ref.module.parameters()):
+                assert p.grad is None, f"step {step}: {n}.grad kept after a synchronising backward"
+                torch.testing.assert_close(p.detach(), q.detach(), **case.tol, msg=lambda m: f"{name} step {step} param {n}: {m}")
+            _assert_state_equal(opt, ref_opt, case.tol, f"{name} step {step}")
+        updated = sum(len(b.updates) for s in view.schedules for b in s.buckets)
+        assert updated > 0, f"{name}: no parameter was updated inside a graph"
+        # Which variant each graph ran: inside the graph, except where it cannot be the whole step.
+        runs = tuple((st.steps_in_graph, st.steps_after) for st, sched in zip(view._replica.backend.states, _by_graph(view)) if sched.buckets)
+        assert runs == case.expect_runs, f"{name}: (in-graph, after-backward) steps per graph {runs}, expected {case.expect_runs}"
+    told = [str(w.message) for w in warned if "torch's step" in str(w.message)]
+    assert all(any(n in t for t in told) for n in case.tied) and (told == []) == (case.tied == ()), told
+    shared = {n for r in view.records for n in r.fallbacks.get("shared", ())}
+    assert shared == set(case.tied), f"{name}: records show {sorted(shared)} left to torch's step as shared, expected {case.tied}"
     if case.round_trip:
         _round_trip(ours, opt, ref, ref_opt, case, rank)
 

@@ -77,7 +77,7 @@ from torch._guards import detect_fake_mode
 from graphddp import hooks
 from graphddp.comm import ALL_REDUCE, BUCKET_KEY, ROLE_KEY, WAIT, group_of, is_collective, is_wait
 from graphddp.passes.trace import role, splice, trace
-from graphddp.schedule import Bucket, Schedule, dtype_name
+from graphddp.schedule import Bucket, GradSlot, Schedule, dtype_name
 from graphddp.user_hooks import GradBucket, HookState, StateSpec, TracedHook
 
 aten = torch.ops.aten
@@ -85,6 +85,7 @@ aten = torch.ops.aten
 OUTPUT = "output"  # the wait_before that means "the graph's output node"
 HOOK_STATE = "hook_state"  # ROLE_KEY of the placeholders a user hook's state tensors get
 HOOK_STATE_SPEC = "graphddp_hook_state"  # their meta: the StateSpec
+ZERO_FILL = "zero_fill"  # ROLE_KEY of the zeros a zero-filled slot's place carries
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +116,10 @@ def _wait_point(nodes: dict[str, fx.Node], output: fx.Node, bucket: Bucket) -> f
 def _check_slots(bucket: Bucket, outs: Sequence[Any], order: dict[fx.Node, int], issue: fx.Node) -> None:
     """The graph must hold what the schedule says each slot is, produced by the issue point."""
     for slot in bucket.slots:
+        if slot.zero_filled:  # no gradient in this graph: zeros take its place (_zeros)
+            if slot.dtype != bucket.dtype:
+                raise RuntimeError(f"graphddp: bucket {bucket.index}: zero-filled {slot.param_name!r} is {slot.dtype} in a {bucket.dtype} bucket")
+            continue
         where = f"graphddp: bucket {bucket.index}, gradient of {slot.param_name!r} (output {slot.output_index})"
         grad = outs[slot.output_index] if 0 <= slot.output_index < len(outs) else None
         if not isinstance(grad, fx.Node):
@@ -276,10 +281,12 @@ def _hook_advice(e: Exception) -> str:
     return "see graphddp.user_hooks for what a traced hook may do"
 
 
-def _trace_user_bucket(p: _Placement, outs: Sequence[Any], schedule: Schedule, hook: TracedHook, ctx: HookContext) -> _Traced:
+def _trace_user_bucket(
+    p: _Placement, outs: Sequence[Any], zeros: Mapping[str, fx.Node], schedule: Schedule, hook: TracedHook, ctx: HookContext
+) -> _Traced:
     bucket = p.bucket
     what = f"comm hook {hook.name!r} on bucket {bucket.index}"
-    grads = [outs[slot.output_index].meta["val"] for slot in bucket.slots]
+    grads = [_gradient(slot, outs, zeros).meta["val"] for slot in bucket.slots]
     fake_mode = detect_fake_mode(tuple(grads))
     try:
         dry = _user_fn(bucket, hook, schedule, ctx, None)
@@ -352,12 +359,38 @@ def _late_part(gm: fx.GraphModule, what: str) -> frozenset[fx.Node]:
     return late
 
 
-def _trace_bucket(p: _Placement, outs: Sequence[Any], schedule: Schedule, hook: hooks.CommHook) -> _Traced:
+def _trace_bucket(p: _Placement, outs: Sequence[Any], zeros: Mapping[str, fx.Node], schedule: Schedule, hook: hooks.CommHook) -> _Traced:
     """The built-in hook's bucket traced on the fake values of its gradients; edits nothing."""
     what = f"bucket {p.bucket.index} (hook {hook.name!r})"
-    grads = [outs[slot.output_index].meta["val"] for slot in p.bucket.slots]
+    grads = [_gradient(slot, outs, zeros).meta["val"] for slot in p.bucket.slots]
     gm = trace(_builtin_fn(p.bucket, hook, schedule), grads, what)
     return _Traced(p, gm, _late_part(gm, what), ())
+
+
+def _zeros(graph: fx.Graph, schedule: Schedule) -> dict[str, fx.Node]:
+    """One zeros node per zero-filled slot (:attr:`GradSlot.zero_filled`), right after the
+    placeholders; nodes only the bucket's function reads (DCE removes them if unused)."""
+    slots = [(b, s) for b in schedule.buckets for s in b.slots if s.zero_filled]
+    if not slots:
+        return {}
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    fake_mode = detect_fake_mode(tuple(n.meta.get("val") for n in placeholders))
+    out: dict[str, fx.Node] = {}
+    for bucket, slot in slots:
+        dtype, device = getattr(torch, slot.dtype), torch.device(slot.device)
+        with graph.inserting_after(placeholders[-1]):
+            node = graph.call_function(aten.zeros.default, (list(slot.shape),), {"dtype": dtype, "device": device})
+        with fake_mode:
+            node.meta["val"] = torch.zeros(slot.shape, dtype=dtype, device=device)
+        node.meta[BUCKET_KEY] = bucket.index
+        node.meta[ROLE_KEY] = ZERO_FILL
+        out[slot.param_name] = node
+    return out
+
+
+def _gradient(slot: GradSlot, outs: Sequence[Any], zeros: Mapping[str, fx.Node]) -> fx.Node:
+    """The node a slot's place in its bucket is filled from: its gradient, or zeros."""
+    return zeros[slot.param_name] if slot.zero_filled else outs[slot.output_index]
 
 
 def _add_state_inputs(graph: fx.Graph, traced: Sequence[_Traced]) -> dict[int, list[fx.Node]]:
@@ -396,19 +429,29 @@ def insert_allreduce(
     output = graph.output_node()
     outs: list[Any] = list(output.args[0])
     placements = _place(gm, schedule, outs)
-    if isinstance(hook, TracedHook):
-        ctx = context or HookContext(group=None)
-        traced = [_trace_user_bucket(p, outs, schedule, hook, ctx) for p in placements]
-    else:
-        traced = [_trace_bucket(p, outs, schedule, hook or hooks.for_bucket(p.bucket)) for p in placements]
+    # The first edit, before tracing (which reads their fake values): zeros nodes that only the
+    # buckets' functions will read, so a failed trace leaves nodes dead code removes, no change.
+    zeros = _zeros(graph, schedule)
+    try:
+        if isinstance(hook, TracedHook):
+            ctx = context or HookContext(group=None)
+            traced = [_trace_user_bucket(p, outs, zeros, schedule, hook, ctx) for p in placements]
+        else:
+            traced = [_trace_bucket(p, outs, zeros, schedule, hook or hooks.for_bucket(p.bucket)) for p in placements]
+    except Exception:
+        for node in zeros.values():
+            graph.erase_node(node)
+        raise
     # Edits start here, once every bucket has been placed and traced.
     states = _add_state_inputs(graph, traced)
-    last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    # Buckets issued at the start go after the placeholders and the zeros they may read.
+    zero_nodes = set(zeros.values())
+    last_placeholder = [n for n in graph.nodes if n.op == "placeholder" or n in zero_nodes][-1]
     cursor: dict[fx.Node, fx.Node] = {}  # issue point -> last node inserted after it
     results = []
     for t in traced:
         p = t.placement
-        grads = [outs[slot.output_index] for slot in p.bucket.slots]
+        grads = [_gradient(slot, outs, zeros) for slot in p.bucket.slots]
         issue = last_placeholder if p.issue.op == "placeholder" else p.issue
         early = cursor.get(issue, issue).next
         views = splice(graph, t.gm, grads + states.get(p.bucket.index, []), early, p.bucket.index, late=(t.late, p.wait))
@@ -416,7 +459,8 @@ def insert_allreduce(
         results.append((p, views))
     for p, views in results:
         for slot, view in zip(p.bucket.slots, views, strict=True):
-            outs[slot.output_index] = view
+            if not slot.zero_filled:  # DDP leaves an unused parameter's gradient as it was
+                outs[slot.output_index] = view
     output.args = (tuple(outs),)
     graph.lint()
     gm.recompile()
@@ -437,6 +481,8 @@ def run_hook_eagerly(hook: TracedHook, schedule: Schedule, ctx: HookContext, sta
             done = hook(gb)
             _check_result(bucket, hook.name, done)
             for p, slot, off in zip(params, bucket.slots, bucket.offsets()):
+                if slot.zero_filled:
+                    continue
                 value = done[off:off + slot.numel].view(slot.shape)
                 if p.grad is None:
                     p.grad = value.clone()
