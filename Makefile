@@ -18,12 +18,22 @@ $(VENV)/.installed-base: pyproject.toml
 	$(PY) -m pip install -q -e . '$(TORCH)'
 	touch $@
 
-.PHONY: demo test bench
+# The suite with transformers 4.x (make test installs 5.x, what users get): its own venv.
+VENV4 := .venv-tf4
+$(VENV4)/.installed: pyproject.toml
+	test -x $(VENV4)/bin/python || $(PYTHON) -m venv $(VENV4)
+	$(VENV4)/bin/python -m pip install -q -e '.[test-tools]' '$(TORCH)' 'transformers>=4.40,<5'
+	touch $@
+
+.PHONY: demo test test-transformers4 bench
 demo: $(VENV)/.installed-base
 	$(PY) examples/demo.py
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q tests
+
+test-transformers4: $(VENV4)/.installed
+	$(VENV4)/bin/python -m pytest -q tests
 
 bench: $(VENV)/.installed-plot
 	$(PY) -m tools.bench --out bench_out $(ARGS)
