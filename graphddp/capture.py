@@ -142,6 +142,11 @@ def extract_facts(gm: fx.GraphModule, param_inputs: Mapping[int, str]) -> GraphF
         val = grad.meta.get("val")
         if not isinstance(val, torch.Tensor):
             raise RuntimeError(f"graphddp: gradient node {grad.name} has no tensor meta['val']")
+        if val.layout != torch.strided:
+            raise RuntimeError(
+                f"graphddp: the gradient of {param_inputs[index]!r} is {val.layout} (sparse), which graphddp does not "
+                "average (its buckets are dense); make it dense (e.g. nn.Embedding(sparse=False))"
+            )
         shape = tuple(int(s) for s in val.shape)
         numel = int(val.numel())
         slots.append(

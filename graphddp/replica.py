@@ -51,6 +51,21 @@ def _check_devices(module: nn.Module) -> torch.device | None:
     return next(iter(devices), None)
 
 
+def _refuse_sparse_gradients(where: str, module: nn.Module) -> None:
+    """Sparse gradients (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``) are
+    refused by name at wrap time: graphddp averages flat dense buckets inside the compiled
+    backward, and DDP's separate sparse all-reduce has no place there (it failed deep in the
+    rewrite, naming a memory format)."""
+    for prefix, sub in module.named_modules():
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
+            name = f"{prefix}.weight" if prefix else "weight"
+            raise ValueError(
+                f"{where}: parameter {name!r} gets sparse gradients ({type(sub).__name__}(sparse=True)), which graphddp "
+                "does not average (its buckets are dense, inside the compiled backward); construct it with sparse=False, "
+                "or keep DistributedDataParallel for this model"
+            )
+
+
 def resolve_group(where: str, module: Any, process_group: Any, options: dict[str, Any]) -> Any:
     """``process_group`` or WORLD, after checking what needs no process group: the module's
     type and the options a config cannot hold."""
@@ -88,6 +103,7 @@ def prepare(
             "is checked against graphddp's own all-reduce only); compile without optimizer= and step it as usual"
         )
     attached = AttachedOptimizer(optimizer, module, where) if optimizer is not None else None
+    _refuse_sparse_gradients(where, module)
     device = _check_devices(module)
     config.check_inductor_settings(where, device)
     check_parameter_agreement(module, group)

@@ -98,3 +98,15 @@ def _uncovered(rank: int, world: int) -> None:
 
 def test_gradient_made_outside_the_graph_is_an_error_not_a_wrong_answer():
     spawn(_uncovered, 2)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2)),
+    lambda: nn.ModuleDict({"bag": nn.EmbeddingBag(10, 4, sparse=True)}),
+], ids=["embedding", "embedding_bag"])
+def test_sparse_gradients_are_refused_at_wrap_time_by_name(fake_world, make):
+    """DDP all-reduces sparse gradients apart; graphddp's buckets are dense, so it refuses them
+    before anything compiles, naming the parameter and the option to change."""
+    fake_world(2)
+    with pytest.raises(ValueError, match=r"parameter '(0|bag)\.weight' gets sparse gradients .*sparse=False"):
+        graphddp.compile(make())
