@@ -70,8 +70,9 @@ class GraphDDPBackend:
     Each Dynamo graph is compiled once. Its backward comes in two variants, chosen per
     forward call (see :mod:`graphddp.variants`): synchronising (rewritten) and local (for
     ``no_sync``); with an optimizer, a third (the all-reduces without the update) for steps
-    the graph cannot update alone. ``sync_enabled`` is read at every forward call, never at
-    compile time.
+    the graph cannot update alone. Which one runs is read from the step
+    (:class:`graphddp.step.StepState`, the replica's) at every forward call, never at compile
+    time; the backend reads the step and tells it what ran, it never decides a step's phase.
     """
 
     def __init__(
@@ -112,11 +113,6 @@ class GraphDDPBackend:
         if self.hook is not None:
             self.step.on_end_of_step(self._hook_end_of_step)
 
-    @property
-    def ran_params(self) -> set[str]:
-        """Parameters of the compiled graphs the current forward ran (the step's, read-only)."""
-        return self.step.ran_params
-
     def __call__(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None, options: dict | None = None
     ) -> Callable[..., Any]:
@@ -149,16 +145,13 @@ class GraphDDPBackend:
             inputs = list(args[0]) if called_boxed else args
             out = compiled(*args)
             node = None
-            if torch.is_grad_enabled():
+            if torch.is_grad_enabled() and (step.track_runs or not syncing):  # a walk to the node: only if read
                 node = compiled_backward_node(out if isinstance(out, (list, tuple)) else [out], inputs)
             step.forward_ran(graph_index, node, syncing)
             if syncing and node is not None:
                 self.refuse_split_gradients(graph_index)
             if not syncing and node is not None:
                 node.register_prehook(state.mark_local)
-                if step.eager_hook_step:
-                    step.eager_graphs.append(graph_index)
-                    node.register_prehook(self._queue_eager_hook)
             return out
 
         run._boxed_call = boxed  # type: ignore[attr-defined]
@@ -260,9 +253,6 @@ class GraphDDPBackend:
     def hook_runs_now(self) -> bool:
         """A user's hook averages the coming synchronising step (not a plain all-reduce phase)."""
         return self.hook is not None and self._phase() != "allreduce"
-
-    def _queue_eager_hook(self, _grad_outputs: Any = None) -> None:
-        self.step.synchronising_backward()
 
     def _hook_end_of_step(self) -> None:
         """At the end of every synchronising backward: after ``no_sync``, DDP's semantics (the

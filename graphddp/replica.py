@@ -125,7 +125,9 @@ class Replica:
         self.group = group
         self.config = config
         self._records: list[GraphRecord] = []
-        self.step = StepState()  # what this step is: the one owner (graphddp.step)
+        # What this step is: the one owner (graphddp.step). Which graphs ran is asked only by
+        # the optimizer inside the backward and by a traced hook.
+        self.step = StepState(track_runs=optimizer is not None or config.traced_hook is not None)
         self.backend = GraphDDPBackend(
             config, names_by_identity(module.named_parameters()), self._records.append, group,
             step=self.step, optimizer=optimizer, parameters=dict(module.named_parameters()),

@@ -20,7 +20,8 @@ Background
 
 Algorithm
     * Each synchronising forward of a compiled graph records the autograd node its call made
-      (:meth:`forward_ran`), with a pre-hook that notes when that backward starts. A graph is
+      (:meth:`forward_ran`), held weakly; its backward notes when it starts
+      (:meth:`synchronising_backward`). A graph is
       *in this step* while it has a node whose backward already ran in this step, or a live
       node that has not run yet. A forward whose output is dropped (an evaluation with grad
       enabled) frees its node and stops counting, as it never reaches a backward.
@@ -59,9 +60,6 @@ class _Run:
         self.node = weakref.ref(node)
         self.started = False
 
-    def mark_started(self, _grad_outputs: Any = None) -> None:
-        self.started = True
-
     def counts(self) -> bool:
         return self.started or self.node() is not None
 
@@ -77,14 +75,16 @@ def current_frame() -> int | None:
 class StepState:
     """The state of the current step (module docstring). One per model replica."""
 
-    def __init__(self) -> None:
+    def __init__(self, track_runs: bool = True) -> None:
+        # Recording each forward's backward node costs a walk and a pre-hook per graph and
+        # step; only the optimizer inside the backward and a traced hook ask which graphs ran.
+        self.track_runs = track_runs
         self.graphs: list[GraphEntry] = []
         self.sync = True  # the user's switch: cleared inside no_sync()
         self.eager_hook_step = False  # this step's hook runs eagerly on accumulated gradients
         self.eager_graphs: list[int] = []  # ... over these graphs' buckets, at the end of the backward
         self.accumulated = False  # gradients accumulated locally (no_sync) wait for a synchronising step
         self.ran_params: set[str] = set()  # parameters of the graphs the current forward ran
-        self.steps = 0  # synchronising backwards ended
         self._runs: dict[int, list[_Run]] = {}
         self._listeners: list[Callable[[], None]] = []
         self._end_queued = False
@@ -114,7 +114,8 @@ class StepState:
         """A model forward begins: the graphs it runs are recorded afresh. A backward that
         raised never ran its end-of-step callback: its runs are over and the next end is
         queued anew."""
-        self._forget_started()
+        if self._end_queued:  # its backward raised
+            self._forget_started()
         self.ran_params.clear()
         self.eager_graphs.clear()
         self.eager_hook_step = False
@@ -127,11 +128,14 @@ class StepState:
     def forward_ran(self, index: int, node: Any | None, syncing: bool) -> None:
         """Graph ``index`` ran a forward; ``node`` is the backward node this call made."""
         self.ran_params.update(self.graphs[index].params)
-        if syncing and node is not None and torch.is_grad_enabled():
-            run = _Run(node)
-            node.register_prehook(run.mark_started)
+        if not syncing and self.eager_hook_step and node is not None:
+            # The step after no_sync with a traced hook: the graph runs locally, and its
+            # buckets go through the hook eagerly when this synchronising backward ends.
+            self.eager_graphs.append(index)
+            node.register_prehook(self._eager_backward)
+        if self.track_runs and syncing and node is not None and torch.is_grad_enabled():
             # Forwards whose outputs were dropped never reach a backward: forget them.
-            self._runs[index] = [r for r in self._runs.get(index, ()) if r.counts()] + [run]
+            self._runs[index] = [r for r in self._runs.get(index, ()) if r.counts()] + [_Run(node)]
 
     # -- backward -------------------------------------------------------------------------------
     def runs(self, index: int) -> int:
@@ -147,9 +151,18 @@ class StepState:
         """Run ``listener`` at the end of every synchronising backward, in registration order."""
         self._listeners.append(listener)
 
-    def synchronising_backward(self) -> None:
-        """A synchronising backward runs: end the step when the whole backward is done."""
-        if self._end_queued:
+    def _eager_backward(self, _grad_outputs: Any = None) -> None:
+        self.synchronising_backward(None)
+
+    def synchronising_backward(self, index: int | None = None) -> None:
+        """A synchronising backward of graph ``index`` starts (its node is alive while it runs:
+        the first of its runs not started yet is this one; with two alive the graph falls back
+        either way); the step ends when the whole backward is done (a callback queued once per
+        backward, when anything listens or runs were recorded)."""
+        run = next((r for r in self._runs.get(index, ()) if not r.started and r.node() is not None), None) if index is not None else None
+        if run is not None:
+            run.started = True
+        if self._end_queued or not (self._listeners or self._runs):
             return
         self._end_queued = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_step)
@@ -168,5 +181,4 @@ class StepState:
         finally:
             self.eager_hook_step = False
             self.eager_graphs.clear()
-            self.steps += 1
             self._forget_started()

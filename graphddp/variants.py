@@ -11,7 +11,8 @@ holding two compiled backwards: the rewritten one (bucketed all-reduces) and the
 (no communication, compiled the first time it is needed). A forward that runs under
 ``no_sync`` registers a pre-hook on the autograd node of *that call*; the hook fires right
 before the node's backward and tells the dispatcher to run the plain variant once. A forward
-outside ``no_sync`` registers nothing: synchronising steps pay no hook.
+outside ``no_sync`` registers nothing: synchronising steps pay no hook (with an optimizer or a
+traced hook the step keeps a weak reference to the node: :mod:`graphddp.step`).
 
 With an optimizer attached (:mod:`graphddp.optim`) the synchronising variant also updates
 the parameters after each bucket's wait. A step it cannot update alone (the backend's rule,
@@ -172,7 +173,7 @@ class BackwardDispatch:
         schedule = synced.schedule
         if schedule.buckets:
             check_in_band(synced.layout, self.group, f"backward graph {schedule.graph_index}", synced.digest)
-        self.step.synchronising_backward()
+        self.step.synchronising_backward(schedule.graph_index)
         if self._on_sync is not None:
             self._on_sync(synced)
         args.extend(synced.hook_args())  # inputs after the graph's own, before the update's
