@@ -301,3 +301,27 @@ def test_a_warm_restart_after_recompiles_hits_the_cache_and_equals_ddp(tmp_path)
         assert cold["counters"].get("compile_cache_miss", 0) >= 2, cold
         assert warm["counters"].get("compile_cache_hit") == warm["graphs"], warm
         assert not {"compile_cache_miss", "compile_cache_stale", "compile_cache_replanned"} & set(warm["counters"]), warm
+
+
+def test_one_rank_keeps_updating_in_the_graph_after_a_shape_change(fake_world) -> None:
+    """The issue's second case as reported: HF GPT-2, optimizer=AdamW, one rank; after (4, 16)
+    batches a (3, 12) batch recompiles, and every parameter keeps stepping, in the graph."""
+    fake_world(1)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _gpt2()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = _optimizer("adamw", model.parameters()), _optimizer("adamw", ref.parameters())
+    ours = graphddp.compile(model, optimizer=opt, backend="aot_eager")
+    for step, shape in enumerate([(4, 16), (4, 16), SHORT, SHORT]):
+        x = _tokens(0, step, shape)
+        ours(input_ids=x, labels=x).loss.backward()
+        ref(input_ids=x, labels=x).loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert p.grad is None, f"step {step}: {name}.grad kept"
+            assert opt.state[p]["step"].item() == step + 1, f"step {step}: {name} stepped {opt.state[p]['step'].item()} times"
+            torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {step} {name}: {m}")
+    graphs = [s for s in ours._backend.states if s.steps_in_graph]
+    assert len(graphs) == 2 and all(not r.fallbacks for r in ours.records), [r.fallbacks for r in ours.records]
