@@ -257,11 +257,18 @@ def test_recompile_matrix_under_inductor() -> None:
 APART = Trigger(_gpt2, _lm_loss, (Step(), Step(), Step(SHORT, on_rank=0), Step(SHORT, on_rank=0), Step((2, 10), on_rank=1)))
 
 
+# An auto plan whose buckets follow the compute: a static graph's costs and a dynamic graph's
+# (symbolic sizes cost nothing) give different partitions, unless the recompile takes its
+# frame's plan.
+COSTED = Feature(options={"cost": graphddp.CostModel(bandwidth_gbps=0.5, latency_us=20.0, compute_tflops=1e-5)})
+
+
 def _apart(rank: int, world: int) -> None:
     """One rank gets a short batch (recompiling, then with dynamic shapes), the other does not:
-    the default auto plan, the in-graph AdamW and PowerSGD still equal DDP's, with no hang."""
-    for name in ("plain", "adamw_in_graph", "powersgd"):
-        ours = train_cell(APART, FEATURES[name], rank, what=f"ranks apart x {name}")
+    the default auto plan, one that follows the compute, the in-graph AdamW and PowerSGD still
+    equal DDP's, with no hang."""
+    for name, feature in [("costed", COSTED)] + [(n, FEATURES[n]) for n in ("plain", "adamw_in_graph", "powersgd")]:
+        ours = train_cell(APART, feature, rank, what=f"ranks apart x {name}")
         layouts = {r.schedule.fingerprint() for r in ours.records if r.schedule.buckets}
         assert len(ours.records) >= 3 and len({tuple(b.param_names for b in r.schedule.buckets) for r in ours.records if r.schedule.buckets}) == 1, layouts
 
