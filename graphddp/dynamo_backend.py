@@ -4,8 +4,8 @@ Dynamo hands each captured forward graph to :class:`GraphDDPBackend`. AOTAutogra
 into forward and backward ATen graphs; the backward one goes through
 capture -> plan -> insert_allreduce -> verify before the inner compiler sees it:
 
-* ``inductor``: :func:`torch._inductor.compile_fx.compile_fx` with our pass wrapped around
-  its ``inner_compile``, so inductor's own decompositions, partitioner and joint-graph
+* ``inductor`` (:mod:`graphddp.inductor_compile`): :func:`torch._inductor.compile_fx.compile_fx`
+  with our pass wrapped around its ``inner_compile``, so inductor's own decompositions, partitioner and joint-graph
   passes run unchanged. Inductor's comm reordering runs ``raise_comms`` then ``sink_waits``
   so each all-reduce is issued as soon as its bucket is ready and its wait stays late (with
   default settings inductor issues and waits them back to back: no overlap). The
@@ -47,14 +47,16 @@ from torch._functorch.aot_autograd import make_boxed_func
 from graphddp import compile_cache
 from graphddp.capture import extract_facts, parameter_of_inputs
 from graphddp.comm import BUCKET_KEY, ROLE_KEY, group_name_of, wire_bytes
-from graphddp.config import INDUCTOR_PINNED_CONFIG, DDPConfig
+from graphddp.config import DDPConfig
+from graphddp.frames import FramePlans
+from graphddp.inductor_compile import compile_inductor
 from graphddp.optim import AttachedOptimizer
 from graphddp.passes import insert_allreduce, insert_update
 from graphddp.passes.insert_allreduce import HOOK_STATE, HOOK_STATE_SPEC, HookContext
 from graphddp.passes.insert_update import ALIAS_OF, UpdateInputs
 from graphddp.planner import plan, production_order, with_updates, with_wire_bytes
 from graphddp.record import GraphRecord
-from graphddp.schedule import GradSlot, Schedule
+from graphddp.schedule import Schedule
 from graphddp.step import StepState, current_frame
 from graphddp.user_hooks import HookState
 from graphddp.variants import BackwardDispatch, GraphState, InGraphUpdate, Synced, compiled_backward_node
@@ -101,13 +103,7 @@ class GraphDDPBackend:
         self.hook_state = HookState(self.hook) if self.hook is not None else None
         self._hook_context = HookContext(group, dict(parameters or {}))
         self.dispatches: dict[int, BackwardDispatch] = {}
-        # Per frame, the bucket partitions planned so far: a recompile of the frame whose
-        # gradients are the same reuses one, so ranks that recompile at different steps (or
-        # plan a dynamic-shape graph) still put the same buckets on the wire.
-        self._frame_plans: dict[int, list[tuple[tuple[GradSlot, ...], ...]]] = {}
-        # Per frame and bucket layout, the first (graph, bucket) with it: its hook state is the
-        # state of every later bucket of the frame with the same layout (HookState.share).
-        self._bucket_owners: dict[tuple[int, Any], tuple[int, int]] = {}
+        self.frames = FramePlans()  # what a recompile inherits from its frame's graphs
         # Warnings about updates left to torch's step, once per graph and reason.
         self._warned: set[tuple[int, str]] = set()
         if self.hook is not None:
@@ -203,7 +199,7 @@ class GraphDDPBackend:
         if self.config.backend == "inductor":
             phase = self._phase()
             cache = compile_cache.plan_key(self, gm, example_inputs, param_inputs, graph_index, phase)
-            return _compile_inductor(gm, example_inputs, record_forward, rewrite, dispatch, inductor_patches, phase, graph_index, cache)
+            return compile_inductor(gm, example_inputs, record_forward, rewrite, dispatch, inductor_patches, phase, graph_index, cache)
         run = _interpret if self.config.backend == "eager" else _as_is
 
         def bw_compiler(bw: fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -238,10 +234,9 @@ class GraphDDPBackend:
         ]
         if not specs:
             return list
-        frame = self.step.graphs[graph_index].frame
-        for bucket in record.schedule.buckets if frame is not None else ():
-            owner = self._bucket_owners.setdefault((frame, bucket.wire()), (graph_index, bucket.index))
-            self.hook_state.share(graph_index, bucket.index, owner)
+        frame = self._frame(graph_index)
+        for bucket in record.schedule.buckets:
+            self.hook_state.share(graph_index, bucket.index, self.frames.owner(frame, graph_index, bucket))
         tensors = [self.hook_state.allocate(graph_index, bucket, [spec])[0] for bucket, spec in specs]  # type: ignore[union-attr]
         return lambda: list(tensors)
 
@@ -313,28 +308,26 @@ class GraphDDPBackend:
             stacklevel=2,
         )
 
+    def _frame(self, graph_index: int) -> int | None:
+        """Graph ``graph_index``'s Dynamo frame (None for a graph the step never saw: a test's)."""
+        return self.step.graphs[graph_index].frame if graph_index < len(self.step.graphs) else None
+
     def plan_graph(self, facts: Any, graph_index: int, unreduced: tuple[str, ...], hook: str | None = None) -> Schedule:
-        """The planner on one graph's facts. A recompile of a frame whose gradients an earlier
-        graph of that frame also produces gets that graph's buckets (``plan(like=)``): ranks
-        that recompile at different steps, or plan a dynamic-shape graph, agree, and a traced
-        hook sees DDP's buckets (zeros where a parameter stopped taking a gradient)."""
-        frame = self.step.graphs[graph_index].frame if graph_index < len(self.step.graphs) else None
-        plans = self._frame_plans.setdefault(frame, []) if frame is not None else []
-        names = set(production_order(facts))
-        like = next((p for p in plans if names <= {s.param_name for b in p for s in b}), None)
+        """The planner on one graph's facts; a recompile takes its frame's buckets
+        (:mod:`graphddp.frames`: zeros where a parameter stopped taking a gradient, with a hook)."""
+        frame = self._frame(graph_index)
+        like = self.frames.like(frame, production_order(facts))
         schedule = plan(
             facts, self.config, world_size=self.world_size, group_name=self.group_name, graph_index=graph_index,
             unreduced=unreduced, hook=hook, like=like,
         )
-        if like is None and frame is not None:
-            plans.append(tuple(b.slots for b in schedule.buckets))
+        if like is None:
+            self.frames.add(frame, schedule)
         return schedule
 
     def frame_plans(self, graph_index: int) -> list[Any]:
-        """The plans :meth:`plan_graph` may reuse for graph ``graph_index`` (part of the
-        compile cache's key): per earlier plan of its frame, the parameter names per bucket."""
-        frame = self.step.graphs[graph_index].frame if graph_index < len(self.step.graphs) else None
-        return [tuple(tuple(s.param_name for s in b) for b in p) for p in self._frame_plans.get(frame, [])]
+        """The plans :meth:`plan_graph` may reuse for graph ``graph_index`` (the compile cache's key)."""
+        return self.frames.names(self._frame(graph_index))
 
     def rewrite_backward(
         self, gm: fx.GraphModule, param_inputs: Mapping[int, str], graph_index: int,
@@ -431,190 +424,3 @@ def _as_is(gm: fx.GraphModule) -> Callable[..., Any]:
 
 def _interpret(gm: fx.GraphModule) -> Callable[..., Any]:
     return lambda *args: fx.Interpreter(gm).run(*args)
-
-
-def _compile_inductor(
-    gm: fx.GraphModule,
-    example_inputs: Sequence[Any],
-    record_forward: Callable[[fx.GraphModule], None],
-    rewrite: Callable[[fx.GraphModule], dict[str, GraphRecord]],
-    dispatch: Callable[..., BackwardDispatch],
-    patches: dict[str, Any],
-    phase_now: str,
-    graph_index: int = 0,
-    cache: compile_cache.Key | None = None,
-) -> Callable[..., Any]:
-    """Inductor's compile_fx under the user's ``patches`` (mode and options), with graphddp's
-    pinned settings on top of them for every inner compile. The backward of the phase in use
-    now is compiled now; the other variants the first time a step needs them.
-
-    With a ``cache`` key (:func:`graphddp.compile_cache.plan_key`) the AOTAutograd cache is on
-    for this graph: a miss compiles as without it and caches the rewritten backward beside
-    graphddp's entry; a hit builds the same dispatcher around the cached code and this run's
-    plan (checked to be the cached one), and compiles the rest once, cold, if it is ever needed
-    (:mod:`graphddp.compile_cache`).
-    """
-    from torch._functorch import config as functorch_config
-    from torch._inductor import config as inductor_config
-    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    def inner_compiler(finish: Callable[..., Any], on_forward: Callable[[Any, bool], None]) -> Callable[..., Any]:
-        """compile_fx's inner compile with the rewrite of the backward; ``finish(records, synced,
-        grads, plain, compiled, facts)`` makes what AOTAutograd runs as the backward."""
-
-        def inner_compile(graph: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
-            with inductor_config.patch(INDUCTOR_PINNED_CONFIG):
-                if not kwargs.get("is_backward", False):
-                    record_forward(graph)
-                    code = compile_fx_inner(graph, inputs, **kwargs)
-                    on_forward(code, bool(kwargs.get("is_inference", False)))
-                    return code
-                plain = copy.deepcopy(graph)
-                # As at a backward compiled lazily, outside the fake mode: the planner computes
-                # with real tensors (a backward compiled at once, for dynamic shapes or by a
-                # cache hit's derivation, runs inside it).
-                with unset_fake_temporarily():
-                    facts = cache.facts(plain) if cache is not None else None
-                    records = rewrite(graph)
-                now = records[phase_now]
-                # Inductor rewrites what it compiles in place (on an FX-graph cache miss only):
-                # the record keeps graphddp's graph, the same whether inductor compiled or loaded.
-                compiled = compile_fx_inner(copy.deepcopy(now.graph), list(inputs) + now.extra_inputs(), **kwargs)
-            now.generated_code = getattr(compiled, "source_code", None)
-
-            def synced(record: GraphRecord) -> Callable[[], Any]:
-                later = _later(compile_fx_inner, record.graph, list(inputs) + record.extra_inputs(), kwargs, patches)
-
-                def compile_and_record() -> Any:
-                    code = later()
-                    record.generated_code = getattr(code, "source_code", None)
-                    return code
-
-                return compile_and_record
-
-            def grads(record: GraphRecord) -> Callable[[], Any] | None:
-                if record.without_update is None:
-                    return None
-                return _later(compile_fx_inner, record.without_update, list(inputs) + record.hook_inputs(), kwargs, patches)
-
-            return finish(records, synced, grads, _later(compile_fx_inner, plain, inputs, kwargs, patches), compiled, facts)
-
-        return inner_compile
-
-    def run_compile_fx(
-        inputs: Sequence[Any], finish: Callable[..., Any], on_forward: Callable[[Any, bool], None] = lambda code, inference: None,
-        catcher: Any = None, eager_backward: bool = False,
-    ) -> Callable[..., Any]:
-        """compile_fx with the AOTAutograd cache on (with a ``catcher``) or off; ``eager_backward``
-        compiles the backward now instead of at the first backward."""
-        functorch_patches: dict[str, Any] = {"enable_autograd_cache": catcher is not None}
-        inductor_patches = dict(patches)
-        if catcher is not None:
-            functorch_patches["bundled_autograd_cache"] = False
-            inductor_patches["cudagraph_policy"] = catcher
-            setattr(gm, compile_cache.GM_ATTRIBUTE, cache.key)  # type: ignore[union-attr] # AOTAutograd hashes it
-        if eager_backward:
-            functorch_patches["force_non_lazy_backward_lowering"] = True
-        with functorch_config.patch(functorch_patches), inductor_config.patch(inductor_patches):
-            return compile_fx(gm, inputs, inner_compile=inner_compiler(finish, on_forward))
-
-    def finish_cold(records: dict[str, GraphRecord], synced: Any, grads: Any, plain: Any, compiled: Any, facts: Any) -> BackwardDispatch:
-        return dispatch(records, synced, grads, plain, {phase_now: compiled})
-
-    if cache is None:
-        return run_compile_fx(example_inputs, finish_cold)
-
-    entry = compile_cache.load(cache.key)
-    plan_now = None  # this run's plan of the cached backward graph
-    if entry is not None and entry.bw_key is not None:
-        plan_now = cache.replan(entry)
-        if plan_now is None or plan_now.fingerprint() != entry.schedule.fingerprint():
-            # Another plan than the cached code's (bucket_cap_mb="auto" under a cost model
-            # calibrated anew): compile cold, and leave both entries to the plan they hold.
-            compile_cache.count("replanned")
-            return run_compile_fx(example_inputs, finish_cold)
-    catcher = compile_cache.hit_catcher(entry, inductor_config.cudagraph_policy)
-    forward: dict[str, Any] = {}
-
-    def on_forward(code: Any, is_inference: bool) -> None:
-        """This compile runs cold (nothing loaded can be a hit); an inference graph (no
-        backward, nothing of graphddp's in it) has its entry now."""
-        catcher.armed = False
-        forward["key"] = compile_cache.fx_key(code)
-        if is_inference and forward["key"] is not None:
-            compile_cache.store(cache.key, compile_cache.Entry(forward["key"], None, phase_now))
-
-    def finish_and_store(records: dict[str, GraphRecord], synced: Any, grads: Any, plain: Any, compiled: Any, facts: Any) -> BackwardDispatch:
-        """The cold dispatcher; graphddp's entry is written before AOTAutograd writes its own,
-        if the plan is the planner's alone (replanning the facts gives it back)."""
-        backward = finish_cold(records, synced, grads, plain, compiled, facts)
-        fw_key, bw_key, schedule = forward.get("key"), compile_cache.fx_key(compiled), records[phase_now].schedule
-        if (
-            fw_key is not None and bw_key is not None and len(records) == 1
-            and cache.cacheable(facts, schedule)
-            and compile_cache.store(cache.key, compile_cache.Entry(fw_key, bw_key, phase_now, schedule, facts))
-        ):
-            compile_cache.mark_cacheable(backward, compiled)
-        return backward
-
-    compiled_fn = run_compile_fx(example_inputs, finish_and_store, on_forward, catcher)
-    if "key" in forward:  # a miss: compiled cold; the backward and both entries at the first backward
-        compile_cache.count("miss")
-        return compiled_fn
-    if catcher.hit and entry is not None and entry.bw_key is None:  # an inference graph: nothing to rewrite
-        compile_cache.count("hit")
-        return compiled_fn
-    if not catcher.hit or catcher.proxy is None or entry is None or plan_now is None:
-        # AOTAutograd hit an entry that graphddp's does not name (none, or another plan's):
-        # compile cold, and write graphddp's entry for the next run.
-        compile_cache.count("stale")
-        return run_compile_fx(example_inputs, finish_and_store, on_forward)
-
-    def compile_cold(inputs: Sequence[Any]) -> compile_cache.Derived:
-        """What a miss compiles, for what the cache does not hold (the compile is the same,
-        inductor's compiles hit its FX-graph cache); the backward compiled now."""
-        got: dict[str, Any] = {}
-
-        def finish_derived(records: dict[str, GraphRecord], synced: Any, grads: Any, plain: Any, compiled: Any, facts: Any) -> Any:
-            got.update(records=records, plain=plain, bw_key=compile_cache.fx_key(compiled))
-            return compiled
-
-        def on_derived_forward(code: Any, is_inference: bool) -> None:
-            got["fw_key"] = compile_cache.fx_key(code)
-
-        run_compile_fx(inputs, finish_derived, on_derived_forward, eager_backward=True)
-        return compile_cache.Derived(got["records"], got["plain"], got.get("fw_key"), got.get("bw_key"))
-
-    derivation = compile_cache.Derivation(graph_index, entry, plan_now, compile_cold, example_inputs)
-    record = compile_cache.hit_record(plan_now, getattr(catcher.bw_code, "source_code", None), phase_now, derivation)
-    compile_cache.log_hit(graph_index, plan_now)
-    backward = dispatch(  # one phase (no traced hook), no update (no optimizer): see plan_key
-        {phase_now: record}, lambda record: (lambda: catcher.bw_code), lambda record: None,
-        lambda: derivation.get().plain(), {phase_now: catcher.bw_code},
-    )
-    catcher.proxy.target = backward
-    return compiled_fn
-
-
-def _later(
-    compile_inner: Callable[..., Any], graph: fx.GraphModule, inputs: Sequence[Any], kwargs: dict, patches: dict[str, Any]
-) -> Callable[[], Any]:
-    """Compile ``graph`` on first use, in the tracing and compile context of now.
-
-    The local (``no_sync``) backward is compiled only if a step ever needs it, the way
-    AOTAutograd compiles its own backward lazily: under the saved contexts, so shape
-    guards and fake tensors are the ones the graph was traced with.
-    """
-    from torch._dynamo.convert_frame import compile_lock
-    from torch._guards import CompileContext, TracingContext, compile_context, tracing
-    from torch._inductor import config as inductor_config
-
-    saved_tracing, saved_compile = TracingContext.try_get(), CompileContext.try_get()
-
-    def compile_now() -> Any:
-        pinned = {**patches, **INDUCTOR_PINNED_CONFIG}
-        with compile_lock, tracing(saved_tracing), compile_context(saved_compile), inductor_config.patch(pinned):
-            return compile_inner(graph, inputs, **kwargs)
-
-    return compile_now
