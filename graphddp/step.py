@@ -76,8 +76,8 @@ class StepState:
     """The state of the current step (module docstring). One per model replica."""
 
     def __init__(self, track_runs: bool = True) -> None:
-        # Recording each forward's backward node costs a walk and a pre-hook per graph and
-        # step; only the optimizer inside the backward and a traced hook ask which graphs ran.
+        # Recording each forward's backward node costs a walk to it and a weak reference per
+        # graph and step; only the optimizer inside the backward and a traced hook ask for it.
         self.track_runs = track_runs
         self.graphs: list[GraphEntry] = []
         self.sync = True  # the user's switch: cleared inside no_sync()
@@ -94,11 +94,6 @@ class StepState:
         entry = GraphEntry(len(self.graphs), frame, frozenset(params))
         self.graphs.append(entry)
         return entry
-
-    def alternatives(self, index: int) -> list[GraphEntry]:
-        """Earlier graphs of the same frame as graph ``index``: the ones it may replace."""
-        frame = self.graphs[index].frame
-        return [g for g in self.graphs[:index] if frame is not None and g.frame == frame]
 
     def in_other_frames(self, index: int) -> set[str]:
         """Parameters that graphs of other frames read, which may run in the same step as
@@ -159,9 +154,10 @@ class StepState:
         the first of its runs not started yet is this one; with two alive the graph falls back
         either way); the step ends when the whole backward is done (a callback queued once per
         backward, when anything listens or runs were recorded)."""
-        run = next((r for r in self._runs.get(index, ()) if not r.started and r.node() is not None), None) if index is not None else None
-        if run is not None:
-            run.started = True
+        for run in self._runs.get(index, ()) if index is not None else ():
+            if not run.started and run.node() is not None:
+                run.started = True
+                break
         if self._end_queued or not (self._listeners or self._runs):
             return
         self._end_queued = True
