@@ -289,15 +289,18 @@ def _restart(rank: int, world: int, cache_dirs: list[str], out: str) -> None:
 
     counters.clear()
     graphs = 0
-    for name in CACHED:
-        ours = train_cell(TRIGGERS["python_flag"], FEATURES[name], rank, "inductor", what=f"restart x {name}")
-        graphs += len(ours._backend.step.graphs)
+    for trigger in ("python_flag", "requires_grad"):
+        for name in CACHED:
+            ours = train_cell(TRIGGERS[trigger], FEATURES[name], rank, "inductor", what=f"restart {trigger} x {name}")
+            graphs += len(ours._backend.step.graphs)
     with open(f"{out}.{rank}", "w") as f:
         json.dump({"counters": dict(counters["graphddp"]), "graphs": graphs}, f)
 
 
 def test_a_warm_restart_after_recompiles_hits_the_cache_and_equals_ddp(tmp_path) -> None:
-    """Both graphs of the recompiled frame come from the cache on a restart, and train like DDP."""
+    """Every graph of a recompiled frame (a Python flag; requires_grad toggled, where the
+    recompile takes its frame's buckets less the frozen layer) comes from the cache on a
+    restart, and trains like DDP."""
     dirs = [str(tmp_path / "cache0"), str(tmp_path / "cache1")]
     reports = {}
     for run in ("cold", "warm"):
