@@ -313,16 +313,22 @@ def test_a_warm_restart_after_recompiles_hits_the_cache_and_equals_ddp(tmp_path)
         assert not {"compile_cache_miss", "compile_cache_stale", "compile_cache_replanned"} & set(warm["counters"]), warm
 
 
-def test_one_rank_keeps_updating_in_the_graph_after_a_shape_change(fake_world) -> None:
+@pytest.mark.parametrize("form", ["compile", "backend"])
+def test_one_rank_keeps_updating_in_the_graph_after_a_shape_change(fake_world, form: str) -> None:
     """The issue's second case as reported: HF GPT-2, optimizer=AdamW, one rank; after (4, 16)
-    batches a (3, 12) batch recompiles, and every parameter keeps stepping, in the graph."""
+    batches a (3, 12) batch recompiles, and every parameter keeps stepping, in the graph; also
+    through ``torch.compile(model, backend=graphddp.backend(model, optimizer=))``."""
     fake_world(1)
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = _gpt2()
     ref = copy.deepcopy(model)
     opt, ref_opt = _optimizer("adamw", model.parameters()), _optimizer("adamw", ref.parameters())
-    ours = graphddp.compile(model, optimizer=opt, backend="aot_eager")
+    if form == "compile":
+        ours = view = graphddp.compile(model, optimizer=opt, backend="aot_eager")
+    else:
+        view = graphddp.backend(model, optimizer=opt, backend="aot_eager")
+        ours = torch.compile(model, backend=view)
     for step, shape in enumerate([(4, 16), (4, 16), SHORT, SHORT]):
         x = _tokens(0, step, shape)
         ours(input_ids=x, labels=x).loss.backward()
@@ -333,5 +339,5 @@ def test_one_rank_keeps_updating_in_the_graph_after_a_shape_change(fake_world) -
             assert p.grad is None, f"step {step}: {name}.grad kept"
             assert opt.state[p]["step"].item() == step + 1, f"step {step}: {name} stepped {opt.state[p]['step'].item()} times"
             torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {step} {name}: {m}")
-    graphs = [s for s in ours._backend.states if s.steps_in_graph]
-    assert len(graphs) == 2 and all(not r.fallbacks for r in ours.records), [r.fallbacks for r in ours.records]
+    graphs = [s for s in view._replica.backend.states if s.steps_in_graph]
+    assert len(graphs) == 2 and all(not r.fallbacks for r in view.records), [r.fallbacks for r in view.records]
