@@ -54,7 +54,7 @@ from graphddp.optim import AttachedOptimizer
 from graphddp.passes import insert_allreduce, insert_update
 from graphddp.passes.insert_allreduce import HOOK_STATE, HOOK_STATE_SPEC, HookContext
 from graphddp.passes.insert_update import ALIAS_OF, UpdateInputs
-from graphddp.planner import plan, production_order, with_updates, with_wire_bytes
+from graphddp.planner import plan, with_updates, with_wire_bytes
 from graphddp.record import GraphRecord
 from graphddp.schedule import Schedule
 from graphddp.step import StepState, current_frame
@@ -316,7 +316,7 @@ class GraphDDPBackend:
         """The planner on one graph's facts; a recompile takes its frame's buckets
         (:mod:`graphddp.frames`: zeros where a parameter stopped taking a gradient, with a hook)."""
         frame = self._frame(graph_index)
-        like = self.frames.like(frame, production_order(facts))
+        like = self.frames.like(frame, (s.param_name for s in facts.slots))
         schedule = plan(
             facts, self.config, world_size=self.world_size, group_name=self.group_name, graph_index=graph_index,
             unreduced=unreduced, hook=hook, like=like,

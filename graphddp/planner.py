@@ -46,11 +46,6 @@ def _order(slot: GradSlot) -> tuple[int, int]:
     return (slot.position, slot.output_index)
 
 
-def production_order(facts: GraphFacts) -> tuple[str, ...]:
-    """The parameters whose gradients the backward produces, in production order."""
-    return tuple(s.param_name for s in sorted(facts.slots, key=_order))
-
-
 def partition(
     slots: tuple[GradSlot, ...], config: DDPConfig, nodes: tuple[NodeFact, ...] = (), world_size: int = 1,
     like: tuple[tuple[GradSlot, ...], ...] | None = None, fill: bool = False,
@@ -165,9 +160,11 @@ def plan(
     (the process group), recorded in the Schedule: the divisor and the group of every
     all-reduce. The buckets do not depend on them. ``hook`` names a user's traced hook
     (``graphddp.user_hooks``) that every bucket runs instead of the all-reduce. ``like``: the
-    buckets (parameter names, in order) of an earlier plan of the same gradients, kept as they
-    are: a recompiled graph puts the same buckets on the wire as the graph it replaces, on
-    every rank, whatever its sizes or costs (:func:`partition`).
+    buckets (their slots) of an earlier plan of these gradients or more, kept as they are and
+    in their order: a recompiled graph puts the same buckets on the wire as the graph it
+    replaces, on every rank, whatever its sizes or costs (:func:`partition`). With a ``hook``
+    a gradient the earlier plan had and this graph lacks keeps its place as zeros (DDP's hook
+    sees the same bucket, zeros for an unused parameter); without one it leaves the bucket.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")

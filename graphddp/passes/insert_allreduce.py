@@ -28,7 +28,9 @@ Fields read, and what each one decides:
 * ``Bucket.slots`` in order, with ``Bucket.offsets()``: the layout of the flat buffer. Per
   slot, ``output_index`` says which output is flattened and replaced, ``numel`` and
   ``shape`` size the flatten and unflatten views. ``producer``, ``shape`` and ``dtype`` are
-  checked against the graph (the output must be that node, of that shape and dtype).
+  checked against the graph (the output must be that node, of that shape and dtype). A
+  zero-filled slot (``GradSlot.zero_filled``: the graph has no gradient for it) is filled
+  from a ``zeros`` node made for it after the placeholders, and no output is replaced.
 * ``Bucket.dtype`` / ``Bucket.device``: checked against every slot's gradient; ``dtype`` is
   what the hook's decompress must return.
 * ``Bucket.comm_dtype``: the dtype on the wire (None: ``dtype``). It picks the built-in hook
@@ -282,11 +284,11 @@ def _hook_advice(e: Exception) -> str:
 
 
 def _trace_user_bucket(
-    p: _Placement, outs: Sequence[Any], zeros: Mapping[str, fx.Node], schedule: Schedule, hook: TracedHook, ctx: HookContext
+    p: _Placement, outs: Sequence[Any], zeros: Mapping[str, torch.Tensor], schedule: Schedule, hook: TracedHook, ctx: HookContext
 ) -> _Traced:
     bucket = p.bucket
     what = f"comm hook {hook.name!r} on bucket {bucket.index}"
-    grads = [_gradient(slot, outs, zeros).meta["val"] for slot in bucket.slots]
+    grads = [_value(slot, outs, zeros) for slot in bucket.slots]
     fake_mode = detect_fake_mode(tuple(grads))
     try:
         dry = _user_fn(bucket, hook, schedule, ctx, None)
@@ -359,38 +361,44 @@ def _late_part(gm: fx.GraphModule, what: str) -> frozenset[fx.Node]:
     return late
 
 
-def _trace_bucket(p: _Placement, outs: Sequence[Any], zeros: Mapping[str, fx.Node], schedule: Schedule, hook: hooks.CommHook) -> _Traced:
+def _trace_bucket(p: _Placement, outs: Sequence[Any], zeros: Mapping[str, torch.Tensor], schedule: Schedule, hook: hooks.CommHook) -> _Traced:
     """The built-in hook's bucket traced on the fake values of its gradients; edits nothing."""
     what = f"bucket {p.bucket.index} (hook {hook.name!r})"
-    grads = [_gradient(slot, outs, zeros).meta["val"] for slot in p.bucket.slots]
+    grads = [_value(slot, outs, zeros) for slot in p.bucket.slots]
     gm = trace(_builtin_fn(p.bucket, hook, schedule), grads, what)
     return _Traced(p, gm, _late_part(gm, what), ())
 
 
-def _zeros(graph: fx.Graph, schedule: Schedule) -> dict[str, fx.Node]:
-    """One zeros node per zero-filled slot (:attr:`GradSlot.zero_filled`), right after the
-    placeholders; nodes only the bucket's function reads (DCE removes them if unused)."""
-    slots = [(b, s) for b in schedule.buckets for s in b.slots if s.zero_filled]
+def _zero_values(graph: fx.Graph, schedule: Schedule) -> dict[str, torch.Tensor]:
+    """Fake zeros for every zero-filled slot (:attr:`GradSlot.zero_filled`): what the buckets'
+    functions are traced on in its place, made before any edit."""
+    slots = [s for b in schedule.buckets for s in b.slots if s.zero_filled]
     if not slots:
         return {}
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    fake_mode = detect_fake_mode(tuple(n.meta.get("val") for n in placeholders))
+    fake_mode = detect_fake_mode(tuple(n.meta.get("val") for n in graph.nodes if n.op == "placeholder"))
+    with fake_mode:
+        return {s.param_name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype), device=torch.device(s.device)) for s in slots}
+
+
+def _add_zeros(graph: fx.Graph, schedule: Schedule, values: Mapping[str, torch.Tensor]) -> dict[str, fx.Node]:
+    """One zeros node per zero-filled slot, right after the placeholders, tagged with its bucket."""
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
     out: dict[str, fx.Node] = {}
-    for bucket, slot in slots:
-        dtype, device = getattr(torch, slot.dtype), torch.device(slot.device)
-        with graph.inserting_after(placeholders[-1]):
-            node = graph.call_function(aten.zeros.default, (list(slot.shape),), {"dtype": dtype, "device": device})
-        with fake_mode:
-            node.meta["val"] = torch.zeros(slot.shape, dtype=dtype, device=device)
-        node.meta[BUCKET_KEY] = bucket.index
-        node.meta[ROLE_KEY] = ZERO_FILL
-        out[slot.param_name] = node
+    for bucket in schedule.buckets:
+        for slot in bucket.slots:
+            if not slot.zero_filled:
+                continue
+            val = values[slot.param_name]
+            with graph.inserting_after(last):
+                node = graph.call_function(aten.zeros.default, (list(slot.shape),), {"dtype": val.dtype, "device": val.device})
+            node.meta.update({"val": val, BUCKET_KEY: bucket.index, ROLE_KEY: ZERO_FILL})
+            out[slot.param_name] = last = node
     return out
 
 
-def _gradient(slot: GradSlot, outs: Sequence[Any], zeros: Mapping[str, fx.Node]) -> fx.Node:
-    """The node a slot's place in its bucket is filled from: its gradient, or zeros."""
-    return zeros[slot.param_name] if slot.zero_filled else outs[slot.output_index]
+def _value(slot: GradSlot, outs: Sequence[Any], zeros: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The fake value a slot's place in its bucket is traced on: its gradient's, or zeros."""
+    return zeros[slot.param_name] if slot.zero_filled else outs[slot.output_index].meta["val"]
 
 
 def _add_state_inputs(graph: fx.Graph, traced: Sequence[_Traced]) -> dict[int, list[fx.Node]]:
@@ -429,21 +437,15 @@ def insert_allreduce(
     output = graph.output_node()
     outs: list[Any] = list(output.args[0])
     placements = _place(gm, schedule, outs)
-    # The first edit, before tracing (which reads their fake values): zeros nodes that only the
-    # buckets' functions will read, so a failed trace leaves nodes dead code removes, no change.
-    zeros = _zeros(graph, schedule)
-    try:
-        if isinstance(hook, TracedHook):
-            ctx = context or HookContext(group=None)
-            traced = [_trace_user_bucket(p, outs, zeros, schedule, hook, ctx) for p in placements]
-        else:
-            traced = [_trace_bucket(p, outs, zeros, schedule, hook or hooks.for_bucket(p.bucket)) for p in placements]
-    except Exception:
-        for node in zeros.values():
-            graph.erase_node(node)
-        raise
+    zero_values = _zero_values(graph, schedule)
+    if isinstance(hook, TracedHook):
+        ctx = context or HookContext(group=None)
+        traced = [_trace_user_bucket(p, outs, zero_values, schedule, hook, ctx) for p in placements]
+    else:
+        traced = [_trace_bucket(p, outs, zero_values, schedule, hook or hooks.for_bucket(p.bucket)) for p in placements]
     # Edits start here, once every bucket has been placed and traced.
     states = _add_state_inputs(graph, traced)
+    zeros = _add_zeros(graph, schedule, zero_values)
     # Buckets issued at the start go after the placeholders and the zeros they may read.
     zero_nodes = set(zeros.values())
     last_placeholder = [n for n in graph.nodes if n.op == "placeholder" or n in zero_nodes][-1]
@@ -451,7 +453,7 @@ def insert_allreduce(
     results = []
     for t in traced:
         p = t.placement
-        grads = [_gradient(slot, outs, zeros) for slot in p.bucket.slots]
+        grads = [zeros[slot.param_name] if slot.zero_filled else outs[slot.output_index] for slot in p.bucket.slots]
         issue = last_placeholder if p.issue.op == "placeholder" else p.issue
         early = cursor.get(issue, issue).next
         views = splice(graph, t.gm, grads + states.get(p.bucket.index, []), early, p.bucket.index, late=(t.late, p.wait))
