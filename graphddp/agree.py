@@ -92,6 +92,40 @@ def check_in_band(
     raise ScheduleMismatchError(describe_mismatch(layouts, what))
 
 
+def probe(layout: Any, flags: Sequence[bool], group: Any, what: str) -> tuple[bool, tuple[bool, ...]]:
+    """Do all ranks pass an equal ``layout`` here, and which ``flags`` does any rank raise?
+
+    One MAX all-reduce of ``[h, -h, *flags]``: fixed-size, so it pairs with any other rank's
+    probe whatever its layout, and every rank reads the same answer. The caller decides what a
+    difference means (:meth:`graphddp.step.StepState.agree`: a divergent step, not an error).
+    """
+    if dist.get_world_size(group) == 1 or _is_fake(group):
+        return True, tuple(bool(f) for f in flags)
+    h = layout_hash(layout)
+    with unset_fake_temporarily():
+        t = torch.tensor([h, -h, *(int(bool(f)) for f in flags)], dtype=torch.int64, device=_device(group))
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        except Exception as e:  # noqa: BLE001 - any backend failure, re-raised with context
+            raise CollectiveError(
+                f"graphddp: the agreement before the gradient all-reduces of {what} failed "
+                f"({type(e).__name__}); a peer may have died or timed out. Original error: {e}"
+            ) from e
+        values = [int(v) for v in t.tolist()]
+    return values[0] == -values[1], tuple(v != 0 for v in values[2:])
+
+
+def any_rank(bits: Sequence[bool], group: Any) -> list[bool]:
+    """Per position, whether any rank of ``group`` passes True (a MAX all-reduce); every rank
+    must pass the same number of bits."""
+    if dist.get_world_size(group) == 1 or _is_fake(group) or not bits:
+        return [bool(b) for b in bits]
+    with unset_fake_temporarily():
+        t = torch.tensor([int(bool(b)) for b in bits], dtype=torch.int64, device=_device(group))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return [v != 0 for v in t.tolist()]
+
+
 def describe_mismatch(layouts: Sequence[tuple[int, tuple[WireBucket, ...]]], what: str) -> str:
     """Name the first bucket (and parameter) where some rank's layout differs from rank 0's."""
     base_world, base = layouts[0]
@@ -118,6 +152,13 @@ def _side(buckets: tuple[WireBucket, ...], k: int, rank: int) -> str:
     wire_note = f", sent as {wire}" if wire else ""
     wire_note += f", through hook {hook} ({nbytes} bytes on the wire)" if hook else ""
     return f"rank {rank} sends {dtype} on {device}{wire_note}: [{listed}]"
+
+
+def gather(obj: Any, group: Any) -> list[Any]:
+    """Every rank's ``obj`` (small and picklable), in rank order, on every rank."""
+    if dist.get_world_size(group) == 1 or _is_fake(group):
+        return [obj]
+    return _gather(obj, group)
 
 
 def _gather(obj: Any, group: Any) -> list[Any]:

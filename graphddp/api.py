@@ -43,6 +43,7 @@ class GraphDDP(ReplicaView, nn.Module):
         self.config = config
         self.process_group = process_group
         self._replica = Replica(module, process_group, config, optimizer)
+        self._joinable()
         # Stored outside the module registry so parameters are not listed twice.
         object.__setattr__(
             self, "_compiled", torch.compile(
@@ -59,7 +60,7 @@ class GraphDDP(ReplicaView, nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._replica.before_forward()
         out = self._compiled(*args, **kwargs)
-        self._replica.after_forward()
+        self._replica.after_forward(out)
         return out
 
     def compile(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]

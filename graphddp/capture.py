@@ -124,9 +124,30 @@ def _flops_and_bytes(node: fx.Node) -> tuple[int, int]:
 
 
 
+def gradient_sources(gm: fx.GraphModule) -> dict[fx.Node, tuple[int, ...]]:
+    """Per node, the positions of the backward graph's incoming output gradients
+    (AOTAutograd's ``tangents_*`` placeholders) its value is computed from.
+
+    Why: autograd hands a compiled backward zeros for a forward output that the loss did not
+    use, and the graph turns them into zero gradients; a parameter whose every source was such
+    an output was not used in the step, and DDP leaves its ``grad`` None. Bit sets over the
+    tangents, one pass in graph order."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    tangents = [i for i, n in enumerate(placeholders) if n.name.startswith("tangents")]
+    bit_of = {placeholders[i]: 1 << k for k, i in enumerate(tangents)}
+    mask: dict[fx.Node, int] = {}
+    for node in gm.graph.nodes:
+        m = bit_of.get(node, 0)
+        for used in node.all_input_nodes:
+            m |= mask.get(used, 0)
+        mask[node] = m
+    return {node: tuple(i for k, i in enumerate(tangents) if m >> k & 1) for node, m in mask.items() if m}
+
+
 def extract_facts(gm: fx.GraphModule, param_inputs: Mapping[int, str]) -> GraphFacts:
     """Read production order and gradient slots out of a backward graph (no mutation)."""
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    sources = gradient_sources(gm)
     nodes = tuple(_node_fact(n, order[n]) for n in gm.graph.nodes)
     outs = output_nodes(gm)
     slots = []
@@ -160,6 +181,7 @@ def extract_facts(gm: fx.GraphModule, param_inputs: Mapping[int, str]) -> GraphF
                 nbytes=numel * val.element_size(),
                 producer=grad.name,
                 position=order[grad],
+                sources=sources.get(grad, ()),
             )
         )
     slots.sort(key=lambda s: (s.position, s.output_index))

@@ -70,7 +70,7 @@ from graphddp.record import GraphRecord
 
 log = logging.getLogger("graphddp")
 
-FORMAT = 2  # of Entry and of the key; bump when either changes meaning
+FORMAT = 3  # of Entry and of the key; bump when either changes meaning
 ENV = "GRAPHDDP_COMPILE_CACHE"
 GM_ATTRIBUTE = "_graphddp_cache_key"
 

@@ -58,6 +58,7 @@ from graphddp.planner import plan, with_updates, with_wire_bytes
 from graphddp.record import GraphRecord
 from graphddp.schedule import Schedule
 from graphddp.step import StepState, current_frame
+from graphddp.union import UnionAverage
 from graphddp.user_hooks import HookState
 from graphddp.variants import BackwardDispatch, GraphState, InGraphUpdate, Synced, compiled_backward_node
 from graphddp.verify import verify
@@ -106,6 +107,11 @@ class GraphDDPBackend:
         self.frames = FramePlans()  # what a recompile inherits from its frame's graphs
         # Warnings about updates left to torch's step, once per graph and reason.
         self._warned: set[tuple[int, str]] = set()
+        self.union = UnionAverage(
+            group, dict(parameters or {}), _cap_bytes(config), config.comm_dtype, self.hook, self.hook_state,
+            self._hook_context, lambda: [d.schedule for d in self.dispatches.values()],
+        )
+        self.step.on_end_of_step(self._union_end_of_step)  # first: the others read the averages
         if self.hook is not None:
             self.step.on_end_of_step(self._hook_end_of_step)
 
@@ -122,16 +128,23 @@ class GraphDDPBackend:
         state = GraphState()
         self.states.append(state)
         compiled = self._compile(gm, example_inputs, param_inputs, state, patches, entry.index)
-        return self._runtime(compiled, entry.index, state)
+        return self._runtime(compiled, entry.index, state, {i: id(example_inputs[i]) for i in param_inputs}, param_inputs)
 
-    def _runtime(self, compiled: Callable[..., Any], graph_index: int, state: GraphState) -> Callable[..., Any]:
+    def _runtime(
+        self, compiled: Callable[..., Any], graph_index: int, state: GraphState, param_ids: Mapping[int, int],
+        param_inputs: Mapping[int, str],
+    ) -> Callable[..., Any]:
         """What Dynamo calls: the compiled forward, and the step's record of this call.
 
         A call records the backward node it made with the step (:mod:`graphddp.step`); under
         ``no_sync`` the node gets a pre-hook that picks the local backward (:mod:`graphddp.variants`).
+        A call with other parameters than the compiled ones (``param_ids``: Dynamo reuses a
+        module's graph for its siblings when their parent's frame runs eagerly) tells the
+        backward which parameters it reduces, through a pre-hook too.
         """
         boxed = getattr(compiled, "_boxed_call", False)
         step = self.step
+        first = min(param_ids, default=None)  # one parameter tells whether the call has others
 
         def run(*args: Any) -> Any:
             syncing = step.graph_syncs()
@@ -139,11 +152,20 @@ class GraphDDPBackend:
             # recompiled graphs (dynamic sizes as ints), with the arguments themselves.
             called_boxed = boxed and len(args) == 1 and isinstance(args[0], list)
             inputs = list(args[0]) if called_boxed else args
+            renamed = None
+            if first is not None and id(inputs[first]) != param_ids[first]:
+                renamed = self._renamed(inputs, param_inputs)
             out = compiled(*args)
             node = None
-            if torch.is_grad_enabled() and (step.track_runs or not syncing):  # a walk to the node: only if read
+            dispatch = self.dispatches.get(graph_index)  # made at the first backward
+            unused_possible = dispatch is None or dispatch.usage.may_be_unused
+            if torch.is_grad_enabled() and (step.track_runs or not syncing or unused_possible or renamed):  # a walk: only if read
                 node = compiled_backward_node(out if isinstance(out, (list, tuple)) else [out], inputs)
-            step.forward_ran(graph_index, node, syncing)
+            if node is not None and unused_possible:
+                node.register_prehook(state.note_outputs)
+            if node is not None and renamed:
+                node.register_prehook(lambda _grads, names=renamed: state.rename_next(names))
+            step.forward_ran(graph_index, node, syncing, renamed)
             if syncing and node is not None:
                 self.refuse_split_gradients(graph_index)
             if not syncing and node is not None:
@@ -152,6 +174,16 @@ class GraphDDPBackend:
 
         run._boxed_call = boxed  # type: ignore[attr-defined]
         return run
+
+    def _renamed(self, inputs: Sequence[Any], param_inputs: Mapping[int, str]) -> dict[str, str]:
+        """Compiled parameter name -> the name of the parameter this call passes instead."""
+        if self.hook is not None:
+            raise RuntimeError(
+                f"graphddp: comm_hook {self.hook.name!r}: Dynamo runs one compiled graph for several modules' parameters "
+                "(their parent's frame runs eagerly, e.g. after a graph break inside a loop), and a traced hook's state "
+                "belongs to one bucket of parameters; remove the graph break from the loop, or use a built-in comm_hook"
+            )
+        return {name: self.names_by_id.get(id(inputs[i]), name) for i, name in param_inputs.items()}
 
     def _compile(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], param_inputs: Mapping[int, str], state: GraphState,
@@ -264,6 +296,31 @@ class GraphDDPBackend:
             run_hook_eagerly(self.hook, schedule, self._hook_context, self.hook_state)
         self.hook.after_backward()
 
+    def _union_end_of_step(self) -> None:
+        """A divergent step (:mod:`graphddp.union`) ends with the union average; a step whose
+        gradients came from eager code alone agrees here first (its first and only agreement)."""
+        step = self.step
+        if self.world_size > 1 and not step.divergent and step.eager and not step.probed:
+            # Only eager code gave gradients on this rank: its agreement is made here, and pairs
+            # with another rank's first backward graph, or with its own made here.
+            step.agree(self.group, 0, "the gradients of eager code", False)
+        if step.divergent and self.world_size > 1:
+            self.union.run(step, self.hook_runs_now())
+
+    def shadow_step(self) -> None:
+        """A joined rank's part of one synchronising step of the others (:mod:`graphddp.join`):
+        the agreement (it asks for a divergent step), then the union average, with zeros."""
+        step = self.step
+        step.joined = True
+        step.agree(self.group, 0, "a joined rank's shadow of a backward", False)
+        try:
+            self.union.run(step, self.hook_runs_now())
+            if self.hook is not None:
+                self.hook.after_backward()
+        finally:
+            step.joined = False
+            step.end_agreement()
+
     def _in_graph_update(
         self, record: GraphRecord, graph_index: int, compile_grads: Callable[[], Any] | None
     ) -> InGraphUpdate | None:
@@ -272,14 +329,17 @@ class GraphDDPBackend:
         if optimizer is None or not names:
             return None
 
-        def allowed() -> bool:
+        def allowed(unused: frozenset[str]) -> bool:
             """The graph's update is the whole step for its parameters: its backward runs once
             in this step, no other graph of this step reads one of them (tied across a graph
-            break), and none holds a gradient already (accumulated under no_sync). Otherwise
-            torch's step runs for them after the backward; the first time, a warning says why."""
+            break), every one was used on some rank (torch.optim skips a None gradient), and
+            none holds a gradient already (accumulated under no_sync). Otherwise torch's step
+            runs for them after the backward; the first time, a warning says why."""
             runs = self.step.runs(graph_index)
             shared = self.step.shared_this_step(graph_index, names)
-            if runs > 1:
+            if unused & set(names):
+                self._fallback(record, graph_index, "unused", sorted(unused & set(names)), "no rank used them in this step")
+            elif runs > 1:
                 self._fallback(record, graph_index, "ran twice", names, f"the graph's forward ran {runs} times before one backward")
             elif shared:
                 self._fallback(record, graph_index, "shared", sorted(shared), "another compiled graph of this step reads them too")
@@ -416,6 +476,14 @@ class GraphDDPBackend:
         if self.config.verify:
             verify_updates(gm, schedule)
         return schedule, without_update, tied
+
+
+def _cap_bytes(config: DDPConfig) -> float:
+    """The union average's bucket size: the user's cap, or DDP's default under an auto plan."""
+    from graphddp.config import DEFAULT_BUCKET_CAP_MB
+
+    cap = config.bucket_cap_mb
+    return float(cap if isinstance(cap, (int, float)) else DEFAULT_BUCKET_CAP_MB) * 1024 * 1024
 
 
 def _as_is(gm: fx.GraphModule) -> Callable[..., Any]:

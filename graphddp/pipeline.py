@@ -47,6 +47,7 @@ class GraphDDPCompileBackend(ReplicaView):
         self.module = module
         self.config = config
         self._replica = Replica(module, group, config, optimizer)
+        self._joinable()
         self._param_ids = {id(p) for p in module.parameters()}
         self._wrap_forward()
         _LIVE[:] = [ref for ref in _LIVE if ref() is not None]  # forget backends gone since
@@ -70,7 +71,7 @@ class GraphDDPCompileBackend(ReplicaView):
         def forward(*args: Any, **kwargs: Any) -> Any:
             before()
             out = original(*args, **kwargs)
-            after()
+            after(out)
             return out
 
         self._restore = module.__dict__.get("forward", _UNSET)

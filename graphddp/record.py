@@ -31,7 +31,7 @@ class GraphRecord:
     # A user hook with phases (graphddp.hooks.PowerSGD): every phase's record, this one included.
     phases: dict[str, "GraphRecord"] = dataclasses.field(default_factory=dict)
     # With an optimizer: parameters whose update torch's step took over after the backward, by
-    # reason ("shared": another graph of the step reads them; "ran twice": two forwards before
+    # reason ("shared": another graph of the step reads them; "unused": no rank used them; "ran twice": two forwards before
     # one backward; "accumulated": gradients from no_sync), as of the last step it happened.
     fallbacks: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 

@@ -25,12 +25,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
+
 from graphddp.agree import check_parameter_agreement
 from graphddp.dynamo_backend import GraphDDPBackend
 from graphddp.record import GraphRecord
 from graphddp.calibrate import resolve_cost
 from graphddp.capture import names_by_identity
 from graphddp.config import DDPConfig
+from graphddp.join import JoinState, join, join_hook
 from graphddp.optim import AttachedOptimizer
 from graphddp.schedule import Schedule
 from graphddp.step import StepState
@@ -138,6 +141,7 @@ class Replica:
         self._sync_buffers_next = True  # DDP: buffers sync before a forward that follows a synced one
         self._pending: PendingAverage | None = None
         self._syncing = True
+        self.joinable: Any = None  # the view users pass to torch.distributed.algorithms.Join
 
     @property
     def world_size(self) -> int:
@@ -162,23 +166,32 @@ class Replica:
             step.sync = previous
 
     def before_forward(self) -> None:
-        """Broadcast buffers; start averaging gradients accumulated under ``no_sync``."""
+        """Broadcast buffers; start averaging gradients accumulated under ``no_sync``; inside
+        ``join()``, tell the joined ranks what this step does (:mod:`graphddp.join`)."""
         distributed = self.world_size > 1
         step = self.step
         step.begin_forward()
-        if distributed and self.config.broadcast_buffers and self._sync_buffers_next:
-            buffers = list(self.module.buffers())
-            if buffers:
-                broadcast_tensors(buffers, self.group)
         self._syncing = step.sync and torch.is_grad_enabled()
-        if distributed and self._syncing and step.accumulated and self.backend.hook_runs_now():
+        buffers = list(self.module.buffers()) if distributed and self.config.broadcast_buffers and self._sync_buffers_next else []
+        eager_hook = distributed and self._syncing and step.accumulated and self.backend.hook_runs_now()
+        pending = distributed and self._syncing and step.accumulated and not eager_hook
+        source = 0
+        config = getattr(self.joinable, "_join_config", None)
+        if distributed and config is not None and config.enable:
+            Join.notify_join_context(self.joinable)
+            state = JoinState.exchange(self, (self._syncing, bool(buffers), pending, eager_hook), active=True)
+            source = state.buffer_source
+        if buffers:
+            broadcast_tensors(buffers, self.group, source)
+        if eager_hook:
             step.eager_hook_step = True  # a user's hook must see the accumulated total
-        elif distributed and self._syncing and step.accumulated:
+        elif pending:
             trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
             self._pending = average_async(trainable, self.group)  # hidden behind the forward
 
-    def after_forward(self) -> None:
-        """Finish the average; guard parameters no compiled graph of this forward covered."""
+    def after_forward(self, out: Any = None) -> None:
+        """Finish the average; guard parameters no compiled graph of this forward covered
+        (``out``, the forward's output, says which of them it may give a gradient)."""
         step = self.step
         if self._pending is not None:
             self._pending.wait()
@@ -187,37 +200,102 @@ class Replica:
         if step.eager_hook_step:  # averaged by the hook at the end of the backward
             step.accumulated = False
         if torch.is_grad_enabled():
-            self._guard_uncovered_parameters(self._syncing)
+            self._guard_uncovered_parameters(self._syncing, out)
             if not step.sync:
                 step.accumulated = True
         self._sync_buffers_next = self._syncing
 
-    def _guard_uncovered_parameters(self, syncing: bool) -> None:
-        """Fail loudly if a gradient is produced outside the compiled graphs that ran.
+    def _guard_uncovered_parameters(self, syncing: bool, out: Any) -> None:
+        """Average, or fail loudly on, gradients produced outside the compiled graphs that ran.
 
         A parameter that no compiled graph of this forward covers (used in eager code between
-        graph breaks, or a frame Dynamo ran eagerly after hitting its recompile limit) would
-        get a gradient nobody averages. Such parameters get a hook that raises at backward
-        time, instead of a silently wrong gradient. Unused parameters get no gradient, so
-        their hook never fires. No hooks in the steady state, where every graph ran.
+        graph breaks, or in a frame Dynamo ran eagerly: a graph break inside a loop, the
+        recompile limit) would get a gradient nobody averages. If the forward's output depends
+        on it (a walk of the autograd graph from ``out``, as DDP's ``find_unused_parameters``
+        walks, made only when such parameters exist), the step takes it
+        (:attr:`StepState.eager`): the step becomes divergent and the union average at its end
+        averages it with the rest (:mod:`graphddp.union`). Any other (unused, or used outside
+        the forward) gets a hook that raises if a gradient reaches it, instead of a silently
+        wrong gradient. Nothing runs in the steady state, where every graph ran.
         """
-        covered = self.step.ran_params
-        for name, handle in list(self._guard_handles.items()):
+        step = self.step
+        covered = step.ran_params
+        for name, (_, handle) in list(self._guard_handles.items()):
             if name in covered or not syncing:
                 handle.remove()
                 del self._guard_handles[name]
         if self.world_size == 1 or not syncing:
             return
-        for name, p in self.module.named_parameters():
-            if p.requires_grad and name not in covered and name not in self._guard_handles:
-                self._guard_handles[name] = p.register_post_accumulate_grad_hook(_uncovered_error(name))
+        uncovered = {id(p): (name, p) for name, p in self.module.named_parameters() if p.requires_grad and name not in covered}
+        if not uncovered:
+            return
+        reached = _reached_parameters(out, set(uncovered))
+        for key, (name, p) in uncovered.items():
+            kind = "eager" if key in reached else "error"
+            if key in reached:
+                step.eager[name] = None if p.grad is None else p.grad.detach().clone()
+            held = self._guard_handles.get(name)
+            if held is not None and held[0] == kind:
+                continue
+            if held is not None:
+                held[1].remove()
+            # An eager gradient ends the step even where no backward graph runs (a frame Dynamo
+            # ran eagerly as a whole): the end of the step averages it.
+            hook = (lambda _p: step.queue_end()) if kind == "eager" else _uncovered_error(name)
+            self._guard_handles[name] = (kind, p.register_post_accumulate_grad_hook(hook))
 
 
-class ReplicaView:
+def _reached_parameters(out: Any, wanted: set[int]) -> set[int]:
+    """Which of the tensors with ids ``wanted`` the autograd graph of ``out`` leads to."""
+    from torch.utils._pytree import tree_leaves
+
+    todo = [t.grad_fn for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen: set[Any] = set()
+    found: set[int] = set()
+    while todo and found != wanted:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: its leaf
+        if variable is not None and id(variable) in wanted:
+            found.add(id(variable))
+        todo.extend(n for n, _ in node.next_functions)
+    return found
+
+
+class ReplicaView(Joinable):
     """What both forms show of their :class:`Replica` (``self._replica``): the plans, the
-    rewritten graphs, the world size, and DDP's ``no_sync``."""
+    rewritten graphs, the world size, and DDP's ``no_sync`` and ``join``. A ``Joinable``, so
+    ``torch.distributed.algorithms.Join([model, ...])`` takes it (:mod:`graphddp.join`)."""
 
     _replica: Replica
+
+    def _joinable(self) -> None:
+        """Called by a form's constructor once it has its replica (what ``Joinable.__init__``
+        sets, without calling it again: for a module that would re-run ``nn.Module.__init__``)."""
+        self._join_config = _JoinConfig.construct_disabled_join_config()
+        self._replica.joinable = self
+
+    def join(
+        self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
+    ) -> Join:
+        """DDP's context manager for uneven inputs: inside it, a rank that runs out of batches
+        shadows the collectives of the ranks still training (:mod:`graphddp.join`)."""
+        return join(self, divide_by_initial_world_size, enable, throw_on_early_termination)
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return join_hook(self._replica, **kwargs)
+
+    @property
+    def join_device(self) -> torch.device:
+        from graphddp.agree import _device
+
+        return _device(self._replica.group)
+
+    @property
+    def join_process_group(self) -> Any:
+        return self._replica.group
 
     @property
     def world_size(self) -> int:
@@ -252,9 +330,9 @@ def _uncovered_error(name: str) -> Callable[[torch.Tensor], None]:
     def hook(_param: torch.Tensor) -> None:
         raise RuntimeError(
             f"graphddp: parameter {name!r} received a gradient outside graphddp's compiled "
-            "graphs (used in eager code between graph breaks, or Dynamo ran the frame eagerly, "
-            "e.g. after torch._dynamo.config.recompile_limit was hit), so it would not be "
-            "averaged across ranks. Move its use inside the compiled region or raise the limit."
+            "graphs, though the forward's output does not depend on it (used in the loss outside "
+            "the forward?), so nothing was set up to average it across ranks. Use it inside the "
+            "model's forward."
         )
 
     return hook

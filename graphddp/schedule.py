@@ -12,7 +12,7 @@ import dataclasses
 import hashlib
 import json
 
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -96,6 +96,10 @@ class GradSlot:
     nbytes: int
     producer: str  # name of the node that finalises this gradient
     position: int  # topological index of ``producer``: the production order
+    # Backward-graph inputs (positions) of the output gradients this gradient is computed from.
+    # When every one of them was None at run time (an output left out of the loss), the
+    # parameter was not used in this step: see :attr:`Schedule.may_be_unused`.
+    sources: tuple[int, ...] = ()
 
     @property
     def zero_filled(self) -> bool:
@@ -327,7 +331,7 @@ class Schedule:
         buckets = tuple(
             Bucket(
                 index=b["index"],
-                slots=tuple(GradSlot(**{**s, "shape": tuple(s["shape"])}) for s in b["slots"]),
+                slots=tuple(GradSlot(**{**s, "shape": tuple(s["shape"]), "sources": tuple(s.get("sources", ()))}) for s in b["slots"]),
                 dtype=b["dtype"],
                 device=b["device"],
                 issue_after=b["issue_after"],
@@ -367,6 +371,19 @@ class Schedule:
         differs but whose layouts are equal reduce the same gradients.
         """
         return self.world_size, tuple(b.wire() for b in self.buckets)
+
+    def renamed(self, names: Mapping[str, str]) -> "Schedule":
+        """This plan for other parameters of the same shapes: Dynamo runs one compiled graph for
+        several modules of one class when their parent's frame runs eagerly (a graph break in a
+        loop), each call with that module's parameters (:mod:`graphddp.variants`)."""
+        buckets = tuple(
+            dataclasses.replace(
+                b, slots=tuple(dataclasses.replace(s, param_name=names.get(s.param_name, s.param_name)) for s in b.slots),
+                updates=tuple(names.get(n, n) for n in b.updates),
+            )
+            for b in self.buckets
+        )
+        return dataclasses.replace(self, buckets=buckets)
 
     def fingerprint(self) -> str:
         """Stable hash of the plan: equal across ranks and runs for the same model and options.

@@ -32,6 +32,24 @@ Algorithm
     * The user's ``no_sync`` switch, whether gradients were accumulated locally, and the step
       after ``no_sync`` where a traced hook runs eagerly are held here too; the replica
       writes them, the backend and the dispatchers read them.
+
+Agreement, and steps that differ across ranks
+    Every synchronising backward graph with buckets first agrees with the other ranks, in band
+    (:meth:`agree`): one small MAX all-reduce of a hash of its wire layout, its position in
+    the step and the number of synchronising forwards the step ran, plus two flags. Equal
+    everywhere (the static case), the graph runs its compiled all-reduces, as before. Different
+    (ranks whose control flow used different parameters: LayerDrop, a head per task; ranks that
+    ran different numbers of graphs) or asked for by a joined rank (:mod:`graphddp.join`), the
+    step is *divergent* on every rank at once: this and every later graph of the step runs its
+    local backward, hands its gradients to the step (:meth:`contribute`) instead of autograd,
+    and the end of the step averages the union of every rank's gradients, zeros where a rank
+    had none (:mod:`graphddp.union`), as DDP with ``find_unused_parameters=True`` does. The
+    other flag says some rank has a parameter whose every gradient source was unused this step
+    (an output left out of the loss): the graph then also agrees on which parameters were used
+    anywhere, and the ones used nowhere keep ``grad`` None, as in DDP. A step where parameters
+    no compiled graph covers may get a gradient from eager code (Dynamo runs a frame with a
+    graph break inside a loop eagerly: BART's LayerDrop) is divergent too, so that those
+    gradients are averaged with the rest.
 """
 from __future__ import annotations
 
@@ -85,6 +103,18 @@ class StepState:
         self.eager_graphs: list[int] = []  # ... over these graphs' buckets, at the end of the backward
         self.accumulated = False  # gradients accumulated locally (no_sync) wait for a synchronising step
         self.ran_params: set[str] = set()  # parameters of the graphs the current forward ran
+        # Agreement (module docstring): what this step ran and whether ranks' steps differ.
+        self.expected = 0  # synchronising forwards of compiled graphs since the step began
+        self.probed = 0  # synchronising backward graphs that agreed in this step
+        self.divergent = False  # this step's graphs differ across ranks: the union average at its end
+        self.joined = False  # this rank has joined (graphddp.join): it asks every step to be divergent
+        self.local_grads: dict[str, torch.Tensor] = {}  # divergent: this rank's gradients, not averaged yet
+        self.local_used: set[str] = set()  # ... of which these came from a used output
+        self.local_schedules: list[Any] = []  # ... from the graphs with these schedules, in run order
+        # Parameters no compiled graph of this step covers, which eager code (a frame Dynamo
+        # skipped: a graph break inside a loop) may give a gradient: name -> its grad before the
+        # backward. Any makes the step divergent, and the union average takes their gradients.
+        self.eager: dict[str, torch.Tensor | None] = {}
         self._runs: dict[int, list[_Run]] = {}
         self._listeners: list[Callable[[], None]] = []
         self._end_queued = False
@@ -111,6 +141,7 @@ class StepState:
         queued anew."""
         if self._end_queued:  # its backward raised
             self._forget_started()
+            self.end_agreement()
         self.ran_params.clear()
         self.eager_graphs.clear()
         self.eager_hook_step = False
@@ -120,9 +151,12 @@ class StepState:
         """Does a compiled graph called now run its synchronising backward?"""
         return self.sync and not self.eager_hook_step
 
-    def forward_ran(self, index: int, node: Any | None, syncing: bool) -> None:
-        """Graph ``index`` ran a forward; ``node`` is the backward node this call made."""
-        self.ran_params.update(self.graphs[index].params)
+    def forward_ran(self, index: int, node: Any | None, syncing: bool, renamed: dict[str, str] | None = None) -> None:
+        """Graph ``index`` ran a forward; ``node`` is the backward node this call made;
+        ``renamed``: the parameters it ran with, when not the compiled ones."""
+        self.ran_params.update(self.graphs[index].params if renamed is None else renamed.values())
+        if syncing and torch.is_grad_enabled():
+            self.expected += 1
         if not syncing and self.eager_hook_step and node is not None:
             # The step after no_sync with a traced hook: the graph runs locally, and its
             # buckets go through the hook eagerly when this synchronising backward ends.
@@ -133,6 +167,28 @@ class StepState:
             self._runs[index] = [r for r in self._runs.get(index, ()) if r.counts()] + [_Run(node)]
 
     # -- backward -------------------------------------------------------------------------------
+    def agree(self, group: Any, digest: int, what: str, unused_here: bool) -> tuple[bool, bool]:
+        """Before a synchronising backward graph's collectives: is this step divergent (module
+        docstring), and did some rank see an unused gradient source? The same answer on every
+        rank. Once divergent, the step stays so and no further check is made."""
+        if self.divergent:
+            return True, False
+        from graphddp.agree import probe
+
+        position, self.probed = self.probed, self.probed + 1
+        flags = (self.joined, bool(self.eager), unused_here)
+        same, (join_asks, eager, unused) = probe((digest, position, self.expected), flags, group, what)
+        self.divergent = not same or join_asks or eager
+        return self.divergent, unused
+
+    def contribute(self, schedule: Any, grads: dict[str, torch.Tensor], used: Iterable[str]) -> None:
+        """A divergent step's graph ran locally: its gradients wait here for the union average."""
+        for name, grad in grads.items():
+            held = self.local_grads.get(name)
+            self.local_grads[name] = grad if held is None else held + grad
+        self.local_used.update(used)
+        self.local_schedules.append(schedule)
+
     def runs(self, index: int) -> int:
         """Backwards of graph ``index`` in this step: run already, running, or still to come."""
         return sum(r.counts() for r in self._runs.get(index, ()))
@@ -153,12 +209,17 @@ class StepState:
         """A synchronising backward of graph ``index`` starts (its node is alive while it runs:
         the first of its runs not started yet is this one; with two alive the graph falls back
         either way); the step ends when the whole backward is done (a callback queued once per
-        backward, when anything listens or runs were recorded)."""
+        backward)."""
         for run in self._runs.get(index, ()) if index is not None else ():
             if not run.started and run.node() is not None:
                 run.started = True
                 break
-        if self._end_queued or not (self._listeners or self._runs):
+        self.queue_end()
+
+    def queue_end(self) -> None:
+        """Make sure the end of this backward ends the step (once per backward; called from
+        inside it: a backward graph, or a gradient eager code gave a parameter)."""
+        if self._end_queued:
             return
         self._end_queued = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_step)
@@ -178,3 +239,13 @@ class StepState:
             self.eager_hook_step = False
             self.eager_graphs.clear()
             self._forget_started()
+            self.end_agreement()
+
+    def end_agreement(self) -> None:
+        """The step's agreement is over: the next synchronising backward starts afresh."""
+        self.expected = self.probed = 0
+        self.divergent = False
+        self.local_grads.clear()
+        self.local_used.clear()
+        self.local_schedules.clear()
+        self.eager.clear()

@@ -45,6 +45,8 @@ class PendingAverage:
     def wait(self) -> None:
         for work, flat, params in self._jobs:
             work.wait()
+            if not params:  # a joined rank's shadow: nothing to write
+                continue
             offset, counts = 0, flat[-len(params):]
             for p, count in zip(params, counts.tolist()):
                 piece = flat[offset:offset + p.numel()].view_as(p)
@@ -57,13 +59,14 @@ class PendingAverage:
 
 
 @torch.no_grad()
-def average_async(named: Sequence[tuple[str, nn.Parameter]], group: Any) -> PendingAverage:
+def average_async(named: Sequence[tuple[str, nn.Parameter]], group: Any, shadow: bool = False) -> PendingAverage:
     """Start averaging the ``.grad`` of ``named`` over ``group`` (pre-divided, like DDP).
 
     The layout is canonical, the same on every rank whatever each accumulated: every given
     parameter, in order, per (dtype, device); a parameter with no gradient on this rank
     sends zeros, and a count per parameter tells whether any rank had one (then every rank
     gets the average, as DDP gives a parameter unused on one rank). Checked in band first.
+    ``shadow``: a joined rank's part (:mod:`graphddp.join`): zeros, and nothing written back.
     """
     world = dist.get_world_size(group)
     groups: dict[tuple[torch.dtype, torch.device], list[tuple[str, nn.Parameter]]] = {}
@@ -77,17 +80,22 @@ def average_async(named: Sequence[tuple[str, nn.Parameter]], group: Any) -> Pend
     jobs = []
     for members in groups.values():
         params = [p for _, p in members]
-        grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device) for p in params]
-        present = torch.tensor([p.grad is not None for p in params], dtype=params[0].dtype, device=params[0].device)
+        grads = [
+            p.grad.reshape(-1) if p.grad is not None and not shadow else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+            for p in params
+        ]
+        present = torch.tensor([p.grad is not None and not shadow for p in params], dtype=params[0].dtype, device=params[0].device)
         flat = torch.cat([torch.cat(grads).div_(world), present])
-        jobs.append((dist.all_reduce(flat, group=group, async_op=True), flat, params))
+        work = dist.all_reduce(flat, group=group, async_op=True)
+        jobs.append((work, flat, [] if shadow else params))
     return PendingAverage(jobs)
 
 
 @torch.no_grad()
-def broadcast_tensors(tensors: Sequence[torch.Tensor], group: Any) -> None:
-    """Overwrite ``tensors`` in place with the group's first rank's values."""
-    src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
+def broadcast_tensors(tensors: Sequence[torch.Tensor], group: Any, src_in_group: int = 0) -> None:
+    """Overwrite ``tensors`` in place with the values of the group's rank ``src_in_group``
+    (its first by default)."""
+    src = dist.get_global_rank(group, src_in_group) if group is not dist.group.WORLD else src_in_group
     for ts in _coalesce(tensors).values():
         flat = torch.cat([t.detach().reshape(-1) for t in ts])
         dist.broadcast(flat, src=src, group=group)

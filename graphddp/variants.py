@@ -21,6 +21,13 @@ third variant instead, the all-reduces without the update, compiled the first ti
 needed; torch's step then runs at the end of the backward for the gradients it returned.
 Every synchronising backward tells the step (:meth:`StepState.synchronising_backward`), which
 ends it once the whole backward is done.
+
+Before its collectives, a synchronising variant agrees with the other ranks
+(:meth:`StepState.agree`). In a divergent step (ranks' graphs differ) it runs the local
+variant instead and hands its gradients to the step, which averages the union at the end
+(:mod:`graphddp.union`). Gradients computed only from outputs the loss left out
+(:class:`GradientUsage`) are returned as None where no rank used the parameter, as DDP leaves
+them.
 """
 from __future__ import annotations
 
@@ -29,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 
-from graphddp.agree import check_in_band, layout_hash
+from graphddp.agree import any_rank, layout_hash
 from graphddp.failures import collective_failure
 from graphddp.schedule import Schedule
 
@@ -49,12 +56,79 @@ class GraphState:
         self.steps_in_graph = 0  # synchronising backwards that updated inside the graph
         self.steps_after = 0  # ... that left the update to torch's step after the backward
 
+        self._renamed: dict[str, str] | None = None  # the next backward's parameters, when not the compiled ones
+        self._none_pattern: tuple[bool, ...] | None = None  # which output gradients were None
+        self._given: set[int] = set()  # ... and the ids of the ones that were not
+
     def mark_local(self, _grad_outputs: Any = None) -> None:
         self._local_next = True
 
     def take_local(self) -> bool:
         local, self._local_next = self._local_next, False
         return local
+
+    def rename_next(self, names: dict[str, str]) -> None:
+        self._renamed = names
+
+    def take_renamed(self) -> dict[str, str] | None:
+        names, self._renamed = self._renamed, None
+        return names
+
+    def note_outputs(self, grad_outputs: Any) -> None:
+        """A pre-hook on the graph's autograd node: which of its output gradients are None
+        (outputs the loss did not use); autograd replaces them by zeros before the backward."""
+        if any(g is None for g in grad_outputs):
+            self._none_pattern = tuple(g is None for g in grad_outputs)
+            self._given = {id(g) for g in grad_outputs if g is not None}
+
+    def take_none(self) -> tuple[tuple[bool, ...] | None, set[int]]:
+        taken = self._none_pattern, self._given
+        self._none_pattern, self._given = None, set()
+        return taken
+
+
+class GradientUsage:
+    """Which parameters a backward got gradients for only from unused outputs (``None`` in DDP).
+
+    Each gradient slot knows the backward inputs it is computed from (:attr:`GradSlot.sources`,
+    the output gradients). When some output's gradient was None, autograd passed zeros in its
+    place; a parameter whose every source was such a zero input was not used in the step.
+    Which inputs those are is read once per pattern of None outputs: an input that is not one
+    of the gradients autograd was given, and is all zeros. Graphs where every parameter depends
+    on every output gradient (a loss, one hidden state) are never asked.
+    """
+
+    def __init__(self, schedule: Schedule) -> None:
+        slots = [s for b in schedule.buckets for s in b.slots if not s.zero_filled]
+        self.outputs = {s.param_name: s.output_index for s in slots}
+        self.sources = {s.param_name: frozenset(s.sources) for s in slots if s.sources}
+        everything = frozenset().union(*self.sources.values())
+        self.inputs = tuple(sorted(everything))
+        self.may_be_unused = any(src != everything for src in self.sources.values())
+        self._absent: dict[tuple[bool, ...], frozenset[int]] = {}
+
+    def unused(self, pattern: tuple[bool, ...] | None, given: set[int], args: list[Any]) -> frozenset[str]:
+        """Parameters whose every gradient source was a None output gradient."""
+        if pattern is None or not self.may_be_unused:
+            return frozenset()
+        absent = self._absent.get(pattern)
+        if absent is None:
+            absent = self._absent[pattern] = frozenset(
+                i for i in self.inputs
+                if isinstance(args[i], torch.Tensor) and id(args[i]) not in given and not bool(args[i].any())
+            )
+        return frozenset(n for n, src in self.sources.items() if src <= absent)
+
+    @staticmethod
+    def drop(out: Any, outputs: dict[str, int], names: Iterable[str]) -> Any:
+        """``out`` with the gradients of ``names`` replaced by None (autograd leaves them)."""
+        names = [n for n in names if n in outputs]
+        if not names:
+            return out
+        out = list(out)
+        for n in names:
+            out[outputs[n]] = None
+        return out
 
 
 def compiled_backward_node(outputs: Iterable[Any], inputs: Iterable[Any]) -> Any:
@@ -85,7 +159,7 @@ class InGraphUpdate:
     attached: "AttachedOptimizer"
     names: tuple[str, ...]  # parameters the graph updates, in its input order
     groups: tuple[int, ...]  # their param groups, whose hyperparameters it reads
-    allowed: Callable[[], bool]  # may this step update inside the graph
+    allowed: Callable[[frozenset[str]], bool]  # may this step update inside the graph (given the unused)
     compile_grads: Callable[[], Callable[[list[Any]], Any]]  # the variant without the update
     aliases: tuple[tuple[int, str], ...]  # backward inputs that must share a parameter's memory
     grads: Callable[[list[Any]], Any] | None = None
@@ -133,7 +207,7 @@ class BackwardDispatch:
     """The compiled backward AOTAutograd calls: the local or a synchronising variant.
 
     Before a synchronising variant runs, every rank checks in band that it is about to put
-    the same buckets on the wire (:func:`graphddp.agree.check_in_band`); a collective that
+    the same buckets on the wire (:meth:`graphddp.step.StepState.agree`); a collective that
     fails inside the graph is re-raised naming graphddp, the graph and the bucket.
     ``phase`` picks the synchronising variant (a user hook's phase; one variant otherwise)
     and ``on_sync`` runs before it (a hook's eager work, its end-of-backward callback).
@@ -160,6 +234,7 @@ class BackwardDispatch:
         self.step = step
         self.phase = phase or (lambda: next(iter(variants)))
         self._on_sync = on_sync
+        self.usage = GradientUsage(next(iter(variants.values())).schedule)
 
     @property
     def schedule(self) -> Schedule:
@@ -167,28 +242,60 @@ class BackwardDispatch:
         return self.variants[self.phase()].schedule
 
     def __call__(self, args: list[Any]) -> Any:
-        if self.state.take_local():
-            return self.plain()(args)
+        local = self.state.take_local()
+        renamed = self.state.take_renamed()
+        unused = self.usage.unused(*self.state.take_none(), args)
+        outputs = self.usage.outputs
+        if renamed:  # the graph ran for other parameters (GraphState.rename_next)
+            unused = frozenset(renamed[n] for n in unused)
+            outputs = {renamed[n]: i for n, i in outputs.items()}
+        if local:
+            return GradientUsage.drop(self.plain()(args), outputs, unused)
         synced = self.variants[self.phase()]
-        schedule = synced.schedule
+        schedule, digest = synced.schedule, synced.digest
+        if renamed:
+            schedule = schedule.renamed(renamed)
+            digest = layout_hash(schedule.wire_layout())
+        divergent = False
         if schedule.buckets:
-            check_in_band(synced.layout, self.group, f"backward graph {schedule.graph_index}", synced.digest)
+            what = f"backward graph {schedule.graph_index}"
+            divergent, some_unused = self.step.agree(self.group, digest, what, bool(unused))
+            if some_unused and not divergent:  # which of them did no rank use
+                names = [s.param_name for b in schedule.buckets for s in b.slots]
+                anywhere = any_rank([n not in unused for n in names], self.group)
+                unused = frozenset(n for n, used in zip(names, anywhere) if not used)
         self.step.synchronising_backward(schedule.graph_index)
+        if divergent:
+            return self._locally(schedule, args, unused, outputs)
         if self._on_sync is not None:
             self._on_sync(synced)
         args.extend(synced.hook_args())  # inputs after the graph's own, before the update's
         try:
             if synced.update is not None:
-                return self._with_update(synced, synced.update, args)
-            return synced.code()(args)
+                # Another module's parameters: the compiled update would write the compiled ones.
+                out = self._with_update(synced, synced.update, args, unused, bool(renamed))
+            else:
+                out = synced.code()(args)
         except Exception as e:  # noqa: BLE001 - re-raised as-is unless a collective failed
             failure = collective_failure(e, schedule)
             if failure is None:
                 raise
             raise failure from e
+        return GradientUsage.drop(out, outputs, unused)
 
-    def _with_update(self, synced: Synced, update: InGraphUpdate, args: list[Any]) -> Any:
-        if not update.allowed():
+    def _locally(self, schedule: Schedule, args: list[Any], unused: frozenset[str], outputs: dict[str, int]) -> Any:
+        """A divergent step: the local backward, its gradients handed to the step for the
+        union average at the end (:mod:`graphddp.union`), none to autograd."""
+        out = list(self.plain()(args))
+        grads = {}
+        for name, index in outputs.items():
+            if out[index] is not None:
+                grads[name], out[index] = out[index], None
+        self.step.contribute(schedule, grads, (n for n in grads if n not in unused))
+        return out
+
+    def _with_update(self, synced: Synced, update: InGraphUpdate, args: list[Any], unused: frozenset[str], other: bool) -> Any:
+        if other or not update.allowed(unused):
             self.state.steps_after += 1
             if update.grads is None:
                 update.grads = update.compile_grads()

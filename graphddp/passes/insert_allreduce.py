@@ -477,11 +477,8 @@ def run_hook_eagerly(hook: TracedHook, schedule: Schedule, ctx: HookContext, sta
     for bucket in schedule.buckets:
         params = [ctx.parameters[name] for name in bucket.param_names]
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-        is_last = bucket.index == schedule.num_buckets - 1
-        gb = GradBucket(bucket, flat, ctx.group, schedule.world_size, is_last, params, states.of(schedule.graph_index, bucket.index))
+        done = hook_bucket_eagerly(hook, schedule, bucket, flat, ctx, states)
         with torch.no_grad():
-            done = hook(gb)
-            _check_result(bucket, hook.name, done)
             for p, slot, off in zip(params, bucket.slots, bucket.offsets()):
                 if slot.zero_filled:
                     continue
@@ -490,3 +487,16 @@ def run_hook_eagerly(hook: TracedHook, schedule: Schedule, ctx: HookContext, sta
                     p.grad = value.clone()
                 else:
                     p.grad.copy_(value)
+
+
+def hook_bucket_eagerly(
+    hook: TracedHook, schedule: Schedule, bucket: Bucket, flat: torch.Tensor, ctx: HookContext, states: HookState
+) -> torch.Tensor:
+    """``hook`` on one bucket's local flat gradients ``flat``, now: the averaged flat tensor."""
+    params = [ctx.parameters[name] for name in bucket.param_names]
+    is_last = bucket.index == schedule.num_buckets - 1
+    gb = GradBucket(bucket, flat, ctx.group, schedule.world_size, is_last, params, states.of(schedule.graph_index, bucket.index))
+    with torch.no_grad():
+        done = hook(gb)
+    _check_result(bucket, hook.name, done)
+    return done
