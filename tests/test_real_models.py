@@ -58,7 +58,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import graphddp
 from graphddp import models
-from graphddp.testing import spawn
+from graphddp.testing import assert_matches_ddp, spawn
 
 CAP_MB = 0.02  # a few buckets per graph on these models
 FP32_TOL = {"atol": 1e-5, "rtol": 1e-4}
@@ -598,12 +598,17 @@ class LoopBreakGPT(models.TinyGPT):
         return self.head(self.ln(x))
 
 
-def test_graph_break_inside_the_layer_loop_is_a_loud_error(fake_world):
+def _loop_break(rank: int, world: int) -> None:
+    ours = assert_matches_ddp(
+        LoopBreakGPT, lambda r, s: (_tokens(r, s, None)[0], _tokens(r, s, None)[2]), _token_xent, steps=2,
+        backend="aot_eager", bucket_cap_mb=CAP_MB,
+    )
+    assert ours._backend.union.steps == 2
+
+
+def test_a_graph_break_inside_the_layer_loop_is_averaged_as_ddp_averages_it():
     """Dynamo cannot resume inside the loop, so it runs the whole outer forward eagerly: the
-    embedding, final norm and tied head get gradients outside every compiled graph. DDP
-    averages them anyway; graphddp cannot, and must say so rather than leave them local."""
-    fake_world(2)
-    model = graphddp.compile(LoopBreakGPT(), backend="aot_eager", bucket_cap_mb=CAP_MB)
-    (idx,), _, target = _tokens(0, 0, None)
-    with pytest.raises(RuntimeError, match=r"graphddp: parameter '(tok\.weight|pos|ln\.\w+)' received a gradient outside"):
-        _token_xent(model(idx), target).backward()
+    embedding, final norm and tied head get gradients outside every compiled graph. The step
+    takes them (the forward's output depends on them) and averages them with the blocks'
+    gradients at its end (graphddp.union), as DDP does."""
+    spawn(_loop_break, 2)
