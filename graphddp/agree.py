@@ -4,25 +4,27 @@ Design (why no collective runs at compile time). A rank may compile a graph that
 rank compiles at that moment: it saw a new sequence length, took a branch another rank took
 earlier, or missed a cache. A collective issued while compiling would then pair with another
 rank's bucket all-reduce: a hang, or a buffer reduced with the wrong one. So compiling never
-talks. Instead, agreement is checked *in band*, at run time, as the first collective of every
-synchronising backward graph (and of the eager average after ``no_sync``):
+talks. Instead, agreement is reached *in band*, at run time:
 
-* Each rank hashes its **wire layout**: world size and, per bucket in issue order, dtype,
-  device type, wire dtype and the ordered (parameter name, shape) list
-  (:meth:`graphddp.schedule.Schedule.wire_layout`). Node names, positions and overlap windows
-  are left out: ranks whose compute differs (a data-dependent branch, a recompile for a
-  longer sequence) but whose layout is equal reduce the same gradients, like DDP.
-* Every rank all-reduces ``[h, -h]`` with MAX: one fixed-size collective whose result,
-  ``[max h, -min h]``, is the same on every rank. All layouts are equal iff max == min, so
-  every rank reaches the same verdict, and the check can never pair with a bucket of another
-  size. On a difference every rank gathers the layouts (all of them are in this branch, so
-  the gather pairs with itself) and raises :class:`ScheduleMismatchError` naming the graph,
-  the first differing bucket and the parameter and shape on each side.
-* If the check itself fails (a dead peer, a timeout), :class:`CollectiveError` names
-  graphddp and what was being checked, with the original error chained.
+* :func:`probe`, the first collective of every synchronising backward graph (called by
+  :meth:`graphddp.step.StepState.agree`): every rank all-reduces ``[h, -h, *flags]`` with MAX,
+  ``h`` a hash of its wire layout (:meth:`graphddp.schedule.Schedule.wire_layout`: world size
+  and, per bucket in issue order, dtype, device type, wire dtype, hook and the ordered
+  (parameter name, shape) list; node names, positions and overlap windows are left out, so
+  ranks whose compute differs but whose layout is equal reduce the same gradients, like DDP).
+  The result, ``[max h, -min h, any flag]``, is the same on every rank, and the collective is
+  fixed-size, so it can never pair with a bucket of another size. A difference is not an
+  error: the step is averaged over the union of the ranks' gradients (:mod:`graphddp.union`).
+* :func:`check_in_band`, the same probe where a difference *is* an error: the eager average of
+  gradients accumulated under ``no_sync`` (a canonical layout, every trainable parameter);
+  every rank gathers the layouts and raises :class:`ScheduleMismatchError` naming the first
+  differing bucket and the parameter and shape on each side.
+* If a check itself fails (a dead peer, a timeout), :class:`CollectiveError` names graphddp and
+  what was being checked, with the original error chained.
 
 Also here: the wrap-time check that every rank has the same parameters (names, shapes,
-dtypes), run by ``graphddp.compile`` on every rank before the initial broadcast.
+dtypes), run by ``graphddp.compile`` on every rank before the initial broadcast; small
+gathers (:func:`gather`) and OR-reductions (:func:`any_rank`) for the union average.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ runtime wrappers) keyed by the Dynamo graph, its inputs and the configs: a hit s
 the joint graph, the joint-graph passes, the partitioner and every inductor compile. graphddp
 switched that cache off, since a hit would hand AOTAutograd's backward straight to autograd,
 skipping graphddp's rewrite and its runtime wrapper (:class:`graphddp.variants.BackwardDispatch`:
-sync or ``no_sync`` variant, the in-band layout check). On a warm restart every graph was traced,
+sync or ``no_sync`` variant, the in-band agreement). On a warm restart every graph was traced,
 partitioned and rewritten again; only inductor's own compiles hit the FX-graph cache.
 
 This module lets graphddp's graphs use the AOTAutograd cache too:
@@ -43,7 +43,7 @@ This module lets graphddp's graphs use the AOTAutograd cache too:
 * **Ranks cannot disagree because one hit.** Every rank has the same options and cost model
   (calibration agrees across ranks), a hit reproduces the plan a miss makes from them,
   compiling still never runs a collective (this is file I/O only), and every synchronising
-  backward still checks the wire layout in band (:mod:`graphddp.agree`).
+  backward still agrees on the wire layout in band (:mod:`graphddp.step`).
 
 Not cached (compiled as before, AOTAutograd cache off): a traced comm hook (the user's hook code
 is not something a key can cover; PowerSGD's phases), an attached optimizer, the

@@ -84,7 +84,7 @@ def test_join_with_a_rank_two_batches_short_ends_as_ddp_on_2_ranks(feature: str)
     spawn(_uneven, 2, feature)
 
 
-@pytest.mark.parametrize("feature", ["sgd", "divide_by_active_ranks"])
+@pytest.mark.parametrize("feature", ["sgd", "adamw_inside", "divide_by_active_ranks"])
 def test_join_on_3_ranks_ends_as_ddp(feature: str) -> None:
     spawn(_uneven, 3, feature, timeout=300)
 

@@ -42,8 +42,9 @@ def _tc_stats() -> str:
         return ""
 
 
-def reexec_in_netns(argv: list[str]) -> tuple[int | None, str]:
-    """Run this script again in a new network namespace; (exit code, reason) or (None, reason)."""
+def reexec_in_netns(argv: list[str], module: str = "tools.bench", env_flag: str = NETNS_ENV) -> tuple[int | None, str]:
+    """Run ``python -m module argv`` again in a new network namespace, with ``env_flag`` set;
+    (exit code, reason) or (None, reason)."""
     missing = [t for t in ("unshare", "ip", "tc") if shutil.which(t) is None]
     if missing:
         hint = "apt-get install -y iproute2 util-linux" if os.geteuid() == 0 else "ask for iproute2 / util-linux"
@@ -52,11 +53,11 @@ def reexec_in_netns(argv: list[str]) -> tuple[int | None, str]:
     probe = subprocess.run(cmd + ["true"], capture_output=True, text=True)
     if probe.returncode != 0:
         return None, f"'{' '.join(cmd)}' failed: {probe.stderr.strip() or probe.returncode}"
-    # The child runs -m tools.bench as well: the repository root goes on its path, whatever the cwd.
+    # The child runs -m <module> as well: the repository root goes on its path, whatever the cwd.
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, **{NETNS_ENV: "1", "PYTHONPATH": path})
-    rc = subprocess.call(cmd + [sys.executable, "-m", "tools.bench", *argv], env=env)
+    env = dict(os.environ, **{env_flag: "1", "PYTHONPATH": path})
+    rc = subprocess.call(cmd + [sys.executable, "-m", module, *argv], env=env)
     if rc == NETNS_SETUP_FAILED:
         return None, "could not rate-limit the namespace's loopback (see message above)"
     return rc, ""
