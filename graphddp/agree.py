@@ -70,31 +70,20 @@ def check_in_band(
 ) -> None:
     """Raise on every rank unless every rank of ``group`` passes an equal ``layout`` here.
 
-    ``layout`` is ``(world_size, buckets)``; ``what`` names the graph for messages;
-    ``digest`` is ``layout_hash(layout)`` when the caller keeps it (a compiled graph checks
-    the same layout every step). Must be called by every rank at the same point of its
-    collective sequence: right before the collectives the layout describes.
+    ``layout`` is ``(world_size, buckets)``; ``what`` names it for messages; ``digest`` is
+    ``layout_hash(layout)`` when the caller keeps it. Must be called by every rank at the same
+    point of its collective sequence: right before the collectives the layout describes. On a
+    difference every rank gathers the layouts (all of them are in this branch, so the gather
+    pairs with itself) and raises :class:`ScheduleMismatchError` naming the first differing bucket.
     """
-    if dist.get_world_size(group) == 1 or _is_fake(group):
-        return
-    h = layout_hash(layout) if digest is None else digest
-    with unset_fake_temporarily():
-        probe = torch.tensor([h, -h], dtype=torch.int64, device=_device(group))
-        try:
-            dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
-        except Exception as e:  # noqa: BLE001 - any backend failure, re-raised with context
-            raise CollectiveError(
-                f"graphddp: the layout check before the gradient all-reduces of {what} failed "
-                f"({type(e).__name__}); a peer may have died or timed out. Original error: {e}"
-            ) from e
-        high, neg_low = (int(v) for v in probe.tolist())
-    if high == -neg_low:
-        return
-    layouts = _gather(layout, group)
-    raise ScheduleMismatchError(describe_mismatch(layouts, what))
+    same, _ = probe(layout, (), group, what, digest)
+    if not same:
+        raise ScheduleMismatchError(describe_mismatch(_gather(layout, group), what))
 
 
-def probe(layout: Any, flags: Sequence[bool], group: Any, what: str) -> tuple[bool, tuple[bool, ...]]:
+def probe(
+    layout: Any, flags: Sequence[bool], group: Any, what: str, digest: int | None = None
+) -> tuple[bool, tuple[bool, ...]]:
     """Do all ranks pass an equal ``layout`` here, and which ``flags`` does any rank raise?
 
     One MAX all-reduce of ``[h, -h, *flags]``: fixed-size, so it pairs with any other rank's
@@ -103,7 +92,7 @@ def probe(layout: Any, flags: Sequence[bool], group: Any, what: str) -> tuple[bo
     """
     if dist.get_world_size(group) == 1 or _is_fake(group):
         return True, tuple(bool(f) for f in flags)
-    h = layout_hash(layout)
+    h = layout_hash(layout) if digest is None else digest
     with unset_fake_temporarily():
         t = torch.tensor([h, -h, *(int(bool(f)) for f in flags)], dtype=torch.int64, device=_device(group))
         try:
