@@ -57,7 +57,32 @@ SIZES = (1 << 16, 1 << 20, 1 << 22)  # bytes per all-reduce: the range buckets s
 # a restart keeps (KEEP_WITHIN), and a warm restart replanned; with 15, 20 to 33.
 REPEATS = 15
 COMPUTE_REPEATS = 15  # a few ms each; this machine's cores run a matmul at 2.4 or 6.6 ms by turns
-_CACHE: dict[tuple[str, str, int, str], CostModel] = {}  # (group name, backend, ranks, device type)
+
+
+class Calibrations:
+    """The process-wide registry of calibrated cost models, one per (process group name,
+    backend, ranks, device type).
+
+    Why process-wide: a calibration is a collective of every rank of the group (1.5 s on a
+    1 Gbit/s link) and measures the group's link, not a model; every model wrapped on the same
+    group in this process plans with the same numbers, and only the first wrap pays. Lifetime:
+    the process. A group destroyed and made again under the same name keeps its entry;
+    :meth:`clear` forgets every entry (tests that calibrate anew call it)."""
+
+    def __init__(self) -> None:
+        self._models: dict[tuple[str, str, int, str], CostModel] = {}
+
+    def get(self, key: tuple[str, str, int, str]) -> CostModel | None:
+        return self._models.get(key)
+
+    def put(self, key: tuple[str, str, int, str], model: CostModel) -> None:
+        self._models[key] = model
+
+    def clear(self) -> None:
+        self._models.clear()
+
+
+CALIBRATIONS = Calibrations()
 
 
 def resolve_cost(config: DDPConfig, group: Any, device: torch.device | None) -> DDPConfig:
@@ -74,8 +99,9 @@ def calibrate(group: Any, device: torch.device | None = None) -> CostModel:
     device = torch.device(device) if device is not None else torch.device("cpu")
     world = dist.get_world_size(group)
     key = (group_name_of(group) if world > 1 else "", str(dist.get_backend(group)), world, device.type)
-    if key in _CACHE:
-        return _CACHE[key]
+    known = CALIBRATIONS.get(key)
+    if known is not None:
+        return known
     if key[1] == "fake":  # graphddp.explain's pretend ranks: nothing to time
         return CostModel(source=f"default: a fake process group of {world} ranks has no link to measure")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -97,7 +123,7 @@ def calibrate(group: Any, device: torch.device | None = None) -> CostModel:
             collective_overhead_us=_round2(issue_s * 1e6), **rates, source=source,
         )
     model = _settle(model, key, group, device)
-    _CACHE[key] = model
+    CALIBRATIONS.put(key, model)
     return model
 
 

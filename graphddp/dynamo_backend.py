@@ -311,15 +311,11 @@ class GraphDDPBackend:
         """A joined rank's part of one synchronising step of the others (:mod:`graphddp.join`):
         the agreement (it asks for a divergent step), then the union average, with zeros."""
         step = self.step
-        step.joined = True
-        step.agree(self.group, 0, "a joined rank's shadow of a backward", False)
-        try:
+        with step.shadowing():
+            step.agree(self.group, 0, "a joined rank's shadow of a backward", False)
             self.union.run(step, self.hook_runs_now())
             if self.hook is not None:
                 self.hook.after_backward()
-        finally:
-            step.joined = False
-            step.end_agreement()
 
     def _in_graph_update(
         self, record: GraphRecord, graph_index: int, compile_grads: Callable[[], Any] | None

@@ -32,7 +32,28 @@ from graphddp.optim import AttachedOptimizer
 from graphddp.replica import Replica, ReplicaView, prepare, resolve_group
 
 NAME = "graphddp"  # the registered backend name
-_LIVE: list[weakref.ref] = []  # every GraphDDPCompileBackend made, for the name to find
+
+
+class _Backends:
+    """The process-wide registry the name ``"graphddp"`` looks in: every
+    :class:`GraphDDPCompileBackend` made, most recent last. Why process-wide: Dynamo calls a
+    backend registered by name with the graph alone, so the name must find the backend made
+    for that graph's model. Lifetime: each entry is a weak reference, kept while its backend
+    lives; dead ones are dropped whenever a backend is added."""
+
+    def __init__(self) -> None:
+        self._refs: list[weakref.ref] = []
+
+    def add(self, backend: "GraphDDPCompileBackend") -> None:
+        self._refs = [ref for ref in self._refs if ref() is not None]
+        self._refs.append(weakref.ref(backend))
+
+    def attached(self) -> list["GraphDDPCompileBackend"]:
+        """The live, attached backends, most recent first."""
+        return [b for b in (ref() for ref in reversed(self._refs)) if b is not None and b.attached]
+
+
+BACKENDS = _Backends()
 
 
 class GraphDDPCompileBackend(ReplicaView):
@@ -50,8 +71,7 @@ class GraphDDPCompileBackend(ReplicaView):
         self._joinable()
         self._param_ids = {id(p) for p in module.parameters()}
         self._wrap_forward()
-        _LIVE[:] = [ref for ref in _LIVE if ref() is not None]  # forget backends gone since
-        _LIVE.append(weakref.ref(self))
+        BACKENDS.add(self)
 
     def _wrap_forward(self) -> None:
         """Put the replica's per-forward work around ``module.forward`` (an instance attribute).
@@ -123,7 +143,7 @@ def _by_name(gm: fx.GraphModule, example_inputs: Sequence[Any], **compile_kwargs
     A graph with no parameter among its inputs (after a graph break, say the loss) has no
     gradient to average: the most recently made backend compiles it, with its options.
     """
-    live = [b for b in (ref() for ref in reversed(_LIVE)) if b is not None and b.attached]
+    live = BACKENDS.attached()
     owner = next((b for b in live if b.owns(example_inputs)), None)
     if owner is None and live and not any(isinstance(t, nn.Parameter) for t in example_inputs):
         owner = live[0]

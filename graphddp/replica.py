@@ -157,13 +157,8 @@ class Replica:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        step = self.step
-        previous = step.sync
-        step.sync = False
-        try:
+        with self.step.local():
             yield
-        finally:
-            step.sync = previous
 
     def before_forward(self) -> None:
         """Broadcast buffers; start averaging gradients accumulated under ``no_sync``; inside
@@ -184,7 +179,7 @@ class Replica:
         if buffers:
             broadcast_tensors(buffers, self.group, source)
         if eager_hook:
-            step.eager_hook_step = True  # a user's hook must see the accumulated total
+            step.hook_accumulated()  # a user's hook must see the accumulated total
         elif pending:
             trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
             self._pending = average_async(trainable, self.group)  # hidden behind the forward
@@ -196,13 +191,11 @@ class Replica:
         if self._pending is not None:
             self._pending.wait()
             self._pending = None
-            step.accumulated = False
-        if step.eager_hook_step:  # averaged by the hook at the end of the backward
-            step.accumulated = False
+            step.accumulated_averaged()
         if torch.is_grad_enabled():
             self._guard_uncovered_parameters(self._syncing, out)
             if not step.sync:
-                step.accumulated = True
+                step.accumulate()
         self._sync_buffers_next = self._syncing
 
     def _guard_uncovered_parameters(self, syncing: bool, out: Any) -> None:
@@ -233,7 +226,7 @@ class Replica:
         for key, (name, p) in uncovered.items():
             kind = "eager" if key in reached else "error"
             if key in reached:
-                step.eager[name] = None if p.grad is None else p.grad.detach().clone()
+                step.expect_eager_gradient(name, p.grad)
             held = self._guard_handles.get(name)
             if held is not None and held[0] == kind:
                 continue

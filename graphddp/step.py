@@ -30,8 +30,9 @@ Algorithm
       optimizer step for gradients the graphs left) and the step is over: nodes that ran are
       forgotten, nodes still waiting count for the next one.
     * The user's ``no_sync`` switch, whether gradients were accumulated locally, and the step
-      after ``no_sync`` where a traced hook runs eagerly are held here too; the replica
-      writes them, the backend and the dispatchers read them.
+      after ``no_sync`` where a traced hook runs eagerly are held here too; the replica sets
+      them through this class's methods (``local``, ``accumulate``, ``hook_accumulated``...),
+      the backend and the dispatchers read them; no other object writes a field of the step.
 
 Agreement, and steps that differ across ranks
     Every synchronising backward graph with buckets first agrees with the other ranks, in band
@@ -53,9 +54,10 @@ Agreement, and steps that differ across ranks
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -133,6 +135,44 @@ class StepState:
             n for g in self.graphs
             if g.index != index and (g.frame is None or g.frame != me.frame) for n in g.params
         }
+
+    # -- the replica's switches (graphddp.replica): the only writers of these fields ---------------
+    @contextlib.contextmanager
+    def local(self) -> Iterator[None]:
+        """``no_sync()``: forwards inside run their graphs' local backward."""
+        previous, self.sync = self.sync, False
+        try:
+            yield
+        finally:
+            self.sync = previous
+
+    def accumulate(self) -> None:
+        """A forward under ``no_sync`` ran: gradients accumulate locally until a synchronising step."""
+        self.accumulated = True
+
+    def accumulated_averaged(self) -> None:
+        """The accumulated gradients were averaged (eagerly, behind the synchronising forward)."""
+        self.accumulated = False
+
+    def hook_accumulated(self) -> None:
+        """This synchronising step's traced hook averages the accumulated gradients eagerly,
+        at the end of its backward (its graphs run locally)."""
+        self.eager_hook_step = True
+        self.accumulated = False
+
+    def expect_eager_gradient(self, name: str, grad: torch.Tensor | None) -> None:
+        """Parameter ``name`` (its ``grad`` now) may get a gradient from eager code this step."""
+        self.eager[name] = None if grad is None else grad.detach().clone()
+
+    @contextlib.contextmanager
+    def shadowing(self) -> Iterator[None]:
+        """A joined rank's shadow of one step of the others (:mod:`graphddp.join`)."""
+        self.joined = True
+        try:
+            yield
+        finally:
+            self.joined = False
+            self.end_agreement()
 
     # -- forward --------------------------------------------------------------------------------
     def begin_forward(self) -> None:

@@ -36,7 +36,7 @@ def _cache_dir(path: str):
     try:
         yield
     finally:
-        calibrate._CACHE.clear()
+        calibrate.CALIBRATIONS.clear()
         if saved is None:
             os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
         else:
@@ -141,7 +141,7 @@ def _calibrate_world(compute_scale: float, link_scale: float) -> CostModel:
     measure, link = calibrate._compute_times, calibrate._link_times
     calibrate._compute_times = lambda *a: [t * compute_scale for t in COMPUTE_S]
     calibrate._link_times = lambda *a: [t * link_scale for t in LINK_S]
-    calibrate._CACHE.clear()
+    calibrate.CALIBRATIONS.clear()
     try:
         return calibrate.calibrate(dist.group.WORLD)
     finally:
