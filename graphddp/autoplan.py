@@ -45,6 +45,7 @@ from typing import Mapping, Sequence
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from graphddp.collectives import ALL_REDUCE
 from graphddp.cost import CostModel, compute_timeline
 from graphddp.schedule import GradSlot, NodeFact
 
@@ -63,8 +64,9 @@ def best_partition(
     if n == 0:
         return [], compute_end
     f64 = torch.float64
-    latency = cost.allreduce_seconds(0, world_size)
-    per_byte = (cost.allreduce_seconds(1 << 20, world_size) - latency) / (1 << 20)
+    seconds = ALL_REDUCE.seconds  # the auto plan partitions all-reduce buckets
+    latency = seconds(cost, 0, world_size)
+    per_byte = (seconds(cost, 1 << 20, world_size) - latency) / (1 << 20)
     issue = cost.collective_overhead_us * 1e-6
     r = torch.tensor(ready, dtype=f64)
     prefix = torch.cat([torch.zeros(1, dtype=f64), torch.tensor(wire_nbytes, dtype=f64).cumsum(0)])
@@ -128,7 +130,7 @@ def predicted_step(
     bounds = list(starts) + [len(ready)]
     link = 0.0
     for k, (a, b) in enumerate(zip(bounds, bounds[1:]), start=1):
-        link = max(ready[b - 1] + k * issue, link) + cost.allreduce_seconds(sum(wire_nbytes[a:b]), world_size)
+        link = max(ready[b - 1] + k * issue, link) + ALL_REDUCE.seconds(cost, sum(wire_nbytes[a:b]), world_size)
     return max(compute_end + (len(bounds) - 1) * issue, link)
 
 

@@ -2,7 +2,7 @@
 
 The FX graph graphddp writes is not what runs under inductor: inductor's scheduler may
 reorder nodes and pull waits up. These helpers analyse the *generated* wrapper code (and,
-for the FX backends, the graph that runs) and report, for every all-reduce, how many compute
+for the FX backends, the graph that runs) and report, for every bucket collective, how many compute
 kernels execute between it and its wait. Tests assert on this, not on the FX graph.
 """
 from __future__ import annotations
@@ -13,9 +13,10 @@ import re
 import torch.fx as fx
 
 from graphddp.capture import is_compute
-from graphddp.comm import is_all_reduce, is_wait
+from graphddp.collectives import KINDS, issue_pattern
+from graphddp.comm import is_wait
 
-_AR = re.compile(r"_c10d_functional\.all_reduce_\.default\((\w+)")
+_ISSUE = issue_pattern()  # any bucket collective kind's op
 _WAIT = re.compile(r"_c10d_functional\.wait_tensor\.default\((\w+)")
 _KERNEL = re.compile(r"^\s*(?:\w+ = )?(cpp_fused_\w+|triton_\w+|extern_kernels\.\w+|aten\.\w+|torch\.ops\.aten\.\w+)[\.(]")
 
@@ -35,7 +36,7 @@ def windows_in_generated_code(source: str) -> list[Window]:
     done: list[tuple[int, Window]] = []
     kernels = 0
     for line in body.splitlines():
-        if m := _AR.search(line):
+        if m := _ISSUE.search(line):
             open_[m.group(1)] = kernels
         elif m := _WAIT.search(line):
             if m.group(1) in open_:
@@ -53,7 +54,7 @@ def windows_in_graph(gm: fx.GraphModule) -> list[Window]:
     out = []
     nodes = list(gm.graph.nodes)
     for i, node in enumerate(nodes):
-        if is_all_reduce(node):
+        if node.op == "call_function" and node.target in {k.op for k in KINDS.values()}:
             wait = next(u for u in node.users if is_wait(u))
             j = nodes.index(wait)
             out.append(Window(node.name, sum(is_compute(n) for n in nodes[i + 1:j])))

@@ -4,7 +4,8 @@ timeline of one backward pass with its communication.
 * Compute: a node costs ``max(flops / compute rate, bytes moved / memory bandwidth)`` plus a
   fixed per-op overhead; the FLOPs and bytes are read off the graph by
   :mod:`graphddp.capture` into each ``NodeFact``. Measured times override estimates.
-* Communication: ring all-reduce, ``2 (p-1) alpha + 2 (p-1)/p * bytes / bandwidth``.
+* Communication: each bucket's collective kind (:mod:`graphddp.collectives`) on the ring; an
+  all-reduce is ``2 (p-1) alpha + 2 (p-1)/p * bytes / bandwidth``.
 * Timeline: backward nodes run back to back on the compute lane, and issuing a collective
   takes a fixed time there too; a bucket's all-reduce starts once its last gradient is
   produced, its issue is done and the link is free (one bucket on the wire at a time).
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
+from graphddp.collectives import kind
 from graphddp.schedule import BucketTiming, CostModel, NodeFact, Schedule, Span, Timeline
 
 __all__ = ["CostModel", "compute_timeline", "fit_link", "simulate"]  # CostModel is a value type: it lives in graphddp.schedule
@@ -67,7 +69,7 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, measured: Mappin
         issued[bucket.issue_after] -= 1  # later buckets at the same node are issued after this one
         ready = finished.get(bucket.issue_after, clock) - overhead * issued[bucket.issue_after]
         start = max(ready, link_free)
-        end = start + cost.allreduce_seconds(bucket.wire_nbytes, schedule.world_size)
+        end = start + kind(bucket.collective).seconds(cost, bucket.wire_nbytes, schedule.world_size)
         link_free = end
         timings.append(BucketTiming(bucket.index, ready, start, end, bucket.wire_nbytes))
     link = f"{cost.bandwidth_gbps:g} Gbit/s, {cost.latency_us:g} us"

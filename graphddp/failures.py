@@ -14,9 +14,13 @@ import re
 from types import TracebackType
 
 from graphddp.agree import CollectiveError
+from graphddp.collectives import KINDS
 from graphddp.schedule import Schedule
 
-_ISSUE = re.compile(r"(?:(\w+)\s*=\s*)?torch\.ops\._c10d_functional\.all_reduce_\.default\((\w+)")
+_ISSUE = re.compile(
+    r"(?:(\w+)\s*=\s*)?torch\.ops\._c10d_functional\.(?:"
+    + "|".join(re.escape(k.op._opname) for k in KINDS.values()) + r")\.default\((\w+)"
+)  # the issue of any bucket collective kind
 _WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((\w+)")
 
 
@@ -65,7 +69,7 @@ def collective_failure(error: BaseException, schedule: Schedule) -> CollectiveEr
         bucket = schedule.buckets[index]
         names = ", ".join(bucket.param_names[:4]) + (", ..." if len(bucket.slots) > 4 else "")
         verb = "issuing" if phase == "issue" else "waiting for"
-        what = f"{verb} the all-reduce of bucket {index} ({bucket.nbytes} bytes: {names})"
+        what = f"{verb} the {bucket.collective.replace('_', '-')} of bucket {index} ({bucket.nbytes} bytes: {names})"
     return CollectiveError(
         f"graphddp: {what} in {where} failed ({type(error).__name__}); a peer may have died or "
         f"timed out. Original error: {error}"

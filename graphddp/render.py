@@ -36,7 +36,7 @@ def chrome_trace(schedule: Schedule, cost: CostModel | None = None, path: str | 
                        "ts": span.start * 1e6, "dur": (span.end - span.start) * 1e6})
     for bucket, t in zip(schedule.buckets, timeline.buckets):
         events.append({
-            "ph": "X", "name": f"bucket {bucket.index} ({bucket.wire_nbytes / 2**20:.2f} MB)", "cat": "all_reduce",
+            "ph": "X", "name": f"bucket {bucket.index} ({bucket.wire_nbytes / 2**20:.2f} MB)", "cat": bucket.collective,
             "pid": pid, "tid": COMM_TID, "ts": t.start * 1e6, "dur": (t.end - t.start) * 1e6,
             "args": {"params": list(bucket.param_names), "ready_us": t.ready * 1e6, "issue_after": bucket.issue_after},
         })

@@ -75,12 +75,19 @@ class CostModel:
                 f"{self.compute_tflops:.3g} TFLOP/s, {self.memory_gbps:.3g} GB/s, {self.op_overhead_us:.3g} us per op, {self.collective_overhead_us:.3g} us per collective "
                 f"({self.source})")
 
+    def ring_seconds(self, steps: int, wire_nbytes: float) -> float:
+        """A ring collective of ``steps`` latency-bound steps that puts ``wire_nbytes`` on each
+        rank's link: the alpha-beta time every collective kind is priced with
+        (:mod:`graphddp.collectives` says how many steps and bytes each kind takes)."""
+        return steps * self.latency_us * 1e-6 + wire_nbytes * 8 / (self.bandwidth_gbps * 1e9)
+
     def allreduce_seconds(self, nbytes: int, world_size: int) -> float:
+        """A ring all-reduce of ``nbytes`` per rank (``graphddp.collectives.ALL_REDUCE.seconds``):
+        ``2 (p-1)`` steps, ``2 (p-1)/p`` of the bytes on the wire."""
         if world_size <= 1:
             return 0.0
         steps = 2 * (world_size - 1)
-        wire = steps / world_size * nbytes * 8 / (self.bandwidth_gbps * 1e9)
-        return steps * self.latency_us * 1e-6 + wire
+        return self.ring_seconds(steps, steps / world_size * nbytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +196,7 @@ class Bucket:
     wait_before: str
     overlap: tuple[str, ...]
     comm_dtype: str | None = None  # set by a compression hook: the dtype on the wire
+    collective: str = "all_reduce"  # the kind that merges the bucket (graphddp.collectives)
     # Parameters whose optimizer update runs in the graph right after this bucket's wait
     # (``graphddp.compile(..., optimizer=)``); their gradients are not returned.
     updates: tuple[str, ...] = ()
@@ -200,9 +208,10 @@ class Bucket:
     def wire(self) -> tuple:
         """What this bucket puts on the wire (:meth:`Schedule.wire_layout`): dtype, device
         type, wire dtype, hook, bytes and the ordered (parameter name, shape) list."""
+        kind = () if self.collective == "all_reduce" else (self.collective,)  # as before kinds, for all-reduce
         return (
             self.dtype, self.device.split(":")[0], self.comm_dtype, self.hook, self.wire_nbytes,
-            tuple((s.param_name, s.shape) for s in self.slots),
+            tuple((s.param_name, s.shape) for s in self.slots), *kind,
         )
 
     @property
@@ -309,6 +318,9 @@ class Schedule:
                     "nbytes": b.nbytes,
                     "wire_nbytes": b.wire_nbytes,
                     "comm_dtype": b.comm_dtype,
+                    # Only a kind other than all-reduce is written: plans made before kinds
+                    # existed keep their JSON and their fingerprint.
+                    **({"collective": b.collective} if b.collective != "all_reduce" else {}),
                     "hook": b.hook,
                     "hook_wire_nbytes": b.hook_wire_nbytes,
                     "issue_after": b.issue_after,
@@ -338,6 +350,7 @@ class Schedule:
                 wait_before=b["wait_before"],
                 overlap=tuple(b["overlap"]),
                 comm_dtype=b.get("comm_dtype"),
+                collective=b.get("collective", "all_reduce"),
                 hook=b.get("hook"),
                 hook_wire_nbytes=b.get("hook_wire_nbytes"),
                 updates=tuple(b.get("updates", ())),

@@ -68,8 +68,9 @@ import torch
 import torch.fx as fx
 
 from graphddp.capture import views_of
+from graphddp.collectives import kind
 from graphddp.comm import (
-    ALL_REDUCE, BUCKET_KEY, CAST, ROLE_KEY, group_of, is_all_reduce, is_cast, is_collective, is_ours, is_wait, wire_bytes,
+    BUCKET_KEY, CAST, ROLE_KEY, group_of, is_cast, is_collective, is_ours, is_wait, wire_bytes,
 )
 from graphddp.schedule import Bucket, GradSlot, Schedule, dtype_name
 
@@ -161,15 +162,16 @@ def _collect_all_reduces(g: _Graph, schedule: Schedule, hooked: set[int]) -> dic
     by_bucket: dict[int, fx.Node] = {}
     for ar in g.nodes:
         # Collectives the model itself issues (e.g. tensor parallelism) are not ours to check.
-        if not (is_all_reduce(ar) and is_ours(ar)) or ar.meta[BUCKET_KEY] in hooked:
+        if not (is_collective(ar) and is_ours(ar)) or ar.meta[BUCKET_KEY] in hooked:
             continue
         index = ar.meta[BUCKET_KEY]
         if not (isinstance(index, int) and 0 <= index < schedule.num_buckets):
             _fail(g.gm, ar, f"all-reduce {ar.name} is tagged bucket {index!r}, which belongs to no schedule bucket")
         if index in by_bucket:
             _fail(g.gm, ar, f"bucket {index} is all-reduced twice: {by_bucket[index].name} and {ar.name}")
-        if ar.target != ALL_REDUCE:
-            _fail(g.gm, ar, f"bucket {index}'s collective {ar.name} is {ar.target}; graphddp emits only {ALL_REDUCE}")
+        expected = kind(schedule.buckets[index].collective)
+        if ar.target != expected.op:
+            _fail(g.gm, ar, f"bucket {index}'s collective {ar.name} is {ar.target}; a bucket of kind {expected.key} is issued with {expected.op}")
         users = list(ar.users)
         if len(users) != 1 or not is_wait(users[0]):
             _fail(g.gm, ar, f"all-reduce {ar.name} of bucket {index} must have exactly one user, its wait; has {_names(users)}")
@@ -189,7 +191,7 @@ def _check_stray_waits(g: _Graph, hooked: set[int]) -> None:
             continue
         index = wait.meta[BUCKET_KEY]
         target = wait.args[0] if wait.args else None
-        if not (isinstance(target, fx.Node) and is_all_reduce(target) and is_ours(target, index)):
+        if not (isinstance(target, fx.Node) and is_collective(target) and is_ours(target, index)):
             name = target.name if isinstance(target, fx.Node) else repr(target)
             _fail(g.gm, wait, f"wait {wait.name} of bucket {index} waits on {name}, which is not bucket {index}'s all-reduce")
 

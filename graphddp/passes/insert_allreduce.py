@@ -77,7 +77,8 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from graphddp import hooks
-from graphddp.comm import ALL_REDUCE, BUCKET_KEY, ROLE_KEY, WAIT, group_of, is_collective, is_wait
+from graphddp.collectives import kind
+from graphddp.comm import BUCKET_KEY, ROLE_KEY, WAIT, group_of, is_collective, is_wait
 from graphddp.passes.trace import role, splice, trace
 from graphddp.schedule import Bucket, GradSlot, Schedule, dtype_name
 from graphddp.user_hooks import GradBucket, HookState, StateSpec, TracedHook
@@ -222,8 +223,10 @@ def _check_result(bucket: Bucket, hook_name: str, done: Any, verb: str = "return
 
 
 def _builtin_fn(bucket: Bucket, hook: hooks.CommHook, schedule: Schedule) -> Callable[..., list[torch.Tensor]]:
-    """gradients -> flatten -> compress -> divide -> all_reduce_ -> wait -> decompress -> views."""
+    """gradients -> flatten -> compress -> divide -> the bucket's collective (all_reduce_) -> wait
+    -> decompress -> views."""
     wire = getattr(torch, bucket.comm_dtype or bucket.dtype)
+    collective = kind(bucket.collective)
 
     def run(*grads: torch.Tensor) -> list[torch.Tensor]:
         with role("flatten"):
@@ -236,8 +239,8 @@ def _builtin_fn(bucket: Bucket, hook: hooks.CommHook, schedule: Schedule) -> Cal
             )
         with role("scale"):
             scaled = aten.div.Tensor(sent, schedule.world_size)  # DDP pre-divides, after compressing
-        with role("all_reduce"):
-            reduced = ALL_REDUCE(scaled, "sum", schedule.group_name)
+        with role(collective.key):
+            reduced = collective.issue(scaled, schedule.group_name)
         with role("wait"):
             done = WAIT(reduced)
         with role("decompress"):
