@@ -139,3 +139,42 @@ def test_explain_leaves_no_group_no_hook_and_no_recompile_budget_behind(fake_wor
     model = graphddp.compile(GraphBreakMLP(), backend="aot_eager")
     model(x).sum().backward()
     assert len(model.schedules) == 2
+
+
+# The layers of docs/architecture.md, as modules (the package is flat until the folders move).
+VALUES = {"schedule", "comm", "collectives"}
+PLAN = {"planner", "autoplan", "cost"}
+GRAPH = {"capture", "passes", "passes.trace", "passes.insert_allreduce", "passes.insert_update", "verify", "verify_update", "codeinspect"}
+RUNTIME = {"step", "variants", "agree", "union", "join", "sync", "replica", "failures", "calibrate"}
+
+
+def _all_imports(module: str) -> set[str]:
+    """Every module ``graphddp.<module>`` imports anywhere in its body, torch's included."""
+    path = PACKAGE.joinpath(*module.split(".")).with_suffix(".py")
+    if not path.exists():
+        path = PACKAGE.joinpath(*module.split("."), "__init__.py")
+    deps: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            deps.update(f"{node.module}.{a.name}" for a in node.names)
+            deps.add(node.module)
+        elif isinstance(node, ast.Import):
+            deps.update(a.name for a in node.names)
+    return deps
+
+
+def _ours(deps: set[str]) -> set[str]:
+    """The graphddp modules among ``deps`` (``from graphddp.comm import X`` names comm, not X)."""
+    modules = set(_imports())
+    return {d.removeprefix("graphddp.") for d in deps if d in modules}
+
+
+def test_the_layers_import_only_downwards():
+    for module in VALUES:
+        assert _ours(_all_imports(module)) <= VALUES, module
+    for module in PLAN:
+        deps = _all_imports(module)
+        assert not {d for d in deps if d.startswith(("torch.fx", "torch.distributed"))}, f"{module}: planning is pure"
+        assert _ours(deps) <= VALUES | PLAN | {"config"}, module  # the options are a plan's input
+    for module in GRAPH:
+        assert not _ours(_all_imports(module)) & RUNTIME, f"{module} reads the run time"
