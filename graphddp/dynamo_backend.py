@@ -2,7 +2,9 @@
 
 Dynamo hands each captured forward graph to :class:`GraphDDPBackend`. AOTAutograd splits it
 into forward and backward ATen graphs; the backward one goes through
-capture -> plan -> insert_allreduce -> verify before the inner compiler sees it:
+capture -> plan, then the backend's backward passes (:mod:`graphddp.passes.compose`:
+insert_comm -> verify_comm, and the optimizer's pass) before the inner compiler sees it; the
+forward graph goes through the forward passes (today: reading the parameters' values):
 
 * ``inductor`` (:mod:`graphddp.inductor_compile`): :func:`torch._inductor.compile_fx.compile_fx`
   with our pass wrapped around its ``inner_compile``, so inductor's own decompositions, partitioner and joint-graph
@@ -46,22 +48,22 @@ from torch._functorch.aot_autograd import make_boxed_func
 
 from graphddp import compile_cache
 from graphddp.capture import extract_facts, parameter_of_inputs
-from graphddp.comm import BUCKET_KEY, ROLE_KEY, group_name_of, wire_bytes
+from graphddp.comm import BUCKET_KEY, ROLE_KEY, group_name_of
 from graphddp.config import DDPConfig
 from graphddp.frames import FramePlans
 from graphddp.inductor_compile import compile_inductor
 from graphddp.optim import AttachedOptimizer
-from graphddp.passes import insert_allreduce, insert_update
+from graphddp.passes import insert_update
+from graphddp.passes.compose import Shared, insert_comm, record_parameter_values, run_passes, verify_comm
 from graphddp.passes.insert_allreduce import HOOK_STATE, HOOK_STATE_SPEC, HookContext
 from graphddp.passes.insert_update import ALIAS_OF, UpdateInputs
-from graphddp.planner import plan, with_updates, with_wire_bytes
+from graphddp.planner import plan, with_updates
 from graphddp.record import GraphRecord
 from graphddp.schedule import Schedule
 from graphddp.step import StepState, current_frame
 from graphddp.union import UnionAverage
 from graphddp.user_hooks import HookState
 from graphddp.variants import BackwardDispatch, GraphState, InGraphUpdate, Synced, compiled_backward_node
-from graphddp.verify import verify
 from graphddp.verify_update import verify_updates
 
 log = logging.getLogger("graphddp")
@@ -105,6 +107,9 @@ class GraphDDPBackend:
         self._hook_context = HookContext(group, dict(parameters or {}))
         self.dispatches: dict[int, BackwardDispatch] = {}
         self.frames = FramePlans()  # what a recompile inherits from its frame's graphs
+        # The passes every graph goes through (graphddp.passes.compose): features add theirs.
+        self.forward_passes: list[Any] = [record_parameter_values]
+        self.backward_passes: list[Any] = [insert_comm, verify_comm] + ([self._optimizer_pass] if optimizer is not None else [])
         # Warnings about updates left to torch's step, once per graph and reason.
         self._warned: set[tuple[int, str]] = set()
         self.union = UnionAverage(
@@ -189,13 +194,11 @@ class GraphDDPBackend:
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], param_inputs: Mapping[int, str], state: GraphState,
         inductor_patches: dict[str, Any], graph_index: int,
     ) -> Callable[..., Any]:
-        fw_values: dict[str, Any] = {}  # parameter -> its value in the forward graph (fake)
+        shared = Shared()  # what this graph's forward passes hand its backward passes
 
         def record_forward(fw: fx.GraphModule) -> None:
-            placeholders = [n for n in fw.graph.nodes if n.op == "placeholder"]
-            for i, name in param_inputs.items():
-                if i < len(placeholders):
-                    fw_values[name] = placeholders[i].meta.get("val")
+            like = self.frames.like(self._frame(graph_index), param_inputs.values())
+            run_passes(self.forward_passes, fw, like, param_inputs=param_inputs, shared=shared, graph_index=graph_index)
 
         phases = self.hook.phases if self.hook is not None else ("sync",)  # keys of self._phase()
 
@@ -203,7 +206,7 @@ class GraphDDPBackend:
             """One record per phase, each from its own copy of the untouched graph."""
             graphs = [copy.deepcopy(bw) for _ in phases[1:]] + [bw]
             return {
-                phase: self.rewrite_backward(g, param_inputs, graph_index, fw_values, phase=phase)
+                phase: self.rewrite_backward(g, param_inputs, graph_index, shared.fw_values, phase=phase)
                 for phase, g in zip(phases, graphs)
             }
 
@@ -401,21 +404,16 @@ class GraphDDPBackend:
         graded = {s.output_index for s in facts.slots}
         unreduced = tuple(name for i, name in sorted(param_inputs.items()) if i not in graded)
         schedule = self.plan_graph(facts, graph_index, unreduced, hook.name if hook is not None else None)
-        log.debug("backward graph %d before insert_allreduce:\n%s", graph_index, gm.code)
-        if self.world_size > 1:
-            insert_allreduce(gm, schedule, hook=hook, context=self._hook_context)
-            if hook is not None:
-                schedule = with_wire_bytes(schedule, wire_bytes(gm))
-            log.debug("backward graph %d after insert_allreduce:\n%s", graph_index, gm.code)
-            if self.config.verify:
-                verify(gm, schedule, {s.output_index: s.param_name for s in facts.slots})
-        without_update, tied = None, ()
-        if self.optimizer is not None and fw_values:
-            schedule, without_update, tied = self._add_updates(gm, schedule, graph_index, self.optimizer, fw_values)
+        shared = Shared(fw_values=dict(fw_values or {}))
+        schedule = run_passes(
+            self.backward_passes, gm, schedule, world_size=self.world_size, hook=hook, hook_context=self._hook_context,
+            graph_index=graph_index, check=self.config.verify, outputs={s.output_index: s.param_name for s in facts.slots},
+            shared=shared,
+        )
         log.info("graphddp plan for backward graph %d (fingerprint %s):\n%s", graph_index, schedule.fingerprint(), schedule.to_table())
-        record = GraphRecord(schedule=schedule, graph=gm, without_update=without_update)
-        if tied:
-            record.fallbacks["shared"] = tied
+        record = GraphRecord(schedule=schedule, graph=gm, without_update=shared.without_update)
+        if shared.tied:
+            record.fallbacks["shared"] = shared.tied
         return record
 
 
@@ -434,6 +432,16 @@ class GraphDDPBackend:
                 "of this step (tied across a graph break), so each graph's hook would see part of their gradient, where "
                 "DDP's hook sees the sum; move the graph break or untie them, or use a built-in comm_hook"
             )
+
+    def _optimizer_pass(self, gm: fx.GraphModule, schedule: Schedule, *, graph_index: int, shared: Shared, **_: Any) -> Schedule:
+        """The optimizer's backward pass (after the collectives): with_updates -> insert_update
+        -> verify_updates. The graph from before it goes to ``shared.without_update`` (None when
+        nothing is updated), the parameters left to torch's step (a graph of another frame reads
+        them too) to ``shared.tied``. Without the forward's parameter values, nothing."""
+        if self.optimizer is None or not shared.fw_values:
+            return schedule
+        schedule, shared.without_update, shared.tied = self._add_updates(gm, schedule, graph_index, self.optimizer, shared.fw_values)
+        return schedule
 
     def _add_updates(
         self, gm: fx.GraphModule, schedule: Schedule, graph_index: int, optimizer: AttachedOptimizer, fw_values: Mapping[str, Any]
