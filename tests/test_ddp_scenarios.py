@@ -27,12 +27,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import graphddp
-from graphddp.testing import spawn
+from graphddp.models import TinyGPT
+from graphddp.testing import assert_matches_ddp, spawn
+
+from test_real_models import CAP_MB, _token_xent, _tokens
 
 FEATURES = ("sgd", "adamw_inside", "fp16")
 
@@ -225,3 +227,34 @@ def _options_differ(rank: int, world: int) -> None:
 
 def test_ranks_with_different_comm_hooks_get_a_schedule_mismatch_error() -> None:
     spawn(_options_differ, 2)
+
+
+# -- gradients made by eager code: a graph break inside the layer loop --------------------------------
+
+
+class LoopBreakGPT(TinyGPT):
+    """A graph break inside a block called from the ``for block in self.blocks`` loop."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i == 0:
+                torch._dynamo.graph_break()
+        return self.head(self.ln(x))
+
+
+def _loop_break(rank: int, world: int) -> None:
+    ours = assert_matches_ddp(
+        LoopBreakGPT, lambda r, s: (_tokens(r, s, None)[0], _tokens(r, s, None)[2]), _token_xent, steps=2,
+        backend="aot_eager", bucket_cap_mb=CAP_MB,
+    )
+    assert ours._backend.union.steps == 2
+
+
+def test_a_graph_break_inside_the_layer_loop_is_averaged_as_ddp_averages_it():
+    """Dynamo cannot resume inside the loop, so it runs the whole outer forward eagerly: the
+    embedding, final norm and tied head get gradients outside every compiled graph. The step
+    takes them (the forward's output depends on them) and averages them with the blocks'
+    gradients at its end (graphddp.union), as DDP does."""
+    spawn(_loop_break, 2)

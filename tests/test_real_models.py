@@ -58,7 +58,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import graphddp
 from graphddp import models
-from graphddp.testing import assert_matches_ddp, spawn
+from graphddp.testing import spawn
 
 CAP_MB = 0.02  # a few buckets per graph on these models
 FP32_TOL = {"atol": 1e-5, "rtol": 1e-4}
@@ -584,31 +584,3 @@ INDUCTOR_CASES = [(m, f) for m, fs in INDUCTOR.items() for f in fs]
 def test_feature_matches_ddp_inductor(model, feature):
     failures = _results(model, "inductor", INDUCTOR[model])[feature]
     assert not failures, _report(failures)
-
-
-class LoopBreakGPT(models.TinyGPT):
-    """A graph break inside a block called from the ``for block in self.blocks`` loop."""
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos[: idx.shape[1]]
-        for i, block in enumerate(self.blocks):
-            x = block(x)
-            if i == 0:
-                torch._dynamo.graph_break()
-        return self.head(self.ln(x))
-
-
-def _loop_break(rank: int, world: int) -> None:
-    ours = assert_matches_ddp(
-        LoopBreakGPT, lambda r, s: (_tokens(r, s, None)[0], _tokens(r, s, None)[2]), _token_xent, steps=2,
-        backend="aot_eager", bucket_cap_mb=CAP_MB,
-    )
-    assert ours._backend.union.steps == 2
-
-
-def test_a_graph_break_inside_the_layer_loop_is_averaged_as_ddp_averages_it():
-    """Dynamo cannot resume inside the loop, so it runs the whole outer forward eagerly: the
-    embedding, final norm and tied head get gradients outside every compiled graph. The step
-    takes them (the forward's output depends on them) and averages them with the blocks'
-    gradients at its end (graphddp.union), as DDP does."""
-    spawn(_loop_break, 2)
