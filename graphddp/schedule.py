@@ -408,6 +408,9 @@ class Schedule:
         data.pop("group_name")
         data.pop("nodes")  # cost inputs, not the plan
         data.pop("cost_model")  # calibrated numbers vary run to run; the buckets they chose are in
+        for bucket in data["buckets"]:
+            for slot in bucket["slots"]:
+                slot.pop("sources")  # what a gradient is computed from: a run-time fact, not the plan
         blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
