@@ -36,9 +36,9 @@ import torch
 
 from graphddp.autoplan import auto_partition
 from graphddp.config import DDPConfig
-from graphddp.schedule import Bucket, CostModel, GradSlot, GraphFacts, NodeFact, Schedule
+from graphddp.schedule import WAIT_AT_OUTPUT, Bucket, CostModel, GradSlot, GraphFacts, NodeFact, Schedule
 
-Key = tuple[str, str]  # (dtype, device): buckets never mix either
+DtypeDevice = tuple[str, str]  # buckets never mix either
 
 
 def _order(slot: GradSlot) -> tuple[int, int]:
@@ -110,9 +110,9 @@ def _assign_by_size(ordered: list[GradSlot], limits: tuple[int, ...]) -> list[tu
     (``>=``, as the reducer does); each closed bucket advances that key to the next limit,
     and the last limit repeats. Leftover open buckets are closed at the end.
     """
-    open_buckets: dict[Key, list[GradSlot]] = {}
-    sizes: dict[Key, int] = {}
-    closed: dict[Key, int] = {}
+    open_buckets: dict[DtypeDevice, list[GradSlot]] = {}
+    sizes: dict[DtypeDevice, int] = {}
+    closed: dict[DtypeDevice, int] = {}
     done: list[tuple[GradSlot, ...]] = []
     for slot in ordered:
         key = (slot.dtype, slot.device)
@@ -127,11 +127,11 @@ def _assign_by_size(ordered: list[GradSlot], limits: tuple[int, ...]) -> list[tu
     return done
 
 
-def _tails(ordered: list[GradSlot], cap: int) -> dict[Key, list[GradSlot]]:
+def _tails(ordered: list[GradSlot], cap: int) -> dict[DtypeDevice, list[GradSlot]]:
     """Per (dtype, device): the last-produced gradients, at most ``cap`` bytes (at least one)."""
-    tails: dict[Key, list[GradSlot]] = {}
-    sizes: dict[Key, int] = {}
-    full: set[Key] = set()
+    tails: dict[DtypeDevice, list[GradSlot]] = {}
+    sizes: dict[DtypeDevice, int] = {}
+    full: set[DtypeDevice] = set()
     for slot in reversed(ordered):
         key = (slot.dtype, slot.device)
         tail = tails.setdefault(key, [])
@@ -182,7 +182,7 @@ def plan(
                 dtype=ready.dtype,
                 device=ready.device,
                 issue_after=issue_after,
-                wait_before="output",
+                wait_before=WAIT_AT_OUTPUT,
                 overlap=overlap,
                 comm_dtype=config.comm_dtype if config.comm_dtype not in (None, ready.dtype) else None,
                 hook=hook,

@@ -178,6 +178,10 @@ class Timeline:
         }
 
 
+# Bucket.wait_before when the bucket is waited for at the end of the backward: the graph's output node.
+WAIT_AT_OUTPUT = "output"
+
+
 @dataclasses.dataclass(frozen=True)
 class Bucket:
     """Gradients reduced by one all-reduce, in the order they are laid out in the flat buffer.

@@ -72,11 +72,10 @@ from graphddp.collectives import kind
 from graphddp.comm import (
     BUCKET_KEY, CAST, ROLE_KEY, group_of, is_cast, is_collective, is_ours, is_wait, wire_bytes,
 )
-from graphddp.schedule import Bucket, GradSlot, Schedule, dtype_name
+from graphddp.schedule import WAIT_AT_OUTPUT, Bucket, GradSlot, Schedule, dtype_name
 
 aten = torch.ops.aten
 
-OUTPUT = "output"  # the wait_before that means "the graph's output node"
 # Ops that scale a tensor by a number: exactly one, a div by the world size, per bucket.
 _SCALE_OPS = {aten.div.Tensor, aten.div.Scalar, aten.mul.Tensor, aten.mul.Scalar}
 # What graphddp places between a bucket's wait and the gradients it returns.
@@ -364,7 +363,7 @@ def _reduced_region(wait: fx.Node, index: int) -> set[fx.Node]:
 
 
 def _check_wait_placement(g: _Graph, bucket: Bucket, wait: fx.Node) -> None:
-    if bucket.wait_before == OUTPUT:
+    if bucket.wait_before == WAIT_AT_OUTPUT:
         target = g.output
     elif bucket.wait_before in g.by_name:
         target = g.by_name[bucket.wait_before]
@@ -453,7 +452,7 @@ def _check_outputs(g: _Graph, schedule: Schedule, expected: Mapping[int, str]) -
 
 
 def _wait_target(g: _Graph, bucket: Bucket, at: fx.Node) -> fx.Node:
-    if bucket.wait_before == OUTPUT:
+    if bucket.wait_before == WAIT_AT_OUTPUT:
         return g.output
     if bucket.wait_before not in g.by_name:
         _fail(g.gm, at, f"bucket {bucket.index}'s wait_before {bucket.wait_before!r} is not in the graph")

@@ -80,12 +80,11 @@ from graphddp import hooks
 from graphddp.collectives import kind
 from graphddp.comm import BUCKET_KEY, ROLE_KEY, WAIT, group_of, is_collective, is_wait
 from graphddp.passes.trace import role, splice, trace
-from graphddp.schedule import Bucket, GradSlot, Schedule, dtype_name
+from graphddp.schedule import WAIT_AT_OUTPUT, Bucket, GradSlot, Schedule, dtype_name
 from graphddp.user_hooks import GradBucket, HookState, StateSpec, TracedHook
 
 aten = torch.ops.aten
 
-OUTPUT = "output"  # the wait_before that means "the graph's output node"
 HOOK_STATE = "hook_state"  # ROLE_KEY of the placeholders a user hook's state tensors get
 HOOK_STATE_SPEC = "graphddp_hook_state"  # their meta: the StateSpec
 ZERO_FILL = "zero_fill"  # ROLE_KEY of the zeros a zero-filled slot's place carries
@@ -113,7 +112,7 @@ def _issue_point(nodes: dict[str, fx.Node], placeholders: list[fx.Node], bucket:
 
 
 def _wait_point(nodes: dict[str, fx.Node], output: fx.Node, bucket: Bucket) -> fx.Node:
-    return output if bucket.wait_before == OUTPUT else _node_named(nodes, bucket, "wait_before", bucket.wait_before)
+    return output if bucket.wait_before == WAIT_AT_OUTPUT else _node_named(nodes, bucket, "wait_before", bucket.wait_before)
 
 
 def _check_slots(bucket: Bucket, outs: Sequence[Any], order: dict[fx.Node, int], issue: fx.Node) -> None:
