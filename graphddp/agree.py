@@ -106,15 +106,21 @@ def probe(
     return values[0] == -values[1], tuple(v != 0 for v in values[2:])
 
 
-def any_rank(bits: Sequence[bool], group: Any) -> list[bool]:
-    """Per position, whether any rank of ``group`` passes True (a MAX all-reduce); every rank
-    must pass the same number of bits."""
-    if dist.get_world_size(group) == 1 or _is_fake(group) or not bits:
-        return [bool(b) for b in bits]
+def max_over_ranks(values: Sequence[int], group: Any) -> list[int]:
+    """Per position, the largest of every rank's ``values`` (one int64 MAX all-reduce); every
+    rank must pass the same number of values."""
+    if dist.get_world_size(group) == 1 or _is_fake(group) or not values:
+        return [int(v) for v in values]
     with unset_fake_temporarily():
-        t = torch.tensor([int(bool(b)) for b in bits], dtype=torch.int64, device=_device(group))
+        t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=_device(group))
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return [v != 0 for v in t.tolist()]
+        return [int(v) for v in t.tolist()]
+
+
+def any_rank(bits: Sequence[bool], group: Any) -> list[bool]:
+    """Per position, whether any rank of ``group`` passes True; every rank must pass the same
+    number of bits."""
+    return [v != 0 for v in max_over_ranks([int(bool(b)) for b in bits], group)]
 
 
 def describe_mismatch(layouts: Sequence[tuple[int, tuple[WireBucket, ...]]], what: str) -> str:

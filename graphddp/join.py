@@ -29,11 +29,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook
 
-from graphddp.agree import _device
+from graphddp.agree import max_over_ranks
 from graphddp.sync import average_async, broadcast_tensors
 
 Replica = Any  # graphddp.replica.Replica, which imports this module
@@ -56,9 +55,7 @@ class JoinState:
         values = [int(f) for f in flags] + [0] * world
         if active:
             values[4 + dist.get_rank(group)] = 1
-        t = torch.tensor(values, dtype=torch.int64, device=_device(group))
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        state = cls([int(v) for v in t.tolist()], world)
+        state = cls(max_over_ranks(values, group), world)
         if state.eager_hook:
             raise RuntimeError(
                 f"graphddp: join(): a rank joined while the others average gradients accumulated under no_sync through "
@@ -94,12 +91,11 @@ class ReplicaJoinHook(JoinHook):
         """Every rank takes the model of the last rank to join (the highest, on a tie)."""
         replica = self.replica
         group = replica.group
-        rank = torch.tensor([dist.get_rank(group) if is_last_joiner else -1], dtype=torch.int64, device=_device(group))
-        dist.all_reduce(rank, op=dist.ReduceOp.MAX, group=group)
+        (source,) = max_over_ranks([dist.get_rank(group) if is_last_joiner else -1], group)
         tensors = [p.detach() for p in replica.module.parameters()]
         if replica.config.broadcast_buffers:
             tensors += list(replica.module.buffers())
-        broadcast_tensors(tensors, group, int(rank.item()))
+        broadcast_tensors(tensors, group, source)
 
 
 def join(view: Any, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False) -> Join:

@@ -61,6 +61,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from graphddp.agree import probe
+
 
 @dataclasses.dataclass(frozen=True)
 class GraphEntry:
@@ -213,8 +215,6 @@ class StepState:
         rank. Once divergent, the step stays so and no further check is made."""
         if self.divergent:
             return True, False
-        from graphddp.agree import probe
-
         position, self.probed = self.probed, self.probed + 1
         flags = (self.joined, bool(self.eager), unused_here)
         same, (join_asks, eager, unused) = probe((digest, position, self.expected), flags, group, what)
