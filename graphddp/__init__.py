@@ -6,16 +6,16 @@ graph before and after every pass (logger name: ``graphddp``).
 import logging as _logging
 import os as _os
 
-from graphddp.agree import CollectiveError, ScheduleMismatchError
-from graphddp.api import GraphDDP, compile
-from graphddp.config import DDPConfig
 from graphddp import render
-from graphddp.cost import CostModel, simulate
-from graphddp.explain import explain
-from graphddp.pipeline import GraphDDPCompileBackend, backend
-from graphddp.pipeline import register as _register_backend_name
-from graphddp.schedule import Bucket, Schedule, Timeline
-from graphddp.verify import VerificationError, verify
+from graphddp.config import DDPConfig
+from graphddp.frontend.api import GraphDDP, compile
+from graphddp.frontend.backend import GraphDDPCompileBackend, backend
+from graphddp.frontend.backend import register as _register_backend_name
+from graphddp.frontend.explain import explain
+from graphddp.graph.verify import VerificationError, verify
+from graphddp.plan.cost import CostModel, simulate
+from graphddp.runtime.agree import CollectiveError, ScheduleMismatchError
+from graphddp.values.schedule import Bucket, Schedule, Timeline
 
 __all__ = [
     "Bucket", "CollectiveError", "CostModel", "DDPConfig", "GraphDDP", "GraphDDPCompileBackend", "Schedule",

@@ -1,5 +1,5 @@
 import sys
 
-from graphddp.cli import main
+from graphddp.frontend.cli import main
 
 sys.exit(main())

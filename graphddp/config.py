@@ -13,8 +13,9 @@ import dataclasses
 import math
 from typing import Any
 
-from graphddp.cost import CostModel
-from graphddp.user_hooks import as_traced_hook
+from graphddp.hooks.builtin import COMM_HOOKS
+from graphddp.hooks.traced import as_traced_hook
+from graphddp.values.schedule import CostModel
 
 BACKENDS = ("inductor", "aot_eager", "eager")
 # torch.compile's modes (torch._inductor.list_mode_options); those with CUDA graphs are refused
@@ -22,7 +23,6 @@ BACKENDS = ("inductor", "aot_eager", "eager")
 INDUCTOR_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 # Built-in communication hooks, applied to whole buckets inside the graph (DDP's
 # fp16_compress_hook / bf16_compress_hook): cast, divide, all-reduce, cast back.
-COMM_HOOKS = {"fp16_compress": "float16", "bf16_compress": "bfloat16"}
 MB = 1024 * 1024
 # Inductor settings graphddp's correctness or overlap depends on, patched around each of its
 # compiles only (the user's process-wide config is left as it is), on top of the user's mode
@@ -122,8 +122,8 @@ class DDPConfig:
       is exposed.
     * ``bucket_cap_mb="auto"`` (graphddp's own, and its default): no caps; the buckets are the partition of the
       production order that minimises the backward predicted by ``cost``
-      (:mod:`graphddp.autoplan`), a :class:`~graphddp.cost.CostModel` that is by default
-      calibrated on the process group when the model is wrapped (:mod:`graphddp.calibrate`).
+      (:mod:`graphddp.plan.auto`), a :class:`~graphddp.plan.cost.CostModel` that is by default
+      calibrated on the process group when the model is wrapped (:mod:`graphddp.runtime.calibrate`).
       The other cap options do not combine with it, and ``cost`` means nothing without it.
 
     The fields keep what the user passed; ``effective_*`` and ``bucket_size_limits`` are the
@@ -275,7 +275,7 @@ class DDPConfig:
 
     @property
     def traced_hook(self) -> Any:
-        """The user's traced hook (``graphddp.user_hooks.TracedHook``), or None."""
+        """The user's traced hook (``graphddp.hooks.traced.TracedHook``), or None."""
         return None if self.comm_hook is None or isinstance(self.comm_hook, str) else self.comm_hook
 
     @property

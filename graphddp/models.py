@@ -65,6 +65,22 @@ class TinyGPT(nn.Module):
         return self.head(self.ln(x))
 
 
+class BreakGPT(TinyGPT):
+    """TinyGPT with a graph break between its first and second half of blocks: the tied
+    embedding is used in the first graph (lookup) and in the second (output head), so its
+    gradient comes from two backward graphs."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        half = len(self.blocks) // 2
+        for block in self.blocks[:half]:
+            x = block(x)
+        torch._dynamo.graph_break()
+        for block in self.blocks[half:]:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
 class FrozenMLP(MLP):
     """An MLP whose first layer is frozen (no gradient, never reduced)."""
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from graphddp.cost import CostModel, simulate
-from graphddp.schedule import Schedule
+from graphddp.plan.cost import CostModel, simulate
+from graphddp.values.schedule import Schedule
 
 COMPUTE_TID, COMM_TID = 0, 1
 _PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"]

@@ -1,5 +1,5 @@
 """Helpers for tests, examples and the benchmark: spawned gloo ranks, a fake process group,
-and a DDP-equivalence harness. Shipped in the package so users can test their own models."""
+a DDP-equivalence harness, and two users' comm hooks written in DDP's vocabulary. Shipped in the package so users can test their own models."""
 from __future__ import annotations
 
 import copy
@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
 import torch.nn as nn
 
@@ -310,3 +311,21 @@ def assert_matches_ddp(
         torch.testing.assert_close(b, dict(ref.module.named_buffers())[name], atol=atol, rtol=rtol,
                                    msg=lambda m: f"buffer {name} after {steps} steps: {m}")
     return ours
+
+
+# -- users' comm hooks, as a user writes them for comm_hook=(state, hook) ----------------------------
+
+
+def fp16_hook(state, bucket):
+    """DDP's fp16_compress_hook in DDP's vocabulary, returning the tensor instead of a Future."""
+    wire = bucket.buffer().to(torch.float16).div_(bucket.world_size)
+    return funcol.all_reduce(wire, "sum", bucket.group).to(bucket.buffer().dtype)
+
+
+def int8_hook(state, bucket):
+    """Two stages: the scale's max first, then the quantised sum (the user_hooks docstring's)."""
+    flat = bucket.buffer()
+    scale = funcol.all_reduce(flat.abs().amax(), "max", bucket.group) / 127
+    q = (flat / scale).round().to(torch.int8)
+    total = funcol.all_reduce(q.to(torch.int32), "sum", bucket.group)
+    return total.to(flat.dtype) * scale / bucket.world_size

@@ -92,12 +92,12 @@ def _install_timers(timers: Timers, mode: str) -> None:
     timers.wrap(compile_fx, "compile_fx_inner", "inductor compile_fx_inner")
     if mode != "graphddp":
         return
-    import graphddp.dynamo_backend as backend
+    import graphddp.compiler.graph_compiler as backend
 
     for name in ("extract_facts", "plan", "insert_allreduce", "verify"):
         timers.wrap(backend, name, f"graphddp {name}")
-    timers.wrap(backend.GraphDDPBackend, "rewrite_backward", "graphddp rewrite_backward (all passes)")
-    import graphddp.compile_cache as cache
+    timers.wrap(backend.GraphCompiler, "rewrite_backward", "graphddp rewrite_backward (all passes)")
+    import graphddp.compiler.cache as cache
 
     for name in ("plan_key", "load", "store"):
         timers.wrap(cache, name, f"graphddp compile_cache.{name}")

@@ -1,7 +1,7 @@
 """What a divergent step costs: ranks whose steps use different parameters (LayerDrop).
 
 graphddp averages a step whose ranks ran different graphs over the union of their gradients,
-at the end of the backward (``graphddp.union``); DDP needs ``find_unused_parameters=True`` for
+at the end of the backward (``graphddp.runtime.union``); DDP needs ``find_unused_parameters=True`` for
 such a model and averages every bucket, overlapped, after walking the autograd graph each
 step. This tool trains Hugging Face BART (from its config, no download) with the same
 ``encoder_layerdrop``/``decoder_layerdrop`` on 2 gloo ranks, each rank drawing its own layers to

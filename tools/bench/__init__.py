@@ -64,11 +64,11 @@ ddp_default, compute_only (and graphddp, which always runs). Targets: graphddp_a
 <= 0.97, graphddp_auto / ddp_default <= 0.90, each evaluated when its modes ran.
 
 Predicted backward (``pred bwd``, ``predict.py``): every rank calls
-``graphddp.calibrate.calibrate(WORLD, cpu)`` once, before any mode is built (a collective; the
+``graphddp.runtime.calibrate.calibrate(WORLD, cpu)`` once, before any mode is built (a collective; the
 cached result is what graphddp_auto's planner uses too); bench.json records the cost model and
-its source. For every graphddp* mode, ``graphddp.cost.simulate(schedule, cost).step_seconds``
+its source. For every graphddp* mode, ``graphddp.plan.cost.simulate(schedule, cost).step_seconds``
 summed over its schedules; for ddp_default and ddp_cap{c}, graphddp's model of that bucket
-layout (``graphddp.planner.plan`` at DDP's caps on graphddp's backward graph, simulated), not of
+layout (``graphddp.plan.planner.plan`` at DDP's caps on graphddp's backward graph, simulated), not of
 eager DDP's compute. The table shows it next to the measured bwd, with bwd/pred.
 
 Memory: ``peak MB`` is the allocator's peak during one profiled step above its start, plus
@@ -83,7 +83,7 @@ Bounds
                       one bucket at a time, bucket i no earlier than its gradients are ready;
                       ready times = per-bucket ready fraction measured with post-accumulate-grad
                       hooks on the eager backward, times compute_only's backward time; the link
-                      is graphddp.cost.simulate with an alpha-beta CostModel fitted to
+                      is graphddp.plan.cost.simulate with an alpha-beta CostModel fitted to
                       comm_only's per-bucket medians (``release.py``).
 
 Network: ``--link-gbit R`` (default 2) re-executes the benchmark under ``unshare -n`` in a

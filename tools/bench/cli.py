@@ -11,16 +11,15 @@ import tempfile
 import time
 from typing import Any
 
-from graphddp.cli import add_option_flags, options_from_args
-from graphddp.config import DDPConfig
 import tools.bench
+from graphddp.config import DDPConfig
+from graphddp.frontend.cli import add_option_flags, options_from_args
 from tools.bench.netns import NETNS_ENV, NETNS_SETUP_FAILED, _tc_stats, reexec_in_netns, setup_netns_link
 from tools.bench.procstat import machine_load
 from tools.bench.ranks import rank_main
 from tools.bench.report import plot, render_table
 from tools.bench.summary import summarize
-from tools.bench.workload import (DEFAULT_MODES, MODE_PRESETS, MODES, OPT_IN_MODES, SWEEP_MODES, BenchConfig,
-                                  model_spec)
+from tools.bench.workload import DEFAULT_MODES, MODE_PRESETS, MODES, OPT_IN_MODES, SWEEP_MODES, BenchConfig, model_spec
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

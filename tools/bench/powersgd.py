@@ -26,7 +26,7 @@ counted as a compressed one.
 
 Bytes on the wire, per rank per step (what each rank puts into its all-reduces):
 graphddp: ``sum(b.wire_nbytes)`` over the PowerSGD schedule's buckets, read from the rewritten
-graph (cross-checked against ``graphddp.powersgd.wire_numel``); uncompressed: the same over the
+graph (cross-checked against ``graphddp.hooks.powersgd.wire_numel``); uncompressed: the same over the
 "allreduce" phase's schedule. DDP: per DDP bucket, the numel of what is sent as is plus
 ``(n + m) * rank`` per compressed matrix, by DDP's own ``_should_compress`` rule over its
 buckets' parameter shapes, times the element size; cross-checked against ``PowerSGDState``'s
@@ -119,7 +119,7 @@ def build_graphddp(cfg: BenchConfig, base: nn.Module, batch: Any, loss: Callable
 
 def graphddp_wire(model: Any, hook: Any) -> dict[str, Any]:
     """graphddp_powersgd's bytes on the wire per rank per step, compressed and uncompressed."""
-    from graphddp.powersgd import wire_numel
+    from graphddp.hooks.powersgd import wire_numel
 
     schedules = model.schedules  # the steady state: the "powersgd" phase's plans
     buckets = [b for s in schedules for b in s.buckets]

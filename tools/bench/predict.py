@@ -1,15 +1,15 @@
 """Issue 12: the backward each mode's bucket layout should take, by graphddp's cost model.
 
-The cost model is the one ``bucket_cap_mb="auto"`` plans with: ``graphddp.calibrate.calibrate``
+The cost model is the one ``bucket_cap_mb="auto"`` plans with: ``graphddp.runtime.calibrate.calibrate``
 on the benchmark's process group (link latency and bandwidth from a few all-reduces, compute
 rates), called once per rank right after the group is up, so every rank has the same numbers;
 the auto planner's own call later hits the same per-group cache.
 
-* graphddp* modes: ``graphddp.cost.simulate(schedule, cost).step_seconds`` summed over the
+* graphddp* modes: ``graphddp.plan.cost.simulate(schedule, cost).step_seconds`` summed over the
   mode's schedules: the backward's compute (graphddp's per-node estimates under the cost
   model's rates) plus the communication left exposed after it, the buckets as compiled.
 * ddp_default / ddp_cap{c}: graphddp's model of that bucket layout, not of eager DDP's
-  backward: ``graphddp.planner.plan`` with DDP's caps (``DDPConfig(bucket_cap_mb=c)``; DDP's
+  backward: ``graphddp.plan.planner.plan`` with DDP's caps (``DDPConfig(bucket_cap_mb=c)``; DDP's
   defaults for ddp_default) on the facts of graphddp's compiled backward (its nodes and
   gradient slots), simulated the same way. Eager DDP computes the same gradients, but its
   backward runs eager kernels and its reducer copies into buckets: the prediction is what
@@ -24,9 +24,9 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from graphddp.config import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_CAP_MB, DDPConfig
-from graphddp.cost import CostModel, simulate
-from graphddp.planner import plan
-from graphddp.schedule import GraphFacts, Schedule
+from graphddp.plan.cost import CostModel, simulate
+from graphddp.plan.planner import plan
+from graphddp.values.schedule import GraphFacts, Schedule
 from tools.bench.workload import DDP_CAPS, MB
 
 
@@ -86,7 +86,7 @@ def predictions(cost: CostModel, graphddp_modes: dict[str, list[Schedule]], ddp_
     are planned on; ``ddp_buckets``: DDP's own buckets after its rebuild (``_ddp_buckets``),
     to say whether the modelled layout is the one DDP made.
     """
-    out = {name: predict(s, cost, "graphddp.cost.simulate of the mode's schedules")
+    out = {name: predict(s, cost, "graphddp.plan.cost.simulate of the mode's schedules")
            for name, s in graphddp_modes.items()}
     source, base = facts
     for name in ddp_modes:
@@ -96,7 +96,7 @@ def predictions(cost: CostModel, graphddp_modes: dict[str, list[Schedule]], ddp_
         planned = planned_like(base, config)
         default = name == "ddp_default"
         caps = "DDP's defaults (25 MB, first 1 MB)" if default else f"bucket_cap_mb={config.bucket_cap_mb:g}"
-        rec = predict(planned, cost, f"graphddp's model of this bucket layout: graphddp.planner.plan({caps}) on "
+        rec = predict(planned, cost, f"graphddp's model of this bucket layout: graphddp.plan.planner.plan({caps}) on "
                                      f"{source}'s backward graph, simulated; not eager DDP's compute")
         rec["facts_from"] = source
         twin = None if default else f"graphddp_cap{config.bucket_cap_mb:g}"

@@ -10,15 +10,40 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from graphddp.cost import simulate
-from tools.bench.modes import (CommOnlyMode, CountingBackend, TrainMode, UnboundComm, _ddp_buckets, _now,
-                                  _profile_step, _ready_fractions, check_averaged_once, check_update_in_backward,
-                                  ddp_compiled_autograd, flat_allreduce)
+from graphddp.plan.cost import simulate
 from tools.bench import powersgd
+from tools.bench.modes import (
+    CommOnlyMode,
+    CountingBackend,
+    TrainMode,
+    UnboundComm,
+    _ddp_buckets,
+    _now,
+    _profile_step,
+    _ready_fractions,
+    check_averaged_once,
+    check_update_in_backward,
+    ddp_compiled_autograd,
+    flat_allreduce,
+)
 from tools.bench.predict import cost_record, ddp_config, predictions
-from tools.bench.workload import (CA_FUSE_PASSES, DDP_CAPS, MB, MODES, OPTIMIZER, POWERSGD_MODES, POWERSGD_SETTINGS,
-                                  SWEEP_CAPS, BenchConfig, graphddp_cap_mb, loss_fn, make_batch, make_model,
-                                  make_optimizer, swept_options)
+from tools.bench.workload import (
+    CA_FUSE_PASSES,
+    DDP_CAPS,
+    MB,
+    MODES,
+    OPTIMIZER,
+    POWERSGD_MODES,
+    POWERSGD_SETTINGS,
+    SWEEP_CAPS,
+    BenchConfig,
+    graphddp_cap_mb,
+    loss_fn,
+    make_batch,
+    make_model,
+    make_optimizer,
+    swept_options,
+)
 
 
 def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None:
@@ -42,7 +67,7 @@ def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None
     # Issue 12: the cost model bucket_cap_mb="auto" plans with, calibrated on this group once,
     # here, on every rank (a collective; cached per group, so graphddp_auto's planner gets these
     # very numbers); every graphddp* mode's backward is predicted with it (``predict.py``).
-    from graphddp.calibrate import calibrate
+    from graphddp.runtime.calibrate import calibrate
 
     dist.barrier()
     t = _now()

@@ -1,10 +1,10 @@
 """The release-time bound's link: graphddp's own cost model, fitted to what comm_only measured.
 
-Two pieces, both thin over :mod:`graphddp.cost`, so the project has one link model:
+Two pieces, both thin over :mod:`graphddp.plan.cost`, so the project has one link model:
 
-* ``fit_link`` (graphddp.cost's, which calibration uses too): the alpha-beta ``CostModel``
+* ``fit_link`` (graphddp.plan.cost's, which calibration uses too): the alpha-beta ``CostModel``
   (latency, bandwidth) whose all-reduce times are closest, in least squares, to comm_only's per-bucket medians.
-* ``release_timeline``: ``graphddp.cost.simulate`` over the run's buckets, each released when
+* ``release_timeline``: ``graphddp.plan.cost.simulate`` over the run's buckets, each released when
   its gradients were measured ready. The backward is reduced to one compute step per bucket,
   in ready order, ending at that bucket's ready time; the simulated link then takes one bucket
   at a time, each as soon as it is ready and the link is free (no collective overhead on the
@@ -16,8 +16,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from graphddp.cost import CostModel, fit_link, simulate  # noqa: F401 - fit_link is used from here
-from graphddp.schedule import NodeFact, Schedule
+from graphddp.plan.cost import CostModel, fit_link, simulate  # noqa: F401 - fit_link is used from here
+from graphddp.values.schedule import NodeFact, Schedule
 
 
 def release_timeline(schedules: Sequence[Schedule], ready_ms: Sequence[float], link: CostModel) -> list[dict]:

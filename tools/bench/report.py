@@ -22,7 +22,7 @@ def render_table(s: dict[str, Any]) -> str:
         lines.append(f"NOTE: compiled modes use backend={cfg['backend']!r}, not inductor (--tiny or --backend)")
     cm = s.get("cost_model")
     if cm:
-        lines.append(f"cost model (pred bwd): {cm.get('source') or 'graphddp.calibrate.calibrate'}: "
+        lines.append(f"cost model (pred bwd): {cm.get('source') or 'graphddp.runtime.calibrate.calibrate'}: "
                      f"{cm['bandwidth_gbps']:.3g} Gbit/s, {cm['latency_us']:.3g} us per ring step, "
                      f"{cm['compute_tflops']:.3g} TFLOP/s, {cm['memory_gbps']:.3g} GB/s, {cm['op_overhead_us']:.3g} us per op"
                      + (f", {cm['collective_overhead_us']:.3g} us per collective" if "collective_overhead_us" in cm else ""))
@@ -53,7 +53,7 @@ def render_table(s: dict[str, Any]) -> str:
                      f"bound (link tail after backward {b['tail_after_backward_ms']:.1f} ms; ready times from eager hooks)")
         if "link_model" in b:  # bench.json files written before the fit have none
             lm = b["link_model"]
-            lines.append(f"{'':<21} release-time link: graphddp.cost.simulate, CostModel fitted to comm_only's buckets: "
+            lines.append(f"{'':<21} release-time link: graphddp.plan.cost.simulate, CostModel fitted to comm_only's buckets: "
                          f"{lm['bandwidth_gbps']:.3g} Gbit/s, {lm['latency_us']:.0f} us per ring step")
         if "release_time_graphddp_issue_ms" in b:
             v = b["release_time_graphddp_issue_ms"]

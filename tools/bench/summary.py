@@ -9,10 +9,9 @@ from typing import Any
 
 import torch
 
-from graphddp.schedule import Schedule
+from graphddp.values.schedule import Schedule
 from tools.bench.release import fit_link, release_timeline
-from tools.bench.workload import (DDP_CAP_MODES, DDP_CAPS, GRAPHDDP_CAP_MODES, MB, MEMORY_TARGET, OPTIMIZER,
-                                  POWERSGD_MODES, POWERSGD_SETTINGS, SWEEP_CAPS, TARGETS, WIRE_ROWS, BenchConfig)
+from tools.bench.workload import DDP_CAP_MODES, DDP_CAPS, GRAPHDDP_CAP_MODES, MB, MEMORY_TARGET, OPTIMIZER, POWERSGD_MODES, POWERSGD_SETTINGS, SWEEP_CAPS, TARGETS, WIRE_ROWS, BenchConfig
 
 
 def _median(xs: list[float]) -> float:
@@ -148,8 +147,8 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
         bounds["link_model"] = {
             "bandwidth_gbps": link_model.bandwidth_gbps, "latency_us": link_model.latency_us,
             "bucket_ms": [link_model.allreduce_seconds(n, schedules[0].world_size) * 1e3 for n in wire],
-            "source": "graphddp.cost.CostModel fitted (least squares) to comm_only's per-bucket medians; "
-                      "the timeline is graphddp.cost.simulate",
+            "source": "graphddp.plan.cost.CostModel fitted (least squares) to comm_only's per-bucket medians; "
+                      "the timeline is graphddp.plan.cost.simulate",
         }
         bounds["tail_after_backward_ms"] = max(0.0, link - c["bwd_ms"])
         if overlap and overlap.get("compute_fractions") and len(overlap["compute_fractions"]) == len(fr):
@@ -249,11 +248,11 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
 
 
 PREDICTION_NOTE = (
-    "pred bwd: graphddp's cost model of the mode's backward, graphddp.cost.simulate(schedule, cost).step_seconds "
+    "pred bwd: graphddp's cost model of the mode's backward, graphddp.plan.cost.simulate(schedule, cost).step_seconds "
     "summed over its backward graphs: compute (graphddp's per-node estimates at the cost model's rates) plus the "
-    "all-reduces left exposed after it, one bucket on the link at a time; cost = graphddp.calibrate.calibrate on "
+    "all-reduces left exposed after it, one bucket on the link at a time; cost = graphddp.runtime.calibrate.calibrate on "
     "this run's process group (what bucket_cap_mb='auto' minimises). ddp_*: graphddp's model of that bucket layout "
-    "(graphddp.planner.plan with DDP's caps on graphddp's backward graph), not of eager DDP's own compute. "
+    "(graphddp.plan.planner.plan with DDP's caps on graphddp's backward graph), not of eager DDP's own compute. "
     "bwd/pred: measured bwd over predicted")
 
 

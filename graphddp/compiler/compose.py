@@ -1,0 +1,83 @@
+"""The passes of one Dynamo graph, composed by the compiler: a list for the forward graph and a
+list for the backward graph, each pass ``fn(gm, plan, **opts) -> plan`` (None: the plan is
+unchanged).
+
+Why lists. A feature adds its pass where it belongs (the optimizer's update after the
+collectives and their verifier), and a mode that must write into the forward graph (a sharded
+mode's all-gather before a bucket's parameters are first read) adds a forward pass, once, for
+every compile path (aot_eager, eager, inductor, a warm restart's derivation) instead of being
+threaded through each by hand; Inductor's ``bucketing.py`` passes and torchtitan's SimpleFSDP
+backend compose the same way.
+
+Order and what passes share. AOTAutograd hands over the forward graph before the backward
+graph of the same Dynamo graph, so the forward list runs first; its plan is the one of the
+frame's earlier graph when this one is a recompile, else None. What a pass learns for a later
+one (the parameters' forward values, the graph from before the update) goes into
+``opts["shared"]`` (:class:`Shared`), one per Dynamo graph.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable, Mapping, Sequence
+
+import torch.fx as fx
+
+from graphddp.graph.insert_comm import insert_collectives
+from graphddp.graph.verify import verify
+from graphddp.plan.planner import with_wire_bytes
+from graphddp.values.comm import wire_bytes
+from graphddp.values.schedule import Schedule
+
+log = logging.getLogger("graphddp")
+
+Pass = Callable[..., "Schedule | None"]
+
+
+@dataclasses.dataclass
+class Shared:
+    """What the passes of one Dynamo graph hand each other."""
+
+    fw_values: dict[str, Any] = dataclasses.field(default_factory=dict)  # parameter -> forward value (fake)
+    without_update: fx.GraphModule | None = None  # the backward before the optimizer's pass
+    tied: tuple[str, ...] = ()  # parameters the optimizer's pass left to torch's step
+
+
+def run_passes(passes: Sequence[Pass], gm: fx.GraphModule, plan: Schedule | None, **opts: Any) -> Schedule | None:
+    """``plan`` after every pass of ``passes`` ran on ``gm`` in order."""
+    for one in passes:
+        out = one(gm, plan, **opts)
+        plan = plan if out is None else out
+    return plan
+
+
+# -- the forward --------------------------------------------------------------------------------------
+
+
+def record_parameter_values(gm: fx.GraphModule, plan: Schedule | None, *, param_inputs: Mapping[int, str], shared: Shared, **_: Any) -> None:
+    """Read, not write: each parameter's value in the forward graph (the update pass needs its
+    fake tensor, with the parameter's storage, to write the parameter in place)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, name in param_inputs.items():
+        if i < len(placeholders):
+            shared.fw_values[name] = placeholders[i].meta.get("val")
+
+
+# -- the backward -------------------------------------------------------------------------------------
+
+
+def insert_comm(gm: fx.GraphModule, plan: Schedule, *, world_size: int, hook: Any, hook_context: Any, graph_index: int, **_: Any) -> Schedule:
+    """Each bucket's collective (its kind, or the traced hook) and its wait; with a hook, the
+    bytes its collectives put on the wire, read from the rewritten graph. One rank: nothing."""
+    if world_size == 1:
+        return plan
+    log.debug("backward graph %d before insert_collectives:\n%s", graph_index, gm.code)
+    insert_collectives(gm, plan, hook=hook, context=hook_context)
+    log.debug("backward graph %d after insert_collectives:\n%s", graph_index, gm.code)
+    return with_wire_bytes(plan, wire_bytes(gm)) if hook is not None else plan
+
+
+def verify_comm(gm: fx.GraphModule, plan: Schedule, *, world_size: int, check: bool, outputs: Mapping[int, str], **_: Any) -> None:
+    """The verifier after the collectives (``verify=False`` turns it off)."""
+    if world_size > 1 and check:
+        verify(gm, plan, outputs)

@@ -1,0 +1,497 @@
+"""The torch.compile backend: AOTAutograd, then graphddp's passes on every backward graph.
+
+Dynamo hands each captured forward graph to :class:`GraphCompiler`. AOTAutograd splits it
+into forward and backward ATen graphs; the backward one goes through
+capture -> plan, then the backend's backward passes (:mod:`graphddp.compiler.compose`:
+insert_comm -> verify_comm, and the optimizer's pass) before the inner compiler sees it; the
+forward graph goes through the forward passes (today: reading the parameters' values):
+
+* ``inductor`` (:mod:`graphddp.compiler.inductor`): :func:`torch._inductor.compile_fx.compile_fx`
+  with our pass wrapped around its ``inner_compile``, so inductor's own decompositions, partitioner and joint-graph
+  passes run unchanged. Inductor's comm reordering runs ``raise_comms`` then ``sink_waits``
+  so each all-reduce is issued as soon as its bucket is ready and its wait stays late (with
+  default settings inductor issues and waits them back to back: no overlap). The
+  user's ``mode`` and ``options`` (torch.compile's) patch inductor's config around the whole
+  compile, graphddp's pinned settings (``config.INDUCTOR_PINNED_CONFIG``) go on top.
+  Warm restarts (:mod:`graphddp.compiler.cache`): the AOTAutograd cache holds the rewritten
+  backward under a key that covers the plan's inputs, graphddp's own entry beside it holds
+  the plan and the facts it was made from (a recalibrated cost model is checked against
+  them); a hit gives the cold compile's plan and code without tracing, partitioning or
+  rewriting, and builds the same dispatcher around them (a traced hook or an optimizer: the
+  AOTAutograd cache stays off, as a hit would skip the rewrite).
+* ``aot_eager``: the rewritten graphs run as plain FX code (fast to compile, for tests).
+* ``eager``: the rewritten graphs run node by node through :class:`torch.fx.Interpreter`
+  (slowest; for stepping through with a debugger).
+
+A user's traced comm hook (``graphddp.hooks.traced``) is traced into every bucket; a hook with
+phases (PowerSGD: a plain all-reduce first) gets one rewritten graph per phase, the one in use
+compiled now and the others on first use, and the hook's state tensors are appended to the
+graph's inputs at run time (``HookState``). After ``no_sync`` the hook runs eagerly on the
+accumulated gradients instead (``_run_hook_eagerly``).
+
+With an optimizer attached (``graphddp.compile(..., optimizer=)``) the rewrite goes on:
+with_updates -> insert_update -> verify_updates (:mod:`graphddp.optim.attached`); the graph without
+the update is kept as the variant for steps the graph cannot update alone.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+
+from graphddp.compiler import cache as compile_cache
+from graphddp.compiler.compose import Shared, insert_comm, record_parameter_values, run_passes, verify_comm
+from graphddp.compiler.frames import FramePlans
+from graphddp.compiler.inductor import compile_inductor
+from graphddp.compiler.record import GraphRecord
+from graphddp.config import DDPConfig
+from graphddp.graph.capture import extract_facts, parameter_of_inputs
+from graphddp.graph.insert_comm import HOOK_STATE, HOOK_STATE_SPEC, HookContext
+from graphddp.hooks.traced import HookState
+from graphddp.optim.attached import AttachedOptimizer
+from graphddp.optim.insert_update import ALIAS_OF, UpdateInputs, insert_update
+from graphddp.optim.verify import verify_updates
+from graphddp.plan.planner import plan, with_updates
+from graphddp.runtime.dispatch import BackwardDispatch, GraphState, InGraphUpdate, Synced, compiled_backward_node
+from graphddp.runtime.step import StepState, current_frame
+from graphddp.runtime.union import UnionAverage
+from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, group_name_of
+from graphddp.values.schedule import Schedule
+
+log = logging.getLogger("graphddp")
+
+
+class GraphCompiler:
+    """A torch.compile backend that rewrites every backward graph per the bucket plan.
+
+    Each Dynamo graph is compiled once. Its backward comes in two variants, chosen per
+    forward call (see :mod:`graphddp.runtime.dispatch`): synchronising (rewritten) and local (for
+    ``no_sync``); with an optimizer, a third (the all-reduces without the update) for steps
+    the graph cannot update alone. Which one runs is read from the step
+    (:class:`graphddp.runtime.step.StepState`, the replica's) at every forward call, never at compile
+    time; the backend reads the step and tells it what ran, it never decides a step's phase.
+    """
+
+    def __init__(
+        self,
+        config: DDPConfig,
+        names_by_id: Mapping[int, str],
+        on_record: Callable[[GraphRecord], None],
+        group: Any,
+        step: StepState | None = None,
+        optimizer: AttachedOptimizer | None = None,
+        parameters: Mapping[str, torch.nn.Parameter] | None = None,
+    ) -> None:
+        self.config = config
+        self.group = group
+        # Facts of the job, not options: the planner records them in every Schedule.
+        self.world_size = dist.get_world_size(group)
+        self.group_name = group_name_of(group)
+        self.step = step if step is not None else StepState()  # the replica's: read, never written here
+        self.names_by_id = names_by_id
+        self.on_record = on_record
+        self.graphs_compiled = 0  # Dynamo graphs this backend compiled
+        self.states: list[GraphState] = []  # one per compiled graph
+        self.optimizer = optimizer
+        # A user's traced hook runs only where there is someone to talk to.
+        self.hook = config.traced_hook if self.world_size > 1 else None
+        self.hook_state = HookState(self.hook) if self.hook is not None else None
+        self._hook_context = HookContext(group, dict(parameters or {}))
+        self.dispatches: dict[int, BackwardDispatch] = {}
+        self.frames = FramePlans()  # what a recompile inherits from its frame's graphs
+        # The passes every graph goes through (graphddp.compiler.compose): features add theirs.
+        self.forward_passes: list[Any] = [record_parameter_values]
+        self.backward_passes: list[Any] = [insert_comm, verify_comm] + ([self._optimizer_pass] if optimizer is not None else [])
+        # Warnings about updates left to torch's step, once per graph and reason.
+        self._warned: set[tuple[int, str]] = set()
+        self.union = UnionAverage(
+            group, dict(parameters or {}), _cap_bytes(config), config.comm_dtype, self.hook, self.hook_state,
+            self._hook_context, lambda: [d.schedule for d in self.dispatches.values()],
+        )
+        self.step.on_end_of_step(self._union_end_of_step)  # first: the others read the averages
+        if self.hook is not None:
+            self.step.on_end_of_step(self._hook_end_of_step)
+
+    def __call__(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None, options: dict | None = None
+    ) -> Callable[..., Any]:
+        """Compile one Dynamo graph. ``mode``/``options`` are what a ``torch.compile(...,
+        backend=this, mode=..., options=...)`` call passes; without them the config's apply."""
+        param_inputs = parameter_of_inputs(example_inputs, self.names_by_id)
+        device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), None)
+        patches = self.config.check_inductor_settings("graphddp", device, mode, options)
+        self.graphs_compiled += 1
+        entry = self.step.add_graph(current_frame(), param_inputs.values())
+        state = GraphState()
+        self.states.append(state)
+        compiled = self._compile(gm, example_inputs, param_inputs, state, patches, entry.index)
+        return self._runtime(compiled, entry.index, state, {i: id(example_inputs[i]) for i in param_inputs}, param_inputs)
+
+    def _runtime(
+        self, compiled: Callable[..., Any], graph_index: int, state: GraphState, param_ids: Mapping[int, int],
+        param_inputs: Mapping[int, str],
+    ) -> Callable[..., Any]:
+        """What Dynamo calls: the compiled forward, and the step's record of this call.
+
+        A call records the backward node it made with the step (:mod:`graphddp.runtime.step`); under
+        ``no_sync`` the node gets a pre-hook that picks the local backward (:mod:`graphddp.runtime.dispatch`).
+        A call with other parameters than the compiled ones (``param_ids``: Dynamo reuses a
+        module's graph for its siblings when their parent's frame runs eagerly) tells the
+        backward which parameters it reduces, through a pre-hook too.
+        """
+        boxed = getattr(compiled, "_boxed_call", False)
+        step = self.step
+        first = min(param_ids, default=None)  # one parameter tells whether the call has others
+
+        def run(*args: Any) -> Any:
+            syncing = step.graph_syncs()
+            # Dynamo calls a boxed function with one list (which the callee frees) or, for some
+            # recompiled graphs (dynamic sizes as ints), with the arguments themselves.
+            called_boxed = boxed and len(args) == 1 and isinstance(args[0], list)
+            inputs = list(args[0]) if called_boxed else args
+            renamed = None
+            if first is not None and id(inputs[first]) != param_ids[first]:
+                renamed = self._renamed(inputs, param_inputs)
+            out = compiled(*args)
+            node = None
+            dispatch = self.dispatches.get(graph_index)  # made at the first backward
+            unused_possible = dispatch is None or dispatch.usage.may_be_unused
+            if torch.is_grad_enabled() and (step.track_runs or not syncing or unused_possible or renamed):  # a walk: only if read
+                node = compiled_backward_node(out if isinstance(out, (list, tuple)) else [out], inputs)
+            if node is not None and unused_possible:
+                node.register_prehook(state.note_outputs)
+            if node is not None and renamed:
+                node.register_prehook(lambda _grads, names=renamed: state.rename_next(names))
+            step.forward_ran(graph_index, node, syncing, renamed)
+            if syncing and node is not None:
+                self.refuse_split_gradients(graph_index)
+            if not syncing and node is not None:
+                node.register_prehook(state.mark_local)
+            return out
+
+        run._boxed_call = boxed  # type: ignore[attr-defined]
+        return run
+
+    def _renamed(self, inputs: Sequence[Any], param_inputs: Mapping[int, str]) -> dict[str, str]:
+        """Compiled parameter name -> the name of the parameter this call passes instead."""
+        if self.hook is not None:
+            raise RuntimeError(
+                f"graphddp: comm_hook {self.hook.name!r}: Dynamo runs one compiled graph for several modules' parameters "
+                "(their parent's frame runs eagerly, e.g. after a graph break inside a loop), and a traced hook's state "
+                "belongs to one bucket of parameters; remove the graph break from the loop, or use a built-in comm_hook"
+            )
+        return {name: self.names_by_id.get(id(inputs[i]), name) for i, name in param_inputs.items()}
+
+    def _compile(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], param_inputs: Mapping[int, str], state: GraphState,
+        inductor_patches: dict[str, Any], graph_index: int,
+    ) -> Callable[..., Any]:
+        shared = Shared()  # what this graph's forward passes hand its backward passes
+
+        def record_forward(fw: fx.GraphModule) -> None:
+            like = self.frames.like(self._frame(graph_index), param_inputs.values())
+            run_passes(self.forward_passes, fw, like, param_inputs=param_inputs, shared=shared, graph_index=graph_index)
+
+        phases = self.hook.phases if self.hook is not None else ("sync",)  # keys of self._phase()
+
+        def rewrite(bw: fx.GraphModule) -> dict[str, GraphRecord]:
+            """One record per phase, each from its own copy of the untouched graph."""
+            graphs = [copy.deepcopy(bw) for _ in phases[1:]] + [bw]
+            return {
+                phase: self.rewrite_backward(g, param_inputs, graph_index, shared.fw_values, phase=phase)
+                for phase, g in zip(phases, graphs)
+            }
+
+        def dispatch(
+            records: dict[str, GraphRecord], compile_synced: Callable[[GraphRecord], Callable[[], Any]],
+            compile_grads: Callable[[GraphRecord], Callable[[], Any]], compile_plain: Callable[[], Any],
+            compiled: dict[str, Any],
+        ) -> BackwardDispatch:
+            main = records[phases[-1]]  # the steady state is what people inspect
+            if len(records) > 1:
+                main.phases = dict(records)
+            self.on_record(main)
+            variants = {
+                phase: Synced(
+                    record.schedule, compile_synced(record), self._in_graph_update(record, graph_index, compile_grads(record)),
+                    self._hook_args(record, graph_index), compiled.get(phase),
+                )
+                for phase, record in records.items()
+            }
+            self.dispatches[graph_index] = BackwardDispatch(
+                state, variants, compile_plain, self.group, self.step, self._phase, self._on_sync if self.hook else None
+            )
+            return self.dispatches[graph_index]
+
+        if self.config.backend == "inductor":
+            phase = self._phase()
+            cache = compile_cache.plan_key(self, gm, example_inputs, param_inputs, graph_index, phase)
+            return compile_inductor(gm, example_inputs, record_forward, rewrite, dispatch, inductor_patches, phase, graph_index, cache)
+        run = _interpret if self.config.backend == "eager" else _as_is
+
+        def bw_compiler(bw: fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., Any]:
+            plain = copy.deepcopy(bw)
+            records = rewrite(bw)
+            return dispatch(
+                records, lambda record: lambda: make_boxed_func(run(record.graph)),
+                lambda record: lambda: make_boxed_func(run(record.without_update)),
+                lambda: make_boxed_func(run(plain)), {},
+            )
+
+        def fw_compiler(fw: fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., Any]:
+            record_forward(fw)
+            return make_boxed_func(run(fw))
+
+        return aot_autograd(
+            fw_compiler=fw_compiler, bw_compiler=bw_compiler, keep_inference_input_mutations=True
+        )(gm, example_inputs)
+
+    def _phase(self) -> str:
+        """Which synchronising variant the next step runs: the hook's phase, else the one."""
+        return self.hook.phase() if self.hook is not None else "sync"
+
+    # -- a user's traced hook at run time ------------------------------------------------------
+    def _hook_args(self, record: GraphRecord, graph_index: int) -> Callable[[], list[torch.Tensor]]:
+        """The real state tensors of ``record``'s hook inputs, in input order (graphddp owns them)."""
+        if self.hook_state is None:  # no hook, no state inputs (and a cached record's graph stays unread)
+            return list
+        specs = [
+            (n.meta[BUCKET_KEY], n.meta[HOOK_STATE_SPEC]) for n in record.graph.graph.nodes
+            if n.op == "placeholder" and n.meta.get(ROLE_KEY) == HOOK_STATE
+        ]
+        if not specs:
+            return list
+        frame = self._frame(graph_index)
+        for bucket in record.schedule.buckets:
+            self.hook_state.share(graph_index, bucket.index, self.frames.owner(frame, graph_index, bucket))
+        tensors = [self.hook_state.allocate(graph_index, bucket, [spec])[0] for bucket, spec in specs]  # type: ignore[union-attr]
+        return lambda: list(tensors)
+
+    def _on_sync(self, synced: Synced) -> None:
+        """Before a synchronising variant runs: the hook's eager work (its step count moves
+        once per backward, at the step's end: :meth:`_hook_end_of_step`)."""
+        self.hook.before_step(self.hook_state, synced.schedule.graph_index, synced.schedule)
+
+    def hook_runs_now(self) -> bool:
+        """A user's hook averages the coming synchronising step (not a plain all-reduce phase)."""
+        return self.hook is not None and self._phase() != "allreduce"
+
+    def _hook_end_of_step(self) -> None:
+        """At the end of every synchronising backward: after ``no_sync``, DDP's semantics (the
+        hook sees each bucket's *accumulated* local gradients; a nonlinear hook such as
+        PowerSGD differs from hooking each micro-batch): the graphs ran without communication,
+        and here every bucket of every graph that ran goes through the same hook function,
+        eagerly, and its result replaces the gradients. Then the hook counts the step, as
+        DDP's ``bucket.is_last()`` does."""
+        from graphddp.graph.insert_comm import run_hook_eagerly
+
+        for graph_index in dict.fromkeys(self.step.eager_graphs):
+            schedule = self.dispatches[graph_index].schedule
+            self.hook.before_step(self.hook_state, graph_index, schedule)
+            run_hook_eagerly(self.hook, schedule, self._hook_context, self.hook_state)
+        self.hook.after_backward()
+
+    def _union_end_of_step(self) -> None:
+        """A divergent step (:mod:`graphddp.runtime.union`) ends with the union average; a step whose
+        gradients came from eager code alone agrees here first (its first and only agreement)."""
+        step = self.step
+        if self.world_size > 1 and not step.divergent and step.eager and not step.probed:
+            # Only eager code gave gradients on this rank: its agreement is made here, and pairs
+            # with another rank's first backward graph, or with its own made here.
+            step.agree(self.group, 0, "the gradients of eager code", False)
+        if step.divergent and self.world_size > 1:
+            self.union.run(step, self.hook_runs_now())
+
+    def shadow_step(self) -> None:
+        """A joined rank's part of one synchronising step of the others (:mod:`graphddp.runtime.join`):
+        the agreement (it asks for a divergent step), then the union average, with zeros."""
+        step = self.step
+        with step.shadowing():
+            step.agree(self.group, 0, "a joined rank's shadow of a backward", False)
+            self.union.run(step, self.hook_runs_now())
+            if self.hook is not None:
+                self.hook.after_backward()
+
+    def _in_graph_update(
+        self, record: GraphRecord, graph_index: int, compile_grads: Callable[[], Any] | None
+    ) -> InGraphUpdate | None:
+        optimizer = self.optimizer
+        names = tuple(n for b in record.schedule.buckets for n in b.updates)
+        if optimizer is None or not names:
+            return None
+
+        def allowed(unused: frozenset[str]) -> bool:
+            """The graph's update is the whole step for its parameters: its backward runs once
+            in this step, no other graph of this step reads one of them (tied across a graph
+            break), every one was used on some rank (torch.optim skips a None gradient), and
+            none holds a gradient already (accumulated under no_sync). Otherwise torch's step
+            runs for them after the backward; the first time, a warning says why."""
+            runs = self.step.runs(graph_index)
+            shared = self.step.shared_this_step(graph_index, names)
+            if unused & set(names):
+                self._fallback(record, graph_index, "unused", sorted(unused & set(names)), "no rank used them in this step")
+            elif runs > 1:
+                self._fallback(record, graph_index, "ran twice", names, f"the graph's forward ran {runs} times before one backward")
+            elif shared:
+                self._fallback(record, graph_index, "shared", sorted(shared), "another compiled graph of this step reads them too")
+            elif any(optimizer.params[n].grad is not None for n in names):
+                record.fallbacks["accumulated"] = tuple(n for n in names if optimizer.params[n].grad is not None)
+            else:
+                return True
+            return False
+
+        placeholders = [n for n in record.graph.graph.nodes if n.op == "placeholder"]
+        aliases = tuple((i, ph.meta[ALIAS_OF]) for i, ph in enumerate(placeholders) if ALIAS_OF in ph.meta)
+        groups = tuple(sorted({optimizer.group_of[n] for n in names}))
+        return InGraphUpdate(optimizer, names, groups, allowed, compile_grads, aliases)
+
+    def _fallback(self, record: GraphRecord, graph_index: int, kind: str, names: Sequence[str], why: str) -> None:
+        """Record (and, the first time per graph and kind, warn) that torch's step after the
+        backward updates ``names`` instead of the graph. Right, but not overlapped."""
+        record.fallbacks[kind] = tuple(names)
+        if (graph_index, kind) in self._warned:
+            return
+        self._warned.add((graph_index, kind))
+        warnings.warn(
+            f"graphddp: optimizer= : backward graph {graph_index} leaves the update of {list(names)} to torch's step "
+            f"after the backward ({why}); the result is the same, the update is not overlapped with the backward. "
+            "GraphRecord.fallbacks shows it.",
+            stacklevel=2,
+        )
+
+    def _frame(self, graph_index: int) -> int | None:
+        """Graph ``graph_index``'s Dynamo frame (None for a graph the step never saw: a test's)."""
+        return self.step.graphs[graph_index].frame if graph_index < len(self.step.graphs) else None
+
+    def plan_graph(self, facts: Any, graph_index: int, unreduced: tuple[str, ...], hook: str | None = None) -> Schedule:
+        """The planner on one graph's facts; a recompile takes its frame's buckets
+        (:mod:`graphddp.compiler.frames`: zeros where a parameter stopped taking a gradient, with a hook)."""
+        frame = self._frame(graph_index)
+        like = self.frames.like(frame, (s.param_name for s in facts.slots))
+        schedule = plan(
+            facts, self.config, world_size=self.world_size, group_name=self.group_name, graph_index=graph_index,
+            unreduced=unreduced, hook=hook, like=like,
+        )
+        if like is None:
+            self.frames.add(frame, schedule)
+        return schedule
+
+    def frame_plans(self, graph_index: int) -> list[Any]:
+        """The plans :meth:`plan_graph` may reuse for graph ``graph_index`` (the compile cache's key)."""
+        return self.frames.names(self._frame(graph_index))
+
+    def rewrite_backward(
+        self, gm: fx.GraphModule, param_inputs: Mapping[int, str], graph_index: int,
+        fw_values: Mapping[str, Any] | None = None, phase: str = "sync",
+    ) -> GraphRecord:
+        """capture -> plan -> rewrite -> verify for one backward graph. Talks to no rank.
+
+        With a user's traced hook, every bucket runs it, except in its ``"allreduce"`` phase
+        (PowerSGD before ``start_powerSGD_iter``), where buckets are averaged as by default.
+        With an optimizer attached and the forward values of the parameters (``fw_values``),
+        then with_updates -> insert_update -> verify_updates.
+        """
+        hook = self.hook if phase != "allreduce" else None
+        facts = extract_facts(gm, param_inputs)
+        graded = {s.output_index for s in facts.slots}
+        unreduced = tuple(name for i, name in sorted(param_inputs.items()) if i not in graded)
+        schedule = self.plan_graph(facts, graph_index, unreduced, hook.name if hook is not None else None)
+        shared = Shared(fw_values=dict(fw_values or {}))
+        schedule = run_passes(
+            self.backward_passes, gm, schedule, world_size=self.world_size, hook=hook, hook_context=self._hook_context,
+            graph_index=graph_index, check=self.config.verify, outputs={s.output_index: s.param_name for s in facts.slots},
+            shared=shared,
+        )
+        log.info("graphddp plan for backward graph %d (fingerprint %s):\n%s", graph_index, schedule.fingerprint(), schedule.to_table())
+        record = GraphRecord(schedule=schedule, graph=gm, without_update=shared.without_update)
+        if shared.tied:
+            record.fallbacks["shared"] = shared.tied
+        return record
+
+
+    def refuse_split_gradients(self, graph_index: int) -> None:
+        """A parameter that two graphs of one step read (tied across a graph break) gets its
+        gradient in two parts, and a traced hook would compress each part on its own; DDP
+        hooks their sum. Refused, never approximated: checked at each synchronising forward,
+        before any collective of the step, since only then is it known which graphs run
+        together (a recompile of a frame replaces its older graph, it never runs beside it)."""
+        if self.hook is None:
+            return
+        shared = sorted(self.step.shared_this_step(graph_index, self.step.graphs[graph_index].params))
+        if shared:
+            raise RuntimeError(
+                f"graphddp: comm_hook {self.hook.name!r}: parameters {shared} are read by more than one compiled graph "
+                "of this step (tied across a graph break), so each graph's hook would see part of their gradient, where "
+                "DDP's hook sees the sum; move the graph break or untie them, or use a built-in comm_hook"
+            )
+
+    def _optimizer_pass(self, gm: fx.GraphModule, schedule: Schedule, *, graph_index: int, shared: Shared, **_: Any) -> Schedule:
+        """The optimizer's backward pass (after the collectives): with_updates -> insert_update
+        -> verify_updates. The graph from before it goes to ``shared.without_update`` (None when
+        nothing is updated), the parameters left to torch's step (a graph of another frame reads
+        them too) to ``shared.tied``. Without the forward's parameter values, nothing."""
+        if self.optimizer is None or not shared.fw_values:
+            return schedule
+        schedule, shared.without_update, shared.tied = self._add_updates(gm, schedule, graph_index, self.optimizer, shared.fw_values)
+        return schedule
+
+    def _add_updates(
+        self, gm: fx.GraphModule, schedule: Schedule, graph_index: int, optimizer: AttachedOptimizer, fw_values: Mapping[str, Any]
+    ) -> tuple[Schedule, fx.GraphModule | None, tuple[str, ...]]:
+        """with_updates -> insert_update -> verify_updates; returns the schedule with its
+        updates, a copy of the graph from before them (None when nothing is updated) and the
+        parameters left to torch's step because a graph of another frame reads them too."""
+        # A parameter a graph of another frame also reads (tied across a graph break) gets part
+        # of its gradient there: it keeps the gradient route, and torch's step after the
+        # backward. Recompiles of this graph's own frame never run beside it: they do not count.
+        elsewhere = self.step.in_other_frames(graph_index)
+        zero_filled = {s.param_name for b in schedule.buckets for s in b.slots if s.zero_filled}
+        updatable = [
+            n for n in schedule.param_names if optimizer.rule(n) and n in fw_values and n not in elsewhere | zero_filled
+        ]
+        tied = tuple(n for n in schedule.param_names if optimizer.rule(n) and n in elsewhere)
+        if tied:
+            self._warned.add((graph_index, "shared"))
+            warnings.warn(
+                f"graphddp: optimizer= : parameters {list(tied)} are read on both sides of a graph break, so their gradient "
+                f"comes in parts from several graphs; backward graph {graph_index} leaves their update to torch's step "
+                "after the backward (the result is the same, the update is not overlapped)",
+                stacklevel=2,
+            )
+        if not updatable:
+            return schedule, None, tied
+        without_update = copy.deepcopy(gm)
+        schedule = with_updates(schedule, updatable, str(optimizer))
+        inputs = UpdateInputs(
+            rules={n: optimizer.rule(n) for n in updatable},
+            groups={n: optimizer.group_of[n] for n in updatable},
+            values={n: fw_values[n] for n in updatable},
+        )
+        insert_update(gm, schedule, inputs)
+        log.debug("backward graph %d after insert_update:\n%s", graph_index, gm.code)
+        if self.config.verify:
+            verify_updates(gm, schedule)
+        return schedule, without_update, tied
+
+
+def _cap_bytes(config: DDPConfig) -> float:
+    """The union average's bucket size: the user's cap, or DDP's default under an auto plan."""
+    from graphddp.config import DEFAULT_BUCKET_CAP_MB
+
+    cap = config.bucket_cap_mb
+    return float(cap if isinstance(cap, (int, float)) else DEFAULT_BUCKET_CAP_MB) * 1024 * 1024
+
+
+def _as_is(gm: fx.GraphModule) -> Callable[..., Any]:
+    return gm
+
+
+def _interpret(gm: fx.GraphModule) -> Callable[..., Any]:
+    return lambda *args: fx.Interpreter(gm).run(*args)

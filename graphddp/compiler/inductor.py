@@ -1,0 +1,244 @@
+"""The inductor path of graphddp's backend (:mod:`graphddp.compiler.graph_compiler`): compile_fx with the
+rewrite of the backward inside its inner compile, graphddp's pinned inductor settings, the
+variants compiled on first use, and warm restarts from the compile cache.
+
+Its own module so that the backend reads as what it does for every inner compiler (record,
+plan, rewrite, dispatch) and this one as what inductor needs on top.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Sequence
+
+import torch.fx as fx
+
+from graphddp.compiler import cache as compile_cache
+from graphddp.compiler.record import GraphRecord
+from graphddp.config import INDUCTOR_PINNED_CONFIG
+from graphddp.runtime.dispatch import BackwardDispatch
+
+
+def compile_inductor(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    record_forward: Callable[[fx.GraphModule], None],
+    rewrite: Callable[[fx.GraphModule], dict[str, GraphRecord]],
+    dispatch: Callable[..., BackwardDispatch],
+    patches: dict[str, Any],
+    phase_now: str,
+    graph_index: int = 0,
+    cache: compile_cache.Key | None = None,
+) -> Callable[..., Any]:
+    """Inductor's compile_fx under the user's ``patches`` (mode and options), with graphddp's
+    pinned settings on top of them for every inner compile. The backward of the phase in use
+    now is compiled now; the other variants the first time a step needs them.
+
+    With a ``cache`` key (:func:`graphddp.compiler.cache.plan_key`) the AOTAutograd cache is on
+    for this graph: a miss compiles as without it and caches the rewritten backward beside
+    graphddp's entry; a hit builds the same dispatcher around the cached code and this run's
+    plan (checked to be the cached one), and compiles the rest once, cold, if it is ever needed
+    (:mod:`graphddp.compiler.cache`).
+    """
+    job = _InductorCompile(gm, example_inputs, record_forward, rewrite, dispatch, patches, phase_now, graph_index, cache)
+    return job.cold() if cache is None else job.through_cache(cache)
+
+
+class _InductorCompile:
+    """One Dynamo graph through compile_fx (:func:`compile_inductor`): its inputs, and the steps
+    of a compile as methods (what were closures of one long function)."""
+
+    def __init__(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], record_forward: Callable[[fx.GraphModule], None],
+        rewrite: Callable[[fx.GraphModule], dict[str, GraphRecord]], dispatch: Callable[..., BackwardDispatch],
+        patches: dict[str, Any], phase_now: str, graph_index: int, cache: compile_cache.Key | None,
+    ) -> None:
+        self.gm, self.example_inputs = gm, example_inputs
+        self.record_forward, self.rewrite, self.dispatch = record_forward, rewrite, dispatch
+        self.patches, self.phase_now, self.graph_index, self.cache = patches, phase_now, graph_index, cache
+
+    # -- the compile, with or without the AOTAutograd cache ---------------------------------------
+    def inner_compiler(self, finish: Callable[..., Any], on_forward: Callable[[Any, bool], None]) -> Callable[..., Any]:
+        """compile_fx's inner compile with the rewrite of the backward; ``finish(records, synced,
+        grads, plain, compiled, facts)`` makes what AOTAutograd runs as the backward."""
+        from torch._inductor import config as inductor_config
+        from torch._inductor.compile_fx import compile_fx_inner
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        patches, cache = self.patches, self.cache
+
+        def inner_compile(graph: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
+            with inductor_config.patch(INDUCTOR_PINNED_CONFIG):
+                if not kwargs.get("is_backward", False):
+                    self.record_forward(graph)
+                    code = compile_fx_inner(graph, inputs, **kwargs)
+                    on_forward(code, bool(kwargs.get("is_inference", False)))
+                    return code
+                plain = copy.deepcopy(graph)
+                # As at a backward compiled lazily, outside the fake mode: the planner computes
+                # with real tensors (a backward compiled at once, for dynamic shapes or by a
+                # cache hit's derivation, runs inside it).
+                with unset_fake_temporarily():
+                    facts = cache.facts(plain) if cache is not None else None
+                    records = self.rewrite(graph)
+                now = records[self.phase_now]
+                # Inductor rewrites what it compiles in place (on an FX-graph cache miss only):
+                # the record keeps graphddp's graph, the same whether inductor compiled or loaded.
+                compiled = compile_fx_inner(copy.deepcopy(now.graph), list(inputs) + now.extra_inputs(), **kwargs)
+            now.generated_code = getattr(compiled, "source_code", None)
+
+            def synced(record: GraphRecord) -> Callable[[], Any]:
+                later = _later(compile_fx_inner, record.graph, list(inputs) + record.extra_inputs(), kwargs, patches)
+
+                def compile_and_record() -> Any:
+                    code = later()
+                    record.generated_code = getattr(code, "source_code", None)
+                    return code
+
+                return compile_and_record
+
+            def grads(record: GraphRecord) -> Callable[[], Any] | None:
+                if record.without_update is None:
+                    return None
+                return _later(compile_fx_inner, record.without_update, list(inputs) + record.hook_inputs(), kwargs, patches)
+
+            return finish(records, synced, grads, _later(compile_fx_inner, plain, inputs, kwargs, patches), compiled, facts)
+
+        return inner_compile
+
+    def run_compile_fx(
+        self, inputs: Sequence[Any], finish: Callable[..., Any], on_forward: Callable[[Any, bool], None] = lambda code, inference: None,
+        catcher: Any = None, eager_backward: bool = False,
+    ) -> Callable[..., Any]:
+        """compile_fx with the AOTAutograd cache on (with a ``catcher``) or off; ``eager_backward``
+        compiles the backward now instead of at the first backward."""
+        from torch._functorch import config as functorch_config
+        from torch._inductor import config as inductor_config
+        from torch._inductor.compile_fx import compile_fx
+
+        functorch_patches: dict[str, Any] = {"enable_autograd_cache": catcher is not None}
+        inductor_patches = dict(self.patches)
+        if catcher is not None:
+            functorch_patches["bundled_autograd_cache"] = False
+            inductor_patches["cudagraph_policy"] = catcher
+            setattr(self.gm, compile_cache.GM_ATTRIBUTE, self.cache.key)  # type: ignore[union-attr] # AOTAutograd hashes it
+        if eager_backward:
+            functorch_patches["force_non_lazy_backward_lowering"] = True
+        with functorch_config.patch(functorch_patches), inductor_config.patch(inductor_patches):
+            return compile_fx(self.gm, inputs, inner_compile=self.inner_compiler(finish, on_forward))
+
+    def finish_cold(self, records: dict[str, GraphRecord], synced: Any, grads: Any, plain: Any, compiled: Any, facts: Any) -> BackwardDispatch:
+        return self.dispatch(records, synced, grads, plain, {self.phase_now: compiled})
+
+    def cold(self) -> Callable[..., Any]:
+        """Without the AOTAutograd cache."""
+        return self.run_compile_fx(self.example_inputs, self.finish_cold)
+
+    # -- through the cache: a miss stores, a hit dispatches the cached code -------------------------
+    def through_cache(self, cache: compile_cache.Key) -> Callable[..., Any]:
+        from torch._inductor import config as inductor_config
+
+        entry = compile_cache.load(cache.key)
+        plan_now = None  # this run's plan of the cached backward graph
+        if entry is not None and entry.bw_key is not None:
+            plan_now = cache.replan(entry)
+            if plan_now is None or plan_now.fingerprint() != entry.schedule.fingerprint():
+                # Another plan than the cached code's (bucket_cap_mb="auto" under a cost model
+                # calibrated anew): compile cold, and leave both entries to the plan they hold.
+                compile_cache.count("replanned")
+                return self.cold()
+        catcher = compile_cache.hit_catcher(entry, inductor_config.cudagraph_policy)
+        forward: dict[str, Any] = {}
+        on_forward, finish_and_store = self._storing(cache, catcher, forward)
+        compiled_fn = self.run_compile_fx(self.example_inputs, finish_and_store, on_forward, catcher)
+        if "key" in forward:  # a miss: compiled cold; the backward and both entries at the first backward
+            compile_cache.count("miss")
+            return compiled_fn
+        if catcher.hit and entry is not None and entry.bw_key is None:  # an inference graph: nothing to rewrite
+            compile_cache.count("hit")
+            return compiled_fn
+        if not catcher.hit or catcher.proxy is None or entry is None or plan_now is None:
+            # AOTAutograd hit an entry that graphddp's does not name (none, or another plan's):
+            # compile cold, and write graphddp's entry for the next run.
+            compile_cache.count("stale")
+            return self.run_compile_fx(self.example_inputs, finish_and_store, on_forward)
+        return self._hit(entry, plan_now, catcher, compiled_fn)
+
+    def _storing(self, cache: compile_cache.Key, catcher: Any, forward: dict[str, Any]) -> tuple[Callable[..., None], Callable[..., BackwardDispatch]]:
+        """The forward and backward callbacks of a compile whose entries go to the cache."""
+        phase_now = self.phase_now
+
+        def on_forward(code: Any, is_inference: bool) -> None:
+            """This compile runs cold (nothing loaded can be a hit); an inference graph (no
+            backward, nothing of graphddp's in it) has its entry now."""
+            catcher.armed = False
+            forward["key"] = compile_cache.fx_key(code)
+            if is_inference and forward["key"] is not None:
+                compile_cache.store(cache.key, compile_cache.Entry(forward["key"], None, phase_now))
+
+        def finish_and_store(records: dict[str, GraphRecord], synced: Any, grads: Any, plain: Any, compiled: Any, facts: Any) -> BackwardDispatch:
+            """The cold dispatcher; graphddp's entry is written before AOTAutograd writes its own,
+            if the plan is the planner's alone (replanning the facts gives it back)."""
+            backward = self.finish_cold(records, synced, grads, plain, compiled, facts)
+            fw_key, bw_key, schedule = forward.get("key"), compile_cache.fx_key(compiled), records[phase_now].schedule
+            if (
+                fw_key is not None and bw_key is not None and len(records) == 1
+                and cache.cacheable(facts, schedule)
+                and compile_cache.store(cache.key, compile_cache.Entry(fw_key, bw_key, phase_now, schedule, facts))
+            ):
+                compile_cache.mark_cacheable(backward, compiled)
+            return backward
+
+        return on_forward, finish_and_store
+
+    def _hit(self, entry: Any, plan_now: Any, catcher: Any, compiled_fn: Callable[..., Any]) -> Callable[..., Any]:
+        """A hit: this run's plan around the cached backward code; what the cache does not
+        hold (the local variant) is derived by one cold compile if a step ever needs it."""
+        phase_now = self.phase_now
+
+        def compile_cold(inputs: Sequence[Any]) -> compile_cache.Derived:
+            """What a miss compiles, for what the cache does not hold (the compile is the same,
+            inductor's compiles hit its FX-graph cache); the backward compiled now."""
+            got: dict[str, Any] = {}
+
+            def finish_derived(records: dict[str, GraphRecord], synced: Any, grads: Any, plain: Any, compiled: Any, facts: Any) -> Any:
+                got.update(records=records, plain=plain, bw_key=compile_cache.fx_key(compiled))
+                return compiled
+
+            def on_derived_forward(code: Any, is_inference: bool) -> None:
+                got["fw_key"] = compile_cache.fx_key(code)
+
+            self.run_compile_fx(inputs, finish_derived, on_derived_forward, eager_backward=True)
+            return compile_cache.Derived(got["records"], got["plain"], got.get("fw_key"), got.get("bw_key"))
+
+        derivation = compile_cache.Derivation(self.graph_index, entry, plan_now, compile_cold, self.example_inputs)
+        record = compile_cache.hit_record(plan_now, getattr(catcher.bw_code, "source_code", None), phase_now, derivation)
+        compile_cache.log_hit(self.graph_index, plan_now)
+        backward = self.dispatch(  # one phase (no traced hook), no update (no optimizer): see plan_key
+            {phase_now: record}, lambda record: (lambda: catcher.bw_code), lambda record: None,
+            lambda: derivation.get().plain(), {phase_now: catcher.bw_code},
+        )
+        catcher.proxy.target = backward
+        return compiled_fn
+
+
+def _later(
+    compile_inner: Callable[..., Any], graph: fx.GraphModule, inputs: Sequence[Any], kwargs: dict, patches: dict[str, Any]
+) -> Callable[[], Any]:
+    """Compile ``graph`` on first use, in the tracing and compile context of now.
+
+    The local (``no_sync``) backward is compiled only if a step ever needs it, the way
+    AOTAutograd compiles its own backward lazily: under the saved contexts, so shape
+    guards and fake tensors are the ones the graph was traced with.
+    """
+    from torch._dynamo.convert_frame import compile_lock
+    from torch._guards import CompileContext, TracingContext, compile_context, tracing
+    from torch._inductor import config as inductor_config
+
+    saved_tracing, saved_compile = TracingContext.try_get(), CompileContext.try_get()
+
+    def compile_now() -> Any:
+        pinned = {**patches, **INDUCTOR_PINNED_CONFIG}
+        with compile_lock, tracing(saved_tracing), compile_context(saved_compile), inductor_config.patch(pinned):
+            return compile_inner(graph, inputs, **kwargs)
+
+    return compile_now

@@ -1,0 +1,47 @@
+"""What graphddp did to one backward graph: :class:`GraphRecord`.
+
+Its own module, below both the backend that makes records (:mod:`graphddp.compiler.graph_compiler`)
+and the compile cache that makes them from a cache hit (:mod:`graphddp.compiler.cache`), so
+neither imports the other for it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch.fx as fx
+
+from graphddp.graph.insert_comm import HOOK_STATE
+from graphddp.optim.insert_update import UPDATE_INPUT
+from graphddp.values.comm import ROLE_KEY
+from graphddp.values.schedule import Schedule
+
+
+@dataclasses.dataclass
+class GraphRecord:
+    """What graphddp did to one backward graph: the plan, the graph, and inductor's code."""
+
+    schedule: Schedule
+    graph: fx.GraphModule
+    generated_code: str | None = None
+    # With an optimizer: the graph before insert_update (all-reduces only), for the steps
+    # the graph cannot update alone.
+    without_update: fx.GraphModule | None = None
+
+    # A user hook with phases (graphddp.hooks.PowerSGD): every phase's record, this one included.
+    phases: dict[str, "GraphRecord"] = dataclasses.field(default_factory=dict)
+    # With an optimizer: parameters whose update torch's step took over after the backward, by
+    # reason ("shared": another graph of the step reads them; "unused": no rank used them; "ran twice": two forwards before
+    # one backward; "accumulated": gradients from no_sync), as of the last step it happened.
+    fallbacks: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+
+    def _inputs(self, *roles: str) -> list[Any]:
+        return [n.meta["val"] for n in self.graph.graph.nodes if n.op == "placeholder" and n.meta.get(ROLE_KEY) in roles]
+
+    def extra_inputs(self) -> list[Any]:
+        """Fake values of the inputs graphddp appended: a hook's state, then the update's."""
+        return self._inputs(HOOK_STATE, UPDATE_INPUT)
+
+    def hook_inputs(self) -> list[Any]:
+        """Fake values of a user hook's state inputs (what the graph without update reads)."""
+        return self._inputs(HOOK_STATE)

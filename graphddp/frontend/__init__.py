@@ -1,0 +1,1 @@
+"""What users call: compile(), the torch.compile backend object, explain, the command line."""

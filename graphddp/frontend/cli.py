@@ -1,0 +1,162 @@
+"""``python -m graphddp explain PATH.py:FACTORY``: print or write a model's schedule.
+
+FACTORY is a function in PATH.py returning ``(model, example_inputs)``, where example_inputs is
+a tuple of positional arguments. Formats: table (default), json, trace (Chrome/Perfetto), dot,
+png/svg (needs matplotlib).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+from typing import Any, Sequence
+
+FORMATS = ("table", "json", "trace", "dot", "png", "svg")
+
+
+def _load_factory(spec: str):
+    path, sep, name = spec.rpartition(":")
+    if not sep or not path or not name:
+        raise SystemExit(f"expected PATH.py:FACTORY, got {spec!r}")
+    if not os.path.exists(path):
+        raise SystemExit(f"no such file: {path}")
+    module_spec = importlib.util.spec_from_file_location("graphddp_user_factory", path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules["graphddp_user_factory"] = module
+    module_spec.loader.exec_module(module)
+    if not hasattr(module, name):
+        raise SystemExit(f"{path} has no function {name!r}")
+    return getattr(module, name)
+
+
+def _cap_list(text: str) -> list[float]:
+    """``--bucket-cap-mb-list 1,25``: comma-separated megabytes (DDPConfig checks the values)."""
+    try:
+        return [float(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated megabytes, got {text!r}") from None
+
+
+def _cap(text: str) -> float | str:
+    """``--bucket-cap-mb 4`` or ``--bucket-cap-mb auto`` (DDPConfig checks the value)."""
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected megabytes or 'auto', got {text!r}") from None
+
+
+def _json_dict(text: str) -> dict:
+    """``--options '{"max_autotune": true}'``: inductor settings as a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def _optional_bool(text: str) -> bool | None:
+    choices = {"none": None, "true": True, "false": False}
+    if text.lower() not in choices:
+        raise argparse.ArgumentTypeError(f"expected true, false or none, got {text!r}")
+    return choices[text.lower()]
+
+
+def add_option_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per ``DDPConfig`` option (``bucket_cap_mb`` -> ``--bucket-cap-mb``), its help text
+    from the field, its default None: "not given", so ``options_from_args`` passes only what the
+    user set and graphddp's own defaults apply."""
+    from graphddp.config import DDPConfig
+
+    for field in DDPConfig.option_fields():
+        if field.name == "cost":
+            continue  # an object: explain builds it from --bandwidth-gbps and the like
+        flag = "--" + field.name.replace("_", "-")
+        kind: dict = {"type": float}
+        if field.name == "bucket_cap_mb":
+            kind = {"type": _cap, "metavar": "MB|auto"}
+        elif field.name == "bucket_cap_mb_list":
+            kind = {"type": _cap_list, "metavar": "MB,MB,..."}
+        elif field.name in ("backend", "comm_hook", "mode"):
+            kind = {"type": str}
+        elif field.name == "options":
+            kind = {"type": _json_dict, "metavar": "JSON"}
+        elif field.name == "dynamic":
+            kind = {"type": _optional_bool, "metavar": "true|false|none"}
+        elif isinstance(field.default, bool):
+            kind = {"action": argparse.BooleanOptionalAction}
+        parser.add_argument(flag, dest=field.name, default=None, help=_help(field), **kind)
+
+
+def _help(field: Any) -> str:
+    text = field.metadata["help"]
+    return text if field.default is None or "default" in text else f"{text} (default: {field.default})"
+
+
+def options_from_args(args: argparse.Namespace) -> dict:
+    """The options the user gave on the command line, as keywords for compile/explain."""
+    from graphddp.config import DDPConfig
+
+    return {f.name: getattr(args, f.name) for f in DDPConfig.option_fields() if getattr(args, f.name, None) is not None}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from graphddp import render
+    from graphddp.config import DDPConfig
+    from graphddp.frontend.explain import explain
+    from graphddp.plan.cost import CostModel
+
+    parser = argparse.ArgumentParser(prog="python -m graphddp", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("explain", help="plan a model for N ranks in one process and render the schedule")
+    p.add_argument("factory", help="PATH.py:FACTORY returning (model, example_inputs)")
+    p.add_argument("--world-size", type=int, default=8)
+    add_option_flags(p)
+    costs = p.add_argument_group("cost model", "for the predicted times, and the plan of --bucket-cap-mb auto")
+    costs.add_argument("--bandwidth-gbps", type=float, default=CostModel.bandwidth_gbps)
+    costs.add_argument("--latency-us", type=float, default=CostModel.latency_us)
+    costs.add_argument("--compute-tflops", type=float, default=CostModel.compute_tflops)
+    costs.add_argument("--collective-overhead-us", type=float, default=CostModel.collective_overhead_us)
+    p.add_argument("--format", choices=FORMATS, default="table")
+    p.add_argument("--out", help="file to write (default: stdout; required for png/svg)")
+    args = parser.parse_args(argv)
+    options = options_from_args(args)
+    try:  # a bad option is a usage error: say so before loading and tracing the model
+        cost = CostModel(bandwidth_gbps=args.bandwidth_gbps, latency_us=args.latency_us, compute_tflops=args.compute_tflops,
+                         collective_overhead_us=args.collective_overhead_us, source="python -m graphddp explain's flags")
+        if options.get("bucket_cap_mb") == "auto":
+            options["cost"] = cost
+        DDPConfig.from_options("python -m graphddp explain", options)
+    except ValueError as e:
+        p.error(str(e))
+
+    model, example_inputs = _load_factory(args.factory)()
+    schedules = explain(model, *example_inputs, world_size=args.world_size, **options)
+    if args.format in ("png", "svg"):
+        if not args.out:
+            raise SystemExit(f"--format {args.format} needs --out FILE")
+        root, ext = os.path.splitext(args.out)
+        for s in schedules:
+            render.plot(s, args.out if len(schedules) == 1 else f"{root}.{s.graph_index}{ext}", cost)
+        return 0
+    if args.format == "table":
+        text = "\n\n".join(f"fingerprint {s.fingerprint()}\n{render.table(s, cost)}" for s in schedules)
+    elif args.format == "json":
+        text = json.dumps([s.to_dict() for s in schedules], indent=2, sort_keys=True)
+    elif args.format == "trace":
+        events = [e for s in schedules for e in render.chrome_trace(s, cost)["traceEvents"]]
+        text = json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
+    else:
+        text = "\n".join(render.dot(s) for s in schedules)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    else:
+        print(text)
+    return 0

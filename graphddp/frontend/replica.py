@@ -1,0 +1,330 @@
+"""One rank's replica of a data-parallel model: the work around every forward call.
+
+DDP does three things at forward time that no compiled graph can do: it broadcasts buffers
+before the forward (``broadcast_buffers``), it starts averaging gradients that were
+accumulated locally under ``no_sync`` once a synchronising forward begins, and (in graphddp)
+a parameter that no compiled graph of this forward covers must not end up with an un-averaged
+gradient. :class:`Replica` holds that state and does that work, so that both forms graphddp
+comes in share it:
+
+* ``graphddp.compile(model)`` returns a module whose ``forward`` calls
+  :meth:`Replica.before_forward`, the compiled model, then :meth:`Replica.after_forward`;
+* ``torch.compile(model, backend=graphddp.backend(model))`` wraps ``model.forward`` with the
+  same two calls, Dynamo-disabled, so they run eagerly around the compiled forward
+  (:mod:`graphddp.frontend.backend` says why not hooks).
+
+Wrap-time work (parameter agreement, the initial broadcast, attaching an optimizer) is
+:func:`prepare`.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
+
+from graphddp.compiler.graph_compiler import GraphCompiler
+from graphddp.compiler.record import GraphRecord
+from graphddp.config import DDPConfig
+from graphddp.graph.capture import names_by_identity
+from graphddp.optim.attached import AttachedOptimizer
+from graphddp.runtime.agree import check_parameter_agreement
+from graphddp.runtime.calibrate import resolve_cost
+from graphddp.runtime.join import JoinState, join, join_hook
+from graphddp.runtime.step import StepState
+from graphddp.runtime.sync import PendingAverage, average_async, broadcast_tensors
+from graphddp.values.schedule import Schedule
+
+
+def _check_devices(module: nn.Module) -> torch.device | None:
+    """The one device of the module's parameters and buffers (None when it has none)."""
+    devices: dict[torch.device, str] = {}
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        devices.setdefault(t.device, name)
+    if len(devices) > 1:
+        spread = ", ".join(f"{name!r} on {dev}" for dev, name in devices.items())
+        raise ValueError(
+            "graphddp: module parameters and buffers must live on one device "
+            f"(data parallelism replicates the whole module per rank); found {spread}"
+        )
+    return next(iter(devices), None)
+
+
+def _refuse_sparse_gradients(where: str, module: nn.Module) -> None:
+    """Sparse gradients (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``) are
+    refused by name at wrap time: graphddp averages flat dense buckets inside the compiled
+    backward, and DDP's separate sparse all-reduce has no place there (it failed deep in the
+    rewrite, naming a memory format)."""
+    for prefix, sub in module.named_modules():
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
+            name = f"{prefix}.weight" if prefix else "weight"
+            raise ValueError(
+                f"{where}: parameter {name!r} gets sparse gradients ({type(sub).__name__}(sparse=True)), which graphddp "
+                "does not average (its buckets are dense, inside the compiled backward); construct it with sparse=False, "
+                "or keep DistributedDataParallel for this model"
+            )
+
+
+def resolve_group(where: str, module: Any, process_group: Any, options: dict[str, Any]) -> Any:
+    """``process_group`` or WORLD, after checking what needs no process group: the module's
+    type and the options a config cannot hold."""
+    if "max_grad_norm" in options:
+        raise ValueError(
+            "max_grad_norm: clipping by global norm needs every bucket's average before any update, "
+            "which is what the in-graph optimizer gives up; compile without optimizer= and clip as usual "
+            "(torch.nn.utils.clip_grad_norm_ between backward() and optimizer.step())"
+        )
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{where}: module must be a torch.nn.Module, got {type(module).__name__}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"{where}: torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group(...) first (e.g. under torchrun)"
+        )
+    return process_group if process_group is not None else dist.group.WORLD
+
+
+def prepare(
+    where: str, module: nn.Module, group: Any, config: DDPConfig, optimizer: Any = None
+) -> tuple[AttachedOptimizer | None, DDPConfig]:
+    """Wrap-time checks and broadcast, as DDP's constructor does them; attach ``optimizer``;
+    returns it and ``config`` with its cost model resolved (``bucket_cap_mb="auto"``: measured
+    on ``group`` now, by :mod:`graphddp.runtime.calibrate`, since compiling never talks).
+
+    Parameters are broadcast from the group's first rank; buffers too, but only with
+    ``broadcast_buffers`` (torch >= 2.13's DDP: ``init_sync_buffers`` follows it), since
+    otherwise DDP leaves them rank-local. The optimizer is checked before any collective (so
+    every rank fails alike) and attached (its ``step`` made a no-op) after the last one.
+    """
+    if optimizer is not None and config.traced_hook is not None:
+        raise ValueError(
+            f"{where}: optimizer= with comm_hook={config.traced_hook.name} is not supported yet (the in-graph update "
+            "is checked against graphddp's own all-reduce only); compile without optimizer= and step it as usual"
+        )
+    attached = AttachedOptimizer(optimizer, module, where) if optimizer is not None else None
+    _refuse_sparse_gradients(where, module)
+    device = _check_devices(module)
+    config.check_inductor_settings(where, device)
+    check_parameter_agreement(module, group)
+    if dist.get_world_size(group) > 1:
+        buffers = list(module.buffers()) if config.broadcast_buffers else []
+        broadcast_tensors(list(module.parameters()) + buffers, group)
+    config = resolve_cost(config, group, device)
+    if attached is not None:
+        attached.attach()
+    return attached, config
+
+
+class Replica:
+    """The data-parallel state of one model on this rank (see the module docstring)."""
+
+    def __init__(self, module: nn.Module, group: Any, config: DDPConfig, optimizer: AttachedOptimizer | None = None) -> None:
+        self.module = module
+        self.optimizer = optimizer
+        self.group = group
+        self.config = config
+        self._records: list[GraphRecord] = []
+        # What this step is: the one owner (graphddp.runtime.step). Which graphs ran is asked only by
+        # the optimizer inside the backward and by a traced hook.
+        self.step = StepState(track_runs=optimizer is not None or config.traced_hook is not None)
+        self.backend = GraphCompiler(
+            config, names_by_identity(module.named_parameters()), self._records.append, group,
+            step=self.step, optimizer=optimizer, parameters=dict(module.named_parameters()),
+        )
+        if optimizer is not None:
+            self.step.on_end_of_step(optimizer.finish)
+        self._guard_handles: dict[str, Any] = {}
+        self._sync_buffers_next = True  # DDP: buffers sync before a forward that follows a synced one
+        self._pending: PendingAverage | None = None
+        self._syncing = True
+        self.joinable: Any = None  # the view users pass to torch.distributed.algorithms.Join
+
+    @property
+    def world_size(self) -> int:
+        return self.backend.world_size
+
+    @property
+    def records(self) -> list[GraphRecord]:
+        return list(self._records)
+
+    @property
+    def schedules(self) -> list[Schedule]:
+        return [r.schedule for r in self._records]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with self.step.local():
+            yield
+
+    def before_forward(self) -> None:
+        """Broadcast buffers; start averaging gradients accumulated under ``no_sync``; inside
+        ``join()``, tell the joined ranks what this step does (:mod:`graphddp.runtime.join`)."""
+        distributed = self.world_size > 1
+        step = self.step
+        step.begin_forward()
+        self._syncing = step.sync and torch.is_grad_enabled()
+        buffers = list(self.module.buffers()) if distributed and self.config.broadcast_buffers and self._sync_buffers_next else []
+        eager_hook = distributed and self._syncing and step.accumulated and self.backend.hook_runs_now()
+        pending = distributed and self._syncing and step.accumulated and not eager_hook
+        source = 0
+        config = getattr(self.joinable, "_join_config", None)
+        if distributed and config is not None and config.enable:
+            Join.notify_join_context(self.joinable)
+            state = JoinState.exchange(self, (self._syncing, bool(buffers), pending, eager_hook), active=True)
+            source = state.buffer_source
+        if buffers:
+            broadcast_tensors(buffers, self.group, source)
+        if eager_hook:
+            step.hook_accumulated()  # a user's hook must see the accumulated total
+        elif pending:
+            trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+            self._pending = average_async(trainable, self.group)  # hidden behind the forward
+
+    def after_forward(self, out: Any = None) -> None:
+        """Finish the average; guard parameters no compiled graph of this forward covered
+        (``out``, the forward's output, says which of them it may give a gradient)."""
+        step = self.step
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+            step.accumulated_averaged()
+        if torch.is_grad_enabled():
+            self._guard_uncovered_parameters(self._syncing, out)
+            if not step.sync:
+                step.accumulate()
+        self._sync_buffers_next = self._syncing
+
+    def _guard_uncovered_parameters(self, syncing: bool, out: Any) -> None:
+        """Average, or fail loudly on, gradients produced outside the compiled graphs that ran.
+
+        A parameter that no compiled graph of this forward covers (used in eager code between
+        graph breaks, or in a frame Dynamo ran eagerly: a graph break inside a loop, the
+        recompile limit) would get a gradient nobody averages. If the forward's output depends
+        on it (a walk of the autograd graph from ``out``, as DDP's ``find_unused_parameters``
+        walks, made only when such parameters exist), the step takes it
+        (:attr:`StepState.eager`): the step becomes divergent and the union average at its end
+        averages it with the rest (:mod:`graphddp.runtime.union`). Any other (unused, or used outside
+        the forward) gets a hook that raises if a gradient reaches it, instead of a silently
+        wrong gradient. Nothing runs in the steady state, where every graph ran.
+        """
+        step = self.step
+        covered = step.ran_params
+        for name, (_, handle) in list(self._guard_handles.items()):
+            if name in covered or not syncing:
+                handle.remove()
+                del self._guard_handles[name]
+        if self.world_size == 1 or not syncing:
+            return
+        uncovered = {id(p): (name, p) for name, p in self.module.named_parameters() if p.requires_grad and name not in covered}
+        if not uncovered:
+            return
+        reached = _reached_parameters(out, set(uncovered))
+        for key, (name, p) in uncovered.items():
+            kind = "eager" if key in reached else "error"
+            if key in reached:
+                step.expect_eager_gradient(name, p.grad)
+            held = self._guard_handles.get(name)
+            if held is not None and held[0] == kind:
+                continue
+            if held is not None:
+                held[1].remove()
+            # An eager gradient ends the step even where no backward graph runs (a frame Dynamo
+            # ran eagerly as a whole): the end of the step averages it.
+            hook = (lambda _p: step.queue_end()) if kind == "eager" else _uncovered_error(name)
+            self._guard_handles[name] = (kind, p.register_post_accumulate_grad_hook(hook))
+
+
+def _reached_parameters(out: Any, wanted: set[int]) -> set[int]:
+    """Which of the tensors with ids ``wanted`` the autograd graph of ``out`` leads to."""
+    from torch.utils._pytree import tree_leaves
+
+    todo = [t.grad_fn for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen: set[Any] = set()
+    found: set[int] = set()
+    while todo and found != wanted:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: its leaf
+        if variable is not None and id(variable) in wanted:
+            found.add(id(variable))
+        todo.extend(n for n, _ in node.next_functions)
+    return found
+
+
+class ReplicaView(Joinable):
+    """What both forms show of their :class:`Replica` (``self._replica``): the plans, the
+    rewritten graphs, the world size, and DDP's ``no_sync`` and ``join``. A ``Joinable``, so
+    ``torch.distributed.algorithms.Join([model, ...])`` takes it (:mod:`graphddp.runtime.join`)."""
+
+    _replica: Replica
+
+    def _joinable(self) -> None:
+        """Called by a form's constructor once it has its replica (what ``Joinable.__init__``
+        sets, without calling it again: for a module that would re-run ``nn.Module.__init__``)."""
+        self._join_config = _JoinConfig.construct_disabled_join_config()
+        self._replica.joinable = self
+
+    def join(
+        self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
+    ) -> Join:
+        """DDP's context manager for uneven inputs: inside it, a rank that runs out of batches
+        shadows the collectives of the ranks still training (:mod:`graphddp.runtime.join`)."""
+        return join(self, divide_by_initial_world_size, enable, throw_on_early_termination)
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return join_hook(self._replica, **kwargs)
+
+    @property
+    def join_device(self) -> torch.device:
+        from graphddp.runtime.agree import _device
+
+        return _device(self._replica.group)
+
+    @property
+    def join_process_group(self) -> Any:
+        return self._replica.group
+
+    @property
+    def world_size(self) -> int:
+        """The size of the process group: a fact of the job, read once by the backend."""
+        return self._replica.world_size
+
+    @property
+    def schedules(self) -> list[Schedule]:
+        """One Schedule per compiled backward graph, in compile order (after the first backward)."""
+        return self._replica.schedules
+
+    @property
+    def records(self) -> list[GraphRecord]:
+        """Schedules with the rewritten graphs and, under inductor, the generated code."""
+        return self._replica.records
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Backward passes inside accumulate gradients locally, with no communication.
+
+        As in DDP, what counts is where the *forward* runs: the backward of a forward run
+        inside uses each compiled graph's communication-free backward, whatever the frame
+        structure (graph breaks included; see :mod:`graphddp.runtime.dispatch`). The next
+        synchronised backward yields DDP's result: the average over ranks of everything
+        accumulated. The locally accumulated gradients are averaged by one async all-reduce
+        launched when that synchronised forward starts and waited when it ends, so it hides
+        behind the forward; the new gradients are reduced in the backward graph as usual.
+        """
+        return self._replica.no_sync()
+
+
+def _uncovered_error(name: str) -> Callable[[torch.Tensor], None]:
+    def hook(_param: torch.Tensor) -> None:
+        raise RuntimeError(
+            f"graphddp: parameter {name!r} received a gradient outside graphddp's compiled "
+            "graphs, though the forward's output does not depend on it (used in the loss outside "
+            "the forward?), so nothing was set up to average it across ranks. Use it inside the "
+            "model's forward."
+        )
+
+    return hook

@@ -1,0 +1,504 @@
+"""Apply a Schedule to a backward graph: flatten, average, all-reduce, wait, unflatten.
+
+The Schedule is the contract between the planner and this pass: every decision about where
+communication goes is made by the planner and written into the Schedule; this pass only
+carries it out, and refuses (before editing anything) a Schedule that does not fit the graph.
+
+A bucket is one small Python function, traced (``graph/trace.py``, the pattern of
+Inductor's ``bucketing.py``) on the graph's fake gradients and spliced in two parts: the waits
+of its last stage of collectives and everything after them right before the wait point, the
+rest right after the issue point (``_late_part``). The communication hook (``graphddp.hooks``)
+is called inside it, so a hook is traced exactly like the rest of the bucket and the pass knows
+nothing of what it does; a user's :class:`~graphddp.hooks.traced.TracedHook` replaces compress,
+scale, all-reduce and decompress with its own function, and its state tensors become new
+placeholders. Every bucket is traced before the first edit, so neither a schedule nor a hook
+that does not fit leaves a half-rewritten graph.
+
+Fields read, and what each one decides:
+
+* ``Schedule.world_size``: the divisor of each bucket (DDP pre-divides).
+* ``Schedule.group_name``: the process group every all-reduce runs on.
+* ``Bucket.index``: tags every node made for the bucket (``meta[BUCKET_KEY]``); must equal
+  the bucket's position in ``Schedule.buckets``.
+* ``Bucket.issue_after``: the all-reduce is issued right after this node (after the last
+  placeholder when it names a placeholder). It may not come before any slot's producer.
+* ``Bucket.wait_before``: the wait, the decompress cast and the unflatten views go right
+  before this node; ``"output"`` is the graph's output node. It must come after the issue
+  point.
+* ``Bucket.slots`` in order, with ``Bucket.offsets()``: the layout of the flat buffer. Per
+  slot, ``output_index`` says which output is flattened and replaced, ``numel`` and
+  ``shape`` size the flatten and unflatten views. ``producer``, ``shape`` and ``dtype`` are
+  checked against the graph (the output must be that node, of that shape and dtype). A
+  zero-filled slot (``GradSlot.zero_filled``: the graph has no gradient for it) is filled
+  from a ``zeros`` node made for it after the placeholders, and no output is replaced.
+* ``Bucket.dtype`` / ``Bucket.device``: checked against every slot's gradient; ``dtype`` is
+  what the hook's decompress must return.
+* ``Bucket.comm_dtype``: the dtype on the wire (None: ``dtype``). It picks the built-in hook
+  (``hooks.for_bucket``), and the hook's compress must return it.
+
+Not read (derived from the above, or for people and the cost model): ``Bucket.overlap``,
+``Schedule.graph_index``, the bucket caps, ``Schedule.unreduced``, ``Schedule.nodes``,
+``GradSlot.position``, ``GradSlot.nbytes``; ``GradSlot.param_name`` only names things in errors.
+
+Precondition: ``gm`` is the AOTAutograd backward graph the schedule was planned from (node
+names in the schedule exist, output ``slot.output_index`` is that slot's gradient, every
+node has ``meta["val"]`` fake tensors, all from one fake mode).
+
+Postcondition, per bucket, in graph order; every node is tagged with the bucket
+(``meta[BUCKET_KEY]``), the role of the part of the function that made it (``meta[ROLE_KEY]``,
+left column) and a fake ``meta["val"]``::
+
+    <issue_after node>
+    # the bucket's function, traced; this part after the issue point:
+    flatten     flat_i  = view(g_i, [n_i])         # clone first if g_i is not contiguous
+    flatten     flat    = cat([flat_0, ..., flat_k]) # skipped for a one-gradient bucket
+    compress    sent    = hook.compress(flat)      # fp16/bf16: convert_element_type(flat, comm_dtype)
+    scale       scaled  = div(sent, world_size)    # DDP pre-divides, after the cast as DDP does
+    all_reduce  reduced = all_reduce_(scaled, "sum", group)
+    ... the rest of the backward (the overlap window) ...
+    # its late part (the last stage's wait on), just before wait_before (by default the output):
+    wait        done    = wait_tensor(reduced)
+    decompress  done    = hook.decompress(done)    # fp16/bf16: convert_element_type(done, dtype)
+    unflatten   grad_i  = view(slice(done, 0, off_i, off_i + n_i), shape_i)
+    <wait_before node>
+    output(..., grad_i, ...)
+
+The default hook adds no node in ``compress`` and ``decompress``. The returned gradients are
+views into the reduced flat buffer (DDP's gradient_as_bucket_view), so no copy back is made.
+A no-op when the schedule has no buckets.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+from graphddp.graph.trace import role, splice, trace
+from graphddp.hooks import builtin as hooks
+from graphddp.hooks.traced import GradBucket, HookState, StateSpec, TracedHook
+from graphddp.values.collectives import kind
+from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, WAIT, group_of, is_collective, is_wait
+from graphddp.values.schedule import WAIT_AT_OUTPUT, Bucket, GradSlot, Schedule, dtype_name
+
+aten = torch.ops.aten
+
+HOOK_STATE = "hook_state"  # ROLE_KEY of the placeholders a user hook's state tensors get
+HOOK_STATE_SPEC = "graphddp_hook_state"  # their meta: the StateSpec
+ZERO_FILL = "zero_fill"  # ROLE_KEY of the zeros a zero-filled slot's place carries
+
+
+@dataclasses.dataclass(frozen=True)
+class _Placement:
+    """Where one bucket's communication goes in this graph, resolved from its names."""
+
+    bucket: Bucket
+    issue: fx.Node  # the all-reduce chain goes right after this node
+    wait: fx.Node  # the wait and unflatten views go right before this node
+
+
+def _node_named(nodes: dict[str, fx.Node], bucket: Bucket, field: str, name: str) -> fx.Node:
+    if name not in nodes:
+        raise RuntimeError(f"graphddp: bucket {bucket.index}: {field} names node {name!r}, which is not in the graph")
+    return nodes[name]
+
+
+def _issue_point(nodes: dict[str, fx.Node], placeholders: list[fx.Node], bucket: Bucket) -> fx.Node:
+    """The node the bucket's all-reduce chain follows; placeholders stay first."""
+    node = _node_named(nodes, bucket, "issue_after", bucket.issue_after)
+    return placeholders[-1] if node.op == "placeholder" else node
+
+
+def _wait_point(nodes: dict[str, fx.Node], output: fx.Node, bucket: Bucket) -> fx.Node:
+    return output if bucket.wait_before == WAIT_AT_OUTPUT else _node_named(nodes, bucket, "wait_before", bucket.wait_before)
+
+
+def _check_slots(bucket: Bucket, outs: Sequence[Any], order: dict[fx.Node, int], issue: fx.Node) -> None:
+    """The graph must hold what the schedule says each slot is, produced by the issue point."""
+    for slot in bucket.slots:
+        if slot.zero_filled:  # no gradient in this graph: zeros take its place (_zeros)
+            if slot.dtype != bucket.dtype:
+                raise RuntimeError(f"graphddp: bucket {bucket.index}: zero-filled {slot.param_name!r} is {slot.dtype} in a {bucket.dtype} bucket")
+            continue
+        where = f"graphddp: bucket {bucket.index}, gradient of {slot.param_name!r} (output {slot.output_index})"
+        grad = outs[slot.output_index] if 0 <= slot.output_index < len(outs) else None
+        if not isinstance(grad, fx.Node):
+            raise RuntimeError(f"{where}: the graph returns no gradient node there")
+        if grad.name != slot.producer:
+            raise RuntimeError(f"{where}: the schedule says it is produced by {slot.producer}, the graph returns {grad.name}")
+        val = grad.meta.get("val")
+        found = (tuple(val.shape), dtype_name(val.dtype), str(val.device)) if isinstance(val, torch.Tensor) else None
+        if found != (slot.shape, bucket.dtype, bucket.device) or slot.dtype != bucket.dtype:
+            raise RuntimeError(
+                f"{where}: {grad.name} is {found}, the schedule says {(slot.shape, slot.dtype, bucket.device)} "
+                f"in a {bucket.dtype} bucket"
+            )
+        if order[grad] > order[issue]:
+            raise RuntimeError(f"{where}: issued after {issue.name}, before its producer {grad.name}")
+
+
+def _place(gm: fx.GraphModule, schedule: Schedule, outs: Sequence[Any]) -> list[_Placement]:
+    """Resolve every bucket's names to nodes and check the schedule fits the graph.
+
+    Runs before any edit, so a schedule that does not fit leaves the graph untouched.
+    """
+    graph = gm.graph
+    nodes = {n.name: n for n in graph.nodes}
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    output = graph.output_node()
+    problem = schedule.structure_error()
+    if problem:
+        raise RuntimeError(f"graphddp: {problem}")
+    placements = []
+    for bucket in schedule.buckets:
+        issue = _issue_point(nodes, placeholders, bucket)
+        wait = _wait_point(nodes, output, bucket)
+        if order[wait] <= order[issue]:
+            raise RuntimeError(
+                f"graphddp: bucket {bucket.index}: wait_before {wait.name} is not after the issue point "
+                f"{issue.name} (issue_after={bucket.issue_after!r})"
+            )
+        _check_slots(bucket, outs, order, issue)
+        placements.append(_Placement(bucket, issue, wait))
+    return placements
+
+
+# -- a bucket is one traced function ----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class HookContext:
+    """What a user hook's ``GradBucket`` offers beyond the schedule: the process group and
+    the parameters (by name). Only needed for a :class:`~graphddp.hooks.traced.TracedHook`."""
+
+    group: Any
+    parameters: Mapping[str, torch.nn.Parameter] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Traced:
+    """One bucket's function, traced on the graph's fake values but not yet in the graph."""
+
+    placement: _Placement
+    gm: fx.GraphModule  # (*gradients, *state tensors) -> one view per slot
+    late: frozenset[fx.Node]  # nodes that go at the wait point; the rest at the issue point
+    states: tuple[StateSpec, ...]  # the hook's state tensors, inputs after the gradients
+
+
+def _flatten(grads: Sequence[torch.Tensor], bucket: Bucket) -> torch.Tensor:
+    """The bucket's gradients as one flat buffer, in slot order."""
+    flats = []
+    for grad, slot in zip(grads, bucket.slots, strict=True):
+        if not grad.is_contiguous():  # a view can only flatten contiguous memory
+            grad = aten.clone.default(grad, memory_format=torch.contiguous_format)
+        flats.append(aten.view.default(grad, [slot.numel]))
+    return flats[0] if len(flats) == 1 else aten.cat.default(flats)
+
+
+def _unflatten(done: torch.Tensor, bucket: Bucket) -> list[torch.Tensor]:
+    """One view per slot into the reduced buffer: DDP's gradient_as_bucket_view, no copy."""
+    with role("unflatten"):
+        return [
+            aten.view.default(aten.slice.Tensor(done, 0, off, off + slot.numel), list(slot.shape))
+            for slot, off in zip(bucket.slots, bucket.offsets())
+        ]
+
+
+def _check_result(bucket: Bucket, hook_name: str, done: Any, verb: str = "returns") -> None:
+    dtype = getattr(torch, bucket.dtype)
+    if not isinstance(done, torch.Tensor):
+        raise TypeError(
+            f"graphddp: comm hook {hook_name!r} returned {type(done).__name__} for bucket {bucket.index}; a traced hook "
+            "returns the averaged flat tensor (not a Future: collectives come from torch.distributed._functional_collectives)"
+        )
+    if done.dtype != dtype or tuple(done.shape) != (bucket.numel,):
+        raise RuntimeError(
+            f"graphddp: bucket {bucket.index}: hook {hook_name!r} {verb} {done.dtype} "
+            f"{list(done.shape)}, the bucket's gradients need {dtype} [{bucket.numel}]"
+        )
+
+
+def _builtin_fn(bucket: Bucket, hook: hooks.CommHook, schedule: Schedule) -> Callable[..., list[torch.Tensor]]:
+    """gradients -> flatten -> compress -> divide -> the bucket's collective (all_reduce_) -> wait
+    -> decompress -> views."""
+    wire = getattr(torch, bucket.comm_dtype or bucket.dtype)
+    collective = kind(bucket.collective)
+
+    def run(*grads: torch.Tensor) -> list[torch.Tensor]:
+        with role("flatten"):
+            flat = _flatten(grads, bucket)
+        with role("compress"):
+            sent = hook.compress(flat, bucket)
+        if sent.dtype != wire:  # the schedule's bytes on the wire (and the cost model) assume `wire`
+            raise RuntimeError(
+                f"graphddp: bucket {bucket.index}: hook {hook.name!r} sends {sent.dtype}, the schedule plans {wire}"
+            )
+        with role("scale"):
+            scaled = aten.div.Tensor(sent, schedule.world_size)  # DDP pre-divides, after compressing
+        with role(collective.key):
+            reduced = collective.issue(scaled, schedule.group_name)
+        with role("wait"):
+            done = WAIT(reduced)
+        with role("decompress"):
+            done = hook.decompress(done, bucket)
+        _check_result(bucket, hook.name, done, "decompresses to")
+        return _unflatten(done, bucket)
+
+    return run
+
+
+def _user_fn(
+    bucket: Bucket, hook: TracedHook, schedule: Schedule, ctx: HookContext, declared: list[StateSpec] | None
+) -> Callable[..., list[torch.Tensor]]:
+    """gradients -> flatten (fresh memory) -> the user's hook -> views; ``declared`` None: a
+    dry run that only learns the hook's state tensors (appended to ``learned``)."""
+    n = len(bucket.slots)
+    params = [ctx.parameters[name] for name in bucket.param_names if name in ctx.parameters]
+
+    def run(*args: torch.Tensor) -> list[torch.Tensor]:
+        grads, states = args[:n], args[n:]
+        with role("flatten"):
+            flat = _flatten(grads, bucket)
+            if n == 1:  # the hook may write its buffer in place: never the gradient's own memory
+                flat = aten.clone.default(flat)
+        is_last = bucket.index == schedule.num_buckets - 1
+        gb = GradBucket(bucket, flat, ctx.group, schedule.world_size, is_last, params, None if declared is None else states)
+        with role("hook"):
+            done = hook(gb)
+        if declared is None:
+            run.learned = gb.declared  # type: ignore[attr-defined]
+        _check_result(bucket, hook.name, done)
+        return _unflatten(done, bucket)
+
+    return run
+
+
+def _hook_advice(e: Exception) -> str:
+    text = f"{type(e).__name__}: {e}"
+    if "DataDependent" in type(e).__name__ or "data-dependent" in text:
+        return "it reads a tensor's value in Python (.item(), `if tensor:`, a tensor as a size); compute with tensor ops instead"
+    if "Future" in text or "Work" in text:
+        return "it uses an eager collective or a Future; use torch.distributed._functional_collectives on bucket.group and return the tensor"
+    return "see graphddp.hooks.traced for what a traced hook may do"
+
+
+def _trace_user_bucket(
+    p: _Placement, outs: Sequence[Any], zeros: Mapping[str, torch.Tensor], schedule: Schedule, hook: TracedHook, ctx: HookContext
+) -> _Traced:
+    bucket = p.bucket
+    what = f"comm hook {hook.name!r} on bucket {bucket.index}"
+    grads = [_value(slot, outs, zeros) for slot in bucket.slots]
+    fake_mode = detect_fake_mode(tuple(grads))
+    try:
+        dry = _user_fn(bucket, hook, schedule, ctx, None)
+        with fake_mode:
+            dry(*grads)
+            specs = list(dry.learned)  # type: ignore[attr-defined]
+            states = [torch.empty(s.shape, dtype=s.dtype, device=s.device) for s in specs]
+        # Decomposed as inductor wants the backward graph (it refuses e.g. a bare _to_copy).
+        from torch._inductor.decomposition import select_decomp_table
+
+        gm = trace(_user_fn(bucket, hook, schedule, ctx, specs), [*grads, *states], what, select_decomp_table())
+    except Exception as e:  # noqa: BLE001 - anything the tracer raises, named with the hook
+        if str(e).startswith("graphddp"):  # ours already names it
+            raise
+        raise RuntimeError(f"graphddp: {what} cannot be traced ({_hook_advice(e)}): {type(e).__name__}: {e}") from e
+    _check_user_ops(gm, schedule, what)
+    return _Traced(p, gm, _late_part(gm, what), tuple(specs))
+
+
+def _check_user_ops(gm: fx.GraphModule, schedule: Schedule, what: str) -> None:
+    """Refuse what traces but would be wrong in the graph: random numbers, collectives on
+    another group (``trace`` refuses eager collectives and constants)."""
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        if torch.Tag.nondeterministic_seeded in target.tags:
+            raise RuntimeError(f"graphddp: {what} draws random numbers ({target}) inside the graph; ranks would disagree. Draw them outside, into state")
+        if is_collective(node):
+            group = group_of(node)
+            if group != schedule.group_name:
+                raise RuntimeError(f"graphddp: {what} runs {target} on group {group!r}; use bucket.group ({schedule.group_name!r})")
+
+
+def _descendants(start: Sequence[fx.Node]) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    todo = list(start)
+    while todo:
+        node = todo.pop()
+        if node in seen or node.op == "output":
+            continue
+        seen.add(node)
+        todo.extend(node.users)
+    return seen
+
+
+def _late_part(gm: fx.GraphModule, what: str) -> frozenset[fx.Node]:
+    """The nodes that go at the wait point: the waits of the last stage and what follows.
+
+    The last stage is the collectives no other collective depends on. Everything else, the
+    earlier stages with their waits included, goes at the issue point.
+    """
+    nodes = list(gm.graph.nodes)
+    collectives = [n for n in nodes if is_collective(n)]
+    after = {c: _descendants(list(c.users)) for c in collectives}
+    last = [c for c in collectives if not any(other in after[c] for other in collectives if other is not c)]
+    late = frozenset(_descendants([u for c in last for u in c.users if is_wait(u)]))
+    order = {n: i for i, n in enumerate(nodes)}
+    for node in nodes:  # moving the late part after the early one must not reorder a write
+        target = node.target
+        if node in late or not isinstance(target, torch._ops.OpOverload) or not target._schema.is_mutable:
+            continue
+        written = node.args[0] if node.args else None
+        for reader in getattr(written, "users", ()):
+            if reader in late and order[reader] < order[node]:
+                raise RuntimeError(
+                    f"graphddp: {what}: {node.name} writes {written.name} after {reader.name}, which needs the last "
+                    "collective's result, reads it; write state after the last wait"
+                )
+    return late
+
+
+def _trace_bucket(p: _Placement, outs: Sequence[Any], zeros: Mapping[str, torch.Tensor], schedule: Schedule, hook: hooks.CommHook) -> _Traced:
+    """The built-in hook's bucket traced on the fake values of its gradients; edits nothing."""
+    what = f"bucket {p.bucket.index} (hook {hook.name!r})"
+    grads = [_value(slot, outs, zeros) for slot in p.bucket.slots]
+    gm = trace(_builtin_fn(p.bucket, hook, schedule), grads, what)
+    return _Traced(p, gm, _late_part(gm, what), ())
+
+
+def _zero_values(graph: fx.Graph, schedule: Schedule) -> dict[str, torch.Tensor]:
+    """Fake zeros for every zero-filled slot (:attr:`GradSlot.zero_filled`): what the buckets'
+    functions are traced on in its place, made before any edit."""
+    slots = [s for b in schedule.buckets for s in b.slots if s.zero_filled]
+    if not slots:
+        return {}
+    fake_mode = detect_fake_mode(tuple(n.meta.get("val") for n in graph.nodes if n.op == "placeholder"))
+    with fake_mode:
+        return {s.param_name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype), device=torch.device(s.device)) for s in slots}
+
+
+def _add_zeros(graph: fx.Graph, schedule: Schedule, values: Mapping[str, torch.Tensor]) -> dict[str, fx.Node]:
+    """One zeros node per zero-filled slot, right after the placeholders, tagged with its bucket."""
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    out: dict[str, fx.Node] = {}
+    for bucket in schedule.buckets:
+        for slot in bucket.slots:
+            if not slot.zero_filled:
+                continue
+            val = values[slot.param_name]
+            with graph.inserting_after(last):
+                node = graph.call_function(aten.zeros.default, (list(slot.shape),), {"dtype": val.dtype, "device": val.device})
+            node.meta.update({"val": val, BUCKET_KEY: bucket.index, ROLE_KEY: ZERO_FILL})
+            out[slot.param_name] = last = node
+    return out
+
+
+def _value(slot: GradSlot, outs: Sequence[Any], zeros: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The fake value a slot's place in its bucket is traced on: its gradient's, or zeros."""
+    return zeros[slot.param_name] if slot.zero_filled else outs[slot.output_index].meta["val"]
+
+
+def _add_state_inputs(graph: fx.Graph, traced: Sequence[_Traced]) -> dict[int, list[fx.Node]]:
+    """Placeholders for every bucket's hook state, after the existing ones (role hook_state)."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    last = placeholders[-1] if placeholders else None
+    by_bucket: dict[int, list[fx.Node]] = {}
+    fake = [t.gm.graph.find_nodes(op="placeholder") for t in traced]
+    for t, phs in zip(traced, fake):
+        index = t.placement.bucket.index
+        for spec, ph in zip(t.states, phs[len(t.placement.bucket.slots):]):
+            with graph.inserting_after(last):
+                node = graph.placeholder(f"hook_state_{index}_{spec.name}")
+            node.meta["val"] = ph.meta["val"]
+            node.meta[ROLE_KEY] = HOOK_STATE
+            node.meta[BUCKET_KEY] = index
+            node.meta[HOOK_STATE_SPEC] = spec
+            by_bucket.setdefault(index, []).append(node)
+            last = node
+    return by_bucket
+
+
+def insert_collectives(
+    gm: fx.GraphModule, schedule: Schedule, *, hook: hooks.CommHook | TracedHook | None = None,
+    context: HookContext | None = None,
+) -> fx.GraphModule:
+    """Insert every schedule bucket's communication (see module docstring).
+
+    ``hook`` is traced around every bucket's all-reduce; by default each bucket gets the
+    built-in hook its ``comm_dtype`` names (``hooks.for_bucket``). A
+    :class:`~graphddp.hooks.traced.TracedHook` replaces the all-reduce with the user's function
+    (``context`` gives it the process group and the parameters); the state tensors it declares
+    become placeholders (``meta[ROLE_KEY] == "hook_state"``, ``meta[HOOK_STATE_SPEC]``).
+    """
+    graph = gm.graph
+    output = graph.output_node()
+    outs: list[Any] = list(output.args[0])
+    placements = _place(gm, schedule, outs)
+    zero_values = _zero_values(graph, schedule)
+    if isinstance(hook, TracedHook):
+        ctx = context or HookContext(group=None)
+        traced = [_trace_user_bucket(p, outs, zero_values, schedule, hook, ctx) for p in placements]
+    else:
+        traced = [_trace_bucket(p, outs, zero_values, schedule, hook or hooks.for_bucket(p.bucket)) for p in placements]
+    # Edits start here, once every bucket has been placed and traced.
+    states = _add_state_inputs(graph, traced)
+    zeros = _add_zeros(graph, schedule, zero_values)
+    # Buckets issued at the start go after the placeholders and the zeros they may read.
+    zero_nodes = set(zeros.values())
+    last_placeholder = [n for n in graph.nodes if n.op == "placeholder" or n in zero_nodes][-1]
+    cursor: dict[fx.Node, fx.Node] = {}  # issue point -> last node inserted after it
+    results = []
+    for t in traced:
+        p = t.placement
+        grads = [zeros[slot.param_name] if slot.zero_filled else outs[slot.output_index] for slot in p.bucket.slots]
+        issue = last_placeholder if p.issue.op == "placeholder" else p.issue
+        early = cursor.get(issue, issue).next
+        views = splice(graph, t.gm, grads + states.get(p.bucket.index, []), early, p.bucket.index, late=(t.late, p.wait))
+        cursor[issue] = early.prev  # the next bucket issued at this point follows this one
+        results.append((p, views))
+    for p, views in results:
+        for slot, view in zip(p.bucket.slots, views, strict=True):
+            if not slot.zero_filled:  # DDP leaves an unused parameter's gradient as it was
+                outs[slot.output_index] = view
+    output.args = (tuple(outs),)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def run_hook_eagerly(hook: TracedHook, schedule: Schedule, ctx: HookContext, states: HookState) -> None:
+    """Run ``hook`` on every bucket of ``schedule`` now, on the parameters' ``.grad``, and
+    write its average back: the step after ``no_sync`` (``dynamo_backend``). The same hook
+    function as in the graph, on real tensors; its state is the graph's (``states``, allocated
+    when the graph was compiled, in the order the hook declares it)."""
+    for bucket in schedule.buckets:
+        params = [ctx.parameters[name] for name in bucket.param_names]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        done = hook_bucket_eagerly(hook, schedule, bucket, flat, ctx, states)
+        with torch.no_grad():
+            for p, slot, off in zip(params, bucket.slots, bucket.offsets()):
+                if slot.zero_filled:
+                    continue
+                value = done[off:off + slot.numel].view(slot.shape)
+                if p.grad is None:
+                    p.grad = value.clone()
+                else:
+                    p.grad.copy_(value)
+
+
+def hook_bucket_eagerly(
+    hook: TracedHook, schedule: Schedule, bucket: Bucket, flat: torch.Tensor, ctx: HookContext, states: HookState
+) -> torch.Tensor:
+    """``hook`` on one bucket's local flat gradients ``flat``, now: the averaged flat tensor."""
+    params = [ctx.parameters[name] for name in bucket.param_names]
+    is_last = bucket.index == schedule.num_buckets - 1
+    gb = GradBucket(bucket, flat, ctx.group, schedule.world_size, is_last, params, states.of(schedule.graph_index, bucket.index))
+    with torch.no_grad():
+        done = hook(gb)
+    _check_result(bucket, hook.name, done)
+    return done

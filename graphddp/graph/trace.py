@@ -1,0 +1,103 @@
+"""Trace a small Python function on a graph's fake values and splice its nodes into the graph.
+
+The pattern of Inductor's ``fx_passes/bucketing.py`` (``_trace``, ``_insert_fn_trace_before_node``):
+a rewrite is written as ordinary tensor code, ``make_fx`` turns it into nodes on the fake
+tensors already in the graph (so nothing real is allocated or run), and the nodes are copied in
+where the rewrite belongs. Writing the rewrite as a function keeps it readable, gives every new
+node a ``meta["val"]`` from the tracer rather than by hand, and lets a function we did not write
+(a communication hook) be traced through the same path as our own code.
+
+Every node graphddp adds carries a role (``meta[ROLE_KEY]``) that the verifier and tests read.
+The function says which part made a node with ``with role("compress"): ...``; the tracer records
+it as an FX annotation, and :func:`splice` moves it to ``ROLE_KEY``. Tracing is separate from
+splicing so a caller can trace (and check) everything before it edits anything.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+from torch._guards import detect_fake_mode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._pytree import tree_map_only
+
+from graphddp.values.comm import BUCKET_KEY, ROLE_KEY
+
+# What a spliced node keeps of the traced node's meta: its fake value and the tensor metadata
+# derived from it. Not seq_nr and the like, which name autograd nodes of the *traced* function
+# and would be wrong in the backward graph.
+_KEPT_META = ("val", "tensor_meta")
+
+
+@contextlib.contextmanager
+def role(name: str) -> Iterator[None]:
+    """Tag every op traced inside this block with role ``name``."""
+    with fx_traceback.annotate({ROLE_KEY: name}):
+        yield
+
+
+def _role_of(node: fx.Node) -> str | None:
+    custom = node.meta.get("custom")
+    return custom.get(ROLE_KEY) if isinstance(custom, dict) else None
+
+
+def trace(
+    fn: Callable[..., Any], vals: Sequence[torch.Tensor], what: str, decompositions: Mapping[Any, Callable[..., Any]] | None = None
+) -> fx.GraphModule:
+    """``fn`` traced on ``vals`` (fake tensors of one graph) into a graph of aten ops.
+
+    Traced inside the values' own fake mode, so shapes (symbolic ones included) and devices
+    are the graph's. ``what`` names the function in errors. Raises if ``fn`` made a node no
+    :func:`role` block covers, or a tensor constant (a ``get_attr`` that would dangle once
+    spliced into another graph). ``decompositions`` (e.g. inductor's table) decompose ops
+    the graph's compiler expects decomposed, when ``fn`` is written with composite ops.
+    """
+    fake_mode = detect_fake_mode(tuple(vals))
+    if fake_mode is None:
+        raise RuntimeError(f"graphddp: {what}: its inputs carry no fake values to trace it on")
+    with fake_mode, fx_traceback.preserve_node_meta():
+        traced = make_fx(fn, decomposition_table=decompositions)(*vals)
+    for node in traced.graph.nodes:  # before the constants: an eager collective makes one (its group)
+        if node.op == "call_function" and getattr(node.target, "namespace", None) == "c10d":
+            raise RuntimeError(
+                f"graphddp: {what} calls {node.target}, an eager collective; use torch.distributed._functional_collectives"
+            )
+    for node in traced.graph.nodes:
+        if node.op == "get_attr":
+            raise RuntimeError(f"graphddp: {what} made a tensor constant ({node.target}); make it from its inputs instead")
+        if node.op == "call_function" and _role_of(node) is None:
+            raise RuntimeError(f"graphddp: {what} made {node.name} = {node.target} outside a role() block")
+    return traced
+
+
+def splice(
+    graph: fx.Graph, traced: fx.GraphModule, inputs: Sequence[fx.Node], before: fx.Node, bucket: int,
+    late: tuple[Collection[fx.Node], fx.Node] | None = None,
+) -> Any:
+    """Copy ``traced``'s nodes into ``graph`` right before ``before``, reading ``inputs``.
+
+    With ``late = (nodes, point)``, those of ``traced``'s nodes go right before ``point``
+    instead (a bucket's waits and what follows them; ``point`` must come after ``before``).
+    Each copy is tagged with ``bucket`` and its role. Returns the traced function's outputs,
+    as nodes of ``graph`` in the same structure (a node, or a list of them).
+    """
+    late_nodes, late_point = late if late is not None else ((), before)
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    env: dict[fx.Node, fx.Node] = dict(zip(placeholders, inputs, strict=True))
+    outputs: Any = None
+    for node in traced.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "output":
+            outputs = tree_map_only(fx.Node, env.__getitem__, node.args[0])
+            continue
+        with graph.inserting_before(late_point if node in late_nodes else before):
+            copy = graph.node_copy(node, env.__getitem__)
+        copy.meta = {key: node.meta[key] for key in _KEPT_META if key in node.meta}
+        copy.meta[BUCKET_KEY] = bucket
+        copy.meta[ROLE_KEY] = _role_of(node)
+        env[node] = copy
+    return outputs

@@ -1,0 +1,347 @@
+"""The optimizer inside the backward graph: each bucket's parameters updated after its wait.
+
+DDP keeps every gradient alive until ``optimizer.step()`` runs after the whole backward.
+graphddp owns the backward graph, so ``graphddp.compile(model, optimizer=opt)`` compiles the
+update of a bucket's parameters right after that bucket's wait: the update runs while later
+buckets are still on the wire, and no gradient outlives its bucket (``p.grad`` stays None).
+
+Background
+    torch's optimizers are Python loops over ``param.grad``. Their math, for the classes
+    supported here, is a few pointwise ops per parameter, written below once as traceable
+    functions (:func:`sgd_update`, :func:`adam_update`) with the exact formulas of
+    ``torch.optim``'s single-tensor implementations (``_single_tensor_sgd``/``_adam``):
+    same operations, same order, hyperparameters in float64 as torch computes them in
+    Python. Compiled code may fuse them (an FMA, a different vector width), so results agree
+    with ``torch.optim`` to float32 rounding, not bit for bit.
+
+Algorithm
+    * Hyperparameters are read from ``optimizer.param_groups`` at every step and passed to
+      the graph as float64 scalar tensors (inputs, not constants), so an LR scheduler or a
+      hand-edited ``lr`` takes effect on the next step with no recompile. Options that change
+      the *shape* of the update (SGD ``momentum == 0``, ``nesterov``, ``maximize``,
+      ``amsgrad``, decoupled weight decay) are compiled in (:class:`UpdateRule`); changing one
+      after the first step raises, naming it.
+    * State lives where torch keeps it (``optimizer.state[p]``: ``step``, ``exp_avg``,
+      ``exp_avg_sq``, ``max_exp_avg_sq``, ``momentum_buffer``), is passed to the graph and
+      updated in place, so ``state_dict()``/``load_state_dict()`` interchange with a plain
+      optimizer of the same class.
+    * A step the graph cannot update alone falls back to torch's own ``step`` at the end of
+      the backward, for the parameters concerned, with the gradients the graph returns (the
+      "grads" variant, :mod:`graphddp.runtime.dispatch`): the synchronising step after ``no_sync``
+      (gradients were accumulated), a graph whose forward ran twice before one backward, a
+      parameter that another graph run in the same step also uses (tied across a graph
+      break), or a parameter that already holds a ``.grad``. Either way, at the end of every
+      synchronising backward each optimised parameter has been stepped once and has
+      ``grad`` None.
+    * ``optimizer.step()`` and ``optimizer.zero_grad()`` become no-ops while attached, so
+      training loops need not change; step hooks do not run for the in-graph updates.
+
+Not supported: other optimizer classes, ``differentiable=True``, complex parameters,
+gradient clipping (it needs every average before any update; clip with a separate optimizer
+instead), ``GradScaler`` (it unscales and skips steps outside the graph).
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.nn as nn
+
+from graphddp.graph.trace import role
+
+SUPPORTED = ("SGD", "Adam", "AdamW")
+F64 = torch.float64
+
+
+def step_dtype() -> torch.dtype:
+    """The dtype of Adam's ``state["step"]``, as torch creates it (``_get_scalar_dtype``)."""
+    return F64 if torch.get_default_dtype() == F64 else torch.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateRule:
+    """What one param group's update compiles to: the optimizer and its shape-changing flags.
+
+    ``hyper`` names the float hyperparameters passed to the graph at every step, ``state``
+    the per-parameter tensors passed with each parameter, in order.
+    """
+
+    optimizer: str  # "SGD" | "Adam" | "AdamW"
+    flags: tuple[tuple[str, bool], ...]
+
+    @property
+    def kind(self) -> str:
+        return "sgd" if self.optimizer == "SGD" else "adam"
+
+    def flag(self, name: str) -> bool:
+        return dict(self.flags)[name]
+
+    @property
+    def hyper(self) -> tuple[str, ...]:
+        if self.kind == "sgd":
+            return ("lr", "momentum", "dampening", "weight_decay")
+        return ("lr", "beta1", "beta2", "eps", "weight_decay")
+
+    @property
+    def state(self) -> tuple[str, ...]:
+        if self.kind == "sgd":
+            return ("momentum_buffer", "first") if self.flag("momentum") else ()
+        return ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if self.flag("amsgrad") else ())
+
+    def __str__(self) -> str:
+        on = [name for name, value in self.flags if value]
+        return f"{self.optimizer}({', '.join(on)})" if on else self.optimizer
+
+
+def _group_rule(optimizer: torch.optim.Optimizer, index: int) -> UpdateRule:
+    group = optimizer.param_groups[index]
+    name = type(optimizer).__name__
+    if group.get("differentiable"):
+        raise ValueError(f"optimizer: param group {index} has differentiable=True, which the in-graph update does not support")
+    if name == "SGD":
+        flags = (("momentum", float(group["momentum"]) != 0.0), ("nesterov", bool(group["nesterov"])), ("maximize", bool(group["maximize"])))
+    else:
+        decoupled = bool(group.get("decoupled_weight_decay", name == "AdamW"))
+        flags = (("amsgrad", bool(group["amsgrad"])), ("maximize", bool(group["maximize"])), ("decoupled_weight_decay", decoupled))
+    return UpdateRule(name, flags)
+
+
+def _hyper_values(group: Mapping[str, Any], rule: UpdateRule) -> list[float]:
+    if rule.kind == "sgd":
+        return [float(group["lr"]), float(group["momentum"]), float(group["dampening"]), float(group["weight_decay"])]
+    beta1, beta2 = group["betas"]
+    return [float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"])]
+
+
+# -- the math, traced into the graph ---------------------------------------------------------
+# Written with elementary ops in the order torch's CPU kernels evaluate them (``add(a, b,
+# alpha)`` is ``a + alpha * b``, ``addcmul(s, a, b, value)`` is ``s + value * a * b``,
+# ``addcdiv(s, a, b, value)`` is ``s + value * a / b``), so inductor lowers every one.
+
+
+def _lerp(start: torch.Tensor, end: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``torch.lerp`` as its kernel computes it (two formulas, picked by the weight)."""
+    low = start + weight * (end - start)
+    high = end - (end - start) * (1 - weight)
+    return torch.where(weight.abs() < 0.5, low, high)
+
+
+def sgd_update(rule: UpdateRule, param: torch.Tensor, grad: torch.Tensor, state: Sequence[torch.Tensor], hyper: Sequence[torch.Tensor]) -> None:
+    """torch.optim.SGD's step for one parameter, in place on ``param`` and its state."""
+    lr, momentum, dampening, weight_decay = hyper
+    if rule.flag("maximize"):
+        grad = -grad
+    grad = grad + weight_decay * param
+    if rule.flag("momentum"):
+        buf, first = state
+        # torch starts the buffer as a copy of the first gradient, without dampening.
+        new_buf = torch.where(first, grad, buf * momentum + (1 - dampening) * grad)
+        grad = grad + momentum * new_buf if rule.flag("nesterov") else new_buf
+        buf.copy_(new_buf)
+    param.copy_(param + (-lr) * grad)
+
+
+def adam_update(rule: UpdateRule, param: torch.Tensor, grad: torch.Tensor, state: Sequence[torch.Tensor], hyper: Sequence[torch.Tensor]) -> None:
+    """torch.optim.Adam/AdamW's step for one parameter, in place on ``param`` and its state."""
+    lr, beta1, beta2, eps, weight_decay = hyper
+    step, exp_avg, exp_avg_sq = state[:3]
+    if rule.flag("maximize"):
+        grad = -grad
+    new_step = step + 1
+    value = param
+    if rule.flag("decoupled_weight_decay"):
+        value = param * (1 - lr * weight_decay)
+    else:
+        grad = grad + weight_decay * param
+    new_avg = _lerp(exp_avg, grad, 1 - beta1)
+    new_avg_sq = exp_avg_sq * beta2 + (1 - beta2) * grad * grad
+    steps = new_step.to(F64)
+    bias_correction1 = 1 - beta1**steps
+    bias_correction2 = 1 - beta2**steps
+    step_size = lr / bias_correction1
+    second = new_avg_sq
+    if rule.flag("amsgrad"):
+        second = torch.maximum(state[3], new_avg_sq)
+        state[3].copy_(second)
+    denom = second.sqrt() / bias_correction2.sqrt() + eps
+    step.copy_(new_step)
+    exp_avg.copy_(new_avg)
+    exp_avg_sq.copy_(new_avg_sq)
+    param.copy_(value + (-step_size) * new_avg / denom)
+
+
+UPDATES: dict[str, Callable[..., None]] = {"sgd": sgd_update, "adam": adam_update}
+
+
+def bucket_update_fn(rules: Sequence[UpdateRule], group_of: Sequence[int], groups: Sequence[int]) -> Callable[..., None]:
+    """One bucket's update as a function of flat placeholders, in the order of :func:`layout`.
+
+    Arguments: per updated parameter its gradient, then per parameter the parameter and its
+    state tensors, then per group used (``groups``) its hyperparameters.
+    """
+    n = len(rules)
+
+    def update(*args: torch.Tensor) -> None:
+        grads, rest = args[:n], list(args[n:])
+        per_param = []
+        for rule in rules:
+            width = 1 + len(rule.state)
+            per_param.append(rest[:width])
+            rest = rest[width:]
+        hyper: dict[int, list[torch.Tensor]] = {}
+        for g in groups:
+            width = len(rules[group_of.index(g)].hyper)
+            hyper[g], rest = rest[:width], rest[width:]
+        with role("update"):
+            for rule, grad, (param, *state), g in zip(rules, grads, per_param, group_of):
+                UPDATES[rule.kind](rule, param, grad, state, hyper[g])
+
+    return update
+
+
+# -- the runtime side -------------------------------------------------------------------------
+
+
+def _attached_step(self: torch.optim.Optimizer, closure: Any = None) -> None:
+    """``optimizer.step`` while graphddp updates the parameters inside the backward: a no-op."""
+    if closure is not None:
+        raise RuntimeError(
+            "graphddp: optimizer.step(closure) is not supported while the optimizer is attached "
+            "(graphddp.compile(..., optimizer=)): the backward already updates the parameters"
+        )
+
+
+def _attached_zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:  # noqa: ARG001 - its signature
+    """``optimizer.zero_grad`` while attached: a no-op (gradients are already None after a
+    synchronising backward, and ``no_sync`` accumulation must survive until it)."""
+
+
+@dataclasses.dataclass
+class UpdateArgs:
+    """The extra graph inputs of one backward graph's update, built fresh at every step."""
+
+    tensors: list[torch.Tensor]
+    fresh_buffers: dict[str, torch.Tensor]  # SGD momentum buffers started by this step
+
+
+class AttachedOptimizer:
+    """A ``torch.optim`` optimizer whose steps graphddp runs (module docstring)."""
+
+    def __init__(self, optimizer: Any, module: nn.Module, where: str) -> None:
+        name = type(optimizer).__name__
+        if not isinstance(optimizer, torch.optim.Optimizer) or name not in SUPPORTED:
+            raise TypeError(
+                f"{where}: optimizer must be one of torch.optim.{', torch.optim.'.join(SUPPORTED)} "
+                f"(their math is compiled into the backward), got {type(optimizer).__module__}.{type(optimizer).__qualname__}"
+            )
+        names = {id(p): n for n, p in module.named_parameters()}
+        self.params: dict[str, nn.Parameter] = {}
+        self.group_of: dict[str, int] = {}
+        for g, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                if id(p) not in names:
+                    raise ValueError(f"{where}: optimizer param group {g} holds a tensor of shape {tuple(p.shape)} that is not a parameter of the module")
+                if p.is_complex():
+                    raise ValueError(f"{where}: optimizer: parameter {names[id(p)]!r} is complex, which the in-graph update does not support")
+                self.params[names[id(p)]] = p
+                self.group_of[names[id(p)]] = g
+        self.optimizer = optimizer
+        self.rules = [_group_rule(optimizer, g) for g in range(len(optimizer.param_groups))]
+
+    def attach(self) -> None:
+        """From now on graphddp steps: ``step``/``zero_grad`` become no-ops on the instance.
+
+        Bound methods, because LR schedulers wrap ``optimizer.step`` through its ``__func__``.
+        """
+        optimizer = self.optimizer
+        step: Any = types.MethodType(_attached_step, optimizer)
+        if hasattr(optimizer.step, "_wrapped_by_lr_sched"):  # a scheduler came first: keep its mark
+
+            def step(*args: Any, **kwargs: Any) -> None:
+                optimizer._opt_called = True  # what the scheduler's wrapper records
+                _attached_step(optimizer, *args, **kwargs)
+
+            step._wrapped_by_lr_sched = True
+        optimizer.step = step
+        self.optimizer.zero_grad = types.MethodType(_attached_zero_grad, self.optimizer)
+
+    def __str__(self) -> str:
+        return ", ".join(sorted({str(r) for r in self.rules}))
+
+    def rule(self, name: str) -> UpdateRule | None:
+        """The update rule of parameter ``name``, or None when the optimizer does not hold it."""
+        g = self.group_of.get(name)
+        return None if g is None else self.rules[g]
+
+    def check_unchanged(self) -> None:
+        """The compiled shape of every group's update still matches the optimizer."""
+        if len(self.optimizer.param_groups) != len(self.rules):
+            raise RuntimeError("graphddp: optimizer.add_param_group after graphddp.compile(..., optimizer=) is not supported")
+        for g, rule in enumerate(self.rules):
+            now = _group_rule(self.optimizer, g)
+            if now != rule:
+                changed = [k for (k, a), (_, b) in zip(rule.flags, now.flags) if a != b]
+                raise RuntimeError(
+                    f"graphddp: optimizer param group {g} changed {changed} after its update was compiled "
+                    f"({rule} -> {now}); these options shape the compiled update: set them before the first step"
+                )
+
+    # -- per step -------------------------------------------------------------------------
+    def update_args(self, names: Sequence[str], groups: Sequence[int]) -> UpdateArgs:
+        """Parameters, state (created as torch creates it) and hyperparameters, in layout order."""
+        self.check_unchanged()
+        tensors: list[torch.Tensor] = []
+        fresh: dict[str, torch.Tensor] = {}
+        for name in names:
+            p = self.params[name]
+            rule = self.rules[self.group_of[name]]
+            state = self.optimizer.state[p]
+            tensors.append(p)
+            if rule.kind == "adam":
+                if "step" not in state:  # torch.optim.Adam._init_group, non-capturable
+                    state["step"] = torch.tensor(0.0, dtype=step_dtype())
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if rule.flag("amsgrad") and "max_exp_avg_sq" not in state:
+                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                tensors.extend(state[k] for k in rule.state)
+            elif rule.flag("momentum"):
+                buf = state.get("momentum_buffer")
+                if buf is None:  # torch starts it at the first step: until then, in our hands
+                    buf = fresh[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                tensors.extend([buf, torch.tensor(name in fresh)])
+        for g in groups:
+            group = self.optimizer.param_groups[g]
+            tensors.extend(torch.tensor(v, dtype=F64) for v in _hyper_values(group, self.rules[g]))
+        return UpdateArgs(tensors, fresh)
+
+    def updated(self, args: UpdateArgs) -> None:
+        """After the graph ran ``args``: momentum buffers it started now belong to the state."""
+        for name, buf in args.fresh_buffers.items():
+            self.optimizer.state[self.params[name]]["momentum_buffer"] = buf
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """At the end of every synchronising backward (:mod:`graphddp.runtime.step`): torch's step for
+        what the graphs returned (the parameters they left to it are the ones with a grad),
+        then no gradient is kept."""
+        if any(p.grad is not None for p in self.params.values()):
+            # The class's step, not the no-op bound on the instance: torch's own math and state.
+            type(self.optimizer).step(self.optimizer)
+        for p in self.params.values():
+            p.grad = None
+
+
+def layout(rules: Sequence[UpdateRule], group_of: Sequence[int]) -> tuple[list[str], list[int]]:
+    """Placeholder names after the gradients (see :func:`bucket_update_fn`) and the groups used."""
+    names: list[str] = []
+    for k, rule in enumerate(rules):
+        names.append(f"update_param_{k}")
+        names.extend(f"update_{s}_{k}" for s in rule.state)
+    groups = sorted(set(group_of))
+    for g in groups:
+        names.extend(f"update_group{g}_{h}" for h in rules[group_of.index(g)].hyper)
+    return names, groups
+

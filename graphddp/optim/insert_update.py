@@ -1,0 +1,185 @@
+"""Apply the optimizer inside a backward graph: each bucket's update right after its wait.
+
+Runs after :func:`~graphddp.graph.insert_comm` (or, at world size 1, on the graph as
+it is). For every bucket with ``Bucket.updates`` it traces the optimizer step of those
+parameters (:func:`graphddp.optim.attached.bucket_update_fn`, inductor's decompositions applied) on
+the graph's fake values and splices it right after the bucket's last node (its unflatten
+views), so bucket ``i``'s update runs before bucket ``i + 1``'s wait: while later buckets are
+still on the wire. The updated parameters' gradients are then no longer returned (``None``):
+no gradient memory outlives the update.
+
+New inputs, appended after the existing placeholders, in this order (``optim.layout``): per
+updated parameter, in bucket and slot order, the parameter and its state tensors; then per
+param group used, its hyperparameters (float64 scalars). Each carries
+``meta[ROLE_KEY] == "update_input"`` and a fake ``meta["val"]``; the runtime passes the real
+tensors in the same order (:class:`graphddp.optim.attached.AttachedOptimizer`).
+
+Aliasing (why the pass needs each parameter's forward value). AOTAutograd saves tensors for
+the backward; a saved parameter is an input of the backward graph already, and a saved view
+of one (``t(weight)``) is an input too, backed by the parameter's memory. A compiler cannot
+know two inputs share memory, so an in-place update of the parameter could be reordered
+before a read of the view. The pass therefore (a) updates a parameter through the input that
+*is* it when there is one (same storage, shape, strides, offset), and (b) rewrites every read
+of an input that aliases it into an ``as_strided`` view of that one input. Every read of the
+parameter's memory then goes through one node, which the update mutates, and the compiler
+orders the reads first. The runtime checks these aliases on the first call.
+
+Postcondition (``graphddp.optim.verify`` checks it): every updated parameter is written
+(``copy_``) exactly once, after its bucket's wait and after every other read of its memory;
+its gradient output is None; other outputs are unchanged.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+from graphddp.graph.capture import storage_of, views_of
+from graphddp.graph.trace import splice, trace
+from graphddp.optim import attached as optim
+from graphddp.values.comm import BUCKET_KEY, ROLE_KEY
+from graphddp.values.schedule import Schedule
+
+aten = torch.ops.aten
+
+UPDATE_INPUT = "update_input"  # ROLE_KEY of the placeholders this pass adds
+ALIAS_OF = "graphddp_alias_of"  # meta of an input found to alias a parameter: its name
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateInputs:
+    """What the pass needs beyond the schedule, per parameter the schedule updates: its rule,
+    its param group, and its forward value (a fake tensor: the storage its aliases share)."""
+
+    rules: Mapping[str, optim.UpdateRule]
+    groups: Mapping[str, int]
+    values: Mapping[str, torch.Tensor]
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (tuple(a.shape), tuple(a.stride()), a.storage_offset(), a.dtype) == (tuple(b.shape), tuple(b.stride()), b.storage_offset(), b.dtype)
+
+
+def _parameter_nodes(graph: fx.Graph, names: list[str], inputs: UpdateInputs, new: dict[str, fx.Node]) -> dict[str, fx.Node]:
+    """The node each parameter is read and updated through; aliases rewritten to views of it."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder" and n.meta.get(ROLE_KEY) != UPDATE_INPUT]
+    by_storage: dict[int, list[fx.Node]] = {}
+    for ph in placeholders:
+        ref = storage_of(ph.meta.get("val"))
+        if ref is not None:
+            by_storage.setdefault(ref, []).append(ph)
+    chosen: dict[str, fx.Node] = {}
+    for name in names:
+        value = inputs.values[name]
+        sharing = by_storage.get(storage_of(value), [])
+        same = [ph for ph in sharing if _same_view(ph.meta["val"], value)]
+        chosen[name] = node = same[0] if same else new[name]
+        if node is not new[name]:  # a saved input taken for the parameter: checked at run time
+            node.meta[ALIAS_OF] = name
+        first = next(n for n in graph.nodes if n.op != "placeholder")
+        for alias in sharing:
+            if alias is node or not alias.users:
+                continue
+            val = alias.meta["val"]
+            with graph.inserting_before(first):
+                view = graph.call_function(aten.as_strided.default, (node, list(val.shape), list(val.stride()), val.storage_offset()))
+            view.meta["val"] = val
+            view.meta[ROLE_KEY] = "alias"
+            alias.replace_all_uses_with(view)
+            alias.meta[ALIAS_OF] = name
+    return chosen
+
+
+def _new_inputs(graph: fx.Graph, schedule: Schedule, inputs: UpdateInputs) -> tuple[list[str], dict[str, list[fx.Node]], dict[int, list[fx.Node]]]:
+    """Append the update's placeholders; returns updated names, per-name and per-group nodes."""
+    names = [n for b in schedule.buckets for n in b.updates]
+    rules = [inputs.rules[n] for n in names]
+    group_of = [inputs.groups[n] for n in names]
+    labels, groups = optim.layout(rules, group_of)
+    fake_mode = detect_fake_mode(tuple(inputs.values.values()))
+    vals: list[torch.Tensor] = []
+    with fake_mode:
+        for name, rule in zip(names, rules):
+            p = inputs.values[name]
+            vals.append(p)
+            for s in rule.state:
+                if s == "step":
+                    vals.append(torch.empty((), dtype=optim.step_dtype()))
+                elif s == "first":
+                    vals.append(torch.empty((), dtype=torch.bool))
+                else:
+                    vals.append(torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=p.device))
+        for g in groups:
+            vals.extend(torch.empty((), dtype=optim.F64) for _ in rules[group_of.index(g)].hyper)
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    nodes = []
+    for label, val in zip(labels, vals, strict=True):
+        with graph.inserting_after(last):
+            last = graph.placeholder(label)
+        last.meta["val"] = val
+        last.meta[ROLE_KEY] = UPDATE_INPUT
+        nodes.append(last)
+    per_name: dict[str, list[fx.Node]] = {}
+    at = 0
+    for name, rule in zip(names, rules):
+        per_name[name] = nodes[at:at + 1 + len(rule.state)]
+        at += 1 + len(rule.state)
+    per_group: dict[int, list[fx.Node]] = {}
+    for g in groups:
+        width = len(rules[group_of.index(g)].hyper)
+        per_group[g], at = nodes[at:at + width], at + width
+    return names, per_name, per_group
+
+
+def _update_point(graph: fx.Graph, index: int, params: list[fx.Node], grads: list[fx.Node]) -> fx.Node:
+    """The node the bucket's update goes before: right after the bucket's own nodes (its wait
+    and unflatten views), its gradients (at world size 1 there is no wait) and every read of
+    its parameters, whichever is last."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    last = [n for n in graph.nodes if n.meta.get(BUCKET_KEY) == index] + list(grads)
+    readers = [user for p in params for view in views_of(p) for user in view.users]
+    after = max(last + readers, key=order.__getitem__, default=None)
+    return graph.output_node() if after is None else after.next
+
+
+def insert_update(gm: fx.GraphModule, schedule: Schedule, inputs: UpdateInputs) -> fx.GraphModule:
+    """Splice every bucket's optimizer update after its wait (module docstring).
+
+    A no-op when no bucket updates a parameter.
+    """
+    if not any(b.updates for b in schedule.buckets):
+        return gm
+    from torch._inductor.decomposition import select_decomp_table
+
+    graph = gm.graph
+    output = graph.output_node()
+    outs: list[Any] = list(output.args[0])
+    names, per_name, per_group = _new_inputs(graph, schedule, inputs)
+    param_node = _parameter_nodes(graph, names, inputs, {n: per_name[n][0] for n in names})
+    decompositions = select_decomp_table()
+    for bucket in schedule.buckets:
+        if not bucket.updates:
+            continue
+        slots = {s.param_name: s for s in bucket.slots}
+        updated = [slots[n] for n in bucket.updates]
+        rules = [inputs.rules[s.param_name] for s in updated]
+        group_of = [inputs.groups[s.param_name] for s in updated]
+        groups = sorted(set(group_of))
+        grads = [outs[s.output_index] for s in updated]
+        args: list[fx.Node] = list(grads)
+        for s in updated:
+            args += [param_node[s.param_name], *per_name[s.param_name][1:]]
+        for g in groups:
+            args += per_group[g]
+        fn = optim.bucket_update_fn(rules, group_of, groups)
+        traced = trace(fn, [a.meta["val"] for a in args], f"the optimizer update of bucket {bucket.index}", decompositions)
+        splice(graph, traced, args, _update_point(graph, bucket.index, [param_node[s.param_name] for s in updated], grads), bucket.index)
+        for s in updated:
+            outs[s.output_index] = None
+    output.args = (tuple(outs),)
+    graph.lint()
+    gm.recompile()
+    return gm

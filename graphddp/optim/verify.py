@@ -1,0 +1,101 @@
+"""The checker run after :func:`graphddp.optim.insert_update`: the optimizer update is safe.
+
+An in-place update of a parameter inside the backward is wrong in ways no numerics test on
+one model is sure to show: it may read the local gradient instead of the average, or run
+before the last read of the parameter's old value (the input gradient of a matmul needs the
+old weight; a tied weight is read twice), or through a second input that aliases the
+parameter and that a compiler cannot order against the write. Invariants, per bucket and
+per parameter in ``Bucket.updates``:
+
+U1. **Schedule.** Every updated parameter is one of its bucket's slots, and is updated by
+    one bucket only.
+U2. **No gradient kept.** Its gradient output is ``None``.
+U3. **One write, last.** Exactly one graphddp ``copy_`` writes its memory (found by the fake
+    storage of its ``update_param_k`` input), and no node after that write reads or writes
+    that memory.
+U4. **One way in.** Every node that reads its memory reads it through the written node (or
+    views of it): no other graph input that shares the memory is still read.
+U5. **Averaged gradient.** At world size > 1, the update reads the bucket's reduced
+    gradient: the slot's unflatten view has an update among its users.
+U6. **Placement.** The write comes after its bucket's wait and before the next bucket's wait,
+    so each bucket is updated while the later ones are still on the wire.
+
+Failures raise :class:`graphddp.graph.verify.VerificationError` showing the node in context.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from graphddp.graph.capture import storage_of
+from graphddp.graph.verify import VerificationError, _fail
+from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
+from graphddp.values.schedule import Schedule
+
+aten = torch.ops.aten
+
+
+def _storage(node: Any) -> int | None:
+    """Identity of the memory behind a node's (fake) value; views share it."""
+    return storage_of(node.meta.get("val")) if isinstance(node, fx.Node) else None
+
+
+def _root(node: fx.Node) -> fx.Node:
+    """Follow views (first argument) back to the node whose memory they show."""
+    while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node) and _storage(node.args[0]) == _storage(node) and node.target is not aten.copy_.default:
+        node = node.args[0]
+    return node
+
+
+def verify_updates(gm: fx.GraphModule, schedule: Schedule) -> None:
+    """Check U1-U6 (module docstring)."""
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    output = gm.graph.output_node()
+    outs = list(output.args[0])
+    update_params = [n for n in nodes if n.op == "placeholder" and n.name.startswith("update_param_")]
+    names = [n for b in schedule.buckets for n in b.updates]
+    if len(update_params) != len(names):
+        raise VerificationError(f"graphddp verify: the schedule updates {len(names)} parameters, the graph has {len(update_params)} update_param inputs")
+    waits = {n.meta[BUCKET_KEY]: n for n in nodes if is_wait(n) and n.meta.get(BUCKET_KEY) is not None}
+    seen: set[str] = set()
+    k = 0
+    for bucket in schedule.buckets:
+        slots = {s.param_name: (i, s) for i, s in enumerate(bucket.slots)}
+        views = [n for n in nodes if n.meta.get(BUCKET_KEY) == bucket.index and n.meta.get(ROLE_KEY) == "unflatten" and n.target is aten.view.default]
+        for name in bucket.updates:
+            what = f"the update of {name!r} (bucket {bucket.index})"
+            if name not in slots or name in seen:  # U1
+                raise VerificationError(f"graphddp verify: {what}: not a slot of the bucket, or updated twice")
+            seen.add(name)
+            index, slot = slots[name]
+            if outs[slot.output_index] is not None:  # U2
+                _fail(gm, outs[slot.output_index], f"{what}: its gradient is still returned (output {slot.output_index})")
+            memory = _storage(update_params[k])
+            k += 1
+            writes = [n for n in nodes if n.target is aten.copy_.default and n.meta.get(ROLE_KEY) == "update" and _storage(n.args[0]) == memory]
+            if len(writes) != 1:  # U3
+                raise VerificationError(f"graphddp verify: {what}: {len(writes)} writes of the parameter, expected 1 ({[w.name for w in writes]})")
+            write = writes[0]
+            written = _root(write.args[0])
+            for node in nodes:
+                if node is write or node.op == "output":
+                    continue
+                for arg in node.all_input_nodes:
+                    if _storage(arg) != memory:
+                        continue
+                    if order[node] > order[write]:  # U3
+                        _fail(gm, node, f"{what}: {node.name} reads the parameter's memory after {write.name} updated it")
+                    if arg.op == "placeholder" and arg is not written and node.op != "placeholder":  # U4
+                        _fail(gm, node, f"{what}: {node.name} reads {arg.name}, another input backed by the parameter's memory, which the compiler cannot order against {write.name}")
+            wait = waits.get(bucket.index)
+            if wait is not None:
+                if len(views) != len(bucket.slots) or not any(u.meta.get(ROLE_KEY) == "update" for u in views[index].users):  # U5
+                    _fail(gm, write, f"{what}: the update does not read the bucket's reduced gradient")
+                if order[write] < order[wait]:  # U6
+                    _fail(gm, write, f"{what}: {write.name} runs before the bucket's wait {wait.name}")
+            following = waits.get(bucket.index + 1)
+            if following is not None and order[write] > order[following]:  # U6
+                _fail(gm, write, f"{what}: {write.name} runs after bucket {bucket.index + 1}'s wait {following.name}: the update no longer overlaps it")

@@ -1,0 +1,102 @@
+"""Cost model behind every Schedule: node times, alpha-beta all-reduce times, and a simulated
+timeline of one backward pass with its communication.
+
+* Compute: a node costs ``max(flops / compute rate, bytes moved / memory bandwidth)`` plus a
+  fixed per-op overhead; the FLOPs and bytes are read off the graph by
+  :mod:`graphddp.graph.capture` into each ``NodeFact``. Measured times override estimates.
+* Communication: each bucket's collective kind (:mod:`graphddp.values.collectives`) on the ring; an
+  all-reduce is ``2 (p-1) alpha + 2 (p-1)/p * bytes / bandwidth``.
+* Timeline: backward nodes run back to back on the compute lane, and issuing a collective
+  takes a fixed time there too; a bucket's all-reduce starts once its last gradient is
+  produced, its issue is done and the link is free (one bucket on the wire at a time).
+  Whatever communication ends after the last compute node is *exposed*.
+
+Everything here is pure arithmetic on Schedule values, so a user can ask "what if the link
+were 100 Gbit/s" without re-tracing.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from graphddp.values.collectives import kind
+from graphddp.values.schedule import BucketTiming, CostModel, NodeFact, Schedule, Span, Timeline
+
+__all__ = ["CostModel", "compute_timeline", "fit_link", "simulate"]  # CostModel is a value type: it lives in graphddp.values.schedule
+
+
+def compute_timeline(
+    nodes: Sequence[NodeFact], cost: CostModel, measured: Mapping[str, float] | None = None,
+    issued_after: Mapping[str, int] | None = None,
+) -> tuple[list[Span], dict[str, float], float]:
+    """The compute lane: compute nodes back to back, each at its measured time if ``measured``
+    has it, else ``cost``'s estimate; after a node, ``issued_after[node]`` collectives are
+    issued, each taking ``collective_overhead_us`` of the lane. Returns (spans, when each node
+    and the issues after it end, when the compute ends)."""
+    measured = measured or {}
+    issued_after = issued_after or {}
+    overhead = cost.collective_overhead_us * 1e-6
+    clock = 0.0
+    finished: dict[str, float] = {}
+    spans = []
+    for node in nodes:
+        if node.is_compute:
+            seconds = measured.get(node.name, cost.compute_seconds(node.flops, node.nbytes))
+            spans.append(Span(node.name, clock, clock + seconds))
+            clock += seconds
+        clock += overhead * issued_after.get(node.name, 0)
+        finished[node.name] = clock
+    return spans, finished, clock
+
+
+def simulate(schedule: Schedule, cost: CostModel | None = None, measured: Mapping[str, float] | None = None) -> Timeline:
+    """Predict the backward pass of ``schedule`` under ``cost`` (see module docstring).
+
+    ``measured`` maps node names to seconds and overrides the estimate of those nodes.
+    Without ``cost``, the cost model the schedule was planned with (``bucket_cap_mb="auto"``),
+    else ``CostModel()``'s defaults. Issuing a bucket's collective takes
+    ``collective_overhead_us`` of the compute lane, right after the node it is issued after
+    (several there: in issue order, the bucket ready when its own issue is done).
+    """
+    cost = cost or schedule.cost_model or CostModel()
+    issued: dict[str, int] = {}
+    for bucket in schedule.buckets:
+        issued[bucket.issue_after] = issued.get(bucket.issue_after, 0) + 1
+    spans, finished, clock = compute_timeline(schedule.nodes, cost, measured, issued)
+    overhead = cost.collective_overhead_us * 1e-6
+    link_free = 0.0
+    timings = []
+    for bucket in schedule.buckets:
+        issued[bucket.issue_after] -= 1  # later buckets at the same node are issued after this one
+        ready = finished.get(bucket.issue_after, clock) - overhead * issued[bucket.issue_after]
+        start = max(ready, link_free)
+        end = start + kind(bucket.collective).seconds(cost, bucket.wire_nbytes, schedule.world_size)
+        link_free = end
+        timings.append(BucketTiming(bucket.index, ready, start, end, bucket.wire_nbytes))
+    link = f"{cost.bandwidth_gbps:g} Gbit/s, {cost.latency_us:g} us"
+    return Timeline(tuple(spans), tuple(timings), clock, max([clock] + [t.end for t in timings]), link)
+
+
+def fit_link(nbytes: Sequence[int], seconds: Sequence[float], world_size: int, **rest: object) -> CostModel:
+    """The CostModel whose ``allreduce_seconds(nbytes[i], world_size)`` best fits ``seconds[i]``.
+
+    ``allreduce_seconds`` is ``a + b * nbytes`` with ``a = 2 (p-1) latency`` and
+    ``b = 2 (p-1)/p * 8 / bandwidth``; the least-squares line is refitted through the origin
+    when its intercept is negative, and flat when its slope is. Buckets of one size alone
+    cannot split the two: the fit then puts everything on the bandwidth. ``rest`` are the
+    other CostModel fields (compute rates, ``source``).
+    """
+    if world_size < 2 or not nbytes or len(nbytes) != len(seconds):
+        raise ValueError(f"need >= 1 bucket time on >= 2 ranks, got {len(seconds)} times, {len(nbytes)} sizes, "
+                         f"world_size {world_size}")
+    n = len(nbytes)
+    mx, my = sum(nbytes) / n, sum(seconds) / n
+    sxx = sum((x - mx) ** 2 for x in nbytes)
+    slope = sum((x - mx) * (y - my) for x, y in zip(nbytes, seconds)) / sxx if sxx else my / mx
+    intercept = my - slope * mx
+    if slope <= 0:
+        slope, intercept = 0.0, my
+    elif intercept < 0:
+        slope, intercept = sum(x * y for x, y in zip(nbytes, seconds)) / sum(x * x for x in nbytes), 0.0
+    steps = 2 * (world_size - 1)
+    bandwidth_gbps = steps / world_size * 8 / (slope * 1e9) if slope > 0 else float("inf")
+    return CostModel(bandwidth_gbps=bandwidth_gbps, latency_us=intercept / steps * 1e6, **rest)  # type: ignore[arg-type]

@@ -1,0 +1,223 @@
+"""Pure bucket planning: ``plan(facts, config) -> Schedule``.
+
+No graph edits and no process-group calls happen here. The input is :class:`GraphFacts`
+(production order of every gradient) and :class:`DDPConfig`; the output depends on nothing
+else, so every rank that traced the same graph computes the same plan.
+
+Algorithm (DDP's ``compute_bucket_assignment_by_size``, as its reducer runs it when it
+rebuilds buckets in gradient-ready order, applied to the static production order):
+
+1. Walk gradients in production order (topological position of the node that finalises
+   each gradient, ties broken by output index).
+2. Keep one open bucket per (dtype, device); buckets never mix the two.
+3. Add the gradient to its open bucket; once the bucket's bytes reach its cap, close it (so a
+   bucket exceeds its cap by at most its last gradient). Each (dtype, device) walks
+   ``config.bucket_size_limits`` one cap per bucket, the last cap repeating: with DDP's
+   defaults that is (1 MB, 25 MB); with ``bucket_cap_mb`` set, that cap for every bucket;
+   with ``bucket_cap_mb_list``, the list.
+   With ``last_bucket_cap_mb``, the gradients produced last (a suffix of at most that many
+   bytes, at least one gradient) form a bucket of their own: that bucket can only start
+   once the backward has no compute left, so its whole transfer is exposed and should be
+   small. Without it the last bucket is whatever remains (DDP's rule).
+4. Close the remaining open buckets. Buckets are issued in the order they became ready
+   (position of their last gradient), which is the order the rewrite inserts them.
+
+With ``bucket_cap_mb="auto"`` steps 2-4 are replaced by :func:`graphddp.plan.auto.auto_partition`:
+the partition of the same order that minimises the backward ``config.cost`` predicts (its
+defaults when no cost model was resolved, as in a bare ``plan`` call); the Schedule records
+that cost model instead of caps.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Collection, Mapping
+
+import torch
+
+from graphddp.config import DDPConfig
+from graphddp.plan.auto import auto_partition
+from graphddp.values.schedule import WAIT_AT_OUTPUT, Bucket, CostModel, GradSlot, GraphFacts, NodeFact, Schedule
+
+DtypeDevice = tuple[str, str]  # buckets never mix either
+
+
+def _order(slot: GradSlot) -> tuple[int, int]:
+    """Production order: the producer's topological position, then the output index."""
+    return (slot.position, slot.output_index)
+
+
+def partition(
+    slots: tuple[GradSlot, ...], config: DDPConfig, nodes: tuple[NodeFact, ...] = (), world_size: int = 1,
+    like: tuple[tuple[GradSlot, ...], ...] | None = None, fill: bool = False,
+) -> list[tuple[GradSlot, ...]]:
+    """Group production-ordered slots into buckets; returns buckets in ready order.
+
+    ``nodes`` and ``world_size`` matter only to ``bucket_cap_mb="auto"``: the compute the
+    all-reduces overlap with, and the ring they run on. ``like`` (the slots of an earlier
+    plan's buckets, a superset of these gradients) gives its buckets instead (a recompile of a
+    graph): gradients it has and this graph lacks are dropped, or with ``fill`` kept as
+    zero-filled slots (:attr:`GradSlot.zero_filled`)."""
+    ordered = sorted(slots, key=_order)
+    if like is not None:  # in like's order: what a hook's random draws and state follow, as in DDP
+        return _as_like(ordered, like, fill)
+    if config.auto:
+        done = auto_partition(ordered, nodes, cost_of(config), world_size, _wire_ratios(ordered, config.comm_dtype))
+        done.sort(key=lambda b: _order(b[-1]))
+        return done
+    tails = _tails(ordered, config.last_bucket_cap_bytes) if config.last_bucket_cap_mb is not None else {}
+    in_tail = {id(s) for tail in tails.values() for s in tail}
+    body = [s for s in ordered if id(s) not in in_tail]
+    done = _assign_by_size(body, config.bucket_size_limits) + [tuple(t) for t in tails.values()]
+    done.sort(key=lambda b: _order(b[-1]))
+    return done
+
+
+def _as_like(ordered: list[GradSlot], like: tuple[tuple[GradSlot, ...], ...], fill: bool) -> list[tuple[GradSlot, ...]]:
+    """``like``'s buckets over this graph's slots (see :func:`partition`)."""
+    current = {s.param_name: s for s in ordered}
+    missing = sorted(set(current) - {s.param_name for b in like for s in b})
+    if missing:
+        raise ValueError(f"like= does not hold the gradients of {missing}")
+    done = []
+    for bucket in like:
+        slots = tuple(
+            current[s.param_name] if s.param_name in current else s.zero_filled_copy()
+            for s in bucket if fill or s.param_name in current
+        )
+        if slots:
+            done.append(slots)
+    return done
+
+
+def cost_of(config: DDPConfig) -> CostModel:
+    """The cost model an auto plan minimises: the resolved one, else the defaults, saying so."""
+    return config.cost if config.cost is not None else CostModel(source="default: no cost model was given or calibrated")
+
+
+def _wire_ratios(slots: list[GradSlot], comm_dtype: str | None) -> dict[tuple[str, str], float]:
+    """Bytes on the wire per byte of gradient, per (dtype, device): a compression hook's
+    half precision sends half of a float32 bucket."""
+    if comm_dtype is None:
+        return {}
+    size = lambda name: torch.empty((), dtype=getattr(torch, name)).element_size()  # noqa: E731
+    return {(s.dtype, s.device): size(comm_dtype) / size(s.dtype) for s in slots}
+
+
+def _assign_by_size(ordered: list[GradSlot], limits: tuple[int, ...]) -> list[tuple[GradSlot, ...]]:
+    """DDP's ``compute_bucket_assignment_by_size`` over slots already in production order.
+
+    Per (dtype, device): append, and close the bucket once its bytes reach the current limit
+    (``>=``, as the reducer does); each closed bucket advances that key to the next limit,
+    and the last limit repeats. Leftover open buckets are closed at the end.
+    """
+    open_buckets: dict[DtypeDevice, list[GradSlot]] = {}
+    sizes: dict[DtypeDevice, int] = {}
+    closed: dict[DtypeDevice, int] = {}
+    done: list[tuple[GradSlot, ...]] = []
+    for slot in ordered:
+        key = (slot.dtype, slot.device)
+        open_buckets.setdefault(key, []).append(slot)
+        sizes[key] = sizes.get(key, 0) + slot.nbytes
+        count = closed.get(key, 0)
+        if sizes[key] >= limits[min(count, len(limits) - 1)]:
+            done.append(tuple(open_buckets.pop(key)))
+            sizes[key] = 0
+            closed[key] = count + 1
+    done.extend(tuple(b) for b in open_buckets.values())
+    return done
+
+
+def _tails(ordered: list[GradSlot], cap: int) -> dict[DtypeDevice, list[GradSlot]]:
+    """Per (dtype, device): the last-produced gradients, at most ``cap`` bytes (at least one)."""
+    tails: dict[DtypeDevice, list[GradSlot]] = {}
+    sizes: dict[DtypeDevice, int] = {}
+    full: set[DtypeDevice] = set()
+    for slot in reversed(ordered):
+        key = (slot.dtype, slot.device)
+        tail = tails.setdefault(key, [])
+        if key in full or (tail and sizes[key] + slot.nbytes > cap):
+            full.add(key)
+            continue
+        tail.insert(0, slot)
+        sizes[key] = sizes.get(key, 0) + slot.nbytes
+    return tails
+
+
+def plan(
+    facts: GraphFacts,
+    config: DDPConfig,
+    *,
+    world_size: int = 1,
+    group_name: str = "",
+    graph_index: int = 0,
+    unreduced: tuple[str, ...] = (),
+    hook: str | None = None,
+    like: tuple[tuple[GradSlot, ...], ...] | None = None,
+) -> Schedule:
+    """Plan the buckets of one backward graph. Pure: same inputs, same Schedule.
+
+    ``config`` is the user's policy; ``world_size`` and ``group_name`` are facts of the job
+    (the process group), recorded in the Schedule: the divisor and the group of every
+    all-reduce. The buckets do not depend on them. ``hook`` names a user's traced hook
+    (``graphddp.hooks.traced``) that every bucket runs instead of the all-reduce. ``like``: the
+    buckets (their slots) of an earlier plan of these gradients or more, kept as they are and
+    in their order: a recompiled graph puts the same buckets on the wire as the graph it
+    replaces, on every rank, whatever its sizes or costs (:func:`partition`). With a ``hook``
+    a gradient the earlier plan had and this graph lacks keeps its place as zeros (DDP's hook
+    sees the same bucket, zeros for an unused parameter); without one it leaves the bucket.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    compute = [n for n in facts.nodes if n.is_compute]
+    output_position = len(facts.nodes) - 1
+    buckets = []
+    for index, slots in enumerate(partition(facts.slots, config, facts.nodes, world_size, like, fill=hook is not None)):
+        ready = max(slots, key=lambda s: s.position)  # all zero-filled: ready when the backward starts
+        issue_after = ready.producer if not ready.zero_filled else facts.nodes[0].name
+        overlap = tuple(n.name for n in compute if ready.position < n.position < output_position)
+        buckets.append(
+            Bucket(
+                index=index,
+                slots=slots,
+                dtype=ready.dtype,
+                device=ready.device,
+                issue_after=issue_after,
+                wait_before=WAIT_AT_OUTPUT,
+                overlap=overlap,
+                comm_dtype=config.comm_dtype if config.comm_dtype not in (None, ready.dtype) else None,
+                hook=hook,
+            )
+        )
+    return Schedule(
+        graph_index=graph_index,
+        world_size=world_size,
+        group_name=group_name,
+        bucket_cap_mb=None if config.auto else config.effective_bucket_cap_mb,  # resolved: tables show real caps
+        first_bucket_cap_mb=None if config.auto else config.effective_first_bucket_cap_mb,
+        cost_model=cost_of(config) if config.auto else None,
+        last_bucket_cap_mb=config.last_bucket_cap_mb,
+        buckets=tuple(buckets),
+        unreduced=unreduced,
+        nodes=facts.nodes,
+    )
+
+
+def with_updates(schedule: Schedule, updatable: Collection[str], optimizer: str) -> Schedule:
+    """``schedule`` with every bucket updating its ``updatable`` parameters right after its
+    wait (``Bucket.updates``, in slot order), and ``optimizer`` recorded. Pure, like ``plan``:
+    which parameters may be updated in the graph is the caller's fact (the optimizer holds
+    them); where each update runs follows from the buckets.
+    """
+    buckets = tuple(
+        dataclasses.replace(b, updates=tuple(n for n in b.param_names if n in updatable)) for b in schedule.buckets
+    )
+    return dataclasses.replace(schedule, buckets=buckets, optimizer=optimizer)
+
+
+def with_wire_bytes(schedule: Schedule, wire: Mapping[int, int]) -> Schedule:
+    """``schedule`` with each hooked bucket's bytes on the wire (bucket index -> bytes), as
+    read from the rewritten graph: a user's hook decides them, not the plan."""
+    buckets = tuple(
+        dataclasses.replace(b, hook_wire_nbytes=wire.get(b.index, 0)) if b.hook else b for b in schedule.buckets
+    )
+    return dataclasses.replace(schedule, buckets=buckets)

@@ -1,0 +1,203 @@
+"""Cross-rank agreement: every rank must put the same bytes on the wire, in the same order.
+
+Design (why no collective runs at compile time). A rank may compile a graph that no other
+rank compiles at that moment: it saw a new sequence length, took a branch another rank took
+earlier, or missed a cache. A collective issued while compiling would then pair with another
+rank's bucket all-reduce: a hang, or a buffer reduced with the wrong one. So compiling never
+talks. Instead, agreement is reached *in band*, at run time:
+
+* :func:`probe`, the first collective of every synchronising backward graph (called by
+  :meth:`graphddp.runtime.step.StepState.agree`): every rank all-reduces ``[h, -h, *flags]`` with MAX,
+  ``h`` a hash of its wire layout (:meth:`graphddp.values.schedule.Schedule.wire_layout`: world size
+  and, per bucket in issue order, dtype, device type, wire dtype, hook and the ordered
+  (parameter name, shape) list; node names, positions and overlap windows are left out, so
+  ranks whose compute differs but whose layout is equal reduce the same gradients, like DDP).
+  The result, ``[max h, -min h, any flag]``, is the same on every rank, and the collective is
+  fixed-size, so it can never pair with a bucket of another size. A difference is not an
+  error: the step is averaged over the union of the ranks' gradients (:mod:`graphddp.runtime.union`).
+* :func:`check_in_band`, the same probe where a difference *is* an error: the eager average of
+  gradients accumulated under ``no_sync`` (a canonical layout, every trainable parameter);
+  every rank gathers the layouts and raises :class:`ScheduleMismatchError` naming the first
+  differing bucket and the parameter and shape on each side.
+* If a check itself fails (a dead peer, a timeout), :class:`CollectiveError` names graphddp and
+  what was being checked, with the original error chained.
+
+Also here: the wrap-time check that every rank has the same parameters (names, shapes,
+dtypes), run by ``graphddp.compile`` on every rank before the initial broadcast; small
+gathers (:func:`gather`) and OR-reductions (:func:`any_rank`) for the union average.
+"""
+from __future__ import annotations
+
+import hashlib
+import pickle
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+# One bucket on the wire: (dtype, device type, wire dtype or None, user hook or None, bytes sent,
+# ((param name, shape), ...)).
+WireBucket = tuple[str, str, "str | None", "str | None", int, tuple[tuple[str, tuple[int, ...]], ...]]
+
+
+class ScheduleMismatchError(RuntimeError):
+    """Ranks would put different buckets on the wire; raised on every rank."""
+
+
+class CollectiveError(RuntimeError):
+    """A collective graphddp issued failed (dead peer, timeout); the cause is chained."""
+
+
+def _is_fake(group: Any) -> bool:
+    return dist.get_backend(group) == "fake"
+
+
+def _device(group: Any) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def layout_hash(layout: Any) -> int:
+    """A 60-bit hash of a layout (any value with a stable repr): fits an int64 and its negation."""
+    return int(hashlib.sha256(repr(layout).encode()).hexdigest()[:15], 16)
+
+
+def check_in_band(
+    layout: tuple[int, tuple[WireBucket, ...]], group: Any, what: str, digest: int | None = None
+) -> None:
+    """Raise on every rank unless every rank of ``group`` passes an equal ``layout`` here.
+
+    ``layout`` is ``(world_size, buckets)``; ``what`` names it for messages; ``digest`` is
+    ``layout_hash(layout)`` when the caller keeps it. Must be called by every rank at the same
+    point of its collective sequence: right before the collectives the layout describes. On a
+    difference every rank gathers the layouts (all of them are in this branch, so the gather
+    pairs with itself) and raises :class:`ScheduleMismatchError` naming the first differing bucket.
+    """
+    same, _ = probe(layout, (), group, what, digest)
+    if not same:
+        raise ScheduleMismatchError(describe_mismatch(_gather(layout, group), what))
+
+
+def probe(
+    layout: Any, flags: Sequence[bool], group: Any, what: str, digest: int | None = None
+) -> tuple[bool, tuple[bool, ...]]:
+    """Do all ranks pass an equal ``layout`` here, and which ``flags`` does any rank raise?
+
+    One MAX all-reduce of ``[h, -h, *flags]``: fixed-size, so it pairs with any other rank's
+    probe whatever its layout, and every rank reads the same answer. The caller decides what a
+    difference means (:meth:`graphddp.runtime.step.StepState.agree`: a divergent step, not an error).
+    """
+    if dist.get_world_size(group) == 1 or _is_fake(group):
+        return True, tuple(bool(f) for f in flags)
+    h = layout_hash(layout) if digest is None else digest
+    with unset_fake_temporarily():
+        t = torch.tensor([h, -h, *(int(bool(f)) for f in flags)], dtype=torch.int64, device=_device(group))
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        except Exception as e:  # noqa: BLE001 - any backend failure, re-raised with context
+            raise CollectiveError(
+                f"graphddp: the agreement before the gradient all-reduces of {what} failed "
+                f"({type(e).__name__}); a peer may have died or timed out. Original error: {e}"
+            ) from e
+        values = [int(v) for v in t.tolist()]
+    return values[0] == -values[1], tuple(v != 0 for v in values[2:])
+
+
+def max_over_ranks(values: Sequence[int], group: Any) -> list[int]:
+    """Per position, the largest of every rank's ``values`` (one int64 MAX all-reduce); every
+    rank must pass the same number of values."""
+    if dist.get_world_size(group) == 1 or _is_fake(group) or not values:
+        return [int(v) for v in values]
+    with unset_fake_temporarily():
+        t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=_device(group))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return [int(v) for v in t.tolist()]
+
+
+def any_rank(bits: Sequence[bool], group: Any) -> list[bool]:
+    """Per position, whether any rank of ``group`` passes True; every rank must pass the same
+    number of bits."""
+    return [v != 0 for v in max_over_ranks([int(bool(b)) for b in bits], group)]
+
+
+def describe_mismatch(layouts: Sequence[tuple[int, tuple[WireBucket, ...]]], what: str) -> str:
+    """Name the first bucket (and parameter) where some rank's layout differs from rank 0's."""
+    base_world, base = layouts[0]
+    other = next(r for r, lay in enumerate(layouts) if lay != layouts[0])
+    world, theirs = layouts[other]
+    head = f"graphddp: ranks would reduce different gradients in {what}: "
+    tail = (
+        ". graphddp buckets gradients in the order each backward graph produces them, so every "
+        "rank must run graphs over the same parameters, produced in the same order (per-rank "
+        "branches are fine when they use the same parameters in the same order), with the "
+        "same graphddp options."
+    )
+    if world != base_world:
+        return head + f"rank 0 has world size {base_world}, rank {other} has {world}" + tail
+    k = next((i for i, (a, b) in enumerate(zip(base, theirs)) if a != b), min(len(base), len(theirs)))
+    return head + f"first difference at bucket {k}: {_side(base, k, 0)}; {_side(theirs, k, other)}" + tail
+
+
+def _side(buckets: tuple[WireBucket, ...], k: int, rank: int) -> str:
+    if k >= len(buckets):
+        return f"rank {rank} has no bucket {k} (it has {len(buckets)} buckets)"
+    dtype, device, wire, hook, nbytes, params = buckets[k]
+    listed = ", ".join(f"{name} {list(shape)}" for name, shape in params)
+    wire_note = f", sent as {wire}" if wire else ""
+    wire_note += f", through hook {hook} ({nbytes} bytes on the wire)" if hook else ""
+    return f"rank {rank} sends {dtype} on {device}{wire_note}: [{listed}]"
+
+
+def gather(obj: Any, group: Any) -> list[Any]:
+    """Every rank's ``obj`` (small and picklable), in rank order, on every rank."""
+    if dist.get_world_size(group) == 1 or _is_fake(group):
+        return [obj]
+    return _gather(obj, group)
+
+
+def _gather(obj: Any, group: Any) -> list[Any]:
+    """All-gather a small picklable object with two tensor all-gathers.
+
+    Not ``dist.all_gather_object``: that needs NumPy, which torch does not require. Runs
+    outside any fake-tensor mode: it may be reached while AOTAutograd traces.
+    """
+    with unset_fake_temporarily():
+        device = _device(group)
+        data = pickle.dumps(obj)
+        world = dist.get_world_size(group)
+        size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+        sizes = [torch.zeros_like(size) for _ in range(world)]
+        dist.all_gather(sizes, size, group=group)
+        longest = int(max(s.item() for s in sizes))
+        mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+        mine[: len(data)] = torch.tensor(list(data), dtype=torch.uint8, device=device)
+        everyone = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(everyone, mine, group=group)
+        return [pickle.loads(bytes(t[: int(n.item())].tolist())) for t, n in zip(everyone, sizes)]
+
+
+def check_parameter_agreement(module: nn.Module, group: Any) -> None:
+    """Raise on every rank if parameter names, shapes or dtypes differ between ranks.
+
+    Called by ``graphddp.compile`` on every rank, before the initial broadcast, so a
+    mismatch is an error, not a broadcast of the wrong size.
+    """
+    if dist.get_world_size(group) == 1 or _is_fake(group):
+        return
+    mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]
+    digests = _gather(layout_hash(mine), group)
+    if len(set(digests)) == 1:
+        return
+    everyone = _gather(mine, group)
+    other = next(r for r, d in enumerate(digests) if d != digests[0])
+    a, b = everyone[0], everyone[other]
+    k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    first = a[k] if k < len(a) else "nothing"
+    second = b[k] if k < len(b) else "nothing"
+    raise ValueError(
+        f"graphddp.compile: ranks hold different parameters; parameter #{k} is {first} on rank 0 "
+        f"but {second} on rank {other}. Every rank must build the same model."
+    )

@@ -1,0 +1,304 @@
+"""Measure the cost model that ``bucket_cap_mb="auto"`` plans with, once per process group.
+
+When a model is wrapped (``graphddp.compile`` / ``graphddp.backend``: the point where DDP's
+constructor talks to every rank too, and never while compiling; see :mod:`graphddp.runtime.agree`),
+every rank of the group times
+
+* blocking all-reduces of a few sizes (``SIZES``), each repeat started from a barrier and
+  timed as its slowest rank saw it, the fastest of ``REPEATS`` after a warm-up: the link's
+  latency and bandwidth come from the alpha-beta line through them
+  (:func:`graphddp.plan.cost.fit_link`, the same fit the benchmark's bounds use), unweighted, so
+  the large sizes that buckets have count most. A fit by least relative error over 4 KB to
+  4 MB was tried: the small all-reduces, which a rate limiter lets through in a burst, halved
+  the bandwidth's cost, and the benchmark's backward came out twice its prediction;
+* the time to issue an asynchronous all-reduce of one element: the compute lane's cost of a
+  collective;
+* a square matmul (FLOP rate), a copy into a preallocated buffer (memory bandwidth) and a
+  one-element add (per-op overhead) on the model's device: the rates the backward's node
+  estimates are made from.
+
+Each time is the fastest of its repeats, not their median: what disturbs a microbenchmark
+(the other rank still compiling, a page fault, the scheduler) only ever adds time, and with
+five medians the benchmark's calibrations of one machine gave compute rates 2x apart and
+plans to match. The times are then all-reduced with MAX, so every rank fits the same numbers
+(the slowest rank's) and plans the same buckets; they are rounded to two significant figures,
+so reruns on the same machines usually plan the same buckets too (and hit the compile cache).
+The result is cached per (process group, device type): later models on the same group reuse it.
+A restart keeps the numbers an earlier run stored in the inductor cache directory when it
+measures within ``KEEP_WITHIN`` of them on every rank (:func:`_settle`), so noise does not
+change the plan, and the compile cache hits; one measurement outside that band does not
+replace them, two in a row do.
+
+On a group of one rank only the compute is timed (nothing is sent). Under graphddp.explain's
+fake process group nothing is timed: the plan uses ``CostModel()``'s defaults unless
+``cost=`` is given, and its Schedule says so.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from graphddp.config import DDPConfig
+from graphddp.plan.cost import CostModel, fit_link
+from graphddp.runtime import disk
+from graphddp.values.comm import group_name_of
+
+SIZES = (1 << 16, 1 << 20, 1 << 22)  # bytes per all-reduce: the range buckets span
+# Per all-reduce size; a 4 MB one takes 35-70 ms at 1 Gbit/s: the calibration takes 1.5 s there.
+# With 7, eight calibrations of this machine's loopback fitted 10 to 27 Gbit/s, outside the 2x
+# a restart keeps (KEEP_WITHIN), and a warm restart replanned; with 15, 20 to 33.
+REPEATS = 15
+COMPUTE_REPEATS = 15  # a few ms each; this machine's cores run a matmul at 2.4 or 6.6 ms by turns
+
+
+class Calibrations:
+    """The process-wide registry of calibrated cost models, one per (process group name,
+    backend, ranks, device type).
+
+    Why process-wide: a calibration is a collective of every rank of the group (1.5 s on a
+    1 Gbit/s link) and measures the group's link, not a model; every model wrapped on the same
+    group in this process plans with the same numbers, and only the first wrap pays. Lifetime:
+    the process. A group destroyed and made again under the same name keeps its entry;
+    :meth:`clear` forgets every entry (tests that calibrate anew call it)."""
+
+    def __init__(self) -> None:
+        self._models: dict[tuple[str, str, int, str], CostModel] = {}
+
+    def get(self, key: tuple[str, str, int, str]) -> CostModel | None:
+        return self._models.get(key)
+
+    def put(self, key: tuple[str, str, int, str], model: CostModel) -> None:
+        self._models[key] = model
+
+    def clear(self) -> None:
+        self._models.clear()
+
+
+CALIBRATIONS = Calibrations()
+
+
+def resolve_cost(config: DDPConfig, group: Any, device: torch.device | None) -> DDPConfig:
+    """``config`` with the cost model its plan needs: the user's ``cost`` if given, else a
+    calibrated one (``bucket_cap_mb="auto"`` only; caps need none). A collective: call it
+    on every rank of ``group`` at the same point."""
+    if not config.auto or config.cost is not None:
+        return config
+    return dataclasses.replace(config, cost=calibrate(group, device))
+
+
+def calibrate(group: Any, device: torch.device | None = None) -> CostModel:
+    """The cost model of ``group``'s link and this device (see the module docstring)."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    world = dist.get_world_size(group)
+    key = (group_name_of(group) if world > 1 else "", str(dist.get_backend(group)), world, device.type)
+    known = CALIBRATIONS.get(key)
+    if known is not None:
+        return known
+    if key[1] == "fake":  # graphddp.explain's pretend ranks: nothing to time
+        return CostModel(source=f"default: a fake process group of {world} ranks has no link to measure")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = _compute_times(device, sync) + (_link_times(group, device, sync) if world > 1 else [])
+    matmul_s, copy_s, op_s, *link = _max_over_ranks(times, torch.float64, group, device)
+    rates = {
+        "compute_tflops": _round2(2 * _MATMUL_N[device.type] ** 3 / matmul_s / 1e12),
+        "memory_gbps": _round2(2 * _COPY_BYTES / copy_s / 1e9),
+        "op_overhead_us": _round2(op_s * 1e6),
+    }
+    source = f"calibrated on process group {key[0] or 'of one rank'} ({world} ranks, {device.type})"
+    if world == 1:
+        model = CostModel(**rates, source=source)
+    else:
+        issue_s, *allreduce_s = link
+        fitted = fit_link(SIZES, allreduce_s, world)
+        model = CostModel(
+            bandwidth_gbps=_round2(fitted.bandwidth_gbps), latency_us=_round2(fitted.latency_us),
+            collective_overhead_us=_round2(issue_s * 1e6), **rates, source=source,
+        )
+    model = _settle(model, key, group, device)
+    CALIBRATIONS.put(key, model)
+    return model
+
+
+# -- the same plan after a restart ------------------------------------------------------------------
+
+# A measurement within this factor of the stored one, in every number, keeps the stored one;
+# times in microseconds are compared with US_SLACK added to both (0 against 40 us of latency is
+# noise, not another link). Why 2x: the auto plan is chosen to hold up under a 1.5x error of
+# the model (autoplan.SCENARIOS), plans near the optimum differ by a few percent (the README's
+# sweep), two calibrations of this machine's loopback differed by up to 2x in bandwidth, and
+# another machine or link differs by far more.
+KEEP_WITHIN = 2.0
+US_SLACK = 100.0
+
+
+def _settle(measured: CostModel, key: tuple[str, str, int, str], group: Any, device: torch.device) -> CostModel:
+    """This run's cost model: the one an earlier run of the same group stored, if this run's
+    measurement is within ``KEEP_WITHIN`` of it on every rank, else the measurement.
+
+    Why: a restart measures the link anew, and two measurements of one link differ by their
+    noise; a plan made from other numbers is another compile (the compile cache checks the
+    plan, :mod:`graphddp.compiler.cache`). The stored model sits in the inductor cache
+    directory, which each rank may have its own of, so the choice is agreed: kept only if
+    every rank holds the same stored model and finds it close (one more all-reduce, here at
+    wrap time, where calibration talks anyway). Nothing is stored or read where torch's compile
+    caches or graphddp's are off.
+
+    A measurement outside the band replaces the stored model only when the run before measured
+    outside it too (the file says so): a single outlying measurement (this machine's loopback
+    sometimes fits 2x its usual bandwidth) plans this run anew and leaves the stored model to
+    the next restart, where it would otherwise make every later restart replan; a machine or
+    link that really changed is stored on its second run.
+    """
+    if not disk.enabled():
+        return measured
+    path = _stored_path(key)
+    stored, outside_before = _load(path)
+    keep = stored is not None and _close(stored, measured)
+    mine = _digest(stored) if keep else -1  # type: ignore[arg-type]
+    high, minus_low = _max_over_ranks([mine, -mine], torch.int64, group, device)
+    low = -minus_low
+    if keep and low == high == mine:
+        if outside_before:
+            _store(path, stored)  # type: ignore[arg-type] # the outlier is forgotten
+        return dataclasses.replace(
+            stored, source=f"{measured.source}, kept from an earlier run: this run measured {_numbers(measured)}"  # type: ignore[arg-type]
+        )
+    if stored is None or (not keep and outside_before):
+        _store(path, measured)
+    elif not keep:
+        _store(path, stored, outside=True)
+    return measured
+
+
+def _stored_path(key: tuple[str, str, int, str]) -> str:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    name = "-".join(str(part) or "solo" for part in key)
+    return os.path.join(cache_dir(), "graphddp", f"calibration-{name}.json")
+
+
+def _numbers(model: CostModel) -> str:
+    return json.dumps(model.numbers, sort_keys=True)
+
+
+def _digest(model: CostModel) -> int:
+    """A non-negative int64 naming the stored numbers (ranks compare these)."""
+    return int(hashlib.sha256(_numbers(model).encode()).hexdigest()[:15], 16)
+
+
+def _close(stored: CostModel, measured: CostModel) -> bool:
+    for name, a in stored.numbers.items():
+        b = measured.numbers[name]
+        if a == b:
+            continue
+        if name.endswith("_us"):
+            a, b = a + US_SLACK, b + US_SLACK
+        if a <= 0 or b <= 0 or not (math.isfinite(a) and math.isfinite(b)) or max(a / b, b / a) > KEEP_WITHIN:
+            return False
+    return True
+
+
+def _load(path: str) -> tuple[CostModel | None, bool]:
+    """The stored model, and whether the run that last read it measured outside its band."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        outside = bool(data.pop("outside_before", False))
+        return CostModel(**data), outside
+    except Exception:  # noqa: BLE001 - none stored, or a damaged file: measured over
+        return None, False
+
+
+def _store(path: str, model: CostModel, outside: bool = False) -> None:
+    disk.write_atomically(path, json.dumps({**model.to_dict(), "outside_before": outside}).encode())
+
+
+_MATMUL_N = {"cpu": 512, "cuda": 4096}  # large enough to run at the device's matmul rate
+_COPY_BYTES = 32 << 20
+
+
+def _fastest_seconds(run: Callable[[], Any], sync: Callable[[], None], repeats: int) -> float:
+    run()  # warm-up: first-call allocation and dispatch
+    sync()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        sync()
+        samples.append(time.perf_counter() - start)
+    return min(samples)
+
+
+def _compute_times(device: torch.device, sync: Callable[[], None]) -> list[float]:
+    n = _MATMUL_N.get(device.type, 256)
+    a = torch.randn(n, n, device=device)
+    big = torch.empty(_COPY_BYTES // 4, device=device)
+    into = torch.empty_like(big)  # preallocated: a fresh clone would time the page faults
+    one = torch.zeros(1, device=device)
+    return [
+        _fastest_seconds(lambda: a @ a, sync, COMPUTE_REPEATS),
+        _fastest_seconds(lambda: into.copy_(big), sync, COMPUTE_REPEATS),
+        _fastest_seconds(lambda: one + 1, sync, COMPUTE_REPEATS),
+    ]
+
+
+def _link_times(group: Any, device: torch.device, sync: Callable[[], None]) -> list[float]:
+    one = torch.zeros(1, device=device)
+
+    def issue() -> float:
+        start = time.perf_counter()
+        work = dist.all_reduce(one, group=group, async_op=True)
+        took = time.perf_counter() - start
+        work.wait()
+        sync()
+        return took
+
+    issue()
+    issue_s = min(issue() for _ in range(REPEATS))
+    return [issue_s] + [_collective_seconds(nbytes, group, device, sync) for nbytes in SIZES]
+
+
+def _collective_seconds(nbytes: int, group: Any, device: torch.device, sync: Callable[[], None]) -> float:
+    """How long a blocking all-reduce of ``nbytes`` takes: each repeat starts from a barrier,
+    and its time is the slowest rank's; the fastest repeat counts.
+
+    Why not each rank's own fastest: a rank that arrives late finds its peers' data already
+    sent and returns early, so its fastest repeat can be a fraction of the collective (this
+    machine's loopback fitted 12 to 42 Gbit/s that way, and restarts replanned).
+    """
+    buf = torch.zeros(nbytes // 4, device=device)
+    dist.all_reduce(buf, group=group)  # warm-up: first-call allocation and connection setup
+    sync()
+    samples = []
+    for _ in range(REPEATS):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        dist.all_reduce(buf, group=group)
+        sync()
+        samples.append(time.perf_counter() - start)
+    return min(_max_over_ranks(samples, torch.float64, group, device))
+
+
+def _max_over_ranks(values: list, dtype: torch.dtype, group: Any, device: torch.device) -> list:
+    """Element-wise MAX of ``values`` over the group's ranks (sent from the device NCCL
+    needs); a group of one rank sends nothing."""
+    if dist.get_world_size(group) == 1:
+        return list(values)
+    wire = torch.tensor(values, dtype=dtype, device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(wire, op=dist.ReduceOp.MAX, group=group)
+    return wire.cpu().tolist()
+
+
+def _round2(x: float) -> float:
+    """Two significant figures (0 stays 0, inf stays inf)."""
+    if x == 0 or not math.isfinite(x):
+        return x
+    return round(x, 1 - int(math.floor(math.log10(abs(x)))))

@@ -1,0 +1,317 @@
+"""Which backward runs, the synchronising one or the local one: decided per forward call.
+
+DDP decides at forward time whether the coming backward communicates (``no_sync`` clears
+``require_backward_grad_sync``, the forward reads it). graphddp does the same, per compiled
+graph and per call, without Dynamo guards: a guard lives in one frame, and after a graph break
+the inner frames are compiled on their own, without it, so a guard-selected variant was
+silently reused for the wrong kind of step.
+
+Each compiled graph has one forward and one backward entry point, :class:`BackwardDispatch`,
+holding two compiled backwards: the rewritten one (bucketed all-reduces) and the plain one
+(no communication, compiled the first time it is needed). A forward that runs under
+``no_sync`` registers a pre-hook on the autograd node of *that call*; the hook fires right
+before the node's backward and tells the dispatcher to run the plain variant once. A forward
+outside ``no_sync`` registers nothing: synchronising steps pay no hook (with an optimizer or a
+traced hook the step keeps a weak reference to the node: :mod:`graphddp.runtime.step`).
+
+With an optimizer attached (:mod:`graphddp.optim.attached`) the synchronising variant also updates
+the parameters after each bucket's wait. A step it cannot update alone (the backend's rule,
+:attr:`InGraphUpdate.allowed`, asked of the graphs of this step: :mod:`graphddp.runtime.step`) runs a
+third variant instead, the all-reduces without the update, compiled the first time it is
+needed; torch's step then runs at the end of the backward for the gradients it returned.
+Every synchronising backward tells the step (:meth:`StepState.synchronising_backward`), which
+ends it once the whole backward is done.
+
+Before its collectives, a synchronising variant agrees with the other ranks
+(:meth:`StepState.agree`). In a divergent step (ranks' graphs differ) it runs the local
+variant instead and hands its gradients to the step, which averages the union at the end
+(:mod:`graphddp.runtime.union`). Gradients computed only from outputs the loss left out
+(:class:`GradientUsage`) are returned as None where no rank used the parameter, as DDP leaves
+them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+import torch
+
+from graphddp.runtime.agree import any_rank, layout_hash
+from graphddp.runtime.failures import collective_failure
+from graphddp.values.schedule import Schedule
+
+if TYPE_CHECKING:
+    from graphddp.optim.attached import AttachedOptimizer
+    from graphddp.runtime.step import StepState
+
+_COMPILED_BACKWARD = "CompiledFunctionBackward"
+
+
+class GraphState:
+    """Shared by one compiled graph's forward wrapper and its backward dispatcher."""
+
+    def __init__(self) -> None:
+        self._local_next = False  # set by a pre-hook right before the node's backward runs
+        self.plain_compiles = 0  # how often the communication-free backward was compiled
+        self.steps_in_graph = 0  # synchronising backwards that updated inside the graph
+        self.steps_after = 0  # ... that left the update to torch's step after the backward
+
+        self._renamed: dict[str, str] | None = None  # the next backward's parameters, when not the compiled ones
+        self._none_pattern: tuple[bool, ...] | None = None  # which output gradients were None
+        self._given: set[int] = set()  # ... and the ids of the ones that were not
+
+    def mark_local(self, _grad_outputs: Any = None) -> None:
+        self._local_next = True
+
+    def take_local(self) -> bool:
+        local, self._local_next = self._local_next, False
+        return local
+
+    def rename_next(self, names: dict[str, str]) -> None:
+        self._renamed = names
+
+    def take_renamed(self) -> dict[str, str] | None:
+        names, self._renamed = self._renamed, None
+        return names
+
+    def note_outputs(self, grad_outputs: Any) -> None:
+        """A pre-hook on the graph's autograd node: which of its output gradients are None
+        (outputs the loss did not use); autograd replaces them by zeros before the backward."""
+        if any(g is None for g in grad_outputs):
+            self._none_pattern = tuple(g is None for g in grad_outputs)
+            self._given = {id(g) for g in grad_outputs if g is not None}
+
+    def take_none(self) -> tuple[tuple[bool, ...] | None, set[int]]:
+        taken = self._none_pattern, self._given
+        self._none_pattern, self._given = None, set()
+        return taken
+
+
+class GradientUsage:
+    """Which parameters a backward got gradients for only from unused outputs (``None`` in DDP).
+
+    Each gradient slot knows the backward inputs it is computed from (:attr:`GradSlot.sources`,
+    the output gradients). When some output's gradient was None, autograd passed zeros in its
+    place; a parameter whose every source was such a zero input was not used in the step.
+    Which inputs those are is read once per pattern of None outputs: an input that is not one
+    of the gradients autograd was given, and is all zeros. Graphs where every parameter depends
+    on every output gradient (a loss, one hidden state) are never asked.
+    """
+
+    def __init__(self, schedule: Schedule) -> None:
+        slots = [s for b in schedule.buckets for s in b.slots if not s.zero_filled]
+        self.outputs = {s.param_name: s.output_index for s in slots}
+        self.sources = {s.param_name: frozenset(s.sources) for s in slots if s.sources}
+        everything = frozenset().union(*self.sources.values())
+        self.inputs = tuple(sorted(everything))
+        self.may_be_unused = any(src != everything for src in self.sources.values())
+        self._absent: dict[tuple[bool, ...], frozenset[int]] = {}
+
+    def unused(self, pattern: tuple[bool, ...] | None, given: set[int], args: list[Any]) -> frozenset[str]:
+        """Parameters whose every gradient source was a None output gradient."""
+        if pattern is None or not self.may_be_unused:
+            return frozenset()
+        absent = self._absent.get(pattern)
+        if absent is None:
+            absent = self._absent[pattern] = frozenset(
+                i for i in self.inputs
+                if isinstance(args[i], torch.Tensor) and id(args[i]) not in given and not bool(args[i].any())
+            )
+        return frozenset(n for n, src in self.sources.items() if src <= absent)
+
+    @staticmethod
+    def drop(out: Any, outputs: dict[str, int], names: Iterable[str]) -> Any:
+        """``out`` with the gradients of ``names`` replaced by None (autograd leaves them)."""
+        names = [n for n in names if n in outputs]
+        if not names:
+            return out
+        out = list(out)
+        for n in names:
+            out[outputs[n]] = None
+        return out
+
+
+def compiled_backward_node(outputs: Iterable[Any], inputs: Iterable[Any]) -> Any:
+    """The autograd node this call of a compiled graph created, or None.
+
+    Walks from the outputs' ``grad_fn`` (through view nodes AOTAutograd adds for aliased
+    outputs) to the first ``CompiledFunctionBackward``, never past a node that an input
+    already had: that one belongs to an earlier graph.
+    """
+    earlier = {t.grad_fn for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+    todo = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen: set[Any] = set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen or node in earlier:
+            continue
+        seen.add(node)
+        if node.name() == _COMPILED_BACKWARD:
+            return node
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return None
+
+
+@dataclasses.dataclass
+class InGraphUpdate:
+    """How one graph's synchronising variant runs the optimizer (module docstring)."""
+
+    attached: "AttachedOptimizer"
+    names: tuple[str, ...]  # parameters the graph updates, in its input order
+    groups: tuple[int, ...]  # their param groups, whose hyperparameters it reads
+    allowed: Callable[[frozenset[str]], bool]  # may this step update inside the graph (given the unused)
+    compile_grads: Callable[[], Callable[[list[Any]], Any]]  # the variant without the update
+    aliases: tuple[tuple[int, str], ...]  # backward inputs that must share a parameter's memory
+    grads: Callable[[list[Any]], Any] | None = None
+    aliases_checked: bool = False
+
+    def check_aliases(self, args: list[Any]) -> None:
+        """Once: the inputs the rewrite took for a parameter's memory really are it."""
+        for index, name in self.aliases:
+            param = self.attached.params[name]
+            if args[index].untyped_storage().data_ptr() != param.untyped_storage().data_ptr():
+                raise RuntimeError(
+                    f"graphddp: backward input {index} was traced as sharing the memory of {name!r} but does not; "
+                    "the in-graph update would miss it. Please report this with the model."
+                )
+        self.aliases_checked = True
+
+
+@dataclasses.dataclass
+class Synced:
+    """One synchronising variant of a graph's backward: its plan, its code (compiled on first
+    use), its in-graph update, and the state tensors a user's hook reads (in input order).
+
+    A hook with phases (PowerSGD's plain all-reduce before ``start_powerSGD_iter``) has one
+    per phase; every other graph has one.
+    """
+
+    schedule: Schedule
+    compile: Callable[[], Callable[[list[Any]], Any]]
+    update: InGraphUpdate | None = None
+    hook_args: Callable[[], list[torch.Tensor]] = list
+    fn: Callable[[list[Any]], Any] | None = None
+
+    def __post_init__(self) -> None:
+        # Checked before every synchronising step, computed once: the layout never changes.
+        self.layout = self.schedule.wire_layout()
+        self.digest = layout_hash(self.layout)
+
+    def code(self) -> Callable[[list[Any]], Any]:
+        if self.fn is None:
+            self.fn = self.compile()
+        return self.fn
+
+
+class BackwardDispatch:
+    """The compiled backward AOTAutograd calls: the local or a synchronising variant.
+
+    Before a synchronising variant runs, every rank checks in band that it is about to put
+    the same buckets on the wire (:meth:`graphddp.runtime.step.StepState.agree`); a collective that
+    fails inside the graph is re-raised naming graphddp, the graph and the bucket.
+    ``phase`` picks the synchronising variant (a user hook's phase; one variant otherwise)
+    and ``on_sync`` runs before it (a hook's eager work, its end-of-backward callback).
+    """
+
+    def __init__(
+        self,
+        state: GraphState,
+        variants: dict[str, Synced],
+        compile_plain: Callable[[], Callable[[list[Any]], Any]],
+        group: Any,
+        step: "StepState",
+        phase: Callable[[], str] | None = None,
+        on_sync: Callable[[Synced], None] | None = None,
+    ) -> None:
+        # Called with one list of arguments, which the callee may free. An instance attribute:
+        # wrappers (torch._dynamo.disable) copy __dict__, not class attributes.
+        self._boxed_call = True
+        self.state = state
+        self.variants = variants
+        self._compile_plain = compile_plain
+        self._plain: Callable[[list[Any]], Any] | None = None
+        self.group = group
+        self.step = step
+        self.phase = phase or (lambda: next(iter(variants)))
+        self._on_sync = on_sync
+        self.usage = GradientUsage(next(iter(variants.values())).schedule)
+
+    @property
+    def schedule(self) -> Schedule:
+        """The plan of the synchronising variant the next step runs."""
+        return self.variants[self.phase()].schedule
+
+    def __call__(self, args: list[Any]) -> Any:
+        local = self.state.take_local()
+        renamed = self.state.take_renamed()
+        unused = self.usage.unused(*self.state.take_none(), args)
+        outputs = self.usage.outputs
+        if renamed:  # the graph ran for other parameters (GraphState.rename_next)
+            unused = frozenset(renamed[n] for n in unused)
+            outputs = {renamed[n]: i for n, i in outputs.items()}
+        if local:
+            return GradientUsage.drop(self.plain()(args), outputs, unused)
+        synced = self.variants[self.phase()]
+        schedule, digest = synced.schedule, synced.digest
+        if renamed:
+            schedule = schedule.renamed(renamed)
+            digest = layout_hash(schedule.wire_layout())
+        divergent = False
+        if schedule.buckets:
+            what = f"backward graph {schedule.graph_index}"
+            divergent, some_unused = self.step.agree(self.group, digest, what, bool(unused))
+            if some_unused and not divergent:  # which of them did no rank use
+                names = [s.param_name for b in schedule.buckets for s in b.slots]
+                anywhere = any_rank([n not in unused for n in names], self.group)
+                unused = frozenset(n for n, used in zip(names, anywhere) if not used)
+        self.step.synchronising_backward(schedule.graph_index)
+        if divergent:
+            return self._locally(schedule, args, unused, outputs)
+        if self._on_sync is not None:
+            self._on_sync(synced)
+        args.extend(synced.hook_args())  # inputs after the graph's own, before the update's
+        try:
+            if synced.update is not None:
+                # Another module's parameters: the compiled update would write the compiled ones.
+                out = self._with_update(synced, synced.update, args, unused, bool(renamed))
+            else:
+                out = synced.code()(args)
+        except Exception as e:  # noqa: BLE001 - re-raised as-is unless a collective failed
+            failure = collective_failure(e, schedule)
+            if failure is None:
+                raise
+            raise failure from e
+        return GradientUsage.drop(out, outputs, unused)
+
+    def _locally(self, schedule: Schedule, args: list[Any], unused: frozenset[str], outputs: dict[str, int]) -> Any:
+        """A divergent step: the local backward, its gradients handed to the step for the
+        union average at the end (:mod:`graphddp.runtime.union`), none to autograd."""
+        out = list(self.plain()(args))
+        grads = {}
+        for name, index in outputs.items():
+            if out[index] is not None:
+                grads[name], out[index] = out[index], None
+        self.step.contribute(schedule, grads, (n for n in grads if n not in unused))
+        return out
+
+    def _with_update(self, synced: Synced, update: InGraphUpdate, args: list[Any], unused: frozenset[str], other: bool) -> Any:
+        if other or not update.allowed(unused):
+            self.state.steps_after += 1
+            if update.grads is None:
+                update.grads = update.compile_grads()
+            return update.grads(args)
+        if not update.aliases_checked:
+            update.check_aliases(args)
+        extra = update.attached.update_args(update.names, update.groups)
+        args.extend(extra.tensors)  # the same list: the callee frees what it no longer needs
+        with torch.no_grad():
+            out = synced.code()(args)
+        update.attached.updated(extra)
+        self.state.steps_in_graph += 1
+        return out
+
+    def plain(self) -> Callable[[list[Any]], Any]:
+        if self._plain is None:
+            self._plain = self._compile_plain()
+            self.state.plain_compiles += 1
+        return self._plain

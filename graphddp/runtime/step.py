@@ -1,0 +1,291 @@
+"""What a training step is, at run time: the one owner of the state of a step.
+
+Background
+    Dynamo compiles a model into several graphs for two different reasons, and graphddp must
+    never confuse them:
+
+    * a **graph break** splits one forward into several graphs that all run in the same step;
+      a parameter read by two of them (tied across the break) gets its gradient in parts;
+    * a **recompile** (a guard failed: a config attribute set by the first forward, another
+      batch or sequence length, ``requires_grad`` toggled, train/eval) makes a new graph that
+      *replaces* an older one for later steps; both read the same parameters, but they never
+      run in the same step.
+
+    Every decision that asks "is this parameter in another graph" must ask it of the graphs of
+    this step, not of every graph compiled so far: whether a graph may update its parameters
+    inside the backward, whether a traced hook sees a whole gradient. A graph's frame (Dynamo's
+    ``frame_id``: graphs of one frame are recompiles of each other) is known at compile time and
+    says which graphs *could* run together; which ones did is known only at run time, and kept
+    here.
+
+Algorithm
+    * Each synchronising forward of a compiled graph records the autograd node its call made
+      (:meth:`forward_ran`), held weakly; its backward notes when it starts
+      (:meth:`synchronising_backward`). A graph is
+      *in this step* while it has a node whose backward already ran in this step, or a live
+      node that has not run yet. A forward whose output is dropped (an evaluation with grad
+      enabled) frees its node and stops counting, as it never reaches a backward.
+    * At the end of every synchronising backward (one engine callback per backward, however
+      many graphs ran) the listeners run in order (a traced hook's end-of-step work, torch's
+      optimizer step for gradients the graphs left) and the step is over: nodes that ran are
+      forgotten, nodes still waiting count for the next one.
+    * The user's ``no_sync`` switch, whether gradients were accumulated locally, and the step
+      after ``no_sync`` where a traced hook runs eagerly are held here too; the replica sets
+      them through this class's methods (``local``, ``accumulate``, ``hook_accumulated``...),
+      the backend and the dispatchers read them; no other object writes a field of the step.
+
+Agreement, and steps that differ across ranks
+    Every synchronising backward graph with buckets first agrees with the other ranks, in band
+    (:meth:`agree`): one small MAX all-reduce of a hash of its wire layout, its position in
+    the step and the number of synchronising forwards the step ran, plus two flags. Equal
+    everywhere (the static case), the graph runs its compiled all-reduces, as before. Different
+    (ranks whose control flow used different parameters: LayerDrop, a head per task; ranks that
+    ran different numbers of graphs) or asked for by a joined rank (:mod:`graphddp.runtime.join`), the
+    step is *divergent* on every rank at once: this and every later graph of the step runs its
+    local backward, hands its gradients to the step (:meth:`contribute`) instead of autograd,
+    and the end of the step averages the union of every rank's gradients, zeros where a rank
+    had none (:mod:`graphddp.runtime.union`), as DDP with ``find_unused_parameters=True`` does. The
+    other flag says some rank has a parameter whose every gradient source was unused this step
+    (an output left out of the loss): the graph then also agrees on which parameters were used
+    anywhere, and the ones used nowhere keep ``grad`` None, as in DDP. A step where parameters
+    no compiled graph covers may get a gradient from eager code (Dynamo runs a frame with a
+    graph break inside a loop eagerly: BART's LayerDrop) is divergent too, so that those
+    gradients are averaged with the rest.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import weakref
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from graphddp.runtime.agree import probe
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphEntry:
+    """One compiled Dynamo graph as the step sees it."""
+
+    index: int
+    frame: int | None  # Dynamo's frame id; None when not compiled under Dynamo (each its own frame)
+    params: frozenset[str]
+
+
+class _Run:
+    """One synchronising forward's backward node, and whether its backward started."""
+
+    __slots__ = ("node", "started")
+
+    def __init__(self, node: Any) -> None:
+        self.node = weakref.ref(node)
+        self.started = False
+
+    def counts(self) -> bool:
+        return self.started or self.node() is not None
+
+
+def current_frame() -> int | None:
+    """The frame Dynamo is compiling now (recompiles of one frame share it), or None."""
+    from torch._guards import CompileContext
+
+    compile_id = CompileContext.current_compile_id()
+    return None if compile_id is None else compile_id.frame_id
+
+
+class StepState:
+    """The state of the current step (module docstring). One per model replica."""
+
+    def __init__(self, track_runs: bool = True) -> None:
+        # Recording each forward's backward node costs a walk to it and a weak reference per
+        # graph and step; only the optimizer inside the backward and a traced hook ask for it.
+        self.track_runs = track_runs
+        self.graphs: list[GraphEntry] = []
+        self.sync = True  # the user's switch: cleared inside no_sync()
+        self.eager_hook_step = False  # this step's hook runs eagerly on accumulated gradients
+        self.eager_graphs: list[int] = []  # ... over these graphs' buckets, at the end of the backward
+        self.accumulated = False  # gradients accumulated locally (no_sync) wait for a synchronising step
+        self.ran_params: set[str] = set()  # parameters of the graphs the current forward ran
+        # Agreement (module docstring): what this step ran and whether ranks' steps differ.
+        self.expected = 0  # synchronising forwards of compiled graphs since the step began
+        self.probed = 0  # synchronising backward graphs that agreed in this step
+        self.divergent = False  # this step's graphs differ across ranks: the union average at its end
+        self.joined = False  # this rank has joined (graphddp.runtime.join): it asks every step to be divergent
+        self.local_grads: dict[str, torch.Tensor] = {}  # divergent: this rank's gradients, not averaged yet
+        self.local_used: set[str] = set()  # ... of which these came from a used output
+        self.local_schedules: list[Any] = []  # ... from the graphs with these schedules, in run order
+        # Parameters no compiled graph of this step covers, which eager code (a frame Dynamo
+        # skipped: a graph break inside a loop) may give a gradient: name -> its grad before the
+        # backward. Any makes the step divergent, and the union average takes their gradients.
+        self.eager: dict[str, torch.Tensor | None] = {}
+        self._runs: dict[int, list[_Run]] = {}
+        self._listeners: list[Callable[[], None]] = []
+        self._end_queued = False
+
+    # -- compile time ---------------------------------------------------------------------------
+    def add_graph(self, frame: int | None, params: Iterable[str]) -> GraphEntry:
+        entry = GraphEntry(len(self.graphs), frame, frozenset(params))
+        self.graphs.append(entry)
+        return entry
+
+    def in_other_frames(self, index: int) -> set[str]:
+        """Parameters that graphs of other frames read, which may run in the same step as
+        graph ``index`` (after a graph break); recompiles of its own frame never do."""
+        me = self.graphs[index]
+        return {
+            n for g in self.graphs
+            if g.index != index and (g.frame is None or g.frame != me.frame) for n in g.params
+        }
+
+    # -- the replica's switches (graphddp.frontend.replica): the only writers of these fields ---------------
+    @contextlib.contextmanager
+    def local(self) -> Iterator[None]:
+        """``no_sync()``: forwards inside run their graphs' local backward."""
+        previous, self.sync = self.sync, False
+        try:
+            yield
+        finally:
+            self.sync = previous
+
+    def accumulate(self) -> None:
+        """A forward under ``no_sync`` ran: gradients accumulate locally until a synchronising step."""
+        self.accumulated = True
+
+    def accumulated_averaged(self) -> None:
+        """The accumulated gradients were averaged (eagerly, behind the synchronising forward)."""
+        self.accumulated = False
+
+    def hook_accumulated(self) -> None:
+        """This synchronising step's traced hook averages the accumulated gradients eagerly,
+        at the end of its backward (its graphs run locally)."""
+        self.eager_hook_step = True
+        self.accumulated = False
+
+    def expect_eager_gradient(self, name: str, grad: torch.Tensor | None) -> None:
+        """Parameter ``name`` (its ``grad`` now) may get a gradient from eager code this step."""
+        self.eager[name] = None if grad is None else grad.detach().clone()
+
+    @contextlib.contextmanager
+    def shadowing(self) -> Iterator[None]:
+        """A joined rank's shadow of one step of the others (:mod:`graphddp.runtime.join`)."""
+        self.joined = True
+        try:
+            yield
+        finally:
+            self.joined = False
+            self.end_agreement()
+
+    # -- forward --------------------------------------------------------------------------------
+    def begin_forward(self) -> None:
+        """A model forward begins: the graphs it runs are recorded afresh. A backward that
+        raised never ran its end-of-step callback: its runs are over and the next end is
+        queued anew."""
+        if self._end_queued:  # its backward raised
+            self._forget_started()
+            self.end_agreement()
+        self.ran_params.clear()
+        self.eager_graphs.clear()
+        self.eager_hook_step = False
+        self._end_queued = False
+
+    def graph_syncs(self) -> bool:
+        """Does a compiled graph called now run its synchronising backward?"""
+        return self.sync and not self.eager_hook_step
+
+    def forward_ran(self, index: int, node: Any | None, syncing: bool, renamed: dict[str, str] | None = None) -> None:
+        """Graph ``index`` ran a forward; ``node`` is the backward node this call made;
+        ``renamed``: the parameters it ran with, when not the compiled ones."""
+        self.ran_params.update(self.graphs[index].params if renamed is None else renamed.values())
+        if syncing and torch.is_grad_enabled():
+            self.expected += 1
+        if not syncing and self.eager_hook_step and node is not None:
+            # The step after no_sync with a traced hook: the graph runs locally, and its
+            # buckets go through the hook eagerly when this synchronising backward ends.
+            self.eager_graphs.append(index)
+            node.register_prehook(self._eager_backward)
+        if self.track_runs and syncing and node is not None and torch.is_grad_enabled():
+            # Forwards whose outputs were dropped never reach a backward: forget them.
+            self._runs[index] = [r for r in self._runs.get(index, ()) if r.counts()] + [_Run(node)]
+
+    # -- backward -------------------------------------------------------------------------------
+    def agree(self, group: Any, digest: int, what: str, unused_here: bool) -> tuple[bool, bool]:
+        """Before a synchronising backward graph's collectives: is this step divergent (module
+        docstring), and did some rank see an unused gradient source? The same answer on every
+        rank. Once divergent, the step stays so and no further check is made."""
+        if self.divergent:
+            return True, False
+        position, self.probed = self.probed, self.probed + 1
+        flags = (self.joined, bool(self.eager), unused_here)
+        same, (join_asks, eager, unused) = probe((digest, position, self.expected), flags, group, what)
+        self.divergent = not same or join_asks or eager
+        return self.divergent, unused
+
+    def contribute(self, schedule: Any, grads: dict[str, torch.Tensor], used: Iterable[str]) -> None:
+        """A divergent step's graph ran locally: its gradients wait here for the union average."""
+        for name, grad in grads.items():
+            held = self.local_grads.get(name)
+            self.local_grads[name] = grad if held is None else held + grad
+        self.local_used.update(used)
+        self.local_schedules.append(schedule)
+
+    def runs(self, index: int) -> int:
+        """Backwards of graph ``index`` in this step: run already, running, or still to come."""
+        return sum(r.counts() for r in self._runs.get(index, ()))
+
+    def shared_this_step(self, index: int, names: Iterable[str]) -> set[str]:
+        """Which of ``names`` another graph of this step also reads (its gradient comes in parts)."""
+        wanted = set(names)
+        return {n for g in self.graphs if g.index != index and self.runs(g.index) for n in g.params & wanted}
+
+    def on_end_of_step(self, listener: Callable[[], None]) -> None:
+        """Run ``listener`` at the end of every synchronising backward, in registration order."""
+        self._listeners.append(listener)
+
+    def _eager_backward(self, _grad_outputs: Any = None) -> None:
+        self.synchronising_backward(None)
+
+    def synchronising_backward(self, index: int | None = None) -> None:
+        """A synchronising backward of graph ``index`` starts (its node is alive while it runs:
+        the first of its runs not started yet is this one; with two alive the graph falls back
+        either way); the step ends when the whole backward is done (a callback queued once per
+        backward)."""
+        for run in self._runs.get(index, ()) if index is not None else ():
+            if not run.started and run.node() is not None:
+                run.started = True
+                break
+        self.queue_end()
+
+    def queue_end(self) -> None:
+        """Make sure the end of this backward ends the step (once per backward; called from
+        inside it: a backward graph, or a gradient eager code gave a parameter)."""
+        if self._end_queued:
+            return
+        self._end_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_step)
+
+    def _forget_started(self) -> None:
+        """Runs whose backward started belong to a step that is over; those still waiting
+        count for the next one."""
+        for index, runs in list(self._runs.items()):
+            self._runs[index] = [r for r in runs if not r.started and r.node() is not None]
+
+    def _end_of_step(self) -> None:
+        self._end_queued = False
+        try:
+            for listener in self._listeners:
+                listener()
+        finally:
+            self.eager_hook_step = False
+            self.eager_graphs.clear()
+            self._forget_started()
+            self.end_agreement()
+
+    def end_agreement(self) -> None:
+        """The step's agreement is over: the next synchronising backward starts afresh."""
+        self.expected = self.probed = 0
+        self.divergent = False
+        self.local_grads.clear()
+        self.local_used.clear()
+        self.local_schedules.clear()
+        self.eager.clear()

@@ -1,0 +1,483 @@
+"""The value types of graphddp, the Schedule first: the one artifact that passes from planning
+to rewriting, to users and tests.
+
+Everything here is immutable and holds only plain values (names, ints, strings), so it can be
+compared across ranks, hashed, serialised and rendered without touching a graph. This module
+is the bottom layer: it imports nothing from graphddp. ``capture`` reads graphs into these
+values, ``planner`` and ``cost`` compute on them, ``render`` and the passes consume them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any, Mapping
+
+import torch
+
+SCHEMA_VERSION = 1
+
+
+def dtype_name(dtype: object) -> str:
+    """How every value here spells a dtype: ``torch.float32`` -> ``"float32"``."""
+    return str(dtype).replace("torch.", "")
+
+
+_MAY_BE_ZERO = ("latency_us", "op_overhead_us", "collective_overhead_us")
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Machine parameters. Defaults describe a modest CPU rank on a 10 Gbit/s link.
+
+    ``source`` says where the numbers came from ("given", "default", or what
+    :func:`graphddp.runtime.calibrate.calibrate` measured them on); a Schedule planned with
+    ``bucket_cap_mb="auto"`` records its cost model, source included.
+    """
+
+    bandwidth_gbps: float = 10.0  # link bandwidth, gigabits per second
+    latency_us: float = 20.0  # alpha: per ring step
+    compute_tflops: float = 0.05  # sustained dense compute, TFLOP/s
+    memory_gbps: float = 20.0  # memory bandwidth, gigabytes per second
+    op_overhead_us: float = 2.0  # launch / dispatch cost per op
+    collective_overhead_us: float = 20.0  # compute-lane time to issue and wait for one collective
+    source: str = "given"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.source, str):
+            raise ValueError(f"source must be a string, got {self.source!r}")
+        for f in dataclasses.fields(self):
+            if f.name == "source":
+                continue
+            value = getattr(self, f.name)
+            if not isinstance(value, (int, float)) or value < 0 or (value == 0 and f.name not in _MAY_BE_ZERO):
+                raise ValueError(f"{f.name} must be a positive number, got {value!r}")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CostModel":
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def compute_seconds(self, flops: int, nbytes: int) -> float:
+        return max(flops / (self.compute_tflops * 1e12), nbytes / (self.memory_gbps * 1e9)) + self.op_overhead_us * 1e-6
+
+    @property
+    def numbers(self) -> dict[str, float]:
+        """The machine parameters without ``source``: what a plan depends on."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "source"}
+
+    def describe(self) -> str:
+        """One line for tables and logs."""
+        return (f"{self.bandwidth_gbps:.3g} Gbit/s, {self.latency_us:.3g} us per ring step, "
+                f"{self.compute_tflops:.3g} TFLOP/s, {self.memory_gbps:.3g} GB/s, {self.op_overhead_us:.3g} us per op, {self.collective_overhead_us:.3g} us per collective "
+                f"({self.source})")
+
+    def ring_seconds(self, steps: int, wire_nbytes: float) -> float:
+        """A ring collective of ``steps`` latency-bound steps that puts ``wire_nbytes`` on each
+        rank's link: the alpha-beta time every collective kind is priced with
+        (:mod:`graphddp.values.collectives` says how many steps and bytes each kind takes)."""
+        return steps * self.latency_us * 1e-6 + wire_nbytes * 8 / (self.bandwidth_gbps * 1e9)
+
+    def allreduce_seconds(self, nbytes: int, world_size: int) -> float:
+        """A ring all-reduce of ``nbytes`` per rank (``graphddp.values.collectives.ALL_REDUCE.seconds``):
+        ``2 (p-1)`` steps, ``2 (p-1)/p`` of the bytes on the wire."""
+        if world_size <= 1:
+            return 0.0
+        steps = 2 * (world_size - 1)
+        return self.ring_seconds(steps, steps / world_size * nbytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class GradSlot:
+    """One gradient output of a backward graph that belongs to a parameter."""
+
+    output_index: int
+    param_name: str
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+    numel: int
+    nbytes: int
+    producer: str  # name of the node that finalises this gradient
+    position: int  # topological index of ``producer``: the production order
+    # Backward-graph inputs (positions) of the output gradients this gradient is computed from.
+    # When every one of them was None at run time (an output left out of the loss), the
+    # parameter was not used in this step: see :attr:`Schedule.may_be_unused`.
+    sources: tuple[int, ...] = ()
+
+    @property
+    def zero_filled(self) -> bool:
+        """This graph produces no gradient for the parameter, but its bucket keeps its place
+        and carries zeros there, as DDP's bucket does for a parameter unused in a step: a
+        recompile that stopped a parameter's gradient (``requires_grad`` toggled) keeps the
+        buckets a traced hook and its state were made for. No gradient is returned for it."""
+        return self.output_index < 0
+
+    def zero_filled_copy(self) -> "GradSlot":
+        """This slot in a graph that produces no gradient for it (:attr:`zero_filled`)."""
+        return dataclasses.replace(self, output_index=-1, producer="", position=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeFact:
+    """One backward-graph node: its order, whether it computes, its cost inputs and edges."""
+
+    name: str
+    position: int
+    is_compute: bool
+    flops: int = 0
+    nbytes: int = 0
+    inputs: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphFacts:
+    """What the planner may know about one backward graph: ordered nodes and gradient slots."""
+
+    nodes: tuple[NodeFact, ...]
+    slots: tuple[GradSlot, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketTiming:
+    index: int
+    ready: float  # seconds from backward start: its last gradient is produced
+    start: float  # the link picks it up
+    end: float
+    nbytes_on_wire: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+    """Predicted backward pass: compute spans, bucket transfers, step time, exposed comm."""
+
+    compute: tuple[Span, ...]
+    buckets: tuple[BucketTiming, ...]
+    compute_seconds: float
+    step_seconds: float
+    link: str = ""  # the cost model's link, for people: "10 Gbit/s, 20 us"
+
+    @property
+    def exposed_seconds(self) -> float:
+        return self.step_seconds - self.compute_seconds
+
+    @property
+    def comm_seconds(self) -> float:
+        return sum(b.end - b.start for b in self.buckets)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "compute_seconds": self.compute_seconds,
+            "comm_seconds": self.comm_seconds,
+            "step_seconds": self.step_seconds,
+            "exposed_seconds": self.exposed_seconds,
+            "buckets": [dataclasses.asdict(b) for b in self.buckets],
+        }
+
+
+# Bucket.wait_before when the bucket is waited for at the end of the backward: the graph's output node.
+WAIT_AT_OUTPUT = "output"
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """Gradients reduced by one all-reduce, in the order they are laid out in the flat buffer.
+
+    ``issue_after`` is the node that finalises the bucket's last gradient: the all-reduce is
+    issued right after it. ``wait_before`` is the first node that reads a reduced gradient;
+    the wait sits just before it. ``overlap`` names the compute nodes in between, the work
+    that can hide this bucket's communication.
+    """
+
+    index: int
+    slots: tuple[GradSlot, ...]
+    dtype: str
+    device: str
+    issue_after: str
+    wait_before: str
+    overlap: tuple[str, ...]
+    comm_dtype: str | None = None  # set by a compression hook: the dtype on the wire
+    collective: str = "all_reduce"  # the kind that merges the bucket (graphddp.values.collectives)
+    # Parameters whose optimizer update runs in the graph right after this bucket's wait
+    # (``graphddp.compile(..., optimizer=)``); their gradients are not returned.
+    updates: tuple[str, ...] = ()
+    # A user's traced hook (graphddp.hooks.traced) replaces the all-reduce: its name, and the
+    # bytes its collectives put on the wire per rank, read from the rewritten graph.
+    hook: str | None = None
+    hook_wire_nbytes: int | None = None
+
+    def wire(self) -> tuple:
+        """What this bucket puts on the wire (:meth:`Schedule.wire_layout`): dtype, device
+        type, wire dtype, hook, bytes and the ordered (parameter name, shape) list."""
+        kind = () if self.collective == "all_reduce" else (self.collective,)  # as before kinds, for all-reduce
+        return (
+            self.dtype, self.device.split(":")[0], self.comm_dtype, self.hook, self.wire_nbytes,
+            tuple((s.param_name, s.shape) for s in self.slots), *kind,
+        )
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        return tuple(s.param_name for s in self.slots)
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel for s in self.slots)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.slots)
+
+    @property
+    def wire_nbytes(self) -> int:
+        """Bytes each rank contributes to the all-reduce (what the link carries)."""
+        if self.hook_wire_nbytes is not None:
+            return self.hook_wire_nbytes
+        if self.comm_dtype is None:
+            return self.nbytes
+        return self.numel * getattr(torch, self.comm_dtype).itemsize
+
+    def offsets(self) -> tuple[int, ...]:
+        """Element offset of each slot in the flat bucket buffer."""
+        out, acc = [], 0
+        for s in self.slots:
+            out.append(acc)
+            acc += s.numel
+        return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """The communication plan for one compiled backward graph."""
+
+    graph_index: int
+    world_size: int
+    group_name: str
+    bucket_cap_mb: float | None  # None: planned by cost_model ("auto")
+    first_bucket_cap_mb: float | None
+    buckets: tuple[Bucket, ...]
+    unreduced: tuple[str, ...] = ()  # parameters in this graph that get no gradient
+    nodes: tuple[NodeFact, ...] = ()  # the backward graph, in order, with cost inputs
+    last_bucket_cap_mb: float | None = None  # cap of the exposed tail bucket (None: off)
+    optimizer: str | None = None  # the update compiled after the waits (graphddp.optim.attached), if any
+    # bucket_cap_mb="auto": the cost model whose predicted backward these buckets minimise
+    # (graphddp.plan.auto); the caps above are then None.
+    cost_model: CostModel | None = None
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.buckets)
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        return tuple(n for b in self.buckets for n in b.param_names)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+    def structure_error(self) -> str | None:
+        """Why this schedule is malformed on its own (no graph needed), or None.
+
+        Bucket ``i`` must sit at position ``i`` (the rewrite tags its nodes ``i``), and no output
+        may be planned into two buckets (it would be reduced twice). The rewrite refuses such a
+        schedule before editing, and the verifier checks it again after.
+        """
+        seen: dict[int, int] = {}
+        for position, bucket in enumerate(self.buckets):
+            if bucket.index != position:
+                return f"bucket {bucket.index} is at position {position} of the schedule"
+            for slot in bucket.slots:
+                if slot.zero_filled:
+                    continue
+                if slot.output_index in seen:
+                    return (
+                        f"output {slot.output_index} ({slot.param_name!r}) is in bucket {seen[slot.output_index]} "
+                        f"and bucket {bucket.index}: it would be reduced twice"
+                    )
+                seen[slot.output_index] = bucket.index
+        return None
+
+    def to_dict(self) -> dict:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "graph_index": self.graph_index,
+            "world_size": self.world_size,
+            "group_name": self.group_name,
+            "bucket_cap_mb": self.bucket_cap_mb,
+            "first_bucket_cap_mb": self.first_bucket_cap_mb,
+            "last_bucket_cap_mb": self.last_bucket_cap_mb,
+            "optimizer": self.optimizer,
+            "cost_model": self.cost_model.to_dict() if self.cost_model is not None else None,
+            "unreduced": list(self.unreduced),
+            "nodes": [{**dataclasses.asdict(n), "inputs": list(n.inputs)} for n in self.nodes],
+            "buckets": [
+                {
+                    "index": b.index,
+                    "dtype": b.dtype,
+                    "device": b.device,
+                    "numel": b.numel,
+                    "nbytes": b.nbytes,
+                    "wire_nbytes": b.wire_nbytes,
+                    "comm_dtype": b.comm_dtype,
+                    # Only a kind other than all-reduce is written: plans made before kinds
+                    # existed keep their JSON and their fingerprint.
+                    **({"collective": b.collective} if b.collective != "all_reduce" else {}),
+                    "hook": b.hook,
+                    "hook_wire_nbytes": b.hook_wire_nbytes,
+                    "issue_after": b.issue_after,
+                    "wait_before": b.wait_before,
+                    "overlap": list(b.overlap),
+                    "updates": list(b.updates),
+                    "slots": [dataclasses.asdict(s) for s in b.slots],
+                }
+                for b in self.buckets
+            ],
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Schedule":
+        if data.get("schema_version") != SCHEMA_VERSION:
+            raise ValueError(f"unsupported schedule schema_version {data.get('schema_version')!r}")
+        buckets = tuple(
+            Bucket(
+                index=b["index"],
+                slots=tuple(GradSlot(**{**s, "shape": tuple(s["shape"]), "sources": tuple(s.get("sources", ()))}) for s in b["slots"]),
+                dtype=b["dtype"],
+                device=b["device"],
+                issue_after=b["issue_after"],
+                wait_before=b["wait_before"],
+                overlap=tuple(b["overlap"]),
+                comm_dtype=b.get("comm_dtype"),
+                collective=b.get("collective", "all_reduce"),
+                hook=b.get("hook"),
+                hook_wire_nbytes=b.get("hook_wire_nbytes"),
+                updates=tuple(b.get("updates", ())),
+            )
+            for b in data["buckets"]
+        )
+        return cls(
+            graph_index=data["graph_index"],
+            world_size=data["world_size"],
+            group_name=data["group_name"],
+            bucket_cap_mb=data["bucket_cap_mb"],
+            first_bucket_cap_mb=data["first_bucket_cap_mb"],
+            last_bucket_cap_mb=data.get("last_bucket_cap_mb"),
+            optimizer=data.get("optimizer"),
+            cost_model=CostModel.from_dict(data["cost_model"]) if data.get("cost_model") else None,
+            buckets=buckets,
+            unreduced=tuple(data["unreduced"]),
+            nodes=tuple(NodeFact(**{**n, "inputs": tuple(n["inputs"])}) for n in data.get("nodes", [])),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> "Schedule":
+        return cls.from_dict(json.loads(text))
+
+    def wire_layout(self) -> tuple[int, tuple]:
+        """What goes on the wire, and nothing else: what ranks must agree on.
+
+        ``(world_size, buckets)`` with, per bucket in issue order, dtype, device type (the
+        index may differ per rank), wire dtype and the ordered (parameter name, shape) list.
+        Node names, positions and overlap windows are left out: two ranks whose compute
+        differs but whose layouts are equal reduce the same gradients.
+        """
+        return self.world_size, tuple(b.wire() for b in self.buckets)
+
+    def renamed(self, names: Mapping[str, str]) -> "Schedule":
+        """This plan for other parameters of the same shapes: Dynamo runs one compiled graph for
+        several modules of one class when their parent's frame runs eagerly (a graph break in a
+        loop), each call with that module's parameters (:mod:`graphddp.runtime.dispatch`)."""
+        buckets = tuple(
+            dataclasses.replace(
+                b, slots=tuple(dataclasses.replace(s, param_name=names.get(s.param_name, s.param_name)) for s in b.slots),
+                updates=tuple(names.get(n, n) for n in b.updates),
+            )
+            for b in self.buckets
+        )
+        return dataclasses.replace(self, buckets=buckets)
+
+    def fingerprint(self) -> str:
+        """Stable hash of the plan: equal across ranks and runs for the same model and options.
+
+        The process-group name is left out (it is a per-process registry key); the world size
+        and everything that decides what goes on the wire is in.
+        """
+        data = self.to_dict()
+        data.pop("group_name")
+        data.pop("nodes")  # cost inputs, not the plan
+        data.pop("cost_model")  # calibrated numbers vary run to run; the buckets they chose are in
+        for bucket in data["buckets"]:
+            for slot in bucket["slots"]:
+                slot.pop("sources")  # what a gradient is computed from: a run-time fact, not the plan
+        blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def to_table(self, timeline: Timeline | None = None) -> str:
+        """A terminal table: one row per bucket, in issue order.
+
+        With ``timeline`` (``graphddp.simulate(schedule, cost)``) each row gets its predicted
+        ready, start and end times, and a last line sums the step up.
+        """
+        head = f"{'bucket':>6}  {'dtype':<9} {'device':<7} {'params':>6} {'numel':>10} {'MB':>8}  {'issue after':<22} {'overlap':>7}"
+        hooked = any(b.hook for b in self.buckets)
+        head += f" {'wire MB':>8}  {'hook':<12}" if hooked else ""
+        head += f"  {'ready ms':>8} {'start ms':>8} {'end ms':>8}" if timeline else ""
+        head += "  parameters"
+        if self.cost_model is not None:
+            policy = f"auto buckets, minimising the predicted backward under {self.cost_model.describe()}"
+        else:
+            policy = f"caps first={self.first_bucket_cap_mb} MB rest={self.bucket_cap_mb} MB" + (
+                f" last={self.last_bucket_cap_mb} MB" if self.last_bucket_cap_mb is not None else "")
+        lines = [
+            f"graph {self.graph_index}: {self.num_buckets} buckets, {self.nbytes / 2**20:.2f} MB, "
+            f"world_size={self.world_size}, {policy}",
+            head,
+            "-" * len(head),
+        ]
+        for b in self.buckets:
+            names = ", ".join(b.param_names)
+            if len(names) > 60:
+                names = names[:57] + "..."
+            row = (
+                f"{b.index:>6}  {b.dtype:<9} {b.device:<7} {len(b.slots):>6} {b.numel:>10} "
+                f"{b.nbytes / 2**20:>8.3f}  {b.issue_after:<22} {len(b.overlap):>7}"
+            )
+            if hooked:
+                row += f" {b.wire_nbytes / 2**20:>8.3f}  {(b.hook or 'allreduce')[:12]:<12}"
+            if timeline:
+                t = timeline.buckets[b.index]
+                row += f"  {t.ready * 1e3:>8.3f} {t.start * 1e3:>8.3f} {t.end * 1e3:>8.3f}"
+            lines.append(f"{row}  {names}")
+        if timeline:
+            lines.append(
+                f"predicted ({timeline.link}): backward compute "
+                f"{timeline.compute_seconds * 1e3:.3f} ms, communication {timeline.comm_seconds * 1e3:.3f} ms, "
+                f"step {timeline.step_seconds * 1e3:.3f} ms, exposed communication {timeline.exposed_seconds * 1e3:.3f} ms"
+            )
+        if self.optimizer:
+            updated = sum(len(b.updates) for b in self.buckets)
+            lines.append(f"optimizer {self.optimizer}: {updated} of {len(self.param_names)} parameters updated in the graph, each right after its bucket's wait")
+            late = [n for b in self.buckets for n in b.param_names if n not in b.updates]
+            if late:
+                lines.append(f"updated after the backward instead (see graphddp.optim.attached): {', '.join(late)}")
+        if self.unreduced:
+            lines.append(f"no gradient in this graph (not reduced): {', '.join(self.unreduced)}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.to_table()
+
+
+# -- a predicted backward pass (graphddp.plan.cost.simulate makes these) ------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    name: str
+    start: float
+    end: float

@@ -1,0 +1,54 @@
+"""Ranks whose plans differ: buckets that differ are averaged over the union; different parameters fail at wrap time."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import graphddp
+from graphddp.models import MLP
+from graphddp.testing import spawn
+
+
+class _Flippable(nn.Module):
+    """Same parameters on every rank; rank 1 runs its layers in another order."""
+
+    def __init__(self, flip: bool) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+        self.flip = flip
+
+    def forward(self, x):
+        first, second = (self.b, self.a) if self.flip else (self.a, self.b)
+        return second(torch.relu(first(x)))
+
+
+def _flipped(rank: int, world: int) -> None:
+    # Same parameters, another production order on rank 1: different buckets, so the step is
+    # averaged over the union at its end (graphddp.runtime.union), as DDP averages it.
+    torch.manual_seed(0)
+    model = _Flippable(flip=rank == 1)
+    ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    compiled = graphddp.compile(copy.deepcopy(model), backend="aot_eager", bucket_cap_mb=0.001, first_bucket_cap_mb=0.001)
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(rank))
+    for m in (ref, compiled):
+        m(x).sum().backward()
+    refs = dict(ref.module.named_parameters())
+    for name, p in compiled.module.named_parameters():
+        torch.testing.assert_close(p.grad, refs[name].grad)
+    assert compiled._backend.union.steps == 1
+
+
+def test_ranks_whose_buckets_differ_are_averaged_over_the_union():
+    spawn(_flipped, 2)
+
+
+def _different_params(rank: int, world: int) -> None:
+    with pytest.raises(ValueError, match="ranks hold different parameters"):
+        graphddp.compile(MLP(width=32 if rank == 0 else 48), backend="aot_eager")
+
+
+def test_ranks_with_different_parameters_fail_at_wrap_time():
+    spawn(_different_params, 2)

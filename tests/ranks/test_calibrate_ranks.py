@@ -1,0 +1,162 @@
+"""Calibration on spawned gloo ranks: ranks that measure differently agree; a restart keeps a stored model only when every rank measures close to it."""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from graphddp import CostModel
+from graphddp.config import DDPConfig
+from graphddp.runtime import calibrate
+from graphddp.testing import spawn
+
+SLOW = 10.0  # rank 1 measures its compute this many times slower
+
+
+@contextlib.contextmanager
+def _cache_dir(path: str):
+    """Point the inductor cache, where calibrate stores its numbers, at ``path`` for a while.
+
+    The test ranks share one inductor cache across the suite, so without this a model stored
+    by an earlier test on the same group name would be kept instead of measured.
+    """
+    saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    try:
+        yield
+    finally:
+        calibrate.CALIBRATIONS.clear()
+        if saved is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
+
+
+def _agree_on_the_slowest(rank: int, world: int, cache: str) -> None:
+    with _cache_dir(cache):
+        _check_agreement(rank, world)
+
+
+def _check_agreement(rank: int, world: int) -> None:
+    group = dist.new_group(list(range(world)))  # a group no earlier test has calibrated
+    measure = calibrate._compute_times
+    seen: list[list[float]] = []
+
+    def compute_times(*args):
+        times = measure(*args)
+        if rank == 1:
+            times = [t * SLOW for t in times]
+        seen.append(times)
+        return times
+
+    calibrate._compute_times = compute_times
+    try:
+        model = calibrate.calibrate(group)
+    finally:
+        calibrate._compute_times = measure
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, (model, seen[0]))
+    models = [m for m, _ in everyone]
+    assert all(m == model for m in models), models
+    assert model.source.startswith("calibrated on process group") and f"({world} ranks, cpu)" in model.source
+    # MAX over ranks: the matmul rate is the slow rank's (two significant figures).
+    slowest_matmul = max(times[0] for _, times in everyone)
+    expected = calibrate._round2(2 * calibrate._MATMUL_N["cpu"] ** 3 / slowest_matmul / 1e12)
+    assert model.compute_tflops == pytest.approx(expected, rel=0.06), (model, expected)
+    for name in ("bandwidth_gbps", "latency_us", "collective_overhead_us", "compute_tflops", "memory_gbps", "op_overhead_us"):
+        value = getattr(model, name)
+        assert math.isfinite(value) and value >= 0, (name, value)
+    assert model.bandwidth_gbps > 0 and model.compute_tflops > 0 and model.memory_gbps > 0
+
+    # A collective's time is one number for the group (each repeat's slowest rank), whatever
+    # each rank saw of it.
+    took = calibrate._collective_seconds(1 << 16, group, torch.device("cpu"), lambda: None)
+    seen_by: list = [None] * world
+    dist.all_gather_object(seen_by, took)
+    assert len(set(seen_by)) == 1 and took > 0, seen_by
+
+    # Measured once per group: the second call talks to nobody and times nothing.
+    def refuse(*args):
+        raise AssertionError("calibrated twice")
+
+    calibrate._compute_times, link = refuse, calibrate._link_times
+    calibrate._link_times = refuse
+    try:
+        assert calibrate.calibrate(group) is model
+    finally:
+        calibrate._compute_times, calibrate._link_times = measure, link
+
+    # A group of one rank: compute measured, nothing sent, the link left at its defaults.
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+    calibrate._link_times = refuse
+    try:
+        solo = calibrate.calibrate(alone)
+    finally:
+        calibrate._link_times = link
+    assert "of one rank" in solo.source and solo.compute_tflops > 0
+    assert (solo.bandwidth_gbps, solo.latency_us) == (CostModel().bandwidth_gbps, CostModel().latency_us)
+
+    # resolve_cost: only "auto" without a given cost is calibrated.
+    assert calibrate.resolve_cost(DDPConfig(bucket_cap_mb=4.0), group, None).cost is None
+    given = CostModel(bandwidth_gbps=3.0)
+    assert calibrate.resolve_cost(DDPConfig(cost=given), group, None).cost is given
+    assert calibrate.resolve_cost(DDPConfig(), group, None).cost is model  # the default is "auto"
+
+
+def test_ranks_that_measure_differently_agree_on_the_slowest_rank(tmp_path):
+    spawn(_agree_on_the_slowest, 2, str(tmp_path))
+
+
+COMPUTE_S = [2.4e-3, 1.0e-3, 3.0e-6]  # matmul, copy, one-element add
+
+
+LINK_S = [2.0e-5, 1.5e-3, 9.0e-3, 35.0e-3]  # issue; all-reduces of calibrate.SIZES
+
+
+def _calibrate_world(compute_scale: float, link_scale: float) -> CostModel:
+    """A fresh calibration of WORLD (the in-memory cache cleared: a restart) on fixed times."""
+    measure, link = calibrate._compute_times, calibrate._link_times
+    calibrate._compute_times = lambda *a: [t * compute_scale for t in COMPUTE_S]
+    calibrate._link_times = lambda *a: [t * link_scale for t in LINK_S]
+    calibrate.CALIBRATIONS.clear()
+    try:
+        return calibrate.calibrate(dist.group.WORLD)
+    finally:
+        calibrate._compute_times, calibrate._link_times = measure, link
+
+
+def _restarts(rank: int, world: int, dirs: list[str], empty: str) -> None:
+    with _cache_dir(dirs[rank]):
+        first = _calibrate_world(1.0, 1.0)
+        assert "kept" not in first.source
+        again = _calibrate_world(1.5, 0.7)  # noise within KEEP_WITHIN: the stored numbers, said so
+        assert again.numbers == first.numbers and "kept from an earlier run" in again.source, again
+        # One outlying measurement: this run plans with it, the stored numbers stay for the next.
+        outlier = _calibrate_world(1.0, 3.0)
+        assert "kept" not in outlier.source and outlier.numbers != first.numbers
+        assert _calibrate_world(1.0, 1.0).numbers == first.numbers
+        _calibrate_world(1.0, 3.0)  # another, later: the first one was forgotten when the next run kept
+        assert _calibrate_world(1.0, 1.0).numbers == first.numbers
+        # The machine changed: measured on its first run, stored on its second.
+        slower = _calibrate_world(3.0, 1.0)
+        assert slower.compute_tflops == pytest.approx(first.compute_tflops / 3, rel=0.06) and "kept" not in slower.source
+        still = _calibrate_world(3.0, 1.1)
+        assert "kept" not in still.source
+        assert _calibrate_world(3.0, 1.0).numbers == still.numbers
+        # One rank restarts on an empty cache directory: the ranks cannot agree to keep, so
+        # both use the measurement (the same on both), never one stored and one measured.
+        if rank == 1:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = empty
+        mixed = _calibrate_world(3.1, 1.1)
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, mixed)
+        assert all(m == mixed for m in everyone), everyone
+        assert "kept" not in mixed.source and mixed.numbers != slower.numbers
+
+
+def test_a_restart_keeps_the_stored_model_only_when_every_rank_measures_close_to_it(tmp_path):
+    spawn(_restarts, 2, [str(tmp_path / "rank0"), str(tmp_path / "rank1")], str(tmp_path / "empty"))

@@ -1,0 +1,124 @@
+"""graphddp inside compiled training pipelines, in one process (a fake process group): ``mode`` and
+``options`` reach graphddp, generated code still overlaps, and bad settings are named. The forms
+against DDP on ranks: ranks/test_pipeline_forms.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import graphddp
+from graphddp.config import DDPConfig
+from graphddp.graph.codeinspect import windows_in_generated_code
+from graphddp.models import MLP
+
+pytest.importorskip("transformers")
+
+
+def _gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=64,
+        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, use_cache=False,
+    ))
+
+
+def _batch(rank: int, step: int) -> dict[str, torch.Tensor]:
+    idx = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(100 * rank + step))
+    return {"input_ids": idx, "labels": idx}
+
+
+def test_max_autotune_generated_code_still_overlaps(fake_world):
+    """Hugging Face GPT-2 under mode="max-autotune-no-cudagraphs": in the code inductor
+    generated, every bucket but the last has kernels running while its all-reduce is in flight."""
+    fake_world(8)
+    model = graphddp.compile(_gpt2(), mode="max-autotune-no-cudagraphs", bucket_cap_mb=0.02)
+    model(**_batch(0, 0)).loss.backward()
+    records = [r for r in model.records if r.schedule.num_buckets]
+    assert records, "no backward graph with parameters was planned"
+    for record in records:
+        windows = windows_in_generated_code(record.generated_code)
+        assert len(windows) == record.schedule.num_buckets >= 2
+        assert all(w.kernels_in_flight > 0 for w in windows[:-1]), windows
+
+
+def test_reduce_overhead_on_cpu_runs(fake_world):
+    """CUDA graphs do not apply on CPU: the mode compiles and runs."""
+    fake_world(2)
+    model = graphddp.compile(MLP(), mode="reduce-overhead", bucket_cap_mb=0.01)
+    model(torch.randn(8, 16)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_cuda_graphs_on_a_cuda_model_are_refused_naming_the_setting():
+    config = DDPConfig(mode="reduce-overhead")
+    with pytest.raises(ValueError, match=r"mode='reduce-overhead' turns on CUDA graphs.*max-autotune-no-cudagraphs"):
+        config.check_inductor_settings("graphddp.compile", torch.device("cuda", 0))
+    with pytest.raises(ValueError, match=r"options\['triton.cudagraphs'\] turns on CUDA graphs"):
+        DDPConfig(options={"triton.cudagraphs": True}).check_inductor_settings("here", torch.device("cuda"))
+    assert DDPConfig(mode="max-autotune").check_inductor_settings("here", torch.device("cpu"))["max_autotune"]
+
+
+@pytest.mark.parametrize("options,match", [
+    ({"reorder_for_compute_comm_overlap": False}, r"\['reorder_for_compute_comm_overlap'\] are set by graphddp"),
+    ({"no_such_setting": 1}, r"\['no_such_setting'\] are not inductor config settings"),
+])
+def test_bad_options_name_the_setting(fake_world, options, match):
+    fake_world(2)
+    with pytest.raises(ValueError, match=match):
+        graphddp.compile(MLP(), options=options)
+
+
+def test_mode_needs_inductor():
+    with pytest.raises(ValueError, match="mode and options configure inductor; backend='aot_eager'"):
+        DDPConfig(backend="aot_eager", mode="max-autotune")
+    with pytest.raises(ValueError, match="mode must be None or one of"):
+        DDPConfig(mode="fastest")
+
+
+def test_torch_compile_options_reach_graphddp(fake_world):
+    """torch.compile(m, backend=graphddp.backend(m), options=...) hands them to graphddp."""
+    fake_world(2)
+    m = MLP()
+    b = graphddp.backend(m)
+    compiled = torch.compile(m, backend=b, options={"_fuse_ddp_communication": True})
+    with pytest.raises(Exception, match=r"\['_fuse_ddp_communication'\] are set by graphddp"):
+        compiled(torch.randn(8, 16))
+    b.remove()
+
+
+def test_outer_fullgraph_compile_says_what_to_do(fake_world):
+    fake_world(2)
+    gd = graphddp.compile(MLP(), backend="aot_eager")
+    with pytest.raises(Exception, match="graphddp module compiles itself"):
+        torch.compile(gd, backend="aot_eager", fullgraph=True)(torch.randn(8, 16))
+
+
+def test_backend_name_without_prepare_is_a_clear_error(fake_world):
+    fake_world(2)
+    with pytest.raises(Exception, match=r"graphddp has not prepared; call graphddp.backend\(model"):
+        torch.compile(MLP(), backend="graphddp")(torch.randn(8, 16))
+
+
+def test_backend_form_does_the_wrap_time_checks(fake_world):
+    fake_world(2)
+    with pytest.raises(TypeError, match="graphddp.backend: module must be a torch.nn.Module"):
+        graphddp.backend(lambda x: x)
+    with pytest.raises(TypeError, match=r"graphddp.backend got unknown option\(s\) \['bucket_cap'\]"):
+        graphddp.backend(MLP(), bucket_cap=1)
+
+
+def test_backend_form_compiles_a_torch_nn_class_and_detaches(fake_world):
+    """nn.Sequential: torch.compile traces its hooks instead of running them outside, so the
+    per-forward work wraps forward; the graph is compiled by graphddp, and remove() undoes it."""
+    fake_world(2)
+    m = MLP()
+    b = graphddp.backend(m, backend="aot_eager", bucket_cap_mb=0.01)
+    torch.compile(m, backend=b)(torch.randn(8, 16)).sum().backward()
+    assert len(b.schedules) == 1 and b.schedules[0].num_buckets >= 2
+    assert "forward" in vars(m)
+    b.remove()
+    assert "forward" not in vars(m) and not b.attached

@@ -1,0 +1,557 @@
+"""Mutation tests for the verifier: corrupt rewritten backward graphs, expect a named rejection.
+
+Each case is a rewritten backward graph with its schedule: real ones, captured from
+``graphddp.compile(..., backend="aot_eager")`` under a fake process group of 4 ranks (an MLP,
+two buckets of several gradients, with and without a bf16 compression hook), and hand-traced
+ones from ``test_passes`` (three buckets, two dtypes, a strided gradient that is cloned; with an
+fp16 hook; and with waits placed before an interior node). Each mutation breaks one thing the
+rewrite could get wrong while, mostly, keeping the graph lint-clean, and names the node the
+verifier must point at: the error has to mention it and mark it (``>>``) in the context it shows.
+The pristine graphs must verify.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import pytest
+import test_passes
+import torch
+import torch.fx as fx
+
+import graphddp
+from graphddp.config import DDPConfig
+from graphddp.graph.capture import extract_facts, output_nodes
+from graphddp.graph.insert_comm import insert_collectives
+from graphddp.graph.verify import VerificationError, verify
+from graphddp.models import MLP
+from graphddp.plan.planner import plan
+from graphddp.testing import init_fake_process_group, release_process_group
+from graphddp.values.comm import ALL_REDUCE, BUCKET_KEY, CAST, ROLE_KEY, WAIT
+from graphddp.values.schedule import Bucket, Schedule
+
+aten = torch.ops.aten
+WORLD = 4
+
+
+@dataclasses.dataclass
+class Case:
+    """One rewritten graph to corrupt: its own copy of the graph; the schedule may be replaced."""
+
+    gm: fx.GraphModule
+    schedule: Schedule
+    expected: dict[int, str]
+
+    # -- finding graphddp's nodes -----------------------------------------------------------
+    def ours(self, bucket: int, role: str) -> list[fx.Node]:
+        return [n for n in self.gm.graph.nodes if n.meta.get(BUCKET_KEY) == bucket and n.meta.get(ROLE_KEY) == role]
+
+    def one(self, bucket: int, role: str) -> fx.Node:
+        (node,) = self.ours(bucket, role)
+        return node
+
+    def biggest(self) -> Bucket:
+        """The bucket with the most gradients (several, in every case): exercises the cat."""
+        return max(self.schedule.buckets, key=lambda b: len(b.slots))
+
+    def compressed(self) -> bool:
+        return any(b.comm_dtype for b in self.schedule.buckets)
+
+    def node(self, name: str) -> fx.Node:
+        (node,) = [n for n in self.gm.graph.nodes if n.name == name]
+        return node
+
+    def outs(self) -> list[Any]:
+        return output_nodes(self.gm)
+
+    def set_outs(self, outs: list[Any]) -> None:
+        self.gm.graph.output_node().args = (tuple(outs),)
+
+
+def add_node(case: Case, where: fx.Node, target: Callable[..., Any], args: tuple, like: fx.Node,
+             kwargs: dict | None = None, tag: tuple[int, str] | None = None, before: bool = False) -> fx.Node:
+    """Insert a node after (or before) ``where``, with ``like``'s fake value and an optional tag."""
+    graph = case.gm.graph
+    with (graph.inserting_before(where) if before else graph.inserting_after(where)):
+        node = graph.call_function(target, args, kwargs or {})
+    node.meta["val"] = like.meta["val"]
+    if tag is not None:
+        node.meta[BUCKET_KEY], node.meta[ROLE_KEY] = tag
+    return node
+
+
+# ---------------------------------------------------------------------------------------------
+# cases
+
+
+def _real(comm_hook: str | None) -> tuple[fx.GraphModule, Schedule, dict[int, str]]:
+    """The backward graph graphddp.compile rewrote (and verified) for an MLP on 4 fake ranks."""
+    init_fake_process_group(WORLD)
+    try:
+        torch.manual_seed(0)
+        model = graphddp.compile(MLP(width=32, depth=4), backend="aot_eager", bucket_cap_mb=0.005, comm_hook=comm_hook)
+        model(torch.randn(8, 16)).sum().backward()
+        (record,) = model.records
+    finally:
+        release_process_group()
+    expected = {s.output_index: s.param_name for b in record.schedule.buckets for s in b.slots}
+    return record.graph, record.schedule, expected
+
+
+def _hand(comm_hook: str | None = None, early_waits: bool = False) -> tuple[fx.GraphModule, Schedule, dict[int, str]]:
+    gm = test_passes.trace()
+    first, rest = test_passes.MIXED
+    config = DDPConfig(first_bucket_cap_mb=first, bucket_cap_mb=rest, comm_hook=comm_hook)
+    schedule = plan(extract_facts(gm, test_passes.PARAMS), config, world_size=WORLD, group_name="0")
+    if early_waits:  # every bucket but the last waits before the first compute after their issue points
+        names = [n.name for n in schedule.nodes]
+        last_issue = max(names.index(b.issue_after) for b in schedule.buckets[:-1])
+        wait_at = next(n.name for n in schedule.nodes[last_issue + 1:] if n.is_compute)
+        assert names.index(wait_at) < names.index(schedule.buckets[-1].issue_after), "an interior node"
+        early = {f"b{b.index}": dict(wait_before=wait_at) for b in schedule.buckets[:-1]}
+        schedule = test_passes.with_buckets(schedule, **early)
+    insert_collectives(gm, schedule)
+    return gm, schedule, dict(test_passes.PARAMS)
+
+
+BUILDERS: dict[str, Callable[[], tuple[fx.GraphModule, Schedule, dict[int, str]]]] = {
+    "mlp": lambda: _real(None),
+    "mlp-bf16": lambda: _real("bf16_compress"),
+    "hand": lambda: _hand(),
+    "hand-fp16": lambda: _hand("fp16_compress"),
+    "hand-early-wait": lambda: _hand(early_waits=True),
+}
+ALL = tuple(BUILDERS)
+COMPRESSED = ("mlp-bf16", "hand-fp16")
+PLAIN = tuple(c for c in ALL if c not in COMPRESSED)
+EARLY = ("hand-early-wait",)
+
+
+@functools.lru_cache(maxsize=None)
+def _pristine(name: str) -> tuple[fx.GraphModule, Schedule, dict[int, str]]:
+    return BUILDERS[name]()
+
+
+def fresh(name: str) -> Case:
+    gm, schedule, expected = _pristine(name)
+    return Case(copy.deepcopy(gm), schedule, dict(expected))
+
+
+# ---------------------------------------------------------------------------------------------
+# mutations: each corrupts ``case`` and returns the name of the node the verifier must point at
+
+
+def wrong_divisor(c: Case) -> str:
+    scale = c.one(c.biggest().index, "scale")
+    scale.args = (scale.args[0], WORLD + 1)
+    return scale.name
+
+
+def unscaled(c: Case) -> str:
+    b = c.biggest().index
+    scale, ar = c.one(b, "scale"), c.one(b, "all_reduce")
+    ar.args = (scale.args[0], *ar.args[1:])
+    c.gm.graph.erase_node(scale)
+    return ar.name
+
+
+def scaled_twice(c: Case) -> str:
+    scale = c.one(c.biggest().index, "scale")
+    extra = add_node(c, scale, aten.div.Tensor, (scale.args[0], WORLD), like=scale, before=True)
+    scale.args = (extra, WORLD)
+    return extra.name
+
+
+def wrong_group(c: Case) -> str:
+    ar = c.one(0, "all_reduce")
+    ar.args = (ar.args[0], "sum", "not-" + c.schedule.group_name)
+    return ar.name
+
+
+def wrong_reduce_op(c: Case) -> str:
+    ar = c.one(c.biggest().index, "all_reduce")
+    ar.args = (ar.args[0], "avg", ar.args[2])
+    return ar.name
+
+
+def issued_before_producer(c: Case) -> str:
+    b = c.biggest()
+    ar = c.one(b.index, "all_reduce")
+    c.node(b.slots[-1].producer).prepend(ar)
+    return ar.name
+
+
+def issued_before_producer_per_schedule(c: Case) -> str:
+    """Schedule and graph agree on an issue point that comes before the bucket's last gradient."""
+    b = c.biggest()
+    ar = c.one(b.index, "all_reduce")
+    c.node(b.slots[-1].producer).prepend(ar)
+    c.schedule = test_passes.with_buckets(c.schedule, **{f"b{b.index}": dict(issue_after=ar.prev.name)})
+    return ar.name
+
+
+def issued_before_issue_after(c: Case) -> str:
+    """The schedule asks for a later issue point than the graph has (rewrite ignored it)."""
+    b = c.schedule.buckets[0]
+    assert b.overlap, "the first bucket has compute after it"
+    c.schedule = test_passes.with_buckets(c.schedule, b0=dict(issue_after=b.overlap[-1]))
+    return c.one(0, "all_reduce").name
+
+
+def wait_after_output(c: Case) -> str:
+    wait = c.one(c.biggest().index, "wait")
+    c.gm.graph.output_node().append(wait)
+    return wait.name
+
+
+def wait_after_wait_before(c: Case) -> str:
+    """Lint-clean: the wait and its unflatten views all move to just after wait_before."""
+    wait = c.one(0, "wait")
+    anchor = c.node(c.schedule.buckets[0].wait_before)
+    moved = [wait] + c.ours(0, "decompress") + c.ours(0, "unflatten")
+    for node in reversed(moved):
+        anchor.append(node)
+    return wait.name
+
+
+def early_reader(c: Case) -> str:
+    """Compute reads a reduced gradient before the schedule's wait_before."""
+    view = c.ours(0, "unflatten")[-1]
+    anchor = view.next
+    reader = add_node(c, anchor, aten.neg.default, (view,), like=view, before=True)
+    return reader.name
+
+
+def buffer_read_in_flight(c: Case) -> str:
+    b = c.biggest().index
+    scale, ar = c.one(b, "scale"), c.one(b, "all_reduce")
+    reader = add_node(c, ar, aten.add.Tensor, (scale, 1), like=scale)
+    return reader.name
+
+
+def missing_compress(c: Case) -> str:
+    b = c.biggest().index
+    cast, scale, ar = c.one(b, "compress"), c.one(b, "scale"), c.one(b, "all_reduce")
+    scale.args = (cast.args[0], *scale.args[1:])
+    c.gm.graph.erase_node(cast)
+    return ar.name
+
+
+def wrong_compress_dtype(c: Case) -> str:
+    cast = c.one(c.biggest().index, "compress")
+    other = torch.bfloat16 if cast.args[1] == torch.float16 else torch.float16
+    cast.args = (cast.args[0], other)
+    return cast.name
+
+
+def extra_compress(c: Case) -> str:
+    b = c.biggest().index
+    scale = c.one(b, "scale")
+    cast = add_node(c, scale, CAST, (scale.args[0], torch.bfloat16), like=scale,
+                    tag=(b, "compress"), before=True)
+    scale.args = (cast, *scale.args[1:])
+    return cast.name
+
+
+def compressed_twice(c: Case) -> str:
+    b = c.biggest()
+    cast = c.one(b.index, "compress")
+    again = add_node(c, cast, CAST, (cast.args[0], getattr(torch, b.comm_dtype)), like=cast,
+                     tag=(b.index, "compress"), before=True)
+    cast.args = (again,)
+    return again.name
+
+
+def wrong_decompress_dtype(c: Case) -> str:
+    cast = c.one(c.biggest().index, "decompress")
+    cast.args = (cast.args[0], torch.float64)
+    return cast.name
+
+
+def drop_node(c: Case, node: fx.Node, keep: fx.Node) -> str:
+    """Erase ``node``, its users reading ``keep`` (its input) instead; names ``keep``."""
+    node.replace_all_uses_with(keep)
+    c.gm.graph.erase_node(node)
+    return keep.name
+
+
+def missing_decompress(c: Case) -> str:
+    b = c.biggest().index
+    return drop_node(c, c.one(b, "decompress"), keep=c.one(b, "wait"))
+
+
+def extra_decompress(c: Case) -> str:
+    b = c.biggest()
+    wait = c.one(b.index, "wait")
+    cast = add_node(c, wait, CAST, (wait, getattr(torch, b.dtype)), like=wait,
+                    tag=(b.index, "decompress"))
+    wait.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
+    return cast.name
+
+
+def unreduced_output(c: Case) -> str:
+    slot = c.biggest().slots[1]
+    outs = c.outs()
+    outs[slot.output_index] = c.node(slot.producer)
+    c.set_outs(outs)
+    return slot.producer
+
+
+def output_from_flat_piece(c: Case) -> str:
+    """A gradient returned as graphddp's flattening view of itself, from before the all-reduce."""
+    b = c.biggest()
+    slot = b.slots[0]
+    piece = list(c.ours(b.index, "flatten")[-1].args[0])[0]
+    view = add_node(c, piece, aten.view.default, (piece, list(slot.shape)), like=c.node(slot.producer), tag=(b.index, "unflatten"))
+    outs = c.outs()
+    outs[slot.output_index] = view
+    c.set_outs(outs)
+    return view.name
+
+
+def wrong_slice(c: Case) -> str:
+    """Two gradients of one bucket swap slices: the lower output gets the other's slice."""
+    first, second = sorted(c.biggest().slots[:2], key=lambda s: s.output_index)
+    outs = c.outs()
+    outs[first.output_index], outs[second.output_index] = outs[second.output_index], outs[first.output_index]
+    c.set_outs(outs)
+    return outs[first.output_index].args[0].name
+
+
+def wrong_bucket(c: Case) -> str:
+    a, b = c.schedule.buckets[0].slots[0], c.schedule.buckets[1].slots[0]
+    first, second = sorted((a, b), key=lambda s: s.output_index)
+    outs = c.outs()
+    outs[first.output_index], outs[second.output_index] = outs[second.output_index], outs[first.output_index]
+    c.set_outs(outs)
+    other = b if first is a else a
+    return c.one([bk.index for bk in c.schedule.buckets if other in bk.slots][0], "wait").name
+
+
+def unflattened_to_wrong_shape(c: Case) -> str:
+    slot = c.biggest().slots[0]
+    view = c.outs()[slot.output_index]
+    view.args = (view.args[0], list(slot.shape) + [1])
+    return view.name
+
+
+def reduced_twice(c: Case) -> str:
+    b = c.biggest().index
+    ar, wait = c.one(b, "all_reduce"), c.one(b, "wait")
+    again = add_node(c, ar, ALL_REDUCE, ar.args, like=ar, tag=(b, "all_reduce"))
+    add_node(c, wait, WAIT, (again,), like=wait, tag=(b, "wait"))
+    return again.name
+
+
+def no_wait(c: Case) -> str:
+    b = c.biggest().index
+    return drop_node(c, c.one(b, "wait"), keep=c.one(b, "all_reduce"))
+
+
+def two_waits(c: Case) -> str:
+    b = c.biggest().index
+    ar, wait = c.one(b, "all_reduce"), c.one(b, "wait")
+    add_node(c, wait, WAIT, (ar,), like=wait, tag=(b, "wait"))
+    return ar.name
+
+
+def stray_wait(c: Case) -> str:
+    """A graphddp wait on something that is not its bucket's all-reduce (here, a gradient)."""
+    b = c.biggest()
+    ar, producer = c.one(b.index, "all_reduce"), c.node(b.slots[0].producer)
+    stray = add_node(c, ar, WAIT, (producer,), like=producer, tag=(b.index, "wait"))
+    return stray.name
+
+
+def wait_untagged(c: Case) -> str:
+    """A pass rebuilt the wait without graphddp's tag: it no longer belongs to its bucket."""
+    wait = c.one(c.biggest().index, "wait")
+    del wait.meta[BUCKET_KEY]
+    return wait.name
+
+
+def out_of_place_all_reduce(c: Case) -> str:
+    ar = c.one(c.biggest().index, "all_reduce")
+    ar.target = torch.ops._c10d_functional.all_reduce.default
+    return ar.name
+
+
+def all_reduce_of_unknown_bucket(c: Case) -> str:
+    ar = c.one(c.biggest().index, "all_reduce")
+    ar.meta[BUCKET_KEY] = c.schedule.num_buckets
+    return ar.name
+
+
+def cat_missing_slot(c: Case) -> str:
+    cat = c.ours(c.biggest().index, "flatten")[-1]
+    assert cat.target == aten.cat.default
+    cat.args = (list(cat.args[0])[:-1],)
+    return cat.name
+
+
+def cat_slots_swapped(c: Case) -> str:
+    cat = c.ours(c.biggest().index, "flatten")[-1]
+    pieces = list(cat.args[0])
+    pieces[0], pieces[1] = pieces[1], pieces[0]
+    cat.args = (pieces,)
+    return pieces[0].name
+
+
+def cat_piece_wrong_size(c: Case) -> str:
+    piece = list(c.ours(c.biggest().index, "flatten")[-1].args[0])[1]
+    piece.args = (piece.args[0], [piece.args[1][0] + 1])
+    return piece.name
+
+
+def cat_piece_not_a_view(c: Case) -> str:
+    """The cat takes zeros the size of a gradient instead of a flattening view of it."""
+    b = c.biggest()
+    cat = c.ours(b.index, "flatten")[-1]
+    pieces = list(cat.args[0])
+    piece = pieces[0]
+    zeros = add_node(c, piece, aten.new_zeros.default, (c.node(b.slots[0].producer), [b.slots[0].numel]), like=piece)
+    pieces[0] = zeros
+    cat.args = (pieces,)
+    return zeros.name
+
+
+def foreign_op_in_buffer(c: Case) -> str:
+    """Something graphddp does not emit sits between the cat and the all-reduce."""
+    cat = c.ours(c.biggest().index, "flatten")[-1]
+    (user,) = cat.users
+    extra = add_node(c, cat, aten.clone.default, (cat,), like=cat)
+    user.replace_input_with(cat, extra)
+    return extra.name
+
+
+def cat_of_wrong_gradient(c: Case) -> str:
+    """A piece flattens another bucket's gradient (its producer), not its own."""
+    big = c.biggest()
+    other = next(b for b in c.schedule.buckets if b is not big and b.dtype == big.dtype)
+    piece = list(c.ours(big.index, "flatten")[-1].args[0])[0]
+    piece.args = (c.node(other.slots[0].producer), [big.slots[0].numel])
+    return piece.name
+
+
+def unsliced_view(c: Case) -> str:
+    """A gradient viewed straight from its bucket's (reduced) buffer, without its slice."""
+    b = c.biggest()
+    slot = b.slots[-1]
+    view = c.outs()[slot.output_index]
+    piece = view.args[0]
+    unsliced = add_node(c, view, aten.view.default, (piece.args[0], [-1]), like=piece.args[0], tag=(b.index, "unflatten"))
+    outs = c.outs()
+    outs[slot.output_index] = unsliced
+    c.set_outs(outs)
+    return unsliced.name
+
+
+def compute_out_of_order(c: Case) -> str:
+    """Not about communication at all: a model node moved after its own user."""
+    producers = {s.producer for b in c.schedule.buckets for s in b.slots} | {b.issue_after for b in c.schedule.buckets}
+    for node in c.gm.graph.nodes:
+        users = [u for u in node.users if u.op == "call_function" and BUCKET_KEY not in u.meta]
+        if node.op == "call_function" and BUCKET_KEY not in node.meta and node.name not in producers and users:
+            users[0].append(node)
+            return users[0].name
+    raise AssertionError("no model node with a model user")
+
+
+def untouched_output_rerouted(c: Case) -> str:
+    """An output that needs no synchronisation is returned from a bucket."""
+    planned = {s.output_index for b in c.schedule.buckets for s in b.slots}
+    index = next(i for i in range(len(c.outs())) if i not in planned)
+    outs = c.outs()
+    view = c.ours(0, "unflatten")[-1]
+    outs[index] = view
+    c.set_outs(outs)
+    return view.name
+
+
+def missing_fake_value(c: Case) -> str:
+    node = c.one(c.biggest().index, "scale")
+    del node.meta["val"]
+    return node.name
+
+
+# name -> (mutation, the cases it applies to); the comment is the verifier invariant that catches it
+MUTATIONS: dict[str, tuple[Callable[[Case], str], tuple[str, ...]]] = {
+    "wrong-divisor": (wrong_divisor, ALL),  # invariant 5
+    "unscaled": (unscaled, ALL),  # invariant 5
+    "scaled-twice": (scaled_twice, ALL),  # invariant 5
+    "wrong-group": (wrong_group, ALL),  # invariant 3
+    "wrong-reduce-op": (wrong_reduce_op, ALL),  # invariant 3
+    "issued-before-producer": (issued_before_producer, ALL),  # invariant 4
+    "issued-before-producer-per-schedule": (issued_before_producer_per_schedule, ALL),  # invariant 11
+    "issued-before-issue-after": (issued_before_issue_after, ALL),  # invariant 4
+    "wait-after-output": (wait_after_output, ALL),  # invariant 9
+    "wait-after-wait-before": (wait_after_wait_before, EARLY),  # invariant 9
+    "early-reader": (early_reader, ALL),  # invariant 9
+    "buffer-read-in-flight": (buffer_read_in_flight, ALL),  # invariant 8
+    "missing-compress-cast": (missing_compress, COMPRESSED),  # invariant 6
+    "wrong-compress-dtype": (wrong_compress_dtype, COMPRESSED),  # invariant 6
+    "extra-compress-cast": (extra_compress, PLAIN),  # invariant 6
+    "compressed-twice": (compressed_twice, COMPRESSED),  # invariant 6
+    "missing-decompress-cast": (missing_decompress, COMPRESSED),  # invariant 6
+    "wrong-decompress-dtype": (wrong_decompress_dtype, COMPRESSED),  # invariant 6
+    "extra-decompress-cast": (extra_decompress, PLAIN),  # invariant 6
+    "unreduced-output": (unreduced_output, ALL),  # invariant 10
+    "output-from-flat-piece": (output_from_flat_piece, ALL),  # invariant 10
+    "wrong-slice": (wrong_slice, ALL),  # invariant 10
+    "wrong-bucket": (wrong_bucket, ALL),  # invariant 10
+    "wrong-unflatten-shape": (unflattened_to_wrong_shape, ALL),  # invariant 10
+    "unsliced-view": (unsliced_view, ALL),  # invariant 10
+    "reduced-twice": (reduced_twice, ALL),  # invariant 1
+    "no-wait": (no_wait, ALL),  # invariant 1
+    "two-waits": (two_waits, ALL),  # invariant 1
+    "stray-wait": (stray_wait, ALL),  # invariant 1
+    "wait-untagged": (wait_untagged, ALL),  # invariant 1
+    "out-of-place-all-reduce": (out_of_place_all_reduce, ALL),  # invariant 1
+    "all-reduce-of-unknown-bucket": (all_reduce_of_unknown_bucket, ALL),  # invariant 1
+    "cat-missing-slot": (cat_missing_slot, ALL),  # invariant 7
+    "cat-slots-swapped": (cat_slots_swapped, ALL),  # invariant 7
+    "cat-of-wrong-gradient": (cat_of_wrong_gradient, ALL),  # invariant 7
+    "cat-piece-wrong-size": (cat_piece_wrong_size, ALL),  # invariant 7
+    "cat-piece-not-a-view": (cat_piece_not_a_view, ALL),  # invariant 7
+    "foreign-op-in-buffer": (foreign_op_in_buffer, ALL),  # invariant 7
+    "untouched-output-rerouted": (untouched_output_rerouted, ALL),  # invariant 10
+    "missing-fake-value": (missing_fake_value, ALL),  # invariant 2
+    "compute-out-of-order": (compute_out_of_order, ALL),  # invariant 11
+}
+
+
+
+
+@pytest.mark.parametrize("case", ALL)
+def test_pristine_graph_verifies(case):
+    c = fresh(case)
+    assert c.schedule.num_buckets >= 2 and len(c.biggest().slots) >= 2
+    assert c.compressed() == (case in COMPRESSED)
+    code = c.gm.code
+    verify(c.gm, c.schedule, c.expected)
+    assert c.gm.code == code  # verify only reads
+
+
+@pytest.mark.parametrize(
+    "mutation, case",
+    [pytest.param(m, case, id=f"{m}-{case}") for m, (_, cases) in MUTATIONS.items() for case in cases],
+)
+def test_mutation_is_rejected_naming_the_node(mutation, case):
+    c = fresh(case)
+    mutate, _ = MUTATIONS[mutation]
+    offender = mutate(c)
+    with pytest.raises(VerificationError) as info:
+        verify(c.gm, c.schedule, c.expected)
+    message = str(info.value)
+    assert offender in message.splitlines()[0], message
+    (marked,) = [line for line in message.splitlines() if line.startswith(">>")]
+    assert f"%{offender} :" in marked, message
+
+
+def test_every_mutation_runs_on_a_real_graph_or_needs_a_hand_made_one():
+    real = {"mlp", "mlp-bf16"}
+    hand_only = {m for m, (_, cases) in MUTATIONS.items() if not real & set(cases)}
+    assert hand_only == {"wait-after-wait-before"}  # needs an interior wait_before
+    assert len(MUTATIONS) >= 8
