@@ -30,10 +30,10 @@ demo: $(VENV)/.installed-base
 	$(PY) examples/demo.py
 
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q
 
 test-transformers4: $(VENV4)/.installed
-	$(VENV4)/bin/python -m pytest -q tests
+	$(VENV4)/bin/python -m pytest -q
 
 bench: $(VENV)/.installed-plot
 	$(PY) -m tools.bench --out bench_out $(ARGS)
