@@ -12,6 +12,7 @@ from graphddp.frontend.api import GraphDDP, compile
 from graphddp.frontend.backend import GraphDDPCompileBackend, backend
 from graphddp.frontend.backend import register as _register_backend_name
 from graphddp.frontend.explain import explain
+from graphddp.frontend.optim_state import full_optimizer_state_dict, load_full_optimizer_state_dict
 from graphddp.graph.verify import VerificationError, verify
 from graphddp.plan.cost import CostModel, simulate
 from graphddp.runtime.agree import CollectiveError, ScheduleMismatchError
@@ -19,7 +20,8 @@ from graphddp.values.schedule import Bucket, Schedule, Timeline
 
 __all__ = [
     "Bucket", "CollectiveError", "CostModel", "DDPConfig", "GraphDDP", "GraphDDPCompileBackend", "Schedule",
-    "ScheduleMismatchError", "Timeline", "VerificationError", "backend", "compile", "explain", "render", "simulate", "verify",
+    "ScheduleMismatchError", "Timeline", "VerificationError", "backend", "compile", "explain", "full_optimizer_state_dict",
+    "load_full_optimizer_state_dict", "render", "simulate", "verify",
 ]
 __version__ = "0.1.0"
 

@@ -18,6 +18,7 @@ from graphddp.hooks.traced import as_traced_hook
 from graphddp.values.schedule import CostModel
 
 BACKENDS = ("inductor", "aot_eager", "eager")
+SHARDINGS = (None, "optimizer")  # sharding=: replicated, or the optimizer state on a shard
 # torch.compile's modes (torch._inductor.list_mode_options); those with CUDA graphs are refused
 # on CUDA by check_inductor_settings.
 INDUCTOR_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -145,6 +146,10 @@ class DDPConfig:
     comm_hook: Any = _option(
         None, f"send buckets compressed: one of {sorted(COMM_HOOKS)} (DDP's compression hooks); from Python also (state, hook) or graphddp.hooks.PowerSGD(...)"
     )
+    sharding: str | None = _option(
+        None, "'optimizer': each rank keeps and updates 1/N of the optimizer state; buckets are reduce-scattered, "
+        "updated in the backward and all-gathered (needs optimizer=; default None: replicated)"
+    )
     backend: str = _option("inductor", f"inner compiler: one of {BACKENDS}")
     verify: bool = _option(True, "run the graph checker after every rewrite")
     broadcast_buffers: bool = _option(True, "keep buffers equal: broadcast from rank 0 before every forward, like DDP")
@@ -182,6 +187,8 @@ class DDPConfig:
             raise ValueError(f"dynamic must be None, True or False, got {self.dynamic!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.sharding not in SHARDINGS:
+            raise ValueError(f"sharding must be one of {SHARDINGS}, got {self.sharding!r}")
         traced = as_traced_hook(self.comm_hook)
         if traced is not None:
             object.__setattr__(self, "comm_hook", traced)

@@ -17,6 +17,7 @@ one (the parameters' forward values, the graph from before the update) goes into
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 from typing import Any, Callable, Mapping, Sequence
@@ -41,6 +42,7 @@ class Shared:
     fw_values: dict[str, Any] = dataclasses.field(default_factory=dict)  # parameter -> forward value (fake)
     without_update: fx.GraphModule | None = None  # the backward before the optimizer's pass
     tied: tuple[str, ...] = ()  # parameters the optimizer's pass left to torch's step
+    before_comm: fx.GraphModule | None = None  # with sharded buckets: the backward before insert_comm
 
 
 def run_passes(passes: Sequence[Pass], gm: fx.GraphModule, plan: Schedule | None, **opts: Any) -> Schedule | None:
@@ -66,9 +68,13 @@ def record_parameter_values(gm: fx.GraphModule, plan: Schedule | None, *, param_
 # -- the backward -------------------------------------------------------------------------------------
 
 
-def insert_comm(gm: fx.GraphModule, plan: Schedule, *, world_size: int, hook: Any, hook_context: Any, graph_index: int, **_: Any) -> Schedule:
+def insert_comm(
+    gm: fx.GraphModule, plan: Schedule, *, world_size: int, hook: Any, hook_context: Any, graph_index: int, shared: Shared, **_: Any
+) -> Schedule:
     """Each bucket's collective (its kind, or the traced hook) and its wait; with a hook, the
     bytes its collectives put on the wire, read from the rewritten graph. One rank: nothing."""
+    if any(b.collective == "reduce_scatter" for b in plan.buckets):  # the all-reduce variant starts from it
+        shared.before_comm = copy.deepcopy(gm)
     if world_size == 1:
         return plan
     log.debug("backward graph %d before insert_collectives:\n%s", graph_index, gm.code)

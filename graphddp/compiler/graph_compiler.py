@@ -36,6 +36,7 @@ the update is kept as the variant for steps the graph cannot update alone.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import warnings
 from typing import Any, Callable, Mapping, Sequence
@@ -53,12 +54,14 @@ from graphddp.compiler.inductor import compile_inductor
 from graphddp.compiler.record import GraphRecord
 from graphddp.config import DDPConfig
 from graphddp.graph.capture import extract_facts, parameter_of_inputs
-from graphddp.graph.insert_comm import HOOK_STATE, HOOK_STATE_SPEC, HookContext
+from graphddp.graph.insert_comm import HOOK_STATE, HOOK_STATE_SPEC, HookContext, insert_collectives
 from graphddp.hooks.traced import HookState
 from graphddp.optim.attached import AttachedOptimizer
+from graphddp.optim.insert_shard import insert_sharded_updates, shard_layout
 from graphddp.optim.insert_update import ALIAS_OF, UpdateInputs, insert_update
 from graphddp.optim.verify import verify_updates
-from graphddp.plan.planner import plan, with_updates
+from graphddp.optim.verify_shard import verify_sharded
+from graphddp.plan.planner import plan, with_sharding, with_updates
 from graphddp.runtime.dispatch import BackwardDispatch, GraphState, InGraphUpdate, Synced, compiled_backward_node
 from graphddp.runtime.step import StepState, current_frame
 from graphddp.runtime.union import UnionAverage
@@ -109,6 +112,9 @@ class GraphCompiler:
         # The passes every graph goes through (graphddp.compiler.compose): features add theirs.
         self.forward_passes: list[Any] = [record_parameter_values]
         self.backward_passes: list[Any] = [insert_comm, verify_comm] + ([self._optimizer_pass] if optimizer is not None else [])
+        self.rank = dist.get_rank(group)
+        if optimizer is not None and config.sharding == "optimizer":  # which buckets are sharded: before the collectives
+            self.backward_passes.insert(0, self._shard_plan_pass)
         # Warnings about updates left to torch's step, once per graph and reason.
         self._warned: set[tuple[int, str]] = set()
         self.union = UnionAverage(
@@ -326,6 +332,12 @@ class GraphCompiler:
         names = tuple(n for b in record.schedule.buckets for n in b.updates)
         if optimizer is None or not names:
             return None
+        sharded = [b for b in record.schedule.buckets if b.collective == "reduce_scatter"]
+        replicated = tuple(n for b in record.schedule.buckets if b not in sharded for n in b.updates)
+        shards = tuple(
+            shard_layout(b, {n: optimizer.rule(n) for n in b.param_names}, optimizer.group_of, self.world_size, self.rank)
+            for b in sharded
+        )
 
         def allowed(unused: frozenset[str]) -> bool:
             """The graph's update is the whole step for its parameters: its backward runs once
@@ -349,8 +361,8 @@ class GraphCompiler:
 
         placeholders = [n for n in record.graph.graph.nodes if n.op == "placeholder"]
         aliases = tuple((i, ph.meta[ALIAS_OF]) for i, ph in enumerate(placeholders) if ALIAS_OF in ph.meta)
-        groups = tuple(sorted({optimizer.group_of[n] for n in names}))
-        return InGraphUpdate(optimizer, names, groups, allowed, compile_grads, aliases)
+        groups = tuple(sorted({optimizer.group_of[n] for n in replicated}))
+        return InGraphUpdate(optimizer, replicated, groups, allowed, compile_grads, aliases, shards=shards)
 
     def _fallback(self, record: GraphRecord, graph_index: int, kind: str, names: Sequence[str], why: str) -> None:
         """Record (and, the first time per graph and kind, warn) that torch's step after the
@@ -439,24 +451,40 @@ class GraphCompiler:
         them too) to ``shared.tied``. Without the forward's parameter values, nothing."""
         if self.optimizer is None or not shared.fw_values:
             return schedule
-        schedule, shared.without_update, shared.tied = self._add_updates(gm, schedule, graph_index, self.optimizer, shared.fw_values)
+        schedule, shared.without_update, shared.tied = self._add_updates(gm, schedule, graph_index, self.optimizer, shared)
         return schedule
 
-    def _add_updates(
-        self, gm: fx.GraphModule, schedule: Schedule, graph_index: int, optimizer: AttachedOptimizer, fw_values: Mapping[str, Any]
-    ) -> tuple[Schedule, fx.GraphModule | None, tuple[str, ...]]:
-        """with_updates -> insert_update -> verify_updates; returns the schedule with its
-        updates, a copy of the graph from before them (None when nothing is updated) and the
-        parameters left to torch's step because a graph of another frame reads them too."""
-        # A parameter a graph of another frame also reads (tied across a graph break) gets part
-        # of its gradient there: it keeps the gradient route, and torch's step after the
-        # backward. Recompiles of this graph's own frame never run beside it: they do not count.
+    def _updatable(self, schedule: Schedule, graph_index: int, fw_values: Mapping[str, Any]) -> tuple[list[str], tuple[str, ...]]:
+        """The parameters the graph can update itself, and those tied across a graph break.
+
+        A parameter a graph of another frame also reads (tied across a graph break) gets part of
+        its gradient there: it keeps the gradient route, and torch's step after the backward.
+        Recompiles of this graph's own frame never run beside it: they do not count."""
+        optimizer = self.optimizer
         elsewhere = self.step.in_other_frames(graph_index)
         zero_filled = {s.param_name for b in schedule.buckets for s in b.slots if s.zero_filled}
         updatable = [
             n for n in schedule.param_names if optimizer.rule(n) and n in fw_values and n not in elsewhere | zero_filled
         ]
-        tied = tuple(n for n in schedule.param_names if optimizer.rule(n) and n in elsewhere)
+        return updatable, tuple(n for n in schedule.param_names if optimizer.rule(n) and n in elsewhere)
+
+    def _shard_plan_pass(self, gm: fx.GraphModule, schedule: Schedule, *, graph_index: int, shared: Shared, **_: Any) -> Schedule:
+        """sharding="optimizer": buckets the graph can update whole are reduce-scattered."""
+        if not shared.fw_values:
+            return schedule
+        return with_sharding(schedule, self._updatable(schedule, graph_index, shared.fw_values)[0])
+
+    def _add_updates(
+        self, gm: fx.GraphModule, schedule: Schedule, graph_index: int, optimizer: AttachedOptimizer, shared: Shared
+    ) -> tuple[Schedule, fx.GraphModule | None, tuple[str, ...]]:
+        """with_updates -> insert_update -> verify_updates, then the sharded buckets
+        (insert_sharded_updates -> verify_sharded); returns the schedule with its updates, the
+        graph without them (every bucket all-reduced, its gradients returned; None when nothing
+        is updated) and the parameters left to torch's step because another frame reads them."""
+        fw_values = shared.fw_values
+        updatable, tied = self._updatable(schedule, graph_index, fw_values)
+        if self.config.sharding == "optimizer":  # the rest of a bucket with a tied parameter: the shard's step after
+            updatable = [n for b in schedule.buckets if b.collective == "reduce_scatter" for n in b.param_names]
         if tied:
             self._warned.add((graph_index, "shared"))
             warnings.warn(
@@ -467,7 +495,7 @@ class GraphCompiler:
             )
         if not updatable:
             return schedule, None, tied
-        without_update = copy.deepcopy(gm)
+        without_update = self._without_update(gm, schedule, shared)
         schedule = with_updates(schedule, updatable, str(optimizer))
         inputs = UpdateInputs(
             rules={n: optimizer.rule(n) for n in updatable},
@@ -478,7 +506,22 @@ class GraphCompiler:
         log.debug("backward graph %d after insert_update:\n%s", graph_index, gm.code)
         if self.config.verify:
             verify_updates(gm, schedule)
+        if insert_sharded_updates(gm, schedule, inputs, rank=self.rank):
+            log.debug("backward graph %d after insert_sharded_updates:\n%s", graph_index, gm.code)
+            if self.config.verify:
+                verify_sharded(gm, schedule)
         return schedule, without_update, tied
+
+    def _without_update(self, gm: fx.GraphModule, schedule: Schedule, shared: Shared) -> fx.GraphModule:
+        """The variant for steps the graph cannot update alone: every gradient averaged and
+        returned. Sharded buckets are all-reduced there, from the graph before the collectives."""
+        if shared.before_comm is None:
+            return copy.deepcopy(gm)
+        graph = copy.deepcopy(shared.before_comm)
+        if self.world_size > 1:
+            replicated = [dataclasses.replace(b, collective="all_reduce") for b in schedule.buckets]
+            insert_collectives(graph, dataclasses.replace(schedule, buckets=tuple(replicated)))
+        return graph
 
 
 def _cap_bytes(config: DDPConfig) -> float:

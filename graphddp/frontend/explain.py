@@ -76,7 +76,11 @@ def explain(
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     DDPConfig.from_options("graphddp.explain", options)  # bad options fail before any tracing
     with fake_process_group(world_size):
-        compiled = compile_ddp(copy.deepcopy(model), **options)
+        copied = copy.deepcopy(model)
+        # sharding="optimizer" plans around the update inside the backward; which optimizer does
+        # not change the buckets, so a still one (lr 0) stands in for the user's.
+        sgd = torch.optim.SGD(copied.parameters(), lr=0.0) if options.get("sharding") else None
+        compiled = compile_ddp(copied, optimizer=sgd, **options)
         out = compiled(*example_inputs)
         (loss_fn or _default_loss)(out).backward()
         return compiled.schedules

@@ -31,6 +31,7 @@ from graphddp.compiler.record import GraphRecord
 from graphddp.config import DDPConfig
 from graphddp.graph.capture import names_by_identity
 from graphddp.optim.attached import AttachedOptimizer
+from graphddp.optim.shard import ShardedState
 from graphddp.runtime.agree import check_parameter_agreement
 from graphddp.runtime.calibrate import resolve_cost
 from graphddp.runtime.join import JoinState, join, join_hook
@@ -104,6 +105,11 @@ def prepare(
             f"{where}: optimizer= with comm_hook={config.traced_hook.name} is not supported yet (the in-graph update "
             "is checked against graphddp's own all-reduce only); compile without optimizer= and step it as usual"
         )
+    if config.sharding is not None and optimizer is None:
+        raise ValueError(
+            f"{where}: sharding={config.sharding!r} shards the optimizer's state, so it needs optimizer= (torch.optim.SGD, "
+            "Adam or AdamW): each rank then updates its part of every bucket inside the backward"
+        )
     attached = AttachedOptimizer(optimizer, module, where) if optimizer is not None else None
     _refuse_sparse_gradients(where, module)
     device = _check_devices(module)
@@ -115,6 +121,8 @@ def prepare(
     config = resolve_cost(config, group, device)
     if attached is not None:
         attached.attach()
+        if config.sharding == "optimizer":
+            attached.sharded = ShardedState(optimizer, attached.params, attached.rules, attached.group_of, group)
     return attached, config
 
 

@@ -139,8 +139,8 @@ def _check_slots(bucket: Bucket, outs: Sequence[Any], order: dict[fx.Node, int],
             raise RuntimeError(f"{where}: issued after {issue.name}, before its producer {grad.name}")
 
 
-def _place(gm: fx.GraphModule, schedule: Schedule, outs: Sequence[Any]) -> list[_Placement]:
-    """Resolve every bucket's names to nodes and check the schedule fits the graph.
+def place_buckets(gm: fx.GraphModule, schedule: Schedule, outs: Sequence[Any], only: set[int] | None = None) -> list[_Placement]:
+    """Resolve every bucket's names to nodes (``only`` those buckets) and check the schedule fits the graph.
 
     Runs before any edit, so a schedule that does not fit leaves the graph untouched.
     """
@@ -154,6 +154,8 @@ def _place(gm: fx.GraphModule, schedule: Schedule, outs: Sequence[Any]) -> list[
         raise RuntimeError(f"graphddp: {problem}")
     placements = []
     for bucket in schedule.buckets:
+        if only is not None and bucket.index not in only:
+            continue
         issue = _issue_point(nodes, placeholders, bucket)
         wait = _wait_point(nodes, output, bucket)
         if order[wait] <= order[issue]:
@@ -239,7 +241,7 @@ def _builtin_fn(bucket: Bucket, hook: hooks.CommHook, schedule: Schedule) -> Cal
         with role("scale"):
             scaled = aten.div.Tensor(sent, schedule.world_size)  # DDP pre-divides, after compressing
         with role(collective.key):
-            reduced = collective.issue(scaled, schedule.group_name)
+            reduced = collective.issue(scaled, schedule.group_name, schedule.world_size)
         with role("wait"):
             done = WAIT(reduced)
         with role("decompress"):
@@ -438,7 +440,8 @@ def insert_collectives(
     graph = gm.graph
     output = graph.output_node()
     outs: list[Any] = list(output.args[0])
-    placements = _place(gm, schedule, outs)
+    # A sharded bucket (reduce-scatter, its update, an all-gather) is the optimizer's pass's.
+    placements = [p for p in place_buckets(gm, schedule, outs) if p.bucket.collective != "reduce_scatter"]
     zero_values = _zero_values(graph, schedule)
     if isinstance(hook, TracedHook):
         ctx = context or HookContext(group=None)

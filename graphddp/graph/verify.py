@@ -438,9 +438,12 @@ def _check_gradient(g: _Graph, index: int, name: str, bucket: Bucket, slot: Grad
         _fail(g.gm, view, f"{what} is viewed as {list(view.args[1])} by {view.name}; its shape is {list(slot.shape)}")
 
 
-def _check_outputs(g: _Graph, schedule: Schedule, expected: Mapping[int, str]) -> None:
+def _check_outputs(g: _Graph, schedule: Schedule, expected: Mapping[int, str], sharded: set[int] = frozenset()) -> None:
+    left = {s.output_index for b in schedule.buckets if b.index in sharded for s in b.slots}
+    expected = {i: n for i, n in expected.items() if i not in left}
     planned = {
-        s.output_index: (b, s, off) for b in schedule.buckets for s, off in zip(b.slots, b.offsets()) if not s.zero_filled
+        s.output_index: (b, s, off) for b in schedule.buckets if b.index not in sharded
+        for s, off in zip(b.slots, b.offsets()) if not s.zero_filled
     }
     for index, name in sorted(expected.items()):
         if index not in planned:
@@ -557,15 +560,19 @@ def verify(gm: fx.GraphModule, schedule: Schedule, expected: Mapping[int, str]) 
         raise VerificationError(f"graphddp verify: {problem}")
     g = _Graph(gm)
     hooked = {b.index for b in schedule.buckets if b.hook}
-    reduces = _collect_all_reduces(g, schedule, hooked)
-    _check_stray_waits(g, hooked)
+    # Sharded buckets (reduce-scatter, update, all-gather) are the optimizer's: graphddp.optim.verify_shard.
+    sharded = {b.index for b in schedule.buckets if b.collective == "reduce_scatter"}
+    reduces = _collect_all_reduces(g, schedule, hooked | sharded)
+    _check_stray_waits(g, hooked | sharded)
     _check_fake_values(g)
     sent = wire_bytes(gm)
     for bucket in schedule.buckets:
+        if bucket.index in sharded:
+            continue
         if bucket.hook:
             _check_hook_bucket(g, bucket, schedule, sent.get(bucket.index, 0))
         else:
             _check_bucket(g, bucket, reduces[bucket.index], schedule)
-    _check_outputs(g, schedule, expected)
+    _check_outputs(g, schedule, expected, sharded)
     _check_order(g)
     _check_lint(gm)

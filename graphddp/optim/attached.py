@@ -108,7 +108,7 @@ def _group_rule(optimizer: torch.optim.Optimizer, index: int) -> UpdateRule:
     return UpdateRule(name, flags)
 
 
-def _hyper_values(group: Mapping[str, Any], rule: UpdateRule) -> list[float]:
+def hyper_values(group: Mapping[str, Any], rule: UpdateRule) -> list[float]:
     if rule.kind == "sgd":
         return [float(group["lr"]), float(group["momentum"]), float(group["dampening"]), float(group["weight_decay"])]
     beta1, beta2 = group["betas"]
@@ -249,6 +249,8 @@ class AttachedOptimizer:
                 self.group_of[names[id(p)]] = g
         self.optimizer = optimizer
         self.rules = [_group_rule(optimizer, g) for g in range(len(optimizer.param_groups))]
+        # sharding="optimizer": this rank's parts of the state (graphddp.optim.shard.ShardedState).
+        self.sharded: Any = None
 
     def attach(self) -> None:
         """From now on graphddp steps: ``step``/``zero_grad`` become no-ops on the instance.
@@ -289,8 +291,10 @@ class AttachedOptimizer:
                 )
 
     # -- per step -------------------------------------------------------------------------
-    def update_args(self, names: Sequence[str], groups: Sequence[int]) -> UpdateArgs:
-        """Parameters, state (created as torch creates it) and hyperparameters, in layout order."""
+    def update_args(self, names: Sequence[str], groups: Sequence[int], shards: Sequence[Any] = ()) -> UpdateArgs:
+        """Parameters, state (created as torch creates it) and hyperparameters, in layout order;
+        then, per sharded bucket (``graphddp.optim.insert_shard.ShardLayout``), the inputs of
+        its layout: its parameters, the state of this rank's parts, its groups' hyperparameters."""
         self.check_unchanged()
         tensors: list[torch.Tensor] = []
         fresh: dict[str, torch.Tensor] = {}
@@ -314,7 +318,13 @@ class AttachedOptimizer:
                 tensors.extend([buf, torch.tensor(name in fresh)])
         for g in groups:
             group = self.optimizer.param_groups[g]
-            tensors.extend(torch.tensor(v, dtype=F64) for v in _hyper_values(group, self.rules[g]))
+            tensors.extend(torch.tensor(v, dtype=F64) for v in hyper_values(group, self.rules[g]))
+        for shard in shards:
+            tensors.extend(self.params[n] for n in shard.bucket.param_names)
+            for k in shard.owned():
+                tensors.extend(self.sharded.update_tensors(shard.bucket.slots[k].param_name))
+            for g in shard.groups:
+                tensors.extend(self.sharded.hyper(g))
         return UpdateArgs(tensors, fresh)
 
     def updated(self, args: UpdateArgs) -> None:
@@ -327,7 +337,9 @@ class AttachedOptimizer:
         """At the end of every synchronising backward (:mod:`graphddp.runtime.step`): torch's step for
         what the graphs returned (the parameters they left to it are the ones with a grad),
         then no gradient is kept."""
-        if any(p.grad is not None for p in self.params.values()):
+        if self.sharded is not None:  # each rank steps its part, then one all-gather
+            self.sharded.step([n for n, p in self.params.items() if p.grad is not None])
+        elif any(p.grad is not None for p in self.params.values()):
             # The class's step, not the no-op bound on the instance: torch's own math and state.
             type(self.optimizer).step(self.optimizer)
         for p in self.params.values():

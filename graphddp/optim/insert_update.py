@@ -59,11 +59,16 @@ class UpdateInputs:
     values: Mapping[str, torch.Tensor]
 
 
+def replicated(schedule: Schedule) -> list:
+    """The buckets this pass updates: all but the sharded ones (:mod:`graphddp.optim.insert_shard`)."""
+    return [b for b in schedule.buckets if b.collective != "reduce_scatter"]
+
+
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (tuple(a.shape), tuple(a.stride()), a.storage_offset(), a.dtype) == (tuple(b.shape), tuple(b.stride()), b.storage_offset(), b.dtype)
 
 
-def _parameter_nodes(graph: fx.Graph, names: list[str], inputs: UpdateInputs, new: dict[str, fx.Node]) -> dict[str, fx.Node]:
+def parameter_nodes(graph: fx.Graph, names: list[str], inputs: UpdateInputs, new: dict[str, fx.Node]) -> dict[str, fx.Node]:
     """The node each parameter is read and updated through; aliases rewritten to views of it."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder" and n.meta.get(ROLE_KEY) != UPDATE_INPUT]
     by_storage: dict[int, list[fx.Node]] = {}
@@ -95,7 +100,7 @@ def _parameter_nodes(graph: fx.Graph, names: list[str], inputs: UpdateInputs, ne
 
 def _new_inputs(graph: fx.Graph, schedule: Schedule, inputs: UpdateInputs) -> tuple[list[str], dict[str, list[fx.Node]], dict[int, list[fx.Node]]]:
     """Append the update's placeholders; returns updated names, per-name and per-group nodes."""
-    names = [n for b in schedule.buckets for n in b.updates]
+    names = [n for b in replicated(schedule) for n in b.updates]
     rules = [inputs.rules[n] for n in names]
     group_of = [inputs.groups[n] for n in names]
     labels, groups = optim.layout(rules, group_of)
@@ -150,7 +155,7 @@ def insert_update(gm: fx.GraphModule, schedule: Schedule, inputs: UpdateInputs) 
 
     A no-op when no bucket updates a parameter.
     """
-    if not any(b.updates for b in schedule.buckets):
+    if not any(b.updates for b in replicated(schedule)):
         return gm
     from torch._inductor.decomposition import select_decomp_table
 
@@ -158,9 +163,9 @@ def insert_update(gm: fx.GraphModule, schedule: Schedule, inputs: UpdateInputs) 
     output = graph.output_node()
     outs: list[Any] = list(output.args[0])
     names, per_name, per_group = _new_inputs(graph, schedule, inputs)
-    param_node = _parameter_nodes(graph, names, inputs, {n: per_name[n][0] for n in names})
+    param_node = parameter_nodes(graph, names, inputs, {n: per_name[n][0] for n in names})
     decompositions = select_decomp_table()
-    for bucket in schedule.buckets:
+    for bucket in replicated(schedule):
         if not bucket.updates:
             continue
         slots = {s.param_name: s for s in bucket.slots}

@@ -56,13 +56,14 @@ def verify_updates(gm: fx.GraphModule, schedule: Schedule) -> None:
     output = gm.graph.output_node()
     outs = list(output.args[0])
     update_params = [n for n in nodes if n.op == "placeholder" and n.name.startswith("update_param_")]
-    names = [n for b in schedule.buckets for n in b.updates]
+    buckets = [b for b in schedule.buckets if b.collective != "reduce_scatter"]  # sharded: verify_shard
+    names = [n for b in buckets for n in b.updates]
     if len(update_params) != len(names):
         raise VerificationError(f"graphddp verify: the schedule updates {len(names)} parameters, the graph has {len(update_params)} update_param inputs")
     waits = {n.meta[BUCKET_KEY]: n for n in nodes if is_wait(n) and n.meta.get(BUCKET_KEY) is not None}
     seen: set[str] = set()
     k = 0
-    for bucket in schedule.buckets:
+    for bucket in buckets:
         slots = {s.param_name: (i, s) for i, s in enumerate(bucket.slots)}
         views = [n for n in nodes if n.meta.get(BUCKET_KEY) == bucket.index and n.meta.get(ROLE_KEY) == "unflatten" and n.target is aten.view.default]
         for name in bucket.updates:

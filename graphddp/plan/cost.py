@@ -72,8 +72,15 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, measured: Mappin
         end = start + kind(bucket.collective).seconds(cost, bucket.wire_nbytes, schedule.world_size)
         link_free = end
         timings.append(BucketTiming(bucket.index, ready, start, end, bucket.wire_nbytes))
+    # Sharded buckets: each all-gathers its updated parts once its update ran, after the wait at
+    # the end of the backward; the gathers queue on the link after the last reduce-scatter.
+    step = max([clock] + [t.end for t in timings])
+    gather = kind("all_gather")
+    for bucket in schedule.buckets:
+        if bucket.collective == "reduce_scatter":
+            step += gather.seconds(cost, bucket.nbytes, schedule.world_size)
     link = f"{cost.bandwidth_gbps:g} Gbit/s, {cost.latency_us:g} us"
-    return Timeline(tuple(spans), tuple(timings), clock, max([clock] + [t.end for t in timings]), link)
+    return Timeline(tuple(spans), tuple(timings), clock, step, link)
 
 
 def fit_link(nbytes: Sequence[int], seconds: Sequence[float], world_size: int, **rest: object) -> CostModel:

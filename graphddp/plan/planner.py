@@ -214,6 +214,19 @@ def with_updates(schedule: Schedule, updatable: Collection[str], optimizer: str)
     return dataclasses.replace(schedule, buckets=buckets, optimizer=optimizer)
 
 
+def with_sharding(schedule: Schedule, updatable: Collection[str]) -> Schedule:
+    """``schedule`` with every bucket whose parameters can all be updated inside the graph
+    reduce-scattered instead of all-reduced (``Bucket.collective``), for the optimizer on a
+    shard (:mod:`graphddp.optim.shard`). A bucket holding a parameter the graph cannot update
+    (tied across a graph break) stays an all-reduce: the parameter is stepped after the
+    backward, on its shard too. Pure, like ``plan``."""
+    buckets = tuple(
+        dataclasses.replace(b, collective="reduce_scatter") if b.slots and all(n in updatable for n in b.param_names) else b
+        for b in schedule.buckets
+    )
+    return dataclasses.replace(schedule, buckets=buckets)
+
+
 def with_wire_bytes(schedule: Schedule, wire: Mapping[int, int]) -> Schedule:
     """``schedule`` with each hooked bucket's bytes on the wire (bucket index -> bytes), as
     read from the rewritten graph: a user's hook decides them, not the plan."""

@@ -164,6 +164,7 @@ class InGraphUpdate:
     aliases: tuple[tuple[int, str], ...]  # backward inputs that must share a parameter's memory
     grads: Callable[[list[Any]], Any] | None = None
     aliases_checked: bool = False
+    shards: tuple[Any, ...] = ()  # sharded buckets' layouts (graphddp.optim.insert_shard.ShardLayout)
 
     def check_aliases(self, args: list[Any]) -> None:
         """Once: the inputs the rewrite took for a parameter's memory really are it."""
@@ -302,7 +303,7 @@ class BackwardDispatch:
             return update.grads(args)
         if not update.aliases_checked:
             update.check_aliases(args)
-        extra = update.attached.update_args(update.names, update.groups)
+        extra = update.attached.update_args(update.names, update.groups, update.shards)
         args.extend(extra.tensors)  # the same list: the callee frees what it no longer needs
         with torch.no_grad():
             out = synced.code()(args)

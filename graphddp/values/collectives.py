@@ -36,7 +36,7 @@ class CollectiveKind:
     op: torch._ops.OpOverload  # the functional op graphddp emits for it
     ring_steps: Callable[[int], int]  # latency-bound steps of the ring algorithm on p ranks
     wire_share: Callable[[int], float]  # bytes on the link per byte of the bucket, on p ranks
-    issue: Callable[[torch.Tensor, str], torch.Tensor]  # traced: (scaled flat buffer, group name) -> result to wait on
+    issue: Callable[[torch.Tensor, str, int], torch.Tensor]  # traced: (flat buffer, group name, world size) -> result to wait on
 
     @property
     def code(self) -> str:
@@ -55,10 +55,27 @@ ALL_REDUCE = CollectiveKind(
     op=ALL_REDUCE_OP,  # in place, on a fresh flat bucket: no extra buffer
     ring_steps=lambda p: 2 * (p - 1),  # reduce-scatter, then all-gather
     wire_share=lambda p: 2 * (p - 1) / p,
-    issue=lambda flat, group: ALL_REDUCE_OP(flat, "sum", group),
+    issue=lambda flat, group, world: ALL_REDUCE_OP(flat, "sum", group),
 )
 
-KINDS: dict[str, CollectiveKind] = {ALL_REDUCE.key: ALL_REDUCE}
+# A sharded bucket (graphddp.values.shards): each rank receives the sum of its part only...
+REDUCE_SCATTER = CollectiveKind(
+    key="reduce_scatter",
+    op=torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    ring_steps=lambda p: p - 1,
+    wire_share=lambda p: (p - 1) / p,
+    issue=lambda flat, group, world: torch.ops._c10d_functional.reduce_scatter_tensor.default(flat, "sum", world, group),
+)
+# ... and after updating it, gives every rank every part back. ``nbytes`` is the whole bucket.
+ALL_GATHER = CollectiveKind(
+    key="all_gather",
+    op=torch.ops._c10d_functional.all_gather_into_tensor.default,
+    ring_steps=lambda p: p - 1,
+    wire_share=lambda p: (p - 1) / p,
+    issue=lambda part, group, world: torch.ops._c10d_functional.all_gather_into_tensor.default(part, world, group),
+)
+
+KINDS: dict[str, CollectiveKind] = {k.key: k for k in (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER)}
 
 
 def kind(key: str) -> CollectiveKind:

@@ -14,6 +14,8 @@ ALL_REDUCE = torch.ops._c10d_functional.all_reduce_.default
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 COLLECTIVES = (
     torch.ops._c10d_functional.all_reduce_.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.all_gather_into_tensor.default,
     torch.ops._c10d_functional.all_reduce.default,
     torch.ops._c10d_functional.all_reduce_coalesced.default,
     torch.ops._c10d_functional.all_reduce_coalesced_.default,

@@ -425,7 +425,9 @@ class Schedule:
         """
         head = f"{'bucket':>6}  {'dtype':<9} {'device':<7} {'params':>6} {'numel':>10} {'MB':>8}  {'issue after':<22} {'overlap':>7}"
         hooked = any(b.hook for b in self.buckets)
+        kinds = any(b.collective != "all_reduce" for b in self.buckets)
         head += f" {'wire MB':>8}  {'hook':<12}" if hooked else ""
+        head += f" {'collective':<14}" if kinds else ""
         head += f"  {'ready ms':>8} {'start ms':>8} {'end ms':>8}" if timeline else ""
         head += "  parameters"
         if self.cost_model is not None:
@@ -449,10 +451,17 @@ class Schedule:
             )
             if hooked:
                 row += f" {b.wire_nbytes / 2**20:>8.3f}  {(b.hook or 'allreduce')[:12]:<12}"
+            if kinds:
+                row += f" {b.collective:<14}"
             if timeline:
                 t = timeline.buckets[b.index]
                 row += f"  {t.ready * 1e3:>8.3f} {t.start * 1e3:>8.3f} {t.end * 1e3:>8.3f}"
             lines.append(f"{row}  {names}")
+        if any(b.collective == "reduce_scatter" for b in self.buckets):
+            lines.append(
+                "reduce_scatter buckets: each rank updates its part right after the wait; the updated parts are "
+                "all-gathered at once and waited for at the end of the backward"
+            )
         if timeline:
             lines.append(
                 f"predicted ({timeline.link}): backward compute "

@@ -61,7 +61,7 @@ def out_of_place_kind():
     kind = collectives.CollectiveKind(
         key="all_reduce_out_of_place", op=c10d.all_reduce.default, ring_steps=lambda p: 2 * (p - 1),
         wire_share=lambda p: 3.0,  # priced differently on purpose, to see simulate use it
-        issue=lambda flat, group: c10d.all_reduce.default(flat, "sum", group),
+        issue=lambda flat, group, world: c10d.all_reduce.default(flat, "sum", group),
     )
     collectives.KINDS[kind.key] = kind
     yield kind

@@ -58,7 +58,7 @@ def test_update_math_matches_torch_optim(name: str) -> None:
         grad = torch.randn(257) * 10.0 ** -step
         ref_param.grad = grad.clone()
         ref.step()
-        hyper = [torch.tensor(v, dtype=torch.float64) for v in optim._hyper_values(ref.param_groups[0], rule)]
+        hyper = [torch.tensor(v, dtype=torch.float64) for v in optim.hyper_values(ref.param_groups[0], rule)]
         if rule.kind == "adam" and not state:
             state = [torch.tensor(0.0)] + [torch.zeros(257) for _ in rule.state[1:]]
         elif rule.kind == "sgd" and rule.flag("momentum"):

@@ -1,0 +1,282 @@
+"""Sharded buckets in the backward graph: reduce-scatter, update this rank's part, all-gather.
+
+Runs after :func:`~graphddp.graph.insert_comm.insert_collectives` (which leaves the buckets
+whose collective is ``"reduce_scatter"`` to this pass) and after the replicated optimizer
+pass. Per sharded bucket (``Bucket.collective == "reduce_scatter"``; every slot updated), two
+functions are traced on the graph's fake values and spliced in, in the layout of
+:mod:`graphddp.values.shards` (each parameter cut into ``world`` chunks, rank-major)::
+
+    <issue_after node>
+    flatten         g_i -> pad to world * c_i -> view [world, c_i]; cat(dim=1) -> view [-1]
+    compress        hook.compress (fp16/bf16: a cast)
+    scale           div(world_size)
+    reduce_scatter  reduce_scatter_tensor(flat, "sum", world, group)
+    update          work_i = clone(param_i.flat[lo_i:hi_i])      (this rank's part, read early)
+    ... the rest of the backward ...
+    # at wait_before (by default the output):
+    wait            wait_tensor; decompress (a cast back)
+    update          the optimizer's math on work_i, the part of the gradient and the part's
+                    state (inputs, written in place), for every slot with a non-empty part
+    all_gather      all_gather_into_tensor(cat(pad(work_i, c_i)), world, group)
+    # at the output, after every bucket's update:
+    wait            wait_tensor
+    write           param_i.copy_(gathered[:, at_i:at_i + c_i].flat[:numel_i].view(shape_i))
+    output(..., None for every gradient of the bucket, ...)
+
+New inputs, appended after the existing placeholders, per sharded bucket in bucket order
+(:func:`layout`): every slot's parameter, then the state tensors of every slot this rank owns a
+part of, then each param group's hyperparameters. Parameters are read and written through the
+one node that is the parameter, saved views of it rewritten to views of that node, as the
+replicated update does (:mod:`graphddp.optim.insert_update`): every read comes before the write.
+
+Postcondition (:mod:`graphddp.optim.verify_shard` checks it): per sharded bucket, one
+reduce-scatter issued after every gradient of the bucket, its wait before the update, one
+all-gather of the updated parts, its wait before any parameter of the bucket is written, each
+parameter written exactly once after every other read of its memory, no gradient returned.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+from graphddp.graph.insert_comm import place_buckets
+from graphddp.graph.trace import role, splice, trace
+from graphddp.hooks import builtin as hooks
+from graphddp.optim.attached import F64, UPDATES, UpdateRule, step_dtype
+from graphddp.optim.insert_update import UPDATE_INPUT, UpdateInputs, parameter_nodes
+from graphddp.values.collectives import kind
+from graphddp.values.comm import ROLE_KEY, WAIT
+from graphddp.values.schedule import Bucket, Schedule
+from graphddp.values.shards import chunk, part
+
+aten = torch.ops.aten
+SHARDED = "reduce_scatter"  # Bucket.collective of a sharded bucket
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardLayout:
+    """What a sharded bucket's update reads, for this rank: per slot its part and rule."""
+
+    bucket: Bucket
+    parts: tuple[tuple[int, int], ...]  # per slot: [lo, hi) of the parameter's flat view
+    rules: tuple[UpdateRule, ...]  # per slot
+    group_of: tuple[int, ...]  # per slot
+    world: int
+
+    @property
+    def groups(self) -> list[int]:
+        return sorted(set(self.group_of))
+
+    @property
+    def chunks(self) -> list[int]:
+        return [chunk(s.numel, self.world) for s in self.bucket.slots]
+
+    def owned(self) -> list[int]:
+        """Slots this rank owns a non-empty part of."""
+        return [i for i, (lo, hi) in enumerate(self.parts) if hi > lo]
+
+
+def shard_layout(bucket: Bucket, rules: Mapping[str, UpdateRule], groups: Mapping[str, int], world: int, rank: int) -> ShardLayout:
+    names = bucket.param_names
+    return ShardLayout(
+        bucket, tuple(part(s.numel, world, rank) for s in bucket.slots), tuple(rules[n] for n in names),
+        tuple(groups[n] for n in names), world,
+    )
+
+
+def layout(shard: ShardLayout) -> list[str]:
+    """Placeholder names of one sharded bucket's inputs, in order (module docstring)."""
+    b = shard.bucket.index
+    names = [f"shard{b}_param_{k}" for k in range(len(shard.bucket.slots))]
+    for k in shard.owned():
+        names.extend(f"shard{b}_{s}_{k}" for s in shard.rules[k].state)
+    for g in shard.groups:
+        names.extend(f"shard{b}_group{g}_{h}" for h in shard.rules[shard.group_of.index(g)].hyper)
+    return names
+
+
+def _flat(t: torch.Tensor, numel: int) -> torch.Tensor:
+    """``t`` as a flat view (a contiguous copy first where its memory is not contiguous)."""
+    if not t.is_contiguous():
+        t = aten.clone.default(t, memory_format=torch.contiguous_format)
+    return aten.view.default(t, [numel])
+
+
+def _update_fn(shard: ShardLayout, hook: hooks.CommHook, group_name: str) -> Callable[..., torch.Tensor]:
+    """(grads, params, states, hypers) -> the all-gather of the updated parts, not waited."""
+    bucket, world, n = shard.bucket, shard.world, len(shard.bucket.slots)
+    owned = shard.owned()
+    reduce_scatter, all_gather = kind(SHARDED), kind("all_gather")
+
+    def run(*args: torch.Tensor) -> torch.Tensor:
+        grads, params, rest = args[:n], args[n:2 * n], list(args[2 * n:])
+        states = {}
+        for k in owned:
+            width = len(shard.rules[k].state)
+            states[k], rest = rest[:width], rest[width:]
+        hyper = {}
+        for g in shard.groups:
+            width = len(shard.rules[shard.group_of.index(g)].hyper)
+            hyper[g], rest = rest[:width], rest[width:]
+        with role("flatten"):
+            columns = []
+            for grad, slot, c in zip(grads, bucket.slots, shard.chunks):
+                flat = _flat(grad, slot.numel)
+                columns.append(aten.view.default(aten.constant_pad_nd.default(flat, [0, world * c - slot.numel]), [world, c]))
+            flat = aten.view.default(aten.cat.default(columns, 1) if n > 1 else columns[0], [-1])
+        with role("compress"):
+            sent = hook.compress(flat, bucket)
+        with role("scale"):
+            scaled = aten.div.Tensor(sent, world)
+        with role(reduce_scatter.key):
+            pending = reduce_scatter.issue(scaled, group_name, world)
+        with role("update"):
+            work = [aten.clone.default(aten.slice.Tensor(_flat(p, s.numel), 0, lo, hi))
+                    for p, s, (lo, hi) in zip(params, bucket.slots, shard.parts)]
+        with role("wait"):
+            done = WAIT(pending)
+        with role("decompress"):
+            grad_part = hook.decompress(done, bucket)
+        with role("update"):
+            at = 0
+            for k, c in enumerate(shard.chunks):
+                lo, hi = shard.parts[k]
+                if k in states:
+                    rule = shard.rules[k]
+                    UPDATES[rule.kind](rule, work[k], aten.slice.Tensor(grad_part, 0, at, at + hi - lo), states[k], hyper[shard.group_of[k]])
+                at += c
+            mine = aten.cat.default([aten.constant_pad_nd.default(w, [0, c - w.numel()]) for w, c in zip(work, shard.chunks)])
+        with role(all_gather.key):
+            return all_gather.issue(mine, group_name, world)
+
+    return run
+
+
+def _write_fn(shard: ShardLayout) -> Callable[..., None]:
+    """(the all-gather, params) -> wait, then every parameter written from its gathered chunks."""
+    bucket, world = shard.bucket, shard.world
+    width = sum(shard.chunks)
+
+    def run(gathered: torch.Tensor, *params: torch.Tensor) -> None:
+        with role("wait"):
+            full = WAIT(gathered)
+        with role("write"):
+            rows = aten.view.default(full, [world, width])
+            at = 0
+            for p, slot, c in zip(params, bucket.slots, shard.chunks):
+                column = aten.clone.default(aten.slice.Tensor(rows, 1, at, at + c), memory_format=torch.contiguous_format)
+                value = aten.view.default(aten.slice.Tensor(aten.view.default(column, [world * c]), 0, 0, slot.numel), list(slot.shape))
+                aten.copy_.default(p, value)
+                at += c
+
+    return run
+
+
+def _state_values(shard: ShardLayout, fake_mode: Any, values: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Fake values of the new inputs after the parameters (module docstring's order)."""
+    vals: list[torch.Tensor] = []
+    with fake_mode:
+        for k in shard.owned():
+            p = values[shard.bucket.slots[k].param_name]
+            lo, hi = shard.parts[k]
+            for s in shard.rules[k].state:
+                if s == "step":
+                    vals.append(torch.empty((), dtype=step_dtype()))
+                elif s == "first":
+                    vals.append(torch.empty((), dtype=torch.bool))
+                else:
+                    vals.append(torch.empty(hi - lo, dtype=p.dtype, device=p.device))
+        for g in shard.groups:
+            vals.extend(torch.empty((), dtype=F64) for _ in shard.rules[shard.group_of.index(g)].hyper)
+    return vals
+
+
+def _add_placeholders(graph: fx.Graph, names: Sequence[str], vals: Sequence[torch.Tensor]) -> list[fx.Node]:
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    nodes = []
+    for label, val in zip(names, vals, strict=True):
+        with graph.inserting_after(last):
+            last = graph.placeholder(label)
+        last.meta["val"] = val
+        last.meta[ROLE_KEY] = UPDATE_INPUT
+        nodes.append(last)
+    return nodes
+
+
+def insert_sharded_updates(
+    gm: fx.GraphModule, schedule: Schedule, inputs: UpdateInputs, *, rank: int, hook: hooks.CommHook | None = None,
+) -> list[ShardLayout]:
+    """Splice every sharded bucket (module docstring); returns their layouts, in bucket order
+    (the runtime passes the inputs of :func:`layout` for each). A no-op without one."""
+    sharded = [b for b in schedule.buckets if b.collective == SHARDED]
+    if not sharded:
+        return []
+    from torch._inductor.decomposition import select_decomp_table
+
+    graph = gm.graph
+    output = graph.output_node()
+    outs: list[Any] = list(output.args[0])
+    placements = {p.bucket.index: p for p in place_buckets(gm, schedule, outs, only={b.index for b in sharded})}
+    shards = [shard_layout(b, inputs.rules, inputs.groups, schedule.world_size, rank) for b in sharded]
+    fake_mode = detect_fake_mode(tuple(inputs.values.values()))
+    decompositions = select_decomp_table()
+    traced = []
+    for shard in shards:  # every bucket traced before the first edit
+        b = shard.bucket
+        grads = [outs[s.output_index] for s in b.slots]
+        params = [inputs.values[n] for n in b.param_names]
+        vals = [g.meta["val"] for g in grads] + params + _state_values(shard, fake_mode, inputs.values)
+        update = trace(_update_fn(shard, hook or hooks.for_bucket(b), schedule.group_name), vals, f"sharded bucket {b.index}", decompositions)
+        write = trace(_write_fn(shard), [update.graph.output_node().args[0].meta["val"], *params], f"sharded bucket {b.index}'s write")
+        traced.append((shard, update, write))
+    new_params = {}
+    new_rest = {}
+    for shard, _, _ in traced:
+        names = layout(shard)
+        n = len(shard.bucket.slots)
+        vals = [inputs.values[s] for s in shard.bucket.param_names] + _state_values(shard, fake_mode, inputs.values)
+        nodes = _add_placeholders(graph, names, vals)
+        new_params.update(zip(shard.bucket.param_names, nodes[:n]))
+        new_rest[shard.bucket.index] = nodes[n:]
+    param_node = parameter_nodes(graph, list(new_params), inputs, new_params)
+    last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    cursor: dict[fx.Node, fx.Node] = {}  # issue point -> the last node spliced after it
+    writes = []
+    for shard, update, write in traced:
+        b = shard.bucket
+        p = placements[b.index]
+        grads = [outs[s.output_index] for s in b.slots]
+        params = [param_node[n] for n in b.param_names]
+        late = frozenset(_after_the_wait(update))
+        issue = last_placeholder if p.issue.op == "placeholder" else p.issue
+        early = cursor.get(issue, issue).next
+        gathered = splice(graph, update, grads + params + new_rest[b.index], early, b.index, late=(late, p.wait))
+        cursor[issue] = early.prev  # the next bucket issued at this point follows this one
+        writes.append((b, write, gathered, params))
+        for s in b.slots:
+            outs[s.output_index] = None
+    for b, write, gathered, params in writes:  # after every bucket's update: the writes, at the output
+        splice(graph, write, [gathered, *params], output, b.index)
+    output.args = (tuple(outs),)
+    graph.lint()
+    gm.recompile()
+    return shards
+
+
+def _after_the_wait(gm: fx.GraphModule) -> set[fx.Node]:
+    """The traced update's nodes that go at the wait point: the reduce-scatter's wait and
+    everything that depends on it."""
+    waits = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is WAIT]
+    seen: set[fx.Node] = set()
+    todo = list(waits)
+    while todo:
+        node = todo.pop()
+        if node in seen or node.op == "output":
+            continue
+        seen.add(node)
+        todo.extend(node.users)
+    return seen

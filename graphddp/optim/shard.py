@@ -1,0 +1,202 @@
+"""The optimizer on a shard: each rank keeps and updates its part of every parameter only.
+
+``graphddp.compile(model, optimizer=opt, sharding="optimizer")``. Parameters stay whole on
+every rank between steps (the ZeRO-2 shape: forward, evaluation, ``state_dict()`` and user
+code see ordinary tensors); the optimizer state does not: ``opt.state[p]`` holds this rank's
+part of ``p``'s state only, as flat tensors (:mod:`graphddp.values.shards` says which part),
+and nothing where another rank owns all of ``p``. AdamW's two extra copies of every parameter
+shrink to ``2/N`` of them per rank.
+
+Two routes update a part, with the same math (:func:`graphddp.optim.attached.sgd_update`,
+:func:`~graphddp.optim.attached.adam_update`, on flat slices):
+
+* inside the backward (:mod:`graphddp.optim.insert_shard`): a bucket is reduce-scattered, its
+  parts updated right after the wait, and the updated parts all-gathered while later buckets
+  are still computing. No gradient is kept;
+* at the end of the backward (:meth:`ShardedState.step`), for what the graphs leave to
+  torch's step when replicated (the synchronising step after ``no_sync``, a parameter tied
+  across a graph break, ...): each rank updates its part of the averaged gradient and one
+  all-gather per dtype and device puts the parameters back together.
+
+Checkpoints: :meth:`ShardedState.full_state_dict` gathers the parts into the state dict a plain
+``torch.optim`` optimizer of the same class would have, on every rank; :meth:`load_full` takes
+one back (from any world size) and each rank keeps its parts.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from graphddp.optim.attached import F64, UPDATES, UpdateRule, hyper_values, step_dtype
+from graphddp.values.shards import chunk, part
+
+# Per-element state a part holds; every other entry ("step") is one value for the whole parameter.
+ELEMENTWISE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
+
+
+class ShardedState:
+    """This rank's parts of the optimizer state, and the eager sharded step (module docstring)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: Mapping[str, nn.Parameter], rules: Sequence[UpdateRule],
+                 group_of: Mapping[str, int], group: Any) -> None:
+        self.optimizer = optimizer
+        self.params = dict(params)
+        self.rules = rules
+        self.group_of = dict(group_of)
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.pending: dict[str, dict[str, Any]] = {}  # loaded full state, cut into parts on first use
+
+    def part(self, name: str) -> tuple[int, int]:
+        return part(self.params[name].numel(), self.world, self.rank)
+
+    # -- state -------------------------------------------------------------------------------
+    def state_of(self, name: str) -> dict[str, Any] | None:
+        """``opt.state[p]`` for this rank's part of ``name``, created as torch creates it (or cut
+        from a loaded full state); None where this rank owns no element of it."""
+        p = self.params[name]
+        lo, hi = self.part(name)
+        if hi <= lo:
+            return None
+        self._cut_loaded(name)
+        state = self.optimizer.state[p]
+        rule = self.rules[self.group_of[name]]
+        if rule.kind == "adam" and "step" not in state:  # torch.optim.Adam._init_group, non-capturable
+            state["step"] = torch.tensor(0.0, dtype=step_dtype())
+            state["exp_avg"] = p.new_zeros(hi - lo)
+            state["exp_avg_sq"] = p.new_zeros(hi - lo)
+        if rule.kind == "adam" and rule.flag("amsgrad") and "max_exp_avg_sq" not in state:
+            state["max_exp_avg_sq"] = p.new_zeros(hi - lo)
+        return state
+
+    def _cut_loaded(self, name: str) -> None:
+        """A loaded full state of ``name`` becomes this rank's part of it (nothing if none)."""
+        full = self.pending.pop(name, None)
+        lo, hi = self.part(name)
+        if full is None or hi <= lo:
+            return
+        p = self.params[name]
+        state = self.optimizer.state[p]
+        state.clear()
+        for key, value in full.items():
+            if key in ELEMENTWISE and isinstance(value, torch.Tensor):
+                state[key] = value.detach().to(device=p.device, dtype=p.dtype).reshape(-1)[lo:hi].clone()
+            elif isinstance(value, torch.Tensor):
+                state[key] = value.detach().clone()
+            elif value is not None:
+                state[key] = value
+
+    def update_tensors(self, name: str) -> list[torch.Tensor]:
+        """The state tensors of ``name``'s part in :attr:`UpdateRule.state` order (SGD: the
+        momentum buffer, started at zeros, and whether this step starts it)."""
+        rule = self.rules[self.group_of[name]]
+        state = self.state_of(name)
+        if state is None or not rule.state:
+            return []
+        if rule.kind == "adam":
+            return [state[k] for k in rule.state]
+        buf = state.get("momentum_buffer")
+        first = buf is None
+        if first:  # torch starts it at the first step, from the first gradient
+            lo, hi = self.part(name)
+            buf = state["momentum_buffer"] = self.params[name].new_zeros(hi - lo)
+        return [buf, torch.tensor(first)]
+
+    def hyper(self, group: int) -> list[torch.Tensor]:
+        return [torch.tensor(v, dtype=F64) for v in hyper_values(self.optimizer.param_groups[group], self.rules[group])]
+
+    # -- the eager sharded step ----------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, names: Iterable[str]) -> None:
+        """Update this rank's part of each parameter in ``names`` from its (averaged) ``grad``,
+        then all-gather the parts, one collective per dtype and device."""
+        by_kind: dict[tuple[torch.dtype, torch.device], list[str]] = {}
+        for name in names:
+            p = self.params[name]
+            if p.grad is not None:
+                by_kind.setdefault((p.dtype, p.device), []).append(name)
+        hyper = {g: self.hyper(g) for g in {self.group_of[n] for names_ in by_kind.values() for n in names_}}
+        for names_ in by_kind.values():
+            chunks = []
+            for name in names_:
+                p = self.params[name]
+                lo, hi = self.part(name)
+                work = p.detach().reshape(-1)[lo:hi].clone()
+                if hi > lo:
+                    rule = self.rules[self.group_of[name]]
+                    grad = p.grad.detach().reshape(-1)[lo:hi]
+                    UPDATES[rule.kind](rule, work, grad, self.update_tensors(name)[:len(rule.state)], hyper[self.group_of[name]])
+                chunks.append(torch.nn.functional.pad(work, (0, chunk(p.numel(), self.world) - (hi - lo))))
+            self._gather_into(names_, torch.cat(chunks))
+
+    def _gather_into(self, names: Sequence[str], mine: torch.Tensor) -> None:
+        """All-gather every rank's updated chunks (rank-major) and write them into the parameters."""
+        gathered = mine.new_empty(self.world * mine.numel())
+        dist.all_gather_into_tensor(gathered, mine, group=self.group)
+        rows = gathered.view(self.world, mine.numel())
+        at = 0
+        for name in names:
+            p = self.params[name]
+            c = chunk(p.numel(), self.world)
+            p.detach().copy_(rows[:, at:at + c].reshape(-1)[: p.numel()].view_as(p))
+            at += c
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, Any]:
+        """The state dict a plain optimizer of the same class would have, on every rank."""
+        names = {id(p): n for n, p in self.params.items()}
+        order = [names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
+        for name in order:
+            self._cut_loaded(name)  # a loaded state not stepped since is saved as loaded
+        mine = {}
+        for name in order:
+            state = self.optimizer.state.get(self.params[name])
+            if state and self.part(name)[1] > self.part(name)[0]:
+                mine[name] = {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+        everyone: list[Any] = [None] * self.world
+        dist.all_gather_object(everyone, mine, group=self.group)
+        state: dict[int, dict[str, Any]] = {}
+        for index, name in enumerate(order):
+            p = self.params[name]
+            parts = [r[name] for r in everyone if name in r]  # rank order: parts in element order
+            if not parts:
+                continue
+            full = {}
+            for key, value in parts[0].items():
+                if key in ELEMENTWISE:
+                    full[key] = torch.cat([q[key] for q in parts]).view(p.shape).to(p.device)
+                else:
+                    full[key] = value.clone() if isinstance(value, torch.Tensor) else value
+            state[index] = full
+        groups = []
+        at = 0
+        for group in self.optimizer.param_groups:
+            g = {k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
+            g["params"] = list(range(at, at + len(group["params"])))
+            at += len(group["params"])
+            groups.append(g)
+        return {"state": state, "param_groups": groups}
+
+    def load_full(self, full: Mapping[str, Any]) -> None:
+        """Take a plain optimizer's state dict: param groups as ``load_state_dict`` takes them,
+        each parameter's state kept for its part (cut when first used)."""
+        names = {id(p): n for n, p in self.params.items()}
+        order = [names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
+        if len(full["param_groups"]) != len(self.optimizer.param_groups):
+            raise ValueError("load_full_optimizer_state_dict: the state dict has a different number of param groups")
+        for group, saved in zip(self.optimizer.param_groups, full["param_groups"]):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError("load_full_optimizer_state_dict: a param group holds a different number of parameters")
+            group.update({k: copy.deepcopy(v) for k, v in saved.items() if k != "params"})
+        for p in self.params.values():
+            self.optimizer.state.pop(p, None)
+        self.pending = {}
+        for index, name in enumerate(order):
+            saved = full["state"].get(index, full["state"].get(str(index)))
+            if saved:
+                self.pending[name] = dict(saved)

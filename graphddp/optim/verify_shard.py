@@ -1,0 +1,95 @@
+"""The checker run after :func:`graphddp.optim.insert_shard.insert_sharded_updates`.
+
+A sharded bucket goes wrong in ways a numerics test on one model may not show: a rank that
+updates from its local gradient instead of the reduce-scattered average, a parameter written
+before the backward's last read of its old value, or written from the parts before the
+all-gather has delivered them. Invariants, per sharded bucket (``collective ==
+"reduce_scatter"``):
+
+S1. **One of each.** Exactly one reduce-scatter and one all-gather carry the bucket's tag, and
+    nothing else graphddp made for it is a collective.
+S2. **After its gradients.** The reduce-scatter comes after the node producing each of the
+    bucket's gradients, and its input depends on every one of them.
+S3. **Averaged gradient.** The all-gather's input depends on the reduce-scatter's wait: the
+    parts are updated from the average, not from the local gradient.
+S4. **No gradient kept.** Every slot's gradient output is ``None``.
+S5. **One write, after the gather, last.** Each parameter of the bucket is written by exactly
+    one ``copy_`` whose value depends on the all-gather's wait, and no node after that write
+    reads the parameter's memory.
+
+Failures raise :class:`graphddp.graph.verify.VerificationError` showing the node in context.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from graphddp.graph.verify import _fail
+from graphddp.optim.verify import _root, _storage
+from graphddp.values.collectives import kind
+from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_collective, is_wait
+from graphddp.values.schedule import Schedule
+
+aten = torch.ops.aten
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        todo.extend(n.all_input_nodes)
+    return seen
+
+
+def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
+    """Check S1-S5 (module docstring)."""
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    by_name = {n.name: n for n in nodes}
+    outs = list(gm.graph.output_node().args[0])
+    rs_op, ag_op = kind("reduce_scatter").op, kind("all_gather").op
+    for bucket in (b for b in schedule.buckets if b.collective == "reduce_scatter"):
+        mine = [n for n in nodes if n.meta.get(BUCKET_KEY) == bucket.index]
+        collectives = [n for n in mine if is_collective(n)]
+        scatters = [n for n in collectives if n.target is rs_op]
+        gathers = [n for n in collectives if n.target is ag_op]
+        where = f"sharded bucket {bucket.index}"
+        if len(scatters) != 1 or len(gathers) != 1 or len(collectives) != 2:
+            _fail(gm, (collectives or [gm.graph.output_node()])[0],
+                  f"{where}: expected one reduce-scatter and one all-gather, found {[n.name for n in collectives]} (S1)")
+        scatter, gather = scatters[0], gathers[0]
+        inputs = _ancestors(scatter)
+        for slot in bucket.slots:
+            producer = by_name.get(slot.producer)
+            if producer is None or producer not in inputs or order[producer] > order[scatter]:
+                _fail(gm, scatter, f"{where}: the reduce-scatter does not follow the gradient of {slot.param_name!r} (S2)")
+        scatter_waits = [u for u in scatter.users if is_wait(u)]
+        if not scatter_waits or not any(w in _ancestors(gather) for w in scatter_waits):
+            _fail(gm, gather, f"{where}: the all-gather's parts do not depend on the reduce-scatter's wait (S3)")
+        for slot in bucket.slots:
+            if outs[slot.output_index] is not None:
+                _fail(gm, gm.graph.output_node(), f"{where}: the gradient of {slot.param_name!r} is still returned (S4)")
+        gather_waits = [u for u in gather.users if is_wait(u)]
+        writes = [n for n in mine if n.target is aten.copy_.default and n.meta.get(ROLE_KEY) == "write"]
+        _check_writes(gm, where, bucket.param_names, writes, gather_waits, nodes, order)
+
+
+def _check_writes(gm: fx.GraphModule, where: str, names: tuple[str, ...], writes: list[fx.Node], gather_waits: list[fx.Node],
+                  nodes: list[fx.Node], order: dict[fx.Node, int]) -> None:
+    """S5 for one bucket: one write per parameter, from the gathered parts, and nothing after it."""
+    if len(writes) != len(names):
+        _fail(gm, (writes or [gm.graph.output_node()])[0], f"{where}: {len(writes)} parameter writes for {len(names)} parameters (S5)")
+    for write in writes:
+        if not any(w in _ancestors(write) for w in gather_waits):
+            _fail(gm, write, f"{where}: {write.name} writes a parameter from values the all-gather did not deliver (S5)")
+        target = _root(write.args[0])
+        memory = _storage(target)
+        for later in nodes[order[write] + 1:]:
+            if later.op == "output":
+                continue
+            if memory is not None and any(_storage(a) == memory for a in later.all_input_nodes if a is not write):
+                _fail(gm, later, f"{where}: {later.name} reads {target.name}'s memory after its write {write.name} (S5)")

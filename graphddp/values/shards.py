@@ -1,0 +1,39 @@
+"""How a sharded bucket is cut: each parameter split into N equal parts, one per rank.
+
+``graphddp.compile(..., optimizer=opt, sharding="optimizer")`` reduce-scatters a bucket instead
+of all-reducing it: each rank receives the average of its part only, updates that part with its
+part of the optimizer state, and all-gathers the updated parts. Where the parts lie is a pure
+function of a parameter's number of elements and the world size, not of the bucket it sits in:
+
+* parameter ``p`` with ``n`` elements is cut into ``world`` chunks of ``chunk(n, world) =
+  ceil(n / world)`` elements; rank ``r`` owns elements ``[r * chunk, (r + 1) * chunk)`` of its
+  flat view, clipped to ``n`` (:func:`part`). The last ranks may own fewer elements, or none;
+* a bucket's flat buffer on the wire is rank-major: rank 0's chunks of every parameter of the
+  bucket in slot order, then rank 1's, ... each chunk padded with zeros to ``chunk`` elements.
+  A reduce-scatter of it hands rank ``r`` exactly its chunks, and an all-gather of the updated
+  chunks gives every rank the whole bucket back in the same layout.
+
+Why per parameter, as FSDP2 shards, and not one cut of the concatenated bucket (ZeRO's flat
+partition): a rank's part of a parameter, and so its optimizer state, stays the same when
+Dynamo recompiles a graph and the planner buckets differently, and a parameter's state is never
+split between two buckets. The padding (fewer than ``world`` elements per parameter) travels on
+the wire as zeros and never reaches the optimizer state or a checkpoint.
+"""
+from __future__ import annotations
+
+
+def chunk(numel: int, world: int) -> int:
+    """Elements per rank of a parameter of ``numel`` elements, padding included."""
+    return -(-numel // world)
+
+
+def part(numel: int, world: int, rank: int) -> tuple[int, int]:
+    """The elements ``[lo, hi)`` of a parameter's flat view that ``rank`` owns (maybe empty)."""
+    size = chunk(numel, world)
+    lo = min(rank * size, numel)
+    return lo, min(lo + size, numel)
+
+
+def owners(numel: int, world: int) -> list[tuple[int, int, int]]:
+    """``(rank, lo, hi)`` for every rank that owns a non-empty part, in rank order."""
+    return [(r, *part(numel, world, r)) for r in range(world) if part(numel, world, r)[1] > part(numel, world, r)[0]]

@@ -1,0 +1,159 @@
+"""Sharded buckets in one process (a fake group of 4): the rewritten graph, the verifier's
+rules with one mutation each, the option's refusals, and how parameters are cut."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.fx as fx
+
+import graphddp
+from graphddp.graph.verify import VerificationError
+from graphddp.models import MLP
+from graphddp.optim.verify_shard import verify_sharded
+from graphddp.values.collectives import kind
+from graphddp.values.comm import BUCKET_KEY, ROLE_KEY
+from graphddp.values.shards import chunk, owners, part
+
+aten = torch.ops.aten
+RS, AG = kind("reduce_scatter").op, kind("all_gather").op
+
+
+def test_parts_cover_each_parameter_once_and_pad_less_than_a_rank_each():
+    for numel in (1, 2, 3, 7, 64, 1000, 1001):
+        for world in (1, 2, 3, 4, 8):
+            parts = [part(numel, world, r) for r in range(world)]
+            assert parts[0][0] == 0 and parts[-1][1] == numel
+            assert all(a[1] == b[0] for a, b in zip(parts, parts[1:])), parts
+            assert world * chunk(numel, world) - numel < world  # padding per parameter
+            assert [(lo, hi) for _, lo, hi in owners(numel, world)] == [p for p in parts if p[1] > p[0]]
+
+
+def _compiled(fake_world, world: int = 4):
+    fake_world(world)
+    torch.manual_seed(0)
+    model = MLP(width=32, depth=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gd = graphddp.compile(model, optimizer=opt, sharding="optimizer", backend="aot_eager", bucket_cap_mb=0.005)
+    gd(torch.randn(8, 16)).sum().backward()
+    (record,) = gd.records
+    return gd, opt, model, record
+
+
+def test_each_bucket_is_reduce_scattered_updated_and_all_gathered(fake_world):
+    gd, opt, model, record = _compiled(fake_world)
+    buckets = record.schedule.buckets
+    assert len(buckets) > 1 and all(b.collective == "reduce_scatter" for b in buckets)
+    nodes = list(record.graph.graph.nodes)
+    for b in buckets:
+        mine = [n for n in nodes if n.meta.get(BUCKET_KEY) == b.index]
+        assert [n.target for n in mine if n.target in (RS, AG)] == [RS, AG]
+    outs = list(record.graph.graph.output_node().args[0])
+    assert all(outs[s.output_index] is None for b in buckets for s in b.slots)
+    # This rank (0 of 4) holds a quarter of each parameter's state, flat.
+    for p in model.parameters():
+        lo, hi = part(p.numel(), 4, 0)
+        assert opt.state[p]["exp_avg"].shape == (hi - lo,)
+        assert p.grad is None
+
+
+def _bucket_nodes(gm: fx.GraphModule, index: int) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.meta.get(BUCKET_KEY) == index]
+
+
+def _mutate_second_scatter(gm: fx.GraphModule) -> str:
+    rs = next(n for n in _bucket_nodes(gm, 0) if n.target is RS)
+    with gm.graph.inserting_after(rs):
+        extra = gm.graph.call_function(RS, rs.args)
+    extra.meta.update(rs.meta)
+    return "expected one reduce-scatter and one all-gather"
+
+
+def _mutate_gather_local_parts(gm: fx.GraphModule) -> str:
+    ag = next(n for n in _bucket_nodes(gm, 0) if n.target is AG)
+    rs = next(n for n in _bucket_nodes(gm, 0) if n.target is RS)
+    # Gather the flat local gradient's first part instead of the updated average.
+    flat = rs.args[0]
+    with gm.graph.inserting_before(ag):
+        local = gm.graph.call_function(aten.slice.Tensor, (flat, 0, 0, ag.args[0].meta["val"].numel()))
+    local.meta["val"] = ag.args[0].meta["val"]
+    ag.args = (local, *ag.args[1:])
+    return "do not depend on the reduce-scatter's wait"
+
+
+def _mutate_gradient_returned(gm: fx.GraphModule) -> str:
+    output = gm.graph.output_node()
+    outs = list(output.args[0])
+    rs = next(n for n in _bucket_nodes(gm, 0) if n.target is RS)
+    outs[outs.index(None)] = rs
+    output.args = (tuple(outs),)
+    return "still returned"
+
+
+def _mutate_write_before_gather(gm: fx.GraphModule) -> str:
+    write = next(n for n in _bucket_nodes(gm, 0) if n.target is aten.copy_.default and n.meta.get(ROLE_KEY) == "write")
+    # Write the parameter from its own (old) value: not from what the all-gather delivered.
+    write.args = (write.args[0], write.args[0])
+    return "the all-gather did not deliver"
+
+
+def _mutate_read_after_write(gm: fx.GraphModule) -> str:
+    write = next(n for n in _bucket_nodes(gm, 0) if n.target is aten.copy_.default and n.meta.get(ROLE_KEY) == "write")
+    with gm.graph.inserting_after(write):
+        late = gm.graph.call_function(aten.clone.default, (write.args[0],))
+    late.meta["val"] = write.args[0].meta["val"]
+    return "after its write"
+
+
+def _mutate_scatter_before_its_gradients(gm: fx.GraphModule) -> str:
+    rs = next(n for n in _bucket_nodes(gm, 0) if n.target is RS)
+    # A zero gradient in place of the flattened bucket: the reduce-scatter no longer reads the gradients.
+    val = rs.args[0].meta["val"]
+    with gm.graph.inserting_before(rs):
+        zeros = gm.graph.call_function(aten.zeros.default, (list(val.shape),), {"dtype": val.dtype, "device": val.device})
+    zeros.meta["val"] = val
+    rs.args = (zeros, *rs.args[1:])
+    return "does not follow the gradient"
+
+
+MUTATIONS = {
+    "S1 a second reduce-scatter": _mutate_second_scatter,
+    "S2 reduce-scatter without its gradients": _mutate_scatter_before_its_gradients,
+    "S3 all-gather of local values": _mutate_gather_local_parts,
+    "S4 gradient still returned": _mutate_gradient_returned,
+    "S5 write not from the all-gather": _mutate_write_before_gather,
+    "S5 read after the write": _mutate_read_after_write,
+}
+
+
+@pytest.mark.parametrize("name", list(MUTATIONS))
+def test_verify_sharded_rejects(fake_world, name: str) -> None:
+    _, _, _, record = _compiled(fake_world)
+    verify_sharded(record.graph, record.schedule)  # pristine
+    gm = copy.deepcopy(record.graph)
+    expected = MUTATIONS[name](gm)
+    with pytest.raises(VerificationError, match=expected):
+        verify_sharded(gm, record.schedule)
+
+
+def test_sharding_needs_an_optimizer_and_names_the_option(fake_world):
+    fake_world(2)
+    with pytest.raises(ValueError, match="sharding='optimizer' shards the optimizer's state, so it needs optimizer="):
+        graphddp.compile(MLP(), sharding="optimizer")
+    model = MLP()
+    with pytest.raises(ValueError, match="sharding must be one of"):
+        graphddp.compile(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), sharding="zero3")
+
+
+def test_the_schedule_shows_the_collective_of_each_bucket(fake_world):
+    _, _, _, record = _compiled(fake_world)
+    assert all(b["collective"] == "reduce_scatter" for b in record.schedule.to_dict()["buckets"])
+    assert "reduce_scatter" in record.schedule.to_table()
+
+
+def test_explain_plans_sharded_buckets_for_64_ranks():
+    (schedule,) = graphddp.explain(MLP(width=32, depth=4), torch.randn(8, 16), world_size=64, backend="aot_eager",
+                                   bucket_cap_mb=0.005, sharding="optimizer")
+    assert schedule.world_size == 64 and len(schedule.buckets) > 1
+    assert all(b.collective == "reduce_scatter" for b in schedule.buckets)
