@@ -11,7 +11,7 @@ default: none given).
 Rank 0 reports its first step (wall, and CPU seconds of the process and its finished
 children, which the other load on a shared machine disturbs less) and a breakdown: Dynamo's
 timers (``torch._dynamo.utils``), inductor's, AOTAutograd's and graphddp's cache counters, and
-graphddp's passes (capture, plan, insert_allreduce, verify), its compile cache and inductor's
+graphddp's passes (capture, plan, insert_collectives, verify), its compile cache and inductor's
 inner compiles, timed by wrapping them in the rank processes only. Modes alternate run by run.
 Run it from a tree nobody edits: graphddp's cache key covers graphddp's source.
 
@@ -92,10 +92,13 @@ def _install_timers(timers: Timers, mode: str) -> None:
     timers.wrap(compile_fx, "compile_fx_inner", "inductor compile_fx_inner")
     if mode != "graphddp":
         return
+    import graphddp.compiler.compose as compose
     import graphddp.compiler.graph_compiler as backend
 
-    for name in ("extract_facts", "plan", "insert_allreduce", "verify"):
+    for name in ("extract_facts", "plan"):
         timers.wrap(backend, name, f"graphddp {name}")
+    for name in ("insert_collectives", "verify"):  # looked up in the pass list's module at call time
+        timers.wrap(compose, name, f"graphddp {name}")
     timers.wrap(backend.GraphCompiler, "rewrite_backward", "graphddp rewrite_backward (all passes)")
     import graphddp.compiler.cache as cache
 

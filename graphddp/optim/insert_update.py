@@ -31,7 +31,7 @@ its gradient output is None; other outputs are unchanged.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -119,14 +119,7 @@ def _new_inputs(graph: fx.Graph, schedule: Schedule, inputs: UpdateInputs) -> tu
                     vals.append(torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=p.device))
         for g in groups:
             vals.extend(torch.empty((), dtype=optim.F64) for _ in rules[group_of.index(g)].hyper)
-    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
-    nodes = []
-    for label, val in zip(labels, vals, strict=True):
-        with graph.inserting_after(last):
-            last = graph.placeholder(label)
-        last.meta["val"] = val
-        last.meta[ROLE_KEY] = UPDATE_INPUT
-        nodes.append(last)
+    nodes = add_update_inputs(graph, labels, vals)
     per_name: dict[str, list[fx.Node]] = {}
     at = 0
     for name, rule in zip(names, rules):
@@ -137,6 +130,19 @@ def _new_inputs(graph: fx.Graph, schedule: Schedule, inputs: UpdateInputs) -> tu
         width = len(rules[group_of.index(g)].hyper)
         per_group[g], at = nodes[at:at + width], at + width
     return names, per_name, per_group
+
+
+def add_update_inputs(graph: fx.Graph, labels: Sequence[str], vals: Sequence[torch.Tensor]) -> list[fx.Node]:
+    """New placeholders after the last one, tagged as the update's inputs, with fake values."""
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    nodes = []
+    for label, val in zip(labels, vals, strict=True):
+        with graph.inserting_after(last):
+            last = graph.placeholder(label)
+        last.meta["val"] = val
+        last.meta[ROLE_KEY] = UPDATE_INPUT
+        nodes.append(last)
+    return nodes
 
 
 def _update_point(graph: fx.Graph, index: int, params: list[fx.Node], grads: list[fx.Node]) -> fx.Node:

@@ -22,6 +22,7 @@ MODES = (
     "ddp_cap25", "ddp_best", "ddp_compiled", "ddp_compiled_samecap", "graphddp", "graphddp_tail_off", "compute_eager",
     "graphddp_optim", "ddp_compiled_autograd", "graphddp_powersgd", "ddp_powersgd", "ddp_powersgd_serial",
     "graphddp_auto", "graphddp_cap1", "ddp_cap2", "best_swept",  # issue 12's sweep, a few of its caps
+    "graphddp_sharded", "ddp_zero", "fsdp2",  # --modes sharded
 )
 # Rows that summarise others: not modes of --modes.
 SUMMARY_ROWS = ("ddp_best", "best_swept")
@@ -53,6 +54,12 @@ def test_bench_tiny_runs_every_mode_and_falls_back_to_plain_loopback(tmp_path):
         assert rec["first_step_s"] > 0, (mode, rec)
     for mode in ("compute_only", "graphddp", "no_overlap"):
         assert all(data["modes"][mode][f"{p}_ms"] > 0 for p in ("fwd", "bwd", "opt")), mode
+    # The sharded modes keep half the AdamW state of the replicated ones on each of 2 ranks.
+    full = data["modes"]["graphddp_optim"]["state_mb"]
+    for mode in ("graphddp_sharded", "fsdp2"):  # per-parameter halves, padding aside
+        assert abs(data["modes"][mode]["state_mb"] - full / 2) < 0.02 * full, (mode, data["modes"][mode]["state_mb"], full)
+    assert data["modes"]["ddp_zero"]["state_mb"] < 0.75 * full  # ZeRO partitions whole parameters, greedily
+    assert "memory per rank" in (out / "bench.txt").read_text()
     assert data["modes"]["comm_only"]["comm_ms"] > 0
     assert data["modes"]["comm_only"]["machine_cpu_ms"] >= 0
     assert all(data["modes"][m]["minor_faults"] >= 0 for m in MODES)

@@ -1,5 +1,6 @@
-"""The figures quoted on docs/benchmark.md and in the README's headline are the published runs'
-(docs/bench_gpt.json, docs/bench_gpt_adamw.json), and those runs still render."""
+"""The figures quoted on docs/benchmark.md, docs/sharding.md and in the README's headline are the
+published runs' (docs/bench_gpt.json, docs/bench_gpt_adamw.json, docs/bench_*_sharded.json), and
+those runs still render."""
 from __future__ import annotations
 
 import json
@@ -37,3 +38,20 @@ def test_readme_quotes_the_published_gpt_run():
     assert f"graphddp_optim / best eager DDP: **{adamw['optim_ratios']['best_eager_ddp']:.3f}**" in readme
     assert f"graphddp_optim / compiled-autograd DDP: **{adamw['optim_ratios']['ddp_compiled_autograd']:.3f}**" in readme
     render_table(adamw)
+
+
+def test_sharding_page_quotes_the_published_sharded_runs():
+    with open(os.path.join(DOCS, "sharding.md")) as f:
+        page = f.read()
+    for model in ("gpt", "mlp"):
+        with open(os.path.join(DOCS, f"bench_{model}_sharded.json")) as f:
+            summary = json.load(f)
+        assert summary["network"]["emulated"] and summary["config"]["backend"] == "inductor"
+        modes = summary["modes"]
+        sharded, optim = modes["graphddp_sharded"], modes["graphddp_optim"]
+        assert f"| **{sharded['step_ms']:.1f}** | {sharded['state_mb']:.1f} |" in page, model
+        assert f"| {optim['step_ms']:.1f} | {optim['state_mb']:.1f} |" in page, model
+        for t in summary["targets"]:
+            if "sharded" in t["target"]:
+                assert f"- {t['target']}: {t['ratio']:.3f}" in page, (model, t["target"])
+        render_table(summary)

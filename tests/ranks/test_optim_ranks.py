@@ -134,7 +134,11 @@ def _by_graph(ours: Any) -> list[Any]:
 
 
 def _assert_state_equal(ours: torch.optim.Optimizer, ref: torch.optim.Optimizer, tol: dict, what: str) -> None:
-    a, b = ours.state_dict(), ref.state_dict()
+    assert_state_dicts_equal(ours.state_dict(), ref.state_dict(), tol, what)
+
+
+def assert_state_dicts_equal(a: dict, b: dict, tol: dict, what: str) -> None:
+    """Two optimizer state dicts: the same param groups, state keys and values (within ``tol``)."""
     assert a["param_groups"] == b["param_groups"], what
     assert a["state"].keys() == b["state"].keys(), f"{what}: state of parameters {sorted(a['state'])} vs {sorted(b['state'])}"
     for i, st in a["state"].items():
@@ -143,19 +147,26 @@ def _assert_state_equal(ours: torch.optim.Optimizer, ref: torch.optim.Optimizer,
             torch.testing.assert_close(v, b["state"][i][k], **tol, msg=lambda m: f"{what}: state[{i}][{k!r}]: {m}")
 
 
-def _train(rank: int, world: int, name: str) -> None:
-    case = CASES[name]
+def start_unequal(case: Any, rank: int) -> tuple[nn.Module, DDP, torch.optim.Optimizer, torch.optim.Optimizer]:
+    """``case``'s model for graphddp, unequal on rank 1 before wrapping (graphddp must broadcast
+    rank 0's parameters, as DDP does), DDP's copy (with its fp16 hook where the case compresses),
+    and an optimizer of the case's class for each."""
     torch.manual_seed(0)
     base = case.make()
-    ours_model = copy.deepcopy(base)
-    if rank == 1:  # graphddp must broadcast rank 0's parameters, as DDP does
+    mine = copy.deepcopy(base)
+    if rank == 1:
         with torch.no_grad():
-            for p in ours_model.parameters():
+            for p in mine.parameters():
                 p.add_(0.25)
     ref = DDP(copy.deepcopy(base))
     if case.fp16_compress:
         ref.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    opt, ref_opt = case.optimizer(ours_model), case.optimizer(ref.module)
+    return mine, ref, case.optimizer(mine), case.optimizer(ref.module)
+
+
+def _train(rank: int, world: int, name: str) -> None:
+    case = CASES[name]
+    ours_model, ref, opt, ref_opt = start_unequal(case, rank)
     options = dict(optimizer=opt, backend=case.backend, bucket_cap_mb=0.004, comm_hook="fp16_compress" if case.fp16_compress else None)
     if case.form == "backend":
         view = graphddp.backend(ours_model, **options)  # schedules, no_sync() and the replica, as below

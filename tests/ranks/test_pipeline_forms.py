@@ -31,7 +31,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import graphddp
-from graphddp.testing import spawn
+from graphddp.testing import spawn, tiny_hf_gpt2, tiny_hf_gpt2_batch
 
 CAPS = {"backend": "aot_eager", "bucket_cap_mb": 0.02}
 
@@ -39,19 +39,7 @@ CAPS = {"backend": "aot_eager", "bucket_cap_mb": 0.02}
 TOL = {"atol": 1e-5, "rtol": 1e-4}
 
 
-def _gpt2() -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=64,
-        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, use_cache=False,
-    ))
-
-
-def _batch(rank: int, step: int) -> dict[str, torch.Tensor]:
-    idx = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(100 * rank + step))
-    return {"input_ids": idx, "labels": idx}
+_gpt2, _batch = tiny_hf_gpt2, tiny_hf_gpt2_batch
 
 
 Form = Callable[[nn.Module], tuple[Callable[..., Any], Any, Callable[[], list]]]

@@ -20,8 +20,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from test_optim_ranks import ADAM_NOISE, CNN, FP16_ADAM, TIGHT, _adamw, _cnn_loss, _gpt_loss, _hf_gpt2, _hf_loss, _sgd
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from test_optim_ranks import ADAM_NOISE, CNN, FP16_ADAM, TIGHT, _adamw, _cnn_loss, _gpt_loss, _hf_gpt2, _hf_loss, _sgd, assert_state_dicts_equal, start_unequal
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import graphddp
@@ -67,15 +66,6 @@ CASES = {
 }
 
 
-def _close_state(ours: dict, ref: dict, tol: dict, what: str) -> None:
-    assert ours["param_groups"] == ref["param_groups"], what
-    assert ours["state"].keys() == ref["state"].keys(), f"{what}: state of {sorted(ours['state'])} vs {sorted(ref['state'])}"
-    for i, st in ours["state"].items():
-        assert st.keys() == ref["state"][i].keys(), f"{what}: parameter {i}: {sorted(st)} vs {sorted(ref['state'][i])}"
-        for k, v in st.items():
-            torch.testing.assert_close(v, ref["state"][i][k], **tol, msg=lambda m: f"{what}: state[{i}][{k!r}]: {m}")
-
-
 def _check_parts(model: nn.Module, opt: torch.optim.Optimizer, world: int, rank: int, what: str) -> None:
     for name, p in model.named_parameters():
         lo, hi = part(p.numel(), world, rank)
@@ -88,17 +78,7 @@ def _check_parts(model: nn.Module, opt: torch.optim.Optimizer, world: int, rank:
 
 
 def _pair(case: Case, rank: int) -> tuple[Any, nn.Module, torch.optim.Optimizer, DDP, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    base = case.make()
-    mine = copy.deepcopy(base)
-    if rank == 1:  # graphddp must broadcast rank 0's parameters, as DDP does
-        with torch.no_grad():
-            for p in mine.parameters():
-                p.add_(0.25)
-    ref = DDP(copy.deepcopy(base))
-    if case.fp16_compress:
-        ref.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    opt, ref_opt = case.optimizer(mine), case.optimizer(ref.module)
+    mine, ref, opt, ref_opt = start_unequal(case, rank)
     ours = graphddp.compile(mine, optimizer=opt, sharding="optimizer", backend=case.backend, bucket_cap_mb=0.004,
                             comm_hook="fp16_compress" if case.fp16_compress else None)
     return ours, mine, opt, ref, ref_opt
@@ -131,7 +111,7 @@ def _train(rank: int, world: int, name: str) -> None:
             assert p.grad is None, f"step {step}: {n}.grad kept"
             torch.testing.assert_close(p.detach(), q.detach(), **case.tol, msg=lambda m: f"{name} step {step} param {n}: {m}")
         _check_parts(mine, opt, world, rank, f"{name} step {step}")
-        _close_state(graphddp.full_optimizer_state_dict(ours), ref_opt.state_dict(), case.tol, f"{name} step {step}")
+        assert_state_dicts_equal(graphddp.full_optimizer_state_dict(ours), ref_opt.state_dict(), case.tol, f"{name} step {step}")
     sharded = [b for s in ours.schedules for b in s.buckets if b.collective == "reduce_scatter"]
     assert sharded, f"{name}: no bucket was reduce-scattered"
     if case.fp16_compress:
@@ -165,7 +145,7 @@ def _save_two(rank: int, world: int, path: str) -> None:
     full = graphddp.full_optimizer_state_dict(ours)
     plain = case.optimizer(copy.deepcopy(ref.module))
     plain.load_state_dict(full)  # loads into a plain torch.optim of the same class
-    _close_state(plain.state_dict(), ref_opt.state_dict(), TIGHT, "a plain optimizer loaded with the full state")
+    assert_state_dicts_equal(plain.state_dict(), ref_opt.state_dict(), TIGHT, "a plain optimizer loaded with the full state")
     if rank == 0:
         torch.save({"model": mine.state_dict(), "opt": full, "ref_opt": ref_opt.state_dict()}, path)
 
@@ -186,7 +166,7 @@ def _resume_three(rank: int, world: int, path: str) -> None:
         for (n, p), q in zip(mine.named_parameters(), ref.module.parameters()):
             torch.testing.assert_close(p.detach(), q.detach(), **TIGHT, msg=lambda m: f"resumed on 3 ranks, step {step}, {n}: {m}")
         _check_parts(mine, opt, world, rank, f"resumed step {step}")
-    _close_state(graphddp.full_optimizer_state_dict(ours), ref_opt.state_dict(), TIGHT, "resumed on 3 ranks")
+    assert_state_dicts_equal(graphddp.full_optimizer_state_dict(ours), ref_opt.state_dict(), TIGHT, "resumed on 3 ranks")
 
 
 def test_full_optimizer_state_round_trips_from_two_ranks_to_three(tmp_path) -> None:

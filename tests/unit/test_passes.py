@@ -1,4 +1,4 @@
-"""insert_allreduce and verify on small fake-traced FX graphs.
+"""insert_collectives and verify on small fake-traced FX graphs.
 
 The graphs are only built and inspected, never run, so no process group is needed.
 """

@@ -6,29 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
 
 import graphddp
 from graphddp.config import DDPConfig
 from graphddp.graph.codeinspect import windows_in_generated_code
 from graphddp.models import MLP
+from graphddp.testing import tiny_hf_gpt2, tiny_hf_gpt2_batch
 
 pytest.importorskip("transformers")
 
 
-def _gpt2() -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=64,
-        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, use_cache=False,
-    ))
-
-
-def _batch(rank: int, step: int) -> dict[str, torch.Tensor]:
-    idx = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(100 * rank + step))
-    return {"input_ids": idx, "labels": idx}
+_gpt2, _batch = tiny_hf_gpt2, tiny_hf_gpt2_batch
 
 
 def test_max_autotune_generated_code_still_overlaps(fake_world):

@@ -1,5 +1,5 @@
 """Zero-filled slots on a hand-traced graph: a recompile that stopped a parameter's gradient
-keeps its place in a hooked bucket (``GradSlot.zero_filled``); insert_allreduce sends zeros
+keeps its place in a hooked bucket (``GradSlot.zero_filled``); insert_collectives sends zeros
 there and returns no gradient, and the verifier names a place filled with anything else.
 Built and inspected only, like ``test_passes``, whose traced graph and plan this reuses.
 """

@@ -27,6 +27,8 @@ from tools.bench.modes import (
     flat_allreduce,
 )
 from tools.bench.predict import cost_record, ddp_config, predictions
+from tools.bench.sharded import SHARDED_MODES, param_bytes, state_bytes
+from tools.bench.sharded import build as build_sharded
 from tools.bench.workload import (
     CA_FUSE_PASSES,
     DDP_CAPS,
@@ -119,6 +121,11 @@ def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None
         m = graphddp.compile(model, optimizer=opt, **cfg.graphddp.as_options())
         first_step("graphddp_optim", TrainMode("graphddp_optim", m, None, batch, loss, opt=opt))
         info["graphddp_optim"] = {"optimizer": OPTIMIZER, "buckets": sum(len(s.buckets) for s in m.schedules)}
+
+    for name in SHARDED_MODES:  # --modes sharded: the optimizer state on a shard, three ways
+        if name in cfg.modes:
+            mode, _ = build_sharded(name, base, batch, loss, cfg.graphddp.as_options())
+            first_step(name, mode)
 
     # Issue 12: bucket_cap_mb="auto" (graphddp's planner minimises the predicted backward under
     # the calibrated cost model) and graphddp at each swept cap, DDP's semantics for a set cap.
@@ -290,6 +297,9 @@ def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None
         mode = modes["graphddp_optim"]
         info["graphddp_optim"]["step_vs_torch"] = check_update_in_backward(mode, mode.model.module, world)
 
+    # What each mode keeps between steps on this rank: its optimizer state and its parameters.
+    info["state_mb"] = {name: state_bytes(modes[name].opt) / MB for name in order if hasattr(modes[name], "opt")}
+    info["param_mb"] = {name: param_bytes(modes[name].model) / MB for name in order if hasattr(modes[name], "model")}
     profiles = {name: _profile_step(modes[name]) for name in order}
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, {"records": records, "first": first, "profiles": profiles, "info": info})

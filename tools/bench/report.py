@@ -45,6 +45,7 @@ def render_table(s: dict[str, Any]) -> str:
             f"{r['opt_ms']:>7.1f} {r['compile_s']:>9.2f} {r.get('peak_mb', r['peak_step_mb']):>8.1f} {r['cpu_per_wall']:>8.2f} "
             f"{r['rq_wait_ms']:>6.1f} {r.get('machine_cpu_ms', float('nan')):>7.0f} {ratio:>10} {optim:>7}  {r['note']}"
         )
+    lines += _memory_lines(s)
     b = s["bounds"]
     if "max_compute_comm_ms" in b:  # needs compute_only and comm_only among the modes run
         lines.append("-" * len(head))
@@ -183,6 +184,35 @@ def _powersgd_lines(s: dict[str, Any]) -> list[str]:
         lines.append("  ddp_powersgd_serial: DDP's default caps, the hook waits for each bucket before returning "
                      "(DDP's math, no deadlock, no overlap)")
     return lines
+
+
+def _memory_lines(s: dict[str, Any]) -> list[str]:
+    """--modes sharded: what each AdamW mode keeps on a rank, next to its step's peak."""
+    names = [n for n in ("graphddp_sharded", "graphddp_optim", "ddp_zero", "fsdp2", "ddp_cap1") if n in s["modes"]]
+    if "graphddp_sharded" not in names:
+        return []
+    out = [f"memory per rank, MB (max over ranks): {'step ms':>9} {'opt state':>9} {'params':>8} {'step peak':>9} {'resident':>9}"
+           "   (resident = params + opt state + step peak)"]
+    for name in names:
+        r = s["modes"][name]
+        peak = r.get("peak_mb", r["peak_step_mb"])
+        out.append(f"  {name:<35} {r['step_ms']:>9.1f} {r.get('state_mb', 0.0):>9.1f} {r.get('param_mb', 0.0):>8.1f} "
+                   f"{peak:>9.1f} {r.get('param_mb', 0.0) + r.get('state_mb', 0.0) + peak:>9.1f}")
+    ddp = s["modes"].get("ddp_cap1")
+    if ddp:  # the issue's target: no gradients kept, and (1 - 1/N) of the state gone
+        sharded = s["modes"]["graphddp_sharded"]
+
+        def resident(r: dict[str, Any]) -> float:
+            return r.get("param_mb", 0.0) + r.get("state_mb", 0.0) + r.get("peak_mb", r["peak_step_mb"])
+
+        world = 2
+        allowed = resident(ddp) - s["graphddp_grad_mb"] - (1 - 1 / world) * ddp.get("state_mb", 0.0)
+        ok = "met" if resident(sharded) <= allowed else "MISSED"
+        out.append(f"  target: graphddp_sharded resident {resident(sharded):.1f} <= ddp_cap1 resident {resident(ddp):.1f} - "
+                   f"gradients {s['graphddp_grad_mb']:.1f} - (1 - 1/{world}) x its state {ddp.get('state_mb', 0.0):.1f} "
+                   f"= {allowed:.1f} MB: {ok}; optimizer state {sharded.get('state_mb', 0.0):.1f} vs DDP's "
+                   f"{ddp.get('state_mb', 0.0):.1f} MB ({sharded.get('state_mb', 0.0) / max(ddp.get('state_mb', 0.0), 1e-9):.3f})")
+    return out
 
 
 def _memory_target_line(t: dict[str, Any]) -> str:

@@ -60,6 +60,9 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
         ddp_buckets = info.get("ddp_buckets", {}).get(name)
         rec["persistent_comm_mb"] = sum(b["nbytes"] for b in ddp_buckets) / MB if ddp_buckets else 0.0
         rec["peak_mb"] = rec["peak_step_mb"] + rec["held_grad_mb"] + rec["persistent_comm_mb"]
+        # What the mode keeps between steps on a rank: optimizer state, parameters (max over ranks).
+        rec["state_mb"] = max(r["info"].get("state_mb", {}).get(name, 0.0) for r in ranks)
+        rec["param_mb"] = max(r["info"].get("param_mb", {}).get(name, 0.0) for r in ranks)
         if name == "comm_only":
             nb = len(per_rank[0][0]["buckets"])
             rec["bucket_ms"] = [
@@ -99,6 +102,9 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
             f"caps {g.effective_bucket_cap_mb:g} MB, first {g.effective_first_bucket_cap_mb:g}, last "
             f"{g.last_bucket_cap_mb if g.last_bucket_cap_mb is not None else 'off'}") + ", separate optimizer",
         "graphddp_optim": "graphddp, same caps, optimizer inside the backward (its update is in bwd)",
+        "graphddp_sharded": "graphddp, same caps, sharding='optimizer': reduce-scatter, 1/N of AdamW in the backward, all-gather",
+        "ddp_zero": "DDP eager (cap 1 MB) + ZeroRedundancyOptimizer(AdamW): 1/N of the state, params broadcast after the step",
+        "fsdp2": "fully_shard per block and root, reshard_after_forward=False (ZeRO-2 shape), eager, AdamW on the shards",
         "graphddp_auto": _auto_note(info.get("graphddp_auto")),
         **_powersgd_notes(cfg, info),
     }
@@ -169,7 +175,7 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
         denominators["release_time_bound"] = bounds["release_time_ms"]
         if "release_time_graphddp_issue_ms" in bounds:
             denominators["release_time_graphddp_issue_bound"] = bounds["release_time_graphddp_issue_ms"]
-    by_mode = {n: _ratios(modes, n, denominators) for n in ("graphddp", "graphddp_optim", "graphddp_auto")}
+    by_mode = {n: _ratios(modes, n, denominators) for n in ("graphddp", "graphddp_optim", "graphddp_auto", "graphddp_sharded")}
     ratios, optim_ratios = by_mode["graphddp"], by_mode["graphddp_optim"]
     # The bounds are of graphddp's buckets with a separate optimizer step: graphddp's targets only.
     targets = [_step_target(label, by_mode[num][key], limit, denominators[key], bounds if num == "graphddp" else {},

@@ -1,0 +1,87 @@
+"""The sharded optimizer next to what users run instead (``--modes sharded``).
+
+Four ways to train with AdamW on N ranks, besides graphddp replicated (``graphddp_optim``) and
+eager DDP (``ddp_cap1``):
+
+* ``graphddp_sharded``: ``graphddp.compile(model, optimizer=opt, sharding="optimizer")``: each
+  bucket reduce-scattered, this rank's part updated inside the backward, all-gathered;
+* ``ddp_zero``: eager DDP (graphddp's first cap, 1 MB) + ``ZeroRedundancyOptimizer`` (AdamW on
+  this rank's parameters, a broadcast of each after the step);
+* ``fsdp2``: ``fully_shard`` on every block and the root with ``reshard_after_forward=False``
+  (the ZeRO-2 shape: parameters stay whole between forward and backward), AdamW on the local
+  shards.
+
+Each reports, beside the step time and the allocator peak of a step, the bytes of optimizer
+state this rank keeps (:func:`state_bytes`) and of the parameters it keeps whole between steps:
+what sharding is for.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from tools.bench.modes import TrainMode
+from tools.bench.workload import make_optimizer
+
+SHARDED_MODES = ("graphddp_sharded", "ddp_zero", "fsdp2")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def state_bytes(opt: Any) -> int:
+    """Bytes of optimizer state this rank holds (a DTensor's local shard; ZeRO's local optimizer)."""
+    inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer wraps this rank's optimizer
+    total = 0
+    for state in inner.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                local = _local(v)
+                total += local.numel() * local.element_size()
+    return total
+
+
+def param_bytes(model: nn.Module) -> int:
+    """Bytes of parameters this rank holds between steps (FSDP2: its shards after the step)."""
+    return sum(_local(p).numel() * _local(p).element_size() for p in model.parameters())
+
+
+def build(name: str, base: nn.Module, batch: Any, loss: Callable, graphddp_options: dict[str, Any]) -> tuple[TrainMode, Any]:
+    """The mode ``name`` of :data:`SHARDED_MODES`, and the optimizer whose state it keeps."""
+    model = copy.deepcopy(base)
+    if name == "graphddp_sharded":
+        import graphddp
+
+        opt = make_optimizer(model.parameters())
+        m = graphddp.compile(model, optimizer=opt, **{**graphddp_options, "sharding": "optimizer"})
+        return TrainMode(name, m, None, batch, loss, opt=opt), opt
+    if name == "ddp_zero":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4, weight_decay=0.01)
+        return TrainMode(name, ddp, None, batch, loss, opt=opt), opt
+    if name == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in _blocks(model):
+            fully_shard(block, reshard_after_forward=False)
+        fully_shard(model, reshard_after_forward=False)
+        opt = make_optimizer(model.parameters())
+        return TrainMode(name, model, None, batch, loss, opt=opt), opt
+    raise ValueError(f"not a sharded mode: {name!r}")
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks FSDP2 wraps one by one (as torchtitan wraps transformer blocks)."""
+    for attr in ("blocks", "layers"):
+        seq = getattr(model, attr, None)
+        if isinstance(seq, (nn.ModuleList, nn.Sequential)):
+            return list(seq)
+    if isinstance(model, nn.Sequential):
+        return [m for m in model if any(True for _ in m.parameters())]
+    return []
