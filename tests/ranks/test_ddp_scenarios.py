@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from test_ddp_matrix import CAP_MB, _token_xent, _tokens
+from matrix_models import CAP_MB, _token_xent, _tokens
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from test_ddp_matrix import _gpt2_batch, _hf_gpt2
+from matrix_models import _gpt2_batch, _hf_gpt2
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ddp_powersgd
 
