@@ -164,6 +164,23 @@ def start_unequal(case: Any, rank: int) -> tuple[nn.Module, DDP, torch.optim.Opt
     return mine, ref, case.optimizer(mine), case.optimizer(ref.module)
 
 
+def step_both(case: Any, view: Any, ours: Any, mine: tuple[Any, Any], ref: DDP, theirs: tuple[Any, Any], rank: int, step: int) -> None:
+    """One training step on each side: at ``case.no_sync_step`` a ``no_sync`` micro-batch first,
+    then a synchronising one; the optimizer and LR scheduler of each stepped as users step them
+    (graphddp's attached ``step``/``zero_grad`` are no-ops)."""
+    if step == case.no_sync_step:
+        with view.no_sync():
+            case.loss(ours, rank, 50 + step).backward()
+        with ref.no_sync():
+            case.loss(ref, rank, 50 + step).backward()
+        assert any(p.grad is not None for p in view._replica.module.parameters()), "no_sync kept no gradient"
+    for model, (opt, sched) in ((ours, mine), (ref, theirs)):
+        case.loss(model, rank, step).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+
+
 def _train(rank: int, world: int, name: str) -> None:
     case = CASES[name]
     ours_model, ref, opt, ref_opt = start_unequal(case, rank)
@@ -178,20 +195,7 @@ def _train(rank: int, world: int, name: str) -> None:
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)  # created after: the issue's order
         ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.7)
         for step in range(case.steps):
-            if step == case.no_sync_step:
-                with view.no_sync():
-                    case.loss(ours, rank, 50 + step).backward()
-                with ref.no_sync():
-                    case.loss(ref, rank, 50 + step).backward()
-                assert any(p.grad is not None for p in ours_model.parameters()), "no_sync kept no gradient"
-            case.loss(ours, rank, step).backward()
-            opt.step()  # no-ops while attached: the loop need not change
-            opt.zero_grad()
-            sched.step()
-            case.loss(ref, rank, step).backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            ref_sched.step()
+            step_both(case, view, ours, (opt, sched), ref, (ref_opt, ref_sched), rank, step)
             for (n, p), q in zip(ours_model.named_parameters(), ref.module.parameters()):
                 assert p.grad is None, f"step {step}: {n}.grad kept after a synchronising backward"
                 torch.testing.assert_close(p.detach(), q.detach(), **case.tol, msg=lambda m: f"{name} step {step} param {n}: {m}")

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from test_optim_ranks import ADAM_NOISE, CNN, FP16_ADAM, TIGHT, _adamw, _cnn_loss, _gpt_loss, _hf_gpt2, _hf_loss, _sgd, assert_state_dicts_equal, start_unequal
+from test_optim_ranks import ADAM_NOISE, CNN, FP16_ADAM, TIGHT, _adamw, _cnn_loss, _gpt_loss, _hf_gpt2, _hf_loss, _sgd, assert_state_dicts_equal, start_unequal, step_both
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import graphddp
@@ -84,29 +84,13 @@ def _pair(case: Case, rank: int) -> tuple[Any, nn.Module, torch.optim.Optimizer,
     return ours, mine, opt, ref, ref_opt
 
 
-def _step(case: Case, ours: Any, opt: Any, sched: Any, ref: DDP, ref_opt: Any, ref_sched: Any, rank: int, step: int) -> None:
-    if step == case.no_sync_step:
-        with ours.no_sync():
-            case.loss(ours, rank, 50 + step).backward()
-        with ref.no_sync():
-            case.loss(ref, rank, 50 + step).backward()
-    case.loss(ours, rank, step).backward()
-    opt.step()  # no-ops while attached
-    opt.zero_grad()
-    sched.step()
-    case.loss(ref, rank, step).backward()
-    ref_opt.step()
-    ref_opt.zero_grad()
-    ref_sched.step()
-
-
 def _train(rank: int, world: int, name: str) -> None:
     case = CASES[name]
     ours, mine, opt, ref, ref_opt = _pair(case, rank)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.7)
     for step in range(case.steps):
-        _step(case, ours, opt, sched, ref, ref_opt, ref_sched, rank, step)
+        step_both(case, ours, ours, (opt, sched), ref, (ref_opt, ref_sched), rank, step)
         for (n, p), q in zip(mine.named_parameters(), ref.module.parameters()):
             assert p.grad is None, f"step {step}: {n}.grad kept"
             torch.testing.assert_close(p.detach(), q.detach(), **case.tol, msg=lambda m: f"{name} step {step} param {n}: {m}")
@@ -141,7 +125,7 @@ def _save_two(rank: int, world: int, path: str) -> None:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.7)
     for step in range(2):
-        _step(case, ours, opt, sched, ref, ref_opt, ref_sched, rank, step)
+        step_both(case, ours, ours, (opt, sched), ref, (ref_opt, ref_sched), rank, step)
     full = graphddp.full_optimizer_state_dict(ours)
     plain = case.optimizer(copy.deepcopy(ref.module))
     plain.load_state_dict(full)  # loads into a plain torch.optim of the same class
