@@ -37,6 +37,18 @@ def is_view(node: fx.Node) -> bool:
     return target in _UNMARKED_VIEWS or (isinstance(target, torch._ops.OpOverload) and target.is_view)
 
 
+def ancestors(node: fx.Node) -> set[fx.Node]:
+    """``node`` and every node it depends on, transitively."""
+    seen: set[fx.Node] = set()
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return seen
+
+
 def views_of(node: fx.Node) -> list[fx.Node]:
     """``node`` and every view of it, transitively (they share its storage); ``split``'s
     pieces are reached through their ``getitem``."""

@@ -44,6 +44,7 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
+from graphddp.graph.capture import ancestors
 from graphddp.graph.insert_comm import place_buckets
 from graphddp.graph.trace import role, splice, trace
 from graphddp.hooks import builtin as hooks
@@ -272,11 +273,5 @@ def _not_for_the_issue(gm: fx.GraphModule) -> set[fx.Node]:
     issue point, so that they live from the update to the all-gather only (on the MLP they are
     16 MB, half the parameters, which would otherwise all be alive at the end of the backward)."""
     scatter = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target is kind(SHARDED).op)
-    needed: set[fx.Node] = set()
-    todo = [scatter]
-    while todo:
-        node = todo.pop()
-        if node not in needed:
-            needed.add(node)
-            todo.extend(node.all_input_nodes)
+    needed = ancestors(scatter)
     return {n for n in gm.graph.nodes if n.op == "call_function" and n not in needed}

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from graphddp.graph.capture import ancestors
 from graphddp.graph.verify import _fail
 from graphddp.optim.verify import _root, _storage
 from graphddp.values.collectives import kind
@@ -31,18 +32,6 @@ from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_collective, is_wait
 from graphddp.values.schedule import Schedule
 
 aten = torch.ops.aten
-
-
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    todo = [node]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        todo.extend(n.all_input_nodes)
-    return seen
 
 
 def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
@@ -62,13 +51,13 @@ def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
             _fail(gm, (collectives or [gm.graph.output_node()])[0],
                   f"{where}: expected one reduce-scatter and one all-gather, found {[n.name for n in collectives]} (S1)")
         scatter, gather = scatters[0], gathers[0]
-        inputs = _ancestors(scatter)
+        inputs = ancestors(scatter)
         for slot in bucket.slots:
             producer = by_name.get(slot.producer)
             if producer is None or producer not in inputs or order[producer] > order[scatter]:
                 _fail(gm, scatter, f"{where}: the reduce-scatter does not follow the gradient of {slot.param_name!r} (S2)")
         scatter_waits = [u for u in scatter.users if is_wait(u)]
-        if not scatter_waits or not any(w in _ancestors(gather) for w in scatter_waits):
+        if not scatter_waits or not any(w in ancestors(gather) for w in scatter_waits):
             _fail(gm, gather, f"{where}: the all-gather's parts do not depend on the reduce-scatter's wait (S3)")
         for slot in bucket.slots:
             if outs[slot.output_index] is not None:
@@ -84,7 +73,7 @@ def _check_writes(gm: fx.GraphModule, where: str, names: tuple[str, ...], writes
     if len(writes) != len(names):
         _fail(gm, (writes or [gm.graph.output_node()])[0], f"{where}: {len(writes)} parameter writes for {len(names)} parameters (S5)")
     for write in writes:
-        if not any(w in _ancestors(write) for w in gather_waits):
+        if not any(w in ancestors(write) for w in gather_waits):
             _fail(gm, write, f"{where}: {write.name} writes a parameter from values the all-gather did not deliver (S5)")
         target = _root(write.args[0])
         memory = _storage(target)
