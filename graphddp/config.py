@@ -19,6 +19,8 @@ from graphddp.values.schedule import CostModel
 
 BACKENDS = ("inductor", "aot_eager", "eager")
 SHARDINGS = (None, "optimizer")  # sharding=: replicated, or the optimizer state on a shard
+# gather=: where a sharded bucket's all-gather of the updated parts completes (graphddp.optim.insert_shard)
+GATHERS = ("backward", "forward")
 # torch.compile's modes (torch._inductor.list_mode_options); those with CUDA graphs are refused
 # on CUDA by check_inductor_settings.
 INDUCTOR_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -150,6 +152,10 @@ class DDPConfig:
         None, "'optimizer': each rank keeps and updates 1/N of the optimizer state; buckets are reduce-scattered, "
         "updated in the backward and all-gathered (needs optimizer=; default None: replicated)"
     )
+    gather: str = _option(
+        "backward", "with sharding='optimizer': where each bucket's all-gather of the updated parts completes, "
+        "'backward' (at its end) or 'forward' (deferred into the next forward, before the bucket's parameters are read)"
+    )
     backend: str = _option("inductor", f"inner compiler: one of {BACKENDS}")
     verify: bool = _option(True, "run the graph checker after every rewrite")
     broadcast_buffers: bool = _option(True, "keep buffers equal: broadcast from rank 0 before every forward, like DDP")
@@ -189,6 +195,10 @@ class DDPConfig:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.sharding not in SHARDINGS:
             raise ValueError(f"sharding must be one of {SHARDINGS}, got {self.sharding!r}")
+        if self.gather not in GATHERS:
+            raise ValueError(f"gather must be one of {GATHERS}, got {self.gather!r}")
+        if self.gather != "backward" and self.sharding is None:
+            raise ValueError(f"gather={self.gather!r} places the all-gathers of sharding='optimizer'; it needs that option")
         traced = as_traced_hook(self.comm_hook)
         if traced is not None:
             object.__setattr__(self, "comm_hook", traced)

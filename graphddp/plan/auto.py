@@ -11,13 +11,22 @@ The model is the one :func:`graphddp.plan.cost.simulate` predicts with:
   when the node that finalises it ends;
 * a bucket is a run of consecutive gradients (one dtype and device); issuing its collective
   takes ``c`` of the compute lane (``collective_overhead_us``), pushing back everything after
-  it; its all-reduce takes ``T(B) = A + beta * B`` for ``B`` bytes on the wire (``A``: the
-  per-collective latency, ``2 (p-1)`` ring steps; ``beta``: the ring's bytes over the
-  bandwidth) and starts once its last gradient is ready, it is issued, and the link has
+  it; its collective takes ``T(B) = A + beta * B`` for ``B`` bytes on the wire (``A``: the
+  per-collective latency, ``2 (p-1)`` ring steps for an all-reduce; ``beta``: the ring's bytes
+  over the bandwidth) and starts once its last gradient is ready, it is issued, and the link has
   finished the bucket before it;
 * the backward ends when the compute (``C``, plus ``c`` per bucket) ends or the link finishes
   the last bucket, whichever is later: what the link has left after the last gradient (the
   exposed tail) is in the sum, and so is every collective's latency and issue.
+
+The collectives priced are those that will run (:class:`Pricing`). Replicated, every bucket is
+an all-reduce. With ``sharding="optimizer"`` every bucket is reduce-scattered in the backward
+(``T`` is the reduce-scatter's ``A_rs + beta_rs * B``: half an all-reduce's steps and bytes),
+and with ``gather="backward"`` its updated parts are then all-gathered, queued on the link
+after the backward's end: ``k`` buckets add ``G(k) = k A_ag + beta_ag B_total`` after it, one
+latency per bucket and the bytes once (the parameters' own bytes: a compression hook halves the
+reduce-scatter only). With ``gather="forward"`` the all-gathers complete in the next forward,
+and the backward has none (``G = 0``).
 
 Algorithm (the optimal merge of MG-WFBP, Shi et al. 2019, over a static order, with the
 bucket count in the state because every bucket costs compute time). Let ``F_k(j)`` be the
@@ -25,13 +34,15 @@ earliest time the link can have finished gradients ``1..j`` sent as exactly ``k`
 
     F_0(0) = 0
     F_k(j) = min over k <= i <= j of  max(r_j + k c, F_{k-1}(i-1)) + T(bytes(i..j))
-    best   = min over k of  max(C + k c, F_k(n))
+    best   = min over k of  max(C + k c, F_k(n)) + G(k)
 
 ``max(x, y) + t`` never decreases in ``y``, so an optimal partition's prefix can be swapped
 for any prefix with as many buckets that finishes no later: the recurrence is exact for the
-model, and the argmins rebuild the partition. Ties go to fewer buckets. Once ``C + k c``
-or ``k A + beta B_total`` (the link's lower bound) reaches the best found, no partition with
-more buckets can win, which ends the search.
+model, and the argmins rebuild the partition. ``G(k)`` depends on the bucket count alone, not
+on where the cuts are, so it is a constant of each ``k``'s minimum and leaves it exact. Ties go
+to fewer buckets. Once ``max(C + k c, k A + beta B_total) + G(k)`` (the compute's end, or the
+link's lower bound, then the all-gathers) reaches the best found, no partition with more
+buckets can win, since every term grows with ``k``; that ends the search.
 Each ``k`` is one vectorised ``n x n`` step: ``O(K n^2)`` arithmetic and ``O(n^2)`` memory for
 ``n`` gradients of one dtype and device and ``K`` buckets at most (``MAX_BUCKETS``); about a
 second for 1,000 parameters on one CPU core. Dtypes and devices are planned one after the
@@ -46,7 +57,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from graphddp.plan.cost import CostModel, compute_timeline
-from graphddp.values.collectives import ALL_REDUCE
+from graphddp.values.collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CollectiveKind
 from graphddp.values.schedule import GradSlot, NodeFact
 
 # Partitions into more buckets than this are not considered (bounds time and memory; at DDP's
@@ -54,17 +65,57 @@ from graphddp.values.schedule import GradSlot, NodeFact
 MAX_BUCKETS = 128
 
 
+@dataclasses.dataclass(frozen=True)
+class Pricing:
+    """The collectives a plan's buckets will run, so that the plan minimises what runs.
+
+    ``backward``: each bucket's collective in the backward, on its bytes on the wire. ``after``:
+    each bucket's collective queued on the link after the backward's end (the sharded
+    optimizer's all-gather of its updated parts, on the parameters' own bytes), or None. Every
+    bucket is priced alike: a sharded plan cannot know which buckets will hold a parameter the
+    graph cannot update (tied across a graph break), which stay all-reduces
+    (:func:`graphddp.plan.planner.with_sharding`)."""
+
+    backward: CollectiveKind = ALL_REDUCE
+    after: CollectiveKind | None = None
+
+    @classmethod
+    def of(cls, sharding: str | None, gather: str = "backward") -> Pricing:
+        """What ``DDPConfig.sharding`` and ``DDPConfig.gather`` will run: all-reduces when
+        replicated; reduce-scatters when sharded, with their all-gathers after the backward
+        when ``gather="backward"`` (with ``"forward"`` they complete in the next forward)."""
+        if sharding is None:
+            return REPLICATED
+        return cls(REDUCE_SCATTER, ALL_GATHER if gather == "backward" else None)
+
+    def after_seconds(self, cost: CostModel, buckets: int, nbytes: float, world_size: int) -> float:
+        """``G(k)``: the link time of the ``after`` collectives of ``buckets`` buckets of
+        ``nbytes`` in all, queued one after the other: one latency each, the bytes once
+        (alpha-beta is linear in the bytes, so how they split does not matter)."""
+        if self.after is None or buckets == 0:
+            return 0.0
+        latency = self.after.seconds(cost, 0, world_size)
+        return buckets * latency + (self.after.seconds(cost, nbytes, world_size) - latency)
+
+
+REPLICATED = Pricing()
+
+
 def best_partition(
     ready: Sequence[float], wire_nbytes: Sequence[int], cost: CostModel, world_size: int, compute_end: float,
+    pricing: Pricing = REPLICATED, after_nbytes: float | None = None,
 ) -> tuple[list[int], float]:
     """Optimal runs of consecutive gradients: (index where each bucket starts, predicted end
     of the backward). ``ready`` is nondecreasing (production order); ``compute_end`` is when
-    the compute ends without any collective issued."""
+    the compute ends without any collective issued. ``pricing``: the collectives the buckets
+    run; ``after_nbytes``: the bytes its ``after`` collectives carry in all (default: the
+    bytes on the wire; a compression hook halves those, not the all-gathered parameters)."""
     n = len(ready)
     if n == 0:
         return [], compute_end
     f64 = torch.float64
-    seconds = ALL_REDUCE.seconds  # the auto plan partitions all-reduce buckets
+    seconds = pricing.backward.seconds
+    after_total = float(sum(wire_nbytes)) if after_nbytes is None else after_nbytes
     latency = seconds(cost, 0, world_size)
     per_byte = (seconds(cost, 1 << 20, world_size) - latency) / (1 << 20)
     issue = cost.collective_overhead_us * 1e-6
@@ -79,12 +130,13 @@ def best_partition(
     choices: list[torch.Tensor] = []
     best, best_k = float("inf"), 0
     for k in range(1, min(n, MAX_BUCKETS) + 1):
-        if max(compute_end + k * issue, k * latency + per_byte * total) >= best:
-            break  # k buckets' issues alone, or their latencies and bytes, take as long as the best plan
+        after = pricing.after_seconds(cost, k, after_total, world_size)  # G(k): 0.0 when nothing follows
+        if max(compute_end + k * issue, k * latency + per_byte * total) + after >= best:
+            break  # k buckets' issues alone, or their latencies and bytes, then G(k), take as long as the best plan
         link = torch.maximum((r + k * issue)[:, None], before[None, :]) + send
         done, start = link.min(dim=1)  # F_k(j) for j = 1..n, and where its last bucket starts
         choices.append(start)
-        step = max(compute_end + k * issue, done[-1].item())
+        step = max(compute_end + k * issue, done[-1].item()) + after
         if step < best * (1 - 1e-9):  # a float-noise gain does not buy a bucket
             best, best_k = step, k
         before = torch.cat([torch.full((1,), float("inf"), dtype=f64), done[:-1]])
@@ -122,16 +174,18 @@ def _scaled(cost: CostModel, compute: float, link: float) -> CostModel:
 
 def predicted_step(
     starts: Sequence[int], ready: Sequence[float], wire_nbytes: Sequence[int], cost: CostModel, world_size: int,
-    compute_end: float,
+    compute_end: float, pricing: Pricing = REPLICATED, after_nbytes: float | None = None,
 ) -> float:
     """The backward the model predicts for buckets starting at ``starts`` (what
-    :func:`best_partition` minimises, for one dtype and device)."""
+    :func:`best_partition` minimises, for one dtype and device, with the same arguments)."""
     issue = cost.collective_overhead_us * 1e-6
     bounds = list(starts) + [len(ready)]
     link = 0.0
     for k, (a, b) in enumerate(zip(bounds, bounds[1:]), start=1):
-        link = max(ready[b - 1] + k * issue, link) + ALL_REDUCE.seconds(cost, sum(wire_nbytes[a:b]), world_size)
-    return max(compute_end + (len(bounds) - 1) * issue, link)
+        link = max(ready[b - 1] + k * issue, link) + pricing.backward.seconds(cost, sum(wire_nbytes[a:b]), world_size)
+    after_total = float(sum(wire_nbytes)) if after_nbytes is None else after_nbytes
+    after = pricing.after_seconds(cost, len(bounds) - 1, after_total, world_size)
+    return max(compute_end + (len(bounds) - 1) * issue, link) + after
 
 
 def capped_starts(nbytes: Sequence[int], caps_mb: Sequence[float]) -> tuple[int, ...]:
@@ -148,37 +202,46 @@ def capped_starts(nbytes: Sequence[int], caps_mb: Sequence[float]) -> tuple[int,
 
 def robust_partition(
     slots: Sequence[GradSlot], nodes: Sequence[NodeFact], cost: CostModel, world_size: int, ratio: float = 1.0,
+    pricing: Pricing = REPLICATED,
 ) -> list[int]:
     """Where each bucket of ``slots`` (one dtype and device, production order) starts: of the
     optimal plans for every scenario in ``SCENARIOS`` and the plans of ``CANDIDATE_CAPS_MB``,
-    the one whose worst ratio to each scenario's optimum is smallest (ties: fewer buckets).
-    Under the nominal model alone (``SCENARIOS = ((1, 1),)``) this is :func:`best_partition`'s
-    optimum: no cap plan beats it there."""
+    the one whose worst ratio to each scenario's optimum is smallest (ties: fewer buckets),
+    every plan priced by ``pricing``. Under the nominal model alone (``SCENARIOS = ((1, 1),)``)
+    this is :func:`best_partition`'s optimum: no cap plan beats it there."""
     wire = [int(s.nbytes * ratio) for s in slots]
+    nbytes = [s.nbytes for s in slots]
+    gathered = float(sum(nbytes))  # the after-backward all-gathers carry the parameters' own bytes
     cases = []
     for compute, link in SCENARIOS:
         scaled = _scaled(cost, compute, link)
         _, finished, end = compute_timeline(nodes, scaled)
         ready = [finished.get(s.producer, end) for s in slots]
-        starts, best = best_partition(ready, wire, scaled, world_size, end)
+        starts, best = best_partition(ready, wire, scaled, world_size, end, pricing, gathered)
         cases.append((scaled, ready, end, best, tuple(starts)))
 
     def regret(starts: tuple[int, ...]) -> tuple[float, int]:
-        worst = max(predicted_step(starts, ready, wire, c, world_size, end) / max(best, 1e-12) for c, ready, end, best, _ in cases)
+        worst = max(
+            predicted_step(starts, ready, wire, c, world_size, end, pricing, gathered) / max(best, 1e-12)
+            for c, ready, end, best, _ in cases
+        )
         return (round(worst, 9), len(starts))
 
-    nbytes = [s.nbytes for s in slots]
     capped = {capped_starts(nbytes, caps) for caps in CANDIDATE_CAPS_MB}
     return list(min(sorted({case[-1] for case in cases} | capped), key=regret))
 
 
 def auto_partition(
     ordered: Sequence[GradSlot], nodes: Sequence[NodeFact], cost: CostModel, world_size: int,
-    wire_ratio: Mapping[tuple[str, str], float] | None = None,
+    wire_ratio: Mapping[tuple[str, str], float] | None = None, *, sharding: str | None = None,
+    gather: str = "backward",
 ) -> list[tuple[GradSlot, ...]]:
     """Buckets of production-ordered ``ordered``, per (dtype, device) key, by
     :func:`robust_partition`; ``wire_ratio[key]`` scales bytes to bytes on the wire (a
-    compression hook's half precision: 0.5). Buckets come back in ready order.
+    compression hook's half precision: 0.5). ``sharding`` and ``gather`` are
+    ``DDPConfig``'s: the plan prices the collectives they will run (:meth:`Pricing.of`), since
+    a reduce-scatter and the all-gathers after the backward favour other cuts than an
+    all-reduce does. Buckets come back in ready order.
 
     Its arithmetic runs on real tensors even when the backward is compiled inside a fake mode
     (a dynamic-shape graph's backward is compiled at once, under it): there, turning a result
@@ -186,19 +249,19 @@ def auto_partition(
     sizes cost nothing in ``nodes`` (:func:`graphddp.graph.capture.extract_facts`), never a rank's
     own size hint, so ranks planning dynamic graphs from different batches agree."""
     with unset_fake_temporarily():
-        return _auto_partition(ordered, nodes, cost, world_size, wire_ratio)
+        return _auto_partition(ordered, nodes, cost, world_size, wire_ratio, Pricing.of(sharding, gather))
 
 
 def _auto_partition(
     ordered: Sequence[GradSlot], nodes: Sequence[NodeFact], cost: CostModel, world_size: int,
-    wire_ratio: Mapping[tuple[str, str], float] | None,
+    wire_ratio: Mapping[tuple[str, str], float] | None, pricing: Pricing,
 ) -> list[tuple[GradSlot, ...]]:
     by_key: dict[tuple[str, str], list[GradSlot]] = {}
     for slot in ordered:
         by_key.setdefault((slot.dtype, slot.device), []).append(slot)
     buckets: list[tuple[GradSlot, ...]] = []
     for key, slots in by_key.items():
-        starts = robust_partition(slots, nodes, cost, world_size, (wire_ratio or {}).get(key, 1.0))
+        starts = robust_partition(slots, nodes, cost, world_size, (wire_ratio or {}).get(key, 1.0), pricing)
         bounds = starts + [len(slots)]
         buckets += [tuple(slots[a:b]) for a, b in zip(bounds, bounds[1:])]
     return buckets

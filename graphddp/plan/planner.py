@@ -24,8 +24,11 @@ rebuilds buckets in gradient-ready order, applied to the static production order
 
 With ``bucket_cap_mb="auto"`` steps 2-4 are replaced by :func:`graphddp.plan.auto.auto_partition`:
 the partition of the same order that minimises the backward ``config.cost`` predicts (its
-defaults when no cost model was resolved, as in a bare ``plan`` call); the Schedule records
-that cost model instead of caps.
+defaults when no cost model was resolved, as in a bare ``plan`` call), priced with the
+collectives that will run: all-reduces, or with ``config.sharding == "optimizer"`` the
+reduce-scatters and, with ``config.gather == "backward"``, the all-gathers after the backward
+that :func:`with_sharding` gives the buckets later; the Schedule records that cost model
+instead of caps.
 """
 from __future__ import annotations
 
@@ -61,7 +64,10 @@ def partition(
     if like is not None:  # in like's order: what a hook's random draws and state follow, as in DDP
         return _as_like(ordered, like, fill)
     if config.auto:
-        done = auto_partition(ordered, nodes, cost_of(config), world_size, _wire_ratios(ordered, config.comm_dtype))
+        done = auto_partition(
+            ordered, nodes, cost_of(config), world_size, _wire_ratios(ordered, config.comm_dtype),
+            sharding=config.sharding, gather=config.gather,
+        )
         done.sort(key=lambda b: _order(b[-1]))
         return done
     tails = _tails(ordered, config.last_bucket_cap_bytes) if config.last_bucket_cap_mb is not None else {}
@@ -214,14 +220,15 @@ def with_updates(schedule: Schedule, updatable: Collection[str], optimizer: str)
     return dataclasses.replace(schedule, buckets=buckets, optimizer=optimizer)
 
 
-def with_sharding(schedule: Schedule, updatable: Collection[str]) -> Schedule:
+def with_sharding(schedule: Schedule, updatable: Collection[str], gather: str = "backward") -> Schedule:
     """``schedule`` with every bucket whose parameters can all be updated inside the graph
     reduce-scattered instead of all-reduced (``Bucket.collective``), for the optimizer on a
     shard (:mod:`graphddp.optim.shard`). A bucket holding a parameter the graph cannot update
     (tied across a graph break) stays an all-reduce: the parameter is stepped after the
-    backward, on its shard too. Pure, like ``plan``."""
+    backward, on its shard too. ``gather`` is where each sharded bucket's all-gather completes
+    (``Bucket.gather``: ``"backward"`` or ``"forward"``). Pure, like ``plan``."""
     buckets = tuple(
-        dataclasses.replace(b, collective="reduce_scatter") if b.slots and all(n in updatable for n in b.param_names) else b
+        dataclasses.replace(b, collective="reduce_scatter", gather=gather) if b.slots and all(n in updatable for n in b.param_names) else b
         for b in schedule.buckets
     )
     return dataclasses.replace(schedule, buckets=buckets)

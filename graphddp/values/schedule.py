@@ -200,6 +200,10 @@ class Bucket:
     overlap: tuple[str, ...]
     comm_dtype: str | None = None  # set by a compression hook: the dtype on the wire
     collective: str = "all_reduce"  # the kind that merges the bucket (graphddp.values.collectives)
+    # A sharded bucket (collective "reduce_scatter"): where the all-gather of its updated parts
+    # completes, "backward" (at the backward's end) or "forward" (in the next forward, before
+    # its parameters are first read); None for every other bucket.
+    gather: str | None = None
     # Parameters whose optimizer update runs in the graph right after this bucket's wait
     # (``graphddp.compile(..., optimizer=)``); their gradients are not returned.
     updates: tuple[str, ...] = ()
@@ -212,6 +216,8 @@ class Bucket:
         """What this bucket puts on the wire (:meth:`Schedule.wire_layout`): dtype, device
         type, wire dtype, hook, bytes and the ordered (parameter name, shape) list."""
         kind = () if self.collective == "all_reduce" else (self.collective,)  # as before kinds, for all-reduce
+        if self.gather is not None:  # ranks must gather at the same point: part of what they agree on
+            kind += (self.gather,)
         return (
             self.dtype, self.device.split(":")[0], self.comm_dtype, self.hook, self.wire_nbytes,
             tuple((s.param_name, s.shape) for s in self.slots), *kind,
@@ -324,6 +330,7 @@ class Schedule:
                     # Only a kind other than all-reduce is written: plans made before kinds
                     # existed keep their JSON and their fingerprint.
                     **({"collective": b.collective} if b.collective != "all_reduce" else {}),
+                    **({"gather": b.gather} if b.gather is not None else {}),
                     "hook": b.hook,
                     "hook_wire_nbytes": b.hook_wire_nbytes,
                     "issue_after": b.issue_after,
@@ -354,6 +361,7 @@ class Schedule:
                 overlap=tuple(b["overlap"]),
                 comm_dtype=b.get("comm_dtype"),
                 collective=b.get("collective", "all_reduce"),
+                gather=b.get("gather"),
                 hook=b.get("hook"),
                 hook_wire_nbytes=b.get("hook_wire_nbytes"),
                 updates=tuple(b.get("updates", ())),
@@ -457,10 +465,16 @@ class Schedule:
                 t = timeline.buckets[b.index]
                 row += f"  {t.ready * 1e3:>8.3f} {t.start * 1e3:>8.3f} {t.end * 1e3:>8.3f}"
             lines.append(f"{row}  {names}")
-        if any(b.collective == "reduce_scatter" for b in self.buckets):
+        gathers = sorted({b.gather for b in self.buckets if b.collective == "reduce_scatter"}, key=str)
+        if gathers:
+            where = {
+                "backward": "waited for and written at the end of the backward",
+                "forward": "issued at the end of the backward and waited for and written in the next forward, "
+                "right before the bucket's parameters are first read",
+            }
             lines.append(
-                "reduce_scatter buckets: each rank updates its part right after the wait; the updated parts are "
-                "all-gathered at once and waited for at the end of the backward"
+                "reduce_scatter buckets: each rank updates its part after the wait; the updated parts are all-gathered, "
+                + "; ".join(where.get(g, f"gather {g!r}") for g in gathers)
             )
         if timeline:
             lines.append(

@@ -16,7 +16,9 @@ import graphddp
 from graphddp import CostModel, Schedule, simulate
 from graphddp.config import DDP_DEFAULT_CAPS, DDPConfig
 from graphddp.plan import auto as autoplan
-from graphddp.plan.planner import plan
+from graphddp.plan.cost import compute_timeline
+from graphddp.plan.planner import plan, with_sharding
+from graphddp.values.collectives import ALL_GATHER
 from graphddp.values.schedule import Bucket, GradSlot, GraphFacts, NodeFact
 
 
@@ -43,6 +45,19 @@ def _with_cuts(schedule: Schedule, facts: GraphFacts, cuts: list[int]) -> Schedu
     return dataclasses.replace(schedule, buckets=buckets)
 
 
+# (sharding, gather): replicated all-reduces; reduce-scatters with their all-gathers at the end
+# of the backward; reduce-scatters whose all-gathers complete in the next forward.
+RUNS = ((None, "backward"), ("optimizer", "backward"), ("optimizer", "forward"))
+
+
+def _as_run(schedule: Schedule, sharding: str | None, gather: str) -> Schedule:
+    """``schedule`` as it runs under ``sharding``: sharded, every bucket reduce-scattered
+    (the graph updates every parameter) and gathered where ``gather`` says."""
+    if sharding is None:
+        return schedule
+    return with_sharding(schedule, {s.param_name for b in schedule.buckets for s in b.slots}, gather)
+
+
 COSTS = st.builds(
     CostModel,
     bandwidth_gbps=st.sampled_from([0.05, 1.0, 10.0, 400.0]),
@@ -52,43 +67,129 @@ COSTS = st.builds(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
     sizes=st.lists(st.sampled_from([1, 256, 65536, 1 << 20]), min_size=1, max_size=7),
     flops=st.lists(st.integers(0, 10**10), min_size=7, max_size=7),
     cost=COSTS,
     world=st.sampled_from([2, 8, 64]),
+    run=st.sampled_from(RUNS),
 )
-def test_auto_plan_is_never_beaten_by_any_partition(sizes, flops, cost, world):
+def test_auto_plan_is_never_beaten_by_any_partition(sizes, flops, cost, world, run):
     """Exhaustive: under the nominal model alone, no way of cutting the production order into
     buckets is predicted faster by graphddp.simulate, and no equally fast one has fewer
-    buckets; with the robustness scenarios, no candidate has a smaller worst regret."""
+    buckets; with the robustness scenarios, no candidate has a smaller worst regret. Every
+    schedule is simulated as it runs: replicated, or sharded with its gathers where ``run``
+    puts them, so the sharded DP is checked against the sharded simulation."""
     facts = _facts(sizes, flops[: len(sizes)])
+    config = DDPConfig(bucket_cap_mb="auto", cost=cost, sharding=run[0], gather=run[1])
     with _scenarios(((1.0, 1.0),)):
-        auto = plan(facts, DDPConfig(bucket_cap_mb="auto", cost=cost), world_size=world)
-    got = simulate(auto).step_seconds
+        auto = plan(facts, config, world_size=world)
+    got = simulate(_as_run(auto, *run)).step_seconds
     n = len(sizes)
     assert [x.output_index for b in auto.buckets for x in b.slots] == list(range(n))  # each once, in order
     every = [[i + 1 for i in range(n - 1) if mask >> i & 1] for mask in range(2 ** (n - 1))]
     for cuts in every:
-        other = simulate(_with_cuts(auto, facts, cuts), cost).step_seconds
+        other = simulate(_as_run(_with_cuts(auto, facts, cuts), *run), cost).step_seconds
         assert got <= other * (1 + 1e-9) + 1e-12, (cuts, got, other, auto.to_table())
         if other <= got * (1 + 1e-9):
             assert auto.num_buckets <= len(cuts) + 1, (cuts, auto.to_table())
-    robust = plan(facts, DDPConfig(bucket_cap_mb="auto", cost=cost), world_size=world)
+    robust = _as_run(plan(facts, config, world_size=world), *run)
     cases = [dataclasses.replace(cost, compute_tflops=cost.compute_tflops * c, memory_gbps=cost.memory_gbps * c,
                                  op_overhead_us=cost.op_overhead_us / c, bandwidth_gbps=cost.bandwidth_gbps * l,
                                  latency_us=cost.latency_us / l) for c, l in autoplan.SCENARIOS]
-    optimum = [min(simulate(_with_cuts(auto, facts, cuts), c).step_seconds for cuts in every) for c in cases]
+    optimum = [min(simulate(_as_run(_with_cuts(auto, facts, cuts), *run), c).step_seconds for cuts in every) for c in cases]
 
     def regret(schedule: Schedule) -> float:
         return max(simulate(schedule, c).step_seconds / o for c, o in zip(cases, optimum))
 
-    assert regret(robust) <= regret(auto) * (1 + 1e-9)
+    assert regret(robust) <= regret(_as_run(auto, *run)) * (1 + 1e-9)
     nbytes = [s.nbytes for s in facts.slots]
     for caps in autoplan.CANDIDATE_CAPS_MB:  # never a worse compromise than a fixed cap
-        capped = _with_cuts(auto, facts, list(autoplan.capped_starts(nbytes, caps)[1:]))
+        capped = _as_run(_with_cuts(auto, facts, list(autoplan.capped_starts(nbytes, caps)[1:])), *run)
         assert regret(robust) <= regret(capped) * (1 + 1e-9), (caps, robust.to_table(), capped.to_table())
+
+
+def _nominal(facts: GraphFacts, cost: CostModel) -> tuple[list[float], float]:
+    """When each gradient is ready, and when the compute ends, with no collective issued."""
+    _, finished, end = compute_timeline(facts.nodes, cost)
+    return [finished[s.producer] for s in facts.slots], end
+
+
+def test_a_sharded_plan_is_cut_for_reduce_scatters_and_the_gathers_after_them():
+    """The same backward, link and ranks, three runs, three plans. Against the replicated
+    plan's all-reduces, a reduce-scatter is half the latency and bytes, but with its all-gather
+    at the end of the backward every bucket adds one more exposed latency there: one bucket.
+    With the all-gathers in the next forward only the cheaper reduce-scatters remain: more,
+    smaller buckets. Each plan's prediction is what graphddp.simulate says of it as it runs,
+    and under each run its own plan beats the other two."""
+    facts = _facts([1 << 18] * 12, [10**8] * 12)  # 12 gradients of 1 MB, 2 ms of compute each
+    cost = CostModel(bandwidth_gbps=10.0, latency_us=1000.0, collective_overhead_us=0.0)
+    with _scenarios(((1.0, 1.0),)):
+        plans = {
+            run: plan(facts, DDPConfig(bucket_cap_mb="auto", cost=cost, sharding=run[0], gather=run[1]), world_size=8)
+            for run in RUNS
+        }
+    assert {run: [len(b.slots) for b in s.buckets] for run, s in plans.items()} == {
+        RUNS[0]: [3, 9], RUNS[1]: [12], RUNS[2]: [2, 5, 5],
+    }
+    ready, end = _nominal(facts, cost)
+    nbytes = [s.nbytes for s in facts.slots]
+    for run, schedule in plans.items():
+        pricing = autoplan.Pricing.of(*run)
+        starts, predicted = autoplan.best_partition(ready, nbytes, cost, 8, end, pricing, sum(nbytes))
+        assert starts == [b.slots[0].output_index for b in schedule.buckets]
+        assert simulate(_as_run(schedule, *run)).step_seconds == pytest.approx(predicted, rel=1e-12)
+        for other in plans.values():
+            if other is not schedule:
+                assert predicted < simulate(_as_run(other, *run)).step_seconds, (run, other.to_table())
+
+
+def test_a_compressed_sharded_plan_gathers_the_parameters_own_bytes():
+    """fp16 compression halves the reduce-scatter on the wire, not the all-gather of the
+    float32 parameters: the plan's prediction counts each as graphddp.simulate does."""
+    facts = _facts([1 << 18] * 8, [10**8] * 8)
+    cost = CostModel(bandwidth_gbps=1.0, latency_us=100.0)
+    config = DDPConfig(bucket_cap_mb="auto", cost=cost, comm_hook="fp16_compress", sharding="optimizer")
+    with _scenarios(((1.0, 1.0),)):
+        schedule = plan(facts, config, world_size=8)
+    ready, end = _nominal(facts, cost)
+    nbytes = [s.nbytes for s in facts.slots]
+    starts, predicted = autoplan.best_partition(
+        ready, [n // 2 for n in nbytes], cost, 8, end, autoplan.Pricing.of("optimizer"), sum(nbytes),
+    )
+    assert starts == [b.slots[0].output_index for b in schedule.buckets]
+    assert simulate(_as_run(schedule, "optimizer", "backward")).step_seconds == pytest.approx(predicted, rel=1e-12)
+
+
+def test_gathers_after_the_backward_cost_a_latency_per_bucket_and_in_the_forward_nothing():
+    """For any cuts, pricing the all-gathers at the end of the backward adds
+    ``k A_ag + beta_ag B`` to the backward of ``k`` buckets, and in the next forward nothing:
+    the backward then ends with the compute or the last reduce-scatter, in the plan's model
+    and in graphddp.simulate. A sharded bucket planned before ``gather`` existed (None) is
+    gathered in the backward, as before."""
+    facts = _facts([1 << 18] * 12, [10**8] * 12)
+    cost = CostModel(bandwidth_gbps=10.0, latency_us=1000.0, collective_overhead_us=30.0)
+    base = plan(facts, DDPConfig(bucket_cap_mb="auto", cost=cost), world_size=8)
+    ready, end = _nominal(facts, cost)
+    nbytes = [s.nbytes for s in facts.slots]
+    latency = ALL_GATHER.seconds(cost, 0, 8)
+    backward, forward = autoplan.Pricing.of("optimizer", "backward"), autoplan.Pricing.of("optimizer", "forward")
+    assert forward.after is None and backward.after is ALL_GATHER and autoplan.Pricing.of(None) == autoplan.REPLICATED
+    for starts in ([0], [0, 4, 8], list(range(12))):
+        k = len(starts)
+        late = autoplan.predicted_step(starts, ready, nbytes, cost, 8, end, backward, sum(nbytes))
+        early = autoplan.predicted_step(starts, ready, nbytes, cost, 8, end, forward, sum(nbytes))
+        gathers = k * latency + ALL_GATHER.seconds(cost, sum(nbytes), 8) - latency
+        assert late - early == pytest.approx(gathers, rel=1e-9)
+        cut = _with_cuts(base, facts, starts[1:])
+        in_forward = simulate(_as_run(cut, "optimizer", "forward"))
+        assert in_forward.step_seconds == max([in_forward.compute_seconds] + [t.end for t in in_forward.buckets])
+        assert in_forward.step_seconds == pytest.approx(early, rel=1e-12)
+        assert simulate(_as_run(cut, "optimizer", "backward")).step_seconds == pytest.approx(late, rel=1e-12)
+        legacy = _as_run(cut, "optimizer", "backward")
+        legacy = dataclasses.replace(legacy, buckets=tuple(dataclasses.replace(b, gather=None) for b in legacy.buckets))
+        assert simulate(legacy).step_seconds == simulate(_as_run(cut, "optimizer", "backward")).step_seconds
 
 
 @pytest.mark.parametrize("caps", autoplan.CANDIDATE_CAPS_MB)
