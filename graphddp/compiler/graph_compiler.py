@@ -46,6 +46,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from graphddp.compiler import cache as compile_cache
 from graphddp.compiler.compose import Shared, insert_comm, record_parameter_values, run_passes, verify_comm
@@ -57,11 +58,13 @@ from graphddp.graph.capture import extract_facts, parameter_of_inputs
 from graphddp.graph.insert_comm import HOOK_STATE, HOOK_STATE_SPEC, HookContext, insert_collectives
 from graphddp.hooks.traced import HookState
 from graphddp.optim.attached import AttachedOptimizer
-from graphddp.optim.insert_shard import insert_sharded_updates, shard_layout
+from graphddp.optim.insert_gather import insert_forward_gathers, verify_forward_gathers
+from graphddp.optim.insert_shard import insert_sharded_updates, shard_layout, write_fn
 from graphddp.optim.insert_update import ALIAS_OF, UpdateInputs, insert_update
 from graphddp.optim.verify import verify_updates
 from graphddp.optim.verify_shard import verify_sharded
 from graphddp.plan.planner import plan, with_sharding, with_updates
+from graphddp.runtime.gathers import ForwardDispatch
 from graphddp.runtime.dispatch import BackwardDispatch, GraphState, InGraphUpdate, Synced, compiled_backward_node
 from graphddp.runtime.step import StepState, current_frame
 from graphddp.runtime.union import UnionAverage
@@ -108,6 +111,8 @@ class GraphCompiler:
         self.hook_state = HookState(self.hook) if self.hook is not None else None
         self._hook_context = HookContext(group, dict(parameters or {}))
         self.dispatches: dict[int, BackwardDispatch] = {}
+        self.forwards: dict[int, ForwardDispatch] = {}  # gather="forward": each training graph's forward
+        self._slots: dict[int, Callable[[Sequence[Any]], Callable[[], Any]]] = {}  # ... and how to make its slot variant
         self.frames = FramePlans()  # what a recompile inherits from its frame's graphs
         # The passes every graph goes through (graphddp.compiler.compose): features add theirs.
         self.forward_passes: list[Any] = [record_parameter_values]
@@ -165,6 +170,9 @@ class GraphCompiler:
             renamed = None
             if first is not None and id(inputs[first]) != param_ids[first]:
                 renamed = self._renamed(inputs, param_inputs)
+            if step.gathers:  # gather="forward": what another graph's backward left pending
+                names = renamed.values() if renamed else param_inputs.values()
+                step.gathers.before_graph(graph_index, names, own=not renamed and graph_index in self.forwards)
             out = compiled(*args)
             node = None
             dispatch = self.dispatches.get(graph_index)  # made at the first backward
@@ -234,12 +242,22 @@ class GraphCompiler:
             self.dispatches[graph_index] = BackwardDispatch(
                 state, variants, compile_plain, self.group, self.step, self._phase, self._on_sync if self.hook else None
             )
+            update = variants[phases[-1]].update
+            if graph_index in self.forwards and update is not None and update.deferred_count:
+                self._slot(graph_index, [s for s in update.shards if s.bucket.gather == "forward"])
             return self.dispatches[graph_index]
+
+        wrap_forward = None
+        if self.optimizer is not None and self.config.gather == "forward":
+            def wrap_forward(fw: fx.GraphModule, plain: Any, compile_graph: Callable[..., Callable[[], Any]]) -> ForwardDispatch:
+                return self._forward(graph_index, fw, plain, compile_graph, param_inputs)
 
         if self.config.backend == "inductor":
             phase = self._phase()
             cache = compile_cache.plan_key(self, gm, example_inputs, param_inputs, graph_index, phase)
-            return compile_inductor(gm, example_inputs, record_forward, rewrite, dispatch, inductor_patches, phase, graph_index, cache)
+            return compile_inductor(
+                gm, example_inputs, record_forward, rewrite, dispatch, inductor_patches, phase, graph_index, cache, wrap_forward
+            )
         run = _interpret if self.config.backend == "eager" else _as_is
 
         def bw_compiler(bw: fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -253,11 +271,47 @@ class GraphCompiler:
 
         def fw_compiler(fw: fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., Any]:
             record_forward(fw)
-            return make_boxed_func(run(fw))
+            if wrap_forward is None:
+                return make_boxed_func(run(fw))
+            with unset_fake_temporarily():  # the graph's real constants (HF GPT-2 has some) are copied as they are
+                source = copy.deepcopy(fw)
+            return wrap_forward(source, make_boxed_func(run(fw)), lambda g, _extra: lambda: make_boxed_func(run(g)))
 
         return aot_autograd(
             fw_compiler=fw_compiler, bw_compiler=bw_compiler, keep_inference_input_mutations=True
         )(gm, example_inputs)
+
+    def _forward(
+        self, graph_index: int, fw: fx.GraphModule, plain: Any, compile_graph: Callable[..., Callable[[], Any]],
+        param_inputs: Mapping[int, str],
+    ) -> ForwardDispatch:
+        """gather="forward": graph ``graph_index``'s training forward, as a dispatcher whose
+        second variant (the forward slot: its backward's all-gathers completed before the
+        first read of each bucket) is made once the backward is planned (:meth:`_slot`).
+        ``compile_graph(graph, extra inputs)`` compiles a variant of ``fw`` on first use."""
+        forward = ForwardDispatch(plain, graph_index, self.step.gathers)
+        self.forwards[graph_index] = forward
+        index = {name: i for i, name in param_inputs.items()}
+
+        def slot(shards: Sequence[Any]) -> Callable[[], Any]:
+            def compile_slot() -> Any:
+                graph = copy.deepcopy(fw)
+                insert_forward_gathers(graph, shards, index)
+                log.debug("forward graph %d with its all-gathers:\n%s", graph_index, graph.code)
+                if self.config.verify:
+                    verify_forward_gathers(graph, shards)
+                forward.slot_graph = copy.deepcopy(graph)
+                extra = [n.meta["val"] for n in graph.graph.nodes if n.op == "placeholder"][-len(shards):]
+                return compile_graph(graph, extra)()
+
+            return compile_slot
+
+        self._slots[graph_index] = slot
+        return forward
+
+    def _slot(self, graph_index: int, shards: Sequence[Any]) -> None:
+        """Graph ``graph_index``'s backward is planned: its forward can take ``shards``' all-gathers."""
+        self.forwards[graph_index].compile_slot = self._slots[graph_index](shards)
 
     def _phase(self) -> str:
         """Which synchronising variant the next step runs: the hook's phase, else the one."""
@@ -362,7 +416,19 @@ class GraphCompiler:
         placeholders = [n for n in record.graph.graph.nodes if n.op == "placeholder"]
         aliases = tuple((i, ph.meta[ALIAS_OF]) for i, ph in enumerate(placeholders) if ALIAS_OF in ph.meta)
         groups = tuple(sorted({optimizer.group_of[n] for n in replicated}))
-        return InGraphUpdate(optimizer, replicated, groups, allowed, compile_grads, aliases, shards=shards)
+        deferred = [s for s in shards if s.bucket.gather == "forward"]
+
+        @torch.no_grad()
+        def write_deferred(tensors: list[torch.Tensor]) -> None:
+            """Eagerly, what the forward slot does in its graph: wait, then write the parameters."""
+            for shard, gathered in zip(deferred, tensors):
+                write_fn(shard)(gathered, *(optimizer.params[n].detach() for n in shard.bucket.param_names))
+
+        return InGraphUpdate(
+            optimizer, replicated, groups, allowed, compile_grads, aliases, shards=shards,
+            deferred=frozenset(n for s in deferred for n in s.bucket.param_names), deferred_count=len(deferred),
+            write_deferred=write_deferred,
+        )
 
     def _fallback(self, record: GraphRecord, graph_index: int, kind: str, names: Sequence[str], why: str) -> None:
         """Record (and, the first time per graph and kind, warn) that torch's step after the
@@ -472,7 +538,7 @@ class GraphCompiler:
         """sharding="optimizer": buckets the graph can update whole are reduce-scattered."""
         if not shared.fw_values:
             return schedule
-        return with_sharding(schedule, self._updatable(schedule, graph_index, shared.fw_values)[0])
+        return with_sharding(schedule, self._updatable(schedule, graph_index, shared.fw_values)[0], self.config.gather)
 
     def _add_updates(
         self, gm: fx.GraphModule, schedule: Schedule, graph_index: int, optimizer: AttachedOptimizer, shared: Shared

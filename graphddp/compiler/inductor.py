@@ -28,6 +28,7 @@ def compile_inductor(
     phase_now: str,
     graph_index: int = 0,
     cache: compile_cache.Key | None = None,
+    wrap_forward: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
     """Inductor's compile_fx under the user's ``patches`` (mode and options), with graphddp's
     pinned settings on top of them for every inner compile. The backward of the phase in use
@@ -38,8 +39,13 @@ def compile_inductor(
     graphddp's entry; a hit builds the same dispatcher around the cached code and this run's
     plan (checked to be the cached one), and compiles the rest once, cold, if it is ever needed
     (:mod:`graphddp.compiler.cache`).
+
+    ``wrap_forward(graph, code, compile_graph)`` (``gather="forward"``) replaces a training
+    forward's compiled code by what it returns, given the graph before inductor compiled it and
+    ``compile_graph(variant, extra example inputs)``, which compiles a variant of it on first use.
     """
     job = _InductorCompile(gm, example_inputs, record_forward, rewrite, dispatch, patches, phase_now, graph_index, cache)
+    job.wrap_forward = wrap_forward
     return job.cold() if cache is None else job.through_cache(cache)
 
 
@@ -55,6 +61,7 @@ class _InductorCompile:
         self.gm, self.example_inputs = gm, example_inputs
         self.record_forward, self.rewrite, self.dispatch = record_forward, rewrite, dispatch
         self.patches, self.phase_now, self.graph_index, self.cache = patches, phase_now, graph_index, cache
+        self.wrap_forward: Callable[..., Any] | None = None
 
     # -- the compile, with or without the AOTAutograd cache ---------------------------------------
     def inner_compiler(self, finish: Callable[..., Any], on_forward: Callable[[Any, bool], None]) -> Callable[..., Any]:
@@ -70,9 +77,15 @@ class _InductorCompile:
             with inductor_config.patch(INDUCTOR_PINNED_CONFIG):
                 if not kwargs.get("is_backward", False):
                     self.record_forward(graph)
+                    inference = bool(kwargs.get("is_inference", False))
+                    wrap = None if inference else self.wrap_forward
+                    with unset_fake_temporarily():  # real constants are copied as they are
+                        source, saved = (copy.deepcopy(graph), list(inputs)) if wrap is not None else (None, [])
                     code = compile_fx_inner(graph, inputs, **kwargs)
-                    on_forward(code, bool(kwargs.get("is_inference", False)))
-                    return code
+                    on_forward(code, inference)
+                    if wrap is None:
+                        return code
+                    return wrap(source, code, lambda variant, extra: _later(compile_fx_inner, variant, saved + list(extra), kwargs, patches))
                 plain = copy.deepcopy(graph)
                 # As at a backward compiled lazily, outside the fake mode: the planner computes
                 # with real tensors (a backward compiled at once, for dynamic shapes or by a

@@ -16,6 +16,7 @@ def _attached(model: Any, where: str) -> Any:
     replica = getattr(model, "_replica", None) if isinstance(model, ReplicaView) else None
     if replica is None or replica.optimizer is None:
         raise TypeError(f"{where}: expects a model from graphddp.compile(..., optimizer=) or graphddp.backend(..., optimizer=)")
+    replica.step.gathers.finish()  # gather="forward": the parameters as the state describes them
     return replica.optimizer
 
 

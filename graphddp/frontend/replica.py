@@ -149,6 +149,23 @@ class Replica:
         self._pending: PendingAverage | None = None
         self._syncing = True
         self.joinable: Any = None  # the view users pass to torch.distributed.algorithms.Join
+        if optimizer is not None and config.gather == "forward":
+            self._finish_gathers_on_checkpoints()
+
+    def _finish_gathers_on_checkpoints(self) -> None:
+        """gather="forward": ``state_dict()`` and ``load_state_dict()`` of any module holding
+        parameters (the wrapped one's, a submodule's, through any reference) first complete the
+        all-gathers a backward left pending (:mod:`graphddp.runtime.gathers`), so a checkpoint
+        holds the updated values, and a load is not overwritten by a late write."""
+        gathers = self.step.gathers
+
+        def finish(*_: Any, **__: Any) -> None:
+            gathers.finish()
+
+        for sub in self.module.modules():
+            if any(True for _ in sub.parameters(recurse=False)):
+                sub.register_state_dict_pre_hook(finish)
+                sub.register_load_state_dict_pre_hook(finish)
 
     @property
     def world_size(self) -> int:
@@ -199,6 +216,7 @@ class Replica:
             self._pending.wait()
             self._pending = None
             step.accumulated_averaged()
+        step.gathers.finish()  # gather="forward": those no graph of this forward took
         if torch.is_grad_enabled():
             self._guard_uncovered_parameters(self._syncing, out)
             if not step.sync:
@@ -282,7 +300,15 @@ class ReplicaView(Joinable):
     ) -> Join:
         """DDP's context manager for uneven inputs: inside it, a rank that runs out of batches
         shadows the collectives of the ranks still training (:mod:`graphddp.runtime.join`)."""
+        self.finish_gathers()
         return join(self, divide_by_initial_world_size, enable, throw_on_early_termination)
+
+    def finish_gathers(self) -> None:
+        """With ``gather="forward"``, the parameters hold their updated values only once the
+        next forward (or a checkpoint) completes the all-gathers the backward issued; code that
+        reads or writes parameter tensors directly between a backward and the next forward
+        calls this first. Otherwise (and when nothing is pending) it does nothing."""
+        self._replica.step.gathers.finish()
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         return join_hook(self._replica, **kwargs)

@@ -19,10 +19,19 @@ functions are traced on the graph's fake values and spliced in, in the layout of
     update          the optimizer's math on work_i, the part of the gradient and the part's
                     state (inputs, written in place), for every slot with a non-empty part
     all_gather      all_gather_into_tensor(cat(pad(work_i, c_i)), world, group)
-    # at the output, once the next bucket's all-gather is issued (two gathers in flight at most):
+    # gather="backward": at the output, once the next bucket's all-gather is issued (two
+    # gathers in flight at most):
     wait            wait_tensor
     write           param_i.copy_(gathered[:, at_i:at_i + c_i].flat[:numel_i].view(shape_i))
     output(..., None for every gradient of the bucket, ...)
+    # gather="forward": no wait, no write; the all-gather is an extra output after the graph's
+    # own, and :func:`graphddp.optim.insert_gather.insert_forward_gathers` puts the wait and the
+    # write into the next forward
+    output(..., None for every gradient of the bucket, ..., the all-gather of every such bucket)
+
+With ``gather="forward"`` the buckets' updates and all-gathers at the output run in reverse
+bucket order: the forward reads first the parameters whose gradients the backward made last,
+so their all-gather goes on the wire first.
 
 New inputs, appended after the existing placeholders, per sharded bucket in bucket order
 (:func:`layout`): every slot's parameter, then the state tensors of every slot this rank owns a
@@ -158,24 +167,33 @@ def _update_fn(shard: ShardLayout, hook: hooks.CommHook, group_name: str) -> Cal
     return run
 
 
-def _write_fn(shard: ShardLayout) -> Callable[..., None]:
-    """(the all-gather, params) -> wait, then every parameter written from its gathered chunks."""
+def write_fn(shard: ShardLayout) -> Callable[..., list[torch.Tensor]]:
+    """(the all-gather, params) -> wait, then every parameter written from its gathered chunks;
+    returns the written parameters (what reads them afterwards must read). Traced into the
+    backward or the next forward (``gather``), or run eagerly when a forward cannot."""
     bucket, world = shard.bucket, shard.world
     width = sum(shard.chunks)
 
-    def run(gathered: torch.Tensor, *params: torch.Tensor) -> None:
+    def run(gathered: torch.Tensor, *params: torch.Tensor) -> list[torch.Tensor]:
         with role("wait"):
             full = WAIT(gathered)
         with role("write"):
             rows = aten.view.default(full, [world, width])
-            at = 0
+            at, written = 0, []
             for p, slot, c in zip(params, bucket.slots, shard.chunks):
                 column = aten.clone.default(aten.slice.Tensor(rows, 1, at, at + c), memory_format=torch.contiguous_format)
                 value = aten.view.default(aten.slice.Tensor(aten.view.default(column, [world * c]), 0, 0, slot.numel), list(slot.shape))
-                aten.copy_.default(p, value)
+                written.append(aten.copy_.default(p, value))
                 at += c
+        return written
 
     return run
+
+
+def gathered_value(shard: ShardLayout, fake_mode: Any, like: torch.Tensor) -> torch.Tensor:
+    """The fake value of a bucket's all-gather result (``world`` rows of its chunks)."""
+    with fake_mode:
+        return torch.empty(shard.world * sum(shard.chunks), dtype=like.dtype, device=like.device)
 
 
 def _state_values(shard: ShardLayout, fake_mode: Any, values: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
@@ -221,7 +239,7 @@ def insert_sharded_updates(
         params = [inputs.values[n] for n in b.param_names]
         vals = [g.meta["val"] for g in grads] + params + _state_values(shard, fake_mode, inputs.values)
         update = trace(_update_fn(shard, hook or hooks.for_bucket(b), schedule.group_name), vals, f"sharded bucket {b.index}", decompositions)
-        write = trace(_write_fn(shard), [update.graph.output_node().args[0].meta["val"], *params], f"sharded bucket {b.index}'s write")
+        write = trace(write_fn(shard), [update.graph.output_node().args[0].meta["val"], *params], f"sharded bucket {b.index}'s write")
         traced.append((shard, update, write))
     new_params = {}
     new_rest = {}
@@ -236,6 +254,8 @@ def insert_sharded_updates(
     last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
     cursor: dict[fx.Node, fx.Node] = {}  # issue point -> the last node spliced after it
     writes = []
+    front = output  # gather="forward": the updates at the output go in reverse bucket order
+    deferred = []  # ... and their all-gathers are extra outputs, in bucket order
     for shard, update, write in traced:
         b = shard.bucket
         p = placements[b.index]
@@ -245,16 +265,22 @@ def insert_sharded_updates(
         issue = last_placeholder if p.issue.op == "placeholder" else p.issue
         early = cursor.get(issue, issue).next
         wait = p.wait if p.wait.op != "placeholder" else output  # a bucket issued with the graph's inputs
+        if b.gather == "forward":
+            wait, anchor = front, front.prev
         gathered = splice(graph, update, grads + params + new_rest[b.index], early, b.index, late=(late, wait))
         cursor[issue] = early.prev  # the next bucket issued at this point follows this one
+        for s in b.slots:
+            outs[s.output_index] = None
+        if b.gather == "forward":
+            front = anchor.next  # the next bucket's update goes before this one's
+            deferred.append(gathered)
+            continue
         if writes:  # the previous bucket's write, once this one's all-gather is issued: two in flight at most
             _splice_write(graph, output, *writes.pop())
         writes.append((b, write, gathered, params))
-        for s in b.slots:
-            outs[s.output_index] = None
     for pending in writes:
         _splice_write(graph, output, *pending)
-    output.args = (tuple(outs),)
+    output.args = (tuple(outs) + tuple(deferred),)
     graph.lint()
     gm.recompile()
     return shards

@@ -15,7 +15,9 @@ S3. **Averaged gradient.** The all-gather's input depends on the reduce-scatter'
 S4. **No gradient kept.** Every slot's gradient output is ``None``.
 S5. **One write, after the gather, last.** Each parameter of the bucket is written by exactly
     one ``copy_`` whose value depends on the all-gather's wait, and no node after that write
-    reads the parameter's memory.
+    reads the parameter's memory. With ``gather="forward"`` instead: the all-gather is returned,
+    un-waited, as one of the graph's extra outputs, and the backward writes no parameter of the
+    bucket (the next forward does: :func:`graphddp.optim.insert_gather.verify_forward_gathers`).
 
 Failures raise :class:`graphddp.graph.verify.VerificationError` showing the node in context.
 """
@@ -64,7 +66,18 @@ def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
                 _fail(gm, gm.graph.output_node(), f"{where}: the gradient of {slot.param_name!r} is still returned (S4)")
         gather_waits = [u for u in gather.users if is_wait(u)]
         writes = [n for n in mine if n.target is aten.copy_.default and n.meta.get(ROLE_KEY) == "write"]
+        if bucket.gather == "forward":
+            if gather_waits or writes or gather not in outs[len(outs) - len(deferred(schedule)):]:
+                _fail(gm, gather, f"{where}: gather='forward' leaves the all-gather un-waited and returned, and writes "
+                                  f"no parameter in the backward (S5)")
+            continue
         _check_writes(gm, where, bucket.param_names, writes, gather_waits, nodes, order)
+
+
+def deferred(schedule: Schedule) -> list[int]:
+    """The buckets whose all-gathers the backward returns (``gather="forward"``), in the order of
+    its extra outputs."""
+    return [b.index for b in schedule.buckets if b.collective == "reduce_scatter" and b.gather == "forward"]
 
 
 def _check_writes(gm: fx.GraphModule, where: str, names: tuple[str, ...], writes: list[fx.Node], gather_waits: list[fx.Node],

@@ -38,6 +38,7 @@ import torch
 
 from graphddp.runtime.agree import any_rank, layout_hash
 from graphddp.runtime.failures import collective_failure
+from graphddp.runtime.gathers import Pending
 from graphddp.values.schedule import Schedule
 
 if TYPE_CHECKING:
@@ -165,6 +166,12 @@ class InGraphUpdate:
     grads: Callable[[list[Any]], Any] | None = None
     aliases_checked: bool = False
     shards: tuple[Any, ...] = ()  # sharded buckets' layouts (graphddp.optim.insert_shard.ShardLayout)
+    # gather="forward": the backward returns its un-waited all-gathers after the gradients; the
+    # next forward completes them (graphddp.runtime.gathers). The parameters they write, and
+    # the eager write for when no forward graph can take them.
+    deferred: frozenset[str] = frozenset()
+    deferred_count: int = 0
+    write_deferred: Callable[[list[torch.Tensor]], None] | None = None
 
     def check_aliases(self, args: list[Any]) -> None:
         """Once: the inputs the rewrite took for a parameter's memory really are it."""
@@ -307,6 +314,11 @@ class BackwardDispatch:
         args.extend(extra.tensors)  # the same list: the callee frees what it no longer needs
         with torch.no_grad():
             out = synced.code()(args)
+        if update.deferred_count:  # the all-gathers after the gradients: the next forward's
+            out = list(out)
+            tensors = out[len(out) - update.deferred_count:]
+            del out[len(out) - update.deferred_count:]
+            self.step.gathers.put(synced.schedule.graph_index, Pending(update.deferred, tensors, update.write_deferred))
         update.attached.updated(extra)
         self.state.steps_in_graph += 1
         return out

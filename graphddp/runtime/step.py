@@ -62,6 +62,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from graphddp.runtime.agree import probe
+from graphddp.runtime.gathers import PendingGathers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +123,8 @@ class StepState:
         self._runs: dict[int, list[_Run]] = {}
         self._listeners: list[Callable[[], None]] = []
         self._end_queued = False
+        # gather="forward": all-gathers the last backward issued, completed by the next forward.
+        self.gathers = PendingGathers()
 
     # -- compile time ---------------------------------------------------------------------------
     def add_graph(self, frame: int | None, params: Iterable[str]) -> GraphEntry:

@@ -1,0 +1,93 @@
+"""The forward-pass slot of ``sharding="optimizer", gather="forward"``: each sharded bucket's
+all-gather completes in the next forward, right before its parameters are first read.
+
+Why. With ``gather="backward"`` every all-gather is waited for at the end of the backward, where
+nothing is left to hide it behind: on a link-bound step half of the step's bytes go on the wire
+with the compute lane idle. The forward of the next step reads the parameters in roughly the
+reverse order the backward produced their gradients, and, until it reads them, has compute of
+its own that needs no communication: a bucket's all-gather can travel behind it (the DeAR
+pattern, Zhang et al. 2023). The backward issues the all-gathers (in reverse bucket order) and
+returns them un-waited as extra outputs (:mod:`graphddp.optim.insert_shard`); the runtime keeps
+them (:class:`graphddp.runtime.gathers.PendingGathers`) until the forward of the same compiled
+graph takes them as extra inputs.
+
+The pass, on a copy of one forward graph, per sharded bucket in bucket order::
+
+    gather<b> = placeholder                       (after every existing input)
+    ... the forward up to the first node reading a parameter of the bucket ...
+    wait        wait_tensor(gather<b>)
+    write       param_i.copy_(gather<b>[:, at_i:at_i + c_i].flat[:numel_i].view(shape_i))
+    ... every later read of param_i reads the copy_ (data dependence: the write comes first) ...
+
+Postcondition (:func:`verify_forward_gathers`, F1-F2): each parameter of a bucket is written
+once, from values that depend on its bucket's wait, and every other read of the parameter comes
+after that write.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+from graphddp.graph.capture import ancestors
+from graphddp.graph.trace import splice, trace
+from graphddp.graph.verify import _fail
+from graphddp.optim.insert_shard import ShardLayout, gathered_value, write_fn
+from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
+
+GATHER_INPUT = "gather_input"  # ROLE_KEY of the forward's placeholder that receives a bucket's all-gather
+
+
+def insert_forward_gathers(gm: fx.GraphModule, shards: Sequence[ShardLayout], param_index: Mapping[str, int]) -> None:
+    """Per bucket of ``shards``: a new input for its all-gather, and its wait and parameter
+    writes before the first read of any of its parameters (module docstring). ``param_index``
+    maps a parameter to its placeholder's position. The caller passes the all-gathers, in
+    ``shards`` order, after the graph's own inputs."""
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    fake_mode = detect_fake_mode(tuple(n.meta["val"] for n in placeholders if "val" in n.meta))
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    last = placeholders[-1]
+    for shard in shards:
+        b = shard.bucket
+        params = [placeholders[param_index[n]] for n in b.param_names]
+        with graph.inserting_after(last):
+            last = graph.placeholder(f"gather{b.index}")
+        last.meta["val"] = gathered_value(shard, fake_mode, params[0].meta["val"])
+        last.meta[BUCKET_KEY], last.meta[ROLE_KEY] = b.index, GATHER_INPUT
+        readers = [u for p in params for u in p.users]
+        first = min(readers, key=order.__getitem__) if readers else graph.output_node()
+        write = trace(write_fn(shard), [last.meta["val"], *(p.meta["val"] for p in params)], f"forward gather of bucket {b.index}")
+        written = splice(graph, write, [last, *params], first, b.index)
+        for param, copy in zip(params, written):
+            param.replace_all_uses_with(copy, delete_user_cb=lambda user, c=copy: user is not c)
+    graph.lint()
+    gm.recompile()
+
+
+def verify_forward_gathers(gm: fx.GraphModule, shards: Sequence[ShardLayout]) -> None:
+    """F1: each parameter of a bucket is written by one ``copy_`` from values that depend on
+    the wait of that bucket's all-gather input. F2: that write is the only reader of the
+    parameter's placeholder: every other read goes through the write, so none sees the old value."""
+    nodes = list(gm.graph.nodes)
+    inputs = {n.meta.get(BUCKET_KEY): n for n in nodes if n.op == "placeholder" and n.meta.get(ROLE_KEY) == GATHER_INPUT}
+    copy_ = torch.ops.aten.copy_.default
+    for shard in shards:
+        b = shard.bucket
+        where = f"forward gather of bucket {b.index}"
+        source = inputs.get(b.index)
+        if source is None:
+            _fail(gm, gm.graph.output_node(), f"{where}: no all-gather input (F1)")
+        waits = [u for u in source.users if is_wait(u)]
+        writes = [n for n in nodes if n.meta.get(BUCKET_KEY) == b.index and n.meta.get(ROLE_KEY) == "write" and n.target is copy_]
+        if len(writes) != len(b.slots):
+            _fail(gm, (writes or [source])[0], f"{where}: {len(writes)} parameter writes for {len(b.slots)} parameters (F1)")
+        for write in writes:
+            if not any(w in ancestors(write) for w in waits):
+                _fail(gm, write, f"{where}: {write.name} writes a parameter from values its all-gather's wait did not deliver (F1)")
+            param = write.args[0]
+            for user in param.users:
+                if user is not write:
+                    _fail(gm, user, f"{where}: {user.name} reads {param.name} itself, not through its write {write.name} (F2)")

@@ -1,0 +1,108 @@
+"""``sharding="optimizer", gather="forward"`` against DDP + the same torch.optim on gloo ranks.
+
+Each step's all-gathers complete in the next forward, so the parameters are compared where
+they are promised to be right: after each forward (the updates of the step before, against
+DDP's parameters before its step), and after every read the docs name between steps
+(``state_dict()``, an evaluation forward under ``no_grad``, ``finish_gathers()``). Ranks start
+unequal, an LR scheduler steps, one ``no_sync`` micro-batch; a recompile, a graph break with a
+tied embedding, Hugging Face GPT-2, inductor (its generated forward waits for the first layers
+before the last layers' gather), 3 ranks; and a ``load_state_dict`` between a backward and the
+next forward, which the pending all-gathers must not overwrite.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+from test_optim_ranks import TIGHT, start_unequal
+from test_sharded import CASES, Case
+
+import graphddp
+from graphddp.testing import spawn
+
+FORWARD_CASES = {
+    "mlp_adamw": CASES["mlp_adamw"],
+    "mlp_sgd_nesterov": CASES["mlp_sgd_nesterov"],
+    "tied_across_break_sgd": CASES["tied_across_break_sgd"],
+    "hf_gpt2_adamw": CASES["hf_gpt2_adamw"],
+    "mlp_adamw_recompile": CASES["mlp_adamw_recompile"],
+    "mlp_adamw_inductor": CASES["mlp_adamw_inductor"],
+}
+
+
+def _assert_params(mine: nn.Module, ref: nn.Module, tol: dict, what: str) -> None:
+    for (n, p), q in zip(mine.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), **tol, msg=lambda m: f"{what} {n}: {m}")
+
+
+def _train(rank: int, world: int, name: str) -> None:
+    case: Case = FORWARD_CASES[name]
+    mine, ref, opt, ref_opt = start_unequal(case, rank)
+    ours = graphddp.compile(mine, optimizer=opt, sharding="optimizer", gather="forward", backend=case.backend, bucket_cap_mb=0.004)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.7)
+    gathers = ours._replica.step.gathers
+    for step in range(case.steps):
+        if step == case.no_sync_step:
+            with ours.no_sync():
+                case.loss(ours, rank, 50 + step).backward()
+            with ref.no_sync():
+                case.loss(ref, rank, 50 + step).backward()
+        loss = case.loss(ours, rank, step)  # completes the step before's all-gathers
+        _assert_params(mine, ref.module, case.tol, f"{name}: after step {step}'s forward")
+        loss.backward()
+        case.loss(ref, rank, step).backward()
+        for o, s in ((opt, sched), (ref_opt, ref_sched)):
+            o.step()
+            o.zero_grad()
+            s.step()
+        assert all(p.grad is None for p in mine.parameters()), f"{name} step {step}: a gradient kept"
+        if step == 1:  # a checkpoint between steps holds the updated values
+            state = ours.state_dict()
+            for k, v in ref.module.state_dict().items():
+                torch.testing.assert_close(state[k], v, **case.tol, msg=lambda m: f"{name}: state_dict() after step 1, {k}: {m}")
+    assert gathers.taken >= 1, f"{name}: no forward took its all-gathers in its graph"
+    with torch.no_grad():  # an evaluation forward after the last backward sees the updated values
+        out, expected = case.loss(ours, rank, 99), case.loss(ref.module, rank, 99)
+    torch.testing.assert_close(out, expected, **case.tol)
+    ours.finish_gathers()
+    _assert_params(mine, ref.module, case.tol, f"{name}: at the end")
+    if case.backend == "inductor":
+        code = ours._backend.forwards[0].slot_code
+        assert code is not None and code.count("wait_tensor") >= 2, "inductor's forward waits for each bucket"
+        first, last = code.index("wait_tensor"), code.rindex("wait_tensor")
+        assert "extern_kernels" in code[first:last] or "cpp_fused" in code[first:last], (
+            "inductor's forward runs compute between its first and its last bucket's wait"
+        )
+
+
+@pytest.mark.parametrize("name", list(FORWARD_CASES))
+def test_gather_in_forward_matches_ddp_on_two_ranks(name: str) -> None:
+    spawn(_train, 2, name)
+
+
+def test_gather_in_forward_matches_ddp_on_three_ranks() -> None:
+    spawn(_train, 3, "mlp_adamw")
+
+
+def _load_between_steps(rank: int, world: int, _: Any) -> None:
+    """A checkpoint loaded after a backward and before the next forward is what that forward
+    reads: the pending all-gathers are completed first, not written over it."""
+    case = CASES["mlp_adamw"]
+    mine, ref, opt, ref_opt = start_unequal(case, rank)
+    ours = graphddp.compile(mine, optimizer=opt, sharding="optimizer", gather="forward", backend="aot_eager", bucket_cap_mb=0.004)
+    saved = copy.deepcopy(ref.module.state_dict())  # the start
+    for step in range(2):
+        case.loss(ours, rank, step).backward()
+    mine.load_state_dict(saved)  # through the wrapped module, not the graphddp one
+    with torch.no_grad():
+        torch.testing.assert_close(case.loss(ours, rank, 7), case.loss(ref.module, rank, 7), **TIGHT)
+    _assert_params(mine, ref.module, TIGHT, "after load_state_dict and a forward")
+
+
+def test_load_state_dict_between_steps_is_not_overwritten() -> None:
+    spawn(_load_between_steps, 2, None)
+
