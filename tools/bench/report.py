@@ -188,8 +188,8 @@ def _powersgd_lines(s: dict[str, Any]) -> list[str]:
 
 def _memory_lines(s: dict[str, Any]) -> list[str]:
     """--modes sharded: what each AdamW mode keeps on a rank, next to its step's peak."""
-    names = [n for n in ("graphddp_sharded", "graphddp_optim", "ddp_zero", "fsdp2", "ddp_cap1") if n in s["modes"]]
-    if "graphddp_sharded" not in names:
+    names = [n for n in ("graphddp_sharded", "graphddp_sharded_fwd", "graphddp_optim", "ddp_zero", "fsdp2", "ddp_cap1") if n in s["modes"]]
+    if not {"graphddp_sharded", "graphddp_sharded_fwd"} & set(names):
         return []
     out = [f"memory per rank, MB (max over ranks): {'step ms':>9} {'opt state':>9} {'params':>8} {'step peak':>9} {'resident':>9}"
            "   (resident = params + opt state + step peak)"]
@@ -199,16 +199,17 @@ def _memory_lines(s: dict[str, Any]) -> list[str]:
         out.append(f"  {name:<35} {r['step_ms']:>9.1f} {r.get('state_mb', 0.0):>9.1f} {r.get('param_mb', 0.0):>8.1f} "
                    f"{peak:>9.1f} {r.get('param_mb', 0.0) + r.get('state_mb', 0.0) + peak:>9.1f}")
     ddp = s["modes"].get("ddp_cap1")
-    if ddp:  # the issue's target: no gradients kept, and (1 - 1/N) of the state gone
-        sharded = s["modes"]["graphddp_sharded"]
 
-        def resident(r: dict[str, Any]) -> float:
-            return r.get("param_mb", 0.0) + r.get("state_mb", 0.0) + r.get("peak_mb", r["peak_step_mb"])
+    def resident(r: dict[str, Any]) -> float:
+        return r.get("param_mb", 0.0) + r.get("state_mb", 0.0) + r.get("peak_mb", r["peak_step_mb"])
 
-        world = 2
+    world = 2
+    for mode in (n for n in ("graphddp_sharded", "graphddp_sharded_fwd") if n in names and ddp):
+        # the issue's target: no gradients kept, and (1 - 1/N) of the state gone
+        sharded = s["modes"][mode]
         allowed = resident(ddp) - s["graphddp_grad_mb"] - (1 - 1 / world) * ddp.get("state_mb", 0.0)
         ok = "met" if resident(sharded) <= allowed else "MISSED"
-        out.append(f"  target: graphddp_sharded resident {resident(sharded):.1f} <= ddp_cap1 resident {resident(ddp):.1f} - "
+        out.append(f"  target: {mode} resident {resident(sharded):.1f} <= ddp_cap1 resident {resident(ddp):.1f} - "
                    f"gradients {s['graphddp_grad_mb']:.1f} - (1 - 1/{world}) x its state {ddp.get('state_mb', 0.0):.1f} "
                    f"= {allowed:.1f} MB: {ok}; optimizer state {sharded.get('state_mb', 0.0):.1f} vs DDP's "
                    f"{ddp.get('state_mb', 0.0):.1f} MB ({sharded.get('state_mb', 0.0) / max(ddp.get('state_mb', 0.0), 1e-9):.3f})")

@@ -4,7 +4,11 @@ Four ways to train with AdamW on N ranks, besides graphddp replicated (``graphdd
 eager DDP (``ddp_cap1``):
 
 * ``graphddp_sharded``: ``graphddp.compile(model, optimizer=opt, sharding="optimizer")``: each
-  bucket reduce-scattered, this rank's part updated inside the backward, all-gathered;
+  bucket reduce-scattered, this rank's part updated inside the backward, all-gathered and
+  written at the end of the backward;
+* ``graphddp_sharded_fwd``: the same with ``gather="forward"``: each all-gather completes in the
+  next forward, right before the bucket's parameters are first read. Its parameters count the
+  all-gathers pending between steps (:func:`param_bytes`);
 * ``ddp_zero``: eager DDP (graphddp's first cap, 1 MB) + ``ZeroRedundancyOptimizer`` (AdamW on
   this rank's parameters, a broadcast of each after the step);
 * ``fsdp2``: ``fully_shard`` on every block and the root with ``reshard_after_forward=False``
@@ -26,7 +30,8 @@ import torch.nn as nn
 from tools.bench.modes import TrainMode
 from tools.bench.workload import make_optimizer
 
-SHARDED_MODES = ("graphddp_sharded", "ddp_zero", "fsdp2")
+SHARDED_MODES = ("graphddp_sharded", "graphddp_sharded_fwd", "ddp_zero", "fsdp2")
+GATHER = {"graphddp_sharded": "backward", "graphddp_sharded_fwd": "forward"}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -46,18 +51,25 @@ def state_bytes(opt: Any) -> int:
 
 
 def param_bytes(model: nn.Module) -> int:
-    """Bytes of parameters this rank holds between steps (FSDP2: its shards after the step)."""
-    return sum(_local(p).numel() * _local(p).element_size() for p in model.parameters())
+    """Bytes of parameters this rank holds between steps (FSDP2: its shards after the step;
+    graphddp with ``gather="forward"``: the updated values on their way too, the all-gathers
+    the last backward left for the next forward)."""
+    held = sum(_local(p).numel() * _local(p).element_size() for p in model.parameters())
+    replica = getattr(model, "_replica", None)
+    pending = getattr(getattr(replica, "step", None), "gathers", None)
+    if pending:
+        held += sum(t.numel() * t.element_size() for p in pending._pending.values() for t in p.tensors)
+    return held
 
 
 def build(name: str, base: nn.Module, batch: Any, loss: Callable, graphddp_options: dict[str, Any]) -> tuple[TrainMode, Any]:
     """The mode ``name`` of :data:`SHARDED_MODES`, and the optimizer whose state it keeps."""
     model = copy.deepcopy(base)
-    if name == "graphddp_sharded":
+    if name in GATHER:
         import graphddp
 
         opt = make_optimizer(model.parameters())
-        m = graphddp.compile(model, optimizer=opt, **{**graphddp_options, "sharding": "optimizer"})
+        m = graphddp.compile(model, optimizer=opt, **{**graphddp_options, "sharding": "optimizer", "gather": GATHER[name]})
         return TrainMode(name, m, None, batch, loss, opt=opt), opt
     if name == "ddp_zero":
         from torch.distributed.optim import ZeroRedundancyOptimizer

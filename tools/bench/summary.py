@@ -103,6 +103,7 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
             f"{g.last_bucket_cap_mb if g.last_bucket_cap_mb is not None else 'off'}") + ", separate optimizer",
         "graphddp_optim": "graphddp, same caps, optimizer inside the backward (its update is in bwd)",
         "graphddp_sharded": "graphddp, same caps, sharding='optimizer': reduce-scatter, 1/N of AdamW in the backward, all-gather",
+        "graphddp_sharded_fwd": "graphddp_sharded with gather='forward': each all-gather waited for in the next forward",
         "ddp_zero": "DDP eager (cap 1 MB) + ZeroRedundancyOptimizer(AdamW): 1/N of the state, params broadcast after the step",
         "fsdp2": "fully_shard per block and root, reshard_after_forward=False (ZeRO-2 shape), eager, AdamW on the shards",
         "graphddp_auto": _auto_note(info.get("graphddp_auto")),
@@ -175,7 +176,7 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
         denominators["release_time_bound"] = bounds["release_time_ms"]
         if "release_time_graphddp_issue_ms" in bounds:
             denominators["release_time_graphddp_issue_bound"] = bounds["release_time_graphddp_issue_ms"]
-    by_mode = {n: _ratios(modes, n, denominators) for n in ("graphddp", "graphddp_optim", "graphddp_auto", "graphddp_sharded")}
+    by_mode = {n: _ratios(modes, n, denominators) for n in ("graphddp", "graphddp_optim", "graphddp_auto", "graphddp_sharded", "graphddp_sharded_fwd")}
     ratios, optim_ratios = by_mode["graphddp"], by_mode["graphddp_optim"]
     # The bounds are of graphddp's buckets with a separate optimizer step: graphddp's targets only.
     targets = [_step_target(label, by_mode[num][key], limit, denominators[key], bounds if num == "graphddp" else {},

@@ -21,20 +21,20 @@ MODES = (
     "compute_only", "compute_eager", "comm_only", "ideal_overlap", "no_overlap", "ddp_default", "ddp_same_buckets",
     *DDP_CAP_MODES, "ddp_compiled", "ddp_compiled_samecap", "ddp_compiled_autograd",
     "graphddp_tail_off", "graphddp", "graphddp_optim", "graphddp_auto", *GRAPHDDP_CAP_MODES,
-    "graphddp_powersgd", "ddp_powersgd", "ddp_powersgd_serial", "graphddp_sharded", "ddp_zero", "fsdp2",
+    "graphddp_powersgd", "ddp_powersgd", "ddp_powersgd_serial", "graphddp_sharded", "graphddp_sharded_fwd", "ddp_zero", "fsdp2",
 )
 # Issue 12: graphddp_auto (bucket_cap_mb="auto") against both sweeps at their best, and
 # against DDP at its defaults; compute_only for the compute floor.
 SWEEP_MODES = ("graphddp_auto", *GRAPHDDP_CAP_MODES, *DDP_CAP_MODES, "ddp_default", "compute_only")
 # --modes shorthands: one name for several modes
 # The optimizer state on a shard (tools/bench/sharded.py) next to graphddp replicated and eager DDP.
-SHARDED_PRESET = ("graphddp_sharded", "graphddp_optim", "ddp_zero", "fsdp2", "ddp_cap1", "compute_only")
+SHARDED_PRESET = ("graphddp_sharded", "graphddp_sharded_fwd", "graphddp_optim", "ddp_zero", "fsdp2", "ddp_cap1", "compute_only")
 MODE_PRESETS: dict[str, tuple[str, ...]] = {"ddp": ("ddp_default",), "sweep": SWEEP_MODES, "sharded": SHARDED_PRESET}
 REPORTED = (  # rows of the table, in this order
     "graphddp", "graphddp_optim", "graphddp_tail_off", "graphddp_auto", *GRAPHDDP_CAP_MODES, "compute_only",
     "compute_eager", "comm_only", "ideal_overlap", "no_overlap", "ddp_default", "ddp_same_buckets", "ddp_best",
     "best_swept", "ddp_compiled", "ddp_compiled_samecap", "ddp_compiled_autograd", *DDP_CAP_MODES,
-    "graphddp_powersgd", "ddp_powersgd", "ddp_powersgd_serial", "graphddp_sharded", "ddp_zero", "fsdp2",
+    "graphddp_powersgd", "ddp_powersgd", "ddp_powersgd_serial", "graphddp_sharded", "graphddp_sharded_fwd", "ddp_zero", "fsdp2",
 )
 # Issue 13: PowerSGD, graphddp's in the graph against DDP's powerSGD_hook, with these settings
 # (DDP's PowerSGDState keywords less process_group; the rank is --powersgd-rank). Both do a
@@ -46,7 +46,7 @@ POWERSGD_SETTINGS = {"start_powerSGD_iter": POWERSGD_START_ITER, "min_compressio
                      "random_seed": 0, "batch_tensors_with_same_shape": False}
 POWERSGD_MODES = ("graphddp_powersgd", "ddp_powersgd", "ddp_powersgd_serial")
 # Modes that run only when named (or by a preset): make bench's default list keeps its length.
-OPT_IN_MODES = (*POWERSGD_MODES, "graphddp_sharded", "ddp_zero", "fsdp2", *GRAPHDDP_CAP_MODES, *(m for m in DDP_CAP_MODES if m not in ("ddp_cap1", "ddp_cap4", "ddp_cap25")))
+OPT_IN_MODES = (*POWERSGD_MODES, "graphddp_sharded", "graphddp_sharded_fwd", "ddp_zero", "fsdp2", *GRAPHDDP_CAP_MODES, *(m for m in DDP_CAP_MODES if m not in ("ddp_cap1", "ddp_cap4", "ddp_cap25")))
 DEFAULT_MODES = tuple(m for m in MODES if m not in OPT_IN_MODES)
 # Rows of the bytes-on-the-wire table: each PowerSGD mode next to its uncompressed counterpart.
 WIRE_ROWS = ("graphddp", "graphddp_powersgd", "ddp_default", "ddp_powersgd", "ddp_powersgd_serial")
@@ -67,6 +67,10 @@ TARGETS = (  # (label, numerator mode, denominator key in that mode's ratios, li
     ("graphddp_sharded / graphddp_optim", "graphddp_sharded", "graphddp_optim", 0.97),
     ("graphddp_sharded / ddp_zero", "graphddp_sharded", "ddp_zero", 0.85),
     ("graphddp_sharded / fsdp2", "graphddp_sharded", "fsdp2", 0.85),
+    # ... with each all-gather deferred into the next forward (gather="forward")
+    ("graphddp_sharded_fwd / graphddp_optim", "graphddp_sharded_fwd", "graphddp_optim", 0.97),
+    ("graphddp_sharded_fwd / ddp_zero", "graphddp_sharded_fwd", "ddp_zero", 0.85),
+    ("graphddp_sharded_fwd / fsdp2", "graphddp_sharded_fwd", "fsdp2", 0.85),
 )
 # Issue 11's memory target: no gradient outlives its bucket, so graphddp_optim's peak should be
 # at most the best eager DDP's peak less the model's gradient bytes.
