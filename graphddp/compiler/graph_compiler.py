@@ -50,6 +50,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from graphddp.compiler import cache as compile_cache
 from graphddp.compiler.compose import Shared, insert_comm, record_parameter_values, run_passes, verify_comm
+from graphddp.compiler.forward_slot import ForwardSlots
 from graphddp.compiler.frames import FramePlans
 from graphddp.compiler.inductor import compile_inductor
 from graphddp.compiler.record import GraphRecord
@@ -58,14 +59,13 @@ from graphddp.graph.capture import extract_facts, parameter_of_inputs
 from graphddp.graph.insert_comm import HOOK_STATE, HOOK_STATE_SPEC, HookContext, insert_collectives
 from graphddp.hooks.traced import HookState
 from graphddp.optim.attached import AttachedOptimizer
-from graphddp.optim.insert_gather import insert_forward_gathers, verify_forward_gathers
 from graphddp.optim.insert_shard import insert_sharded_updates, shard_layout, write_fn
 from graphddp.optim.insert_update import ALIAS_OF, UpdateInputs, insert_update
 from graphddp.optim.verify import verify_updates
 from graphddp.optim.verify_shard import verify_sharded
 from graphddp.plan.planner import plan, with_sharding, with_updates
-from graphddp.runtime.gathers import ForwardDispatch
 from graphddp.runtime.dispatch import BackwardDispatch, GraphState, InGraphUpdate, Synced, compiled_backward_node
+from graphddp.runtime.gathers import ForwardDispatch
 from graphddp.runtime.step import StepState, current_frame
 from graphddp.runtime.union import UnionAverage
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, group_name_of
@@ -111,8 +111,7 @@ class GraphCompiler:
         self.hook_state = HookState(self.hook) if self.hook is not None else None
         self._hook_context = HookContext(group, dict(parameters or {}))
         self.dispatches: dict[int, BackwardDispatch] = {}
-        self.forwards: dict[int, ForwardDispatch] = {}  # gather="forward": each training graph's forward
-        self._slots: dict[int, Callable[[Sequence[Any]], Callable[[], Any]]] = {}  # ... and how to make its slot variant
+        self.forward_slots = ForwardSlots(self.step.gathers, config.verify)  # gather="forward": the training forwards
         self.frames = FramePlans()  # what a recompile inherits from its frame's graphs
         # The passes every graph goes through (graphddp.compiler.compose): features add theirs.
         self.forward_passes: list[Any] = [record_parameter_values]
@@ -172,7 +171,7 @@ class GraphCompiler:
                 renamed = self._renamed(inputs, param_inputs)
             if step.gathers:  # gather="forward": what another graph's backward left pending
                 names = renamed.values() if renamed else param_inputs.values()
-                step.gathers.before_graph(graph_index, names, own=not renamed and graph_index in self.forwards)
+                step.gathers.before_graph(graph_index, names, own=not renamed and graph_index in self.forward_slots)
             out = compiled(*args)
             node = None
             dispatch = self.dispatches.get(graph_index)  # made at the first backward
@@ -243,14 +242,14 @@ class GraphCompiler:
                 state, variants, compile_plain, self.group, self.step, self._phase, self._on_sync if self.hook else None
             )
             update = variants[phases[-1]].update
-            if graph_index in self.forwards and update is not None and update.deferred_count:
-                self._slot(graph_index, [s for s in update.shards if s.bucket.gather == "forward"])
+            if graph_index in self.forward_slots and update is not None and update.deferred_count:
+                self.forward_slots.planned(graph_index, [s for s in update.shards if s.bucket.gather == "forward"])
             return self.dispatches[graph_index]
 
         wrap_forward = None
         if self.optimizer is not None and self.config.gather == "forward":
             def wrap_forward(fw: fx.GraphModule, plain: Any, compile_graph: Callable[..., Callable[[], Any]]) -> ForwardDispatch:
-                return self._forward(graph_index, fw, plain, compile_graph, param_inputs)
+                return self.forward_slots.wrap(graph_index, fw, plain, compile_graph, param_inputs)
 
         if self.config.backend == "inductor":
             phase = self._phase()
@@ -281,37 +280,10 @@ class GraphCompiler:
             fw_compiler=fw_compiler, bw_compiler=bw_compiler, keep_inference_input_mutations=True
         )(gm, example_inputs)
 
-    def _forward(
-        self, graph_index: int, fw: fx.GraphModule, plain: Any, compile_graph: Callable[..., Callable[[], Any]],
-        param_inputs: Mapping[int, str],
-    ) -> ForwardDispatch:
-        """gather="forward": graph ``graph_index``'s training forward, as a dispatcher whose
-        second variant (the forward slot: its backward's all-gathers completed before the
-        first read of each bucket) is made once the backward is planned (:meth:`_slot`).
-        ``compile_graph(graph, extra inputs)`` compiles a variant of ``fw`` on first use."""
-        forward = ForwardDispatch(plain, graph_index, self.step.gathers)
-        self.forwards[graph_index] = forward
-        index = {name: i for i, name in param_inputs.items()}
-
-        def slot(shards: Sequence[Any]) -> Callable[[], Any]:
-            def compile_slot() -> Any:
-                graph = copy.deepcopy(fw)
-                insert_forward_gathers(graph, shards, index)
-                log.debug("forward graph %d with its all-gathers:\n%s", graph_index, graph.code)
-                if self.config.verify:
-                    verify_forward_gathers(graph, shards)
-                forward.slot_graph = copy.deepcopy(graph)
-                extra = [n.meta["val"] for n in graph.graph.nodes if n.op == "placeholder"][-len(shards):]
-                return compile_graph(graph, extra)()
-
-            return compile_slot
-
-        self._slots[graph_index] = slot
-        return forward
-
-    def _slot(self, graph_index: int, shards: Sequence[Any]) -> None:
-        """Graph ``graph_index``'s backward is planned: its forward can take ``shards``' all-gathers."""
-        self.forwards[graph_index].compile_slot = self._slots[graph_index](shards)
+    @property
+    def forwards(self) -> dict[int, ForwardDispatch]:
+        """gather="forward": each training graph's forward dispatcher (for people and tests)."""
+        return self.forward_slots.forwards
 
     def _phase(self) -> str:
         """Which synchronising variant the next step runs: the hook's phase, else the one."""
