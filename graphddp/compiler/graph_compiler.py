@@ -242,8 +242,8 @@ class GraphCompiler:
                 state, variants, compile_plain, self.group, self.step, self._phase, self._on_sync if self.hook else None
             )
             update = variants[phases[-1]].update
-            if graph_index in self.forward_slots and update is not None and update.deferred_count:
-                self.forward_slots.planned(graph_index, [s for s in update.shards if s.bucket.gather == "forward"])
+            if graph_index in self.forward_slots and update is not None and update.deferred_shards:
+                self.forward_slots.planned(graph_index, update.deferred_shards)
             return self.dispatches[graph_index]
 
         wrap_forward = None
@@ -396,11 +396,7 @@ class GraphCompiler:
             for shard, gathered in zip(deferred, tensors):
                 write_fn(shard)(gathered, *(optimizer.params[n].detach() for n in shard.bucket.param_names))
 
-        return InGraphUpdate(
-            optimizer, replicated, groups, allowed, compile_grads, aliases, shards=shards,
-            deferred=frozenset(n for s in deferred for n in s.bucket.param_names), deferred_count=len(deferred),
-            write_deferred=write_deferred,
-        )
+        return InGraphUpdate(optimizer, replicated, groups, allowed, compile_grads, aliases, shards=shards, write_deferred=write_deferred)
 
     def _fallback(self, record: GraphRecord, graph_index: int, kind: str, names: Sequence[str], why: str) -> None:
         """Record (and, the first time per graph and kind, warn) that torch's step after the

@@ -239,7 +239,9 @@ def insert_sharded_updates(
         params = [inputs.values[n] for n in b.param_names]
         vals = [g.meta["val"] for g in grads] + params + _state_values(shard, fake_mode, inputs.values)
         update = trace(_update_fn(shard, hook or hooks.for_bucket(b), schedule.group_name), vals, f"sharded bucket {b.index}", decompositions)
-        write = trace(write_fn(shard), [update.graph.output_node().args[0].meta["val"], *params], f"sharded bucket {b.index}'s write")
+        write = None if b.gather == "forward" else trace(  # gather="forward": the next forward writes
+            write_fn(shard), [update.graph.output_node().args[0].meta["val"], *params], f"sharded bucket {b.index}'s write"
+        )
         traced.append((shard, update, write))
     new_params = {}
     new_rest = {}

@@ -167,11 +167,14 @@ class InGraphUpdate:
     aliases_checked: bool = False
     shards: tuple[Any, ...] = ()  # sharded buckets' layouts (graphddp.optim.insert_shard.ShardLayout)
     # gather="forward": the backward returns its un-waited all-gathers after the gradients; the
-    # next forward completes them (graphddp.runtime.gathers). The parameters they write, and
-    # the eager write for when no forward graph can take them.
-    deferred: frozenset[str] = frozenset()
-    deferred_count: int = 0
+    # next forward completes them (graphddp.runtime.gathers). The eager write for when no
+    # forward graph can take them.
     write_deferred: Callable[[list[torch.Tensor]], None] | None = None
+
+    @property
+    def deferred_shards(self) -> list[Any]:
+        """The sharded buckets whose all-gathers the backward returns, in output order."""
+        return [s for s in self.shards if s.bucket.gather == "forward"]
 
     def check_aliases(self, args: list[Any]) -> None:
         """Once: the inputs the rewrite took for a parameter's memory really are it."""
@@ -314,11 +317,13 @@ class BackwardDispatch:
         args.extend(extra.tensors)  # the same list: the callee frees what it no longer needs
         with torch.no_grad():
             out = synced.code()(args)
-        if update.deferred_count:  # the all-gathers after the gradients: the next forward's
+        deferred = update.deferred_shards
+        if deferred:  # the all-gathers after the gradients: the next forward's
             out = list(out)
-            tensors = out[len(out) - update.deferred_count:]
-            del out[len(out) - update.deferred_count:]
-            self.step.gathers.put(synced.schedule.graph_index, Pending(update.deferred, tensors, update.write_deferred))
+            tensors = out[len(out) - len(deferred):]
+            del out[len(out) - len(deferred):]
+            names = frozenset(n for s in deferred for n in s.bucket.param_names)
+            self.step.gathers.put(synced.schedule.graph_index, Pending(names, tensors, update.write_deferred))
         update.attached.updated(extra)
         self.state.steps_in_graph += 1
         return out
