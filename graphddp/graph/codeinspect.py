@@ -13,7 +13,7 @@ import re
 import torch.fx as fx
 
 from graphddp.graph.capture import is_compute
-from graphddp.values.collectives import KINDS, issue_pattern
+from graphddp.values.collectives import all_ops, issue_pattern
 from graphddp.values.comm import is_wait
 
 _ISSUE = issue_pattern()  # any bucket collective kind's op
@@ -54,7 +54,7 @@ def windows_in_graph(gm: fx.GraphModule) -> list[Window]:
     out = []
     nodes = list(gm.graph.nodes)
     for i, node in enumerate(nodes):
-        if node.op == "call_function" and node.target in {k.op for k in KINDS.values()}:
+        if node.op == "call_function" and node.target in all_ops():
             wait = next(u for u in node.users if is_wait(u))
             j = nodes.index(wait)
             out.append(Window(node.name, sum(is_compute(n) for n in nodes[i + 1:j])))

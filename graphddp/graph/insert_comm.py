@@ -79,7 +79,7 @@ from torch._guards import detect_fake_mode
 from graphddp.graph.trace import role, splice, trace
 from graphddp.hooks import builtin as hooks
 from graphddp.hooks.traced import GradBucket, HookState, StateSpec, TracedHook
-from graphddp.values.collectives import kind
+from graphddp.values.collectives import backend_of, kind
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, WAIT, group_of, is_collective, is_wait
 from graphddp.values.schedule import WAIT_AT_OUTPUT, Bucket, GradSlot, Schedule, dtype_name
 
@@ -228,6 +228,7 @@ def _builtin_fn(bucket: Bucket, hook: hooks.CommHook, schedule: Schedule) -> Cal
     -> decompress -> views."""
     wire = getattr(torch, bucket.comm_dtype or bucket.dtype)
     collective = kind(bucket.collective)
+    lowered = collective.lower(backend_of(schedule.group_name))
 
     def run(*grads: torch.Tensor) -> list[torch.Tensor]:
         with role("flatten"):
@@ -241,9 +242,9 @@ def _builtin_fn(bucket: Bucket, hook: hooks.CommHook, schedule: Schedule) -> Cal
         with role("scale"):
             scaled = aten.div.Tensor(sent, schedule.world_size)  # DDP pre-divides, after compressing
         with role(collective.key):
-            reduced = collective.issue(scaled, schedule.group_name, schedule.world_size)
+            reduced = lowered.issue(scaled, schedule.group_name, schedule.world_size)
         with role("wait"):
-            done = WAIT(reduced)
+            done = lowered.finish(WAIT(reduced), schedule.world_size)
         with role("decompress"):
             done = hook.decompress(done, bucket)
         _check_result(bucket, hook.name, done, "decompresses to")

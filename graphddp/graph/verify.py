@@ -177,8 +177,9 @@ def _collect_all_reduces(g: _Graph, schedule: Schedule, hooked: set[int]) -> dic
         if index in by_bucket:
             _fail(g.gm, ar, f"bucket {index} is all-reduced twice: {by_bucket[index].name} and {ar.name}")
         expected = kind(schedule.buckets[index].collective)
-        if ar.target != expected.op:
-            _fail(g.gm, ar, f"bucket {index}'s collective {ar.name} is {ar.target}; a bucket of kind {expected.key} is issued with {expected.op}")
+        if ar.target not in expected.ops:
+            _fail(g.gm, ar, f"bucket {index}'s collective {ar.name} is {ar.target}; a bucket of kind {expected.key} is issued with "
+                            f"{sorted(map(str, expected.ops))}")
         users = list(ar.users)
         if len(users) != 1 or not is_wait(users[0]):
             _fail(g.gm, ar, f"all-reduce {ar.name} of bucket {index} must have exactly one user, its wait; has {_names(users)}")

@@ -11,6 +11,8 @@ functions are traced on the graph's fake values and spliced in, in the layout of
     compress        hook.compress (fp16/bf16: a cast)
     scale           div(world_size)
     reduce_scatter  reduce_scatter_tensor(flat, "sum", world, group)
+                    (on gloo: all_to_all_single(flat), summed over its world rows after the
+                    wait; graphddp.values.collectives says why)
     ... the rest of the backward ...
     # at wait_before (the output: a wait inside the backward stalls its compute while the link
     # is busy; measured on the GPT, 530 ms a step against 427):
@@ -59,7 +61,7 @@ from graphddp.graph.trace import role, splice, trace
 from graphddp.hooks import builtin as hooks
 from graphddp.optim.attached import F64, UPDATES, UpdateRule, step_dtype
 from graphddp.optim.insert_update import UpdateInputs, add_update_inputs, parameter_nodes
-from graphddp.values.collectives import kind
+from graphddp.values.collectives import backend_of, kind
 from graphddp.values.comm import WAIT
 from graphddp.values.schedule import Bucket, Schedule
 from graphddp.values.shards import chunk, part
@@ -121,7 +123,8 @@ def _update_fn(shard: ShardLayout, hook: hooks.CommHook, group_name: str) -> Cal
     """(grads, params, states, hypers) -> the all-gather of the updated parts, not waited."""
     bucket, world, n = shard.bucket, shard.world, len(shard.bucket.slots)
     owned = shard.owned()
-    reduce_scatter, all_gather = kind(SHARDED), kind("all_gather")
+    backend = backend_of(group_name)
+    reduce_scatter, all_gather = kind(SHARDED).lower(backend), kind("all_gather").lower(backend)
 
     def run(*args: torch.Tensor) -> torch.Tensor:
         grads, params, rest = args[:n], args[n:2 * n], list(args[2 * n:])
@@ -143,13 +146,13 @@ def _update_fn(shard: ShardLayout, hook: hooks.CommHook, group_name: str) -> Cal
             sent = hook.compress(flat, bucket)
         with role("scale"):
             scaled = aten.div.Tensor(sent, world)
-        with role(reduce_scatter.key):
+        with role(SHARDED):
             pending = reduce_scatter.issue(scaled, group_name, world)
         with role("update"):
             work = [aten.clone.default(aten.slice.Tensor(_flat(p, s.numel), 0, lo, hi))
                     for p, s, (lo, hi) in zip(params, bucket.slots, shard.parts)]
         with role("wait"):
-            done = WAIT(pending)
+            done = reduce_scatter.finish(WAIT(pending), world)
         with role("decompress"):
             grad_part = hook.decompress(done, bucket)
         with role("update"):
@@ -161,7 +164,7 @@ def _update_fn(shard: ShardLayout, hook: hooks.CommHook, group_name: str) -> Cal
                     UPDATES[rule.kind](rule, work[k], aten.slice.Tensor(grad_part, 0, at, at + hi - lo), states[k], hyper[shard.group_of[k]])
                 at += c
             mine = aten.cat.default([aten.constant_pad_nd.default(w, [0, c - w.numel()]) for w, c in zip(work, shard.chunks)])
-        with role(all_gather.key):
+        with role("all_gather"):
             return all_gather.issue(mine, group_name, world)
 
     return run
@@ -300,6 +303,6 @@ def _not_for_the_issue(gm: fx.GraphModule) -> set[fx.Node]:
     it reads. The copies of this rank's parts of the parameters are made there too, not at the
     issue point, so that they live from the update to the all-gather only (on the MLP they are
     16 MB, half the parameters, which would otherwise all be alive at the end of the backward)."""
-    scatter = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target is kind(SHARDED).op)
+    scatter = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target in kind(SHARDED).ops)
     needed = ancestors(scatter)
     return {n for n in gm.graph.nodes if n.op == "call_function" and n not in needed}

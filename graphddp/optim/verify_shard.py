@@ -42,12 +42,12 @@ def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
     order = {n: i for i, n in enumerate(nodes)}
     by_name = {n.name: n for n in nodes}
     outs = list(gm.graph.output_node().args[0])
-    rs_op, ag_op = kind("reduce_scatter").op, kind("all_gather").op
+    rs_ops, ag_ops = kind("reduce_scatter").ops, kind("all_gather").ops
     for bucket in (b for b in schedule.buckets if b.collective == "reduce_scatter"):
         mine = [n for n in nodes if n.meta.get(BUCKET_KEY) == bucket.index]
         collectives = [n for n in mine if is_collective(n)]
-        scatters = [n for n in collectives if n.target is rs_op]
-        gathers = [n for n in collectives if n.target is ag_op]
+        scatters = [n for n in collectives if n.target in rs_ops]
+        gathers = [n for n in collectives if n.target in ag_ops]
         where = f"sharded bucket {bucket.index}"
         if len(scatters) != 1 or len(gathers) != 1 or len(collectives) != 2:
             _fail(gm, (collectives or [gm.graph.output_node()])[0],

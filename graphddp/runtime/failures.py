@@ -14,12 +14,12 @@ import re
 from types import TracebackType
 
 from graphddp.runtime.agree import CollectiveError
-from graphddp.values.collectives import KINDS
+from graphddp.values.collectives import all_ops
 from graphddp.values.schedule import Schedule
 
 _ISSUE = re.compile(
     r"(?:(\w+)\s*=\s*)?torch\.ops\._c10d_functional\.(?:"
-    + "|".join(re.escape(k.op._opname) for k in KINDS.values()) + r")\.default\((\w+)"
+    + "|".join(sorted(re.escape(op._opname) for op in all_ops())) + r")\.default\((\w+)"
 )  # the issue of any bucket collective kind
 _WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((\w+)")
 

@@ -6,12 +6,19 @@ layer that used to assume an all-reduce asks the kind instead:
 * the cost model: :meth:`CollectiveKind.seconds`, the link time of one bucket from the same
   alpha-beta numbers (``CostModel``'s latency per ring step and bandwidth), with the kind's
   own number of ring steps and share of the bytes on the wire;
-* the rewrite: :meth:`CollectiveKind.issue`, the traced call that merges a bucket's scaled flat
-  buffer (its result is waited on with ``wait_tensor``, like every functional collective);
-* the verifier: :attr:`CollectiveKind.op`, the one op a bucket of this kind may be issued
-  with;
+* the rewrite: :meth:`CollectiveKind.lower`, the :class:`Lowering` for the process group's
+  backend: the traced call that merges a bucket's scaled flat buffer (its result is waited on
+  with ``wait_tensor``, like every functional collective) and what turns the waited result
+  into the kind's result;
+* the verifier: :attr:`CollectiveKind.ops`, the ops a bucket of this kind may be issued with;
 * the code readers (:mod:`graphddp.graph.codeinspect`, :mod:`graphddp.runtime.failures`):
-  :attr:`CollectiveKind.code`, the op's spelling in generated code.
+  :func:`issue_pattern`, the ops' spelling in generated code.
+
+A kind has one lowering on every backend but where a backend's own op sends more than the
+kind's bytes. gloo's ``reduce_scatter`` is one: it sends an all-reduce's bytes (measured by
+``tools/gloo_wire_bytes.py``: 52.1 MB for a 26 MB tensor on 2 ranks), so on gloo a
+reduce-scatter is an ``all_to_all_single`` (rank ``j`` receives every rank's part ``j``,
+26.0 MB) and a local sum of the ``world`` parts received, in rank order.
 
 All-reduce is the first kind. A new kind (a reduce-scatter per bucket, an all-gather of
 updated slices) is a new :class:`CollectiveKind` in :data:`KINDS`: no layer above changes.
@@ -20,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
@@ -28,20 +35,42 @@ from graphddp.values.comm import ALL_REDUCE as ALL_REDUCE_OP
 from graphddp.values.schedule import CostModel
 
 
+def _as_is(done: torch.Tensor, world: int) -> torch.Tensor:
+    return done
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowering:
+    """One way to run a kind: the functional op issued, and what follows its wait."""
+
+    op: torch._ops.OpOverload
+    issue: Callable[[torch.Tensor, str, int], torch.Tensor]  # traced: (flat buffer, group name, world size) -> result to wait on
+    finish: Callable[[torch.Tensor, int], torch.Tensor] = _as_is  # traced: (waited result, world size) -> the kind's result
+
+
 @dataclasses.dataclass(frozen=True)
 class CollectiveKind:
     """One kind of bucket collective (module docstring)."""
 
     key: str  # what Bucket.collective holds
-    op: torch._ops.OpOverload  # the functional op graphddp emits for it
+    lowering: Lowering  # on every backend not in by_backend
     ring_steps: Callable[[int], int]  # latency-bound steps of the ring algorithm on p ranks
     wire_share: Callable[[int], float]  # bytes on the link per byte of the bucket, on p ranks
-    issue: Callable[[torch.Tensor, str, int], torch.Tensor]  # traced: (flat buffer, group name, world size) -> result to wait on
+    by_backend: Mapping[str, Lowering] = dataclasses.field(default_factory=dict)
+
+    def lower(self, backend: str | None) -> Lowering:
+        """The lowering for a process group of this backend (``dist.get_backend``'s name)."""
+        return self.by_backend.get(backend or "", self.lowering)
 
     @property
-    def code(self) -> str:
-        """How the op reads in generated code: ``_c10d_functional.all_reduce_``."""
-        return f"_c10d_functional.{self.op._opname}"
+    def op(self) -> torch._ops.OpOverload:
+        """The op of the default lowering."""
+        return self.lowering.op
+
+    @property
+    def ops(self) -> frozenset[torch._ops.OpOverload]:
+        """Every op a bucket of this kind may be issued with, on some backend."""
+        return frozenset([self.lowering.op, *(low.op for low in self.by_backend.values())])
 
     def seconds(self, cost: CostModel, nbytes: int, world_size: int) -> float:
         """Link time of one bucket of ``nbytes`` (what each rank contributes) on ``world_size`` ranks."""
@@ -52,27 +81,41 @@ class CollectiveKind:
 
 ALL_REDUCE = CollectiveKind(
     key="all_reduce",
-    op=ALL_REDUCE_OP,  # in place, on a fresh flat bucket: no extra buffer
+    # in place, on a fresh flat bucket: no extra buffer
+    lowering=Lowering(ALL_REDUCE_OP, lambda flat, group, world: ALL_REDUCE_OP(flat, "sum", group)),
     ring_steps=lambda p: 2 * (p - 1),  # reduce-scatter, then all-gather
     wire_share=lambda p: 2 * (p - 1) / p,
-    issue=lambda flat, group, world: ALL_REDUCE_OP(flat, "sum", group),
 )
 
 # A sharded bucket (graphddp.values.shards): each rank receives the sum of its part only...
+_REDUCE_SCATTER_OP = torch.ops._c10d_functional.reduce_scatter_tensor.default
+_ALL_TO_ALL_OP = torch.ops._c10d_functional.all_to_all_single.default
+
+
+def _all_to_all(flat: torch.Tensor, group: str, world: int) -> torch.Tensor:
+    """Rank ``j`` receives part ``j`` of every rank's buffer, rank-major: ``world`` rows."""
+    split = [flat.numel() // world] * world
+    return _ALL_TO_ALL_OP(flat, split, split, group)
+
+
+def _sum_rows(received: torch.Tensor, world: int) -> torch.Tensor:
+    return torch.ops.aten.sum.dim_IntList(torch.ops.aten.view.default(received, [world, -1]), [0])
+
+
 REDUCE_SCATTER = CollectiveKind(
     key="reduce_scatter",
-    op=torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    lowering=Lowering(_REDUCE_SCATTER_OP, lambda flat, group, world: _REDUCE_SCATTER_OP(flat, "sum", world, group)),
     ring_steps=lambda p: p - 1,
     wire_share=lambda p: (p - 1) / p,
-    issue=lambda flat, group, world: torch.ops._c10d_functional.reduce_scatter_tensor.default(flat, "sum", world, group),
+    by_backend={"gloo": Lowering(_ALL_TO_ALL_OP, _all_to_all, _sum_rows)},  # module docstring
 )
 # ... and after updating it, gives every rank every part back. ``nbytes`` is the whole bucket.
+_ALL_GATHER_OP = torch.ops._c10d_functional.all_gather_into_tensor.default
 ALL_GATHER = CollectiveKind(
     key="all_gather",
-    op=torch.ops._c10d_functional.all_gather_into_tensor.default,
+    lowering=Lowering(_ALL_GATHER_OP, lambda part, group, world: _ALL_GATHER_OP(part, world, group)),
     ring_steps=lambda p: p - 1,
     wire_share=lambda p: (p - 1) / p,
-    issue=lambda part, group, world: torch.ops._c10d_functional.all_gather_into_tensor.default(part, world, group),
 )
 
 KINDS: dict[str, CollectiveKind] = {k.key: k for k in (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER)}
@@ -86,7 +129,22 @@ def kind(key: str) -> CollectiveKind:
         raise ValueError(f"graphddp: unknown bucket collective {key!r}; known: {sorted(KINDS)}") from None
 
 
+def all_ops() -> frozenset[torch._ops.OpOverload]:
+    """Every op any kind is issued with."""
+    return frozenset(op for k in KINDS.values() for op in k.ops)
+
+
+def backend_of(group_name: str) -> str | None:
+    """The backend of the process group a graph was planned for (None where unknown)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        return str(torch.distributed.get_backend(_resolve_process_group(group_name)))
+    except (RuntimeError, ValueError, KeyError):
+        return None
+
+
 def issue_pattern() -> re.Pattern[str]:
     """A regex for the issue of any kind's op in generated code; group 1: its buffer."""
-    names = "|".join(re.escape(k.op._opname) for k in KINDS.values())
+    names = "|".join(sorted(re.escape(op._opname) for op in all_ops()))
     return re.compile(rf"_c10d_functional\.(?:{names})\.default\((\w+)")

@@ -16,6 +16,7 @@ COLLECTIVES = (
     torch.ops._c10d_functional.all_reduce_.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
     torch.ops._c10d_functional.all_gather_into_tensor.default,
+    torch.ops._c10d_functional.all_to_all_single.default,  # a reduce-scatter's on gloo
     torch.ops._c10d_functional.all_reduce.default,
     torch.ops._c10d_functional.all_reduce_coalesced.default,
     torch.ops._c10d_functional.all_reduce_coalesced_.default,

@@ -98,8 +98,12 @@ def _train(rank: int, world: int, name: str) -> None:
         assert_state_dicts_equal(graphddp.full_optimizer_state_dict(ours), ref_opt.state_dict(), case.tol, f"{name} step {step}")
     sharded = [b for s in ours.schedules for b in s.buckets if b.collective == "reduce_scatter"]
     assert sharded, f"{name}: no bucket was reduce-scattered"
+    # On gloo a reduce-scatter travels as an all_to_all_single (half its reduce_scatter's bytes).
+    ops = [n.target for r in ours.records for n in r.graph.graph.nodes if n.op == "call_function"]
+    assert torch.ops._c10d_functional.reduce_scatter_tensor.default not in ops, f"{name}: gloo's reduce_scatter was issued"
+    scatters = [n for r in ours.records for n in r.graph.graph.nodes if n.target is torch.ops._c10d_functional.all_to_all_single.default]
+    assert len(scatters) == len(sharded), f"{name}: {len(scatters)} all-to-alls for {len(sharded)} sharded buckets"
     if case.fp16_compress:
-        scatters = [n for r in ours.records for n in r.graph.graph.nodes if n.target is torch.ops._c10d_functional.reduce_scatter_tensor.default]
         assert all(b.comm_dtype == "float16" for b in sharded) and scatters, "the plan sends half precision"
         assert all(n.args[0].meta["val"].dtype == torch.float16 for n in scatters), "the reduce-scatter travels in half precision"
     if case.recompiles:  # the new shape's graph planned and sharded like the first

@@ -59,9 +59,10 @@ def test_an_all_reduce_plan_serialises_and_fingerprints_as_before_kinds_and_anot
 def out_of_place_kind():
     """A second kind, added the way a new one is: one entry in KINDS."""
     kind = collectives.CollectiveKind(
-        key="all_reduce_out_of_place", op=c10d.all_reduce.default, ring_steps=lambda p: 2 * (p - 1),
+        key="all_reduce_out_of_place",
+        lowering=collectives.Lowering(c10d.all_reduce.default, lambda flat, group, world: c10d.all_reduce.default(flat, "sum", group)),
+        ring_steps=lambda p: 2 * (p - 1),
         wire_share=lambda p: 3.0,  # priced differently on purpose, to see simulate use it
-        issue=lambda flat, group, world: c10d.all_reduce.default(flat, "sum", group),
     )
     collectives.KINDS[kind.key] = kind
     yield kind
@@ -87,3 +88,20 @@ def test_a_new_kind_needs_no_change_to_rewrite_verify_codeinspect_or_cost(out_of
     insert_collectives(gm2, schedule)
     with pytest.raises(VerificationError, match="kind all_reduce_out_of_place"):
         verify(gm2, mine, PARAMS)
+
+
+def test_a_reduce_scatter_on_gloo_is_an_all_to_all_and_a_sum_of_the_rows_elsewhere_the_reduce_scatter():
+    """gloo's reduce_scatter sends an all-reduce's bytes (tools/gloo_wire_bytes.py); its all-to-all
+    sends a reduce-scatter's. The lowering's result is the kind's: rank j's sum of every part j."""
+    kind = collectives.REDUCE_SCATTER
+    assert kind.lower("gloo").op is c10d.all_to_all_single.default
+    for backend in ("nccl", "fake", None):
+        assert kind.lower(backend).op is c10d.reduce_scatter_tensor.default
+    assert kind.ops == {c10d.all_to_all_single.default, c10d.reduce_scatter_tensor.default}
+    assert collectives.issue_pattern().search("torch.ops._c10d_functional.all_to_all_single.default(buf7, [3, 3], [3, 3], '0')")
+    # What rank 1 of 3 receives from the all-to-all: part 1 of ranks 0, 1, 2, in rank order.
+    parts = [torch.arange(6.0).view(3, 2)[1] * (r + 1) for r in range(3)]
+    received = torch.cat(parts)
+    torch.testing.assert_close(kind.lower("gloo").finish(received, 3), sum(parts))
+    assert kind.lower("nccl").finish(parts[0], 3) is parts[0]
+    assert collectives.ALL_REDUCE.lower("gloo") is collectives.ALL_REDUCE.lowering  # gloo's all-reduce is its own
