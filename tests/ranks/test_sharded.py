@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from test_optim_ranks import ADAM_NOISE, CNN, FP16_ADAM, TIGHT, _adamw, _cnn_loss, _gpt_loss, _hf_gpt2, _hf_loss, _sgd, assert_state_dicts_equal, start_unequal, step_both
+from test_ddp_matrix import BF16_TOL, _bf16_compress_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import graphddp
@@ -50,6 +51,7 @@ class Case:
     no_sync_step: int | None = 2
     backend: str = "aot_eager"
     fp16_compress: bool = False  # comm_hook="fp16_compress" here, DDP's fp16_compress_hook there
+    bf16_compress: bool = False  # comm_hook="bf16_compress" here, DDP's bf16 recipe there (its hook refuses gloo)
     recompiles: bool = False
 
 
@@ -61,6 +63,7 @@ CASES = {
     "tied_across_break_sgd": Case(lambda: models.BreakGPT(vocab=64, dim=32, heads=2, layers=2, seq=8), _gpt_loss, _sgd),
     "hf_gpt2_adamw": Case(_hf_gpt2, _hf_loss, _adamw, tol=ADAM_NOISE),
     "cnn_adamw_fp16_compress": Case(CNN, _cnn_loss, _adamw, tol=FP16_ADAM, fp16_compress=True),
+    "mlp_sgd_nesterov_bf16_compress": Case(models.MLP, _mlp_loss, _sgd, tol=BF16_TOL, bf16_compress=True),
     "mlp_adamw_recompile": Case(models.MLP, _mlp_loss_new_shape, _adamw, recompiles=True),
     "mlp_adamw_inductor": Case(models.MLP, _mlp_loss, _adamw, backend="inductor", steps=3),
 }
@@ -79,8 +82,10 @@ def _check_parts(model: nn.Module, opt: torch.optim.Optimizer, world: int, rank:
 
 def _pair(case: Case, rank: int) -> tuple[Any, nn.Module, torch.optim.Optimizer, DDP, torch.optim.Optimizer]:
     mine, ref, opt, ref_opt = start_unequal(case, rank)
-    ours = graphddp.compile(mine, optimizer=opt, sharding="optimizer", backend=case.backend, bucket_cap_mb=0.004,
-                            comm_hook="fp16_compress" if case.fp16_compress else None)
+    hook = "fp16_compress" if case.fp16_compress else "bf16_compress" if case.bf16_compress else None
+    if case.bf16_compress:
+        ref.register_comm_hook(None, _bf16_compress_hook)
+    ours = graphddp.compile(mine, optimizer=opt, sharding="optimizer", backend=case.backend, bucket_cap_mb=0.004, comm_hook=hook)
     return ours, mine, opt, ref, ref_opt
 
 
@@ -103,9 +108,10 @@ def _train(rank: int, world: int, name: str) -> None:
     assert torch.ops._c10d_functional.reduce_scatter_tensor.default not in ops, f"{name}: gloo's reduce_scatter was issued"
     scatters = [n for r in ours.records for n in r.graph.graph.nodes if n.target is torch.ops._c10d_functional.all_to_all_single.default]
     assert len(scatters) == len(sharded), f"{name}: {len(scatters)} all-to-alls for {len(sharded)} sharded buckets"
-    if case.fp16_compress:
-        assert all(b.comm_dtype == "float16" for b in sharded) and scatters, "the plan sends half precision"
-        assert all(n.args[0].meta["val"].dtype == torch.float16 for n in scatters), "the reduce-scatter travels in half precision"
+    if case.fp16_compress or case.bf16_compress:
+        half = torch.float16 if case.fp16_compress else torch.bfloat16
+        assert all(b.comm_dtype == str(half).split(".")[1] for b in sharded) and scatters, "the plan sends half precision"
+        assert all(n.args[0].meta["val"].dtype == half for n in scatters), "the reduce-scatter travels in half precision"
     if case.recompiles:  # the new shape's graph planned and sharded like the first
         assert len(ours.records) > 1, f"{name}: {len(ours.records)} compiled backward graph(s), expected a recompile"
 
@@ -115,7 +121,7 @@ def test_sharded_optimizer_matches_ddp_on_two_ranks(name: str) -> None:
     spawn(_train, 2, name)
 
 
-@pytest.mark.parametrize("name", ["mlp_adamw", "cnn_adamw"])
+@pytest.mark.parametrize("name", ["mlp_adamw", "cnn_adamw", "mlp_sgd_nesterov_bf16_compress"])
 def test_sharded_optimizer_matches_ddp_on_three_ranks(name: str) -> None:
     spawn(_train, 3, name)
 
