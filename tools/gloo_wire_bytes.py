@@ -1,7 +1,8 @@
 """Bytes two gloo ranks put on the loopback for one collective of a 26 MB float32 tensor.
 
 Why: a sharded step (``sharding="optimizer"``) is meant to send what an all-reduce sends, a
-reduce-scatter then an all-gather. This measures whether gloo's collectives do: it reads the
+reduce-scatter then an all-gather. This measures whether gloo's collectives do, and what
+graphddp's reduce-scatter on gloo (``graphddp.values.collectives``' lowering) sends: it reads the
 loopback's transmit counter (``/sys/class/net/lo/statistics/tx_bytes``) around three calls of
 each collective, so run it on an otherwise quiet machine (the counter is the whole machine's).
 Run from a clone: ``.venv/bin/python -m tools.gloo_wire_bytes``; docs/sharding.md quotes it.
@@ -35,7 +36,16 @@ def _collectives(n: int, world: int) -> list[tuple[str, Callable[[], Any]]]:
          lambda: functional.wait_tensor(functional.reduce_scatter_tensor(x.clone(), "sum", world, name))),
         ("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(torch.empty(n), torch.randn(n // world))),
         ("all_to_all_single", lambda: dist.all_to_all_single(torch.empty(n), x.clone())),
+        ("graphddp's reduce_scatter on gloo", lambda: _graphddp_reduce_scatter(x.clone(), name, world)),
     ]
+
+
+def _graphddp_reduce_scatter(flat: torch.Tensor, group: str, world: int) -> torch.Tensor:
+    """What a sharded bucket's graph runs on gloo: the kind's gloo lowering, eagerly."""
+    from graphddp.values.collectives import REDUCE_SCATTER
+
+    lowered = REDUCE_SCATTER.lower("gloo")
+    return lowered.finish(torch.ops._c10d_functional.wait_tensor(lowered.issue(flat, group, world)), world)
 
 
 def _measure(rank: int, world: int, _: Any) -> None:
