@@ -11,7 +11,9 @@ S1. **One of each.** Exactly one reduce-scatter and one all-gather carry the buc
 S2. **After its gradients.** The reduce-scatter comes after the node producing each of the
     bucket's gradients, and its input depends on every one of them.
 S3. **Averaged gradient.** The all-gather's input depends on the reduce-scatter's wait: the
-    parts are updated from the average, not from the local gradient.
+    parts are updated from the average, not from the local gradient. Where the reduce-scatter
+    is gloo's all-to-all (:mod:`graphddp.values.collectives`), the wait is read only as the sum
+    of its ``world`` rows: one rank's row alone is a local gradient again.
 S4. **No gradient kept.** Every slot's gradient output is ``None``.
 S5. **One write, after the gather, last.** Each parameter of the bucket is written by exactly
     one ``copy_`` whose value depends on the all-gather's wait, and no node after that write
@@ -34,6 +36,7 @@ from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_collective, is_wait
 from graphddp.values.schedule import Schedule
 
 aten = torch.ops.aten
+ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default  # a reduce-scatter on gloo
 
 
 def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
@@ -61,6 +64,8 @@ def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
         scatter_waits = [u for u in scatter.users if is_wait(u)]
         if not scatter_waits or not any(w in ancestors(gather) for w in scatter_waits):
             _fail(gm, gather, f"{where}: the all-gather's parts do not depend on the reduce-scatter's wait (S3)")
+        if scatter.target is ALL_TO_ALL:
+            _check_rows_summed(gm, where, scatter_waits, schedule.world_size)
         for slot in bucket.slots:
             if outs[slot.output_index] is not None:
                 _fail(gm, gm.graph.output_node(), f"{where}: the gradient of {slot.param_name!r} is still returned (S4)")
@@ -72,6 +77,17 @@ def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
                                   f"no parameter in the backward (S5)")
             continue
         _check_writes(gm, where, bucket.param_names, writes, gather_waits, nodes, order)
+
+
+def _check_rows_summed(gm: fx.GraphModule, where: str, waits: list[fx.Node], world: int) -> None:
+    """S3 for gloo's all-to-all: every read of what it received is a [world, -1] view summed over dim 0."""
+    for wait in waits:
+        for view in wait.users:
+            rows = view.target is aten.view.default and list(view.args[1])[:1] == [world]
+            if not rows or not view.users or any(
+                u.target is not aten.sum.dim_IntList or list(u.args[1]) != [0] for u in view.users
+            ):
+                _fail(gm, view, f"{where}: {view.name} reads the all-to-all's rows other than as their sum (S3)")
 
 
 def deferred(schedule: Schedule) -> list[int]:

@@ -11,6 +11,7 @@ import torch.fx as fx
 import graphddp
 from graphddp.graph.verify import VerificationError
 from graphddp.models import MLP
+from graphddp.optim import insert_shard
 from graphddp.optim.verify_shard import verify_sharded
 from graphddp.values.collectives import kind
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY
@@ -30,8 +31,11 @@ def test_parts_cover_each_parameter_once_and_pad_less_than_a_rank_each():
             assert [(lo, hi) for _, lo, hi in owners(numel, world)] == [p for p in parts if p[1] > p[0]]
 
 
-def _compiled(fake_world, world: int = 4):
+def _compiled(fake_world, world: int = 4, lowered_for: str | None = None, monkeypatch=None):
+    """``lowered_for="gloo"``: the graph gloo's ranks get (the fake group is not gloo)."""
     fake_world(world)
+    if lowered_for is not None:
+        monkeypatch.setattr(insert_shard, "backend_of", lambda group: lowered_for)
     torch.manual_seed(0)
     model = MLP(width=32, depth=4)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -125,6 +129,26 @@ MUTATIONS = {
     "S5 write not from the all-gather": _mutate_write_before_gather,
     "S5 read after the write": _mutate_read_after_write,
 }
+
+
+def test_on_gloo_each_bucket_is_an_all_to_all_summed_over_its_rows_and_a_row_alone_is_rejected(fake_world, monkeypatch):
+    _, _, _, record = _compiled(fake_world, lowered_for="gloo", monkeypatch=monkeypatch)
+    a2a = torch.ops._c10d_functional.all_to_all_single.default
+    nodes = list(record.graph.graph.nodes)
+    assert RS not in {n.target for n in nodes}
+    for b in record.schedule.buckets:
+        assert [n.target for n in _bucket_nodes(record.graph, b.index) if n.target in (a2a, AG)] == [a2a, AG]
+    verify_sharded(record.graph, record.schedule)
+    # Mutation: the update reads rank 0's row of what the all-to-all received, not the sum of the rows.
+    gm = copy.deepcopy(record.graph)
+    total = next(n for n in _bucket_nodes(gm, 0) if n.target is aten.sum.dim_IntList)
+    with gm.graph.inserting_after(total):
+        row = gm.graph.call_function(aten.select.int, (total.args[0], 0, 0))
+    row.meta.update(total.meta)
+    total.replace_all_uses_with(row, delete_user_cb=lambda user: user is not row)
+    gm.graph.erase_node(total)
+    with pytest.raises(VerificationError, match="other than as their sum"):
+        verify_sharded(gm, record.schedule)
 
 
 @pytest.mark.parametrize("name", list(MUTATIONS))
