@@ -91,8 +91,17 @@ class GraphDDP(ReplicaView, nn.Module):
             self._backend.hook_state.load_state_dict(hook)
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
+    # -- parameters read through this module hold their updated values ---------------------------
+    # With gather="forward" the updated parameters are still on the wire between a backward and
+    # the next forward; code that walks them through this module (parameters(): an EMA, a norm, a
+    # copy to another model) gets them completed first. zero_grad() touches no value: it leaves the
+    # all-gathers pending.
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:  # type: ignore[override]
+        self.finish_gathers()
         return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.module.zero_grad(set_to_none=set_to_none)
 
 
 def compile(module: nn.Module, *, process_group: Any = None, optimizer: Any = None, **options: Any) -> GraphDDP:  # noqa: A001 - mirrors torch.compile

@@ -3,7 +3,8 @@
 Each step's all-gathers complete in the next forward, so the parameters are compared where
 they are promised to be right: after each forward (the updates of the step before, against
 DDP's parameters before its step), and after every read the docs name between steps
-(``state_dict()``, an evaluation forward under ``no_grad``, ``finish_gathers()``). Ranks start
+(``state_dict()``, the module's ``parameters()``, an evaluation forward under ``no_grad``,
+``finish_gathers()``). Ranks start
 unequal, an LR scheduler steps, one ``no_sync`` micro-batch; a recompile, a graph break with a
 tied embedding, Hugging Face GPT-2, inductor (its generated forward waits for the first layers
 before the last layers' gather), 3 ranks; and a ``load_state_dict`` between a backward and the
@@ -60,6 +61,14 @@ def _train(rank: int, world: int, name: str) -> None:
             o.zero_grad()
             s.step()
         assert all(p.grad is None for p in mine.parameters()), f"{name} step {step}: a gradient kept"
+        if step == case.steps - 1:  # the module's parameters() (an EMA, a norm) see the updated values
+            pending = bool(gathers)
+            assert pending or step == case.no_sync_step, f"{name}: nothing pending after the last backward"
+            ours.zero_grad()
+            assert bool(gathers) == pending, f"{name}: zero_grad() completed the all-gathers"
+            for (n, p), q in zip(ours.named_parameters(), ref.module.parameters()):
+                torch.testing.assert_close(p.detach(), q.detach(), **case.tol, msg=lambda m: f"{name}: ours.named_parameters() {n}: {m}")
+            assert not gathers, f"{name}: parameters() left all-gathers pending"
         if step == 1:  # a checkpoint between steps holds the updated values
             state = ours.state_dict()
             for k, v in ref.module.state_dict().items():

@@ -106,3 +106,21 @@ def test_each_rule_fails_on_its_mutation(fake_world):
         expected = mutate(mutated)
         with pytest.raises(VerificationError, match=expected):
             verify_forward_gathers(mutated, shards)
+
+
+def test_parameters_read_through_the_module_complete_the_gathers_and_zero_grad_does_not(fake_world):
+    """What users read between steps through the graphddp module holds the updated values; the
+    benchmark's count of what a rank holds reads the pending all-gathers before that."""
+    from tools.bench.sharded import param_bytes
+
+    gd, _ = _two_steps(fake_world)
+    gathers = gd._replica.step.gathers
+    own = sum(p.numel() * p.element_size() for p in gd.module.parameters())
+    assert gathers
+    gd.zero_grad()
+    assert gathers, "zero_grad() touches no value: the all-gathers stay pending"
+    assert param_bytes(gd) >= 2 * own, "the pending all-gathers are held between steps"
+    assert gathers
+    list(gd.parameters())
+    assert not gathers, "parameters() completes the pending all-gathers"
+    assert param_bytes(gd) == own
