@@ -14,8 +14,10 @@ import torch.fx as fx
 
 from graphddp.compiler import cache as compile_cache
 from graphddp.compiler.record import GraphRecord
-from graphddp.config import INDUCTOR_PINNED_CONFIG
+from graphddp.config import INDUCTOR_FX_ORDER_CONFIG, INDUCTOR_PINNED_CONFIG
 from graphddp.runtime.dispatch import BackwardDispatch
+from graphddp.values.collectives import ALL_GATHER
+from graphddp.values.comm import BUCKET_KEY, is_wait
 
 
 def compile_inductor(
@@ -96,7 +98,8 @@ class _InductorCompile:
                 now = records[self.phase_now]
                 # Inductor rewrites what it compiles in place (on an FX-graph cache miss only):
                 # the record keeps graphddp's graph, the same whether inductor compiled or loaded.
-                compiled = compile_fx_inner(copy.deepcopy(now.graph), list(inputs) + now.extra_inputs(), **kwargs)
+                with inductor_config.patch(pinned_config(now.graph)):
+                    compiled = compile_fx_inner(copy.deepcopy(now.graph), list(inputs) + now.extra_inputs(), **kwargs)
             now.generated_code = getattr(compiled, "source_code", None)
 
             def synced(record: GraphRecord) -> Callable[[], Any]:
@@ -234,6 +237,15 @@ class _InductorCompile:
         return compiled_fn
 
 
+def pinned_config(graph: fx.GraphModule) -> dict[str, Any]:
+    """graphddp's inductor settings for ``graph``: in graphddp's own order where the graph waits
+    for one of its sharded buckets' all-gathers itself (config.INDUCTOR_FX_ORDER_CONFIG says why)."""
+    for node in graph.graph.nodes:
+        if node.target in ALL_GATHER.ops and node.meta.get(BUCKET_KEY) is not None and any(is_wait(u) for u in node.users):
+            return INDUCTOR_FX_ORDER_CONFIG
+    return INDUCTOR_PINNED_CONFIG
+
+
 def _later(
     compile_inner: Callable[..., Any], graph: fx.GraphModule, inputs: Sequence[Any], kwargs: dict, patches: dict[str, Any]
 ) -> Callable[[], Any]:
@@ -250,7 +262,7 @@ def _later(
     saved_tracing, saved_compile = TracingContext.try_get(), CompileContext.try_get()
 
     def compile_now() -> Any:
-        pinned = {**patches, **INDUCTOR_PINNED_CONFIG}
+        pinned = {**patches, **pinned_config(graph)}
         with compile_lock, tracing(saved_tracing), compile_context(saved_compile), inductor_config.patch(pinned):
             return compile_inner(graph, inputs, **kwargs)
 

@@ -13,17 +13,18 @@ functions are traced on the graph's fake values and spliced in, in the layout of
     reduce_scatter  reduce_scatter_tensor(flat, "sum", world, group)
                     (on gloo: all_to_all_single(flat), summed over its world rows after the
                     wait; graphddp.values.collectives says why)
-    ... the rest of the backward ...
-    # at wait_before (the output: a wait inside the backward stalls its compute while the link
-    # is busy; measured on the GPT, 530 ms a step against 427, and again with gloo's all-to-all:
-    # waiting two or four buckets after the issue, 456 and 446 ms against 367):
+    ... the backward, up to the next bucket's reduce-scatter ...
+    # gather="backward": right after the next sharded bucket's reduce-scatter is issued (LAG),
+    # so that the all-gather shares the link with the rest of the backward instead of following
+    # it (on the GPT 330 ms a step against 367 with every update at the output; the compiler
+    # keeps this order in inductor's code: config.INDUCTOR_FX_ORDER_CONFIG); the last bucket's at
+    # the output. gather="forward": at the output.
     update          work_i = clone(param_i.flat[lo_i:hi_i])      (this rank's part of the parameter)
     wait            wait_tensor; decompress (a cast back)
     update          the optimizer's math on work_i, the part of the gradient and the part's
                     state (inputs, written in place), for every slot with a non-empty part
     all_gather      all_gather_into_tensor(cat(pad(work_i, c_i)), world, group)
-    # gather="backward": at the output, once the next bucket's all-gather is issued (two
-    # gathers in flight at most):
+    # gather="backward": at the output, in bucket order:
     wait            wait_tensor
     write           param_i.copy_(gathered[:, at_i:at_i + c_i].flat[:numel_i].view(shape_i))
     output(..., None for every gradient of the bucket, ...)
@@ -69,6 +70,11 @@ from graphddp.values.shards import chunk, part
 
 aten = torch.ops.aten
 SHARDED = "reduce_scatter"  # Bucket.collective of a sharded bucket
+# gather="backward": a bucket's wait, update and all-gather follow the issue of the reduce-scatter
+# this many sharded buckets later. Measured on the GPT (2 gloo ranks, emulated link, inductor):
+# 330 ms a step with 1, 339 with 2, 367 with every update at the output; tools/sharded_overlap_probe
+# shows the same without a compiler.
+LAG = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,7 +268,8 @@ def insert_sharded_updates(
     writes = []
     front = output  # gather="forward": the updates at the output go in reverse bucket order
     deferred = []  # ... and their all-gathers are extra outputs, in bucket order
-    for shard, update, write in traced:
+    issues = [placements[shard.bucket.index].issue for shard, _, _ in traced]
+    for at, (shard, update, write) in enumerate(traced):
         b = shard.bucket
         p = placements[b.index]
         grads = [outs[s.output_index] for s in b.slots]
@@ -271,6 +278,9 @@ def insert_sharded_updates(
         issue = last_placeholder if p.issue.op == "placeholder" else p.issue
         early = cursor.get(issue, issue).next
         wait = p.wait if p.wait.op != "placeholder" else output  # a bucket issued with the graph's inputs
+        later = issues[at + LAG] if at + LAG < len(issues) else None
+        if b.gather != "forward" and later is not None and later.op != "placeholder":
+            wait = later.next  # the later bucket's reduce-scatter is spliced in before this node, then this bucket's wait
         if b.gather == "forward":
             wait, anchor = front, front.prev
         gathered = splice(graph, update, grads + params + new_rest[b.index], early, b.index, late=(late, wait))
@@ -281,10 +291,8 @@ def insert_sharded_updates(
             front = anchor.next  # the next bucket's update goes before this one's
             deferred.append(gathered)
             continue
-        if writes:  # the previous bucket's write, once this one's all-gather is issued: two in flight at most
-            _splice_write(graph, output, *writes.pop())
         writes.append((b, write, gathered, params))
-    for pending in writes:
+    for pending in writes:  # after the last update: its all-gather goes on the wire before the writes run
         _splice_write(graph, output, *pending)
     output.args = (tuple(outs) + tuple(deferred),)
     graph.lint()
@@ -294,8 +302,8 @@ def insert_sharded_updates(
 
 def _splice_write(graph: fx.Graph, output: fx.Node, bucket: Bucket, write: fx.GraphModule, gathered: Any, params: list[fx.Node]) -> None:
     """A bucket's all-gather wait and parameter writes, at the output (after every read of the
-    old values); placed after the next bucket's all-gather is issued, so that at most two
-    gathered buckets are alive at once."""
+    old values). Every all-gather but the last is issued inside the backward (LAG), so all
+    the gathered buckets are alive at its end: one more copy of the parameters at the peak."""
     splice(graph, write, [gathered, *params], output, bucket.index)
 
 

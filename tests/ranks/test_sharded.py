@@ -114,6 +114,23 @@ def _train(rank: int, world: int, name: str) -> None:
         assert all(n.args[0].meta["val"].dtype == half for n in scatters), "the reduce-scatter travels in half precision"
     if case.recompiles:  # the new shape's graph planned and sharded like the first
         assert len(ours.records) > 1, f"{name}: {len(ours.records)} compiled backward graph(s), expected a recompile"
+    if case.backend == "inductor":
+        _assert_gathers_overlap_the_backward(ours.records[0].generated_code, name)
+
+
+def _assert_gathers_overlap_the_backward(code: str | None, name: str) -> None:
+    """In inductor's code, the first bucket's all-gather is issued while later buckets'
+    gradients are still being computed: a matmul of the backward (an update has none) runs
+    between it and the last reduce-scatter."""
+    assert code is not None, f"{name}: no generated code recorded"
+    lines = code[code.index("def call("):].splitlines()
+    gathers = [i for i, line in enumerate(lines) if "all_gather_into_tensor.default(" in line and "=" in line]
+    scatters = [i for i, line in enumerate(lines) if "all_to_all_single.default(" in line and "=" in line]
+    assert len(gathers) > 1 and len(scatters) == len(gathers), f"{name}: {len(scatters)} reduce-scatters, {len(gathers)} all-gathers"
+    between = lines[gathers[0]:scatters[-1]]
+    assert any(line.strip().startswith(("extern_kernels.mm", "extern_kernels.addmm")) for line in between), (
+        f"{name}: no compute between the first all-gather and the last reduce-scatter in inductor's code"
+    )
 
 
 @pytest.mark.parametrize("name", list(CASES))
