@@ -14,7 +14,7 @@ functions are traced on the graph's fake values and spliced in, in the layout of
                     (on gloo: all_to_all_single(flat), summed over its world rows after the
                     wait; graphddp.values.collectives says why)
     ... the backward, up to the next bucket's reduce-scatter ...
-    # gather="backward": right after the next sharded bucket's reduce-scatter is issued (LAG),
+    # gather="backward": right after the next sharded bucket's reduce-scatter is issued (GATHER_LAG),
     # so that the all-gather shares the link with the rest of the backward instead of following
     # it (on the GPT 330 ms a step against 367 with every update at the output; the compiler
     # keeps this order in inductor's code: config.INDUCTOR_FX_ORDER_CONFIG); the last bucket's at
@@ -66,15 +66,10 @@ from graphddp.optim.insert_update import UpdateInputs, add_update_inputs, parame
 from graphddp.values.collectives import backend_of, kind
 from graphddp.values.comm import WAIT
 from graphddp.values.schedule import Bucket, Schedule
-from graphddp.values.shards import chunk, part
+from graphddp.values.shards import GATHER_LAG, chunk, part
 
 aten = torch.ops.aten
 SHARDED = "reduce_scatter"  # Bucket.collective of a sharded bucket
-# gather="backward": a bucket's wait, update and all-gather follow the issue of the reduce-scatter
-# this many sharded buckets later. Measured on the GPT (2 gloo ranks, emulated link, inductor):
-# 330 ms a step with 1, 339 with 2, 367 with every update at the output; tools/sharded_overlap_probe
-# shows the same without a compiler.
-LAG = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,7 +273,7 @@ def insert_sharded_updates(
         issue = last_placeholder if p.issue.op == "placeholder" else p.issue
         early = cursor.get(issue, issue).next
         wait = p.wait if p.wait.op != "placeholder" else output  # a bucket issued with the graph's inputs
-        later = issues[at + LAG] if at + LAG < len(issues) else None
+        later = issues[at + GATHER_LAG] if at + GATHER_LAG < len(issues) else None
         if b.gather != "forward" and later is not None and later.op != "placeholder":
             wait = later.next  # the later bucket's reduce-scatter is spliced in before this node, then this bucket's wait
         if b.gather == "forward":
@@ -302,7 +297,7 @@ def insert_sharded_updates(
 
 def _splice_write(graph: fx.Graph, output: fx.Node, bucket: Bucket, write: fx.GraphModule, gathered: Any, params: list[fx.Node]) -> None:
     """A bucket's all-gather wait and parameter writes, at the output (after every read of the
-    old values). Every all-gather but the last is issued inside the backward (LAG), so all
+    old values). Every all-gather but the last is issued inside the backward (GATHER_LAG), so all
     the gathered buckets are alive at its end: one more copy of the parameters at the peak."""
     splice(graph, write, [gathered, *params], output, bucket.index)
 

@@ -21,12 +21,14 @@ The model is the one :func:`graphddp.plan.cost.simulate` predicts with:
 
 The collectives priced are those that will run (:class:`Pricing`). Replicated, every bucket is
 an all-reduce. With ``sharding="optimizer"`` every bucket is reduce-scattered in the backward
-(``T`` is the reduce-scatter's ``A_rs + beta_rs * B``: half an all-reduce's steps and bytes),
-and with ``gather="backward"`` its updated parts are then all-gathered, queued on the link
-after the backward's end: ``k`` buckets add ``G(k) = k A_ag + beta_ag B_total`` after it, one
-latency per bucket and the bytes once (the parameters' own bytes: a compression hook halves the
-reduce-scatter only). With ``gather="forward"`` the all-gathers complete in the next forward,
-and the backward has none (``G = 0``).
+(``T`` is the reduce-scatter's ``A_rs + beta_rs * B``: half an all-reduce's steps and bytes).
+With ``gather="backward"`` its updated parts are all-gathered inside the backward too, right
+after the next bucket's reduce-scatter (:data:`graphddp.values.shards.GATHER_LAG`); the model
+puts each all-gather on the link right after its own reduce-scatter (one bucket early), so
+``T`` is ``A_rs + A_ag + beta_rs * B + beta_ag * B_params``: uncompressed, an all-reduce's
+steps and bytes (a compression hook halves the reduce-scatter only; the all-gather carries the
+parameters' own bytes). With ``gather="forward"`` the all-gathers complete in the next forward,
+and the backward has none.
 
 Algorithm (the optimal merge of MG-WFBP, Shi et al. 2019, over a static order, with the
 bucket count in the state because every bucket costs compute time). Let ``F_k(j)`` be the
@@ -34,15 +36,14 @@ earliest time the link can have finished gradients ``1..j`` sent as exactly ``k`
 
     F_0(0) = 0
     F_k(j) = min over k <= i <= j of  max(r_j + k c, F_{k-1}(i-1)) + T(bytes(i..j))
-    best   = min over k of  max(C + k c, F_k(n)) + G(k)
+    best   = min over k of  max(C + k c, F_k(n))
 
 ``max(x, y) + t`` never decreases in ``y``, so an optimal partition's prefix can be swapped
 for any prefix with as many buckets that finishes no later: the recurrence is exact for the
-model, and the argmins rebuild the partition. ``G(k)`` depends on the bucket count alone, not
-on where the cuts are, so it is a constant of each ``k``'s minimum and leaves it exact. Ties go
-to fewer buckets. Once ``max(C + k c, k A + beta B_total) + G(k)`` (the compute's end, or the
-link's lower bound, then the all-gathers) reaches the best found, no partition with more
-buckets can win, since every term grows with ``k``; that ends the search.
+model, and the argmins rebuild the partition. Ties go to fewer buckets. Once
+``max(C + k c, k A + beta B_total)`` (the compute's end, or the link's lower bound) reaches the
+best found, no partition with more buckets can win, since both terms grow with ``k``; that
+ends the search.
 Each ``k`` is one vectorised ``n x n`` step: ``O(K n^2)`` arithmetic and ``O(n^2)`` memory for
 ``n`` gradients of one dtype and device and ``K`` buckets at most (``MAX_BUCKETS``); about a
 second for 1,000 parameters on one CPU core. Dtypes and devices are planned one after the
@@ -69,33 +70,30 @@ MAX_BUCKETS = 128
 class Pricing:
     """The collectives a plan's buckets will run, so that the plan minimises what runs.
 
-    ``backward``: each bucket's collective in the backward, on its bytes on the wire. ``after``:
-    each bucket's collective queued on the link after the backward's end (the sharded
+    ``backward``: each bucket's collective in the backward, on its bytes on the wire.
+    ``alongside``: a second collective of each bucket on the link in the backward (the sharded
     optimizer's all-gather of its updated parts, on the parameters' own bytes), or None. Every
     bucket is priced alike: a sharded plan cannot know which buckets will hold a parameter the
     graph cannot update (tied across a graph break), which stay all-reduces
     (:func:`graphddp.plan.planner.with_sharding`)."""
 
     backward: CollectiveKind = ALL_REDUCE
-    after: CollectiveKind | None = None
+    alongside: CollectiveKind | None = None
 
     @classmethod
     def of(cls, sharding: str | None, gather: str = "backward") -> Pricing:
         """What ``DDPConfig.sharding`` and ``DDPConfig.gather`` will run: all-reduces when
-        replicated; reduce-scatters when sharded, with their all-gathers after the backward
-        when ``gather="backward"`` (with ``"forward"`` they complete in the next forward)."""
+        replicated; reduce-scatters when sharded, with their all-gathers in the backward when
+        ``gather="backward"`` (with ``"forward"`` they complete in the next forward)."""
         if sharding is None:
             return REPLICATED
         return cls(REDUCE_SCATTER, ALL_GATHER if gather == "backward" else None)
 
-    def after_seconds(self, cost: CostModel, buckets: int, nbytes: float, world_size: int) -> float:
-        """``G(k)``: the link time of the ``after`` collectives of ``buckets`` buckets of
-        ``nbytes`` in all, queued one after the other: one latency each, the bytes once
-        (alpha-beta is linear in the bytes, so how they split does not matter)."""
-        if self.after is None or buckets == 0:
-            return 0.0
-        latency = self.after.seconds(cost, 0, world_size)
-        return buckets * latency + (self.after.seconds(cost, nbytes, world_size) - latency)
+    def seconds(self, cost: CostModel, wire_nbytes: float, gathered_nbytes: float, world_size: int) -> float:
+        """The link time of one bucket: its collective on ``wire_nbytes``, and the
+        ``alongside`` one on ``gathered_nbytes``."""
+        alongside = 0.0 if self.alongside is None else self.alongside.seconds(cost, gathered_nbytes, world_size)
+        return self.backward.seconds(cost, wire_nbytes, world_size) + alongside
 
 
 REPLICATED = Pricing()
@@ -103,21 +101,21 @@ REPLICATED = Pricing()
 
 def best_partition(
     ready: Sequence[float], wire_nbytes: Sequence[int], cost: CostModel, world_size: int, compute_end: float,
-    pricing: Pricing = REPLICATED, after_nbytes: float | None = None,
+    pricing: Pricing = REPLICATED, gathered_nbytes: float | None = None,
 ) -> tuple[list[int], float]:
     """Optimal runs of consecutive gradients: (index where each bucket starts, predicted end
     of the backward). ``ready`` is nondecreasing (production order); ``compute_end`` is when
     the compute ends without any collective issued. ``pricing``: the collectives the buckets
-    run; ``after_nbytes``: the bytes its ``after`` collectives carry in all (default: the
-    bytes on the wire; a compression hook halves those, not the all-gathered parameters)."""
+    run; ``gathered_nbytes``: the bytes its ``alongside`` collectives carry in all (default:
+    the bytes on the wire; a compression hook halves those, not the all-gathered parameters),
+    spread over the gradients as their bytes on the wire are (one dtype: one ratio)."""
     n = len(ready)
     if n == 0:
         return [], compute_end
     f64 = torch.float64
-    seconds = pricing.backward.seconds
-    after_total = float(sum(wire_nbytes)) if after_nbytes is None else after_nbytes
-    latency = seconds(cost, 0, world_size)
-    per_byte = (seconds(cost, 1 << 20, world_size) - latency) / (1 << 20)
+    ratio = _gathered_ratio(wire_nbytes, gathered_nbytes)
+    latency = pricing.seconds(cost, 0, 0, world_size)
+    per_byte = (pricing.seconds(cost, 1 << 20, ratio * (1 << 20), world_size) - latency) / (1 << 20)
     issue = cost.collective_overhead_us * 1e-6
     r = torch.tensor(ready, dtype=f64)
     prefix = torch.cat([torch.zeros(1, dtype=f64), torch.tensor(wire_nbytes, dtype=f64).cumsum(0)])
@@ -130,13 +128,12 @@ def best_partition(
     choices: list[torch.Tensor] = []
     best, best_k = float("inf"), 0
     for k in range(1, min(n, MAX_BUCKETS) + 1):
-        after = pricing.after_seconds(cost, k, after_total, world_size)  # G(k): 0.0 when nothing follows
-        if max(compute_end + k * issue, k * latency + per_byte * total) + after >= best:
-            break  # k buckets' issues alone, or their latencies and bytes, then G(k), take as long as the best plan
+        if max(compute_end + k * issue, k * latency + per_byte * total) >= best:
+            break  # k buckets' issues alone, or their latencies and bytes, take as long as the best plan
         link = torch.maximum((r + k * issue)[:, None], before[None, :]) + send
         done, start = link.min(dim=1)  # F_k(j) for j = 1..n, and where its last bucket starts
         choices.append(start)
-        step = max(compute_end + k * issue, done[-1].item()) + after
+        step = max(compute_end + k * issue, done[-1].item())
         if step < best * (1 - 1e-9):  # a float-noise gain does not buy a bucket
             best, best_k = step, k
         before = torch.cat([torch.full((1,), float("inf"), dtype=f64), done[:-1]])
@@ -174,18 +171,24 @@ def _scaled(cost: CostModel, compute: float, link: float) -> CostModel:
 
 def predicted_step(
     starts: Sequence[int], ready: Sequence[float], wire_nbytes: Sequence[int], cost: CostModel, world_size: int,
-    compute_end: float, pricing: Pricing = REPLICATED, after_nbytes: float | None = None,
+    compute_end: float, pricing: Pricing = REPLICATED, gathered_nbytes: float | None = None,
 ) -> float:
     """The backward the model predicts for buckets starting at ``starts`` (what
     :func:`best_partition` minimises, for one dtype and device, with the same arguments)."""
     issue = cost.collective_overhead_us * 1e-6
+    ratio = _gathered_ratio(wire_nbytes, gathered_nbytes)
     bounds = list(starts) + [len(ready)]
     link = 0.0
     for k, (a, b) in enumerate(zip(bounds, bounds[1:]), start=1):
-        link = max(ready[b - 1] + k * issue, link) + pricing.backward.seconds(cost, sum(wire_nbytes[a:b]), world_size)
-    after_total = float(sum(wire_nbytes)) if after_nbytes is None else after_nbytes
-    after = pricing.after_seconds(cost, len(bounds) - 1, after_total, world_size)
-    return max(compute_end + (len(bounds) - 1) * issue, link) + after
+        wire = sum(wire_nbytes[a:b])
+        link = max(ready[b - 1] + k * issue, link) + pricing.seconds(cost, wire, ratio * wire, world_size)
+    return max(compute_end + (len(bounds) - 1) * issue, link)
+
+
+def _gathered_ratio(wire_nbytes: Sequence[int], gathered_nbytes: float | None) -> float:
+    """Bytes all-gathered per byte on the wire (2 under a half-precision hook, else 1)."""
+    total = float(sum(wire_nbytes))
+    return 1.0 if gathered_nbytes is None or total == 0 else gathered_nbytes / total
 
 
 def capped_starts(nbytes: Sequence[int], caps_mb: Sequence[float]) -> tuple[int, ...]:
@@ -211,7 +214,7 @@ def robust_partition(
     this is :func:`best_partition`'s optimum: no cap plan beats it there."""
     wire = [int(s.nbytes * ratio) for s in slots]
     nbytes = [s.nbytes for s in slots]
-    gathered = float(sum(nbytes))  # the after-backward all-gathers carry the parameters' own bytes
+    gathered = float(sum(nbytes))  # the all-gathers carry the parameters' own bytes
     cases = []
     for compute, link in SCENARIOS:
         scaled = _scaled(cost, compute, link)

@@ -11,10 +11,14 @@ timeline of one backward pass with its communication.
   produced, its issue is done and the link is free (one bucket on the wire at a time).
   Whatever communication ends after the last compute node is *exposed*.
 * Sharded buckets (``Bucket.collective == "reduce_scatter"``): the reduce-scatter is the
-  bucket's collective above; the all-gather of its updated parts is queued on the link after
-  the backward's end when ``Bucket.gather`` is ``"backward"`` (or None, plans made before it
-  existed), and is no part of the backward when it is ``"forward"`` (it completes in the next
-  forward, before the bucket's parameters are first read).
+  bucket's collective above. When ``Bucket.gather`` is ``"backward"`` (or None, plans made
+  before it existed) the all-gather of its updated parts is on the link in the backward too:
+  the graph issues it right after the next bucket's reduce-scatter
+  (:data:`graphddp.values.shards.GATHER_LAG`), the model right after its own, one bucket
+  early, so that a bucket's link time is its reduce-scatter's and its all-gather's (on the
+  parameters' own bytes), as :mod:`graphddp.plan.auto` prices it. With ``"forward"`` the
+  all-gather is no part of the backward (it completes in the next forward, before the
+  bucket's parameters are first read).
 
 Everything here is pure arithmetic on Schedule values, so a user can ask "what if the link
 were 100 Gbit/s" without re-tracing.
@@ -70,21 +74,17 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, measured: Mappin
     overhead = cost.collective_overhead_us * 1e-6
     link_free = 0.0
     timings = []
+    gather = kind("all_gather")
     for bucket in schedule.buckets:
         issued[bucket.issue_after] -= 1  # later buckets at the same node are issued after this one
         ready = finished.get(bucket.issue_after, clock) - overhead * issued[bucket.issue_after]
         start = max(ready, link_free)
         end = start + kind(bucket.collective).seconds(cost, bucket.wire_nbytes, schedule.world_size)
+        if bucket.collective == "reduce_scatter" and bucket.gather != "forward":
+            end += gather.seconds(cost, bucket.nbytes, schedule.world_size)
         link_free = end
         timings.append(BucketTiming(bucket.index, ready, start, end, bucket.wire_nbytes))
-    # Sharded buckets: each all-gathers its updated parts once its update ran, after the wait at
-    # the end of the backward; the gathers queue on the link after the last reduce-scatter. A
-    # bucket gathered in the next forward adds nothing to the backward.
     step = max([clock] + [t.end for t in timings])
-    gather = kind("all_gather")
-    for bucket in schedule.buckets:
-        if bucket.collective == "reduce_scatter" and bucket.gather != "forward":
-            step += gather.seconds(cost, bucket.nbytes, schedule.world_size)
     link = f"{cost.bandwidth_gbps:g} Gbit/s, {cost.latency_us:g} us"
     return Timeline(tuple(spans), tuple(timings), clock, step, link)
 
