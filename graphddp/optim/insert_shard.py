@@ -264,6 +264,7 @@ def insert_sharded_updates(
     front = output  # gather="forward": the updates at the output go in reverse bucket order
     deferred = []  # ... and their all-gathers are extra outputs, in bucket order
     issues = [placements[shard.bucket.index].issue for shard, _, _ in traced]
+    position = {n: i for i, n in enumerate(graph.nodes)}  # before any edit
     for at, (shard, update, write) in enumerate(traced):
         b = shard.bucket
         p = placements[b.index]
@@ -274,8 +275,10 @@ def insert_sharded_updates(
         early = cursor.get(issue, issue).next
         wait = p.wait if p.wait.op != "placeholder" else output  # a bucket issued with the graph's inputs
         later = issues[at + GATHER_LAG] if at + GATHER_LAG < len(issues) else None
-        if b.gather != "forward" and later is not None and later.op != "placeholder":
-            wait = later.next  # the later bucket's reduce-scatter is spliced in before this node, then this bucket's wait
+        if b.gather != "forward" and later is not None and position[later] > position[issue]:
+            # After the later bucket's issue point: its reduce-scatter is spliced in there before
+            # this node, then this bucket's wait (a later bucket issued at the same node: at the output).
+            wait = later.next
         if b.gather == "forward":
             wait, anchor = front, front.prev
         gathered = splice(graph, update, grads + params + new_rest[b.index], early, b.index, late=(late, wait))
