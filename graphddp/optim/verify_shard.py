@@ -36,7 +36,7 @@ from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_collective, is_wait
 from graphddp.values.schedule import Schedule
 
 aten = torch.ops.aten
-ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default  # a reduce-scatter on gloo
+ALL_TO_ALL = kind("reduce_scatter").lower("gloo").op  # a reduce-scatter on gloo: its rows are summed after the wait
 
 
 def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
