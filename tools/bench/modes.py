@@ -311,15 +311,26 @@ def _ready_fractions(cfg: BenchConfig, base: nn.Module, batch: Any, loss: Callab
     return {"fractions": fractions, "runs": len(runs)}
 
 
+MEASURED = "graphddp_bench_measured_step"  # the profiled step whose memory is reported
+
+
 def _profile_step(mode: Any) -> dict[str, Any]:
-    """One extra step under torch.profiler(profile_memory=True): allocator peak and collectives.
+    """Two extra steps under torch.profiler(profile_memory=True); the second one measured:
+    allocator peak and collectives.
 
     The peak is counted from the bytes live at the step's start, which hold the previous
     step's gradients where a mode keeps them (DDP, a separate optimizer) and none where it
     does not (graphddp_optim); the step's ``zero_grad`` frees them first. ``held_grad_mb``
     records them, so the summary can count every mode's gradients in its peak.
+
+    Why two: the profiler reports no free of memory allocated before it started ("Memory block
+    of unknown size was allocated before the profiling started"), so in a step profiled alone
+    the old gradients its ``zero_grad`` frees, or the all-gathers the step before left for this
+    forward (graphddp ``gather="forward"``), would count as live for the whole step: a peak too
+    high by what the mode holds between steps. The first step's allocations are seen, so the
+    second step's frees of them are too.
     """
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     held = mode.held_grad_bytes() if hasattr(mode, "held_grad_bytes") else 0
     dist.barrier()
@@ -329,18 +340,26 @@ def _profile_step(mode: Any) -> dict[str, Any]:
     try:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             mode.step()
+            dist.barrier()
+            with record_function(MEASURED):
+                mode.step()
     finally:
         os.dup2(saved, 2)
         os.close(saved)
         os.close(devnull)
     events = list(prof.profiler.kineto_results.events())
+    begin = min(e.start_ns() for e in events if e.name() == MEASURED)
     mem = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
-    live = peak = 0
-    for e in mem:
+    live = 0
+    for e in (e for e in mem if e.start_ns() < begin):
+        live += e.nbytes()
+    at_start = peak = live
+    for e in (e for e in mem if e.start_ns() >= begin):
         live += e.nbytes()
         peak = max(peak, live)
-    # Collective issue/wait times relative to the first event of the step.
-    ops = [e for e in events if e.name() != "[memory]"]
+    peak, live = peak - at_start, live - at_start
+    # Collective issue/wait times relative to the first event of the measured step.
+    ops = [e for e in events if e.name() not in ("[memory]", MEASURED) and e.start_ns() >= begin]
     start = min((e.start_ns() for e in ops), default=0)
     colls = []
     for e in sorted(ops, key=lambda e: e.start_ns()):
