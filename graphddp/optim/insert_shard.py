@@ -24,7 +24,10 @@ functions are traced on the graph's fake values and spliced in, in the layout of
     update          the optimizer's math on work_i, the part of the gradient and the part's
                     state (inputs, written in place), for every slot with a non-empty part
     all_gather      all_gather_into_tensor(cat(pad(work_i, c_i)), world, group)
-    # gather="backward": at the output, in bucket order:
+    # gather="backward": right after the next bucket's all-gather is issued, where nothing after
+    # reads the bucket's parameters (else, and for the last bucket, at the output): its own
+    # all-gather was on the wire before that bucket's, and the gathered bucket dies here instead
+    # of living to the end of the backward (_write_point)
     wait            wait_tensor
     write           param_i.copy_(gathered[:, at_i:at_i + c_i].flat[:numel_i].view(shape_i))
     output(..., None for every gradient of the bucket, ...)
@@ -57,7 +60,7 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from graphddp.graph.capture import ancestors
+from graphddp.graph.capture import ancestors, storage_of
 from graphddp.graph.insert_comm import place_buckets
 from graphddp.graph.trace import role, splice, trace
 from graphddp.hooks import builtin as hooks
@@ -264,6 +267,7 @@ def insert_sharded_updates(
     front = output  # gather="forward": the updates at the output go in reverse bucket order
     deferred = []  # ... and their all-gathers are extra outputs, in bucket order
     issues = [placements[shard.bucket.index].issue for shard, _, _ in traced]
+    late_points: list[fx.Node] = []  # per bucket: the node its wait, update and all-gather precede
     position = {n: i for i, n in enumerate(graph.nodes)}  # before any edit
     for at, (shard, update, write) in enumerate(traced):
         b = shard.bucket
@@ -279,6 +283,7 @@ def insert_sharded_updates(
             # After the later bucket's issue point: its reduce-scatter is spliced in there before
             # this node, then this bucket's wait (a later bucket issued at the same node: at the output).
             wait = later.next
+        late_points.append(wait)
         if b.gather == "forward":
             wait, anchor = front, front.prev
         gathered = splice(graph, update, grads + params + new_rest[b.index], early, b.index, late=(late, wait))
@@ -289,20 +294,36 @@ def insert_sharded_updates(
             front = anchor.next  # the next bucket's update goes before this one's
             deferred.append(gathered)
             continue
-        writes.append((b, write, gathered, params))
-    for pending in writes:  # after the last update: its all-gather goes on the wire before the writes run
-        _splice_write(graph, output, *pending)
+        writes.append((at, (b, write, gathered, params)))
+    for at, pending in writes:
+        _splice_write(graph, _write_point(graph, late_points, at, pending[3], output), *pending)
     output.args = (tuple(outs) + tuple(deferred),)
     graph.lint()
     gm.recompile()
     return shards
 
 
-def _splice_write(graph: fx.Graph, output: fx.Node, bucket: Bucket, write: fx.GraphModule, gathered: Any, params: list[fx.Node]) -> None:
-    """A bucket's all-gather wait and parameter writes, at the output (after every read of the
-    old values). Every all-gather but the last is issued inside the backward (GATHER_LAG), so all
-    the gathered buckets are alive at its end: one more copy of the parameters at the peak."""
-    splice(graph, write, [gathered, *params], output, bucket.index)
+def _write_point(graph: fx.Graph, late_points: list[fx.Node], at: int, params: list[fx.Node], output: fx.Node) -> fx.Node:
+    """Where bucket ``at``'s wait and writes go: right after the next bucket's update and
+    all-gather (its all-gather went on the wire before that bucket's, so it is done or nearly:
+    the gathered bucket is freed there instead of living to the end of the backward, one more
+    copy of the parameters at the peak), if no node from there on reads the old values of its
+    parameters' memory; else at the output."""
+    if at + 1 >= len(late_points) or late_points[at + 1] is output:
+        return output
+    point = late_points[at + 1]
+    memory = {storage_of(p.meta.get("val")) for p in params} - {None}
+    node = point
+    while node is not output:
+        if any(storage_of(a.meta.get("val")) in memory for a in node.all_input_nodes):
+            return output
+        node = node.next
+    return point
+
+
+def _splice_write(graph: fx.Graph, point: fx.Node, bucket: Bucket, write: fx.GraphModule, gathered: Any, params: list[fx.Node]) -> None:
+    """A bucket's all-gather wait and parameter writes, before ``point`` (:func:`_write_point`)."""
+    splice(graph, write, [gathered, *params], point, bucket.index)
 
 
 def _not_for_the_issue(gm: fx.GraphModule) -> set[fx.Node]:

@@ -181,3 +181,37 @@ def test_explain_plans_sharded_buckets_for_64_ranks():
                                    bucket_cap_mb=0.005, sharding="optimizer")
     assert schedule.world_size == 64 and len(schedule.buckets) > 1
     assert all(b.collective == "reduce_scatter" for b in schedule.buckets)
+
+
+def _with_values(fn, *args: torch.Tensor) -> fx.GraphModule:
+    """``fn`` traced, each node's value (``meta["val"]``) from a run on ``args``."""
+    gm = fx.symbolic_trace(fn)
+
+    class Record(fx.Interpreter):
+        def run_node(self, n: fx.Node):
+            n.meta["val"] = super().run_node(n)
+            return n.meta["val"]
+
+    Record(gm).run(*args)
+    return gm
+
+
+def test_a_bucket_is_written_early_only_where_nothing_after_reads_its_old_values():
+    """The write of bucket 0 goes at bucket 1's update point, unless a later node still reads
+    the parameter's memory (through a view too): then at the output, after every read."""
+
+    def late_read(p, q):
+        a, b = p + 1, q * 2
+        return a, b, p.t().sum()
+
+    def no_late_read(p, q):
+        a, b = p + 1, q * 2
+        return a, b, q.sum()
+
+    for fn, early in ((late_read, False), (no_late_read, True)):
+        gm = _with_values(fn, torch.randn(3, 4), torch.randn(3, 4))
+        nodes = {n.name: n for n in gm.graph.nodes}
+        output = gm.graph.output_node()
+        point = insert_shard._write_point(gm.graph, [nodes["add"], nodes["mul"]], 0, [nodes["p"]], output)
+        assert point is (nodes["mul"] if early else output), fn.__name__
+    assert insert_shard._write_point(gm.graph, [nodes["add"]], 0, [nodes["p"]], output) is output, "the last bucket: at the output"
