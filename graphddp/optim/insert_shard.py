@@ -7,9 +7,10 @@ functions are traced on the graph's fake values and spliced in, in the layout of
 :mod:`graphddp.values.shards` (each parameter cut into ``world`` chunks, rank-major)::
 
     <issue_after node>
-    flatten         g_i -> pad to world * c_i -> view [world, c_i]; cat(dim=1) -> view [-1]
-    compress        hook.compress (fp16/bf16: a cast)
-    scale           div(world_size)
+    flatten         g_i -> pad to world * c_i -> view [world, c_i]
+    compress        hook.compress (fp16/bf16: a cast), per column
+    scale           div(world_size), per column
+    flatten         cat(dim=1) -> view [-1]
     reduce_scatter  reduce_scatter_tensor(flat, "sum", world, group)
                     (on gloo: all_to_all_single(flat), summed over its world rows after the
                     wait; graphddp.values.collectives says why)
@@ -141,16 +142,20 @@ def _update_fn(shard: ShardLayout, hook: hooks.CommHook, group_name: str) -> Cal
         for g in shard.groups:
             width = len(shard.rules[shard.group_of.index(g)].hyper)
             hyper[g], rest = rest[:width], rest[width:]
-        with role("flatten"):
-            columns = []
-            for grad, slot, c in zip(grads, bucket.slots, shard.chunks):
+        # Cast and divide each gradient's columns before they are concatenated (elementwise, so
+        # the same values): inductor then writes the concatenation in one pass, where a division
+        # after it took a second whole-bucket buffer, alive next to the first.
+        columns = []
+        for grad, slot, c in zip(grads, bucket.slots, shard.chunks):
+            with role("flatten"):
                 flat = _flat(grad, slot.numel)
-                columns.append(aten.view.default(aten.constant_pad_nd.default(flat, [0, world * c - slot.numel]), [world, c]))
-            flat = aten.view.default(aten.cat.default(columns, 1) if n > 1 else columns[0], [-1])
-        with role("compress"):
-            sent = hook.compress(flat, bucket)
-        with role("scale"):
-            scaled = aten.div.Tensor(sent, world)
+                column = aten.view.default(aten.constant_pad_nd.default(flat, [0, world * c - slot.numel]), [world, c])
+            with role("compress"):
+                column = hook.compress(column, bucket)
+            with role("scale"):
+                columns.append(aten.div.Tensor(column, world))
+        with role("flatten"):
+            scaled = aten.view.default(aten.cat.default(columns, 1) if n > 1 else columns[0], [-1])
         with role(SHARDED):
             pending = reduce_scatter.issue(scaled, group_name, world)
         with role("update"):

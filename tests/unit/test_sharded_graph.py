@@ -215,3 +215,24 @@ def test_a_bucket_is_written_early_only_where_nothing_after_reads_its_old_values
         point = insert_shard._write_point(gm.graph, [nodes["add"], nodes["mul"]], 0, [nodes["p"]], output)
         assert point is (nodes["mul"] if early else output), fn.__name__
     assert insert_shard._write_point(gm.graph, [nodes["add"]], 0, [nodes["p"]], output) is output, "the last bucket: at the output"
+
+
+def test_each_gradient_is_scaled_before_its_bucket_is_concatenated(fake_world):
+    """The reduce-scatter sends the concatenation of already divided columns: no elementwise
+    op on the whole bucket after the cat, which inductor would give a second bucket-sized buffer."""
+    _, _, _, record = _compiled(fake_world)
+    rs_ops = kind("reduce_scatter").ops
+    scatters = [n for n in record.graph.graph.nodes if n.target in rs_ops]
+    assert scatters
+    for scatter in scatters:
+        sent = scatter.args[0]
+        while sent.target is torch.ops.aten.view.default:
+            sent = sent.args[0]
+        columns = sent.args[0] if sent.target is torch.ops.aten.cat.default else [sent]
+        assert all(c.target is torch.ops.aten.div.Tensor and c.meta.get(ROLE_KEY) == "scale" for c in columns), scatter.name
+        for column in columns:  # each division reads one gradient's column, not a concatenation
+            source = column.args[0]
+            while source.target in (torch.ops.aten.view.default, torch.ops.prims.convert_element_type.default):
+                source = source.args[0]
+            assert source.target is not torch.ops.aten.cat.default, f"{scatter.name}: the whole bucket divided after its cat"
+    assert any(n.target is torch.ops.aten.cat.default for n in record.graph.graph.nodes), "a bucket of several parameters"
