@@ -301,14 +301,14 @@ def insert_sharded_updates(
             continue
         writes.append((at, (b, write, gathered, params)))
     for at, pending in writes:
-        _splice_write(graph, _write_point(graph, late_points, at, pending[3], output), *pending)
+        _splice_write(graph, _write_point(late_points, at, pending[3], output), *pending)
     output.args = (tuple(outs) + tuple(deferred),)
     graph.lint()
     gm.recompile()
     return shards
 
 
-def _write_point(graph: fx.Graph, late_points: list[fx.Node], at: int, params: list[fx.Node], output: fx.Node) -> fx.Node:
+def _write_point(late_points: list[fx.Node], at: int, params: list[fx.Node], output: fx.Node) -> fx.Node:
     """Where bucket ``at``'s wait and writes go: right after the next bucket's update and
     all-gather (its all-gather went on the wire before that bucket's, so it is done or nearly:
     the gathered bucket is freed there instead of living to the end of the backward, one more

@@ -212,9 +212,9 @@ def test_a_bucket_is_written_early_only_where_nothing_after_reads_its_old_values
         gm = _with_values(fn, torch.randn(3, 4), torch.randn(3, 4))
         nodes = {n.name: n for n in gm.graph.nodes}
         output = gm.graph.output_node()
-        point = insert_shard._write_point(gm.graph, [nodes["add"], nodes["mul"]], 0, [nodes["p"]], output)
+        point = insert_shard._write_point([nodes["add"], nodes["mul"]], 0, [nodes["p"]], output)
         assert point is (nodes["mul"] if early else output), fn.__name__
-    assert insert_shard._write_point(gm.graph, [nodes["add"]], 0, [nodes["p"]], output) is output, "the last bucket: at the output"
+    assert insert_shard._write_point([nodes["add"]], 0, [nodes["p"]], output) is output, "the last bucket: at the output"
 
 
 def test_each_gradient_is_scaled_before_its_bucket_is_concatenated(fake_world):
