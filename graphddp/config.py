@@ -39,9 +39,10 @@ INDUCTOR_PINNED_CONFIG: dict[str, Any] = {
     "reorder_for_compute_comm_overlap_passes": ["raise_comms", "sink_waits"],
     "_fuse_ddp_communication": False,
 }
-# A backward whose sharded buckets update and all-gather inside it (gather="backward": each
-# bucket's wait, update and all-gather placed after the next bucket's reduce-scatter) is compiled
-# in graphddp's order: inductor's comm passes would sink each wait below all the compute that
+# A backward with sharded buckets (each bucket's wait and update, with gather="backward" its
+# all-gather too, placed after the next bucket's reduce-scatter), and a forward that completes
+# their all-gathers before each bucket's first read (gather="forward"), are compiled in
+# graphddp's order: inductor's comm passes would sink each wait below all the compute that
 # does not read it, and they keep collectives in issue order, so every later reduce-scatter
 # would queue behind the first update, after the whole backward (generated code on the GPT; a
 # step of 446-456 ms against 330); its locality and peak-memory reorders would pull each wait

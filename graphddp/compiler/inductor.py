@@ -16,8 +16,9 @@ from graphddp.compiler import cache as compile_cache
 from graphddp.compiler.record import GraphRecord
 from graphddp.config import INDUCTOR_FX_ORDER_CONFIG, INDUCTOR_PINNED_CONFIG
 from graphddp.runtime.dispatch import BackwardDispatch
-from graphddp.values.collectives import ALL_GATHER
-from graphddp.values.comm import BUCKET_KEY, is_wait
+from graphddp.optim.insert_gather import GATHER_INPUT
+from graphddp.values.collectives import ALL_GATHER, REDUCE_SCATTER
+from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
 
 
 def compile_inductor(
@@ -239,9 +240,17 @@ class _InductorCompile:
 
 def pinned_config(graph: fx.GraphModule) -> dict[str, Any]:
     """graphddp's inductor settings for ``graph``: in graphddp's own order where the graph waits
-    for one of its sharded buckets' all-gathers itself (config.INDUCTOR_FX_ORDER_CONFIG says why)."""
+    for a sharded bucket's collective itself: a backward with sharded buckets (each bucket's
+    wait and update placed after the next bucket's reduce-scatter) or a forward that completes
+    their all-gathers before each bucket's first read (config.INDUCTOR_FX_ORDER_CONFIG says why;
+    inductor's own passes pulled the forward's waits up to its first node: a forward that
+    waited for every bucket before computing anything)."""
     for node in graph.graph.nodes:
-        if node.target in ALL_GATHER.ops and node.meta.get(BUCKET_KEY) is not None and any(is_wait(u) for u in node.users):
+        if node.meta.get(BUCKET_KEY) is None:
+            continue
+        if node.target in REDUCE_SCATTER.ops or node.meta.get(ROLE_KEY) == GATHER_INPUT or (
+            node.target in ALL_GATHER.ops and any(is_wait(u) for u in node.users)
+        ):
             return INDUCTOR_FX_ORDER_CONFIG
     return INDUCTOR_PINNED_CONFIG
 

@@ -15,11 +15,12 @@ functions are traced on the graph's fake values and spliced in, in the layout of
                     (on gloo: all_to_all_single(flat), summed over its world rows after the
                     wait; graphddp.values.collectives says why)
     ... the backward, up to the next bucket's reduce-scatter ...
-    # gather="backward": right after the next sharded bucket's reduce-scatter is issued (GATHER_LAG),
-    # so that the all-gather shares the link with the rest of the backward instead of following
-    # it (on the GPT 330 ms a step against 367 with every update at the output; the compiler
-    # keeps this order in inductor's code: config.INDUCTOR_FX_ORDER_CONFIG); the last bucket's at
-    # the output. gather="forward": at the output.
+    # right after the next sharded bucket's reduce-scatter is issued (GATHER_LAG), so that the
+    # all-gather shares the link with the rest of the backward instead of following it (on the
+    # GPT 330 ms a step against 367 with every update at the output; the compiler keeps this
+    # order in inductor's code: config.INDUCTOR_FX_ORDER_CONFIG); the last bucket's at the
+    # output. gather="forward" too: what the reduce-scatter received is freed there, not at the
+    # end of the backward.
     update          work_i = clone(param_i.flat[lo_i:hi_i])      (this rank's part of the parameter)
     wait            wait_tensor; decompress (a cast back)
     update          the optimizer's math on work_i, the part of the gradient and the part's
@@ -32,14 +33,13 @@ functions are traced on the graph's fake values and spliced in, in the layout of
     wait            wait_tensor
     write           param_i.copy_(gathered[:, at_i:at_i + c_i].flat[:numel_i].view(shape_i))
     output(..., None for every gradient of the bucket, ...)
-    # gather="forward": no wait, no write; the all-gather is an extra output after the graph's
-    # own, and :func:`graphddp.optim.insert_gather.insert_forward_gathers` puts the wait and the
-    # write into the next forward
-    output(..., None for every gradient of the bucket, ..., the all-gather of every such bucket)
+    # gather="forward": no all-gather, no wait, no write; the updated parts (cat(pad(work_i,
+    # c_i)), 1/world of the bucket) are an extra output after the graph's own. The runtime
+    # issues their all-gather when the next forward starts (graphddp.runtime.gathers), and
+    # :func:`graphddp.optim.insert_gather.insert_forward_gathers` puts the wait and the write
+    # into that forward. Between the steps a rank so holds 1/world of the bucket, not all of it.
+    output(..., None for every gradient of the bucket, ..., the updated parts of every such bucket)
 
-With ``gather="forward"`` the buckets' updates and all-gathers at the output run in reverse
-bucket order: the forward reads first the parameters whose gradients the backward made last,
-so their all-gather goes on the wire first.
 
 New inputs, appended after the existing placeholders, per sharded bucket in bucket order
 (:func:`layout`): every slot's parameter, then the state tensors of every slot this rank owns a
@@ -50,7 +50,8 @@ replicated update does (:mod:`graphddp.optim.insert_update`): every read comes b
 Postcondition (:mod:`graphddp.optim.verify_shard` checks it): per sharded bucket, one
 reduce-scatter issued after every gradient of the bucket, its wait before the update, one
 all-gather of the updated parts, its wait before any parameter of the bucket is written, each
-parameter written exactly once after every other read of its memory, no gradient returned.
+parameter written exactly once after every other read of its memory, no gradient returned
+(``gather="forward"``: no all-gather, the updated parts returned, no parameter written).
 """
 from __future__ import annotations
 
@@ -126,7 +127,8 @@ def _flat(t: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 def _update_fn(shard: ShardLayout, hook: hooks.CommHook, group_name: str) -> Callable[..., torch.Tensor]:
-    """(grads, params, states, hypers) -> the all-gather of the updated parts, not waited."""
+    """(grads, params, states, hypers) -> the all-gather of the updated parts, not waited; with
+    ``gather="forward"`` the updated parts themselves (the next forward gathers them)."""
     bucket, world, n = shard.bucket, shard.world, len(shard.bucket.slots)
     owned = shard.owned()
     backend = backend_of(group_name)
@@ -174,8 +176,22 @@ def _update_fn(shard: ShardLayout, hook: hooks.CommHook, group_name: str) -> Cal
                     UPDATES[rule.kind](rule, work[k], aten.slice.Tensor(grad_part, 0, at, at + hi - lo), states[k], hyper[shard.group_of[k]])
                 at += c
             mine = aten.cat.default([aten.constant_pad_nd.default(w, [0, c - w.numel()]) for w, c in zip(work, shard.chunks)])
+        if bucket.gather == "forward":
+            return mine
         with role("all_gather"):
             return all_gather.issue(mine, group_name, world)
+
+    return run
+
+
+def gather_fn(shard: ShardLayout, group_name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """(this rank's updated parts) -> their all-gather, not waited: with ``gather="forward"``
+    issued by the runtime when the next forward starts (:mod:`graphddp.runtime.gathers`), the
+    same lowering the backward issues with ``gather="backward"``."""
+    all_gather = kind("all_gather").lower(backend_of(group_name))
+
+    def run(parts: torch.Tensor) -> torch.Tensor:
+        return all_gather.issue(parts, group_name, shard.world)
 
     return run
 
@@ -269,8 +285,7 @@ def insert_sharded_updates(
     last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
     cursor: dict[fx.Node, fx.Node] = {}  # issue point -> the last node spliced after it
     writes = []
-    front = output  # gather="forward": the updates at the output go in reverse bucket order
-    deferred = []  # ... and their all-gathers are extra outputs, in bucket order
+    deferred = []  # gather="forward": the updated parts are extra outputs, in bucket order
     issues = [placements[shard.bucket.index].issue for shard, _, _ in traced]
     late_points: list[fx.Node] = []  # per bucket: the node its wait, update and all-gather precede
     position = {n: i for i, n in enumerate(graph.nodes)}  # before any edit
@@ -284,20 +299,17 @@ def insert_sharded_updates(
         early = cursor.get(issue, issue).next
         wait = p.wait if p.wait.op != "placeholder" else output  # a bucket issued with the graph's inputs
         later = issues[at + GATHER_LAG] if at + GATHER_LAG < len(issues) else None
-        if b.gather != "forward" and later is not None and position[later] > position[issue]:
+        if later is not None and position[later] > position[issue]:
             # After the later bucket's issue point: its reduce-scatter is spliced in there before
             # this node, then this bucket's wait (a later bucket issued at the same node: at the output).
             wait = later.next
         late_points.append(wait)
-        if b.gather == "forward":
-            wait, anchor = front, front.prev
         gathered = splice(graph, update, grads + params + new_rest[b.index], early, b.index, late=(late, wait))
         cursor[issue] = early.prev  # the next bucket issued at this point follows this one
         for s in b.slots:
             outs[s.output_index] = None
         if b.gather == "forward":
-            front = anchor.next  # the next bucket's update goes before this one's
-            deferred.append(gathered)
+            deferred.append(gathered)  # the updated parts
             continue
         writes.append((at, (b, write, gathered, params)))
     for at, pending in writes:

@@ -52,11 +52,11 @@ def state_bytes(opt: Any) -> int:
 
 def param_bytes(model: nn.Module) -> int:
     """Bytes of parameters this rank holds between steps (FSDP2: its shards after the step;
-    graphddp with ``gather="forward"``: the updated values on their way too, the all-gathers
-    the last backward left for the next forward)."""
+    graphddp with ``gather="forward"``: the updated values on their way too, the parts the
+    last backward left for the next forward to gather)."""
     replica = getattr(model, "_replica", None)
     pending = getattr(getattr(replica, "step", None), "gathers", None)
-    held = sum(t.numel() * t.element_size() for p in pending._pending.values() for t in p.tensors) if pending else 0
+    held = pending.held_bytes() if pending else 0
     # A graphddp module's parameters() completes the pending all-gathers: count its wrapped module's.
     inner = model.module if replica is not None else model
     return held + sum(_local(p).numel() * _local(p).element_size() for p in inner.parameters())
