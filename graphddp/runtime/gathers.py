@@ -69,6 +69,11 @@ class PendingGathers:
     def __bool__(self) -> bool:
         return bool(self._pending)
 
+    def in_flight(self) -> bool:
+        """Whether an all-gather is on the wire now (only between a forward's start and its
+        writes: a step leaves none behind)."""
+        return any(p.issued for p in self._pending.values())
+
     def held_bytes(self) -> int:
         """Bytes this rank holds for them now: the parts, or the gathered buckets once issued."""
         return sum(p.nbytes() for p in self._pending.values())

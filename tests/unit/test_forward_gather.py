@@ -56,7 +56,7 @@ def test_backward_returns_the_parts_and_the_next_forward_gathers_them_before_eac
     # the last bucket's (the first the forward reads) first.
     gathers = gd._replica.step.gathers
     pending = gathers._pending[0]
-    assert not pending.issued and gathers.held_bytes() == sum(chunks.values()) * 4
+    assert not pending.issued and not gathers.in_flight() and gathers.held_bytes() == sum(chunks.values()) * 4
     issued = []
     gather = pending.gather
     pending.gather = lambda parts, at: issued.append(at) or gather(parts, at)

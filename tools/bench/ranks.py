@@ -246,6 +246,7 @@ def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None
         for name in order[k:] + order[:k]:
             dist.barrier()
             rec = modes[name].step()
+            _check_nothing_in_flight(name, modes[name])
             dist.barrier()
             if r >= cfg.warmup:
                 records[name].append(rec)
@@ -351,6 +352,16 @@ def _check_compiled_autograd(mode: TrainMode, world: int, info: dict[str, Any]) 
             f"(relative max error vs averaged {errors['averaged']:.2g}, vs summed {errors['summed']:.2g}, "
             f"vs local {errors['local']:.2g}): compiled autograd or DDP's Python reducer did not all-reduce"
         )
+
+
+def _check_nothing_in_flight(name: str, mode: Any) -> None:
+    """A timed step must leave no collective of its own on the wire: the barrier after it and the
+    next mode's step would carry it outside the step's time (gather="forward" once did: its
+    all-gathers, issued at the end of the backward, crossed the link in the barrier)."""
+    replica = getattr(getattr(mode, "model", None), "_replica", None)
+    gathers = getattr(getattr(replica, "step", None), "gathers", None)
+    if gathers is not None and gathers.in_flight():
+        raise RuntimeError(f"benchmark: {name}'s step left all-gathers on the wire; its time would not include them")
 
 
 def _as_ddp(model: nn.Module | None) -> nn.parallel.DistributedDataParallel | None:
