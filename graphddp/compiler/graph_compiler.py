@@ -59,7 +59,7 @@ from graphddp.graph.capture import extract_facts, parameter_of_inputs
 from graphddp.graph.insert_comm import HOOK_STATE, HOOK_STATE_SPEC, HookContext, insert_collectives
 from graphddp.hooks.traced import HookState
 from graphddp.optim.attached import AttachedOptimizer
-from graphddp.optim.insert_shard import gather_fn, insert_sharded_updates, shard_layout, write_fn
+from graphddp.optim.insert_shard import insert_sharded_updates, shard_layout, write_fn
 from graphddp.optim.insert_update import ALIAS_OF, UpdateInputs, insert_update
 from graphddp.optim.verify import verify_updates
 from graphddp.optim.verify_shard import verify_sharded
@@ -390,21 +390,13 @@ class GraphCompiler:
         groups = tuple(sorted({optimizer.group_of[n] for n in replicated}))
         deferred = [s for s in shards if s.bucket.gather == "forward"]
 
-        gathers = [gather_fn(shard, record.schedule.group_name) for shard in deferred]
-
-        @torch.no_grad()
-        def gather_deferred(parts: torch.Tensor, at: int) -> torch.Tensor:
-            """The all-gather of bucket ``deferred[at]``'s updated parts, issued when the next forward starts."""
-            return gathers[at](parts)
-
         @torch.no_grad()
         def write_deferred(tensors: list[torch.Tensor]) -> None:
             """Eagerly, what the forward slot does in its graph: wait, then write the parameters."""
             for shard, gathered in zip(deferred, tensors):
                 write_fn(shard)(gathered, *(optimizer.params[n].detach() for n in shard.bucket.param_names))
 
-        return InGraphUpdate(optimizer, replicated, groups, allowed, compile_grads, aliases, shards=shards,
-                             gather_deferred=gather_deferred, write_deferred=write_deferred)
+        return InGraphUpdate(optimizer, replicated, groups, allowed, compile_grads, aliases, shards=shards, write_deferred=write_deferred)
 
     def _fallback(self, record: GraphRecord, graph_index: int, kind: str, names: Sequence[str], why: str) -> None:
         """Record (and, the first time per graph and kind, warn) that torch's step after the

@@ -92,10 +92,10 @@ class GraphDDP(ReplicaView, nn.Module):
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     # -- parameters read through this module hold their updated values ---------------------------
-    # With gather="forward" the updated parameters are not yet gathered between a backward and
+    # With gather="forward" the updated parameters are still on the wire between a backward and
     # the next forward; code that walks them through this module (parameters(): an EMA, a norm, a
-    # copy to another model) gets them completed first. zero_grad() touches no value: it leaves
-    # them pending.
+    # copy to another model) gets them completed first. zero_grad() touches no value: it leaves the
+    # all-gathers pending.
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:  # type: ignore[override]
         self.finish_gathers()
         return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)

@@ -305,7 +305,7 @@ class ReplicaView(Joinable):
 
     def finish_gathers(self) -> None:
         """With ``gather="forward"``, the parameters hold their updated values only once the
-        next forward (or a checkpoint) gathers the parts the backward updated; code that
+        next forward (or a checkpoint) completes the all-gathers the backward issued; code that
         reads or writes parameter tensors directly between a backward and the next forward
         calls this first. Otherwise (and when nothing is pending) it does nothing."""
         self._replica.step.gathers.finish()

@@ -6,11 +6,10 @@ nothing is left to hide it behind: on a link-bound step half of the step's bytes
 with the compute lane idle. The forward of the next step reads the parameters in roughly the
 reverse order the backward produced their gradients, and, until it reads them, has compute of
 its own that needs no communication: a bucket's all-gather can travel behind it (the DeAR
-pattern, Zhang et al. 2023). The backward returns this rank's updated parts as extra outputs
-(:mod:`graphddp.optim.insert_shard`); the runtime keeps them
-(:class:`graphddp.runtime.gathers.PendingGathers`), issues their all-gathers when the next
-forward starts (in reverse bucket order) and hands them to the forward of the same compiled
-graph as extra inputs.
+pattern, Zhang et al. 2023). The backward issues the all-gathers (in reverse bucket order) and
+returns them un-waited as extra outputs (:mod:`graphddp.optim.insert_shard`); the runtime keeps
+them (:class:`graphddp.runtime.gathers.PendingGathers`) until the forward of the same compiled
+graph takes them as extra inputs.
 
 The pass, on a copy of one forward graph, per sharded bucket in bucket order::
 

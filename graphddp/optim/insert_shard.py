@@ -19,8 +19,8 @@ functions are traced on the graph's fake values and spliced in, in the layout of
     # all-gather shares the link with the rest of the backward instead of following it (on the
     # GPT 330 ms a step against 367 with every update at the output; the compiler keeps this
     # order in inductor's code: config.INDUCTOR_FX_ORDER_CONFIG); the last bucket's at the
-    # output. gather="forward" too: what the reduce-scatter received is freed there, not at the
-    # end of the backward.
+    # output. gather="forward" too, but its all-gather is issued at the output: what the
+    # reduce-scatter received is freed early, and the backward's link carries reduce-scatters only.
     update          work_i = clone(param_i.flat[lo_i:hi_i])      (this rank's part of the parameter)
     wait            wait_tensor; decompress (a cast back)
     update          the optimizer's math on work_i, the part of the gradient and the part's
@@ -33,12 +33,13 @@ functions are traced on the graph's fake values and spliced in, in the layout of
     wait            wait_tensor
     write           param_i.copy_(gathered[:, at_i:at_i + c_i].flat[:numel_i].view(shape_i))
     output(..., None for every gradient of the bucket, ...)
-    # gather="forward": no all-gather, no wait, no write; the updated parts (cat(pad(work_i,
-    # c_i)), 1/world of the bucket) are an extra output after the graph's own. The runtime
-    # issues their all-gather when the next forward starts (graphddp.runtime.gathers), and
-    # :func:`graphddp.optim.insert_gather.insert_forward_gathers` puts the wait and the write
-    # into that forward. Between the steps a rank so holds 1/world of the bucket, not all of it.
-    output(..., None for every gradient of the bucket, ..., the updated parts of every such bucket)
+    # gather="forward": the all-gather is issued at the output instead, in reverse bucket order
+    # (the forward reads the last bucket first), with no wait and no write: it is an extra
+    # output after the graph's own, and :func:`graphddp.optim.insert_gather.insert_forward_gathers`
+    # puts the wait and the write into the next forward. It is issued in the backward, and not
+    # when the next forward starts, so that completing it never needs a collective: a
+    # ``state_dict()`` that one rank alone calls between steps waits for it and writes.
+    output(..., None for every gradient of the bucket, ..., the all-gather of every such bucket)
 
 
 New inputs, appended after the existing placeholders, per sharded bucket in bucket order
@@ -51,7 +52,7 @@ Postcondition (:mod:`graphddp.optim.verify_shard` checks it): per sharded bucket
 reduce-scatter issued after every gradient of the bucket, its wait before the update, one
 all-gather of the updated parts, its wait before any parameter of the bucket is written, each
 parameter written exactly once after every other read of its memory, no gradient returned
-(``gather="forward"``: no all-gather, the updated parts returned, no parameter written).
+(``gather="forward"``: the all-gather returned un-waited, no parameter written).
 """
 from __future__ import annotations
 
@@ -128,7 +129,8 @@ def _flat(t: torch.Tensor, numel: int) -> torch.Tensor:
 
 def _update_fn(shard: ShardLayout, hook: hooks.CommHook, group_name: str) -> Callable[..., torch.Tensor]:
     """(grads, params, states, hypers) -> the all-gather of the updated parts, not waited; with
-    ``gather="forward"`` the updated parts themselves (the next forward gathers them)."""
+    ``gather="forward"`` the updated parts (:func:`_gather_fn` issues their all-gather at the
+    output)."""
     bucket, world, n = shard.bucket, shard.world, len(shard.bucket.slots)
     owned = shard.owned()
     backend = backend_of(group_name)
@@ -184,14 +186,13 @@ def _update_fn(shard: ShardLayout, hook: hooks.CommHook, group_name: str) -> Cal
     return run
 
 
-def gather_fn(shard: ShardLayout, group_name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """(this rank's updated parts) -> their all-gather, not waited: with ``gather="forward"``
-    issued by the runtime when the next forward starts (:mod:`graphddp.runtime.gathers`), the
-    same lowering the backward issues with ``gather="backward"``."""
+def _gather_fn(shard: ShardLayout, group_name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """(updated parts) -> their all-gather, not waited (``gather="forward"``, at the output)."""
     all_gather = kind("all_gather").lower(backend_of(group_name))
 
     def run(parts: torch.Tensor) -> torch.Tensor:
-        return all_gather.issue(parts, group_name, shard.world)
+        with role("all_gather"):
+            return all_gather.issue(parts, group_name, shard.world)
 
     return run
 
@@ -268,9 +269,11 @@ def insert_sharded_updates(
         params = [inputs.values[n] for n in b.param_names]
         vals = [g.meta["val"] for g in grads] + params + _state_values(shard, fake_mode, inputs.values)
         update = trace(_update_fn(shard, hook or hooks.for_bucket(b), schedule.group_name), vals, f"sharded bucket {b.index}", decompositions)
-        write = None if b.gather == "forward" else trace(  # gather="forward": the next forward writes
-            write_fn(shard), [update.graph.output_node().args[0].meta["val"], *params], f"sharded bucket {b.index}'s write"
-        )
+        result = update.graph.output_node().args[0].meta["val"]
+        if b.gather == "forward":  # the next forward writes; the all-gather is issued at the output
+            write = trace(_gather_fn(shard, schedule.group_name), [result], f"sharded bucket {b.index}'s all-gather")
+        else:
+            write = trace(write_fn(shard), [result, *params], f"sharded bucket {b.index}'s write")
         traced.append((shard, update, write))
     new_params = {}
     new_rest = {}
@@ -285,7 +288,7 @@ def insert_sharded_updates(
     last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
     cursor: dict[fx.Node, fx.Node] = {}  # issue point -> the last node spliced after it
     writes = []
-    deferred = []  # gather="forward": the updated parts are extra outputs, in bucket order
+    deferred = {}  # gather="forward": bucket -> (its all-gather, traced; its updated parts)
     issues = [placements[shard.bucket.index].issue for shard, _, _ in traced]
     late_points: list[fx.Node] = []  # per bucket: the node its wait, update and all-gather precede
     position = {n: i for i, n in enumerate(graph.nodes)}  # before any edit
@@ -309,12 +312,15 @@ def insert_sharded_updates(
         for s in b.slots:
             outs[s.output_index] = None
         if b.gather == "forward":
-            deferred.append(gathered)  # the updated parts
+            deferred[at] = (write, gathered)
             continue
         writes.append((at, (b, write, gathered, params)))
     for at, pending in writes:
         _splice_write(graph, _write_point(late_points, at, pending[3], output), *pending)
-    output.args = (tuple(outs) + tuple(deferred),)
+    # gather="forward": every all-gather at the output, the last bucket's first (the forward
+    # reads it first), so that the backward's link carries the reduce-scatters only.
+    issued = {at: splice(graph, gather, [parts], output, traced[at][0].bucket.index) for at, (gather, parts) in sorted(deferred.items(), reverse=True)}
+    output.args = (tuple(outs) + tuple(issued[at] for at in sorted(issued)),)
     graph.lint()
     gm.recompile()
     return shards

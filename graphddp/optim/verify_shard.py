@@ -7,20 +7,18 @@ all-gather has delivered them. Invariants, per sharded bucket (``collective ==
 "reduce_scatter"``):
 
 S1. **One of each.** Exactly one reduce-scatter and one all-gather carry the bucket's tag, and
-    nothing else graphddp made for it is a collective (``gather="forward"``: the reduce-scatter
-    only; the all-gather is the next forward's).
+    nothing else graphddp made for it is a collective.
 S2. **After its gradients.** The reduce-scatter comes after the node producing each of the
     bucket's gradients, and its input depends on every one of them.
-S3. **Averaged gradient.** The all-gather's input (``gather="forward"``: the updated parts the
-    graph returns) depends on the reduce-scatter's wait: the parts are updated from the
-    average, not from the local gradient. Where the reduce-scatter
+S3. **Averaged gradient.** The all-gather's input depends on the reduce-scatter's wait: the
+    parts are updated from the average, not from the local gradient. Where the reduce-scatter
     is gloo's all-to-all (:mod:`graphddp.values.collectives`), the wait is read only as the sum
     of its ``world`` rows: one rank's row alone is a local gradient again.
 S4. **No gradient kept.** Every slot's gradient output is ``None``.
 S5. **One write, after the gather, last.** Each parameter of the bucket is written by exactly
     one ``copy_`` whose value depends on the all-gather's wait, and no node after that write
-    reads the parameter's memory. With ``gather="forward"`` instead: the updated parts are
-    returned as one of the graph's extra outputs, and the backward writes no parameter of the
+    reads the parameter's memory. With ``gather="forward"`` instead: the all-gather is returned,
+    un-waited, as one of the graph's extra outputs, and the backward writes no parameter of the
     bucket (the next forward does: :func:`graphddp.optim.insert_gather.verify_forward_gathers`).
 
 Failures raise :class:`graphddp.graph.verify.VerificationError` showing the node in context.
@@ -48,23 +46,16 @@ def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
     by_name = {n.name: n for n in nodes}
     outs = list(gm.graph.output_node().args[0])
     rs_ops, ag_ops = kind("reduce_scatter").ops, kind("all_gather").ops
-    returned = dict(zip(deferred(schedule), outs[len(outs) - len(deferred(schedule)):]))
     for bucket in (b for b in schedule.buckets if b.collective == "reduce_scatter"):
         mine = [n for n in nodes if n.meta.get(BUCKET_KEY) == bucket.index]
         collectives = [n for n in mine if is_collective(n)]
         scatters = [n for n in collectives if n.target in rs_ops]
         gathers = [n for n in collectives if n.target in ag_ops]
         where = f"sharded bucket {bucket.index}"
-        forward = bucket.gather == "forward"
-        if len(scatters) != 1 or len(gathers) != (0 if forward else 1) or len(collectives) != len(scatters) + len(gathers):
-            expected = "one reduce-scatter and no all-gather (gather='forward')" if forward else "one reduce-scatter and one all-gather"
+        if len(scatters) != 1 or len(gathers) != 1 or len(collectives) != 2:
             _fail(gm, (collectives or [gm.graph.output_node()])[0],
-                  f"{where}: expected {expected}, found {[n.name for n in collectives]} (S1)")
-        scatter = scatters[0]
-        # What carries the updated parts on: the all-gather, or (gather="forward") the output.
-        gather = returned.get(bucket.index) if forward else gathers[0]
-        if not isinstance(gather, fx.Node):
-            _fail(gm, gm.graph.output_node(), f"{where}: gather='forward' returns the updated parts after the gradients (S5)")
+                  f"{where}: expected one reduce-scatter and one all-gather, found {[n.name for n in collectives]} (S1)")
+        scatter, gather = scatters[0], gathers[0]
         inputs = ancestors(scatter)
         for slot in bucket.slots:
             producer = by_name.get(slot.producer)
@@ -78,12 +69,14 @@ def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
         for slot in bucket.slots:
             if outs[slot.output_index] is not None:
                 _fail(gm, gm.graph.output_node(), f"{where}: the gradient of {slot.param_name!r} is still returned (S4)")
+        gather_waits = [u for u in gather.users if is_wait(u)]
         writes = [n for n in mine if n.target is aten.copy_.default and n.meta.get(ROLE_KEY) == "write"]
-        if forward:
-            if writes:
-                _fail(gm, writes[0], f"{where}: gather='forward' writes no parameter in the backward (S5)")
+        if bucket.gather == "forward":
+            if gather_waits or writes or gather not in outs[len(outs) - len(deferred(schedule)):]:
+                _fail(gm, gather, f"{where}: gather='forward' leaves the all-gather un-waited and returned, and writes "
+                                  f"no parameter in the backward (S5)")
             continue
-        _check_writes(gm, where, bucket.param_names, writes, [u for u in gather.users if is_wait(u)], nodes, order)
+        _check_writes(gm, where, bucket.param_names, writes, gather_waits, nodes, order)
 
 
 def _check_rows_summed(gm: fx.GraphModule, where: str, waits: list[fx.Node], world: int) -> None:
@@ -98,8 +91,8 @@ def _check_rows_summed(gm: fx.GraphModule, where: str, waits: list[fx.Node], wor
 
 
 def deferred(schedule: Schedule) -> list[int]:
-    """The buckets whose updated parts the backward returns (``gather="forward"``), in the order
-    of its extra outputs."""
+    """The buckets whose all-gathers the backward returns (``gather="forward"``), in the order of
+    its extra outputs."""
     return [b.index for b in schedule.buckets if b.collective == "reduce_scatter" and b.gather == "forward"]
 
 

@@ -166,15 +166,14 @@ class InGraphUpdate:
     grads: Callable[[list[Any]], Any] | None = None
     aliases_checked: bool = False
     shards: tuple[Any, ...] = ()  # sharded buckets' layouts (graphddp.optim.insert_shard.ShardLayout)
-    # gather="forward": the backward returns the updated parts after the gradients; the next
-    # forward gathers them and completes the gathers (graphddp.runtime.gathers). The eager
-    # all-gather of one bucket's parts, and the eager write for when no forward graph can take them.
-    gather_deferred: Callable[[torch.Tensor, int], torch.Tensor] | None = None
+    # gather="forward": the backward returns its un-waited all-gathers after the gradients; the
+    # next forward completes them (graphddp.runtime.gathers). The eager write for when no
+    # forward graph can take them.
     write_deferred: Callable[[list[torch.Tensor]], None] | None = None
 
     @property
     def deferred_shards(self) -> list[Any]:
-        """The sharded buckets whose updated parts the backward returns, in output order."""
+        """The sharded buckets whose all-gathers the backward returns, in output order."""
         return [s for s in self.shards if s.bucket.gather == "forward"]
 
     def check_aliases(self, args: list[Any]) -> None:
@@ -319,12 +318,12 @@ class BackwardDispatch:
         with torch.no_grad():
             out = synced.code()(args)
         deferred = update.deferred_shards
-        if deferred:  # the updated parts after the gradients: the next forward gathers them
+        if deferred:  # the all-gathers after the gradients: the next forward's
             out = list(out)
             tensors = out[len(out) - len(deferred):]
             del out[len(out) - len(deferred):]
             names = frozenset(n for s in deferred for n in s.bucket.param_names)
-            self.step.gathers.put(synced.schedule.graph_index, Pending(names, tensors, update.gather_deferred, update.write_deferred))
+            self.step.gathers.put(synced.schedule.graph_index, Pending(names, tensors, update.write_deferred))
         update.attached.updated(extra)
         self.state.steps_in_graph += 1
         return out

@@ -123,7 +123,7 @@ class StepState:
         self._runs: dict[int, list[_Run]] = {}
         self._listeners: list[Callable[[], None]] = []
         self._end_queued = False
-        # gather="forward": the updated parts the last backward returned, gathered by the next forward.
+        # gather="forward": all-gathers the last backward issued, completed by the next forward.
         self.gathers = PendingGathers()
 
     # -- compile time ---------------------------------------------------------------------------

@@ -468,8 +468,9 @@ class Schedule:
         gathers = sorted({b.gather for b in self.buckets if b.collective == "reduce_scatter"}, key=str)
         if gathers:
             where = {
-                "backward": "waited for and written at the end of the backward",
-                "forward": "issued at the end of the backward and waited for and written in the next forward, "
+                "backward": "issued after the next bucket's reduce-scatter, waited for and written in the backward "
+                "(after the next bucket's all-gather where nothing later reads the parameters, else at its end)",
+                "forward": "issued after the next bucket's reduce-scatter and waited for and written in the next forward, "
                 "right before the bucket's parameters are first read",
             }
             lines.append(

@@ -125,3 +125,33 @@ def _load_between_steps(rank: int, world: int, _: Any) -> None:
 def test_load_state_dict_between_steps_is_not_overwritten() -> None:
     spawn(_load_between_steps, 2, None)
 
+
+
+def _one_rank_saves(rank: int, world: int, _: Any) -> None:
+    """Rank 0 alone calls ``state_dict()`` between a backward and the next forward, as training
+    scripts save checkpoints, and then every rank all-reduces its loss for the log: rank 0 gets
+    the updated values, and the log's all-reduce meets the others' (completing the pending
+    all-gathers is a wait, never a collective the other ranks would have to join)."""
+    case = CASES["mlp_adamw"]
+    mine, ref, opt, ref_opt = start_unequal(case, rank)
+    ours = graphddp.compile(mine, optimizer=opt, sharding="optimizer", gather="forward", backend="aot_eager", bucket_cap_mb=0.004)
+    for step in range(2):
+        case.loss(ours, rank, step).backward()
+        case.loss(ref, rank, step).backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        if rank == 0:
+            state = ours.state_dict()
+            for k, v in ref.module.state_dict().items():
+                torch.testing.assert_close(state[k], v, **case.tol, msg=lambda m: f"rank 0's state_dict() after step {step}, {k}: {m}")
+        logged = torch.tensor([float(rank + 1)])  # then every rank averages its loss for the log
+        torch.distributed.all_reduce(logged)
+        assert logged.item() == world * (world + 1) / 2, f"step {step}: the log's all-reduce met another collective"
+    with torch.no_grad():
+        torch.testing.assert_close(case.loss(ours, rank, 7), case.loss(ref.module, rank, 7), **case.tol)
+    _assert_params(mine, ref.module, case.tol, "after rank 0 alone saved")
+
+
+def test_one_rank_saving_between_steps_neither_hangs_nor_sees_old_values() -> None:
+    spawn(_one_rank_saves, 2, None, timeout=120.0, pg_timeout=20.0, fresh=True)

@@ -1,7 +1,7 @@
-"""``gather="forward"`` in one process (a fake group of 4): the backward returns this rank's
-updated parts, the next forward gathers them and waits for each right before its bucket's
-parameters are first read, the verifier rules of both (S1/S5's forward forms, F1, F2) each with
-a mutation, and the option's refusals."""
+"""``gather="forward"`` in one process (a fake group of 4): the backward returns its all-gathers
+un-waited, the next forward waits for each right before its bucket's parameters are first read,
+the verifier rules of both (S5's forward form, F1, F2) each with a mutation, and the option's
+refusals."""
 from __future__ import annotations
 
 import copy
@@ -27,44 +27,36 @@ def _two_steps(fake_world, world: int = 4):
     torch.manual_seed(0)
     model = MLP(width=32, depth=4)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    gd = graphddp.compile(model, optimizer=opt, sharding="optimizer", gather="forward", backend="aot_eager", bucket_cap_mb=0.005)
+    gd = graphddp.compile(model, optimizer=opt, sharding="optimizer", gather="forward", backend="aot_eager", bucket_cap_mb=0.002)
     for _ in range(2):
         gd(torch.randn(8, 16)).sum().backward()
     (record,) = gd.records
     return gd, record
 
 
-def _shards(gd):
-    return list(gd._backend.dispatches[0].variants["sync"].update.shards)
-
-
-def test_backward_returns_the_parts_and_the_next_forward_gathers_them_before_each_buckets_first_read(fake_world):
+def test_backward_returns_the_gathers_and_the_next_forward_waits_before_each_buckets_first_read(fake_world):
     gd, record = _two_steps(fake_world)
     buckets = record.schedule.buckets
     assert len(buckets) > 1 and all(b.collective == "reduce_scatter" and b.gather == "forward" for b in buckets)
     graph = record.graph.graph
     outs = list(graph.output_node().args[0])
     extra = outs[len(outs) - len(buckets):]
-    assert [n.meta[BUCKET_KEY] for n in extra] == [b.index for b in buckets], "one output of updated parts per bucket, after the gradients"
-    chunks = {s.bucket.index: sum(s.chunks) for s in _shards(gd)}
-    assert [n.meta["val"].numel() for n in extra] == [chunks[b.index] for b in buckets], "this rank's 1/world of each bucket"
-    assert not any(n.target in kind("all_gather").ops for n in graph.nodes), "no all-gather in the backward"
+    assert [n.target for n in extra] == [AG] * len(buckets), "one un-waited all-gather per bucket, after the gradients"
+    assert [n.meta[BUCKET_KEY] for n in extra] == [b.index for b in buckets]
     assert not any(n.target is aten.copy_.default and n.meta.get(ROLE_KEY) == "write" for n in graph.nodes), "no write in the backward"
+    nodes = list(graph.nodes)
+    gathers = [n for n in nodes if n.target is AG]
+    scatters = [n for n in nodes if n.target in kind("reduce_scatter").ops]
+    assert [n.meta[BUCKET_KEY] for n in gathers] == [b.index for b in reversed(buckets)], "issued in the order the forward reads"
+    assert nodes.index(scatters[-1]) < nodes.index(gathers[-1]), "issued at the output: the backward's link carries reduce-scatters only"
+    first_wait = next(u for u in scatters[0].users if u.target is WAIT)
+    assert nodes.index(first_wait) < nodes.index(scatters[-1]), "each bucket updated one bucket after its reduce-scatter, as gather='backward'"
+    held = sum(s.world * sum(s.chunks) for s in gd._backend.dispatches[0].variants["sync"].update.shards) * 4
+    assert gd._replica.step.gathers.held_bytes() == held, "the gathered buckets are held between steps"
     assert "waited for and written in the next forward" in record.schedule.to_table()
 
-    # Between the steps the rank holds the parts; the next forward issues their all-gathers,
-    # the last bucket's (the first the forward reads) first.
-    gathers = gd._replica.step.gathers
-    pending = gathers._pending[0]
-    assert not pending.issued and not gathers.in_flight() and gathers.held_bytes() == sum(chunks.values()) * 4
-    issued = []
-    gather = pending.gather
-    pending.gather = lambda parts, at: issued.append(at) or gather(parts, at)
-    gd(torch.randn(8, 16))
-    assert issued == list(reversed(range(len(buckets))))
-
     forward = gd._backend.forwards[0]
-    assert gathers.taken == 2 and forward.slot_graph is not None
+    assert gd._replica.step.gathers.taken == 1 and forward.slot_graph is not None
     nodes = list(forward.slot_graph.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     inputs = [n for n in nodes if n.op == "placeholder" and n.meta.get(ROLE_KEY) == GATHER_INPUT]
@@ -87,7 +79,7 @@ def test_both_graphs_are_compiled_in_graphddps_order(fake_world):
     gd, record = _two_steps(fake_world)
     assert pinned_config(record.graph) is INDUCTOR_FX_ORDER_CONFIG
     assert pinned_config(gd._backend.forwards[0].slot_graph) is INDUCTOR_FX_ORDER_CONFIG
-    plain = graphddp.compile(MLP(width=32, depth=4), backend="aot_eager", bucket_cap_mb=0.005)
+    plain = graphddp.compile(MLP(width=32, depth=4), backend="aot_eager", bucket_cap_mb=0.002)
     plain(torch.randn(8, 16)).sum().backward()
     assert pinned_config(plain.records[0].graph) is INDUCTOR_PINNED_CONFIG, "replicated graphs keep inductor's comm passes"
 
@@ -100,19 +92,10 @@ def test_gather_needs_sharding_and_names_the_option(fake_world):
         graphddp.compile(MLP(), optimizer=torch.optim.SGD(MLP().parameters(), lr=0.1), sharding="optimizer", gather="later")
 
 
-def _mutate_gather_in_backward(gm: fx.GraphModule) -> str:
-    """The parts gathered in the backward after all: the gathered bucket lives to the next forward."""
-    out = gm.graph.output_node()
-    parts = out.args[0][-1]
-    with gm.graph.inserting_before(out):
-        ag = gm.graph.call_function(AG, (parts, 4, "fake"))
-    ag.meta[BUCKET_KEY] = parts.meta[BUCKET_KEY]
-    return "S1"
-
-
-def _mutate_parts_not_returned(gm: fx.GraphModule) -> str:
-    out = gm.graph.output_node()
-    out.args = (tuple(out.args[0][:-1]) + (None,),)
+def _mutate_wait_in_backward(gm: fx.GraphModule) -> str:
+    ag = next(n for n in gm.graph.nodes if n.target is AG)
+    with gm.graph.inserting_after(ag):
+        gm.graph.call_function(WAIT, (ag,))
     return "S5"
 
 
@@ -133,13 +116,12 @@ def _mutate_write_unwaited(gm: fx.GraphModule) -> str:
 
 def test_each_rule_fails_on_its_mutation(fake_world):
     gd, record = _two_steps(fake_world)
-    verify_sharded(record.graph, record.schedule)  # as made: passes
-    for mutate in (_mutate_gather_in_backward, _mutate_parts_not_returned):
-        backward = copy.deepcopy(record.graph)
-        expected = mutate(backward)
-        with pytest.raises(VerificationError, match=expected):
-            verify_sharded(backward, record.schedule)
-    shards = _shards(gd)
+    backward = copy.deepcopy(record.graph)
+    verify_sharded(backward, record.schedule)  # as made: passes
+    expected = _mutate_wait_in_backward(backward)
+    with pytest.raises(VerificationError, match=expected):
+        verify_sharded(backward, record.schedule)
+    shards = [s for s in gd._backend.dispatches[0].variants["sync"].update.shards]
     forward = gd._backend.forwards[0].slot_graph
     verify_forward_gathers(forward, shards)
     for mutate in (_mutate_read_old_value, _mutate_write_unwaited):
@@ -151,17 +133,16 @@ def test_each_rule_fails_on_its_mutation(fake_world):
 
 def test_parameters_read_through_the_module_complete_the_gathers_and_zero_grad_does_not(fake_world):
     """What users read between steps through the graphddp module holds the updated values; the
-    benchmark's count of what a rank holds reads the pending parts before that."""
+    benchmark's count of what a rank holds reads the pending all-gathers before that."""
     from tools.bench.sharded import param_bytes
 
     gd, _ = _two_steps(fake_world)
     gathers = gd._replica.step.gathers
     own = sum(p.numel() * p.element_size() for p in gd.module.parameters())
-    parts = sum(sum(s.chunks) for s in _shards(gd)) * 4
     assert gathers
     gd.zero_grad()
-    assert gathers, "zero_grad() touches no value: the parts stay pending"
-    assert parts < own / 2 and param_bytes(gd) == own + parts, "between steps a rank holds 1/world of the update, not a copy"
+    assert gathers, "zero_grad() touches no value: the all-gathers stay pending"
+    assert param_bytes(gd) >= 2 * own, "the pending all-gathers are held between steps"
     assert gathers
     list(gd.parameters())
     assert not gathers, "parameters() completes the pending all-gathers"

@@ -8,7 +8,8 @@ eager DDP (``ddp_cap1``):
   written at the end of the backward;
 * ``graphddp_sharded_fwd``: the same with ``gather="forward"``: each all-gather completes in the
   next forward, right before the bucket's parameters are first read. Its parameters count the
-  all-gathers pending between steps (:func:`param_bytes`);
+  all-gathers pending between steps (:func:`param_bytes`); each timed step is preceded by an
+  untimed one, so that it waits for that step's all-gathers as a training step does;
 * ``ddp_zero``: eager DDP (graphddp's first cap, 1 MB) + ``ZeroRedundancyOptimizer`` (AdamW on
   this rank's parameters, a broadcast of each after the step);
 * ``fsdp2``: ``fully_shard`` on every block and the root with ``reshard_after_forward=False``
@@ -52,8 +53,8 @@ def state_bytes(opt: Any) -> int:
 
 def param_bytes(model: nn.Module) -> int:
     """Bytes of parameters this rank holds between steps (FSDP2: its shards after the step;
-    graphddp with ``gather="forward"``: the updated values on their way too, the parts the
-    last backward left for the next forward to gather)."""
+    graphddp with ``gather="forward"``: the updated values on their way too, the all-gathers
+    the last backward left for the next forward)."""
     replica = getattr(model, "_replica", None)
     pending = getattr(getattr(replica, "step", None), "gathers", None)
     held = pending.held_bytes() if pending else 0
@@ -70,7 +71,15 @@ def build(name: str, base: nn.Module, batch: Any, loss: Callable, graphddp_optio
 
         opt = make_optimizer(model.parameters())
         m = graphddp.compile(model, optimizer=opt, **{**graphddp_options, "sharding": "optimizer", "gather": GATHER[name]})
-        return TrainMode(name, m, None, batch, loss, opt=opt), opt
+        mode = TrainMode(name, m, None, batch, loss, opt=opt)
+        if GATHER[name] == "forward":
+            # Its step ends with the all-gathers on the wire; the next step's forward waits for
+            # them. Timed alone between barriers they would cross the link in the barrier,
+            # outside any step's time (as the 0.88x published before 2026-11-25 did): the timed
+            # rounds run one step of it first, so the timed step waits for the all-gathers of the
+            # step before, as in training, and then finish its own, untimed (carries_gathers).
+            mode.carries_gathers = m.finish_gathers
+        return mode, opt
     if name == "ddp_zero":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
