@@ -134,7 +134,7 @@ def _update_fn(shard: ShardLayout, hook: hooks.CommHook, group_name: str) -> Cal
     bucket, world, n = shard.bucket, shard.world, len(shard.bucket.slots)
     owned = shard.owned()
     backend = backend_of(group_name)
-    reduce_scatter, all_gather = kind(SHARDED).lower(backend), kind("all_gather").lower(backend)
+    reduce_scatter = kind(SHARDED).lower(backend)
 
     def run(*args: torch.Tensor) -> torch.Tensor:
         grads, params, rest = args[:n], args[n:2 * n], list(args[2 * n:])
@@ -180,14 +180,14 @@ def _update_fn(shard: ShardLayout, hook: hooks.CommHook, group_name: str) -> Cal
             mine = aten.cat.default([aten.constant_pad_nd.default(w, [0, c - w.numel()]) for w, c in zip(work, shard.chunks)])
         if bucket.gather == "forward":
             return mine
-        with role("all_gather"):
-            return all_gather.issue(mine, group_name, world)
+        return _gather_fn(shard, group_name)(mine)
 
     return run
 
 
 def _gather_fn(shard: ShardLayout, group_name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """(updated parts) -> their all-gather, not waited (``gather="forward"``, at the output)."""
+    """(updated parts) -> their all-gather, not waited (with ``gather="forward"`` traced on its
+    own, at the output)."""
     all_gather = kind("all_gather").lower(backend_of(group_name))
 
     def run(parts: torch.Tensor) -> torch.Tensor:
@@ -270,11 +270,13 @@ def insert_sharded_updates(
         vals = [g.meta["val"] for g in grads] + params + _state_values(shard, fake_mode, inputs.values)
         update = trace(_update_fn(shard, hook or hooks.for_bucket(b), schedule.group_name), vals, f"sharded bucket {b.index}", decompositions)
         result = update.graph.output_node().args[0].meta["val"]
-        if b.gather == "forward":  # the next forward writes; the all-gather is issued at the output
-            write = trace(_gather_fn(shard, schedule.group_name), [result], f"sharded bucket {b.index}'s all-gather")
+        # What ends the bucket in this graph: its wait and writes, or with gather="forward" (the
+        # next forward waits and writes) its all-gather, issued at the output.
+        if b.gather == "forward":
+            tail = trace(_gather_fn(shard, schedule.group_name), [result], f"sharded bucket {b.index}'s all-gather")
         else:
-            write = trace(write_fn(shard), [result, *params], f"sharded bucket {b.index}'s write")
-        traced.append((shard, update, write))
+            tail = trace(write_fn(shard), [result, *params], f"sharded bucket {b.index}'s write")
+        traced.append((shard, update, tail))
     new_params = {}
     new_rest = {}
     for shard, _, _ in traced:
@@ -288,11 +290,11 @@ def insert_sharded_updates(
     last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
     cursor: dict[fx.Node, fx.Node] = {}  # issue point -> the last node spliced after it
     writes = []
-    deferred = {}  # gather="forward": bucket -> (its all-gather, traced; its updated parts)
+    deferred: dict[int, Any] = {}  # gather="forward": bucket position -> its updated parts
     issues = [placements[shard.bucket.index].issue for shard, _, _ in traced]
     late_points: list[fx.Node] = []  # per bucket: the node its wait, update and all-gather precede
     position = {n: i for i, n in enumerate(graph.nodes)}  # before any edit
-    for at, (shard, update, write) in enumerate(traced):
+    for at, (shard, update, tail) in enumerate(traced):
         b = shard.bucket
         p = placements[b.index]
         grads = [outs[s.output_index] for s in b.slots]
@@ -312,15 +314,17 @@ def insert_sharded_updates(
         for s in b.slots:
             outs[s.output_index] = None
         if b.gather == "forward":
-            deferred[at] = (write, gathered)
+            deferred[at] = gathered
             continue
-        writes.append((at, (b, write, gathered, params)))
+        writes.append((at, (b, tail, gathered, params)))
     for at, pending in writes:
         _splice_write(graph, _write_point(late_points, at, pending[3], output), *pending)
     # gather="forward": every all-gather at the output, the last bucket's first (the forward
     # reads it first), so that the backward's link carries the reduce-scatters only.
-    issued = {at: splice(graph, gather, [parts], output, traced[at][0].bucket.index) for at, (gather, parts) in sorted(deferred.items(), reverse=True)}
-    output.args = (tuple(outs) + tuple(issued[at] for at in sorted(issued)),)
+    for at in sorted(deferred, reverse=True):
+        shard, _, gather = traced[at]
+        deferred[at] = splice(graph, gather, [deferred[at]], output, shard.bucket.index)
+    output.args = (tuple(outs) + tuple(deferred[at] for at in sorted(deferred)),)
     graph.lint()
     gm.recompile()
     return shards

@@ -123,14 +123,23 @@ def _assert_gathers_overlap_the_backward(code: str | None, name: str) -> None:
     gradients are still being computed: a matmul of the backward (an update has none) runs
     between it and the last reduce-scatter."""
     assert code is not None, f"{name}: no generated code recorded"
-    lines = code[code.index("def call("):].splitlines()
+    lines = call_lines(code)
     gathers = [i for i, line in enumerate(lines) if "all_gather_into_tensor.default(" in line and "=" in line]
     scatters = [i for i, line in enumerate(lines) if "all_to_all_single.default(" in line and "=" in line]
     assert len(gathers) > 1 and len(scatters) == len(gathers), f"{name}: {len(scatters)} reduce-scatters, {len(gathers)} all-gathers"
-    between = lines[gathers[0]:scatters[-1]]
-    assert any(line.strip().startswith(("extern_kernels.mm", "extern_kernels.addmm")) for line in between), (
+    assert runs_a_matmul(lines[gathers[0]:scatters[-1]]), (
         f"{name}: no compute between the first all-gather and the last reduce-scatter in inductor's code"
     )
+
+
+def call_lines(code: str) -> list[str]:
+    """The lines of inductor's generated ``call`` (the graph's body, in run order)."""
+    return code[code.index("def call("):].splitlines()
+
+
+def runs_a_matmul(lines: list[str]) -> bool:
+    """Whether these generated lines run a backward or forward matmul (an update runs none)."""
+    return any(line.strip().startswith(("extern_kernels.mm", "extern_kernels.addmm")) for line in lines)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn as nn
 from test_optim_ranks import TIGHT, start_unequal
-from test_sharded import CASES, Case
+from test_sharded import CASES, Case, call_lines, runs_a_matmul
 
 import graphddp
 from graphddp.testing import spawn
@@ -90,12 +90,10 @@ def _assert_waits_spread(code: str | None, which: str, where: str) -> None:
     reduce-scatter at its end (inductor's own comm and locality passes did both: graphddp
     compiles these graphs in its own order, compiler.inductor.pinned_config)."""
     assert code is not None, f"no generated code of the {which}"
-    lines = code[code.index("def call("):].splitlines()
+    lines = call_lines(code)
     waits = [i for i, line in enumerate(lines) if "wait_tensor.default(" in line]
     assert len(waits) >= 2, f"inductor's {which} waits for each bucket"
-    assert any(line.strip().startswith(("extern_kernels.mm", "extern_kernels.addmm")) for line in lines[waits[0]:waits[-1]]), (
-        f"inductor's {which} runs no matmul between {where}"
-    )
+    assert runs_a_matmul(lines[waits[0]:waits[-1]]), f"inductor's {which} runs no matmul between {where}"
 
 
 @pytest.mark.parametrize("name", list(FORWARD_CASES))
