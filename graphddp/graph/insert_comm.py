@@ -76,7 +76,7 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from graphddp.graph.trace import role, splice, trace
+from graphddp.graph.trace import fresh_copy, role, splice, trace
 from graphddp.hooks import builtin as hooks
 from graphddp.hooks.traced import GradBucket, HookState, StateSpec, TracedHook
 from graphddp.values.collectives import backend_of, kind
@@ -266,7 +266,7 @@ def _user_fn(
         with role("flatten"):
             flat = _flatten(grads, bucket)
             if n == 1:  # the hook may write its buffer in place: never the gradient's own memory
-                flat = aten.clone.default(flat)
+                flat = fresh_copy(flat)
         is_last = bucket.index == schedule.num_buckets - 1
         gb = GradBucket(bucket, flat, ctx.group, schedule.world_size, is_last, params, None if declared is None else states)
         with role("hook"):

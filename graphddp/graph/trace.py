@@ -39,6 +39,17 @@ def role(name: str) -> Iterator[None]:
         yield
 
 
+def fresh_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` in memory of its own, for traced code that then writes it in place.
+
+    Not ``clone``: the graphs graphddp rewrites are not functional, but inductor's
+    ``remove_noop_ops`` assumes they are and drops a clone whose layout equals its source's, so
+    an in-place write to the clone would land in the source (a parameter, a gradient that is
+    also another node's input). An empty tensor and a ``copy_`` into it are never dropped."""
+    aten = torch.ops.aten
+    return aten.copy_.default(aten.empty.memory_format(list(t.shape), dtype=t.dtype, device=t.device), t)
+
+
 def _role_of(node: fx.Node) -> str | None:
     custom = node.meta.get("custom")
     return custom.get(ROLE_KEY) if isinstance(custom, dict) else None

@@ -479,8 +479,8 @@ def _hook_buffer(g: _Graph, bucket: Bucket, nodes: list[fx.Node]) -> Any:
     if len(top) != 1:
         _fail(g.gm, (top or nodes)[0], f"bucket {bucket.index}'s hook {bucket.hook!r} reads {len(top)} flat buffers, expected one")
     flat = top[0]
-    if flat.target == aten.clone.default and len(bucket.slots) == 1:
-        flat = flat.args[0]
+    if flat.target == aten.copy_.default and len(bucket.slots) == 1:  # graph.trace.fresh_copy
+        flat = flat.args[1]
     return flat
 
 

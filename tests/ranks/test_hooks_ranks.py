@@ -200,3 +200,38 @@ def _user_fp16_graph_break(rank: int, world: int) -> None:
 
 def test_a_users_fp16_hook_across_a_graph_break_equals_ddps_fp16_compress_hook():
     spawn(_user_fp16_graph_break, 2)
+
+
+class _AliasedGradient(nn.Module):
+    """``c(a(x) + b)`` with ``b`` of the activation's shape: ``b``'s gradient is the very tensor
+    that flows back into ``a``, so a hook that writes ``b``'s bucket in place must not write it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.c = nn.Linear(16, 16), nn.Linear(16, 4)
+        self.b = nn.Parameter(torch.randn(8, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.a(x) + self.b)
+
+
+def _divide_in_place(state, bucket):
+    """DDP's allreduce_hook as a user ports it: the buffer divided in place, then summed."""
+    import torch.distributed._functional_collectives as funcol
+
+    buf = bucket.buffer()
+    buf.div_(bucket.world_size)
+    return funcol.all_reduce(buf, "sum", bucket.group)
+
+
+def _in_place_on_aliased(rank: int, world: int) -> None:
+    assert_matches_ddp(
+        _AliasedGradient, _graph_break_batch, F.mse_loss, steps=2, atol=1e-6, rtol=1e-5,
+        backend="inductor", comm_hook=(None, _divide_in_place), bucket_cap_mb=1e-6,
+    )
+
+
+def test_a_hook_writing_its_buffer_in_place_leaves_an_aliased_gradient_alone_under_inductor():
+    """Inductor drops a clone it takes for a no-op (remove_noop_ops); graphddp's copy of a
+    one-gradient bucket for the hook is one that no pass drops (graph.trace.fresh_copy)."""
+    spawn(_in_place_on_aliased, 2)
