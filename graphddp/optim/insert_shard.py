@@ -21,7 +21,9 @@ functions are traced on the graph's fake values and spliced in, in the layout of
     # order in inductor's code: config.INDUCTOR_FX_ORDER_CONFIG); the last bucket's at the
     # output. gather="forward" too, but its all-gather is issued at the output: what the
     # reduce-scatter received is freed early, and the backward's link carries reduce-scatters only.
-    update          work_i = clone(param_i.flat[lo_i:hi_i])      (this rank's part of the parameter)
+    update          work_i = a copy of param_i.flat[lo_i:hi_i]   (this rank's part of the parameter;
+                    a clone, which inductor folds into the parameter, or, where the parameter's
+                    old values are read after the update, a copy it cannot fold: _clone)
     wait            wait_tensor; decompress (a cast back)
     update          the optimizer's math on work_i, the part of the gradient and the part's
                     state (inputs, written in place), for every slot with a non-empty part
@@ -65,7 +67,7 @@ from torch._guards import detect_fake_mode
 
 from graphddp.graph.capture import ancestors, storage_of
 from graphddp.graph.insert_comm import place_buckets
-from graphddp.graph.trace import role, splice, trace
+from graphddp.graph.trace import fresh_copy, role, splice, trace
 from graphddp.hooks import builtin as hooks
 from graphddp.optim.attached import F64, UPDATES, UpdateRule, step_dtype
 from graphddp.optim.insert_update import UpdateInputs, add_update_inputs, parameter_nodes
@@ -127,10 +129,23 @@ def _flat(t: torch.Tensor, numel: int) -> torch.Tensor:
     return aten.view.default(t, [numel])
 
 
-def _update_fn(shard: ShardLayout, hook: hooks.CommHook, group_name: str) -> Callable[..., torch.Tensor]:
+def _clone(t: torch.Tensor) -> torch.Tensor:
+    """A copy of this rank's part that inductor may fold into the parameter itself: its
+    ``remove_noop_ops`` drops a clone whose layout equals its source's (it assumes a functional
+    graph), so the update then writes this rank's part of the parameter in place. Used only
+    where nothing reads the parameter's old values after the update (:func:`_reads_after`): the
+    write of the gathered bucket overwrites the whole parameter anyway, and no copy is made."""
+    return aten.clone.default(t)
+
+
+def _update_fn(shard: ShardLayout, hook: hooks.CommHook, group_name: str, private: bool) -> Callable[..., torch.Tensor]:
     """(grads, params, states, hypers) -> the all-gather of the updated parts, not waited; with
     ``gather="forward"`` the updated parts (:func:`_gather_fn` issues their all-gather at the
-    output)."""
+    output). ``private``: update copies of this rank's parts that no compiler pass folds into the
+    parameters (``fresh_copy``), for a bucket whose parameters' old values are read after the
+    update: by the rest of the backward, or, with ``gather="forward"``, between steps (the
+    parameters keep the previous step's values until the next forward writes them, on every
+    rank alike)."""
     bucket, world, n = shard.bucket, shard.world, len(shard.bucket.slots)
     owned = shard.owned()
     backend = backend_of(group_name)
@@ -163,8 +178,8 @@ def _update_fn(shard: ShardLayout, hook: hooks.CommHook, group_name: str) -> Cal
         with role(SHARDED):
             pending = reduce_scatter.issue(scaled, group_name, world)
         with role("update"):
-            work = [aten.clone.default(aten.slice.Tensor(_flat(p, s.numel), 0, lo, hi))
-                    for p, s, (lo, hi) in zip(params, bucket.slots, shard.parts)]
+            copy = fresh_copy if private else _clone
+            work = [copy(aten.slice.Tensor(_flat(p, s.numel), 0, lo, hi)) for p, s, (lo, hi) in zip(params, bucket.slots, shard.parts)]
         with role("wait"):
             done = reduce_scatter.finish(WAIT(pending), world)
         with role("decompress"):
@@ -262,13 +277,17 @@ def insert_sharded_updates(
     shards = [shard_layout(b, inputs.rules, inputs.groups, schedule.world_size, rank) for b in sharded]
     fake_mode = detect_fake_mode(tuple(inputs.values.values()))
     decompositions = select_decomp_table()
+    issues = [placements[shard.bucket.index].issue for shard in shards]
+    position = {n: i for i, n in enumerate(graph.nodes)}  # before any edit
     traced = []
-    for shard in shards:  # every bucket traced before the first edit
+    for at, shard in enumerate(shards):  # every bucket traced before the first edit
         b = shard.bucket
+        memory = {storage_of(inputs.values[n]) for n in b.param_names} - {None}
+        private = b.gather == "forward" or _reads_after(_update_point(at, placements[b.index], issues, position, output), memory, output)
         grads = [outs[s.output_index] for s in b.slots]
         params = [inputs.values[n] for n in b.param_names]
         vals = [g.meta["val"] for g in grads] + params + _state_values(shard, fake_mode, inputs.values)
-        update = trace(_update_fn(shard, hook or hooks.for_bucket(b), schedule.group_name), vals, f"sharded bucket {b.index}", decompositions)
+        update = trace(_update_fn(shard, hook or hooks.for_bucket(b), schedule.group_name, private), vals, f"sharded bucket {b.index}", decompositions)
         result = update.graph.output_node().args[0].meta["val"]
         # What ends the bucket in this graph: its wait and writes, or with gather="forward" (the
         # next forward waits and writes) its all-gather, issued at the output.
@@ -291,9 +310,7 @@ def insert_sharded_updates(
     cursor: dict[fx.Node, fx.Node] = {}  # issue point -> the last node spliced after it
     writes = []
     deferred: dict[int, Any] = {}  # gather="forward": bucket position -> its updated parts
-    issues = [placements[shard.bucket.index].issue for shard, _, _ in traced]
     late_points: list[fx.Node] = []  # per bucket: the node its wait, update and all-gather precede
-    position = {n: i for i, n in enumerate(graph.nodes)}  # before any edit
     for at, (shard, update, tail) in enumerate(traced):
         b = shard.bucket
         p = placements[b.index]
@@ -302,12 +319,7 @@ def insert_sharded_updates(
         late = frozenset(_not_for_the_issue(update))
         issue = last_placeholder if p.issue.op == "placeholder" else p.issue
         early = cursor.get(issue, issue).next
-        wait = p.wait if p.wait.op != "placeholder" else output  # a bucket issued with the graph's inputs
-        later = issues[at + GATHER_LAG] if at + GATHER_LAG < len(issues) else None
-        if later is not None and position[later] > position[issue]:
-            # After the later bucket's issue point: its reduce-scatter is spliced in there before
-            # this node, then this bucket's wait (a later bucket issued at the same node: at the output).
-            wait = later.next
+        wait = _update_point(at, p, issues, position, output)
         late_points.append(wait)
         gathered = splice(graph, update, grads + params + new_rest[b.index], early, b.index, late=(late, wait))
         cursor[issue] = early.prev  # the next bucket issued at this point follows this one
@@ -330,6 +342,27 @@ def insert_sharded_updates(
     return shards
 
 
+def _update_point(at: int, placement: Any, issues: list[fx.Node], position: Mapping[fx.Node, int], output: fx.Node) -> fx.Node:
+    """The node bucket ``at``'s wait, update and all-gather go before: right after the next
+    bucket's issue point (GATHER_LAG), where its reduce-scatter is spliced in before this node;
+    else (a later bucket issued at the same node, or the last bucket) its own wait point."""
+    issue = placement.issue
+    later = issues[at + GATHER_LAG] if at + GATHER_LAG < len(issues) else None
+    if later is not None and later.op != "placeholder" and (issue.op == "placeholder" or position[later] > position[issue]):
+        return later.next
+    return placement.wait if placement.wait.op != "placeholder" else output  # a bucket issued with the graph's inputs
+
+
+def _reads_after(point: fx.Node, memory: set[int], output: fx.Node) -> bool:
+    """Whether a node from ``point`` to the output reads any of ``memory`` (storages)."""
+    node = point
+    while node is not output:
+        if any(storage_of(a.meta.get("val")) in memory for a in node.all_input_nodes):
+            return True
+        node = node.next
+    return False
+
+
 def _write_point(late_points: list[fx.Node], at: int, params: list[fx.Node], output: fx.Node) -> fx.Node:
     """Where bucket ``at``'s wait and writes go: right after the next bucket's update and
     all-gather (its all-gather went on the wire before that bucket's, so it is done or nearly:
@@ -340,12 +373,7 @@ def _write_point(late_points: list[fx.Node], at: int, params: list[fx.Node], out
         return output
     point = late_points[at + 1]
     memory = {storage_of(p.meta.get("val")) for p in params} - {None}
-    node = point
-    while node is not output:
-        if any(storage_of(a.meta.get("val")) in memory for a in node.all_input_nodes):
-            return output
-        node = node.next
-    return point
+    return output if _reads_after(point, memory, output) else point
 
 
 def _splice_write(graph: fx.Graph, point: fx.Node, bucket: Bucket, write: fx.GraphModule, gathered: Any, params: list[fx.Node]) -> None:

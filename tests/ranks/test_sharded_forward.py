@@ -54,7 +54,17 @@ def _train(rank: int, world: int, name: str) -> None:
                 case.loss(ref, rank, 50 + step).backward()
         loss = case.loss(ours, rank, step)  # completes the step before's all-gathers
         _assert_params(mine, ref.module, case.tol, f"{name}: after step {step}'s forward")
+        before = [p.detach().clone() for p in mine.parameters()]
         loss.backward()
+        # Until the next forward writes them, the parameters whose all-gathers are pending hold
+        # the previous step's values, on every rank alike: no compiler pass folded the update
+        # into them (graph.trace.fresh_copy). (Those on a fallback, such as after no_sync, took
+        # torch's step at the end of the backward: nothing pending for them.)
+        pending = {n for p in gathers._pending.values() for n in p.names}
+        held = [(n, p, old) for (n, p), old in zip(mine.named_parameters(), before) if n in pending]
+        assert held or step == case.no_sync_step, f"{name} step {step}: no pending parameter to check"
+        for n, p, old in held:
+            assert torch.equal(p.detach(), old), f"{name} step {step}: the backward wrote {n}"
         case.loss(ref, rank, step).backward()
         for o, s in ((opt, sched), (ref_opt, ref_sched)):
             o.step()

@@ -13,6 +13,7 @@ from graphddp.graph.verify import VerificationError
 from graphddp.models import MLP
 from graphddp.optim import insert_shard
 from graphddp.optim.verify_shard import verify_sharded
+from graphddp.testing import release_process_group
 from graphddp.values.collectives import kind
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY
 from graphddp.values.shards import chunk, owners, part
@@ -215,6 +216,25 @@ def test_a_bucket_is_written_early_only_where_nothing_after_reads_its_old_values
         point = insert_shard._write_point([nodes["add"], nodes["mul"]], 0, [nodes["p"]], output)
         assert point is (nodes["mul"] if early else output), fn.__name__
     assert insert_shard._write_point([nodes["add"]], 0, [nodes["p"]], output) is output, "the last bucket: at the output"
+
+
+def test_the_update_writes_a_private_copy_where_old_values_are_read_after_it(fake_world):
+    """gather="forward": the parameters keep their values until the next forward, so each part
+    is updated in memory of its own (an empty tensor and a copy, which inductor cannot fold into
+    the parameter as it folds a clone). gather="backward" on this MLP: nothing reads a parameter
+    after its update, so a clone, which inductor may fold (no copy made)."""
+    empty = torch.ops.aten.empty.memory_format
+    for gather, private in (("forward", True), ("backward", False)):
+        fake_world(4)
+        model = MLP(width=32, depth=4)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        gd = graphddp.compile(model, optimizer=opt, sharding="optimizer", gather=gather, backend="aot_eager", bucket_cap_mb=0.005)
+        gd(torch.randn(8, 16)).sum().backward()
+        (record,) = gd.records
+        for b in record.schedule.buckets:
+            mine = [n for n in record.graph.graph.nodes if n.meta.get(BUCKET_KEY) == b.index and n.meta.get(ROLE_KEY) == "update"]
+            assert sum(n.target is empty for n in mine) == (len(b.slots) if private else 0), (gather, b.index)
+        release_process_group()
 
 
 def test_each_gradient_is_scaled_before_its_bucket_is_concatenated(fake_world):
