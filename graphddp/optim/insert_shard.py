@@ -22,8 +22,9 @@ functions are traced on the graph's fake values and spliced in, in the layout of
     # output. gather="forward" too, but its all-gather is issued at the output: what the
     # reduce-scatter received is freed early, and the backward's link carries reduce-scatters only.
     update          work_i = a copy of param_i.flat[lo_i:hi_i]   (this rank's part of the parameter;
-                    a clone, which inductor folds into the parameter, or, where the parameter's
-                    old values are read after the update, a copy it cannot fold: _clone)
+                    a clone, which inductor folds into the parameter (_clone), or, where the
+                    parameter's old values are read after the update, a copy it cannot fold
+                    (graph.trace.fresh_copy))
     wait            wait_tensor; decompress (a cast back)
     update          the optimizer's math on work_i, the part of the gradient and the part's
                     state (inputs, written in place), for every slot with a non-empty part
@@ -59,7 +60,7 @@ parameter written exactly once after every other read of its memory, no gradient
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.fx as fx
@@ -282,7 +283,7 @@ def insert_sharded_updates(
     traced = []
     for at, shard in enumerate(shards):  # every bucket traced before the first edit
         b = shard.bucket
-        memory = {storage_of(inputs.values[n]) for n in b.param_names} - {None}
+        memory = _storages(inputs.values[n] for n in b.param_names)
         private = b.gather == "forward" or _reads_after(_update_point(at, placements[b.index], issues, position, output), memory, output)
         grads = [outs[s.output_index] for s in b.slots]
         params = [inputs.values[n] for n in b.param_names]
@@ -353,6 +354,11 @@ def _update_point(at: int, placement: Any, issues: list[fx.Node], position: Mapp
     return placement.wait if placement.wait.op != "placeholder" else output  # a bucket issued with the graph's inputs
 
 
+def _storages(values: Iterable[Any]) -> set[int]:
+    """The memory behind these (fake) tensor values, as :func:`_reads_after` compares it."""
+    return {storage_of(v) for v in values} - {None}
+
+
 def _reads_after(point: fx.Node, memory: set[int], output: fx.Node) -> bool:
     """Whether a node from ``point`` to the output reads any of ``memory`` (storages)."""
     node = point
@@ -372,8 +378,7 @@ def _write_point(late_points: list[fx.Node], at: int, params: list[fx.Node], out
     if at + 1 >= len(late_points) or late_points[at + 1] is output:
         return output
     point = late_points[at + 1]
-    memory = {storage_of(p.meta.get("val")) for p in params} - {None}
-    return output if _reads_after(point, memory, output) else point
+    return output if _reads_after(point, _storages(p.meta.get("val") for p in params), output) else point
 
 
 def _splice_write(graph: fx.Graph, point: fx.Node, bucket: Bucket, write: fx.GraphModule, gathered: Any, params: list[fx.Node]) -> None:

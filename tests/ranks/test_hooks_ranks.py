@@ -14,6 +14,7 @@ import copy
 
 import pytest
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 from matrix_models import _gpt2_batch, _hf_gpt2
@@ -217,8 +218,6 @@ class _AliasedGradient(nn.Module):
 
 def _divide_in_place(state, bucket):
     """DDP's allreduce_hook as a user ports it: the buffer divided in place, then summed."""
-    import torch.distributed._functional_collectives as funcol
-
     buf = bucket.buffer()
     buf.div_(bucket.world_size)
     return funcol.all_reduce(buf, "sum", bucket.group)

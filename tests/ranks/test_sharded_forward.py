@@ -134,7 +134,6 @@ def test_load_state_dict_between_steps_is_not_overwritten() -> None:
     spawn(_load_between_steps, 2, None)
 
 
-
 def _one_rank_saves(rank: int, world: int, _: Any) -> None:
     """Rank 0 alone calls ``state_dict()`` between a backward and the next forward, as training
     scripts save checkpoints, and then every rank all-reduces its loss for the log: rank 0 gets
