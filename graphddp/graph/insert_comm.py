@@ -76,7 +76,7 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from graphddp.graph.trace import fresh_copy, role, splice, trace
+from graphddp.graph.trace import fresh_copy, role, set_outputs, splice, trace
 from graphddp.hooks import builtin as hooks
 from graphddp.hooks.traced import GradBucket, HookState, StateSpec, TracedHook
 from graphddp.values.collectives import backend_of, kind
@@ -469,7 +469,7 @@ def insert_collectives(
         for slot, view in zip(p.bucket.slots, views, strict=True):
             if not slot.zero_filled:  # DDP leaves an unused parameter's gradient as it was
                 outs[slot.output_index] = view
-    output.args = (tuple(outs),)
+    set_outputs(graph, outs)
     graph.lint()
     gm.recompile()
     return gm

@@ -50,6 +50,36 @@ def fresh_copy(t: torch.Tensor) -> torch.Tensor:
     return aten.copy_.default(aten.empty.memory_format(list(t.shape), dtype=t.dtype, device=t.device), t)
 
 
+def set_outputs(graph: fx.Graph, outs: Sequence[Any]) -> None:
+    """Make ``outs`` the graph's outputs, and keep the output node's bookkeeping true.
+
+    Every pass that adds, drops (``None``) or replaces an output writes it through here.
+    Inductor reads the output node's meta in passes that run only for some inputs:
+    ``user_visible_output_idxs`` (set by ``compile_fx_backward`` before graphddp's rewrite)
+    and ``original_output_strides`` (recorded from it) decide which outputs keep their
+    strides, and comprehensive padding (GPU inputs only) follows every index listed there to
+    a node. An index whose output graphddp dropped (a gradient updated inside the graph)
+    crashed it: ``'NoneType' object has no attribute 'target'``. So: an index stays visible
+    while its output is a node; an output added past the old ones (values the runtime reads,
+    such as a bucket's all-gather) is visible, so its strides are the traced ones; recorded
+    strides are recorded again from the new outputs' values.
+    """
+    output = graph.output_node()
+    old = len(output.args[0]) if isinstance(output.args[0], (tuple, list)) else 1
+    output.args = (tuple(outs),)
+    visible = output.meta.get("user_visible_output_idxs")
+    if visible is not None:
+        keep = set(visible)
+        output.meta["user_visible_output_idxs"] = [
+            i for i, o in enumerate(outs) if isinstance(o, fx.Node) and (i in keep or i >= old)
+        ]
+    if "original_output_strides" in output.meta:
+        output.meta["original_output_strides"] = [
+            val.stride() if isinstance(o, fx.Node) and isinstance(val := o.meta.get("val"), torch.Tensor) else None
+            for o in outs
+        ]
+
+
 def _role_of(node: fx.Node) -> str | None:
     custom = node.meta.get("custom")
     return custom.get(ROLE_KEY) if isinstance(custom, dict) else None

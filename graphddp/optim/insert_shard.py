@@ -68,7 +68,7 @@ from torch._guards import detect_fake_mode
 
 from graphddp.graph.capture import ancestors, storage_of
 from graphddp.graph.insert_comm import place_buckets
-from graphddp.graph.trace import fresh_copy, role, splice, trace
+from graphddp.graph.trace import fresh_copy, role, set_outputs, splice, trace
 from graphddp.hooks import builtin as hooks
 from graphddp.optim.attached import F64, UPDATES, UpdateRule, step_dtype
 from graphddp.optim.insert_update import UpdateInputs, add_update_inputs, parameter_nodes
@@ -337,7 +337,7 @@ def insert_sharded_updates(
     for at in sorted(deferred, reverse=True):
         shard, _, gather = traced[at]
         deferred[at] = splice(graph, gather, [deferred[at]], output, shard.bucket.index)
-    output.args = (tuple(outs) + tuple(deferred[at] for at in sorted(deferred)),)
+    set_outputs(graph, list(outs) + [deferred[at] for at in sorted(deferred)])
     graph.lint()
     gm.recompile()
     return shards

@@ -38,7 +38,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from graphddp.graph.capture import storage_of, views_of
-from graphddp.graph.trace import splice, trace
+from graphddp.graph.trace import set_outputs, splice, trace
 from graphddp.optim import attached as optim
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY
 from graphddp.values.schedule import Schedule
@@ -190,7 +190,7 @@ def insert_update(gm: fx.GraphModule, schedule: Schedule, inputs: UpdateInputs) 
         splice(graph, traced, args, _update_point(graph, bucket.index, [param_node[s.param_name] for s in updated], grads), bucket.index)
         for s in updated:
             outs[s.output_index] = None
-    output.args = (tuple(outs),)
+    set_outputs(graph, outs)
     graph.lint()
     gm.recompile()
     return gm
