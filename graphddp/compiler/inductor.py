@@ -47,9 +47,13 @@ def compile_inductor(
     forward's compiled code by what it returns, given the graph before inductor compiled it and
     ``compile_graph(variant, extra example inputs)``, which compiles a variant of it on first use.
     """
-    job = _InductorCompile(gm, example_inputs, record_forward, rewrite, dispatch, patches, phase_now, graph_index, cache)
+    job = _InductorCompile(gm, record_forward, rewrite, dispatch, patches, phase_now, graph_index, cache)
     job.wrap_forward = wrap_forward
-    return job.cold() if cache is None else job.through_cache(cache)
+    # The example inputs are passed down, never kept: they are the real tensors of Dynamo's first
+    # call (a graph after a break gets the previous graph's outputs: a GPT's logits), and the job
+    # lives as long as the compiled code does. Kept, they held 786 MB of GPT-2's step-0 logits on
+    # a GPU for the whole run (issue 36); a later compile (a cache hit's derivation) fakes them.
+    return job.cold(example_inputs) if cache is None else job.through_cache(cache, example_inputs)
 
 
 class _InductorCompile:
@@ -57,11 +61,11 @@ class _InductorCompile:
     of a compile as methods (what were closures of one long function)."""
 
     def __init__(
-        self, gm: fx.GraphModule, example_inputs: Sequence[Any], record_forward: Callable[[fx.GraphModule], None],
+        self, gm: fx.GraphModule, record_forward: Callable[[fx.GraphModule], None],
         rewrite: Callable[[fx.GraphModule], dict[str, GraphRecord]], dispatch: Callable[..., BackwardDispatch],
         patches: dict[str, Any], phase_now: str, graph_index: int, cache: compile_cache.Key | None,
     ) -> None:
-        self.gm, self.example_inputs = gm, example_inputs
+        self.gm = gm
         self.record_forward, self.rewrite, self.dispatch = record_forward, rewrite, dispatch
         self.patches, self.phase_now, self.graph_index, self.cache = patches, phase_now, graph_index, cache
         self.wrap_forward: Callable[..., Any] | None = None
@@ -146,12 +150,12 @@ class _InductorCompile:
     def finish_cold(self, records: dict[str, GraphRecord], synced: Any, grads: Any, plain: Any, compiled: Any, facts: Any) -> BackwardDispatch:
         return self.dispatch(records, synced, grads, plain, {self.phase_now: compiled})
 
-    def cold(self) -> Callable[..., Any]:
+    def cold(self, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         """Without the AOTAutograd cache."""
-        return self.run_compile_fx(self.example_inputs, self.finish_cold)
+        return self.run_compile_fx(example_inputs, self.finish_cold)
 
     # -- through the cache: a miss stores, a hit dispatches the cached code -------------------------
-    def through_cache(self, cache: compile_cache.Key) -> Callable[..., Any]:
+    def through_cache(self, cache: compile_cache.Key, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         from torch._inductor import config as inductor_config
 
         entry = compile_cache.load(cache.key)
@@ -162,11 +166,11 @@ class _InductorCompile:
                 # Another plan than the cached code's (bucket_cap_mb="auto" under a cost model
                 # calibrated anew): compile cold, and leave both entries to the plan they hold.
                 compile_cache.count("replanned")
-                return self.cold()
+                return self.cold(example_inputs)
         catcher = compile_cache.hit_catcher(entry, inductor_config.cudagraph_policy)
         forward: dict[str, Any] = {}
         on_forward, finish_and_store = self._storing(cache, catcher, forward)
-        compiled_fn = self.run_compile_fx(self.example_inputs, finish_and_store, on_forward, catcher)
+        compiled_fn = self.run_compile_fx(example_inputs, finish_and_store, on_forward, catcher)
         if "key" in forward:  # a miss: compiled cold; the backward and both entries at the first backward
             compile_cache.count("miss")
             return compiled_fn
@@ -177,8 +181,8 @@ class _InductorCompile:
             # AOTAutograd hit an entry that graphddp's does not name (none, or another plan's):
             # compile cold, and write graphddp's entry for the next run.
             compile_cache.count("stale")
-            return self.run_compile_fx(self.example_inputs, finish_and_store, on_forward)
-        return self._hit(entry, plan_now, catcher, compiled_fn)
+            return self.run_compile_fx(example_inputs, finish_and_store, on_forward)
+        return self._hit(entry, plan_now, catcher, compiled_fn, example_inputs)
 
     def _storing(self, cache: compile_cache.Key, catcher: Any, forward: dict[str, Any]) -> tuple[Callable[..., None], Callable[..., BackwardDispatch]]:
         """The forward and backward callbacks of a compile whose entries go to the cache."""
@@ -207,7 +211,9 @@ class _InductorCompile:
 
         return on_forward, finish_and_store
 
-    def _hit(self, entry: Any, plan_now: Any, catcher: Any, compiled_fn: Callable[..., Any]) -> Callable[..., Any]:
+    def _hit(
+        self, entry: Any, plan_now: Any, catcher: Any, compiled_fn: Callable[..., Any], example_inputs: Sequence[Any],
+    ) -> Callable[..., Any]:
         """A hit: this run's plan around the cached backward code; what the cache does not
         hold (the local variant) is derived by one cold compile if a step ever needs it."""
         phase_now = self.phase_now
@@ -227,7 +233,7 @@ class _InductorCompile:
             self.run_compile_fx(inputs, finish_derived, on_derived_forward, eager_backward=True)
             return compile_cache.Derived(got["records"], got["plain"], got.get("fw_key"), got.get("bw_key"))
 
-        derivation = compile_cache.Derivation(self.graph_index, entry, plan_now, compile_cold, self.example_inputs)
+        derivation = compile_cache.Derivation(self.graph_index, entry, plan_now, compile_cold, example_inputs)
         record = compile_cache.hit_record(plan_now, getattr(catcher.bw_code, "source_code", None), phase_now, derivation)
         compile_cache.log_hit(self.graph_index, plan_now)
         backward = self.dispatch(  # one phase (no traced hook), no update (no optimizer): see plan_key
