@@ -20,12 +20,33 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 
+# Set to "1" (graphddp's suite sets it), spawned ranks and force_inductor_gpu_paths' callers
+# compile CPU graphs through the inductor paths that otherwise run only for GPU inputs.
+GPU_PATHS_ENV = "GRAPHDDP_TEST_INDUCTOR_GPU_PATHS"
+
+
+def force_inductor_gpu_paths() -> None:
+    """Make inductor take, for CPU graphs, the compile paths it otherwise takes only for GPU
+    inputs, where a CPU switch exists: comprehensive padding (``disable_padding_cpu``). Such a
+    path reads graph bookkeeping a CPU compile never reads (the output node's
+    ``user_visible_output_idxs`` and ``original_output_strides``): a rewrite that left it stale
+    crashed on every GPU and passed every CPU test. Process-wide, for test processes."""
+    from torch._inductor import config as inductor_config
+
+    if hasattr(inductor_config, "disable_padding_cpu"):
+        inductor_config.disable_padding_cpu = False
+    inductor_config.comprehensive_padding = True
+
+
 def _init_rank(rank: int, world_size: int, store_path: str, pg_timeout: float) -> None:
-    """One spawned rank: one thread, a gloo group over a file store, faulthandler on."""
+    """One spawned rank: one thread, a gloo group over a file store, faulthandler on; inductor's
+    GPU-only paths on when ``GPU_PATHS_ENV`` asks (:func:`force_inductor_gpu_paths`)."""
     # A rank that dies in C++ (abort, segfault) reports no Python traceback; faulthandler
     # prints where each thread was, so a crash in CI says more than an exit code.
     faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
+    if os.environ.get(GPU_PATHS_ENV) == "1":
+        force_inductor_gpu_paths()
     dist.init_process_group(
         "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
         timeout=datetime.timedelta(seconds=pg_timeout),

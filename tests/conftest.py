@@ -10,6 +10,13 @@ os.environ.setdefault(
     "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "graphddp-test-inductor-cache")
 )
 torch.set_num_threads(1)
+# Inductor's GPU-only compile paths (comprehensive padding) on CPU graphs, here and in every
+# spawned rank: a rewrite that leaves the graph's bookkeeping stale fails here, not on a GPU.
+os.environ.setdefault("GRAPHDDP_TEST_INDUCTOR_GPU_PATHS", "1")
+if os.environ["GRAPHDDP_TEST_INDUCTOR_GPU_PATHS"] == "1":
+    from graphddp.testing import force_inductor_gpu_paths
+
+    force_inductor_gpu_paths()
 
 
 @pytest.fixture(scope="session", autouse=True)
