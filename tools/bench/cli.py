@@ -67,8 +67,26 @@ def resolve_modes(spec: str) -> tuple[str, ...]:
     return tuple(m for m in MODES if m in asked | {"graphddp"})
 
 
+def _device(argv: list[str]) -> str:
+    """``--device`` (cpu unless given): the CUDA benchmark is another program (tools.bench.cuda)."""
+    for i, a in enumerate(argv):
+        if a == "--device" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--device="):
+            return a.split("=", 1)[1]
+    return "cpu"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    device = _device(argv)
+    if device == "cuda":
+        from tools.bench import cuda
+
+        return cuda.main(argv)
+    if device != "cpu":
+        raise SystemExit(f"python -m tools.bench: --device must be cpu or cuda, got {device!r}")
+    argv = [a for i, a in enumerate(argv) if a != "--device" and not a.startswith("--device=") and (i == 0 or argv[i - 1] != "--device")]
     args = parse_args(argv)
     network: dict[str, Any]
     if args.link_gbit > 0 and os.environ.get(NETNS_ENV) != "1":

@@ -1,0 +1,78 @@
+"""The CUDA benchmark's parts that run without a GPU: its allocation-site reader on a snapshot
+made by hand, the refusal where CUDA is absent, and its processes end to end on CPU
+(``--simulate-on-cpu``: the same workers, turns and report, memory read as 0)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tools.bench import memsites
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+MB = memsites.MB
+
+
+def _frames(*where: tuple[str, int, str]) -> list[dict]:
+    return [{"filename": f, "line": line, "name": name} for f, line, name in where]
+
+
+USER = ("/work/x/train.py", 12, "step")
+GRAPHDDP = ("/work/x/graphddp/optim/attached.py", 309, "update_args")
+TORCH = ("/venv/lib/python3.11/site-packages/torch/nn/modules/linear.py", 125, "forward")
+
+
+def _snapshot() -> dict:
+    return {"segments": [{"blocks": [
+        {"address": 0, "size": 4 * MB, "state": "active_allocated", "frames": _frames(TORCH, USER)},
+        {"address": 4 * MB, "size": 2 * MB, "state": "active_allocated", "frames": _frames(TORCH, GRAPHDDP, USER)},
+        {"address": 6 * MB, "size": 1 * MB, "state": "inactive", "frames": _frames(USER)},
+        {"address": 7 * MB, "size": 1 * MB, "state": "active_allocated"},
+    ]}]}
+
+
+def test_live_blocks_are_grouped_by_the_frame_that_names_them():
+    rows = {site: (mb, n) for site, mb, n in memsites.live_sites(_snapshot())}
+    assert rows == {"train.py:12 step": (4.0, 1), "graphddp/optim/attached.py:309 update_args": (2.0, 1),
+                    memsites.BEFORE: (1.0, 1)}
+
+
+def test_the_peak_is_found_from_the_blocks_before_and_the_trace():
+    before = memsites.live_blocks(_snapshot())  # 7 MB
+    trace = [
+        {"action": "alloc", "addr": 100 * MB, "size": 3 * MB, "frames": _frames(USER)},  # 10
+        {"action": "free_requested", "addr": 0},  # still counted until completed
+        {"action": "alloc", "addr": 200 * MB, "size": 2 * MB, "frames": _frames(GRAPHDDP)},  # 12: the peak
+        {"action": "free_completed", "addr": 0},  # 8
+        {"action": "alloc", "addr": 300 * MB, "size": 3 * MB, "frames": _frames(USER)},  # 11
+    ]
+    peak, rows = memsites.peak_sites(before, trace)
+    assert peak == 12.0
+    assert dict((s, mb) for s, mb, _ in rows)["train.py:12 step"] == 7.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message where CUDA is absent")
+def test_without_cuda_it_says_so_and_runs_nothing(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "tools.bench", "--device", "cuda", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "CUDA is not available" in done.stdout, done.stdout + done.stderr
+    assert not os.path.exists(tmp_path / "bench_cuda.json")
+
+
+def test_its_processes_take_turns_and_report_on_cpu(tmp_path):
+    modes = "compile,graphddp_optim"
+    done = subprocess.run(
+        [sys.executable, "-m", "tools.bench", "--device", "cuda", "--simulate-on-cpu", "--model", "cnn", "--backend",
+         "aot_eager", "--modes", modes, "--rounds", "2", "--steps", "1", "--warmup", "1", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.load(open(tmp_path / "bench_cuda.json"))["modes"]
+    assert sorted(result) == sorted(modes.split(","))
+    for mode, row in result.items():
+        assert len(row["round_ms"]) == 2 and row["step_ms"] > 0, (mode, row)
+        assert row["params"] == sum(p.numel() for p in __import__("graphddp.models").models.CNN().parameters())
+    assert "| graphddp_optim |" in open(tmp_path / "bench_cuda.txt").read()
