@@ -25,12 +25,21 @@ $(VENV4)/.installed: pyproject.toml
 	$(VENV4)/bin/python -m pip install -q -e '.[test-tools]' '$(TORCH)' 'transformers>=4.40,<5'
 	touch $@
 
-.PHONY: demo test test-transformers4 bench
+# One GPU: the GPU lane (tests/gpu: every mode against DDP on CUDA, and the CUDA benchmark's
+# memory bounds) with the machine's own Python, whose torch must be a CUDA build (the CPU wheel
+# the other targets pin cannot see a GPU); it needs transformers and pytest there. Without CUDA
+# every test skips. GRAPHDDP_GPU_OUT names where the benchmark's table goes (bench_out/).
+PYTHON_GPU ?= python3
+
+.PHONY: demo test test-transformers4 test-gpu bench
 demo: $(VENV)/.installed-base
 	$(PY) examples/demo.py
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q
+
+test-gpu:
+	$(PYTHON_GPU) -m pytest -q -p no:cacheprovider -rA tests/gpu
 
 test-transformers4: $(VENV4)/.installed
 	$(VENV4)/bin/python -m pytest -q
