@@ -521,7 +521,7 @@ def test_feature_matches_ddp_aot_eager(model, feature):
 
 
 # fp16_compress runs with broadcast_buffers on and compares BatchNorm's buffers with DDP's.
-INDUCTOR = {"hf_gpt2": ("no_sync",), "namespace_bn": ("fp16_compress",)}
+INDUCTOR = {"hf_gpt2": ("no_sync",), "namespace_bn": ("fp16_compress", "bf16_compress")}
 INDUCTOR_CASES = [(m, f) for m, fs in INDUCTOR.items() for f in fs]
 
 
