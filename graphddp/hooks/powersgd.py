@@ -18,10 +18,11 @@ settings (the tests compare them):
 
 What is eager and what is in the graph. Random numbers never enter the graph (every rank
 would draw its own): before a step, :meth:`PowerSGD.before_step` fills a bucket's Q state
-with ``torch.randn`` exactly as DDP does (a seed from ``numpy.random.RandomState(random_seed)``
-per bucket, ``randn`` per matrix group on the CPU), when the bucket has no Q yet or
-``warm_start`` is off. Everything else is traced: the two state tensors per bucket (``"q"``
-and ``"error"``, :class:`~graphddp.hooks.traced.HookState`) are graph inputs written in place.
+with the values DDP draws (a seed from ``numpy.random.RandomState(random_seed)`` per bucket,
+``randn`` per matrix group on the CPU), when the bucket has no Q yet or ``warm_start`` is off.
+Both generators are the hook's own: unlike DDP's hook, it never reseeds the user's global
+ones. Everything else is traced: the two state tensors per bucket (``"q"`` and ``"error"``,
+:class:`~graphddp.hooks.traced.HookState`) are graph inputs written in place.
 The step count advances once per synchronising backward, at its end, as DDP's
 ``bucket.is_last()`` does; ``no_sync`` steps do not count, as in DDP.
 
@@ -232,13 +233,15 @@ class PowerSGD(TracedHook):
             layout = self.layout(bucket)
             dtype = getattr(torch, bucket.dtype)
             q_state = states.tensors[states.key(graph_index, bucket.index, "q")]
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(self.rng.randint(1_000_000_000))
-                at = 0
-                for g in layout.groups:
-                    q = torch.randn(len(g.slots), g.cols, g.rank, device="cpu", dtype=dtype)
-                    q_state[at:at + g.q_numel].copy_(q.reshape(-1))
-                    at += g.q_numel
+            # DDP seeds torch's CPU generator inside fork_rng(devices=[]); torch.manual_seed
+            # reseeds every CUDA generator too, which that fork does not restore. A private CPU
+            # generator with the same seed draws the same values and leaves the user's alone.
+            generator = torch.Generator().manual_seed(self.rng.randint(1_000_000_000))
+            at = 0
+            for g in layout.groups:
+                q = torch.randn(len(g.slots), g.cols, g.rank, device="cpu", dtype=dtype, generator=generator)
+                q_state[at:at + g.q_numel].copy_(q.reshape(-1))
+                at += g.q_numel
             self._has_q.add(key)
 
     def after_backward(self) -> None:

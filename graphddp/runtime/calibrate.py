@@ -239,7 +239,9 @@ def _fastest_seconds(run: Callable[[], Any], sync: Callable[[], None], repeats: 
 
 def _compute_times(device: torch.device, sync: Callable[[], None]) -> list[float]:
     n = _MATMUL_N.get(device.type, 256)
-    a = torch.randn(n, n, device=device)
+    # A private generator: the global ones are the user's (a draw from them here would shift
+    # every batch a training loop samples after wrapping, and its run would no longer equal DDP's).
+    a = torch.randn(n, n, device=device, generator=torch.Generator(device).manual_seed(0))
     big = torch.empty(_COPY_BYTES // 4, device=device)
     into = torch.empty_like(big)  # preallocated: a fresh clone would time the page faults
     one = torch.zeros(1, device=device)
