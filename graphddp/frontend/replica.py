@@ -179,11 +179,6 @@ class Replica:
     def schedules(self) -> list[Schedule]:
         return [r.schedule for r in self._records]
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        with self.step.local():
-            yield
-
     def before_forward(self) -> None:
         """Broadcast buffers; start averaging gradients accumulated under ``no_sync``; inside
         ``join()``, tell the joined ranks what this step does (:mod:`graphddp.runtime.join`)."""
@@ -284,7 +279,8 @@ def _reached_parameters(out: Any, wanted: set[int]) -> set[int]:
 
 class ReplicaView(Joinable):
     """What both forms show of their :class:`Replica` (``self._replica``): the plans, the
-    rewritten graphs, the world size, and DDP's ``no_sync`` and ``join``. A ``Joinable``, so
+    rewritten graphs, the world size, and DDP's ``no_sync``, ``require_backward_grad_sync``
+    and ``join``. A ``Joinable``, so
     ``torch.distributed.algorithms.Join([model, ...])`` takes it (:mod:`graphddp.runtime.join`)."""
 
     _replica: Replica
@@ -338,18 +334,39 @@ class ReplicaView(Joinable):
         """Schedules with the rewritten graphs and, under inductor, the generated code."""
         return self._replica.records
 
-    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's switch (nanoGPT sets it per micro-step instead of using ``no_sync()``): read
+        at every forward; the backward of a forward run while it is False accumulates
+        gradients locally, with no communication, exactly as under :meth:`no_sync`, which
+        sets it to False and restores it. Held by the step (:meth:`StepState.set_sync`);
+        assigned values count by their truth, as DDP reads them."""
+        return self._replica.step.sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._replica.step.set_sync(bool(value))
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients locally, with no communication.
 
-        As in DDP, what counts is where the *forward* runs: the backward of a forward run
-        inside uses each compiled graph's communication-free backward, whatever the frame
-        structure (graph breaks included; see :mod:`graphddp.runtime.dispatch`). The next
-        synchronised backward yields DDP's result: the average over ranks of everything
-        accumulated. The locally accumulated gradients are averaged by one async all-reduce
-        launched when that synchronised forward starts and waited when it ends, so it hides
-        behind the forward; the new gradients are reduced in the backward graph as usual.
+        DDP's implementation: ``require_backward_grad_sync`` is False inside and restored on
+        exit, so the two never disagree. As in DDP, what counts is where the *forward* runs:
+        the backward of a forward run inside uses each compiled graph's communication-free
+        backward, whatever the frame structure (graph breaks included; see
+        :mod:`graphddp.runtime.dispatch`). The next synchronised backward yields DDP's result:
+        the average over ranks of everything accumulated. The locally accumulated gradients
+        are averaged by one async all-reduce launched when that synchronised forward starts
+        and waited when it ends, so it hides behind the forward; the new gradients are
+        reduced in the backward graph as usual.
         """
-        return self._replica.no_sync()
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
 
 
 def _uncovered_error(name: str) -> Callable[[torch.Tensor], None]:
