@@ -9,9 +9,12 @@ next to ``torch.nn.parallel.DistributedDataParallel`` doing the same on the same
   micro-step run with the switch False dispatches no collective at all (counted by a dispatch
   mode around it); with ``optimizer=`` too, and in the ``graphddp.backend`` form;
 * ``no_sync()`` and the switch interleaved, ``no_sync`` nested in a False switch and the switch
-  set True inside ``no_sync`` included: DDP's ``no_sync`` is the switch, so both must follow it.
+  set True inside ``no_sync`` included: DDP's ``no_sync`` is the switch, so both must follow it;
+* ``register_comm_hook`` with each of DDP's four hooks (the plain all-reduce, fp16 and bf16
+  compression, PowerSGD with its ``PowerSGDState``) against DDP with the same hook.
 
-One process is enough for the switch's state: ``tests/unit/test_ddp_surface.py``.
+The refusals (a hook registered late, twice, on top of ``comm_hook=``) need no second rank:
+``tests/unit/test_ddp_surface.py``.
 """
 from __future__ import annotations
 
@@ -19,8 +22,11 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ddp_powersgd
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils import _pytree as pytree
@@ -33,6 +39,8 @@ from graphddp.testing import paired_grads, spawn
 CAP = 0.01  # three buckets on the MLP
 MICRO = 4  # micro-steps per optimizer step
 FP32_TOL = {"atol": 1e-5, "rtol": 1e-4}
+FP16_TOL = {"atol": 1e-3, "rtol": 2e-3}
+BF16_TOL = {"atol": 1e-2, "rtol": 1.6e-2}
 
 
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,3 +210,63 @@ def _backend_form_switch(rank: int, world: int) -> None:
 
 def test_the_backend_forms_switch_accumulates_like_ddp():
     spawn(_backend_form_switch, 2)
+
+
+# -- register_comm_hook with DDP's own hooks ------------------------------------------------------
+
+
+def _serial_powersgd(state, bucket):
+    """DDP's powerSGD_hook, each bucket waited for inside the hook: on gloo, DDP's PowerSGD
+    deadlocks with two buckets in flight (tests/ranks/test_hooks_ranks.py); its arithmetic is
+    unchanged."""
+    fut = ddp_powersgd.powerSGD_hook(state, bucket)
+    fut.wait()
+    return fut
+
+
+POWERSGD = dict(matrix_approximation_rank=1, start_powerSGD_iter=2, random_seed=3)
+# hook -> (how DDP registers it, what graphddp compiles it as, the dtype buckets travel in, tolerance)
+HOOKS = {
+    "allreduce_hook": (default_hooks.allreduce_hook, None, None, FP32_TOL),
+    "fp16_compress_hook": (default_hooks.fp16_compress_hook, "fp16_compress", "float16", FP16_TOL),
+    "bf16_compress_hook": (default_hooks.bf16_compress_hook, "bf16_compress", "bfloat16", BF16_TOL),
+    "powerSGD_hook": (ddp_powersgd.powerSGD_hook, "PowerSGD", None, {"atol": 2e-6, "rtol": 1e-4}),
+}
+
+
+def _registered_hook(rank: int, world: int, name: str) -> None:
+    hook, compiled_as, wire_dtype, tol = HOOKS[name]
+    ref, ours = _pair()
+    if name == "powerSGD_hook":
+        ref.register_comm_hook(ddp_powersgd.PowerSGDState(None, **POWERSGD), _serial_powersgd)
+        ours.register_comm_hook(ddp_powersgd.PowerSGDState(None, **POWERSGD), hook)
+    elif name == "bf16_compress_hook":
+        # DDP.register_comm_hook refuses bf16_compress_hook without NCCL; its reducer runs it on gloo.
+        dist._register_comm_hook(ref.reducer, None, hook)
+        ours.register_comm_hook(None, hook)
+    else:
+        ref.register_comm_hook(None, hook)
+        ours.register_comm_hook(None, hook)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ref, ours)]
+    for step in range(5):
+        x, y = _batch(rank, step)
+        for m in (ref, ours):
+            F.mse_loss(m(x), y).backward()
+        _compare_grads(ours.module, ref.module, f"step {step}", tol)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    _compare_params(ours.module, ref.module, "after 5 steps", tol)
+    buckets = [b for s in ours.schedules for b in s.buckets]
+    assert len(buckets) == 3, buckets
+    if name == "powerSGD_hook":
+        assert ours.config.traced_hook.name == "PowerSGD" and ours.config.comm_hook.iter == 5, ours.config.comm_hook
+        assert {b.hook for b in buckets} == {"PowerSGD"}, [b.hook for b in buckets]
+    else:
+        assert ours.config.comm_hook == compiled_as, f"{name} compiled as comm_hook={ours.config.comm_hook!r}"
+        assert {b.comm_dtype for b in buckets} == {wire_dtype}, f"{name}: buckets travel in {[b.comm_dtype for b in buckets]}"
+
+
+@pytest.mark.parametrize("name", list(HOOKS))
+def test_register_comm_hook_with_ddps_hook_equals_ddp_with_it(name):
+    spawn(_registered_hook, 2, name)
