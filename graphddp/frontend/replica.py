@@ -121,6 +121,7 @@ def prepare(
     attached = AttachedOptimizer(optimizer, module, where) if optimizer is not None else None
     _refuse_sparse_gradients(where, module)
     device = _check_devices(module)
+    config.check_devices(where, device)
     config.check_inductor_settings(where, device)
     check_parameter_agreement(module, group)
     if dist.get_world_size(group) > 1:

@@ -11,10 +11,11 @@ next to ``torch.nn.parallel.DistributedDataParallel`` doing the same on the same
 * ``no_sync()`` and the switch interleaved, ``no_sync`` nested in a False switch and the switch
   set True inside ``no_sync`` included: DDP's ``no_sync`` is the switch, so both must follow it;
 * ``register_comm_hook`` with each of DDP's four hooks (the plain all-reduce, fp16 and bf16
-  compression, PowerSGD with its ``PowerSGDState``) against DDP with the same hook.
+  compression, PowerSGD with its ``PowerSGDState``) against DDP with the same hook;
+* DDP's constructor keywords graphddp accepts, passed to both, with a parameter no step uses.
 
-The refusals (a hook registered late, twice, on top of ``comm_hook=``) need no second rank:
-``tests/unit/test_ddp_surface.py``.
+The refusals (a hook registered late, twice, on top of ``comm_hook=``; the keywords graphddp
+refuses) need no second rank: ``tests/unit/test_ddp_surface.py``.
 """
 from __future__ import annotations
 
@@ -270,3 +271,46 @@ def _registered_hook(rank: int, world: int, name: str) -> None:
 @pytest.mark.parametrize("name", list(HOOKS))
 def test_register_comm_hook_with_ddps_hook_equals_ddp_with_it(name):
     spawn(_registered_hook, 2, name)
+
+
+# -- DDP's constructor keywords -------------------------------------------------------------------
+
+
+class WithUnused(nn.Module):
+    """An MLP and a layer no step uses (DDP needs find_unused_parameters=True for it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = models.MLP()
+        self.unused = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x)
+
+
+def _constructor_keywords(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model = WithUnused()
+    same = dict(find_unused_parameters=True, static_graph=True, gradient_as_bucket_view=True, bucket_cap_mb=CAP)
+    ref = DDP(copy.deepcopy(model), **same)  # DDP takes no device_ids for a CPU module
+    ours = graphddp.compile(
+        copy.deepcopy(model), backend="aot_eager", device_ids=[torch.device("cpu")], output_device="cpu", **same
+    )
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ref, ours)]
+    for step in range(3):
+        x, y = _batch(rank, step)
+        for m in (ref, ours):
+            F.mse_loss(m(x), y).backward()
+        _compare_grads(ours.module, ref.module, f"step {step}")
+        assert ours.module.unused.weight.grad is None and ref.module.unused.weight.grad is None
+        params = dict(ours.module.named_parameters())
+        for b in ours.schedules[0].buckets:  # gradient_as_bucket_view: one buffer per bucket
+            assert len({params[n].grad.untyped_storage().data_ptr() for n in b.param_names}) == 1, b.param_names
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    _compare_params(ours.module, ref.module, "after 3 steps")
+
+
+def test_ddps_constructor_keywords_graphddp_accepts_train_like_ddp_with_them():
+    spawn(_constructor_keywords, 2)

@@ -2,7 +2,8 @@
 
 The switch ``require_backward_grad_sync`` and ``no_sync()`` are one state; ``register_comm_hook``
 maps DDP's own hooks to graphddp's and refuses what DDP refuses (late, twice) and what graphddp
-cannot map, by name. Numerics against DDP: ``tests/ranks/test_ddp_surface_ranks.py``.
+cannot map, by name; DDP's constructor keywords are accepted where graphddp does what they ask
+and refused by name otherwise. Numerics against DDP: ``tests/ranks/test_ddp_surface_ranks.py``.
 """
 from __future__ import annotations
 
@@ -178,3 +179,47 @@ def test_the_backend_form_registers_a_hook_too(fake_world):
     backend.register_comm_hook(None, default_hooks.bf16_compress_hook)
     torch.compile(module, backend=backend)(X).sum().backward()
     assert {b.comm_dtype for b in backend.schedules[0].buckets} == {"bfloat16"}
+
+
+# -- DDP's constructor keywords -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("keywords", [
+    dict(device_ids=None, output_device=None),
+    dict(device_ids=[]),
+    dict(device_ids=["cpu"], output_device=torch.device("cpu")),
+    dict(device_ids=[torch.device("cpu")], output_device="cpu"),
+    dict(find_unused_parameters=True, static_graph=True, gradient_as_bucket_view=True),
+    dict(find_unused_parameters=False, static_graph=False),
+], ids=["none", "empty", "cpu-str", "cpu-device", "true", "false"])
+def test_ddps_keywords_graphddp_can_honour_are_accepted(fake_world, keywords):
+    fake_world(2)
+    model = _model(**keywords)
+    _train_step(model)
+    for name, value in keywords.items():
+        if name == "device_ids":
+            assert model.config.device_ids == (tuple(value or ()) or None)
+        else:
+            assert getattr(model.config, name) == value
+
+
+@pytest.mark.parametrize("keywords, error, match", [
+    (dict(device_ids=[0]), ValueError, r"device_ids=\[0\] does not name the device of the module's parameters \(cpu\)"),
+    (dict(device_ids=["cuda:0"]), ValueError, r"device_ids=\['cuda:0'\] does not name the device"),
+    (dict(device_ids=["cpu", "cpu"]), ValueError, r"device_ids can only be None or contain a single element"),
+    (dict(device_ids=0), ValueError, r"device_ids must be None or a list of one device"),
+    (dict(device_ids=["gpu0"]), ValueError, r"device_ids\[0\]: 'gpu0' is not a device"),
+    (dict(output_device=1), ValueError, r"output_device=1 does not name the device of the module's parameters"),
+    (dict(output_device=True), ValueError, r"output_device must name a device"),
+    (dict(find_unused_parameters="yes"), ValueError, r"find_unused_parameters must be True or False, got 'yes'"),
+    (dict(static_graph=1), ValueError, r"static_graph must be True or False, got 1"),
+    (dict(gradient_as_bucket_view=False), ValueError, r"gradient_as_bucket_view=False asks for gradients copied"),
+    (dict(dim=1, check_reduction=False), TypeError, r"\['check_reduction', 'dim'\]: DistributedDataParallel's, which graphddp does not take"),
+])
+def test_ddps_keywords_graphddp_cannot_honour_are_refused_by_name(fake_world, keywords, error, match):
+    fake_world(2)
+    with pytest.raises(error, match=match):
+        _model(**keywords)
+    with pytest.raises(error, match=match):  # the backend form takes the same options
+        graphddp.backend(MLP(), backend="aot_eager", **keywords)
+
