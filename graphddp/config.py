@@ -13,6 +13,8 @@ import dataclasses
 import math
 from typing import Any
 
+import torch
+
 from graphddp.hooks.builtin import COMM_HOOKS
 from graphddp.hooks.traced import as_traced_hook
 from graphddp.values.schedule import CostModel
@@ -113,6 +115,47 @@ def _option(default: Any, help: str) -> Any:  # noqa: A002 - argparse's word
     return dataclasses.field(default=default, metadata={"help": help})
 
 
+def _ddp_keyword(help: str) -> Any:  # noqa: A002 - argparse's word
+    """A field for one of DistributedDataParallel's constructor keywords (default None: not
+    given). Taken so that ``DDP(model, **kw)`` becomes ``graphddp.compile(model, **kw)``; none
+    shapes the plan, so the CLI, which plans in one process, has no flag for them."""
+    return dataclasses.field(default=None, metadata={"help": help, "ddp_keyword": True})
+
+
+def _ddp_constructor_keywords() -> set[str]:
+    """Every keyword of DistributedDataParallel's constructor (to say so when one is refused)."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    return set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module"}
+
+
+def _check_device_spec(name: str, value: Any) -> None:
+    """A device as DDP takes one: an accelerator index, a string or a ``torch.device``."""
+    if isinstance(value, bool) or not isinstance(value, (int, str, torch.device)) or (isinstance(value, int) and value < 0):
+        raise ValueError(f"{name} must name a device (an index, a string or a torch.device), got {value!r}")
+    if isinstance(value, str):
+        try:
+            torch.device(value)
+        except RuntimeError as e:
+            raise ValueError(f"{name}: {value!r} is not a device: {e}") from None
+
+
+def _names_device(value: Any, device: torch.device) -> bool:
+    """Does DDP's ``value`` (an index of the accelerator, a string, a device) name ``device``?
+    An index without a type, and a type without an index, resolve as DDP resolves them
+    (``torch._utils._get_device_index``: the current device of that type)."""
+    from torch._utils import _get_device_index
+
+    if isinstance(value, int):
+        return device.type != "cpu" and value == device.index
+    named = torch.device(value)
+    if named.type != device.type:
+        return False
+    return device.type == "cpu" or (named.index if named.index is not None else _get_device_index(named, True)) == device.index
+
+
 @dataclasses.dataclass(frozen=True)
 class DDPConfig:
     """Options that shape the bucket plan and the rewrite.
@@ -179,6 +222,18 @@ class DDPConfig:
     options: tuple[tuple[str, Any], ...] | None = _option(
         None, "inductor config settings, as torch.compile's options= (a dict; JSON on the command line)"
     )
+    # DistributedDataParallel's constructor keywords, each with its meaning here (docs/options.md).
+    device_ids: tuple[Any, ...] | None = _ddp_keyword(
+        "DDP's: one device, the one the module's parameters are on (graphddp runs the model where they are)"
+    )
+    output_device: Any = _ddp_keyword("DDP's: the module's parameters' device (graphddp leaves outputs where the model puts them)")
+    find_unused_parameters: bool | None = _ddp_keyword(
+        "DDP's: True or False, the same either way: graphddp finds parameters a step did not use itself"
+    )
+    static_graph: bool | None = _ddp_keyword("DDP's: True or False, the same either way: graphddp's plans are static per compiled graph")
+    gradient_as_bucket_view: bool | None = _ddp_keyword(
+        "DDP's: True only: gradients are views of their bucket's averaged buffer; False is refused"
+    )
 
     @classmethod
     def option_fields(cls) -> tuple[dataclasses.Field, ...]:
@@ -186,12 +241,19 @@ class DDPConfig:
         return dataclasses.fields(cls)
 
     @classmethod
+    def ddp_keywords(cls) -> tuple[str, ...]:
+        """The fields that are DistributedDataParallel's constructor keywords, nothing more."""
+        return tuple(f.name for f in cls.option_fields() if f.metadata.get("ddp_keyword"))
+
+    @classmethod
     def from_options(cls, where: str, options: dict[str, Any]) -> "DDPConfig":
         """Build a config from keyword options; an unknown name is a TypeError naming it."""
         known = {f.name for f in cls.option_fields()}
         unknown = sorted(set(options) - known)
         if unknown:
-            raise TypeError(f"{where} got unknown option(s) {unknown}; the options are {sorted(known)}")
+            ddp = [n for n in unknown if n in _ddp_constructor_keywords()]
+            hint = f" ({ddp}: DistributedDataParallel's, which graphddp does not take)" if ddp else ""
+            raise TypeError(f"{where} got unknown option(s) {unknown}{hint}; the options are {sorted(known)}")
         return cls(**options)
 
     def as_options(self) -> dict[str, Any]:
@@ -222,6 +284,7 @@ class DDPConfig:
             )
         object.__setattr__(self, "options", _normalise_inductor_options(self.options))
         _check_inductor_request(self.backend, self.mode, self.inductor_options)
+        self._check_ddp_keywords()
 
     @property
     def inductor_options(self) -> dict[str, Any]:
@@ -267,6 +330,51 @@ class DDPConfig:
                 "safely. Use mode='max-autotune-no-cudagraphs' or the default mode."
             )
         return patches
+
+    def _check_ddp_keywords(self) -> None:
+        """DDP's constructor keywords: each accepted where graphddp does what it asks, else
+        refused by name (never silently ignored). ``device_ids`` as a tuple (the config is
+        frozen and hashable); an empty one means not given, as in DDP."""
+        ids = self.device_ids
+        if ids is not None:
+            if not isinstance(ids, (list, tuple)):
+                raise ValueError(f"device_ids must be None or a list of one device, as DDP takes it, got {ids!r}")
+            if len(ids) > 1:
+                raise ValueError(
+                    f"device_ids can only be None or contain a single element (as in DDP), got {list(ids)!r}: "
+                    "graphddp runs one device per process"
+                )
+            for i, value in enumerate(ids):
+                _check_device_spec(f"device_ids[{i}]", value)
+            object.__setattr__(self, "device_ids", tuple(ids) or None)
+        if self.output_device is not None:
+            _check_device_spec("output_device", self.output_device)
+        for name in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
+        if self.gradient_as_bucket_view is False:
+            raise ValueError(
+                "gradient_as_bucket_view=False asks for gradients copied out of their bucket; graphddp's compiled "
+                "backward returns each gradient as a view of its bucket's averaged buffer (DDP's "
+                "gradient_as_bucket_view=True) and makes no copy: pass True or leave the keyword out"
+            )
+
+    def check_devices(self, where: str, device: torch.device | None) -> None:
+        """``device_ids`` and ``output_device`` against the device of the module's parameters
+        (``device``; None: it has none). graphddp runs the model where its parameters are and
+        returns the outputs the model makes there, so the one device either may name is that
+        one (DDP's meaning for a single-device module, whose outputs stay on it)."""
+        named = [("device_ids", self.device_ids[0])] if self.device_ids else []
+        named += [("output_device", self.output_device)] if self.output_device is not None else []
+        for name, value in named:
+            if device is None or not _names_device(value, device):
+                given = list(self.device_ids) if name == "device_ids" else self.output_device
+                raise ValueError(
+                    f"{where}: {name}={given!r} does not name the device of the module's parameters ({device}): "
+                    f"graphddp runs the model where its parameters are and leaves its outputs there; move the model "
+                    f"first (model.to(...)) or leave {name} out"
+                )
 
     def _check_caps(self) -> None:
         object.__setattr__(self, "bucket_cap_mb_list", _normalise_cap_list(self.bucket_cap_mb_list))

@@ -32,21 +32,21 @@ class GraphDDP(ReplicaView, nn.Module):
 
     It shares parameters with ``self.module`` (the module it wraps); ``state_dict()`` and
     ``load_state_dict()`` use the wrapped module's keys, so checkpoints move freely between
-    a plain model and a graphddp one. ``schedules``, ``records``, ``world_size`` and
-    ``no_sync()`` come from :class:`~graphddp.frontend.replica.ReplicaView`.
+    a plain model and a graphddp one. ``config``, ``schedules``, ``records``, ``world_size``
+    and DDP's ``no_sync()``, ``require_backward_grad_sync``, ``register_comm_hook`` and
+    ``join()`` come from :class:`~graphddp.frontend.replica.ReplicaView`.
     """
 
     def __init__(self, module: nn.Module, process_group: Any, config: DDPConfig, optimizer: AttachedOptimizer | None = None) -> None:
         super().__init__()
         self.module = module
-        self.config = config
         self.process_group = process_group
         self._replica = Replica(module, process_group, config, optimizer)
         self._joinable()
         # Stored outside the module registry so parameters are not listed twice.
         object.__setattr__(
             self, "_compiled", torch.compile(
-                module, backend=self._replica.backend, fullgraph=config.fullgraph, dynamic=config.dynamic, **_ISOLATED
+                module, backend=self._replica.compile_graph, fullgraph=config.fullgraph, dynamic=config.dynamic, **_ISOLATED
             )
         )
 

@@ -9,7 +9,11 @@ often with a backend given as an object or as a string. Two forms fit them:
   (an instance attribute, removed by :meth:`GraphDDPCompileBackend.remove`) with the
   per-forward work of :class:`~graphddp.frontend.replica.Replica` (buffer broadcast, the average of
   gradients accumulated under :meth:`GraphDDPCompileBackend.no_sync`, the uncovered-parameter
-  guard), which runs eagerly, graph breaks before and after the compiled forward.
+  guard), which runs eagerly, graph breaks before and after the compiled forward. DDP's
+  ``no_sync()``, ``require_backward_grad_sync`` and ``register_comm_hook`` are the backend
+  object's: there is no wrapper module to carry them, and the switch set on the model itself
+  (``torch.compile``'s module forwards attributes to it) is refused at the next forward,
+  since nothing would read it.
 * ``torch.compile(model, backend="graphddp")``: the same, for code that takes a backend name.
   The name finds the :func:`backend` made for the model the graph's parameters belong to, so
   call ``graphddp.backend(model, ...)`` first (it carries the process group and the options).
@@ -60,13 +64,13 @@ class GraphDDPCompileBackend(ReplicaView):
     """A torch.compile backend bound to one model: ``torch.compile(model, backend=this)``.
 
     Made by :func:`backend`. Holds the model's :class:`~graphddp.frontend.replica.Replica`, so the same
-    inspection as a ``graphddp.compile`` module is here: ``schedules``, ``records``,
-    ``world_size``, and ``no_sync()``.
+    inspection as a ``graphddp.compile`` module is here: ``config``, ``schedules``, ``records``,
+    ``world_size``, and DDP's ``no_sync()``, ``require_backward_grad_sync``,
+    ``register_comm_hook`` and ``join()``.
     """
 
     def __init__(self, module: nn.Module, group: Any, config: DDPConfig, optimizer: AttachedOptimizer | None = None) -> None:
         self.module = module
-        self.config = config
         self._replica = Replica(module, group, config, optimizer)
         self._joinable()
         self._param_ids = {id(p) for p in module.parameters()}
@@ -84,7 +88,17 @@ class GraphDDPCompileBackend(ReplicaView):
         """
         module, replica = self.module, self._replica
         original = module.forward  # the bound method, or a forward the user set on the instance
-        before = torch._dynamo.disable(replica.before_forward, reason=_WRAPPER_REASON)
+
+        def before_forward() -> None:
+            if _SWITCH in module.__dict__:  # set through torch.compile's module, it lands here
+                raise RuntimeError(
+                    f"graphddp.backend: {_SWITCH} was set on the model, where nothing reads it; in this form the "
+                    f"switch is the graphddp.backend object's (backend.{_SWITCH} = ..., or backend.no_sync()); "
+                    f"delete the model's attribute (del model.{_SWITCH})"
+                )
+            replica.before_forward()
+
+        before = torch._dynamo.disable(before_forward, reason=_WRAPPER_REASON)
         after = torch._dynamo.disable(replica.after_forward, reason=_WRAPPER_REASON)
 
         @functools.wraps(original)
@@ -98,7 +112,7 @@ class GraphDDPCompileBackend(ReplicaView):
         module.forward = forward
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **compile_kwargs: Any) -> Callable[..., Any]:
-        return self._replica.backend(gm, example_inputs, **compile_kwargs)
+        return self._replica.compile_graph(gm, example_inputs, **compile_kwargs)
 
     @property
     def attached(self) -> bool:
@@ -121,6 +135,7 @@ class GraphDDPCompileBackend(ReplicaView):
 
 
 _UNSET, _DETACHED = object(), object()
+_SWITCH = "require_backward_grad_sync"  # DDP's attribute: this form keeps it on the backend object
 _WRAPPER_REASON = "graphddp's per-forward work (buffer broadcast, no_sync average, guard) runs eagerly"
 
 

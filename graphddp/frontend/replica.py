@@ -19,6 +19,7 @@ Wrap-time work (parameter agreement, the initial broadcast, attaching an optimiz
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Callable, Iterator
 
 import torch
@@ -29,6 +30,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinCon
 from graphddp.compiler.graph_compiler import GraphCompiler
 from graphddp.compiler.record import GraphRecord
 from graphddp.config import DDPConfig
+from graphddp.frontend.ddp_hooks import as_comm_hook
 from graphddp.graph.capture import names_by_identity
 from graphddp.optim.attached import AttachedOptimizer
 from graphddp.optim.shard import ShardedState
@@ -88,6 +90,16 @@ def resolve_group(where: str, module: Any, process_group: Any, options: dict[str
     return process_group if process_group is not None else dist.group.WORLD
 
 
+def _refuse_optimizer_with_traced_hook(where: str, config: DDPConfig, optimizer: Any) -> None:
+    """``optimizer=`` and a traced hook, however the hook came (``comm_hook=`` or
+    ``register_comm_hook``), are refused alike."""
+    if optimizer is not None and config.traced_hook is not None:
+        raise ValueError(
+            f"{where}: optimizer= with comm_hook={config.traced_hook.name} is not supported yet (the in-graph update "
+            "is checked against graphddp's own all-reduce only); compile without optimizer= and step it as usual"
+        )
+
+
 def prepare(
     where: str, module: nn.Module, group: Any, config: DDPConfig, optimizer: Any = None
 ) -> tuple[AttachedOptimizer | None, DDPConfig]:
@@ -100,11 +112,7 @@ def prepare(
     otherwise DDP leaves them rank-local. The optimizer is checked before any collective (so
     every rank fails alike) and attached (its ``step`` made a no-op) after the last one.
     """
-    if optimizer is not None and config.traced_hook is not None:
-        raise ValueError(
-            f"{where}: optimizer= with comm_hook={config.traced_hook.name} is not supported yet (the in-graph update "
-            "is checked against graphddp's own all-reduce only); compile without optimizer= and step it as usual"
-        )
+    _refuse_optimizer_with_traced_hook(where, config, optimizer)
     if config.sharding is not None and optimizer is None:
         raise ValueError(
             f"{where}: sharding={config.sharding!r} shards the optimizer's state, so it needs optimizer= (torch.optim.SGD, "
@@ -113,6 +121,7 @@ def prepare(
     attached = AttachedOptimizer(optimizer, module, where) if optimizer is not None else None
     _refuse_sparse_gradients(where, module)
     device = _check_devices(module)
+    config.check_devices(where, device)
     config.check_inductor_settings(where, device)
     check_parameter_agreement(module, group)
     if dist.get_world_size(group) > 1:
@@ -133,17 +142,10 @@ class Replica:
         self.module = module
         self.optimizer = optimizer
         self.group = group
-        self.config = config
         self._records: list[GraphRecord] = []
-        # What this step is: the one owner (graphddp.runtime.step). Which graphs ran is asked only by
-        # the optimizer inside the backward and by a traced hook.
-        self.step = StepState(track_runs=optimizer is not None or config.traced_hook is not None)
-        self.backend = GraphCompiler(
-            config, names_by_identity(module.named_parameters()), self._records.append, group,
-            step=self.step, optimizer=optimizer, parameters=dict(module.named_parameters()),
-        )
-        if optimizer is not None:
-            self.step.on_end_of_step(optimizer.finish)
+        self._build(config)
+        self._hook_registered = False  # register_comm_hook was called (DDP allows it once)
+        self._forwards_began = False  # register_comm_hook comes before the first forward, as in DDP
         self._guard_handles: dict[str, Any] = {}
         self._sync_buffers_next = True  # DDP: buffers sync before a forward that follows a synced one
         self._pending: PendingAverage | None = None
@@ -152,15 +154,57 @@ class Replica:
         if optimizer is not None and config.gather == "forward":
             self._finish_gathers_on_checkpoints()
 
+    def _build(self, config: DDPConfig, sync: bool = True) -> None:
+        """The step and the compiler for ``config``: at construction, and again when
+        :meth:`register_comm_hook` changes the hook before anything ran (``sync``, the user's
+        switch, carries over; nothing else has state yet)."""
+        self.config = config
+        # What this step is: the one owner (graphddp.runtime.step). Which graphs ran is asked only by
+        # the optimizer inside the backward and by a traced hook.
+        self.step = StepState(track_runs=self.optimizer is not None or config.traced_hook is not None)
+        self.step.set_sync(sync)
+        self.backend = GraphCompiler(
+            config, names_by_identity(self.module.named_parameters()), self._records.append, self.group,
+            step=self.step, optimizer=self.optimizer, parameters=dict(self.module.named_parameters()),
+        )
+        if self.optimizer is not None:
+            self.step.on_end_of_step(self.optimizer.finish)
+
+    def compile_graph(self, gm: Any, example_inputs: Any, **compile_kwargs: Any) -> Any:
+        """The torch.compile backend of both forms: the current compiler (:meth:`_build`)."""
+        return self.backend(gm, example_inputs, **compile_kwargs)
+
+    def register_comm_hook(self, comm_hook: Any, what: str) -> None:
+        """DDP's ``register_comm_hook``, its hook already as a ``comm_hook=`` value
+        (:mod:`graphddp.frontend.ddp_hooks`; ``what`` names the hook in errors): once, before
+        the first forward (the hook is compiled into every backward graph), and not on top
+        of ``comm_hook=``."""
+        where = "register_comm_hook"
+        if self._hook_registered:
+            raise RuntimeError(f"{where}: a communication hook can only be registered once (as in DDP); {what} is the second")
+        if self._forwards_began:
+            raise RuntimeError(
+                f"{where}: {what} must be registered before the first forward (as in DDP): graphddp compiles the hook "
+                "into each backward graph when the first forward compiles it"
+            )
+        if self.config.comm_hook is not None:
+            given = self.config.traced_hook.name if self.config.traced_hook is not None else repr(self.config.comm_hook)
+            raise ValueError(
+                f"{where}: this model was compiled with comm_hook={given}; registering {what} as well would be a second "
+                "hook: pass one of them (comm_hook= to graphddp.compile, or register_comm_hook), not both"
+            )
+        config = dataclasses.replace(self.config, comm_hook=comm_hook)
+        _refuse_optimizer_with_traced_hook(where, config, self.optimizer)
+        self._build(config, sync=self.step.sync)
+        self._hook_registered = True
+
     def _finish_gathers_on_checkpoints(self) -> None:
         """gather="forward": ``state_dict()`` and ``load_state_dict()`` of any module holding
         parameters (the wrapped one's, a submodule's, through any reference) first complete the
         all-gathers a backward left pending (:mod:`graphddp.runtime.gathers`), so a checkpoint
         holds the updated values, and a load is not overwritten by a late write."""
-        gathers = self.step.gathers
-
         def finish(*_: Any, **__: Any) -> None:
-            gathers.finish()
+            self.step.gathers.finish()
 
         for sub in self.module.modules():
             if any(True for _ in sub.parameters(recurse=False)):
@@ -179,16 +223,12 @@ class Replica:
     def schedules(self) -> list[Schedule]:
         return [r.schedule for r in self._records]
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        with self.step.local():
-            yield
-
     def before_forward(self) -> None:
         """Broadcast buffers; start averaging gradients accumulated under ``no_sync``; inside
         ``join()``, tell the joined ranks what this step does (:mod:`graphddp.runtime.join`)."""
         distributed = self.world_size > 1
         step = self.step
+        self._forwards_began = True
         step.begin_forward()
         self._syncing = step.sync and torch.is_grad_enabled()
         buffers = list(self.module.buffers()) if distributed and self.config.broadcast_buffers and self._sync_buffers_next else []
@@ -283,8 +323,9 @@ def _reached_parameters(out: Any, wanted: set[int]) -> set[int]:
 
 
 class ReplicaView(Joinable):
-    """What both forms show of their :class:`Replica` (``self._replica``): the plans, the
-    rewritten graphs, the world size, and DDP's ``no_sync`` and ``join``. A ``Joinable``, so
+    """What both forms show of their :class:`Replica` (``self._replica``): the options, the
+    plans, the rewritten graphs, the world size, and DDP's public surface: ``no_sync`` and
+    ``require_backward_grad_sync``, ``register_comm_hook``, ``join``. A ``Joinable``, so
     ``torch.distributed.algorithms.Join([model, ...])`` takes it (:mod:`graphddp.runtime.join`)."""
 
     _replica: Replica
@@ -324,6 +365,11 @@ class ReplicaView(Joinable):
         return self._replica.group
 
     @property
+    def config(self) -> DDPConfig:
+        """The options, as compiled (a hook given to :meth:`register_comm_hook` included)."""
+        return self._replica.config
+
+    @property
     def world_size(self) -> int:
         """The size of the process group: a fact of the job, read once by the backend."""
         return self._replica.world_size
@@ -338,18 +384,47 @@ class ReplicaView(Joinable):
         """Schedules with the rewritten graphs and, under inductor, the generated code."""
         return self._replica.records
 
-    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's switch (nanoGPT sets it per micro-step instead of using ``no_sync()``): read
+        at every forward; the backward of a forward run while it is False accumulates
+        gradients locally, with no communication, exactly as under :meth:`no_sync`, which
+        sets it to False and restores it. Held by the step (:meth:`StepState.set_sync`);
+        assigned values count by their truth, as DDP reads them."""
+        return self._replica.step.sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._replica.step.set_sync(bool(value))
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients locally, with no communication.
 
-        As in DDP, what counts is where the *forward* runs: the backward of a forward run
-        inside uses each compiled graph's communication-free backward, whatever the frame
-        structure (graph breaks included; see :mod:`graphddp.runtime.dispatch`). The next
-        synchronised backward yields DDP's result: the average over ranks of everything
-        accumulated. The locally accumulated gradients are averaged by one async all-reduce
-        launched when that synchronised forward starts and waited when it ends, so it hides
-        behind the forward; the new gradients are reduced in the backward graph as usual.
+        DDP's implementation: ``require_backward_grad_sync`` is False inside and restored on
+        exit, so the two never disagree. As in DDP, what counts is where the *forward* runs:
+        the backward of a forward run inside uses each compiled graph's communication-free
+        backward, whatever the frame structure (graph breaks included; see
+        :mod:`graphddp.runtime.dispatch`). The next synchronised backward yields DDP's result:
+        the average over ranks of everything accumulated. The locally accumulated gradients
+        are averaged by one async all-reduce launched when that synchronised forward starts
+        and waited when it ends, so it hides behind the forward; the new gradients are
+        reduced in the backward graph as usual.
         """
-        return self._replica.no_sync()
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        """DDP's ``register_comm_hook``, before the first forward and once. DDP's own hooks
+        (``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``, ``powerSGD_hook``
+        with its ``PowerSGDState``) become graphddp's in-graph equivalents; any other hook is
+        traced into the graph as ``comm_hook=(state, hook)`` would be
+        (:mod:`graphddp.frontend.ddp_hooks`)."""
+        self._replica.register_comm_hook(*as_comm_hook("register_comm_hook", state, hook, self._replica.group))
 
 
 def _uncovered_error(name: str) -> Callable[[torch.Tensor], None]:

@@ -29,9 +29,9 @@ Algorithm
       many graphs ran) the listeners run in order (a traced hook's end-of-step work, torch's
       optimizer step for gradients the graphs left) and the step is over: nodes that ran are
       forgotten, nodes still waiting count for the next one.
-    * The user's ``no_sync`` switch, whether gradients were accumulated locally, and the step
+    * The user's switch (DDP's ``require_backward_grad_sync``, which ``no_sync`` toggles), whether gradients were accumulated locally, and the step
       after ``no_sync`` where a traced hook runs eagerly are held here too; the replica sets
-      them through this class's methods (``local``, ``accumulate``, ``hook_accumulated``...),
+      them through this class's methods (``set_sync``, ``accumulate``, ``hook_accumulated``...),
       the backend and the dispatchers read them; no other object writes a field of the step.
 
 Agreement, and steps that differ across ranks
@@ -103,7 +103,7 @@ class StepState:
         # graph and step; only the optimizer inside the backward and a traced hook ask for it.
         self.track_runs = track_runs
         self.graphs: list[GraphEntry] = []
-        self.sync = True  # the user's switch: cleared inside no_sync()
+        self.sync = True  # the user's switch, DDP's require_backward_grad_sync (set_sync)
         self.eager_hook_step = False  # this step's hook runs eagerly on accumulated gradients
         self.eager_graphs: list[int] = []  # ... over these graphs' buckets, at the end of the backward
         self.accumulated = False  # gradients accumulated locally (no_sync) wait for a synchronising step
@@ -142,14 +142,11 @@ class StepState:
         }
 
     # -- the replica's switches (graphddp.frontend.replica): the only writers of these fields ---------------
-    @contextlib.contextmanager
-    def local(self) -> Iterator[None]:
-        """``no_sync()``: forwards inside run their graphs' local backward."""
-        previous, self.sync = self.sync, False
-        try:
-            yield
-        finally:
-            self.sync = previous
+    def set_sync(self, sync: bool) -> None:
+        """DDP's ``require_backward_grad_sync``, the one switch ``no_sync()`` also goes through:
+        read at every forward (a forward run while it is False gets its graphs' local
+        backward, and its gradients accumulate until a synchronising step)."""
+        self.sync = sync
 
     def accumulate(self) -> None:
         """A forward under ``no_sync`` ran: gradients accumulate locally until a synchronising step."""

@@ -1,0 +1,106 @@
+"""DDP's ``register_comm_hook(state, hook)``, as a value of graphddp's ``comm_hook=`` option.
+
+DDP calls a hook eagerly for every bucket and waits on the Future it returns; graphddp traces a
+hook into the compiled backward once per bucket (:mod:`graphddp.hooks.traced`). DDP's own hooks
+are written for eager execution (``dist.all_reduce(..., async_op=True)``, Futures, a state
+mutated in Python), so tracing them would fail; graphddp has an in-graph equivalent of each
+of four, and a swap from DDP keeps working when each maps to it:
+
+=====================================================  ==========================================
+DDP's hook                                             graphddp's ``comm_hook=``
+=====================================================  ==========================================
+``default_hooks.allreduce_hook``                       ``None`` (the plain average)
+``default_hooks.fp16_compress_hook``                   ``"fp16_compress"``
+``default_hooks.bf16_compress_hook``                   ``"bf16_compress"``
+``powerSGD_hook.powerSGD_hook`` + ``PowerSGDState``    ``graphddp.hooks.PowerSGD`` with the state's
+                                                       settings, its random stream and step count
+=====================================================  ==========================================
+
+What cannot be mapped is refused by name: a process group other than the model's (the three
+default hooks take one as their state; ``None`` is WORLD, as in DDP), a ``PowerSGDState``
+that has already compressed (its per-bucket error and Q tensors belong to DDP's buckets),
+and every other hook of ``torch.distributed.algorithms.ddp_comm_hooks`` (``batched_powerSGD_hook``,
+the ``*_compress_wrapper`` hooks, quantization, post-local SGD, ``noop_hook``...). Any other
+hook is the user's own and is traced as ``comm_hook=(state, hook)`` is.
+
+The ``PowerSGDState`` is read once: graphddp's :class:`~graphddp.hooks.PowerSGD` keeps its
+own state (in ``model.state_dict()`` under ``"graphddp_comm_hook"``), so the DDP state object's
+``iter`` and compression statistics do not move.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ddp_powersgd
+
+from graphddp.hooks.powersgd import PowerSGD
+from graphddp.values.comm import group_name_of
+
+_TORCH_HOOKS = "torch.distributed.algorithms.ddp_comm_hooks"
+# DDP's hooks whose state is the process group they average over, and graphddp's hook for each.
+_GROUP_HOOKS: dict[Callable[..., Any], str | None] = {
+    default_hooks.allreduce_hook: None,
+    default_hooks.fp16_compress_hook: "fp16_compress",
+    default_hooks.bf16_compress_hook: "bf16_compress",
+}
+MAPPED = ("allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "powerSGD_hook")
+
+
+def as_comm_hook(where: str, state: object, hook: Callable[..., Any], group: Any) -> tuple[Any, str]:
+    """``(comm_hook= value, the hook's name for messages)`` for DDP's ``(state, hook)``
+    registered on a model that averages over ``group`` (module docstring)."""
+    if not callable(hook):
+        raise TypeError(f"{where}: hook must be callable, as DDP's register_comm_hook requires; got {hook!r}")
+    name = getattr(hook, "__qualname__", None) or repr(hook)
+    for ddp_hook, comm_hook in _GROUP_HOOKS.items():
+        if hook is ddp_hook:  # by identity: a user's callable need not be hashable
+            _check_group(where, f"{name}'s state (its process group)", state, group)
+            return comm_hook, name
+    if hook is ddp_powersgd.powerSGD_hook:
+        return _powersgd(where, state, group), name
+    if (getattr(hook, "__module__", None) or "").startswith(_TORCH_HOOKS):
+        raise ValueError(
+            f"{where}: DDP's {hook.__module__}.{name} has no in-graph equivalent in graphddp, which maps DDP's "
+            f"{', '.join(MAPPED)}; write it as a traced hook (docs/comm-hooks.md) and pass that"
+        )
+    return (state, hook), name
+
+
+def _check_group(where: str, what: str, state_group: Any, group: Any) -> None:
+    """A DDP hook talks on the group its state names (None: WORLD); graphddp's hooks on the
+    model's group: the two must be the same group."""
+    named = state_group if state_group is not None else dist.group.WORLD
+    if named is group or group_name_of(named) == group_name_of(group):
+        return
+    raise ValueError(
+        f"{where}: {what} is process group {group_name_of(named)!r}{' (None: WORLD)' if state_group is None else ''}, "
+        f"but this model averages over group {group_name_of(group)!r} (graphddp.compile's process_group=): "
+        "graphddp runs a hook on the model's group only"
+    )
+
+
+def _powersgd(where: str, state: Any, group: Any) -> PowerSGD:
+    """graphddp's PowerSGD with a ``PowerSGDState``'s settings, random stream and step count."""
+    if not isinstance(state, ddp_powersgd.PowerSGDState):
+        raise TypeError(f"{where}: powerSGD_hook's state must be a PowerSGDState, got {type(state).__name__}")
+    _check_group(where, "the PowerSGDState's process_group", state.process_group, group)
+    used = [f for f in ("error_dict", "p_memory_dict", "q_memory_dict") if getattr(state, f)]
+    if used:
+        raise ValueError(
+            f"{where}: the PowerSGDState has compressed already: its {used} hold tensors of DDP's buckets, "
+            "which graphddp's buckets do not reuse; register a fresh PowerSGDState"
+        )
+    hook = PowerSGD(
+        matrix_approximation_rank=state.matrix_approximation_rank,
+        start_powerSGD_iter=state.start_powerSGD_iter,
+        min_compression_rate=state.min_compression_rate,
+        use_error_feedback=state.use_error_feedback,
+        warm_start=state.warm_start,
+        orthogonalization_epsilon=state.orthogonalization_epsilon,
+        batch_tensors_with_same_shape=state.batch_tensors_with_same_shape,
+    )
+    # random_seed is not kept by PowerSGDState, only the stream it seeded: continue that stream.
+    hook.load_extra_state({"iter": state.iter, "rng": state.rng.get_state()})
+    return hook
