@@ -1,0 +1,69 @@
+"""nanoGPT's training loop (``examples/nanogpt_loop.py``) with graphddp in place of
+DDP(torch.compile), loss for loss, on 2 gloo ranks (issue 37).
+
+The loop keeps what a drop-in must survive: batches from torch's global generator, micro-steps
+switched by ``require_backward_grad_sync``, ``GradScaler`` and ``clip_grad_norm_``, a cosine LR
+written into ``param_groups``, two AdamW param groups, an evaluation on rank 0 only under
+``no_grad``/``eval()``, a checkpoint and a resume. ``--compare`` trains DDP and graphddp in each
+rank, one iteration each in turn, each on its own copy of the generator's state, so every loss
+is compared with the one DDP had at the same iteration.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
+RTOL = 1e-5  # float32, aot_eager on both sides: the same kernels; what differs is the order of a few sums
+
+
+def _loop(rank: int, world: int, argv: list[str], out: str) -> None:
+    sys.path.insert(0, EXAMPLES)
+    import nanogpt_loop
+
+    trainers = nanogpt_loop.run(nanogpt_loop.parse_args(argv))
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({n: {"losses": t.losses, "eval": t.eval_losses, "iter": t.iter_num} for n, t in trainers.items()}, f)
+
+
+def _run(tmp_path, name: str, *argv: str) -> dict:
+    from graphddp.testing import spawn
+
+    out = str(tmp_path / f"{name}.json")
+    spawn(_loop, 2, ["--backend", "aot_eager", *argv], out)
+    with open(out) as f:
+        return json.load(f)
+
+
+def _same(ours: list[float], theirs: list[float], what: str) -> None:
+    assert len(ours) == len(theirs), (what, ours, theirs)
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert abs(a - b) <= RTOL * abs(b), f"{what}, iteration {i}: graphddp {a!r}, DDP {b!r}\n{ours}\n{theirs}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_the_loop_trains_like_ddp_loss_for_loss(tmp_path, dtype):
+    """Micro-steps by the attribute, clipping, LR schedule, evaluation on rank 0; fp16 with an
+    enabled GradScaler (unscale_, clip, step, update) on CPU."""
+    got = _run(tmp_path, dtype, "--max-iters", "8", "--eval-interval", "4", "--dtype", dtype)
+    _same(got["graphddp"]["losses"], got["ddp"]["losses"], f"{dtype} training losses")
+    _same(got["graphddp"]["eval"], got["ddp"]["eval"], f"{dtype} evaluation losses")
+    assert len(got["ddp"]["eval"]) == 1
+
+
+def test_a_checkpoint_resumes_where_the_run_was(tmp_path):
+    """nanoGPT's checkpoint (raw model's and optimizer's state dicts) written at iteration 4 and
+    resumed in fresh processes: the resumed run continues loss for loss, against DDP too."""
+    whole = _run(tmp_path, "whole", "--max-iters", "8", "--eval-interval", "4")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    first = _run(tmp_path, "first", "--max-iters", "5", "--eval-interval", "4", "--checkpoint-dir", str(ckpt))
+    assert first["graphddp"]["iter"] == 5 and (ckpt / "ckpt-graphddp.pt").exists()
+    rest = _run(tmp_path, "rest", "--max-iters", "8", "--eval-interval", "4", "--checkpoint-dir", str(ckpt))
+    for name in ("ddp", "graphddp"):
+        _same(first[name]["losses"], whole[name]["losses"][:5], f"{name} before the checkpoint")
+        _same(rest[name]["losses"], whole[name]["losses"][4:], f"{name} resumed at iteration 4")
