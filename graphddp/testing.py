@@ -352,6 +352,24 @@ def int8_hook(state, bucket):
     return total.to(flat.dtype) * scale / bucket.world_size
 
 
+# -- DDP's reference hooks where DDP refuses them -----------------------------------------------------
+
+
+def ddp_bf16_compress_hook(state, bucket):  # unannotated: DDP checks a hook's annotations
+    """DDP's ``bf16_compress_hook`` without its check for NCCL (DDP refuses it on gloo), for
+    ``DistributedDataParallel.register_comm_hook``: the same recipe, cast, divide, all-reduce,
+    cast back into the bucket. The reference graphddp's ``comm_hook="bf16_compress"`` is
+    tested against on gloo ranks."""
+    wire = bucket.buffer().to(torch.bfloat16).div_(dist.get_world_size())
+
+    def back(fut: torch.futures.Future) -> torch.Tensor:
+        buffer = bucket.buffer()
+        buffer.copy_(fut.value()[0])
+        return buffer
+
+    return dist.all_reduce(wire, async_op=True).get_future().then(back)
+
+
 # -- a tiny Hugging Face GPT-2 from config (no download; transformers is the tests' dependency) ------
 
 

@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import graphddp  # noqa: E402
 from graphddp.models import CNN  # noqa: E402
+from graphddp.testing import ddp_bf16_compress_hook  # noqa: E402
 
 LR = 1e-3
 STEPS = 3
@@ -119,7 +120,7 @@ def _ddp_hook(mode: str) -> tuple[Any, Callable] | None:
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ddp_powersgd
 
     if mode == "bf16_compress":
-        return None, default_hooks.bf16_compress_hook if dist.get_backend() == "nccl" else _bf16_compress_any_backend
+        return None, default_hooks.bf16_compress_hook if dist.get_backend() == "nccl" else ddp_bf16_compress_hook
     if mode == "fp16_compress":
         return None, default_hooks.fp16_compress_hook
     if mode == "powersgd":
@@ -130,19 +131,6 @@ def _ddp_hook(mode: str) -> tuple[Any, Callable] | None:
 
         return ddp_powersgd.PowerSGDState(None, **POWERSGD), serial
     return None
-
-
-def _bf16_compress_any_backend(state, bucket):  # type: ignore[no-untyped-def] # unannotated, as above
-    """DDP's ``bf16_compress_hook`` without its check for NCCL (it refuses gloo): the same
-    recipe, cast, divide, all-reduce, cast back into the bucket."""
-    wire = bucket.buffer().to(torch.bfloat16).div_(dist.get_world_size())
-
-    def back(fut: torch.futures.Future) -> torch.Tensor:
-        buffer = bucket.buffer()
-        buffer.copy_(fut.value()[0])
-        return buffer
-
-    return dist.all_reduce(wire, async_op=True).get_future().then(back)
 
 
 def _graphddp_kwargs(mode: str, opt: torch.optim.Optimizer, backend: str) -> dict[str, Any]:

@@ -68,7 +68,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import graphddp
-from graphddp.testing import spawn
+from graphddp.testing import ddp_bf16_compress_hook, spawn
 
 FP32_TOL = {"atol": 1e-5, "rtol": 1e-4}
 # fp16 on the wire: a 1-ulp rounding difference of a half-precision value (2^-11 relative);
@@ -256,19 +256,6 @@ def _feature_plain(spec: Spec, rank: int, world: int, backend: str, check: Check
         check.expect(len(pair.ours.schedules[0].buckets) > 1, "small caps gave one bucket: no overlap tested")
 
 
-def _bf16_compress_hook(state, bucket):  # unannotated: DDP checks annotations, and these are strings here
-    """DDP's ``bf16_compress_hook`` without its check for NCCL (it refuses gloo): the same
-    recipe, cast, divide, all-reduce, cast back into the bucket."""
-    wire = bucket.buffer().to(torch.bfloat16).div_(dist.get_world_size())
-
-    def back(fut: torch.futures.Future) -> torch.Tensor:
-        buffer = bucket.buffer()
-        buffer.copy_(fut.value()[0])
-        return buffer
-
-    return dist.all_reduce(wire, async_op=True).get_future().then(back)
-
-
 def _feature_compressed(hook: str, wire: str, tol: dict, reference: Callable[..., Any]) -> Callable[..., None]:
     def run(spec: Spec, rank: int, world: int, backend: str, check: Check) -> None:
         pair = _pair(spec, backend, comm_hook=hook)
@@ -430,7 +417,7 @@ FEATURES: dict[str, Callable[..., None]] = {
     "no_sync": _feature_no_sync,
     "toggle_requires_grad": _feature_toggle,
     "fp16_compress": _feature_compressed("fp16_compress", "float16", FP16_TOL, default_hooks.fp16_compress_hook),
-    "bf16_compress": _feature_compressed("bf16_compress", "bfloat16", BF16_TOL, _bf16_compress_hook),
+    "bf16_compress": _feature_compressed("bf16_compress", "bfloat16", BF16_TOL, ddp_bf16_compress_hook),
     "buffers_on": _feature_buffers(True),
     "buffers_off": _feature_buffers(False),
     "buffers_off_rank_local": _feature_rank_local_buffers,

@@ -21,11 +21,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from test_optim_ranks import ADAM_NOISE, CNN, FP16_ADAM, TIGHT, _adamw, _cnn_loss, _gpt_loss, _hf_gpt2, _hf_loss, _sgd, assert_state_dicts_equal, start_unequal, step_both
-from test_ddp_matrix import BF16_TOL, _bf16_compress_hook
+from test_ddp_matrix import BF16_TOL
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import graphddp
 from graphddp import models
+from graphddp.testing import ddp_bf16_compress_hook
 from graphddp.optim.shard import ELEMENTWISE
 from graphddp.testing import spawn
 from graphddp.values.shards import part
@@ -84,7 +85,7 @@ def _pair(case: Case, rank: int) -> tuple[Any, nn.Module, torch.optim.Optimizer,
     mine, ref, opt, ref_opt = start_unequal(case, rank)
     hook = "fp16_compress" if case.fp16_compress else "bf16_compress" if case.bf16_compress else None
     if case.bf16_compress:
-        ref.register_comm_hook(None, _bf16_compress_hook)
+        ref.register_comm_hook(None, ddp_bf16_compress_hook)
     ours = graphddp.compile(mine, optimizer=opt, sharding="optimizer", backend=case.backend, bucket_cap_mb=0.004, comm_hook=hook)
     return ours, mine, opt, ref, ref_opt
 
