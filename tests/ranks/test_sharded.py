@@ -26,9 +26,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import graphddp
 from graphddp import models
-from graphddp.testing import ddp_bf16_compress_hook
 from graphddp.optim.shard import ELEMENTWISE
-from graphddp.testing import spawn
+from graphddp.testing import ddp_bf16_compress_hook, spawn
 from graphddp.values.shards import part
 
 
