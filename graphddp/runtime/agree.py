@@ -28,6 +28,7 @@ gathers (:func:`gather`) and OR-reductions (:func:`any_rank`) for the union aver
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import pickle
 from typing import Any, Sequence
@@ -58,6 +59,26 @@ def _device(group: Any) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+_SIDE_STREAMS: dict[int, Any] = {}
+
+
+def _side_stream(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """Where an agreement's small collective runs on a GPU: a stream of its own.
+
+    Why. NCCL makes its collective wait for the stream current at the call, and reading the
+    answer (``tolist``) waits for that collective: on the compute stream, the host would wait
+    for every kernel queued before it (the whole forward) and only then launch the backward,
+    leaving the GPU idle while it does. On a stream with nothing queued, the host waits for the
+    collective alone, while the GPU goes on with the forward (issue 36). CPU: nothing to do."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _SIDE_STREAMS.get(index)
+    if stream is None:
+        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return torch.cuda.stream(stream)
 
 
 def layout_hash(layout: Any) -> int:
@@ -93,17 +114,25 @@ def probe(
     if dist.get_world_size(group) == 1 or _is_fake(group):
         return True, tuple(bool(f) for f in flags)
     h = layout_hash(layout) if digest is None else digest
-    with unset_fake_temporarily():
-        t = torch.tensor([h, -h, *(int(bool(f)) for f in flags)], dtype=torch.int64, device=_device(group))
-        try:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        except Exception as e:  # noqa: BLE001 - any backend failure, re-raised with context
-            raise CollectiveError(
-                f"graphddp: the agreement before the gradient all-reduces of {what} failed "
-                f"({type(e).__name__}); a peer may have died or timed out. Original error: {e}"
-            ) from e
-        values = [int(v) for v in t.tolist()]
+    try:
+        values = max_reduce([h, -h, *(int(bool(f)) for f in flags)], group)
+    except Exception as e:  # noqa: BLE001 - any backend failure, re-raised with context
+        raise CollectiveError(
+            f"graphddp: the agreement before the gradient all-reduces of {what} failed "
+            f"({type(e).__name__}); a peer may have died or timed out. Original error: {e}"
+        ) from e
     return values[0] == -values[1], tuple(v != 0 for v in values[2:])
+
+
+def max_reduce(values: Sequence[int], group: Any) -> list[int]:
+    """The collective of every agreement: one int64 MAX all-reduce of ``values``, read on the
+    host. On a GPU on a stream of its own (:func:`_side_stream`): the host waits for it, not
+    for the kernels queued before it."""
+    device = _device(group)
+    with unset_fake_temporarily(), _side_stream(device):
+        t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return [int(v) for v in t.tolist()]
 
 
 def max_over_ranks(values: Sequence[int], group: Any) -> list[int]:
@@ -111,10 +140,7 @@ def max_over_ranks(values: Sequence[int], group: Any) -> list[int]:
     rank must pass the same number of values."""
     if dist.get_world_size(group) == 1 or _is_fake(group) or not values:
         return [int(v) for v in values]
-    with unset_fake_temporarily():
-        t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=_device(group))
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return [int(v) for v in t.tolist()]
+    return max_reduce(values, group)
 
 
 def any_rank(bits: Sequence[bool], group: Any) -> list[bool]:
