@@ -59,6 +59,7 @@ from graphddp.graph.capture import extract_facts, parameter_of_inputs
 from graphddp.graph.insert_comm import HOOK_STATE, HOOK_STATE_SPEC, HookContext, insert_collectives
 from graphddp.hooks.traced import HookState
 from graphddp.optim.attached import AttachedOptimizer
+from graphddp.optim.guards import ATTACHED_NODE
 from graphddp.optim.insert_shard import insert_sharded_updates, shard_layout, write_fn
 from graphddp.optim.insert_update import ALIAS_OF, UpdateInputs, insert_update
 from graphddp.optim.verify import verify_updates
@@ -160,6 +161,7 @@ class GraphCompiler:
         boxed = getattr(compiled, "_boxed_call", False)
         step = self.step
         first = min(param_ids, default=None)  # one parameter tells whether the call has others
+        tag_attached = self.optimizer is not None
 
         def run(*args: Any) -> Any:
             syncing = step.graph_syncs()
@@ -179,6 +181,8 @@ class GraphCompiler:
             unused_possible = dispatch is None or dispatch.usage.may_be_unused
             if torch.is_grad_enabled() and (step.track_runs or not syncing or unused_possible or renamed):  # a walk: only if read
                 node = compiled_backward_node(out if isinstance(out, (list, tuple)) else [out], inputs)
+            if node is not None and tag_attached:  # an enabled GradScaler.scale of it is refused (optim.guards)
+                node.metadata[ATTACHED_NODE] = True
             if node is not None and unused_possible:
                 node.register_prehook(state.note_outputs)
             if node is not None and renamed:

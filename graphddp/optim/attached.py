@@ -41,7 +41,8 @@ Algorithm
       step's only one, else by torch's ``clip_grad_norm_`` before torch's step.
 
 Not supported: other optimizer classes, ``differentiable=True``, complex parameters,
-``GradScaler`` (it unscales and skips steps outside the graph).
+an enabled ``GradScaler`` (it unscales and skips steps outside the graph), clipping ``p.grad``
+in the loop (both refused by name, :mod:`graphddp.optim.guards`).
 """
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ import torch
 import torch.nn as nn
 
 from graphddp.graph.trace import role
+from graphddp.optim import guards
 
 SUPPORTED = ("SGD", "Adam", "AdamW")
 F64 = torch.float64
@@ -260,6 +262,7 @@ class AttachedOptimizer:
                 self.group_of[names[id(p)]] = g
         self.optimizer = optimizer
         self.rules = [_group_rule(optimizer, g) for g in range(len(optimizer.param_groups))]
+        self.param_ids = frozenset(id(p) for p in self.params.values())  # what graphddp.optim.guards refuses
         # max_grad_norm: the step after the backward clips as clip_grad_norm_(model.parameters()) would.
         self.max_grad_norm = max_grad_norm
         self.module_params = list(module.parameters())
@@ -282,6 +285,7 @@ class AttachedOptimizer:
             step._wrapped_by_lr_sched = True
         optimizer.step = step
         self.optimizer.zero_grad = types.MethodType(_attached_zero_grad, self.optimizer)
+        guards.watch(self)  # clipping p.grad or an enabled GradScaler on it is now an error
 
     def __str__(self) -> str:
         return ", ".join(sorted({str(r) for r in self.rules}))
@@ -357,7 +361,7 @@ class AttachedOptimizer:
             self.sharded.step([n for n, p in self.params.items() if p.grad is not None])
         elif any(p.grad is not None for p in self.params.values()):
             if self.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(self.module_params, self.max_grad_norm)
+                guards.clip_grad_norm_(self.module_params, self.max_grad_norm)
             # The class's step, not the no-op bound on the instance: torch's own math and state.
             type(self.optimizer).step(self.optimizer)
         for p in self.params.values():
