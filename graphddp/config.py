@@ -213,6 +213,10 @@ class DDPConfig:
         "backward", "with sharding='optimizer': where each bucket's all-gather of the updated parts completes, "
         "'backward' (at its end) or 'forward' (deferred into the next forward, before the bucket's parameters are read)"
     )
+    max_grad_norm: float | None = _option(
+        None, "with optimizer=: clip the averaged gradients to this global L2 norm before the update, as "
+        "torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm) before optimizer.step() (default: no clipping)"
+    )
     backend: str = _option("inductor", f"inner compiler: one of {BACKENDS}")
     verify: bool = _option(True, "run the graph checker after every rewrite")
     broadcast_buffers: bool = _option(True, "keep buffers equal: broadcast from rank 0 before every forward, like DDP")
@@ -275,6 +279,13 @@ class DDPConfig:
             raise ValueError(f"gather must be one of {GATHERS}, got {self.gather!r}")
         if self.gather != "backward" and self.sharding is None:
             raise ValueError(f"gather={self.gather!r} places the all-gathers of sharding='optimizer'; it needs that option")
+        if self.max_grad_norm is not None and (
+            isinstance(self.max_grad_norm, bool) or not isinstance(self.max_grad_norm, (int, float))
+            or not (self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm))
+        ):
+            raise ValueError(f"max_grad_norm must be None or a positive, finite number, got {self.max_grad_norm!r}")
+        if self.max_grad_norm is not None:
+            object.__setattr__(self, "max_grad_norm", float(self.max_grad_norm))
         traced = as_traced_hook(self.comm_hook)
         if traced is not None:
             object.__setattr__(self, "comm_hook", traced)

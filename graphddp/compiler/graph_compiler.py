@@ -59,6 +59,7 @@ from graphddp.graph.capture import extract_facts, parameter_of_inputs
 from graphddp.graph.insert_comm import HOOK_STATE, HOOK_STATE_SPEC, HookContext, insert_collectives
 from graphddp.hooks.traced import HookState
 from graphddp.optim.attached import AttachedOptimizer
+from graphddp.optim.guards import ATTACHED_NODE
 from graphddp.optim.insert_shard import insert_sharded_updates, shard_layout, write_fn
 from graphddp.optim.insert_update import ALIAS_OF, UpdateInputs, insert_update
 from graphddp.optim.verify import verify_updates
@@ -110,6 +111,7 @@ class GraphCompiler:
         self.hook = config.traced_hook if self.world_size > 1 else None
         self.hook_state = HookState(self.hook) if self.hook is not None else None
         self._hook_context = HookContext(group, dict(parameters or {}))
+        self.parameters = dict(parameters or {})  # by name: max_grad_norm asks which hold a gradient
         self.dispatches: dict[int, BackwardDispatch] = {}
         self.forward_slots = ForwardSlots(self.step.gathers, config.verify)  # gather="forward": the training forwards
         self.frames = FramePlans()  # what a recompile inherits from its frame's graphs
@@ -159,6 +161,7 @@ class GraphCompiler:
         boxed = getattr(compiled, "_boxed_call", False)
         step = self.step
         first = min(param_ids, default=None)  # one parameter tells whether the call has others
+        tag_attached = self.optimizer is not None
 
         def run(*args: Any) -> Any:
             syncing = step.graph_syncs()
@@ -178,6 +181,8 @@ class GraphCompiler:
             unused_possible = dispatch is None or dispatch.usage.may_be_unused
             if torch.is_grad_enabled() and (step.track_runs or not syncing or unused_possible or renamed):  # a walk: only if read
                 node = compiled_backward_node(out if isinstance(out, (list, tuple)) else [out], inputs)
+            if node is not None and tag_attached:  # an enabled GradScaler.scale of it is refused (optim.guards)
+                node.metadata[ATTACHED_NODE] = True
             if node is not None and unused_possible:
                 node.register_prehook(state.note_outputs)
             if node is not None and renamed:
@@ -365,22 +370,36 @@ class GraphCompiler:
             for b in sharded
         )
 
+        clip = record.schedule.max_grad_norm is not None
+        # With clipping the norm covers every gradient of the step, the returned ones too.
+        graded = tuple(s.param_name for b in record.schedule.buckets for s in b.slots if not s.zero_filled) if clip else names
+        tensors = {**self.parameters, **optimizer.params}
+
         def allowed(unused: frozenset[str]) -> bool:
             """The graph's update is the whole step for its parameters: its backward runs once
             in this step, no other graph of this step reads one of them (tied across a graph
             break), every one was used on some rank (torch.optim skips a None gradient), and
-            none holds a gradient already (accumulated under no_sync). Otherwise torch's step
-            runs for them after the backward; the first time, a warning says why."""
+            none holds a gradient already (accumulated under no_sync). With max_grad_norm, also:
+            no other graph runs in this step (the global norm would span graphs) and no
+            parameter of the graph holds a gradient. Otherwise torch's step (after torch's
+            clip_grad_norm_) runs for them after the backward; the first time, a warning says why."""
             runs = self.step.runs(graph_index)
             shared = self.step.shared_this_step(graph_index, names)
+            others = [g for g in self.step.others_this_step(graph_index) if self._has_gradients(g)] if clip else []
+            held = tuple(n for n in graded if n in tensors and tensors[n].grad is not None)
             if unused & set(names):
                 self._fallback(record, graph_index, "unused", sorted(unused & set(names)), "no rank used them in this step")
             elif runs > 1:
                 self._fallback(record, graph_index, "ran twice", names, f"the graph's forward ran {runs} times before one backward")
             elif shared:
                 self._fallback(record, graph_index, "shared", sorted(shared), "another compiled graph of this step reads them too")
-            elif any(optimizer.params[n].grad is not None for n in names):
-                record.fallbacks["accumulated"] = tuple(n for n in names if optimizer.params[n].grad is not None)
+            elif others:
+                self._fallback(
+                    record, graph_index, "clip spans graphs", names,
+                    f"max_grad_norm: the global norm spans {len(others) + 1} compiled graphs of this step (a graph break)",
+                )
+            elif held:
+                record.fallbacks["accumulated"] = held
             else:
                 return True
             return False
@@ -397,6 +416,11 @@ class GraphCompiler:
                 write_fn(shard)(gathered, *(optimizer.params[n].detach() for n in shard.bucket.param_names))
 
         return InGraphUpdate(optimizer, replicated, groups, allowed, compile_grads, aliases, shards=shards, write_deferred=write_deferred)
+
+    def _has_gradients(self, graph_index: int) -> bool:
+        """Does graph ``graph_index`` read a parameter that takes a gradient (a graph that only
+        computes the loss does not add to a gradient norm)?"""
+        return any(p.requires_grad for n in self.step.graphs[graph_index].params if (p := self.parameters.get(n)) is not None)
 
     def _fallback(self, record: GraphRecord, graph_index: int, kind: str, names: Sequence[str], why: str) -> None:
         """Record (and, the first time per graph and kind, warn) that torch's step after the
@@ -517,6 +541,9 @@ class GraphCompiler:
         is updated) and the parameters left to torch's step because another frame reads them."""
         fw_values = shared.fw_values
         updatable, tied = self._updatable(schedule, graph_index, fw_values)
+        max_norm = self.config.max_grad_norm
+        if max_norm is not None and tied:  # part of the norm comes from another graph: torch clips and steps them all
+            updatable = []
         if self.config.sharding == "optimizer":  # the rest of a bucket with a tied parameter: the shard's step after
             updatable = [n for b in schedule.buckets if b.collective == "reduce_scatter" for n in b.param_names]
         if tied:
@@ -530,7 +557,7 @@ class GraphCompiler:
         if not updatable:
             return schedule, None, tied
         without_update = self._without_update(gm, schedule, shared)
-        schedule = with_updates(schedule, updatable, str(optimizer))
+        schedule = with_updates(schedule, updatable, str(optimizer), max_norm)
         inputs = UpdateInputs(
             rules={n: optimizer.rule(n) for n in updatable},
             groups={n: optimizer.group_of[n] for n in updatable},

@@ -145,9 +145,12 @@ def compile(module: nn.Module, *, process_group: Any = None, optimizer: Any = No
     Its update is compiled into the backward, each bucket's parameters right after that
     bucket's wait: after a synchronising ``backward()`` the parameters are updated and every
     ``p.grad`` is None; ``optimizer.step()``/``zero_grad()`` become no-ops, hyperparameters
-    are read from ``param_groups`` every step, state stays in ``optimizer.state``. Gradient
-    clipping and ``GradScaler`` need the gradients after the backward: do not attach the
-    optimizer for them (``max_grad_norm`` is refused). See :mod:`graphddp.optim.attached`.
+    are read from ``param_groups`` every step, state stays in ``optimizer.state``.
+    ``max_grad_norm`` clips the averaged gradients by their global L2 norm before the update,
+    as ``clip_grad_norm_(model.parameters(), max_grad_norm)`` before ``optimizer.step()``
+    (:mod:`graphddp.optim.clip`); calling ``clip_grad_norm_`` on the parameters yourself, or
+    an enabled ``GradScaler`` with the attached optimizer, raises (:mod:`graphddp.optim.guards`).
+    See :mod:`graphddp.optim.attached`.
 
     Compiling the result again (``torch.compile(gd)``, ``gd.compile()``) runs it as it is; for
     a pipeline that owns its torch.compile call, see :func:`graphddp.backend`.

@@ -77,9 +77,10 @@ def explain(
     DDPConfig.from_options("graphddp.explain", options)  # bad options fail before any tracing
     with fake_process_group(world_size):
         copied = copy.deepcopy(model)
-        # sharding="optimizer" plans around the update inside the backward; which optimizer does
-        # not change the buckets, so a still one (lr 0) stands in for the user's.
-        sgd = torch.optim.SGD(copied.parameters(), lr=0.0) if options.get("sharding") else None
+        # sharding="optimizer" and max_grad_norm plan around the update inside the backward; which
+        # optimizer does not change the buckets, so a still one (lr 0) stands in for the user's.
+        needs = options.get("sharding") or options.get("max_grad_norm") is not None
+        sgd = torch.optim.SGD(copied.parameters(), lr=0.0) if needs else None
         compiled = compile_ddp(copied, optimizer=sgd, **options)
         out = compiled(*example_inputs)
         (loss_fn or _default_loss)(out).backward()

@@ -74,12 +74,6 @@ def _refuse_sparse_gradients(where: str, module: nn.Module) -> None:
 def resolve_group(where: str, module: Any, process_group: Any, options: dict[str, Any]) -> Any:
     """``process_group`` or WORLD, after checking what needs no process group: the module's
     type and the options a config cannot hold."""
-    if "max_grad_norm" in options:
-        raise ValueError(
-            "max_grad_norm: clipping by global norm needs every bucket's average before any update, "
-            "which is what the in-graph optimizer gives up; compile without optimizer= and clip as usual "
-            "(torch.nn.utils.clip_grad_norm_ between backward() and optimizer.step())"
-        )
     if not isinstance(module, nn.Module):
         raise TypeError(f"{where}: module must be a torch.nn.Module, got {type(module).__name__}")
     if not dist.is_available() or not dist.is_initialized():
@@ -97,6 +91,29 @@ def _refuse_optimizer_with_traced_hook(where: str, config: DDPConfig, optimizer:
         raise ValueError(
             f"{where}: optimizer= with comm_hook={config.traced_hook.name} is not supported yet (the in-graph update "
             "is checked against graphddp's own all-reduce only); compile without optimizer= and step it as usual"
+        )
+
+
+def _refuse_clipping_without_the_optimizer(where: str, config: DDPConfig, optimizer: Any) -> None:
+    """``max_grad_norm`` clips inside graphddp's step, so it needs the step there: without
+    ``optimizer=`` the gradients are in ``p.grad`` after the backward and torch clips them as
+    usual; with ``sharding="optimizer"`` each rank holds a part of each average, and the
+    in-graph norm (an all-reduce of the parts' squares, every update and all-gather after the
+    last reduce-scatter) is not built."""
+    if config.max_grad_norm is None:
+        return
+    if optimizer is None:
+        raise ValueError(
+            f"{where}: max_grad_norm={config.max_grad_norm} clips the gradients inside the backward, before the "
+            "update of optimizer=, and there is none: without optimizer= every p.grad holds the average after "
+            "backward(), so clip as usual (torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) between "
+            "backward() and optimizer.step()), or pass optimizer= to have graphddp clip and step inside the backward"
+        )
+    if config.sharding is not None:
+        raise ValueError(
+            f"{where}: max_grad_norm with sharding={config.sharding!r} is not supported: each rank holds a part of "
+            "each averaged gradient, and a global norm of the parts inside the backward is not built. Either keep "
+            "max_grad_norm with the replicated optimizer (sharding=None), or keep sharding='optimizer' without clipping"
         )
 
 
@@ -118,7 +135,8 @@ def prepare(
             f"{where}: sharding={config.sharding!r} shards the optimizer's state, so it needs optimizer= (torch.optim.SGD, "
             "Adam or AdamW): each rank then updates its part of every bucket inside the backward"
         )
-    attached = AttachedOptimizer(optimizer, module, where) if optimizer is not None else None
+    _refuse_clipping_without_the_optimizer(where, config, optimizer)
+    attached = AttachedOptimizer(optimizer, module, where, config.max_grad_norm) if optimizer is not None else None
     _refuse_sparse_gradients(where, module)
     device = _check_devices(module)
     config.check_devices(where, device)

@@ -114,6 +114,19 @@ def trace(
     return traced
 
 
+def after_all(graph: fx.Graph, nodes: Collection[fx.Node]) -> fx.Node:
+    """The node right after the last of ``nodes`` in graph order (the output node when there
+    are none): where to splice what must follow all of them."""
+    if not nodes:
+        return graph.output_node()
+    wanted = set(nodes)
+    last = None
+    for node in graph.nodes:
+        if node in wanted:
+            last = node
+    return graph.output_node() if last is None else last.next
+
+
 def splice(
     graph: fx.Graph, traced: fx.GraphModule, inputs: Sequence[fx.Node], before: fx.Node, bucket: int,
     late: tuple[Collection[fx.Node], fx.Node] | None = None,

@@ -35,10 +35,14 @@ Algorithm
       ``grad`` None.
     * ``optimizer.step()`` and ``optimizer.zero_grad()`` become no-ops while attached, so
       training loops need not change; step hooks do not run for the in-graph updates.
+    * ``max_grad_norm``: the gradients are clipped by their global norm before the update, as
+      ``clip_grad_norm_(model.parameters(), max_grad_norm)`` would: in the graph
+      (:mod:`graphddp.optim.clip`, every update after the last wait) when the graph is the
+      step's only one, else by torch's ``clip_grad_norm_`` before torch's step.
 
 Not supported: other optimizer classes, ``differentiable=True``, complex parameters,
-gradient clipping (it needs every average before any update; clip with a separate optimizer
-instead), ``GradScaler`` (it unscales and skips steps outside the graph).
+an enabled ``GradScaler`` (it unscales and skips steps outside the graph), clipping ``p.grad``
+in the loop (both refused by name, :mod:`graphddp.optim.guards`).
 """
 from __future__ import annotations
 
@@ -50,6 +54,7 @@ import torch
 import torch.nn as nn
 
 from graphddp.graph.trace import role
+from graphddp.optim import guards
 
 SUPPORTED = ("SGD", "Adam", "AdamW")
 F64 = torch.float64
@@ -175,16 +180,24 @@ def adam_update(rule: UpdateRule, param: torch.Tensor, grad: torch.Tensor, state
 UPDATES: dict[str, Callable[..., None]] = {"sgd": sgd_update, "adam": adam_update}
 
 
-def bucket_update_fn(rules: Sequence[UpdateRule], group_of: Sequence[int], groups: Sequence[int]) -> Callable[..., None]:
+def bucket_update_fn(
+    rules: Sequence[UpdateRule], group_of: Sequence[int], groups: Sequence[int], clipped: bool = False
+) -> Callable[..., None]:
     """One bucket's update as a function of flat placeholders, in the order of :func:`layout`.
 
     Arguments: per updated parameter its gradient, then per parameter the parameter and its
-    state tensors, then per group used (``groups``) its hyperparameters.
+    state tensors, then per group used (``groups``) its hyperparameters; with ``clipped``, last,
+    the clip coefficient (:mod:`graphddp.optim.clip`) every gradient is multiplied by first.
     """
     n = len(rules)
 
     def update(*args: torch.Tensor) -> None:
+        if clipped:
+            *args, coef = args
         grads, rest = args[:n], list(args[n:])
+        if clipped:
+            with role("update"):  # clip_grad_norm_'s in-place mul_, before the step reads the gradient
+                grads = [g * coef for g in grads]
         per_param = []
         for rule in rules:
             width = 1 + len(rule.state)
@@ -229,7 +242,7 @@ class UpdateArgs:
 class AttachedOptimizer:
     """A ``torch.optim`` optimizer whose steps graphddp runs (module docstring)."""
 
-    def __init__(self, optimizer: Any, module: nn.Module, where: str) -> None:
+    def __init__(self, optimizer: Any, module: nn.Module, where: str, max_grad_norm: float | None = None) -> None:
         name = type(optimizer).__name__
         if not isinstance(optimizer, torch.optim.Optimizer) or name not in SUPPORTED:
             raise TypeError(
@@ -249,6 +262,10 @@ class AttachedOptimizer:
                 self.group_of[names[id(p)]] = g
         self.optimizer = optimizer
         self.rules = [_group_rule(optimizer, g) for g in range(len(optimizer.param_groups))]
+        self.param_ids = frozenset(id(p) for p in self.params.values())  # what graphddp.optim.guards refuses
+        # max_grad_norm: the step after the backward clips as clip_grad_norm_(model.parameters()) would.
+        self.max_grad_norm = max_grad_norm
+        self.module_params = list(module.parameters())
         # sharding="optimizer": this rank's parts of the state (graphddp.optim.shard.ShardedState).
         self.sharded: Any = None
 
@@ -268,6 +285,7 @@ class AttachedOptimizer:
             step._wrapped_by_lr_sched = True
         optimizer.step = step
         self.optimizer.zero_grad = types.MethodType(_attached_zero_grad, self.optimizer)
+        guards.watch(self)  # clipping p.grad or an enabled GradScaler on it is now an error
 
     def __str__(self) -> str:
         return ", ".join(sorted({str(r) for r in self.rules}))
@@ -336,10 +354,14 @@ class AttachedOptimizer:
     def finish(self) -> None:
         """At the end of every synchronising backward (:mod:`graphddp.runtime.step`): torch's step for
         what the graphs returned (the parameters they left to it are the ones with a grad),
-        then no gradient is kept."""
+        then no gradient is kept. With ``max_grad_norm``, torch's ``clip_grad_norm_`` over every
+        parameter of the module first: a step whose graphs left anything to torch left
+        everything (the norm spans all of them; :mod:`graphddp.compiler.graph_compiler`)."""
         if self.sharded is not None:  # each rank steps its part, then one all-gather
             self.sharded.step([n for n, p in self.params.items() if p.grad is not None])
         elif any(p.grad is not None for p in self.params.values()):
+            if self.max_grad_norm is not None:
+                guards.clip_grad_norm_(self.module_params, self.max_grad_norm)
             # The class's step, not the no-op bound on the instance: torch's own math and state.
             type(self.optimizer).step(self.optimizer)
         for p in self.params.values():

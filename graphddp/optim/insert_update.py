@@ -6,7 +6,9 @@ parameters (:func:`graphddp.optim.attached.bucket_update_fn`, inductor's decompo
 the graph's fake values and splices it right after the bucket's last node (its unflatten
 views), so bucket ``i``'s update runs before bucket ``i + 1``'s wait: while later buckets are
 still on the wire. The updated parameters' gradients are then no longer returned (``None``):
-no gradient memory outlives the update.
+no gradient memory outlives the update. With ``Schedule.max_grad_norm`` the gradients are
+clipped first (:mod:`graphddp.optim.clip`): each bucket's norms after its wait, the
+coefficient after the last one, and every update after that (``Schedule.update_after``).
 
 New inputs, appended after the existing placeholders, in this order (``optim.layout``): per
 updated parameter, in bucket and slot order, the parameter and its state tensors; then per
@@ -38,8 +40,9 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from graphddp.graph.capture import storage_of, views_of
-from graphddp.graph.trace import set_outputs, splice, trace
+from graphddp.graph.trace import after_all, set_outputs, splice, trace
 from graphddp.optim import attached as optim
+from graphddp.optim.clip import insert_clip, insert_scaled
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY
 from graphddp.values.schedule import Schedule
 
@@ -145,15 +148,18 @@ def add_update_inputs(graph: fx.Graph, labels: Sequence[str], vals: Sequence[tor
     return nodes
 
 
-def _update_point(graph: fx.Graph, index: int, params: list[fx.Node], grads: list[fx.Node]) -> fx.Node:
-    """The node the bucket's update goes before: right after the bucket's own nodes (its wait
-    and unflatten views), its gradients (at world size 1 there is no wait) and every read of
-    its parameters, whichever is last."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    last = [n for n in graph.nodes if n.meta.get(BUCKET_KEY) == index] + list(grads)
+def _update_point(graph: fx.Graph, index: int, after: int, params: list[fx.Node], grads: list[fx.Node]) -> fx.Node:
+    """The node bucket ``index``'s update goes before: right after the nodes of bucket ``after``
+    (:meth:`Schedule.update_after`: its own wait and unflatten views, or with clipping the last
+    bucket's, its norms and the coefficient), its gradients (at world size 1 there is no wait),
+    every read of its parameters and the earlier buckets' updates (updates run in bucket
+    order), whichever is last."""
+    last = [
+        n for n in graph.nodes
+        if n.meta.get(BUCKET_KEY) == after or (n.meta.get(ROLE_KEY) == "update" and n.meta.get(BUCKET_KEY, index) < index)
+    ] + list(grads)
     readers = [user for p in params for view in views_of(p) for user in view.users]
-    after = max(last + readers, key=order.__getitem__, default=None)
-    return graph.output_node() if after is None else after.next
+    return after_all(graph, last + readers)
 
 
 def insert_update(gm: fx.GraphModule, schedule: Schedule, inputs: UpdateInputs) -> fx.GraphModule:
@@ -171,7 +177,15 @@ def insert_update(gm: fx.GraphModule, schedule: Schedule, inputs: UpdateInputs) 
     names, per_name, per_group = _new_inputs(graph, schedule, inputs)
     param_node = parameter_nodes(graph, names, inputs, {n: per_name[n][0] for n in names})
     decompositions = select_decomp_table()
+    coef = None
+    if schedule.max_grad_norm is not None:  # the norm of every gradient first (graphddp.optim.clip)
+        graded = [(b.index, [outs[s.output_index] for s in b.slots if not s.zero_filled]) for b in replicated(schedule)]
+        coef = insert_clip(graph, graded, schedule.max_grad_norm, decompositions)
     for bucket in replicated(schedule):
+        if coef is not None:  # what the graph still returns is clipped too
+            kept = [s for s in bucket.slots if s.param_name not in bucket.updates and not s.zero_filled]
+            for s, scaled in zip(kept, insert_scaled(graph, coef, [outs[s.output_index] for s in kept], bucket.index, decompositions)):
+                outs[s.output_index] = scaled
         if not bucket.updates:
             continue
         slots = {s.param_name: s for s in bucket.slots}
@@ -185,9 +199,12 @@ def insert_update(gm: fx.GraphModule, schedule: Schedule, inputs: UpdateInputs) 
             args += [param_node[s.param_name], *per_name[s.param_name][1:]]
         for g in groups:
             args += per_group[g]
-        fn = optim.bucket_update_fn(rules, group_of, groups)
+        if coef is not None:
+            args.append(coef)
+        fn = optim.bucket_update_fn(rules, group_of, groups, clipped=coef is not None)
         traced = trace(fn, [a.meta["val"] for a in args], f"the optimizer update of bucket {bucket.index}", decompositions)
-        splice(graph, traced, args, _update_point(graph, bucket.index, [param_node[s.param_name] for s in updated], grads), bucket.index)
+        point = _update_point(graph, bucket.index, schedule.update_after(bucket.index), [param_node[s.param_name] for s in updated], grads)
+        splice(graph, traced, args, point, bucket.index)
         for s in updated:
             outs[s.output_index] = None
     set_outputs(graph, outs)

@@ -17,20 +17,27 @@ U4. **One way in.** Every node that reads its memory reads it through the writte
     views of it): no other graph input that shares the memory is still read.
 U5. **Averaged gradient.** At world size > 1, the update reads the bucket's reduced
     gradient: the slot's unflatten view has an update among its users.
-U6. **Placement.** The write comes after its bucket's wait and before the next bucket's wait,
-    so each bucket is updated while the later ones are still on the wire.
+U6. **Placement** (:meth:`Schedule.update_after`). Without clipping, the write comes after its
+    bucket's wait and before the next bucket's wait, so each bucket is updated while the later
+    ones are still on the wire. With ``max_grad_norm``, it comes after the last bucket's wait:
+    no update before every average is in.
+U7. **Clipping** (``max_grad_norm``; :mod:`graphddp.optim.clip`). One clip coefficient node,
+    after every wait, computed from every slot's reduced gradient (each bucket's unflatten
+    view has a norm among its users); every update's write, and every parameter gradient the
+    graph still returns, is computed from it. Without ``max_grad_norm``, no coefficient.
 
 Failures raise :class:`graphddp.graph.verify.VerificationError` showing the node in context.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.fx as fx
 
 from graphddp.graph.capture import storage_of
 from graphddp.graph.verify import VerificationError, _fail
+from graphddp.optim.clip import CLIP_COEFFICIENT, CLIP_NORM
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
 from graphddp.values.schedule import Schedule
 
@@ -50,7 +57,7 @@ def _root(node: fx.Node) -> fx.Node:
 
 
 def verify_updates(gm: fx.GraphModule, schedule: Schedule) -> None:
-    """Check U1-U6 (module docstring)."""
+    """Check U1-U7 (module docstring)."""
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     output = gm.graph.output_node()
@@ -61,6 +68,7 @@ def verify_updates(gm: fx.GraphModule, schedule: Schedule) -> None:
     if len(update_params) != len(names):
         raise VerificationError(f"graphddp verify: the schedule updates {len(names)} parameters, the graph has {len(update_params)} update_param inputs")
     waits = {n.meta[BUCKET_KEY]: n for n in nodes if is_wait(n) and n.meta.get(BUCKET_KEY) is not None}
+    clipped = _clipped(gm, schedule, buckets, waits, order)  # U7's coefficient, and what it feeds
     seen: set[str] = set()
     k = 0
     for bucket in buckets:
@@ -97,6 +105,57 @@ def verify_updates(gm: fx.GraphModule, schedule: Schedule) -> None:
                     _fail(gm, write, f"{what}: the update does not read the bucket's reduced gradient")
                 if order[write] < order[wait]:  # U6
                     _fail(gm, write, f"{what}: {write.name} runs before the bucket's wait {wait.name}")
+            own = schedule.update_after(bucket.index) == bucket.index
+            after = waits.get(schedule.update_after(bucket.index))
+            if not own and after is not None and order[write] < order[after]:  # U6, with clipping
+                _fail(gm, write, f"{what}: {write.name} runs before the last bucket's wait {after.name}, so before the clip norm can be known")
             following = waits.get(bucket.index + 1)
-            if following is not None and order[write] > order[following]:  # U6
+            if own and following is not None and order[write] > order[following]:  # U6
                 _fail(gm, write, f"{what}: {write.name} runs after bucket {bucket.index + 1}'s wait {following.name}: the update no longer overlaps it")
+            if clipped is not None and write not in clipped:  # U7
+                _fail(gm, write, f"{what}: {write.name} does not read the clip coefficient: the parameter would be updated with an unclipped gradient")
+    if clipped is not None:  # U7: what the graph returns is clipped too
+        for bucket in buckets:
+            for slot in bucket.slots:
+                out = outs[slot.output_index] if not slot.zero_filled else None
+                if isinstance(out, fx.Node) and out not in clipped:
+                    _fail(gm, out, f"the gradient of {slot.param_name!r} (output {slot.output_index}) is returned unclipped")
+
+
+def _clipped(gm: fx.GraphModule, schedule: Schedule, buckets: list, waits: dict, order: dict) -> set[fx.Node] | None:
+    """U7's first half: the one coefficient, after every wait, computed from every slot's
+    reduced gradient. Returns the nodes computed from it (None without ``max_grad_norm``)."""
+    coefs = [n for n in gm.graph.nodes if n.meta.get(ROLE_KEY) == CLIP_COEFFICIENT]
+    if schedule.max_grad_norm is None:
+        if coefs:
+            _fail(gm, coefs[0], "a clip coefficient in a graph whose schedule has no max_grad_norm")
+        return None
+    if not any(b.updates for b in buckets):
+        return None
+    if len(coefs) != 1:
+        raise VerificationError(f"graphddp verify: max_grad_norm={schedule.max_grad_norm}: {len(coefs)} clip coefficients, expected 1")
+    (coef,) = coefs
+    late = [w for w in waits.values() if order[w] > order[coef]]
+    if late:
+        _fail(gm, coef, f"the clip coefficient {coef.name} is computed before {late[0].name}: without that bucket's average")
+    inputs = _closure(coef, lambda n: n.all_input_nodes)
+    for bucket in buckets:
+        if bucket.index not in waits:  # world size 1: nothing was reduced
+            continue
+        views = [n for n in gm.graph.nodes if n.meta.get(BUCKET_KEY) == bucket.index and n.meta.get(ROLE_KEY) == "unflatten" and n.target is aten.view.default]
+        for slot, view in zip(bucket.slots, views if len(views) == len(bucket.slots) else ()):
+            if not slot.zero_filled and not any(u.meta.get(ROLE_KEY) == CLIP_NORM and u in inputs for u in view.users):
+                _fail(gm, view, f"the clip norm does not read the reduced gradient of {slot.param_name!r} (bucket {bucket.index})")
+    return _closure(coef, lambda n: n.users)
+
+
+def _closure(start: fx.Node, neighbours: Callable[[fx.Node], Iterable[fx.Node]]) -> set[fx.Node]:
+    """Every node reachable from ``start`` (not itself) through ``neighbours``."""
+    found: set[fx.Node] = set()
+    todo = [start]
+    while todo:
+        for other in neighbours(todo.pop()):
+            if other not in found:
+                found.add(other)
+                todo.append(other)
+    return found

@@ -208,16 +208,20 @@ def plan(
     )
 
 
-def with_updates(schedule: Schedule, updatable: Collection[str], optimizer: str) -> Schedule:
-    """``schedule`` with every bucket updating its ``updatable`` parameters right after its
-    wait (``Bucket.updates``, in slot order), and ``optimizer`` recorded. Pure, like ``plan``:
-    which parameters may be updated in the graph is the caller's fact (the optimizer holds
-    them); where each update runs follows from the buckets.
+def with_updates(
+    schedule: Schedule, updatable: Collection[str], optimizer: str, max_grad_norm: float | None = None
+) -> Schedule:
+    """``schedule`` with every bucket updating its ``updatable`` parameters in the graph
+    (``Bucket.updates``, in slot order), ``optimizer`` recorded, and with ``max_grad_norm``
+    the gradients clipped first. Pure, like ``plan``: which parameters may be updated in the
+    graph is the caller's fact (the optimizer holds them); where each update runs follows from
+    the buckets and the clipping (:meth:`Schedule.update_after`: right after the bucket's own
+    wait, or with clipping after the last one).
     """
     buckets = tuple(
         dataclasses.replace(b, updates=tuple(n for n in b.param_names if n in updatable)) for b in schedule.buckets
     )
-    return dataclasses.replace(schedule, buckets=buckets, optimizer=optimizer)
+    return dataclasses.replace(schedule, buckets=buckets, optimizer=optimizer, max_grad_norm=max_grad_norm)
 
 
 def with_sharding(schedule: Schedule, updatable: Collection[str], gather: str = "backward") -> Schedule:

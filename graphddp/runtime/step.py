@@ -233,6 +233,10 @@ class StepState:
         """Backwards of graph ``index`` in this step: run already, running, or still to come."""
         return sum(r.counts() for r in self._runs.get(index, ()))
 
+    def others_this_step(self, index: int) -> list[int]:
+        """The other graphs of this step (their backward ran, runs, or is still to come)."""
+        return [g.index for g in self.graphs if g.index != index and self.runs(g.index)]
+
     def shared_this_step(self, index: int, names: Iterable[str]) -> set[str]:
         """Which of ``names`` another graph of this step also reads (its gradient comes in parts)."""
         wanted = set(names)

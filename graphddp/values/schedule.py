@@ -267,6 +267,9 @@ class Schedule:
     nodes: tuple[NodeFact, ...] = ()  # the backward graph, in order, with cost inputs
     last_bucket_cap_mb: float | None = None  # cap of the exposed tail bucket (None: off)
     optimizer: str | None = None  # the update compiled after the waits (graphddp.optim.attached), if any
+    # max_grad_norm: the updates scale the gradients to this global L2 norm first. The norm
+    # needs every bucket's average, so every update waits for the last bucket (update_after).
+    max_grad_norm: float | None = None
     # bucket_cap_mb="auto": the cost model whose predicted backward these buckets minimise
     # (graphddp.plan.auto); the caps above are then None.
     cost_model: CostModel | None = None
@@ -274,6 +277,13 @@ class Schedule:
     @property
     def num_buckets(self) -> int:
         return len(self.buckets)
+
+    def update_after(self, index: int) -> int:
+        """The bucket whose wait bucket ``index``'s in-graph update follows: its own, so that it
+        runs while later buckets are still on the wire; with ``max_grad_norm`` the last one,
+        since the clip coefficient needs every bucket's average. The one place that decides it:
+        the update pass places updates by it and the verifier checks them against it."""
+        return self.buckets[-1].index if self.max_grad_norm is not None and self.buckets else index
 
     @property
     def param_names(self) -> tuple[str, ...]:
@@ -315,6 +325,8 @@ class Schedule:
             "first_bucket_cap_mb": self.first_bucket_cap_mb,
             "last_bucket_cap_mb": self.last_bucket_cap_mb,
             "optimizer": self.optimizer,
+            # Written only when set: plans without clipping keep their JSON and fingerprint.
+            **({"max_grad_norm": self.max_grad_norm} if self.max_grad_norm is not None else {}),
             "cost_model": self.cost_model.to_dict() if self.cost_model is not None else None,
             "unreduced": list(self.unreduced),
             "nodes": [{**dataclasses.asdict(n), "inputs": list(n.inputs)} for n in self.nodes],
@@ -376,6 +388,7 @@ class Schedule:
             first_bucket_cap_mb=data["first_bucket_cap_mb"],
             last_bucket_cap_mb=data.get("last_bucket_cap_mb"),
             optimizer=data.get("optimizer"),
+            max_grad_norm=data.get("max_grad_norm"),
             cost_model=CostModel.from_dict(data["cost_model"]) if data.get("cost_model") else None,
             buckets=buckets,
             unreduced=tuple(data["unreduced"]),
@@ -485,7 +498,13 @@ class Schedule:
             )
         if self.optimizer:
             updated = sum(len(b.updates) for b in self.buckets)
-            lines.append(f"optimizer {self.optimizer}: {updated} of {len(self.param_names)} parameters updated in the graph, each right after its bucket's wait")
+            if self.max_grad_norm is None:
+                lines.append(f"optimizer {self.optimizer}: {updated} of {len(self.param_names)} parameters updated in the graph, each right after its bucket's wait")
+            else:
+                lines.append(
+                    f"optimizer {self.optimizer}: {updated} of {len(self.param_names)} parameters updated in the graph, clipped to a global "
+                    f"norm of {self.max_grad_norm:g}: each bucket's gradient norms after its wait, every update after the last wait"
+                )
             late = [n for b in self.buckets for n in b.param_names if n not in b.updates]
             if late:
                 lines.append(f"updated after the backward instead (see graphddp.optim.attached): {', '.join(late)}")

@@ -1,5 +1,6 @@
 """The figures quoted on docs/benchmark.md, docs/sharding.md and in the README's headline are the
 published runs' (docs/bench_gpt.json, docs/bench_gpt_adamw.json, docs/bench_*_sharded.json), and
+docs/optimizer.md's cost of clipping is docs/bench_gpt_clip.json's; and
 those runs still render."""
 from __future__ import annotations
 
@@ -55,3 +56,18 @@ def test_sharding_page_quotes_the_published_sharded_runs():
             if "sharded" in t["target"]:
                 assert f"- {t['target']}: {t['ratio']:.3f}" in page, (model, t["target"])
         render_table(summary)
+
+
+def test_optimizer_page_quotes_the_published_clip_run():
+    """docs/optimizer.md's cost of max_grad_norm is docs/bench_gpt_clip.json's."""
+    with open(os.path.join(DOCS, "bench_gpt_clip.json")) as f:
+        summary = json.load(f)
+    with open(os.path.join(DOCS, "optimizer.md")) as f:
+        page = f.read()
+    modes = summary["modes"]
+    assert summary["network"]["emulated"], "the published figures come from the emulated link"
+    for name in ("graphddp_optim", "graphddp_optim_clip", "graphddp_clip"):
+        assert f"| `{name}`: " in page and f" | {modes[name]['step_ms']:.1f} | {modes[name]['bwd_ms']:.1f} |" in page, name
+    ratio = modes["graphddp_optim_clip"]["step_ms"] / modes["graphddp_optim"]["step_ms"]
+    assert f"{ratio:.3f}x the unclipped in-graph step" in page
+    render_table(summary)

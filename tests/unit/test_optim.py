@@ -198,13 +198,6 @@ def test_bad_optimizer_is_refused_before_anything_runs(fake_world, make, match) 
     assert "step" not in vars(opt), "a refused optimizer must stay untouched"
 
 
-def test_max_grad_norm_is_refused_with_the_reason(fake_world) -> None:
-    fake_world(4)
-    model = MLP(width=8, depth=2)
-    with pytest.raises(ValueError, match="max_grad_norm: clipping by global norm needs every bucket's average"):
-        graphddp.compile(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0)
-
-
 def test_changing_a_compiled_flag_is_an_error_naming_it(fake_world) -> None:
     gd, opt, _ = _compiled(fake_world)
     opt.param_groups[0]["amsgrad"] = True

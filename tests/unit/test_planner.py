@@ -464,3 +464,24 @@ def test_to_table_has_one_row_per_bucket_naming_every_parameter():
     rows = [line for line in table.splitlines() if line.split()[0].isdigit()]
     assert [row.split()[0] for row in rows] == ["0", "1", "2"]
     assert [row.split()[-1] for row in rows] == ["layer0.w", "layer2.w", "layer4.w"]
+
+
+def test_with_updates_places_every_update_after_the_last_wait_only_when_clipping():
+    """``Schedule.update_after`` is where the plan says each bucket's in-graph update runs:
+    after its own wait, or with ``max_grad_norm`` after the last (the norm needs every
+    average). A plan without clipping keeps its JSON and fingerprint; one with it says so."""
+    from graphddp.plan.planner import with_updates
+
+    facts = make_facts([(f"p{i}", 256, "float32", 2 * i) for i in range(4)])
+    planned = plan(facts, config(first_kib=1, rest_kib=1), world_size=2)
+    assert planned.num_buckets == 4
+    names_all = planned.param_names
+    plain = with_updates(planned, names_all, "SGD")
+    clipped = with_updates(planned, names_all, "SGD", max_grad_norm=1.0)
+    assert [plain.update_after(b.index) for b in plain.buckets] == [0, 1, 2, 3]
+    assert [clipped.update_after(b.index) for b in clipped.buckets] == [3, 3, 3, 3]
+    assert "max_grad_norm" not in plain.to_dict() and clipped.to_dict()["max_grad_norm"] == 1.0
+    assert Schedule.from_json(clipped.to_json()) == clipped and clipped.fingerprint() != plain.fingerprint()
+    with pytest.raises(ValueError, match="max_grad_norm must be None or a positive, finite number"):
+        DDPConfig(max_grad_norm=0.0)
+    assert DDPConfig(max_grad_norm=1).max_grad_norm == 1.0

@@ -36,6 +36,11 @@ Modes
                     parameters updated inside the backward right after its wait; step() and
                     zero_grad() are no-ops, so the update's time is in bwd (checked: one
                     step against torch.optim's AdamW on a copy)
+  graphddp_optim_clip
+                    graphddp_optim with max_grad_norm=1.0 (nanoGPT's grad_clip): each bucket's gradient
+                    norms after its wait, every update after the last wait; graphddp_clip: graphddp
+                    with clip_grad_norm_(params, 1.0) after the backward (timed as comm), then the
+                    optimizer; both only when named, or by ``--modes clip``
   graphddp_auto     graphddp.compile(model, bucket_cap_mb="auto", graphddp's other options, first/last
                     caps unset): the buckets minimise the predicted backward under the cost model
                     calibrated on the process group (issue 12)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import json
 from typing import Any
@@ -32,6 +33,7 @@ from tools.bench.sharded import build as build_sharded
 from tools.bench.workload import (
     CA_FUSE_PASSES,
     DDP_CAPS,
+    MAX_GRAD_NORM,
     MB,
     MODES,
     OPTIMIZER,
@@ -121,6 +123,16 @@ def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None
         m = graphddp.compile(model, optimizer=opt, **cfg.graphddp.as_options())
         first_step("graphddp_optim", TrainMode("graphddp_optim", m, None, batch, loss, opt=opt))
         info["graphddp_optim"] = {"optimizer": OPTIMIZER, "buckets": sum(len(s.buckets) for s in m.schedules)}
+
+    if "graphddp_optim_clip" in cfg.modes:  # --modes clip: graphddp_optim, clipped inside the backward
+        model = copy.deepcopy(base)
+        opt = make_optimizer(model.parameters())
+        m = graphddp.compile(model, optimizer=opt, **{**cfg.graphddp.as_options(), "max_grad_norm": MAX_GRAD_NORM})
+        first_step("graphddp_optim_clip", TrainMode("graphddp_optim_clip", m, None, batch, loss, opt=opt))
+    if "graphddp_clip" in cfg.modes:  # ... and what a loop without optimizer= does: clip_grad_norm_, then step
+        m = graphddp.compile(copy.deepcopy(base), **cfg.graphddp.as_options())
+        clip = functools.partial(torch.nn.utils.clip_grad_norm_, list(m.parameters()), MAX_GRAD_NORM)
+        first_step("graphddp_clip", TrainMode("graphddp_clip", m, m.parameters(), batch, loss, after_backward=clip))
 
     for name in SHARDED_MODES:  # --modes sharded: the optimizer state on a shard, three ways
         if name in cfg.modes:

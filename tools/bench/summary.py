@@ -11,7 +11,7 @@ import torch
 
 from graphddp.values.schedule import Schedule
 from tools.bench.release import fit_link, release_timeline
-from tools.bench.workload import DDP_CAP_MODES, DDP_CAPS, GRAPHDDP_CAP_MODES, MB, MEMORY_TARGET, OPTIMIZER, POWERSGD_MODES, POWERSGD_SETTINGS, SWEEP_CAPS, TARGETS, WIRE_ROWS, BenchConfig
+from tools.bench.workload import DDP_CAP_MODES, DDP_CAPS, GRAPHDDP_CAP_MODES, MAX_GRAD_NORM, MB, MEMORY_TARGET, OPTIMIZER, POWERSGD_MODES, POWERSGD_SETTINGS, SWEEP_CAPS, TARGETS, WIRE_ROWS, BenchConfig
 
 
 def _median(xs: list[float]) -> float:
@@ -102,6 +102,8 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
             f"caps {g.effective_bucket_cap_mb:g} MB, first {g.effective_first_bucket_cap_mb:g}, last "
             f"{g.last_bucket_cap_mb if g.last_bucket_cap_mb is not None else 'off'}") + ", separate optimizer",
         "graphddp_optim": "graphddp, same caps, optimizer inside the backward (its update is in bwd)",
+        "graphddp_optim_clip": f"graphddp_optim with max_grad_norm={MAX_GRAD_NORM:g}: norms after each wait, every update after the last",
+        "graphddp_clip": f"graphddp, same caps, clip_grad_norm_(params, {MAX_GRAD_NORM:g}) after the backward (in comm), separate optimizer",
         "graphddp_sharded": "graphddp, same caps, sharding='optimizer': reduce-scatter, 1/N of AdamW in the backward, all-gather",
         "graphddp_sharded_fwd": "graphddp_sharded with gather='forward': each all-gather waited for in the next forward",
         "ddp_zero": "DDP eager (cap 1 MB) + ZeroRedundancyOptimizer(AdamW): 1/N of the state, params broadcast after the step",

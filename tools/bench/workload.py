@@ -20,7 +20,7 @@ DDP_CAP_MODES = tuple(f"ddp_cap{c}" for c in DDP_CAPS)
 MODES = (
     "compute_only", "compute_eager", "comm_only", "ideal_overlap", "no_overlap", "ddp_default", "ddp_same_buckets",
     *DDP_CAP_MODES, "ddp_compiled", "ddp_compiled_samecap", "ddp_compiled_autograd",
-    "graphddp_tail_off", "graphddp", "graphddp_optim", "graphddp_auto", *GRAPHDDP_CAP_MODES,
+    "graphddp_tail_off", "graphddp", "graphddp_optim", "graphddp_optim_clip", "graphddp_clip", "graphddp_auto", *GRAPHDDP_CAP_MODES,
     "graphddp_powersgd", "ddp_powersgd", "ddp_powersgd_serial", "graphddp_sharded", "graphddp_sharded_fwd", "ddp_zero", "fsdp2",
 )
 # Issue 12: graphddp_auto (bucket_cap_mb="auto") against both sweeps at their best, and
@@ -29,9 +29,14 @@ SWEEP_MODES = ("graphddp_auto", *GRAPHDDP_CAP_MODES, *DDP_CAP_MODES, "ddp_defaul
 # --modes shorthands: one name for several modes
 # The optimizer state on a shard (tools/bench/sharded.py) next to graphddp replicated and eager DDP.
 SHARDED_PRESET = ("graphddp_sharded", "graphddp_sharded_fwd", "graphddp_optim", "ddp_zero", "fsdp2", "ddp_cap1", "compute_only")
-MODE_PRESETS: dict[str, tuple[str, ...]] = {"ddp": ("ddp_default",), "sweep": SWEEP_MODES, "sharded": SHARDED_PRESET}
+# Issue 37: clipping by global norm with the optimizer inside (max_grad_norm=) against the same
+# step unclipped, and against clip_grad_norm_ + the optimizer after graphddp's backward.
+CLIP_MODES = ("graphddp_optim_clip", "graphddp_clip")
+CLIP_PRESET = (*CLIP_MODES, "graphddp_optim", "graphddp", "compute_only")
+MAX_GRAD_NORM = 1.0  # nanoGPT's grad_clip; the clipped step does the same work whether or not it clips
+MODE_PRESETS: dict[str, tuple[str, ...]] = {"ddp": ("ddp_default",), "sweep": SWEEP_MODES, "sharded": SHARDED_PRESET, "clip": CLIP_PRESET}
 REPORTED = (  # rows of the table, in this order
-    "graphddp", "graphddp_optim", "graphddp_tail_off", "graphddp_auto", *GRAPHDDP_CAP_MODES, "compute_only",
+    "graphddp", "graphddp_optim", "graphddp_optim_clip", "graphddp_clip", "graphddp_tail_off", "graphddp_auto", *GRAPHDDP_CAP_MODES, "compute_only",
     "compute_eager", "comm_only", "ideal_overlap", "no_overlap", "ddp_default", "ddp_same_buckets", "ddp_best",
     "best_swept", "ddp_compiled", "ddp_compiled_samecap", "ddp_compiled_autograd", *DDP_CAP_MODES,
     "graphddp_powersgd", "ddp_powersgd", "ddp_powersgd_serial", "graphddp_sharded", "graphddp_sharded_fwd", "ddp_zero", "fsdp2",
@@ -46,7 +51,7 @@ POWERSGD_SETTINGS = {"start_powerSGD_iter": POWERSGD_START_ITER, "min_compressio
                      "random_seed": 0, "batch_tensors_with_same_shape": False}
 POWERSGD_MODES = ("graphddp_powersgd", "ddp_powersgd", "ddp_powersgd_serial")
 # Modes that run only when named (or by a preset): make bench's default list keeps its length.
-OPT_IN_MODES = (*POWERSGD_MODES, "graphddp_sharded", "graphddp_sharded_fwd", "ddp_zero", "fsdp2", *GRAPHDDP_CAP_MODES, *(m for m in DDP_CAP_MODES if m not in ("ddp_cap1", "ddp_cap4", "ddp_cap25")))
+OPT_IN_MODES = (*POWERSGD_MODES, *CLIP_MODES, "graphddp_sharded", "graphddp_sharded_fwd", "ddp_zero", "fsdp2", *GRAPHDDP_CAP_MODES, *(m for m in DDP_CAP_MODES if m not in ("ddp_cap1", "ddp_cap4", "ddp_cap25")))
 DEFAULT_MODES = tuple(m for m in MODES if m not in OPT_IN_MODES)
 # Rows of the bytes-on-the-wire table: each PowerSGD mode next to its uncompressed counterpart.
 WIRE_ROWS = ("graphddp", "graphddp_powersgd", "ddp_default", "ddp_powersgd", "ddp_powersgd_serial")

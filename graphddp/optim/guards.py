@@ -1,0 +1,168 @@
+"""Loops written for DDP that read ``p.grad`` must not silently do something else.
+
+Background
+    With ``graphddp.compile(model, optimizer=opt)`` the parameters are updated inside the
+    backward and ``p.grad`` stays None. Two things training loops do after the backward then
+    go wrong without a word (issue 37, nanoGPT's ``train.py``):
+
+    * ``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` finds no gradient, returns 0.0
+      and clips nothing: the update already ran unclipped (``clip_grad_value_`` alike);
+    * ``scaler.scale(loss).backward()`` with an enabled ``torch.amp.GradScaler`` updates the
+      parameters with gradients multiplied by the loss scale, and ``scaler.step(opt)`` then
+      fails deep in torch (``No inf checks were recorded for this optimizer``).
+
+    Clipping has an in-graph form (``max_grad_norm=``, :mod:`graphddp.optim.clip`); the
+    scaler's unscale, inf check and skipped step would need the same wait for every bucket plus
+    the scaler's own per-optimizer state, which is not built. Both are refused here with an
+    error that says what to do instead.
+
+Algorithm
+    The first :meth:`AttachedOptimizer.attach` installs, once per process, thin wrappers
+    around ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` (the attributes of
+    ``torch.nn.utils`` and of ``torch.nn.utils.clip_grad``, which nanoGPT looks up at call
+    time) and around ``torch.amp.GradScaler.scale`` / ``unscale_`` / ``step`` (the base class
+    ``torch.cuda.amp.GradScaler`` inherits them from). Each wrapper asks one question and
+    otherwise calls torch's function unchanged:
+
+    * clipping: is one of the parameters passed held by an attached optimizer (alive: the
+      registry is weak)? Then raise, naming ``max_grad_norm=``.
+    * an *enabled* scaler's ``unscale_``/``step``: is the optimizer attached? Then raise. A
+      disabled scaler (nanoGPT's with bf16) passes through: its ``step`` just calls
+      ``opt.step()``, a no-op while attached.
+    * an enabled scaler's ``scale(outputs)``: do the outputs come from a forward of a graphddp
+      model with an attached optimizer? The compiler tags the autograd node of every such
+      forward (:data:`ATTACHED_NODE`); the wrapper walks the outputs' autograd graph to the first
+      tagged node. Raising there, before ``backward()``, means no parameter is ever updated with
+      scaled gradients. The walk only happens while some optimizer is attached.
+
+    Why wrappers and not something in the step: the error must come where the user's code
+    does the wrong thing, and before the update where possible; nothing graphddp runs sees a
+    clip call (it only reads ``p.grad``) or a scaled loss (the scale is a multiplication
+    before the backward). The wrappers are installed once and never removed; with no
+    attached optimizer alive each costs one empty-set check.
+"""
+from __future__ import annotations
+
+import functools
+import types
+import weakref
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn.utils as nn_utils
+import torch.nn.utils.clip_grad as clip_grad
+from torch.utils._pytree import tree_leaves
+
+# Key of the autograd node metadata the compiler sets on every forward of a model whose
+# optimizer is attached (graphddp.compiler.graph_compiler).
+ATTACHED_NODE = "graphddp_attached_optimizer"
+
+# torch's own, kept before wrapping: the fallback step clips with it (graphddp.optim.attached).
+clip_grad_norm_ = clip_grad.clip_grad_norm_
+
+_ATTACHED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # live AttachedOptimizer objects
+_installed = False
+
+
+def watch(attached: Any) -> None:
+    """From now on the wrappers refuse ``attached``'s parameters and optimizer; installs them
+    the first time."""
+    _ATTACHED.add(attached)
+    _install()
+
+
+def _owner_of(params: Iterable[Any]) -> Any:
+    """The attached optimizer holding one of ``params``, or None."""
+    live = list(_ATTACHED)
+    if not live:
+        return None
+    ids = {id(p) for p in params}
+    return next((a for a in live if not ids.isdisjoint(a.param_ids)), None)
+
+
+def _clip_guard(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def guarded(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+        if _ATTACHED:
+            generator = isinstance(parameters, types.GeneratorType)
+            params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            owner = _owner_of(params)
+            if owner is not None:
+                instead = (
+                    f"pass max_grad_norm={args[0] if args else kwargs.get('max_norm', '...')!r} to graphddp.compile "
+                    "(or graphddp.backend) and drop this call: graphddp then clips the averaged gradients by their "
+                    "global norm inside the backward, before the update"
+                    if name == "clip_grad_norm_" else
+                    "clipping by value has no in-graph form: compile without optimizer= and clip p.grad between "
+                    "backward() and optimizer.step(), or clip by norm with max_grad_norm= instead"
+                )
+                raise RuntimeError(
+                    f"graphddp: torch.nn.utils.{name} was called on parameters that graphddp.compile(..., optimizer=) "
+                    f"updates inside the backward ({type(owner.optimizer).__name__}): they are updated already and "
+                    f"p.grad is None, so this would clip nothing. Instead, {instead}"
+                )
+            parameters = (p for p in params) if generator else params
+        return original(parameters, *args, **kwargs)
+
+    return guarded
+
+
+def _scaler_refusal(what: str) -> RuntimeError:
+    return RuntimeError(
+        f"graphddp: torch.amp.GradScaler.{what} with an optimizer attached by graphddp.compile(..., optimizer=): "
+        "that optimizer updates the parameters inside the backward, so they would be updated with scaled gradients "
+        "and no inf check; GradScaler is not supported there. Compile without optimizer= to use an enabled GradScaler "
+        "(step it as usual after the backward), or train in bfloat16 (no loss scaling needed; a GradScaler with "
+        "enabled=False keeps working)"
+    )
+
+
+def _reaches_attached(outputs: Any) -> bool:
+    """Does any tensor of ``outputs`` depend on a forward of a model with an attached optimizer?"""
+    todo = [t.grad_fn for t in tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen: set[Any] = set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if ATTACHED_NODE in node.metadata:
+            return True
+        todo.extend(n for n, _ in node.next_functions)
+    return False
+
+
+def _scaler_guards(cls: type) -> None:
+    scale, unscale_, step = cls.scale, cls.unscale_, cls.step
+
+    @functools.wraps(scale)
+    def guarded_scale(self: Any, outputs: Any) -> Any:
+        if _ATTACHED and self._enabled and _reaches_attached(outputs):
+            raise _scaler_refusal("scale(loss)")
+        return scale(self, outputs)
+
+    @functools.wraps(unscale_)
+    def guarded_unscale_(self: Any, optimizer: Any) -> None:
+        if _ATTACHED and self._enabled and any(a.optimizer is optimizer for a in _ATTACHED):
+            raise _scaler_refusal("unscale_(optimizer)")
+        return unscale_(self, optimizer)
+
+    @functools.wraps(step)
+    def guarded_step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        if _ATTACHED and self._enabled and any(a.optimizer is optimizer for a in _ATTACHED):
+            raise _scaler_refusal("step(optimizer)")
+        return step(self, optimizer, *args, **kwargs)
+
+    cls.scale, cls.unscale_, cls.step = guarded_scale, guarded_unscale_, guarded_step
+
+
+def _install() -> None:
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    for module in (nn_utils, clip_grad):
+        for name in ("clip_grad_norm_", "clip_grad_value_"):
+            if hasattr(module, name):
+                setattr(module, name, _clip_guard(name, getattr(module, name)))
+    _scaler_guards(torch.amp.GradScaler)

@@ -1,0 +1,111 @@
+"""``max_grad_norm`` with the optimizer inside the backward against DDP + ``clip_grad_norm_`` +
+the same ``torch.optim``, on 2 gloo ranks.
+
+nanoGPT's loop with ``graphddp.compile(model, optimizer=opt, max_grad_norm=c)``: ranks start
+from unequal parameters (both sides broadcast rank 0's), rank-dependent data, and one step made
+of two micro-steps switched by ``require_backward_grad_sync`` (as nanoGPT sets it). DDP's side
+clips with ``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` and steps; ``c`` is small
+enough that every step really clips (asserted on DDP's norm). After every step: parameters and
+optimizer state equal DDP's (to float32 rounding), no gradient kept, and each graph updated in
+the graph or after the backward as expected: in the graph when one graph makes every gradient,
+after it (torch's clip and step) for the micro-steps' step, and for every step of a model with a
+graph break (the norm spans two graphs), or whose tied weight is read on both sides of one.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import warnings
+from typing import Callable
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from test_optim_ranks import ADAM_NOISE, TIGHT, _adamw, _gpt_loss, _hf_gpt2, _hf_loss, _sgd, assert_state_dicts_equal
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import graphddp
+from graphddp import models
+from graphddp.testing import spawn
+
+MICRO_STEP = 2  # this step is two micro-steps, the first with require_backward_grad_sync=False
+
+
+def _mlp_loss(m: nn.Module, rank: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+    return F.mse_loss(m(x), y)
+
+
+def _break_mlp_loss(m: nn.Module, rank: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+    return F.mse_loss(m(x), y)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    make: Callable[[], nn.Module]
+    loss: Callable[[nn.Module, int, int], torch.Tensor]
+    max_norm: float
+    expect_runs: tuple  # per graph with an in-graph update: (steps updated in it, steps left to torch)
+    fallback: str | None = None  # the reason records show, every step
+    tol: dict = dataclasses.field(default_factory=lambda: TIGHT)
+    steps: int = 4
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer] = _adamw
+
+
+CASES = {
+    "mlp_in_graph": Case(lambda: models.MLP(width=32, depth=4), _mlp_loss, 0.05, ((3, 1),)),
+    "hf_gpt2_in_graph": Case(_hf_gpt2, _hf_loss, 0.5, ((3, 1),), tol=ADAM_NOISE),
+    "graph_break_after_backward": Case(models.GraphBreakMLP, _break_mlp_loss, 0.05, ((0, 4), (0, 4)), "clip spans graphs"),
+    # The tied embedding's gradient comes from both graphs: neither updates in the graph. SGD:
+    # Adam turns the rounding noise of the step after the micro-steps (averaged in two parts)
+    # into full steps on the attention's key bias, whose true gradient is zero.
+    "tied_across_break_after_backward": Case(
+        lambda: models.BreakGPT(vocab=64, dim=32, heads=2, layers=2, seq=8), _gpt_loss, 0.5, (), "shared", optimizer=_sgd
+    ),
+}
+
+
+def _train(rank: int, world: int, name: str) -> None:
+    case = CASES[name]
+    torch.manual_seed(0)
+    base = case.make()
+    mine = copy.deepcopy(base)
+    if rank == 1:
+        with torch.no_grad():
+            for p in mine.parameters():
+                p.add_(0.25)
+    ref = DDP(copy.deepcopy(base))
+    opt, ref_opt = case.optimizer(mine), case.optimizer(ref.module)
+    ours = graphddp.compile(mine, optimizer=opt, max_grad_norm=case.max_norm, backend="aot_eager", bucket_cap_mb=0.004)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback's warning: the records say it below
+        for step in range(case.steps):
+            micro = 2 if step == MICRO_STEP else 1
+            for k in range(micro):  # nanoGPT's loop
+                ours.require_backward_grad_sync = ref.require_backward_grad_sync = k == micro - 1
+                case.loss(ours, rank, 10 * step + k).backward()
+                case.loss(ref, rank, 10 * step + k).backward()
+            norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), case.max_norm))
+            assert norm > case.max_norm, f"{name} step {step}: DDP's norm {norm} does not exceed {case.max_norm}: nothing clipped"
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad()
+            for (n, p), q in zip(mine.named_parameters(), ref.module.parameters()):
+                assert p.grad is None, f"{name} step {step}: {n}.grad kept"
+                torch.testing.assert_close(p.detach(), q.detach(), **case.tol, msg=lambda m: f"{name} step {step} {n}: {m}")
+            assert_state_dicts_equal(opt.state_dict(), ref_opt.state_dict(), case.tol, f"{name} step {step}")
+    updating = [(st.steps_in_graph, st.steps_after) for st in ours._replica.backend.states if st.steps_in_graph + st.steps_after]
+    assert tuple(updating) == case.expect_runs, f"{name}: (in-graph, after-backward) steps per graph {updating}"
+    clipped = [s for s in ours.schedules if any(b.updates for b in s.buckets)]
+    assert all(s.max_grad_norm == case.max_norm for s in clipped)
+    if case.fallback:
+        assert all(case.fallback in r.fallbacks for r in ours.records if r.schedule.buckets), [r.fallbacks for r in ours.records]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_clipping_with_the_optimizer_inside_matches_ddp_clip_grad_norm_and_step(name: str) -> None:
+    spawn(_train, 2, name)

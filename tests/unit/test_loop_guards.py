@@ -1,0 +1,64 @@
+"""Loops written for DDP that clip ``p.grad`` or scale the loss with the optimizer attached
+(:mod:`graphddp.optim.guards`): an error naming graphddp and what to do instead, before any
+parameter is updated with scaled gradients; a disabled ``GradScaler`` (nanoGPT's with bf16)
+and other models' clipping and scaling keep working."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from test_clip import WORLD, _assert_same, _pair, _reference_step
+
+
+def test_clipping_p_grad_of_attached_parameters_is_an_error_naming_max_grad_norm(fake_world) -> None:
+    gd, opt, ref, _ = _pair(fake_world)
+    gd(torch.randn(8, 16)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"graphddp: torch.nn.utils.clip_grad_norm_ .* pass max_grad_norm=1.0 to graphddp.compile"):
+        torch.nn.utils.clip_grad_norm_(gd.parameters(), 1.0)  # nanoGPT's call, looked up now
+    from torch.nn.utils.clip_grad import clip_grad_norm_, clip_grad_value_
+
+    with pytest.raises(RuntimeError, match="graphddp: torch.nn.utils.clip_grad_norm_"):
+        clip_grad_norm_(list(gd.module.parameters())[:1], max_norm=1.0)
+    with pytest.raises(RuntimeError, match="graphddp: torch.nn.utils.clip_grad_value_ .*clipping by value has no in-graph form"):
+        clip_grad_value_(gd.parameters(), 0.1)
+    ref(torch.randn(8, 16)).sum().backward()  # another model's gradients clip as ever, a generator too
+    expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in ref.parameters()]))
+    torch.testing.assert_close(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9), expected)
+
+
+def test_an_enabled_grad_scaler_is_refused_before_the_backward(fake_world) -> None:
+    gd, opt, ref, ref_opt = _pair(fake_world)
+    scaler = torch.amp.GradScaler("cpu")
+    before = [p.detach().clone() for p in gd.parameters()]
+    loss = gd(torch.randn(8, 16)).sum()
+    with pytest.raises(RuntimeError, match=r"graphddp: torch.amp.GradScaler.scale\(loss\) .*Compile without optimizer="):
+        scaler.scale(loss)
+    with pytest.raises(RuntimeError, match=r"GradScaler.unscale_\(optimizer\)"):
+        scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match=r"GradScaler.step\(optimizer\)"):
+        scaler.step(opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, gd.parameters())), "nothing was updated"
+    loss.backward()  # the forward is not lost: the step goes on without the scaler
+    # An unrelated model's enabled scaler works while the graphddp forward above is pending.
+    pending = gd(torch.randn(8, 16)).sum()
+    ref_loss = scaler.scale(ref(torch.randn(8, 16)).sum())
+    ref_loss.backward()
+    scaler.step(ref_opt)
+    scaler.update()
+    pending.backward()
+
+
+def test_a_disabled_grad_scaler_steps_as_without_it(fake_world) -> None:
+    """nanoGPT's bf16 loop: ``GradScaler(enabled=False)``, scale/unscale_/step/update around the attached optimizer."""
+    gd, opt, ref, ref_opt = _pair(fake_world)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    x = torch.randn(8, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scaler.scale(gd(x).sum()).backward()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+    _reference_step(ref, ref_opt, ref(x).sum(), 0.05, WORLD)
+    _assert_same(gd, opt, ref, ref_opt, "through a disabled GradScaler")
