@@ -343,6 +343,7 @@ class Derived:
     plain: Callable[[], Any]  # compiles the variant without communication
     fw_key: str | None
     bw_key: str | None
+    carry: Callable[[], Any] | None = None  # compiles the carrying variant, where the graph has one
 
 
 class Derivation:

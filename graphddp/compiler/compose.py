@@ -69,16 +69,19 @@ def record_parameter_values(gm: fx.GraphModule, plan: Schedule | None, *, param_
 
 
 def insert_comm(
-    gm: fx.GraphModule, plan: Schedule, *, world_size: int, hook: Any, hook_context: Any, graph_index: int, shared: Shared, **_: Any
+    gm: fx.GraphModule, plan: Schedule, *, world_size: int, hook: Any, hook_context: Any, graph_index: int, shared: Shared,
+    carry: bool = False, **_: Any,
 ) -> Schedule:
     """Each bucket's collective (its kind, or the traced hook) and its wait; with a hook, the
-    bytes its collectives put on the wire, read from the rewritten graph. One rank: nothing."""
+    bytes its collectives put on the wire, read from the rewritten graph; ``carry``: each
+    bucket also takes its gradients accumulated under ``no_sync`` (the carrying variant). One
+    rank: nothing."""
     if any(b.collective == "reduce_scatter" for b in plan.buckets):  # the all-reduce variant starts from it
         shared.before_comm = copy.deepcopy(gm)
     if world_size == 1:
         return plan
     log.debug("backward graph %d before insert_collectives:\n%s", graph_index, gm.code)
-    insert_collectives(gm, plan, hook=hook, context=hook_context)
+    insert_collectives(gm, plan, hook=hook, context=hook_context, carry=carry)
     log.debug("backward graph %d after insert_collectives:\n%s", graph_index, gm.code)
     return with_wire_bytes(plan, wire_bytes(gm)) if hook is not None else plan
 

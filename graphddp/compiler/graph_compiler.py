@@ -53,7 +53,7 @@ from graphddp.compiler.compose import Shared, insert_comm, record_parameter_valu
 from graphddp.compiler.forward_slot import ForwardSlots
 from graphddp.compiler.frames import FramePlans
 from graphddp.compiler.inductor import compile_inductor
-from graphddp.compiler.record import GraphRecord
+from graphddp.compiler.record import CARRY, GraphRecord
 from graphddp.config import DDPConfig
 from graphddp.graph.capture import extract_facts, parameter_of_inputs
 from graphddp.graph.insert_comm import HOOK_STATE, HOOK_STATE_SPEC, HookContext, insert_collectives
@@ -111,7 +111,8 @@ class GraphCompiler:
         self.hook = config.traced_hook if self.world_size > 1 else None
         self.hook_state = HookState(self.hook) if self.hook is not None else None
         self._hook_context = HookContext(group, dict(parameters or {}))
-        self.parameters = dict(parameters or {})  # by name: max_grad_norm asks which hold a gradient
+        # By name: max_grad_norm asks which hold a gradient; a carrying backward takes their .grad.
+        self.parameters = dict(parameters or {})
         self.dispatches: dict[int, BackwardDispatch] = {}
         self.forward_slots = ForwardSlots(self.step.gathers, config.verify)  # gather="forward": the training forwards
         self.frames = FramePlans()  # what a recompile inherits from its frame's graphs
@@ -127,6 +128,7 @@ class GraphCompiler:
             group, dict(parameters or {}), _cap_bytes(config), config.comm_dtype, self.hook, self.hook_state,
             self._hook_context, lambda: [d.schedule for d in self.dispatches.values()],
         )
+        self.step.carry_ready = lambda index: index in self.dispatches and self.dispatches[index].carry is not None
         self.step.on_end_of_step(self._union_end_of_step)  # first: the others read the averages
         if self.hook is not None:
             self.step.on_end_of_step(self._hook_end_of_step)
@@ -179,7 +181,7 @@ class GraphCompiler:
             node = None
             dispatch = self.dispatches.get(graph_index)  # made at the first backward
             unused_possible = dispatch is None or dispatch.usage.may_be_unused
-            if torch.is_grad_enabled() and (step.track_runs or not syncing or unused_possible or renamed):  # a walk: only if read
+            if torch.is_grad_enabled() and (step.track_runs or not syncing or unused_possible or renamed or step.carrying):  # a walk: only if read
                 node = compiled_backward_node(out if isinstance(out, (list, tuple)) else [out], inputs)
             if node is not None and tag_attached:  # an enabled GradScaler.scale of it is refused (optim.guards)
                 node.metadata[ATTACHED_NODE] = True
@@ -220,21 +222,30 @@ class GraphCompiler:
         phases = self.hook.phases if self.hook is not None else ("sync",)  # keys of self._phase()
 
         def rewrite(bw: fx.GraphModule) -> dict[str, GraphRecord]:
-            """One record per phase, each from its own copy of the untouched graph."""
+            """One record per phase, each from its own copy of the untouched graph; and, where
+            a step after ``no_sync`` can carry the accumulated gradients into the buckets, the
+            carrying variant (:data:`CARRY`)."""
+            carrying = copy.deepcopy(bw) if self.carries() else None  # before the rewrite edits bw
             graphs = [copy.deepcopy(bw) for _ in phases[1:]] + [bw]
-            return {
+            records = {
                 phase: self.rewrite_backward(g, param_inputs, graph_index, shared.fw_values, phase=phase)
                 for phase, g in zip(phases, graphs)
             }
+            if carrying is not None and self.carries_for(records[phases[-1]].schedule):
+                records[CARRY] = self.rewrite_backward(carrying, param_inputs, graph_index, shared.fw_values, carry=True)
+            return records
 
         def dispatch(
             records: dict[str, GraphRecord], compile_synced: Callable[[GraphRecord], Callable[[], Any]],
             compile_grads: Callable[[GraphRecord], Callable[[], Any]], compile_plain: Callable[[], Any],
-            compiled: dict[str, Any],
+            compiled: dict[str, Any], derive_carry: Callable[[], Callable[[], Any] | None] | None = None,
         ) -> BackwardDispatch:
+            """``derive_carry``: a cache hit's way to the carrying variant its entry does not
+            hold (compiled from the hit's one cold derivation, on first use)."""
             main = records[phases[-1]]  # the steady state is what people inspect
-            if len(records) > 1:
-                main.phases = dict(records)
+            by_phase = {phase: record for phase, record in records.items() if phase != CARRY}
+            if len(by_phase) > 1:
+                main.phases = dict(by_phase)
             self.on_record(main)
             variants = {
                 phase: Synced(
@@ -243,8 +254,14 @@ class GraphCompiler:
                 )
                 for phase, record in records.items()
             }
+            carry = variants.pop(CARRY, None)
+            if carry is not None:
+                main.carrying = records[CARRY]
+            elif derive_carry is not None and self.carries_for(main.schedule):  # as a cold compile decides
+                carry = Synced(main.schedule, lambda: derive_carry()())
             self.dispatches[graph_index] = BackwardDispatch(
-                state, variants, compile_plain, self.group, self.step, self._phase, self._on_sync if self.hook else None
+                state, variants, compile_plain, self.group, self.step, self._phase, self._on_sync if self.hook else None,
+                carry=carry, parameters=self.parameters,
             )
             update = variants[phases[-1]].update
             if graph_index in self.forward_slots and update is not None and update.deferred_shards:
@@ -289,6 +306,19 @@ class GraphCompiler:
     def forwards(self) -> dict[int, ForwardDispatch]:
         """gather="forward": each training graph's forward dispatcher (for people and tests)."""
         return self.forward_slots.forwards
+
+    def carries(self) -> bool:
+        """Can a step after ``no_sync`` carry its accumulated gradients into the compiled buckets
+        (one all-reduce of their sum per bucket, overlapped, as DDP's bucket after ``no_sync``)?
+        With replicated buckets and built-in hooks: a traced hook sees each bucket's accumulated
+        gradients alone, after the backward (:meth:`_hook_end_of_step`), and a sharded bucket's
+        reduce-scatter stays separate. A fact of the configuration: the same on every rank."""
+        return self.world_size > 1 and self.hook is None and self.config.sharding is None
+
+    def carries_for(self, schedule: Schedule) -> bool:
+        """Does a graph of this plan get a carrying variant (:meth:`carries`, buckets, and no
+        zero-filled slot)? Decided from the plan alone, so a cache hit decides as a cold compile."""
+        return self.carries() and bool(schedule.buckets) and not any(s.zero_filled for b in schedule.buckets for s in b.slots)
 
     def _phase(self) -> str:
         """Which synchronising variant the next step runs: the hook's phase, else the one."""
@@ -459,7 +489,7 @@ class GraphCompiler:
 
     def rewrite_backward(
         self, gm: fx.GraphModule, param_inputs: Mapping[int, str], graph_index: int,
-        fw_values: Mapping[str, Any] | None = None, phase: str = "sync",
+        fw_values: Mapping[str, Any] | None = None, phase: str = "sync", carry: bool = False,
     ) -> GraphRecord:
         """capture -> plan -> rewrite -> verify for one backward graph. Talks to no rank.
 
@@ -477,7 +507,7 @@ class GraphCompiler:
         schedule = run_passes(
             self.backward_passes, gm, schedule, world_size=self.world_size, hook=hook, hook_context=self._hook_context,
             graph_index=graph_index, check=self.config.verify, outputs={s.output_index: s.param_name for s in facts.slots},
-            shared=shared,
+            shared=shared, carry=carry,
         )
         log.info("graphddp plan for backward graph %d (fingerprint %s):\n%s", graph_index, schedule.fingerprint(), schedule.to_table())
         record = GraphRecord(schedule=schedule, graph=gm, without_update=shared.without_update)

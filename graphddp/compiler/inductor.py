@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 import torch.fx as fx
 
 from graphddp.compiler import cache as compile_cache
-from graphddp.compiler.record import GraphRecord
+from graphddp.compiler.record import CARRY, GraphRecord
 from graphddp.config import INDUCTOR_FX_ORDER_CONFIG, INDUCTOR_PINNED_CONFIG
 from graphddp.runtime.dispatch import BackwardDispatch
 from graphddp.optim.insert_gather import GATHER_INPUT
@@ -202,7 +202,7 @@ class _InductorCompile:
             backward = self.finish_cold(records, synced, grads, plain, compiled, facts)
             fw_key, bw_key, schedule = forward.get("key"), compile_cache.fx_key(compiled), records[phase_now].schedule
             if (
-                fw_key is not None and bw_key is not None and len(records) == 1
+                fw_key is not None and bw_key is not None and len([k for k in records if k != CARRY]) == 1
                 and cache.cacheable(facts, schedule)
                 and compile_cache.store(cache.key, compile_cache.Entry(fw_key, bw_key, phase_now, schedule, facts))
             ):
@@ -224,14 +224,15 @@ class _InductorCompile:
             got: dict[str, Any] = {}
 
             def finish_derived(records: dict[str, GraphRecord], synced: Any, grads: Any, plain: Any, compiled: Any, facts: Any) -> Any:
-                got.update(records=records, plain=plain, bw_key=compile_cache.fx_key(compiled))
+                carry = synced(records[CARRY]) if CARRY in records else None
+                got.update(records=records, plain=plain, bw_key=compile_cache.fx_key(compiled), carry=carry)
                 return compiled
 
             def on_derived_forward(code: Any, is_inference: bool) -> None:
                 got["fw_key"] = compile_cache.fx_key(code)
 
             self.run_compile_fx(inputs, finish_derived, on_derived_forward, eager_backward=True)
-            return compile_cache.Derived(got["records"], got["plain"], got.get("fw_key"), got.get("bw_key"))
+            return compile_cache.Derived(got["records"], got["plain"], got.get("fw_key"), got.get("bw_key"), got.get("carry"))
 
         derivation = compile_cache.Derivation(self.graph_index, entry, plan_now, compile_cold, example_inputs)
         record = compile_cache.hit_record(plan_now, getattr(catcher.bw_code, "source_code", None), phase_now, derivation)
@@ -239,6 +240,7 @@ class _InductorCompile:
         backward = self.dispatch(  # one phase (no traced hook), no update (no optimizer): see plan_key
             {phase_now: record}, lambda record: (lambda: catcher.bw_code), lambda record: None,
             lambda: derivation.get().plain(), {phase_now: catcher.bw_code},
+            derive_carry=lambda: derivation.get().carry,
         )
         catcher.proxy.target = backward
         return compiled_fn

@@ -13,8 +13,13 @@ import torch.fx as fx
 
 from graphddp.graph.insert_comm import HOOK_STATE
 from graphddp.optim.insert_update import UPDATE_INPUT
-from graphddp.values.comm import ROLE_KEY
+from graphddp.values.comm import CARRIED, ROLE_KEY
 from graphddp.values.schedule import Schedule
+
+
+# The records' key of a graph's carrying variant: its synchronising backward with each bucket
+# also taking the gradients accumulated under no_sync (graphddp.graph.insert_comm, carry=True).
+CARRY = "carry"
 
 
 @dataclasses.dataclass
@@ -34,14 +39,21 @@ class GraphRecord:
     # reason ("shared": another graph of the step reads them; "unused": no rank used them; "ran twice": two forwards before
     # one backward; "accumulated": gradients from no_sync), as of the last step it happened.
     fallbacks: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    # The carrying variant (the step after no_sync: accumulated gradients averaged with the new
+    # ones in the same buckets), where the graph has one.
+    carrying: "GraphRecord | None" = None
 
-    def _inputs(self, *roles: str) -> list[Any]:
-        return [n.meta["val"] for n in self.graph.graph.nodes if n.op == "placeholder" and n.meta.get(ROLE_KEY) in roles]
+    @staticmethod
+    def _inputs(graph: fx.GraphModule, *roles: str) -> list[Any]:
+        return [n.meta["val"] for n in graph.graph.nodes if n.op == "placeholder" and n.meta.get(ROLE_KEY) in roles]
 
     def extra_inputs(self) -> list[Any]:
-        """Fake values of the inputs graphddp appended: a hook's state, then the update's."""
-        return self._inputs(HOOK_STATE, UPDATE_INPUT)
+        """Fake values of the inputs graphddp appended, in input order: carried gradients or a
+        hook's state, then the update's."""
+        return self._inputs(self.graph, CARRIED, HOOK_STATE, UPDATE_INPUT)
 
     def hook_inputs(self) -> list[Any]:
-        """Fake values of a user hook's state inputs (what the graph without update reads)."""
-        return self._inputs(HOOK_STATE)
+        """Fake values of the inputs the graph without update reads beyond AOTAutograd's: a
+        user hook's state, or the carried gradients."""
+        graph = self.without_update if self.without_update is not None else self.graph
+        return self._inputs(graph, CARRIED, HOOK_STATE)

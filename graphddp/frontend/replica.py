@@ -181,12 +181,20 @@ class Replica:
         # the optimizer inside the backward and by a traced hook.
         self.step = StepState(track_runs=self.optimizer is not None or config.traced_hook is not None)
         self.step.set_sync(sync)
+        self.step.set_accumulated_average(self._average_accumulated)
         self.backend = GraphCompiler(
             config, names_by_identity(self.module.named_parameters()), self._records.append, self.group,
             step=self.step, optimizer=self.optimizer, parameters=dict(self.module.named_parameters()),
         )
         if self.optimizer is not None:
             self.step.on_end_of_step(self.optimizer.finish)
+
+    def _average_accumulated(self, shadow: bool) -> None:
+        """Average the gradients accumulated under ``no_sync`` now, every trainable parameter
+        in a canonical layout (a joined rank: zeros): the step after ``no_sync`` that cannot
+        carry them into its buckets (:meth:`graphddp.runtime.step.StepState.agree`)."""
+        trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        average_async(trainable, self.group, shadow=shadow).wait()
 
     def compile_graph(self, gm: Any, example_inputs: Any, **compile_kwargs: Any) -> Any:
         """The torch.compile backend of both forms: the current compiler (:meth:`_build`)."""
@@ -252,6 +260,9 @@ class Replica:
         buffers = list(self.module.buffers()) if distributed and self.config.broadcast_buffers and self._sync_buffers_next else []
         eager_hook = distributed and self._syncing and step.accumulated and self.backend.hook_runs_now()
         pending = distributed and self._syncing and step.accumulated and not eager_hook
+        if pending and self.backend.carries():  # the backward's buckets average them: nothing to do now
+            step.carry_accumulated()
+            pending = False
         source = 0
         config = getattr(self.joinable, "_join_config", None)
         if distributed and config is not None and config.enable:
@@ -275,6 +286,10 @@ class Replica:
             self._pending = None
             step.accumulated_averaged()
         step.gathers.finish()  # gather="forward": those no graph of this forward took
+        if step.carrying and any(
+            p.grad is not None and name not in step.ran_params for name, p in self.module.named_parameters() if p.requires_grad
+        ):
+            step.block_carry()  # an accumulated gradient no graph of this step takes into a bucket
         if torch.is_grad_enabled():
             self._guard_uncovered_parameters(self._syncing, out)
             if not step.sync:

@@ -80,7 +80,7 @@ from graphddp.graph.trace import fresh_copy, role, set_outputs, splice, trace
 from graphddp.hooks import builtin as hooks
 from graphddp.hooks.traced import GradBucket, HookState, StateSpec, TracedHook
 from graphddp.values.collectives import backend_of, kind
-from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, WAIT, group_of, is_collective, is_wait
+from graphddp.values.comm import BUCKET_KEY, CARRIED, ROLE_KEY, WAIT, group_of, is_collective, is_wait
 from graphddp.values.schedule import WAIT_AT_OUTPUT, Bucket, GradSlot, Schedule, dtype_name
 
 aten = torch.ops.aten
@@ -223,14 +223,21 @@ def _check_result(bucket: Bucket, hook_name: str, done: Any, verb: str = "return
         )
 
 
-def _builtin_fn(bucket: Bucket, hook: hooks.CommHook, schedule: Schedule) -> Callable[..., list[torch.Tensor]]:
+def _builtin_fn(bucket: Bucket, hook: hooks.CommHook, schedule: Schedule, carry: bool = False) -> Callable[..., list[torch.Tensor]]:
     """gradients -> flatten -> compress -> divide -> the bucket's collective (all_reduce_) -> wait
-    -> decompress -> views."""
+    -> decompress -> views. With ``carry``, as many inputs again after the gradients: each slot's
+    gradient accumulated under ``no_sync``, added to its new one before anything else (DDP's
+    bucket after ``no_sync`` holds the sum, and averages it once)."""
     wire = getattr(torch, bucket.comm_dtype or bucket.dtype)
     collective = kind(bucket.collective)
     lowered = collective.lower(backend_of(schedule.group_name))
+    n = len(bucket.slots)
 
-    def run(*grads: torch.Tensor) -> list[torch.Tensor]:
+    def run(*args: torch.Tensor) -> list[torch.Tensor]:
+        grads = args[:n]
+        if carry:
+            with role("carry"):
+                grads = tuple(aten.add.Tensor(g, acc) for g, acc in zip(grads, args[n:], strict=True))
         with role("flatten"):
             flat = _flatten(grads, bucket)
         with role("compress"):
@@ -366,12 +373,50 @@ def _late_part(gm: fx.GraphModule, what: str) -> frozenset[fx.Node]:
     return late
 
 
-def _trace_bucket(p: _Placement, outs: Sequence[Any], zeros: Mapping[str, torch.Tensor], schedule: Schedule, hook: hooks.CommHook) -> _Traced:
-    """The built-in hook's bucket traced on the fake values of its gradients; edits nothing."""
+def _trace_bucket(
+    p: _Placement, outs: Sequence[Any], zeros: Mapping[str, torch.Tensor], schedule: Schedule, hook: hooks.CommHook,
+    carried: Sequence[torch.Tensor] = (),
+) -> _Traced:
+    """The built-in hook's bucket traced on the fake values of its gradients (and, carrying,
+    of its accumulated ones); edits nothing."""
     what = f"bucket {p.bucket.index} (hook {hook.name!r})"
     grads = [_value(slot, outs, zeros) for slot in p.bucket.slots]
-    gm = trace(_builtin_fn(p.bucket, hook, schedule), grads, what)
+    gm = trace(_builtin_fn(p.bucket, hook, schedule, carry=bool(carried)), [*grads, *carried], what)
     return _Traced(p, gm, _late_part(gm, what), ())
+
+
+def _carried_values(graph: fx.Graph, bucket: Bucket) -> list[torch.Tensor]:
+    """Fake values of a bucket's carried gradients: each parameter's shape, contiguous (what
+    autograd's accumulation leaves in ``.grad`` for a contiguous parameter), its gradient's dtype."""
+    fake_mode = detect_fake_mode(tuple(n.meta.get("val") for n in graph.nodes if n.op == "placeholder"))
+    with fake_mode:
+        return [torch.empty(s.shape, dtype=getattr(torch, s.dtype), device=torch.device(s.device)) for s in bucket.slots]
+
+
+def _add_carried_inputs(graph: fx.Graph, traced: Sequence[_Traced]) -> dict[int, list[fx.Node]]:
+    """Placeholders for every bucket's carried gradients, in bucket and slot order, after the
+    existing ones (role ``carried_gradient``, the slot's parameter in the name)."""
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    by_bucket: dict[int, list[fx.Node]] = {}
+    for t in traced:
+        bucket = t.placement.bucket
+        phs = t.gm.graph.find_nodes(op="placeholder")[len(bucket.slots):]
+        for slot, ph in zip(bucket.slots, phs, strict=True):
+            with graph.inserting_after(last):
+                node = graph.placeholder(f"carried_{bucket.index}_{len(by_bucket.get(bucket.index, []))}")
+            node.meta.update({"val": ph.meta["val"], ROLE_KEY: CARRIED, BUCKET_KEY: bucket.index, CARRIED: slot.param_name})
+            by_bucket.setdefault(bucket.index, []).append(node)
+            last = node
+    return by_bucket
+
+
+def carried_parameters(gm: fx.GraphModule) -> list[str]:
+    """The parameters whose accumulated gradients a carrying graph takes, in input order."""
+    names = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and node.meta.get(ROLE_KEY) == CARRIED:
+            names.append(node.meta[CARRIED])
+    return names
 
 
 def _zero_values(graph: fx.Graph, schedule: Schedule) -> dict[str, torch.Tensor]:
@@ -428,7 +473,7 @@ def _add_state_inputs(graph: fx.Graph, traced: Sequence[_Traced]) -> dict[int, l
 
 def insert_collectives(
     gm: fx.GraphModule, schedule: Schedule, *, hook: hooks.CommHook | TracedHook | None = None,
-    context: HookContext | None = None,
+    context: HookContext | None = None, carry: bool = False,
 ) -> fx.GraphModule:
     """Insert every schedule bucket's communication (see module docstring).
 
@@ -444,13 +489,21 @@ def insert_collectives(
     # A sharded bucket (reduce-scatter, its update, an all-gather) is the optimizer's pass's.
     placements = [p for p in place_buckets(gm, schedule, outs) if p.bucket.collective != "reduce_scatter"]
     zero_values = _zero_values(graph, schedule)
+    if carry and (isinstance(hook, TracedHook) or zero_values or len(placements) != len(schedule.buckets)):
+        raise ValueError(
+            "graphddp: a carrying backward (accumulated gradients in its buckets) takes built-in hooks, replicated "
+            "buckets and no zero-filled slot; the compiler asks for one only then"
+        )
     if isinstance(hook, TracedHook):
         ctx = context or HookContext(group=None)
         traced = [_trace_user_bucket(p, outs, zero_values, schedule, hook, ctx) for p in placements]
     else:
-        traced = [_trace_bucket(p, outs, zero_values, schedule, hook or hooks.for_bucket(p.bucket)) for p in placements]
+        traced = [
+            _trace_bucket(p, outs, zero_values, schedule, hook or hooks.for_bucket(p.bucket), _carried_values(graph, p.bucket) if carry else ())
+            for p in placements
+        ]
     # Edits start here, once every bucket has been placed and traced.
-    states = _add_state_inputs(graph, traced)
+    states = _add_carried_inputs(graph, traced) if carry else _add_state_inputs(graph, traced)
     zeros = _add_zeros(graph, schedule, zero_values)
     # Buckets issued at the start go after the placeholders and the zeros they may read.
     zero_nodes = set(zeros.values())

@@ -31,7 +31,10 @@ only it catches. Checks run in this order:
 7. **Layout.** The flat buffer concatenates exactly the bucket's slots, in order: piece ``i``
    is a flattening ``view`` (of a contiguous ``clone`` at most) of the node named by slot
    ``i``'s ``producer``, with ``numel`` elements; a zero-filled slot's piece flattens
-   ``zeros`` made for that bucket (and no output is returned for it, 10).
+   ``zeros`` made for that bucket (and no output is returned for it, 10). In a carrying
+   graph (gradients accumulated under ``no_sync`` averaged with the new ones) the piece
+   flattens ``add(producer, c)``, ``c`` the bucket's carried input for that slot's parameter,
+   and every carried input is read once, that way.
 8. **No reads of the buffer in flight.** Once the (in-place) all-reduce is issued, nothing
    but it reads its input buffer or a view of it.
 9. **Wait placement.** Each wait comes before its bucket's ``wait_before`` node (``"output"``
@@ -71,6 +74,7 @@ from graphddp.graph.capture import views_of
 from graphddp.values.collectives import kind
 from graphddp.values.comm import (
     BUCKET_KEY,
+    CARRIED,
     CAST,
     ROLE_KEY,
     group_of,
@@ -319,6 +323,8 @@ def _check_piece(g: _Graph, bucket: Bucket, i: int, piece: Any, slot: GradSlot, 
     source = piece.args[0]
     if source.target == aten.clone.default and is_ours(source):  # the contiguous copy of a strided gradient
         source = source.args[0]
+    if source.meta.get(ROLE_KEY) == "carry" and is_ours(source, bucket.index):  # + its accumulated gradient
+        source = _carried_sum(g, bucket, piece, source, slot, what)
     if slot.zero_filled:  # no gradient in this graph: zeros of the bucket's own, in its place
         if not (isinstance(source, fx.Node) and source.target == aten.zeros.default and source.meta.get(BUCKET_KEY) == bucket.index):
             name = source.name if isinstance(source, fx.Node) else repr(source)
@@ -330,6 +336,31 @@ def _check_piece(g: _Graph, bucket: Bucket, i: int, piece: Any, slot: GradSlot, 
     size = list(size) if isinstance(size, (list, tuple)) else [size]
     if size not in ([slot.numel], [-1]) or _numel(source) != slot.numel:
         _fail(g.gm, piece, f"{what}, {piece.name}, is {size} of {_numel(source)} elements; {slot.param_name!r} has {slot.numel}")
+
+
+def _carried_sum(g: _Graph, bucket: Bucket, piece: fx.Node, add: fx.Node, slot: GradSlot, what: str) -> Any:
+    """A carrying bucket's piece flattens ``add(producer, c)``, ``c`` the bucket's carried input
+    of the piece's slot; returns the gradient added to (checked as any piece's by the caller)."""
+    args = list(add.args)
+    carried = [a for a in args if isinstance(a, fx.Node) and a.op == "placeholder" and a.meta.get(ROLE_KEY) == CARRIED]
+    if add.target != aten.add.Tensor or len(args) != 2 or len(carried) != 1:
+        _fail(g.gm, piece, f"{what}, {piece.name}, flattens {add.name} = {add.target}{tuple(getattr(a, 'name', a) for a in args)}; "
+                           "expected the gradient plus one carried input")
+    if carried[0].meta.get(BUCKET_KEY) != bucket.index or carried[0].meta.get(CARRIED) != slot.param_name:
+        _fail(g.gm, piece, f"{what}, {piece.name}, adds {carried[0].name}, carried for {carried[0].meta.get(CARRIED)!r} of bucket "
+                           f"{carried[0].meta.get(BUCKET_KEY)}; expected the accumulated gradient of {slot.param_name!r}")
+    return next(a for a in args if a is not carried[0])
+
+
+def _check_carried(g: _Graph) -> None:
+    """A carried input is read once, by its bucket's ``add`` (7 checked which slot): an unread
+    one is an accumulated gradient left out of the average."""
+    for node in g.gm.graph.nodes:
+        if node.op != "placeholder" or node.meta.get(ROLE_KEY) != CARRIED:
+            continue
+        users = list(node.users)
+        if len(users) != 1 or users[0].meta.get(ROLE_KEY) != "carry" or not is_ours(users[0], node.meta.get(BUCKET_KEY)):
+            _fail(g.gm, node, f"carried input {node.name} ({node.meta.get(CARRIED)!r}) is read by {_names(users)}; expected once, by its bucket's add")
 
 
 def _check_in_flight(g: _Graph, bucket: Bucket, ar: fx.Node) -> None:
@@ -575,5 +606,6 @@ def verify(gm: fx.GraphModule, schedule: Schedule, expected: Mapping[int, str]) 
         else:
             _check_bucket(g, bucket, reduces[bucket.index], schedule)
     _check_outputs(g, schedule, expected, sharded)
+    _check_carried(g)
     _check_order(g)
     _check_lint(gm)

@@ -32,7 +32,7 @@ them.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -233,6 +233,8 @@ class BackwardDispatch:
         step: "StepState",
         phase: Callable[[], str] | None = None,
         on_sync: Callable[[Synced], None] | None = None,
+        carry: Synced | None = None,
+        parameters: Mapping[str, torch.nn.Parameter] | None = None,
     ) -> None:
         # Called with one list of arguments, which the callee may free. An instance attribute:
         # wrappers (torch._dynamo.disable) copy __dict__, not class attributes.
@@ -245,6 +247,10 @@ class BackwardDispatch:
         self.step = step
         self.phase = phase or (lambda: next(iter(variants)))
         self._on_sync = on_sync
+        # The carrying variant: the synchronising one whose buckets also take the gradients
+        # accumulated under no_sync (``parameters`` holds them, by name, until it takes them).
+        self.carry = carry
+        self.parameters = dict(parameters or {})
         self.usage = GradientUsage(next(iter(variants.values())).schedule)
 
     @property
@@ -278,6 +284,9 @@ class BackwardDispatch:
         self.step.synchronising_backward(schedule.graph_index)
         if divergent:
             return self._locally(schedule, args, unused, outputs)
+        if self.carry is not None and not renamed and self.step.take_carried():
+            synced = self.carry
+            args.extend(self._take_accumulated(synced.schedule))
         if self._on_sync is not None:
             self._on_sync(synced)
         args.extend(synced.hook_args())  # inputs after the graph's own, before the update's
@@ -293,6 +302,23 @@ class BackwardDispatch:
                 raise
             raise failure from e
         return GradientUsage.drop(out, outputs, unused)
+
+    def _take_accumulated(self, schedule: Schedule) -> list[torch.Tensor]:
+        """The carried inputs, in bucket and slot order: each parameter's accumulated gradient
+        (zeros where it has none), taken out of ``.grad`` so that autograd sets the bucket's
+        average there instead of adding it to what was accumulated."""
+        taken = []
+        for bucket in schedule.buckets:
+            for slot in bucket.slots:
+                param = self.parameters[slot.param_name]
+                grad = param.grad
+                if grad is None:
+                    grad = torch.zeros_like(param, memory_format=torch.contiguous_format)
+                elif not grad.is_contiguous():
+                    grad = grad.contiguous()
+                taken.append(grad)
+                param.grad = None
+        return taken
 
     def _locally(self, schedule: Schedule, args: list[Any], unused: frozenset[str], outputs: dict[str, int]) -> Any:
         """A divergent step: the local backward, its gradients handed to the step for the

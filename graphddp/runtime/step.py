@@ -125,6 +125,13 @@ class StepState:
         self._end_queued = False
         # gather="forward": all-gathers the last backward issued, completed by the next forward.
         self.gathers = PendingGathers()
+        # Carrying (module docstring): this synchronising step's graphs average the gradients
+        # accumulated under no_sync in their own buckets, together with the new ones.
+        self.carrying = False
+        self._carry_graphs: dict[int, Any] = {}  # graph -> weak reference to the node its forward made
+        self._carry_blocked = False  # a fact of this rank's forward that rules carrying out
+        self._average_accumulated: Callable[[bool], None] = lambda shadow: None  # the replica's eager average
+        self.carry_ready: Callable[[int], bool] = lambda index: False  # has graph ``index`` a carrying variant
 
     # -- compile time ---------------------------------------------------------------------------
     def add_graph(self, frame: int | None, params: Iterable[str]) -> GraphEntry:
@@ -155,6 +162,27 @@ class StepState:
     def accumulated_averaged(self) -> None:
         """The accumulated gradients were averaged (eagerly, behind the synchronising forward)."""
         self.accumulated = False
+
+    def set_accumulated_average(self, average: Callable[[bool], None]) -> None:
+        """The replica's eager average of accumulated gradients, ``average(shadow)`` (a joined
+        rank's shadow: zeros): what a step that cannot carry does instead (:meth:`agree`)."""
+        self._average_accumulated = average
+
+    def carry_accumulated(self) -> None:
+        """This synchronising forward's graphs carry the accumulated gradients into their buckets."""
+        self.carrying, self.accumulated = True, False
+        self._carry_graphs.clear()
+        self._carry_blocked = False
+
+    def block_carry(self) -> None:
+        """Something of this forward rules carrying out on this rank (parameters holding an
+        accumulated gradient that no graph of this step covers, say); the first agreement of
+        the backward tells every rank, and the step averages eagerly instead."""
+        self._carry_blocked = True
+
+    def take_carried(self) -> bool:
+        """Does this graph's synchronising backward carry (the step still carries)?"""
+        return self.carrying
 
     def hook_accumulated(self) -> None:
         """This synchronising step's traced hook averages the accumulated gradients eagerly,
@@ -196,7 +224,16 @@ class StepState:
     def forward_ran(self, index: int, node: Any | None, syncing: bool, renamed: dict[str, str] | None = None) -> None:
         """Graph ``index`` ran a forward; ``node`` is the backward node this call made;
         ``renamed``: the parameters it ran with, when not the compiled ones."""
-        self.ran_params.update(self.graphs[index].params if renamed is None else renamed.values())
+        params = self.graphs[index].params if renamed is None else frozenset(renamed.values())
+        if self.carrying and syncing and torch.is_grad_enabled() and params:
+            # Each parameter's accumulated gradient goes into exactly one bucket: a graph run
+            # twice, one sharing a parameter with another graph of the step, or one running
+            # another module's parameters rules carrying out.
+            if renamed or index in self._carry_graphs or params & self.ran_params or node is None:
+                self._carry_blocked = True
+            else:
+                self._carry_graphs[index] = weakref.ref(node)
+        self.ran_params.update(params)
         if syncing and torch.is_grad_enabled():
             self.expected += 1
         if not syncing and self.eager_hook_step and node is not None:
@@ -216,10 +253,29 @@ class StepState:
         if self.divergent:
             return True, False
         position, self.probed = self.probed, self.probed + 1
-        flags = (self.joined, bool(self.eager), unused_here)
-        same, (join_asks, eager, unused) = probe((digest, position, self.expected), flags, group, what)
+        flags = (self.joined, bool(self.eager), unused_here, self.carrying, self.carrying and position == 0 and self._cannot_carry())
+        same, (join_asks, eager, unused, carrying, blocked) = probe((digest, position, self.expected), flags, group, what)
         self.divergent = not same or join_asks or eager
+        if carrying and (self.divergent or unused or blocked):
+            # Some rank carries but this step cannot (or it is divergent): every rank averages
+            # the accumulated gradients now, as before the backward (a joined rank with zeros),
+            # and the step goes on as one without accumulation.
+            self.carrying = False
+            self._average_accumulated(self.joined)
         return self.divergent, unused
+
+    def _cannot_carry(self) -> bool:
+        """Rules carrying out on this rank, at the step's first agreement: a fact of its
+        forward (:meth:`block_carry`), a graph without a carrying variant, or a graph whose
+        forward ran in this step but whose backward this backward will not run (its
+        parameters' accumulated gradients would stay unaveraged)."""
+        if self._carry_blocked:
+            return True
+        for index, ref in self._carry_graphs.items():
+            node = ref()
+            if node is None or not self.carry_ready(index) or not torch._C._will_engine_execute_node(node):
+                return True
+        return False
 
     def contribute(self, schedule: Any, grads: dict[str, torch.Tensor], used: Iterable[str]) -> None:
         """A divergent step's graph ran locally: its gradients wait here for the union average."""
@@ -282,6 +338,7 @@ class StepState:
         finally:
             self.eager_hook_step = False
             self.eager_graphs.clear()
+            self.carrying = False
             self._forget_started()
             self.end_agreement()
 

@@ -25,6 +25,9 @@ COLLECTIVES = (
 # Meta keys graphddp sets on nodes it creates; the verifier and renderers read them.
 BUCKET_KEY = "graphddp_bucket"
 ROLE_KEY = "graphddp_role"
+# ROLE_KEY of a backward input that carries a gradient accumulated under no_sync into its bucket
+# (graph.insert_comm), and the meta key naming its parameter.
+CARRIED = "carried_gradient"
 
 
 def is_all_reduce(node: fx.Node) -> bool:

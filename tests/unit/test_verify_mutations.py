@@ -100,7 +100,7 @@ def _real(comm_hook: str | None) -> tuple[fx.GraphModule, Schedule, dict[int, st
     return record.graph, record.schedule, expected
 
 
-def _hand(comm_hook: str | None = None, early_waits: bool = False) -> tuple[fx.GraphModule, Schedule, dict[int, str]]:
+def _hand(comm_hook: str | None = None, early_waits: bool = False, carry: bool = False) -> tuple[fx.GraphModule, Schedule, dict[int, str]]:
     gm = test_passes.trace()
     first, rest = test_passes.MIXED
     config = DDPConfig(first_bucket_cap_mb=first, bucket_cap_mb=rest, comm_hook=comm_hook)
@@ -112,7 +112,7 @@ def _hand(comm_hook: str | None = None, early_waits: bool = False) -> tuple[fx.G
         assert names.index(wait_at) < names.index(schedule.buckets[-1].issue_after), "an interior node"
         early = {f"b{b.index}": dict(wait_before=wait_at) for b in schedule.buckets[:-1]}
         schedule = test_passes.with_buckets(schedule, **early)
-    insert_collectives(gm, schedule)
+    insert_collectives(gm, schedule, carry=carry)
     return gm, schedule, dict(test_passes.PARAMS)
 
 
@@ -122,11 +122,13 @@ BUILDERS: dict[str, Callable[[], tuple[fx.GraphModule, Schedule, dict[int, str]]
     "hand": lambda: _hand(),
     "hand-fp16": lambda: _hand("fp16_compress"),
     "hand-early-wait": lambda: _hand(early_waits=True),
+    "hand-carry": lambda: _hand(carry=True),  # the step after no_sync: accumulated gradients in the buckets
 }
 ALL = tuple(BUILDERS)
 COMPRESSED = ("mlp-bf16", "hand-fp16")
 PLAIN = tuple(c for c in ALL if c not in COMPRESSED)
 EARLY = ("hand-early-wait",)
+CARRYING = ("hand-carry",)
 
 
 @functools.lru_cache(maxsize=None)
@@ -476,6 +478,24 @@ def missing_fake_value(c: Case) -> str:
     return node.name
 
 
+def carried_into_the_wrong_slot(c: Case) -> str:
+    """Two slots of a bucket add each other's accumulated gradient."""
+    first, second = c.ours(c.biggest().index, "carry")[:2]
+    a, b = first.args[1], second.args[1]
+    first.args, second.args = (first.args[0], b), (second.args[0], a)
+    (piece,) = first.users
+    return piece.name
+
+
+def carry_left_out(c: Case) -> str:
+    """A slot's piece flattens its new gradient alone: its accumulated one is never averaged."""
+    add = c.ours(c.biggest().index, "carry")[0]
+    carried = add.args[1]
+    add.replace_all_uses_with(add.args[0])
+    c.gm.graph.erase_node(add)
+    return carried.name
+
+
 # name -> (mutation, the cases it applies to); the comment is the verifier invariant that catches it
 MUTATIONS: dict[str, tuple[Callable[[Case], str], tuple[str, ...]]] = {
     "wrong-divisor": (wrong_divisor, ALL),  # invariant 5
@@ -519,6 +539,8 @@ MUTATIONS: dict[str, tuple[Callable[[Case], str], tuple[str, ...]]] = {
     "untouched-output-rerouted": (untouched_output_rerouted, ALL),  # invariant 10
     "missing-fake-value": (missing_fake_value, ALL),  # invariant 2
     "compute-out-of-order": (compute_out_of_order, ALL),  # invariant 11
+    "carried-into-the-wrong-slot": (carried_into_the_wrong_slot, CARRYING),  # invariant 7
+    "carry-left-out": (carry_left_out, CARRYING),  # invariant 7
 }
 
 
@@ -553,5 +575,6 @@ def test_mutation_is_rejected_naming_the_node(mutation, case):
 def test_every_mutation_runs_on_a_real_graph_or_needs_a_hand_made_one():
     real = {"mlp", "mlp-bf16"}
     hand_only = {m for m, (_, cases) in MUTATIONS.items() if not real & set(cases)}
-    assert hand_only == {"wait-after-wait-before"}  # needs an interior wait_before
+    # an interior wait_before; a carrying graph (the step after no_sync)
+    assert hand_only == {"wait-after-wait-before", "carried-into-the-wrong-slot", "carry-left-out"}
     assert len(MUTATIONS) >= 8
