@@ -27,7 +27,8 @@ def _loop(rank: int, world: int, argv: list[str], out: str) -> None:
     trainers = nanogpt_loop.run(nanogpt_loop.parse_args(argv))
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({n: {"losses": t.losses, "eval": t.eval_losses, "iter": t.iter_num} for n, t in trainers.items()}, f)
+            json.dump({n: {"losses": t.losses, "eval": t.eval_losses, "iter": t.iter_num,
+                           "fallbacks": [dict(r.fallbacks) for r in getattr(t.model, "records", [])]} for n, t in trainers.items()}, f)
 
 
 def _run(tmp_path, name: str, *argv: str) -> dict:
@@ -53,6 +54,17 @@ def test_the_loop_trains_like_ddp_loss_for_loss(tmp_path, dtype):
     _same(got["graphddp"]["losses"], got["ddp"]["losses"], f"{dtype} training losses")
     _same(got["graphddp"]["eval"], got["ddp"]["eval"], f"{dtype} evaluation losses")
     assert len(got["ddp"]["eval"]) == 1
+
+
+def test_the_loop_with_the_optimizer_inside_trains_like_ddp(tmp_path):
+    """``graphddp.compile(model, optimizer=..., max_grad_norm=grad_clip)``: AdamW (two param
+    groups, the LR schedule) and clipping inside the backward of the step after the micro-steps,
+    which carries their gradients into its buckets; the loop's ``scaler.step`` (a disabled
+    scaler) and ``zero_grad`` are no-ops. Loss for loss against DDP + clip_grad_norm_ + step."""
+    got = _run(tmp_path, "inside", "--max-iters", "8", "--eval-interval", "4", "--optimizer-inside")
+    _same(got["graphddp"]["losses"], got["ddp"]["losses"], "optimizer inside, training losses")
+    _same(got["graphddp"]["eval"], got["ddp"]["eval"], "optimizer inside, evaluation losses")
+    assert not any(got["graphddp"]["fallbacks"]), f"steps left to torch's step: {got['graphddp']['fallbacks']}"
 
 
 def test_a_checkpoint_resumes_where_the_run_was(tmp_path):
