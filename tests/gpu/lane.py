@@ -11,7 +11,7 @@ A case is (setup, model, mode):
 
 Every case trains 3 steps under autocast (bf16; fp16 with ``GradScaler`` for the scaler mode)
 and inductor, and compares graphddp's parameters with DDP's after each step (and the
-gradients, where the optimizer runs after the backward). Run as a script by ``test_lane.py``:
+gradients, where the optimizer runs after the backward). Run as a script by ``test_gpu_lane.py``:
 ``python tests/gpu/lane.py CASE RANK WORLD STORE RESULT`` writes ``RESULT`` as JSON
 (``{"ok": bool, "error": str, "max_param_diff": float, ...}``). ``--device cpu`` runs the same
 code on CPU with aot_eager: a check of the lane itself without a GPU, not a GPU test.

@@ -9,7 +9,7 @@ bf16 autocast, inductor, NCCL at world size 1):
   inside's less (N-1)/N of AdamW's state (here N = 1: at most the optimizer inside's).
 
 The run's table and JSON go to ``GRAPHDDP_GPU_OUT`` (default ``bench_out/``): the lane's run is
-the published one. This file runs before ``test_lane.py`` (name order), alone on the GPU, so
+the published one. This file runs before ``test_gpu_lane.py`` (name order), alone on the GPU, so
 its step times are not shared with the lane's compiles.
 """
 from __future__ import annotations
