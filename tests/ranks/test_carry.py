@@ -15,7 +15,9 @@ one accumulated).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+from typing import Iterator
 
 import pytest
 import torch
@@ -69,22 +71,33 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, micro: int, leave_
     return F.mse_loss(out, y)
 
 
-def _eager_averages(monkey: list[int]) -> None:
+@contextlib.contextmanager
+def _eager_averages() -> Iterator[list[int]]:
+    """Count the eager averages of accumulated gradients (graphddp.runtime.sync.average_async,
+    as the replica calls it) while inside; the rank pool's processes outlive the test."""
     import graphddp.frontend.replica as replica
 
-    original = replica.average_async
+    original, calls = replica.average_async, []
 
     def counted(*args, **kwargs):
-        monkey.append(1)
+        calls.append(1)
         return original(*args, **kwargs)
 
     replica.average_async = counted
+    try:
+        yield calls
+    finally:
+        replica.average_async = original
 
 
 def _train(rank: int, world: int, make, expect_carry: bool, leave_out_b: bool = False, optimizer: bool = False,
            only_rank0_accumulates: bool = False) -> None:
-    averages: list[int] = []
-    _eager_averages(averages)
+    with _eager_averages() as averages:
+        _train_counted(rank, make, expect_carry, leave_out_b, optimizer, only_rank0_accumulates, averages)
+
+
+def _train_counted(rank: int, make, expect_carry: bool, leave_out_b: bool, optimizer: bool, only_rank0_accumulates: bool,
+                   averages: list[int]) -> None:
     torch.manual_seed(0)
     model = make()
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=leave_out_b)
@@ -150,8 +163,11 @@ def _break_gpt() -> nn.Module:
 
 def _train_gpt(rank: int, world: int, make) -> None:
     """BreakGPT: its tied embedding is read on both sides of a graph break."""
-    averages: list[int] = []
-    _eager_averages(averages)
+    with _eager_averages() as averages:
+        _train_gpt_counted(rank, make, averages)
+
+
+def _train_gpt_counted(rank: int, make, averages: list[int]) -> None:
     torch.manual_seed(0)
     model = make()
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
