@@ -334,12 +334,7 @@ class DDPConfig:
         if unknown:
             raise ValueError(f"{where}: options {unknown} are not inductor config settings (torch._inductor.list_options())")
         if getattr(device, "type", None) == "cuda" and patches.get("triton.cudagraphs"):
-            why = f"mode={mode!r}" if not given.get("triton.cudagraphs") else "options['triton.cudagraphs']"
-            raise ValueError(
-                f"{where}: {why} turns on CUDA graphs, which graphddp does not support: its backward "
-                "graphs carry collectives and an in-band check that CUDA graph replay would not run "
-                "safely. Use mode='max-autotune-no-cudagraphs' or the default mode."
-            )
+            _refuse_cuda_graphs(where, mode, given)
         return patches
 
     def _check_ddp_keywords(self) -> None:
@@ -487,3 +482,14 @@ class DDPConfig:
         if self.last_bucket_cap_mb is None:
             raise ValueError("last_bucket_cap_mb is not set")
         return int(self.last_bucket_cap_mb * MB)
+
+
+def _refuse_cuda_graphs(where: str, mode: str | None, given: dict[str, Any]) -> None:
+    """CUDA graphs on a CUDA model: refused. A function of its own so that the CUDA-graph probe
+    (``tools/bench/cudagraphs.py``) can lift the refusal and measure what happens without it."""
+    why = f"mode={mode!r}" if not given.get("triton.cudagraphs") else "options['triton.cudagraphs']"
+    raise ValueError(
+        f"{where}: {why} turns on CUDA graphs, which graphddp does not support: its backward "
+        "graphs carry collectives and an in-band check that CUDA graph replay would not run "
+        "safely. Use mode='max-autotune-no-cudagraphs' or the default mode."
+    )

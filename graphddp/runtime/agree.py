@@ -55,6 +55,12 @@ def _is_fake(group: Any) -> bool:
     return dist.get_backend(group) == "fake"
 
 
+def _nothing_to_agree(group: Any) -> bool:
+    """A group of one rank (or a fake one) agrees with itself: no collective is issued. (The
+    GPU lane sets this to False to measure the agreement on one GPU, NCCL at world size 1.)"""
+    return dist.get_world_size(group) == 1 or _is_fake(group)
+
+
 def _device(group: Any) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -111,7 +117,7 @@ def probe(
     probe whatever its layout, and every rank reads the same answer. The caller decides what a
     difference means (:meth:`graphddp.runtime.step.StepState.agree`: a divergent step, not an error).
     """
-    if dist.get_world_size(group) == 1 or _is_fake(group):
+    if _nothing_to_agree(group):
         return True, tuple(bool(f) for f in flags)
     h = layout_hash(layout) if digest is None else digest
     try:
@@ -138,7 +144,7 @@ def max_reduce(values: Sequence[int], group: Any) -> list[int]:
 def max_over_ranks(values: Sequence[int], group: Any) -> list[int]:
     """Per position, the largest of every rank's ``values`` (one int64 MAX all-reduce); every
     rank must pass the same number of values."""
-    if dist.get_world_size(group) == 1 or _is_fake(group) or not values:
+    if _nothing_to_agree(group) or not values:
         return [int(v) for v in values]
     return max_reduce(values, group)
 
@@ -179,7 +185,7 @@ def _side(buckets: tuple[WireBucket, ...], k: int, rank: int) -> str:
 
 def gather(obj: Any, group: Any) -> list[Any]:
     """Every rank's ``obj`` (small and picklable), in rank order, on every rank."""
-    if dist.get_world_size(group) == 1 or _is_fake(group):
+    if _nothing_to_agree(group):
         return [obj]
     return _gather(obj, group)
 
@@ -211,7 +217,7 @@ def check_parameter_agreement(module: nn.Module, group: Any) -> None:
     Called by ``graphddp.compile`` on every rank, before the initial broadcast, so a
     mismatch is an error, not a broadcast of the wrong size.
     """
-    if dist.get_world_size(group) == 1 or _is_fake(group):
+    if _nothing_to_agree(group):
         return
     mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]
     digests = _gather(layout_hash(mine), group)

@@ -67,6 +67,11 @@ MODES: dict[str, dict[str, Any]] = {
     # fp32: a rank-2 approximation of bf16-noisy gradients is not stable from run to run
     "powersgd": {"comm_hook": "powersgd", "amp": None},
     "fp16_scaler": {"scaler": True},
+    # nanoGPT's loop: micro-steps with require_backward_grad_sync, the last one synchronising
+    # (graphddp carries the accumulated gradients into its buckets), and with the optimizer
+    # inside, clipping by global norm in the graph (DDP's side: clip_grad_norm_ before step)
+    "accumulate": {"micro": 2},
+    "optimizer_clip": {"optimizer": True, "micro": 2, "clip": 1.0},
 }
 # (setup, model, mode): what the lane runs. Each nccl1 case is one process, each gloo2 case two.
 CASES: tuple[tuple[str, str, str], ...] = (
@@ -75,6 +80,7 @@ CASES: tuple[tuple[str, str, str], ...] = (
     ("gloo2", "gpt2", "default"), ("gloo2", "gpt2", "optimizer"), ("gloo2", "gpt2", "sharded"),
     ("gloo2", "gpt2", "bf16_compress"), ("gloo2", "gpt2", "powersgd"), ("gloo2", "cnn", "fp16_compress"),
     ("gloo2", "cnn", "sharded_fwd"), ("gloo2", "cnn", "fp16_scaler"),
+    ("nccl1", "gpt2", "optimizer_clip"), ("gloo2", "gpt2", "accumulate"), ("gloo2", "gpt2", "optimizer_clip"),
 )
 POWERSGD = dict(matrix_approximation_rank=2, start_powerSGD_iter=2, min_compression_rate=1)
 POWERSGD_CAP = 0.05  # MB
@@ -140,6 +146,10 @@ def _graphddp_kwargs(mode: str, opt: torch.optim.Optimizer, backend: str) -> dic
         kwargs["optimizer"] = opt
     spec.pop("scaler", None)
     spec.pop("amp", None)
+    spec.pop("micro", None)
+    clip = spec.pop("clip", None)
+    if clip is not None:
+        kwargs["max_grad_norm"] = clip
     hook = spec.pop("comm_hook", None)
     if hook == "powersgd":
         from graphddp.hooks import PowerSGD
@@ -176,23 +186,34 @@ def run_case(case: tuple[str, str, str], rank: int, world: int, device: torch.de
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01, foreach=False if in_graph else None)
     start = [p.detach().clone() for p in ref.parameters()]
     opt_ours = torch.optim.AdamW(theirs.parameters(), lr=LR, weight_decay=0.01)
-    ours = graphddp.compile(theirs, **_graphddp_kwargs(mode, opt_ours, backend))
+    if os.environ.get("GRAPHDDP_GPU_LANE_SELF_CHECK") == "1" and not in_graph:
+        # DDP over the eager model in graphddp's place: how far rounding alone takes two correct
+        # programs apart in this case (a figure for the tolerances, not a test of graphddp)
+        ours = nn.parallel.DistributedDataParallel(theirs, **ddp_kwargs)
+        if hook is not None:
+            ours.register_comm_hook(*hook)
+    else:
+        ours = graphddp.compile(theirs, **_graphddp_kwargs(mode, opt_ours, backend))
     scaler = MODES[mode].get("scaler", False)
     dtype = torch.float16 if scaler else MODES[mode].get("amp", torch.bfloat16)
     scalers = [torch.amp.GradScaler(device.type) for _ in range(2)] if scaler else [None, None]
     worst_param, worst_grad = 0.0, 0.0
+    micro = MODES[mode].get("micro", 1)
+    clip = MODES[mode].get("clip")
     for step in range(STEPS):
-        b = batch(rank, step, device)
-        losses = []
-        for m, opt, sc in ((ref, opt_ref, scalers[0]), (ours, opt_ours, scalers[1])):
-            with torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-                args, kw = b
-                out = m(*args, **{k: v for k, v in kw.items() if k != "target"})
-                loss = loss_fn(out, b)
-            losses.append(loss.item())
-            (sc.scale(loss) if sc is not None else loss).backward()
-        if abs(losses[1] - losses[0]) > LOSS_RTOL * abs(losses[0]):
-            raise AssertionError(f"step {step}: loss {losses[1]:.6g}, DDP's {losses[0]:.6g}")
+        for k in range(micro):
+            b = batch(rank, step * micro + k, device)
+            losses = []
+            for m, opt, sc in ((ref, opt_ref, scalers[0]), (ours, opt_ours, scalers[1])):
+                m.require_backward_grad_sync = k == micro - 1  # nanoGPT's switch, on both
+                with torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                    args, kw = b
+                    out = m(*args, **{key: v for key, v in kw.items() if key != "target"})
+                    loss = loss_fn(out, b) / micro
+                losses.append(loss.item())
+                (sc.scale(loss) if sc is not None else loss).backward()
+            if abs(losses[1] - losses[0]) > LOSS_RTOL * abs(losses[0]):
+                raise AssertionError(f"step {step} micro-step {k}: loss {losses[1]:.6g}, DDP's {losses[0]:.6g}")
         if not in_graph:
             errors = {}
             for (name, p), q in zip(ours.module.named_parameters(), _inner(ref.module).parameters()):
@@ -208,6 +229,8 @@ def run_case(case: tuple[str, str, str], rank: int, world: int, device: torch.de
                 listed = ", ".join(f"{n}: {e:.3g} of norm {g:.3g}" for n, (e, g) in errors.items())
                 raise AssertionError(f"step {step}: grads of {sorted(bad)} differ from DDP's by more than {GRAD_RTOL} "
                                      f"(relative); every parameter: {listed}")
+        if clip is not None:  # DDP's side clips the averaged gradients; graphddp's did, in the graph
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
         for opt, sc in ((opt_ref, scalers[0]), (opt_ours, scalers[1])):
             if sc is not None:
                 sc.step(opt)
