@@ -49,11 +49,38 @@ def _storage(node: Any) -> int | None:
     return storage_of(node.meta.get("val")) if isinstance(node, fx.Node) else None
 
 
-def _root(node: fx.Node) -> fx.Node:
+def _root(node: fx.Node, storage: Callable[[Any], int | None] = _storage) -> fx.Node:
     """Follow views (first argument) back to the node whose memory they show."""
-    while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node) and _storage(node.args[0]) == _storage(node) and node.target is not aten.copy_.default:
+    while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node) and storage(node.args[0]) == storage(node) and node.target is not aten.copy_.default:
         node = node.args[0]
     return node
+
+
+class _Memory:
+    """Each node's storage, computed once, and who reads and who updates each storage.
+
+    The checks ask, per updated parameter, which nodes touch its memory; asking every edge of
+    the graph each time made the verifier quadratic (seconds on a six-layer GPT-2, most of its
+    compile)."""
+
+    def __init__(self, nodes: list[fx.Node]) -> None:
+        self.of: dict[fx.Node, int | None] = {n: _storage(n) for n in nodes}
+        self.readers: dict[int, list[tuple[fx.Node, fx.Node]]] = {}  # storage -> (node, the input it reads it by)
+        self.updates: dict[int, list[fx.Node]] = {}  # storage -> graphddp's update copy_ nodes writing it
+        for node in nodes:
+            if node.op == "output":
+                continue
+            for arg in node.all_input_nodes:
+                memory = self.of.get(arg)
+                if memory is not None:
+                    self.readers.setdefault(memory, []).append((node, arg))
+            if node.target is aten.copy_.default and node.meta.get(ROLE_KEY) == "update":
+                memory = self.of.get(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+                if memory is not None:
+                    self.updates.setdefault(memory, []).append(node)
+
+    def __call__(self, node: Any) -> int | None:
+        return self.of.get(node) if isinstance(node, fx.Node) else None
 
 
 def verify_updates(gm: fx.GraphModule, schedule: Schedule) -> None:
@@ -68,12 +95,17 @@ def verify_updates(gm: fx.GraphModule, schedule: Schedule) -> None:
     if len(update_params) != len(names):
         raise VerificationError(f"graphddp verify: the schedule updates {len(names)} parameters, the graph has {len(update_params)} update_param inputs")
     waits = {n.meta[BUCKET_KEY]: n for n in nodes if is_wait(n) and n.meta.get(BUCKET_KEY) is not None}
+    storage = _Memory(nodes)
+    unflatten_views: dict[int, list[fx.Node]] = {}
+    for n in nodes:
+        if n.meta.get(ROLE_KEY) == "unflatten" and n.target is aten.view.default and n.meta.get(BUCKET_KEY) is not None:
+            unflatten_views.setdefault(n.meta[BUCKET_KEY], []).append(n)
     clipped = _clipped(gm, schedule, buckets, waits, order)  # U7's coefficient, and what it feeds
     seen: set[str] = set()
     k = 0
     for bucket in buckets:
         slots = {s.param_name: (i, s) for i, s in enumerate(bucket.slots)}
-        views = [n for n in nodes if n.meta.get(BUCKET_KEY) == bucket.index and n.meta.get(ROLE_KEY) == "unflatten" and n.target is aten.view.default]
+        views = unflatten_views.get(bucket.index, [])
         for name in bucket.updates:
             what = f"the update of {name!r} (bucket {bucket.index})"
             if name not in slots or name in seen:  # U1
@@ -82,23 +114,20 @@ def verify_updates(gm: fx.GraphModule, schedule: Schedule) -> None:
             index, slot = slots[name]
             if outs[slot.output_index] is not None:  # U2
                 _fail(gm, outs[slot.output_index], f"{what}: its gradient is still returned (output {slot.output_index})")
-            memory = _storage(update_params[k])
+            memory = storage(update_params[k])
             k += 1
-            writes = [n for n in nodes if n.target is aten.copy_.default and n.meta.get(ROLE_KEY) == "update" and _storage(n.args[0]) == memory]
+            writes = storage.updates.get(memory, []) if memory is not None else []
             if len(writes) != 1:  # U3
                 raise VerificationError(f"graphddp verify: {what}: {len(writes)} writes of the parameter, expected 1 ({[w.name for w in writes]})")
             write = writes[0]
-            written = _root(write.args[0])
-            for node in nodes:
-                if node is write or node.op == "output":
+            written = _root(write.args[0], storage)
+            for node, arg in storage.readers.get(memory, ()):  # in graph order
+                if node is write:
                     continue
-                for arg in node.all_input_nodes:
-                    if _storage(arg) != memory:
-                        continue
-                    if order[node] > order[write]:  # U3
-                        _fail(gm, node, f"{what}: {node.name} reads the parameter's memory after {write.name} updated it")
-                    if arg.op == "placeholder" and arg is not written and node.op != "placeholder":  # U4
-                        _fail(gm, node, f"{what}: {node.name} reads {arg.name}, another input backed by the parameter's memory, which the compiler cannot order against {write.name}")
+                if order[node] > order[write]:  # U3
+                    _fail(gm, node, f"{what}: {node.name} reads the parameter's memory after {write.name} updated it")
+                if arg.op == "placeholder" and arg is not written and node.op != "placeholder":  # U4
+                    _fail(gm, node, f"{what}: {node.name} reads {arg.name}, another input backed by the parameter's memory, which the compiler cannot order against {write.name}")
             wait = waits.get(bucket.index)
             if wait is not None:
                 if len(views) != len(bucket.slots) or not any(u.meta.get(ROLE_KEY) == "update" for u in views[index].users):  # U5

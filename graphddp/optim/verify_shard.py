@@ -30,7 +30,7 @@ import torch.fx as fx
 
 from graphddp.graph.capture import ancestors
 from graphddp.graph.verify import _fail
-from graphddp.optim.verify import _root, _storage
+from graphddp.optim.verify import _Memory, _root
 from graphddp.values.collectives import kind
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_collective, is_wait
 from graphddp.values.schedule import Schedule
@@ -44,6 +44,7 @@ def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     by_name = {n.name: n for n in nodes}
+    memory_of = _Memory(nodes)
     outs = list(gm.graph.output_node().args[0])
     rs_ops, ag_ops = kind("reduce_scatter").ops, kind("all_gather").ops
     for bucket in (b for b in schedule.buckets if b.collective == "reduce_scatter"):
@@ -76,7 +77,7 @@ def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
                 _fail(gm, gather, f"{where}: gather='forward' leaves the all-gather un-waited and returned, and writes "
                                   f"no parameter in the backward (S5)")
             continue
-        _check_writes(gm, where, bucket.param_names, writes, gather_waits, nodes, order)
+        _check_writes(gm, where, bucket.param_names, writes, gather_waits, memory_of, order)
 
 
 def _check_rows_summed(gm: fx.GraphModule, where: str, waits: list[fx.Node], world: int) -> None:
@@ -97,17 +98,18 @@ def deferred(schedule: Schedule) -> list[int]:
 
 
 def _check_writes(gm: fx.GraphModule, where: str, names: tuple[str, ...], writes: list[fx.Node], gather_waits: list[fx.Node],
-                  nodes: list[fx.Node], order: dict[fx.Node, int]) -> None:
+                  memory_of: _Memory, order: dict[fx.Node, int]) -> None:
     """S5 for one bucket: one write per parameter, from the gathered parts, and nothing after it."""
     if len(writes) != len(names):
         _fail(gm, (writes or [gm.graph.output_node()])[0], f"{where}: {len(writes)} parameter writes for {len(names)} parameters (S5)")
     for write in writes:
-        if not any(w in ancestors(write) for w in gather_waits):
+        before = ancestors(write)
+        if not any(w in before for w in gather_waits):
             _fail(gm, write, f"{where}: {write.name} writes a parameter from values the all-gather did not deliver (S5)")
-        target = _root(write.args[0])
-        memory = _storage(target)
-        for later in nodes[order[write] + 1:]:
-            if later.op == "output":
-                continue
-            if memory is not None and any(_storage(a) == memory for a in later.all_input_nodes if a is not write):
+        target = _root(write.args[0], memory_of)
+        memory = memory_of(target)
+        if memory is None:
+            continue
+        for later, arg in memory_of.readers.get(memory, ()):  # in graph order
+            if order[later] > order[write] and arg is not write:
                 _fail(gm, later, f"{where}: {later.name} reads {target.name}'s memory after its write {write.name} (S5)")
