@@ -106,6 +106,28 @@ def test_rewritten_graph_updates_every_bucket_after_its_wait(fake_world) -> None
     assert again == schedule and again.fingerprint() == schedule.fingerprint()
 
 
+def test_lookalike_parameters_share_a_trace_but_not_a_fake_value(fake_world) -> None:
+    """Parameters of equal shapes reuse one traced update (insert_update's cache), each with
+    fake values of its own: every write's value is the memory it writes, and no value object
+    serves two nodes other than a write and the memory it writes (the verifiers and inductor
+    learn aliasing from these values)."""
+    from graphddp.graph.capture import storage_of
+
+    gd, opt, record = _compiled(fake_world)
+    nodes = [n for n in record.graph.graph.nodes if n.meta.get(ROLE_KEY) == "update"]
+    copies = [n for n in nodes if n.target is aten.copy_.default]
+    shapes = [tuple(p.shape) for p in gd.parameters()]
+    assert len(shapes) > len(set(shapes)), "the model has no lookalike parameters: nothing to reuse"
+    for c in copies:
+        assert storage_of(c.meta["val"]) == storage_of(c.args[0].meta["val"]), f"{c.name} writes one memory, its value is another's"
+    owners: dict[int, fx.Node] = {}
+    for n in nodes:
+        first = owners.setdefault(id(n.meta["val"]), n)
+        if first is not n:
+            assert n.target is aten.copy_.default and n.args[0] is first or first.target is aten.copy_.default and first.args[0] is n, \
+                f"{first.name} and {n.name} share one fake value"
+
+
 def _updates(gm: fx.GraphModule, bucket: int) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.meta.get(ROLE_KEY) == "update" and n.meta.get(BUCKET_KEY) == bucket]
 
