@@ -9,6 +9,7 @@ recompile budget behind.
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 import sys
 
@@ -25,8 +26,14 @@ PACKAGE = pathlib.Path(graphddp.__file__).parent
 
 
 def _imports() -> dict[str, set[str]]:
-    """Module -> the graphddp modules it imports anywhere in its body (lazy imports too)."""
-    graph: dict[str, set[str]] = {}
+    """Module -> the graphddp modules it imports anywhere in its body (lazy imports too); a
+    copy the caller may change. Parsed once per session: the layer checks ask once per module."""
+    return {module: set(deps) for module, deps in _parsed_imports().items()}
+
+
+@functools.lru_cache(maxsize=1)
+def _parsed_imports() -> dict[str, frozenset[str]]:
+    graph: dict[str, frozenset[str]] = {}
     for path in PACKAGE.rglob("*.py"):
         name = ".".join(("graphddp", *path.relative_to(PACKAGE).with_suffix("").parts)).removesuffix(".__init__")
         deps: set[str] = set()
@@ -37,7 +44,7 @@ def _imports() -> dict[str, set[str]]:
                 deps.update(f"{base}.{a.name}" if base == "graphddp" else base for a in node.names)
             elif isinstance(node, ast.Import):
                 deps.update(a.name for a in node.names)
-        graph[name] = {d for d in deps if d.split(".")[0] in ("graphddp", "tools") and d != name}
+        graph[name] = frozenset(d for d in deps if d.split(".")[0] in ("graphddp", "tools") and d != name)
     return graph
 
 
