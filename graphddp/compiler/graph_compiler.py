@@ -357,7 +357,7 @@ class GraphCompiler:
         and here every bucket of every graph that ran goes through the same hook function,
         eagerly, and its result replaces the gradients. Then the hook counts the step, as
         DDP's ``bucket.is_last()`` does."""
-        from graphddp.graph.insert_comm import run_hook_eagerly
+        from graphddp.graph.bucket_function import run_hook_eagerly
 
         for graph_index in dict.fromkeys(self.step.eager_graphs):
             schedule = self.dispatches[graph_index].schedule
