@@ -132,7 +132,7 @@ def _user_fn(
 
 def run_hook_eagerly(hook: TracedHook, schedule: Schedule, ctx: HookContext, states: HookState) -> None:
     """Run ``hook`` on every bucket of ``schedule`` now, on the parameters' ``.grad``, and
-    write its average back: the step after ``no_sync`` (:mod:`graphddp.compiler.graph_compiler`). The same hook
+    write its average back: the step after ``no_sync`` (:mod:`graphddp.compiler.hook_runtime`). The same hook
     function as in the graph, on real tensors; its state is the graph's (``states``, allocated
     when the graph was compiled, in the order the hook declares it)."""
     for bucket in schedule.buckets:
