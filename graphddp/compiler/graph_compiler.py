@@ -27,18 +27,17 @@ A user's traced comm hook (``graphddp.hooks.traced``) is traced into every bucke
 phases (PowerSGD: a plain all-reduce first) gets one rewritten graph per phase, the one in use
 compiled now and the others on first use, and the hook's state tensors are appended to the
 graph's inputs at run time (``HookState``). After ``no_sync`` the hook runs eagerly on the
-accumulated gradients instead (``_run_hook_eagerly``).
+accumulated gradients instead (:mod:`graphddp.compiler.hook_runtime`).
 
 With an optimizer attached (``graphddp.compile(..., optimizer=)``) the rewrite goes on:
-with_updates -> insert_update -> verify_updates (:mod:`graphddp.optim.attached`); the graph without
-the update is kept as the variant for steps the graph cannot update alone.
+with_updates -> insert_update -> verify_updates (:mod:`graphddp.optim.attached`,
+:mod:`graphddp.compiler.updates`); the graph without the update is kept as the variant for
+steps the graph cannot update alone.
 """
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
-import warnings
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -52,30 +51,28 @@ from graphddp.compiler import cache as compile_cache
 from graphddp.compiler.compose import Shared, insert_comm, record_parameter_values, run_passes, verify_comm
 from graphddp.compiler.forward_slot import ForwardSlots
 from graphddp.compiler.frames import FramePlans
+from graphddp.compiler.hook_runtime import HookRuntime
 from graphddp.compiler.inductor import compile_inductor
 from graphddp.compiler.record import CARRY, GraphRecord
+from graphddp.compiler.updates import InGraphUpdates
 from graphddp.config import DDPConfig
+from graphddp.graph.bucket_function import HookContext
 from graphddp.graph.capture import extract_facts, parameter_of_inputs
-from graphddp.graph.insert_comm import HOOK_STATE, HOOK_STATE_SPEC, HookContext, insert_collectives
 from graphddp.hooks.traced import HookState
 from graphddp.optim.attached import AttachedOptimizer
 from graphddp.optim.guards import ATTACHED_NODE
-from graphddp.optim.insert_shard import insert_sharded_updates, shard_layout, write_fn
-from graphddp.optim.insert_update import ALIAS_OF, UpdateInputs, insert_update
-from graphddp.optim.verify import verify_updates
-from graphddp.optim.verify_shard import verify_sharded
-from graphddp.plan.planner import plan, with_sharding, with_updates
-from graphddp.runtime.dispatch import BackwardDispatch, GraphState, InGraphUpdate, Synced, compiled_backward_node
+from graphddp.plan.planner import plan
+from graphddp.runtime.dispatch import BackwardDispatch, GraphState, Synced, compiled_backward_node
 from graphddp.runtime.gathers import ForwardDispatch
 from graphddp.runtime.step import StepState, current_frame
 from graphddp.runtime.union import UnionAverage
-from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, group_name_of
+from graphddp.values.comm import group_name_of
 from graphddp.values.schedule import Schedule
 
 log = logging.getLogger("graphddp")
 
 
-class GraphCompiler:
+class GraphCompiler(InGraphUpdates, HookRuntime):
     """A torch.compile backend that rewrites every backward graph per the bucket plan.
 
     Each Dynamo graph is compiled once. Its backward comes in two variants, chosen per
@@ -84,6 +81,10 @@ class GraphCompiler:
     the graph cannot update alone. Which one runs is read from the step
     (:class:`graphddp.runtime.step.StepState`, the replica's) at every forward call, never at compile
     time; the backend reads the step and tells it what ran, it never decides a step's phase.
+
+    An attached optimizer's passes and per-step decisions are :class:`InGraphUpdates`'s
+    (:mod:`graphddp.compiler.updates`), a traced hook's run-time side and the end-of-step
+    listeners :class:`HookRuntime`'s (:mod:`graphddp.compiler.hook_runtime`).
     """
 
     def __init__(
@@ -324,148 +325,6 @@ class GraphCompiler:
         """Which synchronising variant the next step runs: the hook's phase, else the one."""
         return self.hook.phase() if self.hook is not None else "sync"
 
-    # -- a user's traced hook at run time ------------------------------------------------------
-    def _hook_args(self, record: GraphRecord, graph_index: int) -> Callable[[], list[torch.Tensor]]:
-        """The real state tensors of ``record``'s hook inputs, in input order (graphddp owns them)."""
-        if self.hook_state is None:  # no hook, no state inputs (and a cached record's graph stays unread)
-            return list
-        specs = [
-            (n.meta[BUCKET_KEY], n.meta[HOOK_STATE_SPEC]) for n in record.graph.graph.nodes
-            if n.op == "placeholder" and n.meta.get(ROLE_KEY) == HOOK_STATE
-        ]
-        if not specs:
-            return list
-        frame = self._frame(graph_index)
-        for bucket in record.schedule.buckets:
-            self.hook_state.share(graph_index, bucket.index, self.frames.owner(frame, graph_index, bucket))
-        tensors = [self.hook_state.allocate(graph_index, bucket, [spec])[0] for bucket, spec in specs]  # type: ignore[union-attr]
-        return lambda: list(tensors)
-
-    def _on_sync(self, synced: Synced) -> None:
-        """Before a synchronising variant runs: the hook's eager work (its step count moves
-        once per backward, at the step's end: :meth:`_hook_end_of_step`)."""
-        self.hook.before_step(self.hook_state, synced.schedule.graph_index, synced.schedule)
-
-    def hook_runs_now(self) -> bool:
-        """A user's hook averages the coming synchronising step (not a plain all-reduce phase)."""
-        return self.hook is not None and self._phase() != "allreduce"
-
-    def _hook_end_of_step(self) -> None:
-        """At the end of every synchronising backward: after ``no_sync``, DDP's semantics (the
-        hook sees each bucket's *accumulated* local gradients; a nonlinear hook such as
-        PowerSGD differs from hooking each micro-batch): the graphs ran without communication,
-        and here every bucket of every graph that ran goes through the same hook function,
-        eagerly, and its result replaces the gradients. Then the hook counts the step, as
-        DDP's ``bucket.is_last()`` does."""
-        from graphddp.graph.insert_comm import run_hook_eagerly
-
-        for graph_index in dict.fromkeys(self.step.eager_graphs):
-            schedule = self.dispatches[graph_index].schedule
-            self.hook.before_step(self.hook_state, graph_index, schedule)
-            run_hook_eagerly(self.hook, schedule, self._hook_context, self.hook_state)
-        self.hook.after_backward()
-
-    def _union_end_of_step(self) -> None:
-        """A divergent step (:mod:`graphddp.runtime.union`) ends with the union average; a step whose
-        gradients came from eager code alone agrees here first (its first and only agreement)."""
-        step = self.step
-        if self.world_size > 1 and not step.divergent and step.eager and not step.probed:
-            # Only eager code gave gradients on this rank: its agreement is made here, and pairs
-            # with another rank's first backward graph, or with its own made here.
-            step.agree(self.group, 0, "the gradients of eager code", False)
-        if step.divergent and self.world_size > 1:
-            self.union.run(step, self.hook_runs_now())
-
-    def shadow_step(self) -> None:
-        """A joined rank's part of one synchronising step of the others (:mod:`graphddp.runtime.join`):
-        the agreement (it asks for a divergent step), then the union average, with zeros."""
-        step = self.step
-        with step.shadowing():
-            step.agree(self.group, 0, "a joined rank's shadow of a backward", False)
-            self.union.run(step, self.hook_runs_now())
-            if self.hook is not None:
-                self.hook.after_backward()
-
-    def _in_graph_update(
-        self, record: GraphRecord, graph_index: int, compile_grads: Callable[[], Any] | None
-    ) -> InGraphUpdate | None:
-        optimizer = self.optimizer
-        names = tuple(n for b in record.schedule.buckets for n in b.updates)
-        if optimizer is None or not names:
-            return None
-        sharded = [b for b in record.schedule.buckets if b.collective == "reduce_scatter"]
-        replicated = tuple(n for b in record.schedule.buckets if b not in sharded for n in b.updates)
-        shards = tuple(
-            shard_layout(b, {n: optimizer.rule(n) for n in b.param_names}, optimizer.group_of, self.world_size, self.rank)
-            for b in sharded
-        )
-
-        clip = record.schedule.max_grad_norm is not None
-        # With clipping the norm covers every gradient of the step, the returned ones too.
-        graded = tuple(s.param_name for b in record.schedule.buckets for s in b.slots if not s.zero_filled) if clip else names
-        tensors = {**self.parameters, **optimizer.params}
-
-        def allowed(unused: frozenset[str]) -> bool:
-            """The graph's update is the whole step for its parameters: its backward runs once
-            in this step, no other graph of this step reads one of them (tied across a graph
-            break), every one was used on some rank (torch.optim skips a None gradient), and
-            none holds a gradient already (accumulated under no_sync). With max_grad_norm, also:
-            no other graph runs in this step (the global norm would span graphs) and no
-            parameter of the graph holds a gradient. Otherwise torch's step (after torch's
-            clip_grad_norm_) runs for them after the backward; the first time, a warning says why."""
-            runs = self.step.runs(graph_index)
-            shared = self.step.shared_this_step(graph_index, names)
-            others = [g for g in self.step.others_this_step(graph_index) if self._has_gradients(g)] if clip else []
-            held = tuple(n for n in graded if n in tensors and tensors[n].grad is not None)
-            if unused & set(names):
-                self._fallback(record, graph_index, "unused", sorted(unused & set(names)), "no rank used them in this step")
-            elif runs > 1:
-                self._fallback(record, graph_index, "ran twice", names, f"the graph's forward ran {runs} times before one backward")
-            elif shared:
-                self._fallback(record, graph_index, "shared", sorted(shared), "another compiled graph of this step reads them too")
-            elif others:
-                self._fallback(
-                    record, graph_index, "clip spans graphs", names,
-                    f"max_grad_norm: the global norm spans {len(others) + 1} compiled graphs of this step (a graph break)",
-                )
-            elif held:
-                record.fallbacks["accumulated"] = held
-            else:
-                return True
-            return False
-
-        placeholders = [n for n in record.graph.graph.nodes if n.op == "placeholder"]
-        aliases = tuple((i, ph.meta[ALIAS_OF]) for i, ph in enumerate(placeholders) if ALIAS_OF in ph.meta)
-        groups = tuple(sorted({optimizer.group_of[n] for n in replicated}))
-        deferred = [s for s in shards if s.bucket.gather == "forward"]
-
-        @torch.no_grad()
-        def write_deferred(tensors: list[torch.Tensor]) -> None:
-            """Eagerly, what the forward slot does in its graph: wait, then write the parameters."""
-            for shard, gathered in zip(deferred, tensors):
-                write_fn(shard)(gathered, *(optimizer.params[n].detach() for n in shard.bucket.param_names))
-
-        return InGraphUpdate(optimizer, replicated, groups, allowed, compile_grads, aliases, shards=shards, write_deferred=write_deferred)
-
-    def _has_gradients(self, graph_index: int) -> bool:
-        """Does graph ``graph_index`` read a parameter that takes a gradient (a graph that only
-        computes the loss does not add to a gradient norm)?"""
-        return any(p.requires_grad for n in self.step.graphs[graph_index].params if (p := self.parameters.get(n)) is not None)
-
-    def _fallback(self, record: GraphRecord, graph_index: int, kind: str, names: Sequence[str], why: str) -> None:
-        """Record (and, the first time per graph and kind, warn) that torch's step after the
-        backward updates ``names`` instead of the graph. Right, but not overlapped."""
-        record.fallbacks[kind] = tuple(names)
-        if (graph_index, kind) in self._warned:
-            return
-        self._warned.add((graph_index, kind))
-        warnings.warn(
-            f"graphddp: optimizer= : backward graph {graph_index} leaves the update of {list(names)} to torch's step "
-            f"after the backward ({why}); the result is the same, the update is not overlapped with the backward. "
-            "GraphRecord.fallbacks shows it.",
-            stacklevel=2,
-        )
-
     def _frame(self, graph_index: int) -> int | None:
         """Graph ``graph_index``'s Dynamo frame (None for a graph the step never saw: a test's)."""
         return self.step.graphs[graph_index].frame if graph_index < len(self.step.graphs) else None
@@ -514,105 +373,6 @@ class GraphCompiler:
         if shared.tied:
             record.fallbacks["shared"] = shared.tied
         return record
-
-
-    def refuse_split_gradients(self, graph_index: int) -> None:
-        """A parameter that two graphs of one step read (tied across a graph break) gets its
-        gradient in two parts, and a traced hook would compress each part on its own; DDP
-        hooks their sum. Refused, never approximated: checked at each synchronising forward,
-        before any collective of the step, since only then is it known which graphs run
-        together (a recompile of a frame replaces its older graph, it never runs beside it)."""
-        if self.hook is None:
-            return
-        shared = sorted(self.step.shared_this_step(graph_index, self.step.graphs[graph_index].params))
-        if shared:
-            raise RuntimeError(
-                f"graphddp: comm_hook {self.hook.name!r}: parameters {shared} are read by more than one compiled graph "
-                "of this step (tied across a graph break), so each graph's hook would see part of their gradient, where "
-                "DDP's hook sees the sum; move the graph break or untie them, or use a built-in comm_hook"
-            )
-
-    def _optimizer_pass(self, gm: fx.GraphModule, schedule: Schedule, *, graph_index: int, shared: Shared, **_: Any) -> Schedule:
-        """The optimizer's backward pass (after the collectives): with_updates -> insert_update
-        -> verify_updates. The graph from before it goes to ``shared.without_update`` (None when
-        nothing is updated), the parameters left to torch's step (a graph of another frame reads
-        them too) to ``shared.tied``. Without the forward's parameter values, nothing."""
-        if self.optimizer is None or not shared.fw_values:
-            return schedule
-        schedule, shared.without_update, shared.tied = self._add_updates(gm, schedule, graph_index, self.optimizer, shared)
-        return schedule
-
-    def _updatable(self, schedule: Schedule, graph_index: int, fw_values: Mapping[str, Any]) -> tuple[list[str], tuple[str, ...]]:
-        """The parameters the graph can update itself, and those tied across a graph break.
-
-        A parameter a graph of another frame also reads (tied across a graph break) gets part of
-        its gradient there: it keeps the gradient route, and torch's step after the backward.
-        Recompiles of this graph's own frame never run beside it: they do not count."""
-        optimizer = self.optimizer
-        elsewhere = self.step.in_other_frames(graph_index)
-        zero_filled = {s.param_name for b in schedule.buckets for s in b.slots if s.zero_filled}
-        updatable = [
-            n for n in schedule.param_names if optimizer.rule(n) and n in fw_values and n not in elsewhere | zero_filled
-        ]
-        return updatable, tuple(n for n in schedule.param_names if optimizer.rule(n) and n in elsewhere)
-
-    def _shard_plan_pass(self, gm: fx.GraphModule, schedule: Schedule, *, graph_index: int, shared: Shared, **_: Any) -> Schedule:
-        """sharding="optimizer": buckets the graph can update whole are reduce-scattered."""
-        if not shared.fw_values:
-            return schedule
-        return with_sharding(schedule, self._updatable(schedule, graph_index, shared.fw_values)[0], self.config.gather)
-
-    def _add_updates(
-        self, gm: fx.GraphModule, schedule: Schedule, graph_index: int, optimizer: AttachedOptimizer, shared: Shared
-    ) -> tuple[Schedule, fx.GraphModule | None, tuple[str, ...]]:
-        """with_updates -> insert_update -> verify_updates, then the sharded buckets
-        (insert_sharded_updates -> verify_sharded); returns the schedule with its updates, the
-        graph without them (every bucket all-reduced, its gradients returned; None when nothing
-        is updated) and the parameters left to torch's step because another frame reads them."""
-        fw_values = shared.fw_values
-        updatable, tied = self._updatable(schedule, graph_index, fw_values)
-        max_norm = self.config.max_grad_norm
-        if max_norm is not None and tied:  # part of the norm comes from another graph: torch clips and steps them all
-            updatable = []
-        if self.config.sharding == "optimizer":  # the rest of a bucket with a tied parameter: the shard's step after
-            updatable = [n for b in schedule.buckets if b.collective == "reduce_scatter" for n in b.param_names]
-        if tied:
-            self._warned.add((graph_index, "shared"))
-            warnings.warn(
-                f"graphddp: optimizer= : parameters {list(tied)} are read on both sides of a graph break, so their gradient "
-                f"comes in parts from several graphs; backward graph {graph_index} leaves their update to torch's step "
-                "after the backward (the result is the same, the update is not overlapped)",
-                stacklevel=2,
-            )
-        if not updatable:
-            return schedule, None, tied
-        without_update = self._without_update(gm, schedule, shared)
-        schedule = with_updates(schedule, updatable, str(optimizer), max_norm)
-        inputs = UpdateInputs(
-            rules={n: optimizer.rule(n) for n in updatable},
-            groups={n: optimizer.group_of[n] for n in updatable},
-            values={n: fw_values[n] for n in updatable},
-        )
-        insert_update(gm, schedule, inputs)
-        log.debug("backward graph %d after insert_update:\n%s", graph_index, gm.code)
-        if self.config.verify:
-            verify_updates(gm, schedule)
-        if insert_sharded_updates(gm, schedule, inputs, rank=self.rank):
-            log.debug("backward graph %d after insert_sharded_updates:\n%s", graph_index, gm.code)
-            if self.config.verify:
-                verify_sharded(gm, schedule)
-        return schedule, without_update, tied
-
-    def _without_update(self, gm: fx.GraphModule, schedule: Schedule, shared: Shared) -> fx.GraphModule:
-        """The variant for steps the graph cannot update alone: every gradient averaged and
-        returned. Sharded buckets are all-reduced there, from the graph before the collectives."""
-        if shared.before_comm is None:
-            return copy.deepcopy(gm)
-        graph = copy.deepcopy(shared.before_comm)
-        if self.world_size > 1:
-            replicated = [dataclasses.replace(b, collective="all_reduce") for b in schedule.buckets]
-            insert_collectives(graph, dataclasses.replace(schedule, buckets=tuple(replicated)))
-        return graph
 
 
 def _cap_bytes(config: DDPConfig) -> float:

@@ -4,8 +4,9 @@ The Schedule is the contract between the planner and this pass: every decision a
 communication goes is made by the planner and written into the Schedule; this pass only
 carries it out, and refuses (before editing anything) a Schedule that does not fit the graph.
 
-A bucket is one small Python function, traced (``graph/trace.py``, the pattern of
-Inductor's ``bucketing.py``) on the graph's fake gradients and spliced in two parts: the waits
+A bucket is one small Python function (``graph/bucket_function.py``), traced
+(``graph/trace.py``, the pattern of Inductor's ``bucketing.py``) on the graph's fake gradients
+and spliced in two parts at the nodes ``graph/placement.py`` resolves from the schedule: the waits
 of its last stage of collectives and everything after them right before the wait point, the
 rest right after the issue point (``_late_part``). The communication hook (``graphddp.hooks``)
 is called inside it, so a hook is traced exactly like the rest of the bucket and the pass knows
@@ -70,18 +71,19 @@ A no-op when the schedule has no buckets.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from graphddp.graph.trace import fresh_copy, role, set_outputs, splice, trace
+from graphddp.graph.bucket_function import HookContext, _builtin_fn, _user_fn
+from graphddp.graph.placement import _Placement, place_buckets
+from graphddp.graph.trace import set_outputs, splice, trace
 from graphddp.hooks import builtin as hooks
-from graphddp.hooks.traced import GradBucket, HookState, StateSpec, TracedHook
-from graphddp.values.collectives import backend_of, kind
-from graphddp.values.comm import BUCKET_KEY, CARRIED, ROLE_KEY, WAIT, group_of, is_collective, is_wait
-from graphddp.values.schedule import WAIT_AT_OUTPUT, Bucket, GradSlot, Schedule, dtype_name
+from graphddp.hooks.traced import StateSpec, TracedHook
+from graphddp.values.comm import BUCKET_KEY, CARRIED, ROLE_KEY, group_of, is_collective, is_wait
+from graphddp.values.schedule import Bucket, GradSlot, Schedule
 
 aten = torch.ops.aten
 
@@ -90,94 +92,7 @@ HOOK_STATE_SPEC = "graphddp_hook_state"  # their meta: the StateSpec
 ZERO_FILL = "zero_fill"  # ROLE_KEY of the zeros a zero-filled slot's place carries
 
 
-@dataclasses.dataclass(frozen=True)
-class _Placement:
-    """Where one bucket's communication goes in this graph, resolved from its names."""
-
-    bucket: Bucket
-    issue: fx.Node  # the all-reduce chain goes right after this node
-    wait: fx.Node  # the wait and unflatten views go right before this node
-
-
-def _node_named(nodes: dict[str, fx.Node], bucket: Bucket, field: str, name: str) -> fx.Node:
-    if name not in nodes:
-        raise RuntimeError(f"graphddp: bucket {bucket.index}: {field} names node {name!r}, which is not in the graph")
-    return nodes[name]
-
-
-def _issue_point(nodes: dict[str, fx.Node], placeholders: list[fx.Node], bucket: Bucket) -> fx.Node:
-    """The node the bucket's all-reduce chain follows; placeholders stay first."""
-    node = _node_named(nodes, bucket, "issue_after", bucket.issue_after)
-    return placeholders[-1] if node.op == "placeholder" else node
-
-
-def _wait_point(nodes: dict[str, fx.Node], output: fx.Node, bucket: Bucket) -> fx.Node:
-    return output if bucket.wait_before == WAIT_AT_OUTPUT else _node_named(nodes, bucket, "wait_before", bucket.wait_before)
-
-
-def _check_slots(bucket: Bucket, outs: Sequence[Any], order: dict[fx.Node, int], issue: fx.Node) -> None:
-    """The graph must hold what the schedule says each slot is, produced by the issue point."""
-    for slot in bucket.slots:
-        if slot.zero_filled:  # no gradient in this graph: zeros take its place (_zeros)
-            if slot.dtype != bucket.dtype:
-                raise RuntimeError(f"graphddp: bucket {bucket.index}: zero-filled {slot.param_name!r} is {slot.dtype} in a {bucket.dtype} bucket")
-            continue
-        where = f"graphddp: bucket {bucket.index}, gradient of {slot.param_name!r} (output {slot.output_index})"
-        grad = outs[slot.output_index] if 0 <= slot.output_index < len(outs) else None
-        if not isinstance(grad, fx.Node):
-            raise RuntimeError(f"{where}: the graph returns no gradient node there")
-        if grad.name != slot.producer:
-            raise RuntimeError(f"{where}: the schedule says it is produced by {slot.producer}, the graph returns {grad.name}")
-        val = grad.meta.get("val")
-        found = (tuple(val.shape), dtype_name(val.dtype), str(val.device)) if isinstance(val, torch.Tensor) else None
-        if found != (slot.shape, bucket.dtype, bucket.device) or slot.dtype != bucket.dtype:
-            raise RuntimeError(
-                f"{where}: {grad.name} is {found}, the schedule says {(slot.shape, slot.dtype, bucket.device)} "
-                f"in a {bucket.dtype} bucket"
-            )
-        if order[grad] > order[issue]:
-            raise RuntimeError(f"{where}: issued after {issue.name}, before its producer {grad.name}")
-
-
-def place_buckets(gm: fx.GraphModule, schedule: Schedule, outs: Sequence[Any], only: set[int] | None = None) -> list[_Placement]:
-    """Resolve every bucket's names to nodes (``only`` those buckets) and check the schedule fits the graph.
-
-    Runs before any edit, so a schedule that does not fit leaves the graph untouched.
-    """
-    graph = gm.graph
-    nodes = {n.name: n for n in graph.nodes}
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    output = graph.output_node()
-    problem = schedule.structure_error()
-    if problem:
-        raise RuntimeError(f"graphddp: {problem}")
-    placements = []
-    for bucket in schedule.buckets:
-        if only is not None and bucket.index not in only:
-            continue
-        issue = _issue_point(nodes, placeholders, bucket)
-        wait = _wait_point(nodes, output, bucket)
-        if order[wait] <= order[issue]:
-            raise RuntimeError(
-                f"graphddp: bucket {bucket.index}: wait_before {wait.name} is not after the issue point "
-                f"{issue.name} (issue_after={bucket.issue_after!r})"
-            )
-        _check_slots(bucket, outs, order, issue)
-        placements.append(_Placement(bucket, issue, wait))
-    return placements
-
-
 # -- a bucket is one traced function ----------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class HookContext:
-    """What a user hook's ``GradBucket`` offers beyond the schedule: the process group and
-    the parameters (by name). Only needed for a :class:`~graphddp.hooks.traced.TracedHook`."""
-
-    group: Any
-    parameters: Mapping[str, torch.nn.Parameter] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,102 +103,6 @@ class _Traced:
     gm: fx.GraphModule  # (*gradients, *state tensors) -> one view per slot
     late: frozenset[fx.Node]  # nodes that go at the wait point; the rest at the issue point
     states: tuple[StateSpec, ...]  # the hook's state tensors, inputs after the gradients
-
-
-def _flatten(grads: Sequence[torch.Tensor], bucket: Bucket) -> torch.Tensor:
-    """The bucket's gradients as one flat buffer, in slot order."""
-    flats = []
-    for grad, slot in zip(grads, bucket.slots, strict=True):
-        if not grad.is_contiguous():  # a view can only flatten contiguous memory
-            grad = aten.clone.default(grad, memory_format=torch.contiguous_format)
-        flats.append(aten.view.default(grad, [slot.numel]))
-    return flats[0] if len(flats) == 1 else aten.cat.default(flats)
-
-
-def _unflatten(done: torch.Tensor, bucket: Bucket) -> list[torch.Tensor]:
-    """One view per slot into the reduced buffer: DDP's gradient_as_bucket_view, no copy."""
-    with role("unflatten"):
-        return [
-            aten.view.default(aten.slice.Tensor(done, 0, off, off + slot.numel), list(slot.shape))
-            for slot, off in zip(bucket.slots, bucket.offsets())
-        ]
-
-
-def _check_result(bucket: Bucket, hook_name: str, done: Any, verb: str = "returns") -> None:
-    dtype = getattr(torch, bucket.dtype)
-    if not isinstance(done, torch.Tensor):
-        raise TypeError(
-            f"graphddp: comm hook {hook_name!r} returned {type(done).__name__} for bucket {bucket.index}; a traced hook "
-            "returns the averaged flat tensor (not a Future: collectives come from torch.distributed._functional_collectives)"
-        )
-    if done.dtype != dtype or tuple(done.shape) != (bucket.numel,):
-        raise RuntimeError(
-            f"graphddp: bucket {bucket.index}: hook {hook_name!r} {verb} {done.dtype} "
-            f"{list(done.shape)}, the bucket's gradients need {dtype} [{bucket.numel}]"
-        )
-
-
-def _builtin_fn(bucket: Bucket, hook: hooks.CommHook, schedule: Schedule, carry: bool = False) -> Callable[..., list[torch.Tensor]]:
-    """gradients -> flatten -> compress -> divide -> the bucket's collective (all_reduce_) -> wait
-    -> decompress -> views. With ``carry``, as many inputs again after the gradients: each slot's
-    gradient accumulated under ``no_sync``, added to its new one before anything else (DDP's
-    bucket after ``no_sync`` holds the sum, and averages it once)."""
-    wire = getattr(torch, bucket.comm_dtype or bucket.dtype)
-    collective = kind(bucket.collective)
-    lowered = collective.lower(backend_of(schedule.group_name))
-    n = len(bucket.slots)
-
-    def run(*args: torch.Tensor) -> list[torch.Tensor]:
-        grads = args[:n]
-        if carry:
-            with role("carry"):
-                grads = tuple(aten.add.Tensor(g, acc) for g, acc in zip(grads, args[n:], strict=True))
-        with role("flatten"):
-            flat = _flatten(grads, bucket)
-        with role("compress"):
-            sent = hook.compress(flat, bucket)
-        if sent.dtype != wire:  # the schedule's bytes on the wire (and the cost model) assume `wire`
-            raise RuntimeError(
-                f"graphddp: bucket {bucket.index}: hook {hook.name!r} sends {sent.dtype}, the schedule plans {wire}"
-            )
-        with role("scale"):
-            scaled = aten.div.Tensor(sent, schedule.world_size)  # DDP pre-divides, after compressing
-        with role(collective.key):
-            reduced = lowered.issue(scaled, schedule.group_name, schedule.world_size)
-        with role("wait"):
-            done = lowered.finish(WAIT(reduced), schedule.world_size)
-        with role("decompress"):
-            done = hook.decompress(done, bucket)
-        _check_result(bucket, hook.name, done, "decompresses to")
-        return _unflatten(done, bucket)
-
-    return run
-
-
-def _user_fn(
-    bucket: Bucket, hook: TracedHook, schedule: Schedule, ctx: HookContext, declared: list[StateSpec] | None
-) -> Callable[..., list[torch.Tensor]]:
-    """gradients -> flatten (fresh memory) -> the user's hook -> views; ``declared`` None: a
-    dry run that only learns the hook's state tensors (appended to ``learned``)."""
-    n = len(bucket.slots)
-    params = [ctx.parameters[name] for name in bucket.param_names if name in ctx.parameters]
-
-    def run(*args: torch.Tensor) -> list[torch.Tensor]:
-        grads, states = args[:n], args[n:]
-        with role("flatten"):
-            flat = _flatten(grads, bucket)
-            if n == 1:  # the hook may write its buffer in place: never the gradient's own memory
-                flat = fresh_copy(flat)
-        is_last = bucket.index == schedule.num_buckets - 1
-        gb = GradBucket(bucket, flat, ctx.group, schedule.world_size, is_last, params, None if declared is None else states)
-        with role("hook"):
-            done = hook(gb)
-        if declared is None:
-            run.learned = gb.declared  # type: ignore[attr-defined]
-        _check_result(bucket, hook.name, done)
-        return _unflatten(done, bucket)
-
-    return run
 
 
 def _hook_advice(e: Exception) -> str:
@@ -526,36 +345,3 @@ def insert_collectives(
     graph.lint()
     gm.recompile()
     return gm
-
-
-def run_hook_eagerly(hook: TracedHook, schedule: Schedule, ctx: HookContext, states: HookState) -> None:
-    """Run ``hook`` on every bucket of ``schedule`` now, on the parameters' ``.grad``, and
-    write its average back: the step after ``no_sync`` (:mod:`graphddp.compiler.graph_compiler`). The same hook
-    function as in the graph, on real tensors; its state is the graph's (``states``, allocated
-    when the graph was compiled, in the order the hook declares it)."""
-    for bucket in schedule.buckets:
-        params = [ctx.parameters[name] for name in bucket.param_names]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-        done = hook_bucket_eagerly(hook, schedule, bucket, flat, ctx, states)
-        with torch.no_grad():
-            for p, slot, off in zip(params, bucket.slots, bucket.offsets()):
-                if slot.zero_filled:
-                    continue
-                value = done[off:off + slot.numel].view(slot.shape)
-                if p.grad is None:
-                    p.grad = value.clone()
-                else:
-                    p.grad.copy_(value)
-
-
-def hook_bucket_eagerly(
-    hook: TracedHook, schedule: Schedule, bucket: Bucket, flat: torch.Tensor, ctx: HookContext, states: HookState
-) -> torch.Tensor:
-    """``hook`` on one bucket's local flat gradients ``flat``, now: the averaged flat tensor."""
-    params = [ctx.parameters[name] for name in bucket.param_names]
-    is_last = bucket.index == schedule.num_buckets - 1
-    gb = GradBucket(bucket, flat, ctx.group, schedule.world_size, is_last, params, states.of(schedule.graph_index, bucket.index))
-    with torch.no_grad():
-        done = hook(gb)
-    _check_result(bucket, hook.name, done)
-    return done

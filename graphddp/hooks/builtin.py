@@ -5,7 +5,7 @@ traced into the graph in place of the all-reduce: :mod:`graphddp.hooks.traced`,
 :mod:`graphddp.hooks.powersgd`. This module's built-in hooks are the default and compression ones.
 
 A hook is a pair of plain tensor functions, traced into the backward graph with the rest of
-the bucket (``graph/insert_comm.py``):
+the bucket (``graph/bucket_function.py``, which ``graph/insert_comm.py`` traces):
 
 * ``compress(flat, bucket) -> tensor``: runs right after the bucket's gradients are flattened;
   its result is divided by the world size and all-reduced (so it is what goes on the wire).

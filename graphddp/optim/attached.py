@@ -356,7 +356,7 @@ class AttachedOptimizer:
         what the graphs returned (the parameters they left to it are the ones with a grad),
         then no gradient is kept. With ``max_grad_norm``, torch's ``clip_grad_norm_`` over every
         parameter of the module first: a step whose graphs left anything to torch left
-        everything (the norm spans all of them; :mod:`graphddp.compiler.graph_compiler`)."""
+        everything (the norm spans all of them; :mod:`graphddp.compiler.updates`)."""
         if self.sharded is not None:  # each rank steps its part, then one all-gather
             self.sharded.step([n for n, p in self.params.items() if p.grad is not None])
         elif any(p.grad is not None for p in self.params.values()):

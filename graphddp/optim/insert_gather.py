@@ -33,7 +33,7 @@ from torch._guards import detect_fake_mode
 
 from graphddp.graph.capture import ancestors
 from graphddp.graph.trace import splice, trace
-from graphddp.graph.verify import _fail
+from graphddp.graph.verify_common import _fail
 from graphddp.optim.insert_shard import ShardLayout, gathered_value, write_fn
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
 

@@ -67,7 +67,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from graphddp.graph.capture import ancestors, storage_of
-from graphddp.graph.insert_comm import place_buckets
+from graphddp.graph.placement import place_buckets
 from graphddp.graph.trace import fresh_copy, role, set_outputs, splice, trace
 from graphddp.hooks import builtin as hooks
 from graphddp.optim.attached import F64, UPDATES, UpdateRule, step_dtype

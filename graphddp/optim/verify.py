@@ -26,7 +26,7 @@ U7. **Clipping** (``max_grad_norm``; :mod:`graphddp.optim.clip`). One clip coeff
     view has a norm among its users); every update's write, and every parameter gradient the
     graph still returns, is computed from it. Without ``max_grad_norm``, no coefficient.
 
-Failures raise :class:`graphddp.graph.verify.VerificationError` showing the node in context.
+Failures raise :class:`graphddp.graph.verify_common.VerificationError` showing the node in context.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 
 from graphddp.graph.capture import storage_of
-from graphddp.graph.verify import VerificationError, _fail
+from graphddp.graph.verify_common import VerificationError, _fail
 from graphddp.optim.clip import CLIP_COEFFICIENT, CLIP_NORM
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
 from graphddp.values.schedule import Schedule

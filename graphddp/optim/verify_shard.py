@@ -21,7 +21,7 @@ S5. **One write, after the gather, last.** Each parameter of the bucket is writt
     un-waited, as one of the graph's extra outputs, and the backward writes no parameter of the
     bucket (the next forward does: :func:`graphddp.optim.insert_gather.verify_forward_gathers`).
 
-Failures raise :class:`graphddp.graph.verify.VerificationError` showing the node in context.
+Failures raise :class:`graphddp.graph.verify_common.VerificationError` showing the node in context.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 
 from graphddp.graph.capture import ancestors
-from graphddp.graph.verify import _fail
+from graphddp.graph.verify_common import _fail
 from graphddp.optim.verify import _Memory, _root
 from graphddp.values.collectives import kind
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_collective, is_wait

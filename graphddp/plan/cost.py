@@ -30,7 +30,8 @@ from typing import Mapping, Sequence
 from graphddp.values.collectives import kind
 from graphddp.values.schedule import BucketTiming, CostModel, NodeFact, Schedule, Span, Timeline
 
-__all__ = ["CostModel", "compute_timeline", "fit_link", "simulate"]  # CostModel is a value type: it lives in graphddp.values.schedule
+# CostModel is a value type: it lives in graphddp.values.prediction (graphddp.values.schedule re-exports it)
+__all__ = ["CostModel", "compute_timeline", "fit_link", "simulate"]
 
 
 def compute_timeline(

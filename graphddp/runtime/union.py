@@ -207,7 +207,7 @@ class UnionAverage:
 
     def _through_hook(self, step: Any, same: bool, order: list[tuple], used: set[str]) -> None:
         """Every rank ran the same buckets: each goes through the traced hook with its state."""
-        from graphddp.graph.insert_comm import hook_bucket_eagerly
+        from graphddp.graph.bucket_function import hook_bucket_eagerly
 
         name = self.hook.name
         found = self._find(step, order) if same else None  # not same: some rank has eager gradients, or other buckets

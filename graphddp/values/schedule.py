@@ -2,18 +2,23 @@
 to rewriting, to users and tests.
 
 Everything here is immutable and holds only plain values (names, ints, strings), so it can be
-compared across ranks, hashed, serialised and rendered without touching a graph. This module
-is the bottom layer: it imports nothing from graphddp. ``capture`` reads graphs into these
-values, ``planner`` and ``cost`` compute on them, ``render`` and the passes consume them.
+compared across ranks, hashed, serialised and rendered without touching a graph. With
+:mod:`graphddp.values.prediction` (the cost model and the predicted timeline, re-exported here)
+this module is the bottom layer: it imports nothing else from graphddp. ``capture`` reads
+graphs into these values, ``planner`` and ``cost`` compute on them, ``render`` and the passes
+consume them.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
-from typing import Any, Mapping
+from typing import Mapping
 
 import torch
+
+# The cost model's values have a module of their own; every value type keeps this import path.
+from graphddp.values.prediction import BucketTiming, CostModel, Span, Timeline  # noqa: F401
 
 SCHEMA_VERSION = 1
 
@@ -21,72 +26,6 @@ SCHEMA_VERSION = 1
 def dtype_name(dtype: object) -> str:
     """How every value here spells a dtype: ``torch.float32`` -> ``"float32"``."""
     return str(dtype).replace("torch.", "")
-
-
-_MAY_BE_ZERO = ("latency_us", "op_overhead_us", "collective_overhead_us")
-
-
-@dataclasses.dataclass(frozen=True)
-class CostModel:
-    """Machine parameters. Defaults describe a modest CPU rank on a 10 Gbit/s link.
-
-    ``source`` says where the numbers came from ("given", "default", or what
-    :func:`graphddp.runtime.calibrate.calibrate` measured them on); a Schedule planned with
-    ``bucket_cap_mb="auto"`` records its cost model, source included.
-    """
-
-    bandwidth_gbps: float = 10.0  # link bandwidth, gigabits per second
-    latency_us: float = 20.0  # alpha: per ring step
-    compute_tflops: float = 0.05  # sustained dense compute, TFLOP/s
-    memory_gbps: float = 20.0  # memory bandwidth, gigabytes per second
-    op_overhead_us: float = 2.0  # launch / dispatch cost per op
-    collective_overhead_us: float = 20.0  # compute-lane time to issue and wait for one collective
-    source: str = "given"
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.source, str):
-            raise ValueError(f"source must be a string, got {self.source!r}")
-        for f in dataclasses.fields(self):
-            if f.name == "source":
-                continue
-            value = getattr(self, f.name)
-            if not isinstance(value, (int, float)) or value < 0 or (value == 0 and f.name not in _MAY_BE_ZERO):
-                raise ValueError(f"{f.name} must be a positive number, got {value!r}")
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "CostModel":
-        return cls(**data)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def compute_seconds(self, flops: int, nbytes: int) -> float:
-        return max(flops / (self.compute_tflops * 1e12), nbytes / (self.memory_gbps * 1e9)) + self.op_overhead_us * 1e-6
-
-    @property
-    def numbers(self) -> dict[str, float]:
-        """The machine parameters without ``source``: what a plan depends on."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "source"}
-
-    def describe(self) -> str:
-        """One line for tables and logs."""
-        return (f"{self.bandwidth_gbps:.3g} Gbit/s, {self.latency_us:.3g} us per ring step, "
-                f"{self.compute_tflops:.3g} TFLOP/s, {self.memory_gbps:.3g} GB/s, {self.op_overhead_us:.3g} us per op, {self.collective_overhead_us:.3g} us per collective "
-                f"({self.source})")
-
-    def ring_seconds(self, steps: int, wire_nbytes: float) -> float:
-        """A ring collective of ``steps`` latency-bound steps that puts ``wire_nbytes`` on each
-        rank's link: the alpha-beta time every collective kind is priced with
-        (:mod:`graphddp.values.collectives` says how many steps and bytes each kind takes)."""
-        return steps * self.latency_us * 1e-6 + wire_nbytes * 8 / (self.bandwidth_gbps * 1e9)
-
-    def allreduce_seconds(self, nbytes: int, world_size: int) -> float:
-        """A ring all-reduce of ``nbytes`` per rank (``graphddp.values.collectives.ALL_REDUCE.seconds``):
-        ``2 (p-1)`` steps, ``2 (p-1)/p`` of the bytes on the wire."""
-        if world_size <= 1:
-            return 0.0
-        steps = 2 * (world_size - 1)
-        return self.ring_seconds(steps, steps / world_size * nbytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,43 +77,6 @@ class GraphFacts:
 
     nodes: tuple[NodeFact, ...]
     slots: tuple[GradSlot, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class BucketTiming:
-    index: int
-    ready: float  # seconds from backward start: its last gradient is produced
-    start: float  # the link picks it up
-    end: float
-    nbytes_on_wire: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Timeline:
-    """Predicted backward pass: compute spans, bucket transfers, step time, exposed comm."""
-
-    compute: tuple[Span, ...]
-    buckets: tuple[BucketTiming, ...]
-    compute_seconds: float
-    step_seconds: float
-    link: str = ""  # the cost model's link, for people: "10 Gbit/s, 20 us"
-
-    @property
-    def exposed_seconds(self) -> float:
-        return self.step_seconds - self.compute_seconds
-
-    @property
-    def comm_seconds(self) -> float:
-        return sum(b.end - b.start for b in self.buckets)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "compute_seconds": self.compute_seconds,
-            "comm_seconds": self.comm_seconds,
-            "step_seconds": self.step_seconds,
-            "exposed_seconds": self.exposed_seconds,
-            "buckets": [dataclasses.asdict(b) for b in self.buckets],
-        }
 
 
 # Bucket.wait_before when the bucket is waited for at the end of the backward: the graph's output node.
@@ -514,13 +416,3 @@ class Schedule:
 
     def __str__(self) -> str:
         return self.to_table()
-
-
-# -- a predicted backward pass (graphddp.plan.cost.simulate makes these) ------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Span:
-    name: str
-    start: float
-    end: float

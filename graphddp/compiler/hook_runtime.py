@@ -1,0 +1,105 @@
+"""A user's traced hook at run time, and the end of a step it shares with the union average.
+
+:class:`~graphddp.compiler.graph_compiler.GraphCompiler` compiles a traced hook into every
+bucket (one rewritten graph per phase). Around the compiled graphs the hook still has work at
+run time: its state tensors become each graph's extra inputs, its eager work runs before a
+synchronising step, after ``no_sync`` it runs eagerly on the accumulated gradients at the end
+of the step, and a parameter whose gradient two graphs of a step split is refused. The end of
+a step also runs the union average of a divergent step (and a joined rank's shadow of one),
+through the hook when it averages. These are the compiler's listeners on the step
+(:class:`graphddp.runtime.step.StepState`), in a module of their own so that the compiler's
+reads as compiling. :class:`HookRuntime` is mixed into GraphCompiler and reads its attributes:
+``hook``, ``hook_state``, ``_hook_context``, ``step``, ``group``, ``world_size``, ``union``,
+``dispatches``, ``frames`` and ``_frame()``.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from graphddp.compiler.record import GraphRecord
+from graphddp.graph.insert_comm import HOOK_STATE, HOOK_STATE_SPEC
+from graphddp.runtime.dispatch import Synced
+from graphddp.values.comm import BUCKET_KEY, ROLE_KEY
+
+
+class HookRuntime:
+    """GraphCompiler's run-time side of a user's traced hook, and its end-of-step listeners."""
+
+    def _hook_args(self, record: GraphRecord, graph_index: int) -> Callable[[], list[torch.Tensor]]:
+        """The real state tensors of ``record``'s hook inputs, in input order (graphddp owns them)."""
+        if self.hook_state is None:  # no hook, no state inputs (and a cached record's graph stays unread)
+            return list
+        specs = [
+            (n.meta[BUCKET_KEY], n.meta[HOOK_STATE_SPEC]) for n in record.graph.graph.nodes
+            if n.op == "placeholder" and n.meta.get(ROLE_KEY) == HOOK_STATE
+        ]
+        if not specs:
+            return list
+        frame = self._frame(graph_index)
+        for bucket in record.schedule.buckets:
+            self.hook_state.share(graph_index, bucket.index, self.frames.owner(frame, graph_index, bucket))
+        tensors = [self.hook_state.allocate(graph_index, bucket, [spec])[0] for bucket, spec in specs]  # type: ignore[union-attr]
+        return lambda: list(tensors)
+
+    def _on_sync(self, synced: Synced) -> None:
+        """Before a synchronising variant runs: the hook's eager work (its step count moves
+        once per backward, at the step's end: :meth:`_hook_end_of_step`)."""
+        self.hook.before_step(self.hook_state, synced.schedule.graph_index, synced.schedule)
+
+    def hook_runs_now(self) -> bool:
+        """A user's hook averages the coming synchronising step (not a plain all-reduce phase)."""
+        return self.hook is not None and self._phase() != "allreduce"
+
+    def _hook_end_of_step(self) -> None:
+        """At the end of every synchronising backward: after ``no_sync``, DDP's semantics (the
+        hook sees each bucket's *accumulated* local gradients; a nonlinear hook such as
+        PowerSGD differs from hooking each micro-batch): the graphs ran without communication,
+        and here every bucket of every graph that ran goes through the same hook function,
+        eagerly, and its result replaces the gradients. Then the hook counts the step, as
+        DDP's ``bucket.is_last()`` does."""
+        from graphddp.graph.bucket_function import run_hook_eagerly
+
+        for graph_index in dict.fromkeys(self.step.eager_graphs):
+            schedule = self.dispatches[graph_index].schedule
+            self.hook.before_step(self.hook_state, graph_index, schedule)
+            run_hook_eagerly(self.hook, schedule, self._hook_context, self.hook_state)
+        self.hook.after_backward()
+
+    def _union_end_of_step(self) -> None:
+        """A divergent step (:mod:`graphddp.runtime.union`) ends with the union average; a step whose
+        gradients came from eager code alone agrees here first (its first and only agreement)."""
+        step = self.step
+        if self.world_size > 1 and not step.divergent and step.eager and not step.probed:
+            # Only eager code gave gradients on this rank: its agreement is made here, and pairs
+            # with another rank's first backward graph, or with its own made here.
+            step.agree(self.group, 0, "the gradients of eager code", False)
+        if step.divergent and self.world_size > 1:
+            self.union.run(step, self.hook_runs_now())
+
+    def shadow_step(self) -> None:
+        """A joined rank's part of one synchronising step of the others (:mod:`graphddp.runtime.join`):
+        the agreement (it asks for a divergent step), then the union average, with zeros."""
+        step = self.step
+        with step.shadowing():
+            step.agree(self.group, 0, "a joined rank's shadow of a backward", False)
+            self.union.run(step, self.hook_runs_now())
+            if self.hook is not None:
+                self.hook.after_backward()
+
+    def refuse_split_gradients(self, graph_index: int) -> None:
+        """A parameter that two graphs of one step read (tied across a graph break) gets its
+        gradient in two parts, and a traced hook would compress each part on its own; DDP
+        hooks their sum. Refused, never approximated: checked at each synchronising forward,
+        before any collective of the step, since only then is it known which graphs run
+        together (a recompile of a frame replaces its older graph, it never runs beside it)."""
+        if self.hook is None:
+            return
+        shared = sorted(self.step.shared_this_step(graph_index, self.step.graphs[graph_index].params))
+        if shared:
+            raise RuntimeError(
+                f"graphddp: comm_hook {self.hook.name!r}: parameters {shared} are read by more than one compiled graph "
+                "of this step (tied across a graph break), so each graph's hook would see part of their gradient, where "
+                "DDP's hook sees the sum; move the graph break or untie them, or use a built-in comm_hook"
+            )

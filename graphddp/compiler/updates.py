@@ -1,0 +1,206 @@
+"""The attached optimizer's side of the compiler: updates inside the backward, and when not.
+
+With ``graphddp.compile(..., optimizer=)`` each backward graph goes on after its collectives:
+which parameters it can update itself (not read by a graph of another frame, not
+zero-filled), the sharded plan (``sharding="optimizer"``: which buckets are reduce-scattered,
+a pass before the collectives), with_updates -> insert_update -> verify_updates and the
+sharded buckets' pass, and the variant without the update for steps the graph cannot update
+alone. At run time each synchronising variant gets an
+:class:`~graphddp.runtime.dispatch.InGraphUpdate` that decides, step by step, whether the
+graph's update is the whole step for its parameters or torch's step after the backward takes
+over (recorded in ``GraphRecord.fallbacks``, warned once per graph and reason). This is how
+the optimizer plugs into the compiler (its passes in ``backward_passes``), in a module of its
+own so that the compiler's reads as compiling. :class:`InGraphUpdates` is mixed into
+GraphCompiler and reads its attributes: ``optimizer``, ``config``, ``step``, ``parameters``,
+``world_size``, ``rank`` and ``_warned``.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import warnings
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+
+from graphddp.compiler.compose import Shared
+from graphddp.compiler.record import GraphRecord
+from graphddp.graph.insert_comm import insert_collectives
+from graphddp.optim.attached import AttachedOptimizer
+from graphddp.optim.insert_shard import insert_sharded_updates, shard_layout, write_fn
+from graphddp.optim.insert_update import ALIAS_OF, UpdateInputs, insert_update
+from graphddp.optim.verify import verify_updates
+from graphddp.optim.verify_shard import verify_sharded
+from graphddp.plan.planner import with_sharding, with_updates
+from graphddp.runtime.dispatch import InGraphUpdate
+from graphddp.values.schedule import Schedule
+
+log = logging.getLogger("graphddp")
+
+
+class InGraphUpdates:
+    """GraphCompiler's passes and run-time decisions for an optimizer attached to the backward."""
+
+    def _in_graph_update(
+        self, record: GraphRecord, graph_index: int, compile_grads: Callable[[], Any] | None
+    ) -> InGraphUpdate | None:
+        optimizer = self.optimizer
+        names = tuple(n for b in record.schedule.buckets for n in b.updates)
+        if optimizer is None or not names:
+            return None
+        sharded = [b for b in record.schedule.buckets if b.collective == "reduce_scatter"]
+        replicated = tuple(n for b in record.schedule.buckets if b not in sharded for n in b.updates)
+        shards = tuple(
+            shard_layout(b, {n: optimizer.rule(n) for n in b.param_names}, optimizer.group_of, self.world_size, self.rank)
+            for b in sharded
+        )
+
+        clip = record.schedule.max_grad_norm is not None
+        # With clipping the norm covers every gradient of the step, the returned ones too.
+        graded = tuple(s.param_name for b in record.schedule.buckets for s in b.slots if not s.zero_filled) if clip else names
+        tensors = {**self.parameters, **optimizer.params}
+
+        def allowed(unused: frozenset[str]) -> bool:
+            """The graph's update is the whole step for its parameters: its backward runs once
+            in this step, no other graph of this step reads one of them (tied across a graph
+            break), every one was used on some rank (torch.optim skips a None gradient), and
+            none holds a gradient already (accumulated under no_sync). With max_grad_norm, also:
+            no other graph runs in this step (the global norm would span graphs) and no
+            parameter of the graph holds a gradient. Otherwise torch's step (after torch's
+            clip_grad_norm_) runs for them after the backward; the first time, a warning says why."""
+            runs = self.step.runs(graph_index)
+            shared = self.step.shared_this_step(graph_index, names)
+            others = [g for g in self.step.others_this_step(graph_index) if self._has_gradients(g)] if clip else []
+            held = tuple(n for n in graded if n in tensors and tensors[n].grad is not None)
+            if unused & set(names):
+                self._fallback(record, graph_index, "unused", sorted(unused & set(names)), "no rank used them in this step")
+            elif runs > 1:
+                self._fallback(record, graph_index, "ran twice", names, f"the graph's forward ran {runs} times before one backward")
+            elif shared:
+                self._fallback(record, graph_index, "shared", sorted(shared), "another compiled graph of this step reads them too")
+            elif others:
+                self._fallback(
+                    record, graph_index, "clip spans graphs", names,
+                    f"max_grad_norm: the global norm spans {len(others) + 1} compiled graphs of this step (a graph break)",
+                )
+            elif held:
+                record.fallbacks["accumulated"] = held
+            else:
+                return True
+            return False
+
+        placeholders = [n for n in record.graph.graph.nodes if n.op == "placeholder"]
+        aliases = tuple((i, ph.meta[ALIAS_OF]) for i, ph in enumerate(placeholders) if ALIAS_OF in ph.meta)
+        groups = tuple(sorted({optimizer.group_of[n] for n in replicated}))
+        deferred = [s for s in shards if s.bucket.gather == "forward"]
+
+        @torch.no_grad()
+        def write_deferred(tensors: list[torch.Tensor]) -> None:
+            """Eagerly, what the forward slot does in its graph: wait, then write the parameters."""
+            for shard, gathered in zip(deferred, tensors):
+                write_fn(shard)(gathered, *(optimizer.params[n].detach() for n in shard.bucket.param_names))
+
+        return InGraphUpdate(optimizer, replicated, groups, allowed, compile_grads, aliases, shards=shards, write_deferred=write_deferred)
+
+    def _has_gradients(self, graph_index: int) -> bool:
+        """Does graph ``graph_index`` read a parameter that takes a gradient (a graph that only
+        computes the loss does not add to a gradient norm)?"""
+        return any(p.requires_grad for n in self.step.graphs[graph_index].params if (p := self.parameters.get(n)) is not None)
+
+    def _fallback(self, record: GraphRecord, graph_index: int, kind: str, names: Sequence[str], why: str) -> None:
+        """Record (and, the first time per graph and kind, warn) that torch's step after the
+        backward updates ``names`` instead of the graph. Right, but not overlapped."""
+        record.fallbacks[kind] = tuple(names)
+        if (graph_index, kind) in self._warned:
+            return
+        self._warned.add((graph_index, kind))
+        warnings.warn(
+            f"graphddp: optimizer= : backward graph {graph_index} leaves the update of {list(names)} to torch's step "
+            f"after the backward ({why}); the result is the same, the update is not overlapped with the backward. "
+            "GraphRecord.fallbacks shows it.",
+            stacklevel=2,
+        )
+
+    def _optimizer_pass(self, gm: fx.GraphModule, schedule: Schedule, *, graph_index: int, shared: Shared, **_: Any) -> Schedule:
+        """The optimizer's backward pass (after the collectives): with_updates -> insert_update
+        -> verify_updates. The graph from before it goes to ``shared.without_update`` (None when
+        nothing is updated), the parameters left to torch's step (a graph of another frame reads
+        them too) to ``shared.tied``. Without the forward's parameter values, nothing."""
+        if self.optimizer is None or not shared.fw_values:
+            return schedule
+        schedule, shared.without_update, shared.tied = self._add_updates(gm, schedule, graph_index, self.optimizer, shared)
+        return schedule
+
+    def _updatable(self, schedule: Schedule, graph_index: int, fw_values: Mapping[str, Any]) -> tuple[list[str], tuple[str, ...]]:
+        """The parameters the graph can update itself, and those tied across a graph break.
+
+        A parameter a graph of another frame also reads (tied across a graph break) gets part of
+        its gradient there: it keeps the gradient route, and torch's step after the backward.
+        Recompiles of this graph's own frame never run beside it: they do not count."""
+        optimizer = self.optimizer
+        elsewhere = self.step.in_other_frames(graph_index)
+        zero_filled = {s.param_name for b in schedule.buckets for s in b.slots if s.zero_filled}
+        updatable = [
+            n for n in schedule.param_names if optimizer.rule(n) and n in fw_values and n not in elsewhere | zero_filled
+        ]
+        return updatable, tuple(n for n in schedule.param_names if optimizer.rule(n) and n in elsewhere)
+
+    def _shard_plan_pass(self, gm: fx.GraphModule, schedule: Schedule, *, graph_index: int, shared: Shared, **_: Any) -> Schedule:
+        """sharding="optimizer": buckets the graph can update whole are reduce-scattered."""
+        if not shared.fw_values:
+            return schedule
+        return with_sharding(schedule, self._updatable(schedule, graph_index, shared.fw_values)[0], self.config.gather)
+
+    def _add_updates(
+        self, gm: fx.GraphModule, schedule: Schedule, graph_index: int, optimizer: AttachedOptimizer, shared: Shared
+    ) -> tuple[Schedule, fx.GraphModule | None, tuple[str, ...]]:
+        """with_updates -> insert_update -> verify_updates, then the sharded buckets
+        (insert_sharded_updates -> verify_sharded); returns the schedule with its updates, the
+        graph without them (every bucket all-reduced, its gradients returned; None when nothing
+        is updated) and the parameters left to torch's step because another frame reads them."""
+        fw_values = shared.fw_values
+        updatable, tied = self._updatable(schedule, graph_index, fw_values)
+        max_norm = self.config.max_grad_norm
+        if max_norm is not None and tied:  # part of the norm comes from another graph: torch clips and steps them all
+            updatable = []
+        if self.config.sharding == "optimizer":  # the rest of a bucket with a tied parameter: the shard's step after
+            updatable = [n for b in schedule.buckets if b.collective == "reduce_scatter" for n in b.param_names]
+        if tied:
+            self._warned.add((graph_index, "shared"))
+            warnings.warn(
+                f"graphddp: optimizer= : parameters {list(tied)} are read on both sides of a graph break, so their gradient "
+                f"comes in parts from several graphs; backward graph {graph_index} leaves their update to torch's step "
+                "after the backward (the result is the same, the update is not overlapped)",
+                stacklevel=2,
+            )
+        if not updatable:
+            return schedule, None, tied
+        without_update = self._without_update(gm, schedule, shared)
+        schedule = with_updates(schedule, updatable, str(optimizer), max_norm)
+        inputs = UpdateInputs(
+            rules={n: optimizer.rule(n) for n in updatable},
+            groups={n: optimizer.group_of[n] for n in updatable},
+            values={n: fw_values[n] for n in updatable},
+        )
+        insert_update(gm, schedule, inputs)
+        log.debug("backward graph %d after insert_update:\n%s", graph_index, gm.code)
+        if self.config.verify:
+            verify_updates(gm, schedule)
+        if insert_sharded_updates(gm, schedule, inputs, rank=self.rank):
+            log.debug("backward graph %d after insert_sharded_updates:\n%s", graph_index, gm.code)
+            if self.config.verify:
+                verify_sharded(gm, schedule)
+        return schedule, without_update, tied
+
+    def _without_update(self, gm: fx.GraphModule, schedule: Schedule, shared: Shared) -> fx.GraphModule:
+        """The variant for steps the graph cannot update alone: every gradient averaged and
+        returned. Sharded buckets are all-reduced there, from the graph before the collectives."""
+        if shared.before_comm is None:
+            return copy.deepcopy(gm)
+        graph = copy.deepcopy(shared.before_comm)
+        if self.world_size > 1:
+            replicated = [dataclasses.replace(b, collective="all_reduce") for b in schedule.buckets]
+            insert_collectives(graph, dataclasses.replace(schedule, buckets=tuple(replicated)))
+        return graph

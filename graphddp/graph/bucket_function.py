@@ -1,0 +1,163 @@
+"""What a bucket does, as one Python function: flatten, the hook, the collective, unflatten.
+
+:mod:`graphddp.graph.insert_comm` traces these functions on a graph's fake gradients and
+splices the result in: the built-in hook's bucket (flatten, compress, divide by the world size,
+the bucket's collective, wait, decompress, one view per slot) and a user's traced hook's
+(flatten into fresh memory, the hook, views). After ``no_sync`` a traced hook runs on the
+accumulated gradients eagerly instead (:func:`run_hook_eagerly`), with the same ``GradBucket``
+and the same check of its result as in the graph. They have their own module because they
+are about a bucket's tensors, not about any graph: nothing here reads or edits one.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from graphddp.graph.trace import fresh_copy, role
+from graphddp.hooks import builtin as hooks
+from graphddp.hooks.traced import GradBucket, HookState, StateSpec, TracedHook
+from graphddp.values.collectives import backend_of, kind
+from graphddp.values.comm import WAIT
+from graphddp.values.schedule import Bucket, Schedule
+
+aten = torch.ops.aten
+
+
+@dataclasses.dataclass(frozen=True)
+class HookContext:
+    """What a user hook's ``GradBucket`` offers beyond the schedule: the process group and
+    the parameters (by name). Only needed for a :class:`~graphddp.hooks.traced.TracedHook`."""
+
+    group: Any
+    parameters: Mapping[str, torch.nn.Parameter] = dataclasses.field(default_factory=dict)
+
+
+def _flatten(grads: Sequence[torch.Tensor], bucket: Bucket) -> torch.Tensor:
+    """The bucket's gradients as one flat buffer, in slot order."""
+    flats = []
+    for grad, slot in zip(grads, bucket.slots, strict=True):
+        if not grad.is_contiguous():  # a view can only flatten contiguous memory
+            grad = aten.clone.default(grad, memory_format=torch.contiguous_format)
+        flats.append(aten.view.default(grad, [slot.numel]))
+    return flats[0] if len(flats) == 1 else aten.cat.default(flats)
+
+
+def _unflatten(done: torch.Tensor, bucket: Bucket) -> list[torch.Tensor]:
+    """One view per slot into the reduced buffer: DDP's gradient_as_bucket_view, no copy."""
+    with role("unflatten"):
+        return [
+            aten.view.default(aten.slice.Tensor(done, 0, off, off + slot.numel), list(slot.shape))
+            for slot, off in zip(bucket.slots, bucket.offsets())
+        ]
+
+
+def _check_result(bucket: Bucket, hook_name: str, done: Any, verb: str = "returns") -> None:
+    dtype = getattr(torch, bucket.dtype)
+    if not isinstance(done, torch.Tensor):
+        raise TypeError(
+            f"graphddp: comm hook {hook_name!r} returned {type(done).__name__} for bucket {bucket.index}; a traced hook "
+            "returns the averaged flat tensor (not a Future: collectives come from torch.distributed._functional_collectives)"
+        )
+    if done.dtype != dtype or tuple(done.shape) != (bucket.numel,):
+        raise RuntimeError(
+            f"graphddp: bucket {bucket.index}: hook {hook_name!r} {verb} {done.dtype} "
+            f"{list(done.shape)}, the bucket's gradients need {dtype} [{bucket.numel}]"
+        )
+
+
+def _builtin_fn(bucket: Bucket, hook: hooks.CommHook, schedule: Schedule, carry: bool = False) -> Callable[..., list[torch.Tensor]]:
+    """gradients -> flatten -> compress -> divide -> the bucket's collective (all_reduce_) -> wait
+    -> decompress -> views. With ``carry``, as many inputs again after the gradients: each slot's
+    gradient accumulated under ``no_sync``, added to its new one before anything else (DDP's
+    bucket after ``no_sync`` holds the sum, and averages it once)."""
+    wire = getattr(torch, bucket.comm_dtype or bucket.dtype)
+    collective = kind(bucket.collective)
+    lowered = collective.lower(backend_of(schedule.group_name))
+    n = len(bucket.slots)
+
+    def run(*args: torch.Tensor) -> list[torch.Tensor]:
+        grads = args[:n]
+        if carry:
+            with role("carry"):
+                grads = tuple(aten.add.Tensor(g, acc) for g, acc in zip(grads, args[n:], strict=True))
+        with role("flatten"):
+            flat = _flatten(grads, bucket)
+        with role("compress"):
+            sent = hook.compress(flat, bucket)
+        if sent.dtype != wire:  # the schedule's bytes on the wire (and the cost model) assume `wire`
+            raise RuntimeError(
+                f"graphddp: bucket {bucket.index}: hook {hook.name!r} sends {sent.dtype}, the schedule plans {wire}"
+            )
+        with role("scale"):
+            scaled = aten.div.Tensor(sent, schedule.world_size)  # DDP pre-divides, after compressing
+        with role(collective.key):
+            reduced = lowered.issue(scaled, schedule.group_name, schedule.world_size)
+        with role("wait"):
+            done = lowered.finish(WAIT(reduced), schedule.world_size)
+        with role("decompress"):
+            done = hook.decompress(done, bucket)
+        _check_result(bucket, hook.name, done, "decompresses to")
+        return _unflatten(done, bucket)
+
+    return run
+
+
+def _user_fn(
+    bucket: Bucket, hook: TracedHook, schedule: Schedule, ctx: HookContext, declared: list[StateSpec] | None
+) -> Callable[..., list[torch.Tensor]]:
+    """gradients -> flatten (fresh memory) -> the user's hook -> views; ``declared`` None: a
+    dry run that only learns the hook's state tensors (appended to ``learned``)."""
+    n = len(bucket.slots)
+    params = [ctx.parameters[name] for name in bucket.param_names if name in ctx.parameters]
+
+    def run(*args: torch.Tensor) -> list[torch.Tensor]:
+        grads, states = args[:n], args[n:]
+        with role("flatten"):
+            flat = _flatten(grads, bucket)
+            if n == 1:  # the hook may write its buffer in place: never the gradient's own memory
+                flat = fresh_copy(flat)
+        is_last = bucket.index == schedule.num_buckets - 1
+        gb = GradBucket(bucket, flat, ctx.group, schedule.world_size, is_last, params, None if declared is None else states)
+        with role("hook"):
+            done = hook(gb)
+        if declared is None:
+            run.learned = gb.declared  # type: ignore[attr-defined]
+        _check_result(bucket, hook.name, done)
+        return _unflatten(done, bucket)
+
+    return run
+
+
+def run_hook_eagerly(hook: TracedHook, schedule: Schedule, ctx: HookContext, states: HookState) -> None:
+    """Run ``hook`` on every bucket of ``schedule`` now, on the parameters' ``.grad``, and
+    write its average back: the step after ``no_sync`` (:mod:`graphddp.compiler.hook_runtime`). The same hook
+    function as in the graph, on real tensors; its state is the graph's (``states``, allocated
+    when the graph was compiled, in the order the hook declares it)."""
+    for bucket in schedule.buckets:
+        params = [ctx.parameters[name] for name in bucket.param_names]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        done = hook_bucket_eagerly(hook, schedule, bucket, flat, ctx, states)
+        with torch.no_grad():
+            for p, slot, off in zip(params, bucket.slots, bucket.offsets()):
+                if slot.zero_filled:
+                    continue
+                value = done[off:off + slot.numel].view(slot.shape)
+                if p.grad is None:
+                    p.grad = value.clone()
+                else:
+                    p.grad.copy_(value)
+
+
+def hook_bucket_eagerly(
+    hook: TracedHook, schedule: Schedule, bucket: Bucket, flat: torch.Tensor, ctx: HookContext, states: HookState
+) -> torch.Tensor:
+    """``hook`` on one bucket's local flat gradients ``flat``, now: the averaged flat tensor."""
+    params = [ctx.parameters[name] for name in bucket.param_names]
+    is_last = bucket.index == schedule.num_buckets - 1
+    gb = GradBucket(bucket, flat, ctx.group, schedule.world_size, is_last, params, states.of(schedule.graph_index, bucket.index))
+    with torch.no_grad():
+        done = hook(gb)
+    _check_result(bucket, hook.name, done)
+    return done

@@ -1,0 +1,97 @@
+"""Where each bucket of a Schedule goes in a graph: its names resolved to nodes, checked first.
+
+A Schedule names nodes (``issue_after``, ``wait_before``, each slot's ``producer``); a pass
+that rewrites a graph by it needs the nodes, and needs to know the schedule fits the graph
+before it edits anything: the schedule is well formed, the issue point comes before the wait
+point, and each output is the gradient the slot says, of its shape and dtype, produced by the
+issue point. Both rewrites of a backward do this, :mod:`graphddp.graph.insert_comm` for the
+replicated buckets and :mod:`graphddp.optim.insert_shard` for the sharded ones, so it has a
+module of its own. It reads the graph and never edits it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+
+from graphddp.values.schedule import WAIT_AT_OUTPUT, Bucket, Schedule, dtype_name
+
+
+@dataclasses.dataclass(frozen=True)
+class _Placement:
+    """Where one bucket's communication goes in this graph, resolved from its names."""
+
+    bucket: Bucket
+    issue: fx.Node  # the all-reduce chain goes right after this node
+    wait: fx.Node  # the wait and unflatten views go right before this node
+
+
+def _node_named(nodes: dict[str, fx.Node], bucket: Bucket, field: str, name: str) -> fx.Node:
+    if name not in nodes:
+        raise RuntimeError(f"graphddp: bucket {bucket.index}: {field} names node {name!r}, which is not in the graph")
+    return nodes[name]
+
+
+def _issue_point(nodes: dict[str, fx.Node], placeholders: list[fx.Node], bucket: Bucket) -> fx.Node:
+    """The node the bucket's all-reduce chain follows; placeholders stay first."""
+    node = _node_named(nodes, bucket, "issue_after", bucket.issue_after)
+    return placeholders[-1] if node.op == "placeholder" else node
+
+
+def _wait_point(nodes: dict[str, fx.Node], output: fx.Node, bucket: Bucket) -> fx.Node:
+    return output if bucket.wait_before == WAIT_AT_OUTPUT else _node_named(nodes, bucket, "wait_before", bucket.wait_before)
+
+
+def _check_slots(bucket: Bucket, outs: Sequence[Any], order: dict[fx.Node, int], issue: fx.Node) -> None:
+    """The graph must hold what the schedule says each slot is, produced by the issue point."""
+    for slot in bucket.slots:
+        if slot.zero_filled:  # no gradient in this graph: zeros take its place (_zeros)
+            if slot.dtype != bucket.dtype:
+                raise RuntimeError(f"graphddp: bucket {bucket.index}: zero-filled {slot.param_name!r} is {slot.dtype} in a {bucket.dtype} bucket")
+            continue
+        where = f"graphddp: bucket {bucket.index}, gradient of {slot.param_name!r} (output {slot.output_index})"
+        grad = outs[slot.output_index] if 0 <= slot.output_index < len(outs) else None
+        if not isinstance(grad, fx.Node):
+            raise RuntimeError(f"{where}: the graph returns no gradient node there")
+        if grad.name != slot.producer:
+            raise RuntimeError(f"{where}: the schedule says it is produced by {slot.producer}, the graph returns {grad.name}")
+        val = grad.meta.get("val")
+        found = (tuple(val.shape), dtype_name(val.dtype), str(val.device)) if isinstance(val, torch.Tensor) else None
+        if found != (slot.shape, bucket.dtype, bucket.device) or slot.dtype != bucket.dtype:
+            raise RuntimeError(
+                f"{where}: {grad.name} is {found}, the schedule says {(slot.shape, slot.dtype, bucket.device)} "
+                f"in a {bucket.dtype} bucket"
+            )
+        if order[grad] > order[issue]:
+            raise RuntimeError(f"{where}: issued after {issue.name}, before its producer {grad.name}")
+
+
+def place_buckets(gm: fx.GraphModule, schedule: Schedule, outs: Sequence[Any], only: set[int] | None = None) -> list[_Placement]:
+    """Resolve every bucket's names to nodes (``only`` those buckets) and check the schedule fits the graph.
+
+    Runs before any edit, so a schedule that does not fit leaves the graph untouched.
+    """
+    graph = gm.graph
+    nodes = {n.name: n for n in graph.nodes}
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    output = graph.output_node()
+    problem = schedule.structure_error()
+    if problem:
+        raise RuntimeError(f"graphddp: {problem}")
+    placements = []
+    for bucket in schedule.buckets:
+        if only is not None and bucket.index not in only:
+            continue
+        issue = _issue_point(nodes, placeholders, bucket)
+        wait = _wait_point(nodes, output, bucket)
+        if order[wait] <= order[issue]:
+            raise RuntimeError(
+                f"graphddp: bucket {bucket.index}: wait_before {wait.name} is not after the issue point "
+                f"{issue.name} (issue_after={bucket.issue_after!r})"
+            )
+        _check_slots(bucket, outs, order, issue)
+        placements.append(_Placement(bucket, issue, wait))
+    return placements

@@ -1,0 +1,126 @@
+"""The cost model's values: the machine a prediction assumes, and the backward it predicts.
+
+A :class:`CostModel` holds a rank's machine parameters (link bandwidth and latency, compute,
+memory, per-op overheads); :func:`graphddp.plan.cost.simulate` prices a Schedule with one and
+returns a :class:`Timeline`. Both are plain immutable values, like the Schedule that records
+the cost model it was planned under (``bucket_cap_mb="auto"``), so they live in the bottom
+layer beside it; they have their own module because neither needs a bucket or a graph, and
+:mod:`graphddp.values.schedule` re-exports them so every value type keeps one import path.
+This module imports nothing from graphddp.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+_MAY_BE_ZERO = ("latency_us", "op_overhead_us", "collective_overhead_us")
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Machine parameters. Defaults describe a modest CPU rank on a 10 Gbit/s link.
+
+    ``source`` says where the numbers came from ("given", "default", or what
+    :func:`graphddp.runtime.calibrate.calibrate` measured them on); a Schedule planned with
+    ``bucket_cap_mb="auto"`` records its cost model, source included.
+    """
+
+    bandwidth_gbps: float = 10.0  # link bandwidth, gigabits per second
+    latency_us: float = 20.0  # alpha: per ring step
+    compute_tflops: float = 0.05  # sustained dense compute, TFLOP/s
+    memory_gbps: float = 20.0  # memory bandwidth, gigabytes per second
+    op_overhead_us: float = 2.0  # launch / dispatch cost per op
+    collective_overhead_us: float = 20.0  # compute-lane time to issue and wait for one collective
+    source: str = "given"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.source, str):
+            raise ValueError(f"source must be a string, got {self.source!r}")
+        for f in dataclasses.fields(self):
+            if f.name == "source":
+                continue
+            value = getattr(self, f.name)
+            if not isinstance(value, (int, float)) or value < 0 or (value == 0 and f.name not in _MAY_BE_ZERO):
+                raise ValueError(f"{f.name} must be a positive number, got {value!r}")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CostModel":
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def compute_seconds(self, flops: int, nbytes: int) -> float:
+        return max(flops / (self.compute_tflops * 1e12), nbytes / (self.memory_gbps * 1e9)) + self.op_overhead_us * 1e-6
+
+    @property
+    def numbers(self) -> dict[str, float]:
+        """The machine parameters without ``source``: what a plan depends on."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "source"}
+
+    def describe(self) -> str:
+        """One line for tables and logs."""
+        return (f"{self.bandwidth_gbps:.3g} Gbit/s, {self.latency_us:.3g} us per ring step, "
+                f"{self.compute_tflops:.3g} TFLOP/s, {self.memory_gbps:.3g} GB/s, {self.op_overhead_us:.3g} us per op, {self.collective_overhead_us:.3g} us per collective "
+                f"({self.source})")
+
+    def ring_seconds(self, steps: int, wire_nbytes: float) -> float:
+        """A ring collective of ``steps`` latency-bound steps that puts ``wire_nbytes`` on each
+        rank's link: the alpha-beta time every collective kind is priced with
+        (:mod:`graphddp.values.collectives` says how many steps and bytes each kind takes)."""
+        return steps * self.latency_us * 1e-6 + wire_nbytes * 8 / (self.bandwidth_gbps * 1e9)
+
+    def allreduce_seconds(self, nbytes: int, world_size: int) -> float:
+        """A ring all-reduce of ``nbytes`` per rank (``graphddp.values.collectives.ALL_REDUCE.seconds``):
+        ``2 (p-1)`` steps, ``2 (p-1)/p`` of the bytes on the wire."""
+        if world_size <= 1:
+            return 0.0
+        steps = 2 * (world_size - 1)
+        return self.ring_seconds(steps, steps / world_size * nbytes)
+
+
+# -- a predicted backward pass (graphddp.plan.cost.simulate makes these) ------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    name: str
+    start: float
+    end: float
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketTiming:
+    index: int
+    ready: float  # seconds from backward start: its last gradient is produced
+    start: float  # the link picks it up
+    end: float
+    nbytes_on_wire: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+    """Predicted backward pass: compute spans, bucket transfers, step time, exposed comm."""
+
+    compute: tuple[Span, ...]
+    buckets: tuple[BucketTiming, ...]
+    compute_seconds: float
+    step_seconds: float
+    link: str = ""  # the cost model's link, for people: "10 Gbit/s, 20 us"
+
+    @property
+    def exposed_seconds(self) -> float:
+        return self.step_seconds - self.compute_seconds
+
+    @property
+    def comm_seconds(self) -> float:
+        return sum(b.end - b.start for b in self.buckets)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "compute_seconds": self.compute_seconds,
+            "comm_seconds": self.comm_seconds,
+            "step_seconds": self.step_seconds,
+            "exposed_seconds": self.exposed_seconds,
+            "buckets": [dataclasses.asdict(b) for b in self.buckets],
+        }
