@@ -20,6 +20,7 @@ Run it from a tree nobody edits: graphddp's cache key covers graphddp's source.
     python -m tools.compile_time --modes graphddp --warm-only --cache-dir /tmp/c   # reuse a cache
     python -m tools.compile_time --profile prof        # cProfile of rank 0, one file per run
     python -m tools.compile_time --graphddp-options '{"bucket_cap_mb": 25}'
+    python -m tools.compile_time --graphddp-options '{"optimizer": "adamw"}'   # AdamW: after the backward / inside it
 """
 from __future__ import annotations
 
@@ -130,6 +131,19 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
+def _optimizer(name: str | None, model: Any) -> Any:
+    """``"optimizer": "adamw"`` among the options: AdamW in both modes, stepped after the
+    backward by plain (inside the first step's time) and attached by graphddp (updated inside
+    its backward), so the first step compares what each mode compiles for a training step."""
+    import torch
+
+    if name is None:
+        return None
+    if name != "adamw":
+        raise SystemExit(f"tools.compile_time: optimizer {name!r}: only 'adamw' is supported")
+    return torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
 def _rank(
     rank: int, world_size: int, mode: str, cfg: dict[str, int], out_path: str, profile: str | None, options: dict[str, Any],
 ) -> None:
@@ -139,12 +153,20 @@ def _rank(
     timers = Timers()
     _install_timers(timers, mode)
     model = build_model(cfg)
+    options = dict(options)
+    optimizer = _optimizer(options.pop("optimizer", None), model)
     if mode == "plain":
         compiled = torch.compile(model)
     else:
         import graphddp
 
-        compiled = graphddp.compile(model, **options)
+        compiled = graphddp.compile(model, **({"optimizer": optimizer} if optimizer is not None else {}), **options)
+
+    def step_optimizer() -> None:  # plain: torch's step after the backward; graphddp: already done inside it
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
     g = torch.Generator().manual_seed(rank)
     ids = torch.randint(0, cfg["vocab_size"], (cfg["batch"], cfg["seq"]), generator=g)
     dist.barrier()
@@ -159,6 +181,7 @@ def _rank(
     out = compiled(input_ids=ids, labels=ids)
     forward = time.perf_counter() - start
     out.loss.backward()
+    step_optimizer()
     first = time.perf_counter() - start
     cpu = _cpu_seconds() - cpu_start
     if profiler is not None:
@@ -167,6 +190,7 @@ def _rank(
     # The second step: nothing compiles, so first - second is what compiling cost.
     start = time.perf_counter()
     compiled(input_ids=ids, labels=ids).loss.backward()
+    step_optimizer()
     second = time.perf_counter() - start
     report = {
         "rank": rank, "first_step_s": round(first, 3), "first_step_cpu_s": round(cpu, 3), "first_forward_s": round(forward, 3),

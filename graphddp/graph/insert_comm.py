@@ -229,15 +229,6 @@ def _add_carried_inputs(graph: fx.Graph, traced: Sequence[_Traced]) -> dict[int,
     return by_bucket
 
 
-def carried_parameters(gm: fx.GraphModule) -> list[str]:
-    """The parameters whose accumulated gradients a carrying graph takes, in input order."""
-    names = []
-    for node in gm.graph.nodes:
-        if node.op == "placeholder" and node.meta.get(ROLE_KEY) == CARRIED:
-            names.append(node.meta[CARRIED])
-    return names
-
-
 def _zero_values(graph: fx.Graph, schedule: Schedule) -> dict[str, torch.Tensor]:
     """Fake zeros for every zero-filled slot (:attr:`GradSlot.zero_filled`): what the buckets'
     functions are traced on in its place, made before any edit."""

@@ -11,3 +11,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "tests/gpu/" in str(item.fspath).replace("\\", "/"):
             item.add_marker(skip)
+
+
+@pytest.fixture
+def nccl_world_of_one():
+    """NCCL at world size 1 on GPU 0 (two NCCL ranks cannot share one GPU), torn down after."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+
+    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    yield dist.group.WORLD
+    dist.destroy_process_group()

@@ -10,8 +10,6 @@ NCCL at world size 1 (one GPU): the collective is real, every rank's answer is i
 """
 from __future__ import annotations
 
-import os
-import tempfile
 import time
 
 import pytest
@@ -23,13 +21,6 @@ from graphddp.runtime import agree
 SLEEP_CYCLES = 2_000_000_000  # about 1 s at the clock an H100/H200 runs under load
 
 
-@pytest.fixture
-def nccl_world_of_one():
-    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def _seconds_to_answer(fn) -> tuple[float, float]:

@@ -18,12 +18,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tempfile
 import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import graphddp
 from graphddp.runtime import agree
@@ -32,13 +30,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 STEPS = 10
 
 
-@pytest.fixture
-def nccl_world_of_one():
-    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 # The benchmark's GPT-2 (6 layers, dim 768, vocab 50304, batch 8 x 1024): the GPU's work per step

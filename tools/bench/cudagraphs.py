@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kinds", default="compile,ddp_compiled,graphddp")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("tools.bench.cudagraphs needs CUDA", file=sys.stderr)
+        print("tools.bench.cudagraphs: CUDA is not available; it measures CUDA graphs, nothing to run")
         return 2
     import graphddp.config as gconfig
 

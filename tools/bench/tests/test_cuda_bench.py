@@ -63,6 +63,14 @@ def test_without_cuda_it_says_so_and_runs_nothing(tmp_path):
     assert not os.path.exists(tmp_path / "bench_cuda.json")
 
 
+def test_the_cuda_graph_probe_without_cuda_says_so_and_writes_nothing(tmp_path):
+    out = tmp_path / "cudagraphs.json"
+    done = subprocess.run([sys.executable, "-m", "tools.bench.cudagraphs", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "CUDA is not available" in done.stdout, done.stdout + done.stderr
+    assert not out.exists()
+
+
 def test_its_processes_take_turns_and_report_on_cpu(tmp_path):
     modes = "compile,graphddp_optim"
     done = subprocess.run(
