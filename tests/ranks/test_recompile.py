@@ -29,6 +29,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ddp_pow
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import graphddp
+from graphddp import models
 from graphddp.hooks import PowerSGD
 from graphddp.testing import fp16_hook, spawn
 
@@ -47,6 +48,17 @@ def _gpt2() -> nn.Module:
         n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
         attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, use_cache=False,
     ))
+
+
+def _tiny_gpt() -> nn.Module:
+    """A GPT written here (tied embedding and head): a recompile's own logic at a quarter of HF
+    GPT-2's compile time; HF GPT-2 keeps the dynamic-shapes row. Attention's input bias is
+    frozen: its key third gets a gradient that is rounding noise (softmax ignores it), which
+    AdamW turns into steps of +-lr that two correct programs take in different directions."""
+    model = models.TinyGPT(vocab=VOCAB, dim=32, heads=2, layers=2, seq=16)
+    for block in model.blocks:
+        block.attn.in_proj_bias.requires_grad_(False)
+    return model
 
 
 def _bert_classifier() -> nn.Module:
@@ -115,6 +127,12 @@ def _lm_loss(m: nn.Module, rank: int, step: int, spec: Step, k: int = 0) -> torc
     return m(input_ids=x, labels=x).loss
 
 
+def _tiny_lm_loss(m: nn.Module, rank: int, step: int, spec: Step, k: int = 0) -> torch.Tensor:
+    x = _tokens(rank, step, _shape(spec, rank), k)
+    logits = m(x)
+    return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+
+
 def _cls_loss(m: nn.Module, rank: int, step: int, spec: Step, k: int = 0) -> torch.Tensor:
     x = _tokens(rank, step, _shape(spec, rank), k)
     return m(input_ids=x, labels=x[:, 0] % 3).loss
@@ -130,7 +148,7 @@ SHORT = (3, 12)
 
 TRIGGERS = {
     "config_attribute": Trigger(_bert_classifier, _cls_loss, (Step(), Step(), Step(), Step())),
-    "shapes_static": Trigger(_gpt2, _lm_loss, (Step(), Step(), Step(SHORT), Step(SHORT), Step()), dynamic=False),
+    "shapes_static": Trigger(_tiny_gpt, _tiny_lm_loss, (Step(), Step(), Step(SHORT), Step(SHORT), Step()), dynamic=False),
     "shapes_dynamic": Trigger(_gpt2, _lm_loss, (Step(), Step(), Step(SHORT), Step((2, 10)), Step())),
     # DDP's reference needs find_unused_parameters=True, and then keeps the buckets it made at
     # construction (it rebuilds them in gradient order only without it): with one parameter a
@@ -138,7 +156,7 @@ TRIGGERS = {
     "requires_grad": Trigger(FlagMLP, _flag_loss, (Step(), Step(), Step(flag=True), Step(flag=True), Step()), find_unused=True,
         toggle=_freeze_middle, bucket_cap_mb=1e-6),
     "python_flag": Trigger(FlagMLP, _flag_loss, (Step(), Step(), Step(flag=True), Step(flag=True), Step()), toggle=_scale),
-    "train_eval": Trigger(_gpt2, _lm_loss, (Step(), Step(), Step(evaluate_before=True), Step(), Step(evaluate_before=True))),
+    "train_eval": Trigger(_tiny_gpt, _tiny_lm_loss, (Step(), Step(), Step(evaluate_before=True), Step(), Step(evaluate_before=True))),
 }
 
 
@@ -238,15 +256,16 @@ def _row(rank: int, world: int, trigger_name: str, features: tuple[str, ...], ba
             assert all(not r.fallbacks for r in ours.records), [r.fallbacks for r in ours.records]
 
 
-# The rows of real models (most of the suite's time when they ran every column) keep the columns
-# whose state a recompile can lose: no_sync, the optimizer inside (AdamW) and PowerSGD under
-# dynamic shapes, and the optimizer inside on the other triggers; the stateless hooks (fp16, a
-# user hook), SGD inside and the plain plan run every column on the MLP rows.
+# The GPT and BERT rows (most of the suite's time when they ran every column) keep the columns
+# whose state a recompile can lose: no_sync, the optimizer inside (AdamW) and PowerSGD; the
+# stateless hooks (fp16, a user hook), SGD inside and the plain plan run every column on the MLP
+# rows. HF GPT-2 runs the dynamic-shapes row, BERT its config attribute; the other GPT rows run
+# a GPT written here (models.TinyGPT), a quarter of HF GPT-2's compile time.
 GPT_ROWS = {
     "config_attribute": ("plain", "adamw_in_graph"),
     "shapes_dynamic": ("no_sync", "adamw_in_graph", "powersgd"),
-    "shapes_static": ("adamw_in_graph",),
-    "train_eval": ("adamw_in_graph",),
+    "shapes_static": ("adamw_in_graph", "powersgd"),
+    "train_eval": ("no_sync", "adamw_in_graph"),
 }
 ROW_FEATURES = {name: GPT_ROWS.get(name, tuple(FEATURES)) for name in TRIGGERS}
 
@@ -262,7 +281,7 @@ def test_recompile_matrix_under_inductor() -> None:
     spawn(_row, 2, "python_flag", ("no_sync", "adamw_in_graph", "powersgd", "fp16"), "inductor")
 
 
-APART = Trigger(_gpt2, _lm_loss, (Step(), Step(), Step(SHORT, on_rank=0), Step(SHORT, on_rank=0), Step((2, 10), on_rank=1)))
+APART = Trigger(_tiny_gpt, _tiny_lm_loss, (Step(), Step(), Step(SHORT, on_rank=0), Step(SHORT, on_rank=0), Step((2, 10), on_rank=1)))
 
 
 # An auto plan whose buckets follow the compute: a static graph's costs and a dynamic graph's
@@ -278,7 +297,8 @@ def _apart(rank: int, world: int) -> None:
     for name, feature in [("costed", COSTED), ("adamw_in_graph", FEATURES["adamw_in_graph"])]:
         ours = train_cell(APART, feature, rank, what=f"ranks apart x {name}")
         layouts = {r.schedule.fingerprint() for r in ours.records if r.schedule.buckets}
-        assert len(ours.records) >= 3 and len({tuple(b.param_names for b in r.schedule.buckets) for r in ours.records if r.schedule.buckets}) == 1, layouts
+        assert len(ours.records) >= 2, f"ranks apart x {name}: nothing recompiled ({len(ours.records)} graphs)"
+        assert len({tuple(b.param_names for b in r.schedule.buckets) for r in ours.records if r.schedule.buckets}) == 1, layouts
 
 
 def test_ranks_that_recompile_at_different_steps_equal_ddp() -> None:
