@@ -97,12 +97,13 @@ def spawn(
     terminated; ranks still running after ``timeout`` seconds are killed, so a test never hangs.
     ``pg_timeout`` is the process group's collective timeout, in seconds.
 
-    After :func:`reuse_ranks` (the test suite turns it on), 2-rank calls with the default
-    ``pg_timeout`` run on a :class:`RankPool` instead of new processes; ``fresh=True`` asks
-    for new processes anyway (a function that changes process-wide state, or kills a rank).
+    After :func:`reuse_ranks` (the test suite turns it on), 2- and 3-rank calls with the default
+    ``pg_timeout`` run on a :class:`RankPool` of that size instead of new processes;
+    ``fresh=True`` asks for new processes anyway (a function that changes process-wide state,
+    or kills a rank).
     """
-    if _POOL_ENABLED and world_size == RankPool.WORLD and pg_timeout == RankPool.PG_TIMEOUT and not fresh:
-        return _pool().run(fn, args, timeout)
+    if _POOL_ENABLED and world_size in RankPool.WORLDS and pg_timeout == RankPool.PG_TIMEOUT and not fresh:
+        return _pool(world_size).run(fn, args, timeout)
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -139,26 +140,28 @@ def spawn(
 # -- a pool of ranks reused across spawn() calls ----------------------------------------------------
 
 _POOL_ENABLED = False
-_POOL: "RankPool | None" = None
+_POOLS: "dict[int, RankPool]" = {}
 
 
 def reuse_ranks(enabled: bool = True) -> None:
-    """Let :func:`spawn` run 2-rank functions on one long-lived pair of ranks.
+    """Let :func:`spawn` run 2- and 3-rank functions on long-lived groups of ranks.
 
-    Starting two ranks (interpreters, ``import torch``, the process group) and their first
-    compile costs seconds per call, most of a short test; a pool pays it once.
+    Starting the ranks (interpreters, ``import torch``, the process group) and their first
+    compile costs seconds per call, most of a short test; a pool pays it once per size.
     """
     global _POOL_ENABLED
     _POOL_ENABLED = enabled
-    if not enabled and _POOL is not None:
-        _POOL.close()
+    if not enabled:
+        for pool in _POOLS.values():
+            pool.close()
+        _POOLS.clear()
 
 
-def _pool() -> "RankPool":
-    global _POOL
-    if _POOL is None or not _POOL.healthy():
-        _POOL = RankPool()
-    return _POOL
+def _pool(world_size: int) -> "RankPool":
+    pool = _POOLS.get(world_size)
+    if pool is None or not pool.healthy():
+        pool = _POOLS[world_size] = RankPool(world_size)
+    return pool
 
 
 def _pool_entry(rank: int, world_size: int, store_path: str, tasks: Any, results: Any) -> None:
@@ -189,25 +192,26 @@ def _pool_entry(rank: int, world_size: int, store_path: str, tasks: Any, results
 
 
 class RankPool:
-    """Two gloo ranks that run one function after another (see :func:`reuse_ranks`).
+    """Gloo ranks (2 or 3) that run one function after another (see :func:`reuse_ranks`).
 
     Between functions each rank resets Dynamo and collects garbage; after a failure or a
     timeout the pool is retired (its processes terminated) and the next call starts a new one,
     so one failing test cannot leave a half-finished collective for the next.
     """
 
-    WORLD = 2
+    WORLDS = (2, 3)
     PG_TIMEOUT = 120.0
 
-    def __init__(self) -> None:
+    def __init__(self, world_size: int = 2) -> None:
+        self.world = world_size
         ctx = mp.get_context("spawn")
         self._tmp = tempfile.TemporaryDirectory()
         store = os.path.join(self._tmp.name, "store")
-        self._tasks = [ctx.SimpleQueue() for _ in range(self.WORLD)]
+        self._tasks = [ctx.SimpleQueue() for _ in range(self.world)]
         self._results = ctx.Queue()
         self._procs = [
-            ctx.Process(target=_pool_entry, args=(r, self.WORLD, store, self._tasks[r], self._results), daemon=True)
-            for r in range(self.WORLD)
+            ctx.Process(target=_pool_entry, args=(r, self.world, store, self._tasks[r], self._results), daemon=True)
+            for r in range(self.world)
         ]
         for p in self._procs:
             p.start()
@@ -226,7 +230,7 @@ class RankPool:
         errors: dict[int, str] = {}
         done: set[int] = set()
         deadline = time.monotonic() + timeout
-        while len(done) < self.WORLD:
+        while len(done) < self.world:
             try:
                 got_id, rank, error = self._results.get(timeout=0.2 if not errors else 5.0)
             except queue.Empty:

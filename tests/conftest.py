@@ -1,5 +1,5 @@
 """Shared test settings: one inductor cache for all tests (and spawned ranks), one thread, and
-one long-lived pair of gloo ranks that 2-rank tests run on (``graphddp.testing.reuse_ranks``)."""
+long-lived groups of gloo ranks (2 and 3) that multi-rank tests run on (``graphddp.testing.reuse_ranks``)."""
 import os
 import tempfile
 
