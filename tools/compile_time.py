@@ -160,7 +160,7 @@ def _rank(
     else:
         import graphddp
 
-        compiled = graphddp.compile(model, **({"optimizer": optimizer} if optimizer is not None else {}), **options)
+        compiled = graphddp.compile(model, optimizer=optimizer, **options)
 
     def step_optimizer() -> None:  # plain: torch's step after the backward; graphddp: already done inside it
         if optimizer is not None:
