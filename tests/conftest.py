@@ -28,6 +28,16 @@ def _rank_pool():
     reuse_ranks(False)
 
 
+@pytest.fixture(autouse=True)
+def _frozen_survivors():
+    """Before each test, what earlier tests left alive is frozen out of the collector's walks
+    (``graphddp.testing.freeze_survivors``): collections during compiles stay cheap."""
+    from graphddp.testing import freeze_survivors
+
+    freeze_survivors()
+    yield
+
+
 @pytest.fixture
 def fake_world():
     """A fake process group of 8 ranks in this process, torn down after the test."""
