@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
+import functools
 import json
 import os
 import sys
@@ -80,6 +81,31 @@ def shard_parameters(model: nn.Module, group: Any) -> dict[str, nn.Parameter]:
     return named
 
 
+def regather_in_backward(module: nn.Module) -> None:
+    """Run ``module``'s forward under a selective activation checkpoint that recomputes every
+    gather (and every view, which may alias a gathered buffer) and saves everything else: the
+    partitioner then re-gathers in the backward instead of keeping the full parameters from
+    the forward (``reshard_after_forward=True``, SimpleFSDP's policy). A checkpointed region
+    cannot contain a graph break, so it goes around blocks, not around a whole HF model."""
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    gathers = {torch.ops._c10d_functional.all_gather_into_tensor.default, torch.ops._c10d_functional.wait_tensor.default}
+
+    def policy(_ctx: Any, op: Any, *_args: Any, **_kwargs: Any) -> CheckpointPolicy:
+        if op in gathers:
+            return CheckpointPolicy.MUST_RECOMPUTE
+        return CheckpointPolicy.PREFER_RECOMPUTE if getattr(op, "is_view", False) else CheckpointPolicy.PREFER_SAVE
+
+    context = functools.partial(create_selective_checkpoint_contexts, policy)  # Dynamo traces a partial, not a lambda
+
+    forward = module.forward
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context, **kwargs)
+
+    module.forward = run
+
+
 def _models(name: str) -> tuple[Callable[[], nn.Module], Callable[[int, int], tuple[tuple, dict]], Callable[[Any], torch.Tensor]]:
     if name == "gpt2":
         from graphddp.testing import tiny_hf_gpt2, tiny_hf_gpt2_batch
@@ -96,7 +122,7 @@ def _models(name: str) -> tuple[Callable[[], nn.Module], Callable[[int, int], tu
     return mlp, batch, lambda out: out.square().mean()
 
 
-def probe(rank: int, world: int, model_name: str, backend: str, steps: int, out_path: str) -> None:
+def probe(rank: int, world: int, model_name: str, backend: str, steps: int, out_path: str, reshard: bool = False) -> None:
     """One rank: shard, compile, train next to DDP, compare; rank 0 writes the report."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.utils import counters
@@ -114,6 +140,9 @@ def probe(rank: int, world: int, model_name: str, backend: str, steps: int, out_
         return compiler
 
     chosen = aot_autograd(fw_compiler=record("forward"), bw_compiler=record("backward")) if backend == "record" else backend
+    if reshard:  # per transformer block (HF GPT-2), or the whole MLP
+        for block in getattr(getattr(model, "transformer", None), "h", [model]):
+            regather_in_backward(block)
     compiled = torch.compile(model, backend=chosen)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -136,7 +165,7 @@ def probe(rank: int, world: int, model_name: str, backend: str, steps: int, out_
     if rank != 0:
         return
     report: dict[str, Any] = {
-        "model": model_name, "world": world, "backend": backend, "steps": steps,
+        "model": model_name, "world": world, "backend": backend, "steps": steps, "reshard": reshard,
         "parts": len(parts), "max_abs_grad_difference": worst,
         "graph_breaks": sum(counters["graph_break"].values()),
         "graphs": [],
@@ -166,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--backend", default="record", help="'record' (AOTAutograd, graphs kept for the report) or a torch.compile backend")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--reshard", action="store_true", help="recompute the gathers in the backward (selective activation checkpoint)")
     args = p.parse_args(argv)
     from graphddp.testing import spawn
 
@@ -173,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("mlp", "gpt2") if args.model == "both" else (args.model,):
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "report.json")
-            spawn(probe, args.world, name, args.backend, args.steps, out)
+            spawn(probe, args.world, name, args.backend, args.steps, out, args.reshard)
             with open(out) as f:
                 reports.append(json.load(f))
     for r in reports:
