@@ -127,6 +127,7 @@ def probe(rank: int, world: int, model_name: str, backend: str, steps: int, out_
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.utils import counters
 
+    breaks_before = sum(counters["graph_break"].values())  # process-wide: a long-lived rank has counted others'
     make, batch, loss_of = _models(model_name)
     model = make()
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
@@ -167,7 +168,7 @@ def probe(rank: int, world: int, model_name: str, backend: str, steps: int, out_
     report: dict[str, Any] = {
         "model": model_name, "world": world, "backend": backend, "steps": steps, "reshard": reshard,
         "parts": len(parts), "max_abs_grad_difference": worst,
-        "graph_breaks": sum(counters["graph_break"].values()),
+        "graph_breaks": sum(counters["graph_break"].values()) - breaks_before,
         "graphs": [],
     }
     for kind, gm in graphs:
