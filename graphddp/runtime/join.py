@@ -10,7 +10,7 @@ What a rank still training runs per forward, and its joined peer shadows (:meth:
 
 1. ``Join.notify_join_context`` (the context manager's own all-reduce, which tells the joined
    ranks to keep shadowing and, with ``throw_on_early_termination``, raises on every rank);
-2. one MAX all-reduce of what the coming step does: whether its backward synchronises, whether
+2. one maximum over ranks (``max_over_ranks``) of what the coming step does: whether its backward synchronises, whether
    buffers are broadcast now, whether gradients accumulated under ``no_sync`` are averaged
    now, and which ranks are still training (buffers come from the highest of them, as DDP's);
 3. the buffer broadcast and the average of accumulated gradients, when they run;
@@ -42,7 +42,7 @@ SYNC, BUFFERS, PENDING, EAGER_HOOK = range(4)
 
 
 class JoinState:
-    """One forward's state as every rank reads it after the MAX all-reduce."""
+    """One forward's state as every rank reads it after the maximum over ranks."""
 
     def __init__(self, values: list[int], world: int) -> None:
         self.sync, self.buffers, self.pending, self.eager_hook = (bool(v) for v in values[:4])

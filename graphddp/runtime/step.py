@@ -36,7 +36,7 @@ Algorithm
 
 Agreement, and steps that differ across ranks
     Every synchronising backward graph with buckets first agrees with the other ranks, in band
-    (:meth:`agree`): one small MAX all-reduce of a hash of its wire layout, its position in
+    (:meth:`agree`): one small maximum over ranks (an all-gather of a few integers) of a hash of its wire layout, its position in
     the step and the number of synchronising forwards the step ran, plus two flags. Equal
     everywhere (the static case), the graph runs its compiled all-reduces, as before. Different
     (ranks whose control flow used different parameters: LayerDrop, a head per task; ranks that

@@ -52,3 +52,21 @@ def _different_params(rank: int, world: int) -> None:
 
 def test_ranks_with_different_parameters_fail_at_wrap_time():
     spawn(_different_params, 2)
+
+
+def _maxima(rank: int, world: int) -> None:
+    from graphddp.runtime.agree import layout_hash, max_reduce, probe
+
+    # Per position the largest of every rank's values: 60-bit hashes and their negations, flags.
+    h = layout_hash(("layout", rank))
+    mine = [h, -h, int(rank == world - 1), -rank, 7]
+    hashes = [layout_hash(("layout", r)) for r in range(world)]
+    assert max_reduce(mine, None) == [max(hashes), -min(hashes), 1, 0, 7]
+    # The probe reads equality from it: unequal layouts, then equal ones, on every rank alike.
+    assert probe(("layout", rank), (False, rank == 0), None, "a test") == (False, (False, True))
+    assert probe(("layout",), (False, False), None, "a test") == (True, (False, False))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_agreement_takes_each_positions_maximum_over_ranks(world):
+    spawn(_maxima, world)
