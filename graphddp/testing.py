@@ -51,7 +51,6 @@ def _init_rank(rank: int, world_size: int, store_path: str, pg_timeout: float) -
         "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
         timeout=datetime.timedelta(seconds=pg_timeout),
     )
-    freeze_survivors()
 
 
 def freeze_survivors() -> None:
@@ -61,17 +60,23 @@ def freeze_survivors() -> None:
     thousands); every full collection, and Dynamo's tracing triggers many, walks them all:
     about a fifth of a compile's time in a rank. Frozen survivors are still freed by reference
     counting; only a cycle among them is never collected, which a test process can afford.
-    For test processes only: a user's process should not lose its cycle collection.
+    For test processes only (the test session's rank pools, and ranks :func:`spawn` starts
+    while it runs): a user's process should not lose its cycle collection, and the benchmark's
+    and ``tools.compile_time``'s ranks, which also come from :func:`spawn`, must collect as a
+    user's process does, or their figures would not be the user's.
     """
     gc.collect()
     gc.freeze()
 
 
 def _entry(
-    rank: int, fn: Callable[..., Any], world_size: int, store_path: str, args: tuple, errors: Any, pg_timeout: float
+    rank: int, fn: Callable[..., Any], world_size: int, store_path: str, args: tuple, errors: Any, pg_timeout: float,
+    freeze: bool = False,
 ) -> None:
     try:
         _init_rank(rank, world_size, store_path, pg_timeout)
+        if freeze:
+            freeze_survivors()
         try:
             fn(rank, world_size, *args)
             dist.barrier()  # leave together: no rank tears gloo down under a peer still using it
@@ -123,7 +128,7 @@ def spawn(
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_entry, args=(r, fn, world_size, store, args, errors, pg_timeout), daemon=True)
+            ctx.Process(target=_entry, args=(r, fn, world_size, store, args, errors, pg_timeout, _POOL_ENABLED), daemon=True)
             for r in range(world_size)
         ]
         for p in procs:
@@ -180,6 +185,7 @@ def _pool(world_size: int) -> "RankPool":
 
 def _pool_entry(rank: int, world_size: int, store_path: str, tasks: Any, results: Any) -> None:
     _init_rank(rank, world_size, store_path, RankPool.PG_TIMEOUT)
+    freeze_survivors()
     while (task := tasks.get()) is not None:
         task_id, fn, args = task
         error = None
