@@ -214,9 +214,10 @@ def _pool_entry(rank: int, world_size: int, store_path: str, tasks: Any, results
 class RankPool:
     """Gloo ranks (2 or 3) that run one function after another (see :func:`reuse_ranks`).
 
-    Between functions each rank resets Dynamo and collects garbage; after a failure or a
-    timeout the pool is retired (its processes terminated) and the next call starts a new one,
-    so one failing test cannot leave a half-finished collective for the next.
+    Between functions each rank resets Dynamo and collects garbage, freezing what survives
+    (:func:`freeze_survivors`); after a failure or a timeout the pool is retired (its processes
+    terminated) and the next call starts a new one, so one failing test cannot leave a
+    half-finished collective for the next.
     """
 
     WORLDS = (2, 3)

@@ -41,6 +41,15 @@ import torch.nn as nn
 from graphddp.values.shards import chunk
 
 
+def padded_part(t: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    """``rank``'s chunk of ``t``'s flat view as the wire holds it (``values.shards``): ``chunk``
+    elements, zeros past the end of ``t``."""
+    c = chunk(t.numel(), world)
+    flat = torch.zeros(world * c, dtype=t.dtype)
+    flat[: t.numel()] = t.detach().reshape(-1)
+    return flat[rank * c:(rank + 1) * c].clone()
+
+
 def _gathered(part: torch.Tensor, shape: tuple[int, ...], numel: int, group: Any) -> torch.Tensor:
     """The full parameter from every rank's part: all-gather, drop the padding, view."""
     return funcol.all_gather_single(part, 0, group)[:numel].view(shape)
@@ -62,10 +71,7 @@ def shard_parameters(model: nn.Module, group: Any) -> dict[str, nn.Parameter]:
             if p is None:
                 continue
             if id(p) not in parts:
-                c = chunk(p.numel(), world)
-                flat = torch.zeros(world * c, dtype=p.dtype)
-                flat[: p.numel()] = p.detach().reshape(-1)
-                q = nn.Parameter(flat[rank * c:(rank + 1) * c].clone(), requires_grad=p.requires_grad)
+                q = nn.Parameter(padded_part(p, world, rank), requires_grad=p.requires_grad)
                 q.full_shape, q.full_numel = tuple(p.shape), p.numel()  # type: ignore[attr-defined]
                 parts[id(p)] = q
                 named[f"{mod_name}.{name}" if mod_name else name] = q
@@ -154,15 +160,13 @@ def probe(rank: int, world: int, model_name: str, backend: str, steps: int, out_
         loss_of(ref(*args, **kwargs)).backward()
         full = dict(ref.module.named_parameters())
         for name, q in parts.items():
-            c = q.numel()
-            expect = torch.zeros(world * c)
-            expect[: full[name].numel()] = full[name].grad.reshape(-1)
+            expect = padded_part(full[name].grad, world, rank)
             q.grad /= world  # the reduce-scatter summed; DDP averages
-            torch.testing.assert_close(q.grad, expect[rank * c:(rank + 1) * c], atol=1e-5, rtol=1e-4,
-                                       msg=lambda m: f"step {step} {name}: {m}")
-            worst = max(worst, float((q.grad - expect[rank * c:(rank + 1) * c]).abs().max()))
-        opt.step(), opt_ref.step()
-        opt.zero_grad(), opt_ref.zero_grad()
+            torch.testing.assert_close(q.grad, expect, atol=1e-5, rtol=1e-4, msg=lambda m: f"step {step} {name}: {m}")
+            worst = max(worst, float((q.grad - expect).abs().max()))
+        for o in (opt, opt_ref):
+            o.step()
+            o.zero_grad()
     if rank != 0:
         return
     report: dict[str, Any] = {
