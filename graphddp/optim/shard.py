@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from graphddp.optim.attached import F64, UPDATES, UpdateRule, hyper_values, step_dtype
+from graphddp.values.comm import gather_flat
 from graphddp.values.shards import chunk, part
 
 # Per-element state a part holds; every other entry ("step") is one value for the whole parameter.
@@ -137,7 +138,7 @@ class ShardedState:
     def _gather_into(self, names: Sequence[str], mine: torch.Tensor) -> None:
         """All-gather every rank's updated chunks (rank-major) and write them into the parameters."""
         gathered = mine.new_empty(self.world * mine.numel())
-        dist.all_gather_into_tensor(gathered, mine, group=self.group)
+        gather_flat(gathered, mine, self.group)
         rows = gathered.view(self.world, mine.numel())
         at = 0
         for name in names:

@@ -38,6 +38,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from graphddp.values.comm import gather_flat
+
 # One bucket on the wire: (dtype, device type, wire dtype or None, user hook or None, bytes sent,
 # ((param name, shape), ...)).
 WireBucket = tuple[str, str, "str | None", "str | None", int, tuple[tuple[str, tuple[int, ...]], ...]]
@@ -145,7 +147,7 @@ def max_reduce(values: Sequence[int], group: Any) -> list[int]:
     with unset_fake_temporarily(), _side_stream(device):
         mine = torch.tensor([int(v) for v in values], dtype=torch.int64, device=device)
         everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
-        dist.all_gather_into_tensor(everyone, mine, group=group)
+        gather_flat(everyone, mine, group)
         return [int(v) for v in everyone.view(world, -1).amax(dim=0).tolist()]
 
 

@@ -84,3 +84,12 @@ def wire_bytes(gm: fx.GraphModule) -> dict[int, int]:
             size = val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
             out[node.meta[BUCKET_KEY]] = out.get(node.meta[BUCKET_KEY], 0) + int(size)
     return out
+
+
+def gather_flat(output: torch.Tensor, part: torch.Tensor, group: object = None) -> None:
+    """Eager all-gather of every rank's ``part`` into ``output``, rank-major: torch >= 2.13 calls
+    it ``torch.distributed.all_gather_single`` (``all_gather_into_tensor`` warns there)."""
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    gather(output, part, group=group)
