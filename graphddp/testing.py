@@ -134,16 +134,20 @@ def spawn(
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
+        reports = []
         while any(p.is_alive() for p in procs):
             if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
                 break
+            while not errors.empty():  # read as they come: a long traceback fills the pipe, and its rank
+                reports.append(errors.get())  # would block in put() until the deadline instead of failing
+            if reports:
+                break
             time.sleep(0.05)
-        timed_out = any(p.is_alive() for p in procs) and time.monotonic() > deadline
+        timed_out = any(p.is_alive() for p in procs) and time.monotonic() > deadline and not reports
         for p in procs:
             if p.is_alive():
                 p.terminate()
             p.join()
-        reports = []
         while not errors.empty():
             reports.append(errors.get())
         if reports:
