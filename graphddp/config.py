@@ -20,7 +20,8 @@ from graphddp.hooks.traced import as_traced_hook
 from graphddp.values.schedule import CostModel
 
 BACKENDS = ("inductor", "aot_eager", "eager")
-SHARDINGS = (None, "optimizer")  # sharding=: replicated, or the optimizer state on a shard
+# sharding=: replicated, the optimizer state on a shard, or parameters, gradients and state on a shard
+SHARDINGS = (None, "optimizer", "full")
 # gather=: where a sharded bucket's all-gather of the updated parts completes (graphddp.optim.insert_shard)
 GATHERS = ("backward", "forward")
 # torch.compile's modes (torch._inductor.list_mode_options); those with CUDA graphs are refused
@@ -209,6 +210,10 @@ class DDPConfig:
         None, "'optimizer': each rank keeps and updates 1/N of the optimizer state; buckets are reduce-scattered, "
         "updated in the backward and all-gathered (needs optimizer=; default None: replicated)"
     )
+    reshard_after_forward: bool | None = _option(
+        None, "with sharding='full': free each gathered parameter after the forward and gather it again in the "
+        "backward (FSDP2's option, same meaning; default True), or False: keep it from the forward to the backward"
+    )
     gather: str = _option(
         "backward", "with sharding='optimizer': where each bucket's all-gather of the updated parts completes, "
         "'backward' (at its end) or 'forward' (deferred into the next forward, before the bucket's parameters are read)"
@@ -277,8 +282,9 @@ class DDPConfig:
             raise ValueError(f"sharding must be one of {SHARDINGS}, got {self.sharding!r}")
         if self.gather not in GATHERS:
             raise ValueError(f"gather must be one of {GATHERS}, got {self.gather!r}")
-        if self.gather != "backward" and self.sharding is None:
+        if self.gather != "backward" and self.sharding != "optimizer":
             raise ValueError(f"gather={self.gather!r} places the all-gathers of sharding='optimizer'; it needs that option")
+        self._check_full_sharding()
         if self.max_grad_norm is not None and (
             isinstance(self.max_grad_norm, bool) or not isinstance(self.max_grad_norm, (int, float))
             or not (self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm))
@@ -336,6 +342,31 @@ class DDPConfig:
         if getattr(device, "type", None) == "cuda" and patches.get("triton.cudagraphs"):
             _refuse_cuda_graphs(where, mode, given)
         return patches
+
+    def _check_full_sharding(self) -> None:
+        """``reshard_after_forward`` belongs to ``sharding="full"`` (None there means True, FSDP2's
+        default); what full sharding does not run yet is refused by name, never ignored: its
+        gather and reduce-scatter buckets take one cap (``bucket_cap_mb``; first, last and
+        per-bucket caps and the cost model are the replicated planner's), no comm hook, and the
+        eager backend has no partitioner to reshard."""
+        if self.sharding != "full":
+            if self.reshard_after_forward is not None:
+                raise ValueError("reshard_after_forward places the gathers of sharding='full'; it needs that option")
+            return
+        if self.reshard_after_forward is None:
+            object.__setattr__(self, "reshard_after_forward", True)
+        if not isinstance(self.reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}")
+        caps = [n for n in ("first_bucket_cap_mb", "last_bucket_cap_mb", "bucket_cap_mb_list", "cost")
+                if getattr(self, n) not in (None, AUTO)]
+        refused = caps + (["comm_hook"] if self.comm_hook is not None else [])
+        if refused:
+            raise ValueError(
+                f"sharding='full' does not take {refused} yet: its gather and reduce-scatter buckets have one cap, "
+                "bucket_cap_mb, and no comm hook; leave them out"
+            )
+        if self.backend == "eager":
+            raise ValueError("sharding='full' needs backend='inductor' or 'aot_eager' (AOTAutograd places the gathers)")
 
     def _check_ddp_keywords(self) -> None:
         """DDP's constructor keywords: each accepted where graphddp does what it asks, else

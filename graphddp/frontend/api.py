@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from graphddp.compiler.graph_compiler import GraphCompiler
 from graphddp.config import DDPConfig
+from graphddp.frontend.full import FullyShardedGraphDDP, compile_fully_sharded
 from graphddp.frontend.replica import Replica, ReplicaView, prepare, resolve_group
 from graphddp.hooks.traced import HOOK_STATE_KEY
 from graphddp.optim.attached import AttachedOptimizer
@@ -104,7 +105,7 @@ class GraphDDP(ReplicaView, nn.Module):
         self.module.zero_grad(set_to_none=set_to_none)
 
 
-def compile(module: nn.Module, *, process_group: Any = None, optimizer: Any = None, **options: Any) -> GraphDDP:  # noqa: A001 - mirrors torch.compile
+def compile(module: nn.Module, *, process_group: Any = None, optimizer: Any = None, **options: Any) -> GraphDDP | FullyShardedGraphDDP:  # noqa: A001 - mirrors torch.compile
     """Compile ``module`` for data-parallel training with all-reduces inside its backward graph.
 
     ``options`` are :class:`~graphddp.config.DDPConfig`'s fields (the one definition that
@@ -157,5 +158,7 @@ def compile(module: nn.Module, *, process_group: Any = None, optimizer: Any = No
     """
     group = resolve_group("graphddp.compile", module, process_group, options)
     config = DDPConfig.from_options("graphddp.compile", options)
+    if config.sharding == "full":
+        return compile_fully_sharded(module, group, config, optimizer)
     attached, config = prepare("graphddp.compile", module, group, config, optimizer)
     return GraphDDP(module, group, config, attached)

@@ -74,7 +74,12 @@ def explain(
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    DDPConfig.from_options("graphddp.explain", options)  # bad options fail before any tracing
+    config = DDPConfig.from_options("graphddp.explain", options)  # bad options fail before any tracing
+    if config.sharding == "full":
+        raise NotImplementedError(
+            "graphddp.explain: sharding='full' has no bucket plan yet (each parameter is gathered and reduce-scattered "
+            "on its own); a run's model.graphs shows where its collectives are"
+        )
     with fake_process_group(world_size):
         copied = copy.deepcopy(model)
         # sharding="optimizer" and max_grad_norm plan around the update inside the backward; which

@@ -3,12 +3,14 @@
 With ``sharding="optimizer"`` each rank's ``opt.state`` holds its parts only
 (:mod:`graphddp.optim.shard`); a checkpoint is written from the whole state, so that a plain
 ``torch.optim`` optimizer of the same class loads it, and a run on another world size resumes
-from it. Replicated, the optimizer's own ``state_dict()`` is already whole.
+from it. Replicated, the optimizer's own ``state_dict()`` is already whole. With ``sharding="full"`` the
+optimizer steps the parts (:mod:`graphddp.frontend.full`) and the model gathers its state.
 """
 from __future__ import annotations
 
 from typing import Any, Mapping
 
+from graphddp.frontend.full import FullyShardedGraphDDP
 from graphddp.frontend.replica import ReplicaView
 
 
@@ -24,6 +26,8 @@ def full_optimizer_state_dict(model: Any) -> dict[str, Any]:
     """The state dict a plain optimizer of the attached one's class would have, on every rank.
 
     Sharded, every rank takes part (it gathers the parts): call it on all ranks."""
+    if isinstance(model, FullyShardedGraphDDP):
+        return model.full_optimizer_state_dict()
     attached = _attached(model, "graphddp.full_optimizer_state_dict")
     if attached.sharded is None:
         return attached.optimizer.state_dict()
@@ -33,6 +37,8 @@ def full_optimizer_state_dict(model: Any) -> dict[str, Any]:
 def load_full_optimizer_state_dict(model: Any, state: Mapping[str, Any]) -> None:
     """Load a whole optimizer state (from :func:`full_optimizer_state_dict` on any world size, or
     from a plain optimizer's ``state_dict()``); sharded, each rank keeps its parts."""
+    if isinstance(model, FullyShardedGraphDDP):
+        return model.load_full_optimizer_state_dict(state)
     attached = _attached(model, "graphddp.load_full_optimizer_state_dict")
     if attached.sharded is None:
         attached.optimizer.load_state_dict(state)

@@ -129,6 +129,11 @@ def prepare(
     otherwise DDP leaves them rank-local. The optimizer is checked before any collective (so
     every rank fails alike) and attached (its ``step`` made a no-op) after the last one.
     """
+    if config.sharding == "full":
+        raise ValueError(
+            f"{where}: sharding='full' is built by graphddp.compile only (it replaces the module's parameters by "
+            "parts before compiling); use graphddp.compile(model, optimizer=opt, sharding='full')"
+        )
     _refuse_optimizer_with_traced_hook(where, config, optimizer)
     if config.sharding is not None and optimizer is None:
         raise ValueError(

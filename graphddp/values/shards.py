@@ -44,3 +44,15 @@ def part(numel: int, world: int, rank: int) -> tuple[int, int]:
 def owners(numel: int, world: int) -> list[tuple[int, int, int]]:
     """``(rank, lo, hi)`` for every rank that owns a non-empty part, in rank order."""
     return [(r, *part(numel, world, r)) for r in range(world) if part(numel, world, r)[1] > part(numel, world, r)[0]]
+
+
+def padded_part(t: "torch.Tensor", world: int, rank: int) -> "torch.Tensor":
+    """``rank``'s chunk of ``t``'s flat view as the wire holds it: ``chunk(numel, world)``
+    elements, zeros past the end of ``t`` (a new tensor, on ``t``'s device, of its dtype)."""
+    import torch
+
+    c = chunk(t.numel(), world)
+    lo, hi = part(t.numel(), world, rank)
+    out = torch.zeros(c, dtype=t.dtype, device=t.device)
+    out[: hi - lo] = t.detach().reshape(-1)[lo:hi]
+    return out

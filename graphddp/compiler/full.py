@@ -1,0 +1,111 @@
+"""The compiler of ``sharding="full"``: each Dynamo graph through the inner compiler, with the
+gathers of parts tagged for recomputation when the forward reshards.
+
+Why no rewrite yet. With full sharding the collectives are in the graphs before graphddp sees
+them: every parameter read is an all-gather of the ranks' parts (:mod:`graphddp.frontend.full`)
+and AOTAutograd derives its reduce-scatter in the backward. What this module adds is which
+graph gathers what (forward only, or again in the backward: :mod:`graphddp.graph.reshard`), where
+in each graph the collectives are issued and waited (:mod:`graphddp.graph.part_collectives`, then
+kept in that order by inductor), and the check of that placement. Bucketing these collectives with graphddp's
+planner and updating each part inside the backward are the next steps
+(docs/design-full-sharding.md); until then a parameter's collectives are its own.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from graphddp.config import INDUCTOR_FX_ORDER_CONFIG, MB, DDPConfig
+from graphddp.graph import reshard
+from graphddp.graph.part_collectives import check_part_collectives, place_part_collectives
+from graphddp.graph.reshard import tag_regathers
+
+
+# Gather and reduce-scatter buckets close once they reach this many MB, unless bucket_cap_mb is set.
+# Measured on the benchmark's GPT (2 ranks, 2 Gbit/s link): see docs/full-sharding.md.
+FULL_BUCKET_CAP_MB = 4.0
+
+
+class _TagRegathers(CustomGraphPass):
+    """:func:`tag_regathers` as inductor's joint-graph pre-pass, with a key for its caches."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        tag_regathers(graph)
+
+    def uuid(self) -> bytes:
+        with open(reshard.__file__, "rb") as f:
+            return hashlib.sha256(f.read()).digest()
+
+
+def fully_sharded_compiler(config: DDPConfig, graphs: list[tuple[str, fx.GraphModule]]) -> Callable[..., Any]:
+    """A ``torch.compile`` backend for a fully sharded module under ``config``; every forward and
+    backward graph it compiles is appended to ``graphs`` as ``("forward" | "backward", graph)``
+    (what the model shows as ``graphs``: where each gather and reduce-scatter sits)."""
+
+    def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], **_: Any) -> Callable[..., Any]:
+        device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), None)
+        patches = config.check_inductor_settings("graphddp", device)
+        if config.backend == "inductor":
+            from torch._inductor import config as inductor_config
+            from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+            pinned = {**patches, **INDUCTOR_FX_ORDER_CONFIG}
+            if config.reshard_after_forward:
+                pinned["joint_custom_pre_pass"] = _TagRegathers()
+            with inductor_config.patch(pinned):
+                return compile_fx(gm, example_inputs, inner_compile=_recording(compile_fx_inner, graphs, config))
+        return _aot_eager(graphs, config)(gm, example_inputs)
+
+    return compile_graph
+
+
+def _placed(gm: fx.GraphModule, config: DDPConfig) -> None:
+    """The graph's collectives bucketed and placed where a step wants them
+    (:mod:`graphddp.graph.part_collectives`), checked after the rewrite when ``config.verify``."""
+    cap = config.bucket_cap_mb if isinstance(config.bucket_cap_mb, (int, float)) else FULL_BUCKET_CAP_MB
+    place_part_collectives(gm.graph, cap_bytes=int(cap * MB))
+    gm.recompile()
+    if config.verify:
+        check_part_collectives(gm)
+
+
+def _recording(compile_inner: Callable[..., Any], graphs: list[tuple[str, fx.GraphModule]], config: DDPConfig) -> Callable[..., Any]:
+    """``compile_inner`` that first places the graph's collectives and keeps the graph
+    (inference graphs are compiled as they are)."""
+
+    def inner(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+        if not kwargs.get("is_inference"):
+            _placed(gm, config)
+            graphs.append(("backward" if kwargs.get("is_backward") else "forward", gm))
+        return compile_inner(gm, example_inputs, **kwargs)
+
+    return inner
+
+
+def _aot_eager(graphs: list[tuple[str, fx.GraphModule]], config: DDPConfig) -> Callable[..., Any]:
+    """AOTAutograd without a code generator, partitioned by min-cut (the partitioner that reads
+    the recompute tags), the gathers tagged first when ``reshard``."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
+        if config.reshard_after_forward:
+            tag_regathers(joint.graph)
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+    def forward(gm: fx.GraphModule, inputs: Any) -> Any:
+        _placed(gm, config)
+        graphs.append(("forward", gm))
+        return boxed_nop(gm, inputs)
+
+    def backward(gm: fx.GraphModule, inputs: Any) -> Any:
+        _placed(gm, config)
+        graphs.append(("backward", gm))
+        return boxed_nop(gm, inputs)
+
+    return aot_autograd(fw_compiler=forward, bw_compiler=backward, partition_fn=partition, inference_compiler=boxed_nop)

@@ -1,0 +1,329 @@
+"""``graphddp.compile(model, optimizer=opt, sharding="full")``: parameters, gradients and optimizer
+state held 1/N per rank, each parameter gathered where the forward and the backward read it.
+
+How (docs/design-full-sharding.md, SimpleFSDP's idea with plain tensors). Each parameter is
+replaced in its module by this rank's part (:func:`graphddp.values.shards.padded_part`, the cut
+``sharding="optimizer"`` uses), and the module's class by a subclass whose property of the same
+name all-gathers the parts and views the result as the whole parameter. ``torch.compile`` traces
+these gathers into the forward graphs (across graph breaks: every graph gathers what it reads),
+and AOTAutograd derives each gather's backward, a reduce-scatter of the gradient, so every rank
+receives the gradient of its part, summed over ranks; :class:`_Average` divides the whole
+gradient by the world size first, as DDP does. With ``reshard_after_forward`` (default True) the
+backward gathers again instead of keeping the gathered parameters (:mod:`graphddp.graph.reshard`).
+
+What the parts mean for the user:
+
+* the optimizer passed as ``optimizer=`` is re-pointed at the parts (its param groups, and any
+  state it already has, cut to each part): ``opt.step()`` updates this rank's part with torch's
+  own code, so its state is 1/N per rank; ``max_grad_norm=`` clips by the global norm of the
+  whole gradient (one all-reduce of a number before the step);
+* ``model.state_dict()`` gives whole tensors under the wrapped module's keys and
+  ``load_state_dict`` keeps this rank's part: checkpoints move between world sizes and to plain
+  models; both gather or read every part, so **every rank calls them**;
+* ``model.parameters()`` / ``named_parameters()`` give the whole current values, gathered (every
+  rank calls them too), detached: for reading (an EMA, a norm, a copy), not for training;
+  ``model.module``'s own parameters are the parts;
+* ``no_sync()`` / ``require_backward_grad_sync`` are accepted and still reduce-scatter each
+  micro-step (the accumulated gradient is DDP's; the bytes are one reduce-scatter per micro-step).
+
+Not yet (refused by name where an option asks for it): buckets (each parameter is gathered and
+reduce-scattered on its own), the update inside the backward, comm hooks and mixed precision,
+``join()``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import math
+from typing import Any, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+
+from graphddp.compiler.full import fully_sharded_compiler
+from graphddp.config import DDPConfig
+from graphddp.frontend.replica import _check_devices, _refuse_sparse_gradients
+from graphddp.optim.shard import ELEMENTWISE
+from graphddp.runtime.agree import check_parameter_agreement
+from graphddp.runtime.sync import broadcast_tensors
+from graphddp.values.comm import gather_flat
+from graphddp.values.shards import padded_part
+
+_ISOLATED = {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
+# The functional all-gather whose backward reduce-scatters: its torch 2.13 name, or the older one.
+_all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+
+
+class _Average(torch.autograd.Function):
+    """Identity forward; the backward divides the whole gradient by the world size before the
+    reduce-scatter sums it, as DDP divides before its all-reduce."""
+
+    @staticmethod
+    def forward(ctx: Any, full: torch.Tensor, world: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.world = world
+        return full.view_as(full)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad / ctx.world, None
+
+
+@dataclasses.dataclass
+class Part:
+    """One parameter of the module as this rank holds it."""
+
+    part: nn.Parameter  # flat, chunk(numel, world) elements, zero past the parameter's end
+    shape: tuple[int, ...]
+    names: list[str]  # every name it has in the module (tied weights: more than one)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def _gathered(part: torch.Tensor, shape: tuple[int, ...], group: Any) -> torch.Tensor:
+    """The whole parameter from every rank's part: all-gather, drop the padding, view."""
+    world = dist.get_world_size(group)
+    return _Average.apply(_all_gather(part, 0, group)[: math.prod(shape)].view(shape), world)
+
+
+_SHARDED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
+
+
+def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
+    """``cls`` with a gathering property per parameter name; one class per (class, names), so
+    that a model's equal blocks share one class (Dynamo guards on it)."""
+    key = (cls, names)
+    if key not in _SHARDED_CLASSES:
+        def prop(name: str) -> property:
+            def getter(self: nn.Module) -> torch.Tensor:
+                q = self._parameters[name]
+                return _gathered(q, q._graphddp_shape, q._graphddp_group)
+            return property(getter)
+
+        _SHARDED_CLASSES[key] = type(f"FullySharded{cls.__name__}", (cls,), {n: prop(n) for n in names})
+    return _SHARDED_CLASSES[key]
+
+
+def shard_parameters(module: nn.Module, group: Any) -> dict[int, Part]:
+    """Replace every parameter of ``module`` by this rank's part and every read of it by a gather
+    (module docstring). Returns the parts by the id of the parameter they replace."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    parts: dict[int, Part] = {}  # by the replaced parameter's id
+    placed: dict[int, Part] = {}  # by the part's id: a module reached twice holds parts already
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        names = tuple(n for n, p in mod._parameters.items() if p is not None)
+        if not names:
+            continue
+        for name in names:
+            p = mod._parameters[name]
+            entry = placed.get(id(p)) or parts.get(id(p))
+            if entry is None:
+                q = nn.Parameter(padded_part(p, world, rank), requires_grad=p.requires_grad)
+                q._graphddp_shape, q._graphddp_group = tuple(p.shape), group  # type: ignore[attr-defined]
+                entry = parts[id(p)] = placed[id(q)] = Part(q, tuple(p.shape), [])
+            full_name = f"{mod_name}.{name}" if mod_name else name
+            if full_name not in entry.names:
+                entry.names.append(full_name)
+            mod._parameters[name] = entry.part
+        if type(mod) not in _SHARDED_CLASSES.values():
+            mod.__class__ = _sharded_class(type(mod), names)
+    return parts
+
+
+def repoint_optimizer(optimizer: torch.optim.Optimizer, parts: Mapping[int, Part], world: int, rank: int) -> None:
+    """Make ``optimizer`` step the parts: its param groups name them instead of the whole
+    parameters, and any state it has is cut to this rank's part (elementwise entries; a step
+    count stays as it is)."""
+    for group in optimizer.param_groups:
+        for i, p in enumerate(group["params"]):
+            if id(p) not in parts:
+                raise ValueError(
+                    "graphddp.compile(..., sharding='full'): the optimizer holds a tensor that is not a parameter of the "
+                    f"module (shape {list(p.shape)}); build it over model.parameters() before graphddp.compile"
+                )
+            q = parts[id(p)].part
+            state = optimizer.state.pop(p, None)
+            if state:
+                optimizer.state[q] = {
+                    k: padded_part(v, world, rank) if k in ELEMENTWISE and isinstance(v, torch.Tensor) else v
+                    for k, v in state.items()
+                }
+            group["params"][i] = q
+
+
+def clip_parts_by_global_norm(optimizer: torch.optim.Optimizer, max_norm: float, group: Any) -> Any:
+    """Before every ``optimizer.step()``: scale the parts' gradients so that the whole gradient's
+    L2 norm is at most ``max_norm``, as ``clip_grad_norm_`` on the whole parameters would (one
+    all-reduce of this rank's sum of squares; padding holds zeros). Returns the hook's handle."""
+
+    def clip(opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        if not grads:
+            return
+        square = torch.stack([g.detach().float().square().sum() for g in grads]).sum()
+        dist.all_reduce(square, group=group)
+        coef = torch.clamp(max_norm / (square.sqrt() + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
+
+    return optimizer.register_step_pre_hook(clip)
+
+
+class FullyShardedGraphDDP(nn.Module):
+    """What ``graphddp.compile(..., sharding="full")`` returns (module docstring)."""
+
+    def __init__(self, module: nn.Module, group: Any, config: DDPConfig, optimizer: torch.optim.Optimizer, parts: dict[int, Part]) -> None:
+        super().__init__()
+        self.module = module
+        self.process_group = group
+        self.config = config
+        self.optimizer = optimizer
+        self._parts = parts
+        self._by_name = {name: part for part in parts.values() for name in part.names}
+        self._sync = True
+        self.graphs: list[tuple[str, torch.fx.GraphModule]] = []  # every compiled forward and backward, in order
+        object.__setattr__(self, "_compiled", torch.compile(
+            module, backend=fully_sharded_compiler(config, self.graphs), fullgraph=config.fullgraph, dynamic=config.dynamic, **_ISOLATED
+        ))
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.process_group)
+
+    @property
+    def parts(self) -> dict[str, Part]:
+        """Every parameter name of the wrapped module (tied weights: each of theirs) and the part
+        this rank holds for it."""
+        return dict(self._by_name)
+
+    @property
+    def schedules(self) -> list[Any]:
+        """No :class:`~graphddp.values.schedule.Schedule`: this mode's buckets are made per graph
+        by a rule (:mod:`graphddp.graph.part_collectives`); :attr:`graphs` shows them."""
+        return []
+
+    @torch._dynamo.disable
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.config.broadcast_buffers and self.world_size > 1:
+            buffers = list(self.module.buffers())
+            if buffers:
+                broadcast_tensors(buffers, self.process_group)
+        return self._compiled(*args, **kwargs)
+
+    # -- DDP's switches: accepted, the gradient is reduce-scattered every micro-step -----------------
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        return self._sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._sync = bool(value)
+
+    def no_sync(self) -> Any:
+        """Accepted: a micro-step under it reduce-scatters as any other (module docstring)."""
+        return contextlib.nullcontext()
+
+    def join(self, *_: Any, **__: Any) -> Any:
+        raise NotImplementedError("graphddp: join() is not supported with sharding='full' yet (every forward gathers)")
+
+    def register_comm_hook(self, *_: Any, **__: Any) -> None:
+        raise NotImplementedError("graphddp: register_comm_hook is not supported with sharding='full' yet")
+
+    # -- whole tensors in and out -------------------------------------------------------------------
+    def _whole(self, part: Part) -> torch.Tensor:
+        return self._whole_of(part.part, part)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """The wrapped module's state dict with every parameter whole (gathered: every rank calls it)."""
+        out = self.module.state_dict(*args, **kwargs)
+        prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
+        whole: dict[int, torch.Tensor] = {}
+        for name, part in self._by_name.items():
+            key = prefix + name
+            if key in out:
+                if id(part) not in whole:
+                    whole[id(part)] = self._whole(part)
+                out[key] = whole[id(part)]
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+        """Whole tensors under the module's keys; each rank keeps its part."""
+        rank = dist.get_rank(self.process_group)
+        cut = dict(state_dict)
+        for name, part in self._by_name.items():
+            value = cut.get(name)
+            if isinstance(value, torch.Tensor):
+                if tuple(value.shape) != part.shape:
+                    raise ValueError(f"graphddp: {name!r} has shape {list(value.shape)} in the state dict, {list(part.shape)} in the model")
+                cut[name] = padded_part(value.to(part.part.device), self.world_size, rank)
+        return self.module.load_state_dict(cut, strict=strict, assign=assign)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:  # type: ignore[override]
+        """The whole current values, gathered (every rank calls it), detached (module docstring)."""
+        seen: set[int] = set()
+        for name, part in self._by_name.items():
+            if remove_duplicate and id(part) in seen:
+                continue
+            seen.add(id(part))
+            yield (f"{prefix}.{name}" if prefix else name), nn.Parameter(self._whole(part), requires_grad=False)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.module.zero_grad(set_to_none=set_to_none)
+
+    # -- the optimizer's whole state ------------------------------------------------------------------
+    def full_optimizer_state_dict(self) -> dict[str, Any]:
+        """The state dict a plain optimizer of the same class over the whole parameters would
+        have: every elementwise entry gathered and cut to its parameter's shape (every rank
+        calls it; the padding is dropped)."""
+        out = self.optimizer.state_dict()
+        by_index = [p for g in self.optimizer.param_groups for p in g["params"]]
+        shapes = {id(part.part): part for part in self._parts.values()}
+        for index, state in out["state"].items():
+            part = shapes[id(by_index[index])]
+            out["state"][index] = {
+                k: self._whole_of(v, part) if k in ELEMENTWISE and isinstance(v, torch.Tensor) else v for k, v in state.items()
+            }
+        return out
+
+    def load_full_optimizer_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Load a whole optimizer state (from :meth:`full_optimizer_state_dict` on any world size,
+        or a plain optimizer's ``state_dict()``): each rank keeps its part of every entry."""
+        world, rank = self.world_size, dist.get_rank(self.process_group)
+        cut = {**state, "state": {
+            index: {k: padded_part(v, world, rank) if k in ELEMENTWISE and isinstance(v, torch.Tensor) else v for k, v in st.items()}
+            for index, st in state["state"].items()
+        }}
+        self.optimizer.load_state_dict(cut)
+
+    def _whole_of(self, value: torch.Tensor, part: Part) -> torch.Tensor:
+        out = torch.empty(value.numel() * self.world_size, dtype=value.dtype, device=value.device)
+        gather_flat(out, value.detach().contiguous(), self.process_group)
+        return out[: part.numel].view(part.shape)
+
+
+def compile_fully_sharded(module: nn.Module, group: Any, config: DDPConfig, optimizer: Any) -> FullyShardedGraphDDP:
+    """``graphddp.compile``'s ``sharding="full"`` path: the wrap-time checks every mode makes,
+    the broadcast from the group's first rank (whole tensors, before they are cut), the cut, and
+    the optimizer re-pointed at the parts."""
+    where = "graphddp.compile"
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(
+            f"{where}: sharding='full' keeps each parameter's optimizer state 1/N per rank, so it needs optimizer= "
+            "(a torch.optim optimizer over model.parameters(), built before graphddp.compile)"
+        )
+    _refuse_sparse_gradients(where, module)
+    device = _check_devices(module)
+    config.check_devices(where, device)
+    config.check_inductor_settings(where, device)
+    check_parameter_agreement(module, group)
+    if dist.get_world_size(group) > 1:
+        buffers = list(module.buffers()) if config.broadcast_buffers else []
+        broadcast_tensors(list(module.parameters()) + buffers, group)
+    parts = shard_parameters(module, group)
+    repoint_optimizer(optimizer, parts, dist.get_world_size(group), dist.get_rank(group))
+    if config.max_grad_norm is not None:
+        clip_parts_by_global_norm(optimizer, config.max_grad_norm, group)
+    return FullyShardedGraphDDP(module, group, config, optimizer, parts)

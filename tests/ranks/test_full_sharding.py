@@ -1,0 +1,217 @@
+"""Full sharding (``sharding="full"``) against DDP + the same torch.optim.
+
+Every case trains ``graphddp.compile(model, optimizer=opt, sharding="full")`` next to
+``DistributedDataParallel`` and a plain optimizer of the same class, from parameters that differ
+between the ranks before wrapping (rank 0's must win), with rank-dependent data, an LR scheduler
+stepping every step and one ``no_sync`` micro-batch. After every step: the whole parameters
+(``named_parameters()`` of the returned module gathers them) equal DDP's, the module holds only
+its parts (``chunk(numel, world)`` elements each) and no gradient after ``zero_grad``, and
+``graphddp.full_optimizer_state_dict`` equals the reference optimizer's ``state_dict()``.
+World sizes 2 and 3 (3 cuts most parameters unevenly). Tolerances as in test_optim_ranks.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn as nn
+from matrix_models import _bert_batch, _hf_bert
+from test_optim_ranks import ADAM_NOISE, CNN, TIGHT, _adamw, _cnn_loss, _gpt_loss, _hf_gpt2, _hf_loss, _sgd, assert_state_dicts_equal
+from test_sharded import _mlp_loss, _mlp_loss_new_shape
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import graphddp
+from graphddp import models
+from graphddp.testing import spawn
+from graphddp.values.comm import ROLE_KEY, is_wait
+from graphddp.values.shards import chunk
+
+GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
+# On gloo a reduce-scatter travels as an all_to_all_single and a sum (half gloo's reduce_scatter's bytes).
+ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
+
+
+def _bert_loss(m: nn.Module, rank: int, step: int) -> torch.Tensor:
+    _, kwargs, _ = _bert_batch(rank, step, None)
+    return m(**kwargs).loss
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    make: Callable[[], nn.Module]
+    loss: Callable[[nn.Module, int, int], torch.Tensor]
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer]
+    tol: dict = dataclasses.field(default_factory=lambda: TIGHT)
+    steps: int = 4
+    backend: str = "aot_eager"
+    reshard: bool = True
+    max_grad_norm: float | None = None
+
+
+CASES = {
+    "mlp_adamw": Case(models.MLP, _mlp_loss, _adamw),
+    "mlp_adamw_kept_to_the_backward": Case(models.MLP, _mlp_loss, _adamw, reshard=False),
+    "mlp_sgd_nesterov_clipped": Case(models.MLP, _mlp_loss, _sgd, max_grad_norm=0.05),
+    "frozen_mlp_adamw": Case(models.FrozenMLP, _mlp_loss, _adamw),
+    "cnn_adamw": Case(CNN, _cnn_loss, _adamw),
+    "tied_across_break_sgd": Case(lambda: models.BreakGPT(vocab=64, dim=32, heads=2, layers=2, seq=8), _gpt_loss, _sgd),
+    "hf_gpt2_adamw": Case(_hf_gpt2, _hf_loss, _adamw, tol=ADAM_NOISE),
+    "hf_bert_adamw": Case(_hf_bert, _bert_loss, _adamw, tol=ADAM_NOISE, steps=3),
+    "mlp_adamw_recompile": Case(models.MLP, _mlp_loss_new_shape, _adamw),
+    "mlp_adamw_inductor": Case(models.MLP, _mlp_loss, _adamw, backend="inductor", steps=3),
+}
+
+
+def _pair(case: Case, rank: int) -> tuple[Any, nn.Module, torch.optim.Optimizer, DDP, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    base = case.make()
+    mine = copy.deepcopy(base)
+    if rank == 1:  # unequal before wrapping: graphddp must broadcast rank 0's parameters
+        with torch.no_grad():
+            for p in mine.parameters():
+                p.add_(0.25)
+    ref = DDP(copy.deepcopy(base))
+    opt, ref_opt = case.optimizer(mine), case.optimizer(ref.module)
+    ours = graphddp.compile(
+        mine, optimizer=opt, sharding="full", backend=case.backend, reshard_after_forward=case.reshard,
+        max_grad_norm=case.max_grad_norm,
+    )
+    return ours, mine, opt, ref, ref_opt
+
+
+def _step(case: Case, ours: Any, opt: Any, sched: Any, ref: DDP, ref_opt: Any, ref_sched: Any, rank: int, step: int) -> None:
+    if step == 2:  # a no_sync micro-batch first, accumulated into the synchronising one
+        with ours.no_sync():
+            case.loss(ours, rank, 50 + step).backward()
+        with ref.no_sync():
+            case.loss(ref, rank, 50 + step).backward()
+    case.loss(ours, rank, step).backward()
+    case.loss(ref, rank, step).backward()
+    if case.max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), case.max_grad_norm)
+    for o, s in ((opt, sched), (ref_opt, ref_sched)):
+        o.step()
+        s.step()
+        o.zero_grad()
+
+
+def _check(case: Case, name: str, ours: Any, mine: nn.Module, ref: DDP, ref_opt: Any, world: int, step: int) -> None:
+    whole = dict(ours.named_parameters())
+    for n, q in ref.module.named_parameters():
+        torch.testing.assert_close(whole[n], q.detach(), **case.tol, msg=lambda m: f"{name} step {step} param {n}: {m}")
+    for n, p in mine.named_parameters():
+        assert p.dim() == 1 and p.numel() == chunk(ours.parts[n].numel, world), f"{name}: {n} is held as {tuple(p.shape)}, not its part"
+        assert p.grad is None, f"{name} step {step}: {n}.grad kept after zero_grad"
+    assert_state_dicts_equal(graphddp.full_optimizer_state_dict(ours), ref_opt.state_dict(), case.tol, f"{name} step {step}")
+
+
+def _train(rank: int, world: int, name: str) -> None:
+    case = CASES[name]
+    ours, mine, opt, ref, ref_opt = _pair(case, rank)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.7)
+    for step in range(case.steps):
+        _step(case, ours, opt, sched, ref, ref_opt, ref_sched, rank, step)
+        _check(case, name, ours, mine, ref, ref_opt, world, step)
+    assert ours.state_dict().keys() == ref.module.state_dict().keys()
+    for k, v in ours.state_dict().items():
+        torch.testing.assert_close(v, ref.module.state_dict()[k], **case.tol, msg=lambda m: f"{name} state_dict[{k!r}]: {m}")
+    backwards = [g for kind, g in ours.graphs if kind == "backward"]
+    assert backwards, f"{name}: no backward graph compiled"
+    ops = [n.target for g in backwards for n in g.graph.nodes]
+    assert ALL_TO_ALL in ops, f"{name}: no gradient was reduce-scattered in a compiled backward"
+    assert REDUCE_SCATTER not in ops, f"{name}: gloo's reduce_scatter was issued"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_full_sharding_matches_ddp_on_two_ranks(name: str) -> None:
+    spawn(_train, 2, name)
+
+
+@pytest.mark.parametrize("name", ["cnn_adamw", "hf_gpt2_adamw"])
+def test_full_sharding_matches_ddp_on_three_ranks(name: str) -> None:
+    spawn(_train, 3, name)
+
+
+# -- where the gathers are ------------------------------------------------------------------------
+
+
+def _placement(rank: int, world: int, reshard: bool, out: dict) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 33), nn.ReLU(), nn.Linear(33, 5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ours = graphddp.compile(model, optimizer=opt, sharding="full", backend="aot_eager", reshard_after_forward=reshard)
+    ours(torch.randn(4, 7)).square().mean().backward()
+    (fw_kind, forward), (bw_kind, backward) = ours.graphs
+    assert (fw_kind, bw_kind) == ("forward", "backward")
+    gathers = lambda g: [n for n in g.graph.nodes if n.meta.get(ROLE_KEY) == "gather" and n.target in (GATHER, ALL_TO_ALL)]  # noqa: E731
+    scatters = [n for n in backward.graph.nodes if n.meta.get(ROLE_KEY) == "reduce_scatter" and n.target is ALL_TO_ALL]
+    assert len(gathers(forward)) == 1, "the forward gathers the 4 parts in one bucket"
+    assert all(n.target is ALL_TO_ALL for n in gathers(forward)), "gloo: a gather is an all-to-all"
+    assert len(scatters) == 1, "one reduce-scatter (gloo: all-to-all) for the 4 gradients"
+    gathered = {n for n in forward.graph.nodes if is_wait(n)}
+    saved = next(n for n in forward.graph.nodes if n.op == "output").args[0]
+    from_gather = [a for a in saved if isinstance(a, torch.fx.Node) and _reaches(a, gathered)]
+    if reshard:
+        assert not from_gather, f"the forward saves gathered values for the backward: {from_gather}"
+        # the input needs no gradient, so only the second layer's weight is gathered again
+        assert len(gathers(backward)) == 1, "the backward gathers again what it reads"
+    else:
+        assert from_gather, "kept to the backward: the forward saves the gathered weight"
+        assert not gathers(backward)
+
+
+def _reaches(node: torch.fx.Node, gathered: set, depth: int = 8) -> bool:
+    """Is ``node`` a gathered parameter or a view of one (a few steps back)?"""
+    if node in gathered or any(a in gathered for a in node.all_input_nodes):
+        return True
+    return depth > 0 and len(node.all_input_nodes) == 1 and _reaches(node.all_input_nodes[0], gathered, depth - 1)
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_reshard_after_forward_places_the_gathers(reshard: bool) -> None:
+    spawn(_placement, 2, reshard, {})
+
+
+# -- checkpoints across world sizes ---------------------------------------------------------------
+
+
+def _save_two(rank: int, world: int, path: str) -> None:
+    case = CASES["hf_gpt2_adamw"]
+    ours, mine, opt, ref, ref_opt = _pair(case, rank)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.7)
+    for step in range(2):
+        _step(case, ours, opt, sched, ref, ref_opt, ref_sched, rank, step)
+    model_state, opt_state = ours.state_dict(), graphddp.full_optimizer_state_dict(ours)  # every rank gathers
+    plain = case.optimizer(copy.deepcopy(ref.module))
+    plain.load_state_dict(opt_state)  # loads into a plain torch.optim of the same class
+    if rank == 0:
+        torch.save({"model": model_state, "opt": opt_state, "ref_model": ref.module.state_dict(), "ref_opt": ref_opt.state_dict()}, path)
+
+
+def _resume_three(rank: int, world: int, path: str) -> None:
+    case = CASES["hf_gpt2_adamw"]
+    saved = torch.load(path)
+    ours, mine, opt, ref, ref_opt = _pair(case, rank)
+    ours.load_state_dict(saved["model"])
+    graphddp.load_full_optimizer_state_dict(ours, saved["opt"])
+    ref.module.load_state_dict(saved["ref_model"])
+    ref_opt.load_state_dict(saved["ref_opt"])
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.7)
+    _check(case, "resumed", ours, mine, ref, ref_opt, world, 2)
+    for step in range(3, 5):
+        _step(case, ours, opt, sched, ref, ref_opt, ref_sched, rank, step)
+        _check(case, "resumed on 3 ranks", ours, mine, ref, ref_opt, world, step)
+
+
+def test_a_checkpoint_written_on_two_ranks_resumes_on_three(tmp_path) -> None:
+    path = os.path.join(tmp_path, "ckpt.pt")
+    spawn(_save_two, 2, path)
+    spawn(_resume_three, 3, path)

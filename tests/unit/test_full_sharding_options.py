@@ -1,0 +1,93 @@
+"""``sharding="full"`` in one process (a fake group of 8 ranks): what it refuses by name, and how
+it cuts a model (parts, tied weights, one class per kind of module). Training against DDP is
+tests/ranks/test_full_sharding.py."""
+import pytest
+import torch
+import torch.nn as nn
+
+import graphddp
+from graphddp import models
+from graphddp.values.shards import chunk
+
+
+def _adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize(
+    "options, names",
+    [
+        ({"bucket_cap_mb_list": [1, 2]}, "bucket_cap_mb_list"),
+        ({"first_bucket_cap_mb": 1}, "first_bucket_cap_mb"),
+        ({"comm_hook": "bf16_compress"}, "comm_hook"),
+        ({"backend": "eager"}, "backend='inductor' or 'aot_eager'"),
+        ({"gather": "forward"}, "gather='forward'"),
+    ],
+)
+def test_what_full_sharding_does_not_take_is_refused_by_name(fake_world, options, names):
+    fake_world(8)
+    model = models.MLP()
+    with pytest.raises(ValueError, match=names.replace("(", r"\(").replace("[", r"\[")):
+        graphddp.compile(model, optimizer=_adamw(model), sharding="full", **options)
+
+
+def test_reshard_after_forward_belongs_to_full_sharding(fake_world):
+    fake_world(8)
+    model = models.MLP()
+    with pytest.raises(ValueError, match="reshard_after_forward"):
+        graphddp.compile(model, optimizer=_adamw(model), sharding="optimizer", reshard_after_forward=False)
+    with pytest.raises(ValueError, match="reshard_after_forward must be True or False"):
+        graphddp.compile(model, optimizer=_adamw(model), sharding="full", reshard_after_forward="yes")
+
+
+def test_full_sharding_needs_the_optimizer(fake_world):
+    fake_world(8)
+    with pytest.raises(ValueError, match="optimizer="):
+        graphddp.compile(models.MLP(), sharding="full")
+
+
+def test_the_backend_and_explain_say_full_sharding_is_compiles(fake_world):
+    fake_world(8)
+    model = models.MLP()
+    with pytest.raises(ValueError, match="graphddp.compile only"):
+        graphddp.backend(model, optimizer=_adamw(model), sharding="full")
+    with pytest.raises(NotImplementedError, match="sharding='full'"):
+        graphddp.explain(models.MLP(), torch.randn(2, 16), torch.randn(2, 4), sharding="full")
+
+
+def test_an_optimizer_over_other_tensors_is_refused(fake_world):
+    fake_world(8)
+    model = models.MLP()
+    opt = torch.optim.SGD([*model.parameters(), nn.Parameter(torch.zeros(3))], lr=0.1)
+    with pytest.raises(ValueError, match="not a parameter of the module"):
+        graphddp.compile(model, optimizer=opt, sharding="full")
+
+
+def test_each_parameter_becomes_its_part_and_tied_weights_share_one(fake_world):
+    fake_world(8)
+    model = models.BreakGPT(vocab=64, dim=32, heads=2, layers=2, seq=8)
+    whole = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+    opt = _adamw(model)
+    ours = graphddp.compile(model, optimizer=opt, sharding="full", backend="aot_eager")
+    assert set(ours.parts) == set(whole), "every name, tied ones included, has its part"
+    held = dict(model.named_parameters(remove_duplicate=False))  # the module's own: parts
+    for name, shape in whole.items():
+        part = ours.parts[name]
+        assert part.shape == shape
+        assert held[name] is part.part and tuple(held[name].shape) == (chunk(part.numel, 8),), f"{name} is held as its part"
+    tied = [n for n in whole if ours.parts[n].names != [n] and len(ours.parts[n].names) > 1]
+    assert tied, "BreakGPT ties its embedding to its head"
+    assert len({id(ours.parts[n].part) for n in tied}) == 1, "tied names share one part"
+    # The optimizer steps the parts, each once.
+    stepped = [p for g in opt.param_groups for p in g["params"]]
+    assert {id(p) for p in stepped} == {id(p.part) for p in ours.parts.values()}
+    assert len(stepped) == len({id(p) for p in stepped})
+    # Modules of one class with the same parameters share one gathering class (Dynamo guards on
+    # a module's class: one per block would be a guard per block).
+    kinds = {}
+    for m in model.modules():
+        if m._parameters:
+            names = tuple(n for n, p in m._parameters.items() if p is not None)
+            kinds.setdefault((type(m).__mro__[1], names), set()).add(type(m))
+    assert kinds and all(len(classes) == 1 for classes in kinds.values())
+    assert all(type(m).__name__.startswith("FullySharded") for m in model.modules() if m._parameters)
