@@ -16,6 +16,15 @@ eager DDP (``ddp_cap1``):
   (the ZeRO-2 shape: parameters stay whole between forward and backward), AdamW on the local
   shards.
 
+And, for full sharding (``--modes full``), parameters held 1/N per rank too:
+
+* ``graphddp_full``: ``graphddp.compile(model, optimizer=opt, sharding="full")`` (each parameter
+  gathered where it is read, gathered again in the backward, its gradient reduce-scattered;
+  AdamW on the parts after the backward);
+* ``graphddp_full_keep``: the same with ``reshard_after_forward=False``;
+* ``fsdp2_reshard``: ``fully_shard`` per block and root with ``reshard_after_forward=True``, as
+  users run FSDP2 (its default).
+
 Each reports, beside the step time and the allocator peak of a step, the bytes of optimizer
 state this rank keeps (:func:`state_bytes`) and of the parameters it keeps whole between steps:
 what sharding is for.
@@ -31,8 +40,12 @@ import torch.nn as nn
 from tools.bench.modes import TrainMode
 from tools.bench.workload import make_optimizer
 
-SHARDED_MODES = ("graphddp_sharded", "graphddp_sharded_fwd", "ddp_zero", "fsdp2")
+SHARDED_MODES = ("graphddp_sharded", "graphddp_sharded_fwd", "ddp_zero", "fsdp2", "graphddp_full", "graphddp_full_keep", "fsdp2_reshard")
 GATHER = {"graphddp_sharded": "backward", "graphddp_sharded_fwd": "forward"}
+# sharding="full": reshard_after_forward per mode (FSDP2's option, same meaning)
+FULL = {"graphddp_full": True, "graphddp_full_keep": False}
+# the graphddp options a fully sharded run takes from the benchmark's (it has no buckets yet)
+FULL_OPTIONS = ("backend", "mode", "options", "verify", "broadcast_buffers", "fullgraph", "dynamic")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -58,8 +71,9 @@ def param_bytes(model: nn.Module) -> int:
     replica = getattr(model, "_replica", None)
     pending = getattr(getattr(replica, "step", None), "gathers", None)
     held = pending.held_bytes() if pending else 0
-    # A graphddp module's parameters() completes the pending all-gathers: count its wrapped module's.
-    inner = model.module if replica is not None else model
+    # A graphddp module's parameters() completes the pending all-gathers (sharding="full": gathers
+    # whole values): count its wrapped module's, the parts with full sharding.
+    inner = getattr(model, "module", model)
     return held + sum(_local(p).numel() * _local(p).element_size() for p in inner.parameters())
 
 
@@ -80,18 +94,26 @@ def build(name: str, base: nn.Module, batch: Any, loss: Callable, graphddp_optio
             # step before, as in training, and then finish its own, untimed (carries_gathers).
             mode.carries_gathers = m.finish_gathers
         return mode, opt
+    if name in FULL:
+        import graphddp
+
+        opt = make_optimizer(model.parameters())
+        options = {k: v for k, v in graphddp_options.items() if k in FULL_OPTIONS}
+        m = graphddp.compile(model, optimizer=opt, sharding="full", reshard_after_forward=FULL[name], **options)
+        return TrainMode(name, m, None, batch, loss, opt=opt), opt
     if name == "ddp_zero":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
         opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4, weight_decay=0.01)
         return TrainMode(name, ddp, None, batch, loss, opt=opt), opt
-    if name == "fsdp2":
+    if name in ("fsdp2", "fsdp2_reshard"):
         from torch.distributed.fsdp import fully_shard
 
+        reshard = name == "fsdp2_reshard"
         for block in _blocks(model):
-            fully_shard(block, reshard_after_forward=False)
-        fully_shard(model, reshard_after_forward=False)
+            fully_shard(block, reshard_after_forward=reshard)
+        fully_shard(model, reshard_after_forward=reshard)
         opt = make_optimizer(model.parameters())
         return TrainMode(name, model, None, batch, loss, opt=opt), opt
     raise ValueError(f"not a sharded mode: {name!r}")

@@ -108,6 +108,10 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
         "graphddp_sharded_fwd": "graphddp_sharded with gather='forward': each all-gather waited for in the next forward",
         "ddp_zero": "DDP eager (cap 1 MB) + ZeroRedundancyOptimizer(AdamW): 1/N of the state, params broadcast after the step",
         "fsdp2": "fully_shard per block and root, reshard_after_forward=False (ZeRO-2 shape), eager, AdamW on the shards",
+        "fsdp2_reshard": "fully_shard per block and root, reshard_after_forward=True (FSDP2's default), eager, AdamW on the shards",
+        "graphddp_full": "graphddp, sharding='full': each parameter gathered where read and again in the backward, "
+                         "reduce-scattered; AdamW on the parts after the backward",
+        "graphddp_full_keep": "graphddp_full with reshard_after_forward=False: gathered parameters kept to the backward",
         "graphddp_auto": _auto_note(info.get("graphddp_auto")),
         **_powersgd_notes(cfg, info),
     }
