@@ -26,8 +26,10 @@ from graphddp.graph.reshard import tag_regathers
 
 
 # Gather and reduce-scatter buckets close once they reach this many MB, unless bucket_cap_mb is set.
-# Measured on the benchmark's GPT (2 ranks, 2 Gbit/s link): see docs/full-sharding.md.
-FULL_BUCKET_CAP_MB = 4.0
+# The best of 0.25-8 MB on the benchmark's GPT, 2 gloo ranks on the 2 Gbit/s link (step against
+# sharding="optimizer"'s in the same run: 4 MB 1.22-1.24x, 2 MB 1.18x, 1 MB 1.16x, 0.5 MB 1.10x,
+# 0.25 MB 1.19x); a fixed cap, not the planner's (docs/full-sharding.md).
+FULL_BUCKET_CAP_MB = 0.5
 
 
 class _TagRegathers(CustomGraphPass):

@@ -45,9 +45,8 @@ import torch.nn as nn
 
 from graphddp.compiler.full import fully_sharded_compiler
 from graphddp.config import DDPConfig
-from graphddp.frontend.replica import _check_devices, _refuse_sparse_gradients
+from graphddp.frontend.replica import check_and_broadcast
 from graphddp.optim.shard import ELEMENTWISE
-from graphddp.runtime.agree import check_parameter_agreement
 from graphddp.runtime.sync import broadcast_tensors
 from graphddp.values.comm import gather_flat
 from graphddp.values.shards import padded_part
@@ -314,14 +313,7 @@ def compile_fully_sharded(module: nn.Module, group: Any, config: DDPConfig, opti
             f"{where}: sharding='full' keeps each parameter's optimizer state 1/N per rank, so it needs optimizer= "
             "(a torch.optim optimizer over model.parameters(), built before graphddp.compile)"
         )
-    _refuse_sparse_gradients(where, module)
-    device = _check_devices(module)
-    config.check_devices(where, device)
-    config.check_inductor_settings(where, device)
-    check_parameter_agreement(module, group)
-    if dist.get_world_size(group) > 1:
-        buffers = list(module.buffers()) if config.broadcast_buffers else []
-        broadcast_tensors(list(module.parameters()) + buffers, group)
+    check_and_broadcast(where, module, group, config)  # whole tensors, before they are cut
     parts = shard_parameters(module, group)
     repoint_optimizer(optimizer, parts, dist.get_world_size(group), dist.get_rank(group))
     if config.max_grad_norm is not None:

@@ -117,6 +117,23 @@ def _refuse_clipping_without_the_optimizer(where: str, config: DDPConfig, optimi
         )
 
 
+def check_and_broadcast(where: str, module: nn.Module, group: Any, config: DDPConfig) -> torch.device | None:
+    """What every mode checks when it wraps a module, then DDP's broadcast: no sparse gradient,
+    one device (the config's device options agreeing), inductor settings graphddp can keep, the
+    same parameters on every rank (checked in band, so a mismatch fails on every rank before any
+    broadcast), then parameters (and, with ``broadcast_buffers``, buffers) from the group's first
+    rank. Returns the module's device."""
+    _refuse_sparse_gradients(where, module)
+    device = _check_devices(module)
+    config.check_devices(where, device)
+    config.check_inductor_settings(where, device)
+    check_parameter_agreement(module, group)
+    if dist.get_world_size(group) > 1:
+        buffers = list(module.buffers()) if config.broadcast_buffers else []
+        broadcast_tensors(list(module.parameters()) + buffers, group)
+    return device
+
+
 def prepare(
     where: str, module: nn.Module, group: Any, config: DDPConfig, optimizer: Any = None
 ) -> tuple[AttachedOptimizer | None, DDPConfig]:
@@ -142,14 +159,7 @@ def prepare(
         )
     _refuse_clipping_without_the_optimizer(where, config, optimizer)
     attached = AttachedOptimizer(optimizer, module, where, config.max_grad_norm) if optimizer is not None else None
-    _refuse_sparse_gradients(where, module)
-    device = _check_devices(module)
-    config.check_devices(where, device)
-    config.check_inductor_settings(where, device)
-    check_parameter_agreement(module, group)
-    if dist.get_world_size(group) > 1:
-        buffers = list(module.buffers()) if config.broadcast_buffers else []
-        broadcast_tensors(list(module.parameters()) + buffers, group)
+    device = check_and_broadcast(where, module, group, config)
     config = resolve_cost(config, group, device)
     if attached is not None:
         attached.attach()

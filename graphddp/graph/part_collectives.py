@@ -14,7 +14,7 @@ then keeps graphddp's order (``INDUCTOR_FX_ORDER_CONFIG``):
   gathered rows (``[world, parts]``: rank ``r``'s row holds its part of every parameter). The
   backward's reduce-scatters, in issue order, form buckets the same way: each gradient (padded,
   ``[world, part]``) concatenated along the parts, one reduce-scatter, the result cut back into
-  parts. ~12 collectives a transformer block become ~2.
+  parts: a transformer block's dozen gathers become a few.
 * **placement.** Bucket ``i``'s gather is issued right before the wait of bucket ``i -
   prefetch``, so ``prefetch`` buckets travel while the compute reads the ones before them; each
   wait stays right before its first parameter's first read. A reduce-scatter bucket is issued
@@ -52,7 +52,7 @@ _ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 PREFETCH = 1  # gather buckets in flight ahead of the one being read
 SCATTER_LAG = 1  # reduce-scatter buckets in flight behind the backward's compute
-CAP_BYTES = 4 * 1024 * 1024  # a bucket closes once its gathered (or full-gradient) bytes reach this
+CAP_BYTES = 512 * 1024  # a bucket closes once its gathered (or full-gradient) bytes reach this
 
 
 def place_part_collectives(graph: fx.Graph, cap_bytes: int = CAP_BYTES, prefetch: int = PREFETCH, lag: int = SCATTER_LAG) -> None:
