@@ -89,7 +89,8 @@ def _buckets(pairs: list[tuple[fx.Node, fx.Node]], cap_bytes: int) -> list[list[
     size = 0
     for pair in pairs:
         issue = pair[0]
-        val = issue.meta["val"]
+        whole = issue if issue.target is ALL_GATHER else issue.args[0]  # a gather's result; a gradient sent
+        val = whole.meta["val"]
         nbytes = val.numel() * val.element_size()
         key = (issue.args[-1], val.dtype, val.device)
         if not buckets or size >= cap_bytes or _key(buckets[-1][0][0]) != key:
@@ -153,18 +154,10 @@ def _bucket_gathers(graph: fx.Graph, buckets: list[list[tuple[fx.Node, fx.Node]]
     per bucket (its issue nodes, its wait)."""
     out = []
     for index, bucket in enumerate(buckets):
-        first_gather = bucket[0][0]
-        _, world, group = first_gather.args
+        _, world, group = bucket[0][0].args
         parts = [g.args[0] for g, _ in bucket]
-        sizes = [p.meta["val"].shape[0] for p in parts]
-        fn = _gather_fn(world, group, sizes, backend_of(group) == "gloo")
-        traced = trace(fn, [p.meta["val"] for p in parts], f"gather bucket {index}")
-        outs = splice(graph, traced, parts, bucket[0][1], index)
-        for (gather, wait), gathered in zip(bucket, outs):
-            wait.replace_all_uses_with(gathered)
-            graph.erase_node(wait)
-            graph.erase_node(gather)
-        out.append(_issue_and_wait(outs[0], "gather"))
+        fn = _gather_fn(world, group, [p.meta["val"].shape[0] for p in parts], backend_of(group) == "gloo")
+        out.append(_replace(graph, bucket, fn, parts, bucket[0][1], index, "gather"))
     return out
 
 
@@ -175,16 +168,24 @@ def _bucket_scatters(graph: fx.Graph, buckets: list[list[tuple[fx.Node, fx.Node]
     for index, bucket in enumerate(buckets):
         _, _, world, group = bucket[0][0].args
         grads = [r.args[0] for r, _ in bucket]
-        sizes = [g.meta["val"].shape[0] // world for g in grads]
-        fn = _scatter_fn(world, group, sizes, backend_of(group))
-        traced = trace(fn, [g.meta["val"] for g in grads], f"reduce-scatter bucket {index}")
-        outs = splice(graph, traced, grads, bucket[-1][0], index)
-        for (scatter, wait), part in zip(bucket, outs):
-            wait.replace_all_uses_with(part)
-            graph.erase_node(wait)
-            graph.erase_node(scatter)
-        out.append(_issue_and_wait(outs[0], "reduce_scatter"))
+        fn = _scatter_fn(world, group, [g.meta["val"].shape[0] // world for g in grads], backend_of(group))
+        out.append(_replace(graph, bucket, fn, grads, bucket[-1][0], index, "reduce_scatter"))
     return out
+
+
+def _replace(
+    graph: fx.Graph, bucket: list[tuple[fx.Node, fx.Node]], fn: Callable[..., list[torch.Tensor]], inputs: list[fx.Node],
+    before: fx.Node, index: int, kind: str,
+) -> tuple[list[fx.Node], fx.Node]:
+    """``fn`` traced on ``inputs`` and spliced in before ``before``; each (issue, wait) of
+    ``bucket`` replaced by its result. Returns the new bucket's issue nodes and wait."""
+    traced = trace(fn, [x.meta["val"] for x in inputs], f"{kind} bucket {index}")
+    results = splice(graph, traced, inputs, before, index)
+    for (issue, wait), result in zip(bucket, results):
+        wait.replace_all_uses_with(result)
+        graph.erase_node(wait)
+        graph.erase_node(issue)
+    return _issue_and_wait(results[0], kind)
 
 
 def _issue_and_wait(result: fx.Node, kind: str) -> tuple[list[fx.Node], fx.Node]:

@@ -1,0 +1,86 @@
+"""The rewrite of ``sharding="full"``'s collectives (graphddp/graph/part_collectives.py) on the
+graphs of a real compile, in one process (a fake group of 8 ranks): buckets by the cap, each
+gather bucket issued one bucket ahead of its wait, each reduce-scatter bucket travelling behind
+the next bucket's gradient compute, and rule P1 with a mutation that breaks it."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import graphddp
+from graphddp.graph.part_collectives import check_part_collectives
+from graphddp.graph.verify_common import VerificationError
+from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
+
+GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
+
+
+def _graphs(reshard: bool = True, cap_mb: float = 0.5) -> tuple:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(256, 256) for _ in range(6)))  # 256 KB per weight
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ours = graphddp.compile(model, optimizer=opt, sharding="full", backend="aot_eager", reshard_after_forward=reshard,
+                            bucket_cap_mb=cap_mb)
+    ours(torch.randn(4, 256)).sum().backward()
+    (_, forward), (_, backward) = ours.graphs
+    return forward, backward
+
+
+def _by_role(gm, role):
+    return [n for n in gm.graph.nodes if n.meta.get(ROLE_KEY) == role and n.target in (GATHER, REDUCE_SCATTER)]
+
+
+def test_gathers_are_bucketed_by_the_cap_and_issued_a_bucket_ahead(fake_world):
+    fake_world(8)
+    forward, _ = _graphs()
+    gathers = _by_role(forward, "gather")
+    # in reading order w0 b0 w1 | b1 w2 b2 w3 | b3 w4 b4 w5 | b5 (weights 256 KB, biases 1 KB): a
+    # bucket closes once it reaches 0.5 MB
+    assert len(gathers) == 4
+    order = {n: i for i, n in enumerate(forward.graph.nodes)}
+    waits = [next(u for u in g.users if is_wait(u)) for g in gathers]
+    for i in range(1, len(gathers)):
+        assert order[gathers[i]] < order[waits[i - 1]], f"bucket {i} is issued after bucket {i - 1}'s wait"
+    assert all(order[gathers[i]] > order[waits[i - 2]] for i in range(2, len(gathers))), "more than one bucket ahead"
+
+
+def test_reduce_scatters_are_bucketed_and_travel_behind_later_gradients(fake_world):
+    fake_world(8)
+    _, backward = _graphs()
+    scatters = _by_role(backward, "reduce_scatter")
+    # in gradient order b5 w5 b4 w4 | b3 w3 b2 w2 | b1 w1 b0 w0 (each bucket's gradients whole)
+    assert len(scatters) == 3
+    order = {n: i for i, n in enumerate(backward.graph.nodes)}
+    waits = [next(u for u in s.users if is_wait(u)) for s in scatters]
+    nodes = list(backward.graph.nodes)
+    for i in range(len(scatters) - 1):
+        assert order[scatters[i]] < order[waits[i]] < order[scatters[i + 1]], f"bucket {i} is not waited before the next"
+        between = nodes[order[scatters[i]]:order[waits[i]]]
+        assert any(n.target is torch.ops.aten.mm.default for n in between), f"bucket {i} travels behind no compute"
+
+
+def test_a_bigger_cap_makes_fewer_buckets(fake_world):
+    fake_world(8)
+    forward, backward = _graphs(cap_mb=4)
+    assert len(_by_role(forward, "gather")) == 1 and len(_by_role(backward, "reduce_scatter")) == 1
+
+
+@pytest.mark.parametrize("mutation", ["no wait", "two waits"])
+def test_rule_p1_fails_a_collective_not_waited_once(fake_world, mutation):
+    fake_world(8)
+    forward, _ = _graphs()
+    check_part_collectives(forward)  # the compiled graph passes
+    broken = copy.deepcopy(forward)
+    graph = broken.graph
+    gather = next(n for n in graph.nodes if n.meta.get(ROLE_KEY) == "gather" and n.target is GATHER)
+    wait = next(u for u in gather.users if is_wait(u))
+    if mutation == "no wait":
+        wait.replace_all_uses_with(gather)
+        graph.erase_node(wait)
+    else:
+        with graph.inserting_after(wait):
+            graph.call_function(wait.target, (gather,)).meta[BUCKET_KEY] = wait.meta[BUCKET_KEY]
+    with pytest.raises(VerificationError, match="P1"):
+        check_part_collectives(broken)
