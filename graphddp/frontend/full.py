@@ -147,11 +147,14 @@ def repoint_optimizer(optimizer: torch.optim.Optimizer, parts: Mapping[int, Part
             q = parts[id(p)].part
             state = optimizer.state.pop(p, None)
             if state:
-                optimizer.state[q] = {
-                    k: padded_part(v, world, rank) if k in ELEMENTWISE and isinstance(v, torch.Tensor) else v
-                    for k, v in state.items()
-                }
+                optimizer.state[q] = cut_state(state, world, rank)
             group["params"][i] = q
+
+
+def cut_state(state: Mapping[str, Any], world: int, rank: int) -> dict[str, Any]:
+    """One parameter's optimizer state with every elementwise entry cut to ``rank``'s padded
+    part (a step count and other entries stay as they are)."""
+    return {k: padded_part(v, world, rank) if k in ELEMENTWISE and isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
 def clip_parts_by_global_norm(optimizer: torch.optim.Optimizer, max_norm: float, group: Any) -> Any:
@@ -291,10 +294,7 @@ class FullyShardedGraphDDP(nn.Module):
         """Load a whole optimizer state (from :meth:`full_optimizer_state_dict` on any world size,
         or a plain optimizer's ``state_dict()``): each rank keeps its part of every entry."""
         world, rank = self.world_size, dist.get_rank(self.process_group)
-        cut = {**state, "state": {
-            index: {k: padded_part(v, world, rank) if k in ELEMENTWISE and isinstance(v, torch.Tensor) else v for k, v in st.items()}
-            for index, st in state["state"].items()
-        }}
+        cut = {**state, "state": {index: cut_state(st, world, rank) for index, st in state["state"].items()}}
         self.optimizer.load_state_dict(cut)
 
     def _whole_of(self, value: torch.Tensor, part: Part) -> torch.Tensor:

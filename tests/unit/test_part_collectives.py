@@ -32,6 +32,10 @@ def _by_role(gm, role):
     return [n for n in gm.graph.nodes if n.meta.get(ROLE_KEY) == role and n.target in (GATHER, REDUCE_SCATTER)]
 
 
+def _waits(issues):
+    return [next(u for u in n.users if is_wait(u)) for n in issues]
+
+
 def test_gathers_are_bucketed_by_the_cap_and_issued_a_bucket_ahead(fake_world):
     fake_world(8)
     forward, _ = _graphs()
@@ -40,7 +44,7 @@ def test_gathers_are_bucketed_by_the_cap_and_issued_a_bucket_ahead(fake_world):
     # bucket closes once it reaches 0.5 MB
     assert len(gathers) == 4
     order = {n: i for i, n in enumerate(forward.graph.nodes)}
-    waits = [next(u for u in g.users if is_wait(u)) for g in gathers]
+    waits = _waits(gathers)
     for i in range(1, len(gathers)):
         assert order[gathers[i]] < order[waits[i - 1]], f"bucket {i} is issued after bucket {i - 1}'s wait"
     assert all(order[gathers[i]] > order[waits[i - 2]] for i in range(2, len(gathers))), "more than one bucket ahead"
@@ -53,7 +57,7 @@ def test_reduce_scatters_are_bucketed_and_travel_behind_later_gradients(fake_wor
     # in gradient order b5 w5 b4 w4 | b3 w3 b2 w2 | b1 w1 b0 w0 (each bucket's gradients whole)
     assert len(scatters) == 3
     order = {n: i for i, n in enumerate(backward.graph.nodes)}
-    waits = [next(u for u in s.users if is_wait(u)) for s in scatters]
+    waits = _waits(scatters)
     nodes = list(backward.graph.nodes)
     for i in range(len(scatters) - 1):
         assert order[scatters[i]] < order[waits[i]] < order[scatters[i + 1]], f"bucket {i} is not waited before the next"
