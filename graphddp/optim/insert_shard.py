@@ -391,6 +391,7 @@ def _not_for_the_issue(gm: fx.GraphModule) -> set[fx.Node]:
     it reads. The copies of this rank's parts of the parameters are made there too, not at the
     issue point, so that they live from the update to the all-gather only (on the MLP they are
     16 MB, half the parameters, which would otherwise all be alive at the end of the backward)."""
+    # the first: traced before the all-gather, which on gloo is an all-to-all too
     scatter = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target in kind(SHARDED).ops)
     needed = ancestors(scatter)
     return {n for n in gm.graph.nodes if n.op == "call_function" and n not in needed}

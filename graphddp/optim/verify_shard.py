@@ -50,8 +50,9 @@ def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
     for bucket in (b for b in schedule.buckets if b.collective == "reduce_scatter"):
         mine = [n for n in nodes if n.meta.get(BUCKET_KEY) == bucket.index]
         collectives = [n for n in mine if is_collective(n)]
-        scatters = [n for n in collectives if n.target in rs_ops]
-        gathers = [n for n in collectives if n.target in ag_ops]
+        # by role: on gloo both are all-to-alls (graphddp.values.collectives)
+        gathers = [n for n in collectives if n.target in ag_ops and n.meta.get(ROLE_KEY) == "all_gather"]
+        scatters = [n for n in collectives if n.target in rs_ops and n not in gathers]
         where = f"sharded bucket {bucket.index}"
         if len(scatters) != 1 or len(gathers) != 1 or len(collectives) != 2:
             _fail(gm, (collectives or [gm.graph.output_node()])[0],

@@ -20,6 +20,15 @@ kind's bytes. gloo's ``reduce_scatter`` is one: it sends an all-reduce's bytes (
 reduce-scatter is an ``all_to_all_single`` (rank ``j`` receives every rank's part ``j``,
 26.0 MB) and a local sum of the ``world`` parts received, in rank order.
 
+gloo's functional all-gather is the other, for a worse reason: two of them in flight corrupt
+the heap (torch 2.13: ``python -m tools.gloo_gather_race`` dies within seconds, where
+all-to-alls at the same depth run to the end), and a sharded backward keeps two in flight (the
+next bucket's is issued before the previous one's wait). So on gloo an all-gather is an
+``all_to_all_single`` of this rank's part repeated ``world`` times: the same bytes on the wire,
+the same rank-major result, one more part-sized buffer per bucket in flight. Where a kind has
+the same op on a backend as another kind (gloo: both are all-to-alls), a node's kind is its
+role (``graphddp.graph.trace.role``), not its op.
+
 All-reduce is the first kind. A new kind (a reduce-scatter per bucket, an all-gather of
 updated slices) is a new :class:`CollectiveKind` in :data:`KINDS`: no layer above changes.
 """
@@ -111,11 +120,21 @@ REDUCE_SCATTER = CollectiveKind(
 )
 # ... and after updating it, gives every rank every part back. ``nbytes`` is the whole bucket.
 _ALL_GATHER_OP = torch.ops._c10d_functional.all_gather_into_tensor.default
+
+
+def _gather_by_all_to_all(part: torch.Tensor, group: str, world: int) -> torch.Tensor:
+    """Every rank's part, rank-major, as ``all_gather_into_tensor`` lays it out: rank ``j``
+    receives part ``j`` of every rank's buffer, and every part of this rank's buffer is its part."""
+    split = [part.numel()] * world
+    return _ALL_TO_ALL_OP(torch.ops.aten.repeat.default(part, [world]), split, split, group)
+
+
 ALL_GATHER = CollectiveKind(
     key="all_gather",
     lowering=Lowering(_ALL_GATHER_OP, lambda part, group, world: _ALL_GATHER_OP(part, world, group)),
     ring_steps=lambda p: p - 1,
     wire_share=lambda p: (p - 1) / p,
+    by_backend={"gloo": Lowering(_ALL_TO_ALL_OP, _gather_by_all_to_all)},  # module docstring
 )
 
 KINDS: dict[str, CollectiveKind] = {k.key: k for k in (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER)}

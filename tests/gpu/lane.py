@@ -72,6 +72,11 @@ MODES: dict[str, dict[str, Any]] = {
     # inside, clipping by global norm in the graph (DDP's side: clip_grad_norm_ before step)
     "accumulate": {"micro": 2},
     "optimizer_clip": {"optimizer": True, "micro": 2, "clip": 1.0},
+    # parameters held as parts, gathered in the forward and backward; the user's AdamW steps the
+    # parts after the backward (compared globally, as the optimizer inside is: its AdamW runs
+    # foreach on parts, DDP's side foreach=False on whole tensors)
+    "full": {"optimizer": True, "sharding": "full"},
+    "full_keep": {"optimizer": True, "sharding": "full", "reshard_after_forward": False},
 }
 # (setup, model, mode): what the lane runs. Each nccl1 case is one process, each gloo2 case two.
 CASES: tuple[tuple[str, str, str], ...] = (
@@ -81,7 +86,16 @@ CASES: tuple[tuple[str, str, str], ...] = (
     ("gloo2", "gpt2", "bf16_compress"), ("gloo2", "gpt2", "powersgd"), ("gloo2", "cnn", "fp16_compress"),
     ("gloo2", "cnn", "sharded_fwd"), ("gloo2", "cnn", "fp16_scaler"),
     ("nccl1", "gpt2", "optimizer_clip"), ("gloo2", "gpt2", "accumulate"), ("gloo2", "gpt2", "optimizer_clip"),
+    ("nccl1", "gpt2", "full"), ("nccl1", "cnn", "full_keep"), ("gloo2", "gpt2", "full"),
 )
+# Run after every other case has ended, alone. Inside the full lane (its other cases running)
+# this case failed three times out of three, on an H200 and an H100, with the same figures each
+# time: conv1's weight gradient 10.7% apart, and DDP's own conv1 bias gradient (rounding noise:
+# BatchNorm follows, the true gradient is zero) at norm 5.6 against 0.40 in every quiet run, so
+# the reference moves, not graphddp alone. Outside the lane it passed all 12 times on the H100
+# (alone; four copies at once; four with all 16 cores busy; cold inductor caches; 2 compile
+# threads; a matmul loop on the GPU beside it). Not settled; see docs/gpu.md.
+ALONE = frozenset({"gloo2-cnn-fp16_scaler"})
 POWERSGD = dict(matrix_approximation_rank=2, start_powerSGD_iter=2, min_compression_rate=1)
 POWERSGD_CAP = 0.05  # MB
 

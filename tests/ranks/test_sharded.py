@@ -28,6 +28,7 @@ import graphddp
 from graphddp import models
 from graphddp.optim.shard import ELEMENTWISE
 from graphddp.testing import ddp_bf16_compress_hook, spawn
+from graphddp.values.comm import ROLE_KEY
 from graphddp.values.shards import part
 
 
@@ -106,8 +107,15 @@ def _train(rank: int, world: int, name: str) -> None:
     # On gloo a reduce-scatter travels as an all_to_all_single (half its reduce_scatter's bytes).
     ops = [n.target for r in ours.records for n in r.graph.graph.nodes if n.op == "call_function"]
     assert torch.ops._c10d_functional.reduce_scatter_tensor.default not in ops, f"{name}: gloo's reduce_scatter was issued"
-    scatters = [n for r in ours.records for n in r.graph.graph.nodes if n.target is torch.ops._c10d_functional.all_to_all_single.default]
-    assert len(scatters) == len(sharded), f"{name}: {len(scatters)} all-to-alls for {len(sharded)} sharded buckets"
+    # ... and an all-gather as an all_to_all_single too (two functional all-gathers in flight
+    # corrupt gloo's heap: graphddp.values.collectives); the role tells them apart.
+    assert torch.ops._c10d_functional.all_gather_into_tensor.default not in ops, f"{name}: gloo's all-gather was issued"
+    all_to_alls = [n for r in ours.records for n in r.graph.graph.nodes if n.target is torch.ops._c10d_functional.all_to_all_single.default]
+    scatters = [n for n in all_to_alls if n.meta.get(ROLE_KEY) == "reduce_scatter"]
+    gathers = [n for n in all_to_alls if n.meta.get(ROLE_KEY) == "all_gather"]
+    assert len(scatters) == len(sharded), f"{name}: {len(scatters)} reduce-scatters for {len(sharded)} sharded buckets"
+    assert len(gathers) + len(scatters) == len(all_to_alls), f"{name}: all-to-alls of no role"
+    assert len(gathers) == len(sharded), f"{name}: {len(gathers)} all-gathers for {len(sharded)} sharded buckets"
     if case.fp16_compress or case.bf16_compress:
         half = torch.float16 if case.fp16_compress else torch.bfloat16
         assert all(b.comm_dtype == str(half).split(".")[1] for b in sharded) and scatters, "the plan sends half precision"
@@ -115,18 +123,22 @@ def _train(rank: int, world: int, name: str) -> None:
     if case.recompiles:  # the new shape's graph planned and sharded like the first
         assert len(ours.records) > 1, f"{name}: {len(ours.records)} compiled backward graph(s), expected a recompile"
     if case.backend == "inductor":
-        _assert_gathers_overlap_the_backward(ours.records[0].generated_code, name)
+        record = ours.records[0]
+        roles = [n.meta.get(ROLE_KEY) for n in record.graph.graph.nodes if n.target is torch.ops._c10d_functional.all_to_all_single.default]
+        _assert_gathers_overlap_the_backward(record.generated_code, roles, name)
 
 
-def _assert_gathers_overlap_the_backward(code: str | None, name: str) -> None:
+def _assert_gathers_overlap_the_backward(code: str | None, roles: list[str], name: str) -> None:
     """In inductor's code, the first bucket's all-gather is issued while later buckets'
     gradients are still being computed: a matmul of the backward (an update has none) runs
-    between it and the last reduce-scatter."""
+    between it and the last reduce-scatter. On gloo both are all-to-alls, in the code in the
+    graph's order (the compiler keeps graphddp's order): ``roles``, in graph order, names them."""
     assert code is not None, f"{name}: no generated code recorded"
     lines = call_lines(code)
-    gathers = [i for i, line in enumerate(lines) if "all_gather_into_tensor.default(" in line and "=" in line]
-    scatters = [i for i, line in enumerate(lines) if "all_to_all_single.default(" in line and "=" in line]
-    assert len(gathers) > 1 and len(scatters) == len(gathers), f"{name}: {len(scatters)} reduce-scatters, {len(gathers)} all-gathers"
+    collectives = [i for i, line in enumerate(lines) if "all_to_all_single.default(" in line and "=" in line]
+    assert len(collectives) == len(roles), f"{name}: {len(collectives)} all-to-alls in the code, {len(roles)} in the graph"
+    gathers = [i for i, r in zip(collectives, roles) if r == "all_gather"]
+    scatters = [i for i, r in zip(collectives, roles) if r == "reduce_scatter"]
     assert runs_a_matmul(lines[gathers[0]:scatters[-1]]), (
         f"{name}: no compute between the first all-gather and the last reduce-scatter in inductor's code"
     )
