@@ -15,8 +15,10 @@ from typing import Any
 
 import torch
 
+from graphddp import ddp_keywords, inductor_settings
 from graphddp.hooks.builtin import COMM_HOOKS
 from graphddp.hooks.traced import as_traced_hook
+from graphddp.inductor_settings import INDUCTOR_MODES
 from graphddp.values.schedule import CostModel
 
 BACKENDS = ("inductor", "aot_eager", "eager")
@@ -24,38 +26,7 @@ BACKENDS = ("inductor", "aot_eager", "eager")
 SHARDINGS = (None, "optimizer", "full")
 # gather=: where a sharded bucket's all-gather of the updated parts completes (graphddp.optim.insert_shard)
 GATHERS = ("backward", "forward")
-# torch.compile's modes (torch._inductor.list_mode_options); those with CUDA graphs are refused
-# on CUDA by check_inductor_settings.
-INDUCTOR_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-# Built-in communication hooks, applied to whole buckets inside the graph (DDP's
-# fp16_compress_hook / bf16_compress_hook): cast, divide, all-reduce, cast back.
 MB = 1024 * 1024
-# Inductor settings graphddp's correctness or overlap depends on, patched around each of its
-# compiles only (the user's process-wide config is left as it is), on top of the user's mode
-# and options (which may not name them):
-# * comm reordering: raise each all-reduce to where its bucket is ready, sink each wait to its
-#   first reader (with default settings inductor waits right after issuing: no overlap);
-# * ``_fuse_ddp_communication`` off: DDP(..., python_reducer) turns it on process-wide, and its
-#   passes would re-fuse graphddp's buckets (and crash on them).
-INDUCTOR_PINNED_CONFIG: dict[str, Any] = {
-    "reorder_for_compute_comm_overlap": True,
-    "reorder_for_compute_comm_overlap_passes": ["raise_comms", "sink_waits"],
-    "_fuse_ddp_communication": False,
-}
-# A backward with sharded buckets (each bucket's wait and update, with gather="backward" its
-# all-gather too, placed after the next bucket's reduce-scatter), and a forward that completes
-# their all-gathers before each bucket's first read (gather="forward"), are compiled in
-# graphddp's order: inductor's comm passes would sink each wait below all the compute that
-# does not read it, and they keep collectives in issue order, so every later reduce-scatter
-# would queue behind the first update, after the whole backward (generated code on the GPT; a
-# step of 446-456 ms against 330); its locality and peak-memory reorders would pull each wait
-# up next to its issue.
-INDUCTOR_FX_ORDER_CONFIG: dict[str, Any] = {
-    **INDUCTOR_PINNED_CONFIG,
-    "reorder_for_compute_comm_overlap": False,
-    "reorder_for_locality": False,
-    "reorder_for_peak_memory": False,
-}
 # DDP's defaults: torch.nn.parallel.distributed._DEFAULT_BUCKET_CAP_MB and
 # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES (1 MiB), the latter used only while
 # bucket_cap_mb is left unset.
@@ -89,28 +60,6 @@ def _normalise_cap_list(value: Any) -> tuple[float, ...] | None:
     return tuple(value) or None
 
 
-def _normalise_inductor_options(value: Any) -> tuple[tuple[str, Any], ...] | None:
-    """``options`` as sorted (key, value) pairs: hashable, and equal for equal dicts."""
-    if value is None:
-        return None
-    pairs = tuple(value.items()) if isinstance(value, dict) else value
-    if not isinstance(pairs, tuple) or not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in pairs):
-        raise ValueError(f"options must be a dict of inductor config settings (string keys), got {value!r}")
-    return tuple(sorted(pairs)) or None
-
-
-def _check_inductor_request(backend: str, mode: str | None, options: dict[str, Any]) -> None:
-    """``mode`` is one of torch.compile's, and ``mode``/``options`` come with inductor only:
-    checked for the config's own and for those a torch.compile call passes."""
-    if mode is not None and mode not in INDUCTOR_MODES:
-        raise ValueError(f"mode must be None or one of {INDUCTOR_MODES}, got {mode!r}")
-    if (mode is not None or options) and backend != "inductor":
-        raise ValueError(
-            f"mode and options configure inductor; backend={backend!r} does not use them "
-            f"(got mode={mode!r}, options={options})"
-        )
-
-
 def _option(default: Any, help: str) -> Any:  # noqa: A002 - argparse's word
     """A field of DDPConfig with the help text the CLI shows."""
     return dataclasses.field(default=default, metadata={"help": help})
@@ -121,40 +70,6 @@ def _ddp_keyword(help: str) -> Any:  # noqa: A002 - argparse's word
     given). Taken so that ``DDP(model, **kw)`` becomes ``graphddp.compile(model, **kw)``; none
     shapes the plan, so the CLI, which plans in one process, has no flag for them."""
     return dataclasses.field(default=None, metadata={"help": help, "ddp_keyword": True})
-
-
-def _ddp_constructor_keywords() -> set[str]:
-    """Every keyword of DistributedDataParallel's constructor (to say so when one is refused)."""
-    import inspect
-
-    from torch.nn.parallel import DistributedDataParallel
-
-    return set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module"}
-
-
-def _check_device_spec(name: str, value: Any) -> None:
-    """A device as DDP takes one: an accelerator index, a string or a ``torch.device``."""
-    if isinstance(value, bool) or not isinstance(value, (int, str, torch.device)) or (isinstance(value, int) and value < 0):
-        raise ValueError(f"{name} must name a device (an index, a string or a torch.device), got {value!r}")
-    if isinstance(value, str):
-        try:
-            torch.device(value)
-        except RuntimeError as e:
-            raise ValueError(f"{name}: {value!r} is not a device: {e}") from None
-
-
-def _names_device(value: Any, device: torch.device) -> bool:
-    """Does DDP's ``value`` (an index of the accelerator, a string, a device) name ``device``?
-    An index without a type, and a type without an index, resolve as DDP resolves them
-    (``torch._utils._get_device_index``: the current device of that type)."""
-    from torch._utils import _get_device_index
-
-    if isinstance(value, int):
-        return device.type != "cpu" and value == device.index
-    named = torch.device(value)
-    if named.type != device.type:
-        return False
-    return device.type == "cpu" or (named.index if named.index is not None else _get_device_index(named, True)) == device.index
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,7 +175,7 @@ class DDPConfig:
         known = {f.name for f in cls.option_fields()}
         unknown = sorted(set(options) - known)
         if unknown:
-            ddp = [n for n in unknown if n in _ddp_constructor_keywords()]
+            ddp = [n for n in unknown if n in ddp_keywords.constructor_keywords()]
             hint = f" ({ddp}: DistributedDataParallel's, which graphddp does not take)" if ddp else ""
             raise TypeError(f"{where} got unknown option(s) {unknown}{hint}; the options are {sorted(known)}")
         return cls(**options)
@@ -299,8 +214,8 @@ class DDPConfig:
             raise ValueError(
                 f"comm_hook must be None, one of {sorted(COMM_HOOKS)}, (state, hook) or a graphddp.hooks hook object, got {self.comm_hook!r}"
             )
-        object.__setattr__(self, "options", _normalise_inductor_options(self.options))
-        _check_inductor_request(self.backend, self.mode, self.inductor_options)
+        object.__setattr__(self, "options", inductor_settings.normalise_options(self.options))
+        inductor_settings.check_request(self.backend, self.mode, self.inductor_options)
         self._check_ddp_keywords()
 
     @property
@@ -310,38 +225,13 @@ class DDPConfig:
 
     def check_inductor_settings(self, where: str, device: Any, mode: str | None = None,
                                 options: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The inductor patches, refused where graphddp cannot keep its promises.
-
-        * a key of graphddp's pinned settings (comm reordering, DDP fusion off): overriding it
-          would lose the overlap or re-fuse the buckets;
-        * an unknown key: inductor would fail later, inside the first backward;
-        * CUDA graphs (``reduce-overhead``, ``max-autotune``, ``triton.cudagraphs``) on a CUDA
-          model: the backward graph's collectives and the in-band check between them are not
-          captured or replayed safely; on CPU inductor does not use CUDA graphs, so they are
-          harmless there.
-
-        ``mode``/``options`` come from a ``torch.compile(model, backend=...)`` call when the
-        pipeline owns it; otherwise this config's apply. The result is ``mode``'s settings, then
-        ``options``; graphddp's pinned settings go on top of these at compile time, never under.
-        """
-        from torch._inductor import list_mode_options, list_options
-
-        mode = self.mode if mode is None else mode
-        given = self.inductor_options if options is None else dict(options)
-        _check_inductor_request(self.backend, mode, given)
-        patches = {**list_mode_options(mode or "default"), **given}
-        pinned = sorted(set(given) & set(INDUCTOR_PINNED_CONFIG))
-        if pinned:
-            raise ValueError(
-                f"{where}: options {pinned} are set by graphddp (its overlap and bucket correctness depend on "
-                f"them: {INDUCTOR_PINNED_CONFIG}); leave them out"
-            )
-        unknown = sorted(set(given) - set(list_options()))
-        if unknown:
-            raise ValueError(f"{where}: options {unknown} are not inductor config settings (torch._inductor.list_options())")
-        if getattr(device, "type", None) == "cuda" and patches.get("triton.cudagraphs"):
-            _refuse_cuda_graphs(where, mode, given)
-        return patches
+        """The inductor patches for a compile of this config (or of a ``torch.compile`` call's
+        ``mode``/``options``, when the pipeline owns it), refused where graphddp cannot keep its
+        promises: :func:`graphddp.inductor_settings.check_inductor_settings`."""
+        return inductor_settings.check_inductor_settings(
+            where, self.backend, device, self.mode if mode is None else mode,
+            self.inductor_options if options is None else dict(options),
+        )
 
     def _check_full_sharding(self) -> None:
         """``reshard_after_forward`` belongs to ``sharding="full"`` (None there means True, FSDP2's
@@ -369,49 +259,14 @@ class DDPConfig:
             raise ValueError("sharding='full' needs backend='inductor' or 'aot_eager' (AOTAutograd places the gathers)")
 
     def _check_ddp_keywords(self) -> None:
-        """DDP's constructor keywords: each accepted where graphddp does what it asks, else
-        refused by name (never silently ignored). ``device_ids`` as a tuple (the config is
-        frozen and hashable); an empty one means not given, as in DDP."""
-        ids = self.device_ids
-        if ids is not None:
-            if not isinstance(ids, (list, tuple)):
-                raise ValueError(f"device_ids must be None or a list of one device, as DDP takes it, got {ids!r}")
-            if len(ids) > 1:
-                raise ValueError(
-                    f"device_ids can only be None or contain a single element (as in DDP), got {list(ids)!r}: "
-                    "graphddp runs one device per process"
-                )
-            for i, value in enumerate(ids):
-                _check_device_spec(f"device_ids[{i}]", value)
-            object.__setattr__(self, "device_ids", tuple(ids) or None)
-        if self.output_device is not None:
-            _check_device_spec("output_device", self.output_device)
-        for name in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, bool):
-                raise ValueError(f"{name} must be True or False, got {value!r}")
-        if self.gradient_as_bucket_view is False:
-            raise ValueError(
-                "gradient_as_bucket_view=False asks for gradients copied out of their bucket; graphddp's compiled "
-                "backward returns each gradient as a view of its bucket's averaged buffer (DDP's "
-                "gradient_as_bucket_view=True) and makes no copy: pass True or leave the keyword out"
-            )
+        """DDP's constructor keywords, each accepted with DDP's meaning or refused by name
+        (:func:`graphddp.ddp_keywords.check_keywords`)."""
+        object.__setattr__(self, "device_ids", ddp_keywords.check_keywords(self))
 
     def check_devices(self, where: str, device: torch.device | None) -> None:
-        """``device_ids`` and ``output_device`` against the device of the module's parameters
-        (``device``; None: it has none). graphddp runs the model where its parameters are and
-        returns the outputs the model makes there, so the one device either may name is that
-        one (DDP's meaning for a single-device module, whose outputs stay on it)."""
-        named = [("device_ids", self.device_ids[0])] if self.device_ids else []
-        named += [("output_device", self.output_device)] if self.output_device is not None else []
-        for name, value in named:
-            if device is None or not _names_device(value, device):
-                given = list(self.device_ids) if name == "device_ids" else self.output_device
-                raise ValueError(
-                    f"{where}: {name}={given!r} does not name the device of the module's parameters ({device}): "
-                    f"graphddp runs the model where its parameters are and leaves its outputs there; move the model "
-                    f"first (model.to(...)) or leave {name} out"
-                )
+        """``device_ids`` and ``output_device`` name the device of the module's parameters
+        (:func:`graphddp.ddp_keywords.check_devices`)."""
+        ddp_keywords.check_devices(where, self.device_ids, self.output_device, device)
 
     def _check_caps(self) -> None:
         object.__setattr__(self, "bucket_cap_mb_list", _normalise_cap_list(self.bucket_cap_mb_list))
@@ -513,14 +368,3 @@ class DDPConfig:
         if self.last_bucket_cap_mb is None:
             raise ValueError("last_bucket_cap_mb is not set")
         return int(self.last_bucket_cap_mb * MB)
-
-
-def _refuse_cuda_graphs(where: str, mode: str | None, given: dict[str, Any]) -> None:
-    """CUDA graphs on a CUDA model: refused. A function of its own so that the CUDA-graph probe
-    (``tools/bench/cudagraphs.py``) can lift the refusal and measure what happens without it."""
-    why = f"mode={mode!r}" if not given.get("triton.cudagraphs") else "options['triton.cudagraphs']"
-    raise ValueError(
-        f"{where}: {why} turns on CUDA graphs, which graphddp does not support: its backward "
-        "graphs carry collectives and an in-band check that CUDA graph replay would not run "
-        "safely. Use mode='max-autotune-no-cudagraphs' or the default mode."
-    )

@@ -19,7 +19,8 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from graphddp.config import INDUCTOR_FX_ORDER_CONFIG, MB, DDPConfig
+from graphddp.config import MB, DDPConfig
+from graphddp.inductor_settings import INDUCTOR_FX_ORDER_CONFIG
 from graphddp.graph import reshard
 from graphddp.graph.part_collectives import check_part_collectives, place_part_collectives
 from graphddp.graph.reshard import tag_regathers

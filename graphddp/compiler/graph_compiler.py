@@ -12,7 +12,7 @@ forward graph goes through the forward passes (today: reading the parameters' va
   so each all-reduce is issued as soon as its bucket is ready and its wait stays late (with
   default settings inductor issues and waits them back to back: no overlap). The
   user's ``mode`` and ``options`` (torch.compile's) patch inductor's config around the whole
-  compile, graphddp's pinned settings (``config.INDUCTOR_PINNED_CONFIG``) go on top.
+  compile, graphddp's pinned settings (``inductor_settings.INDUCTOR_PINNED_CONFIG``) go on top.
   Warm restarts (:mod:`graphddp.compiler.cache`): the AOTAutograd cache holds the rewritten
   backward under a key that covers the plan's inputs, graphddp's own entry beside it holds
   the plan and the facts it was made from (a recalibrated cost model is checked against

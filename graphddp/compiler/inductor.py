@@ -14,7 +14,7 @@ import torch.fx as fx
 
 from graphddp.compiler import cache as compile_cache
 from graphddp.compiler.record import CARRY, GraphRecord
-from graphddp.config import INDUCTOR_FX_ORDER_CONFIG, INDUCTOR_PINNED_CONFIG
+from graphddp.inductor_settings import INDUCTOR_FX_ORDER_CONFIG, INDUCTOR_PINNED_CONFIG
 from graphddp.runtime.dispatch import BackwardDispatch
 from graphddp.optim.insert_gather import GATHER_INPUT
 from graphddp.values.collectives import ALL_GATHER, REDUCE_SCATTER
@@ -250,7 +250,7 @@ def pinned_config(graph: fx.GraphModule) -> dict[str, Any]:
     """graphddp's inductor settings for ``graph``: in graphddp's own order where the graph waits
     for a sharded bucket's collective itself: a backward with sharded buckets (each bucket's
     wait and update placed after the next bucket's reduce-scatter) or a forward that completes
-    their all-gathers before each bucket's first read (config.INDUCTOR_FX_ORDER_CONFIG says why;
+    their all-gathers before each bucket's first read (inductor_settings.INDUCTOR_FX_ORDER_CONFIG says why;
     inductor's own passes pulled the forward's waits up to its first node: a forward that
     waited for every bucket before computing anything)."""
     for node in graph.graph.nodes:

@@ -140,7 +140,7 @@ def compile(module: nn.Module, *, process_group: Any = None, optimizer: Any = No
     graph. The schedule shows each bucket's hook and bytes on the wire; a hook's state is
     saved in ``state_dict()`` under ``"graphddp_comm_hook"``.
     ``mode`` and ``options`` are torch.compile's, for inductor; graphddp's own inductor
-    settings stay on top of them (``config.INDUCTOR_PINNED_CONFIG``).
+    settings stay on top of them (``inductor_settings.INDUCTOR_PINNED_CONFIG``).
 
     ``optimizer``: a ``torch.optim.SGD``, ``Adam`` or ``AdamW`` over the module's parameters.
     Its update is compiled into the backward, each bucket's parameters right after that

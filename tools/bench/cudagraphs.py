@@ -98,10 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("tools.bench.cudagraphs: CUDA is not available; it measures CUDA graphs, nothing to run")
         return 2
-    import graphddp.config as gconfig
+    from graphddp import inductor_settings
 
     # Lift graphddp's refusal: what would happen is what this measures.
-    gconfig._refuse_cuda_graphs = lambda where, mode, given: None
+    inductor_settings.refuse_cuda_graphs = lambda where, mode, given: None
     torch.cuda.set_device(0)
     store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
     dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
