@@ -129,6 +129,11 @@ class DDPConfig:
         None, "with sharding='full': free each gathered parameter after the forward and gather it again in the "
         "backward (FSDP2's option, same meaning; default True), or False: keep it from the forward to the backward"
     )
+    mp_policy: Any = _option(
+        None, "with sharding='full': FSDP2's torch.distributed.fsdp.MixedPrecisionPolicy, same meaning: parameters "
+        "gathered and computed in param_dtype, gradients reduce-scattered in reduce_dtype (default param_dtype), "
+        "floating inputs cast to param_dtype (cast_forward_inputs), outputs to output_dtype (default: no cast)"
+    )
     gather: str = _option(
         "backward", "with sharding='optimizer': where each bucket's all-gather of the updated parts completes, "
         "'backward' (at its end) or 'forward' (deferred into the next forward, before the bucket's parameters are read)"
@@ -240,9 +245,11 @@ class DDPConfig:
         per-bucket caps and the cost model are the replicated planner's), no comm hook, and the
         eager backend has no partitioner to reshard."""
         if self.sharding != "full":
-            if self.reshard_after_forward is not None:
-                raise ValueError("reshard_after_forward places the gathers of sharding='full'; it needs that option")
+            for name in ("reshard_after_forward", "mp_policy"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} is an option of sharding='full' (FSDP2's, same meaning); it needs that option")
             return
+        _check_mp_policy(self.mp_policy)
         if self.reshard_after_forward is None:
             object.__setattr__(self, "reshard_after_forward", True)
         if not isinstance(self.reshard_after_forward, bool):
@@ -368,3 +375,18 @@ class DDPConfig:
         if self.last_bucket_cap_mb is None:
             raise ValueError("last_bucket_cap_mb is not set")
         return int(self.last_bucket_cap_mb * MB)
+
+
+def _check_mp_policy(policy: Any) -> None:
+    """``mp_policy`` is FSDP2's own ``MixedPrecisionPolicy`` (users pass what they pass to
+    ``fully_shard``), its dtypes floating point or None."""
+    if policy is None:
+        return
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if not isinstance(policy, MixedPrecisionPolicy):
+        raise ValueError(f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got {type(policy).__name__}")
+    for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+        dtype = getattr(policy, name)
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"mp_policy.{name} must be a floating-point torch.dtype or None, got {dtype!r}")

@@ -76,6 +76,8 @@ def add_option_flags(parser: argparse.ArgumentParser) -> None:
     for field in DDPConfig.option_fields():
         if field.name == "cost":
             continue  # an object: explain builds it from --bandwidth-gbps and the like
+        if field.name == "mp_policy":
+            continue  # an object, and an option of sharding='full', which explain does not plan yet
         if field.name in DDPConfig.ddp_keywords():
             continue  # DDP's constructor keywords change no plan: nothing to explain
         flag = "--" + field.name.replace("_", "-")

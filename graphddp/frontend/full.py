@@ -26,9 +26,12 @@ What the parts mean for the user:
 * ``no_sync()`` / ``require_backward_grad_sync`` are accepted and still reduce-scatter each
   micro-step (the accumulated gradient is DDP's; the bytes are one reduce-scatter per micro-step).
 
-Not yet (refused by name where an option asks for it): buckets (each parameter is gathered and
-reduce-scattered on its own), the update inside the backward, comm hooks and mixed precision,
-``join()``.
+Mixed precision is FSDP2's ``MixedPrecisionPolicy`` passed as ``mp_policy=`` (same meaning):
+parameters gathered and computed in ``param_dtype``, gradients reduce-scattered in
+``reduce_dtype``, the parts and the optimizer's state in the parameters' own dtype.
+
+Not yet (refused by name where an option asks for it): the update inside the backward, comm
+hooks, ``join()``.
 """
 from __future__ import annotations
 
@@ -83,10 +86,40 @@ class Part:
         return math.prod(self.shape)
 
 
-def _gathered(part: torch.Tensor, shape: tuple[int, ...], group: Any) -> torch.Tensor:
-    """The whole parameter from every rank's part: all-gather, drop the padding, view."""
+_AG = torch.ops._c10d_functional.all_gather_into_tensor.default
+_RS = torch.ops._c10d_functional.reduce_scatter_tensor.default
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+
+class _GatherInDtype(torch.autograd.Function):
+    """With a mixed-precision policy (FSDP2's, same meaning): the parts cast to ``param_dtype``
+    and all-gathered (the forward's bytes in that dtype); the backward casts the whole gradient
+    to ``reduce_dtype``, divides it by the world size, reduce-scatters it (sum) and casts this
+    rank's part back to the part's dtype, where the optimizer steps it. A function of its own
+    because autograd's derived reduce-scatter would send the gradient in the gathered dtype."""
+
+    @staticmethod
+    def forward(ctx: Any, part: torch.Tensor, world: int, group_name: str, param_dtype: torch.dtype,  # type: ignore[override]
+                reduce_dtype: torch.dtype) -> torch.Tensor:
+        ctx.world, ctx.group_name, ctx.reduce_dtype, ctx.part_dtype = world, group_name, reduce_dtype, part.dtype
+        return _WAIT(_AG(part.to(param_dtype), world, group_name))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        sent = grad.to(ctx.reduce_dtype) / ctx.world
+        return _WAIT(_RS(sent, "sum", ctx.world, ctx.group_name)).to(ctx.part_dtype), None, None, None, None
+
+
+def _gathered(part: torch.Tensor, shape: tuple[int, ...], group: Any, policy: Any = None) -> torch.Tensor:
+    """The whole parameter from every rank's part: all-gather, drop the padding, view; with a
+    mixed-precision ``policy`` in its ``param_dtype`` (:class:`_GatherInDtype`)."""
     world = dist.get_world_size(group)
-    return _Average.apply(_all_gather(part, 0, group)[: math.prod(shape)].view(shape), world)
+    param_dtype = getattr(policy, "param_dtype", None) or part.dtype
+    reduce_dtype = getattr(policy, "reduce_dtype", None) or param_dtype
+    if param_dtype == part.dtype and reduce_dtype == part.dtype:
+        return _Average.apply(_all_gather(part, 0, group)[: math.prod(shape)].view(shape), world)
+    full = _GatherInDtype.apply(part, world, group.group_name, param_dtype, reduce_dtype)
+    return full[: math.prod(shape)].view(shape)
 
 
 _SHARDED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
@@ -100,14 +133,14 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
         def prop(name: str) -> property:
             def getter(self: nn.Module) -> torch.Tensor:
                 q = self._parameters[name]
-                return _gathered(q, q._graphddp_shape, q._graphddp_group)
+                return _gathered(q, q._graphddp_shape, q._graphddp_group, q._graphddp_policy)
             return property(getter)
 
         _SHARDED_CLASSES[key] = type(f"FullySharded{cls.__name__}", (cls,), {n: prop(n) for n in names})
     return _SHARDED_CLASSES[key]
 
 
-def shard_parameters(module: nn.Module, group: Any) -> dict[int, Part]:
+def shard_parameters(module: nn.Module, group: Any, policy: Any = None) -> dict[int, Part]:
     """Replace every parameter of ``module`` by this rank's part and every read of it by a gather
     (module docstring). Returns the parts by the id of the parameter they replace."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -122,7 +155,7 @@ def shard_parameters(module: nn.Module, group: Any) -> dict[int, Part]:
             entry = placed.get(id(p)) or parts.get(id(p))
             if entry is None:
                 q = nn.Parameter(padded_part(p, world, rank), requires_grad=p.requires_grad)
-                q._graphddp_shape, q._graphddp_group = tuple(p.shape), group  # type: ignore[attr-defined]
+                q._graphddp_shape, q._graphddp_group, q._graphddp_policy = tuple(p.shape), group, policy  # type: ignore[attr-defined]
                 entry = parts[id(p)] = placed[id(q)] = Part(q, tuple(p.shape), [])
             full_name = f"{mod_name}.{name}" if mod_name else name
             if full_name not in entry.names:
@@ -174,6 +207,14 @@ def clip_parts_by_global_norm(optimizer: torch.optim.Optimizer, max_norm: float,
     return optimizer.register_step_pre_hook(clip)
 
 
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    """Every floating-point tensor of ``tree`` cast to ``dtype`` (FSDP2's ``cast_forward_inputs``
+    and ``output_dtype``; integer tensors, such as token ids, stay as they are)."""
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
+
+
 class FullyShardedGraphDDP(nn.Module):
     """What ``graphddp.compile(..., sharding="full")`` returns (module docstring)."""
 
@@ -213,7 +254,13 @@ class FullyShardedGraphDDP(nn.Module):
             buffers = list(self.module.buffers())
             if buffers:
                 broadcast_tensors(buffers, self.process_group)
-        return self._compiled(*args, **kwargs)
+        policy = self.config.mp_policy
+        if policy is not None and policy.param_dtype is not None and policy.cast_forward_inputs:
+            args, kwargs = _cast_floats((args, kwargs), policy.param_dtype)
+        out = self._compiled(*args, **kwargs)
+        if policy is not None and policy.output_dtype is not None:
+            out = _cast_floats(out, policy.output_dtype)
+        return out
 
     # -- DDP's switches: accepted, the gradient is reduce-scattered every micro-step -----------------
     @property
@@ -314,7 +361,7 @@ def compile_fully_sharded(module: nn.Module, group: Any, config: DDPConfig, opti
             "(a torch.optim optimizer over model.parameters(), built before graphddp.compile)"
         )
     check_and_broadcast(where, module, group, config)  # whole tensors, before they are cut
-    parts = shard_parameters(module, group)
+    parts = shard_parameters(module, group, config.mp_policy)
     repoint_optimizer(optimizer, parts, dist.get_world_size(group), dist.get_rank(group))
     if config.max_grad_norm is not None:
         clip_parts_by_global_norm(optimizer, config.max_grad_norm, group)

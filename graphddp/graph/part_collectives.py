@@ -70,10 +70,22 @@ def _wait_of(issue: fx.Node) -> fx.Node | None:
     return next((u for u in issue.users if is_wait(u)), None)
 
 
+_CASTS = (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
+
+
+def part_input(gather: fx.Node) -> fx.Node | None:
+    """The graph input a gather sends, directly or cast to another dtype first (a
+    mixed-precision policy's ``param_dtype``); None where it gathers anything else."""
+    sent = gather.args[0]
+    if isinstance(sent, fx.Node) and sent.target in _CASTS and len(sent.args) >= 1 and isinstance(sent.args[0], fx.Node):
+        sent = sent.args[0]
+    return sent if isinstance(sent, fx.Node) and sent.op == "placeholder" else None
+
+
 def _part_gathers(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
     """(gather, wait) of every graph input gathered, in the order their waits come (each wait
     right before its parameter's first read, where AOTAutograd put it)."""
-    pairs = [(n, _wait_of(n)) for n in graph.nodes if n.target is ALL_GATHER and n.args[0].op == "placeholder"]
+    pairs = [(n, _wait_of(n)) for n in graph.nodes if n.target is ALL_GATHER and part_input(n) is not None]
     return [(g, w) for g, w in pairs if w is not None]
 
 
@@ -109,11 +121,13 @@ def _key(issue: fx.Node) -> tuple[Any, ...]:
 # -- the rewrite ---------------------------------------------------------------------------------
 
 
-def _gather_fn(world: int, group: str, sizes: Sequence[int], gloo: bool) -> Callable[..., list[torch.Tensor]]:
+def _gather_fn(world: int, group: str, sizes: Sequence[int], gloo: bool, dtype: torch.dtype) -> Callable[..., list[torch.Tensor]]:
     total = sum(sizes)
 
     def gather(*parts: torch.Tensor) -> list[torch.Tensor]:
         with role("gather"):
+            # a policy's param_dtype: cast, then sent (the prim inductor lowers: it has no _to_copy)
+            parts = tuple(p if p.dtype == dtype else torch.ops.prims.convert_element_type.default(p, dtype) for p in parts)
             flat = torch.cat(parts) if len(parts) > 1 else parts[0]
             if gloo:
                 sent = _ALL_TO_ALL(flat.repeat(world), [total] * world, [total] * world, group)
@@ -155,9 +169,14 @@ def _bucket_gathers(graph: fx.Graph, buckets: list[list[tuple[fx.Node, fx.Node]]
     out = []
     for index, bucket in enumerate(buckets):
         _, world, group = bucket[0][0].args
-        parts = [g.args[0] for g, _ in bucket]
-        fn = _gather_fn(world, group, [p.meta["val"].shape[0] for p in parts], backend_of(group) == "gloo")
+        parts = [part_input(g) for g, _ in bucket]
+        casts = [g.args[0] for g, _ in bucket if g.args[0] not in parts]
+        dtype = bucket[0][0].meta["val"].dtype  # one per bucket (_buckets keys on it)
+        fn = _gather_fn(world, group, [p.meta["val"].shape[0] for p in parts], backend_of(group) == "gloo", dtype)
         out.append(_replace(graph, bucket, fn, parts, bucket[0][1], index, "gather"))
+        for cast in casts:  # now inside the bucket's gather, which moves with it
+            if not cast.users:
+                graph.erase_node(cast)
     return out
 
 
@@ -185,7 +204,28 @@ def _replace(
         wait.replace_all_uses_with(result)
         graph.erase_node(wait)
         graph.erase_node(issue)
+    _after(graph, results)
     return _issue_and_wait(results[0], kind)
+
+
+def _after(graph: fx.Graph, results: list[fx.Node]) -> None:
+    """Move what reads a bucket's results, and was placed before the last of them, to right after
+    it, in its order. A reduce-scatter bucket's results come where its last gradient's was
+    issued; a reader of an earlier one (a policy's cast of this rank's part back to its dtype)
+    sat right after that one's wait. Everything else such a reader reads is older, so it may move."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    last = max(results, key=order.__getitem__)
+    found: set[fx.Node] = set()
+    todo = list(results)
+    while todo:
+        for user in todo.pop().users:
+            if user not in found and user.op != "output" and order[user] < order[last]:
+                found.add(user)
+                todo.append(user)
+    anchor = last
+    for node in sorted(found, key=order.__getitem__):
+        anchor.append(node)
+        anchor = node
 
 
 def _issue_and_wait(result: fx.Node, kind: str) -> tuple[list[fx.Node], fx.Node]:

@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from graphddp.graph.part_collectives import part_input
 from graphddp.values.comm import is_wait
 
 _ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
@@ -42,10 +43,12 @@ def tag_regathers(graph: fx.Graph) -> int:
     recomputation (module docstring); returns how many gathers were tagged."""
     tagged = 0
     for node in graph.nodes:
-        if node.target is not _ALL_GATHER or node.args[0].op != "placeholder":
+        if node.target is not _ALL_GATHER or part_input(node) is None:
             continue
         tagged += 1
         _tag(node, CheckpointPolicy.MUST_RECOMPUTE)
+        if node.args[0] is not part_input(node):  # a policy's cast of the part: recomputed with it
+            _tag(node.args[0], CheckpointPolicy.MUST_RECOMPUTE)
         todo = list(node.users)
         while todo:
             user = todo.pop()

@@ -40,6 +40,20 @@ def test_reshard_after_forward_belongs_to_full_sharding(fake_world):
         graphddp.compile(model, optimizer=_adamw(model), sharding="full", reshard_after_forward="yes")
 
 
+def test_mp_policy_is_fsdp2s_and_belongs_to_full_sharding(fake_world):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    fake_world(8)
+    model = models.MLP()
+    with pytest.raises(ValueError, match="mp_policy is an option of sharding='full'"):
+        graphddp.compile(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got dict"):
+        graphddp.compile(model, optimizer=_adamw(model), sharding="full", mp_policy={"param_dtype": torch.bfloat16})
+    with pytest.raises(ValueError, match="mp_policy.reduce_dtype must be a floating-point torch.dtype"):
+        graphddp.compile(model, optimizer=_adamw(model), sharding="full",
+                         mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.int32))
+
+
 def test_full_sharding_needs_the_optimizer(fake_world):
     fake_world(8)
     with pytest.raises(ValueError, match="optimizer="):

@@ -1,0 +1,110 @@
+"""Full sharding with a mixed-precision policy against FSDP2 with the same policy.
+
+``graphddp.compile(model, optimizer=opt, sharding="full", mp_policy=MixedPrecisionPolicy(...))``
+takes FSDP2's own policy object with FSDP2's meaning, so the reference is FSDP2: ``fully_shard``
+with the same policy (each transformer block, then the root) and the same optimizer, on the same
+gloo ranks, from the same parameters, with rank-dependent data. Both compute in ``param_dtype``
+from parameters cast before they are gathered and reduce their gradients in ``reduce_dtype``;
+the parts and the optimizer state stay fp32. After every step the losses and the whole
+parameters agree to what bf16 compute allows; the compiled graphs show the bytes: every gather
+sends ``param_dtype``, every reduce-scatter ``reduce_dtype``.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Callable
+
+import pytest
+import torch
+import torch.nn as nn
+from test_optim_ranks import _hf_gpt2, _hf_loss, _sgd
+from test_sharded import _mlp_loss
+
+import graphddp
+from graphddp import models
+from graphddp.testing import spawn
+from graphddp.values.comm import ROLE_KEY
+
+ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default  # gloo: gathers and reduce-scatters
+BF16 = {"atol": 2e-4, "rtol": 2e-3}  # SGD: a bf16 rounding of a gradient is lr * 2^-8 of it
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    make: Callable[[], nn.Module]
+    loss: Callable[[nn.Module, int, int], torch.Tensor]
+    reduce_dtype: torch.dtype | None  # None: param_dtype's (FSDP2's default)
+    backend: str = "aot_eager"
+    reshard: bool = True
+    steps: int = 3
+
+
+CASES = {
+    "mlp_bf16_reduce_fp32": Case(models.MLP, _mlp_loss, torch.float32),
+    "mlp_bf16_reduce_bf16_kept": Case(models.MLP, _mlp_loss, None, reshard=False),
+    "hf_gpt2_bf16_reduce_fp32": Case(_hf_gpt2, _hf_loss, torch.float32),
+    "mlp_bf16_reduce_fp32_inductor": Case(models.MLP, _mlp_loss, torch.float32, backend="inductor", steps=2),
+}
+
+
+def _policy(case: Case):  # type: ignore[no-untyped-def]
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=case.reduce_dtype)
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    blocks = getattr(getattr(model, "transformer", None), "h", None)
+    return list(blocks) if blocks is not None else []
+
+
+def _train(rank: int, world: int, name: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    case = CASES[name]
+    torch.manual_seed(0)
+    base = case.make()
+    mine, ref = copy.deepcopy(base), copy.deepcopy(base)
+    for block in _blocks(ref):
+        fully_shard(block, mp_policy=_policy(case), reshard_after_forward=case.reshard)
+    fully_shard(ref, mp_policy=_policy(case), reshard_after_forward=case.reshard)
+    opt, ref_opt = _sgd(mine), _sgd(ref)
+    ours = graphddp.compile(mine, optimizer=opt, sharding="full", backend=case.backend,
+                            reshard_after_forward=case.reshard, mp_policy=_policy(case))
+    for step in range(case.steps):
+        losses = []
+        for m, o in ((ours, opt), (ref, ref_opt)):
+            loss = case.loss(m, rank, step)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+        assert abs(losses[0] - losses[1]) <= 1e-2 * abs(losses[1]), f"{name} step {step}: loss {losses[0]} vs FSDP2's {losses[1]}"
+        whole = dict(ours.named_parameters())
+        for n, q in ref.named_parameters():
+            torch.testing.assert_close(whole[n], q.full_tensor().detach(), **BF16, msg=lambda m: f"{name} step {step} param {n}: {m}")
+    if isinstance(base, models.MLP):  # fp32 inputs cast (cast_forward_inputs), computed in bf16
+        with torch.no_grad():
+            assert ours(torch.randn(2, 16)).dtype == torch.bfloat16, f"{name}: the forward did not compute in bf16"
+    for p in mine.parameters():
+        assert p.dtype == torch.float32, f"{name}: a part is held in {p.dtype}, not the parameter's fp32"
+    sent = {"gather": set(), "reduce_scatter": set()}
+    regathers = 0
+    for kind, g in ours.graphs:
+        for n in g.graph.nodes:
+            if n.target is ALL_TO_ALL and n.meta.get(ROLE_KEY) in sent:
+                sent[n.meta[ROLE_KEY]].add(n.args[0].meta["val"].dtype)
+                regathers += kind == "backward" and n.meta[ROLE_KEY] == "gather"
+    assert (regathers > 0) == case.reshard, f"{name}: {regathers} gathers in the backward with reshard_after_forward={case.reshard}"
+    assert sent["gather"] == {torch.bfloat16}, f"{name}: gathers sent {sent['gather']}, not bf16"
+    assert sent["reduce_scatter"] == {case.reduce_dtype or torch.bfloat16}, f"{name}: reduce-scatters sent {sent['reduce_scatter']}"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_full_sharding_with_a_policy_matches_fsdp2_on_two_ranks(name: str) -> None:
+    spawn(_train, 2, name)
+
+
+def test_full_sharding_with_a_policy_matches_fsdp2_on_three_ranks() -> None:
+    spawn(_train, 3, "mlp_bf16_reduce_fp32")
