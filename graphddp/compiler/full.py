@@ -22,8 +22,9 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from graphddp.config import MB, DDPConfig
 from graphddp.inductor_settings import INDUCTOR_FX_ORDER_CONFIG
 from graphddp.graph import reshard
-from graphddp.graph.part_collectives import check_part_collectives, place_part_collectives
+from graphddp.graph.part_collectives import place_part_collectives
 from graphddp.graph.reshard import tag_regathers
+from graphddp.graph.verify_full import check_part_collectives
 
 
 # Gather and reduce-scatter buckets close once they reach this many MB, unless bucket_cap_mb is set.
@@ -66,14 +67,15 @@ def fully_sharded_compiler(config: DDPConfig, graphs: list[tuple[str, fx.GraphMo
     return compile_graph
 
 
-def _placed(gm: fx.GraphModule, config: DDPConfig) -> None:
+def _placed(gm: fx.GraphModule, config: DDPConfig, backward: bool) -> None:
     """The graph's collectives bucketed and placed where a step wants them
-    (:mod:`graphddp.graph.part_collectives`), checked after the rewrite when ``config.verify``."""
+    (:mod:`graphddp.graph.part_collectives`), checked after the rewrite when ``config.verify``
+    (:mod:`graphddp.graph.verify_full`)."""
     cap = config.bucket_cap_mb if isinstance(config.bucket_cap_mb, (int, float)) else FULL_BUCKET_CAP_MB
     place_part_collectives(gm.graph, cap_bytes=int(cap * MB))
     gm.recompile()
     if config.verify:
-        check_part_collectives(gm)
+        check_part_collectives(gm, backward)
 
 
 def _recording(compile_inner: Callable[..., Any], graphs: list[tuple[str, fx.GraphModule]], config: DDPConfig) -> Callable[..., Any]:
@@ -82,7 +84,7 @@ def _recording(compile_inner: Callable[..., Any], graphs: list[tuple[str, fx.Gra
 
     def inner(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
         if not kwargs.get("is_inference"):
-            _placed(gm, config)
+            _placed(gm, config, bool(kwargs.get("is_backward")))
             graphs.append(("backward" if kwargs.get("is_backward") else "forward", gm))
         return compile_inner(gm, example_inputs, **kwargs)
 
@@ -102,12 +104,12 @@ def _aot_eager(graphs: list[tuple[str, fx.GraphModule]], config: DDPConfig) -> C
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
     def forward(gm: fx.GraphModule, inputs: Any) -> Any:
-        _placed(gm, config)
+        _placed(gm, config, False)
         graphs.append(("forward", gm))
         return boxed_nop(gm, inputs)
 
     def backward(gm: fx.GraphModule, inputs: Any) -> Any:
-        _placed(gm, config)
+        _placed(gm, config, True)
         graphs.append(("backward", gm))
         return boxed_nop(gm, inputs)
 

@@ -29,9 +29,8 @@ then keeps graphddp's order (``INDUCTOR_FX_ORDER_CONFIG``):
   is the repeated parts, a bucket's gathered size, alive until its wait.
 
 Every node added carries ``ROLE_KEY`` (``"gather"``, ``"gather_wait"``, ``"reduce_scatter"``,
-``"reduce_scatter_wait"``) and ``BUCKET_KEY``. Postcondition, checked by
-:func:`check_part_collectives`: every collective is read by exactly one wait, and nothing reads a
-collective's result before that wait (so no parameter is read before its gather's wait).
+``"reduce_scatter_wait"``) and ``BUCKET_KEY``. Postconditions, checked after the rewrite by
+:mod:`graphddp.graph.verify_full`.
 """
 from __future__ import annotations
 
@@ -42,7 +41,6 @@ import torch.fx as fx
 
 from graphddp.graph.capture import ancestors
 from graphddp.graph.trace import role, splice, trace
-from graphddp.graph.verify_common import _fail
 from graphddp.values.collectives import REDUCE_SCATTER, backend_of
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
 
@@ -274,16 +272,3 @@ def _readers_before(wait: fx.Node, anchor: fx.Node) -> list[fx.Node]:
                 found.add(user)
                 todo.append(user)
     return sorted(found, key=order.__getitem__)
-
-
-def check_part_collectives(gm: fx.GraphModule) -> None:
-    """Every collective of ``gm`` read by exactly one wait (P1), and nothing reads a collective's
-    result before its wait: FX's lint checks that every node comes after what it reads, and a
-    result is read only through its wait."""
-    gm.graph.lint()
-    for issue in gm.graph.nodes:
-        if issue.target in (ALL_GATHER, _REDUCE_SCATTER, _ALL_TO_ALL):
-            waits = [u for u in issue.users if is_wait(u)]
-            if len(waits) != 1 or len(issue.users) != 1:
-                _fail(gm, issue, f"P1: {issue.name} ({issue.target}) must be read by exactly one wait, is read by {list(issue.users)}")
-

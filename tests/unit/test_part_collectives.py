@@ -1,7 +1,8 @@
 """The rewrite of ``sharding="full"``'s collectives (graphddp/graph/part_collectives.py) on the
 graphs of a real compile, in one process (a fake group of 8 ranks): buckets by the cap, each
 gather bucket issued one bucket ahead of its wait, each reduce-scatter bucket travelling behind
-the next bucket's gradient compute, and rule P1 with a mutation that breaks it."""
+the next bucket's gradient compute, and rules P1-P3 (graphddp/graph/verify_full.py) with
+mutations that break each."""
 import copy
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import graphddp
-from graphddp.graph.part_collectives import check_part_collectives
+from graphddp.graph.verify_full import check_part_collectives
 from graphddp.graph.verify_common import VerificationError
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
 
@@ -75,7 +76,7 @@ def test_a_bigger_cap_makes_fewer_buckets(fake_world):
 def test_rule_p1_fails_a_collective_not_waited_once(fake_world, mutation):
     fake_world(8)
     forward, _ = _graphs()
-    check_part_collectives(forward)  # the compiled graph passes
+    check_part_collectives(forward, backward=False)  # the compiled graph passes
     broken = copy.deepcopy(forward)
     graph = broken.graph
     gather = next(n for n in graph.nodes if n.meta.get(ROLE_KEY) == "gather" and n.target is GATHER)
@@ -87,4 +88,48 @@ def test_rule_p1_fails_a_collective_not_waited_once(fake_world, mutation):
         with graph.inserting_after(wait):
             graph.call_function(wait.target, (gather,)).meta[BUCKET_KEY] = wait.meta[BUCKET_KEY]
     with pytest.raises(VerificationError, match="P1"):
-        check_part_collectives(broken)
+        check_part_collectives(broken, backward=False)
+
+
+def _scatters(backward):
+    return [n for n in backward.graph.nodes if n.meta.get(ROLE_KEY) == "reduce_scatter" and n.target in (REDUCE_SCATTER,)]
+
+
+def test_rule_p2_fails_a_part_gradient_returned_unreduced(fake_world):
+    fake_world(8)
+    _, backward = _graphs()
+    check_part_collectives(backward, backward=True)  # the compiled graph passes
+    broken = copy.deepcopy(backward)
+    graph = broken.graph
+    outs = list(graph.output_node().args[0])
+    scatter = _scatters(broken)[0]
+    k = next(i for i, o in enumerate(outs) if o is not None and scatter in ancestors_of(o))
+    with graph.inserting_before(graph.output_node()):  # this rank's share of the local gradient
+        local = graph.call_function(torch.ops.aten.slice.Tensor, (scatter.args[0], 0, 0, outs[k].meta["val"].numel()))
+    outs[k] = local
+    graph.output_node().args = (tuple(outs),)
+    with pytest.raises(VerificationError, match="P2: .* around a reduce-scatter"):
+        check_part_collectives(broken, backward=True)
+
+
+def test_rule_p3_fails_a_gradient_reduce_scattered_twice(fake_world):
+    fake_world(8)
+    _, backward = _graphs()
+    broken = copy.deepcopy(backward)
+    graph = broken.graph
+    first, second = _scatters(broken)[:2]
+    received = next(u for u in first.users if is_wait(u))
+    with graph.inserting_before(second):
+        total = graph.call_function(torch.ops.aten.sum.default, (received,))
+        again = graph.call_function(torch.ops.aten.add.Tensor, (second.args[0], total))
+    second.args = (again, *second.args[1:])
+    for n in (total, again):
+        n.meta["val"] = second.args[0].meta.get("val") if n is again else None
+    with pytest.raises(VerificationError, match="P3"):
+        check_part_collectives(broken, backward=True)
+
+
+def ancestors_of(node):
+    from graphddp.graph.capture import ancestors
+
+    return ancestors(node)

@@ -1,0 +1,101 @@
+"""The checker run after :func:`graphddp.graph.part_collectives.place_part_collectives` on every
+graph of ``sharding="full"``.
+
+The rewrite replaces AOTAutograd's own collectives by buckets and moves them; what it could get
+wrong, and a numerics test on one model might not show:
+
+P1. **Waited once, read after.** Every collective is read by exactly one wait, and nothing
+    reads its result but through that wait; FX's lint (every node after what it reads) then
+    makes "no parameter read before its gather's wait" and "no gradient part read before its
+    reduce-scatter's wait" hold.
+P2. **Every gradient of a part reduce-scattered.** In a backward that gathers parts again
+    (``reshard_after_forward=True``: there the part is a graph input, ``primals_k``, and its
+    gradient output ``k - 1``), the gradient of each part it gathers reaches the output through
+    reduce-scatters only: the output depends on the backward's incoming gradients (its
+    ``tangents``) through at least one reduce-scatter's wait and never around one. A rank that
+    returned its local gradient for a part would train on 1/N of the data.
+P3. **Once.** No reduce-scatter sends what a reduce-scatter received: a gradient averaged twice
+    is divided by N twice.
+
+(A backward that keeps the forward's gathered parameters, ``reshard_after_forward=False``, has
+no part among its inputs, so P2 has nothing to map there; P1 and P3 hold for every graph.)
+Failures raise :class:`graphddp.graph.verify_common.VerificationError` showing the node in context.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.fx as fx
+
+from graphddp.graph.capture import ancestors
+from graphddp.graph.verify_common import _fail
+from graphddp.values.comm import ROLE_KEY, is_wait
+
+_COLLECTIVES = (
+    torch.ops._c10d_functional.all_gather_into_tensor.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.all_to_all_single.default,
+)
+_PRIMAL = re.compile(r"primals_(\d+)$")
+
+
+def check_part_collectives(gm: fx.GraphModule, backward: bool) -> None:
+    """P1-P3 (module docstring) on one rewritten graph; P2 on a ``backward`` one."""
+    gm.graph.lint()
+    for issue in gm.graph.nodes:
+        if issue.target in _COLLECTIVES:
+            waits = [u for u in issue.users if is_wait(u)]
+            if len(waits) != 1 or len(issue.users) != 1:
+                _fail(gm, issue, f"P1: {issue.name} ({issue.target}) must be read by exactly one wait, is read by {list(issue.users)}")
+    scatters = [n for n in gm.graph.nodes if n.target in _COLLECTIVES and n.meta.get(ROLE_KEY) == "reduce_scatter"]
+    for issue in scatters:
+        again = [a for a in ancestors(issue.args[0]) if is_wait(a) and a.meta.get(ROLE_KEY) == "reduce_scatter_wait"]
+        if again:
+            _fail(gm, issue, f"P3: {issue.name} reduce-scatters what {again[0].name} received: a gradient averaged twice")
+    if backward:
+        _check_part_gradients(gm)
+
+
+def _check_part_gradients(gm: fx.GraphModule) -> None:
+    """P2: each gathered part's gradient output reads the tangents through reduce-scatter waits only."""
+    outs = gm.graph.output_node().args[0]
+    if not isinstance(outs, (tuple, list)):
+        return
+    for node in gm.graph.nodes:
+        match = _PRIMAL.match(node.name) if node.op == "placeholder" else None
+        if match is None or not any(_gathers(u) for u in node.users):
+            continue
+        index = int(match.group(1)) - 1
+        grad = outs[index] if index < len(outs) else None
+        if not isinstance(grad, fx.Node):
+            continue  # no gradient (a frozen part) or not this graph's to return
+        through, around = _paths_to_tangents(grad)
+        if around or not through:
+            why = f"around a reduce-scatter (via {around.name})" if around else "without a reduce-scatter"
+            _fail(gm, grad, f"P2: the gradient of part {node.name} (output {index}) reads the incoming gradients {why}")
+
+
+def _gathers(node: fx.Node) -> bool:
+    """Whether ``node`` is part of a gather bucket (its cast, concatenation or collective)."""
+    return node.meta.get(ROLE_KEY) == "gather"
+
+
+def _paths_to_tangents(grad: fx.Node) -> tuple[int, fx.Node | None]:
+    """Walking from ``grad`` towards the inputs, stopping at reduce-scatter waits: how many waits
+    it meets, and a tangent it reaches without passing one (None if none)."""
+    through = 0
+    seen: set[fx.Node] = set()
+    todo = [grad]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if is_wait(node) and node.meta.get(ROLE_KEY) == "reduce_scatter_wait":
+            through += 1
+            continue
+        if node.op == "placeholder" and node.name.startswith("tangents"):
+            return through, node
+        todo.extend(node.all_input_nodes)
+    return through, None
