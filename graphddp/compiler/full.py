@@ -20,7 +20,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from graphddp.config import MB, DDPConfig
-from graphddp.inductor_settings import INDUCTOR_FX_ORDER_CONFIG
+from graphddp.config.inductor_settings import INDUCTOR_FX_ORDER_CONFIG
 from graphddp.graph import reshard
 from graphddp.graph.part_collectives import place_part_collectives
 from graphddp.graph.reshard import tag_regathers

@@ -14,7 +14,7 @@ import torch.fx as fx
 
 from graphddp.compiler import cache as compile_cache
 from graphddp.compiler.record import CARRY, GraphRecord
-from graphddp.inductor_settings import INDUCTOR_FX_ORDER_CONFIG, INDUCTOR_PINNED_CONFIG
+from graphddp.config.inductor_settings import INDUCTOR_FX_ORDER_CONFIG, INDUCTOR_PINNED_CONFIG
 from graphddp.runtime.dispatch import BackwardDispatch
 from graphddp.optim.insert_gather import GATHER_INPUT
 from graphddp.values.collectives import ALL_GATHER, REDUCE_SCATTER

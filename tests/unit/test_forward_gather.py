@@ -74,7 +74,7 @@ def test_both_graphs_are_compiled_in_graphddps_order(fake_world):
     all-gather before computing: 238 ms against 106) and sank the backward's reduce-scatter
     waits, with the updates, to its end."""
     from graphddp.compiler.inductor import pinned_config
-    from graphddp.inductor_settings import INDUCTOR_FX_ORDER_CONFIG, INDUCTOR_PINNED_CONFIG
+    from graphddp.config.inductor_settings import INDUCTOR_FX_ORDER_CONFIG, INDUCTOR_PINNED_CONFIG
 
     gd, record = _two_steps(fake_world)
     assert pinned_config(record.graph) is INDUCTOR_FX_ORDER_CONFIG

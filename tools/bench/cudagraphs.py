@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("tools.bench.cudagraphs: CUDA is not available; it measures CUDA graphs, nothing to run")
         return 2
-    from graphddp import inductor_settings
+    from graphddp.config import inductor_settings
 
     # Lift graphddp's refusal: what would happen is what this measures.
     inductor_settings.refuse_cuda_graphs = lambda where, mode, given: None

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from graphddp import ddp_keywords, inductor_settings
+from graphddp.config import ddp_keywords, inductor_settings
 from graphddp.hooks.builtin import COMM_HOOKS
 from graphddp.hooks.traced import as_traced_hook
-from graphddp.inductor_settings import INDUCTOR_MODES
+from graphddp.config.inductor_settings import INDUCTOR_MODES
 from graphddp.values.schedule import CostModel
 
 BACKENDS = ("inductor", "aot_eager", "eager")
@@ -232,7 +232,7 @@ class DDPConfig:
                                 options: dict[str, Any] | None = None) -> dict[str, Any]:
         """The inductor patches for a compile of this config (or of a ``torch.compile`` call's
         ``mode``/``options``, when the pipeline owns it), refused where graphddp cannot keep its
-        promises: :func:`graphddp.inductor_settings.check_inductor_settings`."""
+        promises: :func:`graphddp.config.inductor_settings.check_inductor_settings`."""
         return inductor_settings.check_inductor_settings(
             where, self.backend, device, self.mode if mode is None else mode,
             self.inductor_options if options is None else dict(options),
@@ -267,12 +267,12 @@ class DDPConfig:
 
     def _check_ddp_keywords(self) -> None:
         """DDP's constructor keywords, each accepted with DDP's meaning or refused by name
-        (:func:`graphddp.ddp_keywords.check_keywords`)."""
+        (:func:`graphddp.config.ddp_keywords.check_keywords`)."""
         object.__setattr__(self, "device_ids", ddp_keywords.check_keywords(self))
 
     def check_devices(self, where: str, device: torch.device | None) -> None:
         """``device_ids`` and ``output_device`` name the device of the module's parameters
-        (:func:`graphddp.ddp_keywords.check_devices`)."""
+        (:func:`graphddp.config.ddp_keywords.check_devices`)."""
         ddp_keywords.check_devices(where, self.device_ids, self.output_device, device)
 
     def _check_caps(self) -> None:
