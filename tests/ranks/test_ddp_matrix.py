@@ -496,8 +496,8 @@ FEATURES_OF = {
     "break_gpt": NO_BUFFERS,
     "namespace_bn": ALL,
     # HF GPT-2: the features whose graphs it changes (auto plan and toggles run on both GPTs
-    # written here and on namespace_bn)
-    "hf_gpt2": ("no_sync", "fp16_compress", "resume", "dynamic_shapes"),
+    # written here and on namespace_bn; a resumed checkpoint on BERT and both of them)
+    "hf_gpt2": ("no_sync", "fp16_compress", "dynamic_shapes"),
     # BERT's own paths (token-type ids, a pooler): the features whose graphs it changes; the
     # auto plan, toggles and hooks run on both GPTs
     "hf_bert": ("no_sync", "resume", "dynamic_shapes"),
