@@ -28,10 +28,12 @@ from graphddp.graph.verify_full import check_part_collectives
 
 
 # Gather and reduce-scatter buckets close once they reach this many MB, unless bucket_cap_mb is set.
-# The best of 0.25-8 MB on the benchmark's GPT, 2 gloo ranks on the 2 Gbit/s link (step against
-# sharding="optimizer"'s in the same run: 4 MB 1.22-1.24x, 2 MB 1.18x, 1 MB 1.16x, 0.5 MB 1.10x,
-# 0.25 MB 1.19x); a fixed cap, not the planner's (docs/full-sharding.md).
-FULL_BUCKET_CAP_MB = 0.5
+# Measured on the benchmark's GPT, 2 gloo ranks on the 2 Gbit/s link, step against
+# sharding="optimizer"'s in the same run (--modes graphddp_sharded,graphddp_full; runs of the same
+# code differ by about 3%): 0.25 MB 1.29x, 0.5 MB 1.13x, 1 MB 1.08x and 1.11x, 1.5 MB 1.13x,
+# 2 MB 1.11x. (Before a reduce-scatter bucket was capped by its whole gradients, 0.5 MB was the
+# best.) A fixed cap, not the planner's (docs/full-sharding.md).
+FULL_BUCKET_CAP_MB = 1.0
 
 
 class _TagRegathers(CustomGraphPass):

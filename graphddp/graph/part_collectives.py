@@ -50,11 +50,11 @@ _ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 PREFETCH = 1  # gather buckets in flight ahead of the one being read
 SCATTER_LAG = 1  # reduce-scatter buckets in flight behind the backward's compute
-CAP_BYTES = 512 * 1024  # a bucket closes once its gathered (or full-gradient) bytes reach this
 
 
-def place_part_collectives(graph: fx.Graph, cap_bytes: int = CAP_BYTES, prefetch: int = PREFETCH, lag: int = SCATTER_LAG) -> None:
-    """Bucket and place every gather of a part and every reduce-scatter (module docstring)."""
+def place_part_collectives(graph: fx.Graph, cap_bytes: int, prefetch: int = PREFETCH, lag: int = SCATTER_LAG) -> None:
+    """Bucket and place every gather of a part and every reduce-scatter (module docstring); a bucket
+    closes once its gathered (or whole-gradient) bytes reach ``cap_bytes``."""
     gathers = _bucket_gathers(graph, _buckets(_part_gathers(graph), cap_bytes))
     _place_gathers(graph, gathers, prefetch)
     scatters = _bucket_scatters(graph, _buckets(_reduce_scatters(graph), cap_bytes))
