@@ -77,8 +77,9 @@ def explain(
     config = DDPConfig.from_options("graphddp.explain", options)  # bad options fail before any tracing
     if config.sharding == "full":
         raise NotImplementedError(
-            "graphddp.explain: sharding='full' has no bucket plan yet (each parameter is gathered and reduce-scattered "
-            "on its own); a run's model.graphs shows where its collectives are"
+            "graphddp.explain: sharding='full' has no Schedule yet (its gathers and reduce-scatters are bucketed by a "
+            "fixed cap inside each compiled graph, not planned); a run's model.graphs shows where each bucket's "
+            "collectives are"
         )
     with fake_process_group(world_size):
         copied = copy.deepcopy(model)
