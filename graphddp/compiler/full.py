@@ -31,8 +31,9 @@ from graphddp.graph.verify_full import check_part_collectives
 # Measured on the benchmark's GPT, 2 gloo ranks on the 2 Gbit/s link, step against
 # sharding="optimizer"'s in the same run (--modes graphddp_sharded,graphddp_full; runs of the same
 # code differ by about 3%): 0.25 MB 1.29x, 0.5 MB 1.13x, 1 MB 1.08x and 1.11x, 1.5 MB 1.13x,
-# 2 MB 1.11x. (Before a reduce-scatter bucket was capped by its whole gradients, 0.5 MB was the
-# best.) A fixed cap, not the planner's (docs/full-sharding.md).
+# 2 MB 1.11x: 0.5-2 MB within the spread of runs, 0.25 MB not. (Before a reduce-scatter bucket
+# was capped by its whole gradients, 0.5 MB was the best.) A fixed cap, not the planner's
+# (docs/full-sharding.md).
 FULL_BUCKET_CAP_MB = 1.0
 
 
