@@ -213,15 +213,9 @@ def _after(graph: fx.Graph, results: list[fx.Node]) -> None:
     sat right after that one's wait. Everything else such a reader reads is older, so it may move."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     last = max(results, key=order.__getitem__)
-    found: set[fx.Node] = set()
-    todo = list(results)
-    while todo:
-        for user in todo.pop().users:
-            if user not in found and user.op != "output" and order[user] < order[last]:
-                found.add(user)
-                todo.append(user)
+    early = {n for r in results for n in _readers_before(r, last)} - set(results)
     anchor = last
-    for node in sorted(found, key=order.__getitem__):
+    for node in sorted(early, key=order.__getitem__):
         anchor.append(node)
         anchor = node
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 import graphddp
+from graphddp.graph.capture import ancestors
 from graphddp.graph.verify_full import check_part_collectives
 from graphddp.graph.verify_common import VerificationError
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
@@ -91,10 +92,6 @@ def test_rule_p1_fails_a_collective_not_waited_once(fake_world, mutation):
         check_part_collectives(broken, backward=False)
 
 
-def _scatters(backward):
-    return [n for n in backward.graph.nodes if n.meta.get(ROLE_KEY) == "reduce_scatter" and n.target in (REDUCE_SCATTER,)]
-
-
 def test_rule_p2_fails_a_part_gradient_returned_unreduced(fake_world):
     fake_world(8)
     _, backward = _graphs()
@@ -102,8 +99,8 @@ def test_rule_p2_fails_a_part_gradient_returned_unreduced(fake_world):
     broken = copy.deepcopy(backward)
     graph = broken.graph
     outs = list(graph.output_node().args[0])
-    scatter = _scatters(broken)[0]
-    k = next(i for i, o in enumerate(outs) if o is not None and scatter in ancestors_of(o))
+    scatter = _by_role(broken, "reduce_scatter")[0]
+    k = next(i for i, o in enumerate(outs) if o is not None and scatter in ancestors(o))
     with graph.inserting_before(graph.output_node()):  # this rank's share of the local gradient
         local = graph.call_function(torch.ops.aten.slice.Tensor, (scatter.args[0], 0, 0, outs[k].meta["val"].numel()))
     outs[k] = local
@@ -117,19 +114,11 @@ def test_rule_p3_fails_a_gradient_reduce_scattered_twice(fake_world):
     _, backward = _graphs()
     broken = copy.deepcopy(backward)
     graph = broken.graph
-    first, second = _scatters(broken)[:2]
+    first, second = _by_role(broken, "reduce_scatter")[:2]
     received = next(u for u in first.users if is_wait(u))
     with graph.inserting_before(second):
         total = graph.call_function(torch.ops.aten.sum.default, (received,))
         again = graph.call_function(torch.ops.aten.add.Tensor, (second.args[0], total))
     second.args = (again, *second.args[1:])
-    for n in (total, again):
-        n.meta["val"] = second.args[0].meta.get("val") if n is again else None
     with pytest.raises(VerificationError, match="P3"):
         check_part_collectives(broken, backward=True)
-
-
-def ancestors_of(node):
-    from graphddp.graph.capture import ancestors
-
-    return ancestors(node)
