@@ -73,6 +73,7 @@ def _entry(
     rank: int, fn: Callable[..., Any], world_size: int, store_path: str, args: tuple, errors: Any, pg_timeout: float,
     freeze: bool = False,
 ) -> None:
+    reported = False
     try:
         _init_rank(rank, world_size, store_path, pg_timeout)
         if freeze:
@@ -80,10 +81,16 @@ def _entry(
         try:
             fn(rank, world_size, *args)
             dist.barrier()  # leave together: no rank tears gloo down under a peer still using it
+        except BaseException:
+            # Reported before the group goes: a peer's failure that its teardown causes comes second.
+            errors.put((rank, traceback.format_exc()))
+            reported = True
+            raise
         finally:
             release_process_group()
     except BaseException:  # report to the parent; the exit code alone loses the traceback
-        errors.put((rank, traceback.format_exc()))
+        if not reported:
+            errors.put((rank, traceback.format_exc()))
         raise
     # Passed. Skip interpreter finalization: gloo objects still referenced there (from Dynamo's
     # caches, say) are destroyed while Python is half torn down, which can abort the process
