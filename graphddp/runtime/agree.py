@@ -31,14 +31,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import pickle
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from graphddp.values.comm import gather_flat
+from graphddp.values.comm import gather_flat, group_name_of
 
 # One bucket on the wire: (dtype, device type, wire dtype or None, user hook or None, bytes sent,
 # ((param name, shape), ...)).
@@ -57,10 +57,33 @@ def _is_fake(group: Any) -> bool:
     return dist.get_backend(group) == "fake"
 
 
-def _nothing_to_agree(group: Any) -> bool:
+def nothing_to_agree(group: Any) -> bool:
     """A group of one rank (or a fake one) agrees with itself: no collective is issued. (The
     GPU lane sets this to False to measure the agreement on one GPU, NCCL at world size 1.)"""
     return dist.get_world_size(group) == 1 or _is_fake(group)
+
+
+_STAND_INS: set[str] = set()  # fake groups standing in for real ranks (standing_in)
+
+
+@contextlib.contextmanager
+def standing_in(group: Any) -> Iterator[None]:
+    """While inside, the fake ``group`` is planned for as the real ranks it pretends to be
+    (:func:`agrees_at_run_time`): ``graphddp.explain`` shows the plan a real run would make."""
+    name = group_name_of(group)
+    _STAND_INS.add(name)
+    try:
+        yield
+    finally:
+        _STAND_INS.discard(name)
+
+
+def agrees_at_run_time(group: Any) -> bool:
+    """Do a real run's ranks of ``group`` agree in band before their buckets (more than one of
+    them, not a fake group, or a fake one :func:`standing_in` for real ranks)?"""
+    if dist.get_world_size(group) == 1:
+        return False
+    return not _is_fake(group) or group_name_of(group) in _STAND_INS
 
 
 def _device(group: Any) -> torch.device:
@@ -119,17 +142,58 @@ def probe(
     probe whatever its layout, and every rank reads the same answer. The caller decides what a
     difference means (:meth:`graphddp.runtime.step.StepState.agree`: a divergent step, not an error).
     """
-    if _nothing_to_agree(group):
+    if nothing_to_agree(group):
         return True, tuple(bool(f) for f in flags)
     h = layout_hash(layout) if digest is None else digest
     try:
         values = max_reduce([h, -h, *(int(bool(f)) for f in flags)], group)
     except Exception as e:  # noqa: BLE001 - any backend failure, re-raised with context
-        raise CollectiveError(
-            f"graphddp: the agreement before the gradient all-reduces of {what} failed "
-            f"({type(e).__name__}); a peer may have died or timed out. Original error: {e}"
-        ) from e
+        raise _probe_failed(what, e) from e
     return values[0] == -values[1], tuple(v != 0 for v in values[2:])
+
+
+class PendingProbe:
+    """A :func:`probe` issued and not read yet (:func:`probe_async`): the host goes on, and
+    :meth:`result` waits for the answer when something needs it. Read it exactly once."""
+
+    def __init__(self, read: Callable[[], list[int]] | None, flags: Sequence[bool], what: str) -> None:
+        self._read, self._flags, self._what = read, tuple(bool(f) for f in flags), what
+        self._answer: tuple[bool, tuple[bool, ...]] | None = None
+
+    def result(self) -> tuple[bool, tuple[bool, ...]]:
+        """``(same, flags)`` as :func:`probe` returns them; waits for the collective once."""
+        if self._answer is None:
+            if self._read is None:  # nothing to agree (one rank, a fake group)
+                self._answer = True, self._flags
+            else:
+                try:
+                    values = self._read()
+                except Exception as e:  # noqa: BLE001 - any backend failure, re-raised with context
+                    raise _probe_failed(self._what, e) from e
+                self._answer = values[0] == -values[1], tuple(v != 0 for v in values[2:])
+        return self._answer
+
+
+def probe_async(
+    layout: Any, flags: Sequence[bool], group: Any, what: str, digest: int | None = None
+) -> PendingProbe:
+    """:func:`probe`, issued now and read later (:meth:`PendingProbe.result`): the same
+    collective, so it pairs with any rank's probe, blocking or not."""
+    if nothing_to_agree(group):
+        return PendingProbe(None, flags, what)
+    h = layout_hash(layout) if digest is None else digest
+    try:
+        read = max_reduce_async([h, -h, *(int(bool(f)) for f in flags)], group)
+    except Exception as e:  # noqa: BLE001 - any backend failure, re-raised with context
+        raise _probe_failed(what, e) from e
+    return PendingProbe(read, flags, what)
+
+
+def _probe_failed(what: str, e: BaseException) -> CollectiveError:
+    return CollectiveError(
+        f"graphddp: the agreement before the gradient all-reduces of {what} failed "
+        f"({type(e).__name__}); a peer may have died or timed out. Original error: {e}"
+    )
 
 
 def max_reduce(values: Sequence[int], group: Any) -> list[int]:
@@ -142,19 +206,34 @@ def max_reduce(values: Sequence[int], group: Any) -> list[int]:
     small-message latencies where the all-gather costs one (gloo on 2 CPU ranks: 0.24 against
     0.50 ms idle), and the host waits for this collective at every synchronising backward.
     Still fixed-size (``world * len(values)``), so it pairs with any rank's agreement."""
+    return max_reduce_async(values, group, wait=True)()
+
+
+def max_reduce_async(values: Sequence[int], group: Any, wait: bool = False) -> Callable[[], list[int]]:
+    """:func:`max_reduce` issued now; the returned function waits for it and reads the answer
+    (on a GPU on the agreement's own stream, so reading it waits for this collective alone)."""
     device = _device(group)
     world = dist.get_world_size(group)
     with unset_fake_temporarily(), _side_stream(device):
         mine = torch.tensor([int(v) for v in values], dtype=torch.int64, device=device)
         everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
-        gather_flat(everyone, mine, group)
-        return [int(v) for v in everyone.view(world, -1).amax(dim=0).tolist()]
+        work = None if wait else gather_flat(everyone, mine, group, async_op=True)
+        if wait:
+            gather_flat(everyone, mine, group)
+
+    def read() -> list[int]:
+        with unset_fake_temporarily(), _side_stream(device):
+            if work is not None:
+                work.wait()
+            return [int(v) for v in everyone.view(world, -1).amax(dim=0).tolist()]
+
+    return read
 
 
 def max_over_ranks(values: Sequence[int], group: Any) -> list[int]:
     """Per position, the largest of every rank's ``values`` (one :func:`max_reduce`); every
     rank must pass the same number of values."""
-    if _nothing_to_agree(group) or not values:
+    if nothing_to_agree(group) or not values:
         return [int(v) for v in values]
     return max_reduce(values, group)
 
@@ -195,7 +274,7 @@ def _side(buckets: tuple[WireBucket, ...], k: int, rank: int) -> str:
 
 def gather(obj: Any, group: Any) -> list[Any]:
     """Every rank's ``obj`` (small and picklable), in rank order, on every rank."""
-    if _nothing_to_agree(group):
+    if nothing_to_agree(group):
         return [obj]
     return _gather(obj, group)
 
@@ -227,7 +306,7 @@ def check_parameter_agreement(module: nn.Module, group: Any) -> None:
     Called by ``graphddp.compile`` on every rank, before the initial broadcast, so a
     mismatch is an error, not a broadcast of the wrong size.
     """
-    if _nothing_to_agree(group):
+    if nothing_to_agree(group):
         return
     mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]
     digests = _gather(layout_hash(mine), group)

@@ -61,7 +61,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from graphddp.runtime.agree import probe
+from graphddp.runtime.agree import PendingProbe, probe_async
 from graphddp.runtime.gathers import PendingGathers
 
 
@@ -252,9 +252,28 @@ class StepState:
         rank. Once divergent, the step stays so and no further check is made."""
         if self.divergent:
             return True, False
+        return self.agreed(self.agree_async(group, digest, what, unused_here))
+
+    def agree_async(self, group: Any, digest: int, what: str, unused_here: bool) -> PendingProbe:
+        """:meth:`agree`'s collective, issued now and read later (a gated backward reads it at
+        its first bucket's issue: :mod:`graphddp.runtime.gate`); :meth:`agreed` finishes it.
+        Only while the step is not divergent yet."""
         position, self.probed = self.probed, self.probed + 1
         flags = (self.joined, bool(self.eager), unused_here, self.carrying, self.carrying and position == 0 and self._cannot_carry())
-        same, (join_asks, eager, unused, carrying, blocked) = probe((digest, position, self.expected), flags, group, what)
+        return probe_async((digest, position, self.expected), flags, group, what)
+
+    @staticmethod
+    def goes_on(pending: PendingProbe) -> bool:
+        """Does the agreement let a synchronising graph issue its buckets as compiled: the same
+        layout everywhere, no rank joined, eager, with an unused gradient or unable to carry?
+        Reads (waits for) the answer; no side effect."""
+        same, (join_asks, eager, unused, _carrying, blocked) = pending.result()
+        return same and not (join_asks or eager or unused or blocked)
+
+    def agreed(self, pending: PendingProbe) -> tuple[bool, bool]:
+        """What :meth:`agree` returns, from its collective: the step's divergence and the
+        averages a step that cannot carry makes now (module docstring)."""
+        same, (join_asks, eager, unused, carrying, blocked) = pending.result()
         self.divergent = not same or join_asks or eager
         if carrying and (self.divergent or unused or blocked):
             # Some rank carries but this step cannot (or it is divergent): every rank averages

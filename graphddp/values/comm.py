@@ -70,6 +70,16 @@ def is_cast(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target == CAST
 
 
+# The name under which graphddp registers the gate of a process group (graphddp.runtime.gate): a
+# gated graph's all-reduces run on it.
+GATE_PREFIX = "graphddp.gate."
+
+
+def gate_name(group_name: str) -> str:
+    """The group name a gated graph's all-reduces use for the user's group ``group_name``."""
+    return GATE_PREFIX + group_name
+
+
 def group_name_of(process_group: object) -> str:
     """The registered name functional collectives use to find ``process_group``."""
     return str(process_group.group_name)  # type: ignore[attr-defined]
@@ -86,10 +96,11 @@ def wire_bytes(gm: fx.GraphModule) -> dict[int, int]:
     return out
 
 
-def gather_flat(output: torch.Tensor, part: torch.Tensor, group: object = None) -> None:
+def gather_flat(output: torch.Tensor, part: torch.Tensor, group: object = None, async_op: bool = False) -> object:
     """Eager all-gather of every rank's ``part`` into ``output``, rank-major: torch >= 2.13 calls
-    it ``torch.distributed.all_gather_single`` (``all_gather_into_tensor`` warns there)."""
+    it ``torch.distributed.all_gather_single`` (``all_gather_into_tensor`` warns there). With
+    ``async_op`` the work to wait for."""
     import torch.distributed as dist
 
     gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-    gather(output, part, group=group)
+    return gather(output, part, group=group, async_op=async_op)

@@ -5,7 +5,7 @@ The agreement is read on the host before each synchronising backward
 forward's queued kernels, and the host would launch the backward only once the GPU had run dry;
 on a stream of its own it waits for its small collective alone. This test measures it in a
 profiler trace: the benchmark's HF GPT-2 from config, bf16 autocast, inductor, AdamW, NCCL at world size 1 with the agreement forced on (a group of one
-rank has nothing to agree, ``agree._nothing_to_agree``), three ways on one compiled model,
+rank has nothing to agree, ``agree.nothing_to_agree``), three ways on one compiled model,
 interleaved: the side stream (the code), the compute stream (what the code did), and plain
 ``torch.compile`` with fused AdamW (no agreement at all, the floor). Per step: the GPU's idle
 time (the span from the first kernel to the last, less the union of kernel intervals), traced with
@@ -114,7 +114,7 @@ def test_the_gpu_does_not_wait_for_the_agreement(nccl_world_of_one, monkeypatch)
     plain = torch.compile(_gpt2())
     plain_step = _stepper(plain, torch.optim.AdamW(plain.parameters(), lr=1e-4, fused=True))
 
-    monkeypatch.setattr(agree, "_nothing_to_agree", lambda group: False)  # agree at world size 1
+    monkeypatch.setattr(agree, "nothing_to_agree", lambda group: False)  # agree at world size 1
     calls = []
     real = agree.max_reduce
     monkeypatch.setattr(agree, "max_reduce", lambda values, group: calls.append(len(values)) or real(values, group))
