@@ -37,6 +37,7 @@ steps the graph cannot update alone.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from typing import Any, Callable, Mapping, Sequence
 
@@ -62,7 +63,9 @@ from graphddp.hooks.traced import HookState
 from graphddp.optim.attached import AttachedOptimizer
 from graphddp.optim.guards import ATTACHED_NODE
 from graphddp.plan.planner import plan
+from graphddp.runtime.agree import agrees_at_run_time
 from graphddp.runtime.dispatch import BackwardDispatch, GraphState, Synced, compiled_backward_node
+from graphddp.runtime.gate import gate_for
 from graphddp.runtime.gathers import ForwardDispatch
 from graphddp.runtime.step import StepState, current_frame
 from graphddp.runtime.union import UnionAverage
@@ -129,7 +132,7 @@ class GraphCompiler(InGraphUpdates, HookRuntime):
             group, dict(parameters or {}), _cap_bytes(config), config.comm_dtype, self.hook, self.hook_state,
             self._hook_context, lambda: [d.schedule for d in self.dispatches.values()],
         )
-        self.step.carry_ready = lambda index: index in self.dispatches and self.dispatches[index].carry is not None
+        self.step.carry_ready = lambda index: index in self.dispatches and self.dispatches[index].can_carry
         self.step.on_end_of_step(self._union_end_of_step)  # first: the others read the averages
         if self.hook is not None:
             self.step.on_end_of_step(self._hook_end_of_step)
@@ -226,7 +229,7 @@ class GraphCompiler(InGraphUpdates, HookRuntime):
             """One record per phase, each from its own copy of the untouched graph; and, where
             a step after ``no_sync`` can carry the accumulated gradients into the buckets, the
             carrying variant (:data:`CARRY`)."""
-            carrying = copy.deepcopy(bw) if self.carries() else None  # before the rewrite edits bw
+            carrying = copy.deepcopy(bw) if self.carries() and not self.gates() else None  # before the rewrite edits bw
             graphs = [copy.deepcopy(bw) for _ in phases[1:]] + [bw]
             records = {
                 phase: self.rewrite_backward(g, param_inputs, graph_index, shared.fw_values, phase=phase)
@@ -258,11 +261,12 @@ class GraphCompiler(InGraphUpdates, HookRuntime):
             carry = variants.pop(CARRY, None)
             if carry is not None:
                 main.carrying = records[CARRY]
-            elif derive_carry is not None and self.carries_for(main.schedule):  # as a cold compile decides
+            elif derive_carry is not None and self.carries_for(main.schedule) and not main.schedule.gated:  # as a cold compile decides
                 carry = Synced(main.schedule, lambda: derive_carry()())
             self.dispatches[graph_index] = BackwardDispatch(
                 state, variants, compile_plain, self.group, self.step, self._phase, self._on_sync if self.hook else None,
                 carry=carry, parameters=self.parameters,
+                gate_carries=main.schedule.gated and self.carries_for(main.schedule),
             )
             update = variants[phases[-1]].update
             if graph_index in self.forward_slots and update is not None and update.deferred_shards:
@@ -316,6 +320,17 @@ class GraphCompiler(InGraphUpdates, HookRuntime):
         reduce-scatter stays separate. A fact of the configuration: the same on every rank."""
         return self.world_size > 1 and self.hook is None and self.config.sharding is None
 
+    def gates(self) -> bool:
+        """Are this configuration's graphs gated (:mod:`graphddp.runtime.gate`: the agreement read
+        at the first bucket's issue, not before the backward)? Where every bucket can be held
+        local without having changed anything: replicated buckets with the built-in hook and no
+        compression, no optimizer inside the backward, and ranks to agree with. A fact of the
+        configuration: the same on every rank, so every rank follows an answer alike."""
+        return (
+            self.carries() and self.optimizer is None and self.config.comm_dtype is None
+            and agrees_at_run_time(self.group)
+        )
+
     def carries_for(self, schedule: Schedule) -> bool:
         """Does a graph of this plan get a carrying variant (:meth:`carries`, buckets, and no
         zero-filled slot)? Decided from the plan alone, so a cache hit decides as a cold compile."""
@@ -338,6 +353,9 @@ class GraphCompiler(InGraphUpdates, HookRuntime):
             facts, self.config, world_size=self.world_size, group_name=self.group_name, graph_index=graph_index,
             unreduced=unreduced, hook=hook, like=like,
         )
+        if self.gates() and schedule.buckets:
+            gate_for(self.group)  # registered before anything compiles or runs its all-reduces
+            schedule = dataclasses.replace(schedule, gated=True)
         if like is None:
             self.frames.add(frame, schedule)
         return schedule

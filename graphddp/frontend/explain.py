@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_leaves
 
 from graphddp.config import DDPConfig
 from graphddp.frontend.api import compile as compile_ddp
+from graphddp.runtime.agree import standing_in
 from graphddp.values.schedule import Schedule
 
 
@@ -81,7 +82,7 @@ def explain(
             "fixed cap inside each compiled graph, not planned); a run's model.graphs shows where each bucket's "
             "collectives are"
         )
-    with fake_process_group(world_size):
+    with fake_process_group(world_size), standing_in(dist.group.WORLD):
         copied = copy.deepcopy(model)
         # sharding="optimizer" and max_grad_norm plan around the update inside the backward; which
         # optimizer does not change the buckets, so a still one (lr 0) stands in for the user's.

@@ -19,7 +19,7 @@ from graphddp.graph.trace import fresh_copy, role
 from graphddp.hooks import builtin as hooks
 from graphddp.hooks.traced import GradBucket, HookState, StateSpec, TracedHook
 from graphddp.values.collectives import backend_of, kind
-from graphddp.values.comm import WAIT
+from graphddp.values.comm import WAIT, gate_name
 from graphddp.values.schedule import Bucket, Schedule
 
 aten = torch.ops.aten
@@ -90,10 +90,16 @@ def _builtin_fn(bucket: Bucket, hook: hooks.CommHook, schedule: Schedule, carry:
             raise RuntimeError(
                 f"graphddp: bucket {bucket.index}: hook {hook.name!r} sends {sent.dtype}, the schedule plans {wire}"
             )
-        with role("scale"):
-            scaled = aten.div.Tensor(sent, schedule.world_size)  # DDP pre-divides, after compressing
+        if schedule.gated:  # the gate divides, or holds the bucket local (graphddp.runtime.gate)
+            with role("flatten"):
+                scaled = sent if n > 1 else fresh_copy(sent)  # the gate writes it in place
+            group = gate_name(schedule.group_name)
+        else:
+            with role("scale"):
+                scaled = aten.div.Tensor(sent, schedule.world_size)  # DDP pre-divides, after compressing
+            group = schedule.group_name
         with role(collective.key):
-            reduced = lowered.issue(scaled, schedule.group_name, schedule.world_size)
+            reduced = lowered.issue(scaled, group, schedule.world_size)
         with role("wait"):
             done = lowered.finish(WAIT(reduced), schedule.world_size)
         with role("decompress"):

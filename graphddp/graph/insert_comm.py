@@ -19,6 +19,9 @@ Fields read, and what each one decides:
 
 * ``Schedule.world_size``: the divisor of each bucket (DDP pre-divides).
 * ``Schedule.group_name``: the process group every all-reduce runs on.
+* ``Schedule.gated``: each all-reduce runs on the gate of ``group_name`` instead
+  (``values.comm.gate_name``), on a buffer of its own and undivided: the gate divides when it
+  issues it, or holds it local (``graphddp.runtime.gate``).
 * ``Bucket.index``: tags every node made for the bucket (``meta[BUCKET_KEY]``); must equal
   the bucket's position in ``Schedule.buckets``.
 * ``Bucket.issue_after``: the all-reduce is issued right after this node (after the last

@@ -20,14 +20,16 @@ only it catches. This module runs them all and holds 0-2, 10 and 11; one bucket'
    its own bucket's all-reduce (no stray waits).
 2. **Fake values.** Every node graphddp inserted carries a tensor ``meta["val"]``, or a
    tuple of them for an op with several results (later passes and inductor read it).
-3. **Reduction.** Each all-reduce uses reduce op ``"sum"`` on ``schedule.group_name``.
+3. **Reduction.** Each all-reduce uses reduce op ``"sum"`` on ``schedule.group_name`` (on
+   its gate, ``graphddp.runtime.gate.gate_name(group_name)``, in a gated schedule).
 4. **Issue order.** Each all-reduce comes after (in graph order) its ``issue_after`` node
    (the last placeholder, when that names a placeholder). That it also comes after the
    producer of every gradient it reduces follows from 7 (its buffer reads every producer)
    and 11 (every read comes after the definition), so it is not checked twice.
 5. **Scale.** Between the flat buffer and the all-reduce the bucket is scaled exactly once,
    by ``div(.., schedule.world_size)`` (DDP pre-divides; a sum of un-divided gradients, or a
-   double division, is silently wrong).
+   double division, is silently wrong). In a gated schedule (``Schedule.gated``) the gate
+   divides when it issues the all-reduce, so the graph must not scale at all.
 6. **Compression casts are paired.** A bucket with ``comm_dtype`` is cast to it exactly once
    before the all-reduce, and its wait is cast back to the bucket dtype exactly once; a bucket
    without ``comm_dtype`` has neither cast.

@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from graphddp.graph.capture import views_of
 from graphddp.graph.verify_common import _fail, _Graph, _names
-from graphddp.values.comm import BUCKET_KEY, CARRIED, ROLE_KEY, is_cast, is_ours
+from graphddp.values.comm import BUCKET_KEY, CARRIED, ROLE_KEY, gate_name, is_cast, is_ours
 from graphddp.values.schedule import WAIT_AT_OUTPUT, Bucket, GradSlot, Schedule, dtype_name
 
 aten = torch.ops.aten
@@ -38,8 +38,9 @@ def _check_reduction(g: _Graph, bucket: Bucket, ar: fx.Node, schedule: Schedule)
     op, group = _arg(ar, 1, "reduce_op"), _arg(ar, 2, "group_name")
     if op != "sum":
         _fail(g.gm, ar, f"bucket {bucket.index}'s all-reduce {ar.name} reduces with {op!r}, expected 'sum'")
-    if group != schedule.group_name:
-        _fail(g.gm, ar, f"bucket {bucket.index}'s all-reduce {ar.name} runs on group {group!r}, the schedule's is {schedule.group_name!r}")
+    expected = gate_name(schedule.group_name) if schedule.gated else schedule.group_name
+    if group != expected:
+        _fail(g.gm, ar, f"bucket {bucket.index}'s all-reduce {ar.name} runs on group {group!r}, the schedule's is {expected!r}")
 
 
 def _check_issue_order(g: _Graph, bucket: Bucket, ar: fx.Node) -> None:
@@ -62,18 +63,33 @@ def _chain(ar: fx.Node) -> tuple[list[fx.Node], Any]:
     """The scale and cast nodes between the flat buffer and the all-reduce, and the buffer.
 
     Nearest the all-reduce first. Anything else in the way ends the walk and is taken as the
-    buffer, which the layout check then rejects by name.
+    buffer, which the layout check then rejects by name. A copy into fresh memory (a gated
+    one-gradient bucket's: its gate writes the buffer in place) is looked through.
     """
     chain: list[fx.Node] = []
     node = ar.args[0]
     while isinstance(node, fx.Node) and node not in chain and (node.target in _SCALE_OPS or is_cast(node)):
         chain.append(node)
         node = node.args[0]
+    if isinstance(node, fx.Node) and _is_fresh_copy(node):
+        node = node.args[1]
     return chain, node
 
 
-def _check_scale(g: _Graph, bucket: Bucket, ar: fx.Node, chain: list[fx.Node], world_size: int) -> None:
+def _is_fresh_copy(node: fx.Node) -> bool:
+    """``copy_(empty(...), x)``: :func:`graphddp.graph.trace.fresh_copy`."""
+    return (
+        node.target == aten.copy_.default and isinstance(node.args[0], fx.Node)
+        and node.args[0].target == aten.empty.memory_format
+    )
+
+
+def _check_scale(g: _Graph, bucket: Bucket, ar: fx.Node, chain: list[fx.Node], world_size: int, gated: bool = False) -> None:
     scales = [n for n in chain if n.target in _SCALE_OPS]
+    if gated:  # its gate divides (graphddp.runtime.gate): the graph must not
+        if scales:
+            _fail(g.gm, scales[0], f"bucket {bucket.index} is gated (its gate divides by world size {world_size}), but {scales[0].name} scales it before its all-reduce {ar.name} too")
+        return
     if not scales:
         source = ar.args[0]
         name = source.name if isinstance(source, fx.Node) else repr(source)
@@ -230,7 +246,7 @@ def _check_bucket(g: _Graph, bucket: Bucket, ar: fx.Node, schedule: Schedule) ->
     _check_reduction(g, bucket, ar, schedule)
     _check_issue_order(g, bucket, ar)
     chain, flat = _chain(ar)
-    _check_scale(g, bucket, ar, chain, schedule.world_size)
+    _check_scale(g, bucket, ar, chain, schedule.world_size, schedule.gated)
     _check_compress(g, bucket, ar, chain)
     _check_layout(g, bucket, ar, flat)
     _check_in_flight(g, bucket, ar)

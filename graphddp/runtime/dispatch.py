@@ -35,9 +35,11 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import torch
+import torch.distributed as dist
 
-from graphddp.runtime.agree import any_rank, layout_hash
+from graphddp.runtime.agree import CollectiveError, any_rank, layout_hash
 from graphddp.runtime.failures import collective_failure
+from graphddp.runtime.gate import Armed, gate_for
 from graphddp.runtime.gathers import Pending
 from graphddp.values.schedule import Schedule
 
@@ -56,6 +58,7 @@ class GraphState:
         self.plain_compiles = 0  # how often the communication-free backward was compiled
         self.steps_in_graph = 0  # synchronising backwards that updated inside the graph
         self.steps_after = 0  # ... that left the update to torch's step after the backward
+        self.held = 0  # gated backwards whose agreement held the buckets (graphddp.runtime.gate)
 
         self._renamed: dict[str, str] | None = None  # the next backward's parameters, when not the compiled ones
         self._none_pattern: tuple[bool, ...] | None = None  # which output gradients were None
@@ -235,6 +238,7 @@ class BackwardDispatch:
         on_sync: Callable[[Synced], None] | None = None,
         carry: Synced | None = None,
         parameters: Mapping[str, torch.nn.Parameter] | None = None,
+        gate_carries: bool = False,
     ) -> None:
         # Called with one list of arguments, which the callee may free. An instance attribute:
         # wrappers (torch._dynamo.disable) copy __dict__, not class attributes.
@@ -252,6 +256,13 @@ class BackwardDispatch:
         self.carry = carry
         self.parameters = dict(parameters or {})
         self.usage = GradientUsage(next(iter(variants.values())).schedule)
+        # A gated graph carries through its gate (graphddp.runtime.gate), with no variant of its own.
+        self.gate_carries = gate_carries
+
+    @property
+    def can_carry(self) -> bool:
+        """Can this graph's synchronising backward take the gradients accumulated under no_sync?"""
+        return self.carry is not None or self.gate_carries
 
     @property
     def schedule(self) -> Schedule:
@@ -274,13 +285,13 @@ class BackwardDispatch:
             schedule = schedule.renamed(renamed)
             digest = layout_hash(schedule.wire_layout())
         divergent = False
+        if schedule.gated and not self.step.divergent:
+            return self._gated(synced, schedule, digest, args, unused, outputs, renamed)
         if schedule.buckets:
             what = f"backward graph {schedule.graph_index}"
             divergent, some_unused = self.step.agree(self.group, digest, what, bool(unused))
             if some_unused and not divergent:  # which of them did no rank use
-                names = [s.param_name for b in schedule.buckets for s in b.slots]
-                anywhere = any_rank([n not in unused for n in names], self.group)
-                unused = frozenset(n for n, used in zip(names, anywhere) if not used)
+                unused = self._unused_anywhere(schedule, unused)
         self.step.synchronising_backward(schedule.graph_index)
         if divergent:
             return self._locally(schedule, args, unused, outputs)
@@ -290,18 +301,87 @@ class BackwardDispatch:
         if self._on_sync is not None:
             self._on_sync(synced)
         args.extend(synced.hook_args())  # inputs after the graph's own, before the update's
+        if synced.update is not None:
+            # Another module's parameters: the compiled update would write the compiled ones.
+            update = synced.update
+            out = self._named_failures(schedule, lambda: self._with_update(synced, update, args, unused, bool(renamed)))
+        else:
+            out = self._named_failures(schedule, lambda: synced.code()(args))
+        return GradientUsage.drop(out, outputs, unused)
+
+    @staticmethod
+    def _named_failures(schedule: Schedule, run: Callable[[], Any]) -> Any:
+        """``run()``; a collective of the graph that fails is re-raised naming graphddp, the graph
+        and the bucket (an agreement that fails names itself already)."""
         try:
-            if synced.update is not None:
-                # Another module's parameters: the compiled update would write the compiled ones.
-                out = self._with_update(synced, synced.update, args, unused, bool(renamed))
-            else:
-                out = synced.code()(args)
+            return run()
+        except CollectiveError:
+            raise
         except Exception as e:  # noqa: BLE001 - re-raised as-is unless a collective failed
             failure = collective_failure(e, schedule)
             if failure is None:
                 raise
             raise failure from e
+
+    def _gated(
+        self, synced: Synced, schedule: Schedule, digest: int, args: list[Any], unused: frozenset[str],
+        outputs: dict[str, int], renamed: dict[str, str] | None,
+    ) -> Any:
+        """A gated graph (:mod:`graphddp.runtime.gate`): its agreement issued now and read at its
+        first bucket's issue. When the answer lets it go on, the graph ran as compiled. When
+        not, its buckets were held and it returned this rank's own gradients; then this does
+        what :meth:`__call__` does after an answer read before the backward, in the same order
+        of collectives (every rank of this configuration gates): the accumulated gradients
+        averaged if carrying stops, and either the local gradients handed to the union average
+        (a divergent step) or the held buckets divided and all-reduced now, after the question
+        of which gradients no rank used."""
+        what = f"backward graph {schedule.graph_index}"
+        pending = self.step.agree_async(self.group, digest, what, bool(unused))
+        self.step.synchronising_backward(schedule.graph_index)
+        taken: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
+        carried = None
+        if self.gate_carries and not renamed and self.step.take_carried():
+            carried, taken = self._carried_by_bucket(schedule)
+        armed = Armed(pending, schedule.world_size, carried)
+        with gate_for(self.group).armed(armed):
+            out = self._named_failures(schedule, lambda: synced.code()(args))
+        if armed.read():  # read already at the first bucket's issue (a gated graph has buckets)
+            self.step.agreed(pending)
+            return out
+        self.state.held += 1
+        for param, grad in taken:  # the gate added none of them: back where they were
+            param.grad = grad
+        divergent, some_unused = self.step.agreed(pending)
+        if divergent:
+            return self._contribute(schedule, list(out), unused, outputs)
+        if some_unused:
+            unused = self._unused_anywhere(schedule, unused)
+        for index, flat in enumerate(armed.held):  # what every other rank's compiled buckets do, in issue order
+            flat.div_(schedule.world_size)
+            try:
+                dist.all_reduce(flat, group=self.group)
+            except Exception as e:  # noqa: BLE001 - any backend failure, re-raised with context
+                raise CollectiveError(
+                    f"graphddp: the all-reduce of bucket {index} of backward graph {schedule.graph_index}, held by its "
+                    f"agreement and issued after it, failed ({type(e).__name__}); a peer may have died or timed out. "
+                    f"Original error: {e}"
+                ) from e
         return GradientUsage.drop(out, outputs, unused)
+
+    def _unused_anywhere(self, schedule: Schedule, unused: frozenset[str]) -> frozenset[str]:
+        """Which of this graph's parameters no rank used (one OR over ranks)."""
+        names = [s.param_name for b in schedule.buckets for s in b.slots]
+        anywhere = any_rank([n not in unused for n in names], self.group)
+        return frozenset(n for n, used in zip(names, anywhere) if not used)
+
+    def _carried_by_bucket(
+        self, schedule: Schedule
+    ) -> tuple[list[list[tuple[int, torch.Tensor]]], list[tuple[torch.nn.Parameter, torch.Tensor | None]]]:
+        """:meth:`_take_accumulated` for a gate: per bucket, ``(offset, gradient)`` per slot; and
+        each parameter with the ``grad`` it had, to put back if the gate holds the buckets."""
+        taken = [(self.parameters[s.param_name], self.parameters[s.param_name].grad) for b in schedule.buckets for s in b.slots]
+        flat = iter(self._take_accumulated(schedule))
+        return [[(off, next(flat)) for off in b.offsets()] for b in schedule.buckets], taken
 
     def _take_accumulated(self, schedule: Schedule) -> list[torch.Tensor]:
         """The carried inputs, in bucket and slot order: each parameter's accumulated gradient
@@ -323,7 +403,10 @@ class BackwardDispatch:
     def _locally(self, schedule: Schedule, args: list[Any], unused: frozenset[str], outputs: dict[str, int]) -> Any:
         """A divergent step: the local backward, its gradients handed to the step for the
         union average at the end (:mod:`graphddp.runtime.union`), none to autograd."""
-        out = list(self.plain()(args))
+        return self._contribute(schedule, list(self.plain()(args)), unused, outputs)
+
+    def _contribute(self, schedule: Schedule, out: list[Any], unused: frozenset[str], outputs: dict[str, int]) -> Any:
+        """This rank's gradients in ``out`` handed to the step's union average; none to autograd."""
         grads = {}
         for name, index in outputs.items():
             if out[index] is not None:

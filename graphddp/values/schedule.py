@@ -175,6 +175,11 @@ class Schedule:
     # bucket_cap_mb="auto": the cost model whose predicted backward these buckets minimise
     # (graphddp.plan.auto); the caps above are then None.
     cost_model: CostModel | None = None
+    # The agreement is read at the first bucket's issue, not before the backward
+    # (graphddp.runtime.gate): each all-reduce runs on the gate of group_name, which divides
+    # by world_size (so the graph does not), adds what was carried from no_sync, or holds the
+    # bucket when the ranks' steps differ.
+    gated: bool = False
 
     @property
     def num_buckets(self) -> int:
@@ -229,6 +234,7 @@ class Schedule:
             "optimizer": self.optimizer,
             # Written only when set: plans without clipping keep their JSON and fingerprint.
             **({"max_grad_norm": self.max_grad_norm} if self.max_grad_norm is not None else {}),
+            **({"gated": True} if self.gated else {}),
             "cost_model": self.cost_model.to_dict() if self.cost_model is not None else None,
             "unreduced": list(self.unreduced),
             "nodes": [{**dataclasses.asdict(n), "inputs": list(n.inputs)} for n in self.nodes],
@@ -291,6 +297,7 @@ class Schedule:
             last_bucket_cap_mb=data.get("last_bucket_cap_mb"),
             optimizer=data.get("optimizer"),
             max_grad_norm=data.get("max_grad_norm"),
+            gated=data.get("gated", False),
             cost_model=CostModel.from_dict(data["cost_model"]) if data.get("cost_model") else None,
             buckets=buckets,
             unreduced=tuple(data["unreduced"]),
@@ -360,7 +367,8 @@ class Schedule:
                 f" last={self.last_bucket_cap_mb} MB" if self.last_bucket_cap_mb is not None else "")
         lines = [
             f"graph {self.graph_index}: {self.num_buckets} buckets, {self.nbytes / 2**20:.2f} MB, "
-            f"world_size={self.world_size}, {policy}",
+            f"world_size={self.world_size}, {policy}"
+            + (", agreement read at bucket 0's issue (gated)" if self.gated else ""),
             head,
             "-" * len(head),
         ]

@@ -2,7 +2,8 @@
 
 Each case is a rewritten backward graph with its schedule: real ones, captured from
 ``graphddp.compile(..., backend="aot_eager")`` under a fake process group of 4 ranks (an MLP,
-two buckets of several gradients, with and without a bf16 compression hook), and hand-traced
+two buckets of several gradients, with and without a bf16 compression hook, and gated as for
+real ranks: no division in the graph, the gate's group), and hand-traced
 ones from ``test_passes`` (three buckets, two dtypes, a strided gradient that is cloned; with an
 fp16 hook; and with waits placed before an interior node). Each mutation breaks one thing the
 rewrite could get wrong while, mostly, keeping the graph lint-clean, and names the node the
@@ -11,6 +12,7 @@ The pristine graphs must verify.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -19,6 +21,7 @@ from typing import Any, Callable
 import pytest
 import test_passes
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
 import graphddp
@@ -28,6 +31,7 @@ from graphddp.graph.insert_comm import insert_collectives
 from graphddp.graph.verify import VerificationError, verify
 from graphddp.models import MLP
 from graphddp.plan.planner import plan
+from graphddp.runtime.agree import standing_in
 from graphddp.testing import init_fake_process_group, release_process_group
 from graphddp.values.comm import ALL_REDUCE, BUCKET_KEY, CAST, ROLE_KEY, WAIT
 from graphddp.values.schedule import Bucket, Schedule
@@ -86,14 +90,18 @@ def add_node(case: Case, where: fx.Node, target: Callable[..., Any], args: tuple
 # cases
 
 
-def _real(comm_hook: str | None) -> tuple[fx.GraphModule, Schedule, dict[int, str]]:
-    """The backward graph graphddp.compile rewrote (and verified) for an MLP on 4 fake ranks."""
+def _real(comm_hook: str | None, gated: bool = False) -> tuple[fx.GraphModule, Schedule, dict[int, str]]:
+    """The backward graph graphddp.compile rewrote (and verified) for an MLP on 4 fake ranks;
+    ``gated``: planned as for 4 real ranks, whose graphs read the agreement at their first
+    bucket's issue (graphddp.runtime.gate: no division in the graph, the gate's group)."""
     init_fake_process_group(WORLD)
     try:
         torch.manual_seed(0)
-        model = graphddp.compile(MLP(width=32, depth=4), backend="aot_eager", bucket_cap_mb=0.005, comm_hook=comm_hook)
-        model(torch.randn(8, 16)).sum().backward()
+        with standing_in(dist.group.WORLD) if gated else contextlib.nullcontext():
+            model = graphddp.compile(MLP(width=32, depth=4), backend="aot_eager", bucket_cap_mb=0.005, comm_hook=comm_hook)
+            model(torch.randn(8, 16)).sum().backward()
         (record,) = model.records
+        assert record.schedule.gated == gated
     finally:
         release_process_group()
     expected = {s.output_index: s.param_name for b in record.schedule.buckets for s in b.slots}
@@ -119,6 +127,7 @@ def _hand(comm_hook: str | None = None, early_waits: bool = False, carry: bool =
 BUILDERS: dict[str, Callable[[], tuple[fx.GraphModule, Schedule, dict[int, str]]]] = {
     "mlp": lambda: _real(None),
     "mlp-bf16": lambda: _real("bf16_compress"),
+    "mlp-gated": lambda: _real(None, gated=True),
     "hand": lambda: _hand(),
     "hand-fp16": lambda: _hand("fp16_compress"),
     "hand-early-wait": lambda: _hand(early_waits=True),
@@ -129,6 +138,8 @@ COMPRESSED = ("mlp-bf16", "hand-fp16")
 PLAIN = tuple(c for c in ALL if c not in COMPRESSED)
 EARLY = ("hand-early-wait",)
 CARRYING = ("hand-carry",)
+GATED = ("mlp-gated",)
+DIVIDED = tuple(c for c in ALL if c not in GATED)  # the graph divides each bucket (a gate does not)
 
 
 @functools.lru_cache(maxsize=None)
@@ -163,6 +174,14 @@ def scaled_twice(c: Case) -> str:
     scale = c.one(c.biggest().index, "scale")
     extra = add_node(c, scale, aten.div.Tensor, (scale.args[0], WORLD), like=scale, before=True)
     scale.args = (extra, WORLD)
+    return extra.name
+
+
+def divided_before_its_gate(c: Case) -> str:
+    """A gated bucket divided in the graph too: its gate divides again."""
+    ar = c.one(c.biggest().index, "all_reduce")
+    extra = add_node(c, ar, aten.div.Tensor, (ar.args[0], WORLD), like=ar.args[0], before=True)
+    ar.args = (extra, *ar.args[1:])
     return extra.name
 
 
@@ -227,9 +246,9 @@ def early_reader(c: Case) -> str:
 
 
 def buffer_read_in_flight(c: Case) -> str:
-    b = c.biggest().index
-    scale, ar = c.one(b, "scale"), c.one(b, "all_reduce")
-    reader = add_node(c, ar, aten.add.Tensor, (scale, 1), like=scale)
+    ar = c.one(c.biggest().index, "all_reduce")
+    sent = ar.args[0]  # the scaled buffer (a gated bucket's: the flat one)
+    reader = add_node(c, ar, aten.add.Tensor, (sent, 1), like=sent)
     return reader.name
 
 
@@ -250,10 +269,10 @@ def wrong_compress_dtype(c: Case) -> str:
 
 def extra_compress(c: Case) -> str:
     b = c.biggest().index
-    scale = c.one(b, "scale")
-    cast = add_node(c, scale, CAST, (scale.args[0], torch.bfloat16), like=scale,
+    first = (c.ours(b, "scale") or c.ours(b, "all_reduce"))[0]  # what reads the flat buffer (a gated bucket: its all-reduce)
+    cast = add_node(c, first, CAST, (first.args[0], torch.bfloat16), like=first.args[0],
                     tag=(b, "compress"), before=True)
-    scale.args = (cast, *scale.args[1:])
+    first.args = (cast, *first.args[1:])
     return cast.name
 
 
@@ -498,9 +517,9 @@ def carry_left_out(c: Case) -> str:
 
 # name -> (mutation, the cases it applies to); the comment is the verifier invariant that catches it
 MUTATIONS: dict[str, tuple[Callable[[Case], str], tuple[str, ...]]] = {
-    "wrong-divisor": (wrong_divisor, ALL),  # invariant 5
-    "unscaled": (unscaled, ALL),  # invariant 5
-    "scaled-twice": (scaled_twice, ALL),  # invariant 5
+    "wrong-divisor": (wrong_divisor, DIVIDED),  # invariant 5
+    "unscaled": (unscaled, DIVIDED),  # invariant 5
+    "scaled-twice": (scaled_twice, DIVIDED),  # invariant 5
     "wrong-group": (wrong_group, ALL),  # invariant 3
     "wrong-reduce-op": (wrong_reduce_op, ALL),  # invariant 3
     "issued-before-producer": (issued_before_producer, ALL),  # invariant 4
@@ -537,7 +556,8 @@ MUTATIONS: dict[str, tuple[Callable[[Case], str], tuple[str, ...]]] = {
     "cat-piece-not-a-view": (cat_piece_not_a_view, ALL),  # invariant 7
     "foreign-op-in-buffer": (foreign_op_in_buffer, ALL),  # invariant 7
     "untouched-output-rerouted": (untouched_output_rerouted, ALL),  # invariant 10
-    "missing-fake-value": (missing_fake_value, ALL),  # invariant 2
+    "missing-fake-value": (missing_fake_value, DIVIDED),  # invariant 2
+    "divided-before-its-gate": (divided_before_its_gate, GATED),  # invariant 5
     "compute-out-of-order": (compute_out_of_order, ALL),  # invariant 11
     "carried-into-the-wrong-slot": (carried_into_the_wrong_slot, CARRYING),  # invariant 7
     "carry-left-out": (carry_left_out, CARRYING),  # invariant 7
@@ -573,7 +593,7 @@ def test_mutation_is_rejected_naming_the_node(mutation, case):
 
 
 def test_every_mutation_runs_on_a_real_graph_or_needs_a_hand_made_one():
-    real = {"mlp", "mlp-bf16"}
+    real = {"mlp", "mlp-bf16", "mlp-gated"}
     hand_only = {m for m, (_, cases) in MUTATIONS.items() if not real & set(cases)}
     # an interior wait_before; a carrying graph (the step after no_sync)
     assert hand_only == {"wait-after-wait-before", "carried-into-the-wrong-slot", "carry-left-out"}

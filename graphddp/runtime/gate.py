@@ -1,0 +1,145 @@
+"""The agreement read where it is needed: at the first bucket's issue, not before the backward.
+
+Why. Every synchronising backward graph with buckets agrees with the other ranks first
+(:meth:`graphddp.runtime.step.StepState.agree`): a small collective whose answer says whether
+the buckets about to go on the wire pair with every other rank's. Read before the backward,
+the host waits for a round trip with nothing to hide it behind: on nanoGPT's loop that was all
+of graphddp's per-iteration gap to ``DDP(torch.compile)`` (issue 37), and on a GPU it is the
+time the GPU waits for the host (issue 36). Here the agreement is issued when the backward
+starts and read when its first bucket is issued: by then the backward has computed that
+bucket's gradients, and the round trip has usually come back.
+
+How, without a branch in the graph. A compiled graph cannot branch on the answer, so the
+choice is made where every bucket's collective goes: the graph issues its all-reduces on
+:class:`Gate`, a process group of graphddp's registered under its own name
+(:func:`gate_name`) that wraps the user's group. While a backward runs, the gate is armed
+(:class:`Armed`) with that backward's pending agreement; its first all-reduce reads the
+answer, and then each bucket:
+
+* when the agreement lets the step go on (:meth:`StepState.goes_on`), has the gradients this
+  rank accumulated under ``no_sync`` added (carrying, as DDP's bucket after ``no_sync`` holds
+  their sum), is divided by the world size (DDP pre-divides) and all-reduced on the user's
+  group: the same arithmetic as DDP's, in the same order;
+* otherwise is held: nothing goes on the wire, the buffer keeps this rank's own gradients
+  (not divided, nothing carried), and the graph returns them. The dispatcher then does what a
+  step that agreed before its backward would have done, with these local gradients in place
+  of a local backward (:meth:`graphddp.runtime.dispatch.BackwardDispatch._gated`).
+
+That is why a gated bucket has no division in the graph: the local gradients must come back
+exactly. Only where every collective of the graph can be held without having changed
+anything: replicated buckets with the built-in hook, no optimizer inside the backward, no
+compression (see :meth:`graphddp.compiler.graph_compiler.GraphCompiler.gates`). Every other
+configuration agrees before its backward as before. Every rank of one configuration gates
+alike, so the collectives that follow an answer are the same on every rank.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import (
+    AllreduceOptions,
+    _create_work_from_future,
+    _register_process_group,
+    _unregister_process_group,
+)
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from graphddp.runtime.agree import PendingProbe
+from graphddp.runtime.step import StepState
+from graphddp.values.comm import gate_name, group_name_of
+
+class Armed:
+    """One gated backward: its agreement, and what its buckets do once it is read.
+
+    ``carried``: per bucket in issue order, ``(offset, accumulated gradient)`` per slot, added
+    to the bucket before it is divided when the step goes on (dropped bucket by bucket, so
+    carrying holds no more memory than the carrying graph did)."""
+
+    def __init__(self, agreement: PendingProbe, world: int, carried: list[list[tuple[int, torch.Tensor]]] | None) -> None:
+        self.agreement = agreement
+        self.world = world
+        self.carried = carried
+        self.goes_on: bool | None = None  # read at the first bucket
+        self.issued = 0  # buckets issued (or held) so far
+        self.held: list[torch.Tensor] = []  # the buckets held, in issue order (local, undivided)
+
+    def read(self) -> bool:
+        """The agreement's answer (waits for it once)."""
+        if self.goes_on is None:
+            self.goes_on = StepState.goes_on(self.agreement)
+        return self.goes_on
+
+    def allreduce(self, tensors: Sequence[torch.Tensor], opts: AllreduceOptions, inner: Any) -> Any:
+        index, self.issued = self.issued, self.issued + 1
+        (flat,) = tensors
+        if not self.read():
+            self.held.append(flat)
+            done: torch.futures.Future = torch.futures.Future()
+            done.set_result(list(tensors))
+            return _create_work_from_future(done)
+        with torch.no_grad():
+            if self.carried is not None:
+                for offset, grad in self.carried[index]:
+                    flat.narrow(0, offset, grad.numel()).add_(grad.view(-1))
+                self.carried[index] = []
+            flat.div_(self.world)
+        return inner.allreduce(list(tensors), opts)
+
+
+class Gate(dist.ProcessGroup):
+    """The user's group as a gated graph sees it (module docstring): all-reduces go through the
+    armed backward; a gated graph has no other collective."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner.rank(), inner.size())
+        self.inner = inner
+        self._armed: Armed | None = None
+
+    def allreduce(self, tensor_list: Sequence[torch.Tensor], opts: AllreduceOptions = AllreduceOptions()) -> Any:
+        armed = self._armed
+        if armed is None:
+            raise RuntimeError(
+                "graphddp: a gated all-reduce ran outside the backward that owns it; gated graphs are called only "
+                "through graphddp's dispatcher. Please report this with the model."
+            )
+        return armed.allreduce(tensor_list, opts, self.inner)
+
+    @contextlib.contextmanager
+    def armed(self, armed: Armed) -> Iterator[Armed]:
+        self._armed = armed
+        try:
+            yield armed
+        finally:
+            self._armed = None
+
+
+_GATES: dict[str, Gate] = {}
+
+
+def gate_for(group: Any) -> Gate:
+    """The gate of ``group``, registered under :func:`gate_name` of its name. Registered again
+    when the name no longer resolves to it (a process group destroyed and made anew: names
+    are reused)."""
+    name = gate_name(group_name_of(group))
+    gate = _GATES.get(name)
+    if gate is None or gate.inner is not group or not _registered(name, gate):
+        gate = _GATES[name] = Gate(group)
+        if _resolves(name):
+            _unregister_process_group(name)
+        _register_process_group(name, gate)
+    return gate
+
+
+def _registered(name: str, gate: Gate) -> bool:
+    return _resolves(name) and _resolve_process_group(name) is gate
+
+
+def _resolves(name: str) -> bool:
+    try:
+        _resolve_process_group(name)
+    except (RuntimeError, ValueError, KeyError):
+        return False
+    return True
