@@ -131,8 +131,8 @@ def test_powersgd_equals_ddp_powersgd_hook_on_hf_gpt2():
     spawn(_powersgd, 2, _hf_gpt2, _gpt_batch, _gpt_loss, settings, 0.05, "aot_eager", 6)
 
 
-def test_powersgd_under_inductor_equals_ddp_powersgd_hook():
-    spawn(_powersgd, 2, models.MLP, _mlp_batch, F.mse_loss, dict(start_powerSGD_iter=2), CAP, "inductor", 5)
+# PowerSGD under inductor, its phase switch included (start_powerSGD_iter=2), against DDP's
+# powerSGD_hook: test_recompile's inductor row (python_flag x powersgd).
 
 
 # -- checkpoint and resume ---------------------------------------------------------------------
