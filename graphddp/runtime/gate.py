@@ -35,6 +35,7 @@ alike, so the collectives that follow an answer are the same on every rank.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -77,8 +78,10 @@ class Armed:
         (flat,) = tensors
         if not self.read():
             self.held.append(flat)
+            # A work already done, holding no tensor: a future holding CUDA tensors would have
+            # to name their devices, and the graph's wait reads nothing from it.
             done: torch.futures.Future = torch.futures.Future()
-            done.set_result(list(tensors))
+            done.set_result([])
             return _create_work_from_future(done)
         with torch.no_grad():
             if self.carried is not None:
@@ -96,10 +99,12 @@ class Gate(dist.ProcessGroup):
     def __init__(self, inner: Any) -> None:
         super().__init__(inner.rank(), inner.size())
         self.inner = inner
-        self._armed: Armed | None = None
+        # Per thread: a backward runs on one thread (autograd's device thread on a GPU), and
+        # another model's backward on another thread must not read this one's agreement.
+        self._local = threading.local()
 
     def allreduce(self, tensor_list: Sequence[torch.Tensor], opts: AllreduceOptions = AllreduceOptions()) -> Any:
-        armed = self._armed
+        armed = getattr(self._local, "armed", None)
         if armed is None:
             raise RuntimeError(
                 "graphddp: a gated all-reduce ran outside the backward that owns it; gated graphs are called only "
@@ -109,11 +114,11 @@ class Gate(dist.ProcessGroup):
 
     @contextlib.contextmanager
     def armed(self, armed: Armed) -> Iterator[Armed]:
-        self._armed = armed
+        self._local.armed = armed
         try:
             yield armed
         finally:
-            self._armed = None
+            self._local.armed = None
 
 
 _GATES: dict[str, Gate] = {}
