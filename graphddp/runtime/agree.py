@@ -142,14 +142,7 @@ def probe(
     probe whatever its layout, and every rank reads the same answer. The caller decides what a
     difference means (:meth:`graphddp.runtime.step.StepState.agree`: a divergent step, not an error).
     """
-    if nothing_to_agree(group):
-        return True, tuple(bool(f) for f in flags)
-    h = layout_hash(layout) if digest is None else digest
-    try:
-        values = max_reduce([h, -h, *(int(bool(f)) for f in flags)], group)
-    except Exception as e:  # noqa: BLE001 - any backend failure, re-raised with context
-        raise _probe_failed(what, e) from e
-    return values[0] == -values[1], tuple(v != 0 for v in values[2:])
+    return probe_async(layout, flags, group, what, digest).result()
 
 
 class PendingProbe:
@@ -206,10 +199,10 @@ def max_reduce(values: Sequence[int], group: Any) -> list[int]:
     small-message latencies where the all-gather costs one (gloo on 2 CPU ranks: 0.24 against
     0.50 ms idle), and the host waits for this collective at every synchronising backward.
     Still fixed-size (``world * len(values)``), so it pairs with any rank's agreement."""
-    return max_reduce_async(values, group, wait=True)()
+    return max_reduce_async(values, group)()
 
 
-def max_reduce_async(values: Sequence[int], group: Any, wait: bool = False) -> Callable[[], list[int]]:
+def max_reduce_async(values: Sequence[int], group: Any) -> Callable[[], list[int]]:
     """:func:`max_reduce` issued now; the returned function waits for it and reads the answer
     (on a GPU on the agreement's own stream, so reading it waits for this collective alone)."""
     device = _device(group)
@@ -217,14 +210,11 @@ def max_reduce_async(values: Sequence[int], group: Any, wait: bool = False) -> C
     with unset_fake_temporarily(), _side_stream(device):
         mine = torch.tensor([int(v) for v in values], dtype=torch.int64, device=device)
         everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
-        work = None if wait else gather_flat(everyone, mine, group, async_op=True)
-        if wait:
-            gather_flat(everyone, mine, group)
+        work = gather_flat(everyone, mine, group, async_op=True)
 
     def read() -> list[int]:
         with unset_fake_temporarily(), _side_stream(device):
-            if work is not None:
-                work.wait()
+            work.wait()
             return [int(v) for v in everyone.view(world, -1).amax(dim=0).tolist()]
 
     return read

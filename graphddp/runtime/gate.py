@@ -52,6 +52,7 @@ from graphddp.runtime.agree import PendingProbe
 from graphddp.runtime.step import StepState
 from graphddp.values.comm import gate_name, group_name_of
 
+
 class Armed:
     """One gated backward: its agreement, and what its buckets do once it is read.
 
@@ -132,19 +133,19 @@ def gate_for(group: Any) -> Gate:
     gate = _GATES.get(name)
     if gate is None or gate.inner is not group or not _registered(name, gate):
         gate = _GATES[name] = Gate(group)
-        if _resolves(name):
+        if _resolved(name) is not None:
             _unregister_process_group(name)
         _register_process_group(name, gate)
     return gate
 
 
 def _registered(name: str, gate: Gate) -> bool:
-    return _resolves(name) and _resolve_process_group(name) is gate
+    return _resolved(name) is gate
 
 
-def _resolves(name: str) -> bool:
+def _resolved(name: str) -> Any:
+    """The process group registered as ``name``, or None."""
     try:
-        _resolve_process_group(name)
+        return _resolve_process_group(name)
     except (RuntimeError, ValueError, KeyError):
-        return False
-    return True
+        return None

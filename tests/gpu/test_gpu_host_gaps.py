@@ -1,7 +1,7 @@
 """A steady step's GPU does not sit idle waiting for the per-step agreement (issue 36, item 3).
 
 The agreement is read on the host before each synchronising backward
-(:func:`graphddp.runtime.agree.max_reduce`). Read on the compute stream it would wait for the
+(:func:`graphddp.runtime.agree.max_reduce_async`). Read on the compute stream it would wait for the
 forward's queued kernels, and the host would launch the backward only once the GPU had run dry;
 on a stream of its own it waits for its small collective alone. This test measures it in a
 profiler trace: the benchmark's HF GPT-2 from config, bf16 autocast, inductor, AdamW, NCCL at world size 1 with the agreement forced on (a group of one
@@ -116,8 +116,8 @@ def test_the_gpu_does_not_wait_for_the_agreement(nccl_world_of_one, monkeypatch)
 
     monkeypatch.setattr(agree, "nothing_to_agree", lambda group: False)  # agree at world size 1
     calls = []
-    real = agree.max_reduce
-    monkeypatch.setattr(agree, "max_reduce", lambda values, group: calls.append(len(values)) or real(values, group))
+    real = agree.max_reduce_async  # what every agreement issues, blocking or gated
+    monkeypatch.setattr(agree, "max_reduce_async", lambda values, group: calls.append(len(values)) or real(values, group))
     model = _gpt2()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # as plain's: only the agreement differs
     ours = graphddp.compile(model, bucket_cap_mb=25)
