@@ -12,8 +12,9 @@ planner and updating each part inside the backward are the next steps
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -22,9 +23,11 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from graphddp.config import MB, DDPConfig
 from graphddp.config.inductor_settings import INDUCTOR_FX_ORDER_CONFIG
 from graphddp.graph import reshard
+from graphddp.graph.describe_parts import describe_part_collectives, input_name
 from graphddp.graph.part_collectives import place_part_collectives
 from graphddp.graph.reshard import tag_regathers
 from graphddp.graph.verify_full import check_part_collectives
+from graphddp.values.part_schedule import PartGraph
 
 
 # Gather and reduce-scatter buckets close once they reach this many MB, unless bucket_cap_mb is set.
@@ -48,14 +51,30 @@ class _TagRegathers(CustomGraphPass):
             return hashlib.sha256(f.read()).digest()
 
 
-def fully_sharded_compiler(config: DDPConfig, graphs: list[tuple[str, fx.GraphModule]]) -> Callable[..., Any]:
+@dataclasses.dataclass
+class Compiled:
+    """What the compiler of one fully sharded module keeps: every compiled forward and backward
+    graph (``model.graphs``), and each one's collectives read back, under the index of the
+    Dynamo graph it came from (``model.schedules``). ``names_by_id``: the parts' names, by the
+    id of the part Dynamo passes as a graph input."""
+
+    names_by_id: Mapping[int, str]
+    world_size: int
+    graphs: list[tuple[str, fx.GraphModule]] = dataclasses.field(default_factory=list)
+    described: list[tuple[int, PartGraph]] = dataclasses.field(default_factory=list)
+    dynamo_graphs: int = 0
+
+
+def fully_sharded_compiler(config: DDPConfig, compiled: Compiled) -> Callable[..., Any]:
     """A ``torch.compile`` backend for a fully sharded module under ``config``; every forward and
-    backward graph it compiles is appended to ``graphs`` as ``("forward" | "backward", graph)``
-    (what the model shows as ``graphs``: where each gather and reduce-scatter sits)."""
+    backward graph it compiles goes to ``compiled`` (:class:`Compiled`)."""
 
     def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], **_: Any) -> Callable[..., Any]:
         device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), None)
         patches = config.check_inductor_settings("graphddp", device)
+        index, compiled.dynamo_graphs = compiled.dynamo_graphs, compiled.dynamo_graphs + 1
+        names = {input_name(i): compiled.names_by_id[id(t)] for i, t in enumerate(example_inputs) if id(t) in compiled.names_by_id}
+        keep = _keeper(config, compiled, index, names)
         if config.backend == "inductor":
             from torch._inductor import config as inductor_config
             from torch._inductor.compile_fx import compile_fx, compile_fx_inner
@@ -64,10 +83,23 @@ def fully_sharded_compiler(config: DDPConfig, graphs: list[tuple[str, fx.GraphMo
             if config.reshard_after_forward:
                 pinned["joint_custom_pre_pass"] = _TagRegathers()
             with inductor_config.patch(pinned):
-                return compile_fx(gm, example_inputs, inner_compile=_recording(compile_fx_inner, graphs, config))
-        return _aot_eager(graphs, config)(gm, example_inputs)
+                return compile_fx(gm, example_inputs, inner_compile=_recording(compile_fx_inner, keep))
+        return _aot_eager(config, keep)(gm, example_inputs)
 
     return compile_graph
+
+
+def _keeper(config: DDPConfig, compiled: Compiled, index: int, names: Mapping[str, str]) -> Callable[[fx.GraphModule, bool], None]:
+    """Places one compiled graph's collectives (:func:`_placed`) and keeps the graph and what
+    it does (:class:`Compiled`)."""
+
+    def keep(gm: fx.GraphModule, backward: bool) -> None:
+        _placed(gm, config, backward)
+        kind = "backward" if backward else "forward"
+        compiled.graphs.append((kind, gm))
+        compiled.described.append((index, describe_part_collectives(gm, kind, compiled.world_size, names)))
+
+    return keep
 
 
 def _placed(gm: fx.GraphModule, config: DDPConfig, backward: bool) -> None:
@@ -81,20 +113,19 @@ def _placed(gm: fx.GraphModule, config: DDPConfig, backward: bool) -> None:
         check_part_collectives(gm, backward)
 
 
-def _recording(compile_inner: Callable[..., Any], graphs: list[tuple[str, fx.GraphModule]], config: DDPConfig) -> Callable[..., Any]:
+def _recording(compile_inner: Callable[..., Any], keep: Callable[[fx.GraphModule, bool], None]) -> Callable[..., Any]:
     """``compile_inner`` that first places the graph's collectives and keeps the graph
     (inference graphs are compiled as they are)."""
 
     def inner(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
         if not kwargs.get("is_inference"):
-            _placed(gm, config, bool(kwargs.get("is_backward")))
-            graphs.append(("backward" if kwargs.get("is_backward") else "forward", gm))
+            keep(gm, bool(kwargs.get("is_backward")))
         return compile_inner(gm, example_inputs, **kwargs)
 
     return inner
 
 
-def _aot_eager(graphs: list[tuple[str, fx.GraphModule]], config: DDPConfig) -> Callable[..., Any]:
+def _aot_eager(config: DDPConfig, keep: Callable[[fx.GraphModule, bool], None]) -> Callable[..., Any]:
     """AOTAutograd without a code generator, partitioned by min-cut (the partitioner that reads
     the recompute tags), the gathers tagged first when ``reshard``."""
     from torch._dynamo.backends.common import aot_autograd
@@ -107,13 +138,11 @@ def _aot_eager(graphs: list[tuple[str, fx.GraphModule]], config: DDPConfig) -> C
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
     def forward(gm: fx.GraphModule, inputs: Any) -> Any:
-        _placed(gm, config, False)
-        graphs.append(("forward", gm))
+        keep(gm, False)
         return boxed_nop(gm, inputs)
 
     def backward(gm: fx.GraphModule, inputs: Any) -> Any:
-        _placed(gm, config, True)
-        graphs.append(("backward", gm))
+        keep(gm, True)
         return boxed_nop(gm, inputs)
 
     return aot_autograd(fw_compiler=forward, bw_compiler=backward, partition_fn=partition, inference_compiler=boxed_nop)

@@ -60,6 +60,15 @@ def _json_dict(text: str) -> dict:
     return value
 
 
+def _optimizer_class(name: str) -> Any:
+    import torch
+
+    made = getattr(torch.optim, name, None)
+    if not (isinstance(made, type) and issubclass(made, torch.optim.Optimizer)):
+        raise argparse.ArgumentTypeError(f"--optimizer: {name!r} is not a class of torch.optim (AdamW, Adam, SGD, ...)")
+    return made
+
+
 def _optional_bool(text: str) -> bool | None:
     choices = {"none": None, "true": True, "false": False}
     if text.lower() not in choices:
@@ -77,7 +86,7 @@ def add_option_flags(parser: argparse.ArgumentParser) -> None:
         if field.name == "cost":
             continue  # an object: explain builds it from --bandwidth-gbps and the like
         if field.name == "mp_policy":
-            continue  # an object, and an option of sharding='full', which explain does not plan yet
+            continue  # an object (FSDP2's MixedPrecisionPolicy): graphddp.explain(mp_policy=...) takes it
         if field.name in DDPConfig.ddp_keywords():
             continue  # DDP's constructor keywords change no plan: nothing to explain
         flag = "--" + field.name.replace("_", "-")
@@ -86,12 +95,14 @@ def add_option_flags(parser: argparse.ArgumentParser) -> None:
             kind = {"type": _cap, "metavar": "MB|auto"}
         elif field.name == "bucket_cap_mb_list":
             kind = {"type": _cap_list, "metavar": "MB,MB,..."}
-        elif field.name in ("backend", "comm_hook", "mode"):
+        elif field.name in ("backend", "comm_hook", "mode", "sharding", "gather"):
             kind = {"type": str}
         elif field.name == "options":
             kind = {"type": _json_dict, "metavar": "JSON"}
         elif field.name == "dynamic":
             kind = {"type": _optional_bool, "metavar": "true|false|none"}
+        elif field.name == "reshard_after_forward":
+            kind = {"type": _optional_bool, "metavar": "true|false"}
         elif isinstance(field.default, bool):
             kind = {"action": argparse.BooleanOptionalAction}
         parser.add_argument(flag, dest=field.name, default=None, help=_help(field), **kind)
@@ -121,6 +132,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("explain", help="plan a model for N ranks in one process and render the schedule")
     p.add_argument("factory", help="PATH.py:FACTORY returning (model, example_inputs)")
     p.add_argument("--world-size", type=int, default=8)
+    p.add_argument("--optimizer", type=_optimizer_class, metavar="NAME",
+                   help="a torch.optim class (AdamW, SGD, ...) with its defaults, as optimizer=: the optimizer inside the backward; "
+                        "with --sharding full its state is counted")
     add_option_flags(p)
     costs = p.add_argument_group("cost model", "for the predicted times, and the plan of --bucket-cap-mb auto")
     costs.add_argument("--bandwidth-gbps", type=float, default=CostModel.bandwidth_gbps)
@@ -141,7 +155,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(str(e))
 
     model, example_inputs = _load_factory(args.factory)()
-    schedules = explain(model, *example_inputs, world_size=args.world_size, **options)
+    schedules = explain(model, *example_inputs, world_size=args.world_size, optimizer=args.optimizer, **options)
+    if options.get("sharding") == "full":  # read back from the compiled graphs: no predicted timeline
+        if args.format not in ("table", "json"):
+            raise SystemExit(f"--format {args.format}: sharding='full' has a table or json (--format table|json)")
+        text = (
+            "\n\n".join(f"fingerprint {s.fingerprint()}\n{s.to_table()}" for s in schedules) if args.format == "table"
+            else json.dumps([s.to_dict() for s in schedules], indent=2, sort_keys=True)
+        )
+        _write(text, args.out)
+        return 0
     if args.format in ("png", "svg"):
         if not args.out:
             raise SystemExit(f"--format {args.format} needs --out FILE")
@@ -158,9 +181,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         text = json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
     else:
         text = "\n".join(render.dot(s) for s in schedules)
-    if args.out:
-        with open(args.out, "w") as f:
+    _write(text, args.out)
+    return 0
+
+
+def _write(text: str, out: str | None) -> None:
+    if out:
+        with open(out, "w") as f:
             f.write(text + "\n")
     else:
         print(text)
-    return 0

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_leaves
 from graphddp.config import DDPConfig
 from graphddp.frontend.api import compile as compile_ddp
 from graphddp.runtime.agree import standing_in
+from graphddp.values.part_schedule import FullSchedule
 from graphddp.values.schedule import Schedule
 
 
@@ -64,31 +65,46 @@ def explain(
     *example_inputs: Any,
     world_size: int = 8,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    optimizer: Callable[..., torch.optim.Optimizer] | None = None,
     **options: Any,
-) -> list[Schedule]:
-    """Plan ``model`` for ``world_size`` ranks in this process; returns one Schedule per graph.
+) -> list[Schedule] | list[FullSchedule]:
+    """Plan ``model`` for ``world_size`` ranks in this process; returns one schedule per graph:
+    a :class:`~graphddp.values.schedule.Schedule`, or with ``sharding="full"`` a
+    :class:`~graphddp.values.part_schedule.FullSchedule` (every gather and reduce-scatter of the
+    compiled forward and backward, and the memory each rank holds).
 
     ``options`` are ``graphddp.compile``'s (:class:`~graphddp.config.DDPConfig`'s fields) and
     mean the same, so the plan shown is the plan a run with those options would use.
     ``loss_fn(output)`` makes the scalar to differentiate (default: the sum of every output
-    tensor that requires grad).
+    tensor that requires grad). ``optimizer``: what makes the run's optimizer from parameters
+    (``torch.optim.AdamW``, or ``lambda ps: torch.optim.AdamW(ps, lr=3e-4)``), passed to compile
+    as ``optimizer=`` (the optimizer inside the backward); with ``sharding="full"`` it steps once
+    after the backward so that the schedule counts its state. Without it, the modes that need
+    one plan with a still SGD (lr 0), which keeps no state.
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if optimizer is not None and not callable(optimizer):
+        raise ValueError(f"graphddp.explain: optimizer= makes the optimizer from parameters (e.g. torch.optim.AdamW), got {optimizer!r}")
     config = DDPConfig.from_options("graphddp.explain", options)  # bad options fail before any tracing
-    if config.sharding == "full":
-        raise NotImplementedError(
-            "graphddp.explain: sharding='full' has no Schedule yet (its gathers and reduce-scatters are bucketed by a "
-            "fixed cap inside each compiled graph, not planned); a run's model.graphs shows where each bucket's "
-            "collectives are"
-        )
     with fake_process_group(world_size), standing_in(dist.group.WORLD):
         copied = copy.deepcopy(model)
-        # sharding="optimizer" and max_grad_norm plan around the update inside the backward; which
-        # optimizer does not change the buckets, so a still one (lr 0) stands in for the user's.
-        needs = options.get("sharding") or options.get("max_grad_norm") is not None
-        sgd = torch.optim.SGD(copied.parameters(), lr=0.0) if needs else None
-        compiled = compile_ddp(copied, optimizer=sgd, **options)
+        opt = _optimizer(copied, optimizer, bool(options.get("sharding") or options.get("max_grad_norm") is not None))
+        compiled = compile_ddp(copied, optimizer=opt, **options)
         out = compiled(*example_inputs)
         (loss_fn or _default_loss)(out).backward()
+        if config.sharding == "full":
+            opt.step()  # the state of the parts, for the schedule's memory
         return compiled.schedules
+
+
+def _optimizer(model: nn.Module, make: Callable[..., torch.optim.Optimizer] | None, needed: bool) -> torch.optim.Optimizer | None:
+    """The user's optimizer over the copy; else, where a mode needs one (sharding, or
+    max_grad_norm, plan around the update inside the backward, and which optimizer does not
+    change the buckets), a still SGD (lr 0) standing in."""
+    if make is None:
+        return torch.optim.SGD(model.parameters(), lr=0.0) if needed else None
+    made = make(model.parameters())
+    if not isinstance(made, torch.optim.Optimizer):
+        raise ValueError(f"graphddp.explain: optimizer= must make a torch.optim.Optimizer from parameters, it made {type(made).__name__}")
+    return made

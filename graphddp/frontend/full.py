@@ -46,12 +46,14 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 
-from graphddp.compiler.full import fully_sharded_compiler
+from graphddp.compiler.full import Compiled, fully_sharded_compiler
 from graphddp.config import DDPConfig
 from graphddp.frontend.replica import check_and_broadcast
+from graphddp.graph.part_collectives import PREFETCH
 from graphddp.optim.shard import ELEMENTWISE
 from graphddp.runtime.sync import broadcast_tensors
 from graphddp.values.comm import gather_flat
+from graphddp.values.part_schedule import FullSchedule, PartGraph, RankMemory
 from graphddp.values.shards import padded_part
 
 _ISOLATED = {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
@@ -227,9 +229,10 @@ class FullyShardedGraphDDP(nn.Module):
         self._parts = parts
         self._by_name = {name: part for part in parts.values() for name in part.names}
         self._sync = True
-        self.graphs: list[tuple[str, torch.fx.GraphModule]] = []  # every compiled forward and backward, in order
+        self._record = Compiled({id(p.part): p.names[0] for p in parts.values()}, dist.get_world_size(group))
+        self.graphs = self._record.graphs  # every compiled forward and backward, in order
         object.__setattr__(self, "_compiled", torch.compile(
-            module, backend=fully_sharded_compiler(config, self.graphs), fullgraph=config.fullgraph, dynamic=config.dynamic, **_ISOLATED
+            module, backend=fully_sharded_compiler(config, self._record), fullgraph=config.fullgraph, dynamic=config.dynamic, **_ISOLATED
         ))
 
     @property
@@ -243,10 +246,40 @@ class FullyShardedGraphDDP(nn.Module):
         return dict(self._by_name)
 
     @property
-    def schedules(self) -> list[Any]:
-        """No :class:`~graphddp.values.schedule.Schedule`: this mode's buckets are made per graph
-        by a rule (:mod:`graphddp.graph.part_collectives`); :attr:`graphs` shows them."""
-        return []
+    def schedules(self) -> list[FullSchedule]:
+        """One :class:`~graphddp.values.part_schedule.FullSchedule` per Dynamo graph compiled so
+        far: its forward's and backward's collectives, read back from the compiled graphs, and
+        what this rank holds."""
+        by_index: dict[int, dict[str, PartGraph]] = {}
+        for index, graph in self._record.described:
+            by_index.setdefault(index, {})[graph.kind] = graph
+        return [
+            FullSchedule(
+                graph_index=index, world_size=self.world_size, reshard_after_forward=self.config.reshard_after_forward,
+                prefetch=PREFETCH, forward=pair.get("forward"), backward=pair.get("backward"),
+                memory=self._memory(pair.get("forward"), pair.get("backward")),
+            )
+            for index, pair in sorted(by_index.items())
+        ]
+
+    def _memory(self, forward: PartGraph | None, backward: PartGraph | None) -> RankMemory:
+        """What this rank holds: the parts, their gradients and state (the whole model), and
+        the gathers of one graph (in flight at once; kept to the backward without resharding:
+        at most every forward gather, AOTAutograd saves those the backward reads)."""
+        parts = [p.part for p in self._parts.values()]
+        size = lambda t: t.numel() * t.element_size()  # noqa: E731
+        states = [self.optimizer.state.get(p, {}) for p in parts]
+        state = sum(size(v) for st in states for v in st.values() if isinstance(v, torch.Tensor))
+        graphs = [g for g in (forward, backward) if g is not None]
+        kept = 0 if self.config.reshard_after_forward or forward is None else sum(b.whole_bytes for b in forward.of("gather"))
+        return RankMemory(
+            parameters=sum(size(p) for p in parts),
+            whole_parameters=sum(p.numel * p.part.element_size() for p in self._parts.values()),
+            gradients=sum(size(p) for p in parts if p.requires_grad),
+            optimizer_state=state,
+            gathered_in_flight=max((g.in_flight_bytes(PREFETCH) for g in graphs), default=0),
+            kept_to_backward=kept,
+        )
 
     @torch._dynamo.disable
     def forward(self, *args: Any, **kwargs: Any) -> Any:

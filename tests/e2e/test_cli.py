@@ -34,3 +34,20 @@ def test_cli_end_to_end(tmp_path):
     assert "auto buckets, minimising the predicted backward under 0.5 Gbit/s, 3e+03 us" in auto.stdout
     bad = _cli("explain", "examples/factories.py:nope")
     assert bad.returncode != 0 and "no function 'nope'" in bad.stderr
+
+
+def test_cli_explains_full_sharding(tmp_path):
+    """--sharding full (a string flag, and --reshard-after-forward a true/false one): the gathers and
+    reduce-scatters read back from the compiled graphs, AdamW's state counted; formats it has not
+    (a predicted timeline) are refused by name."""
+    out = tmp_path / "full.json"
+    run = _cli("explain", "examples/factories.py:mlp", "--world-size", "64", "--sharding", "full", "--reshard-after-forward",
+               "false", "--optimizer", "AdamW", "--backend", "aot_eager", "--format", "json", "--out", str(out))
+    assert run.returncode == 0, run.stderr
+    (data,) = json.loads(out.read_text())
+    assert data["sharding"] == "full" and data["world_size"] == 64 and not data["reshard_after_forward"]
+    assert [b["kind"] for b in data["forward"]["buckets"]] and all(b["kind"] == "gather" for b in data["forward"]["buckets"])
+    assert {b["kind"] for b in data["backward"]["buckets"]} == {"reduce_scatter"}  # kept to the backward: no re-gather
+    assert data["memory"]["optimizer_state"] >= 2 * data["memory"]["parameters"]
+    png = _cli("explain", "examples/factories.py:mlp", "--sharding", "full", "--backend", "aot_eager", "--format", "png", "--out", "x.png")
+    assert png.returncode != 0 and "sharding='full' has a table or json" in png.stderr

@@ -60,13 +60,11 @@ def test_full_sharding_needs_the_optimizer(fake_world):
         graphddp.compile(models.MLP(), sharding="full")
 
 
-def test_the_backend_and_explain_say_full_sharding_is_compiles(fake_world):
+def test_the_backend_says_full_sharding_is_compiles(fake_world):
     fake_world(8)
     model = models.MLP()
     with pytest.raises(ValueError, match="graphddp.compile only"):
         graphddp.backend(model, optimizer=_adamw(model), sharding="full")
-    with pytest.raises(NotImplementedError, match="sharding=.full. has no Schedule yet"):
-        graphddp.explain(models.MLP(), torch.randn(2, 16), torch.randn(2, 4), sharding="full")
 
 
 def test_an_optimizer_over_other_tensors_is_refused(fake_world):

@@ -107,8 +107,8 @@ def test_compile_explain_and_the_cli_take_exactly_ddpconfigs_options(fake_world)
     parser = argparse.ArgumentParser()
     add_option_flags(parser)
     flags = {a.dest for a in parser._actions if a.dest != "help"}
-    # cost: an object, explain's CLI builds it from its cost flags; mp_policy: an object, for
-    # sharding='full', which explain does not plan; DDP's constructor keywords plan nothing
+    # cost: an object, explain's CLI builds it from its cost flags; mp_policy: an object (FSDP2's
+    # MixedPrecisionPolicy), graphddp.explain takes it; DDP's constructor keywords plan nothing
     assert flags == set(names) - {"cost", "mp_policy"} - set(DDPConfig.ddp_keywords())
     assert set(DDPConfig.ddp_keywords()) == {"device_ids", "output_device", "find_unused_parameters", "static_graph",
                                              "gradient_as_bucket_view"}

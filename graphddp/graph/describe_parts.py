@@ -1,0 +1,125 @@
+"""Read ``sharding="full"``'s collectives back from a rewritten graph, as a
+:class:`~graphddp.values.part_schedule.PartGraph`.
+
+A reader, not a planner: :mod:`graphddp.graph.part_collectives` decides the buckets and their
+places in the graph, and tags every node it adds with ``ROLE_KEY`` and ``BUCKET_KEY``; this
+module reads those tags, so what it reports is what the graph does (the same tags
+:mod:`graphddp.graph.verify_full` checks). Parameter names come from the graph's inputs:
+AOTAutograd names its forward inputs ``primals_1..n`` in the order Dynamo passed them (a
+backward keeps a saved input's name), and a backward's outputs are the gradients of those
+inputs in the same order.
+"""
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import torch.fx as fx
+
+from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
+from graphddp.values.part_schedule import PART_KINDS, PartBucket, PartGraph
+from graphddp.values.schedule import dtype_name
+
+_ROLES = {k for kind in PART_KINDS for k in (kind, f"{kind}_wait")}
+
+
+def input_name(index: int) -> str:
+    """AOTAutograd's name for the graph input at ``index`` (0-based) of the Dynamo graph."""
+    return f"primals_{index + 1}"
+
+
+def describe_part_collectives(gm: fx.GraphModule, kind: str, world_size: int, names: Mapping[str, str]) -> PartGraph:
+    """The collectives of ``gm`` (``kind``: "forward" or "backward"); ``names`` maps an input's
+    name (:func:`input_name`) to its parameter's name."""
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    buckets = []
+    for role in PART_KINDS:
+        indices = sorted({n.meta[BUCKET_KEY] for n in nodes if n.meta.get(ROLE_KEY) == role and BUCKET_KEY in n.meta})
+        for index in indices:
+            buckets.append(_bucket(nodes, order, role, index, world_size, names))
+    buckets.sort(key=lambda b: b.issue_at)
+    return PartGraph(kind=kind, nodes=len(nodes), buckets=tuple(buckets))
+
+
+def _bucket(nodes: list[fx.Node], order: dict[fx.Node, int], role: str, index: int, world: int, names: Mapping[str, str]) -> PartBucket:
+    mine = lambda n, r: n.meta.get(ROLE_KEY) == r and n.meta.get(BUCKET_KEY) == index  # noqa: E731
+    issue = [n for n in nodes if mine(n, role)]
+    wait = next(n for n in nodes if mine(n, f"{role}_wait") and is_wait(n))
+    collective = next(n for n in issue if str(n.target).startswith("_c10d_functional."))
+    sent = collective.args[0] if role == "reduce_scatter" else collective  # the whole: gradients sent, or gathered
+    val = sent.meta["val"]
+    whole = val.numel() * val.element_size()
+    if role == "gather":
+        params = _gathered_inputs(issue, names)
+    else:
+        params = _gradient_outputs(nodes, wait, names)
+    return PartBucket(
+        kind=role, index=index, params=params, dtype=dtype_name(val.dtype), whole_bytes=whole, part_bytes=whole // world,
+        issue_at=order[collective], wait_at=order[wait],
+        issued_after=_before(nodes, order[issue[0]]), waited_before=_first_reader(wait, lambda n: mine(n, f"{role}_wait"), order),
+    )
+
+
+def _gathered_inputs(issue: list[fx.Node], names: Mapping[str, str]) -> tuple[str, ...]:
+    """The graph inputs a gather bucket sends, in the order its nodes read them."""
+    found: list[str] = []
+    for node in issue:
+        for arg in node.all_input_nodes:
+            if arg.op == "placeholder":
+                name = names.get(arg.name, arg.name)
+                if name not in found:
+                    found.append(name)
+    return tuple(found)
+
+
+def _gradient_outputs(nodes: list[fx.Node], wait: fx.Node, names: Mapping[str, str]) -> tuple[str, ...]:
+    """The inputs whose gradients a reduce-scatter bucket's results become (the graph's outputs
+    they reach through casts and the sum of a tied weight's parts)."""
+    output = next(n for n in reversed(nodes) if n.op == "output")
+    outs = output.args[0] if isinstance(output.args[0], (list, tuple)) else (output.args[0],)
+    position: dict[fx.Node, list[int]] = {}
+    for i, out in enumerate(outs):
+        if isinstance(out, fx.Node):
+            position.setdefault(out, []).append(i)
+    found: list[str] = []
+    seen = {wait}
+    todo = [wait]
+    while todo:
+        node = todo.pop(0)
+        for user in node.users:
+            if user.op == "output":
+                for i in position.get(node, []):
+                    name = names.get(input_name(i), input_name(i))
+                    if name not in found:
+                        found.append(name)
+            elif user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return tuple(found)
+
+
+def _before(nodes: list[fx.Node], at: int) -> str:
+    """The last node before ``at`` that no bucket added (what the collective is issued behind)."""
+    for node in reversed(nodes[:at]):
+        if node.op == "placeholder":
+            break
+        if node.meta.get(ROLE_KEY) not in _ROLES:
+            return node.name
+    return "start"
+
+
+def _first_reader(wait: fx.Node, inside: Callable[[fx.Node], bool], order: dict[fx.Node, int]) -> str:
+    """The first node, in graph order, that reads the wait's result past the bucket's own nodes."""
+    readers: list[fx.Node] = []
+    todo = [wait]
+    seen = {wait}
+    while todo:
+        for user in todo.pop().users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if inside(user):
+                todo.append(user)
+            else:
+                readers.append(user)
+    return min(readers, key=order.__getitem__).name if readers else "end"
