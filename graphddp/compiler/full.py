@@ -1,17 +1,19 @@
 """The compiler of ``sharding="full"``: each Dynamo graph through the inner compiler, with the
 gathers of parts tagged for recomputation when the forward reshards.
 
-Why no rewrite yet. With full sharding the collectives are in the graphs before graphddp sees
-them: every parameter read is an all-gather of the ranks' parts (:mod:`graphddp.frontend.full`)
-and AOTAutograd derives its reduce-scatter in the backward. What this module adds is which
-graph gathers what (forward only, or again in the backward: :mod:`graphddp.graph.reshard`), where
-in each graph the collectives are issued and waited (:mod:`graphddp.graph.part_collectives`, then
-kept in that order by inductor), and the check of that placement. Bucketing these collectives with graphddp's
-planner and updating each part inside the backward are the next steps
-(docs/design-full-sharding.md); until then a parameter's collectives are its own.
+With full sharding the collectives are in the graphs before graphddp sees them: every
+parameter read is an all-gather of the ranks' parts (:mod:`graphddp.frontend.full`) and
+AOTAutograd derives its reduce-scatter in the backward. What this module adds is which graph
+gathers what (forward only, or again in the backward: :mod:`graphddp.graph.reshard`), where in
+each graph the collectives are issued and waited, in buckets of a fixed cap
+(:mod:`graphddp.graph.part_collectives`, then kept in that order by inductor), the check of that
+placement, what each graph does (:mod:`graphddp.graph.describe_parts`), and each backward's
+variant that updates its parts (:mod:`graphddp.compiler.full_updates`). Planning these buckets
+with graphddp's cost model is the next step (docs/design-full-sharding.md).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 from typing import Any, Callable, Mapping, Sequence
@@ -21,6 +23,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from graphddp.config import MB, DDPConfig
+from graphddp.compiler.full_updates import Compile, PartUpdates, UpdatingBackward
 from graphddp.config.inductor_settings import INDUCTOR_FX_ORDER_CONFIG
 from graphddp.graph import reshard
 from graphddp.graph.describe_parts import describe_part_collectives, input_name
@@ -54,12 +57,15 @@ class _TagRegathers(CustomGraphPass):
 @dataclasses.dataclass
 class Compiled:
     """What the compiler of one fully sharded module keeps: every compiled forward and backward
-    graph (``model.graphs``), and each one's collectives read back, under the index of the
+    graph (``model.graphs``; a backward's variant that updates its parts as
+    ``"backward_update"``), and each one's collectives read back, under the index of the
     Dynamo graph it came from (``model.schedules``). ``names_by_id``: the parts' names, by the
-    id of the part Dynamo passes as a graph input."""
+    id of the part Dynamo passes as a graph input. ``updates``: the optimizer inside the
+    backward (:mod:`graphddp.compiler.full_updates`), None where it steps after it."""
 
     names_by_id: Mapping[int, str]
     world_size: int
+    updates: PartUpdates | None = None
     graphs: list[tuple[str, fx.GraphModule]] = dataclasses.field(default_factory=list)
     described: list[tuple[int, PartGraph]] = dataclasses.field(default_factory=list)
     dynamo_graphs: int = 0
@@ -73,8 +79,9 @@ def fully_sharded_compiler(config: DDPConfig, compiled: Compiled) -> Callable[..
         device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), None)
         patches = config.check_inductor_settings("graphddp", device)
         index, compiled.dynamo_graphs = compiled.dynamo_graphs, compiled.dynamo_graphs + 1
-        names = {input_name(i): compiled.names_by_id[id(t)] for i, t in enumerate(example_inputs) if id(t) in compiled.names_by_id}
-        keep = _keeper(config, compiled, index, names)
+        part_ids = {i: id(t) for i, t in enumerate(example_inputs) if id(t) in compiled.names_by_id}
+        names = {input_name(i): compiled.names_by_id[pid] for i, pid in part_ids.items()}
+        graph = _Graph(config, compiled, index, names)
         if config.backend == "inductor":
             from torch._inductor import config as inductor_config
             from torch._inductor.compile_fx import compile_fx, compile_fx_inner
@@ -83,23 +90,70 @@ def fully_sharded_compiler(config: DDPConfig, compiled: Compiled) -> Callable[..
             if config.reshard_after_forward:
                 pinned["joint_custom_pre_pass"] = _TagRegathers()
             with inductor_config.patch(pinned):
-                return compile_fx(gm, example_inputs, inner_compile=_recording(compile_fx_inner, keep))
-        return _aot_eager(config, keep)(gm, example_inputs)
+                fn = compile_fx(gm, example_inputs, inner_compile=graph.inner(compile_fx_inner, pinned))
+        else:
+            fn = _aot_eager(config, graph)(gm, example_inputs)
+        return fn if compiled.updates is None else compiled.updates.counted(index, fn, part_ids)
 
     return compile_graph
 
 
-def _keeper(config: DDPConfig, compiled: Compiled, index: int, names: Mapping[str, str]) -> Callable[[fx.GraphModule, bool], None]:
-    """Places one compiled graph's collectives (:func:`_placed`) and keeps the graph and what
-    it does (:class:`Compiled`)."""
+class _Graph:
+    """One Dynamo graph's forward and backward through an inner compiler: each placed
+    (:func:`_placed`), kept with what it does (:class:`Compiled`), and a backward with the
+    parts' updates compiled in a variant of its own beside the graph as it is."""
 
-    def keep(gm: fx.GraphModule, backward: bool) -> None:
-        _placed(gm, config, backward)
+    def __init__(self, config: DDPConfig, compiled: Compiled, index: int, names: Mapping[str, str]) -> None:
+        self.config, self.compiled, self.index, self.names = config, compiled, index, names
+
+    def keep(self, gm: fx.GraphModule, backward: bool) -> UpdatingBackward | None:
+        _placed(gm, self.config, backward)
         kind = "backward" if backward else "forward"
+        compiled, updates = self.compiled, self.compiled.updates
         compiled.graphs.append((kind, gm))
-        compiled.described.append((index, describe_part_collectives(gm, kind, compiled.world_size, names)))
+        variant = None
+        if updates is not None and not backward:
+            updates.forward_compiled(self.index, gm, self.names)
+        elif updates is not None:
+            variant = updates.backward_variant(self.index, gm, self.names)
+        described = describe_part_collectives(gm, kind, compiled.world_size, self.names)
+        if variant is not None:
+            compiled.graphs.append(("backward_update", variant.graph))
+            described = dataclasses.replace(described, updates=variant.names)
+        compiled.described.append((self.index, described))
+        return variant
 
-    return keep
+    def backward(self, variant: UpdatingBackward | None, plain: Compile, updating: Compile, carrying: Compile) -> Callable[..., Any]:
+        """What AOTAutograd runs as the backward: the graph as compiled, or where the parts are
+        updated inside, the choice between it and the variants (:meth:`PartUpdates.backward`).
+        Each variant is compiled at its first call unless compiled already."""
+        updates = self.compiled.updates
+        if variant is None or updates is None:
+            return plain()
+        return updates.backward(self.index, variant, _once(plain), _once(updating), _once(carrying))
+
+    def inner(self, compile_inner: Callable[..., Any], patches: dict[str, Any]) -> Callable[..., Any]:
+        """``compile_inner`` (inductor's, under ``patches``) that first places and keeps the graph
+        (inference graphs are compiled as they are); a backward's updating variant is compiled
+        now, the graph as it is and the carrying variant when a step first needs them."""
+        from graphddp.compiler.inductor import later
+
+        def inner(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+            if kwargs.get("is_inference"):
+                return compile_inner(gm, example_inputs, **kwargs)
+            backward = bool(kwargs.get("is_backward"))
+            variant = self.keep(gm, backward)
+            if variant is None:
+                return compile_inner(gm, example_inputs, **kwargs)
+
+            def lazily(graph: fx.GraphModule) -> Compile:
+                inputs = [*example_inputs, *[n.meta["val"] for n in graph.graph.nodes if n.op == "placeholder"][len(example_inputs):]]
+                return later(compile_inner, copy.deepcopy(graph), inputs, kwargs, patches, settings=lambda _: {})
+
+            updating = lazily(variant.graph)()
+            return self.backward(variant, lazily(gm), lambda: updating, lazily(variant.carrying))
+
+        return inner
 
 
 def _placed(gm: fx.GraphModule, config: DDPConfig, backward: bool) -> None:
@@ -113,19 +167,19 @@ def _placed(gm: fx.GraphModule, config: DDPConfig, backward: bool) -> None:
         check_part_collectives(gm, backward)
 
 
-def _recording(compile_inner: Callable[..., Any], keep: Callable[[fx.GraphModule, bool], None]) -> Callable[..., Any]:
-    """``compile_inner`` that first places the graph's collectives and keeps the graph
-    (inference graphs are compiled as they are)."""
+def _once(compile: Compile) -> Compile:
+    """``compile``, run at the first call only."""
+    done: list[Any] = []
 
-    def inner(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
-        if not kwargs.get("is_inference"):
-            keep(gm, bool(kwargs.get("is_backward")))
-        return compile_inner(gm, example_inputs, **kwargs)
+    def get() -> Callable[[list], Any]:
+        if not done:
+            done.append(compile())
+        return done[0]
 
-    return inner
+    return get
 
 
-def _aot_eager(config: DDPConfig, keep: Callable[[fx.GraphModule, bool], None]) -> Callable[..., Any]:
+def _aot_eager(config: DDPConfig, graph: _Graph) -> Callable[..., Any]:
     """AOTAutograd without a code generator, partitioned by min-cut (the partitioner that reads
     the recompute tags), the gathers tagged first when ``reshard``."""
     from torch._dynamo.backends.common import aot_autograd
@@ -138,11 +192,13 @@ def _aot_eager(config: DDPConfig, keep: Callable[[fx.GraphModule, bool], None]) 
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
     def forward(gm: fx.GraphModule, inputs: Any) -> Any:
-        keep(gm, False)
+        graph.keep(gm, False)
         return boxed_nop(gm, inputs)
 
     def backward(gm: fx.GraphModule, inputs: Any) -> Any:
-        keep(gm, True)
-        return boxed_nop(gm, inputs)
+        variant = graph.keep(gm, True)
+        return graph.backward(
+            variant, lambda: boxed_nop(gm, inputs), lambda: boxed_nop(variant.graph, inputs), lambda: boxed_nop(variant.carrying, inputs)
+        )
 
     return aot_autograd(fw_compiler=forward, bw_compiler=backward, partition_fn=partition, inference_compiler=boxed_nop)

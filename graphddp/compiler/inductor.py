@@ -92,7 +92,7 @@ class _InductorCompile:
                     on_forward(code, inference)
                     if wrap is None:
                         return code
-                    return wrap(source, code, lambda variant, extra: _later(compile_fx_inner, variant, saved + list(extra), kwargs, patches))
+                    return wrap(source, code, lambda variant, extra: later(compile_fx_inner, variant, saved + list(extra), kwargs, patches))
                 plain = copy.deepcopy(graph)
                 # As at a backward compiled lazily, outside the fake mode: the planner computes
                 # with real tensors (a backward compiled at once, for dynamic shapes or by a
@@ -108,10 +108,10 @@ class _InductorCompile:
             now.generated_code = getattr(compiled, "source_code", None)
 
             def synced(record: GraphRecord) -> Callable[[], Any]:
-                later = _later(compile_fx_inner, record.graph, list(inputs) + record.extra_inputs(), kwargs, patches)
+                compile_later = later(compile_fx_inner, record.graph, list(inputs) + record.extra_inputs(), kwargs, patches)
 
                 def compile_and_record() -> Any:
-                    code = later()
+                    code = compile_later()
                     record.generated_code = getattr(code, "source_code", None)
                     return code
 
@@ -120,9 +120,9 @@ class _InductorCompile:
             def grads(record: GraphRecord) -> Callable[[], Any] | None:
                 if record.without_update is None:
                     return None
-                return _later(compile_fx_inner, record.without_update, list(inputs) + record.hook_inputs(), kwargs, patches)
+                return later(compile_fx_inner, record.without_update, list(inputs) + record.hook_inputs(), kwargs, patches)
 
-            return finish(records, synced, grads, _later(compile_fx_inner, plain, inputs, kwargs, patches), compiled, facts)
+            return finish(records, synced, grads, later(compile_fx_inner, plain, inputs, kwargs, patches), compiled, facts)
 
         return inner_compile
 
@@ -263,14 +263,16 @@ def pinned_config(graph: fx.GraphModule) -> dict[str, Any]:
     return INDUCTOR_PINNED_CONFIG
 
 
-def _later(
-    compile_inner: Callable[..., Any], graph: fx.GraphModule, inputs: Sequence[Any], kwargs: dict, patches: dict[str, Any]
+def later(
+    compile_inner: Callable[..., Any], graph: fx.GraphModule, inputs: Sequence[Any], kwargs: dict, patches: dict[str, Any],
+    settings: Callable[[fx.GraphModule], dict[str, Any]] | None = None,
 ) -> Callable[[], Any]:
     """Compile ``graph`` on first use, in the tracing and compile context of now.
 
     The local (``no_sync``) backward is compiled only if a step ever needs it, the way
     AOTAutograd compiles its own backward lazily: under the saved contexts, so shape
-    guards and fake tensors are the ones the graph was traced with.
+    guards and fake tensors are the ones the graph was traced with. ``settings(graph)``: the
+    inductor settings on top of ``patches`` (default :func:`pinned_config`).
     """
     from torch._dynamo.convert_frame import compile_lock
     from torch._guards import CompileContext, TracingContext, compile_context, tracing
@@ -279,7 +281,7 @@ def _later(
     saved_tracing, saved_compile = TracingContext.try_get(), CompileContext.try_get()
 
     def compile_now() -> Any:
-        pinned = {**patches, **pinned_config(graph)}
+        pinned = {**patches, **(settings or pinned_config)(graph)}
         with compile_lock, tracing(saved_tracing), compile_context(saved_compile), inductor_config.patch(pinned):
             return compile_inner(graph, inputs, **kwargs)
 

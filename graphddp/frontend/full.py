@@ -14,24 +14,28 @@ backward gathers again instead of keeping the gathered parameters (:mod:`graphdd
 What the parts mean for the user:
 
 * the optimizer passed as ``optimizer=`` is re-pointed at the parts (its param groups, and any
-  state it already has, cut to each part): ``opt.step()`` updates this rank's part with torch's
-  own code, so its state is 1/N per rank; ``max_grad_norm=`` clips by the global norm of the
-  whole gradient (one all-reduce of a number before the step);
+  state it already has, cut to each part), so its state is 1/N per rank. With torch.optim's
+  SGD, Adam or AdamW each backward updates its parts itself, right after their gradients
+  arrive, and leaves them no gradient; ``opt.step()`` stays torch's and steps what a backward
+  left to it (a ``no_sync`` micro-step's accumulation, a weight tied across a graph break,
+  other optimizer classes: :mod:`graphddp.compiler.full_updates`); ``max_grad_norm=`` clips by
+  the global norm of the whole gradient (one all-reduce of a number before ``opt.step()``,
+  which then steps every part);
 * ``model.state_dict()`` gives whole tensors under the wrapped module's keys and
   ``load_state_dict`` keeps this rank's part: checkpoints move between world sizes and to plain
   models; both gather or read every part, so **every rank calls them**;
 * ``model.parameters()`` / ``named_parameters()`` give the whole current values, gathered (every
   rank calls them too), detached: for reading (an EMA, a norm, a copy), not for training;
   ``model.module``'s own parameters are the parts;
-* ``no_sync()`` / ``require_backward_grad_sync`` are accepted and still reduce-scatter each
-  micro-step (the accumulated gradient is DDP's; the bytes are one reduce-scatter per micro-step).
+* ``no_sync()`` / ``require_backward_grad_sync`` (read at the forward, as DDP reads it): the
+  backward does not update, and still reduce-scatters (the accumulated gradient is DDP's; the
+  bytes are one reduce-scatter per micro-step).
 
 Mixed precision is FSDP2's ``MixedPrecisionPolicy`` passed as ``mp_policy=`` (same meaning):
 parameters gathered and computed in ``param_dtype``, gradients reduce-scattered in
 ``reduce_dtype``, the parts and the optimizer's state in the parameters' own dtype.
 
-Not yet (refused by name where an option asks for it): the update inside the backward, comm
-hooks, ``join()``.
+Not yet (refused by name where an option asks for it): comm hooks, ``join()``.
 """
 from __future__ import annotations
 
@@ -47,6 +51,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 
 from graphddp.compiler.full import Compiled, fully_sharded_compiler
+from graphddp.compiler.full_updates import PartUpdates
 from graphddp.config import DDPConfig
 from graphddp.frontend.replica import check_and_broadcast
 from graphddp.graph.part_collectives import PREFETCH
@@ -229,7 +234,8 @@ class FullyShardedGraphDDP(nn.Module):
         self._parts = parts
         self._by_name = {name: part for part in parts.values() for name in part.names}
         self._sync = True
-        self._record = Compiled({id(p.part): p.names[0] for p in parts.values()}, dist.get_world_size(group))
+        updates = PartUpdates.of(optimizer, module, lambda: self._sync, config.verify, config.max_grad_norm)
+        self._record = Compiled({id(p.part): p.names[0] for p in parts.values()}, dist.get_world_size(group), updates)
         self.graphs = self._record.graphs  # every compiled forward and backward, in order
         object.__setattr__(self, "_compiled", torch.compile(
             module, backend=fully_sharded_compiler(config, self._record), fullgraph=config.fullgraph, dynamic=config.dynamic, **_ISOLATED
@@ -271,11 +277,12 @@ class FullyShardedGraphDDP(nn.Module):
         states = [self.optimizer.state.get(p, {}) for p in parts]
         state = sum(size(v) for st in states for v in st.values() if isinstance(v, torch.Tensor))
         graphs = [g for g in (forward, backward) if g is not None]
+        inside = {n for _, g in self._record.described for n in g.updates}
         kept = 0 if self.config.reshard_after_forward or forward is None else sum(b.whole_bytes for b in forward.of("gather"))
         return RankMemory(
             parameters=sum(size(p) for p in parts),
             whole_parameters=sum(p.numel * p.part.element_size() for p in self._parts.values()),
-            gradients=sum(size(p) for p in parts if p.requires_grad),
+            gradients=sum(size(p.part) for p in self._parts.values() if p.part.requires_grad and p.names[0] not in inside),
             optimizer_state=state,
             gathered_in_flight=max((g.in_flight_bytes(PREFETCH) for g in graphs), default=0),
             kept_to_backward=kept,
@@ -304,9 +311,24 @@ class FullyShardedGraphDDP(nn.Module):
     def require_backward_grad_sync(self, value: bool) -> None:
         self._sync = bool(value)
 
-    def no_sync(self) -> Any:
-        """Accepted: a micro-step under it reduce-scatters as any other (module docstring)."""
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """A forward under it does not update the parts in its backward: the gradients
+        accumulate (still reduce-scattered each micro-step, module docstring) until a
+        synchronising micro-step, whose ``opt.step()`` steps them."""
+        before, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = before
+
+    @property
+    def updates(self) -> dict[str, int]:
+        """How many backwards updated their parts inside (``"inside"``) and how many left them
+        to ``opt.step()``, by reason (:mod:`graphddp.compiler.full_updates`); empty where the
+        optimizer steps after every backward (its class, or ``max_grad_norm``)."""
+        updates = self._record.updates
+        return {} if updates is None else dict(updates.counts)
 
     def join(self, *_: Any, **__: Any) -> Any:
         raise NotImplementedError("graphddp: join() is not supported with sharding='full' yet (every forward gathers)")

@@ -17,6 +17,12 @@ P2. **Every gradient of a part reduce-scattered.** In a backward that gathers pa
 P3. **Once.** No reduce-scatter sends what a reduce-scatter received: a gradient averaged twice
     is divided by N twice.
 
+P4. **Each part updated once, after its average, last** (the optimizer inside the backward,
+    :mod:`graphddp.optim.insert_part_update`). For every part the variant updates: its gradient
+    output is None; exactly one graphddp update ``copy_`` writes it (through its input
+    ``primals_k`` or its ``update_param`` input); that write reads a reduce-scatter's wait (the
+    averaged gradient, not this rank's own); and no node after the write reads the part.
+
 (A backward that keeps the forward's gathered parameters, ``reshard_after_forward=False``, has
 no part among its inputs, so P2 has nothing to map there; P1 and P3 hold for every graph.)
 Failures raise :class:`graphddp.graph.verify_common.VerificationError` showing the node in context.
@@ -24,12 +30,13 @@ Failures raise :class:`graphddp.graph.verify_common.VerificationError` showing t
 from __future__ import annotations
 
 import re
+from typing import Mapping
 
 import torch
 import torch.fx as fx
 
-from graphddp.graph.capture import ancestors
-from graphddp.graph.verify_common import _fail
+from graphddp.graph.capture import ancestors, views_of
+from graphddp.graph.verify_common import VerificationError, _fail
 from graphddp.values.comm import ROLE_KEY, is_wait
 
 _COLLECTIVES = (
@@ -99,3 +106,35 @@ def _paths_to_tangents(grad: fx.Node) -> tuple[int, fx.Node | None]:
             return through, node
         todo.extend(node.all_input_nodes)
     return through, None
+
+
+def check_part_updates(gm: fx.GraphModule, updated: Mapping[int, str]) -> None:
+    """P4 (module docstring) for ``updated`` (backward output index -> part name, every part the
+    graph updates); the rest of the graph is checked by :func:`check_part_collectives`."""
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    outs = gm.graph.output_node().args[0]
+    inputs = {n.name: n for n in nodes if n.op == "placeholder"}
+    extra = [n for n in nodes if n.op == "placeholder" and n.name.startswith("update_param_")]
+    if len(extra) != len(updated):
+        raise VerificationError(f"graphddp verify: P4: {len(updated)} parts updated, {len(extra)} update_param inputs")
+    writes: dict[fx.Node, list[fx.Node]] = {}
+    for node in nodes:
+        if node.target is torch.ops.aten.copy_.default and node.meta.get(ROLE_KEY) == "update":
+            writes.setdefault(node.args[0], []).append(node)  # the update writes its input itself
+    for k, (index, name) in enumerate(sorted(updated.items())):
+        what = f"P4: the update of part {name!r} (output {index})"
+        if outs[index] is not None:
+            _fail(gm, outs[index], f"{what}: its gradient is still returned")
+        targets = [t for t in (inputs.get(f"primals_{index + 1}"), extra[k]) if t is not None]
+        found = [w for t in targets for w in writes.get(t, [])]
+        if len(found) != 1:
+            raise VerificationError(f"graphddp verify: {what}: {len(found)} writes of the part, expected 1 ({[w.name for w in found]})")
+        (write,) = found
+        if not any(is_wait(a) and a.meta.get(ROLE_KEY) == "reduce_scatter_wait" for a in ancestors(write)):
+            _fail(gm, write, f"{what}: {write.name} does not read a reduce-scatter's wait: it would step this rank's own gradient")
+        for target in targets:
+            late = [u for v in views_of(target) for u in v.users if u is not write and u.op != "output" and order[u] > order[write]]
+            if late:
+                _fail(gm, late[0], f"{what}: {late[0].name} reads the part after {write.name} updated it")
+

@@ -112,7 +112,8 @@ def _scaler_refusal(what: str) -> RuntimeError:
         f"graphddp: torch.amp.GradScaler.{what} with an optimizer attached by graphddp.compile(..., optimizer=): "
         "that optimizer updates the parameters inside the backward, so they would be updated with scaled gradients "
         "and no inf check; GradScaler is not supported there. Compile without optimizer= to use an enabled GradScaler "
-        "(step it as usual after the backward), or train in bfloat16 (no loss scaling needed; a GradScaler with "
+        "(step it as usual after the backward; sharding='full' needs optimizer=, and updates inside unless "
+        "max_grad_norm= is given), or train in bfloat16 (no loss scaling needed; a GradScaler with "
         "enabled=False keeps working)"
     )
 

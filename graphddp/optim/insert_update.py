@@ -104,6 +104,15 @@ def parameter_nodes(graph: fx.Graph, names: list[str], inputs: UpdateInputs, new
 def _new_inputs(graph: fx.Graph, schedule: Schedule, inputs: UpdateInputs) -> tuple[list[str], dict[str, list[fx.Node]], dict[int, list[fx.Node]]]:
     """Append the update's placeholders; returns updated names, per-name and per-group nodes."""
     names = [n for b in replicated(schedule) for n in b.updates]
+    per_name, per_group = append_update_inputs(graph, names, inputs)
+    return names, per_name, per_group
+
+
+def append_update_inputs(
+    graph: fx.Graph, names: Sequence[str], inputs: UpdateInputs
+) -> tuple[dict[str, list[fx.Node]], dict[int, list[fx.Node]]]:
+    """Append the placeholders of ``names``' updates (module docstring: the order); returns
+    per name its parameter's and state's nodes, per param group its hyperparameters'."""
     rules = [inputs.rules[n] for n in names]
     group_of = [inputs.groups[n] for n in names]
     labels, groups = optim.layout(rules, group_of)
@@ -132,7 +141,7 @@ def _new_inputs(graph: fx.Graph, schedule: Schedule, inputs: UpdateInputs) -> tu
     for g in groups:
         width = len(rules[group_of.index(g)].hyper)
         per_group[g], at = nodes[at:at + width], at + width
-    return names, per_name, per_group
+    return per_name, per_group
 
 
 def add_update_inputs(graph: fx.Graph, labels: Sequence[str], vals: Sequence[torch.Tensor]) -> list[fx.Node]:
@@ -148,7 +157,7 @@ def add_update_inputs(graph: fx.Graph, labels: Sequence[str], vals: Sequence[tor
     return nodes
 
 
-class _UpdateTraces:
+class UpdateTraces:
     """Each parameter's update, traced once per signature and reused for its lookalikes.
 
     A transformer's layers repeat the same parameter shapes, and tracing the update (make_fx
@@ -230,7 +239,7 @@ def insert_update(gm: fx.GraphModule, schedule: Schedule, inputs: UpdateInputs) 
     names, per_name, per_group = _new_inputs(graph, schedule, inputs)
     param_node = parameter_nodes(graph, names, inputs, {n: per_name[n][0] for n in names})
     decompositions = select_decomp_table()
-    updates = _UpdateTraces(decompositions)
+    updates = UpdateTraces(decompositions)
     coef = None
     if schedule.max_grad_norm is not None:  # the norm of every gradient first (graphddp.optim.clip)
         graded = [(b.index, [outs[s.output_index] for s in b.slots if not s.zero_filled]) for b in replicated(schedule)]

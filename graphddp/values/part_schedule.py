@@ -51,6 +51,7 @@ class PartGraph:
     kind: str  # "forward" | "backward"
     nodes: int
     buckets: tuple[PartBucket, ...]
+    updates: tuple[str, ...] = ()  # the parts a backward updates inside (the optimizer inside the backward)
 
     def of(self, kind: str) -> tuple[PartBucket, ...]:
         return tuple(b for b in self.buckets if b.kind == kind)
@@ -62,7 +63,7 @@ class PartGraph:
         return max((sum(sizes[i:i + prefetch + 1]) for i in range(len(sizes))), default=0)
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "nodes": self.nodes, "buckets": [b.to_dict() for b in self.buckets]}
+        return {"kind": self.kind, "nodes": self.nodes, "buckets": [b.to_dict() for b in self.buckets], "updates": list(self.updates)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +73,7 @@ class RankMemory:
 
     parameters: int  # its parts, padding included
     whole_parameters: int  # the parameters whole: what each rank of DDP holds
-    gradients: int  # the parts' gradients, from the backward until zero_grad
+    gradients: int  # the gradients of the parts no backward updates inside, from the backward until zero_grad
     optimizer_state: int  # its parts' state, as the optimizer holds it now (none before its first step)
     gathered_in_flight: int  # the most gathered bytes in flight at once (PartGraph.in_flight_bytes)
     kept_to_backward: int  # at most, gathered in the forward and kept for the backward (reshard_after_forward=False)
@@ -117,7 +118,7 @@ class FullSchedule:
         and explain's fake group takes NCCL's), and so is memory (the optimizer's state appears
         at its first step)."""
         plan = [
-            [graph.kind] + [[b.kind, b.index, list(b.params), b.dtype, b.whole_bytes, b.part_bytes] for b in graph.buckets]
+            [graph.kind, list(graph.updates)] + [[b.kind, b.index, list(b.params), b.dtype, b.whole_bytes, b.part_bytes] for b in graph.buckets]
             for graph in self.graphs
         ]
         head = [self.graph_index, self.world_size, self.reshard_after_forward, self.prefetch]
@@ -135,9 +136,10 @@ class FullSchedule:
             f"at most {size_text(m.kept_to_backward)} kept from the forward to the backward",
         ]
         for graph in self.graphs:
+            updates = f"; updates {len(graph.updates)} part(s) inside, each after its gradient's wait" if graph.updates else ""
             lines.append(
                 f"{graph.kind} ({graph.nodes} nodes): {len(graph.of('gather'))} gather bucket(s), "
-                f"{len(graph.of('reduce_scatter'))} reduce-scatter bucket(s)"
+                f"{len(graph.of('reduce_scatter'))} reduce-scatter bucket(s){updates}"
             )
             lines.append(f"  {'collective':<18}{'whole':>10}{'per rank':>10}  {'issued after':<24}{'waited before':<24}parameters")
             for b in graph.buckets:

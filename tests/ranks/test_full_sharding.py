@@ -121,11 +121,30 @@ def _train(rank: int, world: int, name: str) -> None:
     assert ours.state_dict().keys() == ref.module.state_dict().keys()
     for k, v in ours.state_dict().items():
         torch.testing.assert_close(v, ref.module.state_dict()[k], **case.tol, msg=lambda m: f"{name} state_dict[{k!r}]: {m}")
+    _check_updates_inside(case, name, ours)
     backwards = [g for kind, g in ours.graphs if kind == "backward"]
     assert backwards, f"{name}: no backward graph compiled"
     ops = [n.target for g in backwards for n in g.graph.nodes]
     assert ALL_TO_ALL in ops, f"{name}: no gradient was reduce-scattered in a compiled backward"
     assert REDUCE_SCATTER not in ops, f"{name}: gloo's reduce_scatter was issued"
+
+
+def _check_updates_inside(case: Case, name: str, ours: Any) -> None:
+    """Where the backward updated the parts itself, and where it left them to opt.step(), and
+    why (graphddp.compiler.full_updates): every step inside, step 2's synchronising micro-step
+    adding what its no_sync micro-step accumulated (carried); with max_grad_norm never; a weight
+    tied across a graph break: both graphs leave their parts to opt.step() (the second graph's
+    backward, run first, because the first is still to come; the first because the second
+    returned the tied weight's share)."""
+    counts = ours.updates
+    if case.max_grad_norm is not None:
+        assert counts == {}, f"{name}: max_grad_norm steps after the backward, yet {counts}"
+    elif "across_break" in name:
+        assert counts == {"shared": 2 * case.steps, "no_sync": 2}, f"{name}: {counts}"
+    else:
+        assert counts.get("inside", 0) >= case.steps - 1, f"{name}: {counts}"
+        assert counts.get("no_sync") and counts.get("inside, carried"), f"{name}: {counts}"
+        assert not set(counts) - {"inside", "inside, carried", "no_sync"}, f"{name}: {counts}"
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -148,8 +167,8 @@ def _placement(rank: int, world: int, reshard: bool, out: dict) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ours = graphddp.compile(model, optimizer=opt, sharding="full", backend="aot_eager", reshard_after_forward=reshard)
     ours(torch.randn(4, 7)).square().mean().backward()
-    (fw_kind, forward), (bw_kind, backward) = ours.graphs
-    assert (fw_kind, bw_kind) == ("forward", "backward")
+    (fw_kind, forward), (bw_kind, backward), (update_kind, _) = ours.graphs
+    assert (fw_kind, bw_kind, update_kind) == ("forward", "backward", "backward_update")
     gathers = lambda g: [n for n in g.graph.nodes if n.meta.get(ROLE_KEY) == "gather" and n.target in (GATHER, ALL_TO_ALL)]  # noqa: E731
     scatters = [n for n in backward.graph.nodes if n.meta.get(ROLE_KEY) == "reduce_scatter" and n.target is ALL_TO_ALL]
     assert len(gathers(forward)) == 1, "the forward gathers the 4 parts in one bucket"

@@ -103,3 +103,32 @@ def test_each_parameter_becomes_its_part_and_tied_weights_share_one(fake_world):
             kinds.setdefault((type(m).__mro__[1], names), set()).add(type(m))
     assert kinds and all(len(classes) == 1 for classes in kinds.values())
     assert all(type(m).__name__.startswith("FullySharded") for m in model.modules() if m._parameters)
+
+
+def test_the_parts_updated_inside_refuse_clipping_and_an_enabled_grad_scaler(fake_world):
+    """With AdamW each backward updates its parts itself (graphddp.compiler.full_updates): clipping
+    the parts' p.grad would clip nothing, and an enabled GradScaler's loss scale would reach the
+    update unchecked; both are refused by name, before any update."""
+    fake_world(8)
+    model = models.MLP()
+    ours = graphddp.compile(model, optimizer=_adamw(model), sharding="full", backend="aot_eager")
+    loss = ours(torch.randn(2, 16)).sum()
+    with pytest.raises(RuntimeError, match="GradScaler.scale.*sharding='full' needs optimizer="):
+        torch.amp.GradScaler("cpu").scale(loss)
+    with pytest.raises(RuntimeError, match="max_grad_norm="):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    torch.amp.GradScaler("cpu", enabled=False).scale(loss).backward()  # disabled: nothing to refuse
+    assert ours.updates == {"inside": 1} and all(p.grad is None for p in model.parameters())
+
+
+def test_other_optimizers_and_max_grad_norm_step_after_the_backward(fake_world):
+    fake_world(8)
+    model = models.MLP()
+    rms = torch.optim.RMSprop(model.parameters(), lr=1e-3)
+    ours = graphddp.compile(model, optimizer=rms, sharding="full", backend="aot_eager")
+    ours(torch.randn(2, 16)).sum().backward()
+    assert ours.updates == {} and all(p.grad is not None for p in model.parameters())
+    clipped = models.MLP()
+    ours = graphddp.compile(clipped, optimizer=_adamw(clipped), sharding="full", backend="aot_eager", max_grad_norm=1.0)
+    ours(torch.randn(2, 16)).sum().backward()
+    assert ours.updates == {} and all(p.grad is not None for p in clipped.parameters())

@@ -1,7 +1,7 @@
 """The rewrite of ``sharding="full"``'s collectives (graphddp/graph/part_collectives.py) on the
 graphs of a real compile, in one process (a fake group of 8 ranks): buckets by the cap, each
 gather bucket issued one bucket ahead of its wait, each reduce-scatter bucket travelling behind
-the next bucket's gradient compute, and rules P1-P3 (graphddp/graph/verify_full.py) with
+the next bucket's gradient compute, and rules P1-P4 (graphddp/graph/verify_full.py) with
 mutations that break each."""
 import copy
 
@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import graphddp
 from graphddp.graph.capture import ancestors
-from graphddp.graph.verify_full import check_part_collectives
+from graphddp.graph.verify_full import check_part_collectives, check_part_updates
 from graphddp.graph.verify_common import VerificationError
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
 
@@ -19,15 +19,20 @@ GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
 
 
-def _graphs(reshard: bool = True, cap_mb: float = 0.5) -> tuple:
+def _compiled(reshard: bool = True, cap_mb: float = 0.5) -> dict:
+    """The forward, the backward and its variant that updates the parts (``"backward_update"``)."""
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(256, 256) for _ in range(6)))  # 256 KB per weight
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     ours = graphddp.compile(model, optimizer=opt, sharding="full", backend="aot_eager", reshard_after_forward=reshard,
                             bucket_cap_mb=cap_mb)
     ours(torch.randn(4, 256)).sum().backward()
-    (_, forward), (_, backward) = ours.graphs
-    return forward, backward
+    return dict(ours.graphs)
+
+
+def _graphs(reshard: bool = True, cap_mb: float = 0.5) -> tuple:
+    graphs = _compiled(reshard, cap_mb)
+    return graphs["forward"], graphs["backward"]
 
 
 def _by_role(gm, role):
@@ -122,3 +127,68 @@ def test_rule_p3_fails_a_gradient_reduce_scattered_twice(fake_world):
     second.args = (again, *second.args[1:])
     with pytest.raises(VerificationError, match="P3"):
         check_part_collectives(broken, backward=True)
+
+
+def _updating(reshard: bool = True) -> tuple:
+    """The updating variant, and its updated parts (output index -> a name) read off the plain backward."""
+    graphs = _compiled(reshard)
+    outs = graphs["backward"].graph.output_node().args[0]
+    return graphs["backward_update"], {i: f"part {i}" for i in range(len(outs)) if outs[i] is not None}
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_rule_p4_passes_the_updates_the_compiler_made(fake_world, reshard):
+    fake_world(8)
+    variant, updated = _updating(reshard)
+    assert len(updated) == 12  # 6 weights and biases; the input has no gradient
+    check_part_updates(variant, updated)
+    writes = [n for n in variant.graph.nodes if n.target is torch.ops.aten.copy_.default and n.meta.get(ROLE_KEY) == "update"]
+    scatter_waits = [n for n in variant.graph.nodes if is_wait(n) and n.meta.get(ROLE_KEY) == "reduce_scatter_wait"]
+    order = {n: i for i, n in enumerate(variant.graph.nodes)}
+    # AdamW writes each part, its two moments and its step: the first part's write comes before the last bucket's wait
+    assert len(scatter_waits) > 1 and min(order[w] for w in writes) < order[scatter_waits[-1]], "no update overlaps a later bucket"
+
+
+def _update_writes(gm):
+    return [n for n in gm.graph.nodes if n.target is torch.ops.aten.copy_.default and n.meta.get(ROLE_KEY) == "update"
+            and n.args[0].op == "placeholder" and (n.args[0].name.startswith("primals_") or n.args[0].name.startswith("update_param_"))]
+
+
+def test_rule_p4_fails_a_gradient_returned_after_the_update(fake_world):
+    fake_world(8)
+    variant, updated = _updating()
+    broken = copy.deepcopy(variant)
+    graph = broken.graph
+    outs = list(graph.output_node().args[0])
+    write = _update_writes(broken)[0]
+    k = next(i for i in updated if f"primals_{i + 1}" == write.args[0].name or outs[i] is None)
+    outs[k] = write.args[1]  # the updated value handed back as a gradient too
+    graph.output_node().args = (tuple(outs),)
+    with pytest.raises(VerificationError, match="P4: .* its gradient is still returned"):
+        check_part_updates(broken, updated)
+
+
+def test_rule_p4_fails_a_part_read_after_its_update(fake_world):
+    fake_world(8)
+    variant, updated = _updating()
+    broken = copy.deepcopy(variant)
+    graph = broken.graph
+    write = _update_writes(broken)[0]
+    with graph.inserting_after(write):
+        graph.call_function(torch.ops.aten.mul.Tensor, (write.args[0], 2.0))
+    with pytest.raises(VerificationError, match="P4: .* reads the part after"):
+        check_part_updates(broken, updated)
+
+
+def test_rule_p4_fails_an_update_of_the_local_gradient(fake_world):
+    fake_world(8)
+    variant, updated = _updating()
+    broken = copy.deepcopy(variant)
+    graph = broken.graph
+    write = _update_writes(broken)[0]
+    with graph.inserting_before(write):  # the new value computed from nothing averaged: this rank's own
+        local = graph.call_function(torch.ops.aten.mul.Tensor, (write.args[0], 0.5))
+    write.args = (write.args[0], local)
+    graph.eliminate_dead_code()
+    with pytest.raises(VerificationError, match="P4: .* does not read a reduce-scatter's wait"):
+        check_part_updates(broken, updated)

@@ -1,0 +1,112 @@
+"""``sharding="full"``: each part updated inside the backward, right after its gradient arrives.
+
+In full sharding a backward graph returns, for every part it gathered, the part's gradient:
+the wait of a reduce-scatter bucket cut back into parts (:mod:`graphddp.graph.part_collectives`),
+cast to the part's dtype under a mixed-precision policy, summed where a tied weight was read
+twice. This pass updates the part there instead, with the optimizer's own math
+(:func:`graphddp.optim.attached.bucket_update_fn`, the update the replicated and sharded modes
+splice, traced once per signature), and returns None for its gradient: no gradient of a part
+outlives its update, and the update of one bucket runs while later buckets are still on the
+wire.
+
+Inputs. A part the backward reads already (``reshard_after_forward=True``: the backward gathers
+it again from its saved input ``primals_k``) is updated through that input, so the compiler
+orders the update after the gather; a part the backward does not read gets a new placeholder.
+Either way the runtime passes the tensors in :func:`graphddp.optim.insert_update.append_update_inputs`'s
+order (:meth:`graphddp.optim.attached.AttachedOptimizer.update_args`), the parameter first for
+every part, even where the graph reads it through ``primals_k``.
+
+Where. Each update goes right after the last of: its gradient, and every read of its part
+(:func:`graphddp.graph.trace.after_all`); the updates of parts whose gradients come from one
+reduce-scatter bucket follow that bucket's wait.
+
+Postcondition, checked by :func:`graphddp.graph.verify_full.check_part_updates` (P4): each
+updated part is written once, after its gradient's reduce-scatter wait and after every other
+read of it, and its gradient output is None.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+from graphddp.graph.capture import views_of
+from graphddp.graph.trace import after_all, set_outputs, splice
+from graphddp.optim.insert_update import UpdateInputs, UpdateTraces, add_update_inputs, append_update_inputs, parameter_nodes
+from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
+
+
+def insert_part_updates(gm: fx.GraphModule, grads: Mapping[int, str], inputs: UpdateInputs, carry: bool = False) -> list[str]:
+    """Update in ``gm`` every part named in ``grads`` (backward output index -> part name) that
+    ``inputs`` has a rule for and whose gradient the graph computes; returns their names, in
+    the order of their new inputs (empty: the graph is unchanged). With ``carry``, one more
+    input per updated part, after the update's (``carried_k``): the gradient it accumulated in
+    earlier micro-steps (``no_sync``) or earlier backwards of this step (a weight tied across a
+    graph break), added to this backward's before the update."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    graph = gm.graph
+    outs: list[Any] = list(graph.output_node().args[0])
+    chosen = [(i, name) for i, name in sorted(grads.items()) if isinstance(outs[i], fx.Node) and name in inputs.rules]
+    if not chosen:
+        return []
+    names = [name for _, name in chosen]
+    per_name, per_group = append_update_inputs(graph, names, inputs)
+    carried = _carried_inputs(graph, [outs[i] for i, _ in chosen]) if carry else {}
+    param_node = parameter_nodes(graph, names, inputs, {n: per_name[n][0] for n in names})
+    traces = UpdateTraces(select_decomp_table())
+    for i, name in chosen:
+        grad = outs[i]
+        param = param_node[name]
+        readers = [user for view in views_of(param) for user in view.users if user.op != "output"]
+        point = after_all(graph, [grad, *readers])
+        if carry:
+            grad = _added(graph, grad, carried[grad], point)
+        args = [grad, param, *per_name[name][1:], *per_group[inputs.groups[name]]]
+        traced = traces.traced(inputs.rules[name], False, [a.meta["val"] for a in args], f"the optimizer update of part {name!r}")
+        splice(graph, traced, args, point, _bucket_of(grad))
+        outs[i] = None
+    set_outputs(graph, outs)
+    graph.lint()
+    gm.recompile()
+    return names
+
+
+def _carried_inputs(graph: fx.Graph, grads: list[fx.Node]) -> dict[fx.Node, fx.Node]:
+    """One placeholder per gradient, after every other, shaped as it is: what was accumulated."""
+    vals = []
+    fake_mode = detect_fake_mode(tuple(g.meta["val"] for g in grads))
+    with fake_mode:
+        for g in grads:
+            v = g.meta["val"]
+            vals.append(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device))
+    nodes = add_update_inputs(graph, [f"carried_{k}" for k in range(len(grads))], vals)
+    return dict(zip(grads, nodes))
+
+
+def _added(graph: fx.Graph, grad: fx.Node, carried: fx.Node, before: fx.Node) -> fx.Node:
+    """``grad + carried``, right before ``before`` (the update's place)."""
+    with graph.inserting_before(before):
+        node = graph.call_function(torch.ops.aten.add.Tensor, (grad, carried))
+    with detect_fake_mode((grad.meta["val"],)):
+        node.meta["val"] = grad.meta["val"] + carried.meta["val"]
+    node.meta[ROLE_KEY] = "carry"
+    return node
+
+
+def _bucket_of(grad: fx.Node) -> int:
+    """The reduce-scatter bucket a gradient came from (the latest, for a tied weight's sum)."""
+    buckets = [-1]
+    todo, seen = [grad], set()
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if is_wait(node) and node.meta.get(ROLE_KEY) == "reduce_scatter_wait":
+            buckets.append(node.meta.get(BUCKET_KEY, -1))
+            continue
+        todo.extend(node.all_input_nodes)
+    return max(buckets)
