@@ -87,6 +87,28 @@ def _part_gathers(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
     return [(g, w) for g, w in pairs if w is not None]
 
 
+def above_reduce_scatters(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
+    """Walking from ``node`` towards the graph's inputs, stopping at reduce-scatter waits: the
+    waits it meets, and the inputs it reaches without passing one (what a gradient is made of:
+    averaged parts, or something local)."""
+    waits: list[fx.Node] = []
+    inputs: list[fx.Node] = []
+    seen: set[fx.Node] = set()
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if is_wait(n) and n.meta.get(ROLE_KEY) == "reduce_scatter_wait":
+            waits.append(n)
+        elif n.op == "placeholder":
+            inputs.append(n)
+        else:
+            todo.extend(n.all_input_nodes)
+    return waits, inputs
+
+
 def _reduce_scatters(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
     pairs = [(n, _wait_of(n)) for n in graph.nodes if n.target is _REDUCE_SCATTER and n.args[1] == "sum"]
     return [(r, w) for r, w in pairs if w is not None]

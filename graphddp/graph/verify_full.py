@@ -36,6 +36,7 @@ import torch
 import torch.fx as fx
 
 from graphddp.graph.capture import ancestors, views_of
+from graphddp.graph.part_collectives import above_reduce_scatters
 from graphddp.graph.verify_common import VerificationError, _fail
 from graphddp.values.comm import ROLE_KEY, is_wait
 
@@ -91,21 +92,8 @@ def _gathers(node: fx.Node) -> bool:
 def _paths_to_tangents(grad: fx.Node) -> tuple[int, fx.Node | None]:
     """Walking from ``grad`` towards the inputs, stopping at reduce-scatter waits: how many waits
     it meets, and a tangent it reaches without passing one (None if none)."""
-    through = 0
-    seen: set[fx.Node] = set()
-    todo = [grad]
-    while todo:
-        node = todo.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if is_wait(node) and node.meta.get(ROLE_KEY) == "reduce_scatter_wait":
-            through += 1
-            continue
-        if node.op == "placeholder" and node.name.startswith("tangents"):
-            return through, node
-        todo.extend(node.all_input_nodes)
-    return through, None
+    waits, inputs = above_reduce_scatters(grad)
+    return len(waits), next((n for n in inputs if n.name.startswith("tangents")), None)
 
 
 def check_part_updates(gm: fx.GraphModule, updated: Mapping[int, str]) -> None:

@@ -33,9 +33,10 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from graphddp.graph.capture import views_of
+from graphddp.graph.part_collectives import above_reduce_scatters
 from graphddp.graph.trace import after_all, set_outputs, splice
 from graphddp.optim.insert_update import UpdateInputs, UpdateTraces, add_update_inputs, append_update_inputs, parameter_nodes
-from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
+from graphddp.values.comm import BUCKET_KEY, ROLE_KEY
 
 
 def insert_part_updates(gm: fx.GraphModule, grads: Mapping[int, str], inputs: UpdateInputs, carry: bool = False) -> list[str]:
@@ -98,15 +99,5 @@ def _added(graph: fx.Graph, grad: fx.Node, carried: fx.Node, before: fx.Node) ->
 
 def _bucket_of(grad: fx.Node) -> int:
     """The reduce-scatter bucket a gradient came from (the latest, for a tied weight's sum)."""
-    buckets = [-1]
-    todo, seen = [grad], set()
-    while todo:
-        node = todo.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if is_wait(node) and node.meta.get(ROLE_KEY) == "reduce_scatter_wait":
-            buckets.append(node.meta.get(BUCKET_KEY, -1))
-            continue
-        todo.extend(node.all_input_nodes)
-    return max(buckets)
+    waits, _ = above_reduce_scatters(grad)
+    return max((w.meta.get(BUCKET_KEY, -1) for w in waits), default=-1)

@@ -154,13 +154,17 @@ def _update_writes(gm):
             and n.args[0].op == "placeholder" and (n.args[0].name.startswith("primals_") or n.args[0].name.startswith("update_param_"))]
 
 
-def test_rule_p4_fails_a_gradient_returned_after_the_update(fake_world):
+def _to_break(fake_world) -> tuple:
+    """A copy of the updating variant to break, its graph, its first part's write, the updated parts."""
     fake_world(8)
     variant, updated = _updating()
     broken = copy.deepcopy(variant)
-    graph = broken.graph
+    return broken, broken.graph, _update_writes(broken)[0], updated
+
+
+def test_rule_p4_fails_a_gradient_returned_after_the_update(fake_world):
+    broken, graph, write, updated = _to_break(fake_world)
     outs = list(graph.output_node().args[0])
-    write = _update_writes(broken)[0]
     k = next(i for i in updated if f"primals_{i + 1}" == write.args[0].name or outs[i] is None)
     outs[k] = write.args[1]  # the updated value handed back as a gradient too
     graph.output_node().args = (tuple(outs),)
@@ -169,11 +173,7 @@ def test_rule_p4_fails_a_gradient_returned_after_the_update(fake_world):
 
 
 def test_rule_p4_fails_a_part_read_after_its_update(fake_world):
-    fake_world(8)
-    variant, updated = _updating()
-    broken = copy.deepcopy(variant)
-    graph = broken.graph
-    write = _update_writes(broken)[0]
+    broken, graph, write, updated = _to_break(fake_world)
     with graph.inserting_after(write):
         graph.call_function(torch.ops.aten.mul.Tensor, (write.args[0], 2.0))
     with pytest.raises(VerificationError, match="P4: .* reads the part after"):
@@ -181,11 +181,7 @@ def test_rule_p4_fails_a_part_read_after_its_update(fake_world):
 
 
 def test_rule_p4_fails_an_update_of_the_local_gradient(fake_world):
-    fake_world(8)
-    variant, updated = _updating()
-    broken = copy.deepcopy(variant)
-    graph = broken.graph
-    write = _update_writes(broken)[0]
+    broken, graph, write, updated = _to_break(fake_world)
     with graph.inserting_before(write):  # the new value computed from nothing averaged: this rank's own
         local = graph.call_function(torch.ops.aten.mul.Tensor, (write.args[0], 0.5))
     write.args = (write.args[0], local)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from graphddp.plan.cost import simulate
+from graphddp.values.part_schedule import FullSchedule
 from tools.bench import powersgd
 from tools.bench.modes import (
     CommOnlyMode,
@@ -289,7 +290,8 @@ def rank_main(rank: int, world: int, cfg: BenchConfig, result_path: str) -> None
 
     info["wire"] = _wire(modes, order, info, base)
     # Issue 12: each mode's backward by the calibrated cost model (predict.py), next to the measured.
-    scheduled = {n: list(modes[n].model.schedules) for n in order if n.startswith("graphddp")}
+    # full sharding's schedules are read back from its graphs: no predicted timeline (its bytes: _wire)
+    scheduled = {n: [s for s in modes[n].model.schedules if not isinstance(s, FullSchedule)] for n in order if n.startswith("graphddp")}
     facts = "graphddp_auto" if "graphddp_auto" in scheduled else "graphddp"
     info["predicted"] = predictions(cost, scheduled, [n for n in order if ddp_config(n) is not None],
                                     (facts, scheduled[facts]), info.get("ddp_buckets", {}))
@@ -340,7 +342,11 @@ def _wire(modes: dict[str, Any], order: list[str], info: dict[str, Any], base: n
     for name in order:
         if name in POWERSGD_MODES:
             continue
-        if name.startswith("graphddp"):
+        full = [s for s in modes[name].model.schedules if isinstance(s, FullSchedule)] if name.startswith("graphddp") else []
+        if full:
+            nbytes = sum(b.whole_bytes for s in full for g in s.graphs for b in g.buckets)
+            src = "sum(PartBucket.whole_bytes) of model.schedules: every gather and reduce-scatter, whole"
+        elif name.startswith("graphddp"):
             nbytes = sum(b.wire_nbytes for s in modes[name].model.schedules for b in s.buckets)
             src = "sum(Bucket.wire_nbytes) of model.schedules"
         elif name in ("comm_only", "ideal_overlap"):
@@ -350,7 +356,9 @@ def _wire(modes: dict[str, Any], order: list[str], info: dict[str, Any], base: n
         else:
             nbytes, src = grads, "every gradient, fp32, all-reduced as it is"
         out[name] = {"bytes": nbytes, "uncompressed_bytes": grads, "source": src}
-        if name.startswith("graphddp"):
+        if full:
+            out[name]["buckets"] = sum(len(g.buckets) for s in full for g in s.graphs)
+        elif name.startswith("graphddp"):
             out[name]["buckets"] = sum(len(s.buckets) for s in modes[name].model.schedules)
         elif name in info.get("ddp_buckets", {}) and name != "ddp_compiled_autograd":  # its C++ buckets go unused
             out[name]["buckets"] = len(info["ddp_buckets"][name])

@@ -20,7 +20,7 @@ And, for full sharding (``--modes full``), parameters held 1/N per rank too:
 
 * ``graphddp_full``: ``graphddp.compile(model, optimizer=opt, sharding="full")`` (each parameter
   gathered where it is read, gathered again in the backward, its gradient reduce-scattered;
-  AdamW on the parts after the backward);
+  AdamW on each part inside the backward, after its reduce-scatter);
 * ``graphddp_full_keep``: the same with ``reshard_after_forward=False``;
 * ``fsdp2_reshard``: ``fully_shard`` per block and root with ``reshard_after_forward=True``, as
   users run FSDP2 (its default).

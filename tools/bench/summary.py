@@ -110,7 +110,7 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
         "fsdp2": "fully_shard per block and root, reshard_after_forward=False (ZeRO-2 shape), eager, AdamW on the shards",
         "fsdp2_reshard": "fully_shard per block and root, reshard_after_forward=True (FSDP2's default), eager, AdamW on the shards",
         "graphddp_full": "graphddp, sharding='full': each parameter gathered where read and again in the backward, "
-                         "reduce-scattered; AdamW on the parts after the backward",
+                         "reduce-scattered; AdamW on each part inside the backward",
         "graphddp_full_keep": "graphddp_full with reshard_after_forward=False: gathered parameters kept to the backward",
         "graphddp_auto": _auto_note(info.get("graphddp_auto")),
         **_powersgd_notes(cfg, info),
