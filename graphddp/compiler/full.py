@@ -164,7 +164,7 @@ def _placed(gm: fx.GraphModule, config: DDPConfig, backward: bool) -> None:
     place_part_collectives(gm.graph, cap_bytes=int(cap * MB))
     gm.recompile()
     if config.verify:
-        check_part_collectives(gm, backward)
+        check_part_collectives(gm, backward, config.reshard_after_forward)
 
 
 def _once(compile: Compile) -> Compile:

@@ -16,12 +16,15 @@ P2. **Every gradient of a part reduce-scattered.** In a backward that gathers pa
     returned its local gradient for a part would train on 1/N of the data.
 P3. **Once.** No reduce-scatter sends what a reduce-scatter received: a gradient averaged twice
     is divided by N twice.
-
 P4. **Each part updated once, after its average, last** (the optimizer inside the backward,
     :mod:`graphddp.optim.insert_part_update`). For every part the variant updates: its gradient
     output is None; exactly one graphddp update ``copy_`` writes it (through its input
     ``primals_k`` or its ``update_param`` input); that write reads a reduce-scatter's wait (the
     averaged gradient, not this rank's own); and no node after the write reads the part.
+P5. **Resharded: nothing gathered kept** (``reshard_after_forward=True``). No output of a
+    forward (what AOTAutograd saves for the backward is among them) is a gathered parameter or
+    a view of one: each gathered buffer's last reader is in the forward, so it is freed there,
+    and the backward gathers again what it reads.
 
 (A backward that keeps the forward's gathered parameters, ``reshard_after_forward=False``, has
 no part among its inputs, so P2 has nothing to map there; P1 and P3 hold for every graph.)
@@ -48,8 +51,9 @@ _COLLECTIVES = (
 _PRIMAL = re.compile(r"primals_(\d+)$")
 
 
-def check_part_collectives(gm: fx.GraphModule, backward: bool) -> None:
-    """P1-P3 (module docstring) on one rewritten graph; P2 on a ``backward`` one."""
+def check_part_collectives(gm: fx.GraphModule, backward: bool, reshard: bool = False) -> None:
+    """P1-P3 (module docstring) on one rewritten graph; P2 on a ``backward`` one, P5 on a
+    forward that ``reshard``s."""
     gm.graph.lint()
     for issue in gm.graph.nodes:
         if issue.target in _COLLECTIVES:
@@ -63,6 +67,18 @@ def check_part_collectives(gm: fx.GraphModule, backward: bool) -> None:
             _fail(gm, issue, f"P3: {issue.name} reduce-scatters what {again[0].name} received: a gradient averaged twice")
     if backward:
         _check_part_gradients(gm)
+    elif reshard:
+        _check_nothing_gathered_kept(gm)
+
+
+def _check_nothing_gathered_kept(gm: fx.GraphModule) -> None:
+    """P5: no output of the forward is a gathered parameter or a view of one."""
+    gathered = {v for n in gm.graph.nodes if n.meta.get(ROLE_KEY) == "gather_wait" for v in views_of(n)}
+    outs = gm.graph.output_node().args[0]
+    for out in outs if isinstance(outs, (tuple, list)) else (outs,):
+        if isinstance(out, fx.Node) and out in gathered:
+            _fail(gm, out, f"P5: {out.name}, a gathered parameter (or a view of one), is an output of a forward that reshards: "
+                           "kept for the backward instead of freed")
 
 
 def _check_part_gradients(gm: fx.GraphModule) -> None:

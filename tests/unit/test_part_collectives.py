@@ -1,7 +1,7 @@
 """The rewrite of ``sharding="full"``'s collectives (graphddp/graph/part_collectives.py) on the
 graphs of a real compile, in one process (a fake group of 8 ranks): buckets by the cap, each
 gather bucket issued one bucket ahead of its wait, each reduce-scatter bucket travelling behind
-the next bucket's gradient compute, and rules P1-P4 (graphddp/graph/verify_full.py) with
+the next bucket's gradient compute, and rules P1-P5 (graphddp/graph/verify_full.py) with
 mutations that break each."""
 import copy
 
@@ -127,6 +127,23 @@ def test_rule_p3_fails_a_gradient_reduce_scattered_twice(fake_world):
     second.args = (again, *second.args[1:])
     with pytest.raises(VerificationError, match="P3"):
         check_part_collectives(broken, backward=True)
+
+
+def test_rule_p5_fails_a_gathered_parameter_kept_for_the_backward(fake_world):
+    fake_world(8)
+    forward, _ = _graphs(reshard=True)
+    check_part_collectives(forward, backward=False, reshard=True)  # the compiled graph passes
+    broken = copy.deepcopy(forward)
+    graph = broken.graph
+    kept = next(n for n in graph.nodes if n.meta.get(ROLE_KEY) == "gather_wait" and not is_wait(n))  # a parameter, gathered
+    graph.output_node().args = ((*graph.output_node().args[0], kept),)
+    with pytest.raises(VerificationError, match="P5: .* kept for the backward instead of freed"):
+        check_part_collectives(broken, backward=False, reshard=True)
+    check_part_collectives(broken, backward=False, reshard=False)  # kept to the backward: what that option means
+    # and the forward compiled to keep its gathered parameters is what P5 refuses where resharding
+    kept_forward, _ = _graphs(reshard=False)
+    with pytest.raises(VerificationError, match="P5"):
+        check_part_collectives(kept_forward, backward=False, reshard=True)
 
 
 def _updating(reshard: bool = True) -> tuple:
