@@ -55,6 +55,7 @@ from graphddp.compiler.full_updates import PartUpdates
 from graphddp.config import DDPConfig
 from graphddp.frontend.replica import check_and_broadcast
 from graphddp.graph.part_collectives import PREFETCH
+from graphddp.optim import guards
 from graphddp.optim.shard import ELEMENTWISE
 from graphddp.runtime.sync import broadcast_tensors
 from graphddp.values.comm import gather_flat
@@ -372,7 +373,9 @@ class FullyShardedGraphDDP(nn.Module):
             if remove_duplicate and id(part) in seen:
                 continue
             seen.add(id(part))
-            yield (f"{prefix}.{name}" if prefix else name), nn.Parameter(self._whole(part), requires_grad=False)
+            whole = nn.Parameter(self._whole(part), requires_grad=False)
+            setattr(whole, guards.GATHERED_COPY, True)  # clipping it would clip nothing: refused (graphddp.optim.guards)
+            yield (f"{prefix}.{name}" if prefix else name), whole
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.module.zero_grad(set_to_none=set_to_none)
@@ -416,7 +419,10 @@ def compile_fully_sharded(module: nn.Module, group: Any, config: DDPConfig, opti
             "(a torch.optim optimizer over model.parameters(), built before graphddp.compile)"
         )
     check_and_broadcast(where, module, group, config)  # whole tensors, before they are cut
+    guards.watch_gathered_copies()
     parts = shard_parameters(module, group, config.mp_policy)
+    for part in parts.values():
+        setattr(part.part, guards.PART, True)  # clip_grad_norm_ on parts is refused (graphddp.optim.guards)
     repoint_optimizer(optimizer, parts, dist.get_world_size(group), dist.get_rank(group))
     if config.max_grad_norm is not None:
         clip_parts_by_global_norm(optimizer, config.max_grad_norm, group)

@@ -62,6 +62,20 @@ clip_grad_norm_ = clip_grad.clip_grad_norm_
 
 _ATTACHED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # live AttachedOptimizer objects
 _installed = False
+# The attribute sharding="full" sets on the whole parameters model.parameters() gathers: copies
+# for reading, with no gradient, so clipping them would clip nothing.
+GATHERED_COPY = "_graphddp_gathered_copy"
+# The attribute it sets on each rank's part: the norm of parts is this rank's share of the norm.
+PART = "_graphddp_part"
+_gathered_copies = False  # some were made in this process: the clip wrappers look for them
+
+
+def watch_gathered_copies() -> None:
+    """From now on the clip wrappers refuse tensors marked :data:`GATHERED_COPY`; installs them
+    the first time."""
+    global _gathered_copies
+    _gathered_copies = True
+    _install()
 
 
 def watch(attached: Any) -> None:
@@ -83,9 +97,26 @@ def _owner_of(params: Iterable[Any]) -> Any:
 def _clip_guard(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def guarded(parameters: Any, *args: Any, **kwargs: Any) -> Any:
-        if _ATTACHED:
+        if _ATTACHED or _gathered_copies:
             generator = isinstance(parameters, types.GeneratorType)
             params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            if any(getattr(p, GATHERED_COPY, False) for p in params):
+                raise RuntimeError(
+                    f"graphddp: torch.nn.utils.{name} was called on the whole parameters that model.parameters() gathers "
+                    "with sharding='full': copies for reading, with no gradient, so this would clip nothing. "
+                    + ("Pass max_grad_norm= to graphddp.compile instead: the whole gradient's global norm is then clipped "
+                       "before opt.step()" if name == "clip_grad_norm_" else
+                       "Clip the parts' gradients instead (model.module.parameters(), between backward() and opt.step(); "
+                       "by value is elementwise, so parts clip as the whole would), which needs them kept: max_grad_norm= "
+                       "or an optimizer other than SGD/Adam/AdamW, whose parts are not updated inside the backward")
+                )
+            if name == "clip_grad_norm_" and any(getattr(p, PART, False) for p in params):
+                raise RuntimeError(
+                    "graphddp: torch.nn.utils.clip_grad_norm_ was called on the parts sharding='full' holds "
+                    "(model.module.parameters()): their norm is this rank's share of the whole gradient's, so each rank "
+                    "would clip by another number. Pass max_grad_norm= to graphddp.compile instead: the whole gradient's "
+                    "global norm is then clipped before opt.step()"
+                )
             owner = _owner_of(params)
             if owner is not None:
                 instead = (

@@ -132,3 +132,23 @@ def test_other_optimizers_and_max_grad_norm_step_after_the_backward(fake_world):
     ours = graphddp.compile(clipped, optimizer=_adamw(clipped), sharding="full", backend="aot_eager", max_grad_norm=1.0)
     ours(torch.randn(2, 16)).sum().backward()
     assert ours.updates == {} and all(p.grad is not None for p in clipped.parameters())
+
+
+@pytest.mark.parametrize("clip", ["clip_grad_norm_", "clip_grad_value_"])
+def test_clipping_the_gathered_copies_is_refused_by_name(fake_world, clip):
+    """nanoGPT clips model.parameters(): with sharding='full' those are whole copies for reading,
+    with no gradient, so torch would clip nothing and return 0; refused whatever the optimizer
+    (here RMSprop, whose parts keep their gradients to opt.step()). By norm, the parts' own
+    gradients are refused too (each rank's norm would be its share); by value they clip."""
+    fake_world(8)
+    model = models.MLP()
+    ours = graphddp.compile(model, optimizer=torch.optim.RMSprop(model.parameters(), lr=1e-3), sharding="full", backend="aot_eager")
+    ours(torch.randn(2, 16)).sum().backward()
+    instead = "max_grad_norm=" if clip == "clip_grad_norm_" else "Clip the parts' gradients instead"
+    with pytest.raises(RuntimeError, match=f"{clip} was called on the whole parameters .* {instead}"):
+        getattr(torch.nn.utils, clip)(ours.parameters(), 1.0)
+    if clip == "clip_grad_value_":  # elementwise: the parts' own gradients clip as the whole would
+        torch.nn.utils.clip_grad_value_(model.parameters(), 1.0)
+    else:  # the parts' norm is this rank's share of the norm
+        with pytest.raises(RuntimeError, match="clip_grad_norm_ was called on the parts .* max_grad_norm="):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
