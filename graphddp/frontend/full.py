@@ -355,7 +355,13 @@ class FullyShardedGraphDDP(nn.Module):
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
-        """Whole tensors under the module's keys; each rank keeps its part."""
+        """Whole tensors under the module's keys; each rank keeps its part, copied into it."""
+        if assign:
+            raise ValueError(
+                "graphddp: load_state_dict(assign=True) with sharding='full': the optimizer, the compiled graphs and the "
+                "update inside the backward hold this rank's parts, so they are loaded by copying into them; "
+                "call load_state_dict(state_dict) without assign"
+            )
         rank = dist.get_rank(self.process_group)
         cut = dict(state_dict)
         for name, part in self._by_name.items():
@@ -364,7 +370,7 @@ class FullyShardedGraphDDP(nn.Module):
                 if tuple(value.shape) != part.shape:
                     raise ValueError(f"graphddp: {name!r} has shape {list(value.shape)} in the state dict, {list(part.shape)} in the model")
                 cut[name] = padded_part(value.to(part.part.device), self.world_size, rank)
-        return self.module.load_state_dict(cut, strict=strict, assign=assign)
+        return self.module.load_state_dict(cut, strict=strict)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:  # type: ignore[override]
         """The whole current values, gathered (every rank calls it), detached (module docstring)."""

@@ -152,3 +152,17 @@ def test_clipping_the_gathered_copies_is_refused_by_name(fake_world, clip):
     else:  # the parts' norm is this rank's share of the norm
         with pytest.raises(RuntimeError, match="clip_grad_norm_ was called on the parts .* max_grad_norm="):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+
+
+def test_loading_by_assignment_is_refused_by_name(fake_world):
+    """The optimizer, the compiled graphs and the update inside the backward hold the parts:
+    a state dict is copied into them; assign=True would put new tensors in their place."""
+    fake_world(8)
+    model = models.MLP()
+    ours = graphddp.compile(model, optimizer=_adamw(model), sharding="full", backend="aot_eager")
+    whole = models.MLP().state_dict()
+    with pytest.raises(ValueError, match=r"load_state_dict\(assign=True\) with sharding='full'"):
+        ours.load_state_dict(whole, assign=True)
+    parts = [p for p in model.parameters()]
+    ours.load_state_dict(whole)
+    assert all(a is b for a, b in zip(model.parameters(), parts, strict=True))  # the same tensors, loaded in place
