@@ -123,7 +123,9 @@ class DDPConfig:
     )
     sharding: str | None = _option(
         None, "'optimizer': each rank keeps and updates 1/N of the optimizer state; buckets are reduce-scattered, "
-        "updated in the backward and all-gathered (needs optimizer=; default None: replicated)"
+        "updated in the backward and all-gathered; 'full': each rank holds 1/N of every parameter, gradient and "
+        "optimizer state, each parameter gathered where the graphs read it and its part updated in the backward "
+        "(both need optimizer=; default None: replicated)"
     )
     reshard_after_forward: bool | None = _option(
         None, "with sharding='full': free each gathered parameter after the forward and gather it again in the "
