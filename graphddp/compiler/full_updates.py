@@ -127,13 +127,13 @@ class PartUpdates:
         for node in gm.graph.nodes:  # a part the backward reads: its own input's value
             if node.op == "placeholder" and node.name in names:
                 values[names[node.name]] = node.meta["val"]
-        held = [n for n in grads.values() if n in values and self.attached.rule(n) is not None]
-        if not held:
+        stepped = [n for n in grads.values() if n in values and self.attached.rule(n) is not None]  # the optimizer holds them
+        if not stepped:
             return None
         inputs = UpdateInputs(
-            rules={n: self.attached.rule(n) for n in held},  # type: ignore[misc]
-            groups={n: self.attached.group_of[n] for n in held},
-            values={n: values[n] for n in held},
+            rules={n: self.attached.rule(n) for n in stepped},  # type: ignore[misc]
+            groups={n: self.attached.group_of[n] for n in stepped},
+            values={n: values[n] for n in stepped},
         )
         mine = {i: n for i, n in grads.items() if n in inputs.rules}
         variant, carrying = copy.deepcopy(gm), copy.deepcopy(gm)
