@@ -32,31 +32,40 @@ def describe_part_collectives(gm: fx.GraphModule, kind: str, world_size: int, na
     name (:func:`input_name`) to its parameter's name."""
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
-    buckets = []
-    for role in PART_KINDS:
-        indices = sorted({n.meta[BUCKET_KEY] for n in nodes if n.meta.get(ROLE_KEY) == role and BUCKET_KEY in n.meta})
-        for index in indices:
-            buckets.append(_bucket(nodes, order, role, index, world_size, names))
+    tagged: dict[tuple[str, int], list[fx.Node]] = {}  # (role, bucket) -> its nodes, in graph order
+    for n in nodes:
+        if n.meta.get(ROLE_KEY) in _ROLES and n.meta.get(BUCKET_KEY) is not None:
+            tagged.setdefault((n.meta[ROLE_KEY], n.meta[BUCKET_KEY]), []).append(n)
+    returned = gm.graph.output_node().args[0]
+    outs = returned if isinstance(returned, (list, tuple)) else (returned,)
+    positions: dict[fx.Node, list[int]] = {}  # an output node -> the outputs it is
+    for i, out in enumerate(outs):
+        if isinstance(out, fx.Node):
+            positions.setdefault(out, []).append(i)
+    buckets = [
+        _bucket(nodes, order, role, index, tagged[(role, index)], tagged[(f"{role}_wait", index)], world_size, names, positions)
+        for role, index in tagged if role in PART_KINDS
+    ]
     buckets.sort(key=lambda b: b.issue_at)
     return PartGraph(kind=kind, nodes=len(nodes), buckets=tuple(buckets))
 
 
-def _bucket(nodes: list[fx.Node], order: dict[fx.Node, int], role: str, index: int, world: int, names: Mapping[str, str]) -> PartBucket:
-    mine = lambda n, r: n.meta.get(ROLE_KEY) == r and n.meta.get(BUCKET_KEY) == index  # noqa: E731
-    issue = [n for n in nodes if mine(n, role)]
-    wait = next(n for n in nodes if mine(n, f"{role}_wait") and is_wait(n))
+def _bucket(
+    nodes: list[fx.Node], order: dict[fx.Node, int], role: str, index: int, issue: list[fx.Node], received: list[fx.Node],
+    world: int, names: Mapping[str, str], positions: Mapping[fx.Node, list[int]],
+) -> PartBucket:
+    """One bucket from its ``issue`` nodes and the nodes that wait for and cut what it ``received``."""
+    wait = next(n for n in received if is_wait(n))
     collective = next(n for n in issue if str(n.target).startswith("_c10d_functional."))
     sent = collective.args[0] if role == "reduce_scatter" else collective  # the whole: gradients sent, or gathered
     val = sent.meta["val"]
     whole = val.numel() * val.element_size()
-    if role == "gather":
-        params = _gathered_inputs(issue, names)
-    else:
-        params = _gradient_outputs(nodes, wait, names)
+    params = _gathered_inputs(issue, names) if role == "gather" else _gradient_outputs(wait, names, positions)
+    inside = set(received)
     return PartBucket(
         kind=role, index=index, params=params, dtype=dtype_name(val.dtype), whole_bytes=whole, part_bytes=whole // world,
         issue_at=order[collective], wait_at=order[wait],
-        issued_after=_before(nodes, order[issue[0]]), waited_before=_first_reader(wait, lambda n: mine(n, f"{role}_wait"), order),
+        issued_after=_before(nodes, order[issue[0]]), waited_before=_first_reader(wait, inside.__contains__, order),
     )
 
 
@@ -72,15 +81,9 @@ def _gathered_inputs(issue: list[fx.Node], names: Mapping[str, str]) -> tuple[st
     return tuple(found)
 
 
-def _gradient_outputs(nodes: list[fx.Node], wait: fx.Node, names: Mapping[str, str]) -> tuple[str, ...]:
+def _gradient_outputs(wait: fx.Node, names: Mapping[str, str], positions: Mapping[fx.Node, list[int]]) -> tuple[str, ...]:
     """The inputs whose gradients a reduce-scatter bucket's results become (the graph's outputs
     they reach through casts and the sum of a tied weight's parts)."""
-    output = next(n for n in reversed(nodes) if n.op == "output")
-    outs = output.args[0] if isinstance(output.args[0], (list, tuple)) else (output.args[0],)
-    position: dict[fx.Node, list[int]] = {}
-    for i, out in enumerate(outs):
-        if isinstance(out, fx.Node):
-            position.setdefault(out, []).append(i)
     found: list[str] = []
     seen = {wait}
     todo = [wait]
@@ -88,7 +91,7 @@ def _gradient_outputs(nodes: list[fx.Node], wait: fx.Node, names: Mapping[str, s
         node = todo.pop(0)
         for user in node.users:
             if user.op == "output":
-                for i in position.get(node, []):
+                for i in positions.get(node, []):
                     name = names.get(input_name(i), input_name(i))
                     if name not in found:
                         found.append(name)

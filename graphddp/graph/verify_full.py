@@ -135,7 +135,7 @@ def check_part_updates(gm: fx.GraphModule, updated: Mapping[int, str]) -> None:
         if len(found) != 1:
             raise VerificationError(f"graphddp verify: {what}: {len(found)} writes of the part, expected 1 ({[w.name for w in found]})")
         (write,) = found
-        if not any(is_wait(a) and a.meta.get(ROLE_KEY) == "reduce_scatter_wait" for a in ancestors(write)):
+        if not above_reduce_scatters(write)[0]:
             _fail(gm, write, f"{what}: {write.name} does not read a reduce-scatter's wait: it would step this rank's own gradient")
         for target in targets:
             late = [u for v in views_of(target) for u in v.users if u is not write and u.op != "output" and order[u] > order[write]]

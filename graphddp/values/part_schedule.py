@@ -95,8 +95,6 @@ class FullSchedule:
     backward: PartGraph | None
     memory: RankMemory
 
-    sharding = "full"
-
     @property
     def graphs(self) -> tuple[PartGraph, ...]:
         return tuple(g for g in (self.forward, self.backward) if g is not None)
