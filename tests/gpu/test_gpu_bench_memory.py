@@ -6,7 +6,10 @@ bf16 autocast, inductor, NCCL at world size 1):
 * the optimizer inside the backward: between steps at most plain torch.compile's (parameters
   and AdamW state, no gradients), and the step's peak at most plain's;
 * sharded (``sharding="optimizer"``) at world size N: between steps at most the optimizer
-  inside's less (N-1)/N of AdamW's state (here N = 1: at most the optimizer inside's).
+  inside's less (N-1)/N of AdamW's state (here N = 1: at most the optimizer inside's);
+* full sharding (``sharding="full"``, both placements of ``reshard_after_forward``) at world
+  size N: between steps at most the optimizer inside's less (N-1)/N of the parameters and the
+  state (issue 35: each rank holds its parts and no gradient; here N = 1).
 
 The run's table and JSON go to ``GRAPHDDP_GPU_OUT`` (default ``bench_out/``): the lane's run is
 the published one. This file runs before ``test_gpu_lane.py`` (name order), alone on the GPU, so
@@ -22,7 +25,8 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-MODES = ("compile", "ddp_compiled", "graphddp", "graphddp_optim", "graphddp_sharded", "graphddp_sharded_fwd")
+MODES = ("compile", "ddp_compiled", "graphddp", "graphddp_optim", "graphddp_sharded", "graphddp_sharded_fwd",
+         "graphddp_full", "graphddp_full_keep")
 SLACK_MB = 1.0  # the allocator rounds blocks to 512 bytes; one MB covers any rounding
 _RUN: dict[str, dict] = {}
 
@@ -65,6 +69,15 @@ def test_sharded_holds_at_most_its_part_of_the_state():
     state_mb = 2 * 4 * sharded["params"] / 2**20  # AdamW's exp_avg and exp_avg_sq, fp32
     bound = inside["between_mb"] - (world - 1) / world * state_mb
     assert sharded["between_mb"] <= bound + SLACK_MB, (sharded["between_mb"], bound)
+
+
+@pytest.mark.parametrize("mode", ["graphddp_full", "graphddp_full_keep"])
+def test_full_sharding_holds_at_most_its_parts(mode):
+    full, inside = _row(mode), _row("graphddp_optim")
+    world = 1
+    held_mb = 3 * 4 * full["params"] / 2**20  # fp32 parameters, AdamW's exp_avg and exp_avg_sq
+    bound = inside["between_mb"] - (world - 1) / world * held_mb
+    assert full["between_mb"] <= bound + SLACK_MB, (full["between_mb"], bound)
 
 
 def test_every_mode_ran():

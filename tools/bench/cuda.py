@@ -11,6 +11,9 @@ AdamW under bf16 autocast and inductor:
   graphddp_optim        graphddp.compile(model, optimizer=AdamW): the update inside the backward
   graphddp_sharded      ... optimizer=AdamW, sharding="optimizer"
   graphddp_sharded_fwd  ... sharding="optimizer", gather="forward"
+  graphddp_full         ... sharding="full": parameters held as parts, gathered in the forward
+                        and again in the backward (reshard_after_forward=True)
+  graphddp_full_keep    ... sharding="full", reshard_after_forward=False
 
 Why one process per mode: memory is the allocator's own count (``memory_allocated``), which
 sees every tensor of the process, so a mode is alone in its process. The processes compile at
@@ -37,7 +40,8 @@ import tempfile
 import time
 from typing import Any, Callable
 
-MODES = ("compile", "ddp_compiled", "graphddp", "graphddp_cap25", "graphddp_optim", "graphddp_sharded", "graphddp_sharded_fwd")
+MODES = ("compile", "ddp_compiled", "graphddp", "graphddp_cap25", "graphddp_optim", "graphddp_sharded", "graphddp_sharded_fwd",
+         "graphddp_full", "graphddp_full_keep")
 MB = 1024 * 1024
 
 
@@ -113,7 +117,9 @@ def wrap(mode: str, model: Any, backend: str, cuda: bool) -> tuple[Any, Any]:
         return graphddp.compile(model, backend=backend, **caps), opt
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
     sharding = {"graphddp_optim": {}, "graphddp_sharded": {"sharding": "optimizer"},
-                "graphddp_sharded_fwd": {"sharding": "optimizer", "gather": "forward"}}[mode]
+                "graphddp_sharded_fwd": {"sharding": "optimizer", "gather": "forward"},
+                "graphddp_full": {"sharding": "full"},
+                "graphddp_full_keep": {"sharding": "full", "reshard_after_forward": False}}[mode]
     return graphddp.compile(model, backend=backend, optimizer=opt, **sharding), opt
 
 

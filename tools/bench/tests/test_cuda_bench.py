@@ -72,7 +72,7 @@ def test_the_cuda_graph_probe_without_cuda_says_so_and_writes_nothing(tmp_path):
 
 
 def test_its_processes_take_turns_and_report_on_cpu(tmp_path):
-    modes = "compile,graphddp_optim"
+    modes = "compile,graphddp_optim,graphddp_full"
     done = subprocess.run(
         [sys.executable, "-m", "tools.bench", "--device", "cuda", "--simulate-on-cpu", "--model", "cnn", "--backend",
          "aot_eager", "--modes", modes, "--rounds", "2", "--steps", "1", "--warmup", "1", "--out", str(tmp_path)],
