@@ -14,12 +14,16 @@ This module lets graphddp's graphs use the AOTAutograd cache too:
 * **The key covers the plan's inputs.** :func:`plan_key` hashes what the rewrite reads besides
   the backward graph: the options (``DDPConfig``), world size, group name, the graph's index,
   its parameters' names by input position, the parameters other graphs hold, the phase, grad
-  mode, the Dynamo graph's code and input metadata, and graphddp's own source. The key is set
-  on the Dynamo graph module (``gm._graphddp_cache_key``), whose attributes AOTAutograd hashes
+  mode, the autocast state, the Dynamo graph's code and input metadata, and graphddp's own
+  source. The key is set on the Dynamo graph module (``gm._graphddp_cache_key``), whose attributes AOTAutograd hashes
   into its own key, so a compile with other plan inputs never reaches another's entry; and it
   names graphddp's entry (:class:`Entry`, a small pickle under ``<inductor cache dir>/graphddp``):
   the cold compile's Schedule, its backward graph's facts (what the planner reads), and the
   FX-graph keys of the forward and of the rewritten backward that AOTAutograd's entry points to.
+  The key holds the autocast state (enabled and dtype, per device): AOTAutograd's own key held
+  only whether autocast was on before torch 2.12 (pytorch#181564), so under torch 2.11 a graph
+  compiled under bf16 autocast was served to a run under fp16 from a shared cache directory (the
+  likely cause of the GPU lane's fp16 case failing on DDP(torch.compile)'s side, docs/gpu.md).
 * **The cost model is checked, not keyed.** ``bucket_cap_mb="auto"`` plans with a cost model
   calibrated on the link when the model is wrapped, so a restart measures other numbers. They
   are left out of the key; before the cache is read, this run's plan is made from the entry's
@@ -174,7 +178,7 @@ def plan_key(
         return None
     parts = (
         FORMAT, _source_digest(), torch.__version__, options, backend.world_size, backend.group_name, graph_index,
-        phase, torch.is_grad_enabled(), sorted(param_inputs.items()), backend.frame_plans(graph_index),
+        phase, torch.is_grad_enabled(), _autocast_state(), sorted(param_inputs.items()), backend.frame_plans(graph_index),
         gm.code, [_input_meta(x) for x in example_inputs],
     )
 

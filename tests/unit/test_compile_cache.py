@@ -55,3 +55,40 @@ def test_auto_plan_hits_when_this_runs_plan_is_the_cached_one(fake_world, tmp_pa
     assert counts.get("compile_cache_replanned") == 1 and "compile_cache_hit" not in counts, counts
     assert other.schedule.num_buckets == 1 and other.schedule.cost_model == HIGH_LATENCY
     assert other.generated_code != cold.generated_code
+
+
+def test_a_graph_compiled_under_one_autocast_dtype_is_not_served_under_another(fake_world, tmp_path, monkeypatch):
+    """torch before 2.12 keyed AOTAutograd's cache on whether autocast was on, not on its dtype
+    (pytorch#181564): from a shared cache a graph compiled under bf16 was served under fp16 (the
+    GPU lane, torch 2.11). graphddp's key holds the dtype, so its entries never cross."""
+    from graphddp.compiler import cache as compile_cache
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    fake_world(8)
+    keys = []
+    real = compile_cache.plan_key
+
+    def recording(*args, **kwargs):
+        key = real(*args, **kwargs)
+        keys.append(key.key if key is not None else None)
+        return key
+
+    monkeypatch.setattr(compile_cache, "plan_key", recording)
+    codes = {}
+    for dtype in (torch.bfloat16, torch.float16, torch.bfloat16):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = graphddp.compile(MLP(), bucket_cap_mb=25)
+        x, y = _batch(0, 0)
+        with torch.autocast("cpu", dtype=dtype):
+            loss = nn.functional.mse_loss(model(x).float(), y)
+        loss.backward()
+        (record,) = model.records
+        codes.setdefault(dtype, record.generated_code)
+        assert record.generated_code == codes[dtype], dtype
+        counts = dict(counters["graphddp"])
+    assert None not in keys and keys[0] != keys[1] and keys[0] == keys[2], keys
+    assert counts.get("compile_cache_hit") == 1, counts  # the third step: bf16's own entry
+    assert codes[torch.bfloat16] != codes[torch.float16]
