@@ -153,6 +153,11 @@ def _ddp_hook(mode: str) -> tuple[Any, Callable] | None:
     return None
 
 
+def autocast_dtype(mode: str) -> torch.dtype | None:
+    """The dtype a case's steps run under autocast (None: fp32, no autocast)."""
+    return torch.float16 if MODES[mode].get("scaler", False) else MODES[mode].get("amp", torch.bfloat16)
+
+
 def _graphddp_kwargs(mode: str, opt: torch.optim.Optimizer, backend: str) -> dict[str, Any]:
     spec = dict(MODES[mode])
     kwargs: dict[str, Any] = {"backend": backend}
@@ -209,7 +214,7 @@ def run_case(case: tuple[str, str, str], rank: int, world: int, device: torch.de
     else:
         ours = graphddp.compile(theirs, **_graphddp_kwargs(mode, opt_ours, backend))
     scaler = MODES[mode].get("scaler", False)
-    dtype = torch.float16 if scaler else MODES[mode].get("amp", torch.bfloat16)
+    dtype = autocast_dtype(mode)
     scalers = [torch.amp.GradScaler(device.type) for _ in range(2)] if scaler else [None, None]
     worst_param, worst_grad = 0.0, 0.0
     micro = MODES[mode].get("micro", 1)

@@ -27,7 +27,12 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODES = ("compile", "ddp_compiled", "graphddp", "graphddp_optim", "graphddp_sharded", "graphddp_sharded_fwd",
          "graphddp_full", "graphddp_full_keep")
-SLACK_MB = 1.0  # the allocator rounds blocks to 512 bytes; one MB covers any rounding
+# The bounds compare the bytes the tensors requested (the benchmark's *_requested_mb), not
+# memory_allocated: the allocator leaves a large block unsplit when its remainder is at most
+# 1 MB, so the same tensors count 1003.8 MB allocated in one mode and 1005.5 in another (H100,
+# full sharding's two placements). The slack covers the few small tensors modes hold
+# differently (step counters, the agreement's integers), not the rounding.
+SLACK_MB = 0.25
 _RUN: dict[str, dict] = {}
 
 
@@ -50,25 +55,29 @@ def _row(mode: str) -> dict:
     return row
 
 
+def _mb(row: dict, figure: str) -> float:
+    """``figure`` (between, step_peak, timed_peak) as the bytes the tensors requested."""
+    return row[f"{figure}_requested_mb"]
+
+
 def test_replicated_holds_no_more_than_ddp():
     ours, ddp = _row("graphddp"), _row("ddp_compiled")
-    assert ours["between_mb"] <= ddp["between_mb"] + SLACK_MB, (ours["between_mb"], ddp["between_mb"])
-    assert ours["step_peak_mb"] <= ddp["step_peak_mb"] + SLACK_MB, (ours["step_peak_mb"], ddp["step_peak_mb"])
-    assert ours["timed_peak_mb"] <= ddp["timed_peak_mb"] + SLACK_MB, (ours["timed_peak_mb"], ddp["timed_peak_mb"])
+    for figure in ("between", "step_peak", "timed_peak"):
+        assert _mb(ours, figure) <= _mb(ddp, figure) + SLACK_MB, (figure, _mb(ours, figure), _mb(ddp, figure))
 
 
 def test_optimizer_inside_holds_no_more_than_plain_compile():
     ours, plain = _row("graphddp_optim"), _row("compile")
-    assert ours["between_mb"] <= plain["between_mb"] + SLACK_MB, (ours["between_mb"], plain["between_mb"])
-    assert ours["step_peak_mb"] <= plain["step_peak_mb"] + SLACK_MB, (ours["step_peak_mb"], plain["step_peak_mb"])
+    for figure in ("between", "step_peak"):
+        assert _mb(ours, figure) <= _mb(plain, figure) + SLACK_MB, (figure, _mb(ours, figure), _mb(plain, figure))
 
 
 def test_sharded_holds_at_most_its_part_of_the_state():
     sharded, inside = _row("graphddp_sharded"), _row("graphddp_optim")
     world = 1  # NCCL at world size 1: one GPU
     state_mb = 2 * 4 * sharded["params"] / 2**20  # AdamW's exp_avg and exp_avg_sq, fp32
-    bound = inside["between_mb"] - (world - 1) / world * state_mb
-    assert sharded["between_mb"] <= bound + SLACK_MB, (sharded["between_mb"], bound)
+    bound = _mb(inside, "between") - (world - 1) / world * state_mb
+    assert _mb(sharded, "between") <= bound + SLACK_MB, (_mb(sharded, "between"), bound)
 
 
 @pytest.mark.parametrize("mode", ["graphddp_full", "graphddp_full_keep"])
@@ -76,8 +85,8 @@ def test_full_sharding_holds_at_most_its_parts(mode):
     full, inside = _row(mode), _row("graphddp_optim")
     world = 1
     held_mb = 3 * 4 * full["params"] / 2**20  # fp32 parameters, AdamW's exp_avg and exp_avg_sq
-    bound = inside["between_mb"] - (world - 1) / world * held_mb
-    assert full["between_mb"] <= bound + SLACK_MB, (full["between_mb"], bound)
+    bound = _mb(inside, "between") - (world - 1) / world * held_mb
+    assert _mb(full, "between") <= bound + SLACK_MB, (_mb(full, "between"), bound)
 
 
 def test_every_mode_ran():

@@ -57,6 +57,14 @@ def _run_all(device_args: list[str] | None = None) -> dict[str, list[dict]]:
             argv = [sys.executable, os.path.join(HERE, "lane.py"), name, str(rank), str(world),
                     os.path.join(tmp, f"{name}.store"), result, *(device_args or [])]
             jobs.append((name, rank, result, argv))
+    # One inductor cache per autocast dtype: before torch 2.12 AOTAutograd's cache key held whether
+    # autocast was on, not its dtype (pytorch#181564), and the lane's GPU has torch 2.11. With one
+    # cache for all cases, the fp16 + GradScaler CNN's reference, DDP(torch.compile(CNN)), could be
+    # served the CNN graphs the bf16 cases compiled (the case failed four times in the lane, with
+    # DDP's own gradients off, and passed every time alone with a cache of its own).
+    caches = os.environ.get("TORCHINDUCTOR_CACHE_DIR", os.path.join(tmp, "inductor"))
+    cache_of = {lane.case_name(case): os.path.join(caches, f"autocast-{lane.autocast_dtype(case[2])}".replace("torch.", ""))
+                for case in lane.CASES}
     limit = int(os.environ.get("GRAPHDDP_GPU_LANE_JOBS", "10"))
     running: list[tuple[subprocess.Popen, float]] = []
     logs = {}
@@ -72,7 +80,8 @@ def _run_all(device_args: list[str] | None = None) -> dict[str, list[dict]]:
             for _, rank, _, argv in group:
                 log = open(os.path.join(tmp, f"{name}-{rank}.log"), "w")
                 logs[(name, rank)] = log.name
-                running.append((subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env), time.time()))
+                running.append((subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                                 env={**env, "TORCHINDUCTOR_CACHE_DIR": cache_of[name]}), time.time()))
         time.sleep(0.2)
         still = []
         for proc, started in running:

@@ -18,10 +18,11 @@ import test_gpu_lane  # noqa: E402
 
 # argv of a lane process: python lane.py CASE RANK WORLD STORE RESULT
 _FAKE = (
-    "import json, sys, time\n"
+    "import json, os, sys, time\n"
     "start = time.time(); time.sleep(0.4)\n"
     "json.dump({'case': sys.argv[1], 'rank': int(sys.argv[2]), 'ok': True, 'start': start, 'end': time.time(),"
-    " 'max_param_diff': 0.0, 'steps': 0}, open(sys.argv[3], 'w'))\n"
+    " 'max_param_diff': 0.0, 'steps': 0, 'cache': os.environ.get('TORCHINDUCTOR_CACHE_DIR')},"
+    " open(sys.argv[3], 'w'))\n"
 )
 
 
@@ -64,3 +65,18 @@ def test_no_more_than_the_job_limit_run_at_once(fake_lane, monkeypatch):
         running = sum(1 for s, e in spans if s <= t < e)
         assert running <= 2, f"{running} lane processes at once with GRAPHDDP_GPU_LANE_JOBS=2"
     json.dumps(results)  # what GRAPHDDP_GPU_OUT would get
+
+
+def test_cases_under_other_autocast_dtypes_never_share_an_inductor_cache(fake_lane, monkeypatch):
+    """torch 2.11 (the lane's GPU) keyed AOTAutograd's cache on whether autocast was on, not on
+    its dtype: the fp16 case's DDP reference was served the bf16 cases' CNN graphs."""
+    cnn = [lane.case_name(c) for c in lane.CASES if c[1] == "cnn"]
+    monkeypatch.setenv("GRAPHDDP_GPU_LANE_ONLY", ",".join(cnn))
+    results = test_gpu_lane._run_all()
+    cache = {name: {r["cache"] for r in reports} for name, reports in results.items()}
+    assert all(len(dirs) == 1 and None not in dirs for dirs in cache.values()), cache
+    for a in cnn:
+        for b in cnn:
+            same = lane.autocast_dtype(a.split("-")[-1]) == lane.autocast_dtype(b.split("-")[-1])
+            assert (cache[a] == cache[b]) == same, (a, b, cache)
+    assert len({lane.autocast_dtype(n.split("-")[-1]) for n in cnn}) > 1  # the lane's CNN cases mix dtypes

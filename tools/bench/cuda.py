@@ -23,7 +23,9 @@ alike (the interleaving of the CPU benchmark, in time rather than in one process
 
 Per mode: ``first_step_s`` (compile included, from the model's wrap), ``between_mb``
 (``memory_allocated`` after a step, its ``zero_grad`` and a synchronize), ``step_peak_mb``
-(``max_memory_allocated`` over one step after the warm-up), ``timed_peak_mb`` (over every
+(``max_memory_allocated`` over one step after the warm-up), the same two as the bytes the
+tensors requested (``between_requested_mb``, ``step_peak_requested_mb``: without the
+allocator's rounding, what the lane's bounds compare), ``timed_peak_mb`` (over every
 timed step) and ``step_ms`` (median over rounds of a round's mean, CUDA events). With
 ``--memory-sites`` the allocator records every allocation's Python stack and each mode also
 reports where its bytes are between steps and at its step's peak (:mod:`tools.bench.memsites`).
@@ -152,6 +154,14 @@ class _Gpu:
     def peak(self) -> int:
         return self.torch.cuda.max_memory_allocated() if self.cuda else 0
 
+    def requested(self, stat: str) -> int:
+        """The bytes the process's tensors asked for (``requested_bytes.all.current`` or
+        ``.peak``): ``allocated`` without the allocator's rounding. A large block whose
+        remainder is at most 1 MB is not split, so which blocks carry such a tail depends on the
+        order of allocations: the same tensors measured 1003.8 and 1005.5 MB allocated in two
+        modes (H100)."""
+        return self.torch.cuda.memory_stats().get(f"requested_bytes.all.{stat}", 0) if self.cuda else 0
+
     def reset_peak(self) -> None:
         if self.cuda:
             self.torch.cuda.reset_peak_memory_stats()
@@ -193,6 +203,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         step()
     gpu.synchronize()
     result["between_mb"] = gpu.allocated() / MB
+    result["between_requested_mb"] = gpu.requested("current") / MB
     sites = args.memory_sites and cuda
     if sites:
         from tools.bench import memsites
@@ -205,6 +216,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     step()
     gpu.synchronize()
     result["step_peak_mb"] = gpu.peak() / MB
+    result["step_peak_requested_mb"] = gpu.requested("peak") / MB
     result["between_after_mb"] = gpu.allocated() / MB
     if sites:
         after = torch.cuda.memory._snapshot()
@@ -229,6 +241,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     result["round_ms"] = times
     result["step_ms"] = statistics.median(times)
     result["timed_peak_mb"] = gpu.peak() / MB
+    result["timed_peak_requested_mb"] = gpu.requested("peak") / MB
     dist.destroy_process_group()
     return result
 

@@ -82,5 +82,7 @@ def test_its_processes_take_turns_and_report_on_cpu(tmp_path):
     assert sorted(result) == sorted(modes.split(","))
     for mode, row in result.items():
         assert len(row["round_ms"]) == 2 and row["step_ms"] > 0, (mode, row)
+        for figure in ("between", "step_peak", "timed_peak"):  # the GPU lane's bounds read these
+            assert f"{figure}_mb" in row and f"{figure}_requested_mb" in row, (mode, sorted(row))
         assert row["params"] == sum(p.numel() for p in __import__("graphddp.models").models.CNN().parameters())
     assert "| graphddp_optim |" in open(tmp_path / "bench_cuda.txt").read()
