@@ -6,7 +6,7 @@ check such as "nothing reads a bucket before its wait" proves nothing after it).
 failure raises :class:`VerificationError` naming the offending node and showing it with its
 neighbours in the graph; a schedule that does not describe the graph (0, a bucket with no
 all-reduce, an output in no bucket) is named by bucket and output instead. Every check has a
-mutation in ``tests/unit/test_verify_mutations.py`` (or a test in ``tests/unit/test_passes.py``) that
+mutation in ``tests/unit/test_verify_mutations.py`` (or a test in ``tests/unit/test_verify.py``) that
 only it catches. This module runs them all and holds 0-2, 10 and 11; one bucket's checks
 (3-9) are in :mod:`graphddp.graph.verify_bucket`, a user hook's (12) in
 :mod:`graphddp.graph.verify_hook`, and the error and graph lookups every checker shares in
