@@ -20,8 +20,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from matrix_features import BF16_TOL
 from test_optim_ranks import ADAM_NOISE, CNN, FP16_ADAM, TIGHT, _adamw, _cnn_loss, _gpt_loss, _hf_gpt2, _hf_loss, _sgd, assert_state_dicts_equal, start_unequal, step_both
-from test_ddp_matrix import BF16_TOL
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import graphddp
