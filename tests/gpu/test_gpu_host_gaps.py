@@ -25,11 +25,10 @@ import torch
 
 import graphddp
 from graphddp.runtime import agree
+from tools.bench import gpu_profile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 10
-
-
 
 
 # The benchmark's GPT-2 (6 layers, dim 768, vocab 50304, batch 8 x 1024): the GPU's work per step
@@ -47,24 +46,6 @@ def _gpt2() -> torch.nn.Module:
     return GPT2LMHeadModel(cfg).cuda()
 
 
-def _idle_ms_per_step(trace_path: str) -> dict[str, float]:
-    """From a chrome trace: the GPU's idle and busy time per step, over the traced steps."""
-    with open(trace_path) as f:
-        events = json.load(f)["traceEvents"]
-    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
-                   if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
-    busy, end = 0.0, None
-    for s, e in spans:
-        if end is None or s >= end:
-            busy += e - s
-            end = e
-        elif e > end:
-            busy += e - end
-            end = e
-    span = spans[-1][1] - spans[0][0]
-    return {"idle_ms": (span - busy) / 1000 / STEPS, "busy_ms": busy / 1000 / STEPS, "span_ms": span / 1000 / STEPS}
-
-
 def _profile(step, out: str, name: str) -> dict[str, float]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -78,7 +59,7 @@ def _profile(step, out: str, name: str) -> dict[str, float]:
         torch.cuda.synchronize()
     path = os.path.join(out, f"host_gaps_{name}.json")
     prof.export_chrome_trace(path)
-    figures = _idle_ms_per_step(path)
+    figures = gpu_profile.busy_idle_ms(path, STEPS)
     start = time.perf_counter()  # and the step's time without the profiler
     for _ in range(2 * STEPS):
         step()

@@ -29,6 +29,9 @@ allocator's rounding, what the lane's bounds compare), ``timed_peak_mb`` (over e
 timed step) and ``step_ms`` (median over rounds of a round's mean, CUDA events). With
 ``--memory-sites`` the allocator records every allocation's Python stack and each mode also
 reports where its bytes are between steps and at its step's peak (:mod:`tools.bench.memsites`).
+With ``--profile-steps N`` each mode, in turn, traces N steady steps and reports the GPU's busy
+and idle time per step, its kernel launches and the kernels that took longest
+(:mod:`tools.bench.gpu_profile`; the traces are kept in ``--out``).
 """
 from __future__ import annotations
 
@@ -60,6 +63,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="timed rounds; each mode runs --steps steps per round")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--memory-sites", action="store_true", help="record allocation stacks; report where the bytes are")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="after the timed rounds, trace this many steps of each mode in turn and report where "
+                        "the GPU's time goes (tools.bench.gpu_profile)")
     p.add_argument("--padding", choices=("on", "off"), default="on",
                    help="inductor's comprehensive padding (on: inductor's default for GPU inputs)")
     p.add_argument("--out", default="bench_out", help="directory for bench_cuda.json and bench_cuda.txt")
@@ -238,6 +244,12 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         gpu.synchronize()
         times.append((time.perf_counter() - t) * 1e3 / args.steps)
         open(os.path.join(sync, f"done-{r}-{mode}"), "w").close()
+    if args.profile_steps:  # in turn, as the timed rounds: each mode alone on the GPU
+        from tools.bench import gpu_profile
+
+        _wait_for(os.path.join(sync, f"go-profile-{mode}"), args.timeout)
+        result["profile"] = gpu_profile.profile_steps(step, args.profile_steps, args.out, mode, cuda)
+        open(os.path.join(sync, f"done-profile-{mode}"), "w").close()
     result["round_ms"] = times
     result["step_ms"] = statistics.median(times)
     result["timed_peak_mb"] = gpu.peak() / MB
@@ -289,6 +301,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             open(os.path.join(sync, f"go-{r}-{mode}"), "w").close()
             if not wait_file(f"done-{r}-{mode}", mode):
                 ready = [m for m in ready if m != mode]
+    if args.profile_steps:
+        for mode in list(ready):
+            open(os.path.join(sync, f"go-profile-{mode}"), "w").close()
+            if not wait_file(f"done-profile-{mode}", mode):
+                ready = [m for m in ready if m != mode]
     results = {}
     for mode in modes:
         try:
@@ -334,6 +351,10 @@ def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
     for mode, r in results.items():
         if "error" in r:
             lines += ["", f"{mode} failed:", r["error"]]
+        if "profile" in r:
+            from tools.bench import gpu_profile
+
+            lines += ["", gpu_profile.render(mode, r["profile"])]
         if "between_sites" in r:
             lines += ["", memsites.render(f"{mode}: between steps, {r['between_mb']:.0f} MB", r["between_sites"])]
             lines += [memsites.render(f"{mode}: at the step's peak, {r['peak_sites_mb']:.0f} MB", r["peak_sites"])]

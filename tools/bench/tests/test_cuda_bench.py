@@ -75,7 +75,8 @@ def test_its_processes_take_turns_and_report_on_cpu(tmp_path):
     modes = "compile,graphddp_optim,graphddp_full"
     done = subprocess.run(
         [sys.executable, "-m", "tools.bench", "--device", "cuda", "--simulate-on-cpu", "--model", "cnn", "--backend",
-         "aot_eager", "--modes", modes, "--rounds", "2", "--steps", "1", "--warmup", "1", "--out", str(tmp_path)],
+         "aot_eager", "--modes", modes, "--rounds", "2", "--steps", "1", "--warmup", "1", "--profile-steps", "2",
+         "--out", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.load(open(tmp_path / "bench_cuda.json"))["modes"]
@@ -85,4 +86,22 @@ def test_its_processes_take_turns_and_report_on_cpu(tmp_path):
         for figure in ("between", "step_peak", "timed_peak"):  # the GPU lane's bounds read these
             assert f"{figure}_mb" in row and f"{figure}_requested_mb" in row, (mode, sorted(row))
         assert row["params"] == sum(p.numel() for p in __import__("graphddp.models").models.CNN().parameters())
-    assert "| graphddp_optim |" in open(tmp_path / "bench_cuda.txt").read()
+        profile = row["profile"]  # read over CPU ops here: the reading, not a figure
+        assert profile["launches_per_step"] > 0 and profile["top"] and (tmp_path / profile["trace"]).exists(), profile
+    text = open(tmp_path / "bench_cuda.txt").read()
+    assert "| graphddp_optim |" in text and "graphddp_full: per step" in text
+
+
+def test_the_profile_reads_busy_and_idle_time_per_step(tmp_path):
+    from tools.bench import gpu_profile
+
+    events = [{"ph": "X", "cat": "kernel", "name": "a", "ts": 0, "dur": 10},
+              {"ph": "X", "cat": "kernel", "name": "b", "ts": 5, "dur": 10},  # overlaps a: busy 0-15
+              {"ph": "X", "cat": "gpu_memcpy", "name": "c", "ts": 40, "dur": 20},  # idle 15-40
+              {"ph": "X", "cat": "cpu_op", "name": "host", "ts": 0, "dur": 100}]  # not device work
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    figures = gpu_profile.busy_idle_ms(str(path), steps=1)
+    assert figures == {"busy_ms": 0.035, "idle_ms": 0.025, "span_ms": 0.06}
+    kernels = gpu_profile.top_kernels(str(path), steps=1)
+    assert kernels["launches_per_step"] == 3 and kernels["top"][0] == ["c", 1, 0.02]
