@@ -68,6 +68,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "the GPU's time goes (tools.bench.gpu_profile)")
     p.add_argument("--padding", choices=("on", "off"), default="on",
                    help="inductor's comprehensive padding (on: inductor's default for GPU inputs)")
+    p.add_argument("--inductor-config", action="append", default=[], metavar="NAME=VALUE",
+                   help="set torch._inductor.config.NAME (a Python literal) in every mode's process, e.g. "
+                        "combo_kernels=True: what a setting does to each mode's compile and step, measured")
     p.add_argument("--out", default="bench_out", help="directory for bench_cuda.json and bench_cuda.txt")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before the workers are killed")
     p.add_argument("--backend", default="inductor", help="the inner compiler of every mode")
@@ -131,6 +134,27 @@ def wrap(mode: str, model: Any, backend: str, cuda: bool) -> tuple[Any, Any]:
     return graphddp.compile(model, backend=backend, optimizer=opt, **sharding), opt
 
 
+def inductor_settings(pairs: list[str]) -> dict[str, Any]:
+    """``--inductor-config`` as {name: value}; a name inductor's config lacks, or a value that is
+    no Python literal, is an error naming it (before any process starts)."""
+    import ast
+
+    from torch._inductor import config
+
+    settings = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep or not hasattr(config, name.strip()):
+            raise SystemExit(f"python -m tools.bench --device cuda: --inductor-config {pair!r}: "
+                             "expected NAME=VALUE with NAME in torch._inductor.config")
+        try:
+            settings[name.strip()] = ast.literal_eval(text.strip())
+        except (ValueError, SyntaxError):
+            raise SystemExit(f"python -m tools.bench --device cuda: --inductor-config {pair!r}: "
+                             f"{text!r} is not a Python literal") from None
+    return settings
+
+
 def _wait_for(path: str, timeout: float) -> None:
     deadline = time.time() + timeout
     while not os.path.exists(path):
@@ -183,6 +207,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.set_device(0)
     if args.padding == "off":
         torch._inductor.config.comprehensive_padding = False
+    for name, value in inductor_settings(args.inductor_config).items():
+        setattr(torch._inductor.config, name, value)
     if args.memory_sites and cuda:
         torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
     store = dist.FileStore(os.path.join(sync, f"store-{mode}"), 1)
@@ -270,6 +296,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         import torch
     except ImportError:
         raise SystemExit("python -m tools.bench --device cuda: torch is not installed") from None
+    inductor_settings(args.inductor_config)  # refused here, not in every process
     if not torch.cuda.is_available() and not args.simulate_on_cpu:
         print("[bench] --device cuda: CUDA is not available on this machine; nothing was run", flush=True)
         return 2
@@ -337,9 +364,10 @@ def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
 
     first = next((r for r in results.values() if "gpu" in r), {})
     shape = f"{args.layers} layers, batch {args.batch} x {args.seq}" if args.model == "gpt2" else f"batch {args.batch * 32}"
+    settings = "".join(f"; inductor {pair}" for pair in args.inductor_config)
     lines = [f"{args.model} ({shape}), bf16 autocast, {args.backend}, AdamW; "
              f"{first.get('gpu', '?')}, torch {first.get('torch', '?')}, NCCL at world size 1; "
-             f"{args.rounds} rounds x {args.steps} steps", "",
+             f"{args.rounds} rounds x {args.steps} steps{settings}", "",
              "| mode | step ms | between steps MB | step peak MB | peak over timed steps MB | first step s |",
              "|---|---:|---:|---:|---:|---:|"]
     for mode, r in results.items():

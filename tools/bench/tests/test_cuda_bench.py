@@ -76,7 +76,7 @@ def test_its_processes_take_turns_and_report_on_cpu(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "tools.bench", "--device", "cuda", "--simulate-on-cpu", "--model", "cnn", "--backend",
          "aot_eager", "--modes", modes, "--rounds", "2", "--steps", "1", "--warmup", "1", "--profile-steps", "2",
-         "--out", str(tmp_path)],
+         "--inductor-config", "combo_kernels=False", "--out", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.load(open(tmp_path / "bench_cuda.json"))["modes"]
@@ -89,7 +89,16 @@ def test_its_processes_take_turns_and_report_on_cpu(tmp_path):
         profile = row["profile"]  # read over CPU ops here: the reading, not a figure
         assert profile["launches_per_step"] > 0 and profile["top"] and (tmp_path / profile["trace"]).exists(), profile
     text = open(tmp_path / "bench_cuda.txt").read()
-    assert "| graphddp_optim |" in text and "graphddp_full: per step" in text
+    assert "| graphddp_optim |" in text and "graphddp_full: per step" in text and "inductor combo_kernels=False" in text
+
+
+@pytest.mark.parametrize("pair", ["no_such_setting=True", "combo_kernels", "combo_kernels=yes please"])
+def test_an_inductor_setting_it_cannot_apply_is_refused_by_name(tmp_path, pair):
+    done = subprocess.run([sys.executable, "-m", "tools.bench", "--device", "cuda", "--simulate-on-cpu",
+                           "--inductor-config", pair, "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and f"--inductor-config {pair!r}" in done.stderr, done.stdout + done.stderr
+    assert not os.path.exists(tmp_path / "bench_cuda.json")
 
 
 def test_the_profile_reads_busy_and_idle_time_per_step(tmp_path):
