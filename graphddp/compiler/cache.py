@@ -15,8 +15,8 @@ This module lets graphddp's graphs use the AOTAutograd cache too:
   the backward graph: the options (``DDPConfig``), world size, group name, the graph's index,
   its parameters' names by input position, the parameters other graphs hold, the phase, grad
   mode, the autocast state, the Dynamo graph's code and input metadata, and graphddp's own
-  source. The key is set on the Dynamo graph module (``gm._graphddp_cache_key``), whose attributes AOTAutograd hashes
-  into its own key, so a compile with other plan inputs never reaches another's entry; and it
+  source. The key is set on the Dynamo graph module (``gm._graphddp_cache_key``), whose
+  attributes AOTAutograd hashes into its own key, so a compile with other plan inputs never reaches another's entry; and it
   names graphddp's entry (:class:`Entry`, a small pickle under ``<inductor cache dir>/graphddp``):
   the cold compile's Schedule, its backward graph's facts (what the planner reads), and the
   FX-graph keys of the forward and of the rewritten backward that AOTAutograd's entry points to.

@@ -15,6 +15,7 @@ from typing import Callable, Mapping
 
 import torch.fx as fx
 
+from graphddp.graph.capture import output_nodes
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
 from graphddp.values.part_schedule import PART_KINDS, PartBucket, PartGraph
 from graphddp.values.schedule import dtype_name
@@ -36,10 +37,8 @@ def describe_part_collectives(gm: fx.GraphModule, kind: str, world_size: int, na
     for n in nodes:
         if n.meta.get(ROLE_KEY) in _ROLES and n.meta.get(BUCKET_KEY) is not None:
             tagged.setdefault((n.meta[ROLE_KEY], n.meta[BUCKET_KEY]), []).append(n)
-    returned = gm.graph.output_node().args[0]
-    outs = returned if isinstance(returned, (list, tuple)) else (returned,)
     positions: dict[fx.Node, list[int]] = {}  # an output node -> the outputs it is
-    for i, out in enumerate(outs):
+    for i, out in enumerate(output_nodes(gm)):
         if isinstance(out, fx.Node):
             positions.setdefault(out, []).append(i)
     buckets = [

@@ -38,7 +38,7 @@ from typing import Mapping
 import torch
 import torch.fx as fx
 
-from graphddp.graph.capture import ancestors, views_of
+from graphddp.graph.capture import ancestors, output_nodes, views_of
 from graphddp.graph.part_collectives import above_reduce_scatters
 from graphddp.graph.verify_common import VerificationError, _fail
 from graphddp.values.comm import ROLE_KEY, is_wait
@@ -74,8 +74,7 @@ def check_part_collectives(gm: fx.GraphModule, backward: bool, reshard: bool = F
 def _check_nothing_gathered_kept(gm: fx.GraphModule) -> None:
     """P5: no output of the forward is a gathered parameter or a view of one."""
     gathered = {v for n in gm.graph.nodes if n.meta.get(ROLE_KEY) == "gather_wait" for v in views_of(n)}
-    outs = gm.graph.output_node().args[0]
-    for out in outs if isinstance(outs, (tuple, list)) else (outs,):
+    for out in output_nodes(gm):
         if isinstance(out, fx.Node) and out in gathered:
             _fail(gm, out, f"P5: {out.name}, a gathered parameter (or a view of one), is an output of a forward that reshards: "
                            "kept for the backward instead of freed")

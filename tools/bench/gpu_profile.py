@@ -31,7 +31,10 @@ def _spans(trace_path: str, kinds: tuple[str, ...]) -> list[tuple[float, float, 
 def busy_idle_ms(trace_path: str, steps: int, kinds: tuple[str, ...] = DEVICE_KINDS) -> dict[str, float]:
     """From a chrome trace: the device's busy time, idle time and span per step, over ``steps``
     traced steps (busy: the union of the work's intervals; idle: the span less busy)."""
-    spans = _spans(trace_path, kinds)
+    return _busy_idle(_spans(trace_path, kinds), steps)
+
+
+def _busy_idle(spans: list[tuple[float, float, str]], steps: int) -> dict[str, float]:
     if not spans:
         return {"idle_ms": 0.0, "busy_ms": 0.0, "span_ms": 0.0}
     busy, end = 0.0, None
@@ -48,8 +51,11 @@ def busy_idle_ms(trace_path: str, steps: int, kinds: tuple[str, ...] = DEVICE_KI
 
 def top_kernels(trace_path: str, steps: int, kinds: tuple[str, ...] = DEVICE_KINDS, top: int = TOP) -> dict[str, Any]:
     """Kernels launched per step, and the ``top`` names by time: [name, launches per step, ms per step]."""
+    return _top_kernels(_spans(trace_path, kinds), steps, top)
+
+
+def _top_kernels(spans: list[tuple[float, float, str]], steps: int, top: int = TOP) -> dict[str, Any]:
     by_name: dict[str, list[float]] = {}
-    spans = _spans(trace_path, kinds)
     for s, e, name in spans:
         row = by_name.setdefault(name[:90], [0.0, 0.0])
         row[0] += 1
@@ -72,8 +78,8 @@ def profile_steps(step: Callable[[], None], steps: int, out: str, name: str, cud
         sync()
     path = os.path.join(out, f"profile-{name}.json")
     prof.export_chrome_trace(path)
-    kinds = DEVICE_KINDS if cuda else ("cpu_op",)
-    return {**busy_idle_ms(path, steps, kinds), **top_kernels(path, steps, kinds), "trace": os.path.basename(path)}
+    spans = _spans(path, DEVICE_KINDS if cuda else ("cpu_op",))  # read once: a trace is megabytes of JSON
+    return {**_busy_idle(spans, steps), **_top_kernels(spans, steps), "trace": os.path.basename(path)}
 
 
 def render(mode: str, figures: dict[str, Any]) -> str:
