@@ -301,17 +301,22 @@ class Replica:
             self._pending = None
             step.accumulated_averaged()
         step.gathers.finish()  # gather="forward": those no graph of this forward took
-        if step.carrying and any(
-            p.grad is not None and name not in step.ran_params for name, p in self.module.named_parameters() if p.requires_grad
-        ):
+        # One walk of the module a forward: the parameters no graph of this forward covered,
+        # which both checks below ask about (none in the steady state).
+        checks = step.carrying or (torch.is_grad_enabled() and self._syncing and self.world_size > 1)
+        covered = step.ran_params
+        uncovered = (
+            [(name, p) for name, p in self.module.named_parameters() if p.requires_grad and name not in covered] if checks else []
+        )
+        if step.carrying and any(p.grad is not None for _, p in uncovered):
             step.block_carry()  # an accumulated gradient no graph of this step takes into a bucket
         if torch.is_grad_enabled():
-            self._guard_uncovered_parameters(self._syncing, out)
+            self._guard_uncovered_parameters(self._syncing, out, uncovered)
             if not step.sync:
                 step.accumulate()
         self._sync_buffers_next = self._syncing
 
-    def _guard_uncovered_parameters(self, syncing: bool, out: Any) -> None:
+    def _guard_uncovered_parameters(self, syncing: bool, out: Any, uncovered_params: list[tuple[str, Any]]) -> None:
         """Average, or fail loudly on, gradients produced outside the compiled graphs that ran.
 
         A parameter that no compiled graph of this forward covers (used in eager code between
@@ -323,6 +328,8 @@ class Replica:
         averages it with the rest (:mod:`graphddp.runtime.union`). Any other (unused, or used outside
         the forward) gets a hook that raises if a gradient reaches it, instead of a silently
         wrong gradient. Nothing runs in the steady state, where every graph ran.
+        ``uncovered_params``: the trainable parameters no graph of this forward covered
+        (:meth:`after_forward` walks the module once for this and the carry check).
         """
         step = self.step
         covered = step.ran_params
@@ -332,7 +339,7 @@ class Replica:
                 del self._guard_handles[name]
         if self.world_size == 1 or not syncing:
             return
-        uncovered = {id(p): (name, p) for name, p in self.module.named_parameters() if p.requires_grad and name not in covered}
+        uncovered = {id(p): (name, p) for name, p in uncovered_params}
         if not uncovered:
             return
         reached = _reached_parameters(out, set(uncovered))
