@@ -280,7 +280,9 @@ class Replica:
             pending = False
         source = 0
         config = getattr(self.joinable, "_join_config", None)
-        if distributed and config is not None and config.enable:
+        in_join = distributed and config is not None and config.enable
+        step.allow_headers(not in_join)  # a joined rank shadows the classic agreement only
+        if in_join:
             Join.notify_join_context(self.joinable)
             state = JoinState.exchange(self, (self._syncing, bool(buffers), pending, eager_hook), active=True)
             source = state.buffer_source

@@ -149,8 +149,9 @@ class PendingProbe:
     """A :func:`probe` issued and not read yet (:func:`probe_async`): the host goes on, and
     :meth:`result` waits for the answer when something needs it. Read it exactly once."""
 
-    def __init__(self, read: Callable[[], list[int]] | None, flags: Sequence[bool], what: str) -> None:
+    def __init__(self, read: Callable[[], list[int]] | None, flags: Sequence[bool], what: str, question: Any = None) -> None:
         self._read, self._flags, self._what = read, tuple(bool(f) for f in flags), what
+        self.question = question  # what the asker needs back with the answer (StepState: position, layout, shape)
         self._answer: tuple[bool, tuple[bool, ...]] | None = None
 
     def result(self) -> tuple[bool, tuple[bool, ...]]:
@@ -168,18 +169,18 @@ class PendingProbe:
 
 
 def probe_async(
-    layout: Any, flags: Sequence[bool], group: Any, what: str, digest: int | None = None
+    layout: Any, flags: Sequence[bool], group: Any, what: str, digest: int | None = None, question: Any = None
 ) -> PendingProbe:
     """:func:`probe`, issued now and read later (:meth:`PendingProbe.result`): the same
     collective, so it pairs with any rank's probe, blocking or not."""
     if nothing_to_agree(group):
-        return PendingProbe(None, flags, what)
+        return PendingProbe(None, flags, what, question)
     h = layout_hash(layout) if digest is None else digest
     try:
         read = max_reduce_async([h, -h, *(int(bool(f)) for f in flags)], group)
     except Exception as e:  # noqa: BLE001 - any backend failure, re-raised with context
         raise _probe_failed(what, e) from e
-    return PendingProbe(read, flags, what)
+    return PendingProbe(read, flags, what, question)
 
 
 def _probe_failed(what: str, e: BaseException) -> CollectiveError:

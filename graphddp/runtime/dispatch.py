@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
+from torch._dynamo.utils import counters
 
 from graphddp.runtime.agree import CollectiveError, any_rank, layout_hash
 from graphddp.runtime.failures import collective_failure
@@ -336,19 +337,32 @@ class BackwardDispatch:
         (a divergent step) or the held buckets divided and all-reduced now, after the question
         of which gradients no rank used."""
         what = f"backward graph {schedule.graph_index}"
-        pending = self.step.agree_async(self.group, digest, what, bool(unused))
+        steady = _steady_shape(schedule)
+        header = self.step.steady_header(self.group, digest, bool(unused)) if steady is not None else None
+        agreement = header or self.step.agree_async(self.group, digest, what, bool(unused), steady)
         self.step.synchronising_backward(schedule.graph_index)
         taken: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
         carried = None
         if self.gate_carries and not renamed and self.step.take_carried():
             carried, taken = self._carried_by_bucket(schedule)
-        armed = Armed(pending, schedule.world_size, carried)
+        armed = Armed(agreement, schedule.world_size, carried)
         with gate_for(self.group).armed(armed):
             out = self._named_failures(schedule, lambda: synced.code()(args))
         if armed.read():  # read already at the first bucket's issue (a gated graph has buckets)
-            self.step.agreed(pending)
+            if header is None:
+                self.step.agreed(agreement)
+            else:
+                counters["graphddp"]["agreement_in_bucket"] += 1
             return out
         self.state.held += 1
+        if header is not None:  # some rank raised a flag in the header: the classic probe, here
+            pending = self.step.probe_after(header, self.group, what, steady)
+            if self.step.goes_on(pending):  # every rank changed alike: the held buckets go on as compiled
+                self.step.agreed(pending)
+                self._issue_held(armed, schedule, carried)
+                return out
+        else:
+            pending = agreement
         for param, grad in taken:  # the gate added none of them: back where they were
             param.grad = grad
         divergent, some_unused = self.step.agreed(pending)
@@ -356,8 +370,18 @@ class BackwardDispatch:
             return self._contribute(schedule, list(out), unused, outputs)
         if some_unused:
             unused = self._unused_anywhere(schedule, unused)
-        for index, flat in enumerate(armed.held):  # what every other rank's compiled buckets do, in issue order
-            flat.div_(schedule.world_size)
+        self._issue_held(armed, schedule, None)
+        return GradientUsage.drop(out, outputs, unused)
+
+    def _issue_held(self, armed: Armed, schedule: Schedule, carried: list[list[tuple[int, torch.Tensor]]] | None) -> None:
+        """The held buckets divided and all-reduced now, in issue order, with the gradients
+        ``carried`` added first where the step still carries: what every other rank's compiled
+        buckets do (:meth:`graphddp.runtime.gate.Armed.allreduce`'s arithmetic)."""
+        for index, flat in enumerate(armed.held):
+            with torch.no_grad():
+                for offset, grad in carried[index] if carried is not None else ():
+                    flat.narrow(0, offset, grad.numel()).add_(grad.view(-1))
+                flat.div_(schedule.world_size)
             try:
                 dist.all_reduce(flat, group=self.group)
             except Exception as e:  # noqa: BLE001 - any backend failure, re-raised with context
@@ -366,7 +390,6 @@ class BackwardDispatch:
                     f"agreement and issued after it, failed ({type(e).__name__}); a peer may have died or timed out. "
                     f"Original error: {e}"
                 ) from e
-        return GradientUsage.drop(out, outputs, unused)
 
     def _unused_anywhere(self, schedule: Schedule, unused: frozenset[str]) -> frozenset[str]:
         """Which of this graph's parameters no rank used (one OR over ranks)."""
@@ -442,3 +465,17 @@ class BackwardDispatch:
             self._plain = self._compile_plain()
             self.state.plain_compiles += 1
         return self._plain
+
+
+def _steady_shape(schedule: Schedule) -> tuple[int, torch.dtype] | None:
+    """A gated graph's one bucket, ``(numel, dtype)``, where its agreement can ride in the
+    bucket's all-reduce once its position is steady (:mod:`graphddp.runtime.steady`): one
+    plain all-reduce bucket on the CPU. None elsewhere."""
+    if len(schedule.buckets) != 1:
+        return None
+    (bucket,) = schedule.buckets
+    if bucket.device.split(":")[0] != "cpu" or bucket.comm_dtype is not None or bucket.hook is not None:
+        return None
+    if bucket.collective != "all_reduce" or bucket.updates:
+        return None
+    return bucket.numel, getattr(torch, bucket.dtype.removeprefix("torch."))

@@ -49,6 +49,7 @@ from torch._C._distributed_c10d import (
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from graphddp.runtime.agree import PendingProbe
+from graphddp.runtime.steady import SteadyHeader
 from graphddp.runtime.step import StepState
 from graphddp.values.comm import gate_name, group_name_of
 
@@ -60,23 +61,63 @@ class Armed:
     to the bucket before it is divided when the step goes on (dropped bucket by bucket, so
     carrying holds no more memory than the carrying graph did)."""
 
-    def __init__(self, agreement: PendingProbe, world: int, carried: list[list[tuple[int, torch.Tensor]]] | None) -> None:
+    def __init__(
+        self, agreement: PendingProbe | SteadyHeader, world: int, carried: list[list[tuple[int, torch.Tensor]]] | None
+    ) -> None:
         self.agreement = agreement
         self.world = world
         self.carried = carried
         self.goes_on: bool | None = None  # read at the first bucket
         self.issued = 0  # buckets issued (or held) so far
         self.held: list[torch.Tensor] = []  # the buckets held, in issue order (local, undivided)
+        self.first: tuple[int, torch.dtype] | None = None  # the first bucket's numel and dtype
+        # A steady header (graphddp.runtime.steady): the first bucket's all-reduce and what it sent.
+        self._header: tuple[torch.futures.Future, torch.Tensor, torch.Tensor] | None = None
 
     def read(self) -> bool:
-        """The agreement's answer (waits for it once)."""
+        """The agreement's answer (waits for it once): the classic probe's, or the header's
+        sum, which the first bucket's all-reduce brings back."""
         if self.goes_on is None:
-            self.goes_on = StepState.goes_on(self.agreement)
+            if isinstance(self.agreement, SteadyHeader):
+                assert self._header is not None, "a steady header is read after its bucket's issue"
+                done, wire, flat = self._header
+                done.wait()
+                self.goes_on = self.agreement.goes_on(wire)
+                if self.goes_on:
+                    if self.carried is not None:
+                        self.carried[0] = []
+                else:
+                    self.held.append(flat)  # this rank's own gradients: the payload was a copy
+            else:
+                self.goes_on = StepState.goes_on(self.agreement)
         return self.goes_on
+
+    def _issue_with_header(self, flat: torch.Tensor, opts: AllreduceOptions, inner: Any) -> Any:
+        """The first bucket at a steady position: the payload and the header in one all-reduce
+        (:mod:`graphddp.runtime.steady`); the average is copied into the bucket when the
+        collective completes and no rank raised a flag, before the graph's wait returns."""
+        header = self.agreement
+        assert isinstance(header, SteadyHeader)
+        carried = self.carried[0] if self.carried is not None else ()
+        wire = header.wire(flat, carried, self.world)
+
+        def finish(fut: torch.futures.Future) -> list[torch.Tensor]:
+            fut.value()  # a failed collective fails the graph's wait
+            if header.goes_on(wire):
+                flat.copy_(wire[: flat.numel()])
+            return []
+
+        done = inner.allreduce([wire], opts).get_future().then(finish)
+        self._header = (done, wire, flat)
+        return _create_work_from_future(done)
 
     def allreduce(self, tensors: Sequence[torch.Tensor], opts: AllreduceOptions, inner: Any) -> Any:
         index, self.issued = self.issued, self.issued + 1
         (flat,) = tensors
+        if index == 0:
+            self.first = (flat.numel(), flat.dtype)
+            if isinstance(self.agreement, SteadyHeader):
+                return self._issue_with_header(flat, opts, inner)
         if not self.read():
             self.held.append(flat)
             # A work already done, holding no tensor: a future holding CUDA tensors would have

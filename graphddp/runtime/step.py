@@ -61,8 +61,9 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from graphddp.runtime.agree import PendingProbe, probe_async
+from graphddp.runtime.agree import PendingProbe, layout_hash, nothing_to_agree, probe_async
 from graphddp.runtime.gathers import PendingGathers
+from graphddp.runtime.steady import Expected, SteadyHeader, send_deviating
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +133,11 @@ class StepState:
         self._carry_blocked = False  # a fact of this rank's forward that rules carrying out
         self._average_accumulated: Callable[[bool], None] = lambda shadow: None  # the replica's eager average
         self.carry_ready: Callable[[int], bool] = lambda index: False  # has graph ``index`` a carrying variant
+        # Steady positions (graphddp.runtime.steady): position -> the layout every rank agreed on
+        # there, whose agreement now rides in its one bucket's all-reduce. Kept across steps;
+        # written only from answers every rank read alike.
+        self.steady: dict[int, Expected] = {}
+        self.headers_allowed = True  # not in a join context (the replica sets it per forward)
 
     # -- compile time ---------------------------------------------------------------------------
     def add_graph(self, frame: int | None, params: Iterable[str]) -> GraphEntry:
@@ -173,6 +179,12 @@ class StepState:
         self.carrying, self.accumulated = True, False
         self._carry_graphs.clear()
         self._carry_blocked = False
+
+    def allow_headers(self, allowed: bool) -> None:
+        """May this step's steady positions carry their agreement in their bucket
+        (:mod:`graphddp.runtime.steady`)? Not in a join context, where joined ranks shadow the
+        classic agreement: set at every forward, alike on every rank."""
+        self.headers_allowed = allowed
 
     def block_carry(self) -> None:
         """Something of this forward rules carrying out on this rank (parameters holding an
@@ -252,28 +264,72 @@ class StepState:
         rank. Once divergent, the step stays so and no further check is made."""
         if self.divergent:
             return True, False
+        header = self.steady_header(group, digest, unused_here)
+        if header is not None:  # this path has no bucket to carry it: the header deviates, then the probe
+            send_deviating(header, group)
+            return self.agreed(self.probe_after(header, group, what))
         return self.agreed(self.agree_async(group, digest, what, unused_here))
 
-    def agree_async(self, group: Any, digest: int, what: str, unused_here: bool) -> PendingProbe:
+    def _flags(self, position: int, unused_here: bool) -> tuple[bool, ...]:
+        return (self.joined, bool(self.eager), unused_here, self.carrying, self.carrying and position == 0 and self._cannot_carry())
+
+    def agree_async(
+        self, group: Any, digest: int, what: str, unused_here: bool, steady: tuple[int, torch.dtype] | None = None
+    ) -> PendingProbe:
         """:meth:`agree`'s collective, issued now and read later (a gated backward reads it at
         its first bucket's issue: :mod:`graphddp.runtime.gate`); :meth:`agreed` finishes it.
-        Only while the step is not divergent yet."""
+        Only while the step is not divergent yet. ``steady``: this graph's one bucket's
+        ``(numel, dtype)`` where it could carry its next agreements (:mod:`graphddp.runtime.steady`)."""
         position, self.probed = self.probed, self.probed + 1
-        flags = (self.joined, bool(self.eager), unused_here, self.carrying, self.carrying and position == 0 and self._cannot_carry())
-        return probe_async((digest, position, self.expected), flags, group, what)
+        layout = layout_hash((digest, position, self.expected))
+        return self._ask(group, position, layout, self._flags(position, unused_here), what, steady)
+
+    @staticmethod
+    def _ask(
+        group: Any, position: int, layout: int, flags: tuple[bool, ...], what: str, steady: tuple[int, torch.dtype] | None
+    ) -> PendingProbe:
+        # The last flag: this rank's graph here cannot carry its agreement in its bucket; an
+        # expectation is recorded only where no rank raises it (agreed).
+        return probe_async(None, (*flags, steady is None), group, what, digest=layout, question=(position, layout, steady))
+
+    def steady_header(self, group: Any, digest: int, unused_here: bool) -> SteadyHeader | None:
+        """The next position's agreement as a header of its bucket's all-reduce, where that
+        position is steady (:mod:`graphddp.runtime.steady`); None where the classic probe asks.
+        Takes the position as :meth:`agree_async` does."""
+        expected = self.steady.get(self.probed) if self.headers_allowed and not self.joined else None
+        if expected is None or nothing_to_agree(group):
+            return None
+        position, self.probed = self.probed, self.probed + 1
+        return SteadyHeader(position, expected, layout_hash((digest, position, self.expected)), self._flags(position, unused_here))
+
+    def probe_after(
+        self, header: SteadyHeader, group: Any, what: str, steady: tuple[int, torch.dtype] | None = None
+    ) -> PendingProbe:
+        """The classic probe at a steady position whose header some rank raised: every rank
+        asks it next, at the same position, with the same flags (:meth:`agreed` decides);
+        ``steady`` as for :meth:`agree_async`."""
+        return self._ask(group, header.position, header.layout, header.flags, what, steady)
 
     @staticmethod
     def goes_on(pending: PendingProbe) -> bool:
         """Does the agreement let a synchronising graph issue its buckets as compiled: the same
         layout everywhere, no rank joined, eager, with an unused gradient or unable to carry?
         Reads (waits for) the answer; no side effect."""
-        same, (join_asks, eager, unused, _carrying, blocked) = pending.result()
+        same, (join_asks, eager, unused, _carrying, blocked, _unsteady) = pending.result()
         return same and not (join_asks or eager or unused or blocked)
 
     def agreed(self, pending: PendingProbe) -> tuple[bool, bool]:
         """What :meth:`agree` returns, from its collective: the step's divergence and the
-        averages a step that cannot carry makes now (module docstring)."""
-        same, (join_asks, eager, unused, carrying, blocked) = pending.result()
+        averages a step that cannot carry makes now (module docstring). Records or forgets
+        the position's expectation (:mod:`graphddp.runtime.steady`) from the answer, which
+        every rank reads alike."""
+        same, (join_asks, eager, unused, carrying, blocked, unsteady) = pending.result()
+        if pending.question is not None:
+            position, layout, steady = pending.question
+            if same and not (join_asks or eager or unused or blocked or unsteady) and steady is not None:
+                self.steady[position] = Expected(layout, *steady)
+            else:
+                self.steady.pop(position, None)
         self.divergent = not same or join_asks or eager
         if carrying and (self.divergent or unused or blocked):
             # Some rank carries but this step cannot (or it is divergent): every rank averages
