@@ -37,7 +37,6 @@ steps the graph cannot update alone.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 from typing import Any, Callable, Mapping, Sequence
 
@@ -351,11 +350,10 @@ class GraphCompiler(InGraphUpdates, HookRuntime):
         like = self.frames.like(frame, (s.param_name for s in facts.slots))
         schedule = plan(
             facts, self.config, world_size=self.world_size, group_name=self.group_name, graph_index=graph_index,
-            unreduced=unreduced, hook=hook, like=like,
+            unreduced=unreduced, hook=hook, like=like, gated=self.gates(),
         )
-        if self.gates() and schedule.buckets:
+        if schedule.gated:
             gate_for(self.group)  # registered before anything compiles or runs its all-reduces
-            schedule = dataclasses.replace(schedule, gated=True)
         if like is None:
             self.frames.add(frame, schedule)
         return schedule

@@ -57,7 +57,7 @@ from typing import Mapping, Sequence
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from graphddp.plan.cost import CostModel, compute_timeline
+from graphddp.plan.cost import CostModel, agreement_seconds, compute_timeline
 from graphddp.values.collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CollectiveKind
 from graphddp.values.schedule import GradSlot, NodeFact
 
@@ -79,6 +79,14 @@ class Pricing:
 
     backward: CollectiveKind = ALL_REDUCE
     alongside: CollectiveKind | None = None
+    # A gated plan of one CPU bucket carries the step's agreement in that bucket's all-reduce
+    # once the step is steady (graphddp.runtime.steady); a plan of more pays a collective for
+    # it (graphddp.plan.cost.agreement_seconds), as graphddp.simulate prices it.
+    agreement_in_one_bucket: bool = False
+
+    def agreement(self, cost: CostModel, buckets: int, world_size: int) -> float:
+        """What a plan of ``buckets`` buckets pays for the agreement beyond a one-bucket plan."""
+        return agreement_seconds(cost, world_size) if self.agreement_in_one_bucket and buckets > 1 else 0.0
 
     @classmethod
     def of(cls, sharding: str | None, gather: str = "backward") -> Pricing:
@@ -133,7 +141,7 @@ def best_partition(
         link = torch.maximum((r + k * issue)[:, None], before[None, :]) + send
         done, start = link.min(dim=1)  # F_k(j) for j = 1..n, and where its last bucket starts
         choices.append(start)
-        step = max(compute_end + k * issue, done[-1].item())
+        step = max(compute_end + k * issue, done[-1].item()) + pricing.agreement(cost, k, world_size)
         if step < best * (1 - 1e-9):  # a float-noise gain does not buy a bucket
             best, best_k = step, k
         before = torch.cat([torch.full((1,), float("inf"), dtype=f64), done[:-1]])
@@ -182,7 +190,7 @@ def predicted_step(
     for k, (a, b) in enumerate(zip(bounds, bounds[1:]), start=1):
         wire = sum(wire_nbytes[a:b])
         link = max(ready[b - 1] + k * issue, link) + pricing.seconds(cost, wire, ratio * wire, world_size)
-    return max(compute_end + (len(bounds) - 1) * issue, link)
+    return max(compute_end + (len(bounds) - 1) * issue, link) + pricing.agreement(cost, len(bounds) - 1, world_size)
 
 
 def _gathered_ratio(wire_nbytes: Sequence[int], gathered_nbytes: float | None) -> float:
@@ -237,7 +245,7 @@ def robust_partition(
 def auto_partition(
     ordered: Sequence[GradSlot], nodes: Sequence[NodeFact], cost: CostModel, world_size: int,
     wire_ratio: Mapping[tuple[str, str], float] | None = None, *, sharding: str | None = None,
-    gather: str = "backward",
+    gather: str = "backward", gated: bool = False,
 ) -> list[tuple[GradSlot, ...]]:
     """Buckets of production-ordered ``ordered``, per (dtype, device) key, by
     :func:`robust_partition`; ``wire_ratio[key]`` scales bytes to bytes on the wire (a
@@ -250,9 +258,18 @@ def auto_partition(
     (a dynamic-shape graph's backward is compiled at once, under it): there, turning a result
     into a float raised and torch hid the error, compiling the backward again later. Symbolic
     sizes cost nothing in ``nodes`` (:func:`graphddp.graph.capture.extract_facts`), never a rank's
-    own size hint, so ranks planning dynamic graphs from different batches agree."""
+    own size hint, so ranks planning dynamic graphs from different batches agree.
+
+    ``gated``: the graph's all-reduces will run gated (:mod:`graphddp.runtime.gate`), so a plan
+    of one CPU bucket saves the agreement's own collective once the step is steady
+    (:attr:`Pricing.agreement_in_one_bucket`; one dtype and device only: two are two buckets
+    anyway)."""
+    pricing = Pricing.of(sharding, gather)
+    keys = {(s.dtype, s.device.split(":")[0]) for s in ordered}
+    if gated and len(keys) == 1 and next(iter(keys))[1] == "cpu":
+        pricing = dataclasses.replace(pricing, agreement_in_one_bucket=True)
     with unset_fake_temporarily():
-        return _auto_partition(ordered, nodes, cost, world_size, wire_ratio, Pricing.of(sharding, gather))
+        return _auto_partition(ordered, nodes, cost, world_size, wire_ratio, pricing)
 
 
 def _auto_partition(

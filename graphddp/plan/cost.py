@@ -20,6 +20,11 @@ timeline of one backward pass with its communication.
   all-gather is no part of the backward (it completes in the next forward, before the
   bucket's parameters are first read).
 
+* The agreement (:mod:`graphddp.runtime.steady`): a gated schedule's one CPU bucket carries it in
+  its all-reduce once the step is steady; a gated schedule of more buckets pays a collective of
+  its own every step, its issue and its latency (:func:`agreement_seconds`), added to the step.
+  (Schedules that are not gated agree before the backward: the same for every plan, left out.)
+
 Everything here is pure arithmetic on Schedule values, so a user can ask "what if the link
 were 100 Gbit/s" without re-tracing.
 """
@@ -31,7 +36,23 @@ from graphddp.values.collectives import kind
 from graphddp.values.schedule import BucketTiming, CostModel, NodeFact, Schedule, Span, Timeline
 
 # CostModel is a value type: it lives in graphddp.values.prediction (graphddp.values.schedule re-exports it)
-__all__ = ["CostModel", "compute_timeline", "fit_link", "simulate"]
+__all__ = ["CostModel", "agreement_seconds", "compute_timeline", "fit_link", "pays_agreement", "simulate"]
+
+
+def agreement_seconds(cost: CostModel, world_size: int) -> float:
+    """What a step pays for the agreement as a collective of its own (module docstring): its
+    issue on the host and the latency of its all-gather of a few integers."""
+    if world_size <= 1:
+        return 0.0
+    return cost.collective_overhead_us * 1e-6 + kind("all_gather").seconds(cost, 64, world_size)
+
+
+def pays_agreement(schedule: Schedule) -> bool:
+    """Does this gated schedule's agreement need a collective of its own once the step is
+    steady (more than one bucket, or not on the CPU)? :mod:`graphddp.runtime.steady`."""
+    if not schedule.gated:
+        return False
+    return len(schedule.buckets) > 1 or any(b.device.split(":")[0] != "cpu" for b in schedule.buckets)
 
 
 def compute_timeline(
@@ -86,6 +107,8 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, measured: Mappin
         link_free = end
         timings.append(BucketTiming(bucket.index, ready, start, end, bucket.wire_nbytes))
     step = max([clock] + [t.end for t in timings])
+    if pays_agreement(schedule):
+        step += agreement_seconds(cost, schedule.world_size)
     link = f"{cost.bandwidth_gbps:g} Gbit/s, {cost.latency_us:g} us"
     return Timeline(tuple(spans), tuple(timings), clock, step, link)
 

@@ -51,7 +51,7 @@ def _order(slot: GradSlot) -> tuple[int, int]:
 
 def partition(
     slots: tuple[GradSlot, ...], config: DDPConfig, nodes: tuple[NodeFact, ...] = (), world_size: int = 1,
-    like: tuple[tuple[GradSlot, ...], ...] | None = None, fill: bool = False,
+    like: tuple[tuple[GradSlot, ...], ...] | None = None, fill: bool = False, gated: bool = False,
 ) -> list[tuple[GradSlot, ...]]:
     """Group production-ordered slots into buckets; returns buckets in ready order.
 
@@ -66,7 +66,7 @@ def partition(
     if config.auto:
         done = auto_partition(
             ordered, nodes, cost_of(config), world_size, _wire_ratios(ordered, config.comm_dtype),
-            sharding=config.sharding, gather=config.gather,
+            sharding=config.sharding, gather=config.gather, gated=gated,
         )
         done.sort(key=lambda b: _order(b[-1]))
         return done
@@ -159,6 +159,7 @@ def plan(
     unreduced: tuple[str, ...] = (),
     hook: str | None = None,
     like: tuple[tuple[GradSlot, ...], ...] | None = None,
+    gated: bool = False,
 ) -> Schedule:
     """Plan the buckets of one backward graph. Pure: same inputs, same Schedule.
 
@@ -171,13 +172,16 @@ def plan(
     replaces, on every rank, whatever its sizes or costs (:func:`partition`). With a ``hook``
     a gradient the earlier plan had and this graph lacks keeps its place as zeros (DDP's hook
     sees the same bucket, zeros for an unused parameter); without one it leaves the bucket.
+    ``gated``: the graph's all-reduces run gated (:mod:`graphddp.runtime.gate`; the compiler's
+    ``gates()``), recorded in the Schedule, and priced by an auto plan (a gated plan of one CPU
+    bucket needs no collective of its own for the agreement: :mod:`graphddp.runtime.steady`).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     compute = [n for n in facts.nodes if n.is_compute]
     output_position = len(facts.nodes) - 1
     buckets = []
-    for index, slots in enumerate(partition(facts.slots, config, facts.nodes, world_size, like, fill=hook is not None)):
+    for index, slots in enumerate(partition(facts.slots, config, facts.nodes, world_size, like, fill=hook is not None, gated=gated)):
         ready = max(slots, key=lambda s: s.position)  # all zero-filled: ready when the backward starts
         issue_after = ready.producer if not ready.zero_filled else facts.nodes[0].name
         overlap = tuple(n.name for n in compute if ready.position < n.position < output_position)
@@ -205,6 +209,7 @@ def plan(
         buckets=tuple(buckets),
         unreduced=unreduced,
         nodes=facts.nodes,
+        gated=gated and bool(buckets),
     )
 
 

@@ -347,6 +347,13 @@ class Schedule:
         blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
+    def _agreement(self) -> str:
+        """Where a gated schedule's agreement goes (graphddp.runtime.steady): in its one CPU
+        bucket's all-reduce once the step is steady, else read at bucket 0's issue."""
+        if len(self.buckets) == 1 and self.buckets[0].device.split(":")[0] == "cpu":
+            return "agreement in bucket 0's all-reduce once steady"
+        return "agreement read at bucket 0's issue"
+
     def to_table(self, timeline: Timeline | None = None) -> str:
         """A terminal table: one row per bucket, in issue order.
 
@@ -368,7 +375,7 @@ class Schedule:
         lines = [
             f"graph {self.graph_index}: {self.num_buckets} buckets, {self.nbytes / 2**20:.2f} MB, "
             f"world_size={self.world_size}, {policy}"
-            + (", agreement read at bucket 0's issue (gated)" if self.gated else ""),
+            + (f", {self._agreement()} (gated)" if self.gated else ""),
             head,
             "-" * len(head),
         ]

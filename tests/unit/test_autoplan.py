@@ -16,7 +16,7 @@ import graphddp
 from graphddp import CostModel, Schedule, simulate
 from graphddp.config import DDP_DEFAULT_CAPS, DDPConfig
 from graphddp.plan import auto as autoplan
-from graphddp.plan.cost import compute_timeline
+from graphddp.plan.cost import agreement_seconds, compute_timeline
 from graphddp.plan.planner import plan, with_sharding
 from graphddp.values.collectives import ALL_GATHER
 from graphddp.values.schedule import Bucket, GradSlot, GraphFacts, NodeFact
@@ -45,12 +45,14 @@ def _with_cuts(schedule: Schedule, facts: GraphFacts, cuts: list[int]) -> Schedu
     return dataclasses.replace(schedule, buckets=buckets)
 
 
-# (sharding, gather): replicated all-reduces; reduce-scatters with their all-gathers in the
-# backward; reduce-scatters whose all-gathers complete in the next forward.
-RUNS = ((None, "backward"), ("optimizer", "backward"), ("optimizer", "forward"))
+# (sharding, gather, gated): replicated all-reduces, and the same gated (one CPU bucket then
+# carries the agreement: a plan of more pays its collective, graphddp.runtime.steady);
+# reduce-scatters with their all-gathers in the backward; reduce-scatters whose all-gathers
+# complete in the next forward.
+RUNS = ((None, "backward", False), (None, "backward", True), ("optimizer", "backward", False), ("optimizer", "forward", False))
 
 
-def _as_run(schedule: Schedule, sharding: str | None, gather: str) -> Schedule:
+def _as_run(schedule: Schedule, sharding: str | None, gather: str, gated: bool = False) -> Schedule:
     """``schedule`` as it runs under ``sharding``: sharded, every bucket reduce-scattered
     (the graph updates every parameter) and gathered where ``gather`` says."""
     if sharding is None:
@@ -84,7 +86,7 @@ def test_auto_plan_is_never_beaten_by_any_partition(sizes, flops, cost, world, r
     facts = _facts(sizes, flops[: len(sizes)])
     config = DDPConfig(bucket_cap_mb="auto", cost=cost, sharding=run[0], gather=run[1])
     with _scenarios(((1.0, 1.0),)):
-        auto = plan(facts, config, world_size=world)
+        auto = plan(facts, config, world_size=world, gated=run[2])
     got = simulate(_as_run(auto, *run)).step_seconds
     n = len(sizes)
     assert [x.output_index for b in auto.buckets for x in b.slots] == list(range(n))  # each once, in order
@@ -94,7 +96,7 @@ def test_auto_plan_is_never_beaten_by_any_partition(sizes, flops, cost, world, r
         assert got <= other * (1 + 1e-9) + 1e-12, (cuts, got, other, auto.to_table())
         if other <= got * (1 + 1e-9):
             assert auto.num_buckets <= len(cuts) + 1, (cuts, auto.to_table())
-    robust = _as_run(plan(facts, config, world_size=world), *run)
+    robust = _as_run(plan(facts, config, world_size=world, gated=run[2]), *run)
     cases = [dataclasses.replace(cost, compute_tflops=cost.compute_tflops * c, memory_gbps=cost.memory_gbps * c,
                                  op_overhead_us=cost.op_overhead_us / c, bandwidth_gbps=cost.bandwidth_gbps * l,
                                  latency_us=cost.latency_us / l) for c, l in autoplan.SCENARIOS]
@@ -125,25 +127,26 @@ def test_a_sharded_plan_is_cut_for_the_collectives_its_backward_runs():
     says of it as it runs."""
     facts = _facts([1 << 18] * 12, [10**8] * 12)  # 12 gradients of 1 MB, 2 ms of compute each
     cost = CostModel(bandwidth_gbps=10.0, latency_us=1000.0, collective_overhead_us=0.0)
+    runs = (RUNS[0], RUNS[2], RUNS[3])  # replicated, sharded with gathers in the backward, in the forward
     with _scenarios(((1.0, 1.0),)):
         plans = {
             run: plan(facts, DDPConfig(bucket_cap_mb="auto", cost=cost, sharding=run[0], gather=run[1]), world_size=8)
-            for run in RUNS
+            for run in runs
         }
     assert {run: [len(b.slots) for b in s.buckets] for run, s in plans.items()} == {
-        RUNS[0]: [3, 9], RUNS[1]: [3, 9], RUNS[2]: [2, 5, 5],
+        runs[0]: [3, 9], runs[1]: [3, 9], runs[2]: [2, 5, 5],
     }
     ready, end = _nominal(facts, cost)
     nbytes = [s.nbytes for s in facts.slots]
     for run, schedule in plans.items():
-        pricing = autoplan.Pricing.of(*run)
+        pricing = autoplan.Pricing.of(run[0], run[1])
         starts, predicted = autoplan.best_partition(ready, nbytes, cost, 8, end, pricing, sum(nbytes))
         assert starts == [b.slots[0].output_index for b in schedule.buckets]
         assert simulate(_as_run(schedule, *run)).step_seconds == pytest.approx(predicted, rel=1e-12)
-        if run == RUNS[2]:
-            assert predicted < simulate(_as_run(plans[RUNS[0]], *run)).step_seconds, plans[RUNS[0]].to_table()
+        if run == runs[2]:
+            assert predicted < simulate(_as_run(plans[runs[0]], *run)).step_seconds, plans[runs[0]].to_table()
         else:
-            assert predicted < simulate(_as_run(plans[RUNS[2]], *run)).step_seconds, (run, plans[RUNS[2]].to_table())
+            assert predicted < simulate(_as_run(plans[runs[2]], *run)).step_seconds, (run, plans[runs[2]].to_table())
 
 
 def test_a_compressed_sharded_plan_gathers_the_parameters_own_bytes():
@@ -279,7 +282,9 @@ def test_auto_beats_every_swept_cap_on_a_transformer(fake_world):
 def test_explain_shows_the_auto_plan_and_its_prediction():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=32, use_cache=False))
+    # dim 128: at 64 its backward is too short for more buckets to gain more than the
+    # agreement's own collective a one-bucket plan saves (graphddp.runtime.steady)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=128, n_head=2, vocab_size=256, n_positions=32, use_cache=False))
     idx = torch.randint(0, 256, (2, 16))
     loss = lambda out: out.logits.float().sum()  # noqa: E731
     slow = CostModel(bandwidth_gbps=0.1, latency_us=5000.0, source="a slow WAN")
@@ -375,3 +380,23 @@ def test_an_auto_plan_made_inside_a_fake_mode_is_the_plan_made_outside():
     with FakeTensorMode():
         inside = plan(facts, config, world_size=2)
     assert inside.fingerprint() == outside.fingerprint() and inside.num_buckets > 1
+
+
+def test_a_gated_plan_prices_the_agreement_one_bucket_saves():
+    """Gated, a plan of one CPU bucket carries the agreement in its all-reduce once steady
+    (graphddp.runtime.steady), so more buckets must gain more than the agreement's own
+    collective: a small backward whose ungated plan overlaps a first bucket becomes one bucket,
+    and graphddp.simulate charges the two-bucket plan exactly that collective."""
+    facts = _facts([1 << 16, 1 << 14], [10**7, 10**7])  # 256 KB ready half-way, then 64 KB
+    cost = CostModel(bandwidth_gbps=10.0, latency_us=100.0, collective_overhead_us=50.0)
+    config = DDPConfig(bucket_cap_mb="auto", cost=cost)
+    with _scenarios(((1.0, 1.0),)):
+        ungated = plan(facts, config, world_size=2)
+        gated = plan(facts, config, world_size=2, gated=True)
+    assert ungated.num_buckets == 2 and not ungated.gated, ungated.to_table()
+    assert gated.num_buckets == 1 and gated.gated, gated.to_table()
+    two_gated = dataclasses.replace(ungated, gated=True)
+    extra = simulate(two_gated).step_seconds - simulate(ungated).step_seconds
+    assert extra == pytest.approx(agreement_seconds(cost, 2), rel=1e-12) and extra > 0
+    assert simulate(gated).step_seconds == pytest.approx(simulate(dataclasses.replace(gated, gated=False)).step_seconds)
+    assert simulate(gated).step_seconds < simulate(two_gated).step_seconds

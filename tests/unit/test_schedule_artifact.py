@@ -10,6 +10,7 @@ import torch
 import graphddp
 from graphddp import CostModel, Schedule, render, simulate
 from graphddp.models import MLP, TinyGPT
+from graphddp.plan.cost import agreement_seconds, pays_agreement
 
 CAPS = dict(bucket_cap_mb=0.02, first_bucket_cap_mb=0.005)
 
@@ -105,7 +106,10 @@ def test_timeline_respects_readiness_and_one_bucket_on_the_link(mlp_schedule):
     for t in timeline.buckets:
         assert t.start >= t.ready and t.start >= previous_end and t.end > t.start
         previous_end = t.end
-    assert timeline.step_seconds == pytest.approx(max(timeline.compute_seconds, previous_end))
+    # explain's 64 ranks run gated: a plan of several buckets also pays the agreement's collective
+    assert mlp_schedule.gated and pays_agreement(mlp_schedule)
+    agreement = agreement_seconds(CostModel(bandwidth_gbps=1.0), mlp_schedule.world_size)
+    assert timeline.step_seconds == pytest.approx(max(timeline.compute_seconds, previous_end) + agreement)
     faster = simulate(mlp_schedule, CostModel(bandwidth_gbps=1000.0))
     assert faster.exposed_seconds < timeline.exposed_seconds
     slow_node = next(n.name for n in mlp_schedule.nodes if n.is_compute)
