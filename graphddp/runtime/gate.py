@@ -31,6 +31,10 @@ anything: replicated buckets with the built-in hook, no optimizer inside the bac
 compression (see :meth:`graphddp.compiler.graph_compiler.GraphCompiler.gates`). Every other
 configuration agrees before its backward as before. Every rank of one configuration gates
 alike, so the collectives that follow an answer are the same on every rank.
+
+Once a graph of one CPU bucket is steady (:mod:`graphddp.runtime.steady`) there is no separate
+agreement: its all-reduce carries it as a header (:meth:`Armed._issue_with_header`), and the
+answer is read from that all-reduce's sum.
 """
 from __future__ import annotations
 
@@ -70,7 +74,6 @@ class Armed:
         self.goes_on: bool | None = None  # read at the first bucket
         self.issued = 0  # buckets issued (or held) so far
         self.held: list[torch.Tensor] = []  # the buckets held, in issue order (local, undivided)
-        self.first: tuple[int, torch.dtype] | None = None  # the first bucket's numel and dtype
         # A steady header (graphddp.runtime.steady): the first bucket's all-reduce and what it sent.
         self._header: tuple[torch.futures.Future, torch.Tensor, torch.Tensor] | None = None
 
@@ -104,7 +107,8 @@ class Armed:
         def finish(fut: torch.futures.Future) -> list[torch.Tensor]:
             fut.value()  # a failed collective fails the graph's wait
             if header.goes_on(wire):
-                flat.copy_(wire[: flat.numel()])
+                with torch.no_grad():
+                    flat.copy_(wire[: flat.numel()])
             return []
 
         done = inner.allreduce([wire], opts).get_future().then(finish)
@@ -114,10 +118,8 @@ class Armed:
     def allreduce(self, tensors: Sequence[torch.Tensor], opts: AllreduceOptions, inner: Any) -> Any:
         index, self.issued = self.issued, self.issued + 1
         (flat,) = tensors
-        if index == 0:
-            self.first = (flat.numel(), flat.dtype)
-            if isinstance(self.agreement, SteadyHeader):
-                return self._issue_with_header(flat, opts, inner)
+        if index == 0 and isinstance(self.agreement, SteadyHeader):
+            return self._issue_with_header(flat, opts, inner)
         if not self.read():
             self.held.append(flat)
             # A work already done, holding no tensor: a future holding CUDA tensors would have
