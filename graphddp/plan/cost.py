@@ -50,9 +50,7 @@ def agreement_seconds(cost: CostModel, world_size: int) -> float:
 def pays_agreement(schedule: Schedule) -> bool:
     """Does this gated schedule's agreement need a collective of its own once the step is
     steady (more than one bucket, or not on the CPU)? :mod:`graphddp.runtime.steady`."""
-    if not schedule.gated:
-        return False
-    return len(schedule.buckets) > 1 or any(b.device.split(":")[0] != "cpu" for b in schedule.buckets)
+    return schedule.gated and not schedule.agreement_in_bucket
 
 
 def compute_timeline(

@@ -469,13 +469,9 @@ class BackwardDispatch:
 
 def _steady_shape(schedule: Schedule) -> tuple[int, torch.dtype] | None:
     """A gated graph's one bucket, ``(numel, dtype)``, where its agreement can ride in the
-    bucket's all-reduce once its position is steady (:mod:`graphddp.runtime.steady`): one
-    plain all-reduce bucket on the CPU. None elsewhere."""
-    if len(schedule.buckets) != 1:
+    bucket's all-reduce once its position is steady (:attr:`Schedule.agreement_in_bucket`).
+    None elsewhere."""
+    if not schedule.agreement_in_bucket:
         return None
     (bucket,) = schedule.buckets
-    if bucket.device.split(":")[0] != "cpu" or bucket.comm_dtype is not None or bucket.hook is not None:
-        return None
-    if bucket.collective != "all_reduce" or bucket.updates:
-        return None
     return bucket.numel, getattr(torch, bucket.dtype.removeprefix("torch."))

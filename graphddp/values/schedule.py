@@ -347,10 +347,22 @@ class Schedule:
         blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
+    @property
+    def agreement_in_bucket(self) -> bool:
+        """Does this gated schedule's agreement ride in its bucket's all-reduce once the step is
+        steady (graphddp.runtime.steady): one plain all-reduce bucket on the CPU? The one
+        answer the runtime, the cost model and the table read."""
+        if not self.gated or len(self.buckets) != 1:
+            return False
+        (b,) = self.buckets
+        return (
+            b.device.split(":")[0] == "cpu" and b.comm_dtype is None and b.hook is None
+            and b.collective == "all_reduce" and not b.updates
+        )
+
     def _agreement(self) -> str:
-        """Where a gated schedule's agreement goes (graphddp.runtime.steady): in its one CPU
-        bucket's all-reduce once the step is steady, else read at bucket 0's issue."""
-        if len(self.buckets) == 1 and self.buckets[0].device.split(":")[0] == "cpu":
+        """Where a gated schedule's agreement goes (graphddp.runtime.steady)."""
+        if self.agreement_in_bucket:
             return "agreement in bucket 0's all-reduce once steady"
         return "agreement read at bucket 0's issue"
 
