@@ -6,7 +6,8 @@ restart, and a mixed one: rank 0 reads that directory (a hit), rank 1 an empty o
 A hit must give exactly the cold compile's plan and code, the two ranks must agree (the in-band
 layout check runs every synchronising step) and train like DDP, ``no_sync`` included (the
 variant the cache does not hold is derived on first use); and a changed option must not hit
-the entry of the old one.
+the entry of the old one. The same runs train a frame that recompiles (the recompile matrix's
+cached cells), whose every graph must come from the cache on the restart.
 """
 from __future__ import annotations
 
@@ -82,6 +83,7 @@ def _rank(rank: int, world: int, cache_dirs: list[str], out: str, other_cap: boo
     }
     if other_cap:
         report["other"] = _compile_other_cap(rank)
+    report["recompiled"] = _recompiled_frames(rank)
     with open(f"{out}.{rank}", "w") as f:
         json.dump(report, f)
 
@@ -97,6 +99,21 @@ def _compile_other_cap(rank: int) -> dict:
     nn.functional.mse_loss(other(x), y).backward()
     (schedule,) = other.schedules
     return {"counters": _counters(), "fingerprint": schedule.fingerprint(), "buckets": [list(b.param_names) for b in schedule.buckets]}
+
+
+def _recompiled_frames(rank: int) -> dict:
+    """The recompile matrix's cached cells (``test_recompile.CACHED``: a frame compiled again
+    after ``requires_grad`` changes, so a recompile's graphs too), each trained next to DDP
+    (``train_cell`` compares every step): how many graphs they compiled, and the cache's answers."""
+    from test_recompile import CACHED, FEATURES, TRIGGERS, train_cell
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    graphs = 0
+    for trigger, name in CACHED:
+        ours = train_cell(TRIGGERS[trigger], FEATURES[name], rank, "inductor", what=f"restart {trigger} x {name}")
+        graphs += len(ours._backend.step.graphs)
+    return {"counters": dict(counters["graphddp"]), "graphs": graphs}
 
 
 def _run(tmp_path, name: str, cache_dirs: list[str], other_cap: bool = False) -> list[dict]:
@@ -141,3 +158,12 @@ def test_warm_restart_hits_the_cache_and_gives_the_cold_plan_and_code(tmp_path):
         assert len(other["buckets"]) > 1, other["buckets"]  # CAP: one bucket
     assert hit["other"]["buckets"] == miss["other"]["buckets"]
     assert hit["other"]["fingerprint"] == miss["other"]["fingerprint"]
+
+    # A frame that recompiled (each rank trained it next to DDP in both runs): every one of its
+    # graphs comes from the cache on the restart; rank 1's empty cache compiles them all again.
+    for report in cold:
+        assert report["recompiled"]["counters"].get("compile_cache_miss", 0) >= 2, report["recompiled"]
+    warm_frames, cold_frames = hit["recompiled"], miss["recompiled"]
+    assert warm_frames["counters"].get("compile_cache_hit") == warm_frames["graphs"] >= 2, warm_frames
+    assert not {"compile_cache_miss", "compile_cache_stale", "compile_cache_replanned"} & set(warm_frames["counters"]), warm_frames
+    assert cold_frames["counters"].get("compile_cache_miss") == cold_frames["graphs"], cold_frames
