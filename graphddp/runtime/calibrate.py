@@ -11,8 +11,9 @@ every rank of the group times
   the large sizes that buckets have count most. A fit by least relative error over 4 KB to
   4 MB was tried: the small all-reduces, which a rate limiter lets through in a burst, halved
   the bandwidth's cost, and the benchmark's backward came out twice its prediction;
-* the time to issue an asynchronous all-reduce of one element: the compute lane's cost of a
-  collective;
+* the compute lane's cost of a collective: the time to issue an asynchronous all-reduce, or on
+  the CPU, where gloo's threads share the ranks' cores, the time a collective takes away from
+  compute running beside it, whichever is more (:func:`_issue_seconds`);
 * a square matmul (FLOP rate), a copy into a preallocated buffer (memory bandwidth) and a
   one-element add (per-op overhead) on the model's device: the rates the backward's node
   estimates are made from.
@@ -253,6 +254,38 @@ def _compute_times(device: torch.device, sync: Callable[[], None]) -> list[float
 
 
 def _link_times(group: Any, device: torch.device, sync: Callable[[], None]) -> list[float]:
+    """The compute lane's cost of one collective (:func:`_issue_seconds`), then a blocking
+    all-reduce's time per size of ``SIZES``."""
+    allreduce_s = [_collective_seconds(nbytes, group, device, sync) for nbytes in SIZES]
+    return [_issue_seconds(group, device, sync, allreduce_s[0])] + allreduce_s
+
+
+# The compute that collectives are issued into (CPU): square matmuls of this size, as many as
+# take at least LOADED_MIN_S and LOADED_PER_COLLECTIVE times a small all-reduce, so that every
+# collective issued into it ends before it does, and what the block loses is cores, not waits.
+_LOADED_N = 96
+LOADED_MIN_S = 2e-3
+LOADED_PER_COLLECTIVE = 8
+LOADED_COLLECTIVES = 4  # issued into one block, one per quarter
+
+
+def _issue_seconds(group: Any, device: torch.device, sync: Callable[[], None], small_allreduce_s: float) -> float:
+    """How much time of the compute lane one collective takes: the time to issue an
+    asynchronous all-reduce, and on the CPU what a collective costs the compute running beside
+    it, whichever is more.
+
+    Why the second. A gloo collective's work (its threads copying, reducing, waking on the
+    socket) runs on the CPU's cores, the ones the ranks compute on; where the ranks take every
+    core, each collective takes the compute about a quarter to half a millisecond however early
+    it is issued (nanoGPT's loop on 2 ranks of a 2-core machine, issue 37), against 10 us to
+    issue it. Planned with the issue time alone, the auto plan cut nanoGPT's 0.44 MB of
+    gradients into 1 or 3 buckets by the calibration's noise, and 3 made the step 1.14-1.17x
+    DDP's. Measured here as the ranks run it: every rank computes a block of matmuls at once
+    (from a barrier), alone and with ``LOADED_COLLECTIVES`` small all-reduces issued into it;
+    the fastest of each over ``REPEATS``, the difference per collective. Where collectives
+    have cores of their own it is about 0, and the issue time counts. On a GPU the compute is
+    the device's and a collective's work NCCL's, not the host's cores: the issue time only
+    (not measured under load there)."""
     one = torch.zeros(1, device=device)
 
     def issue() -> float:
@@ -265,7 +298,38 @@ def _link_times(group: Any, device: torch.device, sync: Callable[[], None]) -> l
 
     issue()
     issue_s = min(issue() for _ in range(REPEATS))
-    return [issue_s] + [_collective_seconds(nbytes, group, device, sync) for nbytes in SIZES]
+    if device.type != "cpu":
+        return issue_s
+    # The private generator of _compute_times: the global ones are the user's.
+    a = torch.randn(_LOADED_N, _LOADED_N, generator=torch.Generator().manual_seed(1))
+    small = torch.zeros(256)  # 1 KB: a collective's cost here, not its bytes
+    block_s = _fastest_seconds(lambda: a @ a, sync, COMPUTE_REPEATS)
+    target = max(LOADED_MIN_S, LOADED_PER_COLLECTIVE * small_allreduce_s)
+    quarter = max(1, math.ceil(target / max(block_s, 1e-7) / LOADED_COLLECTIVES))
+
+    def compute(collectives: bool) -> None:
+        works = []
+        for _ in range(LOADED_COLLECTIVES):
+            if collectives:
+                works.append(dist.all_reduce(small, group=group, async_op=True))
+            for _ in range(quarter):
+                a @ a
+        for work in works:
+            work.wait()
+
+    def fastest(collectives: bool) -> float:
+        compute(collectives)  # warm-up
+        samples = []
+        for _ in range(REPEATS):
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            compute(collectives)
+            samples.append(time.perf_counter() - start)
+        return min(samples)
+
+    alone = fastest(False)
+    loaded = fastest(True)
+    return max(issue_s, (loaded - alone) / LOADED_COLLECTIVES)
 
 
 def _collective_seconds(nbytes: int, group: Any, device: torch.device, sync: Callable[[], None]) -> float:

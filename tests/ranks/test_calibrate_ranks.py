@@ -160,3 +160,41 @@ def _restarts(rank: int, world: int, dirs: list[str], empty: str) -> None:
 
 def test_a_restart_keeps_the_stored_model_only_when_every_rank_measures_close_to_it(tmp_path):
     spawn(_restarts, 2, [str(tmp_path / "rank0"), str(tmp_path / "rank1")], str(tmp_path / "empty"))
+
+
+BURN_S = 1e-3  # what each collective below takes from the compute lane
+
+
+def _collectives_that_take_the_core(rank: int, world: int) -> None:
+    """Each asynchronous all-reduce of the measurement costs the rank's own thread BURN_S of
+    busy work when waited (as gloo's threads take a rank's core where the ranks take them all),
+    while issuing it stays cheap: the calibrated cost per collective is the burn, not the issue."""
+    import time
+
+    real = dist.all_reduce
+
+    class Burning:
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self):
+            end = time.perf_counter() + BURN_S
+            while time.perf_counter() < end:
+                pass
+            return self.work.wait()
+
+    def all_reduce(tensor, *args, async_op=False, **kwargs):
+        work = real(tensor, *args, async_op=async_op, **kwargs)
+        return Burning(work) if async_op else work
+
+    group = dist.new_group(list(range(world)))  # a group no earlier test has calibrated
+    dist.all_reduce = all_reduce
+    try:
+        issue_s = calibrate._issue_seconds(group, torch.device("cpu"), lambda: None, 1e-4)
+    finally:
+        dist.all_reduce = real
+    assert 0.9 * BURN_S <= issue_s <= 5 * BURN_S, issue_s
+
+
+def test_a_collective_costs_what_it_takes_from_the_compute_beside_it():
+    spawn(_collectives_that_take_the_core, 2)
