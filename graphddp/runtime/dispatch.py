@@ -40,7 +40,7 @@ from torch._dynamo.utils import counters
 
 from graphddp.runtime.agree import CollectiveError, any_rank, layout_hash
 from graphddp.runtime.failures import collective_failure
-from graphddp.runtime.gate import Armed, gate_for
+from graphddp.runtime.gate import Armed, Gate, gate_for
 from graphddp.runtime.gathers import Pending
 from graphddp.values.schedule import Schedule
 
@@ -211,6 +211,8 @@ class Synced:
         # Checked before every synchronising step, computed once: the layout never changes.
         self.layout = self.schedule.wire_layout()
         self.digest = layout_hash(self.layout)
+        self.steady = _steady_shape(self.schedule)  # renaming a schedule keeps its buckets' shape
+        self.what = f"backward graph {self.schedule.graph_index}"
 
     def code(self) -> Callable[[list[Any]], Any]:
         if self.fn is None:
@@ -259,6 +261,7 @@ class BackwardDispatch:
         self.usage = GradientUsage(next(iter(variants.values())).schedule)
         # A gated graph carries through its gate (graphddp.runtime.gate), with no variant of its own.
         self.gate_carries = gate_carries
+        self._gate_of_group: Gate | None = None
 
     @property
     def can_carry(self) -> bool:
@@ -336,8 +339,7 @@ class BackwardDispatch:
         averaged if carrying stops, and either the local gradients handed to the union average
         (a divergent step) or the held buckets divided and all-reduced now, after the question
         of which gradients no rank used."""
-        what = f"backward graph {schedule.graph_index}"
-        steady = _steady_shape(schedule)
+        what, steady = synced.what, synced.steady
         header = self.step.steady_header(self.group, digest, bool(unused)) if steady is not None else None
         agreement = header or self.step.agree_async(self.group, digest, what, bool(unused), steady)
         self.step.synchronising_backward(schedule.graph_index)
@@ -346,8 +348,12 @@ class BackwardDispatch:
         if self.gate_carries and not renamed and self.step.take_carried():
             carried, taken = self._carried_by_bucket(schedule)
         armed = Armed(agreement, schedule.world_size, carried)
-        with gate_for(self.group).armed(armed):
+        gate = self._gate()
+        gate.arm(armed)
+        try:
             out = self._named_failures(schedule, lambda: synced.code()(args))
+        finally:
+            gate.arm(None)
         if armed.read():  # read already at the first bucket's issue (a gated graph has buckets)
             if header is None:
                 self.step.agreed(agreement)
@@ -372,6 +378,14 @@ class BackwardDispatch:
             unused = self._unused_anywhere(schedule, unused)
         self._issue_held(armed, schedule, None)
         return GradientUsage.drop(out, outputs, unused)
+
+    def _gate(self) -> Gate:
+        """The gate of this graph's group (:func:`graphddp.runtime.gate.gate_for`), looked up
+        once; again only if another gate took its name since (the group made anew)."""
+        gate = self._gate_of_group
+        if gate is None or not gate.current():
+            gate = self._gate_of_group = gate_for(self.group)
+        return gate
 
     def _issue_held(self, armed: Armed, schedule: Schedule, carried: list[list[tuple[int, torch.Tensor]]] | None) -> None:
         """The held buckets divided and all-reduced now, in issue order, with the gradients

@@ -38,9 +38,8 @@ answer is read from that all-reduce's sum.
 """
 from __future__ import annotations
 
-import contextlib
 import threading
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -74,8 +73,10 @@ class Armed:
         self.goes_on: bool | None = None  # read at the first bucket
         self.issued = 0  # buckets issued (or held) so far
         self.held: list[torch.Tensor] = []  # the buckets held, in issue order (local, undivided)
-        # A steady header (graphddp.runtime.steady): the first bucket's all-reduce and what it sent.
-        self._header: tuple[torch.futures.Future, torch.Tensor, torch.Tensor] | None = None
+        # A steady header (graphddp.runtime.steady): its all-reduce's future and the first
+        # bucket; whether no rank raised a flag, read once the all-reduce completes.
+        self._header: tuple[torch.futures.Future, torch.Tensor] | None = None
+        self._header_goes_on = False
 
     def read(self) -> bool:
         """The agreement's answer (waits for it once): the classic probe's, or the header's
@@ -83,9 +84,9 @@ class Armed:
         if self.goes_on is None:
             if isinstance(self.agreement, SteadyHeader):
                 assert self._header is not None, "a steady header is read after its bucket's issue"
-                done, wire, flat = self._header
+                done, flat = self._header
                 done.wait()
-                self.goes_on = self.agreement.goes_on(wire)
+                self.goes_on = self._header_goes_on
                 if self.goes_on:
                     if self.carried is not None:
                         self.carried[0] = []
@@ -106,13 +107,14 @@ class Armed:
 
         def finish(fut: torch.futures.Future) -> list[torch.Tensor]:
             fut.value()  # a failed collective fails the graph's wait
-            if header.goes_on(wire):
+            self._header_goes_on = header.goes_on(wire)
+            if self._header_goes_on:
                 with torch.no_grad():
                     flat.copy_(wire[: flat.numel()])
             return []
 
         done = inner.allreduce([wire], opts).get_future().then(finish)
-        self._header = (done, wire, flat)
+        self._header = (done, flat)
         return _create_work_from_future(done)
 
     def allreduce(self, tensors: Sequence[torch.Tensor], opts: AllreduceOptions, inner: Any) -> Any:
@@ -156,13 +158,15 @@ class Gate(dist.ProcessGroup):
             )
         return armed.allreduce(tensor_list, opts, self.inner)
 
-    @contextlib.contextmanager
-    def armed(self, armed: Armed) -> Iterator[Armed]:
+    def current(self) -> bool:
+        """Is this still the gate registered for its group's name (:func:`gate_for`)? A dict
+        lookup: asked at every gated backward."""
+        return _GATES.get(gate_name(group_name_of(self.inner))) is self
+
+    def arm(self, armed: Armed | None) -> None:
+        """Route this thread's gated all-reduces to ``armed`` (None: to nothing, after its
+        backward): set around the graph's call, in a ``try``/``finally``."""
         self._local.armed = armed
-        try:
-            yield armed
-        finally:
-            self._local.armed = None
 
 
 _GATES: dict[str, Gate] = {}

@@ -55,17 +55,26 @@ class Expected:
     numel: int
     dtype: torch.dtype
 
+    def buffer(self) -> torch.Tensor:
+        """What the position's all-reduce sends, payload then header: one per steady position,
+        kept from step to step (:meth:`graphddp.runtime.step.StepState.steady_header`), as DDP
+        keeps its buckets; a fresh one each step cost the page faults of its first touch."""
+        return torch.empty(self.numel + HEADER, dtype=self.dtype)
+
 
 class SteadyHeader:
     """One steady position's agreement, as the header of its bucket's all-reduce (module
     docstring). ``flags``: the classic agreement's (joined, eager, unused here, carrying,
     unable to carry); ``layout``: this rank's layout hash at this position."""
 
-    def __init__(self, position: int, expected: Expected, layout: int, flags: Sequence[bool]) -> None:
+    def __init__(
+        self, position: int, expected: Expected, layout: int, flags: tuple[bool, ...], out: torch.Tensor | None = None
+    ) -> None:
         self.position = position
         self.expected = expected
         self.layout = layout
-        self.flags = tuple(bool(f) for f in flags)
+        self.flags = flags
+        self.out = out  # the position's buffer (Expected.buffer), or None for a fresh one
 
     def deviates(self, flat: torch.Tensor | None) -> bool:
         """Does this rank deviate from the expectation (``flat``: its bucket, None for a path
@@ -75,11 +84,14 @@ class SteadyHeader:
 
     def wire(self, flat: torch.Tensor | None, carried: Sequence[tuple[int, torch.Tensor]], world: int) -> torch.Tensor:
         """What this rank all-reduces: its bucket with the gradients it carries added, divided
-        by the world size (the gate's arithmetic, in its order), then the header; zeros of the
-        expected size in place of the bucket where it deviates. ``flat`` is not written."""
+        by the world size (the gate's arithmetic: each element ``(new + carried) / world``),
+        then the header; zeros of the expected size in place of the bucket where it deviates.
+        ``flat`` is not written. ``carried``: ``(offset, gradient)`` per slot, in slot order;
+        the slots tile the bucket (:meth:`graphddp.values.schedule.Bucket.offsets`), so the
+        carried gradients, concatenated, are the bucket's layout: one concatenation and one
+        add, not an add per parameter."""
         e = self.expected
-        device = flat.device if flat is not None else torch.device("cpu")
-        out = torch.empty(e.numel + HEADER, dtype=e.dtype, device=device)
+        out = self.out if self.out is not None else torch.empty(e.numel + HEADER, dtype=e.dtype)
         payload, header = out[: e.numel], out[e.numel:]
         deviates = self.deviates(flat)
         header.zero_()
@@ -92,9 +104,8 @@ class SteadyHeader:
             return out
         with torch.no_grad():
             if carried:
-                payload.copy_(flat.view(-1))
-                for offset, grad in carried:
-                    payload.narrow(0, offset, grad.numel()).add_(grad.view(-1))
+                torch.cat([grad.view(-1) for _, grad in carried], out=payload)
+                payload.add_(flat.view(-1))  # carried + new: the same sum as new + carried
                 payload.div_(world)
             else:
                 torch.div(flat.view(-1), world, out=payload)

@@ -137,6 +137,9 @@ class StepState:
         # there, whose agreement now rides in its one bucket's all-reduce. Kept across steps;
         # written only from answers every rank read alike.
         self.steady: dict[int, Expected] = {}
+        self._wires: dict[int, torch.Tensor] = {}  # per steady position, the buffer its all-reduce sends
+        self._layouts: dict[tuple[int, int, int], int] = {}  # layout_hash((digest, position, expected)), kept
+        self._solo: tuple[Any, bool] | None = None  # (group, nothing_to_agree(group)), the last asked
         self.headers_allowed = True  # not in a join context (the replica sets it per forward)
 
     # -- compile time ---------------------------------------------------------------------------
@@ -281,8 +284,24 @@ class StepState:
         Only while the step is not divergent yet. ``steady``: this graph's one bucket's
         ``(numel, dtype)`` where it could carry its next agreements (:mod:`graphddp.runtime.steady`)."""
         position, self.probed = self.probed, self.probed + 1
-        layout = layout_hash((digest, position, self.expected))
-        return self._ask(group, position, layout, self._flags(position, unused_here), what, steady)
+        return self._ask(group, position, self._layout(digest, position), self._flags(position, unused_here), what, steady)
+
+    def _layout(self, digest: int, position: int) -> int:
+        """What a rank's agreement at ``position`` compares: its graph's layout, the position and
+        the synchronising forwards of the step so far (a hash, kept: every step asks the same)."""
+        key = (digest, position, self.expected)
+        layout = self._layouts.get(key)
+        if layout is None:
+            if len(self._layouts) > 1024:  # positions x layouts: a handful, unless graphs keep changing
+                self._layouts.clear()
+            layout = self._layouts[key] = layout_hash(key)
+        return layout
+
+    def _alone(self, group: Any) -> bool:
+        """``nothing_to_agree(group)``, asked once per group (a steady backward asks every step)."""
+        if self._solo is None or self._solo[0] is not group:
+            self._solo = (group, nothing_to_agree(group))
+        return self._solo[1]
 
     @staticmethod
     def _ask(
@@ -297,10 +316,13 @@ class StepState:
         position is steady (:mod:`graphddp.runtime.steady`); None where the classic probe asks.
         Takes the position as :meth:`agree_async` does."""
         expected = self.steady.get(self.probed) if self.headers_allowed and not self.joined else None
-        if expected is None or nothing_to_agree(group):
+        if expected is None or self._alone(group):
             return None
         position, self.probed = self.probed, self.probed + 1
-        return SteadyHeader(position, expected, layout_hash((digest, position, self.expected)), self._flags(position, unused_here))
+        wire = self._wires.get(position)
+        if wire is None:
+            wire = self._wires[position] = expected.buffer()
+        return SteadyHeader(position, expected, self._layout(digest, position), self._flags(position, unused_here), wire)
 
     def probe_after(
         self, header: SteadyHeader, group: Any, what: str, steady: tuple[int, torch.dtype] | None = None
@@ -327,9 +349,13 @@ class StepState:
         if pending.question is not None:
             position, layout, steady = pending.question
             if same and not (join_asks or eager or unused or blocked or unsteady) and steady is not None:
-                self.steady[position] = Expected(layout, *steady)
+                expected = Expected(layout, *steady)
+                if self.steady.get(position) != expected:
+                    self._wires.pop(position, None)
+                self.steady[position] = expected
             else:
                 self.steady.pop(position, None)
+                self._wires.pop(position, None)
         self.divergent = not same or join_asks or eager
         if carrying and (self.divergent or unused or blocked):
             # Some rank carries but this step cannot (or it is divergent): every rank averages
