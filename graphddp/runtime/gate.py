@@ -73,10 +73,8 @@ class Armed:
         self.goes_on: bool | None = None  # read at the first bucket
         self.issued = 0  # buckets issued (or held) so far
         self.held: list[torch.Tensor] = []  # the buckets held, in issue order (local, undivided)
-        # A steady header (graphddp.runtime.steady): its all-reduce's future and the first
-        # bucket; whether no rank raised a flag, read once the all-reduce completes.
-        self._header: tuple[torch.futures.Future, torch.Tensor] | None = None
-        self._header_goes_on = False
+        # A steady header (graphddp.runtime.steady): its all-reduce, as the graph waits for it.
+        self._header: HeaderWork | None = None
 
     def read(self) -> bool:
         """The agreement's answer (waits for it once): the classic probe's, or the header's
@@ -84,38 +82,26 @@ class Armed:
         if self.goes_on is None:
             if isinstance(self.agreement, SteadyHeader):
                 assert self._header is not None, "a steady header is read after its bucket's issue"
-                done, flat = self._header
-                done.wait()
-                self.goes_on = self._header_goes_on
+                self.goes_on = self._header.answer()
                 if self.goes_on:
                     if self.carried is not None:
                         self.carried[0] = []
                 else:
-                    self.held.append(flat)  # this rank's own gradients: the payload was a copy
+                    self.held.append(self._header.flat)  # this rank's own gradients: the payload was a copy
             else:
                 self.goes_on = StepState.goes_on(self.agreement)
         return self.goes_on
 
     def _issue_with_header(self, flat: torch.Tensor, opts: AllreduceOptions, inner: Any) -> Any:
         """The first bucket at a steady position: the payload and the header in one all-reduce
-        (:mod:`graphddp.runtime.steady`); the average is copied into the bucket when the
-        collective completes and no rank raised a flag, before the graph's wait returns."""
+        (:mod:`graphddp.runtime.steady`); the average is copied into the bucket when the graph
+        waits for it and no rank raised a flag (:class:`HeaderWork`)."""
         header = self.agreement
         assert isinstance(header, SteadyHeader)
         carried = self.carried[0] if self.carried is not None else ()
         wire = header.wire(flat, carried, self.world)
-
-        def finish(fut: torch.futures.Future) -> list[torch.Tensor]:
-            fut.value()  # a failed collective fails the graph's wait
-            self._header_goes_on = header.goes_on(wire)
-            if self._header_goes_on:
-                with torch.no_grad():
-                    flat.copy_(wire[: flat.numel()])
-            return []
-
-        done = inner.allreduce([wire], opts).get_future().then(finish)
-        self._header = (done, flat)
-        return _create_work_from_future(done)
+        self._header = HeaderWork(inner.allreduce([wire], opts), header, wire, flat)
+        return self._header
 
     def allreduce(self, tensors: Sequence[torch.Tensor], opts: AllreduceOptions, inner: Any) -> Any:
         index, self.issued = self.issued, self.issued + 1
@@ -136,6 +122,40 @@ class Armed:
                 self.carried[index] = []
             flat.div_(self.world)
         return inner.allreduce(list(tensors), opts)
+
+
+class HeaderWork(dist.Work):
+    """A steady header's all-reduce as its graph waits for it: on the waiting thread, once it
+    completes, the header read and, where no rank raised a flag, the average copied into the
+    bucket, before the graph reads the bucket.
+
+    Why a work of our own and not a callback on the collective's future: the callback runs on
+    gloo's thread and, being Python, takes the interpreter's lock from the thread that waits for
+    it; with both ranks computing on every core that hand-over cost the synchronising backward
+    a scheduling round trip per step."""
+
+    def __init__(self, work: Any, header: SteadyHeader, wire: torch.Tensor, flat: torch.Tensor) -> None:
+        super().__init__()
+        self.work = work
+        self.header = header
+        self.wire = wire
+        self.flat = flat
+        self._goes_on: bool | None = None
+
+    def answer(self) -> bool:
+        """Waits for the all-reduce (once; a failed one raises here, in the graph's wait) and
+        says whether the step goes on, the bucket then holding the average."""
+        if self._goes_on is None:
+            self.work.wait()
+            self._goes_on = self.header.goes_on(self.wire)
+            if self._goes_on:
+                with torch.no_grad():
+                    self.flat.copy_(self.wire[: self.flat.numel()])
+        return self._goes_on
+
+    def wait(self, timeout: Any = None) -> bool:
+        self.answer()
+        return True
 
 
 class Gate(dist.ProcessGroup):
