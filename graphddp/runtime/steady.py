@@ -30,8 +30,9 @@ alone, see :meth:`StepState.agree`) sends the deviating header first, then the c
 so the collective sequence pairs on every rank. A flag's sum never rounds to 0 from a raised
 flag in any float dtype, so a bf16 or fp16 bucket carries it too.
 
-Where not. A join context (its joined ranks shadow the classic agreement), a GPU (the payload's
-copy back happens in the collective's completion callback; classic there, not yet measured),
+Where not. A join context (its joined ranks shadow the classic agreement), a GPU (the header is read and
+the payload copied back on the host when the graph waits, which on a GPU would hold the host
+until the collective completes; classic there, not yet measured),
 a graph of more than one bucket (its second bucket would wait for the whole first all-reduce
 instead of a small round trip), a group of one rank.
 """
