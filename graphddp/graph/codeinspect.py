@@ -17,6 +17,7 @@ from graphddp.values.collectives import all_ops, issue_pattern
 from graphddp.values.comm import is_wait
 
 _ISSUE = issue_pattern()  # any bucket collective kind's op
+_ASSIGNED = re.compile(r"^\s*(\w+) = ")
 _WAIT = re.compile(r"_c10d_functional\.wait_tensor\.default\((\w+)")
 _KERNEL = re.compile(r"^\s*(?:\w+ = )?(cpp_fused_\w+|triton_\w+|extern_kernels\.\w+|aten\.\w+|torch\.ops\.aten\.\w+)[\.(]")
 
@@ -30,18 +31,27 @@ class Window:
 
 
 def windows_in_generated_code(source: str) -> list[Window]:
-    """Collective windows in inductor's generated wrapper code, in issue order."""
+    """Collective windows in inductor's generated wrapper code, in issue order.
+
+    An in-place collective (an all-reduce) is waited on its input buffer, an out-of-place one
+    (a gather, a reduce-scatter, an all-to-all) on the buffer it returns: an issue opens its
+    window under both names, and a wait on either closes it."""
     body = source.split("def call(", 1)[-1]
-    open_: dict[str, int] = {}
+    open_: dict[str, tuple[int, int]] = {}  # buffer name -> (issue number, kernels run before it)
     done: list[tuple[int, Window]] = []
-    kernels = 0
+    kernels = issued = 0
     for line in body.splitlines():
         if m := _ISSUE.search(line):
-            open_[m.group(1)] = kernels
+            names = {m.group(1)} | ({a.group(1)} if (a := _ASSIGNED.match(line)) else set())
+            for name in names:
+                open_[name] = (issued, kernels)
+            issued += 1
         elif m := _WAIT.search(line):
             if m.group(1) in open_:
-                start = open_.pop(m.group(1))
-                done.append((start, Window(m.group(1), kernels - start)))
+                number, start = open_[m.group(1)]
+                for name in [n for n, (i, _) in open_.items() if i == number]:
+                    del open_[name]
+                done.append((number, Window(m.group(1), kernels - start)))
         elif _KERNEL.match(line):
             kernels += 1
     if open_:
