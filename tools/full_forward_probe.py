@@ -19,7 +19,6 @@ quotes it.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from typing import Callable
@@ -28,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from graphddp.testing import spawn
-from tools.bench.netns import NETNS_SETUP_FAILED, reexec_in_netns, setup_netns_link
+from tools.bench.netns import enter_emulated_link
+from tools.probe_runs import print_medians
 
 ENV = "GRAPHDDP_FULL_PROBE_IN_NETNS"
 TOTAL_MB = 26.2  # the benchmark GPT's fp32 parameters
@@ -77,16 +77,7 @@ def _probe(rank: int, world: int, compute_ms: float, cap_mb: float) -> None:
     }
     for prefetch in (0, 1, 2):
         runs[f"{buckets} gathers + compute, {prefetch} ahead"] = lambda p=prefetch: _forward(parts, p, compute_ms, group, world)
-    for label, run in runs.items():
-        times = []
-        for _ in range(5):
-            dist.barrier()
-            start = time.perf_counter()
-            run()
-            dist.barrier()
-            times.append(time.perf_counter() - start)
-        if rank == 0:
-            print(f"{label:<36} {sorted(times)[len(times) // 2] * 1e3:7.1f} ms (median of {len(times)})", flush=True)
+    print_medians(runs, 5, 36)
 
 
 def _graphddp(rank: int, world: int) -> None:
@@ -141,17 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cap-mb", type=float, default=1.0, help="gathered MB per bucket")
     p.add_argument("--graphddp", action="store_true", help="profile graphddp's compiled forward of the GPT instead")
     args = p.parse_args(argv)
-    if os.environ.get(ENV) != "1":
-        rc, reason = reexec_in_netns(sys.argv[1:] if argv is None else argv, module="tools.full_forward_probe", env_flag=ENV)
-        if rc is None:
-            print(f"no emulated link: {reason}", file=sys.stderr)
-            return 1
-        return rc
-    try:
-        setup_netns_link(args.link_gbit)
-    except Exception as e:  # noqa: BLE001 - any failure to shape the link ends the probe
-        print(f"could not rate-limit the loopback: {e}", file=sys.stderr)
-        return NETNS_SETUP_FAILED
+    entered = enter_emulated_link(sys.argv[1:] if argv is None else argv, "tools.full_forward_probe", ENV, args.link_gbit)
+    if entered is not None:
+        return entered
     if args.graphddp:
         print(f"graphddp, sharding='full', the benchmark's GPT, 2 gloo ranks, emulated {args.link_gbit:g} Gbit/s link", flush=True)
         spawn(_graphddp, 2)

@@ -14,17 +14,17 @@ Run from a clone: ``.venv/bin/python -m tools.sharded_overlap_probe``; docs/shar
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from graphddp.testing import spawn
 from graphddp.values.collectives import REDUCE_SCATTER
-from tools.bench.netns import NETNS_SETUP_FAILED, reexec_in_netns, setup_netns_link
+from tools.bench.netns import enter_emulated_link
+from tools.probe_runs import print_medians
 
 ENV = "GRAPHDDP_PROBE_IN_NETNS"
 BUCKETS = 14
@@ -70,16 +70,7 @@ def _probe(rank: int, world: int, compute_ms: float) -> None:
     runs: dict[str, Callable[[], None]] = {"compute only": lambda: _step(None, compute_ms, flats, group)}
     for lag in (0, 1, 2, 4):
         runs[f"lag {lag}" + (" (graphddp's placement)" if lag == 0 else "")] = lambda lag=lag: _step(lag, compute_ms, flats, group)
-    for label, run in runs.items():
-        times = []
-        for _ in range(4):
-            dist.barrier()
-            start = time.perf_counter()
-            run()
-            dist.barrier()
-            times.append(time.perf_counter() - start)
-        if rank == 0:
-            print(f"{label:<32} {sorted(times)[len(times) // 2] * 1e3:7.1f} ms (median of {len(times)})", flush=True)
+    print_medians(runs, 4, 32)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,17 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--link-gbit", type=float, default=2.0)
     p.add_argument("--compute-ms", type=float, default=11.0, help="compute per bucket (the GPT's backward: about 11)")
     args = p.parse_args(argv)
-    if os.environ.get(ENV) != "1":
-        rc, reason = reexec_in_netns(sys.argv[1:] if argv is None else argv, module="tools.sharded_overlap_probe", env_flag=ENV)
-        if rc is None:
-            print(f"no emulated link: {reason}", file=sys.stderr)
-            return 1
-        return rc
-    try:
-        setup_netns_link(args.link_gbit)
-    except Exception as e:  # noqa: BLE001 - any failure to shape the link ends the probe
-        print(f"could not rate-limit the loopback: {e}", file=sys.stderr)
-        return NETNS_SETUP_FAILED
+    entered = enter_emulated_link(sys.argv[1:] if argv is None else argv, "tools.sharded_overlap_probe", ENV, args.link_gbit)
+    if entered is not None:
+        return entered
     print(f"{BUCKETS} buckets of 26 MB in all, {args.compute_ms:g} ms of compute each, 2 gloo ranks, "
           f"emulated {args.link_gbit:g} Gbit/s link", flush=True)
     spawn(_probe, 2, args.compute_ms)

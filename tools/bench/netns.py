@@ -61,3 +61,21 @@ def reexec_in_netns(argv: list[str], module: str = "tools.bench", env_flag: str 
     if rc == NETNS_SETUP_FAILED:
         return None, "could not rate-limit the namespace's loopback (see message above)"
     return rc, ""
+
+
+def enter_emulated_link(argv: list[str], module: str, env_flag: str, link_gbit: float) -> int | None:
+    """For a probe run as ``python -m module``: outside a namespace, run it again inside one
+    (:func:`reexec_in_netns`) and return its exit code; inside, rate-limit the loopback to
+    ``link_gbit`` and return None, for the probe to go on. Failures say why, on stderr."""
+    if os.environ.get(env_flag) != "1":
+        rc, reason = reexec_in_netns(argv, module=module, env_flag=env_flag)
+        if rc is None:
+            print(f"no emulated link: {reason}", file=sys.stderr)
+            return 1
+        return rc
+    try:
+        setup_netns_link(link_gbit)
+    except Exception as e:  # noqa: BLE001 - any failure to shape the link ends the probe
+        print(f"could not rate-limit the loopback: {e}", file=sys.stderr)
+        return NETNS_SETUP_FAILED
+    return None
