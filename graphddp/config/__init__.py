@@ -237,7 +237,7 @@ class DDPConfig:
         promises: :func:`graphddp.config.inductor_settings.check_inductor_settings`."""
         return inductor_settings.check_inductor_settings(
             where, self.backend, device, self.mode if mode is None else mode,
-            self.inductor_options if options is None else dict(options),
+            self.inductor_options if options is None else dict(options), sharded=self.sharding is not None,
         )
 
     def _check_full_sharding(self) -> None:

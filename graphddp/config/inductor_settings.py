@@ -76,11 +76,14 @@ def check_request(backend: str, mode: str | None, options: dict[str, Any]) -> No
         )
 
 
-def check_inductor_settings(where: str, backend: str, device: Any, mode: str | None, given: dict[str, Any]) -> dict[str, Any]:
+def check_inductor_settings(
+    where: str, backend: str, device: Any, mode: str | None, given: dict[str, Any], sharded: bool = False
+) -> dict[str, Any]:
     """The inductor patches, refused where graphddp cannot keep its promises.
 
     * a key of graphddp's pinned settings (comm reordering, DDP fusion off): overriding it
-      would lose the overlap or re-fuse the buckets;
+      would lose the overlap or re-fuse the buckets; with ``sharded`` (``sharding=`` set), also
+      a key of :data:`INDUCTOR_FX_ORDER_CONFIG`, which its graphs are compiled with;
     * an unknown key: inductor would fail later, inside the first backward;
     * CUDA graphs (``reduce-overhead``, ``max-autotune``, ``triton.cudagraphs``) on a CUDA
       model: the backward graph's collectives and the in-band check between them are not
@@ -100,6 +103,12 @@ def check_inductor_settings(where: str, backend: str, device: Any, mode: str | N
         raise ValueError(
             f"{where}: options {pinned} are set by graphddp (its overlap and bucket correctness depend on "
             f"them: {INDUCTOR_PINNED_CONFIG}); leave them out"
+        )
+    ordered = sorted(set(given) & (set(INDUCTOR_FX_ORDER_CONFIG) - set(INDUCTOR_PINNED_CONFIG))) if sharded else []
+    if ordered:
+        raise ValueError(
+            f"{where}: options {ordered} are set by graphddp for a model with sharding= (its graphs run in "
+            f"graphddp's order of collectives and updates: {INDUCTOR_FX_ORDER_CONFIG}); leave them out"
         )
     unknown = sorted(set(given) - set(list_options()))
     if unknown:

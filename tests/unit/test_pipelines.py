@@ -110,3 +110,18 @@ def test_backend_form_compiles_a_torch_nn_class_and_detaches(fake_world):
     assert "forward" in vars(m)
     b.remove()
     assert "forward" not in vars(m) and not b.attached
+
+
+@pytest.mark.parametrize("sharding", ["optimizer", "full"])
+def test_settings_of_graphddps_order_are_refused_by_name_with_sharding(fake_world, sharding):
+    """A sharded model's graphs are compiled in graphddp's order (inductor_settings.
+    INDUCTOR_FX_ORDER_CONFIG); a user's option of the same name would be overridden, so it is
+    refused, naming it; without sharding= the same option is the user's."""
+    fake_world(2)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match=r"\['score_fusion_memory_threshold'\] are set by graphddp for a model with sharding="):
+        ours = graphddp.compile(model, optimizer=opt, sharding=sharding, options={"score_fusion_memory_threshold": 10})
+        ours(torch.randn(8, 16)).sum().backward()  # full sharding checks where it compiles
+    plain = graphddp.compile(MLP(), options={"score_fusion_memory_threshold": 10}, bucket_cap_mb=0.01)
+    plain(torch.randn(8, 16)).sum().backward()
