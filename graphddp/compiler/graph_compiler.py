@@ -266,6 +266,7 @@ class GraphCompiler(InGraphUpdates, HookRuntime):
                 state, variants, compile_plain, self.group, self.step, self._phase, self._on_sync if self.hook else None,
                 carry=carry, parameters=self.parameters,
                 gate_carries=main.schedule.gated and self.carries_for(main.schedule),
+                gate=gate_for(self.group) if main.schedule.gated else None,
             )
             update = variants[phases[-1]].update
             if graph_index in self.forward_slots and update is not None and update.deferred_shards:

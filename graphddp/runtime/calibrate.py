@@ -13,7 +13,7 @@ every rank of the group times
   the bandwidth's cost, and the benchmark's backward came out twice its prediction;
 * the compute lane's cost of a collective: the time to issue an asynchronous all-reduce, or on
   the CPU, where gloo's threads share the ranks' cores, the time a collective takes away from
-  compute running beside it, whichever is more (:func:`_issue_seconds`);
+  compute running beside it, whichever is more (:func:`_collective_overhead_seconds`);
 * a square matmul (FLOP rate), a copy into a preallocated buffer (memory bandwidth) and a
   one-element add (per-op overhead) on the model's device: the rates the backward's node
   estimates are made from.
@@ -226,11 +226,16 @@ _MATMUL_N = {"cpu": 512, "cuda": 4096}  # large enough to run at the device's ma
 _COPY_BYTES = 32 << 20
 
 
-def _fastest_seconds(run: Callable[[], Any], sync: Callable[[], None], repeats: int) -> float:
+def _fastest_seconds(
+    run: Callable[[], Any], sync: Callable[[], None], repeats: int, before: Callable[[], Any] = lambda: None
+) -> float:
+    """The fastest of ``repeats`` timed runs after a warm-up; ``before`` each (untimed): a
+    barrier, where every rank must run at once."""
     run()  # warm-up: first-call allocation and dispatch
     sync()
     samples = []
     for _ in range(repeats):
+        before()
         start = time.perf_counter()
         run()
         sync()
@@ -254,10 +259,10 @@ def _compute_times(device: torch.device, sync: Callable[[], None]) -> list[float
 
 
 def _link_times(group: Any, device: torch.device, sync: Callable[[], None]) -> list[float]:
-    """The compute lane's cost of one collective (:func:`_issue_seconds`), then a blocking
+    """The compute lane's cost of one collective (:func:`_collective_overhead_seconds`), then a blocking
     all-reduce's time per size of ``SIZES``."""
     allreduce_s = [_collective_seconds(nbytes, group, device, sync) for nbytes in SIZES]
-    return [_issue_seconds(group, device, sync, allreduce_s[0])] + allreduce_s
+    return [_collective_overhead_seconds(group, device, sync, allreduce_s[0])] + allreduce_s
 
 
 # The compute that collectives are issued into (CPU): square matmuls of this size, as many as
@@ -269,7 +274,7 @@ LOADED_PER_COLLECTIVE = 8
 LOADED_COLLECTIVES = 4  # issued into one block, one per quarter
 
 
-def _issue_seconds(group: Any, device: torch.device, sync: Callable[[], None], small_allreduce_s: float) -> float:
+def _collective_overhead_seconds(group: Any, device: torch.device, sync: Callable[[], None], small_allreduce_s: float) -> float:
     """How much time of the compute lane one collective takes: the time to issue an
     asynchronous all-reduce, and on the CPU what a collective costs the compute running beside
     it, whichever is more.
@@ -317,18 +322,11 @@ def _issue_seconds(group: Any, device: torch.device, sync: Callable[[], None], s
         for work in works:
             work.wait()
 
-    def fastest(collectives: bool) -> float:
-        compute(collectives)  # warm-up
-        samples = []
-        for _ in range(REPEATS):
-            dist.barrier(group=group)
-            start = time.perf_counter()
-            compute(collectives)
-            samples.append(time.perf_counter() - start)
-        return min(samples)
+    def barrier() -> None:
+        dist.barrier(group=group)
 
-    alone = fastest(False)
-    loaded = fastest(True)
+    alone = _fastest_seconds(lambda: compute(False), sync, REPEATS, barrier)
+    loaded = _fastest_seconds(lambda: compute(True), sync, REPEATS, barrier)
     return max(issue_s, (loaded - alone) / LOADED_COLLECTIVES)
 
 

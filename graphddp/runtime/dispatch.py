@@ -40,7 +40,7 @@ from torch._dynamo.utils import counters
 
 from graphddp.runtime.agree import CollectiveError, any_rank, layout_hash
 from graphddp.runtime.failures import collective_failure
-from graphddp.runtime.gate import Armed, Gate, gate_for
+from graphddp.runtime.gate import Armed, Gate
 from graphddp.runtime.gathers import Pending
 from graphddp.values.schedule import Schedule
 
@@ -242,6 +242,7 @@ class BackwardDispatch:
         carry: Synced | None = None,
         parameters: Mapping[str, torch.nn.Parameter] | None = None,
         gate_carries: bool = False,
+        gate: Gate | None = None,
     ) -> None:
         # Called with one list of arguments, which the callee may free. An instance attribute:
         # wrappers (torch._dynamo.disable) copy __dict__, not class attributes.
@@ -261,7 +262,9 @@ class BackwardDispatch:
         self.usage = GradientUsage(next(iter(variants.values())).schedule)
         # A gated graph carries through its gate (graphddp.runtime.gate), with no variant of its own.
         self.gate_carries = gate_carries
-        self._gate_of_group: Gate | None = None
+        # A gated graph's all-reduces go through its group's gate (graphddp.runtime.gate),
+        # registered by the compiler before the graph was compiled.
+        self.gate = gate
 
     @property
     def can_carry(self) -> bool:
@@ -292,7 +295,7 @@ class BackwardDispatch:
         if schedule.gated and not self.step.divergent:
             return self._gated(synced, schedule, digest, args, unused, outputs, renamed)
         if schedule.buckets:
-            what = f"backward graph {schedule.graph_index}"
+            what = synced.what
             divergent, some_unused = self.step.agree(self.group, digest, what, bool(unused))
             if some_unused and not divergent:  # which of them did no rank use
                 unused = self._unused_anywhere(schedule, unused)
@@ -348,12 +351,12 @@ class BackwardDispatch:
         if self.gate_carries and not renamed and self.step.take_carried():
             carried, taken = self._carried_by_bucket(schedule)
         armed = Armed(agreement, schedule.world_size, carried)
-        gate = self._gate()
-        gate.arm(armed)
+        assert self.gate is not None, "a gated graph's dispatcher is given its gate"
+        self.gate.arm(armed)
         try:
             out = self._named_failures(schedule, lambda: synced.code()(args))
         finally:
-            gate.arm(None)
+            self.gate.arm(None)
         if armed.read():  # read already at the first bucket's issue (a gated graph has buckets)
             if header is None:
                 self.step.agreed(agreement)
@@ -378,14 +381,6 @@ class BackwardDispatch:
             unused = self._unused_anywhere(schedule, unused)
         self._issue_held(armed, schedule, None)
         return GradientUsage.drop(out, outputs, unused)
-
-    def _gate(self) -> Gate:
-        """The gate of this graph's group (:func:`graphddp.runtime.gate.gate_for`), looked up
-        once; again only if another gate took its name since (the group made anew)."""
-        gate = self._gate_of_group
-        if gate is None or not gate.current():
-            gate = self._gate_of_group = gate_for(self.group)
-        return gate
 
     def _issue_held(self, armed: Armed, schedule: Schedule, carried: list[list[tuple[int, torch.Tensor]]] | None) -> None:
         """The held buckets divided and all-reduced now, in issue order, with the gradients

@@ -178,11 +178,6 @@ class Gate(dist.ProcessGroup):
             )
         return armed.allreduce(tensor_list, opts, self.inner)
 
-    def current(self) -> bool:
-        """Is this still the gate registered for its group's name (:func:`gate_for`)? A dict
-        lookup: asked at every gated backward."""
-        return _GATES.get(gate_name(group_name_of(self.inner))) is self
-
     def arm(self, armed: Armed | None) -> None:
         """Route this thread's gated all-reduces to ``armed`` (None: to nothing, after its
         backward): set around the graph's call, in a ``try``/``finally``."""

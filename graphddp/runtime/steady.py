@@ -68,14 +68,12 @@ class SteadyHeader:
     docstring). ``flags``: the classic agreement's (joined, eager, unused here, carrying,
     unable to carry); ``layout``: this rank's layout hash at this position."""
 
-    def __init__(
-        self, position: int, expected: Expected, layout: int, flags: tuple[bool, ...], out: torch.Tensor | None = None
-    ) -> None:
+    def __init__(self, position: int, expected: Expected, layout: int, flags: tuple[bool, ...], out: torch.Tensor) -> None:
         self.position = position
         self.expected = expected
         self.layout = layout
         self.flags = flags
-        self.out = out  # the position's buffer (Expected.buffer), or None for a fresh one
+        self.out = out  # the position's send buffer (Expected.buffer)
 
     def deviates(self, flat: torch.Tensor | None) -> bool:
         """Does this rank deviate from the expectation (``flat``: its bucket, None for a path
@@ -92,7 +90,7 @@ class SteadyHeader:
         carried gradients, concatenated, are the bucket's layout: one concatenation and one
         add, not an add per parameter."""
         e = self.expected
-        out = self.out if self.out is not None else torch.empty(e.numel + HEADER, dtype=e.dtype)
+        out = self.out
         payload, header = out[: e.numel], out[e.numel:]
         deviates = self.deviates(flat)
         header.zero_()

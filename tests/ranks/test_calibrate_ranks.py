@@ -190,7 +190,7 @@ def _collectives_that_take_the_core(rank: int, world: int) -> None:
     group = dist.new_group(list(range(world)))  # a group no earlier test has calibrated
     dist.all_reduce = all_reduce
     try:
-        issue_s = calibrate._issue_seconds(group, torch.device("cpu"), lambda: None, 1e-4)
+        issue_s = calibrate._collective_overhead_seconds(group, torch.device("cpu"), lambda: None, 1e-4)
     finally:
         dist.all_reduce = real
     assert 0.9 * BURN_S <= issue_s <= 5 * BURN_S, issue_s
