@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
 import torch
 import torch.distributed as dist
 

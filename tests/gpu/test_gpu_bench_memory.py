@@ -40,7 +40,7 @@ def _bench() -> dict[str, dict]:
     if not _RUN:
         out = os.environ.get("GRAPHDDP_GPU_OUT", os.path.join(ROOT, "bench_out"))
         cmd = [sys.executable, "-m", "tools.bench", "--device", "cuda", "--modes", ",".join(MODES), "--out", out,
-               "--timeout", "400"]
+               "--timeout", "400", "--profile-steps", "3"]
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=450)
         print(done.stdout[-6000:], done.stderr[-3000:])
         with open(os.path.join(out, "bench_cuda.json")) as f:

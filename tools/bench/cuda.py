@@ -274,7 +274,10 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         from tools.bench import gpu_profile
 
         _wait_for(os.path.join(sync, f"go-profile-{mode}"), args.timeout)
-        result["profile"] = gpu_profile.profile_steps(step, args.profile_steps, args.out, mode, cuda)
+        try:  # a trace that cannot be taken or read loses the profile, not the mode's other figures
+            result["profile"] = gpu_profile.profile_steps(step, args.profile_steps, args.out, mode, cuda)
+        except Exception as e:  # noqa: BLE001 - reported in the mode's row
+            result["profile_error"] = f"{type(e).__name__}: {e}"
         open(os.path.join(sync, f"done-profile-{mode}"), "w").close()
     result["round_ms"] = times
     result["step_ms"] = statistics.median(times)
@@ -383,6 +386,8 @@ def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
             from tools.bench import gpu_profile
 
             lines += ["", gpu_profile.render(mode, r["profile"])]
+        if "profile_error" in r:
+            lines += ["", f"{mode}: no profile ({r['profile_error']})"]
         if "between_sites" in r:
             lines += ["", memsites.render(f"{mode}: between steps, {r['between_mb']:.0f} MB", r["between_sites"])]
             lines += [memsites.render(f"{mode}: at the step's peak, {r['peak_sites_mb']:.0f} MB", r["peak_sites"])]
