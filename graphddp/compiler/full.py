@@ -5,11 +5,12 @@ With full sharding the collectives are in the graphs before graphddp sees them: 
 parameter read is an all-gather of the ranks' parts (:mod:`graphddp.frontend.full`) and
 AOTAutograd derives its reduce-scatter in the backward. What this module adds is which graph
 gathers what (forward only, or again in the backward: :mod:`graphddp.graph.reshard`), where in
-each graph the collectives are issued and waited, in buckets of a fixed cap
+each graph the collectives are issued and waited, in buckets
 (:mod:`graphddp.graph.part_collectives`, then kept in that order by inductor), the check of that
 placement, what each graph does (:mod:`graphddp.graph.describe_parts`), and each backward's
-variant that updates its parts (:mod:`graphddp.compiler.full_updates`). Planning these buckets
-with graphddp's cost model is the next step (docs/design-full-sharding.md).
+variant that updates its parts (:mod:`graphddp.compiler.full_updates`). The buckets' cap is
+planned per graph from the cost model (:mod:`graphddp.plan.full_cap`) unless
+``bucket_cap_mb`` gives one.
 """
 from __future__ import annotations
 
@@ -23,24 +24,16 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from graphddp.config import MB, DDPConfig
+from graphddp.plan.full_cap import planned_cap_bytes
 from graphddp.compiler.full_updates import Compile, PartUpdates, UpdatingBackward
 from graphddp.config.inductor_settings import INDUCTOR_FX_ORDER_CONFIG
 from graphddp.graph import reshard
 from graphddp.graph.describe_parts import describe_part_collectives, input_name
-from graphddp.graph.part_collectives import place_part_collectives
+from graphddp.graph.part_collectives import place_part_collectives, whole_bytes
 from graphddp.graph.reshard import tag_regathers
 from graphddp.graph.verify_full import check_part_collectives
-from graphddp.values.part_schedule import PartGraph
-
-
-# Gather and reduce-scatter buckets close once they reach this many MB, unless bucket_cap_mb is set.
-# Measured on the benchmark's GPT, 2 gloo ranks on the 2 Gbit/s link, step against
-# sharding="optimizer"'s in the same run (--modes graphddp_sharded,graphddp_full; runs of the same
-# code differ by about 3%): 0.25 MB 1.29x, 0.5 MB 1.13x, 1 MB 1.08x and 1.11x, 1.5 MB 1.13x,
-# 2 MB 1.11x: 0.5-2 MB within the spread of runs, 0.25 MB not. (Before a reduce-scatter bucket
-# was capped by its whole gradients, 0.5 MB was the best.) A fixed cap, not the planner's
-# (docs/full-sharding.md).
-FULL_BUCKET_CAP_MB = 1.0
+from graphddp.values.part_schedule import PartCap, PartGraph
+from graphddp.values.prediction import CostModel
 
 
 class _TagRegathers(CustomGraphPass):
@@ -107,7 +100,7 @@ class _Graph:
         self.config, self.compiled, self.index, self.names = config, compiled, index, names
 
     def keep(self, gm: fx.GraphModule, backward: bool) -> UpdatingBackward | None:
-        _placed(gm, self.config, backward)
+        cap = _placed(gm, self.config, self.compiled.world_size, backward)
         kind = "backward" if backward else "forward"
         compiled, updates = self.compiled, self.compiled.updates
         compiled.graphs.append((kind, gm))
@@ -116,7 +109,7 @@ class _Graph:
             updates.forward_compiled(self.index, gm, self.names)
         elif updates is not None:
             variant = updates.backward_variant(self.index, gm, self.names)
-        described = describe_part_collectives(gm, kind, compiled.world_size, self.names)
+        described = dataclasses.replace(describe_part_collectives(gm, kind, compiled.world_size, self.names), cap=cap)
         if variant is not None:
             compiled.graphs.append(("backward_update", variant.graph))
             described = dataclasses.replace(described, updates=variant.names)
@@ -156,15 +149,27 @@ class _Graph:
         return inner
 
 
-def _placed(gm: fx.GraphModule, config: DDPConfig, backward: bool) -> None:
-    """The graph's collectives bucketed and placed where a step wants them
-    (:mod:`graphddp.graph.part_collectives`), checked after the rewrite when ``config.verify``
-    (:mod:`graphddp.graph.verify_full`)."""
-    cap = config.bucket_cap_mb if isinstance(config.bucket_cap_mb, (int, float)) else FULL_BUCKET_CAP_MB
-    place_part_collectives(gm.graph, cap_bytes=int(cap * MB))
+def _placed(gm: fx.GraphModule, config: DDPConfig, world_size: int, backward: bool) -> PartCap:
+    """The graph's collectives bucketed under :func:`bucket_cap` and placed where a step wants
+    them (:mod:`graphddp.graph.part_collectives`), checked after the rewrite when
+    ``config.verify`` (:mod:`graphddp.graph.verify_full`). Returns the cap."""
+    cap = bucket_cap(config, whole_bytes(gm.graph), world_size)
+    place_part_collectives(gm.graph, cap_bytes=cap.nbytes)
     gm.recompile()
     if config.verify:
         check_part_collectives(gm, backward, config.reshard_after_forward)
+    return cap
+
+
+def bucket_cap(config: DDPConfig, whole: int, world_size: int) -> PartCap:
+    """The cap of a graph's gather and reduce-scatter buckets, ``whole`` the bytes its
+    collectives carry whole: ``bucket_cap_mb`` where given, else planned from the cost model
+    (:func:`graphddp.plan.full_cap.planned_cap_bytes`; ``config.cost``, calibrated when the
+    model was wrapped, or the given one)."""
+    if isinstance(config.bucket_cap_mb, (int, float)):
+        return PartCap(int(config.bucket_cap_mb * MB), "bucket_cap_mb")
+    cost = config.cost if config.cost is not None else CostModel(source="default")
+    return PartCap(planned_cap_bytes(cost, whole, world_size, bool(config.reshard_after_forward)), f"planned ({cost.source})")
 
 
 def _once(compile: Compile) -> Compile:

@@ -244,8 +244,9 @@ class DDPConfig:
         """``reshard_after_forward`` belongs to ``sharding="full"`` (None there means True, FSDP2's
         default); what full sharding does not run yet is refused by name, never ignored: its
         gather and reduce-scatter buckets take one cap (``bucket_cap_mb``; first, last and
-        per-bucket caps and the cost model are the replicated planner's), no comm hook, and the
-        eager backend has no partitioner to reshard."""
+        per-bucket caps are the replicated planner's), no comm hook, and the
+        eager backend has no partitioner to reshard. ``cost`` is the model its cap is planned
+        with when ``bucket_cap_mb`` is not given (:mod:`graphddp.plan.full_cap`)."""
         if self.sharding != "full":
             for name in ("reshard_after_forward", "mp_policy"):
                 if getattr(self, name) is not None:
@@ -256,13 +257,13 @@ class DDPConfig:
             object.__setattr__(self, "reshard_after_forward", True)
         if not isinstance(self.reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}")
-        caps = [n for n in ("first_bucket_cap_mb", "last_bucket_cap_mb", "bucket_cap_mb_list", "cost")
+        caps = [n for n in ("first_bucket_cap_mb", "last_bucket_cap_mb", "bucket_cap_mb_list")
                 if getattr(self, n) not in (None, AUTO)]
         refused = caps + (["comm_hook"] if self.comm_hook is not None else [])
         if refused:
             raise ValueError(
                 f"sharding='full' does not take {refused} yet: its gather and reduce-scatter buckets have one cap, "
-                "bucket_cap_mb, and no comm hook; leave them out"
+                "bucket_cap_mb (or one planned from cost when it is left out), and no comm hook; leave them out"
             )
         if self.backend == "eager":
             raise ValueError("sharding='full' needs backend='inductor' or 'aot_eager' (AOTAutograd places the gathers)")

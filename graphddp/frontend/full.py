@@ -57,6 +57,7 @@ from graphddp.frontend.replica import check_and_broadcast
 from graphddp.graph.part_collectives import PREFETCH
 from graphddp.optim import guards
 from graphddp.optim.shard import ELEMENTWISE
+from graphddp.runtime.calibrate import resolve_cost
 from graphddp.runtime.sync import broadcast_tensors
 from graphddp.values.comm import gather_flat
 from graphddp.values.part_schedule import FullSchedule, PartGraph, RankMemory
@@ -424,7 +425,8 @@ def compile_fully_sharded(module: nn.Module, group: Any, config: DDPConfig, opti
             f"{where}: sharding='full' keeps each parameter's optimizer state 1/N per rank, so it needs optimizer= "
             "(a torch.optim optimizer over model.parameters(), built before graphddp.compile)"
         )
-    check_and_broadcast(where, module, group, config)  # whole tensors, before they are cut
+    device = check_and_broadcast(where, module, group, config)  # whole tensors, before they are cut
+    config = resolve_cost(config, group, device)  # what the buckets' cap is planned with (graphddp.plan.full_cap)
     guards.watch_gathered_copies()
     parts = shard_parameters(module, group, config.mp_policy)
     for part in parts.values():

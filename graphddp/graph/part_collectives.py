@@ -64,6 +64,23 @@ def place_part_collectives(graph: fx.Graph, cap_bytes: int, prefetch: int = PREF
 # -- what the graph has ------------------------------------------------------------------------
 
 
+def whole_bytes(graph: fx.Graph) -> int:
+    """What the graph's collectives carry whole, in bytes: its gathered parameters, or its
+    gradients sent, whichever is more (a forward only gathers; a backward reduce-scatters, and
+    gathers again when the forward reshards). What a planned cap is sized by
+    (:func:`graphddp.plan.full_cap.planned_cap_bytes`)."""
+    def total(pairs: list[tuple[fx.Node, fx.Node]]) -> int:
+        return sum(_whole(issue).numel() * _whole(issue).element_size() for issue, _ in pairs)
+
+    return max(total(_part_gathers(graph)), total(_reduce_scatters(graph)))
+
+
+def _whole(issue: fx.Node) -> Any:
+    """The full tensor of a collective: a gather's result, or the gradient a reduce-scatter sends."""
+    return (issue if issue.target is ALL_GATHER else issue.args[0]).meta["val"]
+
+
+
 def _wait_of(issue: fx.Node) -> fx.Node | None:
     return next((u for u in issue.users if is_wait(u)), None)
 
@@ -121,8 +138,7 @@ def _buckets(pairs: list[tuple[fx.Node, fx.Node]], cap_bytes: int) -> list[list[
     size = 0
     for pair in pairs:
         issue = pair[0]
-        whole = issue if issue.target is ALL_GATHER else issue.args[0]  # a gather's result; a gradient sent
-        val = whole.meta["val"]
+        val = _whole(issue)
         nbytes = val.numel() * val.element_size()
         key = (issue.args[-1], val.dtype, val.device)
         if not buckets or size >= cap_bytes or _key(buckets[-1][0][0]) != key:

@@ -45,6 +45,18 @@ class PartBucket:
 
 
 @dataclasses.dataclass(frozen=True)
+class PartCap:
+    """The cap a graph's buckets closed at, and where it came from: ``"bucket_cap_mb"`` (given),
+    or ``"planned (<the cost model's source>)"`` (:mod:`graphddp.plan.full_cap`)."""
+
+    nbytes: int
+    source: str
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
 class PartGraph:
     """The collectives of one compiled forward or backward graph, in graph order."""
 
@@ -52,6 +64,7 @@ class PartGraph:
     nodes: int
     buckets: tuple[PartBucket, ...]
     updates: tuple[str, ...] = ()  # the parts a backward updates inside (the optimizer inside the backward)
+    cap: PartCap | None = None  # None: read back from a graph without the compiler's record of it
 
     def of(self, kind: str) -> tuple[PartBucket, ...]:
         return tuple(b for b in self.buckets if b.kind == kind)
@@ -63,7 +76,8 @@ class PartGraph:
         return max((sum(sizes[i:i + prefetch + 1]) for i in range(len(sizes))), default=0)
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "nodes": self.nodes, "buckets": [b.to_dict() for b in self.buckets], "updates": list(self.updates)}
+        return {"kind": self.kind, "nodes": self.nodes, "buckets": [b.to_dict() for b in self.buckets], "updates": list(self.updates),
+                "cap": None if self.cap is None else self.cap.to_dict()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,9 +149,10 @@ class FullSchedule:
         ]
         for graph in self.graphs:
             updates = f"; updates {len(graph.updates)} part(s) inside, each after its gradient's wait" if graph.updates else ""
+            cap = f", capped at {size_text(graph.cap.nbytes)}: {graph.cap.source}" if graph.cap is not None else ""
             lines.append(
                 f"{graph.kind} ({graph.nodes} nodes): {len(graph.of('gather'))} gather bucket(s), "
-                f"{len(graph.of('reduce_scatter'))} reduce-scatter bucket(s){updates}"
+                f"{len(graph.of('reduce_scatter'))} reduce-scatter bucket(s){updates}{cap}"
             )
             lines.append(f"  {'collective':<18}{'whole':>10}{'per rank':>10}  {'issued after':<24}{'waited before':<24}parameters")
             for b in graph.buckets:

@@ -1,0 +1,55 @@
+"""How large ``sharding="full"``'s gather and reduce-scatter buckets are, from the cost model.
+
+Why a plan and not a fixed cap. Full sharding issues every bucket's collectives every step: an
+all-gather before the forward reads it, another before the backward does (with
+``reshard_after_forward``), and a reduce-scatter of its gradients. Each collective costs a fixed
+time (its issue and wait on the host, :attr:`CostModel.collective_overhead_us`, and its ring
+latency) whatever its size, so many small buckets pay that time many times; few large buckets
+leave more bytes exposed, because the first bucket's all-gather runs before any compute can
+overlap it and the last bucket's reduce-scatter after all of it. A fixed 1 MB cap was the best
+of a sweep on the CPU ranks' 2 Gbit/s link; on one H100 (NCCL) the same cap cut GPT-2 into 26
+buckets whose 78 collectives a step cost the host about 110 us each, and the GPU idled 23 ms a
+step waiting for it (docs/gpu.md).
+
+The model. With ``S`` bytes gathered by one graph, ``n`` buckets of ``S / n`` bytes, ``F`` the
+fixed time of one bucket's collectives (``k`` of them: 3 with resharding, 2 without) and ``b``
+the link time per byte of one all-gather plus one reduce-scatter (the exposed pair), the step
+pays about ``n * F + (S / n) * b``, least at ``n = sqrt(S * b / F)``: a cap of
+``sqrt(S * F / b)`` bytes. On the benchmark's GPT (26 MB) and this machine's calibration of the
+emulated link (1.0 Gbit/s fitted, 260 us a collective) that is 1.6 MB, inside the band the sweep
+found best (0.5-2 MB). Where the link costs nothing (one rank: nothing is sent) or costs too
+little for the fixed time to matter, the cap is :data:`MAX_CAP_BYTES`.
+
+Why a ceiling. Each rank holds the gathered buckets in flight (the one being read and those
+issued ahead of it, :data:`graphddp.graph.part_collectives.PREFETCH`): the cap is what full
+sharding adds to a rank's memory beyond its parts, so it stays bounded whatever the link.
+25 MB is DDP's bucket, and about FSDP2's unit on the models users shard with it (one GPT-2
+block of dim 768 is 28 MB in fp32). The floor keeps a cap from being absurd for a
+mis-measured link: below 0.25 MB the sweep's step was 1.29x ``sharding="optimizer"``'s.
+"""
+from __future__ import annotations
+
+import math
+
+from graphddp.values.collectives import kind
+from graphddp.values.prediction import CostModel
+
+MB = 1 << 20
+MAX_CAP_BYTES = 25 * MB
+MIN_CAP_BYTES = MB // 4
+
+
+def planned_cap_bytes(cost: CostModel, gathered_bytes: int, world_size: int, regathers: bool) -> int:
+    """The cap of one graph's gather and reduce-scatter buckets (module docstring):
+    ``gathered_bytes``, what the graph gathers whole; ``regathers``, whether the backward
+    gathers again (``reshard_after_forward``). The same on every rank given the same ``cost``
+    (the calibration's numbers are every rank's slowest) and graph."""
+    gather, scatter = kind("all_gather"), kind("reduce_scatter")
+    per_byte = sum(k.seconds(cost, MB, world_size) - k.seconds(cost, 0, world_size) for k in (gather, scatter)) / MB
+    if per_byte <= 0 or gathered_bytes <= 0:
+        return MAX_CAP_BYTES
+    collectives = 3 if regathers else 2
+    latency = gather.seconds(cost, 0, world_size) * (collectives - 1) + scatter.seconds(cost, 0, world_size)
+    fixed = collectives * cost.collective_overhead_us * 1e-6 + latency
+    cap = math.sqrt(gathered_bytes * fixed / per_byte)
+    return int(min(MAX_CAP_BYTES, max(MIN_CAP_BYTES, cap)))
