@@ -23,15 +23,15 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from graphddp.config import MB, DDPConfig
-from graphddp.plan.full_cap import planned_cap_bytes
 from graphddp.compiler.full_updates import Compile, PartUpdates, UpdatingBackward
+from graphddp.config import MB, DDPConfig
 from graphddp.config.inductor_settings import INDUCTOR_FX_ORDER_CONFIG
 from graphddp.graph import reshard
 from graphddp.graph.describe_parts import describe_part_collectives, input_name
 from graphddp.graph.part_collectives import place_part_collectives, whole_bytes
 from graphddp.graph.reshard import tag_regathers
 from graphddp.graph.verify_full import check_part_collectives
+from graphddp.plan.full_cap import planned_cap_bytes
 from graphddp.values.part_schedule import PartCap, PartGraph
 from graphddp.values.prediction import CostModel
 
