@@ -48,7 +48,12 @@ ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 _REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
 _ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
-PREFETCH = 1  # gather buckets in flight ahead of the one being read
+# Gather buckets in flight ahead of the one being read. 2 since 2026-11-27: on the benchmark's GPT
+# (2 gloo ranks, the emulated link, the planned cap) the forward took 140 ms at 1 and 126-129 at
+# 2 (the step 1.14x sharding="optimizer"'s against 1.11x), 140 at 3; earlier trials of 2 had the
+# first two buckets issued in reverse order (_place_gathers), so bucket 0 waited behind bucket 1.
+# Each one more holds one more bucket's gathered bytes (graphddp.plan.full_cap's ceiling: 25 MB).
+PREFETCH = 2
 SCATTER_LAG = 1  # reduce-scatter buckets in flight behind the backward's compute
 
 
@@ -273,12 +278,16 @@ def _issue_and_wait(result: fx.Node, kind: str) -> tuple[list[fx.Node], fx.Node]
 
 
 def _place_gathers(graph: fx.Graph, buckets: list[tuple[list[fx.Node], fx.Node]], prefetch: int) -> None:
-    first = next(n for n in graph.nodes if n.op != "placeholder")
+    """Bucket ``i``'s issue right before bucket ``i - prefetch``'s wait; the first ``prefetch``
+    buckets' at the top of the graph, in bucket order: a collective backend runs them in the order
+    they are issued (gloo's two threads take the first two), so bucket 0, which the compute
+    needs first, must go out first."""
+    early = {n for issue, _ in buckets[:prefetch] for n in issue}
+    start = next(n for n in graph.nodes if n.op != "placeholder" and n not in early)
     for i, (issue, _) in enumerate(buckets):
-        anchor = buckets[i - prefetch][1] if i >= prefetch else first
-        if anchor not in issue:
-            for n in issue:
-                anchor.prepend(n)
+        anchor = buckets[i - prefetch][1] if i >= prefetch else start
+        for n in issue:
+            anchor.prepend(n)
 
 
 def _place_scatter_waits(graph: fx.Graph, buckets: list[tuple[list[fx.Node], fx.Node]], lag: int) -> None:

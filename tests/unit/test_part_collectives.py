@@ -11,6 +11,7 @@ import torch.nn as nn
 
 import graphddp
 from graphddp.graph.capture import ancestors
+from graphddp.graph.part_collectives import PREFETCH
 from graphddp.graph.verify_full import check_part_collectives, check_part_updates
 from graphddp.graph.verify_common import VerificationError
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
@@ -43,18 +44,22 @@ def _waits(issues):
     return [next(u for u in n.users if is_wait(u)) for n in issues]
 
 
-def test_gathers_are_bucketed_by_the_cap_and_issued_a_bucket_ahead(fake_world):
+def test_gathers_are_bucketed_by_the_cap_and_issued_prefetch_buckets_ahead(fake_world):
     fake_world(8)
     forward, _ = _graphs()
     gathers = _by_role(forward, "gather")
     # in reading order w0 b0 w1 | b1 w2 b2 w3 | b3 w4 b4 w5 | b5 (weights 256 KB, biases 1 KB): a
     # bucket closes once it reaches 0.5 MB
-    assert len(gathers) == 4
+    assert len(gathers) == 4 and PREFETCH < len(gathers)
+    # issued in bucket order (a backend runs collectives in their issue order: bucket 0 first)
+    assert [g.meta[BUCKET_KEY] for g in gathers] == list(range(len(gathers)))
     order = {n: i for i, n in enumerate(forward.graph.nodes)}
     waits = _waits(gathers)
-    for i in range(1, len(gathers)):
-        assert order[gathers[i]] < order[waits[i - 1]], f"bucket {i} is issued after bucket {i - 1}'s wait"
-    assert all(order[gathers[i]] > order[waits[i - 2]] for i in range(2, len(gathers))), "more than one bucket ahead"
+    for i in range(PREFETCH, len(gathers)):
+        assert order[gathers[i]] < order[waits[i - PREFETCH]], f"bucket {i} is issued after bucket {i - PREFETCH}'s wait"
+    ahead = PREFETCH + 1
+    assert all(order[gathers[i]] > order[waits[i - ahead]] for i in range(ahead, len(gathers))), f"more than {PREFETCH} ahead"
+    assert all(order[g] < order[waits[0]] for g in gathers[:ahead]), "the first buckets are not all in flight at the first wait"
 
 
 def test_reduce_scatters_are_bucketed_and_travel_behind_later_gradients(fake_world):
