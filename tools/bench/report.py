@@ -188,9 +188,9 @@ def _powersgd_lines(s: dict[str, Any]) -> list[str]:
 
 def _memory_lines(s: dict[str, Any]) -> list[str]:
     """--modes sharded: what each AdamW mode keeps on a rank, next to its step's peak."""
-    names = [n for n in ("graphddp_full", "graphddp_full_keep", "graphddp_sharded", "graphddp_sharded_fwd", "graphddp_optim", "ddp_zero",
-                         "fsdp2_reshard", "fsdp2", "ddp_cap1") if n in s["modes"]]
-    if not {"graphddp_sharded", "graphddp_sharded_fwd", "graphddp_full", "graphddp_full_keep"} & set(names):
+    names = [n for n in ("graphddp_full", "graphddp_full_keep", "graphddp_full_bf16", "graphddp_sharded", "graphddp_sharded_fwd",
+                         "graphddp_optim", "ddp_zero", "fsdp2_reshard", "fsdp2_reshard_bf16", "fsdp2", "ddp_cap1") if n in s["modes"]]
+    if not {"graphddp_sharded", "graphddp_sharded_fwd", "graphddp_full", "graphddp_full_keep", "graphddp_full_bf16"} & set(names):
         return []
     out = [f"memory per rank, MB (max over ranks): {'step ms':>9} {'opt state':>9} {'params':>8} {'step peak':>9} {'resident':>9}"
            "   (resident = params + opt state + step peak)"]
@@ -206,7 +206,7 @@ def _memory_lines(s: dict[str, Any]) -> list[str]:
 
     world = 2
     for mode, other, limit in (("graphddp_full", "fsdp2_reshard", 0.70), ("graphddp_full", "graphddp_sharded", 1.10),
-                               ("graphddp_full_keep", "fsdp2", 0.70)):
+                               ("graphddp_full_keep", "fsdp2", 0.70), ("graphddp_full_bf16", "fsdp2_reshard_bf16", 0.70)):
         if mode in names and other in names:  # issue 35's step targets
             ratio = s["modes"][mode]["step_ms"] / s["modes"][other]["step_ms"]
             out.append(f"  target: {mode} / {other} step {ratio:.3f} (<= {limit:.2f}): {'met' if ratio <= limit else 'MISSED'}")

@@ -25,6 +25,14 @@ And, for full sharding (``--modes full``), parameters held 1/N per rank too:
 * ``fsdp2_reshard``: ``fully_shard`` per block and root with ``reshard_after_forward=True``, as
   users run FSDP2 (its default).
 
+And mixed precision as FSDP2 users set it (``--modes full_mp``), parameters gathered in bf16 and
+gradients reduced in fp32 (``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+reduce_dtype=torch.float32)``, the same policy object for both):
+
+* ``graphddp_full_bf16``: ``graphddp_full`` with ``mp_policy=`` that policy;
+* ``fsdp2_reshard_bf16``: ``fsdp2_reshard`` with ``mp_policy=`` that policy on every
+  ``fully_shard``.
+
 Each reports, beside the step time and the allocator peak of a step, the bytes of optimizer
 state this rank keeps (:func:`state_bytes`) and of the parameters it keeps whole between steps:
 what sharding is for.
@@ -40,10 +48,22 @@ import torch.nn as nn
 from tools.bench.modes import TrainMode
 from tools.bench.workload import make_optimizer
 
-SHARDED_MODES = ("graphddp_sharded", "graphddp_sharded_fwd", "ddp_zero", "fsdp2", "graphddp_full", "graphddp_full_keep", "fsdp2_reshard")
+SHARDED_MODES = ("graphddp_sharded", "graphddp_sharded_fwd", "ddp_zero", "fsdp2", "graphddp_full", "graphddp_full_keep", "fsdp2_reshard",
+                 "graphddp_full_bf16", "fsdp2_reshard_bf16")
 GATHER = {"graphddp_sharded": "backward", "graphddp_sharded_fwd": "forward"}
 # sharding="full": reshard_after_forward per mode (FSDP2's option, same meaning)
-FULL = {"graphddp_full": True, "graphddp_full_keep": False}
+FULL = {"graphddp_full": True, "graphddp_full_keep": False, "graphddp_full_bf16": True}
+# Mixed precision as FSDP2 users set it: gathers in bf16, reductions in fp32 (graphddp takes FSDP2's policy)
+MIXED = ("graphddp_full_bf16", "fsdp2_reshard_bf16")
+
+
+def _policy(name: str) -> Any:
+    """FSDP2's ``MixedPrecisionPolicy`` for a mode of :data:`MIXED`, else None."""
+    if name not in MIXED:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 # the graphddp options a fully sharded run takes from the benchmark's (it has no buckets yet)
 FULL_OPTIONS = ("backend", "mode", "options", "verify", "broadcast_buffers", "fullgraph", "dynamic")
 
@@ -99,6 +119,8 @@ def build(name: str, base: nn.Module, batch: Any, loss: Callable, graphddp_optio
 
         opt = make_optimizer(model.parameters())
         options = {k: v for k, v in graphddp_options.items() if k in FULL_OPTIONS}
+        if name in MIXED:
+            options["mp_policy"] = _policy(name)
         m = graphddp.compile(model, optimizer=opt, sharding="full", reshard_after_forward=FULL[name], **options)
         return TrainMode(name, m, None, batch, loss, opt=opt), opt
     if name == "ddp_zero":
@@ -107,13 +129,14 @@ def build(name: str, base: nn.Module, batch: Any, loss: Callable, graphddp_optio
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
         opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4, weight_decay=0.01)
         return TrainMode(name, ddp, None, batch, loss, opt=opt), opt
-    if name in ("fsdp2", "fsdp2_reshard"):
-        from torch.distributed.fsdp import fully_shard
+    if name in ("fsdp2", "fsdp2_reshard", "fsdp2_reshard_bf16"):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        reshard = name == "fsdp2_reshard"
+        reshard = name != "fsdp2"
+        policy = _policy(name) or MixedPrecisionPolicy()  # FSDP2's default: no casts
         for block in _blocks(model):
-            fully_shard(block, reshard_after_forward=reshard)
-        fully_shard(model, reshard_after_forward=reshard)
+            fully_shard(block, reshard_after_forward=reshard, mp_policy=policy)
+        fully_shard(model, reshard_after_forward=reshard, mp_policy=policy)
         opt = make_optimizer(model.parameters())
         return TrainMode(name, model, None, batch, loss, opt=opt), opt
     raise ValueError(f"not a sharded mode: {name!r}")

@@ -112,6 +112,8 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
         "graphddp_full": "graphddp, sharding='full': each parameter gathered where read and again in the backward, "
                          "reduce-scattered; AdamW on each part inside the backward",
         "graphddp_full_keep": "graphddp_full with reshard_after_forward=False: gathered parameters kept to the backward",
+        "graphddp_full_bf16": "graphddp_full with mp_policy=MixedPrecisionPolicy(bf16 params, fp32 reduce), FSDP2's policy",
+        "fsdp2_reshard_bf16": "fsdp2_reshard with mp_policy=MixedPrecisionPolicy(bf16 params, fp32 reduce)",
         "graphddp_auto": _auto_note(info.get("graphddp_auto")),
         **_powersgd_notes(cfg, info),
     }
