@@ -28,18 +28,12 @@ import torch.distributed as dist
 
 from graphddp.testing import spawn
 from tools.bench.netns import enter_emulated_link
-from tools.probe_runs import print_medians
+from tools.probe_runs import busy_compute, print_medians
 
 ENV = "GRAPHDDP_FULL_PROBE_IN_NETNS"
 TOTAL_MB = 26.2  # the benchmark GPT's fp32 parameters
 A2A = torch.ops._c10d_functional.all_to_all_single.default
 WAIT = torch.ops._c10d_functional.wait_tensor.default
-
-
-def _compute(ms: float) -> None:
-    a, start = torch.randn(128, 128), time.perf_counter()
-    while (time.perf_counter() - start) * 1e3 < ms:
-        a = (a @ a).tanh()
 
 
 def _forward(parts: list[torch.Tensor], prefetch: int | None, compute_ms: float, group: str, world: int) -> None:
@@ -61,7 +55,7 @@ def _forward(parts: list[torch.Tensor], prefetch: int | None, compute_ms: float,
                 issue(i + prefetch + 1)
             WAIT(issued[i])
         if compute_ms:
-            _compute(compute_ms / n)
+            busy_compute(compute_ms / n, 128)
 
 
 def _probe(rank: int, world: int, compute_ms: float, cap_mb: float) -> None:

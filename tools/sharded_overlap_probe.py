@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from typing import Callable
 
 import torch
@@ -24,18 +23,12 @@ import torch.distributed as dist
 from graphddp.testing import spawn
 from graphddp.values.collectives import REDUCE_SCATTER
 from tools.bench.netns import enter_emulated_link
-from tools.probe_runs import print_medians
+from tools.probe_runs import busy_compute, print_medians
 
 ENV = "GRAPHDDP_PROBE_IN_NETNS"
 BUCKETS = 14
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
-
-
-def _compute(ms: float) -> None:
-    a, start = torch.randn(256, 256), time.perf_counter()
-    while (time.perf_counter() - start) * 1e3 < ms:
-        a = (a @ a).tanh()
 
 
 def _step(lag: int | None, compute_ms: float, flats: list[torch.Tensor], group: str) -> None:
@@ -50,7 +43,7 @@ def _step(lag: int | None, compute_ms: float, flats: list[torch.Tensor], group: 
         gathers.append(GATHER(part, 2, group))
 
     for i, flat in enumerate(flats):
-        _compute(compute_ms)
+        busy_compute(compute_ms, 256)
         if lag is None:
             continue
         pending.append(low.issue(flat, group, 2))
