@@ -33,7 +33,6 @@ from graphddp.graph.reshard import tag_regathers
 from graphddp.graph.verify_full import check_part_collectives
 from graphddp.plan.full_cap import planned_cap_bytes
 from graphddp.values.part_schedule import PartCap, PartGraph
-from graphddp.values.prediction import CostModel
 
 
 class _TagRegathers(CustomGraphPass):
@@ -168,7 +167,8 @@ def bucket_cap(config: DDPConfig, whole: int, world_size: int) -> PartCap:
     model was wrapped, or the given one)."""
     if isinstance(config.bucket_cap_mb, (int, float)):
         return PartCap(int(config.bucket_cap_mb * MB), "bucket_cap_mb")
-    cost = config.cost if config.cost is not None else CostModel(source="default")
+    cost = config.cost
+    assert cost is not None, "sharding='full' resolves its cost model when the model is wrapped (compile_fully_sharded)"
     return PartCap(planned_cap_bytes(cost, whole, world_size, bool(config.reshard_after_forward)), f"planned ({cost.source})")
 
 

@@ -75,9 +75,13 @@ def whole_bytes(graph: fx.Graph) -> int:
     gathers again when the forward reshards). What a planned cap is sized by
     (:func:`graphddp.plan.full_cap.planned_cap_bytes`)."""
     def total(pairs: list[tuple[fx.Node, fx.Node]]) -> int:
-        return sum(_whole(issue).numel() * _whole(issue).element_size() for issue, _ in pairs)
+        return sum(_nbytes(_whole(issue)) for issue, _ in pairs)
 
     return max(total(_part_gathers(graph)), total(_reduce_scatters(graph)))
+
+
+def _nbytes(val: Any) -> int:
+    return val.numel() * val.element_size()
 
 
 def _whole(issue: fx.Node) -> Any:
@@ -144,7 +148,7 @@ def _buckets(pairs: list[tuple[fx.Node, fx.Node]], cap_bytes: int) -> list[list[
     for pair in pairs:
         issue = pair[0]
         val = _whole(issue)
-        nbytes = val.numel() * val.element_size()
+        nbytes = _nbytes(val)
         key = (issue.args[-1], val.dtype, val.device)
         if not buckets or size >= cap_bytes or _key(buckets[-1][0][0]) != key:
             buckets.append([])

@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import math
 
+from graphddp.config import MB
 from graphddp.values.collectives import kind
 from graphddp.values.prediction import CostModel
 
-MB = 1 << 20
 MAX_CAP_BYTES = 25 * MB
 MIN_CAP_BYTES = MB // 4
 
