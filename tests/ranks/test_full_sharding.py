@@ -26,7 +26,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import graphddp
 from graphddp import models
+from graphddp.graph.part_collectives import PREFETCH
 from graphddp.testing import spawn
+from graphddp.values.prediction import CostModel
 from graphddp.values.comm import ROLE_KEY, is_wait
 from graphddp.values.shards import chunk
 
@@ -51,6 +53,20 @@ class Case:
     backend: str = "aot_eager"
     reshard: bool = True
     max_grad_norm: float | None = None
+    cost: CostModel | None = None  # the buckets' cap planned from this model (None: calibrated)
+
+
+# A link so slow for its per-collective cost that the planned cap is the floor (0.25 MB), so the
+# wide GPT-2 below travels in several buckets, more than are issued ahead at once.
+SLOW_LINK = CostModel(bandwidth_gbps=0.01, latency_us=0.0, collective_overhead_us=1.0)
+
+
+def _hf_gpt2_wide() -> nn.Module:  # 1.8 MB of fp32 parameters
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=2, n_embd=128, n_head=2, vocab_size=512, n_positions=16,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)
 
 
 CASES = {
@@ -62,6 +78,9 @@ CASES = {
     "tied_across_break_sgd": Case(lambda: models.BreakGPT(vocab=64, dim=32, heads=2, layers=2, seq=8), _gpt_loss, _sgd),
     "hf_gpt2_adamw": Case(_hf_gpt2, _hf_loss, _adamw, tol=ADAM_NOISE),
     "hf_bert_adamw": Case(_hf_bert, _bert_loss, _adamw, tol=ADAM_NOISE, steps=3),
+    # SGD: AdamW turns the attention key bias's gradient, rounding noise whose sum order the
+    # buckets change, into steps of about lr (1.2e-4 apart from DDP's on this model)
+    "hf_gpt2_sgd_planned_buckets": Case(_hf_gpt2_wide, _hf_loss, _sgd, steps=3, cost=SLOW_LINK),
     "mlp_adamw_recompile": Case(models.MLP, _mlp_loss_new_shape, _adamw),
     "mlp_adamw_inductor": Case(models.MLP, _mlp_loss, _adamw, backend="inductor", steps=3),
 }
@@ -79,7 +98,7 @@ def _pair(case: Case, rank: int) -> tuple[Any, nn.Module, torch.optim.Optimizer,
     opt, ref_opt = case.optimizer(mine), case.optimizer(ref.module)
     ours = graphddp.compile(
         mine, optimizer=opt, sharding="full", backend=case.backend, reshard_after_forward=case.reshard,
-        max_grad_norm=case.max_grad_norm,
+        max_grad_norm=case.max_grad_norm, cost=case.cost,
     )
     return ours, mine, opt, ref, ref_opt
 
@@ -122,11 +141,23 @@ def _train(rank: int, world: int, name: str) -> None:
     for k, v in ours.state_dict().items():
         torch.testing.assert_close(v, ref.module.state_dict()[k], **case.tol, msg=lambda m: f"{name} state_dict[{k!r}]: {m}")
     _check_updates_inside(case, name, ours)
+    _check_planned_cap(case, name, ours)
     backwards = [g for kind, g in ours.graphs if kind == "backward"]
     assert backwards, f"{name}: no backward graph compiled"
     ops = [n.target for g in backwards for n in g.graph.nodes]
     assert ALL_TO_ALL in ops, f"{name}: no gradient was reduce-scattered in a compiled backward"
     assert REDUCE_SCATTER not in ops, f"{name}: gloo's reduce_scatter was issued"
+
+
+def _check_planned_cap(case: Case, name: str, ours: Any) -> None:
+    """Every graph's buckets closed at the cap planned from the model's cost (the given one, or the
+    calibrated one); with ``case.cost``, in more buckets than travel at once."""
+    graphs = [g for s in ours.schedules for g in s.graphs]
+    assert graphs and all(g.cap is not None and g.cap.source.startswith("planned (") for g in graphs), name
+    if case.cost is not None:
+        assert all(g.cap.source == "planned (given)" for g in graphs), [g.cap for g in graphs]
+        most = max(len(g.of("gather")) for g in graphs)
+        assert most > PREFETCH + 1, f"{name}: {most} gather bucket(s) in a graph: the gathers ahead were not exercised"
 
 
 def _check_updates_inside(case: Case, name: str, ours: Any) -> None:
