@@ -55,6 +55,9 @@ GATHER = {"graphddp_sharded": "backward", "graphddp_sharded_fwd": "forward"}
 FULL = {"graphddp_full": True, "graphddp_full_keep": False, "graphddp_full_bf16": True}
 # Mixed precision as FSDP2 users set it: gathers in bf16, reductions in fp32 (graphddp takes FSDP2's policy)
 MIXED = ("graphddp_full_bf16", "fsdp2_reshard_bf16")
+# the graphddp options a fully sharded run takes from the benchmark's (not its caps: full
+# sharding plans its own, graphddp.plan.full_cap)
+FULL_OPTIONS = ("backend", "mode", "options", "verify", "broadcast_buffers", "fullgraph", "dynamic")
 
 
 def _policy(name: str) -> Any:
@@ -64,8 +67,6 @@ def _policy(name: str) -> Any:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-# the graphddp options a fully sharded run takes from the benchmark's (it has no buckets yet)
-FULL_OPTIONS = ("backend", "mode", "options", "verify", "broadcast_buffers", "fullgraph", "dynamic")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
