@@ -29,21 +29,26 @@ from graphddp.config.inductor_settings import INDUCTOR_FX_ORDER_CONFIG
 from graphddp.graph import reshard
 from graphddp.graph.describe_parts import describe_part_collectives, input_name
 from graphddp.graph.part_collectives import place_part_collectives, whole_bytes
-from graphddp.graph.reshard import tag_regathers
+from graphddp.graph.reshard import Kept, tag_regathers
 from graphddp.graph.verify_full import check_part_collectives
 from graphddp.plan.full_cap import planned_cap_bytes
 from graphddp.values.part_schedule import PartCap, PartGraph
 
 
 class _TagRegathers(CustomGraphPass):
-    """:func:`tag_regathers` as inductor's joint-graph pre-pass, with a key for its caches."""
+    """:func:`tag_regathers` as inductor's joint-graph pre-pass, with a key for its caches; what
+    it keeps goes to ``graph`` (its P5 check reads it)."""
 
-    def __call__(self, graph: fx.Graph) -> None:
-        tag_regathers(graph)
+    def __init__(self, graph: "_Graph") -> None:
+        self.graph = graph
+
+    def __call__(self, joint: fx.Graph) -> None:
+        self.graph.tag(joint)
 
     def uuid(self) -> bytes:
-        with open(reshard.__file__, "rb") as f:
-            return hashlib.sha256(f.read()).digest()
+        config = self.graph.config
+        with open(reshard.__file__, "rb") as f:  # the keep budget's inputs too: bucket_cap's
+            return hashlib.sha256(f.read() + repr((config.bucket_cap_mb, config.cost, self.graph.compiled.world_size)).encode()).digest()
 
 
 @dataclasses.dataclass
@@ -80,7 +85,7 @@ def fully_sharded_compiler(config: DDPConfig, compiled: Compiled) -> Callable[..
 
             pinned = {**patches, **INDUCTOR_FX_ORDER_CONFIG}
             if config.reshard_after_forward:
-                pinned["joint_custom_pre_pass"] = _TagRegathers()
+                pinned["joint_custom_pre_pass"] = _TagRegathers(graph)
             with inductor_config.patch(pinned):
                 fn = compile_fx(gm, example_inputs, inner_compile=graph.inner(compile_fx_inner, pinned))
         else:
@@ -97,9 +102,16 @@ class _Graph:
 
     def __init__(self, config: DDPConfig, compiled: Compiled, index: int, names: Mapping[str, str]) -> None:
         self.config, self.compiled, self.index, self.names = config, compiled, index, names
+        self.kept = Kept()
+
+    def tag(self, joint: fx.Graph) -> None:
+        """The joint graph's gathers tagged for the backward to gather again, but the backward's
+        first bucket (:func:`tag_regathers`: a bucket's cap, as planned for the whole graph)."""
+        keep = bucket_cap(self.config, whole_bytes(joint), self.compiled.world_size).nbytes
+        self.kept = tag_regathers(joint, keep)
 
     def keep(self, gm: fx.GraphModule, backward: bool) -> UpdatingBackward | None:
-        cap = _placed(gm, self.config, self.compiled.world_size, backward)
+        cap = _placed(gm, self.config, self.compiled.world_size, backward, self.kept, tuple(self.names))
         kind = "backward" if backward else "forward"
         compiled, updates = self.compiled, self.compiled.updates
         compiled.graphs.append((kind, gm))
@@ -148,15 +160,16 @@ class _Graph:
         return inner
 
 
-def _placed(gm: fx.GraphModule, config: DDPConfig, world_size: int, backward: bool) -> PartCap:
+def _placed(gm: fx.GraphModule, config: DDPConfig, world_size: int, backward: bool, kept: Kept, parts: tuple[str, ...]) -> PartCap:
     """The graph's collectives bucketed under :func:`bucket_cap` and placed where a step wants
     them (:mod:`graphddp.graph.part_collectives`), checked after the rewrite when
-    ``config.verify`` (:mod:`graphddp.graph.verify_full`). Returns the cap."""
+    ``config.verify`` (:mod:`graphddp.graph.verify_full`: every one of the ``parts``' gradients
+    reduce-scattered; a resharding forward may keep the gathers ``kept``). Returns the cap."""
     cap = bucket_cap(config, whole_bytes(gm.graph), world_size)
     place_part_collectives(gm.graph, cap_bytes=cap.nbytes)
     gm.recompile()
     if config.verify:
-        check_part_collectives(gm, backward, config.reshard_after_forward)
+        check_part_collectives(gm, backward, config.reshard_after_forward, kept.nbytes, parts)
     return cap
 
 
@@ -193,7 +206,7 @@ def _aot_eager(config: DDPConfig, graph: _Graph) -> Callable[..., Any]:
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
         if config.reshard_after_forward:
-            tag_regathers(joint.graph)
+            graph.tag(joint.graph)
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
     def forward(gm: fx.GraphModule, inputs: Any) -> Any:

@@ -272,15 +272,16 @@ class FullyShardedGraphDDP(nn.Module):
 
     def _memory(self, forward: PartGraph | None, backward: PartGraph | None) -> RankMemory:
         """What this rank holds: the parts, their gradients and state (the whole model), and
-        the gathers of one graph (in flight at once; kept to the backward without resharding:
-        at most every forward gather, AOTAutograd saves those the backward reads)."""
+        the gathers of one graph in flight at once, and those its forward keeps for the backward
+        (read off the compiled forward's outputs: without resharding, those the backward reads;
+        with it, the backward's first bucket, :mod:`graphddp.graph.reshard`)."""
         parts = [p.part for p in self._parts.values()]
         size = lambda t: t.numel() * t.element_size()  # noqa: E731
         states = [self.optimizer.state.get(p, {}) for p in parts]
         state = sum(size(v) for st in states for v in st.values() if isinstance(v, torch.Tensor))
         graphs = [g for g in (forward, backward) if g is not None]
         inside = {n for _, g in self._record.described for n in g.updates}
-        kept = 0 if self.config.reshard_after_forward or forward is None else sum(b.whole_bytes for b in forward.of("gather"))
+        kept = 0 if forward is None else forward.kept_bytes
         return RankMemory(
             parameters=sum(size(p) for p in parts),
             whole_parameters=sum(p.numel * p.part.element_size() for p in self._parts.values()),

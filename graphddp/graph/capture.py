@@ -49,6 +49,19 @@ def ancestors(node: fx.Node) -> set[fx.Node]:
     return seen
 
 
+def descendants(start: Sequence[fx.Node]) -> set[fx.Node]:
+    """Every node in ``start`` and every node that reads one, transitively (the output node left out)."""
+    seen: set[fx.Node] = set()
+    todo = list(start)
+    while todo:
+        node = todo.pop()
+        if node in seen or node.op == "output":
+            continue
+        seen.add(node)
+        todo.extend(node.users)
+    return seen
+
+
 def views_of(node: fx.Node) -> list[fx.Node]:
     """``node`` and every view of it, transitively (they share its storage); ``split``'s
     pieces are reached through their ``getitem``."""

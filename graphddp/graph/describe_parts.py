@@ -16,6 +16,7 @@ from typing import Callable, Mapping
 import torch.fx as fx
 
 from graphddp.graph.capture import output_nodes
+from graphddp.graph.reshard import kept_gathered_bytes
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
 from graphddp.values.part_schedule import PART_KINDS, PartBucket, PartGraph
 from graphddp.values.schedule import dtype_name
@@ -46,7 +47,8 @@ def describe_part_collectives(gm: fx.GraphModule, kind: str, world_size: int, na
         for role, index in tagged if role in PART_KINDS
     ]
     buckets.sort(key=lambda b: b.issue_at)
-    return PartGraph(kind=kind, nodes=len(nodes), buckets=tuple(buckets))
+    kept = kept_gathered_bytes(gm) if kind == "forward" else 0
+    return PartGraph(kind=kind, nodes=len(nodes), buckets=tuple(buckets), kept_bytes=kept)
 
 
 def _bucket(

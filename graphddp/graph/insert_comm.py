@@ -81,6 +81,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from graphddp.graph.bucket_function import HookContext, _builtin_fn, _user_fn
+from graphddp.graph.capture import descendants
 from graphddp.graph.placement import _Placement, place_buckets
 from graphddp.graph.trace import set_outputs, splice, trace
 from graphddp.hooks import builtin as hooks
@@ -157,18 +158,6 @@ def _check_user_ops(gm: fx.GraphModule, schedule: Schedule, what: str) -> None:
                 raise RuntimeError(f"graphddp: {what} runs {target} on group {group!r}; use bucket.group ({schedule.group_name!r})")
 
 
-def _descendants(start: Sequence[fx.Node]) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    todo = list(start)
-    while todo:
-        node = todo.pop()
-        if node in seen or node.op == "output":
-            continue
-        seen.add(node)
-        todo.extend(node.users)
-    return seen
-
-
 def _late_part(gm: fx.GraphModule, what: str) -> frozenset[fx.Node]:
     """The nodes that go at the wait point: the waits of the last stage and what follows.
 
@@ -177,9 +166,9 @@ def _late_part(gm: fx.GraphModule, what: str) -> frozenset[fx.Node]:
     """
     nodes = list(gm.graph.nodes)
     collectives = [n for n in nodes if is_collective(n)]
-    after = {c: _descendants(list(c.users)) for c in collectives}
+    after = {c: descendants(list(c.users)) for c in collectives}
     last = [c for c in collectives if not any(other in after[c] for other in collectives if other is not c)]
-    late = frozenset(_descendants([u for c in last for u in c.users if is_wait(u)]))
+    late = frozenset(descendants([u for c in last for u in c.users if is_wait(u)]))
     order = {n: i for i, n in enumerate(nodes)}
     for node in nodes:  # moving the late part after the early one must not reorder a write
         target = node.target

@@ -17,15 +17,28 @@ re-issues the gather where it first needs the parameter.
 
 Only gathers of a graph input are tagged: a part is always an input (a parameter of the graph),
 and a gather of an activation (a user's own collective) is left to the partitioner.
+
+**The backward's first bucket is kept** (``keep_bytes``, a bucket's cap). The backward needs
+first what the forward read last, and a gather at the top of the backward has nothing to hide
+behind: re-gathering it would put one bucket's link time on every step (on the benchmark's GPT,
+the 2 MB tied embedding its head reads). So the parameters the backward reads first, in that
+order until their gathered bytes reach ``keep_bytes``, are left untagged: the partitioner saves
+them, and the backward starts computing at once. FSDP2 does the same for its root module's
+parameters. In one graph this costs no peak: the backward would gather that bucket again right
+away, with every activation still alive; a forward followed by more graphs (a graph break)
+holds it through them.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from graphddp.graph.capture import descendants, is_view, output_nodes, views_of
 from graphddp.graph.part_collectives import part_input
-from graphddp.values.comm import is_wait
+from graphddp.values.comm import ROLE_KEY, is_wait
 
 _ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 # One id for every tagged node: the partitioner's cleanup forces a save where a tagged node
@@ -33,19 +46,25 @@ _ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 _REGION = 0
 
 
-def _is_view(node: fx.Node) -> bool:
-    target = node.target
-    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target.is_view
+@dataclasses.dataclass(frozen=True)
+class Kept:
+    """The parts whose forward gathers a resharding forward keeps for its backward (their
+    inputs' names, ``primals_k``, in the order the backward reads them) and their gathered
+    bytes: what the graph's P5 check allows (:mod:`graphddp.graph.verify_full`)."""
+
+    inputs: tuple[str, ...] = ()
+    nbytes: int = 0
 
 
-def tag_regathers(graph: fx.Graph) -> int:
+def tag_regathers(graph: fx.Graph, keep_bytes: int = 0) -> Kept:
     """Tag every all-gather of a graph input, its wait and the views of its result for
-    recomputation (module docstring); returns how many gathers were tagged."""
-    tagged = 0
-    for node in graph.nodes:
-        if node.target is not _ALL_GATHER or part_input(node) is None:
+    recomputation, but those of the parts the backward reads first, up to ``keep_bytes``
+    (module docstring); returns the parts kept."""
+    gathers = [n for n in graph.nodes if n.target is _ALL_GATHER and part_input(n) is not None]
+    kept = _first_read_by_backward(graph, gathers, keep_bytes)
+    for node in gathers:
+        if part_input(node).name in kept.inputs:
             continue
-        tagged += 1
         _tag(node, CheckpointPolicy.MUST_RECOMPUTE)
         if node.args[0] is not part_input(node):  # a policy's cast of the part: recomputed with it
             _tag(node.args[0], CheckpointPolicy.MUST_RECOMPUTE)
@@ -54,12 +73,57 @@ def tag_regathers(graph: fx.Graph) -> int:
             user = todo.pop()
             if is_wait(user):
                 _tag(user, CheckpointPolicy.MUST_RECOMPUTE)
-            elif _is_view(user):
+            elif is_view(user):
                 _tag(user, CheckpointPolicy.PREFER_RECOMPUTE)
             else:
                 continue
             todo.extend(user.users)
-    return tagged
+    return kept
+
+
+def _first_read_by_backward(graph: fx.Graph, gathers: list[fx.Node], keep_bytes: int) -> Kept:
+    """In the joint graph (the backward is what reads its ``tangents``), the parts in the order
+    the backward first reads their gathered values, until their bytes reach ``keep_bytes``."""
+    if keep_bytes <= 0:
+        return Kept()
+    backward = descendants([n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")])
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first: dict[fx.Node, int] = {}  # part input -> the backward's first read of its gathered value
+    sizes: dict[fx.Node, int] = {}
+    for gather in gathers:
+        wait = next((u for u in gather.users if is_wait(u)), None)
+        if wait is None:
+            continue
+        reads = [order[u] for v in views_of(wait) for u in v.users if u in backward]
+        if reads:
+            part = part_input(gather)
+            first[part] = min(reads + [first.get(part, len(order))])
+            val = wait.meta["val"]
+            sizes[part] = val.numel() * val.element_size()
+    inputs: list[str] = []
+    nbytes = 0
+    for part in sorted(first, key=first.__getitem__):
+        if nbytes >= keep_bytes:
+            break
+        inputs.append(part.name)
+        nbytes += sizes[part]
+    return Kept(tuple(inputs), nbytes)
+
+
+def kept_gathered_bytes(gm: fx.GraphModule) -> int:
+    """What a compiled forward keeps of its gathered parameters for the backward: the bytes of
+    the distinct gathered tensors its outputs are, or are views of (each parameter cut from a
+    gather bucket's result, or the result itself: the bucket's nodes carry the ``gather_wait``
+    role, :mod:`graphddp.graph.part_collectives`)."""
+    roots: dict[fx.Node, int] = {}
+    for out in output_nodes(gm):
+        node = out
+        while isinstance(node, fx.Node) and node.meta.get(ROLE_KEY) != "gather_wait" and is_view(node):
+            node = node.args[0]
+        if isinstance(node, fx.Node) and node.meta.get(ROLE_KEY) == "gather_wait":
+            val = node.meta["val"]
+            roots[node] = val.numel() * val.element_size()
+    return sum(roots.values())
 
 
 def _tag(node: fx.Node, policy: CheckpointPolicy) -> None:

@@ -8,9 +8,9 @@ P1. **Waited once, read after.** Every collective is read by exactly one wait, a
     reads its result but through that wait; FX's lint (every node after what it reads) then
     makes "no parameter read before its gather's wait" and "no gradient part read before its
     reduce-scatter's wait" hold.
-P2. **Every gradient of a part reduce-scattered.** In a backward that gathers parts again
-    (``reshard_after_forward=True``: there the part is a graph input, ``primals_k``, and its
-    gradient output ``k - 1``), the gradient of each part it gathers reaches the output through
+P2. **Every gradient of a part reduce-scattered.** In a backward (a part is the forward's
+    input ``primals_k``, its gradient the backward's output ``k - 1``; the compiler names the
+    graph's parts), the gradient of each part reaches the output through
     reduce-scatters only: the output depends on the backward's incoming gradients (its
     ``tangents``) through at least one reduce-scatter's wait and never around one. A rank that
     returned its local gradient for a part would train on 1/N of the data.
@@ -21,25 +21,29 @@ P4. **Each part updated once, after its average, last** (the optimizer inside th
     output is None; exactly one graphddp update ``copy_`` writes it (through its input
     ``primals_k`` or its ``update_param`` input); that write reads a reduce-scatter's wait (the
     averaged gradient, not this rank's own); and no node after the write reads the part.
-P5. **Resharded: nothing gathered kept** (``reshard_after_forward=True``). No output of a
-    forward (what AOTAutograd saves for the backward is among them) is a gathered parameter or
-    a view of one: each gathered buffer's last reader is in the forward, so it is freed there,
-    and the backward gathers again what it reads.
+P5. **Resharded: only the backward's first bucket kept** (``reshard_after_forward=True``). The
+    forward's outputs (what AOTAutograd saves for the backward is among them) hold no more
+    gathered bytes than the parts :func:`graphddp.graph.reshard.tag_regathers` kept (the
+    parameters the backward reads first, one bucket's cap of them): every other gathered
+    buffer's last reader is in the forward, so it is freed there, and the backward gathers
+    again what it reads.
 
-(A backward that keeps the forward's gathered parameters, ``reshard_after_forward=False``, has
-no part among its inputs, so P2 has nothing to map there; P1 and P3 hold for every graph.)
+(Given no parts, P2 checks those the backward gathers again: a backward that keeps the
+forward's gathered parameters has no part among its inputs, so there it has nothing to map.
+P1 and P3 hold for every graph.)
 Failures raise :class:`graphddp.graph.verify_common.VerificationError` showing the node in context.
 """
 from __future__ import annotations
 
 import re
-from typing import Mapping
+from typing import Collection, Mapping
 
 import torch
 import torch.fx as fx
 
 from graphddp.graph.capture import ancestors, output_nodes, views_of
 from graphddp.graph.part_collectives import above_reduce_scatters
+from graphddp.graph.reshard import kept_gathered_bytes
 from graphddp.graph.verify_common import VerificationError, _fail
 from graphddp.values.comm import ROLE_KEY, is_wait
 
@@ -51,9 +55,12 @@ _COLLECTIVES = (
 _PRIMAL = re.compile(r"primals_(\d+)$")
 
 
-def check_part_collectives(gm: fx.GraphModule, backward: bool, reshard: bool = False) -> None:
-    """P1-P3 (module docstring) on one rewritten graph; P2 on a ``backward`` one, P5 on a
-    forward that ``reshard``s."""
+def check_part_collectives(
+    gm: fx.GraphModule, backward: bool, reshard: bool = False, kept_bytes: int = 0, parts: Collection[str] | None = None,
+) -> None:
+    """P1-P3 (module docstring) on one rewritten graph; P2 on a ``backward`` one (for ``parts``,
+    the forward inputs' names of the graph's parts, or where not given, those the backward
+    gathers), P5 on a forward that ``reshard``s and keeps at most ``kept_bytes`` gathered."""
     gm.graph.lint()
     for issue in gm.graph.nodes:
         if issue.target in _COLLECTIVES:
@@ -66,28 +73,33 @@ def check_part_collectives(gm: fx.GraphModule, backward: bool, reshard: bool = F
         if again:
             _fail(gm, issue, f"P3: {issue.name} reduce-scatters what {again[0].name} received: a gradient averaged twice")
     if backward:
-        _check_part_gradients(gm)
+        _check_part_gradients(gm, parts)
     elif reshard:
-        _check_nothing_gathered_kept(gm)
+        _check_kept_gathers(gm, kept_bytes)
 
 
-def _check_nothing_gathered_kept(gm: fx.GraphModule) -> None:
-    """P5: no output of the forward is a gathered parameter or a view of one."""
-    gathered = {v for n in gm.graph.nodes if n.meta.get(ROLE_KEY) == "gather_wait" for v in views_of(n)}
-    for out in output_nodes(gm):
-        if isinstance(out, fx.Node) and out in gathered:
-            _fail(gm, out, f"P5: {out.name}, a gathered parameter (or a view of one), is an output of a forward that reshards: "
-                           "kept for the backward instead of freed")
+def _check_kept_gathers(gm: fx.GraphModule, allowed: int) -> None:
+    """P5: the forward's outputs hold at most ``allowed`` gathered bytes."""
+    held = kept_gathered_bytes(gm)
+    if held > allowed:
+        gathered = {v for n in gm.graph.nodes if n.meta.get(ROLE_KEY) == "gather_wait" for v in views_of(n)}
+        out = next(o for o in output_nodes(gm) if isinstance(o, fx.Node) and o in gathered)
+        _fail(gm, out, f"P5: the outputs of a forward that reshards hold {held} gathered bytes (e.g. {out.name}), "
+                       f"more than the {allowed} of the parts the backward reads first: kept for the backward instead of freed")
 
 
-def _check_part_gradients(gm: fx.GraphModule) -> None:
-    """P2: each gathered part's gradient output reads the tangents through reduce-scatter waits only."""
+def _check_part_gradients(gm: fx.GraphModule, parts: Collection[str] | None) -> None:
+    """P2: each part's gradient output reads the tangents through reduce-scatter waits only;
+    ``parts`` by their forward inputs' names (``primals_k``), or where not given, the inputs the
+    backward gathers."""
     outs = gm.graph.output_node().args[0]
     if not isinstance(outs, (tuple, list)):
         return
-    for node in gm.graph.nodes:
-        match = _PRIMAL.match(node.name) if node.op == "placeholder" else None
-        if match is None or not any(_gathers(u) for u in node.users):
+    if parts is None:
+        parts = [n.name for n in gm.graph.nodes if n.op == "placeholder" and any(_gathers(u) for u in n.users)]
+    for name in parts:
+        match = _PRIMAL.match(name)
+        if match is None:
             continue
         index = int(match.group(1)) - 1
         grad = outs[index] if index < len(outs) else None
@@ -96,7 +108,7 @@ def _check_part_gradients(gm: fx.GraphModule) -> None:
         through, around = _paths_to_tangents(grad)
         if around or not through:
             why = f"around a reduce-scatter (via {around.name})" if around else "without a reduce-scatter"
-            _fail(gm, grad, f"P2: the gradient of part {node.name} (output {index}) reads the incoming gradients {why}")
+            _fail(gm, grad, f"P2: the gradient of part {name} (output {index}) reads the incoming gradients {why}")
 
 
 def _gathers(node: fx.Node) -> bool:

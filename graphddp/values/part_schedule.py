@@ -65,6 +65,7 @@ class PartGraph:
     buckets: tuple[PartBucket, ...]
     updates: tuple[str, ...] = ()  # the parts a backward updates inside (the optimizer inside the backward)
     cap: PartCap | None = None  # None: read back from a graph without the compiler's record of it
+    kept_bytes: int = 0  # a forward's gathered parameters it keeps for its backward (its outputs hold them)
 
     def of(self, kind: str) -> tuple[PartBucket, ...]:
         return tuple(b for b in self.buckets if b.kind == kind)
@@ -77,7 +78,7 @@ class PartGraph:
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "nodes": self.nodes, "buckets": [b.to_dict() for b in self.buckets], "updates": list(self.updates),
-                "cap": None if self.cap is None else self.cap.to_dict()}
+                "cap": None if self.cap is None else self.cap.to_dict(), "kept_bytes": self.kept_bytes}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +91,7 @@ class RankMemory:
     gradients: int  # the gradients of the parts no backward updates inside, from the backward until zero_grad
     optimizer_state: int  # its parts' state, as the optimizer holds it now (none before its first step)
     gathered_in_flight: int  # the most gathered bytes in flight at once (PartGraph.in_flight_bytes)
-    kept_to_backward: int  # at most, gathered in the forward and kept for the backward (reshard_after_forward=False)
+    kept_to_backward: int  # gathered in the forward and kept for the backward (PartGraph.kept_bytes)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -145,7 +146,7 @@ class FullSchedule:
             f"each rank holds: parameters {size_text(m.parameters)} (whole: {size_text(m.whole_parameters)}), "
             f"gradients {size_text(m.gradients)} after a backward, optimizer state {state}",
             f"this graph's gathers: at most {size_text(m.gathered_in_flight)} in flight at once, "
-            f"at most {size_text(m.kept_to_backward)} kept from the forward to the backward",
+            f"{size_text(m.kept_to_backward)} kept from the forward to the backward",
         ]
         for graph in self.graphs:
             updates = f"; updates {len(graph.updates)} part(s) inside, each after its gradient's wait" if graph.updates else ""

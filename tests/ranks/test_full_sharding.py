@@ -194,26 +194,29 @@ def test_full_sharding_matches_ddp_on_three_ranks(name: str) -> None:
 
 def _placement(rank: int, world: int, reshard: bool, out: dict) -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(7, 33), nn.ReLU(), nn.Linear(33, 5))
+    model = nn.Sequential(nn.Linear(7, 33), nn.ReLU(), nn.Linear(33, 33), nn.ReLU(), nn.Linear(33, 5))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ours = graphddp.compile(model, optimizer=opt, sharding="full", backend="aot_eager", reshard_after_forward=reshard)
+    # a bucket closes at 512 B: the last weight (660 B) is a bucket of its own
+    ours = graphddp.compile(model, optimizer=opt, sharding="full", backend="aot_eager", reshard_after_forward=reshard,
+                            bucket_cap_mb=512 / 2**20)
     ours(torch.randn(4, 7)).square().mean().backward()
     (fw_kind, forward), (bw_kind, backward), (update_kind, _) = ours.graphs
     assert (fw_kind, bw_kind, update_kind) == ("forward", "backward", "backward_update")
     gathers = lambda g: [n for n in g.graph.nodes if n.meta.get(ROLE_KEY) == "gather" and n.target in (GATHER, ALL_TO_ALL)]  # noqa: E731
     scatters = [n for n in backward.graph.nodes if n.meta.get(ROLE_KEY) == "reduce_scatter" and n.target is ALL_TO_ALL]
-    assert len(gathers(forward)) == 1, "the forward gathers the 4 parts in one bucket"
+    assert len(gathers(forward)) == 4, "the forward gathers the 6 parts in 4 buckets: w0 | b0 w1 | b1 w2 | b2"
     assert all(n.target is ALL_TO_ALL for n in gathers(forward)), "gloo: a gather is an all-to-all"
-    assert len(scatters) == 1, "one reduce-scatter (gloo: all-to-all) for the 4 gradients"
+    assert scatters, "gloo: a reduce-scatter is an all-to-all"
     gathered = {n for n in forward.graph.nodes if is_wait(n)}
     saved = next(n for n in forward.graph.nodes if n.op == "output").args[0]
-    from_gather = [a for a in saved if isinstance(a, torch.fx.Node) and _reaches(a, gathered)]
+    from_gather = {a.meta["val"].numel() for a in saved if isinstance(a, torch.fx.Node) and _reaches(a, gathered)}
     if reshard:
-        assert not from_gather, f"the forward saves gathered values for the backward: {from_gather}"
-        # the input needs no gradient, so only the second layer's weight is gathered again
+        # the backward reads the last weight first: the forward keeps it (one bucket's cap), and the
+        # backward gathers again the middle one (the first's gradient reads no weight: the input needs none)
+        assert from_gather == {33 * 5}, f"the forward saves gathered values for the backward: {from_gather}"
         assert len(gathers(backward)) == 1, "the backward gathers again what it reads"
     else:
-        assert from_gather, "kept to the backward: the forward saves the gathered weight"
+        assert from_gather == {33 * 5, 33 * 33}, "kept to the backward: the forward saves the gathered weights"
         assert not gathers(backward)
 
 

@@ -70,8 +70,10 @@ def _train(rank: int, world: int, name: str) -> None:
         fully_shard(block, mp_policy=_policy(case), reshard_after_forward=case.reshard)
     fully_shard(ref, mp_policy=_policy(case), reshard_after_forward=case.reshard)
     opt, ref_opt = _sgd(mine), _sgd(ref)
+    # small buckets (4 KB): the forward keeps only the backward's first one, so the backward
+    # gathers the rest again, cast to bf16 as in the forward
     ours = graphddp.compile(mine, optimizer=opt, sharding="full", backend=case.backend,
-                            reshard_after_forward=case.reshard, mp_policy=_policy(case))
+                            reshard_after_forward=case.reshard, mp_policy=_policy(case), bucket_cap_mb=4 / 1024)
     for step in range(case.steps):
         losses = []
         for m, o in ((ours, opt), (ref, ref_opt)):

@@ -12,6 +12,7 @@ import torch.nn as nn
 import graphddp
 from graphddp.graph.capture import ancestors
 from graphddp.graph.part_collectives import PREFETCH
+from graphddp.graph.reshard import kept_gathered_bytes
 from graphddp.graph.verify_full import check_part_collectives, check_part_updates
 from graphddp.graph.verify_common import VerificationError
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
@@ -102,13 +103,17 @@ def test_rule_p1_fails_a_collective_not_waited_once(fake_world, mutation):
         check_part_collectives(broken, backward=False)
 
 
-def test_rule_p2_fails_a_part_gradient_returned_unreduced(fake_world):
+@pytest.mark.parametrize("reshard", [True, False])
+def test_rule_p2_fails_a_part_gradient_returned_unreduced(fake_world, reshard):
     fake_world(8)
-    _, backward = _graphs()
-    check_part_collectives(backward, backward=True)  # the compiled graph passes
+    _, backward = _graphs(reshard)
+    parts = [f"primals_{k}" for k in range(1, 13)]  # the six layers' weights and biases, in order
+    check_part_collectives(backward, backward=True, parts=parts)  # the compiled graph passes
     broken = copy.deepcopy(backward)
     graph = broken.graph
     outs = list(graph.output_node().args[0])
+    # the first bucket: the last layer's gradients, whose weight the forward keeps (or every
+    # weight, without resharding): the backward gathers none of them, so only the given parts name it
     scatter = _by_role(broken, "reduce_scatter")[0]
     k = next(i for i, o in enumerate(outs) if o is not None and scatter in ancestors(o))
     with graph.inserting_before(graph.output_node()):  # this rank's share of the local gradient
@@ -116,7 +121,7 @@ def test_rule_p2_fails_a_part_gradient_returned_unreduced(fake_world):
     outs[k] = local
     graph.output_node().args = (tuple(outs),)
     with pytest.raises(VerificationError, match="P2: .* around a reduce-scatter"):
-        check_part_collectives(broken, backward=True)
+        check_part_collectives(broken, backward=True, parts=parts)
 
 
 def test_rule_p3_fails_a_gradient_reduce_scattered_twice(fake_world):
@@ -134,21 +139,27 @@ def test_rule_p3_fails_a_gradient_reduce_scattered_twice(fake_world):
         check_part_collectives(broken, backward=True)
 
 
-def test_rule_p5_fails_a_gathered_parameter_kept_for_the_backward(fake_world):
+def test_rule_p5_fails_a_gathered_parameter_kept_beyond_the_backwards_first_bucket(fake_world):
     fake_world(8)
-    forward, _ = _graphs(reshard=True)
-    check_part_collectives(forward, backward=False, reshard=True)  # the compiled graph passes
+    forward, backward = _graphs(reshard=True)
+    # the backward reads the last layers' weights first (w5, w4: the 0.5 MB cap's worth): their
+    # forward gathers are kept, the rest gathered again
+    kept = kept_gathered_bytes(forward)
+    assert kept == 2 * 256 * 256 * 4 and len(_by_role(backward, "gather")) > 0
+    check_part_collectives(forward, backward=False, reshard=True, kept_bytes=kept)  # the compiled graph passes
+    with pytest.raises(VerificationError, match="P5: .* kept for the backward instead of freed"):
+        check_part_collectives(forward, backward=False, reshard=True, kept_bytes=kept - 1)
     broken = copy.deepcopy(forward)
     graph = broken.graph
-    kept = next(n for n in graph.nodes if n.meta.get(ROLE_KEY) == "gather_wait" and not is_wait(n))  # a parameter, gathered
-    graph.output_node().args = ((*graph.output_node().args[0], kept),)
+    more = next(n for n in graph.nodes if n.meta.get(ROLE_KEY) == "gather_wait" and not is_wait(n))  # another parameter, gathered
+    graph.output_node().args = ((*graph.output_node().args[0], more),)
     with pytest.raises(VerificationError, match="P5: .* kept for the backward instead of freed"):
-        check_part_collectives(broken, backward=False, reshard=True)
+        check_part_collectives(broken, backward=False, reshard=True, kept_bytes=kept)
     check_part_collectives(broken, backward=False, reshard=False)  # kept to the backward: what that option means
     # and the forward compiled to keep its gathered parameters is what P5 refuses where resharding
     kept_forward, _ = _graphs(reshard=False)
     with pytest.raises(VerificationError, match="P5"):
-        check_part_collectives(kept_forward, backward=False, reshard=True)
+        check_part_collectives(kept_forward, backward=False, reshard=True, kept_bytes=kept)
 
 
 def _updating(reshard: bool = True) -> tuple:
