@@ -60,9 +60,9 @@ SUPPORTED = ("SGD", "Adam", "AdamW")
 F64 = torch.float64
 
 
-def step_dtype() -> torch.dtype:
+def step_dtype(fused: bool = False) -> torch.dtype:
     """The dtype of Adam's ``state["step"]``, as torch creates it (``_get_scalar_dtype``)."""
-    return F64 if torch.get_default_dtype() == F64 else torch.float32
+    return torch.float32 if fused or torch.get_default_dtype() != F64 else F64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,8 +109,25 @@ def _group_rule(optimizer: torch.optim.Optimizer, index: int) -> UpdateRule:
         flags = (("momentum", float(group["momentum"]) != 0.0), ("nesterov", bool(group["nesterov"])), ("maximize", bool(group["maximize"])))
     else:
         decoupled = bool(group.get("decoupled_weight_decay", name == "AdamW"))
-        flags = (("amsgrad", bool(group["amsgrad"])), ("maximize", bool(group["maximize"])), ("decoupled_weight_decay", decoupled))
+        flags = (("amsgrad", bool(group["amsgrad"])), ("maximize", bool(group["maximize"])), ("decoupled_weight_decay", decoupled),
+                 ("capturable", bool(group.get("capturable"))), ("fused", bool(group.get("fused"))))
     return UpdateRule(name, flags)
+
+
+def adam_step(rule: UpdateRule, like: torch.Tensor, step: torch.Tensor | None = None) -> torch.Tensor:
+    """Adam's ``state["step"]`` for a parameter (or part) ``like``, where torch's
+    ``Adam._init_group`` puts it: on the parameter's device (fp32 when fused) if the group is
+    capturable or fused, else a host scalar (torch keeps it there to spare a kernel launch).
+    The compiled update reads it where it is, so it must be where the graph was traced for:
+    on a GPU a host ``step`` makes inductor compute each parameter's bias corrections in a host
+    kernel of their own (docs/gpu.md), a device one inside the update's kernels. ``step``: a
+    state's own (say, loaded from a checkpoint), moved there if it is not, as torch.compile's
+    optimizer moves a host step to the device; none: a new one at zero."""
+    device = like.device if rule.flag("capturable") or rule.flag("fused") else torch.device("cpu")
+    dtype = step_dtype(rule.flag("fused"))
+    if step is None:
+        return torch.zeros((), dtype=dtype, device=device)
+    return step if (step.device, step.dtype) == (device, dtype) else step.to(device=device, dtype=dtype)
 
 
 def hyper_values(group: Mapping[str, Any], rule: UpdateRule) -> list[float]:
@@ -322,12 +339,13 @@ class AttachedOptimizer:
             state = self.optimizer.state[p]
             tensors.append(p)
             if rule.kind == "adam":
-                if "step" not in state:  # torch.optim.Adam._init_group, non-capturable
-                    state["step"] = torch.tensor(0.0, dtype=step_dtype())
+                if "step" not in state:  # torch.optim.Adam._init_group
+                    state["step"] = adam_step(rule, p)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 if rule.flag("amsgrad") and "max_exp_avg_sq" not in state:
                     state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] = adam_step(rule, p, state["step"])  # a loaded one where the graph reads it
                 tensors.extend(state[k] for k in rule.state)
             elif rule.flag("momentum"):
                 buf = state.get("momentum_buffer")

@@ -70,7 +70,7 @@ from graphddp.graph.capture import ancestors, storage_of
 from graphddp.graph.placement import place_buckets
 from graphddp.graph.trace import fresh_copy, role, set_outputs, splice, trace
 from graphddp.hooks import builtin as hooks
-from graphddp.optim.attached import F64, UPDATES, UpdateRule, step_dtype
+from graphddp.optim.attached import F64, UPDATES, UpdateRule, adam_step
 from graphddp.optim.insert_update import UpdateInputs, add_update_inputs, parameter_nodes
 from graphddp.values.collectives import backend_of, kind
 from graphddp.values.comm import WAIT
@@ -251,7 +251,7 @@ def _state_values(shard: ShardLayout, fake_mode: Any, values: Mapping[str, torch
             lo, hi = shard.parts[k]
             for s in shard.rules[k].state:
                 if s == "step":
-                    vals.append(torch.empty((), dtype=step_dtype()))
+                    vals.append(adam_step(shard.rules[k], p))
                 elif s == "first":
                     vals.append(torch.empty((), dtype=torch.bool))
                 else:

@@ -124,7 +124,7 @@ def append_update_inputs(
             vals.append(p)
             for s in rule.state:
                 if s == "step":
-                    vals.append(torch.empty((), dtype=optim.step_dtype()))
+                    vals.append(optim.adam_step(rule, p))
                 elif s == "first":
                     vals.append(torch.empty((), dtype=torch.bool))
                 else:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from graphddp.optim.attached import F64, UPDATES, UpdateRule, hyper_values, step_dtype
+from graphddp.optim.attached import F64, UPDATES, UpdateRule, adam_step, hyper_values
 from graphddp.values.comm import gather_flat
 from graphddp.values.shards import chunk, part
 
@@ -67,10 +67,12 @@ class ShardedState:
         self._cut_loaded(name)
         state = self.optimizer.state[p]
         rule = self.rules[self.group_of[name]]
-        if rule.kind == "adam" and "step" not in state:  # torch.optim.Adam._init_group, non-capturable
-            state["step"] = torch.tensor(0.0, dtype=step_dtype())
+        if rule.kind == "adam" and "step" not in state:  # torch.optim.Adam._init_group
+            state["step"] = adam_step(rule, p)
             state["exp_avg"] = p.new_zeros(hi - lo)
             state["exp_avg_sq"] = p.new_zeros(hi - lo)
+        if rule.kind == "adam":
+            state["step"] = adam_step(rule, p, state["step"])  # a loaded one where the graph reads it
         if rule.kind == "adam" and rule.flag("amsgrad") and "max_exp_avg_sq" not in state:
             state["max_exp_avg_sq"] = p.new_zeros(hi - lo)
         return state

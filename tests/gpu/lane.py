@@ -77,6 +77,11 @@ MODES: dict[str, dict[str, Any]] = {
     # foreach on parts, DDP's side foreach=False on whole tensors)
     "full": {"optimizer": True, "sharding": "full"},
     "full_keep": {"optimizer": True, "sharding": "full", "reshard_after_forward": False},
+    # the user's AdamW(fused=True), nanoGPT's on a GPU: its steps live on the GPU (torch's
+    # _init_group), where the compiled update reads them; micro-steps, so a step after no_sync
+    # runs too (in the graph, or torch's fused step where the graph leaves it)
+    "optimizer_fused": {"optimizer": True, "fused": True, "micro": 2},
+    "sharded_fused": {"optimizer": True, "sharding": "optimizer", "fused": True},
 }
 # (setup, model, mode): what the lane runs. Each nccl1 case is one process, each gloo2 case two.
 CASES: tuple[tuple[str, str, str], ...] = (
@@ -87,6 +92,7 @@ CASES: tuple[tuple[str, str, str], ...] = (
     ("gloo2", "cnn", "sharded_fwd"), ("gloo2", "cnn", "fp16_scaler"),
     ("nccl1", "gpt2", "optimizer_clip"), ("gloo2", "gpt2", "accumulate"), ("gloo2", "gpt2", "optimizer_clip"),
     ("nccl1", "gpt2", "full"), ("nccl1", "cnn", "full_keep"), ("gloo2", "gpt2", "full"),
+    ("gloo2", "gpt2", "optimizer_fused"), ("nccl1", "gpt2", "sharded_fused"),
 )
 POWERSGD = dict(matrix_approximation_rank=2, start_powerSGD_iter=2, min_compression_rate=1)
 POWERSGD_CAP = 0.05  # MB
@@ -158,6 +164,7 @@ def _graphddp_kwargs(mode: str, opt: torch.optim.Optimizer, backend: str) -> dic
     spec.pop("scaler", None)
     spec.pop("amp", None)
     spec.pop("micro", None)
+    spec.pop("fused", None)
     clip = spec.pop("clip", None)
     if clip is not None:
         kwargs["max_grad_norm"] = clip
@@ -196,7 +203,7 @@ def run_case(case: tuple[str, str, str], rank: int, world: int, device: torch.de
     in_graph = "optimizer" in MODES[mode]
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01, foreach=False if in_graph else None)
     start = [p.detach().clone() for p in ref.parameters()]
-    opt_ours = torch.optim.AdamW(theirs.parameters(), lr=LR, weight_decay=0.01)
+    opt_ours = torch.optim.AdamW(theirs.parameters(), lr=LR, weight_decay=0.01, fused=MODES[mode].get("fused"))
     if os.environ.get("GRAPHDDP_GPU_LANE_SELF_CHECK") == "1" and not in_graph:
         # DDP over the eager model in graphddp's place: how far rounding alone takes two correct
         # programs apart in this case (a figure for the tolerances, not a test of graphddp)

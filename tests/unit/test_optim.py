@@ -380,3 +380,42 @@ def test_world_size_one_updates_in_the_graph_like_torch(fake_world) -> None:
             torch.testing.assert_close(p.detach(), q.detach(), atol=1e-6, rtol=1e-5, msg=lambda m: f"step {step}: {m}")
     (state,) = gd._backend.states
     assert state.steps_in_graph == 3 and gd.records[0].schedule.num_buckets >= 2
+
+
+def test_adams_step_lives_where_torchs_own_would(fake_world) -> None:
+    """``state["step"]`` as torch's ``Adam._init_group`` makes it: fused keeps it in fp32 on the
+    parameter's device (here under a float64 default, where a plain group's is float64), a
+    capturable group on the device too, a plain group on the host; a loaded step of another
+    kind is moved where the compiled graph reads it. Training matches torch's fused AdamW."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        fake_world(1)
+        torch.manual_seed(0)
+        model = MLP(width=32, depth=4)
+        ref = copy.deepcopy(model)
+        make = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True)  # noqa: E731
+        opt, ref_opt = make(model.parameters()), make(ref.parameters())
+        gd = graphddp.compile(model, optimizer=opt, backend="aot_eager", bucket_cap_mb=0.005)
+        for step in range(3):
+            x = torch.randn(8, 16)
+            gd(x).sum().backward()
+            ref(x).sum().backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            for p, q in zip(gd.parameters(), ref.parameters()):
+                ours, theirs = opt.state[p]["step"], ref_opt.state[q]["step"]
+                assert (ours.dtype, ours.device, float(ours)) == (theirs.dtype, theirs.device, float(theirs)) == (torch.float32, p.device, step + 1)
+                torch.testing.assert_close(p.detach(), q.detach(), atol=1e-6, rtol=1e-5, msg=lambda m: f"step {step}: {m}")
+            if step == 1:  # a checkpoint that kept its steps in float64
+                for p in gd.parameters():
+                    opt.state[p]["step"] = opt.state[p]["step"].to(torch.float64)
+        (state,) = gd._backend.states
+        assert state.steps_in_graph == 3
+    finally:
+        torch.set_default_dtype(default)
+    rule = optim._group_rule(torch.optim.Adam([nn.Parameter(torch.zeros(3))], capturable=True), 0)
+    on_meta = optim.adam_step(rule, torch.empty(3, device="meta"))
+    assert (on_meta.device.type, on_meta.dtype) == ("meta", torch.float32)
+    plain = optim._group_rule(torch.optim.Adam([nn.Parameter(torch.zeros(3))]), 0)
+    assert optim.adam_step(plain, torch.empty(3, device="meta")).device.type == "cpu"

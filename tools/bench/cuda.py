@@ -9,6 +9,8 @@ AdamW under bf16 autocast and inductor:
   graphddp              graphddp.compile(model) at its defaults (the auto plan), fused AdamW
   graphddp_cap25        graphddp.compile(model, bucket_cap_mb=25), fused AdamW
   graphddp_optim        graphddp.compile(model, optimizer=AdamW): the update inside the backward
+                        (every mode gets the same fused AdamW: graphddp compiles its math into
+                        the backward, fused keeps its steps on the GPU, as torch does)
   graphddp_sharded      ... optimizer=AdamW, sharding="optimizer"
   graphddp_sharded_fwd  ... sharding="optimizer", gather="forward"
   graphddp_full         ... sharding="full": parameters held as parts, gathered in the forward
@@ -126,7 +128,7 @@ def wrap(mode: str, model: Any, backend: str, cuda: bool) -> tuple[Any, Any]:
             return DDP(torch.compile(model, backend=backend), device_ids=[0] if cuda else None, bucket_cap_mb=25), opt
         caps = {"bucket_cap_mb": 25} if mode == "graphddp_cap25" else {}
         return graphddp.compile(model, backend=backend, **caps), opt
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=cuda)
     sharding = {"graphddp_optim": {}, "graphddp_sharded": {"sharding": "optimizer"},
                 "graphddp_sharded_fwd": {"sharding": "optimizer", "gather": "forward"},
                 "graphddp_full": {"sharding": "full"},
