@@ -362,13 +362,15 @@ def test_a_backward_that_raises_does_not_stop_later_steps(fake_world) -> None:
     assert any(not torch.equal(a, b) for a, b in zip(before, gd.parameters()))
 
 
-def test_world_size_one_updates_in_the_graph_like_torch(fake_world) -> None:
-    """No all-reduce to follow: each bucket's update still goes in the graph, before the output."""
+def _beside_torch(fake_world, make: Callable[[Any], torch.optim.Optimizer], check: Callable[..., None] | None = None):
+    """Three steps of an MLP at world size 1, the optimizer inside against ``make``'s own step
+    on a copy, parameters compared after each; ``check(step, ours, theirs)`` with the two
+    optimizers after each step. Returns the compiled model."""
     fake_world(1)
     torch.manual_seed(0)
     model = MLP(width=32, depth=4)
     ref = copy.deepcopy(model)
-    opt, ref_opt = OPTIMIZERS["adam_wd_amsgrad"](model.parameters()), OPTIMIZERS["adam_wd_amsgrad"](ref.parameters())
+    opt, ref_opt = make(model.parameters()), make(ref.parameters())
     gd = graphddp.compile(model, optimizer=opt, backend="aot_eager", bucket_cap_mb=0.005)
     for step in range(3):
         x = torch.randn(8, 16)
@@ -378,6 +380,14 @@ def test_world_size_one_updates_in_the_graph_like_torch(fake_world) -> None:
         ref_opt.zero_grad()
         for p, q in zip(gd.parameters(), ref.parameters()):
             torch.testing.assert_close(p.detach(), q.detach(), atol=1e-6, rtol=1e-5, msg=lambda m: f"step {step}: {m}")
+        if check is not None:
+            check(step, opt, ref_opt)
+    return gd
+
+
+def test_world_size_one_updates_in_the_graph_like_torch(fake_world) -> None:
+    """No all-reduce to follow: each bucket's update still goes in the graph, before the output."""
+    gd = _beside_torch(fake_world, OPTIMIZERS["adam_wd_amsgrad"])
     (state,) = gd._backend.states
     assert state.steps_in_graph == 3 and gd.records[0].schedule.num_buckets >= 2
 
@@ -387,29 +397,18 @@ def test_adams_step_lives_where_torchs_own_would(fake_world) -> None:
     parameter's device (here under a float64 default, where a plain group's is float64), a
     capturable group on the device too, a plain group on the host; a loaded step of another
     kind is moved where the compiled graph reads it. Training matches torch's fused AdamW."""
+
+    def check(step: int, opt: torch.optim.Optimizer, ref_opt: torch.optim.Optimizer) -> None:
+        for (p, ours), theirs in zip(opt.state.items(), ref_opt.state.values()):
+            ours, theirs = ours["step"], theirs["step"]
+            assert (ours.dtype, ours.device, float(ours)) == (theirs.dtype, theirs.device, float(theirs)) == (torch.float32, p.device, step + 1)
+            if step == 1:  # a checkpoint that kept its steps in float64
+                opt.state[p]["step"] = ours.to(torch.float64)
+
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        fake_world(1)
-        torch.manual_seed(0)
-        model = MLP(width=32, depth=4)
-        ref = copy.deepcopy(model)
-        make = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True)  # noqa: E731
-        opt, ref_opt = make(model.parameters()), make(ref.parameters())
-        gd = graphddp.compile(model, optimizer=opt, backend="aot_eager", bucket_cap_mb=0.005)
-        for step in range(3):
-            x = torch.randn(8, 16)
-            gd(x).sum().backward()
-            ref(x).sum().backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            for p, q in zip(gd.parameters(), ref.parameters()):
-                ours, theirs = opt.state[p]["step"], ref_opt.state[q]["step"]
-                assert (ours.dtype, ours.device, float(ours)) == (theirs.dtype, theirs.device, float(theirs)) == (torch.float32, p.device, step + 1)
-                torch.testing.assert_close(p.detach(), q.detach(), atol=1e-6, rtol=1e-5, msg=lambda m: f"step {step}: {m}")
-            if step == 1:  # a checkpoint that kept its steps in float64
-                for p in gd.parameters():
-                    opt.state[p]["step"] = opt.state[p]["step"].to(torch.float64)
+        gd = _beside_torch(fake_world, lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True), check)
         (state,) = gd._backend.states
         assert state.steps_in_graph == 3
     finally:
