@@ -56,7 +56,7 @@ from graphddp.config import DDPConfig
 from graphddp.frontend.replica import check_and_broadcast
 from graphddp.graph.part_collectives import PREFETCH
 from graphddp.optim import guards
-from graphddp.optim.shard import ELEMENTWISE
+from graphddp.optim.shard import ELEMENTWISE, check_whole_state
 from graphddp.runtime.calibrate import resolve_cost
 from graphddp.runtime.sync import broadcast_tensors
 from graphddp.values.comm import gather_flat
@@ -189,14 +189,20 @@ def repoint_optimizer(optimizer: torch.optim.Optimizer, parts: Mapping[int, Part
             q = parts[id(p)].part
             state = optimizer.state.pop(p, None)
             if state:
-                optimizer.state[q] = cut_state(state, world, rank)
+                optimizer.state[q] = cut_state(state, world, rank, parts[id(p)])
             group["params"][i] = q
 
 
-def cut_state(state: Mapping[str, Any], world: int, rank: int) -> dict[str, Any]:
-    """One parameter's optimizer state with every elementwise entry cut to ``rank``'s padded
-    part (a step count and other entries stay as they are)."""
-    return {k: padded_part(v, world, rank) if k in ELEMENTWISE and isinstance(v, torch.Tensor) else v for k, v in state.items()}
+def cut_state(state: Mapping[str, Any], world: int, rank: int, part: Part) -> dict[str, Any]:
+    """``part``'s whole optimizer state with every elementwise entry cut to ``rank``'s padded
+    part (a step count and other entries stay as they are); an entry of another size is refused
+    (:func:`graphddp.optim.shard.check_whole_state`)."""
+    out = dict(state)
+    for k, v in state.items():
+        if k in ELEMENTWISE and isinstance(v, torch.Tensor):
+            check_whole_state(part.names[0], k, v, part.numel)
+            out[k] = padded_part(v, world, rank)
+    return out
 
 
 def clip_parts_by_global_norm(optimizer: torch.optim.Optimizer, max_norm: float, group: Any) -> Any:
@@ -407,7 +413,12 @@ class FullyShardedGraphDDP(nn.Module):
         """Load a whole optimizer state (from :meth:`full_optimizer_state_dict` on any world size,
         or a plain optimizer's ``state_dict()``): each rank keeps its part of every entry."""
         world, rank = self.world_size, dist.get_rank(self.process_group)
-        cut = {**state, "state": {index: cut_state(st, world, rank) for index, st in state["state"].items()}}
+        by_index = [p for g in self.optimizer.param_groups for p in g["params"]]
+        parts = {id(part.part): part for part in self._parts.values()}
+        if len(state["state"]) > len(by_index) or any(int(i) >= len(by_index) for i in state["state"]):
+            raise ValueError(f"load_full_optimizer_state_dict: the state holds entries for {len(state['state'])} parameters "
+                             f"(indices up to {max(int(i) for i in state['state'])}), the optimizer steps {len(by_index)}")
+        cut = {**state, "state": {index: cut_state(st, world, rank, parts[id(by_index[int(index)])]) for index, st in state["state"].items()}}
         self.optimizer.load_state_dict(cut)
 
     def _whole_of(self, value: torch.Tensor, part: Part) -> torch.Tensor:

@@ -39,6 +39,18 @@ from graphddp.values.shards import chunk, part
 ELEMENTWISE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
 
 
+def check_whole_state(name: str, key: str, value: torch.Tensor, numel: int) -> None:
+    """An elementwise state entry about to be cut into parts must be the whole parameter's: one
+    saved from a sharded optimizer's own ``state_dict()`` holds one rank's part, and cut again it
+    would give the other ranks zeros or another rank's values, silently."""
+    if value.numel() != numel:
+        raise ValueError(
+            f"graphddp: optimizer state {key!r} of {name!r} has {value.numel()} elements, the parameter {numel}: a state "
+            "saved from a sharded run's optimizer.state_dict() holds one rank's part; save "
+            "graphddp.full_optimizer_state_dict(model) on every rank, and load it with graphddp.load_full_optimizer_state_dict"
+        )
+
+
 class ShardedState:
     """This rank's parts of the optimizer state, and the eager sharded step (module docstring)."""
 
@@ -52,6 +64,20 @@ class ShardedState:
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.pending: dict[str, dict[str, Any]] = {}  # loaded full state, cut into parts on first use
+        self._adopt_existing()
+
+    def _adopt_existing(self) -> None:
+        """State the optimizer already has when the model is wrapped is whole (a resume that
+        loaded a plain optimizer's ``state_dict()`` before ``graphddp.compile``, as nanoGPT's
+        train.py does): kept to be cut into this rank's part at first use, as a loaded full
+        state is. One rank's part (a sharded run's own ``state_dict()``) is refused by name."""
+        held = {name: self.optimizer.state[p] for name, p in self.params.items() if self.optimizer.state.get(p)}
+        for name, state in held.items():
+            for key, value in state.items():
+                if key in ELEMENTWISE and isinstance(value, torch.Tensor):
+                    check_whole_state(name, key, value, self.params[name].numel())
+        for name in held:
+            self.pending[name] = dict(self.optimizer.state.pop(self.params[name]))
 
     def part(self, name: str) -> tuple[int, int]:
         return part(self.params[name].numel(), self.world, self.rank)
@@ -192,6 +218,11 @@ class ShardedState:
         order = [names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
         if len(full["param_groups"]) != len(self.optimizer.param_groups):
             raise ValueError("load_full_optimizer_state_dict: the state dict has a different number of param groups")
+        for index, name in enumerate(order):
+            saved = full["state"].get(index, full["state"].get(str(index)))
+            for key, value in (saved or {}).items():
+                if key in ELEMENTWISE and isinstance(value, torch.Tensor):
+                    check_whole_state(name, key, value, self.params[name].numel())
         for group, saved in zip(self.optimizer.param_groups, full["param_groups"]):
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError("load_full_optimizer_state_dict: a param group holds a different number of parameters")
