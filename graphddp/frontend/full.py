@@ -57,6 +57,7 @@ from graphddp.frontend.replica import check_and_broadcast
 from graphddp.graph.part_collectives import PREFETCH
 from graphddp.optim import guards
 from graphddp.optim.shard import ELEMENTWISE, check_whole_state
+from graphddp.runtime import agree
 from graphddp.runtime.calibrate import resolve_cost
 from graphddp.runtime.sync import broadcast_tensors
 from graphddp.values.comm import gather_flat
@@ -242,6 +243,7 @@ class FullyShardedGraphDDP(nn.Module):
         self._parts = parts
         self._by_name = {name: part for part in parts.values() for name in part.names}
         self._sync = True
+        self._forwards = 0  # run by this rank: every rank runs every forward (_check_same_forward)
         updates = PartUpdates.of(optimizer, module, lambda: self._sync, config.verify, config.max_grad_norm)
         self._record = Compiled({id(p.part): p.names[0] for p in parts.values()}, dist.get_world_size(group), updates)
         self.graphs = self._record.graphs  # every compiled forward and backward, in order
@@ -299,6 +301,7 @@ class FullyShardedGraphDDP(nn.Module):
 
     @torch._dynamo.disable
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_same_forward()
         if self.config.broadcast_buffers and self.world_size > 1:
             buffers = list(self.module.buffers())
             if buffers:
@@ -310,6 +313,33 @@ class FullyShardedGraphDDP(nn.Module):
         if policy is not None and policy.output_dtype is not None:
             out = _cast_floats(out, policy.output_dtype)
         return out
+
+    def _check_same_forward(self) -> None:
+        """Every rank must run every forward: each one gathers the parameters from all ranks. A
+        forward one rank runs alone (nanoGPT's ``estimate_loss`` on rank 0) would pair its
+        gathers with the other ranks' next collectives: a hang until the process group's
+        timeout (measured), or, where those are gathers of the same sizes, the wrong tensors.
+        So before its first collective each forward takes part in a fixed-size one
+        (:func:`graphddp.runtime.agree.max_over_ranks`, which pairs only with its own kind) of
+        how many forwards this rank has run and whether autograd is on; ranks that differ raise
+        :class:`~graphddp.runtime.agree.ScheduleMismatchError` on every rank, naming each side.
+        One small all-gather read on the host per forward (gloo, 2 CPU ranks: about 0.25 ms)."""
+        if agree.nothing_to_agree(self.process_group):
+            return
+        self._forwards += 1
+        mine = [self._forwards, int(torch.is_grad_enabled())]
+        got = agree.max_over_ranks([*mine, *(-v for v in mine)], self.process_group)
+        if got[:2] == [-v for v in got[2:]]:
+            return
+        sides = "; ".join(
+            f"rank {r}: its forward {n}, {'with autograd' if grad else 'under no_grad'}"
+            for r, (n, grad) in enumerate(agree.gather(mine, self.process_group))
+        )
+        raise agree.ScheduleMismatchError(
+            f"graphddp: sharding='full': the ranks are not running the same forward ({sides}). Every forward gathers "
+            "the parameters from every rank, so every rank runs every forward, evaluation included (nanoGPT's "
+            "estimate_loss runs on rank 0 alone: run it on every rank)"
+        )
 
     # -- DDP's switches: accepted, the gradient is reduce-scattered every micro-step -----------------
     @property

@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import graphddp
 from graphddp import models
 from graphddp.graph.part_collectives import PREFETCH
+from graphddp.runtime.agree import ScheduleMismatchError
 from graphddp.testing import spawn
 from graphddp.values.prediction import CostModel
 from graphddp.values.comm import ROLE_KEY, is_wait
@@ -274,3 +275,36 @@ def test_a_checkpoint_written_on_two_ranks_resumes_on_three(tmp_path) -> None:
     path = os.path.join(tmp_path, "ckpt.pt")
     spawn(_save_two, 2, path)
     spawn(_resume_three, 3, path)
+
+
+# -- every rank runs every forward ----------------------------------------------------------------
+
+
+def _evaluate_on_rank_zero(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model = models.TinyGPT(vocab=64, dim=32, heads=2, layers=2, seq=16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ours = graphddp.compile(model, optimizer=opt, sharding="full", backend="aot_eager")
+    x = torch.randint(0, 64, (2, 16))
+
+    def train() -> None:
+        ours(x).float().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    train()
+    with torch.no_grad():  # every rank evaluates: the same forward everywhere
+        ours.eval()
+        ours(x)
+        ours.train()
+    train()
+    # nanoGPT's estimate_loss, on rank 0 alone: its gathers would pair with rank 1's next forward
+    with pytest.raises(ScheduleMismatchError, match=r"rank 0: its forward 4, under no_grad; rank 1: its forward 4, with autograd"):
+        if rank == 0:
+            with torch.no_grad():
+                ours(x)
+        train()
+
+
+def test_a_forward_on_one_rank_alone_is_an_error_on_every_rank() -> None:
+    spawn(_evaluate_on_rank_zero, 2)
