@@ -3,6 +3,7 @@ loop), written for this project, with the one line users change: the wrapper.
 
     python examples/nanogpt_loop.py                       # 2 CPU ranks: DDP(torch.compile) and graphddp side by side
     python examples/nanogpt_loop.py --optimizer-inside    # graphddp.compile(model, optimizer=..., max_grad_norm=...)
+    python examples/nanogpt_loop.py --sharding full       # ... sharding="full": parameters, gradients, state 1/N per rank
     torchrun --nproc-per-node 2 examples/nanogpt_loop.py  # the same, launched by hand
 
 What it keeps of nanoGPT's loop, because each is something a drop-in must survive:
@@ -16,6 +17,14 @@ What it keeps of nanoGPT's loop, because each is something a drop-in must surviv
 * ``estimate_loss`` on rank 0 only, under ``torch.no_grad()`` and ``model.eval()``;
 * a checkpoint of ``raw_model.state_dict()`` and ``optimizer.state_dict()``, and a resume.
 
+With ``--sharding optimizer`` or ``full`` (the optimizer inside, as both modes need; with
+``optimizer``, ``--grad-clip 0``: clipping by the global norm is refused in that mode) the
+checkpoint is written as those modes need it: every rank gathers the whole optimizer state
+(``graphddp.full_optimizer_state_dict``) and, with ``full``, the whole parameters
+(``model.state_dict()``), then rank 0 saves; and with ``full`` every rank evaluates (each
+forward gathers from every rank; a forward on rank 0 alone is an error), the other ranks on a
+copy of their generator, so their training batches stay nanoGPT's.
+
 ``--compare`` (the default) trains both wrappers in each rank, one iteration each in turn, each
 with its own copy of the global generator's state (as two separate runs would have), and
 prints both losses per iteration and both medians of ms per iteration: the loss-for-loss
@@ -25,7 +34,6 @@ issue 37. ``--wrapper`` trains one of them alone.
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import inspect
 import math
@@ -146,6 +154,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--wrapper", choices=("compare", "ddp", "graphddp"), default="compare")
+    p.add_argument("--sharding", choices=("none", "optimizer", "full"), default="none",
+                   help="graphddp's sharding= (implies --optimizer-inside)")
     p.add_argument("--optimizer-inside", action="store_true",
                    help="graphddp.compile(model, optimizer=..., max_grad_norm=grad_clip): AdamW and clipping in the backward")
     p.add_argument("--backend", default="inductor", help="torch.compile's backend for both wrappers")
@@ -196,8 +206,11 @@ def make_trainer(name: str, args: argparse.Namespace, device: torch.device, data
     clip_in_graph = False
     if name == "ddp":
         model: nn.Module = nn.parallel.DistributedDataParallel(torch.compile(raw, backend=args.backend))
-    elif args.optimizer_inside:
-        model, clip_in_graph = graphddp.compile(raw, backend=args.backend, optimizer=optimizer, max_grad_norm=args.grad_clip), True
+    elif args.optimizer_inside or args.sharding != "none":
+        sharding = {} if args.sharding == "none" else {"sharding": args.sharding}
+        clip = args.grad_clip or None  # nanoGPT: grad_clip 0 means no clipping
+        model = graphddp.compile(raw, backend=args.backend, optimizer=optimizer, max_grad_norm=clip, **sharding)
+        clip_in_graph = True
     else:
         model = graphddp.compile(raw, backend=args.backend)
     scaler = torch.amp.GradScaler(device.type, enabled=args.dtype == "float16")
@@ -216,11 +229,28 @@ def save(trainer: Trainer, args: argparse.Namespace) -> None:
     """nanoGPT's checkpoint (rank 0: the raw model's and the optimizer's state dicts), and each
     rank's generator state beside it (not nanoGPT's: it makes a resume continue loss for loss)."""
     rank = dist.get_rank()
+    model_state, optimizer_state = _state_dicts(trainer, args)  # sharded: every rank gathers
     if rank == 0:
-        torch.save({"model": trainer.raw_model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
-                    "iter_num": trainer.iter_num}, _checkpoint_path(trainer, args))
+        torch.save({"model": model_state, "optimizer": optimizer_state, "iter_num": trainer.iter_num}, _checkpoint_path(trainer, args))
     torch.save(torch.get_rng_state(), _checkpoint_path(trainer, args, f"-rng{rank}"))
     dist.barrier()
+
+
+def _sharded(trainer: Trainer, args: argparse.Namespace) -> str:
+    return args.sharding if trainer.name == "graphddp" else "none"
+
+
+def _state_dicts(trainer: Trainer, args: argparse.Namespace) -> tuple[dict, dict]:
+    """nanoGPT's checkpoint: the raw model's and the optimizer's state dicts, whole. A sharded
+    optimizer holds this rank's parts, and ``sharding="full"``'s raw model too: there every rank
+    gathers the whole state (graphddp's calls), and rank 0 saves it."""
+    import graphddp
+
+    sharding = _sharded(trainer, args)
+    if sharding == "none":
+        return trainer.raw_model.state_dict(), trainer.optimizer.state_dict()
+    model = trainer.model.state_dict() if sharding == "full" else trainer.raw_model.state_dict()
+    return model, graphddp.full_optimizer_state_dict(trainer.model)
 
 
 def resume(trainer: Trainer, args: argparse.Namespace, device: torch.device) -> None:
@@ -228,8 +258,14 @@ def resume(trainer: Trainer, args: argparse.Namespace, device: torch.device) -> 
     if not os.path.exists(path):
         return
     ckpt = torch.load(path, map_location=device, weights_only=False)
-    trainer.raw_model.load_state_dict(ckpt["model"])
-    trainer.optimizer.load_state_dict(ckpt["optimizer"])
+    sharding = _sharded(trainer, args)
+    (trainer.model if sharding == "full" else trainer.raw_model).load_state_dict(ckpt["model"])
+    if sharding == "none":
+        trainer.optimizer.load_state_dict(ckpt["optimizer"])
+    else:
+        import graphddp
+
+        graphddp.load_full_optimizer_state_dict(trainer.model, ckpt["optimizer"])
     trainer.iter_num = ckpt["iter_num"]
     trainer.rng = torch.load(_checkpoint_path(trainer, args, f"-rng{dist.get_rank()}"))
 
@@ -266,6 +302,9 @@ def train_iteration(trainer: Trainer, data: torch.Tensor, args: argparse.Namespa
             save(trainer, args)
         if dist.get_rank() == 0:  # nanoGPT evaluates on the master process only
             trainer.eval_losses.append(estimate_loss(trainer, data, args, device, ctx))
+        elif _sharded(trainer, args) == "full":  # every forward gathers from every rank: all evaluate
+            with torch.random.fork_rng():  # on a copy: this rank's training batches stay nanoGPT's
+                estimate_loss(trainer, data, args, device, ctx)
     start = time.perf_counter()
     x, y = get_batch(data, args, device)
     steps = args.gradient_accumulation_steps

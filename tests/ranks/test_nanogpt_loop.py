@@ -6,7 +6,9 @@ switched by ``require_backward_grad_sync``, ``GradScaler`` and ``clip_grad_norm_
 written into ``param_groups``, two AdamW param groups, an evaluation on rank 0 only under
 ``no_grad``/``eval()``, a checkpoint and a resume. ``--compare`` trains DDP and graphddp in each
 rank, one iteration each in turn, each on its own copy of the generator's state, so every loss
-is compared with the one DDP had at the same iteration.
+is compared with the one DDP had at the same iteration. The sharded modes run the same loop
+(``--sharding``): its checkpoint through graphddp's whole-state calls, and with ``full`` every
+rank evaluating.
 """
 from __future__ import annotations
 
@@ -79,3 +81,27 @@ def test_a_checkpoint_resumes_where_the_run_was(tmp_path):
     for name in ("ddp", "graphddp"):
         _same(first[name]["losses"], whole[name]["losses"][:5], f"{name} before the checkpoint")
         _same(rest[name]["losses"], whole[name]["losses"][4:], f"{name} resumed at iteration 4")
+
+
+def test_the_loop_with_sharded_optimizer_state_trains_like_ddp(tmp_path):
+    """``sharding="optimizer"``: each rank updates its part of every bucket inside the backward;
+    the evaluation stays on rank 0 (its forward needs no collective). Without nanoGPT's clipping:
+    ``max_grad_norm`` with this mode is refused by name (a global norm of the parts is not built)."""
+    got = _run(tmp_path, "sharded", "--max-iters", "8", "--eval-interval", "4", "--sharding", "optimizer", "--grad-clip", "0")
+    _same(got["graphddp"]["losses"], got["ddp"]["losses"], "sharding='optimizer', training losses")
+    _same(got["graphddp"]["eval"], got["ddp"]["eval"], "sharding='optimizer', evaluation losses")
+
+
+def test_the_loop_fully_sharded_trains_like_ddp_and_resumes(tmp_path):
+    """``sharding="full"``: parameters, gradients and AdamW's state 1/N per rank, every rank
+    evaluating (the others on a copy of their generator), the checkpoint gathered on every rank
+    and saved by rank 0, resumed in fresh processes: loss for loss against DDP throughout."""
+    full = ("--eval-interval", "4", "--sharding", "full")
+    whole = _run(tmp_path, "whole", "--max-iters", "8", *full)
+    _same(whole["graphddp"]["losses"], whole["ddp"]["losses"], "sharding='full', training losses")
+    _same(whole["graphddp"]["eval"], whole["ddp"]["eval"], "sharding='full', evaluation losses")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    _run(tmp_path, "first", "--max-iters", "5", "--checkpoint-dir", str(ckpt), *full)
+    rest = _run(tmp_path, "rest", "--max-iters", "8", "--checkpoint-dir", str(ckpt), *full)
+    _same(rest["graphddp"]["losses"], whole["graphddp"]["losses"][4:], "sharding='full', resumed at iteration 4")
