@@ -198,12 +198,8 @@ def cut_state(state: Mapping[str, Any], world: int, rank: int, part: Part) -> di
     """``part``'s whole optimizer state with every elementwise entry cut to ``rank``'s padded
     part (a step count and other entries stay as they are); an entry of another size is refused
     (:func:`graphddp.optim.shard.check_whole_state`)."""
-    out = dict(state)
-    for k, v in state.items():
-        if k in ELEMENTWISE and isinstance(v, torch.Tensor):
-            check_whole_state(part.names[0], k, v, part.numel)
-            out[k] = padded_part(v, world, rank)
-    return out
+    check_whole_state(part.names[0], state, part.numel)
+    return {k: padded_part(v, world, rank) if k in ELEMENTWISE and isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
 def clip_parts_by_global_norm(optimizer: torch.optim.Optimizer, max_norm: float, group: Any) -> Any:
@@ -430,10 +426,9 @@ class FullyShardedGraphDDP(nn.Module):
         have: every elementwise entry gathered and cut to its parameter's shape (every rank
         calls it; the padding is dropped)."""
         out = self.optimizer.state_dict()
-        by_index = [p for g in self.optimizer.param_groups for p in g["params"]]
-        shapes = {id(part.part): part for part in self._parts.values()}
+        by_index = self._parts_by_index()
         for index, state in out["state"].items():
-            part = shapes[id(by_index[index])]
+            part = by_index[index]
             out["state"][index] = {
                 k: self._whole_of(v, part) if k in ELEMENTWISE and isinstance(v, torch.Tensor) else v for k, v in state.items()
             }
@@ -443,13 +438,17 @@ class FullyShardedGraphDDP(nn.Module):
         """Load a whole optimizer state (from :meth:`full_optimizer_state_dict` on any world size,
         or a plain optimizer's ``state_dict()``): each rank keeps its part of every entry."""
         world, rank = self.world_size, dist.get_rank(self.process_group)
-        by_index = [p for g in self.optimizer.param_groups for p in g["params"]]
-        parts = {id(part.part): part for part in self._parts.values()}
+        by_index = self._parts_by_index()
         if len(state["state"]) > len(by_index) or any(int(i) >= len(by_index) for i in state["state"]):
             raise ValueError(f"load_full_optimizer_state_dict: the state holds entries for {len(state['state'])} parameters "
                              f"(indices up to {max(int(i) for i in state['state'])}), the optimizer steps {len(by_index)}")
-        cut = {**state, "state": {index: cut_state(st, world, rank, parts[id(by_index[int(index)])]) for index, st in state["state"].items()}}
+        cut = {**state, "state": {index: cut_state(st, world, rank, by_index[int(index)]) for index, st in state["state"].items()}}
         self.optimizer.load_state_dict(cut)
+
+    def _parts_by_index(self) -> list[Part]:
+        """The parts in the optimizer's order: what a state dict's index names."""
+        parts = {id(part.part): part for part in self._parts.values()}
+        return [parts[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
 
     def _whole_of(self, value: torch.Tensor, part: Part) -> torch.Tensor:
         out = torch.empty(value.numel() * self.world_size, dtype=value.dtype, device=value.device)

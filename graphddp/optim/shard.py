@@ -39,16 +39,18 @@ from graphddp.values.shards import chunk, part
 ELEMENTWISE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
 
 
-def check_whole_state(name: str, key: str, value: torch.Tensor, numel: int) -> None:
-    """An elementwise state entry about to be cut into parts must be the whole parameter's: one
-    saved from a sharded optimizer's own ``state_dict()`` holds one rank's part, and cut again it
-    would give the other ranks zeros or another rank's values, silently."""
-    if value.numel() != numel:
-        raise ValueError(
-            f"graphddp: optimizer state {key!r} of {name!r} has {value.numel()} elements, the parameter {numel}: a state "
-            "saved from a sharded run's optimizer.state_dict() holds one rank's part; save "
-            "graphddp.full_optimizer_state_dict(model) on every rank, and load it with graphddp.load_full_optimizer_state_dict"
-        )
+def check_whole_state(name: str, state: Mapping[str, Any], numel: int) -> None:
+    """Every elementwise entry of ``name``'s state about to be cut into parts must be the whole
+    parameter's (``numel`` elements): one saved from a sharded optimizer's own ``state_dict()``
+    holds one rank's part, and cut again it would give the other ranks zeros or another rank's
+    values, silently."""
+    for key, value in state.items():
+        if key in ELEMENTWISE and isinstance(value, torch.Tensor) and value.numel() != numel:
+            raise ValueError(
+                f"graphddp: optimizer state {key!r} of {name!r} has {value.numel()} elements, the parameter {numel}: a state "
+                "saved from a sharded run's optimizer.state_dict() holds one rank's part; save "
+                "graphddp.full_optimizer_state_dict(model) on every rank, and load it with graphddp.load_full_optimizer_state_dict"
+            )
 
 
 class ShardedState:
@@ -73,9 +75,7 @@ class ShardedState:
         state is. One rank's part (a sharded run's own ``state_dict()``) is refused by name."""
         held = {name: self.optimizer.state[p] for name, p in self.params.items() if self.optimizer.state.get(p)}
         for name, state in held.items():
-            for key, value in state.items():
-                if key in ELEMENTWISE and isinstance(value, torch.Tensor):
-                    check_whole_state(name, key, value, self.params[name].numel())
+            check_whole_state(name, state, self.params[name].numel())
         for name in held:
             self.pending[name] = dict(self.optimizer.state.pop(self.params[name]))
 
@@ -97,8 +97,8 @@ class ShardedState:
             state["step"] = adam_step(rule, p)
             state["exp_avg"] = p.new_zeros(hi - lo)
             state["exp_avg_sq"] = p.new_zeros(hi - lo)
-        if rule.kind == "adam":
-            state["step"] = adam_step(rule, p, state["step"])  # a loaded one where the graph reads it
+        elif rule.kind == "adam":  # a loaded one, where the graph reads it
+            state["step"] = adam_step(rule, p, state["step"])
         if rule.kind == "adam" and rule.flag("amsgrad") and "max_exp_avg_sq" not in state:
             state["max_exp_avg_sq"] = p.new_zeros(hi - lo)
         return state
@@ -220,9 +220,7 @@ class ShardedState:
             raise ValueError("load_full_optimizer_state_dict: the state dict has a different number of param groups")
         for index, name in enumerate(order):
             saved = full["state"].get(index, full["state"].get(str(index)))
-            for key, value in (saved or {}).items():
-                if key in ELEMENTWISE and isinstance(value, torch.Tensor):
-                    check_whole_state(name, key, value, self.params[name].numel())
+            check_whole_state(name, saved or {}, self.params[name].numel())
         for group, saved in zip(self.optimizer.param_groups, full["param_groups"]):
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError("load_full_optimizer_state_dict: a param group holds a different number of parameters")
