@@ -110,20 +110,24 @@ def _first_read_by_backward(graph: fx.Graph, gathers: list[fx.Node], keep_bytes:
     return Kept(tuple(inputs), nbytes)
 
 
-def kept_gathered_bytes(gm: fx.GraphModule) -> int:
-    """What a compiled forward keeps of its gathered parameters for the backward: the bytes of
-    the distinct gathered tensors its outputs are, or are views of (each parameter cut from a
-    gather bucket's result, or the result itself: the bucket's nodes carry the ``gather_wait``
-    role, :mod:`graphddp.graph.part_collectives`)."""
-    roots: dict[fx.Node, int] = {}
+def kept_gathered(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
+    """What a compiled forward keeps of its gathered parameters for the backward: each distinct
+    gathered tensor its outputs are, or are views of (a parameter cut from a gather bucket's
+    result, or the result itself: the bucket's nodes carry the ``gather_wait`` role,
+    :mod:`graphddp.graph.part_collectives`), and the first output that holds it."""
+    roots: dict[fx.Node, fx.Node] = {}
     for out in output_nodes(gm):
         node = out
         while isinstance(node, fx.Node) and node.meta.get(ROLE_KEY) != "gather_wait" and is_view(node):
             node = node.args[0]
         if isinstance(node, fx.Node) and node.meta.get(ROLE_KEY) == "gather_wait":
-            val = node.meta["val"]
-            roots[node] = val.numel() * val.element_size()
-    return sum(roots.values())
+            roots.setdefault(node, out)
+    return roots
+
+
+def kept_gathered_bytes(gm: fx.GraphModule) -> int:
+    """The bytes of :func:`kept_gathered`'s tensors."""
+    return sum(node.meta["val"].numel() * node.meta["val"].element_size() for node in kept_gathered(gm))
 
 
 def _tag(node: fx.Node, policy: CheckpointPolicy) -> None:

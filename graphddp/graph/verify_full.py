@@ -41,9 +41,9 @@ from typing import Collection, Mapping
 import torch
 import torch.fx as fx
 
-from graphddp.graph.capture import ancestors, output_nodes, views_of
+from graphddp.graph.capture import ancestors, views_of
 from graphddp.graph.part_collectives import above_reduce_scatters
-from graphddp.graph.reshard import kept_gathered_bytes
+from graphddp.graph.reshard import kept_gathered, kept_gathered_bytes
 from graphddp.graph.verify_common import VerificationError, _fail
 from graphddp.values.comm import ROLE_KEY, is_wait
 
@@ -82,8 +82,7 @@ def _check_kept_gathers(gm: fx.GraphModule, allowed: int) -> None:
     """P5: the forward's outputs hold at most ``allowed`` gathered bytes."""
     held = kept_gathered_bytes(gm)
     if held > allowed:
-        gathered = {v for n in gm.graph.nodes if n.meta.get(ROLE_KEY) == "gather_wait" for v in views_of(n)}
-        out = next(o for o in output_nodes(gm) if isinstance(o, fx.Node) and o in gathered)
+        out = next(iter(kept_gathered(gm).values()))
         _fail(gm, out, f"P5: the outputs of a forward that reshards hold {held} gathered bytes (e.g. {out.name}), "
                        f"more than the {allowed} of the parts the backward reads first: kept for the backward instead of freed")
 

@@ -343,9 +343,10 @@ class AttachedOptimizer:
                     state["step"] = adam_step(rule, p)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                else:  # a loaded one, where the graph reads it
+                    state["step"] = adam_step(rule, p, state["step"])
                 if rule.flag("amsgrad") and "max_exp_avg_sq" not in state:
                     state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] = adam_step(rule, p, state["step"])  # a loaded one where the graph reads it
                 tensors.extend(state[k] for k in rule.state)
             elif rule.flag("momentum"):
                 buf = state.get("momentum_buffer")
