@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from test_optim_ranks import TIGHT
+from test_optim_ranks import ADAM_NOISE, TIGHT, _hf_gpt2, _hf_loss
 from test_sharded import _mlp_loss
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -19,19 +19,26 @@ from graphddp import models
 from graphddp.testing import spawn
 
 PART = "holds one rank's part"
+# model, loss, tolerance, the parameter a refused state is named by (the first the optimizer holds)
+MODELS = {
+    "mlp": (models.MLP, _mlp_loss, TIGHT, "0.weight"),
+    # Hugging Face GPT-2 from config: a tied embedding; AdamW on rounding-noise gradients (test_optim_ranks)
+    "hf_gpt2": (_hf_gpt2, _hf_loss, ADAM_NOISE, "transformer.wte.weight"),
+}
 
 
 def _adamw(model: torch.nn.Module) -> torch.optim.AdamW:
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
-def _resume(rank: int, world: int, sharding: str) -> None:
+def _resume(rank: int, world: int, sharding: str, model: str) -> None:
+    make, loss, tol, first = MODELS[model]
     torch.manual_seed(0)
-    base = models.MLP()
+    base = make()
     ref = DDP(copy.deepcopy(base))
     ref_opt = _adamw(ref)
     for step in range(2):  # a plain run to the checkpoint
-        _mlp_loss(ref, rank, step).backward()
+        loss(ref, rank, step).backward()
         ref_opt.step()
         ref_opt.zero_grad()
     saved_model, saved_opt = copy.deepcopy(ref.module.state_dict()), copy.deepcopy(ref_opt.state_dict())
@@ -42,21 +49,22 @@ def _resume(rank: int, world: int, sharding: str) -> None:
     ours = graphddp.compile(mine, optimizer=opt, sharding=sharding, backend="aot_eager")
     for step in range(2, 4):
         for m, o in ((ours, opt), (ref, ref_opt)):
-            _mlp_loss(m, rank, step).backward()
+            loss(m, rank, step).backward()
             o.step()
             o.zero_grad()
         for (n, p), q in zip(ours.named_parameters(), ref.module.parameters()):
-            torch.testing.assert_close(p.detach(), q.detach(), **TIGHT, msg=lambda m: f"{sharding}, resumed, step {step}, {n}: {m}")
+            torch.testing.assert_close(p.detach(), q.detach(), **tol, msg=lambda m: f"{sharding}, resumed, step {step}, {n}: {m}")
     parts = copy.deepcopy(opt.state_dict())  # this rank's parts
     with pytest.raises(ValueError, match=PART):
         graphddp.load_full_optimizer_state_dict(ours, parts)
     fresh = copy.deepcopy(base)
     fresh_opt = _adamw(fresh)
     fresh_opt.load_state_dict(parts)
-    with pytest.raises(ValueError, match=f"optimizer state 'exp_avg' of '0.weight' has \\d+ elements, the parameter \\d+: .*{PART}"):
+    with pytest.raises(ValueError, match=f"optimizer state 'exp_avg' of '{first}' has \\d+ elements, the parameter \\d+: .*{PART}"):
         graphddp.compile(fresh, optimizer=fresh_opt, sharding=sharding, backend="aot_eager")
 
 
+@pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("sharding", ["optimizer", "full"])
-def test_a_plain_state_loaded_before_the_wrap_resumes_like_ddp(sharding: str) -> None:
-    spawn(_resume, 2, sharding)
+def test_a_plain_state_loaded_before_the_wrap_resumes_like_ddp(sharding: str, model: str) -> None:
+    spawn(_resume, 2, sharding, model)
