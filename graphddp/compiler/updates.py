@@ -148,10 +148,22 @@ class InGraphUpdates:
         return updatable, tuple(n for n in schedule.param_names if optimizer.rule(n) and n in elsewhere)
 
     def _shard_plan_pass(self, gm: fx.GraphModule, schedule: Schedule, *, graph_index: int, shared: Shared, **_: Any) -> Schedule:
-        """sharding="optimizer": buckets the graph can update whole are reduce-scattered."""
+        """sharding="optimizer": buckets the graph can update whole are reduce-scattered. With
+        ``max_grad_norm``, all or none: the norm is one, so a gradient of the optimizer's that
+        the graph would leave to the step after the backward (tied across a graph break, or in
+        a bucket beside a parameter the optimizer does not hold) leaves every one there, where
+        torch clips them together, whole (:meth:`AttachedOptimizer.finish`)."""
         if not shared.fw_values:
             return schedule
-        return with_sharding(schedule, self._updatable(schedule, graph_index, shared.fw_values)[0], self.config.gather)
+        updatable, tied = self._updatable(schedule, graph_index, shared.fw_values)
+        sharded = with_sharding(schedule, updatable, self.config.gather)
+        if self.config.max_grad_norm is None:
+            return sharded
+        left = [
+            s.param_name for b in sharded.buckets if b.collective != "reduce_scatter"
+            for s in b.slots if not s.zero_filled and self.optimizer.rule(s.param_name)
+        ]
+        return schedule if tied or left else sharded
 
     def _add_updates(
         self, gm: fx.GraphModule, schedule: Schedule, graph_index: int, optimizer: AttachedOptimizer, shared: Shared

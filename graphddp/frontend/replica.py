@@ -97,23 +97,13 @@ def _refuse_optimizer_with_traced_hook(where: str, config: DDPConfig, optimizer:
 def _refuse_clipping_without_the_optimizer(where: str, config: DDPConfig, optimizer: Any) -> None:
     """``max_grad_norm`` clips inside graphddp's step, so it needs the step there: without
     ``optimizer=`` the gradients are in ``p.grad`` after the backward and torch clips them as
-    usual; with ``sharding="optimizer"`` each rank holds a part of each average, and the
-    in-graph norm (an all-reduce of the parts' squares, every update and all-gather after the
-    last reduce-scatter) is not built."""
-    if config.max_grad_norm is None:
-        return
-    if optimizer is None:
+    usual."""
+    if config.max_grad_norm is not None and optimizer is None:
         raise ValueError(
             f"{where}: max_grad_norm={config.max_grad_norm} clips the gradients inside the backward, before the "
             "update of optimizer=, and there is none: without optimizer= every p.grad holds the average after "
             "backward(), so clip as usual (torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) between "
             "backward() and optimizer.step()), or pass optimizer= to have graphddp clip and step inside the backward"
-        )
-    if config.sharding is not None:
-        raise ValueError(
-            f"{where}: max_grad_norm with sharding={config.sharding!r} is not supported: each rank holds a part of "
-            "each averaged gradient, and a global norm of the parts inside the backward is not built. Either keep "
-            "max_grad_norm with the replicated optimizer (sharding=None), or keep sharding='optimizer' without clipping"
         )
 
 

@@ -373,16 +373,17 @@ class AttachedOptimizer:
     def finish(self) -> None:
         """At the end of every synchronising backward (:mod:`graphddp.runtime.step`): torch's step for
         what the graphs returned (the parameters they left to it are the ones with a grad),
-        then no gradient is kept. With ``max_grad_norm``, torch's ``clip_grad_norm_`` over every
-        parameter of the module first: a step whose graphs left anything to torch left
-        everything (the norm spans all of them; :mod:`graphddp.compiler.updates`)."""
-        if self.sharded is not None:  # each rank steps its part, then one all-gather
-            self.sharded.step([n for n, p in self.params.items() if p.grad is not None])
-        elif any(p.grad is not None for p in self.params.values()):
-            if self.max_grad_norm is not None:
+        then no gradient is kept (``sharding="optimizer"``: each rank's part, then an all-gather).
+        With ``max_grad_norm``, torch's ``clip_grad_norm_`` over every parameter of the module
+        first: a step whose graphs left anything to torch left everything (the norm spans all of
+        them; :mod:`graphddp.compiler.updates`), and what they left is whole: all-reduced."""
+        if any(p.grad is not None for p in self.params.values()):
+            if self.max_grad_norm is not None:  # every gradient is whole here, sharded or not
                 guards.clip_grad_norm_(self.module_params, self.max_grad_norm)
-            # The class's step, not the no-op bound on the instance: torch's own math and state.
-            type(self.optimizer).step(self.optimizer)
+            if self.sharded is not None:  # each rank steps its part, then one all-gather
+                self.sharded.step([n for n, p in self.params.items() if p.grad is not None])
+            else:  # the class's step, not the no-op bound on the instance: torch's own math and state
+                type(self.optimizer).step(self.optimizer)
         for p in self.params.values():
             p.grad = None
 

@@ -44,6 +44,14 @@ functions are traced on the graph's fake values and spliced in, in the layout of
     # ``state_dict()`` that one rank alone calls between steps waits for it and writes.
     output(..., None for every gradient of the bucket, ..., the all-gather of every such bucket)
 
+With ``max_grad_norm`` (:meth:`_Splicer.clipped`) every update needs the global norm, so each
+bucket is traced in two halves: up to its wait, then the sum of squares of each slot's part
+(:func:`graphddp.optim.clip.part_squares`), at the same points as above; after the last bucket
+one all-reduce of every bucket's sums and the coefficient
+(:func:`graphddp.optim.clip.sharded_coefficient_fn`; gradients the graph still returns, of
+parameters the optimizer does not hold, add their norms once and are scaled); then, at the
+output, every bucket's update from its part times the coefficient and its all-gather, each
+bucket's wait and writes one bucket later.
 
 New inputs, appended after the existing placeholders, per sharded bucket in bucket order
 (:func:`layout`): every slot's parameter, then the state tensors of every slot this rank owns a
@@ -55,12 +63,15 @@ Postcondition (:mod:`graphddp.optim.verify_shard` checks it): per sharded bucket
 reduce-scatter issued after every gradient of the bucket, its wait before the update, one
 all-gather of the updated parts, its wait before any parameter of the bucket is written, each
 parameter written exactly once after every other read of its memory, no gradient returned
-(``gather="forward"``: the all-gather returned un-waited, no parameter written).
+(``gather="forward"``: the all-gather returned un-waited, no parameter written); with
+``max_grad_norm``, every all-gather computed from the one clip coefficient.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Callable, Iterable, Mapping
+import functools
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -68,12 +79,13 @@ from torch._guards import detect_fake_mode
 
 from graphddp.graph.capture import ancestors, storage_of
 from graphddp.graph.placement import place_buckets
-from graphddp.graph.trace import fresh_copy, role, set_outputs, splice, trace
+from graphddp.graph.trace import after_all, fresh_copy, role, set_outputs, splice, trace
 from graphddp.hooks import builtin as hooks
+from graphddp.optim import clip
 from graphddp.optim.attached import F64, UPDATES, UpdateRule, adam_step
 from graphddp.optim.insert_update import UpdateInputs, add_update_inputs, parameter_nodes
 from graphddp.values.collectives import backend_of, kind
-from graphddp.values.comm import WAIT
+from graphddp.values.comm import ROLE_KEY, WAIT
 from graphddp.values.schedule import Bucket, Schedule
 from graphddp.values.shards import GATHER_LAG, chunk, part
 
@@ -139,64 +151,112 @@ def _clone(t: torch.Tensor) -> torch.Tensor:
     return aten.clone.default(t)
 
 
+def _issue(shard: ShardLayout, hook: hooks.CommHook, group_name: str, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Traced: the bucket's gradients flattened, compressed, divided by the world size and
+    reduce-scattered; returns what to wait on."""
+    bucket, world = shard.bucket, shard.world
+    # Cast and divide each gradient's columns before they are concatenated (elementwise, so
+    # the same values): inductor then writes the concatenation in one pass, where a division
+    # after it took a second whole-bucket buffer, alive next to the first.
+    columns = []
+    for grad, slot, c in zip(grads, bucket.slots, shard.chunks):
+        with role("flatten"):
+            flat = _flat(grad, slot.numel)
+            column = aten.view.default(aten.constant_pad_nd.default(flat, [0, world * c - slot.numel]), [world, c])
+        with role("compress"):
+            column = hook.compress(column, bucket)
+        with role("scale"):
+            columns.append(aten.div.Tensor(column, world))
+    with role("flatten"):
+        scaled = aten.view.default(aten.cat.default(columns, 1) if len(columns) > 1 else columns[0], [-1])
+    with role(SHARDED):
+        return kind(SHARDED).lower(backend_of(group_name)).issue(scaled, group_name, world)
+
+
+def _receive(shard: ShardLayout, hook: hooks.CommHook, group_name: str, pending: torch.Tensor) -> torch.Tensor:
+    """Traced: the reduce-scatter's wait, then this rank's part of the bucket's average."""
+    with role("wait"):
+        done = kind(SHARDED).lower(backend_of(group_name)).finish(WAIT(pending), shard.world)
+    with role("decompress"):
+        return hook.decompress(done, shard.bucket)
+
+
+def _copies(shard: ShardLayout, params: Sequence[torch.Tensor], private: bool) -> list[torch.Tensor]:
+    """Traced: the copies of this rank's parts of the parameters that the update writes.
+    ``private``: copies no compiler pass folds into the parameters (``fresh_copy``), for a
+    bucket whose parameters' old values are read after the update: by the rest of the backward,
+    or, with ``gather="forward"``, between steps (the parameters keep the previous step's
+    values until the next forward writes them, on every rank alike)."""
+    copy = fresh_copy if private else _clone
+    with role("update"):
+        return [copy(aten.slice.Tensor(_flat(p, s.numel), 0, lo, hi)) for p, s, (lo, hi) in zip(params, shard.bucket.slots, shard.parts)]
+
+
+def _step(shard: ShardLayout, group_name: str, grad_part: torch.Tensor, work: list[torch.Tensor], rest: list[torch.Tensor]) -> torch.Tensor:
+    """Traced: the optimizer's math on each owned part (``rest``: the state and hyperparameter
+    inputs, :func:`layout`'s order); returns the all-gather of the updated parts, not waited,
+    or with ``gather="forward"`` the updated parts (:func:`_gather_fn` issues their all-gather
+    at the output)."""
+    states = {}
+    for k in shard.owned():
+        width = len(shard.rules[k].state)
+        states[k], rest = rest[:width], rest[width:]
+    hyper = {}
+    for g in shard.groups:
+        width = len(shard.rules[shard.group_of.index(g)].hyper)
+        hyper[g], rest = rest[:width], rest[width:]
+    with role("update"):
+        at = 0
+        for k, c in enumerate(shard.chunks):
+            lo, hi = shard.parts[k]
+            if k in states:
+                rule = shard.rules[k]
+                UPDATES[rule.kind](rule, work[k], aten.slice.Tensor(grad_part, 0, at, at + hi - lo), states[k], hyper[shard.group_of[k]])
+            at += c
+        mine = aten.cat.default([aten.constant_pad_nd.default(w, [0, c - w.numel()]) for w, c in zip(work, shard.chunks)])
+    if shard.bucket.gather == "forward":
+        return mine
+    return _gather_fn(shard, group_name)(mine)
+
+
 def _update_fn(shard: ShardLayout, hook: hooks.CommHook, group_name: str, private: bool) -> Callable[..., torch.Tensor]:
-    """(grads, params, states, hypers) -> the all-gather of the updated parts, not waited; with
-    ``gather="forward"`` the updated parts (:func:`_gather_fn` issues their all-gather at the
-    output). ``private``: update copies of this rank's parts that no compiler pass folds into the
-    parameters (``fresh_copy``), for a bucket whose parameters' old values are read after the
-    update: by the rest of the backward, or, with ``gather="forward"``, between steps (the
-    parameters keep the previous step's values until the next forward writes them, on every
-    rank alike)."""
-    bucket, world, n = shard.bucket, shard.world, len(shard.bucket.slots)
-    owned = shard.owned()
-    backend = backend_of(group_name)
-    reduce_scatter = kind(SHARDED).lower(backend)
+    """(grads, params, states, hypers) -> the all-gather of the updated parts, not waited (with
+    ``gather="forward"`` the updated parts): a bucket updated as soon as its average arrives."""
+    n = len(shard.bucket.slots)
 
     def run(*args: torch.Tensor) -> torch.Tensor:
         grads, params, rest = args[:n], args[n:2 * n], list(args[2 * n:])
-        states = {}
-        for k in owned:
-            width = len(shard.rules[k].state)
-            states[k], rest = rest[:width], rest[width:]
-        hyper = {}
-        for g in shard.groups:
-            width = len(shard.rules[shard.group_of.index(g)].hyper)
-            hyper[g], rest = rest[:width], rest[width:]
-        # Cast and divide each gradient's columns before they are concatenated (elementwise, so
-        # the same values): inductor then writes the concatenation in one pass, where a division
-        # after it took a second whole-bucket buffer, alive next to the first.
-        columns = []
-        for grad, slot, c in zip(grads, bucket.slots, shard.chunks):
-            with role("flatten"):
-                flat = _flat(grad, slot.numel)
-                column = aten.view.default(aten.constant_pad_nd.default(flat, [0, world * c - slot.numel]), [world, c])
-            with role("compress"):
-                column = hook.compress(column, bucket)
-            with role("scale"):
-                columns.append(aten.div.Tensor(column, world))
-        with role("flatten"):
-            scaled = aten.view.default(aten.cat.default(columns, 1) if n > 1 else columns[0], [-1])
-        with role(SHARDED):
-            pending = reduce_scatter.issue(scaled, group_name, world)
-        with role("update"):
-            copy = fresh_copy if private else _clone
-            work = [copy(aten.slice.Tensor(_flat(p, s.numel), 0, lo, hi)) for p, s, (lo, hi) in zip(params, bucket.slots, shard.parts)]
-        with role("wait"):
-            done = reduce_scatter.finish(WAIT(pending), world)
-        with role("decompress"):
-            grad_part = hook.decompress(done, bucket)
-        with role("update"):
-            at = 0
-            for k, c in enumerate(shard.chunks):
-                lo, hi = shard.parts[k]
-                if k in states:
-                    rule = shard.rules[k]
-                    UPDATES[rule.kind](rule, work[k], aten.slice.Tensor(grad_part, 0, at, at + hi - lo), states[k], hyper[shard.group_of[k]])
-                at += c
-            mine = aten.cat.default([aten.constant_pad_nd.default(w, [0, c - w.numel()]) for w, c in zip(work, shard.chunks)])
-        if bucket.gather == "forward":
-            return mine
-        return _gather_fn(shard, group_name)(mine)
+        pending = _issue(shard, hook, group_name, grads)
+        work = _copies(shard, params, private)
+        return _step(shard, group_name, _receive(shard, hook, group_name, pending), work, rest)
+
+    return run
+
+
+def _reduce_fn(shard: ShardLayout, hook: hooks.CommHook, group_name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """``max_grad_norm``, first half: (grads) -> (this rank's part of the bucket's average, the
+    sum of squares of each slot's part): the update waits for the clip coefficient, which needs
+    every bucket's squares (:func:`graphddp.optim.clip.sharded_coefficient_fn`)."""
+
+    def run(*grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        grad_part = _receive(shard, hook, group_name, _issue(shard, hook, group_name, grads))
+        return grad_part, clip.part_squares(grad_part, [hi - lo for lo, hi in shard.parts], shard.chunks)
+
+    return run
+
+
+def _clipped_update_fn(shard: ShardLayout, group_name: str, private: bool) -> Callable[..., torch.Tensor]:
+    """``max_grad_norm``, second half: (this rank's part of the average, params, states,
+    hypers, the clip coefficient) -> as :func:`_update_fn`, from the part times the coefficient
+    (``clip_grad_norm_``'s ``mul_``)."""
+    n = len(shard.bucket.slots)
+
+    def run(grad_part: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+        params, rest, coef = args[:n], list(args[n:-1]), args[-1]
+        work = _copies(shard, params, private)
+        with role(clip.CLIP):
+            grad_part = aten.mul.Tensor(grad_part, coef)
+        return _step(shard, group_name, grad_part, work, rest)
 
     return run
 
@@ -261,11 +321,36 @@ def _state_values(shard: ShardLayout, fake_mode: Any, values: Mapping[str, torch
     return vals
 
 
+@dataclasses.dataclass(frozen=True)
+class _Traced:
+    """One sharded bucket's traced functions, spliced by :class:`_Splicer`."""
+
+    shard: ShardLayout
+    update: fx.GraphModule  # without clipping, the whole bucket (:func:`_update_fn`); with, from the part on
+    tail: fx.GraphModule  # its wait and writes, or (gather="forward") its all-gather
+    reduce: fx.GraphModule | None = None  # with clipping: the reduce-scatter to the part and its squares
+
+
+def _outputs(traced: fx.GraphModule) -> Any:
+    """The fake values a traced function returns (one, or a tuple of them)."""
+    out = traced.graph.output_node().args[0]
+    return tuple(n.meta["val"] for n in out) if isinstance(out, (tuple, list)) else out.meta["val"]
+
+
+def _coefficient_value(reduces: list[fx.GraphModule], fake_mode: Any) -> torch.Tensor:
+    """A fake value of the clip coefficient: a scalar of the type the squares add up in
+    (:func:`graphddp.optim.clip.sharded_coefficient_fn`), on their device."""
+    squares = [_outputs(r)[1] for r in reduces]
+    with fake_mode:
+        return torch.empty((), dtype=functools.reduce(torch.promote_types, [q.dtype for q in squares]), device=squares[0].device)
+
+
 def insert_sharded_updates(
     gm: fx.GraphModule, schedule: Schedule, inputs: UpdateInputs, *, rank: int, hook: hooks.CommHook | None = None,
 ) -> list[ShardLayout]:
-    """Splice every sharded bucket (module docstring); returns their layouts, in bucket order
-    (the runtime passes the inputs of :func:`layout` for each). A no-op without one."""
+    """Splice every sharded bucket (module docstring; with ``max_grad_norm``,
+    :func:`_splice_clipped`); returns their layouts, in bucket order (the runtime passes the
+    inputs of :func:`layout` for each). A no-op without one."""
     sharded = [b for b in schedule.buckets if b.collective == SHARDED]
     if not sharded:
         return []
@@ -280,26 +365,40 @@ def insert_sharded_updates(
     decompositions = select_decomp_table()
     issues = [placements[shard.bucket.index].issue for shard in shards]
     position = {n: i for i, n in enumerate(graph.nodes)}  # before any edit
+    clipped = schedule.max_grad_norm is not None
+    reduces = {}  # max_grad_norm: per bucket, the trace of its reduce-scatter to its part and squares
+    for shard in shards if clipped else ():
+        fn = _reduce_fn(shard, hook or hooks.for_bucket(shard.bucket), schedule.group_name)
+        grads = [outs[s.output_index].meta["val"] for s in shard.bucket.slots]
+        reduces[shard.bucket.index] = trace(fn, grads, f"sharded bucket {shard.bucket.index}'s average", decompositions)
+    coef = _coefficient_value(list(reduces.values()), fake_mode) if clipped else None
     traced = []
     for at, shard in enumerate(shards):  # every bucket traced before the first edit
         b = shard.bucket
-        memory = _storages(inputs.values[n] for n in b.param_names)
-        private = b.gather == "forward" or _reads_after(_update_point(at, placements[b.index], issues, position, output), memory, output)
-        grads = [outs[s.output_index] for s in b.slots]
+        # With clipping every update waits for the coefficient, at the end of the backward.
+        point = output if clipped else _update_point(at, placements[b.index], issues, position, output)
+        private = b.gather == "forward" or _reads_after(point, _storages(inputs.values[n] for n in b.param_names), output)
         params = [inputs.values[n] for n in b.param_names]
-        vals = [g.meta["val"] for g in grads] + params + _state_values(shard, fake_mode, inputs.values)
-        update = trace(_update_fn(shard, hook or hooks.for_bucket(b), schedule.group_name, private), vals, f"sharded bucket {b.index}", decompositions)
-        result = update.graph.output_node().args[0].meta["val"]
+        rest = _state_values(shard, fake_mode, inputs.values)
+        if clipped:
+            grad_part = _outputs(reduces[b.index])[0]
+            fn = _clipped_update_fn(shard, schedule.group_name, private)
+            update = trace(fn, [grad_part, *params, *rest, coef], f"sharded bucket {b.index}'s update", decompositions)
+        else:
+            fn = _update_fn(shard, hook or hooks.for_bucket(b), schedule.group_name, private)
+            grads = [outs[s.output_index].meta["val"] for s in b.slots]
+            update = trace(fn, grads + params + rest, f"sharded bucket {b.index}", decompositions)
+        result = _outputs(update)
         # What ends the bucket in this graph: its wait and writes, or with gather="forward" (the
         # next forward waits and writes) its all-gather, issued at the output.
         if b.gather == "forward":
             tail = trace(_gather_fn(shard, schedule.group_name), [result], f"sharded bucket {b.index}'s all-gather")
         else:
             tail = trace(write_fn(shard), [result, *params], f"sharded bucket {b.index}'s write")
-        traced.append((shard, update, tail))
+        traced.append(_Traced(shard, update, tail, reduces.get(b.index)))
     new_params = {}
     new_rest = {}
-    for shard, _, _ in traced:
+    for shard in shards:
         names = layout(shard)
         n = len(shard.bucket.slots)
         vals = [inputs.values[s] for s in shard.bucket.param_names] + _state_values(shard, fake_mode, inputs.values)
@@ -307,40 +406,127 @@ def insert_sharded_updates(
         new_params.update(zip(shard.bucket.param_names, nodes[:n]))
         new_rest[shard.bucket.index] = nodes[n:]
     param_node = parameter_nodes(graph, list(new_params), inputs, new_params)
-    last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
-    cursor: dict[fx.Node, fx.Node] = {}  # issue point -> the last node spliced after it
-    writes = []
-    deferred: dict[int, Any] = {}  # gather="forward": bucket position -> its updated parts
-    late_points: list[fx.Node] = []  # per bucket: the node its wait, update and all-gather precede
-    for at, (shard, update, tail) in enumerate(traced):
-        b = shard.bucket
-        p = placements[b.index]
-        grads = [outs[s.output_index] for s in b.slots]
-        params = [param_node[n] for n in b.param_names]
-        late = frozenset(_not_for_the_issue(update))
-        issue = last_placeholder if p.issue.op == "placeholder" else p.issue
-        early = cursor.get(issue, issue).next
-        wait = _update_point(at, p, issues, position, output)
-        late_points.append(wait)
-        gathered = splice(graph, update, grads + params + new_rest[b.index], early, b.index, late=(late, wait))
-        cursor[issue] = early.prev  # the next bucket issued at this point follows this one
-        for s in b.slots:
-            outs[s.output_index] = None
-        if b.gather == "forward":
-            deferred[at] = gathered
-            continue
-        writes.append((at, (b, tail, gathered, params)))
-    for at, pending in writes:
-        _splice_write(graph, _write_point(late_points, at, pending[3], output), *pending)
+    splicer = _Splicer(graph, traced, outs, param_node, new_rest, _IssuePoints(graph), placements)
+    if clipped:
+        splicer.clipped(schedule, issues, position, decompositions)
+    else:
+        splicer.overlapped(issues, position)
     # gather="forward": every all-gather at the output, the last bucket's first (the forward
     # reads it first), so that the backward's link carries the reduce-scatters only.
+    deferred = splicer.deferred
     for at in sorted(deferred, reverse=True):
-        shard, _, gather = traced[at]
-        deferred[at] = splice(graph, gather, [deferred[at]], output, shard.bucket.index)
+        deferred[at] = splice(graph, traced[at].tail, [deferred[at]], output, traced[at].shard.bucket.index)
     set_outputs(graph, list(outs) + [deferred[at] for at in sorted(deferred)])
     graph.lint()
     gm.recompile()
     return shards
+
+
+class _IssuePoints:
+    """Where each bucket's reduce-scatter goes: right after its issue point (after the graph's
+    inputs for a bucket issued with them), after any bucket issued at the same point before it."""
+
+    def __init__(self, graph: fx.Graph) -> None:
+        self.last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
+        self.cursor: dict[fx.Node, fx.Node] = {}  # issue point -> the last node spliced after it
+
+    @contextlib.contextmanager
+    def at(self, issue: fx.Node) -> Iterator[fx.Node]:
+        """The node to splice before; the next bucket issued at ``issue`` follows what was spliced."""
+        issue = self.last_placeholder if issue.op == "placeholder" else issue
+        early = self.cursor.get(issue, issue).next
+        yield early
+        self.cursor[issue] = early.prev
+
+
+@dataclasses.dataclass
+class _Splicer:
+    """The traced buckets spliced into the graph, with or without clipping."""
+
+    graph: fx.Graph
+    traced: list[_Traced]  # in bucket order
+    outs: list[Any]  # the graph's outputs, each bucket's gradients set to None as it is spliced
+    param_node: Mapping[str, fx.Node]
+    rest: Mapping[int, list[fx.Node]]  # per bucket index: its state and hyperparameter inputs
+    early: _IssuePoints
+    placements: Mapping[int, Any]
+    deferred: dict[int, Any] = dataclasses.field(default_factory=dict)  # gather="forward": bucket position -> its updated parts
+
+    def _taken(self, bucket: Bucket) -> tuple[list[fx.Node], list[fx.Node]]:
+        """The bucket's gradients (no longer returned) and parameter nodes."""
+        grads = [self.outs[s.output_index] for s in bucket.slots]
+        for s in bucket.slots:
+            self.outs[s.output_index] = None
+        return grads, [self.param_node[n] for n in bucket.param_names]
+
+    def overlapped(self, issues: list[fx.Node], position: Mapping[fx.Node, int]) -> None:
+        """Each bucket updated as soon as its average arrives (module docstring)."""
+        output = self.graph.output_node()
+        writes = []
+        late_points: list[fx.Node] = []  # per bucket: the node its wait, update and all-gather precede
+        for at, t in enumerate(self.traced):
+            b = t.shard.bucket
+            p = self.placements[b.index]
+            grads, params = self._taken(b)
+            wait = _update_point(at, p, issues, position, output)
+            late_points.append(wait)
+            with self.early.at(p.issue) as point:
+                gathered = splice(self.graph, t.update, grads + params + self.rest[b.index], point, b.index, late=(frozenset(_not_for_the_issue(t.update)), wait))
+            if b.gather == "forward":
+                self.deferred[at] = gathered
+            else:
+                writes.append((at, (b, t.tail, gathered, params)))
+        for at, pending in writes:
+            _splice_write(self.graph, _write_point(late_points, at, pending[3], output), *pending)
+
+    def clipped(self, schedule: Schedule, issues: list[fx.Node], position: Mapping[fx.Node, int], decompositions: Mapping[Any, Any]) -> None:
+        """``max_grad_norm``: each bucket's reduce-scatter where it would be, its wait and the
+        sums of squares of its parts where its update would be (:func:`_update_point`: while
+        later buckets are on the wire); the gradients the graph still returns (all-reduced
+        buckets: parameters the optimizer does not hold) normed after their own wait; then, at
+        the end, one all-reduce of the squares and the coefficient
+        (:func:`graphddp.optim.clip.sharded_coefficient_fn`), the returned gradients scaled,
+        and every bucket's update from its part times the coefficient, its all-gather and, one
+        bucket later, its wait and writes (two all-gathers in flight, as without clipping)."""
+        graph, output = self.graph, self.graph.output_node()
+        parts, squares = [], []
+        for at, t in enumerate(self.traced):
+            b = t.shard.bucket
+            p = self.placements[b.index]
+            grads, _ = self._taken(b)
+            wait = _update_point(at, p, issues, position, output)
+            with self.early.at(p.issue) as point:
+                part, square = splice(graph, t.reduce, grads, point, b.index, late=(frozenset(_not_for_the_issue(t.reduce)), wait))
+            parts.append(part)
+            squares.append(square)
+        returned = [
+            (b.index, [self.outs[s.output_index] for s in b.slots if not s.zero_filled and self.outs[s.output_index] is not None])
+            for b in schedule.buckets if b.collective != SHARDED
+        ]
+        norms = clip.insert_norms(graph, returned, decompositions)
+        last = self.traced[-1].shard.bucket.index
+        coefficient = clip.sharded_coefficient_fn(schedule.max_grad_norm, len(squares), schedule.group_name, schedule.world_size)
+        traced = trace(coefficient, [n.meta["val"] for n in squares + norms], "the clip coefficient", decompositions)
+        coef = splice(graph, traced, squares + norms, after_all(graph, squares + norms), last)
+        coef.meta[ROLE_KEY] = clip.CLIP_COEFFICIENT
+        for index, grads in returned:  # clip_grad_norm_ scales every gradient of the module
+            scaled = clip.insert_scaled(graph, coef, grads, index, decompositions)
+            for g, new in zip(grads, scaled):
+                self.outs[self.outs.index(g)] = new
+        pending = None
+        for at, t in enumerate(self.traced):
+            b = t.shard.bucket
+            params = [self.param_node[n] for n in b.param_names]
+            gathered = splice(graph, t.update, [parts[at], *params, *self.rest[b.index], coef], output, b.index)
+            if pending is not None:
+                _splice_write(graph, output, *pending)
+                pending = None
+            if b.gather == "forward":
+                self.deferred[at] = gathered
+            else:
+                pending = (b, t.tail, gathered, params)
+        if pending is not None:
+            _splice_write(graph, output, *pending)
 
 
 def _update_point(at: int, placement: Any, issues: list[fx.Node], position: Mapping[fx.Node, int], output: fx.Node) -> fx.Node:

@@ -21,6 +21,12 @@ S5. **One write, after the gather, last.** Each parameter of the bucket is writt
     un-waited, as one of the graph's extra outputs, and the backward writes no parameter of the
     bucket (the next forward does: :func:`graphddp.optim.insert_gather.verify_forward_gathers`).
 
+S6. **Clipping** (``max_grad_norm``; :mod:`graphddp.optim.clip`). One clip coefficient node,
+    computed from every sharded bucket's reduce-scatter wait through one all-reduce (each
+    rank holds its parts' squares only: summed over ranks they are the norms) and from every
+    gradient the graph still returns; every bucket's all-gather, and every such returned
+    gradient, is computed from it. Without ``max_grad_norm``, no coefficient.
+
 Failures raise :class:`graphddp.graph.verify_common.VerificationError` showing the node in context.
 """
 from __future__ import annotations
@@ -29,8 +35,9 @@ import torch
 import torch.fx as fx
 
 from graphddp.graph.capture import ancestors
-from graphddp.graph.verify_common import _fail
-from graphddp.optim.verify import _Memory, _root
+from graphddp.graph.verify_common import VerificationError, _fail
+from graphddp.optim.clip import CLIP, CLIP_COEFFICIENT, CLIP_NORM
+from graphddp.optim.verify import _closure, _Memory, _root
 from graphddp.values.collectives import kind
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_collective, is_wait
 from graphddp.values.schedule import Schedule
@@ -40,7 +47,7 @@ ALL_TO_ALL = kind("reduce_scatter").lower("gloo").op  # a reduce-scatter on gloo
 
 
 def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
-    """Check S1-S5 (module docstring)."""
+    """Check S1-S6 (module docstring)."""
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     by_name = {n.name: n for n in nodes}
@@ -49,7 +56,7 @@ def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
     rs_ops, ag_ops = kind("reduce_scatter").ops, kind("all_gather").ops
     for bucket in (b for b in schedule.buckets if b.collective == "reduce_scatter"):
         mine = [n for n in nodes if n.meta.get(BUCKET_KEY) == bucket.index]
-        collectives = [n for n in mine if is_collective(n)]
+        collectives = [n for n in mine if is_collective(n) and n.meta.get(ROLE_KEY) != CLIP]  # S6 checks the norms' all-reduce
         # by role: on gloo both are all-to-alls (graphddp.values.collectives)
         gathers = [n for n in collectives if n.target in ag_ops and n.meta.get(ROLE_KEY) == "all_gather"]
         scatters = [n for n in collectives if n.target in rs_ops and n not in gathers]
@@ -79,6 +86,48 @@ def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
                                   f"no parameter in the backward (S5)")
             continue
         _check_writes(gm, where, bucket.param_names, writes, gather_waits, memory_of, order)
+    _check_clipping(gm, schedule, outs)
+
+
+def _check_clipping(gm: fx.GraphModule, schedule: Schedule, outs: list) -> None:
+    """S6 (module docstring)."""
+    coefs = [n for n in gm.graph.nodes if n.meta.get(ROLE_KEY) == CLIP_COEFFICIENT]
+    if schedule.max_grad_norm is None:
+        if coefs:
+            _fail(gm, coefs[0], "a clip coefficient in a graph whose schedule has no max_grad_norm (S6)")
+        return
+    if len(coefs) != 1:
+        raise VerificationError(f"graphddp verify: max_grad_norm={schedule.max_grad_norm}: {len(coefs)} clip coefficients, expected 1 (S6)")
+    (coef,) = coefs
+    inputs = ancestors(coef)
+    summed = [n for n in inputs if is_collective(n) and n.meta.get(ROLE_KEY) == CLIP]
+    if len(summed) != 1:
+        _fail(gm, coef, f"the clip coefficient {coef.name} reads {len(summed)} all-reduces of the parts' squares, expected 1 (S6)")
+    reduced = ancestors(summed[0])
+    later = _closure(coef, lambda n: n.users)
+    for bucket in (b for b in schedule.buckets if b.collective == "reduce_scatter"):
+        mine = [n for n in gm.graph.nodes if n.meta.get(BUCKET_KEY) == bucket.index and n.meta.get(ROLE_KEY) != CLIP]
+        scatter, gather = _scatter_and_gather(mine)
+        if not any(is_wait(u) and u in reduced for u in scatter.users):
+            _fail(gm, summed[0], f"sharded bucket {bucket.index}: the all-reduce of the parts' squares does not read its reduce-scatter's wait (S6)")
+        if gather not in later:
+            _fail(gm, gather, f"sharded bucket {bucket.index}: its parts are updated without the clip coefficient (S6)")
+    for bucket in (b for b in schedule.buckets if b.collective != "reduce_scatter"):
+        graded = [outs[s.output_index] for s in bucket.slots if not s.zero_filled and isinstance(outs[s.output_index], fx.Node)]
+        for out in graded:
+            if out not in later:
+                _fail(gm, out, f"{out.name}, a gradient of bucket {bucket.index} the graph returns, is not clipped (S6)")
+        if graded and not any(n.meta.get(BUCKET_KEY) == bucket.index and n.meta.get(ROLE_KEY) == CLIP_NORM for n in inputs):
+            _fail(gm, coef, f"the clip coefficient {coef.name} does not read the norms of bucket {bucket.index}'s returned gradients (S6)")
+
+
+def _scatter_and_gather(mine: list[fx.Node]) -> tuple[fx.Node, fx.Node]:
+    """A sharded bucket's reduce-scatter and all-gather among its nodes (by role: on gloo both
+    are all-to-alls)."""
+    collectives = [n for n in mine if is_collective(n)]
+    gathers = [n for n in collectives if n.target in kind("all_gather").ops and n.meta.get(ROLE_KEY) == "all_gather"]
+    scatters = [n for n in collectives if n.target in kind("reduce_scatter").ops and n not in gathers]
+    return scatters[0], gathers[0]
 
 
 def _check_rows_summed(gm: fx.GraphModule, where: str, waits: list[fx.Node], world: int) -> None:

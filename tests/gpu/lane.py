@@ -82,6 +82,9 @@ MODES: dict[str, dict[str, Any]] = {
     # runs too (in the graph, or torch's fused step where the graph leaves it)
     "optimizer_fused": {"optimizer": True, "fused": True, "micro": 2},
     "sharded_fused": {"optimizer": True, "sharding": "optimizer", "fused": True},
+    # nanoGPT's train.py with ZeRO-2 on a GPU: micro-steps, fused AdamW, grad_clip=1.0 (each rank
+    # norms its parts; one all-reduce of their squares gives the global norm)
+    "sharded_clip": {"optimizer": True, "sharding": "optimizer", "fused": True, "micro": 2, "clip": 1.0},
 }
 # (setup, model, mode): what the lane runs. Each nccl1 case is one process, each gloo2 case two.
 CASES: tuple[tuple[str, str, str], ...] = (
@@ -92,7 +95,7 @@ CASES: tuple[tuple[str, str, str], ...] = (
     ("gloo2", "cnn", "sharded_fwd"), ("gloo2", "cnn", "fp16_scaler"),
     ("nccl1", "gpt2", "optimizer_clip"), ("gloo2", "gpt2", "accumulate"), ("gloo2", "gpt2", "optimizer_clip"),
     ("nccl1", "gpt2", "full"), ("nccl1", "cnn", "full_keep"), ("gloo2", "gpt2", "full"),
-    ("gloo2", "gpt2", "optimizer_fused"), ("nccl1", "gpt2", "sharded_fused"),
+    ("gloo2", "gpt2", "optimizer_fused"), ("nccl1", "gpt2", "sharded_fused"), ("gloo2", "gpt2", "sharded_clip"),
 )
 POWERSGD = dict(matrix_approximation_rank=2, start_powerSGD_iter=2, min_compression_rate=1)
 POWERSGD_CAP = 0.05  # MB

@@ -30,6 +30,7 @@ from graphddp import models
 from graphddp.testing import spawn
 
 MICRO_STEP = 2  # this step is two micro-steps, the first with require_backward_grad_sync=False
+SHARDED = {"sharding": "optimizer"}
 
 
 def _mlp_loss(m: nn.Module, rank: int, step: int) -> torch.Tensor:
@@ -44,6 +45,18 @@ def _break_mlp_loss(m: nn.Module, rank: int, step: int) -> torch.Tensor:
     return F.mse_loss(m(x), y)
 
 
+def _adamw_without_first(m: nn.Module) -> torch.optim.Optimizer:
+    """AdamW over every parameter but the first layer's (a bucket of their own at the cap
+    below: its gradients are the user's, returned whole and kept)."""
+    return torch.optim.AdamW(list(m.parameters())[2:], lr=1e-2, weight_decay=0.1)
+
+
+def _adamw_without_last(m: nn.Module) -> torch.optim.Optimizer:
+    """AdamW over every parameter but the last layer's, which share a bucket with the layer
+    before at the cap below."""
+    return torch.optim.AdamW(list(m.parameters())[:-2], lr=1e-2, weight_decay=0.1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     make: Callable[[], nn.Module]
@@ -54,6 +67,9 @@ class Case:
     tol: dict = dataclasses.field(default_factory=lambda: TIGHT)
     steps: int = 4
     optimizer: Callable[[nn.Module], torch.optim.Optimizer] = _adamw
+    options: dict = dataclasses.field(default_factory=dict)  # more graphddp.compile options (sharding=)
+    world: int = 2
+    backend: str = "aot_eager"
 
 
 CASES = {
@@ -67,6 +83,26 @@ CASES = {
     "tied_across_break_after_backward": Case(
         lambda: models.BreakGPT(vocab=64, dim=32, heads=2, layers=2, seq=8), _gpt_loss, 0.5, (), "shared", optimizer=_sgd
     ),
+    # sharding="optimizer": each rank norms its parts of the reduce-scattered buckets, one
+    # all-reduce of their squares gives the norm, then every part is updated and all-gathered.
+    # The step after the micro-steps is torch's clip, then the shard's step (no carry there).
+    "mlp_sharded": Case(lambda: models.MLP(width=32, depth=4), _mlp_loss, 0.05, ((3, 1),), options=SHARDED),
+    "mlp_sharded_3_ranks": Case(lambda: models.MLP(width=32, depth=4), _mlp_loss, 0.05, ((3, 1),), options=SHARDED, world=3),
+    "mlp_sharded_gather_forward_sgd": Case(
+        lambda: models.MLP(width=32, depth=4), _mlp_loss, 0.05, ((3, 1),), optimizer=_sgd, options={**SHARDED, "gather": "forward"}
+    ),
+    "mlp_sharded_inductor": Case(lambda: models.MLP(width=32, depth=4), _mlp_loss, 0.05, ((3, 1),), options=SHARDED, backend="inductor"),
+    "hf_gpt2_sharded": Case(_hf_gpt2, _hf_loss, 0.5, ((3, 1),), tol=ADAM_NOISE, options=SHARDED),
+    # Gradients the optimizer does not hold stay whole (all-reduced, returned): in the norm once, and clipped.
+    "mlp_sharded_partial_optimizer": Case(
+        lambda: models.MLP(width=32, depth=4), _mlp_loss, 0.05, ((3, 1),), optimizer=_adamw_without_first, options=SHARDED
+    ),
+    # ... and beside them in one bucket (the last layer's, left out): that bucket stays whole, so
+    # the graph shards nothing (one norm over every gradient): torch clips, the shard steps, after.
+    "mlp_sharded_mixed_bucket": Case(
+        lambda: models.MLP(width=32, depth=4), _mlp_loss, 0.05, (), optimizer=_adamw_without_last, options=SHARDED
+    ),
+    "graph_break_sharded": Case(models.GraphBreakMLP, _break_mlp_loss, 0.05, ((0, 4), (0, 4)), "clip spans graphs", options=SHARDED),
 }
 
 
@@ -81,7 +117,8 @@ def _train(rank: int, world: int, name: str) -> None:
                 p.add_(0.25)
     ref = DDP(copy.deepcopy(base))
     opt, ref_opt = case.optimizer(mine), case.optimizer(ref.module)
-    ours = graphddp.compile(mine, optimizer=opt, max_grad_norm=case.max_norm, backend="aot_eager", bucket_cap_mb=0.004)
+    ours = graphddp.compile(mine, optimizer=opt, max_grad_norm=case.max_norm, backend=case.backend, bucket_cap_mb=0.004, **case.options)
+    sharded = case.options.get("sharding") == "optimizer"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the fallback's warning: the records say it below
         for step in range(case.steps):
@@ -95,10 +132,18 @@ def _train(rank: int, world: int, name: str) -> None:
             for o in (opt, ref_opt):
                 o.step()
                 o.zero_grad()
+            if case.options.get("gather") == "forward":  # the next forward would write them
+                ours.finish_gathers()
+            held = {id(p) for g in opt.param_groups for p in g["params"]}
             for (n, p), q in zip(mine.named_parameters(), ref.module.parameters()):
-                assert p.grad is None, f"{name} step {step}: {n}.grad kept"
+                if id(p) in held:
+                    assert p.grad is None, f"{name} step {step}: {n}.grad kept"
+                else:  # the user's gradient: averaged and clipped as clip_grad_norm_ left DDP's
+                    torch.testing.assert_close(p.grad, q.grad, **case.tol, msg=lambda m: f"{name} step {step} {n}.grad: {m}")
+                    p.grad = q.grad = None
                 torch.testing.assert_close(p.detach(), q.detach(), **case.tol, msg=lambda m: f"{name} step {step} {n}: {m}")
-            assert_state_dicts_equal(opt.state_dict(), ref_opt.state_dict(), case.tol, f"{name} step {step}")
+            state = graphddp.full_optimizer_state_dict(ours) if sharded else opt.state_dict()
+            assert_state_dicts_equal(state, ref_opt.state_dict(), case.tol, f"{name} step {step}")
     updating = [(st.steps_in_graph, st.steps_after) for st in ours._replica.backend.states if st.steps_in_graph + st.steps_after]
     assert tuple(updating) == case.expect_runs, f"{name}: (in-graph, after-backward) steps per graph {updating}"
     clipped = [s for s in ours.schedules if any(b.updates for b in s.buckets)]
@@ -109,4 +154,4 @@ def _train(rank: int, world: int, name: str) -> None:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_clipping_with_the_optimizer_inside_matches_ddp_clip_grad_norm_and_step(name: str) -> None:
-    spawn(_train, 2, name)
+    spawn(_train, CASES[name].world, name)
