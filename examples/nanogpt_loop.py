@@ -17,9 +17,8 @@ What it keeps of nanoGPT's loop, because each is something a drop-in must surviv
 * ``estimate_loss`` on rank 0 only, under ``torch.no_grad()`` and ``model.eval()``;
 * a checkpoint of ``raw_model.state_dict()`` and ``optimizer.state_dict()``, and a resume.
 
-With ``--sharding optimizer`` or ``full`` (the optimizer inside, as both modes need; with
-``optimizer``, ``--grad-clip 0``: clipping by the global norm is refused in that mode) the
-checkpoint is written as those modes need it: every rank gathers the whole optimizer state
+With ``--sharding optimizer`` or ``full`` (the optimizer inside, as both modes need, clipping
+by the global norm as nanoGPT does) the checkpoint is written as those modes need it: every rank gathers the whole optimizer state
 (``graphddp.full_optimizer_state_dict``) and, with ``full``, the whole parameters
 (``model.state_dict()``), then rank 0 saves; and with ``full`` every rank evaluates (each
 forward gathers from every rank; a forward on rank 0 alone is an error), the other ranks on a

@@ -20,6 +20,7 @@ import pytest
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
 RTOL = 1e-5  # float32, aot_eager on both sides: the same kernels; what differs is the order of a few sums
+CLIP = "0.05"  # --grad-clip where clipping is tested: it bites here (a run without clipping fails), nanoGPT's 1.0 does not
 
 
 def _loop(rank: int, world: int, argv: list[str], out: str) -> None:
@@ -62,8 +63,10 @@ def test_the_loop_with_the_optimizer_inside_trains_like_ddp(tmp_path):
     """``graphddp.compile(model, optimizer=..., max_grad_norm=grad_clip)``: AdamW (two param
     groups, the LR schedule) and clipping inside the backward of the step after the micro-steps,
     which carries their gradients into its buckets; the loop's ``scaler.step`` (a disabled
-    scaler) and ``zero_grad`` are no-ops. Loss for loss against DDP + clip_grad_norm_ + step."""
-    got = _run(tmp_path, "inside", "--max-iters", "8", "--eval-interval", "4", "--optimizer-inside")
+    scaler) and ``zero_grad`` are no-ops. Loss for loss against DDP + clip_grad_norm_ + step, at
+    a clip that bites (nanoGPT's 1.0 never does on this small model: a run without clipping
+    passed at 1.0)."""
+    got = _run(tmp_path, "inside", "--max-iters", "8", "--eval-interval", "4", "--optimizer-inside", "--grad-clip", CLIP)
     _same(got["graphddp"]["losses"], got["ddp"]["losses"], "optimizer inside, training losses")
     _same(got["graphddp"]["eval"], got["ddp"]["eval"], "optimizer inside, evaluation losses")
     assert not any(got["graphddp"]["fallbacks"]), f"steps left to torch's step: {got['graphddp']['fallbacks']}"
@@ -84,10 +87,10 @@ def test_a_checkpoint_resumes_where_the_run_was(tmp_path):
 
 
 def test_the_loop_with_sharded_optimizer_state_trains_like_ddp(tmp_path):
-    """``sharding="optimizer"``: each rank updates its part of every bucket inside the backward;
-    the evaluation stays on rank 0 (its forward needs no collective). Without nanoGPT's clipping:
-    ``max_grad_norm`` with this mode is refused by name (a global norm of the parts is not built)."""
-    got = _run(tmp_path, "sharded", "--max-iters", "8", "--eval-interval", "4", "--sharding", "optimizer", "--grad-clip", "0")
+    """``sharding="optimizer"``: each rank updates its part of every bucket inside the backward,
+    clipped by the global norm (one all-reduce of the parts' squares) at a clip that bites; the
+    evaluation stays on rank 0 (its forward needs no collective)."""
+    got = _run(tmp_path, "sharded", "--max-iters", "8", "--eval-interval", "4", "--sharding", "optimizer", "--grad-clip", CLIP)
     _same(got["graphddp"]["losses"], got["ddp"]["losses"], "sharding='optimizer', training losses")
     _same(got["graphddp"]["eval"], got["ddp"]["eval"], "sharding='optimizer', evaluation losses")
 
