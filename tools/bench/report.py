@@ -189,8 +189,9 @@ def _powersgd_lines(s: dict[str, Any]) -> list[str]:
 def _memory_lines(s: dict[str, Any]) -> list[str]:
     """--modes sharded: what each AdamW mode keeps on a rank, next to its step's peak."""
     names = [n for n in ("graphddp_full", "graphddp_full_keep", "graphddp_full_bf16", "graphddp_sharded", "graphddp_sharded_fwd",
-                         "graphddp_optim", "ddp_zero", "fsdp2_reshard", "fsdp2_reshard_bf16", "fsdp2", "ddp_cap1") if n in s["modes"]]
-    if not {"graphddp_sharded", "graphddp_sharded_fwd", "graphddp_full", "graphddp_full_keep", "graphddp_full_bf16"} & set(names):
+                         "graphddp_sharded_clip", "graphddp_sharded_fwd_clip", "graphddp_optim", "ddp_zero", "fsdp2_reshard", "fsdp2_reshard_bf16", "fsdp2", "fsdp2_clip",
+                         "ddp_cap1") if n in s["modes"]]
+    if not {"graphddp_sharded", "graphddp_sharded_fwd", "graphddp_sharded_clip", "graphddp_sharded_fwd_clip", "graphddp_full", "graphddp_full_keep", "graphddp_full_bf16"} & set(names):
         return []
     out = [f"memory per rank, MB (max over ranks): {'step ms':>9} {'opt state':>9} {'params':>8} {'step peak':>9} {'resident':>9}"
            "   (resident = params + opt state + step peak)"]

@@ -16,6 +16,16 @@ eager DDP (``ddp_cap1``):
   (the ZeRO-2 shape: parameters stay whole between forward and backward), AdamW on the local
   shards.
 
+And clipping by the global norm (``--modes sharded_clip``: nanoGPT's ``grad_clip=1.0`` on a
+ZeRO-2 run):
+
+* ``graphddp_sharded_clip``: ``graphddp_sharded`` with ``max_grad_norm=1.0``: each rank norms its
+  parts as they arrive, one all-reduce of their squares, then every part updated and all-gathered;
+* ``graphddp_sharded_fwd_clip``: the same with ``gather="forward"``: the all-gathers, which
+  clipping leaves after the backward, complete in the next forward instead;
+* ``fsdp2_clip``: ``fsdp2`` with ``torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)`` on
+  its sharded gradients after the backward (timed as comm), then the optimizer.
+
 And, for full sharding (``--modes full``), parameters held 1/N per rank too:
 
 * ``graphddp_full``: ``graphddp.compile(model, optimizer=opt, sharding="full")`` (each parameter
@@ -40,17 +50,20 @@ what sharding is for.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
 from tools.bench.modes import TrainMode
-from tools.bench.workload import make_optimizer
+from tools.bench.workload import MAX_GRAD_NORM, make_optimizer
 
-SHARDED_MODES = ("graphddp_sharded", "graphddp_sharded_fwd", "ddp_zero", "fsdp2", "graphddp_full", "graphddp_full_keep", "fsdp2_reshard",
-                 "graphddp_full_bf16", "fsdp2_reshard_bf16")
-GATHER = {"graphddp_sharded": "backward", "graphddp_sharded_fwd": "forward"}
+SHARDED_MODES = ("graphddp_sharded", "graphddp_sharded_fwd", "graphddp_sharded_clip", "graphddp_sharded_fwd_clip", "ddp_zero", "fsdp2", "fsdp2_clip", "graphddp_full",
+                 "graphddp_full_keep", "fsdp2_reshard", "graphddp_full_bf16", "fsdp2_reshard_bf16")
+GATHER = {"graphddp_sharded": "backward", "graphddp_sharded_fwd": "forward", "graphddp_sharded_clip": "backward",
+          "graphddp_sharded_fwd_clip": "forward"}
+CLIPPED = ("graphddp_sharded_clip", "graphddp_sharded_fwd_clip", "fsdp2_clip")  # with MAX_GRAD_NORM
 # sharding="full": reshard_after_forward per mode (FSDP2's option, same meaning)
 FULL = {"graphddp_full": True, "graphddp_full_keep": False, "graphddp_full_bf16": True}
 # Mixed precision as FSDP2 users set it: gathers in bf16, reductions in fp32 (graphddp takes FSDP2's policy)
@@ -105,7 +118,8 @@ def build(name: str, base: nn.Module, batch: Any, loss: Callable, graphddp_optio
         import graphddp
 
         opt = make_optimizer(model.parameters())
-        m = graphddp.compile(model, optimizer=opt, **{**graphddp_options, "sharding": "optimizer", "gather": GATHER[name]})
+        clip = {"max_grad_norm": MAX_GRAD_NORM} if name in CLIPPED else {}
+        m = graphddp.compile(model, optimizer=opt, **{**graphddp_options, "sharding": "optimizer", "gather": GATHER[name], **clip})
         mode = TrainMode(name, m, None, batch, loss, opt=opt)
         if GATHER[name] == "forward":
             # Its step ends with the all-gathers on the wire; the next step's forward waits for
@@ -130,16 +144,17 @@ def build(name: str, base: nn.Module, batch: Any, loss: Callable, graphddp_optio
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
         opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4, weight_decay=0.01)
         return TrainMode(name, ddp, None, batch, loss, opt=opt), opt
-    if name in ("fsdp2", "fsdp2_reshard", "fsdp2_reshard_bf16"):
+    if name in ("fsdp2", "fsdp2_clip", "fsdp2_reshard", "fsdp2_reshard_bf16"):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        reshard = name != "fsdp2"
+        reshard = name not in ("fsdp2", "fsdp2_clip")
         policy = _policy(name) or MixedPrecisionPolicy()  # FSDP2's default: no casts
         for block in _blocks(model):
             fully_shard(block, reshard_after_forward=reshard, mp_policy=policy)
         fully_shard(model, reshard_after_forward=reshard, mp_policy=policy)
         opt = make_optimizer(model.parameters())
-        return TrainMode(name, model, None, batch, loss, opt=opt), opt
+        clip = functools.partial(torch.nn.utils.clip_grad_norm_, list(model.parameters()), MAX_GRAD_NORM) if name in CLIPPED else None
+        return TrainMode(name, model, None, batch, loss, opt=opt, after_backward=clip), opt
     raise ValueError(f"not a sharded mode: {name!r}")
 
 

@@ -106,6 +106,10 @@ def summarize(cfg: BenchConfig, ranks: list[dict], wall_s: float) -> dict[str, A
         "graphddp_clip": f"graphddp, same caps, clip_grad_norm_(params, {MAX_GRAD_NORM:g}) after the backward (in comm), separate optimizer",
         "graphddp_sharded": "graphddp, same caps, sharding='optimizer': reduce-scatter, 1/N of AdamW in the backward, all-gather",
         "graphddp_sharded_fwd": "graphddp_sharded with gather='forward': each all-gather waited for in the next forward",
+        "graphddp_sharded_clip": f"graphddp_sharded with max_grad_norm={MAX_GRAD_NORM:g}: parts normed as they arrive, one all-reduce "
+                                 "of their squares, every update and all-gather after it",
+        "graphddp_sharded_fwd_clip": "graphddp_sharded_clip with gather='forward': each all-gather waited for in the next forward",
+        "fsdp2_clip": f"fsdp2 + clip_grad_norm_(params, {MAX_GRAD_NORM:g}) on the sharded gradients after the backward (in comm)",
         "ddp_zero": "DDP eager (cap 1 MB) + ZeroRedundancyOptimizer(AdamW): 1/N of the state, params broadcast after the step",
         "fsdp2": "fully_shard per block and root, reshard_after_forward=False (ZeRO-2 shape), eager, AdamW on the shards",
         "fsdp2_reshard": "fully_shard per block and root, reshard_after_forward=True (FSDP2's default), eager, AdamW on the shards",

@@ -22,7 +22,7 @@ MODES = (
     *DDP_CAP_MODES, "ddp_compiled", "ddp_compiled_samecap", "ddp_compiled_autograd",
     "graphddp_tail_off", "graphddp", "graphddp_optim", "graphddp_optim_clip", "graphddp_clip", "graphddp_auto", *GRAPHDDP_CAP_MODES,
     "graphddp_powersgd", "ddp_powersgd", "ddp_powersgd_serial", "graphddp_sharded", "graphddp_sharded_fwd", "ddp_zero", "fsdp2",
-    "graphddp_full", "graphddp_full_keep", "fsdp2_reshard", "graphddp_full_bf16", "fsdp2_reshard_bf16",
+    "graphddp_sharded_clip", "graphddp_sharded_fwd_clip", "fsdp2_clip", "graphddp_full", "graphddp_full_keep", "fsdp2_reshard", "graphddp_full_bf16", "fsdp2_reshard_bf16",
 )
 # Issue 12: graphddp_auto (bucket_cap_mb="auto") against both sweeps at their best, and
 # against DDP at its defaults; compute_only for the compute floor.
@@ -42,14 +42,18 @@ FULL_PRESET = (*FULL_MODES, "fsdp2", "graphddp_sharded", "compute_only")
 # ... with FSDP2's mixed precision (bf16 gathers, fp32 reductions), against the same without it
 FULL_MP_MODES = ("graphddp_full_bf16", "fsdp2_reshard_bf16")
 FULL_MP_PRESET = (*FULL_MP_MODES, "graphddp_full", "fsdp2_reshard")
+# The sharded optimizer clipped by the global norm, next to itself unclipped, FSDP2 (ZeRO-2 shape)
+# clipped and not, and the replicated optimizer clipped inside the backward
+SHARDED_CLIP_PRESET = ("graphddp_sharded_clip", "graphddp_sharded_fwd_clip", "graphddp_sharded", "fsdp2_clip", "fsdp2", "graphddp_optim_clip",
+                       "compute_only")
 MODE_PRESETS: dict[str, tuple[str, ...]] = {"ddp": ("ddp_default",), "sweep": SWEEP_MODES, "sharded": SHARDED_PRESET, "clip": CLIP_PRESET,
-                                            "full": FULL_PRESET, "full_mp": FULL_MP_PRESET}
+                                            "sharded_clip": SHARDED_CLIP_PRESET, "full": FULL_PRESET, "full_mp": FULL_MP_PRESET}
 REPORTED = (  # rows of the table, in this order
     "graphddp", "graphddp_optim", "graphddp_optim_clip", "graphddp_clip", "graphddp_tail_off", "graphddp_auto", *GRAPHDDP_CAP_MODES, "compute_only",
     "compute_eager", "comm_only", "ideal_overlap", "no_overlap", "ddp_default", "ddp_same_buckets", "ddp_best",
     "best_swept", "ddp_compiled", "ddp_compiled_samecap", "ddp_compiled_autograd", *DDP_CAP_MODES,
     "graphddp_powersgd", "ddp_powersgd", "ddp_powersgd_serial", "graphddp_sharded", "graphddp_sharded_fwd", "ddp_zero", "fsdp2",
-    "graphddp_full", "graphddp_full_keep", "fsdp2_reshard", "graphddp_full_bf16", "fsdp2_reshard_bf16",
+    "graphddp_sharded_clip", "graphddp_sharded_fwd_clip", "fsdp2_clip", "graphddp_full", "graphddp_full_keep", "fsdp2_reshard", "graphddp_full_bf16", "fsdp2_reshard_bf16",
 )
 # Issue 13: PowerSGD, graphddp's in the graph against DDP's powerSGD_hook, with these settings
 # (DDP's PowerSGDState keywords less process_group; the rank is --powersgd-rank). Both do a
@@ -61,7 +65,8 @@ POWERSGD_SETTINGS = {"start_powerSGD_iter": POWERSGD_START_ITER, "min_compressio
                      "random_seed": 0, "batch_tensors_with_same_shape": False}
 POWERSGD_MODES = ("graphddp_powersgd", "ddp_powersgd", "ddp_powersgd_serial")
 # Modes that run only when named (or by a preset): make bench's default list keeps its length.
-OPT_IN_MODES = (*POWERSGD_MODES, *CLIP_MODES, "graphddp_sharded", "graphddp_sharded_fwd", "ddp_zero", "fsdp2", *FULL_MODES, *FULL_MP_MODES, *GRAPHDDP_CAP_MODES, *(m for m in DDP_CAP_MODES if m not in ("ddp_cap1", "ddp_cap4", "ddp_cap25")))
+SHARDED_CLIP_MODES = ("graphddp_sharded_clip", "graphddp_sharded_fwd_clip", "fsdp2_clip")
+OPT_IN_MODES = (*POWERSGD_MODES, *CLIP_MODES, "graphddp_sharded", "graphddp_sharded_fwd", "ddp_zero", "fsdp2", *SHARDED_CLIP_MODES, *FULL_MODES, *FULL_MP_MODES, *GRAPHDDP_CAP_MODES, *(m for m in DDP_CAP_MODES if m not in ("ddp_cap1", "ddp_cap4", "ddp_cap25")))
 DEFAULT_MODES = tuple(m for m in MODES if m not in OPT_IN_MODES)
 # Rows of the bytes-on-the-wire table: each PowerSGD mode next to its uncompressed counterpart.
 WIRE_ROWS = ("graphddp", "graphddp_powersgd", "ddp_default", "ddp_powersgd", "ddp_powersgd_serial")
