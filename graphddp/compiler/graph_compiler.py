@@ -314,11 +314,11 @@ class GraphCompiler(InGraphUpdates, HookRuntime):
 
     def carries(self) -> bool:
         """Can a step after ``no_sync`` carry its accumulated gradients into the compiled buckets
-        (one all-reduce of their sum per bucket, overlapped, as DDP's bucket after ``no_sync``)?
-        With replicated buckets and built-in hooks: a traced hook sees each bucket's accumulated
-        gradients alone, after the backward (:meth:`_hook_end_of_step`), and a sharded bucket's
-        reduce-scatter stays separate. A fact of the configuration: the same on every rank."""
-        return self.world_size > 1 and self.hook is None and self.config.sharding is None
+        (one collective of their sum per bucket, overlapped, as DDP's bucket after ``no_sync``;
+        with ``sharding="optimizer"`` a reduce-scatter, the part then updated in the graph)?
+        With built-in hooks: a traced hook sees each bucket's accumulated gradients alone, after
+        the backward (:meth:`_hook_end_of_step`). A fact of the configuration: the same on every rank."""
+        return self.world_size > 1 and self.hook is None and self.config.sharding in (None, "optimizer")
 
     def gates(self) -> bool:
         """Are this configuration's graphs gated (:mod:`graphddp.runtime.gate`: the agreement read

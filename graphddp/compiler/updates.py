@@ -123,14 +123,14 @@ class InGraphUpdates:
             stacklevel=2,
         )
 
-    def _optimizer_pass(self, gm: fx.GraphModule, schedule: Schedule, *, graph_index: int, shared: Shared, **_: Any) -> Schedule:
+    def _optimizer_pass(self, gm: fx.GraphModule, schedule: Schedule, *, graph_index: int, shared: Shared, carry: bool = False, **_: Any) -> Schedule:
         """The optimizer's backward pass (after the collectives): with_updates -> insert_update
         -> verify_updates. The graph from before it goes to ``shared.without_update`` (None when
         nothing is updated), the parameters left to torch's step (a graph of another frame reads
         them too) to ``shared.tied``. Without the forward's parameter values, nothing."""
         if self.optimizer is None or not shared.fw_values:
             return schedule
-        schedule, shared.without_update, shared.tied = self._add_updates(gm, schedule, graph_index, self.optimizer, shared)
+        schedule, shared.without_update, shared.tied = self._add_updates(gm, schedule, graph_index, self.optimizer, shared, carry)
         return schedule
 
     def _updatable(self, schedule: Schedule, graph_index: int, fw_values: Mapping[str, Any]) -> tuple[list[str], tuple[str, ...]]:
@@ -166,7 +166,7 @@ class InGraphUpdates:
         return schedule if tied or left else sharded
 
     def _add_updates(
-        self, gm: fx.GraphModule, schedule: Schedule, graph_index: int, optimizer: AttachedOptimizer, shared: Shared
+        self, gm: fx.GraphModule, schedule: Schedule, graph_index: int, optimizer: AttachedOptimizer, shared: Shared, carry: bool = False,
     ) -> tuple[Schedule, fx.GraphModule | None, tuple[str, ...]]:
         """with_updates -> insert_update -> verify_updates, then the sharded buckets
         (insert_sharded_updates -> verify_sharded); returns the schedule with its updates, the
@@ -189,7 +189,7 @@ class InGraphUpdates:
             )
         if not updatable:
             return schedule, None, tied
-        without_update = self._without_update(gm, schedule, shared)
+        without_update = self._without_update(gm, schedule, shared, carry)
         schedule = with_updates(schedule, updatable, str(optimizer), max_norm)
         inputs = UpdateInputs(
             rules={n: optimizer.rule(n) for n in updatable},
@@ -206,13 +206,14 @@ class InGraphUpdates:
                 verify_sharded(gm, schedule)
         return schedule, without_update, tied
 
-    def _without_update(self, gm: fx.GraphModule, schedule: Schedule, shared: Shared) -> fx.GraphModule:
+    def _without_update(self, gm: fx.GraphModule, schedule: Schedule, shared: Shared, carry: bool = False) -> fx.GraphModule:
         """The variant for steps the graph cannot update alone: every gradient averaged and
-        returned. Sharded buckets are all-reduced there, from the graph before the collectives."""
+        returned. Sharded buckets are all-reduced there, from the graph before the collectives
+        (``carry``: the carrying variant's, taking the same accumulated gradients)."""
         if shared.before_comm is None:
             return copy.deepcopy(gm)
         graph = copy.deepcopy(shared.before_comm)
         if self.world_size > 1:
             replicated = [dataclasses.replace(b, collective="all_reduce") for b in schedule.buckets]
-            insert_collectives(graph, dataclasses.replace(schedule, buckets=tuple(replicated)))
+            insert_collectives(graph, dataclasses.replace(schedule, buckets=tuple(replicated)), carry=carry)
         return graph

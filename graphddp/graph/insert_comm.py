@@ -204,18 +204,17 @@ def _carried_values(graph: fx.Graph, bucket: Bucket) -> list[torch.Tensor]:
         return [torch.empty(s.shape, dtype=getattr(torch, s.dtype), device=torch.device(s.device)) for s in bucket.slots]
 
 
-def _add_carried_inputs(graph: fx.Graph, traced: Sequence[_Traced]) -> dict[int, list[fx.Node]]:
+def _add_carried_inputs(graph: fx.Graph, buckets: Sequence[Bucket]) -> dict[int, list[fx.Node]]:
     """Placeholders for every bucket's carried gradients, in bucket and slot order, after the
-    existing ones (role ``carried_gradient``, the slot's parameter in the name)."""
+    existing ones (role ``carried_gradient``, the slot's parameter in the name). A sharded
+    bucket's are read by the optimizer's pass (:mod:`graphddp.optim.insert_shard`)."""
     last = [n for n in graph.nodes if n.op == "placeholder"][-1]
     by_bucket: dict[int, list[fx.Node]] = {}
-    for t in traced:
-        bucket = t.placement.bucket
-        phs = t.gm.graph.find_nodes(op="placeholder")[len(bucket.slots):]
-        for slot, ph in zip(bucket.slots, phs, strict=True):
+    for bucket in buckets:
+        for k, (slot, val) in enumerate(zip(bucket.slots, _carried_values(graph, bucket), strict=True)):
             with graph.inserting_after(last):
-                node = graph.placeholder(f"carried_{bucket.index}_{len(by_bucket.get(bucket.index, []))}")
-            node.meta.update({"val": ph.meta["val"], ROLE_KEY: CARRIED, BUCKET_KEY: bucket.index, CARRIED: slot.param_name})
+                node = graph.placeholder(f"carried_{bucket.index}_{k}")
+            node.meta.update({"val": val, ROLE_KEY: CARRIED, BUCKET_KEY: bucket.index, CARRIED: slot.param_name})
             by_bucket.setdefault(bucket.index, []).append(node)
             last = node
     return by_bucket
@@ -291,10 +290,10 @@ def insert_collectives(
     # A sharded bucket (reduce-scatter, its update, an all-gather) is the optimizer's pass's.
     placements = [p for p in place_buckets(gm, schedule, outs) if p.bucket.collective != "reduce_scatter"]
     zero_values = _zero_values(graph, schedule)
-    if carry and (isinstance(hook, TracedHook) or zero_values or len(placements) != len(schedule.buckets)):
+    if carry and (isinstance(hook, TracedHook) or zero_values):
         raise ValueError(
-            "graphddp: a carrying backward (accumulated gradients in its buckets) takes built-in hooks, replicated "
-            "buckets and no zero-filled slot; the compiler asks for one only then"
+            "graphddp: a carrying backward (accumulated gradients in its buckets) takes built-in hooks and no "
+            "zero-filled slot; the compiler asks for one only then"
         )
     if isinstance(hook, TracedHook):
         ctx = context or HookContext(group=None)
@@ -305,7 +304,7 @@ def insert_collectives(
             for p in placements
         ]
     # Edits start here, once every bucket has been placed and traced.
-    states = _add_carried_inputs(graph, traced) if carry else _add_state_inputs(graph, traced)
+    states = _add_carried_inputs(graph, schedule.buckets) if carry else _add_state_inputs(graph, traced)
     zeros = _add_zeros(graph, schedule, zero_values)
     # Buckets issued at the start go after the placeholders and the zeros they may read.
     zero_nodes = set(zeros.values())

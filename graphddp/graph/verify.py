@@ -241,6 +241,6 @@ def verify(gm: fx.GraphModule, schedule: Schedule, expected: Mapping[int, str]) 
         else:
             _check_bucket(g, bucket, reduces[bucket.index], schedule)
     _check_outputs(g, schedule, expected, sharded)
-    _check_carried(g)
+    _check_carried(g, sharded)
     _check_order(g)
     _check_lint(gm)

@@ -9,7 +9,7 @@ hook's bucket (:mod:`graphddp.graph.verify_hook`). Read-only, like the whole ver
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Collection
 
 import torch
 import torch.fx as fx
@@ -176,11 +176,12 @@ def _carried_sum(g: _Graph, bucket: Bucket, piece: fx.Node, add: fx.Node, slot: 
     return next(a for a in args if a is not carried[0])
 
 
-def _check_carried(g: _Graph) -> None:
+def _check_carried(g: _Graph, sharded: Collection[int] = ()) -> None:
     """A carried input is read once, by its bucket's ``add`` (7 checked which slot): an unread
-    one is an accumulated gradient left out of the average."""
+    one is an accumulated gradient left out of the average. Not yet those of ``sharded``
+    buckets, which the optimizer's pass reads (``graphddp.optim.verify_shard``, S7)."""
     for node in g.gm.graph.nodes:
-        if node.op != "placeholder" or node.meta.get(ROLE_KEY) != CARRIED:
+        if node.op != "placeholder" or node.meta.get(ROLE_KEY) != CARRIED or node.meta.get(BUCKET_KEY) in sharded:
             continue
         users = list(node.users)
         if len(users) != 1 or users[0].meta.get(ROLE_KEY) != "carry" or not is_ours(users[0], node.meta.get(BUCKET_KEY)):

@@ -85,7 +85,7 @@ from graphddp.optim import clip
 from graphddp.optim.attached import F64, UPDATES, UpdateRule, adam_step
 from graphddp.optim.insert_update import UpdateInputs, add_update_inputs, parameter_nodes
 from graphddp.values.collectives import backend_of, kind
-from graphddp.values.comm import ROLE_KEY, WAIT
+from graphddp.values.comm import BUCKET_KEY, CARRIED, ROLE_KEY, WAIT
 from graphddp.values.schedule import Bucket, Schedule
 from graphddp.values.shards import GATHER_LAG, chunk, part
 
@@ -151,10 +151,14 @@ def _clone(t: torch.Tensor) -> torch.Tensor:
     return aten.clone.default(t)
 
 
-def _issue(shard: ShardLayout, hook: hooks.CommHook, group_name: str, grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Traced: the bucket's gradients flattened, compressed, divided by the world size and
-    reduce-scattered; returns what to wait on."""
+def _issue(shard: ShardLayout, hook: hooks.CommHook, group_name: str, grads: Sequence[torch.Tensor], carried: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Traced: the bucket's gradients (plus, ``carried``, each slot's gradient accumulated under
+    ``no_sync``: DDP's bucket after ``no_sync`` holds the sum) flattened, compressed, divided by
+    the world size and reduce-scattered; returns what to wait on."""
     bucket, world = shard.bucket, shard.world
+    if carried:
+        with role("carry"):
+            grads = [aten.add.Tensor(g, acc) for g, acc in zip(grads, carried, strict=True)]
     # Cast and divide each gradient's columns before they are concatenated (elementwise, so
     # the same values): inductor then writes the concatenation in one pass, where a division
     # after it took a second whole-bucket buffer, alive next to the first.
@@ -219,27 +223,31 @@ def _step(shard: ShardLayout, group_name: str, grad_part: torch.Tensor, work: li
     return _gather_fn(shard, group_name)(mine)
 
 
-def _update_fn(shard: ShardLayout, hook: hooks.CommHook, group_name: str, private: bool) -> Callable[..., torch.Tensor]:
-    """(grads, params, states, hypers) -> the all-gather of the updated parts, not waited (with
-    ``gather="forward"`` the updated parts): a bucket updated as soon as its average arrives."""
+def _update_fn(shard: ShardLayout, hook: hooks.CommHook, group_name: str, private: bool, carry: bool) -> Callable[..., torch.Tensor]:
+    """(grads[, carried], params, states, hypers) -> the all-gather of the updated parts, not
+    waited (with ``gather="forward"`` the updated parts): a bucket updated as soon as its
+    average arrives. ``carry``: each slot's accumulated gradient after the gradients."""
     n = len(shard.bucket.slots)
+    m = 2 * n if carry else n
 
     def run(*args: torch.Tensor) -> torch.Tensor:
-        grads, params, rest = args[:n], args[n:2 * n], list(args[2 * n:])
-        pending = _issue(shard, hook, group_name, grads)
+        grads, carried, params, rest = args[:n], args[n:m], args[m:m + n], list(args[m + n:])
+        pending = _issue(shard, hook, group_name, grads, carried)
         work = _copies(shard, params, private)
         return _step(shard, group_name, _receive(shard, hook, group_name, pending), work, rest)
 
     return run
 
 
-def _reduce_fn(shard: ShardLayout, hook: hooks.CommHook, group_name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """``max_grad_norm``, first half: (grads) -> (this rank's part of the bucket's average, the
-    sum of squares of each slot's part): the update waits for the clip coefficient, which needs
-    every bucket's squares (:func:`graphddp.optim.clip.sharded_coefficient_fn`)."""
+def _reduce_fn(shard: ShardLayout, hook: hooks.CommHook, group_name: str, carry: bool) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """``max_grad_norm``, first half: (grads[, carried]) -> (this rank's part of the bucket's
+    average, the sum of squares of each slot's part): the update waits for the clip
+    coefficient, which needs every bucket's squares (:func:`graphddp.optim.clip.sharded_coefficient_fn`)."""
+    n = len(shard.bucket.slots)
 
-    def run(*grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        grad_part = _receive(shard, hook, group_name, _issue(shard, hook, group_name, grads))
+    def run(*args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        grads, carried = args[:n], args[n:] if carry else ()
+        grad_part = _receive(shard, hook, group_name, _issue(shard, hook, group_name, grads, carried))
         return grad_part, clip.part_squares(grad_part, [hi - lo for lo, hi in shard.parts], shard.chunks)
 
     return run
@@ -366,11 +374,13 @@ def insert_sharded_updates(
     issues = [placements[shard.bucket.index].issue for shard in shards]
     position = {n: i for i, n in enumerate(graph.nodes)}  # before any edit
     clipped = schedule.max_grad_norm is not None
+    carried = carried_inputs(graph)  # the carrying variant: per bucket, its accumulated gradients
     reduces = {}  # max_grad_norm: per bucket, the trace of its reduce-scatter to its part and squares
     for shard in shards if clipped else ():
-        fn = _reduce_fn(shard, hook or hooks.for_bucket(shard.bucket), schedule.group_name)
-        grads = [outs[s.output_index].meta["val"] for s in shard.bucket.slots]
-        reduces[shard.bucket.index] = trace(fn, grads, f"sharded bucket {shard.bucket.index}'s average", decompositions)
+        b = shard.bucket
+        fn = _reduce_fn(shard, hook or hooks.for_bucket(b), schedule.group_name, b.index in carried)
+        grads = [outs[s.output_index].meta["val"] for s in b.slots] + [c.meta["val"] for c in carried.get(b.index, ())]
+        reduces[b.index] = trace(fn, grads, f"sharded bucket {b.index}'s average", decompositions)
     coef = _coefficient_value(list(reduces.values()), fake_mode) if clipped else None
     traced = []
     for at, shard in enumerate(shards):  # every bucket traced before the first edit
@@ -385,8 +395,8 @@ def insert_sharded_updates(
             fn = _clipped_update_fn(shard, schedule.group_name, private)
             update = trace(fn, [grad_part, *params, *rest, coef], f"sharded bucket {b.index}'s update", decompositions)
         else:
-            fn = _update_fn(shard, hook or hooks.for_bucket(b), schedule.group_name, private)
-            grads = [outs[s.output_index].meta["val"] for s in b.slots]
+            fn = _update_fn(shard, hook or hooks.for_bucket(b), schedule.group_name, private, b.index in carried)
+            grads = [outs[s.output_index].meta["val"] for s in b.slots] + [c.meta["val"] for c in carried.get(b.index, ())]
             update = trace(fn, grads + params + rest, f"sharded bucket {b.index}", decompositions)
         result = _outputs(update)
         # What ends the bucket in this graph: its wait and writes, or with gather="forward" (the
@@ -406,7 +416,7 @@ def insert_sharded_updates(
         new_params.update(zip(shard.bucket.param_names, nodes[:n]))
         new_rest[shard.bucket.index] = nodes[n:]
     param_node = parameter_nodes(graph, list(new_params), inputs, new_params)
-    splicer = _Splicer(graph, traced, outs, param_node, new_rest, _IssuePoints(graph), placements)
+    splicer = _Splicer(graph, traced, outs, param_node, new_rest, carried, _IssuePoints(graph), placements)
     if clipped:
         splicer.clipped(schedule, issues, position, decompositions)
     else:
@@ -420,6 +430,16 @@ def insert_sharded_updates(
     graph.lint()
     gm.recompile()
     return shards
+
+
+def carried_inputs(graph: fx.Graph) -> dict[int, list[fx.Node]]:
+    """The carrying variant's inputs (:func:`graphddp.graph.insert_comm.insert_collectives`
+    with ``carry``): per bucket index, each slot's gradient accumulated under ``no_sync``, in slot order."""
+    by_bucket: dict[int, list[fx.Node]] = {}
+    for node in graph.find_nodes(op="placeholder"):
+        if node.meta.get(ROLE_KEY) == CARRIED:
+            by_bucket.setdefault(node.meta[BUCKET_KEY], []).append(node)
+    return by_bucket
 
 
 class _IssuePoints:
@@ -448,13 +468,14 @@ class _Splicer:
     outs: list[Any]  # the graph's outputs, each bucket's gradients set to None as it is spliced
     param_node: Mapping[str, fx.Node]
     rest: Mapping[int, list[fx.Node]]  # per bucket index: its state and hyperparameter inputs
+    carried: Mapping[int, list[fx.Node]]  # per bucket index: its accumulated gradients (the carrying variant)
     early: _IssuePoints
     placements: Mapping[int, Any]
     deferred: dict[int, Any] = dataclasses.field(default_factory=dict)  # gather="forward": bucket position -> its updated parts
 
     def _taken(self, bucket: Bucket) -> tuple[list[fx.Node], list[fx.Node]]:
-        """The bucket's gradients (no longer returned) and parameter nodes."""
-        grads = [self.outs[s.output_index] for s in bucket.slots]
+        """The bucket's gradients (no longer returned; then its carried ones, if any) and parameter nodes."""
+        grads = [self.outs[s.output_index] for s in bucket.slots] + list(self.carried.get(bucket.index, ()))
         for s in bucket.slots:
             self.outs[s.output_index] = None
         return grads, [self.param_node[n] for n in bucket.param_names]

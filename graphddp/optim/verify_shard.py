@@ -27,6 +27,10 @@ S6. **Clipping** (``max_grad_norm``; :mod:`graphddp.optim.clip`). One clip coeff
     gradient the graph still returns; every bucket's all-gather, and every such returned
     gradient, is computed from it. Without ``max_grad_norm``, no coefficient.
 
+S7. **Carried gradients** (the carrying variant, a step after ``no_sync``). Each of the bucket's
+    carried inputs is read once, by an ``add`` of the bucket that its reduce-scatter depends on:
+    an accumulated gradient left out is a micro-step lost from the average.
+
 Failures raise :class:`graphddp.graph.verify_common.VerificationError` showing the node in context.
 """
 from __future__ import annotations
@@ -37,6 +41,7 @@ import torch.fx as fx
 from graphddp.graph.capture import ancestors
 from graphddp.graph.verify_common import VerificationError, _fail
 from graphddp.optim.clip import CLIP, CLIP_COEFFICIENT, CLIP_NORM
+from graphddp.optim.insert_shard import carried_inputs
 from graphddp.optim.verify import _closure, _Memory, _root
 from graphddp.values.collectives import kind
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_collective, is_wait
@@ -47,7 +52,7 @@ ALL_TO_ALL = kind("reduce_scatter").lower("gloo").op  # a reduce-scatter on gloo
 
 
 def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
-    """Check S1-S6 (module docstring)."""
+    """Check S1-S7 (module docstring)."""
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     by_name = {n.name: n for n in nodes}
@@ -66,6 +71,11 @@ def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
                   f"{where}: expected one reduce-scatter and one all-gather, found {[n.name for n in collectives]} (S1)")
         scatter, gather = scatters[0], gathers[0]
         inputs = ancestors(scatter)
+        for node in carried_inputs(gm.graph).get(bucket.index, ()):  # S7
+            users = list(node.users)
+            if len(users) != 1 or users[0].meta.get(ROLE_KEY) != "carry" or users[0] not in inputs:
+                _fail(gm, node, f"{where}: the carried gradient {node.name} is read by {[u.name for u in users]}, not once by "
+                                f"an add its reduce-scatter reads (S7)")
         for slot in bucket.slots:
             producer = by_name.get(slot.producer)
             if producer is None or producer not in inputs or order[producer] > order[scatter]:

@@ -85,17 +85,17 @@ CASES = {
     ),
     # sharding="optimizer": each rank norms its parts of the reduce-scattered buckets, one
     # all-reduce of their squares gives the norm, then every part is updated and all-gathered.
-    # The step after the micro-steps is torch's clip, then the shard's step (no carry there).
-    "mlp_sharded": Case(lambda: models.MLP(width=32, depth=4), _mlp_loss, 0.05, ((3, 1),), options=SHARDED),
-    "mlp_sharded_3_ranks": Case(lambda: models.MLP(width=32, depth=4), _mlp_loss, 0.05, ((3, 1),), options=SHARDED, world=3),
+    # The step after the micro-steps carries their gradients into its reduce-scatters: in the graph too.
+    "mlp_sharded": Case(lambda: models.MLP(width=32, depth=4), _mlp_loss, 0.05, ((4, 0),), options=SHARDED),
+    "mlp_sharded_3_ranks": Case(lambda: models.MLP(width=32, depth=4), _mlp_loss, 0.05, ((4, 0),), options=SHARDED, world=3),
     "mlp_sharded_gather_forward_sgd": Case(
-        lambda: models.MLP(width=32, depth=4), _mlp_loss, 0.05, ((3, 1),), optimizer=_sgd, options={**SHARDED, "gather": "forward"}
+        lambda: models.MLP(width=32, depth=4), _mlp_loss, 0.05, ((4, 0),), optimizer=_sgd, options={**SHARDED, "gather": "forward"}
     ),
-    "mlp_sharded_inductor": Case(lambda: models.MLP(width=32, depth=4), _mlp_loss, 0.05, ((3, 1),), options=SHARDED, backend="inductor"),
-    "hf_gpt2_sharded": Case(_hf_gpt2, _hf_loss, 0.5, ((3, 1),), tol=ADAM_NOISE, options=SHARDED),
+    "mlp_sharded_inductor": Case(lambda: models.MLP(width=32, depth=4), _mlp_loss, 0.05, ((4, 0),), options=SHARDED, backend="inductor"),
+    "hf_gpt2_sharded": Case(_hf_gpt2, _hf_loss, 0.5, ((4, 0),), tol=ADAM_NOISE, options=SHARDED),
     # Gradients the optimizer does not hold stay whole (all-reduced, returned): in the norm once, and clipped.
     "mlp_sharded_partial_optimizer": Case(
-        lambda: models.MLP(width=32, depth=4), _mlp_loss, 0.05, ((3, 1),), optimizer=_adamw_without_first, options=SHARDED
+        lambda: models.MLP(width=32, depth=4), _mlp_loss, 0.05, ((4, 0),), optimizer=_adamw_without_first, options=SHARDED
     ),
     # ... and beside them in one bucket (the last layer's, left out): that bucket stays whole, so
     # the graph shards nothing (one norm over every gradient): torch clips, the shard steps, after.

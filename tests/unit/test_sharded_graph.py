@@ -9,6 +9,7 @@ import torch
 import torch.fx as fx
 
 import graphddp
+from graphddp.graph.capture import ancestors
 from graphddp.graph.verify import VerificationError
 from graphddp.models import MLP
 from graphddp.optim import insert_shard
@@ -163,6 +164,33 @@ def test_verify_sharded_rejects(fake_world, name: str) -> None:
     expected = MUTATIONS[name](gm)
     with pytest.raises(VerificationError, match=expected):
         verify_sharded(gm, record.schedule)
+
+
+def test_a_step_after_no_sync_carries_the_accumulated_gradients_into_each_reduce_scatter(fake_world):
+    """The carrying variant (nanoGPT's micro-steps): each sharded bucket's accumulated gradients
+    are added to its new ones before the reduce-scatter, and the part updated in the graph."""
+    _, _, _, record = _compiled(fake_world)
+    carrying = record.carrying
+    assert carrying is not None, "a sharded graph has a carrying variant"
+    gm, buckets = carrying.graph, carrying.schedule.buckets
+    assert all(b.collective == "reduce_scatter" for b in buckets)
+    carried = insert_shard.carried_inputs(gm.graph)
+    assert [len(carried[b.index]) for b in buckets] == [len(b.slots) for b in buckets]
+    for b in buckets:
+        scatter = next(n for n in _bucket_nodes(gm, b.index) if n.target is RS)
+        before = ancestors(scatter)
+        for node in carried[b.index]:
+            (add,) = node.users
+            assert add.meta[ROLE_KEY] == "carry" and add in before, f"bucket {b.index}: {node.name} not in its reduce-scatter"
+    verify_sharded(gm, carrying.schedule)
+    # Mutation: one accumulated gradient left out (its add replaced by the new gradient alone).
+    gm = copy.deepcopy(gm)
+    node = insert_shard.carried_inputs(gm.graph)[buckets[0].index][0]
+    (add,) = node.users
+    add.replace_all_uses_with(add.args[0])
+    gm.graph.erase_node(add)
+    with pytest.raises(VerificationError, match="the carried gradient .* not once by an add its reduce-scatter reads"):
+        verify_sharded(gm, carrying.schedule)
 
 
 def test_sharding_needs_an_optimizer_and_names_the_option(fake_world):
