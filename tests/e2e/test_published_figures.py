@@ -1,6 +1,7 @@
 """The figures quoted on docs/benchmark.md, docs/sharding.md and in the README's headline are the
 published runs' (docs/bench_gpt.json, docs/bench_gpt_adamw.json, docs/bench_*_sharded.json), and
-docs/optimizer.md's cost of clipping is docs/bench_gpt_clip.json's; and
+docs/optimizer.md's cost of clipping is docs/bench_gpt_clip.json's, docs/sharding.md's with
+sharding="optimizer" docs/bench_gpt_sharded_clip.json's; and
 those runs still render."""
 from __future__ import annotations
 
@@ -70,4 +71,22 @@ def test_optimizer_page_quotes_the_published_clip_run():
         assert f"| `{name}`: " in page and f" | {modes[name]['step_ms']:.1f} | {modes[name]['bwd_ms']:.1f} |" in page, name
     ratio = modes["graphddp_optim_clip"]["step_ms"] / modes["graphddp_optim"]["step_ms"]
     assert f"{ratio:.3f}x the unclipped in-graph step" in page
+    render_table(summary)
+
+
+def test_sharding_page_quotes_the_published_sharded_clip_run():
+    """docs/sharding.md's cost of max_grad_norm with sharding="optimizer" is docs/bench_gpt_sharded_clip.json's."""
+    with open(os.path.join(DOCS, "bench_gpt_sharded_clip.json")) as f:
+        summary = json.load(f)
+    with open(os.path.join(DOCS, "sharding.md")) as f:
+        page = f.read()
+    modes = summary["modes"]
+    assert summary["network"]["emulated"] and summary["config"]["backend"] == "inductor"
+    for name in ("graphddp_sharded", "graphddp_sharded_clip", "graphddp_sharded_fwd_clip", "fsdp2", "fsdp2_clip"):
+        assert f"| `{name}`: " in page and f" | {modes[name]['step_ms']:.1f} | {modes[name]['bwd_ms']:.1f} |" in page, name
+    step = {n: modes[n]["step_ms"] for n in modes}
+    assert f"costs the default placement {step['graphddp_sharded_clip'] / step['graphddp_sharded']:.3f}x" in page
+    assert f"the clipped step is {step['graphddp_sharded_fwd_clip'] / step['graphddp_sharded']:.3f}x" in page
+    assert (f"{step['graphddp_sharded_clip'] / step['fsdp2_clip']:.3f}x and "
+            f"{step['graphddp_sharded_fwd_clip'] / step['fsdp2_clip']:.3f}x") in page
     render_table(summary)
