@@ -59,16 +59,24 @@ def test_sharding_page_quotes_the_published_sharded_runs():
         render_table(summary)
 
 
-def test_optimizer_page_quotes_the_published_clip_run():
-    """docs/optimizer.md's cost of max_grad_norm is docs/bench_gpt_clip.json's."""
-    with open(os.path.join(DOCS, "bench_gpt_clip.json")) as f:
+def _step_rows_quoted(run: str, page_name: str, names: tuple[str, ...]) -> tuple[dict, str]:
+    """The published ``run`` (docs/) and the page that quotes it, after checking the page's
+    rows ``| `name`: ... | step ms | bwd ms |`` for ``names``; the run came from the emulated link."""
+    with open(os.path.join(DOCS, run)) as f:
         summary = json.load(f)
-    with open(os.path.join(DOCS, "optimizer.md")) as f:
+    with open(os.path.join(DOCS, page_name)) as f:
         page = f.read()
     modes = summary["modes"]
     assert summary["network"]["emulated"], "the published figures come from the emulated link"
-    for name in ("graphddp_optim", "graphddp_optim_clip", "graphddp_clip"):
+    for name in names:
         assert f"| `{name}`: " in page and f" | {modes[name]['step_ms']:.1f} | {modes[name]['bwd_ms']:.1f} |" in page, name
+    return summary, page
+
+
+def test_optimizer_page_quotes_the_published_clip_run():
+    """docs/optimizer.md's cost of max_grad_norm is docs/bench_gpt_clip.json's."""
+    summary, page = _step_rows_quoted("bench_gpt_clip.json", "optimizer.md", ("graphddp_optim", "graphddp_optim_clip", "graphddp_clip"))
+    modes = summary["modes"]
     ratio = modes["graphddp_optim_clip"]["step_ms"] / modes["graphddp_optim"]["step_ms"]
     assert f"{ratio:.3f}x the unclipped in-graph step" in page
     render_table(summary)
@@ -76,15 +84,10 @@ def test_optimizer_page_quotes_the_published_clip_run():
 
 def test_sharding_page_quotes_the_published_sharded_clip_run():
     """docs/sharding.md's cost of max_grad_norm with sharding="optimizer" is docs/bench_gpt_sharded_clip.json's."""
-    with open(os.path.join(DOCS, "bench_gpt_sharded_clip.json")) as f:
-        summary = json.load(f)
-    with open(os.path.join(DOCS, "sharding.md")) as f:
-        page = f.read()
-    modes = summary["modes"]
-    assert summary["network"]["emulated"] and summary["config"]["backend"] == "inductor"
-    for name in ("graphddp_sharded", "graphddp_sharded_clip", "graphddp_sharded_fwd_clip", "fsdp2", "fsdp2_clip"):
-        assert f"| `{name}`: " in page and f" | {modes[name]['step_ms']:.1f} | {modes[name]['bwd_ms']:.1f} |" in page, name
-    step = {n: modes[n]["step_ms"] for n in modes}
+    names = ("graphddp_sharded", "graphddp_sharded_clip", "graphddp_sharded_fwd_clip", "fsdp2", "fsdp2_clip")
+    summary, page = _step_rows_quoted("bench_gpt_sharded_clip.json", "sharding.md", names)
+    assert summary["config"]["backend"] == "inductor"
+    step = {n: m["step_ms"] for n, m in summary["modes"].items()}
     assert f"costs the default placement {step['graphddp_sharded_clip'] / step['graphddp_sharded']:.3f}x" in page
     assert f"the clipped step is {step['graphddp_sharded_fwd_clip'] / step['graphddp_sharded']:.3f}x" in page
     assert (f"{step['graphddp_sharded_clip'] / step['fsdp2_clip']:.3f}x and "
