@@ -3,6 +3,8 @@ loop), written for this project, with the one line users change: the wrapper.
 
     python examples/nanogpt_loop.py                       # 2 CPU ranks: DDP(torch.compile) and graphddp side by side
     python examples/nanogpt_loop.py --optimizer-inside    # graphddp.compile(model, optimizer=..., max_grad_norm=...)
+    python examples/nanogpt_loop.py --sharding optimizer --gather forward
+                                                          # ... sharding="optimizer" (ZeRO-2), all-gathers in the next forward
     python examples/nanogpt_loop.py --sharding full       # ... sharding="full": parameters, gradients, state 1/N per rank
     torchrun --nproc-per-node 2 examples/nanogpt_loop.py  # the same, launched by hand
 
@@ -155,6 +157,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--wrapper", choices=("compare", "ddp", "graphddp"), default="compare")
     p.add_argument("--sharding", choices=("none", "optimizer", "full"), default="none",
                    help="graphddp's sharding= (implies --optimizer-inside)")
+    p.add_argument("--gather", choices=("backward", "forward"), default="backward",
+                   help="with --sharding optimizer, graphddp's gather=: 'forward' hides the all-gathers, which clipping "
+                        "leaves after the backward, behind the next forward")
     p.add_argument("--optimizer-inside", action="store_true",
                    help="graphddp.compile(model, optimizer=..., max_grad_norm=grad_clip): AdamW and clipping in the backward")
     p.add_argument("--backend", default="inductor", help="torch.compile's backend for both wrappers")
@@ -207,6 +212,8 @@ def make_trainer(name: str, args: argparse.Namespace, device: torch.device, data
         model: nn.Module = nn.parallel.DistributedDataParallel(torch.compile(raw, backend=args.backend))
     elif args.optimizer_inside or args.sharding != "none":
         sharding = {} if args.sharding == "none" else {"sharding": args.sharding}
+        if args.sharding == "optimizer":
+            sharding["gather"] = args.gather
         clip = args.grad_clip or None  # nanoGPT: grad_clip 0 means no clipping
         model = graphddp.compile(raw, backend=args.backend, optimizer=optimizer, max_grad_norm=clip, **sharding)
         clip_in_graph = True

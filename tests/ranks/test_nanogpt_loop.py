@@ -89,10 +89,24 @@ def test_a_checkpoint_resumes_where_the_run_was(tmp_path):
 def test_the_loop_with_sharded_optimizer_state_trains_like_ddp(tmp_path):
     """``sharding="optimizer"``: each rank updates its part of every bucket inside the backward,
     clipped by the global norm (one all-reduce of the parts' squares) at a clip that bites; the
-    evaluation stays on rank 0 (its forward needs no collective)."""
-    got = _run(tmp_path, "sharded", "--max-iters", "8", "--eval-interval", "4", "--sharding", "optimizer", "--grad-clip", CLIP)
+    evaluation stays on rank 0 (its forward needs no collective). With ``gather="forward"`` too,
+    whose pending all-gathers rank 0's evaluation completes before its checkpoint (the
+    ``state_dict()`` hook that would otherwise complete them is tested by
+    test_sharded_forward.py): resumed at iteration 4 in fresh processes, the run goes on loss
+    for loss."""
+    sharded = ("--eval-interval", "4", "--sharding", "optimizer", "--grad-clip", CLIP)
+    got = _run(tmp_path, "sharded", "--max-iters", "8", *sharded)
     _same(got["graphddp"]["losses"], got["ddp"]["losses"], "sharding='optimizer', training losses")
     _same(got["graphddp"]["eval"], got["ddp"]["eval"], "sharding='optimizer', evaluation losses")
+    forward = (*sharded, "--gather", "forward")
+    whole = _run(tmp_path, "forward", "--max-iters", "8", *forward)
+    _same(whole["graphddp"]["losses"], got["ddp"]["losses"], "gather='forward', training losses")
+    _same(whole["graphddp"]["eval"], got["ddp"]["eval"], "gather='forward', evaluation losses")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    _run(tmp_path, "first", "--max-iters", "5", *forward, "--checkpoint-dir", str(ckpt))
+    rest = _run(tmp_path, "rest", "--max-iters", "8", *forward, "--checkpoint-dir", str(ckpt))
+    _same(rest["graphddp"]["losses"], whole["graphddp"]["losses"][4:], "gather='forward' resumed at iteration 4")
 
 
 def test_the_loop_fully_sharded_trains_like_ddp_and_resumes(tmp_path):
