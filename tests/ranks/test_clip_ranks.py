@@ -22,12 +22,13 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from matrix_features import BF16_TOL
 from test_optim_ranks import ADAM_NOISE, TIGHT, _adamw, _gpt_loss, _hf_gpt2, _hf_loss, _sgd, assert_state_dicts_equal
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import graphddp
 from graphddp import models
-from graphddp.testing import spawn
+from graphddp.testing import ddp_bf16_compress_hook, spawn
 
 MICRO_STEP = 2  # this step is two micro-steps, the first with require_backward_grad_sync=False
 SHARDED = {"sharding": "optimizer"}
@@ -70,6 +71,7 @@ class Case:
     options: dict = dataclasses.field(default_factory=dict)  # more graphddp.compile options (sharding=)
     world: int = 2
     backend: str = "aot_eager"
+    ddp_hook: Callable | None = None  # DDP's comm hook on the reference side (the same compression)
 
 
 CASES = {
@@ -92,6 +94,11 @@ CASES = {
         lambda: models.MLP(width=32, depth=4), _mlp_loss, 0.05, ((4, 0),), optimizer=_sgd, options={**SHARDED, "gather": "forward"}
     ),
     "mlp_sharded_inductor": Case(lambda: models.MLP(width=32, depth=4), _mlp_loss, 0.05, ((4, 0),), options=SHARDED, backend="inductor"),
+    # bf16 on the wire: each rank norms its part of the decompressed average, as DDP's clip does the whole
+    "mlp_sharded_bf16_compress": Case(
+        lambda: models.MLP(width=32, depth=4), _mlp_loss, 0.05, ((4, 0),), tol=BF16_TOL,
+        options={**SHARDED, "comm_hook": "bf16_compress"}, ddp_hook=ddp_bf16_compress_hook,
+    ),
     "hf_gpt2_sharded": Case(_hf_gpt2, _hf_loss, 0.5, ((4, 0),), tol=ADAM_NOISE, options=SHARDED),
     # Gradients the optimizer does not hold stay whole (all-reduced, returned): in the norm once, and clipped.
     "mlp_sharded_partial_optimizer": Case(
@@ -116,6 +123,8 @@ def _train(rank: int, world: int, name: str) -> None:
             for p in mine.parameters():
                 p.add_(0.25)
     ref = DDP(copy.deepcopy(base))
+    if case.ddp_hook is not None:
+        ref.register_comm_hook(None, case.ddp_hook)
     opt, ref_opt = case.optimizer(mine), case.optimizer(ref.module)
     ours = graphddp.compile(mine, optimizer=opt, max_grad_norm=case.max_norm, backend=case.backend, bucket_cap_mb=0.004, **case.options)
     sharded = case.options.get("sharding") == "optimizer"
