@@ -357,7 +357,7 @@ def insert_sharded_updates(
     gm: fx.GraphModule, schedule: Schedule, inputs: UpdateInputs, *, rank: int, hook: hooks.CommHook | None = None,
 ) -> list[ShardLayout]:
     """Splice every sharded bucket (module docstring; with ``max_grad_norm``,
-    :func:`_splice_clipped`); returns their layouts, in bucket order (the runtime passes the
+    :meth:`_Splicer.clipped`); returns their layouts, in bucket order (the runtime passes the
     inputs of :func:`layout` for each). A no-op without one."""
     sharded = [b for b in schedule.buckets if b.collective == SHARDED]
     if not sharded:
@@ -375,12 +375,16 @@ def insert_sharded_updates(
     position = {n: i for i, n in enumerate(graph.nodes)}  # before any edit
     clipped = schedule.max_grad_norm is not None
     carried = carried_inputs(graph)  # the carrying variant: per bucket, its accumulated gradients
+
+    def gradients(b: Bucket) -> list[torch.Tensor]:
+        """Fake values of a bucket's gradients, then of its carried ones."""
+        return [outs[s.output_index].meta["val"] for s in b.slots] + [c.meta["val"] for c in carried.get(b.index, ())]
+
     reduces = {}  # max_grad_norm: per bucket, the trace of its reduce-scatter to its part and squares
     for shard in shards if clipped else ():
         b = shard.bucket
         fn = _reduce_fn(shard, hook or hooks.for_bucket(b), schedule.group_name, b.index in carried)
-        grads = [outs[s.output_index].meta["val"] for s in b.slots] + [c.meta["val"] for c in carried.get(b.index, ())]
-        reduces[b.index] = trace(fn, grads, f"sharded bucket {b.index}'s average", decompositions)
+        reduces[b.index] = trace(fn, gradients(b), f"sharded bucket {b.index}'s average", decompositions)
     coef = _coefficient_value(list(reduces.values()), fake_mode) if clipped else None
     traced = []
     for at, shard in enumerate(shards):  # every bucket traced before the first edit
@@ -396,8 +400,7 @@ def insert_sharded_updates(
             update = trace(fn, [grad_part, *params, *rest, coef], f"sharded bucket {b.index}'s update", decompositions)
         else:
             fn = _update_fn(shard, hook or hooks.for_bucket(b), schedule.group_name, private, b.index in carried)
-            grads = [outs[s.output_index].meta["val"] for s in b.slots] + [c.meta["val"] for c in carried.get(b.index, ())]
-            update = trace(fn, grads + params + rest, f"sharded bucket {b.index}", decompositions)
+            update = trace(fn, gradients(b) + params + rest, f"sharded bucket {b.index}", decompositions)
         result = _outputs(update)
         # What ends the bucket in this graph: its wait and writes, or with gather="forward" (the
         # next forward waits and writes) its all-gather, issued at the output.
