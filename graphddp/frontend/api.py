@@ -149,7 +149,8 @@ def compile(module: nn.Module, *, process_group: Any = None, optimizer: Any = No
     are read from ``param_groups`` every step, state stays in ``optimizer.state``.
     ``max_grad_norm`` clips the averaged gradients by their global L2 norm before the update,
     as ``clip_grad_norm_(model.parameters(), max_grad_norm)`` before ``optimizer.step()``
-    (:mod:`graphddp.optim.clip`); calling ``clip_grad_norm_`` on the parameters yourself, or
+    (:mod:`graphddp.optim.clip`; with ``sharding="optimizer"`` each rank norms its parts and one
+    all-reduce of their squares gives the norm); calling ``clip_grad_norm_`` on the parameters yourself, or
     an enabled ``GradScaler`` with the attached optimizer, raises (:mod:`graphddp.optim.guards`).
     See :mod:`graphddp.optim.attached`.
 
