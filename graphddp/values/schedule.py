@@ -408,7 +408,13 @@ class Schedule:
                 row += f"  {t.ready * 1e3:>8.3f} {t.start * 1e3:>8.3f} {t.end * 1e3:>8.3f}"
             lines.append(f"{row}  {names}")
         gathers = sorted({b.gather for b in self.buckets if b.collective == "reduce_scatter"}, key=str)
-        if gathers:
+        if gathers and self.max_grad_norm is not None:  # graphddp.optim.insert_shard: _Splicer.clipped
+            forward = "; with gather='forward' waited for and written in the next forward" if "forward" in gathers else ""
+            lines.append(
+                "reduce_scatter buckets, clipped: each rank sums the squares of its parts after the wait; after the last "
+                "bucket one all-reduce of those sums gives the norm, then every part is updated and all-gathered" + forward
+            )
+        elif gathers:
             where = {
                 "backward": "issued after the next bucket's reduce-scatter, waited for and written in the backward "
                 "(after the next bucket's all-gather where nothing later reads the parameters, else at its end)",

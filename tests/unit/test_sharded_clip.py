@@ -65,6 +65,9 @@ def test_parts_are_normed_as_they_arrive_and_updated_after_one_all_reduce_of_the
     first, last = _issued(gm, RS, buckets[0].index), _issued(gm, RS, buckets[-1].index)
     assert any(n.target is aten.mm.default for n in nodes[at[first]:at[last]])
     verify_sharded(gm, record.schedule)
+    # The schedule says so (not the unclipped placement, each all-gather after the next reduce-scatter).
+    table = record.schedule.to_table()
+    assert "one all-reduce of those sums gives the norm" in table and "issued after the next bucket's reduce-scatter" not in table
 
 
 def test_gradients_the_optimizer_does_not_hold_are_in_the_norm_once_and_returned_clipped(fake_world):
