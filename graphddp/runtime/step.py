@@ -374,7 +374,7 @@ class StepState:
             return True
         for index, ref in self._carry_graphs.items():
             node = ref()
-            if node is None or not self.carry_ready(index) or not torch._C._will_engine_execute_node(node):
+            if node is None or not self.carry_ready(index) or not _runs_in_this_backward(node):
                 return True
         return False
 
@@ -451,3 +451,13 @@ class StepState:
         self.local_used.clear()
         self.local_schedules.clear()
         self.eager.clear()
+
+
+def _runs_in_this_backward(node: Any) -> bool:
+    """Will the running backward execute ``node``, or is it executing it now? torch's
+    ``_will_engine_execute_node`` leaves the graph task's root out when the backward starts at
+    one node (its ``nodes_in_graph`` holds what the root leads to): a backward called on a
+    compiled graph's own output (a Hugging Face model's ``.loss``, computed inside the graph)
+    starts at that graph's node, which the check then calls unexecuted while it runs."""
+    current = getattr(torch._C, "_current_autograd_node", None)
+    return (current is not None and node is current()) or torch._C._will_engine_execute_node(node)

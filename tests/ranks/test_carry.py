@@ -11,7 +11,8 @@ Checked against DDP on 2 gloo ranks, every synchronising step: where the step ca
 eager average, the optimizer updating in the graph), and where it cannot and falls back to
 the eager average on every rank (a parameter tied across a graph break, an accumulated gradient
 no graph of the step takes, a graph whose backward the step does not run, ranks of which only
-one accumulated).
+one accumulated); and a backward that starts at the graph's own node (a model returning its
+loss from the graph), which carries.
 """
 from __future__ import annotations
 
@@ -63,8 +64,22 @@ class TwoHeadGraphs(TwoHeads):
         return a, self.b(h)
 
 
+class LossInside(nn.Module):
+    """Returns its loss from the compiled graph, as a Hugging Face model's ``.loss``: the
+    backward starts at the graph's own node (no node of the loop's after it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = models.MLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x).square().mean()
+
+
 def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, micro: int, leave_out_b: bool) -> torch.Tensor:
     out = model(x)
+    if isinstance(out, torch.Tensor) and out.dim() == 0:  # LossInside
+        return out
     if isinstance(out, tuple):
         a, b = out
         return F.mse_loss(a, y) + (0 if leave_out_b and micro == MICRO - 1 else F.mse_loss(b, y))
@@ -145,6 +160,13 @@ def test_a_rank_that_did_not_accumulate_pairs_with_one_that_carries():
     """Rank 1 runs only the synchronising micro-step: its sync variant and rank 0's carrying
     one put the same buckets on the wire, and the average is DDP's."""
     spawn(_train, 2, models.MLP, True, False, False, True)
+
+
+@pytest.mark.parametrize("optimizer", [False, True], ids=["gradients", "optimizer_inside"])
+def test_a_backward_that_starts_at_the_graph_carries(optimizer):
+    """``model(x).loss.backward()``: torch's _will_engine_execute_node leaves the backward's
+    root out, and that root is the graph's own node; the step carries all the same."""
+    spawn(_train, 2, LossInside, True, False, optimizer)
 
 
 @pytest.mark.parametrize("case", ["tied_across_a_break", "a_head_left_out_of_the_loss", "a_graph_left_out_of_the_loss"])
