@@ -59,6 +59,8 @@ def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
     memory_of = _Memory(nodes)
     outs = list(gm.graph.output_node().args[0])
     rs_ops, ag_ops = kind("reduce_scatter").ops, kind("all_gather").ops
+    issued: dict[int, tuple[fx.Node, fx.Node]] = {}  # per sharded bucket: its reduce-scatter and all-gather
+    carried = carried_inputs(gm.graph)  # the carrying variant's accumulated gradients, per bucket
     for bucket in (b for b in schedule.buckets if b.collective == "reduce_scatter"):
         mine = [n for n in nodes if n.meta.get(BUCKET_KEY) == bucket.index]
         collectives = [n for n in mine if is_collective(n) and n.meta.get(ROLE_KEY) != CLIP]  # S6 checks the norms' all-reduce
@@ -69,9 +71,9 @@ def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
         if len(scatters) != 1 or len(gathers) != 1 or len(collectives) != 2:
             _fail(gm, (collectives or [gm.graph.output_node()])[0],
                   f"{where}: expected one reduce-scatter and one all-gather, found {[n.name for n in collectives]} (S1)")
-        scatter, gather = scatters[0], gathers[0]
+        scatter, gather = issued[bucket.index] = scatters[0], gathers[0]
         inputs = ancestors(scatter)
-        for node in carried_inputs(gm.graph).get(bucket.index, ()):  # S7
+        for node in carried.get(bucket.index, ()):  # S7
             users = list(node.users)
             if len(users) != 1 or users[0].meta.get(ROLE_KEY) != "carry" or users[0] not in inputs:
                 _fail(gm, node, f"{where}: the carried gradient {node.name} is read by {[u.name for u in users]}, not once by "
@@ -96,11 +98,11 @@ def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
                                   f"no parameter in the backward (S5)")
             continue
         _check_writes(gm, where, bucket.param_names, writes, gather_waits, memory_of, order)
-    _check_clipping(gm, schedule, outs)
+    _check_clipping(gm, schedule, outs, issued)
 
 
-def _check_clipping(gm: fx.GraphModule, schedule: Schedule, outs: list) -> None:
-    """S6 (module docstring)."""
+def _check_clipping(gm: fx.GraphModule, schedule: Schedule, outs: list, issued: dict[int, tuple[fx.Node, fx.Node]]) -> None:
+    """S6 (module docstring); ``issued``: each sharded bucket's reduce-scatter and all-gather (S1)."""
     coefs = [n for n in gm.graph.nodes if n.meta.get(ROLE_KEY) == CLIP_COEFFICIENT]
     if schedule.max_grad_norm is None:
         if coefs:
@@ -115,13 +117,11 @@ def _check_clipping(gm: fx.GraphModule, schedule: Schedule, outs: list) -> None:
         _fail(gm, coef, f"the clip coefficient {coef.name} reads {len(summed)} all-reduces of the parts' squares, expected 1 (S6)")
     reduced = ancestors(summed[0])
     later = _closure(coef, lambda n: n.users)
-    for bucket in (b for b in schedule.buckets if b.collective == "reduce_scatter"):
-        mine = [n for n in gm.graph.nodes if n.meta.get(BUCKET_KEY) == bucket.index and n.meta.get(ROLE_KEY) != CLIP]
-        scatter, gather = _scatter_and_gather(mine)
+    for index, (scatter, gather) in issued.items():
         if not any(is_wait(u) and u in reduced for u in scatter.users):
-            _fail(gm, summed[0], f"sharded bucket {bucket.index}: the all-reduce of the parts' squares does not read its reduce-scatter's wait (S6)")
+            _fail(gm, summed[0], f"sharded bucket {index}: the all-reduce of the parts' squares does not read its reduce-scatter's wait (S6)")
         if gather not in later:
-            _fail(gm, gather, f"sharded bucket {bucket.index}: its parts are updated without the clip coefficient (S6)")
+            _fail(gm, gather, f"sharded bucket {index}: its parts are updated without the clip coefficient (S6)")
     for bucket in (b for b in schedule.buckets if b.collective != "reduce_scatter"):
         graded = [outs[s.output_index] for s in bucket.slots if not s.zero_filled and isinstance(outs[s.output_index], fx.Node)]
         for out in graded:
@@ -129,15 +129,6 @@ def _check_clipping(gm: fx.GraphModule, schedule: Schedule, outs: list) -> None:
                 _fail(gm, out, f"{out.name}, a gradient of bucket {bucket.index} the graph returns, is not clipped (S6)")
         if graded and not any(n.meta.get(BUCKET_KEY) == bucket.index and n.meta.get(ROLE_KEY) == CLIP_NORM for n in inputs):
             _fail(gm, coef, f"the clip coefficient {coef.name} does not read the norms of bucket {bucket.index}'s returned gradients (S6)")
-
-
-def _scatter_and_gather(mine: list[fx.Node]) -> tuple[fx.Node, fx.Node]:
-    """A sharded bucket's reduce-scatter and all-gather among its nodes (by role: on gloo both
-    are all-to-alls)."""
-    collectives = [n for n in mine if is_collective(n)]
-    gathers = [n for n in collectives if n.target in kind("all_gather").ops and n.meta.get(ROLE_KEY) == "all_gather"]
-    scatters = [n for n in collectives if n.target in kind("reduce_scatter").ops and n not in gathers]
-    return scatters[0], gathers[0]
 
 
 def _check_rows_summed(gm: fx.GraphModule, where: str, waits: list[fx.Node], world: int) -> None:
