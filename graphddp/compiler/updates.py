@@ -29,7 +29,8 @@ from graphddp.compiler.compose import Shared
 from graphddp.compiler.record import GraphRecord
 from graphddp.graph.insert_comm import insert_collectives
 from graphddp.optim.attached import AttachedOptimizer
-from graphddp.optim.insert_shard import insert_sharded_updates, shard_layout, write_fn
+from graphddp.optim.insert_shard import insert_sharded_updates
+from graphddp.optim.shard_functions import shard_layout, write_fn
 from graphddp.optim.insert_update import ALIAS_OF, UpdateInputs, insert_update
 from graphddp.optim.verify import verify_updates
 from graphddp.optim.verify_shard import verify_sharded

@@ -328,7 +328,7 @@ class AttachedOptimizer:
     # -- per step -------------------------------------------------------------------------
     def update_args(self, names: Sequence[str], groups: Sequence[int], shards: Sequence[Any] = ()) -> UpdateArgs:
         """Parameters, state (created as torch creates it) and hyperparameters, in layout order;
-        then, per sharded bucket (``graphddp.optim.insert_shard.ShardLayout``), the inputs of
+        then, per sharded bucket (``graphddp.optim.shard_functions.ShardLayout``), the inputs of
         its layout: its parameters, the state of this rank's parts, its groups' hyperparameters."""
         self.check_unchanged()
         tensors: list[torch.Tensor] = []

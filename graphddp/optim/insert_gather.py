@@ -34,7 +34,7 @@ from torch._guards import detect_fake_mode
 from graphddp.graph.capture import ancestors
 from graphddp.graph.trace import splice, trace
 from graphddp.graph.verify_common import _fail
-from graphddp.optim.insert_shard import ShardLayout, gathered_value, write_fn
+from graphddp.optim.shard_functions import ShardLayout, gathered_value, write_fn
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
 
 GATHER_INPUT = "gather_input"  # ROLE_KEY of the forward's placeholder that receives a bucket's all-gather

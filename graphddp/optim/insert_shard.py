@@ -1,6 +1,7 @@
 """Sharded buckets in the backward graph: reduce-scatter, update this rank's part, all-gather.
 
-Runs after :func:`~graphddp.graph.insert_comm.insert_collectives` (which leaves the buckets
+The functions traced per bucket, and its layout on this rank, are
+:mod:`graphddp.optim.shard_functions`'s; this pass places them. Runs after :func:`~graphddp.graph.insert_comm.insert_collectives` (which leaves the buckets
 whose collective is ``"reduce_scatter"`` to this pass) and after the replicated optimizer
 pass. Per sharded bucket (``Bucket.collective == "reduce_scatter"``; every slot updated), two
 functions are traced on the graph's fake values and spliced in, in the layout of
@@ -71,7 +72,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 import torch.fx as fx
@@ -79,254 +80,17 @@ from torch._guards import detect_fake_mode
 
 from graphddp.graph.capture import ancestors, storage_of
 from graphddp.graph.placement import place_buckets
-from graphddp.graph.trace import after_all, fresh_copy, role, set_outputs, splice, trace
+from graphddp.graph.trace import after_all, set_outputs, splice, trace
 from graphddp.hooks import builtin as hooks
 from graphddp.optim import clip
-from graphddp.optim.attached import F64, UPDATES, UpdateRule, adam_step
 from graphddp.optim.insert_update import UpdateInputs, add_update_inputs, parameter_nodes
-from graphddp.values.collectives import backend_of, kind
-from graphddp.values.comm import BUCKET_KEY, CARRIED, ROLE_KEY, WAIT
+from graphddp.optim.shard_functions import (
+    SHARDED, ShardLayout, clipped_update_fn, gather_fn, layout, reduce_fn, shard_layout, state_values, update_fn, write_fn,
+)
+from graphddp.values.collectives import kind
+from graphddp.values.comm import BUCKET_KEY, CARRIED, ROLE_KEY
 from graphddp.values.schedule import Bucket, Schedule
-from graphddp.values.shards import GATHER_LAG, chunk, part
-
-aten = torch.ops.aten
-SHARDED = "reduce_scatter"  # Bucket.collective of a sharded bucket
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardLayout:
-    """What a sharded bucket's update reads, for this rank: per slot its part and rule."""
-
-    bucket: Bucket
-    parts: tuple[tuple[int, int], ...]  # per slot: [lo, hi) of the parameter's flat view
-    rules: tuple[UpdateRule, ...]  # per slot
-    group_of: tuple[int, ...]  # per slot
-    world: int
-
-    @property
-    def groups(self) -> list[int]:
-        return sorted(set(self.group_of))
-
-    @property
-    def chunks(self) -> list[int]:
-        return [chunk(s.numel, self.world) for s in self.bucket.slots]
-
-    def owned(self) -> list[int]:
-        """Slots this rank owns a non-empty part of."""
-        return [i for i, (lo, hi) in enumerate(self.parts) if hi > lo]
-
-
-def shard_layout(bucket: Bucket, rules: Mapping[str, UpdateRule], groups: Mapping[str, int], world: int, rank: int) -> ShardLayout:
-    names = bucket.param_names
-    return ShardLayout(
-        bucket, tuple(part(s.numel, world, rank) for s in bucket.slots), tuple(rules[n] for n in names),
-        tuple(groups[n] for n in names), world,
-    )
-
-
-def layout(shard: ShardLayout) -> list[str]:
-    """Placeholder names of one sharded bucket's inputs, in order (module docstring)."""
-    b = shard.bucket.index
-    names = [f"shard{b}_param_{k}" for k in range(len(shard.bucket.slots))]
-    for k in shard.owned():
-        names.extend(f"shard{b}_{s}_{k}" for s in shard.rules[k].state)
-    for g in shard.groups:
-        names.extend(f"shard{b}_group{g}_{h}" for h in shard.rules[shard.group_of.index(g)].hyper)
-    return names
-
-
-def _flat(t: torch.Tensor, numel: int) -> torch.Tensor:
-    """``t`` as a flat view (a contiguous copy first where its memory is not contiguous)."""
-    if not t.is_contiguous():
-        t = aten.clone.default(t, memory_format=torch.contiguous_format)
-    return aten.view.default(t, [numel])
-
-
-def _clone(t: torch.Tensor) -> torch.Tensor:
-    """A copy of this rank's part that inductor may fold into the parameter itself: its
-    ``remove_noop_ops`` drops a clone whose layout equals its source's (it assumes a functional
-    graph), so the update then writes this rank's part of the parameter in place. Used only
-    where nothing reads the parameter's old values after the update (:func:`_reads_after`): the
-    write of the gathered bucket overwrites the whole parameter anyway, and no copy is made."""
-    return aten.clone.default(t)
-
-
-def _issue(shard: ShardLayout, hook: hooks.CommHook, group_name: str, grads: Sequence[torch.Tensor], carried: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Traced: the bucket's gradients (plus, ``carried``, each slot's gradient accumulated under
-    ``no_sync``: DDP's bucket after ``no_sync`` holds the sum) flattened, compressed, divided by
-    the world size and reduce-scattered; returns what to wait on."""
-    bucket, world = shard.bucket, shard.world
-    if carried:
-        with role("carry"):
-            grads = [aten.add.Tensor(g, acc) for g, acc in zip(grads, carried, strict=True)]
-    # Cast and divide each gradient's columns before they are concatenated (elementwise, so
-    # the same values): inductor then writes the concatenation in one pass, where a division
-    # after it took a second whole-bucket buffer, alive next to the first.
-    columns = []
-    for grad, slot, c in zip(grads, bucket.slots, shard.chunks):
-        with role("flatten"):
-            flat = _flat(grad, slot.numel)
-            column = aten.view.default(aten.constant_pad_nd.default(flat, [0, world * c - slot.numel]), [world, c])
-        with role("compress"):
-            column = hook.compress(column, bucket)
-        with role("scale"):
-            columns.append(aten.div.Tensor(column, world))
-    with role("flatten"):
-        scaled = aten.view.default(aten.cat.default(columns, 1) if len(columns) > 1 else columns[0], [-1])
-    with role(SHARDED):
-        return kind(SHARDED).lower(backend_of(group_name)).issue(scaled, group_name, world)
-
-
-def _receive(shard: ShardLayout, hook: hooks.CommHook, group_name: str, pending: torch.Tensor) -> torch.Tensor:
-    """Traced: the reduce-scatter's wait, then this rank's part of the bucket's average."""
-    with role("wait"):
-        done = kind(SHARDED).lower(backend_of(group_name)).finish(WAIT(pending), shard.world)
-    with role("decompress"):
-        return hook.decompress(done, shard.bucket)
-
-
-def _copies(shard: ShardLayout, params: Sequence[torch.Tensor], private: bool) -> list[torch.Tensor]:
-    """Traced: the copies of this rank's parts of the parameters that the update writes.
-    ``private``: copies no compiler pass folds into the parameters (``fresh_copy``), for a
-    bucket whose parameters' old values are read after the update: by the rest of the backward,
-    or, with ``gather="forward"``, between steps (the parameters keep the previous step's
-    values until the next forward writes them, on every rank alike)."""
-    copy = fresh_copy if private else _clone
-    with role("update"):
-        return [copy(aten.slice.Tensor(_flat(p, s.numel), 0, lo, hi)) for p, s, (lo, hi) in zip(params, shard.bucket.slots, shard.parts)]
-
-
-def _step(shard: ShardLayout, group_name: str, grad_part: torch.Tensor, work: list[torch.Tensor], rest: list[torch.Tensor]) -> torch.Tensor:
-    """Traced: the optimizer's math on each owned part (``rest``: the state and hyperparameter
-    inputs, :func:`layout`'s order); returns the all-gather of the updated parts, not waited,
-    or with ``gather="forward"`` the updated parts (:func:`_gather_fn` issues their all-gather
-    at the output)."""
-    states = {}
-    for k in shard.owned():
-        width = len(shard.rules[k].state)
-        states[k], rest = rest[:width], rest[width:]
-    hyper = {}
-    for g in shard.groups:
-        width = len(shard.rules[shard.group_of.index(g)].hyper)
-        hyper[g], rest = rest[:width], rest[width:]
-    with role("update"):
-        at = 0
-        for k, c in enumerate(shard.chunks):
-            lo, hi = shard.parts[k]
-            if k in states:
-                rule = shard.rules[k]
-                UPDATES[rule.kind](rule, work[k], aten.slice.Tensor(grad_part, 0, at, at + hi - lo), states[k], hyper[shard.group_of[k]])
-            at += c
-        mine = aten.cat.default([aten.constant_pad_nd.default(w, [0, c - w.numel()]) for w, c in zip(work, shard.chunks)])
-    if shard.bucket.gather == "forward":
-        return mine
-    return _gather_fn(shard, group_name)(mine)
-
-
-def _update_fn(shard: ShardLayout, hook: hooks.CommHook, group_name: str, private: bool, carry: bool) -> Callable[..., torch.Tensor]:
-    """(grads[, carried], params, states, hypers) -> the all-gather of the updated parts, not
-    waited (with ``gather="forward"`` the updated parts): a bucket updated as soon as its
-    average arrives. ``carry``: each slot's accumulated gradient after the gradients."""
-    n = len(shard.bucket.slots)
-    m = 2 * n if carry else n
-
-    def run(*args: torch.Tensor) -> torch.Tensor:
-        grads, carried, params, rest = args[:n], args[n:m], args[m:m + n], list(args[m + n:])
-        pending = _issue(shard, hook, group_name, grads, carried)
-        work = _copies(shard, params, private)
-        return _step(shard, group_name, _receive(shard, hook, group_name, pending), work, rest)
-
-    return run
-
-
-def _reduce_fn(shard: ShardLayout, hook: hooks.CommHook, group_name: str, carry: bool) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """``max_grad_norm``, first half: (grads[, carried]) -> (this rank's part of the bucket's
-    average, the sum of squares of each slot's part): the update waits for the clip
-    coefficient, which needs every bucket's squares (:func:`graphddp.optim.clip.sharded_coefficient_fn`)."""
-    n = len(shard.bucket.slots)
-
-    def run(*args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        grads, carried = args[:n], args[n:] if carry else ()
-        grad_part = _receive(shard, hook, group_name, _issue(shard, hook, group_name, grads, carried))
-        return grad_part, clip.part_squares(grad_part, [hi - lo for lo, hi in shard.parts], shard.chunks)
-
-    return run
-
-
-def _clipped_update_fn(shard: ShardLayout, group_name: str, private: bool) -> Callable[..., torch.Tensor]:
-    """``max_grad_norm``, second half: (this rank's part of the average, params, states,
-    hypers, the clip coefficient) -> as :func:`_update_fn`, from the part times the coefficient
-    (``clip_grad_norm_``'s ``mul_``)."""
-    n = len(shard.bucket.slots)
-
-    def run(grad_part: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
-        params, rest, coef = args[:n], list(args[n:-1]), args[-1]
-        work = _copies(shard, params, private)
-        with role(clip.CLIP):
-            grad_part = aten.mul.Tensor(grad_part, coef)
-        return _step(shard, group_name, grad_part, work, rest)
-
-    return run
-
-
-def _gather_fn(shard: ShardLayout, group_name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """(updated parts) -> their all-gather, not waited (with ``gather="forward"`` traced on its
-    own, at the output)."""
-    all_gather = kind("all_gather").lower(backend_of(group_name))
-
-    def run(parts: torch.Tensor) -> torch.Tensor:
-        with role("all_gather"):
-            return all_gather.issue(parts, group_name, shard.world)
-
-    return run
-
-
-def write_fn(shard: ShardLayout) -> Callable[..., list[torch.Tensor]]:
-    """(the all-gather, params) -> wait, then every parameter written from its gathered chunks;
-    returns the written parameters (what reads them afterwards must read). Traced into the
-    backward or the next forward (``gather``), or run eagerly when a forward cannot."""
-    bucket, world = shard.bucket, shard.world
-    width = sum(shard.chunks)
-
-    def run(gathered: torch.Tensor, *params: torch.Tensor) -> list[torch.Tensor]:
-        with role("wait"):
-            full = WAIT(gathered)
-        with role("write"):
-            rows = aten.view.default(full, [world, width])
-            at, written = 0, []
-            for p, slot, c in zip(params, bucket.slots, shard.chunks):
-                column = aten.clone.default(aten.slice.Tensor(rows, 1, at, at + c), memory_format=torch.contiguous_format)
-                value = aten.view.default(aten.slice.Tensor(aten.view.default(column, [world * c]), 0, 0, slot.numel), list(slot.shape))
-                written.append(aten.copy_.default(p, value))
-                at += c
-        return written
-
-    return run
-
-
-def gathered_value(shard: ShardLayout, fake_mode: Any, like: torch.Tensor) -> torch.Tensor:
-    """The fake value of a bucket's all-gather result (``world`` rows of its chunks)."""
-    with fake_mode:
-        return torch.empty(shard.world * sum(shard.chunks), dtype=like.dtype, device=like.device)
-
-
-def _state_values(shard: ShardLayout, fake_mode: Any, values: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-    """Fake values of the new inputs after the parameters (module docstring's order)."""
-    vals: list[torch.Tensor] = []
-    with fake_mode:
-        for k in shard.owned():
-            p = values[shard.bucket.slots[k].param_name]
-            lo, hi = shard.parts[k]
-            for s in shard.rules[k].state:
-                if s == "step":
-                    vals.append(adam_step(shard.rules[k], p))
-                elif s == "first":
-                    vals.append(torch.empty((), dtype=torch.bool))
-                else:
-                    vals.append(torch.empty(hi - lo, dtype=p.dtype, device=p.device))
-        for g in shard.groups:
-            vals.extend(torch.empty((), dtype=F64) for _ in shard.rules[shard.group_of.index(g)].hyper)
-    return vals
+from graphddp.values.shards import GATHER_LAG
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,7 +98,7 @@ class _Traced:
     """One sharded bucket's traced functions, spliced by :class:`_Splicer`."""
 
     shard: ShardLayout
-    update: fx.GraphModule  # without clipping, the whole bucket (:func:`_update_fn`); with, from the part on
+    update: fx.GraphModule  # without clipping, the whole bucket (:func:`update_fn`); with, from the part on
     tail: fx.GraphModule  # its wait and writes, or (gather="forward") its all-gather
     reduce: fx.GraphModule | None = None  # with clipping: the reduce-scatter to the part and its squares
 
@@ -383,9 +147,10 @@ def insert_sharded_updates(
     reduces = {}  # max_grad_norm: per bucket, the trace of its reduce-scatter to its part and squares
     for shard in shards if clipped else ():
         b = shard.bucket
-        fn = _reduce_fn(shard, hook or hooks.for_bucket(b), schedule.group_name, b.index in carried)
+        fn = reduce_fn(shard, hook or hooks.for_bucket(b), schedule.group_name, b.index in carried)
         reduces[b.index] = trace(fn, gradients(b), f"sharded bucket {b.index}'s average", decompositions)
     coef = _coefficient_value(list(reduces.values()), fake_mode) if clipped else None
+    rests = {shard.bucket.index: state_values(shard, fake_mode, inputs.values) for shard in shards}  # after the parameters
     traced = []
     for at, shard in enumerate(shards):  # every bucket traced before the first edit
         b = shard.bucket
@@ -393,19 +158,19 @@ def insert_sharded_updates(
         point = output if clipped else _update_point(at, placements[b.index], issues, position, output)
         private = b.gather == "forward" or _reads_after(point, _storages(inputs.values[n] for n in b.param_names), output)
         params = [inputs.values[n] for n in b.param_names]
-        rest = _state_values(shard, fake_mode, inputs.values)
+        rest = rests[b.index]
         if clipped:
             grad_part = _outputs(reduces[b.index])[0]
-            fn = _clipped_update_fn(shard, schedule.group_name, private)
+            fn = clipped_update_fn(shard, schedule.group_name, private)
             update = trace(fn, [grad_part, *params, *rest, coef], f"sharded bucket {b.index}'s update", decompositions)
         else:
-            fn = _update_fn(shard, hook or hooks.for_bucket(b), schedule.group_name, private, b.index in carried)
+            fn = update_fn(shard, hook or hooks.for_bucket(b), schedule.group_name, private, b.index in carried)
             update = trace(fn, gradients(b) + params + rest, f"sharded bucket {b.index}", decompositions)
         result = _outputs(update)
         # What ends the bucket in this graph: its wait and writes, or with gather="forward" (the
         # next forward waits and writes) its all-gather, issued at the output.
         if b.gather == "forward":
-            tail = trace(_gather_fn(shard, schedule.group_name), [result], f"sharded bucket {b.index}'s all-gather")
+            tail = trace(gather_fn(shard, schedule.group_name), [result], f"sharded bucket {b.index}'s all-gather")
         else:
             tail = trace(write_fn(shard), [result, *params], f"sharded bucket {b.index}'s write")
         traced.append(_Traced(shard, update, tail, reduces.get(b.index)))
@@ -414,16 +179,16 @@ def insert_sharded_updates(
     for shard in shards:
         names = layout(shard)
         n = len(shard.bucket.slots)
-        vals = [inputs.values[s] for s in shard.bucket.param_names] + _state_values(shard, fake_mode, inputs.values)
+        vals = [inputs.values[s] for s in shard.bucket.param_names] + rests[shard.bucket.index]
         nodes = add_update_inputs(graph, names, vals)
         new_params.update(zip(shard.bucket.param_names, nodes[:n]))
         new_rest[shard.bucket.index] = nodes[n:]
     param_node = parameter_nodes(graph, list(new_params), inputs, new_params)
-    splicer = _Splicer(graph, traced, outs, param_node, new_rest, carried, _IssuePoints(graph), placements)
+    splicer = _Splicer(graph, traced, outs, param_node, new_rest, carried, _IssuePoints(graph), placements, issues, position)
     if clipped:
-        splicer.clipped(schedule, issues, position, decompositions)
+        splicer.clipped(schedule, decompositions)
     else:
-        splicer.overlapped(issues, position)
+        splicer.overlapped()
     # gather="forward": every all-gather at the output, the last bucket's first (the forward
     # reads it first), so that the backward's link carries the reduce-scatters only.
     deferred = splicer.deferred
@@ -474,6 +239,8 @@ class _Splicer:
     carried: Mapping[int, list[fx.Node]]  # per bucket index: its accumulated gradients (the carrying variant)
     early: _IssuePoints
     placements: Mapping[int, Any]
+    issues: list[fx.Node]  # per bucket, its issue point (placement)
+    position: Mapping[fx.Node, int]  # each node's place in the graph before any edit
     deferred: dict[int, Any] = dataclasses.field(default_factory=dict)  # gather="forward": bucket position -> its updated parts
 
     def _taken(self, bucket: Bucket) -> tuple[list[fx.Node], list[fx.Node]]:
@@ -483,19 +250,25 @@ class _Splicer:
             self.outs[s.output_index] = None
         return grads, [self.param_node[n] for n in bucket.param_names]
 
-    def overlapped(self, issues: list[fx.Node], position: Mapping[fx.Node, int]) -> None:
+    def _from_issue(self, at: int, bucket: Bucket, traced: fx.GraphModule, inputs: list[fx.Node]) -> tuple[Any, fx.Node]:
+        """``traced`` spliced from the bucket's issue point, all but its reduce-scatter and what
+        that reads going before the bucket's update point (:func:`_update_point`); returns its
+        outputs and that point."""
+        p = self.placements[bucket.index]
+        wait = _update_point(at, p, self.issues, self.position, self.graph.output_node())
+        with self.early.at(p.issue) as point:
+            return splice(self.graph, traced, inputs, point, bucket.index, late=(frozenset(_not_for_the_issue(traced)), wait)), wait
+
+    def overlapped(self) -> None:
         """Each bucket updated as soon as its average arrives (module docstring)."""
         output = self.graph.output_node()
         writes = []
         late_points: list[fx.Node] = []  # per bucket: the node its wait, update and all-gather precede
         for at, t in enumerate(self.traced):
             b = t.shard.bucket
-            p = self.placements[b.index]
             grads, params = self._taken(b)
-            wait = _update_point(at, p, issues, position, output)
+            gathered, wait = self._from_issue(at, b, t.update, grads + params + self.rest[b.index])
             late_points.append(wait)
-            with self.early.at(p.issue) as point:
-                gathered = splice(self.graph, t.update, grads + params + self.rest[b.index], point, b.index, late=(frozenset(_not_for_the_issue(t.update)), wait))
             if b.gather == "forward":
                 self.deferred[at] = gathered
             else:
@@ -503,7 +276,7 @@ class _Splicer:
         for at, pending in writes:
             _splice_write(self.graph, _write_point(late_points, at, pending[3], output), *pending)
 
-    def clipped(self, schedule: Schedule, issues: list[fx.Node], position: Mapping[fx.Node, int], decompositions: Mapping[Any, Any]) -> None:
+    def clipped(self, schedule: Schedule, decompositions: Mapping[Any, Any]) -> None:
         """``max_grad_norm``: each bucket's reduce-scatter where it would be, its wait and the
         sums of squares of its parts where its update would be (:func:`_update_point`: while
         later buckets are on the wire); the gradients the graph still returns (all-reduced
@@ -515,12 +288,8 @@ class _Splicer:
         graph, output = self.graph, self.graph.output_node()
         parts, squares = [], []
         for at, t in enumerate(self.traced):
-            b = t.shard.bucket
-            p = self.placements[b.index]
-            grads, _ = self._taken(b)
-            wait = _update_point(at, p, issues, position, output)
-            with self.early.at(p.issue) as point:
-                part, square = splice(graph, t.reduce, grads, point, b.index, late=(frozenset(_not_for_the_issue(t.reduce)), wait))
+            grads, _ = self._taken(t.shard.bucket)
+            (part, square), _ = self._from_issue(at, t.shard.bucket, t.reduce, grads)
             parts.append(part)
             squares.append(square)
         returned = [

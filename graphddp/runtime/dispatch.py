@@ -169,7 +169,7 @@ class InGraphUpdate:
     aliases: tuple[tuple[int, str], ...]  # backward inputs that must share a parameter's memory
     grads: Callable[[list[Any]], Any] | None = None
     aliases_checked: bool = False
-    shards: tuple[Any, ...] = ()  # sharded buckets' layouts (graphddp.optim.insert_shard.ShardLayout)
+    shards: tuple[Any, ...] = ()  # sharded buckets' layouts (graphddp.optim.shard_functions.ShardLayout)
     # gather="forward": the backward returns its un-waited all-gathers after the gradients; the
     # next forward completes them (graphddp.runtime.gathers). The eager write for when no
     # forward graph can take them.

@@ -1,0 +1,265 @@
+"""A sharded bucket's layout on this rank, and the functions traced into the backward for it.
+
+What each sharded bucket computes (:mod:`graphddp.optim.insert_shard` says where each piece
+goes in the graph, and why): the reduce-scatter of its gradients (plus, carrying, what they
+accumulated under ``no_sync``), this rank's part of the average, the optimizer's math on it,
+the all-gather of the updated parts and the writes of the parameters from it; with
+``max_grad_norm`` in two halves, the sum of squares of each part between them
+(:mod:`graphddp.optim.clip`). Traced on fake values by ``graphddp.graph.trace.trace``; each
+node is tagged with its role (``flatten``, ``reduce_scatter``, ``wait``, ``update``, ...), which
+the pass and the verifier (:mod:`graphddp.optim.verify_shard`) read.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from graphddp.graph.trace import fresh_copy, role
+from graphddp.hooks import builtin as hooks
+from graphddp.optim import clip
+from graphddp.optim.attached import F64, UPDATES, UpdateRule, adam_step
+from graphddp.values.collectives import backend_of, kind
+from graphddp.values.comm import WAIT
+from graphddp.values.schedule import Bucket
+from graphddp.values.shards import chunk, part
+
+aten = torch.ops.aten
+SHARDED = "reduce_scatter"  # Bucket.collective of a sharded bucket
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardLayout:
+    """What a sharded bucket's update reads, for this rank: per slot its part and rule."""
+
+    bucket: Bucket
+    parts: tuple[tuple[int, int], ...]  # per slot: [lo, hi) of the parameter's flat view
+    rules: tuple[UpdateRule, ...]  # per slot
+    group_of: tuple[int, ...]  # per slot
+    world: int
+
+    @property
+    def groups(self) -> list[int]:
+        return sorted(set(self.group_of))
+
+    @property
+    def chunks(self) -> list[int]:
+        return [chunk(s.numel, self.world) for s in self.bucket.slots]
+
+    def owned(self) -> list[int]:
+        """Slots this rank owns a non-empty part of."""
+        return [i for i, (lo, hi) in enumerate(self.parts) if hi > lo]
+
+
+def shard_layout(bucket: Bucket, rules: Mapping[str, UpdateRule], groups: Mapping[str, int], world: int, rank: int) -> ShardLayout:
+    names = bucket.param_names
+    return ShardLayout(
+        bucket, tuple(part(s.numel, world, rank) for s in bucket.slots), tuple(rules[n] for n in names),
+        tuple(groups[n] for n in names), world,
+    )
+
+
+def layout(shard: ShardLayout) -> list[str]:
+    """Placeholder names of one sharded bucket's inputs, in order (:mod:`graphddp.optim.insert_shard`'s module docstring: "New inputs")."""
+    b = shard.bucket.index
+    names = [f"shard{b}_param_{k}" for k in range(len(shard.bucket.slots))]
+    for k in shard.owned():
+        names.extend(f"shard{b}_{s}_{k}" for s in shard.rules[k].state)
+    for g in shard.groups:
+        names.extend(f"shard{b}_group{g}_{h}" for h in shard.rules[shard.group_of.index(g)].hyper)
+    return names
+
+
+def _flat(t: torch.Tensor, numel: int) -> torch.Tensor:
+    """``t`` as a flat view (a contiguous copy first where its memory is not contiguous)."""
+    if not t.is_contiguous():
+        t = aten.clone.default(t, memory_format=torch.contiguous_format)
+    return aten.view.default(t, [numel])
+
+
+def _clone(t: torch.Tensor) -> torch.Tensor:
+    """A copy of this rank's part that inductor may fold into the parameter itself: its
+    ``remove_noop_ops`` drops a clone whose layout equals its source's (it assumes a functional
+    graph), so the update then writes this rank's part of the parameter in place. Used only
+    where nothing reads the parameter's old values after the update (``graphddp.optim.insert_shard._reads_after``): the
+    write of the gathered bucket overwrites the whole parameter anyway, and no copy is made."""
+    return aten.clone.default(t)
+
+
+def _issue(shard: ShardLayout, hook: hooks.CommHook, group_name: str, grads: Sequence[torch.Tensor], carried: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Traced: the bucket's gradients (plus, ``carried``, each slot's gradient accumulated under
+    ``no_sync``: DDP's bucket after ``no_sync`` holds the sum) flattened, compressed, divided by
+    the world size and reduce-scattered; returns what to wait on."""
+    bucket, world = shard.bucket, shard.world
+    if carried:
+        with role("carry"):
+            grads = [aten.add.Tensor(g, acc) for g, acc in zip(grads, carried, strict=True)]
+    # Cast and divide each gradient's columns before they are concatenated (elementwise, so
+    # the same values): inductor then writes the concatenation in one pass, where a division
+    # after it took a second whole-bucket buffer, alive next to the first.
+    columns = []
+    for grad, slot, c in zip(grads, bucket.slots, shard.chunks):
+        with role("flatten"):
+            flat = _flat(grad, slot.numel)
+            column = aten.view.default(aten.constant_pad_nd.default(flat, [0, world * c - slot.numel]), [world, c])
+        with role("compress"):
+            column = hook.compress(column, bucket)
+        with role("scale"):
+            columns.append(aten.div.Tensor(column, world))
+    with role("flatten"):
+        scaled = aten.view.default(aten.cat.default(columns, 1) if len(columns) > 1 else columns[0], [-1])
+    with role(SHARDED):
+        return kind(SHARDED).lower(backend_of(group_name)).issue(scaled, group_name, world)
+
+
+def _receive(shard: ShardLayout, hook: hooks.CommHook, group_name: str, pending: torch.Tensor) -> torch.Tensor:
+    """Traced: the reduce-scatter's wait, then this rank's part of the bucket's average."""
+    with role("wait"):
+        done = kind(SHARDED).lower(backend_of(group_name)).finish(WAIT(pending), shard.world)
+    with role("decompress"):
+        return hook.decompress(done, shard.bucket)
+
+
+def _copies(shard: ShardLayout, params: Sequence[torch.Tensor], private: bool) -> list[torch.Tensor]:
+    """Traced: the copies of this rank's parts of the parameters that the update writes.
+    ``private``: copies no compiler pass folds into the parameters (``fresh_copy``), for a
+    bucket whose parameters' old values are read after the update: by the rest of the backward,
+    or, with ``gather="forward"``, between steps (the parameters keep the previous step's
+    values until the next forward writes them, on every rank alike)."""
+    copy = fresh_copy if private else _clone
+    with role("update"):
+        return [copy(aten.slice.Tensor(_flat(p, s.numel), 0, lo, hi)) for p, s, (lo, hi) in zip(params, shard.bucket.slots, shard.parts)]
+
+
+def _step(shard: ShardLayout, group_name: str, grad_part: torch.Tensor, work: list[torch.Tensor], rest: list[torch.Tensor]) -> torch.Tensor:
+    """Traced: the optimizer's math on each owned part (``rest``: the state and hyperparameter
+    inputs, :func:`layout`'s order); returns the all-gather of the updated parts, not waited,
+    or with ``gather="forward"`` the updated parts (:func:`gather_fn` issues their all-gather
+    at the output)."""
+    states = {}
+    for k in shard.owned():
+        width = len(shard.rules[k].state)
+        states[k], rest = rest[:width], rest[width:]
+    hyper = {}
+    for g in shard.groups:
+        width = len(shard.rules[shard.group_of.index(g)].hyper)
+        hyper[g], rest = rest[:width], rest[width:]
+    with role("update"):
+        at = 0
+        for k, c in enumerate(shard.chunks):
+            lo, hi = shard.parts[k]
+            if k in states:
+                rule = shard.rules[k]
+                UPDATES[rule.kind](rule, work[k], aten.slice.Tensor(grad_part, 0, at, at + hi - lo), states[k], hyper[shard.group_of[k]])
+            at += c
+        mine = aten.cat.default([aten.constant_pad_nd.default(w, [0, c - w.numel()]) for w, c in zip(work, shard.chunks)])
+    if shard.bucket.gather == "forward":
+        return mine
+    return gather_fn(shard, group_name)(mine)
+
+
+def update_fn(shard: ShardLayout, hook: hooks.CommHook, group_name: str, private: bool, carry: bool) -> Callable[..., torch.Tensor]:
+    """(grads[, carried], params, states, hypers) -> the all-gather of the updated parts, not
+    waited (with ``gather="forward"`` the updated parts): a bucket updated as soon as its
+    average arrives. ``carry``: each slot's accumulated gradient after the gradients."""
+    n = len(shard.bucket.slots)
+    m = 2 * n if carry else n
+
+    def run(*args: torch.Tensor) -> torch.Tensor:
+        grads, carried, params, rest = args[:n], args[n:m], args[m:m + n], list(args[m + n:])
+        pending = _issue(shard, hook, group_name, grads, carried)
+        work = _copies(shard, params, private)
+        return _step(shard, group_name, _receive(shard, hook, group_name, pending), work, rest)
+
+    return run
+
+
+def reduce_fn(shard: ShardLayout, hook: hooks.CommHook, group_name: str, carry: bool) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """``max_grad_norm``, first half: (grads[, carried]) -> (this rank's part of the bucket's
+    average, the sum of squares of each slot's part): the update waits for the clip
+    coefficient, which needs every bucket's squares (:func:`graphddp.optim.clip.sharded_coefficient_fn`)."""
+    n = len(shard.bucket.slots)
+
+    def run(*args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        grads, carried = args[:n], args[n:] if carry else ()
+        grad_part = _receive(shard, hook, group_name, _issue(shard, hook, group_name, grads, carried))
+        return grad_part, clip.part_squares(grad_part, [hi - lo for lo, hi in shard.parts], shard.chunks)
+
+    return run
+
+
+def clipped_update_fn(shard: ShardLayout, group_name: str, private: bool) -> Callable[..., torch.Tensor]:
+    """``max_grad_norm``, second half: (this rank's part of the average, params, states,
+    hypers, the clip coefficient) -> as :func:`update_fn`, from the part times the coefficient
+    (``clip_grad_norm_``'s ``mul_``)."""
+    n = len(shard.bucket.slots)
+
+    def run(grad_part: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+        params, rest, coef = args[:n], list(args[n:-1]), args[-1]
+        work = _copies(shard, params, private)
+        with role(clip.CLIP):
+            grad_part = aten.mul.Tensor(grad_part, coef)
+        return _step(shard, group_name, grad_part, work, rest)
+
+    return run
+
+
+def gather_fn(shard: ShardLayout, group_name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """(updated parts) -> their all-gather, not waited (with ``gather="forward"`` traced on its
+    own, at the output)."""
+    all_gather = kind("all_gather").lower(backend_of(group_name))
+
+    def run(parts: torch.Tensor) -> torch.Tensor:
+        with role("all_gather"):
+            return all_gather.issue(parts, group_name, shard.world)
+
+    return run
+
+
+def write_fn(shard: ShardLayout) -> Callable[..., list[torch.Tensor]]:
+    """(the all-gather, params) -> wait, then every parameter written from its gathered chunks;
+    returns the written parameters (what reads them afterwards must read). Traced into the
+    backward or the next forward (``gather``), or run eagerly when a forward cannot."""
+    bucket, world = shard.bucket, shard.world
+    width = sum(shard.chunks)
+
+    def run(gathered: torch.Tensor, *params: torch.Tensor) -> list[torch.Tensor]:
+        with role("wait"):
+            full = WAIT(gathered)
+        with role("write"):
+            rows = aten.view.default(full, [world, width])
+            at, written = 0, []
+            for p, slot, c in zip(params, bucket.slots, shard.chunks):
+                column = aten.clone.default(aten.slice.Tensor(rows, 1, at, at + c), memory_format=torch.contiguous_format)
+                value = aten.view.default(aten.slice.Tensor(aten.view.default(column, [world * c]), 0, 0, slot.numel), list(slot.shape))
+                written.append(aten.copy_.default(p, value))
+                at += c
+        return written
+
+    return run
+
+
+def gathered_value(shard: ShardLayout, fake_mode: Any, like: torch.Tensor) -> torch.Tensor:
+    """The fake value of a bucket's all-gather result (``world`` rows of its chunks)."""
+    with fake_mode:
+        return torch.empty(shard.world * sum(shard.chunks), dtype=like.dtype, device=like.device)
+
+
+def state_values(shard: ShardLayout, fake_mode: Any, values: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Fake values of the new inputs after the parameters (:func:`layout`'s order)."""
+    vals: list[torch.Tensor] = []
+    with fake_mode:
+        for k in shard.owned():
+            p = values[shard.bucket.slots[k].param_name]
+            lo, hi = shard.parts[k]
+            for s in shard.rules[k].state:
+                if s == "step":
+                    vals.append(adam_step(shard.rules[k], p))
+                elif s == "first":
+                    vals.append(torch.empty((), dtype=torch.bool))
+                else:
+                    vals.append(torch.empty(hi - lo, dtype=p.dtype, device=p.device))
+        for g in shard.groups:
+            vals.extend(torch.empty((), dtype=F64) for _ in shard.rules[shard.group_of.index(g)].hyper)
+    return vals
