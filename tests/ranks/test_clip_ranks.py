@@ -41,6 +41,15 @@ def _mlp_loss(m: nn.Module, rank: int, step: int) -> torch.Tensor:
     return F.mse_loss(m(x), y)
 
 
+def _mlp_loss_new_shape(m: nn.Module, rank: int, step: int) -> torch.Tensor:
+    """A batch of another size from step 2 on (``step`` is 10 x step + micro-step): Dynamo
+    compiles the frame again, and the new graph clips and updates alone."""
+    g = torch.Generator().manual_seed(100 * step + rank)
+    rows = 8 if step < 20 else 5
+    x, y = torch.randn(rows, 16, generator=g), torch.randn(rows, 4, generator=g)
+    return F.mse_loss(m(x), y)
+
+
 def _break_mlp_loss(m: nn.Module, rank: int, step: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(100 * step + rank)
     x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
@@ -95,6 +104,8 @@ CASES = {
     # all-reduce of their squares gives the norm, then every part is updated and all-gathered.
     # The step after the micro-steps carries their gradients into its reduce-scatters: in the graph too.
     "mlp_sharded": Case(lambda: models.MLP(width=32, depth=4), _mlp_loss, 0.05, ((4, 0),), options=SHARDED),
+    # A recompile is not a graph break: the older graph is an alternative, not part of the step.
+    "mlp_sharded_recompile": Case(lambda: models.MLP(width=32, depth=4), _mlp_loss_new_shape, 0.05, ((2, 0), (2, 0)), options=SHARDED),
     "mlp_sharded_3_ranks": Case(lambda: models.MLP(width=32, depth=4), _mlp_loss, 0.05, ((4, 0),), options=SHARDED, world=3),
     "mlp_sharded_gather_forward_sgd": Case(
         lambda: models.MLP(width=32, depth=4), _mlp_loss, 0.05, ((4, 0),), optimizer=_sgd, options={**SHARDED, "gather": "forward"}
