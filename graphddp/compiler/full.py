@@ -31,7 +31,10 @@ from graphddp.graph.describe_parts import describe_part_collectives, input_name
 from graphddp.graph.part_collectives import place_part_collectives, whole_bytes
 from graphddp.graph.reshard import Kept, tag_regathers
 from graphddp.graph.verify_full import check_part_collectives
+from graphddp.optim.guards import ATTACHED_NODE
 from graphddp.plan.full_cap import planned_cap_bytes
+from graphddp.runtime.dispatch import compiled_backward_node
+from graphddp.runtime.usage import GradientUsage, NoneOutputs
 from graphddp.values.part_schedule import PartCap, PartGraph
 
 
@@ -63,6 +66,7 @@ class Compiled:
     names_by_id: Mapping[int, str]
     world_size: int
     updates: PartUpdates | None = None
+    group: Any = None  # the process group the parts are sharded over
     graphs: list[tuple[str, fx.GraphModule]] = dataclasses.field(default_factory=list)
     described: list[tuple[int, PartGraph]] = dataclasses.field(default_factory=list)
     dynamo_graphs: int = 0
@@ -90,7 +94,7 @@ def fully_sharded_compiler(config: DDPConfig, compiled: Compiled) -> Callable[..
                 fn = compile_fx(gm, example_inputs, inner_compile=graph.inner(compile_fx_inner, pinned))
         else:
             fn = _aot_eager(config, graph)(gm, example_inputs)
-        return fn if compiled.updates is None else compiled.updates.counted(index, fn, part_ids)
+        return graph.forward(fn, part_ids)
 
     return compile_graph
 
@@ -103,6 +107,36 @@ class _Graph:
     def __init__(self, config: DDPConfig, compiled: Compiled, index: int, names: Mapping[str, str]) -> None:
         self.config, self.compiled, self.index, self.names = config, compiled, index, names
         self.kept = Kept()
+        self.usage: GradientUsage | None = None  # read from the backward graph when it is compiled
+        self.none_outputs = NoneOutputs()
+
+    def forward(self, fn: Callable[..., Any], part_ids: Mapping[int, int]) -> Callable[..., Any]:
+        """The compiled forward ``fn``, each training call counted for the update inside
+        (:meth:`PartUpdates.forward_ran`) and its autograd node tagged as an attached model's
+        (:mod:`graphddp.optim.guards`), and, while its backward may leave a part unused, a
+        pre-hook on that node recording which output gradients come as None
+        (:mod:`graphddp.runtime.usage`)."""
+        updates = self.compiled.updates
+        boxed = getattr(fn, "_boxed_call", False)
+
+        def run(*args: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return fn(*args)
+            inputs = list(args[0]) if boxed and len(args) == 1 and isinstance(args[0], list) else args
+            if updates is not None:
+                updates.forward_ran(self.index, inputs, part_ids)
+            noting = self.usage is None or self.usage.may_be_unused
+            out = fn(*args)
+            if updates is not None or noting:
+                node = compiled_backward_node(out if isinstance(out, (list, tuple)) else [out], inputs)
+                if node is not None and updates is not None:
+                    node.metadata[ATTACHED_NODE] = True
+                if node is not None and noting:
+                    node.register_prehook(self.none_outputs.note)
+            return out
+
+        run._boxed_call = boxed  # type: ignore[attr-defined]
+        return run
 
     def tag(self, joint: fx.Graph) -> None:
         """The joint graph's gathers tagged for the backward to gather again, but the backward's
@@ -111,6 +145,10 @@ class _Graph:
         self.kept = tag_regathers(joint, keep)
 
     def keep(self, gm: fx.GraphModule, backward: bool) -> UpdatingBackward | None:
+        if backward:  # before the rewrite merges gradients into buckets
+            outs = gm.graph.output_node().args[0]
+            count = len(outs) if isinstance(outs, (list, tuple)) else 1
+            self.usage = GradientUsage.of_graph(gm, {i: self.names[input_name(i)] for i in range(count) if input_name(i) in self.names})
         cap = _placed(gm, self.config, self.compiled.world_size, backward, self.kept, tuple(self.names))
         kind = "backward" if backward else "forward"
         compiled, updates = self.compiled, self.compiled.updates
@@ -132,9 +170,21 @@ class _Graph:
         updated inside, the choice between it and the variants (:meth:`PartUpdates.backward`).
         Each variant is compiled at its first call unless compiled already."""
         updates = self.compiled.updates
-        if variant is None or updates is None:
-            return plain()
-        return updates.backward(self.index, variant, _once(plain), _once(updating), _once(carrying))
+        choose = None if variant is None or updates is None else updates.backward(self.index, variant, _once(plain), _once(updating), _once(carrying))
+        usage = self.usage
+        if usage is None or not usage.may_be_unused:
+            return choose if choose is not None else plain()
+        group, names, plain_once = self.compiled.group, tuple(usage.outputs), _once(plain)
+
+        def dropping(args: list) -> Any:
+            """Gradients of the parts no rank used this step returned as None, and not
+            updated inside (:mod:`graphddp.runtime.usage`)."""
+            unused = GradientUsage.unused_anywhere(names, usage.unused(*self.none_outputs.take(), args), group)
+            out = choose(args, unused) if choose is not None else plain_once()(args)
+            return GradientUsage.drop(out, usage.outputs, unused)
+
+        dropping._boxed_call = True  # type: ignore[attr-defined]
+        return dropping
 
     def inner(self, compile_inner: Callable[..., Any], patches: dict[str, Any]) -> Callable[..., Any]:
         """``compile_inner`` (inductor's, under ``patches``) that first places and keeps the graph
@@ -148,7 +198,8 @@ class _Graph:
             backward = bool(kwargs.get("is_backward"))
             variant = self.keep(gm, backward)
             if variant is None:
-                return compile_inner(gm, example_inputs, **kwargs)
+                fn = compile_inner(gm, example_inputs, **kwargs)
+                return self.backward(None, lambda: fn, fn, fn) if backward else fn
 
             def lazily(graph: fx.GraphModule) -> Compile:
                 inputs = [*example_inputs, *[n.meta["val"] for n in graph.graph.nodes if n.op == "placeholder"][len(example_inputs):]]

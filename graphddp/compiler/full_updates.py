@@ -25,7 +25,10 @@ counts each case: ``"inside"``, ``"inside, carried"``, or the reason):
   (which autograd may add to ``p.grad`` only after this backward has begun: measured, so not
   carried);
 * ``"other parts"``: Dynamo ran the graph for other modules' parts than it was compiled for
-  (their parent's frame runs eagerly), so the state passed by name would be another part's.
+  (their parent's frame runs eagerly), so the state passed by name would be another part's;
+* ``"unused"``: no rank used one of its parts this step (an output the loss left out): that
+  part's gradient is returned as None and ``opt.step()`` skips it, as it skips a parameter DDP
+  leaves without one (:mod:`graphddp.runtime.usage`).
 
 Not inside the backward at all (every step through ``opt.step()``): optimizer classes other
 than ``torch.optim`` SGD, Adam and AdamW, and ``max_grad_norm`` (the global norm needs every
@@ -50,7 +53,6 @@ from graphddp.optim import guards
 from graphddp.optim.attached import AttachedOptimizer
 from graphddp.optim.insert_part_update import insert_part_updates
 from graphddp.optim.insert_update import UpdateInputs
-from graphddp.runtime.dispatch import compiled_backward_node
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,28 +150,15 @@ class PartUpdates:
         return UpdatingBackward(variant, carrying, tuple(updated), groups)
 
     # -- run time ----------------------------------------------------------------------------------
-    def counted(self, index: int, compiled: Callable[..., Any], part_ids: Mapping[int, int]) -> Callable[..., Any]:
-        """``compiled`` (a Dynamo graph's compiled forward) counting its training calls, and
-        those made with other parts than ``part_ids`` (input position -> id) it was compiled for."""
-        boxed = getattr(compiled, "_boxed_call", False)
-
-        def run(*args: Any) -> Any:
-            if not torch.is_grad_enabled():
-                return compiled(*args)
-            inputs = list(args[0]) if boxed and len(args) == 1 and isinstance(args[0], list) else args
-            self.pending[index] += 1
-            if not self.syncing():
-                self.local[index] += 1
-            if any(i < len(inputs) and id(inputs[i]) != pid for i, pid in part_ids.items()):
-                self.foreign[index] += 1
-            out = compiled(*args)
-            node = compiled_backward_node(out if isinstance(out, (list, tuple)) else [out], inputs)
-            if node is not None:  # an enabled GradScaler.scale of it is refused (graphddp.optim.guards)
-                node.metadata[guards.ATTACHED_NODE] = True
-            return out
-
-        run._boxed_call = boxed  # type: ignore[attr-defined]
-        return run
+    def forward_ran(self, index: int, inputs: Sequence[Any], part_ids: Mapping[int, int]) -> None:
+        """Graph ``index``'s forward ran for training: one more backward to come, under
+        ``no_sync`` or not, and with other parts than ``part_ids`` (input position -> id) it was
+        compiled for or not."""
+        self.pending[index] += 1
+        if not self.syncing():
+            self.local[index] += 1
+        if any(i < len(inputs) and id(inputs[i]) != pid for i, pid in part_ids.items()):
+            self.foreign[index] += 1
 
     def backward(self, index: int, variant: UpdatingBackward, plain: Compile, updating: Compile, carrying: Compile) -> Callable[[list], Any]:
         """What AOTAutograd runs as graph ``index``'s backward: where the update inside is the
@@ -178,8 +167,8 @@ class PartUpdates:
         graph as compiled, returning their gradients to ``opt.step()``."""
         params = [self.attached.params[n] for n in variant.names]
 
-        def run(args: list) -> Any:
-            why = self._why_not(index, variant.names)
+        def run(args: list, unused: frozenset[str] = frozenset()) -> Any:
+            why = "unused" if unused.intersection(variant.names) else self._why_not(index, variant.names)
             try:
                 if why is not None:
                     self.counts[why] += 1

@@ -189,7 +189,7 @@ class GraphCompiler(InGraphUpdates, HookRuntime):
             if node is not None and tag_attached:  # an enabled GradScaler.scale of it is refused (optim.guards)
                 node.metadata[ATTACHED_NODE] = True
             if node is not None and unused_possible:
-                node.register_prehook(state.note_outputs)
+                node.register_prehook(state.none_outputs.note)
             if node is not None and renamed:
                 node.register_prehook(lambda _grads, names=renamed: state.rename_next(names))
             step.forward_ran(graph_index, node, syncing, renamed)

@@ -241,7 +241,7 @@ class FullyShardedGraphDDP(nn.Module):
         self._sync = True
         self._forwards = 0  # run by this rank: every rank runs every forward (_check_same_forward)
         updates = PartUpdates.of(optimizer, module, lambda: self._sync, config.verify, config.max_grad_norm)
-        self._record = Compiled({id(p.part): p.names[0] for p in parts.values()}, dist.get_world_size(group), updates)
+        self._record = Compiled({id(p.part): p.names[0] for p in parts.values()}, dist.get_world_size(group), updates, group)
         self.graphs = self._record.graphs  # every compiled forward and backward, in order
         object.__setattr__(self, "_compiled", torch.compile(
             module, backend=fully_sharded_compiler(config, self._record), fullgraph=config.fullgraph, dynamic=config.dynamic, **_ISOLATED

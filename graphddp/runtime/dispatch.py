@@ -26,8 +26,8 @@ Before its collectives, a synchronising variant agrees with the other ranks
 (:meth:`StepState.agree`). In a divergent step (ranks' graphs differ) it runs the local
 variant instead and hands its gradients to the step, which averages the union at the end
 (:mod:`graphddp.runtime.union`). Gradients computed only from outputs the loss left out
-(:class:`GradientUsage`) are returned as None where no rank used the parameter, as DDP leaves
-them.
+(:class:`graphddp.runtime.usage.GradientUsage`) are returned as None where no rank used the
+parameter, as DDP leaves them.
 """
 from __future__ import annotations
 
@@ -38,10 +38,11 @@ import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
 
-from graphddp.runtime.agree import CollectiveError, any_rank, layout_hash
+from graphddp.runtime.agree import CollectiveError, layout_hash
 from graphddp.runtime.failures import collective_failure
 from graphddp.runtime.gate import Armed, Gate
 from graphddp.runtime.gathers import Pending
+from graphddp.runtime.usage import GradientUsage, NoneOutputs
 from graphddp.values.schedule import Schedule
 
 if TYPE_CHECKING:
@@ -62,8 +63,7 @@ class GraphState:
         self.held = 0  # gated backwards whose agreement held the buckets (graphddp.runtime.gate)
 
         self._renamed: dict[str, str] | None = None  # the next backward's parameters, when not the compiled ones
-        self._none_pattern: tuple[bool, ...] | None = None  # which output gradients were None
-        self._given: set[int] = set()  # ... and the ids of the ones that were not
+        self.none_outputs = NoneOutputs()  # which output gradients the next backward got as None
 
     def mark_local(self, _grad_outputs: Any = None) -> None:
         self._local_next = True
@@ -78,62 +78,6 @@ class GraphState:
     def take_renamed(self) -> dict[str, str] | None:
         names, self._renamed = self._renamed, None
         return names
-
-    def note_outputs(self, grad_outputs: Any) -> None:
-        """A pre-hook on the graph's autograd node: which of its output gradients are None
-        (outputs the loss did not use); autograd replaces them by zeros before the backward."""
-        if any(g is None for g in grad_outputs):
-            self._none_pattern = tuple(g is None for g in grad_outputs)
-            self._given = {id(g) for g in grad_outputs if g is not None}
-
-    def take_none(self) -> tuple[tuple[bool, ...] | None, set[int]]:
-        taken = self._none_pattern, self._given
-        self._none_pattern, self._given = None, set()
-        return taken
-
-
-class GradientUsage:
-    """Which parameters a backward got gradients for only from unused outputs (``None`` in DDP).
-
-    Each gradient slot knows the backward inputs it is computed from (:attr:`GradSlot.sources`,
-    the output gradients). When some output's gradient was None, autograd passed zeros in its
-    place; a parameter whose every source was such a zero input was not used in the step.
-    Which inputs those are is read once per pattern of None outputs: an input that is not one
-    of the gradients autograd was given, and is all zeros. Graphs where every parameter depends
-    on every output gradient (a loss, one hidden state) are never asked.
-    """
-
-    def __init__(self, schedule: Schedule) -> None:
-        slots = [s for b in schedule.buckets for s in b.slots if not s.zero_filled]
-        self.outputs = {s.param_name: s.output_index for s in slots}
-        self.sources = {s.param_name: frozenset(s.sources) for s in slots if s.sources}
-        everything = frozenset().union(*self.sources.values())
-        self.inputs = tuple(sorted(everything))
-        self.may_be_unused = any(src != everything for src in self.sources.values())
-        self._absent: dict[tuple[bool, ...], frozenset[int]] = {}
-
-    def unused(self, pattern: tuple[bool, ...] | None, given: set[int], args: list[Any]) -> frozenset[str]:
-        """Parameters whose every gradient source was a None output gradient."""
-        if pattern is None or not self.may_be_unused:
-            return frozenset()
-        absent = self._absent.get(pattern)
-        if absent is None:
-            absent = self._absent[pattern] = frozenset(
-                i for i in self.inputs
-                if isinstance(args[i], torch.Tensor) and id(args[i]) not in given and not bool(args[i].any())
-            )
-        return frozenset(n for n, src in self.sources.items() if src <= absent)
-
-    @staticmethod
-    def drop(out: Any, outputs: dict[str, int], names: Iterable[str]) -> Any:
-        """``out`` with the gradients of ``names`` replaced by None (autograd leaves them)."""
-        names = [n for n in names if n in outputs]
-        if not names:
-            return out
-        out = list(out)
-        for n in names:
-            out[outputs[n]] = None
-        return out
 
 
 def compiled_backward_node(outputs: Iterable[Any], inputs: Iterable[Any]) -> Any:
@@ -259,7 +203,7 @@ class BackwardDispatch:
         # accumulated under no_sync (``parameters`` holds them, by name, until it takes them).
         self.carry = carry
         self.parameters = dict(parameters or {})
-        self.usage = GradientUsage(next(iter(variants.values())).schedule)
+        self.usage = GradientUsage.of_schedule(next(iter(variants.values())).schedule)
         # A gated graph carries through its gate (graphddp.runtime.gate), with no variant of its own.
         self.gate_carries = gate_carries
         # A gated graph's all-reduces go through its group's gate (graphddp.runtime.gate),
@@ -279,7 +223,7 @@ class BackwardDispatch:
     def __call__(self, args: list[Any]) -> Any:
         local = self.state.take_local()
         renamed = self.state.take_renamed()
-        unused = self.usage.unused(*self.state.take_none(), args)
+        unused = self.usage.unused(*self.state.none_outputs.take(), args)
         outputs = self.usage.outputs
         if renamed:  # the graph ran for other parameters (GraphState.rename_next)
             unused = frozenset(renamed[n] for n in unused)
@@ -402,9 +346,7 @@ class BackwardDispatch:
 
     def _unused_anywhere(self, schedule: Schedule, unused: frozenset[str]) -> frozenset[str]:
         """Which of this graph's parameters no rank used (one OR over ranks)."""
-        names = [s.param_name for b in schedule.buckets for s in b.slots]
-        anywhere = any_rank([n not in unused for n in names], self.group)
-        return frozenset(n for n, used in zip(names, anywhere) if not used)
+        return GradientUsage.unused_anywhere((s.param_name for b in schedule.buckets for s in b.slots), unused, self.group)
 
     def _carried_by_bucket(
         self, schedule: Schedule
