@@ -5,6 +5,8 @@ each, and the graph without clipping holding no coefficient. The numbers against
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from graphddp.models import MLP
 from graphddp.optim.clip import CLIP, CLIP_COEFFICIENT, CLIP_NORM
 from graphddp.optim.verify_shard import verify_sharded
 from graphddp.values.collectives import kind
+from graphddp.values.schedule import Schedule
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_collective, is_wait
 
 aten = torch.ops.aten
@@ -170,6 +173,9 @@ def test_other_norms_combine_the_parts_by_their_own_reduction(fake_world, norm_t
     assert summed.target is AR and summed.args[1] == op
     verify_sharded(gm, record.schedule)
     assert f"global L{norm_type:g} norm of 0.05" in record.schedule.to_table()
+    data = json.loads(json.dumps(record.schedule.to_dict(), allow_nan=False))  # "inf" as a string: JSON has no infinity
+    assert Schedule.from_dict(data) == record.schedule
+    assert dataclasses.replace(record.schedule, grad_norm_type=2.0).fingerprint() != record.schedule.fingerprint()
     broken = copy.deepcopy(gm)
     _mutate_reduction(broken)
     with pytest.raises(VerificationError, match="reduces by"):
