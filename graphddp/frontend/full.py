@@ -19,7 +19,7 @@ What the parts mean for the user:
   arrive, and leaves them no gradient; ``opt.step()`` stays torch's and steps what a backward
   left to it (a ``no_sync`` micro-step's accumulation, a weight tied across a graph break,
   other optimizer classes: :mod:`graphddp.compiler.full_updates`); ``max_grad_norm=`` clips by
-  the global norm of the whole gradient (one all-reduce of a number before ``opt.step()``,
+  the global norm (``grad_norm_type``'s) of the whole gradient (one all-reduce of a number before ``opt.step()``,
   which then steps every part);
 * ``model.state_dict()`` gives whole tensors under the wrapped module's keys and
   ``load_state_dict`` keeps this rank's part: checkpoints move between world sizes and to plain
