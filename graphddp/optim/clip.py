@@ -16,7 +16,8 @@ Sharded (``sharding="optimizer"``)
     elements raised to 1/p, so each rank's sums of ``|g|^p`` per gradient (the squares for
     p = 2) add up over ranks to the whole gradient's: one SUM all-reduce, then the 1/p power.
     The inf-norm is a maximum, not a sum: each rank's largest ``|g|`` per gradient, one MAX
-    all-reduce. Padding holds zeros, which add nothing to either.
+    all-reduce. Padding holds zeros, which add nothing to either. ``sharding="full"`` clips
+    the parts the same way, eagerly, before ``opt.step()`` (:func:`clip_parts_before_step`).
 
 Where (:meth:`graphddp.values.schedule.Schedule.update_after` decides, this pass follows)
     The norm needs every bucket's average, so no update may run before the last wait. What can
@@ -32,9 +33,8 @@ gradient reads it.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
-
 import math
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
