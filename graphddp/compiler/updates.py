@@ -191,7 +191,7 @@ class InGraphUpdates:
         if not updatable:
             return schedule, None, tied
         without_update = self._without_update(gm, schedule, shared, carry)
-        schedule = with_updates(schedule, updatable, str(optimizer), max_norm)
+        schedule = with_updates(schedule, updatable, str(optimizer), max_norm, self.config.grad_norm_type)
         inputs = UpdateInputs(
             rules={n: optimizer.rule(n) for n in updatable},
             groups={n: optimizer.group_of[n] for n in updatable},

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from graphddp.config import ddp_keywords, inductor_settings
+from graphddp.config.clipping import check_clipping
 from graphddp.hooks.builtin import COMM_HOOKS
 from graphddp.hooks.traced import as_traced_hook
 from graphddp.config.inductor_settings import INDUCTOR_MODES
@@ -141,8 +142,12 @@ class DDPConfig:
         "'backward' (at its end) or 'forward' (deferred into the next forward, before the bucket's parameters are read)"
     )
     max_grad_norm: float | None = _option(
-        None, "with optimizer=: clip the averaged gradients to this global L2 norm before the update, as "
-        "torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm) before optimizer.step() (default: no clipping)"
+        None, "with optimizer=: clip the averaged gradients to this global norm (L2, or grad_norm_type's) before the update, "
+        "as torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm, grad_norm_type) before optimizer.step() "
+        "(default: no clipping)"
+    )
+    grad_norm_type: float = _option(
+        2.0, "with max_grad_norm: the norm it clips by, clip_grad_norm_'s norm_type: 1, 2, inf or any other p > 0 (default: 2)"
     )
     backend: str = _option("inductor", f"inner compiler: one of {BACKENDS}")
     verify: bool = _option(True, "run the graph checker after every rewrite")
@@ -207,13 +212,9 @@ class DDPConfig:
         if self.gather != "backward" and self.sharding != "optimizer":
             raise ValueError(f"gather={self.gather!r} places the all-gathers of sharding='optimizer'; it needs that option")
         self._check_full_sharding()
-        if self.max_grad_norm is not None and (
-            isinstance(self.max_grad_norm, bool) or not isinstance(self.max_grad_norm, (int, float))
-            or not (self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm))
-        ):
-            raise ValueError(f"max_grad_norm must be None or a positive, finite number, got {self.max_grad_norm!r}")
-        if self.max_grad_norm is not None:
-            object.__setattr__(self, "max_grad_norm", float(self.max_grad_norm))
+        clipping = check_clipping(self.max_grad_norm, self.grad_norm_type)
+        object.__setattr__(self, "max_grad_norm", clipping[0])
+        object.__setattr__(self, "grad_norm_type", clipping[1])
         traced = as_traced_hook(self.comm_hook)
         if traced is not None:
             object.__setattr__(self, "comm_hook", traced)

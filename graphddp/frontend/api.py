@@ -147,10 +147,11 @@ def compile(module: nn.Module, *, process_group: Any = None, optimizer: Any = No
     bucket's wait: after a synchronising ``backward()`` the parameters are updated and every
     ``p.grad`` is None; ``optimizer.step()``/``zero_grad()`` become no-ops, hyperparameters
     are read from ``param_groups`` every step, state stays in ``optimizer.state``.
-    ``max_grad_norm`` clips the averaged gradients by their global L2 norm before the update,
-    as ``clip_grad_norm_(model.parameters(), max_grad_norm)`` before ``optimizer.step()``
-    (:mod:`graphddp.optim.clip`; with ``sharding="optimizer"`` each rank norms its parts and one
-    all-reduce of their squares gives the norm); calling ``clip_grad_norm_`` on the parameters yourself, or
+    ``max_grad_norm`` clips the averaged gradients by their global norm before the update, as
+    ``clip_grad_norm_(model.parameters(), max_grad_norm, norm_type=grad_norm_type)`` before
+    ``optimizer.step()`` (L2 unless ``grad_norm_type`` says another p > 0 or inf;
+    :mod:`graphddp.optim.clip`; with ``sharding="optimizer"`` each rank norms its parts and one
+    all-reduce of their shares, a MAX for inf, gives the norm); calling ``clip_grad_norm_`` on the parameters yourself, or
     an enabled ``GradScaler`` with the attached optimizer, raises (:mod:`graphddp.optim.guards`).
     See :mod:`graphddp.optim.attached`.
 

@@ -19,7 +19,7 @@ What the parts mean for the user:
   arrive, and leaves them no gradient; ``opt.step()`` stays torch's and steps what a backward
   left to it (a ``no_sync`` micro-step's accumulation, a weight tied across a graph break,
   other optimizer classes: :mod:`graphddp.compiler.full_updates`); ``max_grad_norm=`` clips by
-  the global norm of the whole gradient (one all-reduce of a number before ``opt.step()``,
+  the global norm (``grad_norm_type``'s) of the whole gradient (one all-reduce of a number before ``opt.step()``,
   which then steps every part);
 * ``model.state_dict()`` gives whole tensors under the wrapped module's keys and
   ``load_state_dict`` keeps this rank's part: checkpoints move between world sizes and to plain
@@ -55,7 +55,7 @@ from graphddp.compiler.full_updates import PartUpdates
 from graphddp.config import DDPConfig
 from graphddp.frontend.replica import check_and_broadcast
 from graphddp.graph.part_collectives import PREFETCH
-from graphddp.optim import guards
+from graphddp.optim import clip, guards
 from graphddp.optim.shard import ELEMENTWISE, check_whole_state
 from graphddp.runtime import agree
 from graphddp.runtime.calibrate import resolve_cost
@@ -200,23 +200,6 @@ def cut_state(state: Mapping[str, Any], world: int, rank: int, part: Part) -> di
     (:func:`graphddp.optim.shard.check_whole_state`)."""
     check_whole_state(part.names[0], state, part.numel)
     return {k: padded_part(v, world, rank) if k in ELEMENTWISE and isinstance(v, torch.Tensor) else v for k, v in state.items()}
-
-
-def clip_parts_by_global_norm(optimizer: torch.optim.Optimizer, max_norm: float, group: Any) -> Any:
-    """Before every ``optimizer.step()``: scale the parts' gradients so that the whole gradient's
-    L2 norm is at most ``max_norm``, as ``clip_grad_norm_`` on the whole parameters would (one
-    all-reduce of this rank's sum of squares; padding holds zeros). Returns the hook's handle."""
-
-    def clip(opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
-        if not grads:
-            return
-        square = torch.stack([g.detach().float().square().sum() for g in grads]).sum()
-        dist.all_reduce(square, group=group)
-        coef = torch.clamp(max_norm / (square.sqrt() + 1e-6), max=1.0)
-        torch._foreach_mul_(grads, coef.to(grads[0].device))
-
-    return optimizer.register_step_pre_hook(clip)
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
@@ -414,7 +397,8 @@ class FullyShardedGraphDDP(nn.Module):
                 continue
             seen.add(id(part))
             whole = nn.Parameter(self._whole(part), requires_grad=False)
-            setattr(whole, guards.GATHERED_COPY, True)  # clipping it would clip nothing: refused (graphddp.optim.guards)
+            # clipping it would clip nothing: refused (graphddp.optim.guards), saying whether max_grad_norm clips already
+            setattr(whole, guards.GATHERED_COPY, getattr(part.part, guards.PART, True))
             yield (f"{prefix}.{name}" if prefix else name), whole
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -471,8 +455,9 @@ def compile_fully_sharded(module: nn.Module, group: Any, config: DDPConfig, opti
     guards.watch_gathered_copies()
     parts = shard_parameters(module, group, config.mp_policy)
     for part in parts.values():
-        setattr(part.part, guards.PART, True)  # clip_grad_norm_ on parts is refused (graphddp.optim.guards)
+        # clip_grad_norm_ on parts is refused (graphddp.optim.guards), told whether max_grad_norm clips already
+        setattr(part.part, guards.PART, True if config.max_grad_norm is None else (config.max_grad_norm, config.grad_norm_type))
     repoint_optimizer(optimizer, parts, dist.get_world_size(group), dist.get_rank(group))
     if config.max_grad_norm is not None:
-        clip_parts_by_global_norm(optimizer, config.max_grad_norm, group)
+        clip.clip_parts_before_step(optimizer, config.max_grad_norm, config.grad_norm_type, group)
     return FullyShardedGraphDDP(module, group, config, optimizer, parts)

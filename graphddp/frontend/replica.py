@@ -148,7 +148,7 @@ def prepare(
             "Adam or AdamW): each rank then updates its part of every bucket inside the backward"
         )
     _refuse_clipping_without_the_optimizer(where, config, optimizer)
-    attached = AttachedOptimizer(optimizer, module, where, config.max_grad_norm) if optimizer is not None else None
+    attached = AttachedOptimizer(optimizer, module, where, config.max_grad_norm, config.grad_norm_type) if optimizer is not None else None
     device = check_and_broadcast(where, module, group, config)
     config = resolve_cost(config, group, device)
     if attached is not None:

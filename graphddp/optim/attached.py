@@ -36,7 +36,7 @@ Algorithm
     * ``optimizer.step()`` and ``optimizer.zero_grad()`` become no-ops while attached, so
       training loops need not change; step hooks do not run for the in-graph updates.
     * ``max_grad_norm``: the gradients are clipped by their global norm before the update, as
-      ``clip_grad_norm_(model.parameters(), max_grad_norm)`` would: in the graph
+      ``clip_grad_norm_(model.parameters(), max_grad_norm, grad_norm_type)`` would: in the graph
       (:mod:`graphddp.optim.clip`, every update after the last wait) when the graph is the
       step's only one, else by torch's ``clip_grad_norm_`` before torch's step.
 
@@ -259,7 +259,7 @@ class UpdateArgs:
 class AttachedOptimizer:
     """A ``torch.optim`` optimizer whose steps graphddp runs (module docstring)."""
 
-    def __init__(self, optimizer: Any, module: nn.Module, where: str, max_grad_norm: float | None = None) -> None:
+    def __init__(self, optimizer: Any, module: nn.Module, where: str, max_grad_norm: float | None = None, grad_norm_type: float = 2.0) -> None:
         name = type(optimizer).__name__
         if not isinstance(optimizer, torch.optim.Optimizer) or name not in SUPPORTED:
             raise TypeError(
@@ -281,7 +281,7 @@ class AttachedOptimizer:
         self.rules = [_group_rule(optimizer, g) for g in range(len(optimizer.param_groups))]
         self.param_ids = frozenset(id(p) for p in self.params.values())  # what graphddp.optim.guards refuses
         # max_grad_norm: the step after the backward clips as clip_grad_norm_(model.parameters()) would.
-        self.max_grad_norm = max_grad_norm
+        self.max_grad_norm, self.grad_norm_type = max_grad_norm, grad_norm_type
         self.module_params = list(module.parameters())
         # sharding="optimizer": this rank's parts of the state (graphddp.optim.shard.ShardedState).
         self.sharded: Any = None
@@ -379,7 +379,7 @@ class AttachedOptimizer:
         them; :mod:`graphddp.compiler.updates`), and what they left is whole: all-reduced."""
         if any(p.grad is not None for p in self.params.values()):
             if self.max_grad_norm is not None:  # every gradient is whole here, sharded or not
-                guards.clip_grad_norm_(self.module_params, self.max_grad_norm)
+                guards.clip_grad_norm_(self.module_params, self.max_grad_norm, norm_type=self.grad_norm_type)
             if self.sharded is not None:  # each rank steps its part, then one all-gather
                 self.sharded.step([n for n, p in self.params.items() if p.grad is not None])
             else:  # the class's step, not the no-op bound on the instance: torch's own math and state

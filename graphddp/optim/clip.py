@@ -1,15 +1,23 @@
-"""Clipping by global norm inside the backward (``max_grad_norm=``): the norms and the coefficient.
+"""Clipping by global norm inside the backward (``max_grad_norm=``, ``grad_norm_type=``): the norms and the coefficient.
 
 Background
     ``torch.nn.utils.clip_grad_norm_`` reads ``p.grad`` after the backward; with the optimizer
     inside the backward no gradient is kept, so a loop that clips there clips nothing
     (:mod:`graphddp.optim.guards` makes that an error). ``graphddp.compile(model,
-    optimizer=opt, max_grad_norm=c)`` computes instead, in the graph, what
-    ``clip_grad_norm_(model.parameters(), c)`` computes on the averaged gradients, op for op:
-    each gradient's L2 norm (torch's ``_foreach_norm``, one ``vector_norm`` per tensor), the
-    norm of those norms (``vector_norm`` of their stack), ``clip_coef = c / (total + 1e-6)``
-    (``Tensor.__rtruediv__``: a reciprocal times ``c``), clamped to 1, and every gradient
-    multiplied by it before its update.
+    optimizer=opt, max_grad_norm=c, grad_norm_type=p)`` computes instead, in the graph, what
+    ``clip_grad_norm_(model.parameters(), c, norm_type=p)`` computes on the averaged gradients,
+    op for op: each gradient's p-norm (torch's ``_foreach_norm``, one ``vector_norm`` per
+    tensor), the p-norm of those norms (``vector_norm`` of their stack),
+    ``clip_coef = c / (total + 1e-6)`` (``Tensor.__rtruediv__``: a reciprocal times ``c``),
+    clamped to 1, and every gradient multiplied by it before its update.
+
+Sharded (``sharding="optimizer"``)
+    Each rank holds a part of every reduce-scattered gradient. A p-norm is a sum over
+    elements raised to 1/p, so each rank's sums of ``|g|^p`` per gradient (the squares for
+    p = 2) add up over ranks to the whole gradient's: one SUM all-reduce, then the 1/p power.
+    The inf-norm is a maximum, not a sum: each rank's largest ``|g|`` per gradient, one MAX
+    all-reduce. Padding holds zeros, which add nothing to either. ``sharding="full"`` clips
+    the parts the same way, eagerly, before ``opt.step()`` (:func:`clip_parts_before_step`).
 
 Where (:meth:`graphddp.values.schedule.Schedule.update_after` decides, this pass follows)
     The norm needs every bucket's average, so no update may run before the last wait. What can
@@ -25,14 +33,16 @@ gradient reads it.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
 from graphddp.graph.trace import after_all, role, splice, trace
 from graphddp.values.collectives import backend_of, kind
-from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, WAIT
+from graphddp.values.comm import ALL_REDUCE, BUCKET_KEY, ROLE_KEY, WAIT
 
 CLIP_NORM = "clip_norm"  # role of each gradient's norm
 CLIP = "clip"  # the coefficient's arithmetic, and the scaling of returned gradients
@@ -40,18 +50,22 @@ CLIP_COEFFICIENT = "clip_coefficient"  # the coefficient itself: one node per cl
 EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
 
 
-def gradient_norms(*grads: torch.Tensor) -> list[torch.Tensor]:
-    """Each gradient's L2 norm, as ``_get_total_norm`` computes them (before stacking)."""
-    with role(CLIP_NORM):
-        return [torch.linalg.vector_norm(g, 2.0) for g in grads]
+def gradient_norms_fn(norm_type: float) -> Callable[..., list[torch.Tensor]]:
+    """Each gradient's ``norm_type`` norm, as ``_get_total_norm`` computes them (before stacking)."""
+
+    def gradient_norms(*grads: torch.Tensor) -> list[torch.Tensor]:
+        with role(CLIP_NORM):
+            return [torch.linalg.vector_norm(g, norm_type) for g in grads]
+
+    return gradient_norms
 
 
-def coefficient_fn(max_norm: float) -> Callable[..., torch.Tensor]:
+def coefficient_fn(max_norm: float, norm_type: float) -> Callable[..., torch.Tensor]:
     """The clip coefficient from every gradient's norm: ``clip_grad_norm_``'s arithmetic."""
 
     def coefficient(*norms: torch.Tensor) -> torch.Tensor:
         with role(CLIP):
-            total = torch.linalg.vector_norm(torch.stack(list(norms)), 2.0)
+            total = torch.linalg.vector_norm(torch.stack(list(norms)), norm_type)
             return torch.clamp(torch.reciprocal(total + EPS) * max_norm, max=1.0)
 
     return coefficient
@@ -63,44 +77,67 @@ def scale(coef: torch.Tensor, *grads: torch.Tensor) -> list[torch.Tensor]:
         return [g * coef for g in grads]
 
 
-def part_squares(grad_part: torch.Tensor, sizes: Sequence[int], chunks: Sequence[int]) -> torch.Tensor:
-    """``sharding="optimizer"``: the sum of squares of each slot's part of a reduce-scattered
-    bucket (``grad_part`` holds ``chunks[k]`` elements per slot, the first ``sizes[k]`` of them
-    this rank's part; a slot this rank owns nothing of adds 0), in a float type at least as wide
-    as float32. Summed over ranks they are each gradient's squared L2 norm."""
+def reduce_op(norm_type: float) -> str:
+    """How ranks combine their parts' :func:`part_norms`: a maximum for the inf-norm, else a sum."""
+    return "max" if norm_type == math.inf else "sum"
+
+
+def part_norms(grad_part: torch.Tensor, sizes: Sequence[int], chunks: Sequence[int], norm_type: float) -> torch.Tensor:
+    """``sharding="optimizer"``: per slot of a reduce-scattered bucket, this rank's share of the
+    gradient's norm (``grad_part`` holds ``chunks[k]`` elements per slot, the first ``sizes[k]``
+    of them this rank's part; a slot this rank owns nothing of adds 0), in a float type at least
+    as wide as float32: the sum of ``|g|^p`` (of squares for p = 2), or for inf the largest
+    ``|g|``. Combined over ranks by :func:`reduce_op` they are each gradient's norm to the p."""
     with role(CLIP_NORM):
-        sums, at = [], 0
+        shares, at = [], 0
         for size, c in zip(sizes, chunks):
             piece = grad_part[at:at + size]
             if piece.dtype not in (torch.float32, torch.float64):
                 piece = piece.float()
-            sums.append(torch.sum(piece * piece))
+            if norm_type == 2.0:
+                shares.append(torch.sum(piece * piece))
+            elif norm_type == math.inf:  # amax of nothing is an error; |g| >= 0, so 0 adds nothing
+                shares.append(torch.amax(torch.abs(piece)) if size else piece.new_zeros(()))
+            else:
+                shares.append(torch.sum(torch.abs(piece) if norm_type == 1.0 else torch.pow(torch.abs(piece), norm_type)))
             at += c
-        return torch.stack(sums)
+        return torch.stack(shares)
 
 
-def sharded_coefficient_fn(max_norm: float, buckets: int, group_name: str, world: int) -> Callable[..., torch.Tensor]:
-    """``sharding="optimizer"``: the clip coefficient from every sharded bucket's part squares
-    (:func:`part_squares`, one vector per bucket: summed over ranks by one all-reduce, each
-    gradient's norm their square root) and the norms of the gradients the graph returns
-    (all-reduced already, whole on every rank: not summed again), as ``clip_grad_norm_``
-    combines per-tensor norms."""
-    all_reduce = kind("all_reduce").lower(backend_of(group_name))
+def _root(combined: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """Each gradient's norm from its :func:`part_norms` combined over ranks."""
+    if norm_type == 2.0:
+        return torch.sqrt(combined)
+    if norm_type in (1.0, math.inf):
+        return combined
+    return torch.pow(combined, 1.0 / norm_type)
+
+
+def sharded_coefficient_fn(max_norm: float, norm_type: float, buckets: int, group_name: str, world: int) -> Callable[..., torch.Tensor]:
+    """``sharding="optimizer"``: the clip coefficient from every sharded bucket's part norms
+    (:func:`part_norms`, one vector per bucket: combined over ranks by one all-reduce,
+    :func:`reduce_op`'s, each gradient's norm from that) and the norms of the gradients the
+    graph returns (all-reduced already, whole on every rank: not combined again), as
+    ``clip_grad_norm_`` combines per-tensor norms."""
+    op = reduce_op(norm_type)
+    issue = kind("all_reduce").lower(backend_of(group_name)).issue if op == "sum" else (
+        lambda flat, group, _world: ALL_REDUCE(flat, op, group))
 
     def coefficient(*args: torch.Tensor) -> torch.Tensor:
-        squares, norms = args[:buckets], args[buckets:]
+        shares, norms = args[:buckets], args[buckets:]
         with role(CLIP):
-            summed = WAIT(all_reduce.issue(torch.cat(list(squares)), group_name, world))
-            each = torch.sqrt(summed)
+            each = _root(WAIT(issue(torch.cat(list(shares)), group_name, world)), norm_type)
             if norms:
                 each = torch.cat([each, torch.stack(list(norms)).to(each.dtype)])
-            total = torch.linalg.vector_norm(each, 2.0)
+            total = torch.linalg.vector_norm(each, norm_type)
             return torch.clamp(torch.reciprocal(total + EPS) * max_norm, max=1.0)
 
     return coefficient
 
 
-def insert_norms(graph: fx.Graph, buckets: Sequence[tuple[int, Sequence[fx.Node]]], decompositions: Mapping[Any, Callable[..., Any]]) -> list[fx.Node]:
+def insert_norms(
+    graph: fx.Graph, buckets: Sequence[tuple[int, Sequence[fx.Node]]], norm_type: float, decompositions: Mapping[Any, Callable[..., Any]],
+) -> list[fx.Node]:
     """Each bucket's gradient norms, right after its own nodes (its wait and unflatten views)
     and its gradients; returns them, in bucket order. ``buckets``: (index, its gradients' nodes)."""
     norms: list[fx.Node] = []
@@ -108,21 +145,21 @@ def insert_norms(graph: fx.Graph, buckets: Sequence[tuple[int, Sequence[fx.Node]
         if not grads:
             continue
         own = [n for n in graph.nodes if n.meta.get(BUCKET_KEY) == index]
-        traced = trace(gradient_norms, [g.meta["val"] for g in grads], f"the gradient norms of bucket {index}", decompositions)
+        traced = trace(gradient_norms_fn(norm_type), [g.meta["val"] for g in grads], f"the gradient norms of bucket {index}", decompositions)
         norms += splice(graph, traced, list(grads), after_all(graph, own + list(grads)), index)
     return norms
 
 
 def insert_clip(
-    graph: fx.Graph, buckets: Sequence[tuple[int, Sequence[fx.Node]]], max_norm: float,
+    graph: fx.Graph, buckets: Sequence[tuple[int, Sequence[fx.Node]]], max_norm: float, norm_type: float,
     decompositions: Mapping[Any, Callable[..., Any]],
 ) -> fx.Node:
     """Splice each bucket's gradient norms right after its own nodes (its wait and unflatten
     views) and its gradients, then the coefficient after the last norm; returns the
     coefficient's node. ``buckets``: (index, its gradients' nodes) in bucket order."""
-    norms = insert_norms(graph, buckets, decompositions)
+    norms = insert_norms(graph, buckets, norm_type, decompositions)
     last = buckets[-1][0]
-    traced = trace(coefficient_fn(max_norm), [n.meta["val"] for n in norms], "the clip coefficient", decompositions)
+    traced = trace(coefficient_fn(max_norm, norm_type), [n.meta["val"] for n in norms], "the clip coefficient", decompositions)
     coef = splice(graph, traced, norms, after_all(graph, norms), last)
     coef.meta[ROLE_KEY] = CLIP_COEFFICIENT
     return coef
@@ -134,3 +171,28 @@ def insert_scaled(graph: fx.Graph, coef: fx.Node, grads: Sequence[fx.Node], buck
         return []
     traced = trace(scale, [coef.meta["val"], *(g.meta["val"] for g in grads)], "the clipped returned gradients", decompositions)
     return splice(graph, traced, [coef, *grads], after_all(graph, [coef, *grads]), bucket)
+
+
+def clip_parts_before_step(optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float, group: Any) -> Any:
+    """``sharding="full"`` without the update inside: before every ``optimizer.step()``, scale
+    the parts' gradients so that the whole gradient's ``norm_type`` norm is at most
+    ``max_norm``, as ``clip_grad_norm_(..., norm_type)`` on the whole parameters would: one
+    all-reduce of this rank's share of the norm (the sum of ``|g|^p``, SUM; for inf the largest
+    ``|g|``, MAX); padding holds zeros, which add nothing. Returns the hook's handle."""
+    inf = norm_type == math.inf
+
+    def clip(opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        if not grads:
+            return
+        values = [g.detach().float() for g in grads]
+        if inf:
+            share = torch.stack([v.abs().max() if v.numel() else v.new_zeros(()) for v in values]).max()
+        else:
+            share = torch.stack([(v.square() if norm_type == 2.0 else v.abs().pow(norm_type)).sum() for v in values]).sum()
+        dist.all_reduce(share, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+        total = share if inf else share.sqrt() if norm_type == 2.0 else share.pow(1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + EPS), max=1.0)
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
+
+    return optimizer.register_step_pre_hook(clip)

@@ -94,43 +94,64 @@ def _owner_of(params: Iterable[Any]) -> Any:
     return next((a for a in live if not ids.isdisjoint(a.param_ids)), None)
 
 
+def _clipping_instead(clipping: Any, args: tuple, kwargs: dict) -> str:
+    """What a ``clip_grad_norm_(params, *args, **kwargs)`` call on gradients graphddp clips (or
+    would clip) inside should become. ``clipping``: (max_grad_norm, grad_norm_type) given to
+    graphddp, or None. A user who already passed ``max_grad_norm=`` is told the gradients are
+    clipped, by which norm, and to drop the call; one whose call asks another norm or bound is
+    told the option that gives it."""
+    max_norm = args[0] if args else kwargs.get("max_norm", "...")
+    try:
+        norm_type = float(args[1] if len(args) > 1 else kwargs.get("norm_type", 2.0))
+    except (TypeError, ValueError):  # torch would refuse it too; the message still names the options
+        norm_type = 2.0
+    ask = f"max_grad_norm={max_norm!r}" + (f", grad_norm_type={norm_type:g}" if norm_type != 2.0 else "")
+    if clipping is None:
+        return (f"Instead, pass {ask} to graphddp.compile (or graphddp.backend) and drop this call: graphddp then clips "
+                f"the averaged gradients by their global L{norm_type:g} norm before the update")
+    done = (f"They are clipped already: with max_grad_norm={clipping[0]!r} given, graphddp clips the averaged gradients "
+            f"by their global L{clipping[1]:g} norm before the update. Drop this call")
+    other = ([f"max_grad_norm={max_norm!r}"] if max_norm != "..." and float(max_norm) != clipping[0] else []) + (
+        [f"grad_norm_type={norm_type:g}"] if norm_type != clipping[1] else [])
+    return f"{done}, and pass {', '.join(other)} to graphddp.compile for what it asks" if other else done
+
+
 def _clip_guard(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def guarded(parameters: Any, *args: Any, **kwargs: Any) -> Any:
         if _ATTACHED or _gathered_copies:
             generator = isinstance(parameters, types.GeneratorType)
             params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-            if any(getattr(p, GATHERED_COPY, False) for p in params):
+            copy = next((getattr(p, GATHERED_COPY) for p in params if getattr(p, GATHERED_COPY, False)), None)
+            if copy is not None:  # the marker: True, or (max_grad_norm, grad_norm_type) where those are given
                 raise RuntimeError(
                     f"graphddp: torch.nn.utils.{name} was called on the whole parameters that model.parameters() gathers "
                     "with sharding='full': copies for reading, with no gradient, so this would clip nothing. "
-                    + ("Pass max_grad_norm= to graphddp.compile instead: the whole gradient's global norm is then clipped "
-                       "before opt.step()" if name == "clip_grad_norm_" else
+                    + (_clipping_instead(copy if copy is not True else None, args, kwargs) if name == "clip_grad_norm_" else
                        "Clip the parts' gradients instead (model.module.parameters(), between backward() and opt.step(); "
                        "by value is elementwise, so parts clip as the whole would), which needs them kept: max_grad_norm= "
                        "or an optimizer other than SGD/Adam/AdamW, whose parts are not updated inside the backward")
                 )
-            if name == "clip_grad_norm_" and any(getattr(p, PART, False) for p in params):
+            part = next((getattr(p, PART) for p in params if getattr(p, PART, False)), None)  # as GATHERED_COPY's
+            if name == "clip_grad_norm_" and part is not None:
                 raise RuntimeError(
                     "graphddp: torch.nn.utils.clip_grad_norm_ was called on the parts sharding='full' holds "
                     "(model.module.parameters()): their norm is this rank's share of the whole gradient's, so each rank "
-                    "would clip by another number. Pass max_grad_norm= to graphddp.compile instead: the whole gradient's "
-                    "global norm is then clipped before opt.step()"
+                    f"would clip by another number. {_clipping_instead(part if part is not True else None, args, kwargs)}"
                 )
             owner = _owner_of(params)
             if owner is not None:
+                clipping = None if owner.max_grad_norm is None else (owner.max_grad_norm, owner.grad_norm_type)
                 instead = (
-                    f"pass max_grad_norm={args[0] if args else kwargs.get('max_norm', '...')!r} to graphddp.compile "
-                    "(or graphddp.backend) and drop this call: graphddp then clips the averaged gradients by their "
-                    "global norm inside the backward, before the update"
+                    _clipping_instead(clipping, args, kwargs)
                     if name == "clip_grad_norm_" else
-                    "clipping by value has no in-graph form: compile without optimizer= and clip p.grad between "
-                    "backward() and optimizer.step(), or clip by norm with max_grad_norm= instead"
+                    "Instead (clipping by value has no in-graph form): compile without optimizer= and clip p.grad between "
+                    "backward() and optimizer.step(), or clip by norm with max_grad_norm="
                 )
                 raise RuntimeError(
                     f"graphddp: torch.nn.utils.{name} was called on parameters that graphddp.compile(..., optimizer=) "
                     f"updates inside the backward ({type(owner.optimizer).__name__}): they are updated already and "
-                    f"p.grad is None, so this would clip nothing. Instead, {instead}"
+                    f"p.grad is None, so this would clip nothing. {instead}"
                 )
             parameters = (p for p in params) if generator else params
         return original(parameters, *args, **kwargs)

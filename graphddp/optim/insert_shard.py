@@ -46,9 +46,10 @@ functions are traced on the graph's fake values and spliced in, in the layout of
     output(..., None for every gradient of the bucket, ..., the all-gather of every such bucket)
 
 With ``max_grad_norm`` (:meth:`_Splicer.clipped`) every update needs the global norm, so each
-bucket is traced in two halves: up to its wait, then the sum of squares of each slot's part
-(:func:`graphddp.optim.clip.part_squares`), at the same points as above; after the last bucket
-one all-reduce of every bucket's sums and the coefficient
+bucket is traced in two halves: up to its wait, then each slot's part's share of its norm (the
+sum of squares for L2, of ``|g|^p`` for p, the largest ``|g|`` for inf;
+:func:`graphddp.optim.clip.part_norms`), at the same points as above; after the last bucket one
+all-reduce of every bucket's shares (a SUM, a MAX for inf) and the coefficient
 (:func:`graphddp.optim.clip.sharded_coefficient_fn`; gradients the graph still returns, of
 parameters the optimizer does not hold, add their norms once and are scaled); then, at the
 output, every bucket's update from its part times the coefficient and its all-gather, each
@@ -110,7 +111,7 @@ def _outputs(traced: fx.GraphModule) -> Any:
 
 
 def _coefficient_value(reduces: list[fx.GraphModule], fake_mode: Any) -> torch.Tensor:
-    """A fake value of the clip coefficient: a scalar of the type the squares add up in
+    """A fake value of the clip coefficient: a scalar of the type the norms' shares add up in
     (:func:`graphddp.optim.clip.sharded_coefficient_fn`), on their device."""
     squares = [_outputs(r)[1] for r in reduces]
     with fake_mode:
@@ -144,10 +145,10 @@ def insert_sharded_updates(
         """Fake values of a bucket's gradients, then of its carried ones."""
         return [outs[s.output_index].meta["val"] for s in b.slots] + [c.meta["val"] for c in carried.get(b.index, ())]
 
-    reduces = {}  # max_grad_norm: per bucket, the trace of its reduce-scatter to its part and squares
+    reduces = {}  # max_grad_norm: per bucket, the trace of its reduce-scatter to its part and its norms' shares
     for shard in shards if clipped else ():
         b = shard.bucket
-        fn = reduce_fn(shard, hook or hooks.for_bucket(b), schedule.group_name, b.index in carried)
+        fn = reduce_fn(shard, hook or hooks.for_bucket(b), schedule.group_name, b.index in carried, schedule.grad_norm_type)
         reduces[b.index] = trace(fn, gradients(b), f"sharded bucket {b.index}'s average", decompositions)
     coef = _coefficient_value(list(reduces.values()), fake_mode) if clipped else None
     rests = {shard.bucket.index: state_values(shard, fake_mode, inputs.values) for shard in shards}  # after the parameters
@@ -278,10 +279,10 @@ class _Splicer:
 
     def clipped(self, schedule: Schedule, decompositions: Mapping[Any, Any]) -> None:
         """``max_grad_norm``: each bucket's reduce-scatter where it would be, its wait and the
-        sums of squares of its parts where its update would be (:func:`_update_point`: while
+        shares of its parts' norms where its update would be (:func:`_update_point`: while
         later buckets are on the wire); the gradients the graph still returns (all-reduced
         buckets: parameters the optimizer does not hold) normed after their own wait; then, at
-        the end, one all-reduce of the squares and the coefficient
+        the end, one all-reduce of the shares and the coefficient
         (:func:`graphddp.optim.clip.sharded_coefficient_fn`), the returned gradients scaled,
         and every bucket's update from its part times the coefficient, its all-gather and, one
         bucket later, its wait and writes (two all-gathers in flight, as without clipping)."""
@@ -296,9 +297,11 @@ class _Splicer:
             (b.index, [self.outs[s.output_index] for s in b.slots if not s.zero_filled and self.outs[s.output_index] is not None])
             for b in schedule.buckets if b.collective != SHARDED
         ]
-        norms = clip.insert_norms(graph, returned, decompositions)
+        norms = clip.insert_norms(graph, returned, schedule.grad_norm_type, decompositions)
         last = self.traced[-1].shard.bucket.index
-        coefficient = clip.sharded_coefficient_fn(schedule.max_grad_norm, len(squares), schedule.group_name, schedule.world_size)
+        coefficient = clip.sharded_coefficient_fn(
+            schedule.max_grad_norm, schedule.grad_norm_type, len(squares), schedule.group_name, schedule.world_size
+        )
         traced = trace(coefficient, [n.meta["val"] for n in squares + norms], "the clip coefficient", decompositions)
         coef = splice(graph, traced, squares + norms, after_all(graph, squares + norms), last)
         coef.meta[ROLE_KEY] = clip.CLIP_COEFFICIENT

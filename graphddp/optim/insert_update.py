@@ -243,7 +243,7 @@ def insert_update(gm: fx.GraphModule, schedule: Schedule, inputs: UpdateInputs) 
     coef = None
     if schedule.max_grad_norm is not None:  # the norm of every gradient first (graphddp.optim.clip)
         graded = [(b.index, [outs[s.output_index] for s in b.slots if not s.zero_filled]) for b in replicated(schedule)]
-        coef = insert_clip(graph, graded, schedule.max_grad_norm, decompositions)
+        coef = insert_clip(graph, graded, schedule.max_grad_norm, schedule.grad_norm_type, decompositions)
     for bucket in replicated(schedule):
         if coef is not None:  # what the graph still returns is clipped too
             kept = [s for s in bucket.slots if s.param_name not in bucket.updates and not s.zero_filled]

@@ -175,16 +175,19 @@ def update_fn(shard: ShardLayout, hook: hooks.CommHook, group_name: str, private
     return run
 
 
-def reduce_fn(shard: ShardLayout, hook: hooks.CommHook, group_name: str, carry: bool) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+def reduce_fn(
+    shard: ShardLayout, hook: hooks.CommHook, group_name: str, carry: bool, norm_type: float,
+) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """``max_grad_norm``, first half: (grads[, carried]) -> (this rank's part of the bucket's
-    average, the sum of squares of each slot's part): the update waits for the clip
-    coefficient, which needs every bucket's squares (:func:`graphddp.optim.clip.sharded_coefficient_fn`)."""
+    average, each slot's share of its gradient's norm, :func:`graphddp.optim.clip.part_norms`):
+    the update waits for the clip coefficient, which needs every bucket's shares
+    (:func:`graphddp.optim.clip.sharded_coefficient_fn`)."""
     n = len(shard.bucket.slots)
 
     def run(*args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         grads, carried = args[:n], args[n:] if carry else ()
         grad_part = _receive(shard, hook, group_name, _issue(shard, hook, group_name, grads, carried))
-        return grad_part, clip.part_squares(grad_part, [hi - lo for lo, hi in shard.parts], shard.chunks)
+        return grad_part, clip.part_norms(grad_part, [hi - lo for lo, hi in shard.parts], shard.chunks, norm_type)
 
     return run
 

@@ -23,8 +23,10 @@ S5. **One write, after the gather, last.** Each parameter of the bucket is writt
 
 S6. **Clipping** (``max_grad_norm``; :mod:`graphddp.optim.clip`). One clip coefficient node,
     computed from every sharded bucket's reduce-scatter wait through one all-reduce (each
-    rank holds its parts' squares only: summed over ranks they are the norms) and from every
-    gradient the graph still returns; every bucket's all-gather, and every such returned
+    rank holds its parts' shares of the norms only, :func:`graphddp.optim.clip.part_norms`:
+    combined over ranks they are the norms), whose reduction is the norm's
+    (:func:`graphddp.optim.clip.reduce_op`: SUM for a finite p, MAX for inf: a sum of maxima
+    is no maximum), and from every gradient the graph still returns; every bucket's all-gather, and every such returned
     gradient, is computed from it. Without ``max_grad_norm``, no coefficient.
 
 S7. **Carried gradients** (the carrying variant, a step after ``no_sync``). Each of the bucket's
@@ -40,7 +42,7 @@ import torch.fx as fx
 
 from graphddp.graph.capture import ancestors
 from graphddp.graph.verify_common import VerificationError, _fail
-from graphddp.optim.clip import CLIP, CLIP_COEFFICIENT, CLIP_NORM
+from graphddp.optim.clip import CLIP, CLIP_COEFFICIENT, CLIP_NORM, reduce_op
 from graphddp.optim.insert_shard import carried_inputs
 from graphddp.optim.verify import _closure, _Memory, _root
 from graphddp.values.collectives import kind
@@ -114,12 +116,16 @@ def _check_clipping(gm: fx.GraphModule, schedule: Schedule, outs: list, issued: 
     inputs = ancestors(coef)
     summed = [n for n in inputs if is_collective(n) and n.meta.get(ROLE_KEY) == CLIP]
     if len(summed) != 1:
-        _fail(gm, coef, f"the clip coefficient {coef.name} reads {len(summed)} all-reduces of the parts' squares, expected 1 (S6)")
+        _fail(gm, coef, f"the clip coefficient {coef.name} reads {len(summed)} all-reduces of the parts' norms, expected 1 (S6)")
+    op = reduce_op(schedule.grad_norm_type)
+    if summed[0].args[1:2] != (op,):
+        _fail(gm, summed[0], f"the all-reduce of the parts' L{schedule.grad_norm_type:g} norms reduces by {summed[0].args[1:2]}, "
+                             f"expected {op!r} (S6)")
     reduced = ancestors(summed[0])
     later = _closure(coef, lambda n: n.users)
     for index, (scatter, gather) in issued.items():
         if not any(is_wait(u) and u in reduced for u in scatter.users):
-            _fail(gm, summed[0], f"sharded bucket {index}: the all-reduce of the parts' squares does not read its reduce-scatter's wait (S6)")
+            _fail(gm, summed[0], f"sharded bucket {index}: the all-reduce of the parts' norms does not read its reduce-scatter's wait (S6)")
         if gather not in later:
             _fail(gm, gather, f"sharded bucket {index}: its parts are updated without the clip coefficient (S6)")
     for bucket in (b for b in schedule.buckets if b.collective != "reduce_scatter"):

@@ -214,11 +214,11 @@ def plan(
 
 
 def with_updates(
-    schedule: Schedule, updatable: Collection[str], optimizer: str, max_grad_norm: float | None = None
+    schedule: Schedule, updatable: Collection[str], optimizer: str, max_grad_norm: float | None = None, grad_norm_type: float = 2.0,
 ) -> Schedule:
     """``schedule`` with every bucket updating its ``updatable`` parameters in the graph
     (``Bucket.updates``, in slot order), ``optimizer`` recorded, and with ``max_grad_norm``
-    the gradients clipped first. Pure, like ``plan``: which parameters may be updated in the
+    the gradients clipped first (by their ``grad_norm_type`` norm). Pure, like ``plan``: which parameters may be updated in the
     graph is the caller's fact (the optimizer holds them); where each update runs follows from
     the buckets and the clipping (:meth:`Schedule.update_after`: right after the bucket's own
     wait, or with clipping after the last one).
@@ -226,7 +226,8 @@ def with_updates(
     buckets = tuple(
         dataclasses.replace(b, updates=tuple(n for n in b.param_names if n in updatable)) for b in schedule.buckets
     )
-    return dataclasses.replace(schedule, buckets=buckets, optimizer=optimizer, max_grad_norm=max_grad_norm)
+    return dataclasses.replace(schedule, buckets=buckets, optimizer=optimizer, max_grad_norm=max_grad_norm,
+                               grad_norm_type=grad_norm_type if max_grad_norm is not None else 2.0)
 
 
 def with_sharding(schedule: Schedule, updatable: Collection[str], gather: str = "backward") -> Schedule:

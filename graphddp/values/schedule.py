@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from typing import Mapping
 
 import torch
@@ -172,6 +173,7 @@ class Schedule:
     # max_grad_norm: the updates scale the gradients to this global L2 norm first. The norm
     # needs every bucket's average, so every update waits for the last bucket (update_after).
     max_grad_norm: float | None = None
+    grad_norm_type: float = 2.0  # the p of that norm (clip_grad_norm_'s norm_type); inf: the largest |g|
     # bucket_cap_mb="auto": the cost model whose predicted backward these buckets minimise
     # (graphddp.plan.auto); the caps above are then None.
     cost_model: CostModel | None = None
@@ -234,6 +236,7 @@ class Schedule:
             "optimizer": self.optimizer,
             # Written only when set: plans without clipping keep their JSON and fingerprint.
             **({"max_grad_norm": self.max_grad_norm} if self.max_grad_norm is not None else {}),
+            **({"grad_norm_type": str(self.grad_norm_type)} if self.grad_norm_type != 2.0 else {}),  # "inf": JSON has none
             **({"gated": True} if self.gated else {}),
             "cost_model": self.cost_model.to_dict() if self.cost_model is not None else None,
             "unreduced": list(self.unreduced),
@@ -297,6 +300,7 @@ class Schedule:
             last_bucket_cap_mb=data.get("last_bucket_cap_mb"),
             optimizer=data.get("optimizer"),
             max_grad_norm=data.get("max_grad_norm"),
+            grad_norm_type=float(data.get("grad_norm_type", 2.0)),
             gated=data.get("gated", False),
             cost_model=CostModel.from_dict(data["cost_model"]) if data.get("cost_model") else None,
             buckets=buckets,
@@ -410,9 +414,12 @@ class Schedule:
         gathers = sorted({b.gather for b in self.buckets if b.collective == "reduce_scatter"}, key=str)
         if gathers and self.max_grad_norm is not None:  # graphddp.optim.insert_shard: _Splicer.clipped
             forward = "; with gather='forward' waited for and written in the next forward" if "forward" in gathers else ""
+            p = self.grad_norm_type  # graphddp.optim.clip.part_norms
+            parts = "takes the largest |g| of each part" if p == math.inf else f"sums {'the squares' if p == 2 else f'|g|^{p:g}'} of its parts"
+            op = " (max)" if p == math.inf else ""
             lines.append(
-                "reduce_scatter buckets, clipped: each rank sums the squares of its parts after the wait; after the last "
-                "bucket one all-reduce of those sums gives the norm, then every part is updated and all-gathered" + forward
+                f"reduce_scatter buckets, clipped: each rank {parts} after the wait; after the last bucket one "
+                f"all-reduce{op} of those {'sums ' if op == '' else ''}gives the norm, then every part is updated and all-gathered" + forward
             )
         elif gathers:
             where = {
@@ -438,7 +445,7 @@ class Schedule:
             else:
                 lines.append(
                     f"optimizer {self.optimizer}: {updated} of {len(self.param_names)} parameters updated in the graph, clipped to a global "
-                    f"norm of {self.max_grad_norm:g}: each bucket's gradient norms after its wait, every update after the last wait"
+                    f"L{self.grad_norm_type:g} norm of {self.max_grad_norm:g}: each bucket's gradient norms after its wait, every update after the last wait"
                 )
             late = [n for b in self.buckets for n in b.param_names if n not in b.updates]
             if late:

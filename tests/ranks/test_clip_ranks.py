@@ -10,6 +10,12 @@ optimizer state equal DDP's (to float32 rounding), no gradient kept, and each gr
 the graph or after the backward as expected: in the graph when one graph makes every gradient,
 after it (torch's clip and step) for the micro-steps' step, and for every step of a model with a
 graph break (the norm spans two graphs), or whose tied weight is read on both sides of one.
+
+``grad_norm_type`` (clip_grad_norm_'s ``norm_type``): 1, inf and 3 (2 is every case above), each
+against ``clip_grad_norm_(..., norm_type=p)`` with a bound DDP's norm exceeds, replicated,
+``sharding="optimizer"`` (the parts' shares summed, or for inf maximised, across ranks) and
+``"full"`` (the parts clipped before ``opt.step()``), on an MLP with SGD (its update moves with
+the coefficient itself) and Hugging Face GPT-2 with AdamW.
 """
 from __future__ import annotations
 
@@ -185,3 +191,85 @@ def _train(rank: int, world: int, name: str) -> None:
 @pytest.mark.parametrize("name", list(CASES))
 def test_clipping_with_the_optimizer_inside_matches_ddp_clip_grad_norm_and_step(name: str) -> None:
     spawn(_train, CASES[name].world, name)
+
+
+# -- grad_norm_type: clip_grad_norm_'s norm_type, in every mode that clips ---------------------------
+INF = float("inf")
+
+
+@dataclasses.dataclass(frozen=True)
+class NormCase:
+    make: Callable[[], nn.Module]
+    loss: Callable[[nn.Module, int, int], torch.Tensor]
+    max_norms: dict  # per norm type: small enough that every step clips (asserted on DDP's norm)
+    options: dict = dataclasses.field(default_factory=dict)  # sharding=
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer] = _sgd  # SGD: the update is proportional to the coefficient
+    tol: dict = dataclasses.field(default_factory=lambda: TIGHT)
+    in_graph: bool = True  # every step clipped and updated inside the backward (else by torch after it)
+    steps: int = 3
+    backend: str = "aot_eager"
+
+
+MLP_NORMS = {1.0: 0.5, INF: 0.01, 3.0: 0.02}
+NORM_CASES = {
+    "mlp": NormCase(lambda: models.MLP(width=32, depth=4), _mlp_loss, MLP_NORMS),
+    "mlp_sharded": NormCase(lambda: models.MLP(width=32, depth=4), _mlp_loss, MLP_NORMS, SHARDED),
+    # inductor lowers the MAX all-reduce of the parts' largest |g|.
+    "mlp_sharded_inductor": NormCase(lambda: models.MLP(width=32, depth=4), _mlp_loss, {INF: 0.01}, SHARDED, backend="inductor"),
+    "mlp_full": NormCase(lambda: models.MLP(width=32, depth=4), _mlp_loss, MLP_NORMS, {"sharding": "full"}, in_graph=False),
+    # Two graphs make the step's gradients: torch's clip_grad_norm_(norm_type=) and step after the backward.
+    "graph_break": NormCase(models.GraphBreakMLP, _break_mlp_loss, {1.0: 0.5, INF: 0.01}, in_graph=False),
+    # GPT-2 compiles for most of a case's time: each mode takes some of the norms (the MLP takes every one).
+    "hf_gpt2": NormCase(_hf_gpt2, _hf_loss, {1.0: 5.0, 3.0: 0.1}, optimizer=_adamw, tol=ADAM_NOISE),
+    "hf_gpt2_sharded": NormCase(_hf_gpt2, _hf_loss, {INF: 0.05, 1.0: 5.0}, SHARDED, optimizer=_adamw, tol=ADAM_NOISE),
+    "hf_gpt2_full": NormCase(_hf_gpt2, _hf_loss, {INF: 0.05}, {"sharding": "full"}, optimizer=_adamw, tol=ADAM_NOISE, in_graph=False),
+}
+
+
+def _train_norms(rank: int, world: int, name: str) -> None:
+    """Per norm type of the case, a fresh pair: graphddp with ``grad_norm_type=p`` against DDP,
+    ``clip_grad_norm_(..., norm_type=p)`` and the same optimizer; parameters and optimizer
+    state compared after every step."""
+    case = NORM_CASES[name]
+    full = case.options.get("sharding") == "full"
+    for norm_type, max_norm in case.max_norms.items():
+        what = f"{name} L{norm_type:g}"
+        torch.manual_seed(0)
+        base = case.make()
+        mine = copy.deepcopy(base)
+        if rank == 1:
+            with torch.no_grad():
+                for p in mine.parameters():
+                    p.add_(0.25)
+        ref = DDP(copy.deepcopy(base))
+        opt, ref_opt = case.optimizer(mine), case.optimizer(ref.module)
+        ours = graphddp.compile(
+            mine, optimizer=opt, max_grad_norm=max_norm, grad_norm_type=norm_type, backend=case.backend, bucket_cap_mb=0.004,
+            **case.options,
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the graph break's fallback warning
+            for step in range(case.steps):
+                case.loss(ours, rank, step).backward()
+                case.loss(ref, rank, step).backward()
+                norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type=norm_type))
+                assert norm > max_norm, f"{what} step {step}: DDP's norm {norm} does not exceed {max_norm}: nothing clipped"
+                for o in (opt, ref_opt):
+                    o.step()
+                    o.zero_grad()
+                whole = dict(ours.named_parameters()) if full else dict(mine.named_parameters())
+                for n, q in ref.module.named_parameters():
+                    torch.testing.assert_close(whole[n].detach(), q.detach(), **case.tol, msg=lambda m: f"{what} step {step} {n}: {m}")
+                state = graphddp.full_optimizer_state_dict(ours) if case.options else opt.state_dict()
+                assert_state_dicts_equal(state, ref_opt.state_dict(), case.tol, f"{what} step {step}")
+        if full:  # the parts are clipped before opt.step(), which then steps them all
+            assert ours.updates == {}, f"{what}: {ours.updates}"
+            continue
+        assert all(s.grad_norm_type == norm_type for s in ours.schedules if any(b.updates for b in s.buckets))
+        runs = [(st.steps_in_graph, st.steps_after) for st in ours._replica.backend.states if st.steps_in_graph + st.steps_after]
+        assert all(r == ((case.steps, 0) if case.in_graph else (0, case.steps)) for r in runs) and runs, f"{what}: {runs}"
+
+
+@pytest.mark.parametrize("name", list(NORM_CASES))
+def test_every_norm_type_matches_ddp_clip_grad_norm_with_that_norm_type(name: str) -> None:
+    spawn(_train_norms, 2, name)

@@ -58,11 +58,13 @@ def _pair(fake_world, max_norm: float = 0.05, world: int = WORLD, held: str = "a
     return gd, opt, ref, ref_opt
 
 
-def _reference_step(ref: nn.Module, ref_opt: torch.optim.Optimizer, loss: torch.Tensor | None, max_norm: float, world: int) -> float:
+def _reference_step(
+    ref: nn.Module, ref_opt: torch.optim.Optimizer, loss: torch.Tensor | None, max_norm: float, world: int, norm_type: float = 2.0,
+) -> float:
     """``loss``'s backward (None: the gradients are there), clip_grad_norm_, step; the norm."""
     if loss is not None:
         (loss / world).backward()  # the fake all-reduce: one rank's gradient over the world size
-    norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm))  # not attached: torch's, unguarded
+    norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type=norm_type))  # not attached: torch's, unguarded
     ref_opt.step()
     return norm
 
@@ -93,26 +95,31 @@ def test_clipped_graph_norms_each_bucket_after_its_wait_and_updates_after_the_la
     writes = [(n.meta[BUCKET_KEY], i) for i, n in enumerate(nodes) if n.target is aten.copy_.default and n.meta.get(ROLE_KEY) == "update"]
     assert min(i for _, i in writes) > coef > max(waits)
     assert [b for b, _ in writes] == sorted(b for b, _ in writes), "updates run in bucket order"
-    assert "clipped to a global norm of 0.05" in schedule.to_table()
+    assert "clipped to a global L2 norm of 0.05" in schedule.to_table()
     again = type(schedule).from_json(schedule.to_json())
     assert again == schedule and again.fingerprint() == schedule.fingerprint()
     unclipped = type(schedule).from_dict({k: v for k, v in schedule.to_dict().items() if k != "max_grad_norm"})
     assert unclipped.fingerprint() != schedule.fingerprint()
 
 
-@pytest.mark.parametrize("world, held", [(WORLD, "all"), (WORLD, "all_but_last_bias"), (1, "all")])
-def test_clipped_steps_equal_clip_grad_norm_then_step(fake_world, world: int, held: str) -> None:
+@pytest.mark.parametrize("world, held, norm_type", [
+    (WORLD, "all", 2.0), (WORLD, "all_but_last_bias", 2.0), (1, "all", 2.0),
+    (WORLD, "all_but_last_bias", 1.0), (WORLD, "all_but_last_bias", float("inf")), (WORLD, "all", 3.0),
+])
+def test_clipped_steps_equal_clip_grad_norm_then_step(fake_world, world: int, held: str, norm_type: float) -> None:
     """Three steps: two that clip (the norm is above 0.05) and one with a loss scaled down so
-    that it does not; a parameter outside the optimizer gets its gradient clipped like torch's."""
-    gd, opt, ref, ref_opt = _pair(fake_world, world=world, held=held)
+    that it does not; a parameter outside the optimizer gets its gradient clipped like torch's.
+    ``grad_norm_type`` is ``clip_grad_norm_``'s ``norm_type``."""
+    gd, opt, ref, ref_opt = _pair(fake_world, world=world, held=held, grad_norm_type=norm_type)
+    assert all(s.grad_norm_type == norm_type for s in gd.schedules)
     outside = [(p, q) for p, q in zip(gd.module.parameters(), ref.parameters()) if not any(p is r for r in opt.param_groups[0]["params"])]
     norms = []
-    for step, scale in enumerate((1.0, 1.0, 1e-4)):
+    for step, scale in enumerate((1.0, 1.0, 1e-6)):
         x = torch.randn(8, 16)
         for p, q in outside:
             p.grad = q.grad = None
         (gd(x).sum() * scale).backward()
-        norms.append(_reference_step(ref, ref_opt, ref(x).sum() * scale, 0.05, world))
+        norms.append(_reference_step(ref, ref_opt, ref(x).sum() * scale, 0.05, world, norm_type))
         ref_opt.zero_grad()
         _assert_same(gd, opt, ref, ref_opt, f"step {step}")
         for p, q in outside:
@@ -249,3 +256,20 @@ def test_max_grad_norm_without_the_optimizer_is_refused(fake_world) -> None:
     for bad in (0, -1.0, float("inf"), True, "1"):
         with pytest.raises(ValueError, match="max_grad_norm must be None or a positive, finite number"):
             graphddp.compile(model, optimizer=opt, max_grad_norm=bad)
+
+
+def test_grad_norm_type_takes_what_clip_grad_norm_takes_for_p_above_zero(fake_world) -> None:
+    fake_world(WORLD)
+    model = MLP(width=8, depth=2)
+    opt = torch.optim.AdamW(model.parameters())
+    for bad in (0, -1.0, float("nan"), True, "l2", None, [2]):
+        with pytest.raises(ValueError, match=r"grad_norm_type must be a number p > 0"):
+            graphddp.compile(model, optimizer=opt, max_grad_norm=1.0, grad_norm_type=bad)
+    with pytest.raises(ValueError, match=r"grad_norm_type=1 is the norm max_grad_norm clips by, and max_grad_norm is not given"):
+        graphddp.compile(model, optimizer=opt, grad_norm_type=1)
+    with pytest.raises(ValueError, match=r"grad_norm_type=1 is the norm max_grad_norm clips by"):
+        graphddp.backend(model, optimizer=opt, grad_norm_type=1)
+    for given, taken in ((1, 1.0), ("inf", float("inf")), (float("inf"), float("inf")), (0.5, 0.5)):
+        config = graphddp.DDPConfig(max_grad_norm=1, grad_norm_type=given)
+        assert (config.max_grad_norm, config.grad_norm_type) == (1.0, taken)
+    assert graphddp.DDPConfig().grad_norm_type == 2.0

@@ -166,3 +166,17 @@ def test_loading_by_assignment_is_refused_by_name(fake_world):
     parts = [p for p in model.parameters()]
     ours.load_state_dict(whole)
     assert all(a is b for a, b in zip(model.parameters(), parts, strict=True))  # the same tensors, loaded in place
+
+
+def test_clipping_what_max_grad_norm_clips_already_says_so(fake_world):
+    """With ``max_grad_norm=`` the parts are clipped before ``opt.step()`` by the whole
+    gradient's norm; a clip call kept in the loop, on the gathered copies or on the parts, is
+    told so, by which norm, and to drop it."""
+    fake_world(8)
+    model = models.MLP()
+    ours = graphddp.compile(model, optimizer=_adamw(model), sharding="full", backend="aot_eager", max_grad_norm=1.0, grad_norm_type=1)
+    ours(torch.randn(2, 16)).sum().backward()
+    for params in (ours.parameters(), model.parameters()):
+        with pytest.raises(RuntimeError, match=r"They are clipped already: with max_grad_norm=1\.0 given, graphddp clips the averaged "
+                                               r"gradients by their global L1 norm before the update\. Drop this call$"):
+            torch.nn.utils.clip_grad_norm_(params, 1.0, norm_type=1)

@@ -10,6 +10,9 @@ import pytest
 import torch
 from test_clip import WORLD, _assert_same, _pair, _reference_step
 
+import graphddp
+from graphddp.models import MLP
+
 
 def test_clipping_p_grad_of_attached_parameters_is_an_error_naming_max_grad_norm(fake_world) -> None:
     gd, opt, ref, _ = _pair(fake_world)
@@ -25,6 +28,29 @@ def test_clipping_p_grad_of_attached_parameters_is_an_error_naming_max_grad_norm
     ref(torch.randn(8, 16)).sum().backward()  # another model's gradients clip as ever, a generator too
     expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in ref.parameters()]))
     torch.testing.assert_close(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9), expected)
+
+
+def test_clipping_what_max_grad_norm_clips_already_says_so_and_by_which_norm(fake_world) -> None:
+    """A loop that passed ``max_grad_norm=`` and kept its own clip call (torchvision's reference
+    does both) is told the gradients are clipped already, by which norm, and to drop the call; a
+    call asking another bound or norm is told the options that give it."""
+    gd, *_ = _pair(fake_world, grad_norm_type=float("inf"))
+    gd(torch.randn(8, 16)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"so this would clip nothing\. They are clipped already: with max_grad_norm=0\.05 "
+                                           r"given, graphddp clips the averaged gradients by their global Linf norm before "
+                                           r"the update\. Drop this call$"):
+        torch.nn.utils.clip_grad_norm_(gd.parameters(), 0.05, norm_type="inf")
+    with pytest.raises(RuntimeError, match=r"clipped already: .* Linf norm .* Drop this call, and pass grad_norm_type=1 to "
+                                           r"graphddp.compile for what it asks$"):
+        torch.nn.utils.clip_grad_norm_(gd.parameters(), max_norm=0.05, norm_type=1)
+    with pytest.raises(RuntimeError, match=r"Drop this call, and pass max_grad_norm=1\.0 to graphddp"):
+        torch.nn.utils.clip_grad_norm_(gd.parameters(), 1.0, float("inf"))
+    model = MLP(width=8, depth=2)
+    ours = graphddp.compile(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), backend="aot_eager")
+    ours(torch.randn(2, 16)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"Instead, pass max_grad_norm=1\.0, grad_norm_type=1 to graphddp\.compile .* "
+                                           r"global L1 norm before the update$"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=1.0)
 
 
 def test_an_enabled_grad_scaler_is_refused_before_the_backward(fake_world) -> None:

@@ -5,6 +5,8 @@ each, and the graph without clipping holding no coefficient. The numbers against
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 
 import pytest
 import torch
@@ -16,20 +18,24 @@ from graphddp.models import MLP
 from graphddp.optim.clip import CLIP, CLIP_COEFFICIENT, CLIP_NORM
 from graphddp.optim.verify_shard import verify_sharded
 from graphddp.values.collectives import kind
+from graphddp.values.schedule import Schedule
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_collective, is_wait
 
 aten = torch.ops.aten
 RS, AG, AR = kind("reduce_scatter").op, kind("all_gather").op, kind("all_reduce").op
 
 
-def _compiled(fake_world, held_from: int = 0, max_grad_norm: float | None = 0.05):
+def _compiled(fake_world, held_from: int = 0, max_grad_norm: float | None = 0.05, grad_norm_type: float = 2.0):
     """An MLP whose optimizer holds its parameters from ``held_from`` on (2: all but the first
     layer's, which then have a bucket of their own, all-reduced and returned)."""
     fake_world(4)
     torch.manual_seed(0)
     model = MLP(width=32, depth=4)
     opt = torch.optim.AdamW(list(model.parameters())[held_from:], lr=1e-2)
-    gd = graphddp.compile(model, optimizer=opt, sharding="optimizer", max_grad_norm=max_grad_norm, backend="aot_eager", bucket_cap_mb=0.005)
+    gd = graphddp.compile(
+        model, optimizer=opt, sharding="optimizer", max_grad_norm=max_grad_norm, grad_norm_type=grad_norm_type,
+        backend="aot_eager", bucket_cap_mb=0.005,
+    )
     gd(torch.randn(8, 16)).sum().backward()
     (record,) = gd.records
     return record
@@ -95,7 +101,7 @@ def _mutate_local_norm(gm: fx.GraphModule) -> str:
     wait.replace_all_uses_with(summed.args[0])
     gm.graph.erase_node(wait)
     gm.graph.erase_node(summed)
-    return "reads 0 all-reduces of the parts' squares"
+    return "reads 0 all-reduces of the parts' norms"
 
 
 def _mutate_unclipped_part(gm: fx.GraphModule) -> str:
@@ -116,7 +122,7 @@ def _mutate_norm_misses_a_bucket(gm: fx.GraphModule) -> str:
             zeros = gm.graph.call_function(aten.zeros.default, (list(val.shape),), {"dtype": val.dtype})
         zeros.meta["val"] = val
         summed.args[0].replace_input_with(node, zeros)
-    return "sharded bucket 0: the all-reduce of the parts' squares does not read its reduce-scatter's wait"
+    return "sharded bucket 0: the all-reduce of the parts' norms does not read its reduce-scatter's wait"
 
 
 def _mutate_returned_unclipped(gm: fx.GraphModule) -> str:
@@ -128,8 +134,16 @@ def _mutate_returned_unclipped(gm: fx.GraphModule) -> str:
     return "the graph returns, is not clipped"
 
 
+def _mutate_reduction(gm: fx.GraphModule) -> str:
+    """The parts' shares combined by the other reduction (MAX for L2, SUM for inf)."""
+    (summed,) = [n for n in gm.graph.nodes if is_collective(n) and n.meta.get(ROLE_KEY) == CLIP]
+    summed.args = (summed.args[0], "max" if summed.args[1] == "sum" else "sum", *summed.args[2:])
+    return "reduces by .*, expected"
+
+
 MUTATIONS = {
     "the norm of this rank's parts alone": (_mutate_local_norm, 0),
+    "the parts' norms combined by MAX": (_mutate_reduction, 0),
     "a part updated unclipped": (_mutate_unclipped_part, 0),
     "the norm misses a bucket": (_mutate_norm_misses_a_bucket, 0),
     "a returned gradient unclipped": (_mutate_returned_unclipped, 2),
@@ -139,10 +153,30 @@ MUTATIONS = {
 @pytest.mark.parametrize("name", list(MUTATIONS))
 def test_verify_sharded_rejects_broken_clipping(fake_world, name: str) -> None:
     mutate, held_from = MUTATIONS[name]
-    record = _compiled(fake_world, held_from=held_from)
+    record = _compiled(fake_world, held_from=held_from, grad_norm_type=2.0)
     verify_sharded(record.graph, record.schedule)  # pristine
     gm = copy.deepcopy(record.graph)
     expected = mutate(gm)
     gm.graph.lint()
     with pytest.raises(VerificationError, match=expected):
         verify_sharded(gm, record.schedule)
+
+
+@pytest.mark.parametrize("norm_type, op", [(1.0, "sum"), (3.0, "sum"), (float("inf"), "max")])
+def test_other_norms_combine_the_parts_by_their_own_reduction(fake_world, norm_type: float, op: str) -> None:
+    """A p-norm's parts add up as sums of |g|^p; the inf-norm's as a maximum, which a SUM would
+    overstate by up to the world size (the verifier holds the reduction to the norm's)."""
+    record = _compiled(fake_world, held_from=2, grad_norm_type=norm_type)
+    gm = record.graph
+    assert record.schedule.grad_norm_type == norm_type
+    (summed,) = [n for n in gm.graph.nodes if is_collective(n) and n.meta.get(ROLE_KEY) == CLIP]
+    assert summed.target is AR and summed.args[1] == op
+    verify_sharded(gm, record.schedule)
+    assert f"global L{norm_type:g} norm of 0.05" in record.schedule.to_table()
+    data = json.loads(json.dumps(record.schedule.to_dict(), allow_nan=False))  # "inf" as a string: JSON has no infinity
+    assert Schedule.from_dict(data) == record.schedule
+    assert dataclasses.replace(record.schedule, grad_norm_type=2.0).fingerprint() != record.schedule.fingerprint()
+    broken = copy.deepcopy(gm)
+    _mutate_reduction(broken)
+    with pytest.raises(VerificationError, match="reduces by"):
+        verify_sharded(broken, record.schedule)
