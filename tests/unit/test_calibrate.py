@@ -24,3 +24,35 @@ def test_a_fake_group_measures_nothing_and_says_so(fake_world):
 
 def test_two_significant_figures():
     assert [calibrate._round2(x) for x in (0.0, 1234.5, 0.012345, 9.96, float("inf"))] == [0.0, 1200.0, 0.012, 10.0, float("inf")]
+
+
+def test_a_calibration_kept_from_the_cache_says_where_and_how_to_measure_anew(fake_world, tmp_path, monkeypatch, caplog):
+    """A run that plans with the numbers an earlier run stored logs the file and the switch that
+    measures anew (GRAPHDDP_RECALIBRATE=1), which then replaces the stored numbers."""
+    import dataclasses
+    import logging
+    import os
+
+    import torch
+
+    from graphddp.runtime import calibration_store as store
+
+    fake_world(1)  # one rank: the agreement on what is stored sends nothing
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(store.RECALIBRATE_ENV, raising=False)
+    key, cpu = ("group", "gloo", 2, "cpu"), torch.device("cpu")
+    first = CostModel(bandwidth_gbps=10.0, latency_us=20.0, source="calibrated on process group group (2 ranks, cpu)")
+    noisy = dataclasses.replace(first, bandwidth_gbps=13.0, latency_us=0.0)
+    with caplog.at_level(logging.INFO, logger="graphddp"):
+        assert store.settle(first, key, dist.group.WORLD, cpu) is first  # nothing stored yet: stored now
+        assert not caplog.records
+        kept = store.settle(noisy, key, dist.group.WORLD, cpu)
+    assert kept.numbers == first.numbers and "kept from an earlier run" in kept.source
+    path = os.path.join(str(tmp_path), "graphddp", "calibration-group-gloo-2-cpu.json")
+    (record,) = caplog.records
+    assert record.levelno == logging.INFO and path in record.getMessage(), record.getMessage()
+    assert "GRAPHDDP_RECALIBRATE=1" in record.getMessage() and "delete that file" in record.getMessage()
+    monkeypatch.setenv(store.RECALIBRATE_ENV, "1")
+    assert store.settle(noisy, key, dist.group.WORLD, cpu) is noisy  # measured anew, and stored
+    monkeypatch.delenv(store.RECALIBRATE_ENV)
+    assert store.settle(first, key, dist.group.WORLD, cpu).numbers == noisy.numbers
