@@ -30,6 +30,12 @@ measures within ``KEEP_WITHIN`` of them on every rank (:mod:`graphddp.runtime.ca
 change the plan, and the compile cache hits; one measurement outside that band does not
 replace them, two in a row do.
 
+A fit whose link figures are noise (a latency at or below 0, or below the spread of the
+repeats it came from; :func:`graphddp.plan.cost.link_noise`) is measured again, and where the
+second is noise too its latency is floored (:data:`graphddp.plan.cost.LATENCY_FLOOR_US`); the
+model's ``source`` says which. Why: on a busy machine the fit put the latency at 0 us per ring
+step, and the plan made from it differed from the next run's.
+
 On a group of one rank only the compute is timed (nothing is sent). Under graphddp.explain's
 fake process group nothing is timed: the plan uses ``CostModel()``'s defaults unless
 ``cost=`` is given, and its Schedule says so.
@@ -45,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from graphddp.config import DDPConfig
-from graphddp.plan.cost import CostModel, fit_link
+from graphddp.plan.cost import CostModel, fit_link, floor_latency, link_noise
 from graphddp.runtime.calibration_store import max_over_ranks as _max_over_ranks
 from graphddp.runtime.calibration_store import settle
 from graphddp.values.comm import group_name_of
@@ -115,11 +121,11 @@ def calibrate(group: Any, device: torch.device | None = None) -> CostModel:
     if world == 1:
         model = CostModel(**rates, source=source)
     else:
-        issue_s, *allreduce_s = link
-        fitted = fit_link(SIZES, allreduce_s, world)
+        issue_s, *allreduce = link
+        fitted, noise = _fit_link(allreduce, world, group, device, sync)
         model = CostModel(
             bandwidth_gbps=_round2(fitted.bandwidth_gbps), latency_us=_round2(fitted.latency_us),
-            collective_overhead_us=_round2(issue_s * 1e6), **rates, source=source,
+            collective_overhead_us=_round2(issue_s * 1e6), **rates, source=source + noise,
         )
     model = settle(model, key, group, device)
     CALIBRATIONS.put(key, model)
@@ -163,10 +169,36 @@ def _compute_times(device: torch.device, sync: Callable[[], None]) -> list[float
 
 
 def _link_times(group: Any, device: torch.device, sync: Callable[[], None]) -> list[float]:
-    """The compute lane's cost of one collective (:func:`_collective_overhead_seconds`), then a blocking
-    all-reduce's time per size of ``SIZES``."""
-    allreduce_s = [_collective_seconds(nbytes, group, device, sync) for nbytes in SIZES]
-    return [_collective_overhead_seconds(group, device, sync, allreduce_s[0])] + allreduce_s
+    """The compute lane's cost of one collective (:func:`_collective_overhead_seconds`), then
+    :func:`_allreduce_times`."""
+    allreduce = _allreduce_times(group, device, sync)
+    return [_collective_overhead_seconds(group, device, sync, allreduce[0])] + allreduce
+
+
+def _allreduce_times(group: Any, device: torch.device, sync: Callable[[], None]) -> list[float]:
+    """A blocking all-reduce's time per size of ``SIZES``, then the spread of the smallest one's
+    repeats (:func:`_collective_seconds`): the same numbers on every rank."""
+    timed = [_collective_seconds(nbytes, group, device, sync) for nbytes in SIZES]
+    return [fastest for fastest, _ in timed] + [timed[0][1]]
+
+
+def _fit_link(link: list[float], world: int, group: Any, device: torch.device, sync: Callable[[], None]) -> tuple[CostModel, str]:
+    """The link's figures from :func:`_link_times`' all-reduce times and spread, and what was
+    done about noise (:func:`graphddp.plan.cost.link_noise`): a fit that is noise is measured
+    again, and where the second is noise too, its latency is floored
+    (:data:`graphddp.plan.cost.LATENCY_FLOOR_US`). Every rank holds the same times (the slowest
+    rank's), so every rank measures again, or none."""
+    fitted = fit_link(SIZES, link[:-1], world)
+    noise = link_noise(fitted, link[-1], world)
+    if noise is None:
+        return fitted, ""
+    again = _max_over_ranks(_allreduce_times(group, device, sync), torch.float64, group, device)
+    fitted = fit_link(SIZES, again[:-1], world)
+    second = link_noise(fitted, again[-1], world)
+    if second is None:
+        return fitted, f"; the link measured twice, the first fit being noise ({noise})"
+    floored = floor_latency(fitted, device.type)
+    return floored, f"; the link's fit noise twice ({noise}, then {second}): latency floored at {floored.latency_us:g} us"
 
 
 # The compute that collectives are issued into (CPU): square matmuls of this size, as many as
@@ -234,9 +266,10 @@ def _collective_overhead_seconds(group: Any, device: torch.device, sync: Callabl
     return max(issue_s, (loaded - alone) / LOADED_COLLECTIVES)
 
 
-def _collective_seconds(nbytes: int, group: Any, device: torch.device, sync: Callable[[], None]) -> float:
-    """How long a blocking all-reduce of ``nbytes`` takes: each repeat starts from a barrier,
-    and its time is the slowest rank's; the fastest repeat counts.
+def _collective_seconds(nbytes: int, group: Any, device: torch.device, sync: Callable[[], None]) -> tuple[float, float]:
+    """How long a blocking all-reduce of ``nbytes`` takes, and the spread of its repeats (the
+    median's excess over the fastest, what tells a figure from noise): each repeat starts from
+    a barrier, and its time is the slowest rank's; the fastest repeat counts.
 
     Why not each rank's own fastest: a rank that arrives late finds its peers' data already
     sent and returns early, so its fastest repeat can be a fraction of the collective (this
@@ -252,7 +285,8 @@ def _collective_seconds(nbytes: int, group: Any, device: torch.device, sync: Cal
         dist.all_reduce(buf, group=group)
         sync()
         samples.append(time.perf_counter() - start)
-    return min(_max_over_ranks(samples, torch.float64, group, device))
+    slowest = sorted(_max_over_ranks(samples, torch.float64, group, device))
+    return slowest[0], slowest[len(slowest) // 2] - slowest[0]
 
 
 def _round2(x: float) -> float:

@@ -56,3 +56,31 @@ def test_a_calibration_kept_from_the_cache_says_where_and_how_to_measure_anew(fa
     assert store.settle(noisy, key, dist.group.WORLD, cpu) is noisy  # measured anew, and stored
     monkeypatch.delenv(store.RECALIBRATE_ENV)
     assert store.settle(first, key, dist.group.WORLD, cpu).numbers == noisy.numbers
+
+
+def test_a_link_fit_that_is_noise_is_measured_again_then_floored(fake_world, monkeypatch):
+    """A busy machine's small all-reduce measured slow against the large ones puts the fitted
+    latency at 0 us per ring step; a latency under its repeats' spread says as little. Such a fit
+    is measured again; noise twice, the latency is the stated floor, and the source says so."""
+    import torch
+
+    from graphddp.plan.cost import LATENCY_FLOOR_US
+
+    fake_world(2)
+    cpu, group = torch.device("cpu"), dist.group.WORLD
+    clean = [1.5e-3, 9.0e-3, 35.0e-3, 1e-5]  # all-reduces of calibrate.SIZES, then the first one's spread
+    through_origin = [0.2e-3, 9.0e-3, 36.0e-3, 1e-5]  # the line's intercept below 0: latency 0
+    spread_over = [1.5e-3, 9.0e-3, 35.0e-3, 5e-3]  # a fitted latency under the spread of its repeats
+    again: list = []
+    monkeypatch.setattr(calibrate, "_allreduce_times", lambda *a: again.pop(0))
+
+    fitted, note = calibrate._fit_link(clean, 2, group, cpu, lambda: None)
+    assert fitted.latency_us > 0 and note == ""
+    for noisy in (through_origin, spread_over):
+        again[:] = [clean]
+        fitted, note = calibrate._fit_link(noisy, 2, group, cpu, lambda: None)
+        assert not again and fitted.latency_us == calibrate._fit_link(clean, 2, group, cpu, lambda: None)[0].latency_us
+        assert "measured twice" in note, note
+        again[:] = [through_origin]
+        fitted, note = calibrate._fit_link(noisy, 2, group, cpu, lambda: None)
+        assert fitted.latency_us == LATENCY_FLOOR_US["cpu"] and f"latency floored at {LATENCY_FLOOR_US['cpu']:g} us" in note, note
