@@ -10,6 +10,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import sys
 from typing import Any, Sequence
 
@@ -109,8 +110,25 @@ def add_option_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _help(field: Any) -> str:
-    text = field.metadata["help"]
+    text = plain_text(field.metadata["help"])
     return text if field.default is None or "default" in text else f"{text} (default: {field.default})"
+
+
+# :role:`~a.b.name` or :role:`a.b.name` (Sphinx cross-references), then ``literal``, then `text`.
+_RST_ROLE = re.compile(r":[a-z]+:`(~?)([^`<]*?)(?:\s*<[^`>]*>)?`")
+_RST_LITERAL = re.compile(r"``(.+?)``", re.DOTALL)
+_RST_TEXT = re.compile(r"`([^`]+)`")
+
+
+def plain_text(rst: str) -> str:
+    """``rst`` as a terminal shows it: literals and cross-references lose their back-quotes and
+    roles. Why: the help's texts are the docstrings and option docs written for Sphinx, and
+    ``--help`` would otherwise print their markup."""
+    def role(match: re.Match) -> str:
+        short, target = match.group(1), match.group(2).strip()
+        return target.rsplit(".", 1)[-1] if short else target
+
+    return _RST_TEXT.sub(r"\1", _RST_LITERAL.sub(r"\1", _RST_ROLE.sub(role, rst)))
 
 
 def options_from_args(args: argparse.Namespace) -> dict:
@@ -126,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from graphddp.frontend.explain import explain
     from graphddp.plan.cost import CostModel
 
-    parser = argparse.ArgumentParser(prog="python -m graphddp", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m graphddp", description=plain_text(__doc__ or ""),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("explain", help="plan a model for N ranks in one process and render the schedule")

@@ -30,13 +30,18 @@ were 100 Gbit/s" without re-tracing.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Mapping, Sequence
 
 from graphddp.values.collectives import kind
 from graphddp.values.schedule import BucketTiming, CostModel, NodeFact, Schedule, Span, Timeline
 
 # CostModel is a value type: it lives in graphddp.values.prediction (graphddp.values.schedule re-exports it)
-__all__ = ["CostModel", "agreement_seconds", "compute_timeline", "fit_link", "pays_agreement", "simulate"]
+__all__ = [
+    "LATENCY_FLOOR_US", "CostModel", "agreement_seconds", "compute_timeline", "fit_link", "floor_latency", "link_noise",
+    "pays_agreement", "simulate",
+]
 
 
 def agreement_seconds(cost: CostModel, world_size: int) -> float:
@@ -135,3 +140,36 @@ def fit_link(nbytes: Sequence[int], seconds: Sequence[float], world_size: int, *
     steps = 2 * (world_size - 1)
     bandwidth_gbps = steps / world_size * 8 / (slope * 1e9) if slope > 0 else float("inf")
     return CostModel(bandwidth_gbps=bandwidth_gbps, latency_us=intercept / steps * 1e6, **rest)  # type: ignore[arg-type]
+
+
+# The least latency per ring step a calibration plans with, per device type, where its fit is
+# noise (:func:`link_noise`) twice. A collective's ring step is a message and a wake-up: over
+# gloo's TCP, even on loopback, tens of microseconds; over NCCL within a node, a few.
+LATENCY_FLOOR_US = {"cpu": 10.0, "cuda": 2.0}
+
+
+def link_noise(fitted: CostModel, spread_s: float, world_size: int) -> str | None:
+    """Why the link figures of ``fitted`` (:func:`fit_link`) are noise, or None when they are not.
+
+    Noise: a latency at or below 0 (the line through the all-reduces' times crossed the origin:
+    on a busy machine the small all-reduce took longer than the line through the large ones
+    allows), a bandwidth that is not finite and positive, or a latency smaller than the spread
+    of the repeats it was fitted from (``spread_s``: the smallest all-reduce's median repeat
+    minus its fastest), per ring step. A plan made from such a figure is a plan made from the
+    machine's load, and the next run's differs."""
+    steps = 2 * (world_size - 1)
+    if not (math.isfinite(fitted.bandwidth_gbps) and fitted.bandwidth_gbps > 0):
+        return f"a bandwidth of {fitted.bandwidth_gbps:g} Gbit/s"
+    if not (math.isfinite(fitted.latency_us) and fitted.latency_us > 0):
+        return f"a latency of {fitted.latency_us:g} us per ring step"
+    spread_us = spread_s / steps * 1e6
+    if spread_us > fitted.latency_us:
+        return f"a latency of {fitted.latency_us:.3g} us per ring step, under its repeats' spread of {spread_us:.3g} us"
+    return None
+
+
+def floor_latency(cost: CostModel, device_type: str) -> CostModel:
+    """``cost`` with its latency at least :data:`LATENCY_FLOOR_US` of ``device_type``."""
+    floor = LATENCY_FLOOR_US.get(device_type, LATENCY_FLOOR_US["cuda"])
+    kept = math.isfinite(cost.latency_us) and cost.latency_us >= floor
+    return cost if kept else dataclasses.replace(cost, latency_us=floor)

@@ -26,9 +26,15 @@ plans to match. The times are then all-reduced with MAX, so every rank fits the 
 so reruns on the same machines usually plan the same buckets too (and hit the compile cache).
 The result is cached per (process group, device type): later models on the same group reuse it.
 A restart keeps the numbers an earlier run stored in the inductor cache directory when it
-measures within ``KEEP_WITHIN`` of them on every rank (:func:`_settle`), so noise does not
+measures within ``KEEP_WITHIN`` of them on every rank (:mod:`graphddp.runtime.calibration_store`), so noise does not
 change the plan, and the compile cache hits; one measurement outside that band does not
 replace them, two in a row do.
+
+A fit whose link figures are noise (a latency at or below 0, or below the spread of the
+repeats it came from; :func:`graphddp.plan.cost.link_noise`) is measured again, and where the
+second is noise too its latency is floored (:data:`graphddp.plan.cost.LATENCY_FLOOR_US`); the
+model's ``source`` says which. Why: on a busy machine the fit put the latency at 0 us per ring
+step, and the plan made from it differed from the next run's.
 
 On a group of one rank only the compute is timed (nothing is sent). Under graphddp.explain's
 fake process group nothing is timed: the plan uses ``CostModel()``'s defaults unless
@@ -37,10 +43,7 @@ fake process group nothing is timed: the plan uses ``CostModel()``'s defaults un
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
-import os
 import time
 from typing import Any, Callable
 
@@ -48,8 +51,9 @@ import torch
 import torch.distributed as dist
 
 from graphddp.config import DDPConfig
-from graphddp.plan.cost import CostModel, fit_link
-from graphddp.runtime import disk
+from graphddp.plan.cost import CostModel, fit_link, floor_latency, link_noise
+from graphddp.runtime.calibration_store import max_over_ranks as _max_over_ranks
+from graphddp.runtime.calibration_store import settle
 from graphddp.values.comm import group_name_of
 
 SIZES = (1 << 16, 1 << 20, 1 << 22)  # bytes per all-reduce: the range buckets span
@@ -117,109 +121,15 @@ def calibrate(group: Any, device: torch.device | None = None) -> CostModel:
     if world == 1:
         model = CostModel(**rates, source=source)
     else:
-        issue_s, *allreduce_s = link
-        fitted = fit_link(SIZES, allreduce_s, world)
+        issue_s, *allreduce = link
+        fitted, noise = _fit_link(allreduce, world, group, device, sync)
         model = CostModel(
             bandwidth_gbps=_round2(fitted.bandwidth_gbps), latency_us=_round2(fitted.latency_us),
-            collective_overhead_us=_round2(issue_s * 1e6), **rates, source=source,
+            collective_overhead_us=_round2(issue_s * 1e6), **rates, source=source + noise,
         )
-    model = _settle(model, key, group, device)
+    model = settle(model, key, group, device)
     CALIBRATIONS.put(key, model)
     return model
-
-
-# -- the same plan after a restart ------------------------------------------------------------------
-
-# A measurement within this factor of the stored one, in every number, keeps the stored one;
-# times in microseconds are compared with US_SLACK added to both (0 against 40 us of latency is
-# noise, not another link). Why 2x: the auto plan is chosen to hold up under a 1.5x error of
-# the model (autoplan.SCENARIOS), plans near the optimum differ by a few percent (the README's
-# sweep), two calibrations of this machine's loopback differed by up to 2x in bandwidth, and
-# another machine or link differs by far more.
-KEEP_WITHIN = 2.0
-US_SLACK = 100.0
-
-
-def _settle(measured: CostModel, key: tuple[str, str, int, str], group: Any, device: torch.device) -> CostModel:
-    """This run's cost model: the one an earlier run of the same group stored, if this run's
-    measurement is within ``KEEP_WITHIN`` of it on every rank, else the measurement.
-
-    Why: a restart measures the link anew, and two measurements of one link differ by their
-    noise; a plan made from other numbers is another compile (the compile cache checks the
-    plan, :mod:`graphddp.compiler.cache`). The stored model sits in the inductor cache
-    directory, which each rank may have its own of, so the choice is agreed: kept only if
-    every rank holds the same stored model and finds it close (one more all-reduce, here at
-    wrap time, where calibration talks anyway). Nothing is stored or read where torch's compile
-    caches or graphddp's are off.
-
-    A measurement outside the band replaces the stored model only when the run before measured
-    outside it too (the file says so): a single outlying measurement (this machine's loopback
-    sometimes fits 2x its usual bandwidth) plans this run anew and leaves the stored model to
-    the next restart, where it would otherwise make every later restart replan; a machine or
-    link that really changed is stored on its second run.
-    """
-    if not disk.enabled():
-        return measured
-    path = _stored_path(key)
-    stored, outside_before = _load(path)
-    keep = stored is not None and _close(stored, measured)
-    mine = _digest(stored) if keep else -1  # type: ignore[arg-type]
-    high, minus_low = _max_over_ranks([mine, -mine], torch.int64, group, device)
-    low = -minus_low
-    if keep and low == high == mine:
-        if outside_before:
-            _store(path, stored)  # type: ignore[arg-type] # the outlier is forgotten
-        return dataclasses.replace(
-            stored, source=f"{measured.source}, kept from an earlier run: this run measured {_numbers(measured)}"  # type: ignore[arg-type]
-        )
-    if stored is None or (not keep and outside_before):
-        _store(path, measured)
-    elif not keep:
-        _store(path, stored, outside=True)
-    return measured
-
-
-def _stored_path(key: tuple[str, str, int, str]) -> str:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    name = "-".join(str(part) or "solo" for part in key)
-    return os.path.join(cache_dir(), "graphddp", f"calibration-{name}.json")
-
-
-def _numbers(model: CostModel) -> str:
-    return json.dumps(model.numbers, sort_keys=True)
-
-
-def _digest(model: CostModel) -> int:
-    """A non-negative int64 naming the stored numbers (ranks compare these)."""
-    return int(hashlib.sha256(_numbers(model).encode()).hexdigest()[:15], 16)
-
-
-def _close(stored: CostModel, measured: CostModel) -> bool:
-    for name, a in stored.numbers.items():
-        b = measured.numbers[name]
-        if a == b:
-            continue
-        if name.endswith("_us"):
-            a, b = a + US_SLACK, b + US_SLACK
-        if a <= 0 or b <= 0 or not (math.isfinite(a) and math.isfinite(b)) or max(a / b, b / a) > KEEP_WITHIN:
-            return False
-    return True
-
-
-def _load(path: str) -> tuple[CostModel | None, bool]:
-    """The stored model, and whether the run that last read it measured outside its band."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-        outside = bool(data.pop("outside_before", False))
-        return CostModel(**data), outside
-    except Exception:  # noqa: BLE001 - none stored, or a damaged file: measured over
-        return None, False
-
-
-def _store(path: str, model: CostModel, outside: bool = False) -> None:
-    disk.write_atomically(path, json.dumps({**model.to_dict(), "outside_before": outside}).encode())
 
 
 _MATMUL_N = {"cpu": 512, "cuda": 4096}  # large enough to run at the device's matmul rate
@@ -259,10 +169,36 @@ def _compute_times(device: torch.device, sync: Callable[[], None]) -> list[float
 
 
 def _link_times(group: Any, device: torch.device, sync: Callable[[], None]) -> list[float]:
-    """The compute lane's cost of one collective (:func:`_collective_overhead_seconds`), then a blocking
-    all-reduce's time per size of ``SIZES``."""
-    allreduce_s = [_collective_seconds(nbytes, group, device, sync) for nbytes in SIZES]
-    return [_collective_overhead_seconds(group, device, sync, allreduce_s[0])] + allreduce_s
+    """The compute lane's cost of one collective (:func:`_collective_overhead_seconds`), then
+    :func:`_allreduce_times`."""
+    allreduce = _allreduce_times(group, device, sync)
+    return [_collective_overhead_seconds(group, device, sync, allreduce[0])] + allreduce
+
+
+def _allreduce_times(group: Any, device: torch.device, sync: Callable[[], None]) -> list[float]:
+    """A blocking all-reduce's time per size of ``SIZES``, then the spread of the smallest one's
+    repeats (:func:`_collective_seconds`): the same numbers on every rank."""
+    timed = [_collective_seconds(nbytes, group, device, sync) for nbytes in SIZES]
+    return [fastest for fastest, _ in timed] + [timed[0][1]]
+
+
+def _fit_link(link: list[float], world: int, group: Any, device: torch.device, sync: Callable[[], None]) -> tuple[CostModel, str]:
+    """The link's figures from :func:`_link_times`' all-reduce times and spread, and what was
+    done about noise (:func:`graphddp.plan.cost.link_noise`): a fit that is noise is measured
+    again, and where the second is noise too, its latency is floored
+    (:data:`graphddp.plan.cost.LATENCY_FLOOR_US`). Every rank holds the same times (the slowest
+    rank's), so every rank measures again, or none."""
+    fitted = fit_link(SIZES, link[:-1], world)
+    noise = link_noise(fitted, link[-1], world)
+    if noise is None:
+        return fitted, ""
+    again = _max_over_ranks(_allreduce_times(group, device, sync), torch.float64, group, device)
+    fitted = fit_link(SIZES, again[:-1], world)
+    second = link_noise(fitted, again[-1], world)
+    if second is None:
+        return fitted, f"; the link measured twice, the first fit being noise ({noise})"
+    floored = floor_latency(fitted, device.type)
+    return floored, f"; the link's fit noise twice ({noise}, then {second}): latency floored at {floored.latency_us:g} us"
 
 
 # The compute that collectives are issued into (CPU): square matmuls of this size, as many as
@@ -330,9 +266,10 @@ def _collective_overhead_seconds(group: Any, device: torch.device, sync: Callabl
     return max(issue_s, (loaded - alone) / LOADED_COLLECTIVES)
 
 
-def _collective_seconds(nbytes: int, group: Any, device: torch.device, sync: Callable[[], None]) -> float:
-    """How long a blocking all-reduce of ``nbytes`` takes: each repeat starts from a barrier,
-    and its time is the slowest rank's; the fastest repeat counts.
+def _collective_seconds(nbytes: int, group: Any, device: torch.device, sync: Callable[[], None]) -> tuple[float, float]:
+    """How long a blocking all-reduce of ``nbytes`` takes, and the spread of its repeats (the
+    median's excess over the fastest, what tells a figure from noise): each repeat starts from
+    a barrier, and its time is the slowest rank's; the fastest repeat counts.
 
     Why not each rank's own fastest: a rank that arrives late finds its peers' data already
     sent and returns early, so its fastest repeat can be a fraction of the collective (this
@@ -348,17 +285,8 @@ def _collective_seconds(nbytes: int, group: Any, device: torch.device, sync: Cal
         dist.all_reduce(buf, group=group)
         sync()
         samples.append(time.perf_counter() - start)
-    return min(_max_over_ranks(samples, torch.float64, group, device))
-
-
-def _max_over_ranks(values: list, dtype: torch.dtype, group: Any, device: torch.device) -> list:
-    """Element-wise MAX of ``values`` over the group's ranks (sent from the device NCCL
-    needs); a group of one rank sends nothing."""
-    if dist.get_world_size(group) == 1:
-        return list(values)
-    wire = torch.tensor(values, dtype=dtype, device=device if device.type == "cuda" else "cpu")
-    dist.all_reduce(wire, op=dist.ReduceOp.MAX, group=group)
-    return wire.cpu().tolist()
+    slowest = sorted(_max_over_ranks(samples, torch.float64, group, device))
+    return slowest[0], slowest[len(slowest) // 2] - slowest[0]
 
 
 def _round2(x: float) -> float:

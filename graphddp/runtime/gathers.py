@@ -25,13 +25,22 @@ memory: between steps a rank holds the gathered buckets next to the parameters.
 What this cannot see: a tensor read directly between the backward and the next forward
 (``model.fc.weight.norm()``, an EMA copy, a manual in-place write). Such code must call
 :func:`graphddp.finish_gathers` first; that is why ``gather="forward"`` is not the default.
+
+The last backward's all-gathers have no next forward: a run that ends there, or drops the
+model, would leave them issued and never waited, and c10d counts every functional collective
+not passed to ``wait_tensor`` as an error of the program ("unwaited collective calls", printed
+at exit). So the gathers still pending when their :class:`PendingGathers` is collected, or when
+the interpreter exits, are waited then (:func:`_wait_left`); nothing reads them any more.
 """
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any, Callable, Collection
 
 import torch
+
+from graphddp.values.comm import WAIT
 
 
 @dataclasses.dataclass
@@ -48,6 +57,9 @@ class PendingGathers:
 
     def __init__(self) -> None:
         self._pending: dict[int, Pending] = {}
+        # At collection or at exit, whichever comes first (module docstring). The callback holds
+        # the dict, not self, so it does not keep self alive.
+        weakref.finalize(self, _wait_left, self._pending)
         self.finished_eagerly = 0  # graphs whose gathers were completed outside a forward graph
         self.taken = 0  # ... and inside one
 
@@ -90,6 +102,19 @@ class PendingGathers:
             if pending is not None:
                 pending.write(pending.tensors)
                 self.finished_eagerly += 1
+
+
+def _wait_left(pending: dict[int, Pending]) -> None:
+    """Wait for the all-gathers no forward will take (their values are not written: nothing
+    reads these parameters any more). A failed one is not raised: there is no caller to raise
+    to, and the step that issued it has ended."""
+    for gathers in pending.values():
+        for tensor in gathers.tensors:
+            try:
+                WAIT(tensor)
+            except RuntimeError:
+                pass
+    pending.clear()
 
 
 class ForwardDispatch:

@@ -142,7 +142,8 @@ class FullSchedule:
         state = size_text(m.optimizer_state) if m.optimizer_state else "none (not stepped yet, or an optimizer that keeps none)"
         lines = [
             f"sharding='full', graph {self.graph_index}, {self.world_size} ranks, "
-            f"reshard_after_forward={self.reshard_after_forward}, {self.prefetch} gather bucket(s) issued ahead",
+            f"reshard_after_forward={self.reshard_after_forward}, gathers issued up to {self.prefetch} bucket(s) "
+            "ahead of the one being read",
             f"each rank holds: parameters {size_text(m.parameters)} (whole: {size_text(m.whole_parameters)}), "
             f"gradients {size_text(m.gradients)} after a backward, optimizer state {state}",
             f"this graph's gathers: at most {size_text(m.gathered_in_flight)} in flight at once, "

@@ -51,3 +51,15 @@ def test_cli_explains_full_sharding(tmp_path):
     assert data["memory"]["optimizer_state"] >= 2 * data["memory"]["parameters"]
     png = _cli("explain", "examples/factories.py:mlp", "--sharding", "full", "--backend", "aot_eager", "--format", "png", "--out", "x.png")
     assert png.returncode != 0 and "sharding='full' has a table or json" in png.stderr
+
+
+def test_help_reads_as_plain_text():
+    """--help prints the module docstring and the options' docs, written for Sphinx: no markup left."""
+    from graphddp.frontend.cli import plain_text
+
+    assert plain_text("``a`` :func:`~graphddp.plan.cost.fit_link`, :mod:`graphddp.runtime`, `x`") == "a fit_link, graphddp.runtime, x"
+    for args in (("--help",), ("explain", "--help")):
+        run = _cli(*args)
+        assert run.returncode == 0, run.stderr
+        assert "`" not in run.stdout and ":func:" not in run.stdout and ":mod:" not in run.stdout, run.stdout
+    assert "python -m graphddp explain PATH.py:FACTORY: print" in _cli("--help").stdout

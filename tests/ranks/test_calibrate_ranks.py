@@ -77,7 +77,7 @@ def _check_agreement(rank: int, world: int) -> None:
     took = calibrate._collective_seconds(1 << 16, group, torch.device("cpu"), lambda: None)
     seen_by: list = [None] * world
     dist.all_gather_object(seen_by, took)
-    assert len(set(seen_by)) == 1 and took > 0, seen_by
+    assert len(set(seen_by)) == 1 and took[0] > 0 and took[1] >= 0, seen_by
 
     # Measured once per group: the second call talks to nobody and times nothing.
     def refuse(*args):
@@ -114,7 +114,7 @@ def test_ranks_that_measure_differently_agree_on_the_slowest_rank(tmp_path):
 COMPUTE_S = [2.4e-3, 1.0e-3, 3.0e-6]  # matmul, copy, one-element add
 
 
-LINK_S = [2.0e-5, 1.5e-3, 9.0e-3, 35.0e-3]  # issue; all-reduces of calibrate.SIZES
+LINK_S = [2.0e-5, 1.5e-3, 9.0e-3, 35.0e-3, 1.0e-5]  # issue; all-reduces of calibrate.SIZES; the first one's spread
 
 
 def _calibrate_world(compute_scale: float, link_scale: float) -> CostModel:

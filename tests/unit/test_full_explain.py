@@ -91,3 +91,18 @@ def test_explain_names_a_bad_optimizer():
         graphddp.explain(models.MLP(), torch.randn(2, 16), optimizer="adamw")
     with pytest.raises(ValueError, match="optimizer= must make a torch.optim.Optimizer from parameters, it made list"):
         graphddp.explain(models.MLP(), torch.randn(2, 16), optimizer=list)
+
+
+def test_the_table_says_how_far_ahead_gathers_are_issued_not_a_count_of_buckets():
+    """One gather bucket in the listing: the head line names the prefetch depth as a depth, and the
+    count of gather buckets only where the listing counts them."""
+    from graphddp.graph.part_collectives import PREFETCH
+
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    (s,) = graphddp.explain(mlp, torch.randn(4, 8), world_size=WORLD, sharding="full", optimizer=torch.optim.AdamW,
+                            backend="aot_eager")
+    assert len(s.forward.of("gather")) == 1 and PREFETCH == 2
+    head = s.to_table().splitlines()[0]
+    assert head.endswith(f"gathers issued up to {PREFETCH} bucket(s) ahead of the one being read"), head
+    assert "gather bucket(s)" not in head

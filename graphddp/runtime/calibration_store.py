@@ -1,0 +1,138 @@
+"""The calibration an earlier run stored, kept when this run measures close to it: the same
+plan after a restart (:func:`settle`, called by :func:`graphddp.runtime.calibrate.calibrate`).
+
+The stored calibration sits in torch's inductor cache directory
+(``<cache_dir>/graphddp/calibration-<group>-<backend>-<ranks>-<device>.json``). A run that plans
+with it says so on the ``graphddp`` logger (INFO), naming the file and how to measure anew:
+``GRAPHDDP_RECALIBRATE=1`` (:data:`RECALIBRATE_ENV`) measures and stores this run's numbers
+whatever is stored, as does deleting the file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from graphddp.plan.cost import CostModel
+from graphddp.runtime import disk
+
+log = logging.getLogger("graphddp")
+
+RECALIBRATE_ENV = "GRAPHDDP_RECALIBRATE"
+
+
+# A measurement within this factor of the stored one, in every number, keeps the stored one;
+# times in microseconds are compared with US_SLACK added to both (0 against 40 us of latency is
+# noise, not another link). Why 2x: the auto plan is chosen to hold up under a 1.5x error of
+# the model (autoplan.SCENARIOS), plans near the optimum differ by a few percent (the README's
+# sweep), two calibrations of this machine's loopback differed by up to 2x in bandwidth, and
+# another machine or link differs by far more.
+KEEP_WITHIN = 2.0
+US_SLACK = 100.0
+
+
+def settle(measured: CostModel, key: tuple[str, str, int, str], group: Any, device: torch.device) -> CostModel:
+    """This run's cost model: the one an earlier run of the same group stored, if this run's
+    measurement is within ``KEEP_WITHIN`` of it on every rank, else the measurement.
+
+    Why: a restart measures the link anew, and two measurements of one link differ by their
+    noise; a plan made from other numbers is another compile (the compile cache checks the
+    plan, :mod:`graphddp.compiler.cache`). The stored model sits in the inductor cache
+    directory, which each rank may have its own of, so the choice is agreed: kept only if
+    every rank holds the same stored model and finds it close (one more all-reduce, here at
+    wrap time, where calibration talks anyway). Nothing is stored or read where torch's compile
+    caches or graphddp's are off.
+
+    A measurement outside the band replaces the stored model only when the run before measured
+    outside it too (the file says so): a single outlying measurement (this machine's loopback
+    sometimes fits 2x its usual bandwidth) plans this run anew and leaves the stored model to
+    the next restart, where it would otherwise make every later restart replan; a machine or
+    link that really changed is stored on its second run.
+    """
+    if not disk.enabled():
+        return measured
+    path = _stored_path(key)
+    anew = os.environ.get(RECALIBRATE_ENV, "0") == "1"  # a rank that measures anew keeps nothing: no rank keeps
+    stored, outside_before = (None, False) if anew else _load(path)
+    keep = stored is not None and _close(stored, measured)
+    mine = _digest(stored) if keep else -1  # type: ignore[arg-type]
+    high, minus_low = max_over_ranks([mine, -mine], torch.int64, group, device)
+    low = -minus_low
+    if keep and low == high == mine:
+        if outside_before:
+            _store(path, stored)  # type: ignore[arg-type] # the outlier is forgotten
+        log.info(
+            "graphddp: bucket_cap_mb='auto' plans with the calibration an earlier run stored in %s (%s), this run "
+            "measured %s, within %gx; to measure anew, set %s=1 or delete that file", path, stored.describe(),  # type: ignore[union-attr]
+            _numbers(measured), KEEP_WITHIN, RECALIBRATE_ENV,
+        )
+        return dataclasses.replace(
+            stored, source=f"{measured.source}, kept from an earlier run: this run measured {_numbers(measured)}"  # type: ignore[arg-type]
+        )
+    if anew:
+        log.info("graphddp: %s=1: the calibration measured now replaces any stored in %s", RECALIBRATE_ENV, path)
+    if stored is None or (not keep and outside_before):
+        _store(path, measured)
+    elif not keep:
+        _store(path, stored, outside=True)
+    return measured
+
+
+def _stored_path(key: tuple[str, str, int, str]) -> str:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    name = "-".join(str(part) or "solo" for part in key)
+    return os.path.join(cache_dir(), "graphddp", f"calibration-{name}.json")
+
+
+def _numbers(model: CostModel) -> str:
+    return json.dumps(model.numbers, sort_keys=True)
+
+
+def _digest(model: CostModel) -> int:
+    """A non-negative int64 naming the stored numbers (ranks compare these)."""
+    return int(hashlib.sha256(_numbers(model).encode()).hexdigest()[:15], 16)
+
+
+def _close(stored: CostModel, measured: CostModel) -> bool:
+    for name, a in stored.numbers.items():
+        b = measured.numbers[name]
+        if a == b:
+            continue
+        if name.endswith("_us"):
+            a, b = a + US_SLACK, b + US_SLACK
+        if a <= 0 or b <= 0 or not (math.isfinite(a) and math.isfinite(b)) or max(a / b, b / a) > KEEP_WITHIN:
+            return False
+    return True
+
+
+def _load(path: str) -> tuple[CostModel | None, bool]:
+    """The stored model, and whether the run that last read it measured outside its band."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        outside = bool(data.pop("outside_before", False))
+        return CostModel(**data), outside
+    except Exception:  # noqa: BLE001 - none stored, or a damaged file: measured over
+        return None, False
+
+
+def _store(path: str, model: CostModel, outside: bool = False) -> None:
+    disk.write_atomically(path, json.dumps({**model.to_dict(), "outside_before": outside}).encode())
+
+
+def max_over_ranks(values: list, dtype: torch.dtype, group: Any, device: torch.device) -> list:
+    """Element-wise MAX of ``values`` over the group's ranks (sent from the device NCCL
+    needs); a group of one rank sends nothing."""
+    if dist.get_world_size(group) == 1:
+        return list(values)
+    wire = torch.tensor(values, dtype=dtype, device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(wire, op=dist.ReduceOp.MAX, group=group)
+    return wire.cpu().tolist()
