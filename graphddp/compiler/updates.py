@@ -31,7 +31,7 @@ from graphddp.graph.insert_comm import insert_collectives
 from graphddp.optim.attached import AttachedOptimizer
 from graphddp.optim.insert_shard import insert_sharded_updates
 from graphddp.optim.shard_functions import shard_layout, write_fn
-from graphddp.optim.insert_update import ALIAS_OF, UpdateInputs, insert_update
+from graphddp.optim.insert_update import WRITES, UpdateInputs, insert_update
 from graphddp.optim.verify import verify_updates
 from graphddp.optim.verify_shard import verify_sharded
 from graphddp.plan.planner import with_sharding, with_updates
@@ -93,7 +93,7 @@ class InGraphUpdates:
             return False
 
         placeholders = [n for n in record.graph.graph.nodes if n.op == "placeholder"]
-        aliases = tuple((i, ph.meta[ALIAS_OF]) for i, ph in enumerate(placeholders) if ALIAS_OF in ph.meta)
+        writes = tuple((i, ph.meta[WRITES]) for i, ph in enumerate(placeholders) if WRITES in ph.meta)
         groups = tuple(sorted({optimizer.group_of[n] for n in replicated}))
         deferred = [s for s in shards if s.bucket.gather == "forward"]
 
@@ -103,7 +103,7 @@ class InGraphUpdates:
             for shard, gathered in zip(deferred, tensors):
                 write_fn(shard)(gathered, *(optimizer.params[n].detach() for n in shard.bucket.param_names))
 
-        return InGraphUpdate(optimizer, replicated, groups, allowed, compile_grads, aliases, shards=shards, write_deferred=write_deferred)
+        return InGraphUpdate(optimizer, replicated, groups, allowed, compile_grads, writes, shards=shards, write_deferred=write_deferred)
 
     def _has_gradients(self, graph_index: int) -> bool:
         """Does graph ``graph_index`` read a parameter that takes a gradient (a graph that only

@@ -78,8 +78,9 @@ def views_of(node: fx.Node) -> list[fx.Node]:
 
 def storage_of(val: Any) -> int | None:
     """Identity of the memory behind a (fake) tensor value, shared by its views; None for
-    anything else. Fake tensors keep their real counterparts' aliasing, so two graph inputs
-    with the same storage are the same memory at run time."""
+    anything else. Fake tensors keep their real counterparts' aliasing at trace time; a
+    compiled forward may still save a copy where the backward graph shows a parameter
+    (inductor's layout optimization), so a write never relies on a saved input being it."""
     return StorageWeakRef(val.untyped_storage()).cdata if isinstance(val, torch.Tensor) else None
 
 

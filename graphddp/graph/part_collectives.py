@@ -62,6 +62,7 @@ def place_part_collectives(graph: fx.Graph, cap_bytes: int, prefetch: int = PREF
     closes once its gathered (or whole-gradient) bytes reach ``cap_bytes``."""
     gathers = _bucket_gathers(graph, _buckets(_part_gathers(graph), cap_bytes))
     _place_gathers(graph, gathers, prefetch)
+    _one_wait_each(graph)
     scatters = _bucket_scatters(graph, _buckets(_reduce_scatters(graph), cap_bytes))
     _place_scatter_waits(graph, scatters, lag)
 
@@ -133,6 +134,20 @@ def above_reduce_scatters(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
         else:
             todo.extend(n.all_input_nodes)
     return waits, inputs
+
+
+def _one_wait_each(graph: fx.Graph) -> None:
+    """One reduce-scatter per wait. Two parameters whose gradients are the same tensor (the
+    BatchNorm biases of a ResNet block's residual branch and its downsample, both summed from
+    one gradient) get one reduce-scatter with two waits under inductor: its partitioner
+    (AOTAutograd's min-cut) eliminates common subexpressions, which merges the collectives and
+    keeps the waits apart. Each wait gets its own copy of the collective back, as AOTAutograd
+    traced them: each gradient is one slot of a bucket."""
+    for issue in [n for n in graph.nodes if n.target is _REDUCE_SCATTER]:
+        for wait in [u for u in issue.users if is_wait(u)][1:]:
+            with graph.inserting_before(wait):
+                twin = graph.node_copy(issue)
+            wait.replace_input_with(issue, twin)
 
 
 def _reduce_scatters(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:

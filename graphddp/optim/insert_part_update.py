@@ -9,12 +9,14 @@ splice, traced once per signature), and returns None for its gradient: no gradie
 outlives its update, and the update of one bucket runs while later buckets are still on the
 wire.
 
-Inputs. A part the backward reads already (``reshard_after_forward=True``: the backward gathers
-it again from its saved input ``primals_k``) is updated through that input, so the compiler
-orders the update after the gather; a part the backward does not read gets a new placeholder.
-Either way the runtime passes the tensors in :func:`graphddp.optim.insert_update.append_update_inputs`'s
-order (:meth:`graphddp.optim.attached.AttachedOptimizer.update_args`), the parameter first for
-every part, even where the graph reads it through ``primals_k``.
+Inputs. Every part is updated through a new placeholder, which the runtime fills with the part
+itself, in :func:`graphddp.optim.insert_update.append_update_inputs`'s order
+(:meth:`graphddp.optim.attached.AttachedOptimizer.update_args`), never through a tensor the
+forward saved (a compiled forward may save a copy). A part the backward reads already
+(``reshard_after_forward=True``: the backward gathers it again from its saved input
+``primals_k``) is read through a view of that placeholder instead
+(:func:`graphddp.optim.insert_update.parameter_nodes`), so the compiler orders the update after
+the gather.
 
 Where. Each update goes right after the last of: its gradient, and every read of its part
 (:func:`graphddp.graph.trace.after_all`); the updates of parts whose gradients come from one

@@ -18,13 +18,18 @@ tensors in the same order (:class:`graphddp.optim.attached.AttachedOptimizer`).
 
 Aliasing (why the pass needs each parameter's forward value). AOTAutograd saves tensors for
 the backward; a saved parameter is an input of the backward graph already, and a saved view
-of one (``t(weight)``) is an input too, backed by the parameter's memory. A compiler cannot
-know two inputs share memory, so an in-place update of the parameter could be reordered
-before a read of the view. The pass therefore (a) updates a parameter through the input that
-*is* it when there is one (same storage, shape, strides, offset), and (b) rewrites every read
-of an input that aliases it into an ``as_strided`` view of that one input. Every read of the
-parameter's memory then goes through one node, which the update mutates, and the compiler
-orders the reads first. The runtime checks these aliases on the first call.
+of one (``t(weight)``) is an input too, backed by the parameter's memory at trace time. A
+compiler cannot know two inputs share memory, so an in-place update of the parameter could be
+reordered before a read of the view. Nor is a saved input sure to be the parameter at run
+time: the compiled forward may save a copy instead (inductor's layout optimization saves a
+channels-last copy of each convolution weight), and an update written through it would miss
+the parameter. The pass therefore (a) updates a parameter always through its own new input,
+which the runtime fills with the parameter itself, and (b) rewrites every read of a saved
+input that aliases it at trace time into an ``as_strided`` view of that input. Every read of
+the parameter's memory then goes through one node, which the update mutates, and the
+compiler orders the reads first; a read sees the old values whether the forward saved the
+parameter or a copy. The runtime checks, on the first call, that each written input is its
+parameter's memory (``WRITES``).
 
 Postcondition (``graphddp.optim.verify`` checks it): every updated parameter is written
 (``copy_``) exactly once, after its bucket's wait and after every other read of its memory;
@@ -49,7 +54,7 @@ from graphddp.values.schedule import Schedule
 aten = torch.ops.aten
 
 UPDATE_INPUT = "update_input"  # ROLE_KEY of the placeholders this pass adds
-ALIAS_OF = "graphddp_alias_of"  # meta of an input found to alias a parameter: its name
+WRITES = "graphddp_writes"  # meta of the input an update writes a parameter through: its name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,12 +72,9 @@ def replicated(schedule: Schedule) -> list:
     return [b for b in schedule.buckets if b.collective != "reduce_scatter"]
 
 
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (tuple(a.shape), tuple(a.stride()), a.storage_offset(), a.dtype) == (tuple(b.shape), tuple(b.stride()), b.storage_offset(), b.dtype)
-
-
 def parameter_nodes(graph: fx.Graph, names: list[str], inputs: UpdateInputs, new: dict[str, fx.Node]) -> dict[str, fx.Node]:
-    """The node each parameter is read and updated through; aliases rewritten to views of it."""
+    """The node each parameter is read and updated through: its new input ``new[name]``, never
+    a saved input (module docstring: Aliasing); saved aliases rewritten to views of it."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder" and n.meta.get(ROLE_KEY) != UPDATE_INPUT]
     by_storage: dict[int, list[fx.Node]] = {}
     for ph in placeholders:
@@ -81,15 +83,11 @@ def parameter_nodes(graph: fx.Graph, names: list[str], inputs: UpdateInputs, new
             by_storage.setdefault(ref, []).append(ph)
     chosen: dict[str, fx.Node] = {}
     for name in names:
-        value = inputs.values[name]
-        sharing = by_storage.get(storage_of(value), [])
-        same = [ph for ph in sharing if _same_view(ph.meta["val"], value)]
-        chosen[name] = node = same[0] if same else new[name]
-        if node is not new[name]:  # a saved input taken for the parameter: checked at run time
-            node.meta[ALIAS_OF] = name
+        chosen[name] = node = new[name]
+        node.meta[WRITES] = name
         first = next(n for n in graph.nodes if n.op != "placeholder")
-        for alias in sharing:
-            if alias is node or not alias.users:
+        for alias in by_storage.get(storage_of(inputs.values[name]), []):
+            if not alias.users:
                 continue
             val = alias.meta["val"]
             with graph.inserting_before(first):
@@ -97,7 +95,6 @@ def parameter_nodes(graph: fx.Graph, names: list[str], inputs: UpdateInputs, new
             view.meta["val"] = val
             view.meta[ROLE_KEY] = "alias"
             alias.replace_all_uses_with(view)
-            alias.meta[ALIAS_OF] = name
     return chosen
 
 

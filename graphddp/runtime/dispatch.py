@@ -110,9 +110,9 @@ class InGraphUpdate:
     groups: tuple[int, ...]  # their param groups, whose hyperparameters it reads
     allowed: Callable[[frozenset[str]], bool]  # may this step update inside the graph (given the unused)
     compile_grads: Callable[[], Callable[[list[Any]], Any]]  # the variant without the update
-    aliases: tuple[tuple[int, str], ...]  # backward inputs that must share a parameter's memory
+    writes: tuple[tuple[int, str], ...]  # backward inputs the update writes, each a parameter's memory
     grads: Callable[[list[Any]], Any] | None = None
-    aliases_checked: bool = False
+    writes_checked: bool = False
     shards: tuple[Any, ...] = ()  # sharded buckets' layouts (graphddp.optim.shard_functions.ShardLayout)
     # gather="forward": the backward returns its un-waited all-gathers after the gradients; the
     # next forward completes them (graphddp.runtime.gathers). The eager write for when no
@@ -124,16 +124,17 @@ class InGraphUpdate:
         """The sharded buckets whose all-gathers the backward returns, in output order."""
         return [s for s in self.shards if s.bucket.gather == "forward"]
 
-    def check_aliases(self, args: list[Any]) -> None:
-        """Once: the inputs the rewrite took for a parameter's memory really are it."""
-        for index, name in self.aliases:
+    def check_writes(self, args: list[Any]) -> None:
+        """Once: each input the update writes a parameter through really is that parameter's
+        memory (an update written into a copy would leave the parameter as it was)."""
+        for index, name in self.writes:
             param = self.attached.params[name]
             if args[index].untyped_storage().data_ptr() != param.untyped_storage().data_ptr():
                 raise RuntimeError(
-                    f"graphddp: backward input {index} was traced as sharing the memory of {name!r} but does not; "
+                    f"graphddp: backward input {index} was traced as the memory of {name!r} but is not; "
                     "the in-graph update would miss it. Please report this with the model."
                 )
-        self.aliases_checked = True
+        self.writes_checked = True
 
 
 @dataclasses.dataclass
@@ -394,10 +395,10 @@ class BackwardDispatch:
             if update.grads is None:
                 update.grads = update.compile_grads()
             return update.grads(args)
-        if not update.aliases_checked:
-            update.check_aliases(args)
         extra = update.attached.update_args(update.names, update.groups, update.shards)
         args.extend(extra.tensors)  # the same list: the callee frees what it no longer needs
+        if not update.writes_checked:
+            update.check_writes(args)
         with torch.no_grad():
             out = synced.code()(args)
         deferred = update.deferred_shards

@@ -22,10 +22,11 @@ import torch.fx as fx
 import torch.nn as nn
 
 import graphddp
+from graphddp.graph.capture import storage_of
 from graphddp.graph.verify import VerificationError
 from graphddp.models import MLP
 from graphddp.optim import attached as optim
-from graphddp.optim.insert_update import ALIAS_OF
+from graphddp.optim.insert_update import WRITES
 from graphddp.optim.verify import verify_updates
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
 
@@ -161,9 +162,13 @@ def _mutate_read_after_write(gm: fx.GraphModule) -> str:
 
 
 def _mutate_alias_read(gm: fx.GraphModule) -> str:
-    alias = next(n for n in gm.graph.nodes if n.op == "placeholder" and ALIAS_OF in n.meta and not n.users)
-    view = next(n for n in gm.graph.nodes if n.meta.get(ROLE_KEY) == "alias" and n.meta["val"].shape == alias.meta["val"].shape
-                and n.meta["val"].stride() == alias.meta["val"].stride())
+    """A saved input the rewrite turned into a view of the parameter's own input, read again."""
+    views = [n for n in gm.graph.nodes if n.meta.get(ROLE_KEY) == "alias"]
+    alias, view = next(
+        (ph, v) for ph in gm.graph.nodes if ph.op == "placeholder" and not ph.users and WRITES not in ph.meta
+        for v in views if storage_of(v.meta["val"]) == storage_of(ph.meta["val"])
+        and v.meta["val"].shape == ph.meta["val"].shape and v.meta["val"].stride() == ph.meta["val"].stride()
+    )
     view.replace_all_uses_with(alias)
     return "another input backed by the parameter's memory"
 

@@ -221,3 +221,30 @@ def test_rule_p4_fails_an_update_of_the_local_gradient(fake_world):
     graph.eliminate_dead_code()
     with pytest.raises(VerificationError, match="P4: .* does not read a reduce-scatter's wait"):
         check_part_updates(broken, updated)
+
+
+def test_one_reduce_scatter_waited_twice_becomes_one_slot_per_wait(fake_world):
+    """Two parameters whose gradients are one tensor (a ResNet block's BatchNorm biases on the
+    residual branch and the downsample) reach the pass, after the min-cut partitioner's
+    common-subexpression elimination under inductor, as one reduce-scatter with two waits: each wait becomes a slot of the bucket."""
+    import torch.distributed as dist
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graphddp.graph.part_collectives import place_part_collectives
+
+    fake_world(8)
+    group = dist.group.WORLD.group_name
+
+    def two_waits(g):
+        sent = REDUCE_SCATTER(g * 2, "sum", 8, group)
+        return torch.ops._c10d_functional.wait_tensor.default(sent), torch.ops._c10d_functional.wait_tensor.default(sent)
+
+    gm = make_fx(two_waits, tracing_mode="fake")(torch.randn(64))
+    place_part_collectives(gm.graph, cap_bytes=1 << 20)
+    gm.graph.lint()
+    scatters = [n for n in gm.graph.nodes if n.target is REDUCE_SCATTER]
+    assert len(scatters) == 1 and len(_waits(scatters)) == 1, gm.graph
+    cat = scatters[0].args[0].args[0]
+    assert cat.target is torch.ops.aten.cat.default and len(cat.args[0]) == 2, f"one bucket of two gradients expected: {gm.graph}"
+    outs = gm.graph.output_node().args[0]
+    assert all(o.args[0] is _waits(scatters)[0] for o in outs), "each output is its slot of the bucket's wait"
