@@ -99,7 +99,8 @@ class PartUpdates:
             return None
         updates = PartUpdates(attached, syncing, verify)
         optimizer.register_step_post_hook(lambda *_: updates.step_done())
-        guards.watch(attached)  # clipping the parts' p.grad, or an enabled GradScaler, is refused by name
+        attached.after_scaler_step = (updates.step_done,)  # a step GradScaler skipped ends the step too
+        guards.watch(attached)  # clipping the parts' p.grad is refused by name; an enabled GradScaler marks the step
         return updates
 
     def step_done(self) -> None:
@@ -164,8 +165,8 @@ class PartUpdates:
                 self.foreign[index] += 1
             out = compiled(*args)
             node = compiled_backward_node(out if isinstance(out, (list, tuple)) else [out], inputs)
-            if node is not None:  # an enabled GradScaler.scale of it is refused (graphddp.optim.guards)
-                node.metadata[guards.ATTACHED_NODE] = True
+            if node is not None:  # an enabled GradScaler.scale of it marks the step (graphddp.optim.guards)
+                node.metadata[guards.ATTACHED_NODE] = self.attached
             return out
 
         run._boxed_call = boxed  # type: ignore[attr-defined]
@@ -218,6 +219,8 @@ class PartUpdates:
     def _why_not(self, index: int, names: Sequence[str]) -> str | None:
         """None when the update inside is the whole step for ``names``, else the reason."""
         mine = set(names)
+        if self.attached.scaled:
+            return "scaler"
         if self.local[index]:
             return "no_sync"
         if self.pending[index] != 1:

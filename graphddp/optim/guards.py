@@ -49,6 +49,7 @@ import weakref
 from typing import Any, Callable, Iterable
 
 import torch
+import torch.distributed as dist
 import torch.nn.utils as nn_utils
 import torch.nn.utils.clip_grad as clip_grad
 from torch.utils._pytree import tree_leaves
@@ -61,6 +62,9 @@ ATTACHED_NODE = "graphddp_attached_optimizer"
 clip_grad_norm_ = clip_grad.clip_grad_norm_
 
 _ATTACHED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # live AttachedOptimizer objects
+# Optimizers over parts of the gradients (sharding="full"), and the group whose ranks must agree on
+# an enabled GradScaler's inf flag.
+_AGREE: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 _installed = False
 # The attribute sharding="full" sets on the whole parameters model.parameters() gathers: copies
 # for reading, with no gradient, so clipping them would clip nothing.
@@ -138,52 +142,118 @@ def _clip_guard(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     return guarded
 
 
-def _scaler_refusal(what: str) -> RuntimeError:
+def _scaler_refusal(what: str, why: str) -> RuntimeError:
     return RuntimeError(
-        f"graphddp: torch.amp.GradScaler.{what} with an optimizer attached by graphddp.compile(..., optimizer=): "
-        "that optimizer updates the parameters inside the backward, so they would be updated with scaled gradients "
-        "and no inf check; GradScaler is not supported there. Compile without optimizer= to use an enabled GradScaler "
-        "(step it as usual after the backward; sharding='full' needs optimizer=, and updates inside unless "
-        "max_grad_norm= is given), or train in bfloat16 (no loss scaling needed; a GradScaler with "
-        "enabled=False keeps working)"
+        f"graphddp: torch.amp.GradScaler.{what} with an optimizer attached by graphddp.compile(..., optimizer=): {why}"
     )
 
 
-def _reaches_attached(outputs: Any) -> bool:
-    """Does any tensor of ``outputs`` depend on a forward of a model with an attached optimizer?"""
+def _attached_reached(outputs: Any) -> list[Any]:
+    """The attached optimizers whose models' forwards the tensors of ``outputs`` depend on."""
     todo = [t.grad_fn for t in tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     seen: set[Any] = set()
+    found: list[Any] = []
     while todo:
         node = todo.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        if ATTACHED_NODE in node.metadata:
-            return True
+        attached = node.metadata.get(ATTACHED_NODE)
+        if attached is not None and all(a is not attached for a in found):
+            found.append(attached)
         todo.extend(n for n, _ in node.next_functions)
-    return False
+    return found
+
+
+def _refuse_fused(optimizer: Any, what: str) -> None:
+    """A fused optimizer takes the scale and the inf flag into its own kernel
+    (``_step_supports_amp_scaling``): torch's step then reads neither ``unscale_`` nor the flag
+    the ranks agreed on, so the skip could differ between ranks."""
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        raise _scaler_refusal(
+            what,
+            f"{type(optimizer).__name__}(fused=True) unscales and checks for inf inside its own kernel, where graphddp "
+            "cannot make every rank skip the step together; build the optimizer with fused=False",
+        )
+
+
+def agree_found_inf(optimizer: Any, group: Any) -> None:
+    """From now on an enabled GradScaler's ``unscale_(optimizer)`` agrees on the inf flag over
+    ``group``: ``optimizer`` holds this rank's parts of the gradients only (``sharding="full"``),
+    so one rank may see an inf the others do not; every rank must skip that step (FSDP's
+    ``ShardedGradScaler`` does the same all-reduce)."""
+    _AGREE[optimizer] = group
+    _install()
+
+
+def _agree(scaler: Any, optimizer: Any, group: Any) -> None:
+    """The maximum over ``group`` of this rank's inf flags, written back into every one of them
+    (one entry on the scale's device where this rank held no gradient to check)."""
+    found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+    total = torch.zeros((), dtype=torch.float32, device=scaler._scale.device)
+    for flag in found.values():
+        total = torch.maximum(total, flag.to(total.device))
+    dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+    for flag in found.values():
+        flag.copy_(total)
+    if not found:
+        found[total.device] = total
 
 
 def _scaler_guards(cls: type) -> None:
+    """An enabled scaler around an attached optimizer: ``scale(loss)`` of an attached model's
+    output marks the step as scaled (its backward then leaves every gradient in ``p.grad``),
+    ``unscale_`` agrees on the inf flag where the optimizer holds parts, and ``step`` runs the
+    attached optimizer's own step from torch's ``optimizer.step()`` call, which torch skips on an
+    inf. A scaler whose ``scale`` was not seen on the attached model's loss is refused."""
     scale, unscale_, step = cls.scale, cls.unscale_, cls.step
 
     @functools.wraps(scale)
     def guarded_scale(self: Any, outputs: Any) -> Any:
-        if _ATTACHED and self._enabled and _reaches_attached(outputs):
-            raise _scaler_refusal("scale(loss)")
+        if _ATTACHED and self._enabled:
+            reached = _attached_reached(outputs)
+            for attached in reached:
+                _refuse_fused(attached.optimizer, "scale(loss)")
+            for attached in reached:
+                attached.loss_scaled()
         return scale(self, outputs)
+
+    def unscaled_step(what: str, optimizer: Any) -> Any:
+        attached = next((a for a in _ATTACHED if a.optimizer is optimizer), None)
+        if attached is not None and not attached.scaled:
+            raise _scaler_refusal(
+                what,
+                "this scaler's scale(loss) was not seen on a loss of that model since its last step, so its gradients "
+                "are not scaled and graphddp already updated the parameters inside the backward. Scale the loss of this "
+                "model with the same scaler (scaler.scale(loss).backward()) before unscale_/step, or train in bfloat16 "
+                "(no loss scaling; a GradScaler with enabled=False keeps working)",
+            )
+        if optimizer in _AGREE:
+            _refuse_fused(optimizer, what)
+        return attached
 
     @functools.wraps(unscale_)
     def guarded_unscale_(self: Any, optimizer: Any) -> None:
-        if _ATTACHED and self._enabled and any(a.optimizer is optimizer for a in _ATTACHED):
-            raise _scaler_refusal("unscale_(optimizer)")
-        return unscale_(self, optimizer)
+        if not self._enabled or not (_ATTACHED or _AGREE):
+            return unscale_(self, optimizer)
+        unscaled_step("unscale_(optimizer)", optimizer)
+        unscale_(self, optimizer)
+        group = _AGREE.get(optimizer)
+        if group is not None:
+            _agree(self, optimizer, group)
 
     @functools.wraps(step)
     def guarded_step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        if _ATTACHED and self._enabled and any(a.optimizer is optimizer for a in _ATTACHED):
-            raise _scaler_refusal("step(optimizer)")
-        return step(self, optimizer, *args, **kwargs)
+        if not self._enabled or not (_ATTACHED or _AGREE):
+            return step(self, optimizer, *args, **kwargs)
+        attached = unscaled_step("step(optimizer)", optimizer)
+        if attached is None:
+            return step(self, optimizer, *args, **kwargs)
+        try:
+            with attached.stepping_for_scaler():
+                return step(self, optimizer, *args, **kwargs)
+        finally:
+            attached.scaler_stepped()
 
     cls.scale, cls.unscale_, cls.step = guarded_scale, guarded_unscale_, guarded_step
 

@@ -1,0 +1,156 @@
+"""fp16's loop, ``scaler.scale(loss).backward(); scaler.unscale_(opt); scaler.step(opt);
+scaler.update()``, with the optimizer inside (replicated, ``sharding="optimizer"``,
+``sharding="full"``) against DDP + the same ``torch.optim`` + the same ``GradScaler``, on 2
+gloo ranks (:mod:`graphddp.optim.scaled_step`).
+
+The scaler runs on CPU (``GradScaler("cpu")``) with ``growth_interval=2``, so the scale grows
+during the run. At one step rank 1 puts an ``inf`` into its gradient: into one element
+(:class:`ProbedMLP`: with ``sharding="full"`` only rank 0's part holds it after the
+reduce-scatter) or into every one (GPT-2's whole loss); both sides must skip that step on
+every rank and halve the scale.
+After every step: parameters, optimizer state, the scale and the growth tracker equal DDP's.
+The first and the last step do not scale (the update inside the backward, around the scaled
+ones); one step is two micro-steps switched by ``require_backward_grad_sync``; the scaler's
+``unscale_`` is explicit on some steps and left to ``step`` on others; with ``max_grad_norm``
+DDP's side calls ``clip_grad_norm_`` after ``unscale_``. Midway the scalers' ``state_dict()`` is
+saved and loaded into fresh scalers, which carry on.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import warnings
+from typing import Callable
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from test_optim_ranks import ADAM_NOISE, TIGHT, _adamw, _hf_gpt2, _hf_loss, _sgd, assert_state_dicts_equal
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import graphddp
+from graphddp import models
+from graphddp.testing import spawn
+
+STEPS = 7
+INF_STEP = 3  # rank 1's loss is inf here: every rank skips
+MICRO_STEP = 2  # two micro-steps
+RESUME_STEP = 4  # the scalers are saved and loaded before this step
+EXPLICIT_UNSCALE = (1, 3, 5)  # scaler.unscale_(opt) before scaler.step(opt) at these steps
+
+
+class ProbedMLP(nn.Module):
+    """An MLP that also returns its first weight's first element. A loss term ``c * probe`` puts
+    ``c`` into that one element's gradient only: made ``inf`` on one rank, the averaged gradient
+    holds it in one element, which with ``sharding="full"`` lies in rank 0's part alone, so only
+    rank 0's own inf check finds it unless the ranks agree."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = models.MLP(width=32, depth=4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.mlp(x), self.mlp[0].weight[0, 0] * 1.0  # not a view: computed in the graph
+
+
+def _mlp_loss(m: nn.Module, rank: int, step: int, inf: bool) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+    out, probe = m(x)
+    return F.mse_loss(out, y) + (float("inf") if inf else 0.0) * probe
+
+
+def _gpt2_loss(m: nn.Module, rank: int, step: int, inf: bool) -> torch.Tensor:
+    """The whole loss ``inf``: every gradient element of the rank."""
+    return _hf_loss(m, rank, step) * (float("inf") if inf else 1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    make: Callable[[], nn.Module]
+    loss: Callable[[nn.Module, int, int, bool], torch.Tensor]
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer] = _adamw
+    options: dict = dataclasses.field(default_factory=dict)
+    tol: dict = dataclasses.field(default_factory=lambda: TIGHT)
+
+
+CASES = {
+    "replicated_mlp_adamw": Case(ProbedMLP, _mlp_loss),
+    "replicated_mlp_sgd_clip": Case(ProbedMLP, _mlp_loss, _sgd, {"max_grad_norm": 0.05}),
+    "replicated_hf_gpt2": Case(_hf_gpt2, _gpt2_loss, tol=ADAM_NOISE),
+    "sharded_mlp_adamw": Case(ProbedMLP, _mlp_loss, options={"sharding": "optimizer"}),
+    "sharded_mlp_adamw_clip": Case(ProbedMLP, _mlp_loss, options={"sharding": "optimizer", "max_grad_norm": 0.05}),
+    "full_mlp_adamw": Case(ProbedMLP, _mlp_loss, options={"sharding": "full"}),
+    "full_mlp_adamw_clip": Case(ProbedMLP, _mlp_loss, options={"sharding": "full", "max_grad_norm": 0.05}),
+    "full_hf_gpt2": Case(_hf_gpt2, _gpt2_loss, options={"sharding": "full"}, tol=ADAM_NOISE),
+}
+
+
+def _scaler() -> torch.amp.GradScaler:
+    return torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+
+
+def _step(case: Case, model: nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
+          rank: int, step: int, clip: Callable[[], None] | None) -> None:
+    micro = 2 if step == MICRO_STEP else 1
+    for k in range(micro):
+        model.require_backward_grad_sync = k == micro - 1
+        loss = case.loss(model, rank, 10 * step + k, step == INF_STEP and rank == 1)
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+    if scaler is None:
+        if clip is not None:
+            clip()
+        opt.step()
+    else:
+        if step in EXPLICIT_UNSCALE or clip is not None:
+            scaler.unscale_(opt)
+        if clip is not None:
+            clip()
+        scaler.step(opt)
+        scaler.update()
+    opt.zero_grad(set_to_none=True)
+
+
+def _train(rank: int, world: int, name: str) -> None:
+    case = CASES[name]
+    torch.manual_seed(0)
+    base = case.make()
+    mine = copy.deepcopy(base)
+    ref = DDP(copy.deepcopy(base))
+    opt, ref_opt = case.optimizer(mine), case.optimizer(ref.module)
+    ours = graphddp.compile(mine, optimizer=opt, backend="aot_eager", bucket_cap_mb=0.004, **case.options)
+    max_norm = case.options.get("max_grad_norm")
+    ref_clip = (lambda: torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)) if max_norm else None
+    scaler, ref_scaler = _scaler(), _scaler()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(STEPS):
+            scaled = 0 < step < STEPS - 1
+            if step == RESUME_STEP:  # a checkpoint of the scalers, resumed by fresh ones
+                saved, ref_saved = scaler.state_dict(), ref_scaler.state_dict()
+                scaler, ref_scaler = _scaler(), _scaler()
+                scaler.load_state_dict(saved)
+                ref_scaler.load_state_dict(ref_saved)
+            before = ref_scaler.get_scale()
+            _step(case, ours, opt, scaler if scaled else None, rank, step, None)
+            _step(case, ref, ref_opt, ref_scaler if scaled else None, rank, step, ref_clip)
+            what = f"{name} step {step}"
+            if step == INF_STEP:
+                assert scaler.get_scale() == ref_scaler.get_scale() == before / 2, f"{what}: the inf did not halve the scale"
+            assert scaler.state_dict() == ref_scaler.state_dict(), f"{what}: {scaler.state_dict()} vs {ref_scaler.state_dict()}"
+            whole, theirs = ours.state_dict(), ref.module.state_dict()
+            assert whole.keys() == theirs.keys(), what
+            for n, q in theirs.items():
+                torch.testing.assert_close(whole[n], q, **case.tol, msg=lambda m: f"{what} {n}: {m}")
+            assert all(p.grad is None for p in mine.parameters()), f"{what}: a gradient kept"
+            state = graphddp.full_optimizer_state_dict(ours)
+            assert_state_dicts_equal(state, ref_opt.state_dict(), case.tol, what)
+    assert ref_scaler.get_scale() > 2.0**10, "the scale grew past its start after the skipped step"
+    steps = ref_opt.state_dict()["state"][0].get("step")
+    assert steps is None or float(steps) == STEPS - 1, f"{name}: the skipped step was taken ({steps})"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_grad_scaler_around_the_optimizer_inside_matches_ddp(name: str) -> None:
+    spawn(_train, 2, name)
