@@ -25,14 +25,14 @@ counts each case: ``"inside"``, ``"inside, carried"``, or the reason):
   (which autograd may add to ``p.grad`` only after this backward has begun: measured, so not
   carried);
 * ``"other parts"``: Dynamo ran the graph for other modules' parts than it was compiled for
-  (their parent's frame runs eagerly), so the state passed by name would be another part's.
+  (their parent's frame runs eagerly), so the state passed by name would be another part's;
+* ``"scaler"``: an enabled ``GradScaler`` scaled the loss (:mod:`graphddp.optim.scaled_step`):
+  its ``unscale_``, inf check (agreed across ranks) and ``step`` come after the backward.
 
 Not inside the backward at all (every step through ``opt.step()``): optimizer classes other
 than ``torch.optim`` SGD, Adam and AdamW, and ``max_grad_norm`` (the global norm needs every
 gradient before any update). Refused by name, as for the replicated optimizer inside
-(:mod:`graphddp.optim.guards`): ``clip_grad_norm_`` on the parts (``max_grad_norm=`` does it) and
-an enabled ``GradScaler`` (its inf check and skipped step happen after the backward; bfloat16
-needs no loss scaling).
+(:mod:`graphddp.optim.guards`): ``clip_grad_norm_`` on the parts (``max_grad_norm=`` does it).
 """
 from __future__ import annotations
 

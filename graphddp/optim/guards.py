@@ -11,10 +11,11 @@ Background
       parameters with gradients multiplied by the loss scale, and ``scaler.step(opt)`` then
       fails deep in torch (``No inf checks were recorded for this optimizer``).
 
-    Clipping has an in-graph form (``max_grad_norm=``, :mod:`graphddp.optim.clip`); the
-    scaler's unscale, inf check and skipped step would need the same wait for every bucket plus
-    the scaler's own per-optimizer state, which is not built. Both are refused here with an
-    error that says what to do instead.
+    Clipping has an in-graph form (``max_grad_norm=``, :mod:`graphddp.optim.clip`), so it is
+    refused here with an error that says what to do instead. The scaler is honoured: a scaled
+    step leaves its update to ``scaler.step`` (:mod:`graphddp.optim.scaled_step`); the wrappers
+    below are how graphddp learns that a step is scaled, and where it refuses what it cannot
+    honour.
 
 Algorithm
     The first :meth:`AttachedOptimizer.attach` installs, once per process, thin wrappers
@@ -26,20 +27,24 @@ Algorithm
 
     * clipping: is one of the parameters passed held by an attached optimizer (alive: the
       registry is weak)? Then raise, naming ``max_grad_norm=``.
-    * an *enabled* scaler's ``unscale_``/``step``: is the optimizer attached? Then raise. A
-      disabled scaler (nanoGPT's with bf16) passes through: its ``step`` just calls
-      ``opt.step()``, a no-op while attached.
     * an enabled scaler's ``scale(outputs)``: do the outputs come from a forward of a graphddp
       model with an attached optimizer? The compiler tags the autograd node of every such
-      forward (:data:`ATTACHED_NODE`); the wrapper walks the outputs' autograd graph to the first
-      tagged node. Raising there, before ``backward()``, means no parameter is ever updated with
-      scaled gradients. The walk only happens while some optimizer is attached.
+      forward with its attached optimizer (:data:`ATTACHED_NODE`); the wrapper walks the
+      outputs' autograd graph and marks each one it finds as scaled, before ``backward()``,
+      so that no parameter is updated inside the backward with scaled gradients. A fused
+      optimizer is refused there. The walk only happens while some optimizer is attached.
+    * an *enabled* scaler's ``unscale_``/``step`` on an attached optimizer whose step is not
+      marked scaled: raise (the backward updated already). Marked: torch's own, ``step``
+      with the attached ``opt.step()`` made the real step for its duration. On an optimizer
+      over parts (``sharding="full"``, :func:`agree_found_inf`), ``unscale_`` then agrees on the
+      inf flag over the ranks. A disabled scaler (nanoGPT's with bf16) passes through: its
+      ``step`` just calls ``opt.step()``, a no-op while attached.
 
     Why wrappers and not something in the step: the error must come where the user's code
     does the wrong thing, and before the update where possible; nothing graphddp runs sees a
     clip call (it only reads ``p.grad``) or a scaled loss (the scale is a multiplication
     before the backward). The wrappers are installed once and never removed; with no
-    attached optimizer alive each costs one empty-set check.
+    attached optimizer alive (and no optimizer over parts) each costs one empty-set check.
 """
 from __future__ import annotations
 

@@ -73,6 +73,7 @@ class Case:
     optimizer: Callable[[nn.Module], torch.optim.Optimizer] = _adamw
     options: dict = dataclasses.field(default_factory=dict)
     tol: dict = dataclasses.field(default_factory=lambda: TIGHT)
+    backend: str = "aot_eager"
 
 
 CASES = {
@@ -84,6 +85,8 @@ CASES = {
     "full_mlp_adamw": Case(ProbedMLP, _mlp_loss, options={"sharding": "full"}),
     "full_mlp_adamw_clip": Case(ProbedMLP, _mlp_loss, options={"sharding": "full", "max_grad_norm": 0.05}),
     "full_hf_gpt2": Case(_hf_gpt2, _gpt2_loss, options={"sharding": "full"}, tol=ADAM_NOISE),
+    # inductor: the variants without the update compiled by it, clipping after unscale_
+    "sharded_mlp_adamw_clip_inductor": Case(ProbedMLP, _mlp_loss, options={"sharding": "optimizer", "max_grad_norm": 0.05}, backend="inductor"),
 }
 
 
@@ -119,7 +122,7 @@ def _train(rank: int, world: int, name: str) -> None:
     mine = copy.deepcopy(base)
     ref = DDP(copy.deepcopy(base))
     opt, ref_opt = case.optimizer(mine), case.optimizer(ref.module)
-    ours = graphddp.compile(mine, optimizer=opt, backend="aot_eager", bucket_cap_mb=0.004, **case.options)
+    ours = graphddp.compile(mine, optimizer=opt, backend=case.backend, bucket_cap_mb=0.004, **case.options)
     max_norm = case.options.get("max_grad_norm")
     ref_clip = (lambda: torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)) if max_norm else None
     scaler, ref_scaler = _scaler(), _scaler()
