@@ -210,7 +210,10 @@ def _scaler_guards(cls: type) -> None:
     output marks the step as scaled (its backward then leaves every gradient in ``p.grad``),
     ``unscale_`` agrees on the inf flag where the optimizer holds parts, and ``step`` runs the
     attached optimizer's own step from torch's ``optimizer.step()`` call, which torch skips on an
-    inf. A scaler whose ``scale`` was not seen on the attached model's loss is refused."""
+    inf. A scaler whose ``scale`` was not seen on the attached model's loss is refused.
+
+    Wraps the methods ``cls`` defines itself: a subclass that overrides some (FSDP's
+    ``ShardedGradScaler``: ``scale``, ``unscale_``) keeps the base class's wrapper for the rest."""
     scale, unscale_, step = cls.scale, cls.unscale_, cls.step
 
     @functools.wraps(scale)
@@ -260,7 +263,9 @@ def _scaler_guards(cls: type) -> None:
         finally:
             attached.scaler_stepped()
 
-    cls.scale, cls.unscale_, cls.step = guarded_scale, guarded_unscale_, guarded_step
+    for name, guarded in (("scale", guarded_scale), ("unscale_", guarded_unscale_), ("step", guarded_step)):
+        if name in vars(cls):
+            setattr(cls, name, guarded)
 
 
 def _install() -> None:
@@ -273,3 +278,8 @@ def _install() -> None:
             if hasattr(module, name):
                 setattr(module, name, _clip_guard(name, getattr(module, name)))
     _scaler_guards(torch.amp.GradScaler)
+    try:  # FSDP users' scaler, which sharding="full" takes in its place
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    except ImportError:  # a build without torch.distributed.fsdp
+        return
+    _scaler_guards(ShardedGradScaler)

@@ -74,6 +74,7 @@ class Case:
     options: dict = dataclasses.field(default_factory=dict)
     tol: dict = dataclasses.field(default_factory=lambda: TIGHT)
     backend: str = "aot_eager"
+    sharded_scaler: bool = False  # FSDP's ShardedGradScaler on graphddp's side (DDP's: GradScaler)
 
 
 CASES = {
@@ -84,13 +85,19 @@ CASES = {
     "sharded_mlp_adamw_clip": Case(ProbedMLP, _mlp_loss, options={"sharding": "optimizer", "max_grad_norm": 0.05}),
     "full_mlp_adamw": Case(ProbedMLP, _mlp_loss, options={"sharding": "full"}),
     "full_mlp_adamw_clip": Case(ProbedMLP, _mlp_loss, options={"sharding": "full", "max_grad_norm": 0.05}),
+    # An FSDP user's scaler: its own scale and unscale_ (which all-reduces the flag itself), GradScaler's step
+    "full_mlp_adamw_sharded_grad_scaler": Case(ProbedMLP, _mlp_loss, options={"sharding": "full"}, sharded_scaler=True),
     "full_hf_gpt2": Case(_hf_gpt2, _gpt2_loss, options={"sharding": "full"}, tol=ADAM_NOISE),
     # inductor: the variants without the update compiled by it, clipping after unscale_
     "sharded_mlp_adamw_clip_inductor": Case(ProbedMLP, _mlp_loss, options={"sharding": "optimizer", "max_grad_norm": 0.05}, backend="inductor"),
 }
 
 
-def _scaler() -> torch.amp.GradScaler:
+def _scaler(sharded: bool = False) -> torch.amp.GradScaler:
+    if sharded:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler("cpu", init_scale=2.0**10, growth_interval=2)
     return torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
 
 
@@ -125,14 +132,14 @@ def _train(rank: int, world: int, name: str) -> None:
     ours = graphddp.compile(mine, optimizer=opt, backend=case.backend, bucket_cap_mb=0.004, **case.options)
     max_norm = case.options.get("max_grad_norm")
     ref_clip = (lambda: torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)) if max_norm else None
-    scaler, ref_scaler = _scaler(), _scaler()
+    scaler, ref_scaler = _scaler(case.sharded_scaler), _scaler()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for step in range(STEPS):
             scaled = 0 < step < STEPS - 1
             if step == RESUME_STEP:  # a checkpoint of the scalers, resumed by fresh ones
                 saved, ref_saved = scaler.state_dict(), ref_scaler.state_dict()
-                scaler, ref_scaler = _scaler(), _scaler()
+                scaler, ref_scaler = _scaler(case.sharded_scaler), _scaler()
                 scaler.load_state_dict(saved)
                 ref_scaler.load_state_dict(ref_saved)
             before = ref_scaler.get_scale()
