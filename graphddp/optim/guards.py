@@ -26,7 +26,9 @@ Algorithm
     otherwise calls torch's function unchanged:
 
     * clipping: is one of the parameters passed held by an attached optimizer (alive: the
-      registry is weak)? Then raise, naming ``max_grad_norm=``.
+      registry is weak)? Then raise, naming ``max_grad_norm=``; unless its step is scaled, whose
+      averaged gradients wait in ``p.grad`` for ``scaler.step`` (DDP's ``unscale_``, clip,
+      ``step`` then clips them as DDP does).
     * an enabled scaler's ``scale(outputs)``: do the outputs come from a forward of a graphddp
       model with an attached optimizer? The compiler tags the autograd node of every such
       forward with its attached optimizer (:data:`ATTACHED_NODE`); the wrapper walks the
@@ -127,7 +129,7 @@ def _clip_guard(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
                     "global norm is then clipped before opt.step()"
                 )
             owner = _owner_of(params)
-            if owner is not None:
+            if owner is not None and not owner.scaled:  # scaled: the averaged gradients wait in p.grad for scaler.step
                 instead = (
                     f"pass max_grad_norm={args[0] if args else kwargs.get('max_norm', '...')!r} to graphddp.compile "
                     "(or graphddp.backend) and drop this call: graphddp then clips the averaged gradients by their "

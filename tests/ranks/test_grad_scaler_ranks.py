@@ -77,6 +77,7 @@ class Case:
     sharded_scaler: bool = False  # FSDP's ShardedGradScaler on graphddp's side (DDP's: GradScaler)
     form: str = "compile"  # or "backend": torch.compile(model, backend=graphddp.backend(model, ...))
     scheduler: bool = False  # a StepLR made after graphddp attached the optimizer, stepped after each step
+    user_clip: float | None = None  # both sides call clip_grad_norm_ after unscale_ (on the scaled steps)
 
 
 CASES = {
@@ -86,6 +87,9 @@ CASES = {
     "replicated_mlp_sgd_backend_form_scheduler": Case(ProbedMLP, _mlp_loss, _sgd, form="backend", scheduler=True),
     "sharded_mlp_sgd_gather_forward": Case(ProbedMLP, _mlp_loss, _sgd, {"sharding": "optimizer", "gather": "forward"}),
     "replicated_hf_gpt2": Case(_hf_gpt2, _gpt2_loss, tol=ADAM_NOISE),
+    # DDP's loop as written: unscale_, clip_grad_norm_, step, on the gradients the scaled step left in p.grad
+    "replicated_mlp_sgd_user_clip": Case(ProbedMLP, _mlp_loss, _sgd, user_clip=0.05),
+    "sharded_mlp_adamw_user_clip": Case(ProbedMLP, _mlp_loss, options={"sharding": "optimizer"}, user_clip=0.05),
     "sharded_mlp_adamw": Case(ProbedMLP, _mlp_loss, options={"sharding": "optimizer"}),
     "sharded_mlp_adamw_clip": Case(ProbedMLP, _mlp_loss, options={"sharding": "optimizer", "max_grad_norm": 0.05}),
     "full_mlp_adamw": Case(ProbedMLP, _mlp_loss, options={"sharding": "full"}),
@@ -117,7 +121,7 @@ def _step(case: Case, model: nn.Module, opt: torch.optim.Optimizer, scaler: torc
         loss = case.loss(model, rank, 10 * step + k, step == INF_STEP and rank == 1)
         (scaler.scale(loss) if scaler is not None else loss).backward()
     if scaler is None:
-        if clip is not None:
+        if clip is not None and not case.user_clip:  # clipping p.grad is refused where the update runs inside
             clip()
         opt.step()
     else:
@@ -144,8 +148,10 @@ def _train(rank: int, world: int, name: str) -> None:
     else:
         ours = view = graphddp.compile(mine, **options)
     schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.7) for o in (opt, ref_opt)] if case.scheduler else []
-    max_norm = case.options.get("max_grad_norm")
-    ref_clip = (lambda: torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)) if max_norm else None
+    max_norm = case.options.get("max_grad_norm") or case.user_clip
+    norms: list[float] = []
+    ref_clip = (lambda: norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)))) if max_norm else None
+    our_clip = (lambda: torch.nn.utils.clip_grad_norm_(ours.parameters(), case.user_clip)) if case.user_clip else None
     scaler, ref_scaler = _scaler(case.sharded_scaler), _scaler()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -157,7 +163,7 @@ def _train(rank: int, world: int, name: str) -> None:
                 scaler.load_state_dict(saved)
                 ref_scaler.load_state_dict(ref_saved)
             before = ref_scaler.get_scale()
-            _step(case, ours, opt, scaler if scaled else None, rank, step, None, view)
+            _step(case, ours, opt, scaler if scaled else None, rank, step, our_clip, view)
             _step(case, ref, ref_opt, ref_scaler if scaled else None, rank, step, ref_clip, ref)
             for scheduler in schedulers:
                 scheduler.step()
@@ -172,6 +178,7 @@ def _train(rank: int, world: int, name: str) -> None:
             assert all(p.grad is None for p in mine.parameters()), f"{what}: a gradient kept"
             state = graphddp.full_optimizer_state_dict(view) if case.form == "compile" else opt.state_dict()
             assert_state_dicts_equal(state, ref_opt.state_dict(), case.tol, what)
+    assert not max_norm or any(max_norm < n < float("inf") for n in norms), f"{name}: DDP's norms {norms}: nothing clipped"
     assert ref_scaler.get_scale() > 2.0**10, "the scale grew past its start after the skipped step"
     steps = ref_opt.state_dict()["state"][0].get("step")
     assert steps is None or float(steps) == STEPS - 1, f"{name}: the skipped step was taken ({steps})"
