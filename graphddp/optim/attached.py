@@ -290,7 +290,7 @@ class AttachedOptimizer(LossScaled):
         optimizer.step = step
         self.owns_step = True
         self.optimizer.zero_grad = types.MethodType(attached_zero_grad, self.optimizer)
-        guards.watch(self)  # clipping p.grad or an enabled GradScaler on it is now an error
+        guards.watch(self)  # clipping p.grad is now an error; an enabled GradScaler's scale(loss) marks the step
 
     def __str__(self) -> str:
         return ", ".join(sorted({str(r) for r in self.rules}))

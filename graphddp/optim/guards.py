@@ -228,7 +228,9 @@ def _scaler_guards(cls: type) -> None:
                 attached.loss_scaled()
         return scale(self, outputs)
 
-    def unscaled_step(what: str, optimizer: Any) -> Any:
+    def scaled_owner(what: str, optimizer: Any) -> Any:
+        """``optimizer``'s attached optimizer (None: not attached), refused where its step is
+        not scaled; a fused optimizer over parts is refused too."""
         attached = next((a for a in _ATTACHED if a.optimizer is optimizer), None)
         if attached is not None and not attached.scaled:
             raise _scaler_refusal(
@@ -246,7 +248,7 @@ def _scaler_guards(cls: type) -> None:
     def guarded_unscale_(self: Any, optimizer: Any) -> None:
         if not self._enabled or not (_ATTACHED or _AGREE):
             return unscale_(self, optimizer)
-        unscaled_step("unscale_(optimizer)", optimizer)
+        scaled_owner("unscale_(optimizer)", optimizer)
         unscale_(self, optimizer)
         group = _AGREE.get(optimizer)
         if group is not None:
@@ -256,7 +258,7 @@ def _scaler_guards(cls: type) -> None:
     def guarded_step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         if not self._enabled or not (_ATTACHED or _AGREE):
             return step(self, optimizer, *args, **kwargs)
-        attached = unscaled_step("step(optimizer)", optimizer)
+        attached = scaled_owner("step(optimizer)", optimizer)
         if attached is None:
             return step(self, optimizer, *args, **kwargs)
         try:
