@@ -30,9 +30,12 @@ Algorithm
       (:func:`attached_step`): ``max_grad_norm``'s clip, on the unscaled gradients, then
       torch's step (each rank's part and an all-gather with ``sharding="optimizer"``).
       ``sharding="full"`` keeps torch's ``opt.step()``, with its clip as a step pre-hook.
+    * Between the backward and ``scaler.step`` the gradients are the user's, as with DDP:
+      ``clip_grad_norm_`` after ``unscale_`` is not refused (but on ``sharding="full"``'s parts).
     * After ``scaler.step``, stepped or skipped, the step is over: no gradient is kept (the
-      attached ``zero_grad`` is a no-op), the next backward updates inside again unless its loss
-      is scaled too. The scale, its growth tracker and ``state_dict()`` are the scaler's own.
+      attached ``zero_grad`` is a no-op; ``sharding="full"``: torch's, the user's to call), the
+      next backward updates inside again unless its loss is scaled too. The scale, its growth
+      tracker and ``state_dict()`` are the scaler's own; FSDP's ``ShardedGradScaler`` works alike.
 
     The price: a scaled step's update is not overlapped with the backward, and with
     ``sharding="optimizer"`` its gradients are all-reduced whole instead of reduce-scattered.
