@@ -78,6 +78,7 @@ class Case:
     form: str = "compile"  # or "backend": torch.compile(model, backend=graphddp.backend(model, ...))
     scheduler: bool = False  # a StepLR made after graphddp attached the optimizer, stepped after each step
     user_clip: float | None = None  # both sides call clip_grad_norm_ after unscale_ (on the scaled steps)
+    world: int = 2
 
 
 CASES = {
@@ -93,6 +94,7 @@ CASES = {
     "sharded_mlp_adamw": Case(ProbedMLP, _mlp_loss, options={"sharding": "optimizer"}),
     "sharded_mlp_adamw_clip": Case(ProbedMLP, _mlp_loss, options={"sharding": "optimizer", "max_grad_norm": 0.05}),
     "full_mlp_adamw": Case(ProbedMLP, _mlp_loss, options={"sharding": "full"}),
+    "full_mlp_adamw_3_ranks": Case(ProbedMLP, _mlp_loss, options={"sharding": "full"}, world=3),
     "full_mlp_adamw_clip": Case(ProbedMLP, _mlp_loss, options={"sharding": "full", "max_grad_norm": 0.05}),
     # An FSDP user's scaler: its own scale and unscale_ (which all-reduces the flag itself), GradScaler's step
     "full_mlp_adamw_sharded_grad_scaler": Case(ProbedMLP, _mlp_loss, options={"sharding": "full"}, sharded_scaler=True),
@@ -186,4 +188,4 @@ def _train(rank: int, world: int, name: str) -> None:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_grad_scaler_around_the_optimizer_inside_matches_ddp(name: str) -> None:
-    spawn(_train, 2, name)
+    spawn(_train, CASES[name].world, name)
