@@ -129,8 +129,8 @@ class _Graph:
             out = fn(*args)
             if updates is not None or noting:
                 node = compiled_backward_node(out if isinstance(out, (list, tuple)) else [out], inputs)
-                if node is not None and updates is not None:
-                    node.metadata[ATTACHED_NODE] = True
+                if node is not None and updates is not None:  # an enabled GradScaler.scale of it marks the step (graphddp.optim.guards)
+                    node.metadata[ATTACHED_NODE] = updates.attached
                 if node is not None and noting:
                     node.register_prehook(self.none_outputs.note)
             return out

@@ -29,13 +29,13 @@ counts each case: ``"inside"``, ``"inside, carried"``, or the reason):
 * ``"unused"``: no rank used one of its parts this step (an output the loss left out): that
   part's gradient is returned as None and ``opt.step()`` skips it, as it skips a parameter DDP
   leaves without one (:mod:`graphddp.runtime.usage`).
+* ``"scaler"``: an enabled ``GradScaler`` scaled the loss (:mod:`graphddp.optim.scaled_step`):
+  its ``unscale_``, inf check (agreed across ranks) and ``step`` come after the backward.
 
 Not inside the backward at all (every step through ``opt.step()``): optimizer classes other
 than ``torch.optim`` SGD, Adam and AdamW, and ``max_grad_norm`` (the global norm needs every
 gradient before any update). Refused by name, as for the replicated optimizer inside
-(:mod:`graphddp.optim.guards`): ``clip_grad_norm_`` on the parts (``max_grad_norm=`` does it) and
-an enabled ``GradScaler`` (its inf check and skipped step happen after the backward; bfloat16
-needs no loss scaling).
+(:mod:`graphddp.optim.guards`): ``clip_grad_norm_`` on the parts (``max_grad_norm=`` does it).
 """
 from __future__ import annotations
 
@@ -101,7 +101,8 @@ class PartUpdates:
             return None
         updates = PartUpdates(attached, syncing, verify)
         optimizer.register_step_post_hook(lambda *_: updates.step_done())
-        guards.watch(attached)  # clipping the parts' p.grad, or an enabled GradScaler, is refused by name
+        attached.after_scaler_step = (updates.step_done,)  # a step GradScaler skipped ends the step too
+        guards.watch(attached)  # clipping the parts' p.grad is refused by name; an enabled GradScaler marks the step
         return updates
 
     def step_done(self) -> None:
@@ -207,6 +208,8 @@ class PartUpdates:
     def _why_not(self, index: int, names: Sequence[str]) -> str | None:
         """None when the update inside is the whole step for ``names``, else the reason."""
         mine = set(names)
+        if self.attached.scaled:
+            return "scaler"
         if self.local[index]:
             return "no_sync"
         if self.pending[index] != 1:

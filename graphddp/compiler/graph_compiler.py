@@ -186,8 +186,8 @@ class GraphCompiler(InGraphUpdates, HookRuntime):
             unused_possible = dispatch is None or dispatch.usage.may_be_unused
             if torch.is_grad_enabled() and (step.track_runs or not syncing or unused_possible or renamed or step.carrying):  # a walk: only if read
                 node = compiled_backward_node(out if isinstance(out, (list, tuple)) else [out], inputs)
-            if node is not None and tag_attached:  # an enabled GradScaler.scale of it is refused (optim.guards)
-                node.metadata[ATTACHED_NODE] = True
+            if node is not None and tag_attached:  # an enabled GradScaler.scale of it marks the step (optim.guards)
+                node.metadata[ATTACHED_NODE] = self.optimizer
             if node is not None and unused_possible:
                 node.register_prehook(state.none_outputs.note)
             if node is not None and renamed:

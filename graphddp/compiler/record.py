@@ -37,7 +37,8 @@ class GraphRecord:
     phases: dict[str, "GraphRecord"] = dataclasses.field(default_factory=dict)
     # With an optimizer: parameters whose update torch's step took over after the backward, by
     # reason ("shared": another graph of the step reads them; "unused": no rank used them; "ran twice": two forwards before
-    # one backward; "accumulated": gradients from no_sync), as of the last step it happened.
+    # one backward; "accumulated": gradients from no_sync; "scaler": an enabled GradScaler's step takes it), as of the
+    # last step it happened.
     fallbacks: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     # The carrying variant (the step after no_sync: accumulated gradients averaged with the new
     # ones in the same buckets), where the graph has one.

@@ -67,7 +67,8 @@ class InGraphUpdates:
             """The graph's update is the whole step for its parameters: its backward runs once
             in this step, no other graph of this step reads one of them (tied across a graph
             break), every one was used on some rank (torch.optim skips a None gradient), and
-            none holds a gradient already (accumulated under no_sync). With max_grad_norm, also:
+            none holds a gradient already (accumulated under no_sync), and an enabled GradScaler did not
+            scale the loss (graphddp.optim.scaled_step). With max_grad_norm, also:
             no other graph runs in this step (the global norm would span graphs) and no
             parameter of the graph holds a gradient. Otherwise torch's step (after torch's
             clip_grad_norm_) runs for them after the backward; the first time, a warning says why."""
@@ -75,7 +76,9 @@ class InGraphUpdates:
             shared = self.step.shared_this_step(graph_index, names)
             others = [g for g in self.step.others_this_step(graph_index) if self._has_gradients(g)] if clip else []
             held = tuple(n for n in graded if n in tensors and tensors[n].grad is not None)
-            if unused & set(names):
+            if optimizer.scaled:  # an enabled GradScaler unscales, checks and steps after the backward
+                record.fallbacks["scaler"] = names
+            elif unused & set(names):
                 self._fallback(record, graph_index, "unused", sorted(unused & set(names)), "no rank used them in this step")
             elif runs > 1:
                 self._fallback(record, graph_index, "ran twice", names, f"the graph's forward ran {runs} times before one backward")

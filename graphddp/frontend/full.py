@@ -460,4 +460,5 @@ def compile_fully_sharded(module: nn.Module, group: Any, config: DDPConfig, opti
     repoint_optimizer(optimizer, parts, dist.get_world_size(group), dist.get_rank(group))
     if config.max_grad_norm is not None:
         clip.clip_parts_before_step(optimizer, config.max_grad_norm, config.grad_norm_type, group)
+    guards.agree_found_inf(optimizer, group)  # parts: one rank's inf must skip every rank's step
     return FullyShardedGraphDDP(module, group, config, optimizer, parts)

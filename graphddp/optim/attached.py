@@ -41,8 +41,8 @@ Algorithm
       step's only one, else by torch's ``clip_grad_norm_`` before torch's step.
 
 Not supported: other optimizer classes, ``differentiable=True``, complex parameters,
-an enabled ``GradScaler`` (it unscales and skips steps outside the graph), clipping ``p.grad``
-in the loop (both refused by name, :mod:`graphddp.optim.guards`).
+clipping ``p.grad`` in the loop (refused by name, :mod:`graphddp.optim.guards`). A step whose
+loss an enabled ``GradScaler`` scaled leaves its update to ``scaler.step`` (:mod:`graphddp.optim.scaled_step`).
 """
 from __future__ import annotations
 
@@ -55,6 +55,7 @@ import torch.nn as nn
 
 from graphddp.graph.trace import role
 from graphddp.optim import guards
+from graphddp.optim.scaled_step import LossScaled, attached_step, attached_zero_grad
 
 SUPPORTED = ("SGD", "Adam", "AdamW")
 F64 = torch.float64
@@ -234,20 +235,6 @@ def bucket_update_fn(
 # -- the runtime side -------------------------------------------------------------------------
 
 
-def _attached_step(self: torch.optim.Optimizer, closure: Any = None) -> None:
-    """``optimizer.step`` while graphddp updates the parameters inside the backward: a no-op."""
-    if closure is not None:
-        raise RuntimeError(
-            "graphddp: optimizer.step(closure) is not supported while the optimizer is attached "
-            "(graphddp.compile(..., optimizer=)): the backward already updates the parameters"
-        )
-
-
-def _attached_zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:  # noqa: ARG001 - its signature
-    """``optimizer.zero_grad`` while attached: a no-op (gradients are already None after a
-    synchronising backward, and ``no_sync`` accumulation must survive until it)."""
-
-
 @dataclasses.dataclass
 class UpdateArgs:
     """The extra graph inputs of one backward graph's update, built fresh at every step."""
@@ -256,7 +243,7 @@ class UpdateArgs:
     fresh_buffers: dict[str, torch.Tensor]  # SGD momentum buffers started by this step
 
 
-class AttachedOptimizer:
+class AttachedOptimizer(LossScaled):
     """A ``torch.optim`` optimizer whose steps graphddp runs (module docstring)."""
 
     def __init__(self, optimizer: Any, module: nn.Module, where: str, max_grad_norm: float | None = None, grad_norm_type: float = 2.0) -> None:
@@ -292,17 +279,18 @@ class AttachedOptimizer:
         Bound methods, because LR schedulers wrap ``optimizer.step`` through its ``__func__``.
         """
         optimizer = self.optimizer
-        step: Any = types.MethodType(_attached_step, optimizer)
+        step: Any = types.MethodType(attached_step, optimizer)
         if hasattr(optimizer.step, "_wrapped_by_lr_sched"):  # a scheduler came first: keep its mark
 
             def step(*args: Any, **kwargs: Any) -> None:
                 optimizer._opt_called = True  # what the scheduler's wrapper records
-                _attached_step(optimizer, *args, **kwargs)
+                attached_step(optimizer, *args, **kwargs)
 
             step._wrapped_by_lr_sched = True
         optimizer.step = step
-        self.optimizer.zero_grad = types.MethodType(_attached_zero_grad, self.optimizer)
-        guards.watch(self)  # clipping p.grad or an enabled GradScaler on it is now an error
+        self.owns_step = True
+        self.optimizer.zero_grad = types.MethodType(attached_zero_grad, self.optimizer)
+        guards.watch(self)  # clipping p.grad is now an error; an enabled GradScaler's scale(loss) marks the step
 
     def __str__(self) -> str:
         return ", ".join(sorted({str(r) for r in self.rules}))
@@ -376,7 +364,10 @@ class AttachedOptimizer:
         then no gradient is kept (``sharding="optimizer"``: each rank's part, then an all-gather).
         With ``max_grad_norm``, torch's ``clip_grad_norm_`` over every parameter of the module
         first: a step whose graphs left anything to torch left everything (the norm spans all of
-        them; :mod:`graphddp.compiler.updates`), and what they left is whole: all-reduced."""
+        them; :mod:`graphddp.compiler.updates`), and what they left is whole: all-reduced.
+        A scaled step's gradients wait for ``GradScaler.step`` (:mod:`graphddp.optim.scaled_step`)."""
+        if self.scaled:
+            return
         if any(p.grad is not None for p in self.params.values()):
             if self.max_grad_norm is not None:  # every gradient is whole here, sharded or not
                 guards.clip_grad_norm_(self.module_params, self.max_grad_norm, norm_type=self.grad_norm_type)

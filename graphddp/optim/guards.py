@@ -11,10 +11,11 @@ Background
       parameters with gradients multiplied by the loss scale, and ``scaler.step(opt)`` then
       fails deep in torch (``No inf checks were recorded for this optimizer``).
 
-    Clipping has an in-graph form (``max_grad_norm=``, :mod:`graphddp.optim.clip`); the
-    scaler's unscale, inf check and skipped step would need the same wait for every bucket plus
-    the scaler's own per-optimizer state, which is not built. Both are refused here with an
-    error that says what to do instead.
+    Clipping has an in-graph form (``max_grad_norm=``, :mod:`graphddp.optim.clip`), so it is
+    refused here with an error that says what to do instead. The scaler is honoured: a scaled
+    step leaves its update to ``scaler.step`` (:mod:`graphddp.optim.scaled_step`); the wrappers
+    below are how graphddp learns that a step is scaled, and where it refuses what it cannot
+    honour.
 
 Algorithm
     The first :meth:`AttachedOptimizer.attach` installs, once per process, thin wrappers
@@ -25,21 +26,27 @@ Algorithm
     otherwise calls torch's function unchanged:
 
     * clipping: is one of the parameters passed held by an attached optimizer (alive: the
-      registry is weak)? Then raise, naming ``max_grad_norm=``.
-    * an *enabled* scaler's ``unscale_``/``step``: is the optimizer attached? Then raise. A
-      disabled scaler (nanoGPT's with bf16) passes through: its ``step`` just calls
-      ``opt.step()``, a no-op while attached.
+      registry is weak)? Then raise, naming ``max_grad_norm=``; unless its step is scaled, whose
+      averaged gradients wait in ``p.grad`` for ``scaler.step`` (DDP's ``unscale_``, clip,
+      ``step`` then clips them as DDP does).
     * an enabled scaler's ``scale(outputs)``: do the outputs come from a forward of a graphddp
       model with an attached optimizer? The compiler tags the autograd node of every such
-      forward (:data:`ATTACHED_NODE`); the wrapper walks the outputs' autograd graph to the first
-      tagged node. Raising there, before ``backward()``, means no parameter is ever updated with
-      scaled gradients. The walk only happens while some optimizer is attached.
+      forward with its attached optimizer (:data:`ATTACHED_NODE`); the wrapper walks the
+      outputs' autograd graph and marks each one it finds as scaled, before ``backward()``,
+      so that no parameter is updated inside the backward with scaled gradients. A fused
+      optimizer is refused there. The walk only happens while some optimizer is attached.
+    * an *enabled* scaler's ``unscale_``/``step`` on an attached optimizer whose step is not
+      marked scaled: raise (the backward updated already). Marked: torch's own, ``step``
+      with the attached ``opt.step()`` made the real step for its duration. On an optimizer
+      over parts (``sharding="full"``, :func:`agree_found_inf`), ``unscale_`` then agrees on the
+      inf flag over the ranks. A disabled scaler (nanoGPT's with bf16) passes through: its
+      ``step`` just calls ``opt.step()``, a no-op while attached.
 
     Why wrappers and not something in the step: the error must come where the user's code
     does the wrong thing, and before the update where possible; nothing graphddp runs sees a
     clip call (it only reads ``p.grad``) or a scaled loss (the scale is a multiplication
     before the backward). The wrappers are installed once and never removed; with no
-    attached optimizer alive each costs one empty-set check.
+    attached optimizer alive (and no optimizer over parts) each costs one empty-set check.
 """
 from __future__ import annotations
 
@@ -49,6 +56,7 @@ import weakref
 from typing import Any, Callable, Iterable
 
 import torch
+import torch.distributed as dist
 import torch.nn.utils as nn_utils
 import torch.nn.utils.clip_grad as clip_grad
 from torch.utils._pytree import tree_leaves
@@ -61,6 +69,9 @@ ATTACHED_NODE = "graphddp_attached_optimizer"
 clip_grad_norm_ = clip_grad.clip_grad_norm_
 
 _ATTACHED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # live AttachedOptimizer objects
+# Optimizers over parts of the gradients (sharding="full"), and the group whose ranks must agree on
+# an enabled GradScaler's inf flag.
+_AGREE: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 _installed = False
 # The attribute sharding="full" sets on the whole parameters model.parameters() gathers: copies
 # for reading, with no gradient, so clipping them would clip nothing.
@@ -140,7 +151,7 @@ def _clip_guard(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
                     f"would clip by another number. {_clipping_instead(part if part is not True else None, args, kwargs)}"
                 )
             owner = _owner_of(params)
-            if owner is not None:
+            if owner is not None and not owner.scaled:  # scaled: the averaged gradients wait in p.grad for scaler.step
                 clipping = None if owner.max_grad_norm is None else (owner.max_grad_norm, owner.grad_norm_type)
                 instead = (
                     _clipping_instead(clipping, args, kwargs)
@@ -159,54 +170,127 @@ def _clip_guard(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     return guarded
 
 
-def _scaler_refusal(what: str) -> RuntimeError:
+def _scaler_refusal(what: str, why: str) -> RuntimeError:
     return RuntimeError(
-        f"graphddp: torch.amp.GradScaler.{what} with an optimizer attached by graphddp.compile(..., optimizer=): "
-        "that optimizer updates the parameters inside the backward, so they would be updated with scaled gradients "
-        "and no inf check; GradScaler is not supported there. Compile without optimizer= to use an enabled GradScaler "
-        "(step it as usual after the backward; sharding='full' needs optimizer=, and updates inside unless "
-        "max_grad_norm= is given), or train in bfloat16 (no loss scaling needed; a GradScaler with "
-        "enabled=False keeps working)"
+        f"graphddp: torch.amp.GradScaler.{what} with an optimizer attached by graphddp.compile(..., optimizer=): {why}"
     )
 
 
-def _reaches_attached(outputs: Any) -> bool:
-    """Does any tensor of ``outputs`` depend on a forward of a model with an attached optimizer?"""
+def _attached_reached(outputs: Any) -> list[Any]:
+    """The attached optimizers whose models' forwards the tensors of ``outputs`` depend on."""
     todo = [t.grad_fn for t in tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     seen: set[Any] = set()
+    found: list[Any] = []
     while todo:
         node = todo.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        if ATTACHED_NODE in node.metadata:
-            return True
+        attached = node.metadata.get(ATTACHED_NODE)
+        if attached is not None and all(a is not attached for a in found):
+            found.append(attached)
         todo.extend(n for n, _ in node.next_functions)
-    return False
+    return found
+
+
+def _refuse_fused(optimizer: Any, what: str) -> None:
+    """A fused optimizer takes the scale and the inf flag into its own kernel
+    (``_step_supports_amp_scaling``): torch's step then reads neither ``unscale_`` nor the flag
+    the ranks agreed on, so the skip could differ between ranks."""
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        raise _scaler_refusal(
+            what,
+            f"{type(optimizer).__name__}(fused=True) unscales and checks for inf inside its own kernel, where graphddp "
+            "cannot make every rank skip the step together; build the optimizer with fused=False",
+        )
+
+
+def agree_found_inf(optimizer: Any, group: Any) -> None:
+    """From now on an enabled GradScaler's ``unscale_(optimizer)`` agrees on the inf flag over
+    ``group``: ``optimizer`` holds this rank's parts of the gradients only (``sharding="full"``),
+    so one rank may see an inf the others do not; every rank must skip that step (FSDP's
+    ``ShardedGradScaler`` does the same all-reduce)."""
+    _AGREE[optimizer] = group
+    _install()
+
+
+def _agree(scaler: Any, optimizer: Any, group: Any) -> None:
+    """The maximum over ``group`` of this rank's inf flags, written back into every one of them
+    (one entry on the scale's device where this rank held no gradient to check)."""
+    found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+    total = torch.zeros((), dtype=torch.float32, device=scaler._scale.device)
+    for flag in found.values():
+        total = torch.maximum(total, flag.to(total.device))
+    dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+    for flag in found.values():
+        flag.copy_(total)
+    if not found:
+        found[total.device] = total
 
 
 def _scaler_guards(cls: type) -> None:
+    """An enabled scaler around an attached optimizer: ``scale(loss)`` of an attached model's
+    output marks the step as scaled (its backward then leaves every gradient in ``p.grad``),
+    ``unscale_`` agrees on the inf flag where the optimizer holds parts, and ``step`` runs the
+    attached optimizer's own step from torch's ``optimizer.step()`` call, which torch skips on an
+    inf. A scaler whose ``scale`` was not seen on the attached model's loss is refused.
+
+    Wraps the methods ``cls`` defines itself: a subclass that overrides some (FSDP's
+    ``ShardedGradScaler``: ``scale``, ``unscale_``) keeps the base class's wrapper for the rest."""
     scale, unscale_, step = cls.scale, cls.unscale_, cls.step
 
     @functools.wraps(scale)
     def guarded_scale(self: Any, outputs: Any) -> Any:
-        if _ATTACHED and self._enabled and _reaches_attached(outputs):
-            raise _scaler_refusal("scale(loss)")
+        if _ATTACHED and self._enabled:
+            reached = _attached_reached(outputs)
+            for attached in reached:
+                _refuse_fused(attached.optimizer, "scale(loss)")
+            for attached in reached:
+                attached.loss_scaled()
         return scale(self, outputs)
+
+    def scaled_owner(what: str, optimizer: Any) -> Any:
+        """``optimizer``'s attached optimizer (None: not attached), refused where its step is
+        not scaled; a fused optimizer over parts is refused too."""
+        attached = next((a for a in _ATTACHED if a.optimizer is optimizer), None)
+        if attached is not None and not attached.scaled:
+            raise _scaler_refusal(
+                what,
+                "this scaler's scale(loss) was not seen on a loss of that model since its last step, so its gradients "
+                "are not scaled and graphddp already updated the parameters inside the backward. Scale the loss of this "
+                "model with the same scaler (scaler.scale(loss).backward()) before unscale_/step, or train in bfloat16 "
+                "(no loss scaling; a GradScaler with enabled=False keeps working)",
+            )
+        if optimizer in _AGREE:
+            _refuse_fused(optimizer, what)
+        return attached
 
     @functools.wraps(unscale_)
     def guarded_unscale_(self: Any, optimizer: Any) -> None:
-        if _ATTACHED and self._enabled and any(a.optimizer is optimizer for a in _ATTACHED):
-            raise _scaler_refusal("unscale_(optimizer)")
-        return unscale_(self, optimizer)
+        if not self._enabled or not (_ATTACHED or _AGREE):
+            return unscale_(self, optimizer)
+        scaled_owner("unscale_(optimizer)", optimizer)
+        unscale_(self, optimizer)
+        group = _AGREE.get(optimizer)
+        if group is not None:
+            _agree(self, optimizer, group)
 
     @functools.wraps(step)
     def guarded_step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        if _ATTACHED and self._enabled and any(a.optimizer is optimizer for a in _ATTACHED):
-            raise _scaler_refusal("step(optimizer)")
-        return step(self, optimizer, *args, **kwargs)
+        if not self._enabled or not (_ATTACHED or _AGREE):
+            return step(self, optimizer, *args, **kwargs)
+        attached = scaled_owner("step(optimizer)", optimizer)
+        if attached is None:
+            return step(self, optimizer, *args, **kwargs)
+        try:
+            with attached.stepping_for_scaler():
+                return step(self, optimizer, *args, **kwargs)
+        finally:
+            attached.scaler_stepped()
 
-    cls.scale, cls.unscale_, cls.step = guarded_scale, guarded_unscale_, guarded_step
+    for name, guarded in (("scale", guarded_scale), ("unscale_", guarded_unscale_), ("step", guarded_step)):
+        if name in vars(cls):
+            setattr(cls, name, guarded)
 
 
 def _install() -> None:
@@ -219,3 +303,8 @@ def _install() -> None:
             if hasattr(module, name):
                 setattr(module, name, _clip_guard(name, getattr(module, name)))
     _scaler_guards(torch.amp.GradScaler)
+    try:  # FSDP users' scaler, which sharding="full" takes in its place
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    except ImportError:  # a build without torch.distributed.fsdp
+        return
+    _scaler_guards(ShardedGradScaler)

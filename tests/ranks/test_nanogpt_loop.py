@@ -30,7 +30,7 @@ def _loop(rank: int, world: int, argv: list[str], out: str) -> None:
     trainers = nanogpt_loop.run(nanogpt_loop.parse_args(argv))
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({n: {"losses": t.losses, "eval": t.eval_losses, "iter": t.iter_num,
+            json.dump({n: {"losses": t.losses, "eval": t.eval_losses, "iter": t.iter_num, "scale": t.scaler.get_scale(),
                            "fallbacks": [dict(r.fallbacks) for r in getattr(t.model, "records", [])]} for n, t in trainers.items()}, f)
 
 
@@ -122,3 +122,21 @@ def test_the_loop_fully_sharded_trains_like_ddp_and_resumes(tmp_path):
     _run(tmp_path, "first", "--max-iters", "5", "--checkpoint-dir", str(ckpt), *full)
     rest = _run(tmp_path, "rest", "--max-iters", "8", "--checkpoint-dir", str(ckpt), *full)
     _same(rest["graphddp"]["losses"], whole["graphddp"]["losses"][4:], "sharding='full', resumed at iteration 4")
+
+
+@pytest.mark.parametrize("sharding", ["none", "optimizer", "full"])
+def test_the_float16_loop_with_the_optimizer_inside_steps_through_the_grad_scaler_like_ddp(tmp_path, sharding):
+    """``--dtype float16``: an enabled GradScaler (``scaler.scale(loss).backward()`` per
+    micro-step, ``scaler.step``, ``scaler.update``) with the optimizer inside, replicated or
+    sharded, clipping by ``max_grad_norm`` at a clip that bites: every scaled step leaves its
+    update to ``scaler.step``, which unscales, clips and steps (graphddp.optim.scaled_step); loss
+    for loss against DDP + clip_grad_norm_ + the same scaler, and the same scale at the end. No
+    step overflows here: skipped steps are test_grad_scaler_ranks.py's."""
+    argv = ("--max-iters", "8", "--eval-interval", "4", "--dtype", "float16", "--grad-clip", CLIP)
+    where = ("--optimizer-inside",) if sharding == "none" else ("--sharding", sharding)
+    got = _run(tmp_path, f"fp16_{sharding}", *argv, *where)
+    _same(got["graphddp"]["losses"], got["ddp"]["losses"], f"float16, sharding {sharding}, training losses")
+    _same(got["graphddp"]["eval"], got["ddp"]["eval"], f"float16, sharding {sharding}, evaluation losses")
+    assert got["graphddp"]["scale"] == got["ddp"]["scale"], "the scale moved as DDP's"
+    if sharding != "full":
+        assert all(set(f) == {"scaler"} for f in got["graphddp"]["fallbacks"] if f), got["graphddp"]["fallbacks"]

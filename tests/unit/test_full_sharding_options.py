@@ -105,20 +105,28 @@ def test_each_parameter_becomes_its_part_and_tied_weights_share_one(fake_world):
     assert all(type(m).__name__.startswith("FullySharded") for m in model.modules() if m._parameters)
 
 
-def test_the_parts_updated_inside_refuse_clipping_and_an_enabled_grad_scaler(fake_world):
+def test_the_parts_updated_inside_refuse_clipping_and_leave_a_scaled_step_to_the_grad_scaler(fake_world):
     """With AdamW each backward updates its parts itself (graphddp.compiler.full_updates): clipping
-    the parts' p.grad would clip nothing, and an enabled GradScaler's loss scale would reach the
-    update unchecked; both are refused by name, before any update."""
+    the parts' p.grad would clip nothing, refused by name; a loss an enabled GradScaler scaled
+    makes the backward return the parts' gradients to ``scaler.step`` instead (reason "scaler")."""
     fake_world(8)
     model = models.MLP()
-    ours = graphddp.compile(model, optimizer=_adamw(model), sharding="full", backend="aot_eager")
+    opt = _adamw(model)
+    ours = graphddp.compile(model, optimizer=opt, sharding="full", backend="aot_eager")
     loss = ours(torch.randn(2, 16)).sum()
-    with pytest.raises(RuntimeError, match="GradScaler.scale.*sharding='full' needs optimizer="):
-        torch.amp.GradScaler("cpu").scale(loss)
     with pytest.raises(RuntimeError, match="max_grad_norm="):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    torch.amp.GradScaler("cpu", enabled=False).scale(loss).backward()  # disabled: nothing to refuse
+    torch.amp.GradScaler("cpu", enabled=False).scale(loss).backward()  # disabled: nothing to leave
     assert ours.updates == {"inside": 1} and all(p.grad is None for p in model.parameters())
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(ours(torch.randn(2, 16)).sum()).backward()
+    assert ours.updates == {"inside": 1, "scaler": 1}
+    assert all(p.grad is not None for p in ours.module.parameters()), "the parts' gradients wait for the scaler"
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    ours(torch.randn(2, 16)).sum().backward()
+    assert ours.updates == {"inside": 2, "scaler": 1}
 
 
 def test_other_optimizers_and_max_grad_norm_step_after_the_backward(fake_world):

@@ -1,7 +1,8 @@
 """Loops written for DDP that clip ``p.grad`` or scale the loss with the optimizer attached
-(:mod:`graphddp.optim.guards`): an error naming graphddp and what to do instead, before any
-parameter is updated with scaled gradients; a disabled ``GradScaler`` (nanoGPT's with bf16)
-and other models' clipping and scaling keep working."""
+(:mod:`graphddp.optim.guards`): clipping is an error naming graphddp and what to do instead; an
+enabled ``GradScaler`` steps the attached optimizer after the backward
+(:mod:`graphddp.optim.scaled_step`), and is refused by name where it cannot; a disabled one
+(nanoGPT's with bf16) and other models' clipping and scaling keep working."""
 from __future__ import annotations
 
 import warnings
@@ -53,26 +54,52 @@ def test_clipping_what_max_grad_norm_clips_already_says_so_and_by_which_norm(fak
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=1.0)
 
 
-def test_an_enabled_grad_scaler_is_refused_before_the_backward(fake_world) -> None:
+def test_an_enabled_grad_scaler_steps_the_attached_optimizer_after_the_backward(fake_world) -> None:
+    """``scaler.scale(loss)`` on the attached model's loss: the backward leaves the (averaged)
+    gradients in ``p.grad``, scaled, instead of updating; ``scaler.step`` unscales them, clips
+    (``max_grad_norm``) and steps; then no gradient is kept and the next unscaled step updates
+    inside the backward again."""
+    gd, opt, ref, ref_opt = _pair(fake_world)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    x = torch.randn(8, 16)
+    scaler.scale(gd(x).sum()).backward()
+    assert all(p.grad is not None for p in gd.module.parameters()), "the gradients wait for the scaler"
+    assert [tuple(r.fallbacks) for r in gd.records] == [("scaler",)]
+    scaler.step(opt)
+    scaler.update()
+    assert all(p.grad is None for p in gd.module.parameters())
+    _reference_step(ref, ref_opt, ref(x).sum(), 0.05, WORLD)
+    _assert_same(gd, opt, ref, ref_opt, "a scaled step")
+    ref_opt.zero_grad()
+    gd(x).sum().backward()  # unscaled: inside the backward
+    _reference_step(ref, ref_opt, ref(x).sum(), 0.05, WORLD)
+    _assert_same(gd, opt, ref, ref_opt, "the unscaled step after it")
+    assert all(p.grad is None for p in gd.module.parameters())
+
+
+def test_an_enabled_grad_scaler_without_a_scaled_loss_or_with_a_fused_optimizer_is_refused(fake_world) -> None:
     gd, opt, ref, ref_opt = _pair(fake_world)
     scaler = torch.amp.GradScaler("cpu")
-    before = [p.detach().clone() for p in gd.parameters()]
-    loss = gd(torch.randn(8, 16)).sum()
-    with pytest.raises(RuntimeError, match=r"graphddp: torch.amp.GradScaler.scale\(loss\) .*Compile without optimizer="):
-        scaler.scale(loss)
-    with pytest.raises(RuntimeError, match=r"GradScaler.unscale_\(optimizer\)"):
+    gd(torch.randn(8, 16)).sum().backward()  # not scaled: updated inside the backward
+    with pytest.raises(RuntimeError, match=r"GradScaler.unscale_\(optimizer\) .*scale\(loss\) was not seen"):
         scaler.unscale_(opt)
-    with pytest.raises(RuntimeError, match=r"GradScaler.step\(optimizer\)"):
+    with pytest.raises(RuntimeError, match=r"GradScaler.step\(optimizer\) .*scale\(loss\) was not seen"):
         scaler.step(opt)
-    assert all(torch.equal(a, b) for a, b in zip(before, gd.parameters())), "nothing was updated"
-    loss.backward()  # the forward is not lost: the step goes on without the scaler
-    # An unrelated model's enabled scaler works while the graphddp forward above is pending.
+    # An unrelated model's enabled scaler works while a graphddp forward is pending.
     pending = gd(torch.randn(8, 16)).sum()
     ref_loss = scaler.scale(ref(torch.randn(8, 16)).sum())
     ref_loss.backward()
     scaler.step(ref_opt)
     scaler.update()
     pending.backward()
+
+    model = MLP(width=32, depth=4)
+    fused = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    fused_gd = graphddp.compile(model, optimizer=fused, backend="aot_eager")
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"GradScaler.scale\(loss\) .*AdamW\(fused=True\).*fused=False"):
+        torch.amp.GradScaler("cpu").scale(fused_gd(torch.randn(8, 16)).sum())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "nothing was updated"
 
 
 def test_a_disabled_grad_scaler_steps_as_without_it(fake_world) -> None:
