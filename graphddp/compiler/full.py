@@ -149,6 +149,8 @@ class _Graph:
             outs = gm.graph.output_node().args[0]
             count = len(outs) if isinstance(outs, (list, tuple)) else 1
             self.usage = GradientUsage.of_graph(gm, {i: self.names[input_name(i)] for i in range(count) if input_name(i) in self.names})
+        else:
+            reshard.mark_saved_outputs(gm)  # a user's output that views a gathered parameter is not kept for the backward
         cap = _placed(gm, self.config, self.compiled.world_size, backward, self.kept, tuple(self.names))
         kind = "backward" if backward else "forward"
         compiled, updates = self.compiled, self.compiled.updates

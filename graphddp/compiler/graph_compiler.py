@@ -56,6 +56,7 @@ from graphddp.compiler.inductor import compile_inductor
 from graphddp.compiler.record import CARRY, GraphRecord
 from graphddp.compiler.updates import InGraphUpdates
 from graphddp.config import DDPConfig
+from graphddp.graph.alias_outputs import copy_parameter_outputs
 from graphddp.graph.bucket_function import HookContext
 from graphddp.graph.capture import extract_facts, parameter_of_inputs
 from graphddp.hooks.traced import HookState
@@ -142,6 +143,7 @@ class GraphCompiler(InGraphUpdates, HookRuntime):
         """Compile one Dynamo graph. ``mode``/``options`` are what a ``torch.compile(...,
         backend=this, mode=..., options=...)`` call passes; without them the config's apply."""
         param_inputs = parameter_of_inputs(example_inputs, self.names_by_id)
+        copy_parameter_outputs(gm, param_inputs)  # their gradients then go through the buckets
         device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), None)
         patches = self.config.check_inductor_settings("graphddp", device, mode, options)
         self.graphs_compiled += 1

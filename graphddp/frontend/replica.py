@@ -304,9 +304,29 @@ class Replica:
             step.block_carry()  # an accumulated gradient no graph of this step takes into a bucket
         if torch.is_grad_enabled():
             self._guard_uncovered_parameters(self._syncing, out, uncovered)
+            if self._syncing and self.world_size > 1:
+                self._take_returned_parameters(out)
             if not step.sync:
                 step.accumulate()
         self._sync_buffers_next = self._syncing
+
+    def _take_returned_parameters(self, out: Any) -> None:
+        """A parameter the forward returns as it is (or an eager view of it): Dynamo hands it
+        back without a graph, so the gradient through it reaches ``p.grad`` past the buckets.
+        The step takes that gradient as eager code's (:attr:`StepState.eager`): the step is
+        divergent and the union average at its end averages it with the rest, as DDP's hooks
+        would. (A view made inside a graph is copied there instead:
+        :mod:`graphddp.graph.alias_outputs`.)"""
+        from torch.utils._pytree import tree_leaves
+
+        leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad and (t.is_leaf or t._base is not None)]
+        if not leaves:
+            return
+        params = {id(p): (name, p) for name, p in self.module.named_parameters()}
+        for t in leaves:
+            found = params.get(id(t if t._base is None else t._base))
+            if found is not None and found[0] not in self.step.eager:
+                self.step.expect_eager_gradient(found[0], found[1].grad)
 
     def _guard_uncovered_parameters(self, syncing: bool, out: Any, uncovered_params: list[tuple[str, Any]]) -> None:
         """Average, or fail loudly on, gradients produced outside the compiled graphs that ran.

@@ -60,6 +60,7 @@ SCATTER_LAG = 1  # reduce-scatter buckets in flight behind the backward's comput
 def place_part_collectives(graph: fx.Graph, cap_bytes: int, prefetch: int = PREFETCH, lag: int = SCATTER_LAG) -> None:
     """Bucket and place every gather of a part and every reduce-scatter (module docstring); a bucket
     closes once its gathered (or whole-gradient) bytes reach ``cap_bytes``."""
+    _one_wait_per_gather(graph)
     gathers = _bucket_gathers(graph, _buckets(_part_gathers(graph), cap_bytes))
     _place_gathers(graph, gathers, prefetch)
     _one_wait_each(graph)
@@ -134,6 +135,18 @@ def above_reduce_scatters(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
         else:
             todo.extend(n.all_input_nodes)
     return waits, inputs
+
+
+def _one_wait_per_gather(graph: fx.Graph) -> None:
+    """A gather waited twice is one gather: a forward output that is a view of a gathered
+    parameter makes AOTAutograd return the gathered base beside the graph's own reads. Its
+    later waits read the first's result, which comes before each of them in graph order."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for issue in [n for n in graph.nodes if n.target is ALL_GATHER]:
+        first, *later = sorted((u for u in issue.users if is_wait(u)), key=order.__getitem__) or [None]
+        for wait in later:
+            wait.replace_all_uses_with(first)
+            graph.erase_node(wait)
 
 
 def _one_wait_each(graph: fx.Graph) -> None:

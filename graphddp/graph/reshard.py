@@ -110,13 +110,27 @@ def _first_read_by_backward(graph: fx.Graph, gathers: list[fx.Node], keep_bytes:
     return Kept(tuple(inputs), nbytes)
 
 
+# Key of a forward graph's meta: the position of its first output saved for the backward (the
+# ones before it are what the forward returns to the user, kept as long as the user holds them).
+SAVED_FROM = "graphddp_saved_from"
+
+
+def mark_saved_outputs(gm: fx.GraphModule) -> None:
+    """Record where a forward graph's outputs saved for the backward begin (:data:`SAVED_FROM`),
+    from AOTAutograd's metadata of the graph being compiled; none recorded outside a trace."""
+    context = torch._guards.TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None)
+    if meta is not None:
+        gm.meta[SAVED_FROM] = meta.num_forward_returns
+
+
 def kept_gathered(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
     """What a compiled forward keeps of its gathered parameters for the backward: each distinct
-    gathered tensor its outputs are, or are views of (a parameter cut from a gather bucket's
+    gathered tensor its saved outputs (:data:`SAVED_FROM`) are, or are views of (a parameter cut from a gather bucket's
     result, or the result itself: the bucket's nodes carry the ``gather_wait`` role,
     :mod:`graphddp.graph.part_collectives`), and the first output that holds it."""
     roots: dict[fx.Node, fx.Node] = {}
-    for out in output_nodes(gm):
+    for out in output_nodes(gm)[gm.meta.get(SAVED_FROM, 0):]:
         node = out
         while isinstance(node, fx.Node) and node.meta.get(ROLE_KEY) != "gather_wait" and is_view(node):
             node = node.args[0]
