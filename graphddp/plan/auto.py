@@ -154,7 +154,7 @@ def best_partition(
 
 
 # The model's errors the plan must tolerate: each is (compute speed-up, link speed-up) against
-# the cost model. The benchmark's measured backward lies within about 10% of the prediction,
+# the cost model. The benchmark's measured backward lies near the prediction (docs/auto-plan.md),
 # but a model-optimal plan is fragile exactly where the model is wrong: on a busy link it sends
 # late gradients as one large last bucket, hidden only if the link never idles; if the link or
 # the compute is faster than modelled, that bucket is exposed whole. So the plan is chosen
