@@ -21,7 +21,7 @@ This module lets graphddp's graphs use the AOTAutograd cache too:
   the cold compile's Schedule, its backward graph's facts (what the planner reads), and the
   FX-graph keys of the forward and of the rewritten backward that AOTAutograd's entry points to.
   The key holds the autocast state (enabled and dtype, per device): AOTAutograd's own key held
-  only whether autocast was on before torch 2.12 (pytorch#181564), so under torch 2.11 a graph
+  only whether autocast was on before torch 2.12 (the upstream fix: docs/gpu.md), so under torch 2.11 a graph
   compiled under bf16 autocast was served to a run under fp16 from a shared cache directory (the
   likely cause of the GPU lane's fp16 case failing on DDP(torch.compile)'s side, docs/gpu.md).
 * **The cost model is checked, not keyed.** ``bucket_cap_mb="auto"`` plans with a cost model

@@ -51,8 +51,8 @@ def compile_inductor(
     job.wrap_forward = wrap_forward
     # The example inputs are passed down, never kept: they are the real tensors of Dynamo's first
     # call (a graph after a break gets the previous graph's outputs: a GPT's logits), and the job
-    # lives as long as the compiled code does. Kept, they held 786 MB of GPT-2's step-0 logits on
-    # a GPU for the whole run (issue 36); a later compile (a cache hit's derivation) fakes them.
+    # lives as long as the compiled code does. Kept, they would hold a large model's first logits
+    # on the device for the whole run (docs/gpu.md); a later compile (a cache hit's derivation) fakes them.
     return job.cold(example_inputs) if cache is None else job.through_cache(cache, example_inputs)
 
 

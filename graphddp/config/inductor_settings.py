@@ -31,16 +31,16 @@ INDUCTOR_PINNED_CONFIG: dict[str, Any] = {
 # their all-gathers before each bucket's first read (gather="forward"), are compiled in
 # graphddp's order: inductor's comm passes would sink each wait below all the compute that
 # does not read it, and they keep collectives in issue order, so every later reduce-scatter
-# would queue behind the first update, after the whole backward (generated code on the GPT; a
-# step of 446-456 ms against 330); its locality and peak-memory reorders would pull each wait
+# would queue behind the first update, after the whole backward (seen in the generated code on
+# the GPT, and the step far slower: docs/sharding.md); its locality and peak-memory reorders would pull each wait
 # up next to its issue.
 #
 # In graphddp's order, inductor's fusion can still undo it: two kernels that share no tensor (a
 # bucket's update, which runs after its reduce-scatter's wait, and the copy of other parameters'
 # parts into the next gather's buffer, needed before that gather's issue) were fused as one
 # loop nest because their loops had one size, and the fused kernel runs after the wait: the
-# wait moved up to its issue and the gather behind it (full sharding's backward on the GPT: one
-# stall of about 8 ms per block, the step 414 ms against 375-380 without those fusions,
+# wait moved up to its issue and the gather behind it (full sharding's backward on the GPT stalled
+# once per block, and the step was slower than without those fusions: docs/full-sharding.md,
 # python -m tools.full_forward_probe --graphddp). Fusing kernels that share less than
 # FUSION_MIN_SHARED_BYTES of reads (an optimizer's scalar hyperparameters are about 40) saves a
 # loop's launch; it is what inductor's score_fusion_memory_threshold (10 bytes by default) allows.

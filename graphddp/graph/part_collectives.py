@@ -4,8 +4,8 @@ AOTAutograd leaves each parameter's collectives where autograd met them: in the 
 all-gather of a part right before its first read and waited at once; in the backward, each
 reduce-scatter right after its gradient and waited at once. Compiled that way nothing overlaps
 (inductor's own comm passes made it worse: they raised every gather to the top of the forward,
-each still waited right after its issue; the benchmark's GPT, 2 ranks on a 2 Gbit/s link: 1102
-ms a step against 953 for FSDP2). This pass rewrites them, one graph at a time, and the compiler
+each still waited right after its issue, and the step was slower than FSDP2's:
+docs/design-full-sharding.md). This pass rewrites them, one graph at a time, and the compiler
 then keeps graphddp's order (``INDUCTOR_FX_ORDER_CONFIG``):
 
 * **buckets.** Consecutive gathers, in the order their parameters are first read, form buckets
@@ -48,10 +48,9 @@ ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 _REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
 _ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
-# Gather buckets in flight ahead of the one being read. 2 since 2026-11-27: on the benchmark's GPT
-# (2 gloo ranks, the emulated link, the planned cap) the forward took 140 ms at 1 and 126-129 at
-# 2 (the step 1.14x sharding="optimizer"'s against 1.11x), 140 at 3; earlier trials of 2 had the
-# first two buckets issued in reverse order (_place_gathers), so bucket 0 waited behind bucket 1.
+# Gather buckets in flight ahead of the one being read. Two: with one the forward is link-bound
+# throughout, and three is slower (figures: docs/full-sharding.md, "Two gather buckets ahead"). The
+# first two go out in bucket order (_place_gathers), or bucket 0 waits behind bucket 1.
 # Each one more holds one more bucket's gathered bytes (graphddp.plan.full_cap's ceiling: 25 MB).
 PREFETCH = 2
 SCATTER_LAG = 1  # reduce-scatter buckets in flight behind the backward's compute

@@ -17,8 +17,8 @@ functions are traced on the graph's fake values and spliced in, in the layout of
                     wait; graphddp.values.collectives says why)
     ... the backward, up to the next bucket's reduce-scatter ...
     # right after the next sharded bucket's reduce-scatter is issued (GATHER_LAG), so that the
-    # all-gather shares the link with the rest of the backward instead of following it (on the
-    # GPT 330 ms a step against 367 with every update at the output; the compiler keeps this
+    # all-gather shares the link with the rest of the backward instead of following it (faster on
+    # a link-bound step: docs/sharding.md; the compiler keeps this
     # order in inductor's code: inductor_settings.INDUCTOR_FX_ORDER_CONFIG); the last bucket's at the
     # output. gather="forward" too, but its all-gather is issued at the output: what the
     # reduce-scatter received is freed early, and the backward's link carries reduce-scatters only.

@@ -158,11 +158,11 @@ class UpdateTraces:
     """Each parameter's update, traced once per signature and reused for its lookalikes.
 
     A transformer's layers repeat the same parameter shapes, and tracing the update (make_fx
-    with inductor's decompositions) cost about 40 ms per parameter: seconds of a large model's
-    compile. A parameter whose rule, clipping and inputs (shape, strides, dtype, device of the
+    with inductor's decompositions) is costly: once per parameter, it is a large part of a large
+    model's compile (docs/gpu.md has the figures). A parameter whose rule, clipping and inputs (shape, strides, dtype, device of the
     gradient, the parameter, its state and its group's hyperparameters) equal an earlier one's
     gets that graph again, with every node's fake value computed afresh from its own inputs
-    (a run of the traced graph in the values' fake mode, ~6x cheaper than tracing): no two
+    (a run of the traced graph in the values' fake mode, far cheaper than tracing): no two
     parameters' nodes share a fake value, so storages (which the verifiers and inductor read
     to know what aliases what) stay each parameter's own. Symbolic shapes are traced each
     time. One cache per graph rewrite: nothing outlives it."""

@@ -154,7 +154,7 @@ def best_partition(
 
 
 # The model's errors the plan must tolerate: each is (compute speed-up, link speed-up) against
-# the cost model. The benchmark's measured backward lies within about 10% of the prediction,
+# the cost model. The benchmark's measured backward lies near the prediction (docs/auto-plan.md),
 # but a model-optimal plan is fragile exactly where the model is wrong: on a busy link it sends
 # late gradients as one large last bucket, hidden only if the link never idles; if the link or
 # the compute is faster than modelled, that bucket is exposed whole. So the plan is chosen
@@ -173,8 +173,8 @@ CANDIDATE_CAPS_MB = ((1.0,), (2.0,), (4.0,), (8.0,), (16.0,), (25.0,), (1.0, 25.
 # of one link differ by their noise (a latency fitted as 0 on a busy machine, a few percent on
 # the bandwidth), and a plan chosen by the exact minimum flips between near-equal plans with
 # it, each flip a recompile and another plan on a rerun of the same script. A gain this small
-# is below what the cost model can promise (the benchmark's backward lies within about 10% of
-# its prediction), and fewer buckets issue fewer collectives, whose cost is the noisiest figure.
+# is below what the cost model can promise (docs/auto-plan.md sets the benchmark's backward
+# against its prediction), and fewer buckets issue fewer collectives, whose cost is the noisiest figure.
 # Plans that differ by more still differ where the figures cross the line between them: a link
 # that really changed, or noise larger than this, still replans.
 NEAR_TIE = 0.05

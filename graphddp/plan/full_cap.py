@@ -6,26 +6,25 @@ all-gather before the forward reads it, another before the backward does (with
 time (its issue and wait on the host, :attr:`CostModel.collective_overhead_us`, and its ring
 latency) whatever its size, so many small buckets pay that time many times; few large buckets
 leave more bytes exposed, because the first bucket's all-gather runs before any compute can
-overlap it and the last bucket's reduce-scatter after all of it. A fixed 1 MB cap was the best
-of a sweep on the CPU ranks' 2 Gbit/s link; on one H100 (NCCL) the same cap cut GPT-2 into 26
-buckets whose 78 collectives a step cost the host about 110 us each, and the GPU idled 23 ms a
-step waiting for it (docs/gpu.md).
+overlap it and the last bucket's reduce-scatter after all of it. A fixed 1 MB cap, the best of
+a sweep on CPU ranks over a slow link (docs/full-sharding.md), cuts GPT-2 on a GPU into so many
+buckets that their collectives' host time leaves the GPU idle, waiting for the host (docs/gpu.md).
 
 The model. With ``S`` bytes gathered by one graph, ``n`` buckets of ``S / n`` bytes, ``F`` the
 fixed time of one bucket's collectives (``k`` of them: 3 with resharding, 2 without) and ``b``
 the link time per byte of one all-gather plus one reduce-scatter (the exposed pair), the step
 pays about ``n * F + (S / n) * b``, least at ``n = sqrt(S * b / F)``: a cap of
-``sqrt(S * F / b)`` bytes. On the benchmark's GPT (26 MB) and this machine's calibration of the
-emulated link (1.0 Gbit/s fitted, 260 us a collective) that is 1.6 MB, inside the band the sweep
-found best (0.5-2 MB). Where the link costs nothing (one rank: nothing is sent) or costs too
-little for the fixed time to matter, the cap is :data:`MAX_CAP_BYTES`.
+``sqrt(S * F / b)`` bytes. On the benchmark's GPT and a calibration of its emulated link that
+cap lies inside the band the sweep found best (docs/full-sharding.md). Where the link costs
+nothing (one rank: nothing is sent) or too little for the fixed time to matter, the cap is
+:data:`MAX_CAP_BYTES`.
 
 Why a ceiling. Each rank holds the gathered buckets in flight (the one being read and those
 issued ahead of it, :data:`graphddp.graph.part_collectives.PREFETCH`): the cap is what full
 sharding adds to a rank's memory beyond its parts, so it stays bounded whatever the link.
 25 MB is DDP's bucket, and about FSDP2's unit on the models users shard with it (one GPT-2
-block of dim 768 is 28 MB in fp32). The floor keeps a cap from being absurd for a
-mis-measured link: below 0.25 MB the sweep's step was 1.29x ``sharding="optimizer"``'s.
+block of dim 768 is 28 MB in fp32). The floor (:data:`MIN_CAP_BYTES`) keeps a cap from
+being absurd for a mis-measured link: smaller caps make the step clearly slower (docs/full-sharding.md).
 """
 from __future__ import annotations
 

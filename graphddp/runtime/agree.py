@@ -102,7 +102,7 @@ def _side_stream(device: torch.device) -> contextlib.AbstractContextManager[Any]
     answer (``tolist``) waits for that collective: on the compute stream, the host would wait
     for every kernel queued before it (the whole forward) and only then launch the backward,
     leaving the GPU idle while it does. On a stream with nothing queued, the host waits for the
-    collective alone, while the GPU goes on with the forward (issue 36). CPU: nothing to do."""
+    collective alone, while the GPU goes on with the forward (docs/gpu.md). CPU: nothing to do."""
     if device.type != "cuda":
         return contextlib.nullcontext()
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -197,8 +197,8 @@ def max_reduce(values: Sequence[int], group: Any) -> list[int]:
 
     An all-gather of the values and the maximum taken here, not a MAX all-reduce: for a few
     integers the all-reduce's two phases (reduce-scatter, then all-gather) cost two
-    small-message latencies where the all-gather costs one (gloo on 2 CPU ranks: 0.24 against
-    0.50 ms idle), and the host waits for this collective at every synchronising backward.
+    small-message latencies where the all-gather costs one (gloo's figures: docs/ddp-features.md),
+    and the host waits for this collective at every synchronising backward.
     Still fixed-size (``world * len(values)``), so it pairs with any rank's agreement."""
     return max_reduce_async(values, group)()
 

@@ -9,8 +9,8 @@ every rank of the group times
   latency and bandwidth come from the alpha-beta line through them
   (:func:`graphddp.plan.cost.fit_link`, the same fit the benchmark's bounds use), unweighted, so
   the large sizes that buckets have count most. A fit by least relative error over 4 KB to
-  4 MB was tried: the small all-reduces, which a rate limiter lets through in a burst, halved
-  the bandwidth's cost, and the benchmark's backward came out twice its prediction;
+  4 MB underprices the bandwidth: a rate limiter lets the small all-reduces through in a burst,
+  and the backward comes out far above its prediction (docs/auto-plan.md);
 * the compute lane's cost of a collective: the time to issue an asynchronous all-reduce, or on
   the CPU, where gloo's threads share the ranks' cores, the time a collective takes away from
   compute running beside it, whichever is more (:func:`_collective_overhead_seconds`);
@@ -20,8 +20,8 @@ every rank of the group times
 
 Each time is the fastest of its repeats, not their median: what disturbs a microbenchmark
 (the other rank still compiling, a page fault, the scheduler) only ever adds time, and with
-five medians the benchmark's calibrations of one machine gave compute rates 2x apart and
-plans to match. The times are then all-reduced with MAX, so every rank fits the same numbers
+medians, calibrations of one machine give compute rates far apart and plans to match
+(docs/auto-plan.md). The times are then all-reduced with MAX, so every rank fits the same numbers
 (the slowest rank's) and plans the same buckets; they are rounded to two significant figures,
 so reruns on the same machines usually plan the same buckets too (and hit the compile cache).
 The result is cached per (process group, device type): later models on the same group reuse it.
@@ -33,8 +33,8 @@ replace them, two in a row do.
 A fit whose link figures are noise (a latency at or below 0, or below the spread of the
 repeats it came from; :func:`graphddp.plan.cost.link_noise`) is measured again, and where the
 second is noise too its latency is floored (:data:`graphddp.plan.cost.LATENCY_FLOOR_US`); the
-model's ``source`` says which. Why: on a busy machine the fit put the latency at 0 us per ring
-step, and the plan made from it differed from the next run's.
+model's ``source`` says which. Why: on a busy machine the fit can put the latency at or below
+zero, and the plan made from it differs from the next run's.
 
 On a group of one rank only the compute is timed (nothing is sent). Under graphddp.explain's
 fake process group nothing is timed: the plan uses ``CostModel()``'s defaults unless
@@ -57,19 +57,19 @@ from graphddp.runtime.calibration_store import settle
 from graphddp.values.comm import group_name_of
 
 SIZES = (1 << 16, 1 << 20, 1 << 22)  # bytes per all-reduce: the range buckets span
-# Per all-reduce size; a 4 MB one takes 35-70 ms at 1 Gbit/s: the calibration takes 1.5 s there.
-# With 7, eight calibrations of this machine's loopback fitted 10 to 27 Gbit/s, outside the 2x
-# a restart keeps (KEEP_WITHIN), and a warm restart replanned; with 15, 20 to 33.
+# Per all-reduce size: enough that a loopback's fitted bandwidth stays within the band a restart
+# keeps (KEEP_WITHIN; fewer let warm restarts replan), few enough that a slow link's calibration
+# takes seconds, not more (figures: docs/auto-plan.md).
 REPEATS = 15
-COMPUTE_REPEATS = 15  # a few ms each; this machine's cores run a matmul at 2.4 or 6.6 ms by turns
+COMPUTE_REPEATS = 15  # a few ms each; a busy machine's cores can run a matmul at two speeds by turns
 
 
 class Calibrations:
     """The process-wide registry of calibrated cost models, one per (process group name,
     backend, ranks, device type).
 
-    Why process-wide: a calibration is a collective of every rank of the group (1.5 s on a
-    1 Gbit/s link) and measures the group's link, not a model; every model wrapped on the same
+    Why process-wide: a calibration is a collective of every rank of the group (seconds on a
+    slow link) and measures the group's link, not a model; every model wrapped on the same
     group in this process plans with the same numbers, and only the first wrap pays. Lifetime:
     the process. A group destroyed and made again under the same name keeps its entry;
     :meth:`clear` forgets every entry (tests that calibrate anew call it)."""
@@ -217,11 +217,11 @@ def _collective_overhead_seconds(group: Any, device: torch.device, sync: Callabl
 
     Why the second. A gloo collective's work (its threads copying, reducing, waking on the
     socket) runs on the CPU's cores, the ones the ranks compute on; where the ranks take every
-    core, each collective takes the compute about a quarter to half a millisecond however early
-    it is issued (nanoGPT's loop on 2 ranks of a 2-core machine, issue 37), against 10 us to
-    issue it. Planned with the issue time alone, the auto plan cut nanoGPT's 0.44 MB of
-    gradients into 1 or 3 buckets by the calibration's noise, and 3 made the step 1.14-1.17x
-    DDP's. Measured here as the ranks run it: every rank computes a block of matmuls at once
+    core, each collective takes far more from the compute than issuing it does, however early
+    it is issued. Planned with the issue time alone, the auto plan cut a small model's
+    gradients into one bucket or several by the calibration's noise, and several made the step
+    slower than DDP's (figures: docs/auto-plan.md,
+    docs/design-agreement-overlap.md). Measured here as the ranks run it: every rank computes a block of matmuls at once
     (from a barrier), alone and with ``LOADED_COLLECTIVES`` small all-reduces issued into it;
     the fastest of each over ``REPEATS``, the difference per collective. Where collectives
     have cores of their own it is about 0, and the issue time counts. On a GPU the compute is
@@ -272,8 +272,8 @@ def _collective_seconds(nbytes: int, group: Any, device: torch.device, sync: Cal
     a barrier, and its time is the slowest rank's; the fastest repeat counts.
 
     Why not each rank's own fastest: a rank that arrives late finds its peers' data already
-    sent and returns early, so its fastest repeat can be a fraction of the collective (this
-    machine's loopback fitted 12 to 42 Gbit/s that way, and restarts replanned).
+    sent and returns early, so its fastest repeat can be a fraction of the collective (a
+    loopback's fit then varied run to run, and restarts replanned: docs/compile-cache.md).
     """
     buf = torch.zeros(nbytes // 4, device=device)
     dist.all_reduce(buf, group=group)  # warm-up: first-call allocation and connection setup

@@ -29,11 +29,11 @@ RECALIBRATE_ENV = "GRAPHDDP_RECALIBRATE"
 
 
 # A measurement within this factor of the stored one, in every number, keeps the stored one;
-# times in microseconds are compared with US_SLACK added to both (0 against 40 us of latency is
-# noise, not another link). Why 2x: the auto plan is chosen to hold up under a 1.5x error of
-# the model (autoplan.SCENARIOS), plans near the optimum differ by a few percent (the README's
-# sweep), two calibrations of this machine's loopback differed by up to 2x in bandwidth, and
-# another machine or link differs by far more.
+# times in microseconds are compared with US_SLACK added to both (a few tens of microseconds of
+# latency is noise, not another link). Why 2x: the auto plan is chosen to hold up under a 1.5x error
+# of the model (autoplan.SCENARIOS), plans near the optimum differ by a few percent (the README's
+# sweep), two calibrations of one loopback can differ by about that much in bandwidth
+# (docs/compile-cache.md), and another machine or link differs by far more.
 KEEP_WITHIN = 2.0
 US_SLACK = 100.0
 
@@ -51,8 +51,8 @@ def settle(measured: CostModel, key: tuple[str, str, int, str], group: Any, devi
     caches or graphddp's are off.
 
     A measurement outside the band replaces the stored model only when the run before measured
-    outside it too (the file says so): a single outlying measurement (this machine's loopback
-    sometimes fits 2x its usual bandwidth) plans this run anew and leaves the stored model to
+    outside it too (the file says so): a single outlying measurement (a busy loopback sometimes
+    fits far above its usual bandwidth: docs/compile-cache.md) plans this run anew and leaves the stored model to
     the next restart, where it would otherwise make every later restart replan; a machine or
     link that really changed is stored on its second run.
     """

@@ -3,9 +3,9 @@
 Why. Every synchronising backward graph with buckets agrees with the other ranks first
 (:meth:`graphddp.runtime.step.StepState.agree`): a small collective whose answer says whether
 the buckets about to go on the wire pair with every other rank's. Read before the backward,
-the host waits for a round trip with nothing to hide it behind: on nanoGPT's loop that was all
-of graphddp's per-iteration gap to ``DDP(torch.compile)`` (issue 37), and on a GPU it is the
-time the GPU waits for the host (issue 36). Here the agreement is issued when the backward
+the host waits for a round trip with nothing to hide it behind: where ranks share busy cores it
+can be all of graphddp's per-iteration gap to ``DDP(torch.compile)`` (nanoGPT's loop:
+docs/design-agreement-overlap.md), and on a GPU it is time the GPU waits for the host (docs/gpu.md). Here the agreement is issued when the backward
 starts and read when its first bucket is issued: by then the backward has computed that
 bucket's gradients, and the round trip has usually come back.
 

@@ -4,9 +4,9 @@ Why. Every synchronising backward graph agrees with the other ranks before its b
 the wire (:meth:`graphddp.runtime.step.StepState.agree`): one small collective, then the
 buckets. For a model whose backward graph has one bucket (nanoGPT's small GPT, any model up to
 a bucket's size) that is two collectives a step where ``DDP`` issues one, and where ranks share
-busy cores each costs a round trip the backward cannot hide: on nanoGPT's loop (2 gloo ranks on
-2 CPU cores, issue 37) the agreement was all of graphddp's remaining per-iteration gap to
-``DDP(torch.compile)``.
+busy cores each costs a round trip the backward cannot hide, which can be all of graphddp's
+remaining per-iteration gap to ``DDP(torch.compile)`` (nanoGPT's loop on CPU ranks:
+docs/design-agreement-overlap.md).
 
 What. Once a position of the step (its n-th synchronising backward graph) has agreed with every
 rank on a layout whose one bucket is replicated, gated (:mod:`graphddp.runtime.gate`) and on the

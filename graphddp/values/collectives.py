@@ -16,9 +16,9 @@ layer that used to assume an all-reduce asks the kind instead:
 
 A kind has one lowering on every backend but where a backend's own op sends more than the
 kind's bytes. gloo's ``reduce_scatter`` is one: it sends an all-reduce's bytes (measured by
-``tools/gloo_wire_bytes.py``: 52.1 MB for a 26 MB tensor on 2 ranks), so on gloo a
-reduce-scatter is an ``all_to_all_single`` (rank ``j`` receives every rank's part ``j``,
-26.0 MB) and a local sum of the ``world`` parts received, in rank order.
+``tools/gloo_wire_bytes.py``, figures in docs/sharding.md), so on gloo a reduce-scatter is an
+``all_to_all_single`` (rank ``j`` receives every rank's part ``j``: a reduce-scatter's bytes)
+and a local sum of the ``world`` parts received, in rank order.
 
 gloo's functional all-gather is the other, for a worse reason: two of them in flight corrupt
 the heap (torch 2.13: ``python -m tools.gloo_gather_race`` dies within seconds, where

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 # gather="backward": a bucket's wait, update and all-gather follow the issue of the reduce-scatter
 # this many sharded buckets later (graphddp.optim.insert_shard), so that its all-gather shares the
-# link with the rest of the backward. Measured on the GPT (2 gloo ranks, emulated 2 Gbit/s link,
-# inductor): 330 ms a step with 1, 339 with 2, 367 with every update at the end of the backward;
-# tools/sharded_overlap_probe shows the same pattern without a compiler.
+# link with the rest of the backward. A lag of one leaves the fewest all-gathers to the end of the
+# backward, the fastest on a link-bound step (figures: docs/sharding.md, "Where the sharded step's
+# time goes"); tools/sharded_overlap_probe shows the same pattern without a compiler.
 GATHER_LAG = 1
 
 

@@ -5,13 +5,14 @@ These are the properties issue 10 asks for, as tests so they stay true: ``schedu
 import graph has no cycle (function-level imports included); the product never imports its
 test helpers or the benchmark; ``compile``, ``explain`` and the CLI accept
 exactly ``DDPConfig``'s options; ``explain`` leaves no process group, no exception hook and no
-recompile budget behind.
+recompile budget behind. And the package's comments state what is: no dates, no issue numbers.
 """
 from __future__ import annotations
 
 import ast
 import functools
 import pathlib
+import re
 import sys
 
 import pytest
@@ -232,3 +233,36 @@ def test_the_optimizer_plugs_in_through_the_compilers_pass_list_only():
     frontend attaches it to a model."""
     importers = {m for m in _modules() if _layer(m) != "optim" and any(_layer(d) == "optim" for d in _ours(_all_imports(m)))}
     assert importers and {_layer(m) for m in importers} <= {"compiler", "frontend"}, sorted(importers)
+
+
+# The package's comments and docstrings state what is: no dates, no issue numbers (ours or
+# upstream's); a run's figures and history go in docs/. Measured times are too varied to grep
+# reliably and are left to review.
+HISTORY = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b|\b[Ii]ssues? #?\d+|\b[A-Za-z][\w.-]*#\d+")
+# Files another engineer is editing now, skipped until they are cleaned: the next engineer to
+# touch them removes their hits and empties this set. (optim/scaled_step.py is theirs too, not
+# yet on every branch.)
+HISTORY_NOT_YET_CHECKED = frozenset({
+    "optim/guards.py", "compiler/full_updates.py", "frontend/full.py", "optim/scaled_step.py",
+    "optim/attached.py", "compiler/updates.py", "compiler/record.py", "compiler/graph_compiler.py",
+})
+
+
+def _history(text: str) -> list[int]:
+    """The 1-based lines of ``text`` that name a date, an issue number or an upstream one."""
+    return [n for n, line in enumerate(text.splitlines(), 1) if HISTORY.search(line)]
+
+
+def test_the_package_names_no_dates_and_no_issue_numbers():
+    hits = [
+        f"graphddp/{rel}:{n}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if (rel := path.relative_to(PACKAGE).as_posix()) not in HISTORY_NOT_YET_CHECKED
+        for n in _history(path.read_text())
+    ]
+    assert not hits, "a date or an issue number in the package (the figure or story goes in docs/): " + ", ".join(hits)
+
+
+def test_a_date_or_an_issue_number_is_caught():
+    text = "ok\n# since 2026-11-27\n(issue 37)\nsee pytorch#181564\nIssue #5\ncolour '#888888', 2.4 ms, 1e-3\n"
+    assert _history(text) == [2, 3, 4, 5]
