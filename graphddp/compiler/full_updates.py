@@ -22,7 +22,7 @@ counts each case: ``"inside"``, ``"inside, carried"``, or the reason):
 * ``"ran twice"``: the graph's forward ran more than once before this backward;
 * ``"shared"``: another graph of this step reads one of its parts (a weight tied across a graph
   break), and either its backward is still to come or it returned that part's share already
-  (which autograd may add to ``p.grad`` only after this backward has begun: measured, so not
+  (which autograd may add to ``p.grad`` only after this backward has begun, so it is not
   carried);
 * ``"other parts"``: Dynamo ran the graph for other modules' parts than it was compiled for
   (their parent's frame runs eagerly), so the state passed by name would be another part's;

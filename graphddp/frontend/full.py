@@ -297,12 +297,12 @@ class FullyShardedGraphDDP(nn.Module):
         """Every rank must run every forward: each one gathers the parameters from all ranks. A
         forward one rank runs alone (nanoGPT's ``estimate_loss`` on rank 0) would pair its
         gathers with the other ranks' next collectives: a hang until the process group's
-        timeout (measured), or, where those are gathers of the same sizes, the wrong tensors.
+        timeout, or, where those are gathers of the same sizes, the wrong tensors.
         So before its first collective each forward takes part in a fixed-size one
         (:func:`graphddp.runtime.agree.max_over_ranks`, which pairs only with its own kind) of
         how many forwards this rank has run and whether autograd is on; ranks that differ raise
         :class:`~graphddp.runtime.agree.ScheduleMismatchError` on every rank, naming each side.
-        One small all-gather read on the host per forward (gloo, 2 CPU ranks: about 0.25 ms)."""
+        One small all-gather read on the host per forward (its cost: docs/full-sharding.md)."""
         if agree.nothing_to_agree(self.process_group):
             return
         self._forwards += 1

@@ -3,7 +3,7 @@
 Background
     With ``graphddp.compile(model, optimizer=opt)`` the parameters are updated inside the
     backward and ``p.grad`` stays None. Two things training loops do after the backward then
-    go wrong without a word (issue 37, nanoGPT's ``train.py``):
+    go wrong without a word (nanoGPT's ``train.py`` does both):
 
     * ``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` finds no gradient, returns 0.0
       and clips nothing: the update already ran unclipped (``clip_grad_value_`` alike);
