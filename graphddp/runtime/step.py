@@ -35,22 +35,10 @@ Algorithm
       the backend and the dispatchers read them; no other object writes a field of the step.
 
 Agreement, and steps that differ across ranks
-    Every synchronising backward graph with buckets first agrees with the other ranks, in band
-    (:meth:`agree`): one small maximum over ranks (an all-gather of a few integers) of a hash of its wire layout, its position in
-    the step and the number of synchronising forwards the step ran, plus two flags. Equal
-    everywhere (the static case), the graph runs its compiled all-reduces, as before. Different
-    (ranks whose control flow used different parameters: LayerDrop, a head per task; ranks that
-    ran different numbers of graphs) or asked for by a joined rank (:mod:`graphddp.runtime.join`), the
-    step is *divergent* on every rank at once: this and every later graph of the step runs its
-    local backward, hands its gradients to the step (:meth:`contribute`) instead of autograd,
-    and the end of the step averages the union of every rank's gradients, zeros where a rank
-    had none (:mod:`graphddp.runtime.union`), as DDP with ``find_unused_parameters=True`` does. The
-    other flag says some rank has a parameter whose every gradient source was unused this step
-    (an output left out of the loss): the graph then also agrees on which parameters were used
-    anywhere, and the ones used nowhere keep ``grad`` None, as in DDP. A step where parameters
-    no compiled graph covers may get a gradient from eager code (Dynamo runs a frame with a
-    graph break inside a loop eagerly: BART's LayerDrop) is divergent too, so that those
-    gradients are averaged with the rest.
+    Before a synchronising backward graph's collectives, the step agrees with the other ranks
+    in band (:meth:`agree`); a step whose graphs differ across ranks is *divergent* and ends
+    in the union average. Those methods, and the design note on them, are in
+    :mod:`graphddp.runtime.step_agreement` (:class:`StepState` inherits them).
 """
 from __future__ import annotations
 
@@ -61,9 +49,9 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from graphddp.runtime.agree import PendingProbe, layout_hash, nothing_to_agree, probe_async
 from graphddp.runtime.gathers import PendingGathers
-from graphddp.runtime.steady import Expected, SteadyHeader, send_deviating
+from graphddp.runtime.steady import Expected
+from graphddp.runtime.step_agreement import StepAgreement
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +84,7 @@ def current_frame() -> int | None:
     return None if compile_id is None else compile_id.frame_id
 
 
-class StepState:
+class StepState(StepAgreement):
     """The state of the current step (module docstring). One per model replica."""
 
     def __init__(self, track_runs: bool = True) -> None:
@@ -109,7 +97,7 @@ class StepState:
         self.eager_graphs: list[int] = []  # ... over these graphs' buckets, at the end of the backward
         self.accumulated = False  # gradients accumulated locally (no_sync) wait for a synchronising step
         self.ran_params: set[str] = set()  # parameters of the graphs the current forward ran
-        # Agreement (module docstring): what this step ran and whether ranks' steps differ.
+        # Agreement (graphddp.runtime.step_agreement): what this step ran and whether ranks' steps differ.
         self.expected = 0  # synchronising forwards of compiled graphs since the step began
         self.probed = 0  # synchronising backward graphs that agreed in this step
         self.divergent = False  # this step's graphs differ across ranks: the union average at its end
@@ -261,123 +249,6 @@ class StepState:
             self._runs[index] = [r for r in self._runs.get(index, ()) if r.counts()] + [_Run(node)]
 
     # -- backward -------------------------------------------------------------------------------
-    def agree(self, group: Any, digest: int, what: str, unused_here: bool) -> tuple[bool, bool]:
-        """Before a synchronising backward graph's collectives: is this step divergent (module
-        docstring), and did some rank see an unused gradient source? The same answer on every
-        rank. Once divergent, the step stays so and no further check is made."""
-        if self.divergent:
-            return True, False
-        header = self.steady_header(group, digest, unused_here)
-        if header is not None:  # this path has no bucket to carry it: the header deviates, then the probe
-            send_deviating(header, group)
-            return self.agreed(self.probe_after(header, group, what))
-        return self.agreed(self.agree_async(group, digest, what, unused_here))
-
-    def _flags(self, position: int, unused_here: bool) -> tuple[bool, ...]:
-        return (self.joined, bool(self.eager), unused_here, self.carrying, self.carrying and position == 0 and self._cannot_carry())
-
-    def agree_async(
-        self, group: Any, digest: int, what: str, unused_here: bool, steady: tuple[int, torch.dtype] | None = None
-    ) -> PendingProbe:
-        """:meth:`agree`'s collective, issued now and read later (a gated backward reads it at
-        its first bucket's issue: :mod:`graphddp.runtime.gate`); :meth:`agreed` finishes it.
-        Only while the step is not divergent yet. ``steady``: this graph's one bucket's
-        ``(numel, dtype)`` where it could carry its next agreements (:mod:`graphddp.runtime.steady`)."""
-        position, self.probed = self.probed, self.probed + 1
-        return self._ask(group, position, self._layout(digest, position), self._flags(position, unused_here), what, steady)
-
-    def _layout(self, digest: int, position: int) -> int:
-        """What a rank's agreement at ``position`` compares: its graph's layout, the position and
-        the synchronising forwards of the step so far (a hash, kept: every step asks the same)."""
-        key = (digest, position, self.expected)
-        layout = self._layouts.get(key)
-        if layout is None:
-            if len(self._layouts) > 1024:  # positions x layouts: a handful, unless graphs keep changing
-                self._layouts.clear()
-            layout = self._layouts[key] = layout_hash(key)
-        return layout
-
-    def _alone(self, group: Any) -> bool:
-        """``nothing_to_agree(group)``, asked once per group (a steady backward asks every step)."""
-        if self._solo is None or self._solo[0] is not group:
-            self._solo = (group, nothing_to_agree(group))
-        return self._solo[1]
-
-    @staticmethod
-    def _ask(
-        group: Any, position: int, layout: int, flags: tuple[bool, ...], what: str, steady: tuple[int, torch.dtype] | None
-    ) -> PendingProbe:
-        # The last flag: this rank's graph here cannot carry its agreement in its bucket; an
-        # expectation is recorded only where no rank raises it (agreed).
-        return probe_async(None, (*flags, steady is None), group, what, digest=layout, question=(position, layout, steady))
-
-    def steady_header(self, group: Any, digest: int, unused_here: bool) -> SteadyHeader | None:
-        """The next position's agreement as a header of its bucket's all-reduce, where that
-        position is steady (:mod:`graphddp.runtime.steady`); None where the classic probe asks.
-        Takes the position as :meth:`agree_async` does."""
-        expected = self.steady.get(self.probed) if self.headers_allowed and not self.joined else None
-        if expected is None or self._alone(group):
-            return None
-        position, self.probed = self.probed, self.probed + 1
-        wire = self._wires.get(position)
-        if wire is None:
-            wire = self._wires[position] = expected.buffer()
-        return SteadyHeader(position, expected, self._layout(digest, position), self._flags(position, unused_here), wire)
-
-    def probe_after(
-        self, header: SteadyHeader, group: Any, what: str, steady: tuple[int, torch.dtype] | None = None
-    ) -> PendingProbe:
-        """The classic probe at a steady position whose header some rank raised: every rank
-        asks it next, at the same position, with the same flags (:meth:`agreed` decides);
-        ``steady`` as for :meth:`agree_async`."""
-        return self._ask(group, header.position, header.layout, header.flags, what, steady)
-
-    @staticmethod
-    def goes_on(pending: PendingProbe) -> bool:
-        """Does the agreement let a synchronising graph issue its buckets as compiled: the same
-        layout everywhere, no rank joined, eager, with an unused gradient or unable to carry?
-        Reads (waits for) the answer; no side effect."""
-        same, (join_asks, eager, unused, _carrying, blocked, _unsteady) = pending.result()
-        return same and not (join_asks or eager or unused or blocked)
-
-    def agreed(self, pending: PendingProbe) -> tuple[bool, bool]:
-        """What :meth:`agree` returns, from its collective: the step's divergence and the
-        averages a step that cannot carry makes now (module docstring). Records or forgets
-        the position's expectation (:mod:`graphddp.runtime.steady`) from the answer, which
-        every rank reads alike."""
-        same, (join_asks, eager, unused, carrying, blocked, unsteady) = pending.result()
-        if pending.question is not None:
-            position, layout, steady = pending.question
-            if same and not (join_asks or eager or unused or blocked or unsteady) and steady is not None:
-                expected = Expected(layout, *steady)
-                if self.steady.get(position) != expected:
-                    self._wires.pop(position, None)
-                self.steady[position] = expected
-            else:
-                self.steady.pop(position, None)
-                self._wires.pop(position, None)
-        self.divergent = not same or join_asks or eager
-        if carrying and (self.divergent or unused or blocked):
-            # Some rank carries but this step cannot (or it is divergent): every rank averages
-            # the accumulated gradients now, as before the backward (a joined rank with zeros),
-            # and the step goes on as one without accumulation.
-            self.carrying = False
-            self._average_accumulated(self.joined)
-        return self.divergent, unused
-
-    def _cannot_carry(self) -> bool:
-        """Rules carrying out on this rank, at the step's first agreement: a fact of its
-        forward (:meth:`block_carry`), a graph without a carrying variant, or a graph whose
-        forward ran in this step but whose backward this backward will not run (its
-        parameters' accumulated gradients would stay unaveraged)."""
-        if self._carry_blocked:
-            return True
-        for index, ref in self._carry_graphs.items():
-            node = ref()
-            if node is None or not self.carry_ready(index) or not _runs_in_this_backward(node):
-                return True
-        return False
-
     def contribute(self, schedule: Any, grads: dict[str, torch.Tensor], used: Iterable[str]) -> None:
         """A divergent step's graph ran locally: its gradients wait here for the union average."""
         for name, grad in grads.items():
@@ -451,13 +322,3 @@ class StepState:
         self.local_used.clear()
         self.local_schedules.clear()
         self.eager.clear()
-
-
-def _runs_in_this_backward(node: Any) -> bool:
-    """Will the running backward execute ``node``, or is it executing it now? torch's
-    ``_will_engine_execute_node`` leaves the graph task's root out when the backward starts at
-    one node (its ``nodes_in_graph`` holds what the root leads to): a backward called on a
-    compiled graph's own output (a Hugging Face model's ``.loss``, computed inside the graph)
-    starts at that graph's node, which the check then calls unexecuted while it runs."""
-    current = getattr(torch._C, "_current_autograd_node", None)
-    return (current is not None and node is current()) or torch._C._will_engine_execute_node(node)
