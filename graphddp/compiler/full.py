@@ -33,8 +33,8 @@ from graphddp.graph.reshard import Kept, tag_regathers
 from graphddp.graph.verify_full import check_part_collectives
 from graphddp.optim.guards import ATTACHED_NODE
 from graphddp.plan.full_cap import planned_cap_bytes
-from graphddp.runtime.dispatch import compiled_backward_node
 from graphddp.runtime.usage import GradientUsage, NoneOutputs
+from graphddp.runtime.variants import compiled_backward_node
 from graphddp.values.part_schedule import PartCap, PartGraph
 
 

@@ -64,11 +64,12 @@ from graphddp.optim.attached import AttachedOptimizer
 from graphddp.optim.guards import ATTACHED_NODE
 from graphddp.plan.planner import plan
 from graphddp.runtime.agree import agrees_at_run_time
-from graphddp.runtime.dispatch import BackwardDispatch, GraphState, Synced, compiled_backward_node
+from graphddp.runtime.dispatch import BackwardDispatch
 from graphddp.runtime.gate import gate_for
 from graphddp.runtime.gathers import ForwardDispatch
 from graphddp.runtime.step import StepState, current_frame
 from graphddp.runtime.union import UnionAverage
+from graphddp.runtime.variants import GraphState, Synced, compiled_backward_node
 from graphddp.values.comm import group_name_of
 from graphddp.values.schedule import Schedule
 

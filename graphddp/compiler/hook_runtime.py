@@ -20,7 +20,7 @@ import torch
 
 from graphddp.compiler.record import GraphRecord
 from graphddp.graph.insert_comm import HOOK_STATE, HOOK_STATE_SPEC
-from graphddp.runtime.dispatch import Synced
+from graphddp.runtime.variants import Synced
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY
 
 

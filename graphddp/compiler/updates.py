@@ -6,7 +6,7 @@ zero-filled), the sharded plan (``sharding="optimizer"``: which buckets are redu
 a pass before the collectives), with_updates -> insert_update -> verify_updates and the
 sharded buckets' pass, and the variant without the update for steps the graph cannot update
 alone. At run time each synchronising variant gets an
-:class:`~graphddp.runtime.dispatch.InGraphUpdate` that decides, step by step, whether the
+:class:`~graphddp.runtime.variants.InGraphUpdate` that decides, step by step, whether the
 graph's update is the whole step for its parameters or torch's step after the backward takes
 over (recorded in ``GraphRecord.fallbacks``, warned once per graph and reason). This is how
 the optimizer plugs into the compiler (its passes in ``backward_passes``), in a module of its
@@ -35,7 +35,7 @@ from graphddp.optim.insert_update import WRITES, UpdateInputs, insert_update
 from graphddp.optim.verify import verify_updates
 from graphddp.optim.verify_shard import verify_sharded
 from graphddp.plan.planner import with_sharding, with_updates
-from graphddp.runtime.dispatch import InGraphUpdate
+from graphddp.runtime.variants import InGraphUpdate
 from graphddp.values.schedule import Schedule
 
 log = logging.getLogger("graphddp")

@@ -1,0 +1,156 @@
+"""What one compiled graph's backward can run, as data: the variants a
+:class:`~graphddp.runtime.dispatch.BackwardDispatch` chooses between, and the state a graph's
+forward wrapper shares with it.
+
+* :class:`GraphState`: set by the forward wrapper (a ``no_sync`` forward's pre-hook on its
+  autograd node, the parameters a renamed call ran with, which output gradients came as None)
+  and taken once by the next backward; :func:`compiled_backward_node` finds the node a call made.
+* :class:`Synced`: one synchronising variant (its plan, its code compiled on first use, the
+  wire layout and hash it agrees on, the shape of its one bucket where the agreement can ride
+  in it).
+* :class:`InGraphUpdate`: how a synchronising variant runs the attached optimizer
+  (:mod:`graphddp.optim.attached`) after each bucket's wait, and the rule
+  (:attr:`InGraphUpdate.allowed`, asked of the graphs of this step) that sends a step it cannot
+  update alone to a third variant, the all-reduces without the update.
+
+They live apart from the dispatcher because the compiler builds them (:mod:`graphddp.compiler`)
+and the dispatcher only reads them: what a variant is, not which one runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+import torch
+
+from graphddp.runtime.agree import layout_hash
+from graphddp.runtime.usage import NoneOutputs
+from graphddp.values.schedule import Schedule
+
+if TYPE_CHECKING:
+    from graphddp.optim.attached import AttachedOptimizer
+
+_COMPILED_BACKWARD = "CompiledFunctionBackward"
+
+
+class GraphState:
+    """Shared by one compiled graph's forward wrapper and its backward dispatcher."""
+
+    def __init__(self) -> None:
+        self._local_next = False  # set by a pre-hook right before the node's backward runs
+        self.plain_compiles = 0  # how often the communication-free backward was compiled
+        self.steps_in_graph = 0  # synchronising backwards that updated inside the graph
+        self.steps_after = 0  # ... that left the update to torch's step after the backward
+        self.held = 0  # gated backwards whose agreement held the buckets (graphddp.runtime.gate)
+
+        self._renamed: dict[str, str] | None = None  # the next backward's parameters, when not the compiled ones
+        self.none_outputs = NoneOutputs()  # which output gradients the next backward got as None
+
+    def mark_local(self, _grad_outputs: Any = None) -> None:
+        self._local_next = True
+
+    def take_local(self) -> bool:
+        local, self._local_next = self._local_next, False
+        return local
+
+    def rename_next(self, names: dict[str, str]) -> None:
+        self._renamed = names
+
+    def take_renamed(self) -> dict[str, str] | None:
+        names, self._renamed = self._renamed, None
+        return names
+
+
+def compiled_backward_node(outputs: Iterable[Any], inputs: Iterable[Any]) -> Any:
+    """The autograd node this call of a compiled graph created, or None.
+
+    Walks from the outputs' ``grad_fn`` (through view nodes AOTAutograd adds for aliased
+    outputs) to the first ``CompiledFunctionBackward``, never past a node that an input
+    already had: that one belongs to an earlier graph.
+    """
+    earlier = {t.grad_fn for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+    todo = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen: set[Any] = set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen or node in earlier:
+            continue
+        seen.add(node)
+        if node.name() == _COMPILED_BACKWARD:
+            return node
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return None
+
+
+@dataclasses.dataclass
+class InGraphUpdate:
+    """How one graph's synchronising variant runs the optimizer (module docstring)."""
+
+    attached: "AttachedOptimizer"
+    names: tuple[str, ...]  # parameters the graph updates, in its input order
+    groups: tuple[int, ...]  # their param groups, whose hyperparameters it reads
+    allowed: Callable[[frozenset[str]], bool]  # may this step update inside the graph (given the unused)
+    compile_grads: Callable[[], Callable[[list[Any]], Any]]  # the variant without the update
+    writes: tuple[tuple[int, str], ...]  # backward inputs the update writes, each a parameter's memory
+    grads: Callable[[list[Any]], Any] | None = None
+    writes_checked: bool = False
+    shards: tuple[Any, ...] = ()  # sharded buckets' layouts (graphddp.optim.shard_functions.ShardLayout)
+    # gather="forward": the backward returns its un-waited all-gathers after the gradients; the
+    # next forward completes them (graphddp.runtime.gathers). The eager write for when no
+    # forward graph can take them.
+    write_deferred: Callable[[list[torch.Tensor]], None] | None = None
+
+    @property
+    def deferred_shards(self) -> list[Any]:
+        """The sharded buckets whose all-gathers the backward returns, in output order."""
+        return [s for s in self.shards if s.bucket.gather == "forward"]
+
+    def check_writes(self, args: list[Any]) -> None:
+        """Once: each input the update writes a parameter through really is that parameter's
+        memory (an update written into a copy would leave the parameter as it was)."""
+        for index, name in self.writes:
+            param = self.attached.params[name]
+            if args[index].untyped_storage().data_ptr() != param.untyped_storage().data_ptr():
+                raise RuntimeError(
+                    f"graphddp: backward input {index} was traced as the memory of {name!r} but is not; "
+                    "the in-graph update would miss it. Please report this with the model."
+                )
+        self.writes_checked = True
+
+
+@dataclasses.dataclass
+class Synced:
+    """One synchronising variant of a graph's backward: its plan, its code (compiled on first
+    use), its in-graph update, and the state tensors a user's hook reads (in input order).
+
+    A hook with phases (PowerSGD's plain all-reduce before ``start_powerSGD_iter``) has one
+    per phase; every other graph has one.
+    """
+
+    schedule: Schedule
+    compile: Callable[[], Callable[[list[Any]], Any]]
+    update: InGraphUpdate | None = None
+    hook_args: Callable[[], list[torch.Tensor]] = list
+    fn: Callable[[list[Any]], Any] | None = None
+
+    def __post_init__(self) -> None:
+        # Checked before every synchronising step, computed once: the layout never changes.
+        self.layout = self.schedule.wire_layout()
+        self.digest = layout_hash(self.layout)
+        self.steady = _steady_shape(self.schedule)  # renaming a schedule keeps its buckets' shape
+        self.what = f"backward graph {self.schedule.graph_index}"
+
+    def code(self) -> Callable[[list[Any]], Any]:
+        if self.fn is None:
+            self.fn = self.compile()
+        return self.fn
+
+
+def _steady_shape(schedule: Schedule) -> tuple[int, torch.dtype] | None:
+    """A gated graph's one bucket, ``(numel, dtype)``, where its agreement can ride in the
+    bucket's all-reduce once its position is steady (:attr:`Schedule.agreement_in_bucket`).
+    None elsewhere."""
+    if not schedule.agreement_in_bucket:
+        return None
+    (bucket,) = schedule.buckets
+    return bucket.numel, getattr(torch, bucket.dtype.removeprefix("torch."))
