@@ -105,7 +105,9 @@ def _install_timers(timers: Timers, mode: str) -> None:
 
     for name in ("plan_key", "load", "store"):
         timers.wrap(cache, name, f"graphddp compile_cache.{name}")
-    timers.wrap(cache.Derivation, "_derive", "graphddp compile_cache derivation")
+    import graphddp.compiler.cache_derivation as cache_derivation
+
+    timers.wrap(cache_derivation.Derivation, "_derive", "graphddp compile_cache derivation")
 
 
 def _counters() -> dict[str, dict[str, int]]:

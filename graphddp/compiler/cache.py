@@ -40,10 +40,8 @@ This module lets graphddp's graphs use the AOTAutograd cache too:
   dispatcher as cold around the loaded code. An AOTAutograd hit without a matching graphddp
   entry (deleted, written by an interrupted run) is compiled cold (``compile_cache_stale``).
 * **What the cache does not hold is derived on first use.** The ``no_sync`` variant and the
-  rewritten FX graph (``record.graph``) are not in the cache: the first time a step or a user
-  needs them, :class:`Derivation` compiles the Dynamo graph once more, cold, in the saved
-  tracing context (inductor's compiles hit its FX-graph cache), checks that the forward, the
-  backward and the plan are exactly the cached ones, and serves them from that.
+  rewritten FX graph, by one more cold compile that must match the cached one
+  (:mod:`graphddp.compiler.cache_derivation`, with the record of a hit).
 * **Ranks cannot disagree because one hit.** Every rank has the same options and cost model
   (calibration agrees across ranks), a hit reproduces the plan a miss makes from them,
   compiling still never runs a collective (this is file I/O only), and every synchronising
@@ -69,8 +67,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from graphddp.compiler.record import GraphRecord
-from graphddp.runtime.disk import ENV, enabled, write_atomically
+from graphddp.runtime.disk import enabled, write_atomically
 
 log = logging.getLogger("graphddp")
 
@@ -317,105 +314,6 @@ def _catcher_class() -> type:
     return HitCatcher
 
 
-class CachedRecord(GraphRecord):
-    """A record from the compile cache: the plan and the code now, the graph on first read."""
-
-    def __init__(self, schedule: Any, generated_code: str | None, phase: str, derivation: "Derivation") -> None:
-        self._phase, self._derivation = phase, derivation
-        self._graph = None
-        super().__init__(schedule=schedule, graph=None, generated_code=generated_code)
-
-    @property  # type: ignore[override]
-    def graph(self) -> torch.fx.GraphModule:
-        if self._graph is None:
-            self._graph = self._derivation.get().records[self._phase].graph
-        return self._graph
-
-    @graph.setter
-    def graph(self, value: Any) -> None:
-        self._graph = value
-
-    def __repr__(self) -> str:  # the dataclass repr would derive the graph
-        return f"CachedRecord(graph_index={self.schedule.graph_index}, phase={self._phase!r}, fingerprint={self.schedule.fingerprint()})"
-
-
-@dataclasses.dataclass
-class Derived:
-    """What a cold compile of the graph gives, for a hit's graph and ``no_sync`` variant."""
-
-    records: dict[str, Any]  # phase -> GraphRecord
-    plain: Callable[[], Any]  # compiles the variant without communication
-    fw_key: str | None
-    bw_key: str | None
-    carry: Callable[[], Any] | None = None  # compiles the carrying variant, where the graph has one
-
-
-class Derivation:
-    """A hit's graphs and variants that are not in the cache, compiled once when first needed.
-
-    ``compile_cold(inputs)`` compiles the Dynamo graph as a miss does, with AOTAutograd's cache
-    off and its backward compiled at once, and returns :class:`Derived`. It runs in the tracing
-    and compile context of the hit, with grad mode on (the ``no_sync`` variant is first needed
-    inside a backward, where it is off) and the autocast state of the hit.
-    """
-
-    def __init__(
-        self, graph_index: int, entry: Entry, schedule: Any, compile_cold: Callable[[Sequence[Any]], Derived],
-        example_inputs: Sequence[Any],
-    ) -> None:
-        from torch._guards import CompileContext, TracingContext
-
-        self.graph_index, self.entry, self.schedule, self._compile_cold = graph_index, entry, schedule, compile_cold
-        self._tracing, self._compile_context = TracingContext.try_get(), CompileContext.try_get()
-        self._autocast = _autocast_state()
-        self._inputs = _fake_inputs(example_inputs, self._tracing)
-        self._derived: Derived | None = None
-
-    def get(self) -> Derived:
-        if self._derived is None:
-            self._derived = self._derive()
-        return self._derived
-
-    def _derive(self) -> Derived:
-        from torch._dynamo.convert_frame import compile_lock
-        from torch._guards import compile_context, tracing
-
-        count("derive")
-        log.info("graphddp compile cache: compiling graph %d once more for what the cache does not hold", self.graph_index)
-        with compile_lock, tracing(self._tracing), compile_context(self._compile_context), torch.enable_grad(), _autocast(self._autocast):
-            derived = self._compile_cold(self._inputs)
-        entry = self.entry
-        mismatch = []
-        if (derived.fw_key, derived.bw_key) != (entry.fw_key, entry.bw_key):
-            mismatch.append(f"code (FX-graph keys {derived.fw_key}/{derived.bw_key}, cached {entry.fw_key}/{entry.bw_key})")
-        if derived.records[entry.phase].schedule != self.schedule:
-            mismatch.append("the plan")
-        if mismatch:
-            raise RuntimeError(
-                f"graphddp: backward graph {self.graph_index} from the compile cache differs from a fresh compile of it in "
-                f"{' and '.join(mismatch)}; the cached graph cannot be combined with variants compiled now. Remove the "
-                f"inductor cache directory (TORCHINDUCTOR_CACHE_DIR) or set {ENV}=0, and please report this."
-            )
-        return derived
-
-
-def _fake_inputs(example_inputs: Sequence[Any], tracing_context: Any) -> list[Any]:
-    """The example inputs as the tracing context's fake tensors: no real memory kept alive."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    fake_mode = getattr(tracing_context, "fake_mode", None)
-
-    def fake(x: Any) -> Any:
-        if fake_mode is None or not isinstance(x, torch.Tensor) or isinstance(x, FakeTensor):
-            return x
-        try:
-            return fake_mode.from_tensor(x)  # Dynamo's own fake of it (memoised)
-        except Exception:  # noqa: BLE001 - keep the real tensor: correct, only holds its memory
-            return x
-
-    return [fake(x) for x in example_inputs]
-
-
 def _autocast_state() -> list[tuple[str, bool, torch.dtype]]:
     state = []
     for device in torch._C._autocast_supported_devices():
@@ -436,11 +334,6 @@ def _autocast(state: list[tuple[str, bool, torch.dtype]]) -> Iterator[None]:
         for device, on, dtype in saved:
             torch.set_autocast_enabled(device, on)
             torch.set_autocast_dtype(device, dtype)
-
-
-def hit_record(schedule: Any, generated_code: str | None, phase: str, derivation: Derivation) -> Any:
-    """The record of a hit: this run's plan (the cached plan's buckets, this run's cost model)."""
-    return CachedRecord(schedule, generated_code, phase, derivation)
 
 
 def log_hit(graph_index: int, schedule: Any) -> None:

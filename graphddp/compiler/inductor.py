@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 import torch.fx as fx
 
 from graphddp.compiler import cache as compile_cache
+from graphddp.compiler import cache_derivation
 from graphddp.compiler.record import CARRY, GraphRecord
 from graphddp.config.inductor_settings import INDUCTOR_FX_ORDER_CONFIG, INDUCTOR_PINNED_CONFIG
 from graphddp.runtime.dispatch import BackwardDispatch
@@ -218,7 +219,7 @@ class _InductorCompile:
         hold (the local variant) is derived by one cold compile if a step ever needs it."""
         phase_now = self.phase_now
 
-        def compile_cold(inputs: Sequence[Any]) -> compile_cache.Derived:
+        def compile_cold(inputs: Sequence[Any]) -> cache_derivation.Derived:
             """What a miss compiles, for what the cache does not hold (the compile is the same,
             inductor's compiles hit its FX-graph cache); the backward compiled now."""
             got: dict[str, Any] = {}
@@ -232,10 +233,10 @@ class _InductorCompile:
                 got["fw_key"] = compile_cache.fx_key(code)
 
             self.run_compile_fx(inputs, finish_derived, on_derived_forward, eager_backward=True)
-            return compile_cache.Derived(got["records"], got["plain"], got.get("fw_key"), got.get("bw_key"), got.get("carry"))
+            return cache_derivation.Derived(got["records"], got["plain"], got.get("fw_key"), got.get("bw_key"), got.get("carry"))
 
-        derivation = compile_cache.Derivation(self.graph_index, entry, plan_now, compile_cold, example_inputs)
-        record = compile_cache.hit_record(plan_now, getattr(catcher.bw_code, "source_code", None), phase_now, derivation)
+        derivation = cache_derivation.Derivation(self.graph_index, entry, plan_now, compile_cold, example_inputs)
+        record = cache_derivation.hit_record(plan_now, getattr(catcher.bw_code, "source_code", None), phase_now, derivation)
         compile_cache.log_hit(self.graph_index, plan_now)
         backward = self.dispatch(  # one phase (no traced hook), no update (no optimizer): see plan_key
             {phase_now: record}, lambda record: (lambda: catcher.bw_code), lambda record: None,

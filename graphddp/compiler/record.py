@@ -1,8 +1,8 @@
 """What graphddp did to one backward graph: :class:`GraphRecord`.
 
 Its own module, below both the backend that makes records (:mod:`graphddp.compiler.graph_compiler`)
-and the compile cache that makes them from a cache hit (:mod:`graphddp.compiler.cache`), so
-neither imports the other for it.
+and the compile cache that makes them from a cache hit (:mod:`graphddp.compiler.cache`,
+:mod:`graphddp.compiler.cache_derivation`), so neither imports the other for it.
 """
 from __future__ import annotations
 
