@@ -1,7 +1,8 @@
 """The package's shape, checked: layers, one options definition, an explain that leaves nothing.
 
 These are the properties issue 10 asks for, as tests so they stay true: ``schedule.py`` (with
-``prediction.py``, the cost model's values it re-exports, below it) is the bottom layer and the
+``prediction.py``, the cost model's values it re-exports, and ``schedule_table.py``, its table,
+below it) is the bottom layer and the
 import graph has no cycle (function-level imports included); the product never imports its
 test helpers or the benchmark; ``compile``, ``explain`` and the CLI accept
 exactly ``DDPConfig``'s options; ``explain`` leaves no process group, no exception hook and no
@@ -74,7 +75,8 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_schedule_is_the_bottom_layer_and_imports_have_no_cycle():
     graph = _imports()
     assert graph["graphddp.values.prediction"] == set()
-    assert graph["graphddp.values.schedule"] == {"graphddp.values.prediction"}
+    assert graph["graphddp.values.schedule_table"] == {"graphddp.values.prediction"}  # Timeline, for annotations only
+    assert graph["graphddp.values.schedule"] == {"graphddp.values.prediction", "graphddp.values.schedule_table"}
     assert graph["graphddp.graph.capture"] == {"graphddp.values.schedule"}
     assert graph["graphddp.values.collectives"] == {"graphddp.values.schedule", "graphddp.values.comm"}  # the kinds: just above the value types
     assert graph["graphddp.plan.cost"] == {"graphddp.values.schedule", "graphddp.values.collectives"}
