@@ -53,7 +53,7 @@ import torch.nn as nn
 from graphddp.compiler.full import Compiled, fully_sharded_compiler
 from graphddp.compiler.full_updates import PartUpdates
 from graphddp.config import DDPConfig
-from graphddp.frontend.replica import check_and_broadcast
+from graphddp.frontend.wrap import check_and_broadcast
 from graphddp.graph.part_collectives import PREFETCH
 from graphddp.optim import clip, guards
 from graphddp.optim.shard import ELEMENTWISE, check_whole_state
