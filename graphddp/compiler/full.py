@@ -2,7 +2,7 @@
 gathers of parts tagged for recomputation when the forward reshards.
 
 With full sharding the collectives are in the graphs before graphddp sees them: every
-parameter read is an all-gather of the ranks' parts (:mod:`graphddp.frontend.full`) and
+parameter read is an all-gather of the ranks' parts (:mod:`graphddp.frontend.parts`) and
 AOTAutograd derives its reduce-scatter in the backward. What this module adds is which graph
 gathers what (forward only, or again in the backward: :mod:`graphddp.graph.reshard`), where in
 each graph the collectives are issued and waited, in buckets

@@ -1,9 +1,9 @@
 """The torch.compile backend: AOTAutograd, then graphddp's passes on every backward graph.
 
 Dynamo hands each captured forward graph to :class:`GraphCompiler`. AOTAutograd splits it
-into forward and backward ATen graphs; the backward one goes through
-capture -> plan, then the backend's backward passes (:mod:`graphddp.compiler.compose`:
-insert_comm -> verify_comm, and the optimizer's pass) before the inner compiler sees it; the
+into forward and backward ATen graphs; the backward one goes through capture -> plan, then
+the backend's backward passes (:mod:`graphddp.compiler.compose`: insert_comm -> verify_comm,
+and the optimizer's pass; :mod:`graphddp.compiler.rewrite`) before the inner compiler sees it; the
 forward graph goes through the forward passes (today: reading the parameters' values):
 
 * ``inductor`` (:mod:`graphddp.compiler.inductor`): :func:`torch._inductor.compile_fx.compile_fx`
@@ -37,7 +37,6 @@ steps the graph cannot update alone.
 from __future__ import annotations
 
 import copy
-import logging
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -54,16 +53,15 @@ from graphddp.compiler.frames import FramePlans
 from graphddp.compiler.hook_runtime import HookRuntime
 from graphddp.compiler.inductor import compile_inductor
 from graphddp.compiler.record import CARRY, GraphRecord
+from graphddp.compiler.rewrite import BackwardRewrite
 from graphddp.compiler.updates import InGraphUpdates
 from graphddp.config import DDPConfig
 from graphddp.graph.alias_outputs import copy_parameter_outputs
 from graphddp.graph.bucket_function import HookContext
-from graphddp.graph.capture import extract_facts, parameter_of_inputs
+from graphddp.graph.capture import parameter_of_inputs
 from graphddp.hooks.traced import HookState
 from graphddp.optim.attached import AttachedOptimizer
 from graphddp.optim.guards import ATTACHED_NODE
-from graphddp.plan.planner import plan
-from graphddp.runtime.agree import agrees_at_run_time
 from graphddp.runtime.dispatch import BackwardDispatch
 from graphddp.runtime.gate import gate_for
 from graphddp.runtime.gathers import ForwardDispatch
@@ -71,12 +69,9 @@ from graphddp.runtime.step import StepState, current_frame
 from graphddp.runtime.union import UnionAverage
 from graphddp.runtime.variants import GraphState, Synced, compiled_backward_node
 from graphddp.values.comm import group_name_of
-from graphddp.values.schedule import Schedule
-
-log = logging.getLogger("graphddp")
 
 
-class GraphCompiler(InGraphUpdates, HookRuntime):
+class GraphCompiler(InGraphUpdates, HookRuntime, BackwardRewrite):
     """A torch.compile backend that rewrites every backward graph per the bucket plan.
 
     Each Dynamo graph is compiled once. Its backward comes in two variants, chosen per
@@ -88,7 +83,9 @@ class GraphCompiler(InGraphUpdates, HookRuntime):
 
     An attached optimizer's passes and per-step decisions are :class:`InGraphUpdates`'s
     (:mod:`graphddp.compiler.updates`), a traced hook's run-time side and the end-of-step
-    listeners :class:`HookRuntime`'s (:mod:`graphddp.compiler.hook_runtime`).
+    listeners :class:`HookRuntime`'s (:mod:`graphddp.compiler.hook_runtime`), the plan and
+    rewrite of one backward graph and the configuration's facts that decide its variants
+    :class:`BackwardRewrite`'s (:mod:`graphddp.compiler.rewrite`).
     """
 
     def __init__(
@@ -314,85 +311,6 @@ class GraphCompiler(InGraphUpdates, HookRuntime):
     def forwards(self) -> dict[int, ForwardDispatch]:
         """gather="forward": each training graph's forward dispatcher (for people and tests)."""
         return self.forward_slots.forwards
-
-    def carries(self) -> bool:
-        """Can a step after ``no_sync`` carry its accumulated gradients into the compiled buckets
-        (one collective of their sum per bucket, overlapped, as DDP's bucket after ``no_sync``;
-        with ``sharding="optimizer"`` a reduce-scatter, the part then updated in the graph)?
-        With built-in hooks: a traced hook sees each bucket's accumulated gradients alone, after
-        the backward (:meth:`_hook_end_of_step`). A fact of the configuration: the same on every rank."""
-        return self.world_size > 1 and self.hook is None and self.config.sharding in (None, "optimizer")
-
-    def gates(self) -> bool:
-        """Are this configuration's graphs gated (:mod:`graphddp.runtime.gate`: the agreement read
-        at the first bucket's issue, not before the backward)? Where every bucket can be held
-        local without having changed anything: replicated buckets with the built-in hook and no
-        compression, no optimizer inside the backward, and ranks to agree with. A fact of the
-        configuration: the same on every rank, so every rank follows an answer alike."""
-        return (
-            self.carries() and self.optimizer is None and self.config.comm_dtype is None
-            and agrees_at_run_time(self.group)
-        )
-
-    def carries_for(self, schedule: Schedule) -> bool:
-        """Does a graph of this plan get a carrying variant (:meth:`carries`, buckets, and no
-        zero-filled slot)? Decided from the plan alone, so a cache hit decides as a cold compile."""
-        return self.carries() and bool(schedule.buckets) and not any(s.zero_filled for b in schedule.buckets for s in b.slots)
-
-    def _phase(self) -> str:
-        """Which synchronising variant the next step runs: the hook's phase, else the one."""
-        return self.hook.phase() if self.hook is not None else "sync"
-
-    def _frame(self, graph_index: int) -> int | None:
-        """Graph ``graph_index``'s Dynamo frame (None for a graph the step never saw: a test's)."""
-        return self.step.graphs[graph_index].frame if graph_index < len(self.step.graphs) else None
-
-    def plan_graph(self, facts: Any, graph_index: int, unreduced: tuple[str, ...], hook: str | None = None) -> Schedule:
-        """The planner on one graph's facts; a recompile takes its frame's buckets
-        (:mod:`graphddp.compiler.frames`: zeros where a parameter stopped taking a gradient, with a hook)."""
-        frame = self._frame(graph_index)
-        like = self.frames.like(frame, (s.param_name for s in facts.slots))
-        schedule = plan(
-            facts, self.config, world_size=self.world_size, group_name=self.group_name, graph_index=graph_index,
-            unreduced=unreduced, hook=hook, like=like, gated=self.gates(),
-        )
-        if schedule.gated:
-            gate_for(self.group)  # registered before anything compiles or runs its all-reduces
-        if like is None:
-            self.frames.add(frame, schedule)
-        return schedule
-
-    def frame_plans(self, graph_index: int) -> list[Any]:
-        """The plans :meth:`plan_graph` may reuse for graph ``graph_index`` (the compile cache's key)."""
-        return self.frames.names(self._frame(graph_index))
-
-    def rewrite_backward(
-        self, gm: fx.GraphModule, param_inputs: Mapping[int, str], graph_index: int,
-        fw_values: Mapping[str, Any] | None = None, phase: str = "sync", carry: bool = False,
-    ) -> GraphRecord:
-        """capture -> plan -> rewrite -> verify for one backward graph. Talks to no rank.
-
-        With a user's traced hook, every bucket runs it, except in its ``"allreduce"`` phase
-        (PowerSGD before ``start_powerSGD_iter``), where buckets are averaged as by default.
-        With an optimizer attached and the forward values of the parameters (``fw_values``),
-        then with_updates -> insert_update -> verify_updates.
-        """
-        hook = self.hook if phase != "allreduce" else None
-        facts = extract_facts(gm, param_inputs)
-        graded = {s.output_index for s in facts.slots}
-        unreduced = tuple(name for i, name in sorted(param_inputs.items()) if i not in graded)
-        schedule = self.plan_graph(facts, graph_index, unreduced, hook.name if hook is not None else None)
-        shared = Shared(fw_values=dict(fw_values or {}))
-        schedule = run_passes(
-            self.backward_passes, gm, schedule, world_size=self.world_size, hook=hook, hook_context=self._hook_context,
-            graph_index=graph_index, check=self.config.verify, outputs={s.output_index: s.param_name for s in facts.slots},
-            shared=shared, carry=carry,
-        )
-        log.info("graphddp plan for backward graph %d (fingerprint %s):\n%s", graph_index, schedule.fingerprint(), schedule.to_table())
-        record = GraphRecord(schedule=schedule, graph=gm, without_update=shared.without_update)
-        if shared.tied:
-            record.fallbacks["shared"] = shared.tied
-        return record
 
 
 def _cap_bytes(config: DDPConfig) -> float:

@@ -11,7 +11,8 @@ import torch.nn as nn
 from graphddp.compiler.graph_compiler import GraphCompiler
 from graphddp.config import DDPConfig
 from graphddp.frontend.full import FullyShardedGraphDDP, compile_fully_sharded
-from graphddp.frontend.replica import Replica, ReplicaView, prepare, resolve_group
+from graphddp.frontend.replica import Replica, ReplicaView
+from graphddp.frontend.wrap import prepare, resolve_group
 from graphddp.hooks.traced import HOOK_STATE_KEY
 from graphddp.optim.attached import AttachedOptimizer
 

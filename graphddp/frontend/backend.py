@@ -32,7 +32,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 from graphddp.config import DDPConfig
-from graphddp.frontend.replica import Replica, ReplicaView, prepare, resolve_group
+from graphddp.frontend.replica import Replica, ReplicaView
+from graphddp.frontend.wrap import prepare, resolve_group
 from graphddp.optim.attached import AttachedOptimizer
 
 NAME = "graphddp"  # the registered backend name

@@ -1,15 +1,10 @@
 """``graphddp.compile(model, optimizer=opt, sharding="full")``: parameters, gradients and optimizer
 state held 1/N per rank, each parameter gathered where the forward and the backward read it.
 
-How (docs/design-full-sharding.md, SimpleFSDP's idea with plain tensors). Each parameter is
-replaced in its module by this rank's part (:func:`graphddp.values.shards.padded_part`, the cut
-``sharding="optimizer"`` uses), and the module's class by a subclass whose property of the same
-name all-gathers the parts and views the result as the whole parameter. ``torch.compile`` traces
-these gathers into the forward graphs (across graph breaks: every graph gathers what it reads),
-and AOTAutograd derives each gather's backward, a reduce-scatter of the gradient, so every rank
-receives the gradient of its part, summed over ranks; :class:`_Average` divides the whole
-gradient by the world size first, as DDP does. With ``reshard_after_forward`` (default True) the
-backward gathers again instead of keeping the gathered parameters (:mod:`graphddp.graph.reshard`).
+How each parameter becomes this rank's part and every read of it a gather (SimpleFSDP's idea
+with plain tensors), with the gradient reduce-scattered back: :mod:`graphddp.frontend.parts`.
+With ``reshard_after_forward`` (default True) the backward gathers again instead of keeping the
+gathered parameters (:mod:`graphddp.graph.reshard`).
 
 What the parts mean for the user:
 
@@ -40,23 +35,21 @@ Not yet (refused by name where an option asks for it): comm hooks, ``join()``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
-import math
 from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 
 from graphddp.compiler.full import Compiled, fully_sharded_compiler
 from graphddp.compiler.full_updates import PartUpdates
 from graphddp.config import DDPConfig
-from graphddp.frontend.replica import check_and_broadcast
+from graphddp.frontend.parts import Part, cut_state, repoint_optimizer, shard_parameters
+from graphddp.frontend.wrap import check_and_broadcast
 from graphddp.graph.part_collectives import PREFETCH
 from graphddp.optim import clip, guards
-from graphddp.optim.shard import ELEMENTWISE, check_whole_state
+from graphddp.optim.shard import ELEMENTWISE
 from graphddp.runtime import agree
 from graphddp.runtime.calibrate import resolve_cost
 from graphddp.runtime.sync import broadcast_tensors
@@ -65,141 +58,6 @@ from graphddp.values.part_schedule import FullSchedule, PartGraph, RankMemory
 from graphddp.values.shards import padded_part
 
 _ISOLATED = {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
-# The functional all-gather whose backward reduce-scatters: its torch 2.13 name, or the older one.
-_all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
-
-
-class _Average(torch.autograd.Function):
-    """Identity forward; the backward divides the whole gradient by the world size before the
-    reduce-scatter sums it, as DDP divides before its all-reduce."""
-
-    @staticmethod
-    def forward(ctx: Any, full: torch.Tensor, world: int) -> torch.Tensor:  # type: ignore[override]
-        ctx.world = world
-        return full.view_as(full)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return grad / ctx.world, None
-
-
-@dataclasses.dataclass
-class Part:
-    """One parameter of the module as this rank holds it."""
-
-    part: nn.Parameter  # flat, chunk(numel, world) elements, zero past the parameter's end
-    shape: tuple[int, ...]
-    names: list[str]  # every name it has in the module (tied weights: more than one)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-_AG = torch.ops._c10d_functional.all_gather_into_tensor.default
-_RS = torch.ops._c10d_functional.reduce_scatter_tensor.default
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
-
-
-class _GatherInDtype(torch.autograd.Function):
-    """With a mixed-precision policy (FSDP2's, same meaning): the parts cast to ``param_dtype``
-    and all-gathered (the forward's bytes in that dtype); the backward casts the whole gradient
-    to ``reduce_dtype``, divides it by the world size, reduce-scatters it (sum) and casts this
-    rank's part back to the part's dtype, where the optimizer steps it. A function of its own
-    because autograd's derived reduce-scatter would send the gradient in the gathered dtype."""
-
-    @staticmethod
-    def forward(ctx: Any, part: torch.Tensor, world: int, group_name: str, param_dtype: torch.dtype,  # type: ignore[override]
-                reduce_dtype: torch.dtype) -> torch.Tensor:
-        ctx.world, ctx.group_name, ctx.reduce_dtype, ctx.part_dtype = world, group_name, reduce_dtype, part.dtype
-        return _WAIT(_AG(part.to(param_dtype), world, group_name))
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        sent = grad.to(ctx.reduce_dtype) / ctx.world
-        return _WAIT(_RS(sent, "sum", ctx.world, ctx.group_name)).to(ctx.part_dtype), None, None, None, None
-
-
-def _gathered(part: torch.Tensor, shape: tuple[int, ...], group: Any, policy: Any = None) -> torch.Tensor:
-    """The whole parameter from every rank's part: all-gather, drop the padding, view; with a
-    mixed-precision ``policy`` in its ``param_dtype`` (:class:`_GatherInDtype`)."""
-    world = dist.get_world_size(group)
-    param_dtype = getattr(policy, "param_dtype", None) or part.dtype
-    reduce_dtype = getattr(policy, "reduce_dtype", None) or param_dtype
-    if param_dtype == part.dtype and reduce_dtype == part.dtype:
-        return _Average.apply(_all_gather(part, 0, group)[: math.prod(shape)].view(shape), world)
-    full = _GatherInDtype.apply(part, world, group.group_name, param_dtype, reduce_dtype)
-    return full[: math.prod(shape)].view(shape)
-
-
-_SHARDED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
-
-
-def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
-    """``cls`` with a gathering property per parameter name; one class per (class, names), so
-    that a model's equal blocks share one class (Dynamo guards on it)."""
-    key = (cls, names)
-    if key not in _SHARDED_CLASSES:
-        def prop(name: str) -> property:
-            def getter(self: nn.Module) -> torch.Tensor:
-                q = self._parameters[name]
-                return _gathered(q, q._graphddp_shape, q._graphddp_group, q._graphddp_policy)
-            return property(getter)
-
-        _SHARDED_CLASSES[key] = type(f"FullySharded{cls.__name__}", (cls,), {n: prop(n) for n in names})
-    return _SHARDED_CLASSES[key]
-
-
-def shard_parameters(module: nn.Module, group: Any, policy: Any = None) -> dict[int, Part]:
-    """Replace every parameter of ``module`` by this rank's part and every read of it by a gather
-    (module docstring). Returns the parts by the id of the parameter they replace."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    parts: dict[int, Part] = {}  # by the replaced parameter's id
-    placed: dict[int, Part] = {}  # by the part's id: a module reached twice holds parts already
-    for mod_name, mod in module.named_modules(remove_duplicate=False):
-        names = tuple(n for n, p in mod._parameters.items() if p is not None)
-        if not names:
-            continue
-        for name in names:
-            p = mod._parameters[name]
-            entry = placed.get(id(p)) or parts.get(id(p))
-            if entry is None:
-                q = nn.Parameter(padded_part(p, world, rank), requires_grad=p.requires_grad)
-                q._graphddp_shape, q._graphddp_group, q._graphddp_policy = tuple(p.shape), group, policy  # type: ignore[attr-defined]
-                entry = parts[id(p)] = placed[id(q)] = Part(q, tuple(p.shape), [])
-            full_name = f"{mod_name}.{name}" if mod_name else name
-            if full_name not in entry.names:
-                entry.names.append(full_name)
-            mod._parameters[name] = entry.part
-        if type(mod) not in _SHARDED_CLASSES.values():
-            mod.__class__ = _sharded_class(type(mod), names)
-    return parts
-
-
-def repoint_optimizer(optimizer: torch.optim.Optimizer, parts: Mapping[int, Part], world: int, rank: int) -> None:
-    """Make ``optimizer`` step the parts: its param groups name them instead of the whole
-    parameters, and any state it has is cut to this rank's part (elementwise entries; a step
-    count stays as it is)."""
-    for group in optimizer.param_groups:
-        for i, p in enumerate(group["params"]):
-            if id(p) not in parts:
-                raise ValueError(
-                    "graphddp.compile(..., sharding='full'): the optimizer holds a tensor that is not a parameter of the "
-                    f"module (shape {list(p.shape)}); build it over model.parameters() before graphddp.compile"
-                )
-            q = parts[id(p)].part
-            state = optimizer.state.pop(p, None)
-            if state:
-                optimizer.state[q] = cut_state(state, world, rank, parts[id(p)])
-            group["params"][i] = q
-
-
-def cut_state(state: Mapping[str, Any], world: int, rank: int, part: Part) -> dict[str, Any]:
-    """``part``'s whole optimizer state with every elementwise entry cut to ``rank``'s padded
-    part (a step count and other entries stay as they are); an entry of another size is refused
-    (:func:`graphddp.optim.shard.check_whole_state`)."""
-    check_whole_state(part.names[0], state, part.numel)
-    return {k: padded_part(v, world, rank) if k in ELEMENTWISE and isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:

@@ -14,7 +14,7 @@ comes in share it:
   (:mod:`graphddp.frontend.backend` says why not hooks).
 
 Wrap-time work (parameter agreement, the initial broadcast, attaching an optimizer) is
-:func:`prepare`.
+:func:`graphddp.frontend.wrap.prepare`.
 """
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ import dataclasses
 from typing import Any, Callable, Iterator
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
 
@@ -31,131 +30,13 @@ from graphddp.compiler.graph_compiler import GraphCompiler
 from graphddp.compiler.record import GraphRecord
 from graphddp.config import DDPConfig
 from graphddp.frontend.ddp_hooks import as_comm_hook
+from graphddp.frontend.wrap import _refuse_optimizer_with_traced_hook
 from graphddp.graph.capture import names_by_identity
 from graphddp.optim.attached import AttachedOptimizer
-from graphddp.optim.shard import ShardedState
-from graphddp.runtime.agree import check_parameter_agreement
-from graphddp.runtime.calibrate import resolve_cost
 from graphddp.runtime.join import JoinState, join, join_hook
 from graphddp.runtime.step import StepState
 from graphddp.runtime.sync import PendingAverage, average_async, broadcast_tensors
 from graphddp.values.schedule import Schedule
-
-
-def _check_devices(module: nn.Module) -> torch.device | None:
-    """The one device of the module's parameters and buffers (None when it has none)."""
-    devices: dict[torch.device, str] = {}
-    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-        devices.setdefault(t.device, name)
-    if len(devices) > 1:
-        spread = ", ".join(f"{name!r} on {dev}" for dev, name in devices.items())
-        raise ValueError(
-            "graphddp: module parameters and buffers must live on one device "
-            f"(data parallelism replicates the whole module per rank); found {spread}"
-        )
-    return next(iter(devices), None)
-
-
-def _refuse_sparse_gradients(where: str, module: nn.Module) -> None:
-    """Sparse gradients (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``) are
-    refused by name at wrap time: graphddp averages flat dense buckets inside the compiled
-    backward, and DDP's separate sparse all-reduce has no place there (it failed deep in the
-    rewrite, naming a memory format)."""
-    for prefix, sub in module.named_modules():
-        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
-            name = f"{prefix}.weight" if prefix else "weight"
-            raise ValueError(
-                f"{where}: parameter {name!r} gets sparse gradients ({type(sub).__name__}(sparse=True)), which graphddp "
-                "does not average (its buckets are dense, inside the compiled backward); construct it with sparse=False, "
-                "or keep DistributedDataParallel for this model"
-            )
-
-
-def resolve_group(where: str, module: Any, process_group: Any, options: dict[str, Any]) -> Any:
-    """``process_group`` or WORLD, after checking what needs no process group: the module's
-    type and the options a config cannot hold."""
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"{where}: module must be a torch.nn.Module, got {type(module).__name__}")
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            f"{where}: torch.distributed is not initialized; call "
-            "torch.distributed.init_process_group(...) first (e.g. under torchrun)"
-        )
-    return process_group if process_group is not None else dist.group.WORLD
-
-
-def _refuse_optimizer_with_traced_hook(where: str, config: DDPConfig, optimizer: Any) -> None:
-    """``optimizer=`` and a traced hook, however the hook came (``comm_hook=`` or
-    ``register_comm_hook``), are refused alike."""
-    if optimizer is not None and config.traced_hook is not None:
-        raise ValueError(
-            f"{where}: optimizer= with comm_hook={config.traced_hook.name} is not supported yet (the in-graph update "
-            "is checked against graphddp's own all-reduce only); compile without optimizer= and step it as usual"
-        )
-
-
-def _refuse_clipping_without_the_optimizer(where: str, config: DDPConfig, optimizer: Any) -> None:
-    """``max_grad_norm`` clips inside graphddp's step, so it needs the step there: without
-    ``optimizer=`` the gradients are in ``p.grad`` after the backward and torch clips them as
-    usual."""
-    if config.max_grad_norm is not None and optimizer is None:
-        raise ValueError(
-            f"{where}: max_grad_norm={config.max_grad_norm} clips the gradients inside the backward, before the "
-            "update of optimizer=, and there is none: without optimizer= every p.grad holds the average after "
-            "backward(), so clip as usual (torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) between "
-            "backward() and optimizer.step()), or pass optimizer= to have graphddp clip and step inside the backward"
-        )
-
-
-def check_and_broadcast(where: str, module: nn.Module, group: Any, config: DDPConfig) -> torch.device | None:
-    """What every mode checks when it wraps a module, then DDP's broadcast: no sparse gradient,
-    one device (the config's device options agreeing), inductor settings graphddp can keep, the
-    same parameters on every rank (checked in band, so a mismatch fails on every rank before any
-    broadcast), then parameters (and, with ``broadcast_buffers``, buffers) from the group's first
-    rank. Returns the module's device."""
-    _refuse_sparse_gradients(where, module)
-    device = _check_devices(module)
-    config.check_devices(where, device)
-    config.check_inductor_settings(where, device)
-    check_parameter_agreement(module, group)
-    if dist.get_world_size(group) > 1:
-        buffers = list(module.buffers()) if config.broadcast_buffers else []
-        broadcast_tensors(list(module.parameters()) + buffers, group)
-    return device
-
-
-def prepare(
-    where: str, module: nn.Module, group: Any, config: DDPConfig, optimizer: Any = None
-) -> tuple[AttachedOptimizer | None, DDPConfig]:
-    """Wrap-time checks and broadcast, as DDP's constructor does them; attach ``optimizer``;
-    returns it and ``config`` with its cost model resolved (``bucket_cap_mb="auto"``: measured
-    on ``group`` now, by :mod:`graphddp.runtime.calibrate`, since compiling never talks).
-
-    Parameters are broadcast from the group's first rank; buffers too, but only with
-    ``broadcast_buffers`` (torch >= 2.13's DDP: ``init_sync_buffers`` follows it), since
-    otherwise DDP leaves them rank-local. The optimizer is checked before any collective (so
-    every rank fails alike) and attached (its ``step`` made a no-op) after the last one.
-    """
-    if config.sharding == "full":
-        raise ValueError(
-            f"{where}: sharding='full' is built by graphddp.compile only (it replaces the module's parameters by "
-            "parts before compiling); use graphddp.compile(model, optimizer=opt, sharding='full')"
-        )
-    _refuse_optimizer_with_traced_hook(where, config, optimizer)
-    if config.sharding is not None and optimizer is None:
-        raise ValueError(
-            f"{where}: sharding={config.sharding!r} shards the optimizer's state, so it needs optimizer= (torch.optim.SGD, "
-            "Adam or AdamW): each rank then updates its part of every bucket inside the backward"
-        )
-    _refuse_clipping_without_the_optimizer(where, config, optimizer)
-    attached = AttachedOptimizer(optimizer, module, where, config.max_grad_norm, config.grad_norm_type) if optimizer is not None else None
-    device = check_and_broadcast(where, module, group, config)
-    config = resolve_cost(config, group, device)
-    if attached is not None:
-        attached.attach()
-        if config.sharding == "optimizer":
-            attached.sharded = ShardedState(optimizer, attached.params, attached.rules, attached.group_of, group)
-    return attached, config
 
 
 class Replica:

@@ -2,7 +2,7 @@
 of keeping the forward's gathered copies.
 
 Why a tag on the joint graph. With full sharding each parameter is read through an all-gather
-of the ranks' parts (:mod:`graphddp.frontend.full`), so AOTAutograd's joint graph holds, per
+of the ranks' parts (:mod:`graphddp.frontend.parts`), so AOTAutograd's joint graph holds, per
 read, ``part -> all_gather_into_tensor -> wait_tensor -> views``. Left alone, the partitioner
 saves what the backward needs of the gathered parameter as a forward output, and the full
 parameter lives from the forward to the backward: FSDP2's ``reshard_after_forward=False``.

@@ -28,7 +28,7 @@ answer, and then each bucket:
 That is why a gated bucket has no division in the graph: the local gradients must come back
 exactly. Only where every collective of the graph can be held without having changed
 anything: replicated buckets with the built-in hook, no optimizer inside the backward, no
-compression (see :meth:`graphddp.compiler.graph_compiler.GraphCompiler.gates`). Every other
+compression (see :meth:`graphddp.compiler.rewrite.BackwardRewrite.gates`). Every other
 configuration agrees before its backward as before. Every rank of one configuration gates
 alike, so the collectives that follow an answer are the same on every rank.
 
