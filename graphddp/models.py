@@ -102,3 +102,23 @@ class GraphBreakMLP(nn.Module):
         h = self.a(x)
         torch._dynamo.graph_break()
         return self.b(torch.relu(h))
+
+
+# -- a tiny Hugging Face GPT-2 from config (no download; transformers is the tests' dependency) ------
+
+
+def tiny_hf_gpt2(seed: int = 0) -> nn.Module:
+    """``GPT2LMHeadModel`` with 2 layers of width 32, vocabulary 128, dropout off, seeded."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=64,
+        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, use_cache=False,
+    ))
+
+
+def tiny_hf_gpt2_batch(rank: int, step: int) -> dict[str, torch.Tensor]:
+    """Rank- and step-dependent tokens for :func:`tiny_hf_gpt2`, as ``input_ids`` and ``labels``."""
+    idx = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(100 * rank + step))
+    return {"input_ids": idx, "labels": idx}

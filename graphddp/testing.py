@@ -1,5 +1,7 @@
-"""Helpers for tests, examples and the benchmark: spawned gloo ranks, a fake process group,
-a DDP-equivalence harness, and two users' comm hooks written in DDP's vocabulary. Shipped in the package so users can test their own models."""
+"""Helpers for tests, examples and the benchmark: spawned gloo ranks, a fake process group and
+a DDP-equivalence harness. Shipped in the package so users can test their own models. (Comm
+hooks written as users write them: :mod:`graphddp.hooks.examples`; a tiny Hugging Face GPT-2:
+:mod:`graphddp.models`.)"""
 from __future__ import annotations
 
 import copy
@@ -15,7 +17,6 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
 import torch.nn as nn
 
@@ -368,59 +369,3 @@ def assert_matches_ddp(
         torch.testing.assert_close(b, dict(ref.module.named_buffers())[name], atol=atol, rtol=rtol,
                                    msg=lambda m: f"buffer {name} after {steps} steps: {m}")
     return ours
-
-
-# -- users' comm hooks, as a user writes them for comm_hook=(state, hook) ----------------------------
-
-
-def fp16_hook(state, bucket):
-    """DDP's fp16_compress_hook in DDP's vocabulary, returning the tensor instead of a Future."""
-    wire = bucket.buffer().to(torch.float16).div_(bucket.world_size)
-    return funcol.all_reduce(wire, "sum", bucket.group).to(bucket.buffer().dtype)
-
-
-def int8_hook(state, bucket):
-    """Two stages: the scale's max first, then the quantised sum (the user_hooks docstring's)."""
-    flat = bucket.buffer()
-    scale = funcol.all_reduce(flat.abs().amax(), "max", bucket.group) / 127
-    q = (flat / scale).round().to(torch.int8)
-    total = funcol.all_reduce(q.to(torch.int32), "sum", bucket.group)
-    return total.to(flat.dtype) * scale / bucket.world_size
-
-
-# -- DDP's reference hooks where DDP refuses them -----------------------------------------------------
-
-
-def ddp_bf16_compress_hook(state, bucket):  # unannotated: DDP checks a hook's annotations
-    """DDP's ``bf16_compress_hook`` without its check for NCCL (DDP refuses it on gloo), for
-    ``DistributedDataParallel.register_comm_hook``: the same recipe, cast, divide, all-reduce,
-    cast back into the bucket. The reference graphddp's ``comm_hook="bf16_compress"`` is
-    tested against on gloo ranks."""
-    wire = bucket.buffer().to(torch.bfloat16).div_(dist.get_world_size())
-
-    def back(fut: torch.futures.Future) -> torch.Tensor:
-        buffer = bucket.buffer()
-        buffer.copy_(fut.value()[0])
-        return buffer
-
-    return dist.all_reduce(wire, async_op=True).get_future().then(back)
-
-
-# -- a tiny Hugging Face GPT-2 from config (no download; transformers is the tests' dependency) ------
-
-
-def tiny_hf_gpt2(seed: int = 0) -> nn.Module:
-    """``GPT2LMHeadModel`` with 2 layers of width 32, vocabulary 128, dropout off, seeded."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(seed)
-    return GPT2LMHeadModel(GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=64,
-        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, use_cache=False,
-    ))
-
-
-def tiny_hf_gpt2_batch(rank: int, step: int) -> dict[str, torch.Tensor]:
-    """Rank- and step-dependent tokens for :func:`tiny_hf_gpt2`, as ``input_ids`` and ``labels``."""
-    idx = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(100 * rank + step))
-    return {"input_ids": idx, "labels": idx}

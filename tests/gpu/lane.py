@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import graphddp  # noqa: E402
 from graphddp.models import CNN  # noqa: E402
-from graphddp.testing import ddp_bf16_compress_hook  # noqa: E402
+from graphddp.hooks.examples import ddp_bf16_compress_hook  # noqa: E402
 
 LR = 1e-3
 STEPS = 3

@@ -21,7 +21,7 @@ import torch.nn as nn
 
 import graphddp
 from graphddp.models import MLP
-from graphddp.testing import tiny_hf_gpt2, tiny_hf_gpt2_batch
+from graphddp.models import tiny_hf_gpt2, tiny_hf_gpt2_batch
 
 # name -> (model, graphddp.compile's options; "optimizer" True: AdamW inside)
 MODES = {

@@ -18,7 +18,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import graphddp
-from graphddp.testing import ddp_bf16_compress_hook
+from graphddp.hooks.examples import ddp_bf16_compress_hook
 
 FP32_TOL = {"atol": 1e-5, "rtol": 1e-4}
 # fp16 on the wire: a 1-ulp rounding difference of a half-precision value (2^-11 relative);

@@ -35,7 +35,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import graphddp
 from graphddp import models
-from graphddp.testing import ddp_bf16_compress_hook, spawn
+from graphddp.testing import spawn
+from graphddp.hooks.examples import ddp_bf16_compress_hook
 
 MICRO_STEP = 2  # this step is two micro-steps, the first with require_backward_grad_sync=False
 SHARDED = {"sharding": "optimizer"}

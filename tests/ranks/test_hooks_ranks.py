@@ -24,7 +24,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ddp_pow
 import graphddp
 from graphddp import models
 from graphddp.hooks import PowerSGD
-from graphddp.testing import assert_matches_ddp, fp16_hook, int8_hook, paired_grads, spawn
+from graphddp.testing import assert_matches_ddp, paired_grads, spawn
+from graphddp.hooks.examples import fp16_hook, int8_hook
 
 CAP = 0.01  # three buckets on the MLP
 

@@ -31,7 +31,8 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import graphddp
-from graphddp.testing import spawn, tiny_hf_gpt2, tiny_hf_gpt2_batch
+from graphddp.models import tiny_hf_gpt2, tiny_hf_gpt2_batch
+from graphddp.testing import spawn
 
 CAPS = {"backend": "aot_eager", "bucket_cap_mb": 0.02}
 

@@ -29,7 +29,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import graphddp
 from graphddp import models
 from graphddp.hooks import PowerSGD
-from graphddp.testing import fp16_hook, spawn
+from graphddp.testing import spawn
+from graphddp.hooks.examples import fp16_hook
 
 VOCAB = 64
 

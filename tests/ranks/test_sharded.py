@@ -27,7 +27,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import graphddp
 from graphddp import models
 from graphddp.optim.shard import ELEMENTWISE
-from graphddp.testing import ddp_bf16_compress_hook, spawn
+from graphddp.testing import spawn
+from graphddp.hooks.examples import ddp_bf16_compress_hook
 from graphddp.values.comm import ROLE_KEY
 from graphddp.values.shards import part
 

@@ -16,7 +16,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ddp_pow
 import graphddp
 from graphddp.hooks import PowerSGD
 from graphddp.models import MLP
-from graphddp.testing import fp16_hook
+from graphddp.hooks.examples import fp16_hook
 
 X = torch.randn(4, 16)
 

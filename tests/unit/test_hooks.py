@@ -21,7 +21,7 @@ from graphddp.graph.verify import VerificationError, verify
 from graphddp.hooks import PowerSGD
 from graphddp.hooks.powersgd import wire_numel
 from graphddp.models import MLP
-from graphddp.testing import fp16_hook, int8_hook
+from graphddp.hooks.examples import fp16_hook, int8_hook
 from graphddp.values.comm import BUCKET_KEY, is_collective, is_ours, is_wait
 
 aten = torch.ops.aten

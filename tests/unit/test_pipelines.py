@@ -11,7 +11,7 @@ import graphddp
 from graphddp.config import DDPConfig
 from graphddp.graph.codeinspect import windows_in_generated_code
 from graphddp.models import MLP
-from graphddp.testing import tiny_hf_gpt2, tiny_hf_gpt2_batch
+from graphddp.models import tiny_hf_gpt2, tiny_hf_gpt2_batch
 
 pytest.importorskip("transformers")
 

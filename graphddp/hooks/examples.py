@@ -1,0 +1,48 @@
+"""Comm hooks written as users write them: examples the tests run against DDP's own.
+
+``fp16_hook`` and ``int8_hook`` are hooks for ``graphddp.compile(..., comm_hook=(state, hook))``
+in DDP's vocabulary (:mod:`graphddp.hooks.traced` traces them into the graph);
+``ddp_bf16_compress_hook`` is the reference DDP runs where it refuses its own
+``bf16_compress_hook`` (on gloo).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+
+# -- users' comm hooks, as a user writes them for comm_hook=(state, hook) ----------------------------
+
+
+def fp16_hook(state, bucket):
+    """DDP's fp16_compress_hook in DDP's vocabulary, returning the tensor instead of a Future."""
+    wire = bucket.buffer().to(torch.float16).div_(bucket.world_size)
+    return funcol.all_reduce(wire, "sum", bucket.group).to(bucket.buffer().dtype)
+
+
+def int8_hook(state, bucket):
+    """Two stages: the scale's max first, then the quantised sum (the user_hooks docstring's)."""
+    flat = bucket.buffer()
+    scale = funcol.all_reduce(flat.abs().amax(), "max", bucket.group) / 127
+    q = (flat / scale).round().to(torch.int8)
+    total = funcol.all_reduce(q.to(torch.int32), "sum", bucket.group)
+    return total.to(flat.dtype) * scale / bucket.world_size
+
+
+# -- DDP's reference hooks where DDP refuses them -----------------------------------------------------
+
+
+def ddp_bf16_compress_hook(state, bucket):  # unannotated: DDP checks a hook's annotations
+    """DDP's ``bf16_compress_hook`` without its check for NCCL (DDP refuses it on gloo), for
+    ``DistributedDataParallel.register_comm_hook``: the same recipe, cast, divide, all-reduce,
+    cast back into the bucket. The reference graphddp's ``comm_hook="bf16_compress"`` is
+    tested against on gloo ranks."""
+    wire = bucket.buffer().to(torch.bfloat16).div_(dist.get_world_size())
+
+    def back(fut: torch.futures.Future) -> torch.Tensor:
+        buffer = bucket.buffer()
+        buffer.copy_(fut.value()[0])
+        return buffer
+
+    return dist.all_reduce(wire, async_op=True).get_future().then(back)
