@@ -19,7 +19,6 @@ the coefficient itself) and Hugging Face GPT-2 with AdamW.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import warnings
 from typing import Callable
@@ -30,8 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from matrix_features import BF16_TOL
 from matrix_models import _bert_batch, _hf_bert
-from test_optim_ranks import ADAM_NOISE, TIGHT, _adamw, _gpt_loss, _hf_gpt2, _hf_loss, _sgd, assert_state_dicts_equal
-from torch.nn.parallel import DistributedDataParallel as DDP
+from test_optim_ranks import ADAM_NOISE, TIGHT, _adamw, _gpt_loss, _hf_gpt2, _hf_loss, _sgd, assert_state_dicts_equal, unequal_pair
 
 import graphddp
 from graphddp import models
@@ -143,14 +141,7 @@ CASES = {
 
 def _train(rank: int, world: int, name: str) -> None:
     case = CASES[name]
-    torch.manual_seed(0)
-    base = case.make()
-    mine = copy.deepcopy(base)
-    if rank == 1:
-        with torch.no_grad():
-            for p in mine.parameters():
-                p.add_(0.25)
-    ref = DDP(copy.deepcopy(base))
+    mine, ref = unequal_pair(case.make, rank)
     if case.ddp_hook is not None:
         ref.register_comm_hook(None, case.ddp_hook)
     opt, ref_opt = case.optimizer(mine), case.optimizer(ref.module)
@@ -235,14 +226,7 @@ def _train_norms(rank: int, world: int, name: str) -> None:
     full = case.options.get("sharding") == "full"
     for norm_type, max_norm in case.max_norms.items():
         what = f"{name} L{norm_type:g}"
-        torch.manual_seed(0)
-        base = case.make()
-        mine = copy.deepcopy(base)
-        if rank == 1:
-            with torch.no_grad():
-                for p in mine.parameters():
-                    p.add_(0.25)
-        ref = DDP(copy.deepcopy(base))
+        mine, ref = unequal_pair(case.make, rank)
         opt, ref_opt = case.optimizer(mine), case.optimizer(ref.module)
         ours = graphddp.compile(
             mine, optimizer=opt, max_grad_norm=max_norm, grad_norm_type=norm_type, backend=case.backend, bucket_cap_mb=0.004,

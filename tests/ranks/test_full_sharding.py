@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn as nn
 from matrix_models import _bert_batch, _hf_bert
-from test_optim_ranks import ADAM_NOISE, CNN, TIGHT, _adamw, _cnn_loss, _gpt_loss, _hf_gpt2, _hf_loss, _sgd, assert_state_dicts_equal
+from test_optim_ranks import ADAM_NOISE, CNN, TIGHT, _adamw, _cnn_loss, _gpt_loss, _hf_gpt2, _hf_loss, _sgd, assert_state_dicts_equal, unequal_pair
 from test_sharded import _mlp_loss, _mlp_loss_new_shape
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -88,14 +88,7 @@ CASES = {
 
 
 def _pair(case: Case, rank: int) -> tuple[Any, nn.Module, torch.optim.Optimizer, DDP, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    base = case.make()
-    mine = copy.deepcopy(base)
-    if rank == 1:  # unequal before wrapping: graphddp must broadcast rank 0's parameters
-        with torch.no_grad():
-            for p in mine.parameters():
-                p.add_(0.25)
-    ref = DDP(copy.deepcopy(base))
+    mine, ref = unequal_pair(case.make, rank)
     opt, ref_opt = case.optimizer(mine), case.optimizer(ref.module)
     ours = graphddp.compile(
         mine, optimizer=opt, sharding="full", backend=case.backend, reshard_after_forward=case.reshard,

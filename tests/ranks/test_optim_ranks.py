@@ -153,18 +153,23 @@ def assert_state_dicts_equal(a: dict, b: dict, tol: dict, what: str) -> None:
             torch.testing.assert_close(v, b["state"][i][k], **tol, msg=lambda m: f"{what}: state[{i}][{k!r}]: {m}")
 
 
-def start_unequal(case: Any, rank: int) -> tuple[nn.Module, DDP, torch.optim.Optimizer, torch.optim.Optimizer]:
-    """``case``'s model for graphddp, unequal on rank 1 before wrapping (graphddp must broadcast
-    rank 0's parameters, as DDP does), DDP's copy (with its fp16 hook where the case compresses),
-    and an optimizer of the case's class for each."""
+def unequal_pair(make: Callable[[], nn.Module], rank: int) -> tuple[nn.Module, DDP]:
+    """A model from ``make`` (seeded) for graphddp, unequal on rank 1 before wrapping (graphddp
+    must broadcast rank 0's parameters, as DDP does), and DDP around a copy of it."""
     torch.manual_seed(0)
-    base = case.make()
+    base = make()
     mine = copy.deepcopy(base)
     if rank == 1:
         with torch.no_grad():
             for p in mine.parameters():
                 p.add_(0.25)
-    ref = DDP(copy.deepcopy(base))
+    return mine, DDP(copy.deepcopy(base))
+
+
+def start_unequal(case: Any, rank: int) -> tuple[nn.Module, DDP, torch.optim.Optimizer, torch.optim.Optimizer]:
+    """``case``'s model for graphddp and DDP's (:func:`unequal_pair`, DDP's with its fp16 hook
+    where the case compresses), and an optimizer of the case's class for each."""
+    mine, ref = unequal_pair(case.make, rank)
     if case.fp16_compress:
         ref.register_comm_hook(None, default_hooks.fp16_compress_hook)
     return mine, ref, case.optimizer(mine), case.optimizer(ref.module)
