@@ -152,9 +152,10 @@ def compile(module: nn.Module, *, process_group: Any = None, optimizer: Any = No
     ``clip_grad_norm_(model.parameters(), max_grad_norm, norm_type=grad_norm_type)`` before
     ``optimizer.step()`` (L2 unless ``grad_norm_type`` says another p > 0 or inf;
     :mod:`graphddp.optim.clip`; with ``sharding="optimizer"`` each rank norms its parts and one
-    all-reduce of their shares, a MAX for inf, gives the norm); calling ``clip_grad_norm_`` on the parameters yourself, or
-    an enabled ``GradScaler`` with the attached optimizer, raises (:mod:`graphddp.optim.guards`).
-    See :mod:`graphddp.optim.attached`.
+    all-reduce of their shares, a MAX for inf, gives the norm); calling ``clip_grad_norm_`` on the parameters yourself
+    raises (:mod:`graphddp.optim.guards`), but after ``scaler.unscale_`` in a step an enabled ``GradScaler`` scaled:
+    such a step leaves its gradients to the scaler (:mod:`graphddp.optim.scaled_step`). See
+    :mod:`graphddp.optim.attached`.
 
     Compiling the result again (``torch.compile(gd)``, ``gd.compile()``) runs it as it is; for
     a pipeline that owns its torch.compile call, see :func:`graphddp.backend`.
