@@ -25,12 +25,14 @@ class Probes(nn.Module):
     """An MLP that also returns one element of its first weight (a view) and its last bias
     (the parameter itself)."""
 
-    def __init__(self) -> None:
+    def __init__(self, bias: bool = True) -> None:
         super().__init__()
         self.mlp = models.MLP(width=32, depth=3)
+        self.bias = bias
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.mlp(x), self.mlp[0].weight.view(-1)[0], self.mlp[-1].bias
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        element = self.mlp[0].weight.view(-1)[0]
+        return (self.mlp(x), element, self.mlp[-1].bias) if self.bias else (self.mlp(x), element)
 
 
 MODES = {
@@ -62,6 +64,35 @@ def _train(rank: int, world: int, mode: str) -> None:
         whole = dict(ours.named_parameters())
         for n, q in ref.module.named_parameters():
             torch.testing.assert_close(whole[n].detach(), q.detach(), **ADAM_NOISE, msg=lambda m: f"{mode} step {step} {n}: {m}")
+
+
+def _view_only(rank: int, world: int, mode: str) -> None:
+    """A view made in the graph is copied there: its gradient rides in the buckets, the step
+    stays static (no divergent step, the update inside the graph). (A parameter returned as it
+    is makes every step divergent, used in the loss or not: the forward cannot know.)"""
+    torch.manual_seed(0)
+    base = Probes(bias=False)
+    ref, mine = DDP(copy.deepcopy(base)), copy.deepcopy(base)
+    ref_opt, opt = torch.optim.AdamW(ref.parameters(), lr=1e-2), torch.optim.AdamW(mine.parameters(), lr=1e-2)
+    ours = graphddp.compile(mine, optimizer=opt, backend="inductor" if mode == "inductor" else "aot_eager")
+    for step in range(2):
+        g = torch.Generator().manual_seed(10 * step + rank)
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        for model in (ref, ours):
+            out, element = model(x)
+            (F.mse_loss(out, y) + (rank + 1) * element).backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        whole = dict(ours.named_parameters())
+        for n, q in ref.module.named_parameters():
+            torch.testing.assert_close(whole[n].detach(), q.detach(), **ADAM_NOISE, msg=lambda m: f"view {mode} step {step} {n}: {m}")
+    assert ours._backend.union.steps == 0, "a view made in the graph needs no divergent step"
+    assert all(not r.fallbacks for r in ours.records), [r.fallbacks for r in ours.records]
+
+
+@pytest.mark.parametrize("mode", ["aot_eager", "inductor"])
+def test_a_view_of_a_parameter_made_in_the_graph_is_copied_there(mode: str) -> None:
+    spawn(_view_only, 2, mode)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
