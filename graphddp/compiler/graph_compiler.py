@@ -122,6 +122,9 @@ class GraphCompiler(InGraphUpdates, HookRuntime, BackwardRewrite):
         self.forward_passes: list[Any] = [record_parameter_values]
         self.backward_passes: list[Any] = [insert_comm, verify_comm] + ([self._optimizer_pass] if optimizer is not None else [])
         self.rank = dist.get_rank(group)
+        # Where sharded buckets live (sharding="optimizer"; graphddp.values.placement): the sharded state's groups.
+        sharded = getattr(optimizer, "sharded", None)
+        self.placement = sharded.placement if sharded is not None else None
         if optimizer is not None and config.sharding == "optimizer":  # which buckets are sharded: before the collectives
             self.backward_passes.insert(0, self._shard_plan_pass)
         # Warnings about updates left to torch's step, once per graph and reason.

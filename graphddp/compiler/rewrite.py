@@ -8,7 +8,7 @@ configuration decides for every graph alike, so the same on every rank: whether 
 whether the graphs are gated (:meth:`~BackwardRewrite.gates`), which hook phase runs next. In a
 module of its own so that the compiler's reads as compiling one Dynamo graph and wiring its
 variants at run time. :class:`BackwardRewrite` is mixed into GraphCompiler and reads its
-attributes: ``config``, ``group``, ``group_name``, ``world_size``, ``hook``, ``_hook_context``,
+attributes: ``config``, ``group``, ``group_name``, ``world_size``, ``placement``, ``hook``, ``_hook_context``,
 ``optimizer``, ``step``, ``frames`` and ``backward_passes``.
 """
 from __future__ import annotations
@@ -73,7 +73,7 @@ class BackwardRewrite:
         like = self.frames.like(frame, (s.param_name for s in facts.slots))
         schedule = plan(
             facts, self.config, world_size=self.world_size, group_name=self.group_name, graph_index=graph_index,
-            unreduced=unreduced, hook=hook, like=like, gated=self.gates(),
+            unreduced=unreduced, hook=hook, like=like, gated=self.gates(), placement=self.placement,
         )
         if schedule.gated:
             gate_for(self.group)  # registered before anything compiles or runs its all-reduces

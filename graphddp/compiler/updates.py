@@ -54,7 +54,7 @@ class InGraphUpdates:
         sharded = [b for b in record.schedule.buckets if b.collective == "reduce_scatter"]
         replicated = tuple(n for b in record.schedule.buckets if b not in sharded for n in b.updates)
         shards = tuple(
-            shard_layout(b, {n: optimizer.rule(n) for n in b.param_names}, optimizer.group_of, self.world_size, self.rank)
+            shard_layout(b, {n: optimizer.rule(n) for n in b.param_names}, optimizer.group_of, record.schedule.placement, optimizer.sharded.rank)
             for b in sharded
         )
 
@@ -160,7 +160,7 @@ class InGraphUpdates:
         if not shared.fw_values:
             return schedule
         updatable, tied = self._updatable(schedule, graph_index, shared.fw_values)
-        sharded = with_sharding(schedule, updatable, self.config.gather)
+        sharded = with_sharding(schedule, updatable, self.config.gather, self.placement)
         if self.config.max_grad_norm is None:
             return sharded
         left = [
@@ -204,7 +204,7 @@ class InGraphUpdates:
         log.debug("backward graph %d after insert_update:\n%s", graph_index, gm.code)
         if self.config.verify:
             verify_updates(gm, schedule)
-        if insert_sharded_updates(gm, schedule, inputs, rank=self.rank):
+        if insert_sharded_updates(gm, schedule, inputs, rank=optimizer.sharded.rank if optimizer.sharded is not None else self.rank):
             log.debug("backward graph %d after insert_sharded_updates:\n%s", graph_index, gm.code)
             if self.config.verify:
                 verify_sharded(gm, schedule)

@@ -11,6 +11,7 @@ import torch.nn as nn
 from graphddp.compiler.graph_compiler import GraphCompiler
 from graphddp.config import DDPConfig
 from graphddp.frontend.full import FullyShardedGraphDDP, compile_fully_sharded
+from graphddp.frontend.mesh import resolve_mesh
 from graphddp.frontend.replica import Replica, ReplicaView
 from graphddp.frontend.wrap import prepare, resolve_group
 from graphddp.hooks.traced import HOOK_STATE_KEY
@@ -106,7 +107,7 @@ class GraphDDP(ReplicaView, nn.Module):
         self.module.zero_grad(set_to_none=set_to_none)
 
 
-def compile(module: nn.Module, *, process_group: Any = None, optimizer: Any = None, **options: Any) -> GraphDDP | FullyShardedGraphDDP:  # noqa: A001 - mirrors torch.compile
+def compile(module: nn.Module, *, process_group: Any = None, device_mesh: Any = None, optimizer: Any = None, **options: Any) -> GraphDDP | FullyShardedGraphDDP:  # noqa: A001 - mirrors torch.compile
     """Compile ``module`` for data-parallel training with all-reduces inside its backward graph.
 
     ``options`` are :class:`~graphddp.config.DDPConfig`'s fields (the one definition that
@@ -157,12 +158,18 @@ def compile(module: nn.Module, *, process_group: Any = None, optimizer: Any = No
     such a step leaves its gradients to the scaler (:mod:`graphddp.optim.scaled_step`). See
     :mod:`graphddp.optim.attached`.
 
+    ``device_mesh``: a ``DeviceMesh`` instead of ``process_group``; 1-D, its group; 2-D with
+    ``sharding="optimizer"`` or ``"full"``, hybrid sharding (FSDP2's HSDP: dim 0 replicates,
+    dim 1 shards): the state (or parameters) cut over dim 1's group, each part's gradient also
+    averaged over dim 0's (:mod:`graphddp.frontend.mesh`).
+
     Compiling the result again (``torch.compile(gd)``, ``gd.compile()``) runs it as it is; for
     a pipeline that owns its torch.compile call, see :func:`graphddp.backend`.
     """
-    group = resolve_group("graphddp.compile", module, process_group, options)
+    resolve_group("graphddp.compile", module, process_group, options)
     config = DDPConfig.from_options("graphddp.compile", options)
+    groups = resolve_mesh("graphddp.compile", device_mesh, process_group, config.sharding)
     if config.sharding == "full":
-        return compile_fully_sharded(module, group, config, optimizer)
-    attached, config = prepare("graphddp.compile", module, group, config, optimizer)
-    return GraphDDP(module, group, config, attached)
+        return compile_fully_sharded(module, groups, config, optimizer)
+    attached, config = prepare("graphddp.compile", module, groups.whole, config, optimizer, groups)
+    return GraphDDP(module, groups.whole, config, attached)

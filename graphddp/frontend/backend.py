@@ -33,6 +33,7 @@ import torch.nn as nn
 
 from graphddp.config import DDPConfig
 from graphddp.frontend.replica import Replica, ReplicaView
+from graphddp.frontend.mesh import resolve_mesh
 from graphddp.frontend.wrap import prepare, resolve_group
 from graphddp.optim.attached import AttachedOptimizer
 
@@ -140,17 +141,18 @@ _SWITCH = "require_backward_grad_sync"  # DDP's attribute: this form keeps it on
 _WRAPPER_REASON = "graphddp's per-forward work (buffer broadcast, no_sync average, guard) runs eagerly"
 
 
-def backend(module: nn.Module, *, process_group: Any = None, optimizer: Any = None, **options: Any) -> GraphDDPCompileBackend:
+def backend(module: nn.Module, *, process_group: Any = None, device_mesh: Any = None, optimizer: Any = None, **options: Any) -> GraphDDPCompileBackend:
     """A torch.compile backend doing graphddp's job for ``module`` (see the module docstring).
 
     ``options`` are ``graphddp.compile``'s (DDPConfig's fields), and so is ``optimizer`` (the
     update inside the backward, :mod:`graphddp.optim.attached`). Parameters are broadcast from the
-    group's first rank now, as by ``graphddp.compile``.
+    group's first rank now, as by ``graphddp.compile``; ``device_mesh`` as there.
     """
-    group = resolve_group("graphddp.backend", module, process_group, options)
+    resolve_group("graphddp.backend", module, process_group, options)
     config = DDPConfig.from_options("graphddp.backend", options)
-    attached, config = prepare("graphddp.backend", module, group, config, optimizer)
-    return GraphDDPCompileBackend(module, group, config, attached)
+    groups = resolve_mesh("graphddp.backend", device_mesh, process_group, config.sharding)
+    attached, config = prepare("graphddp.backend", module, groups.whole, config, optimizer, groups)
+    return GraphDDPCompileBackend(module, groups.whole, config, attached)
 
 
 def _by_name(gm: fx.GraphModule, example_inputs: Sequence[Any], **compile_kwargs: Any) -> Callable[..., Any]:

@@ -45,6 +45,7 @@ import torch.nn as nn
 from graphddp.compiler.full import Compiled, fully_sharded_compiler
 from graphddp.compiler.full_updates import PartUpdates
 from graphddp.config import DDPConfig
+from graphddp.frontend.mesh import MeshGroups
 from graphddp.frontend.parts import Part, cut_state, repoint_optimizer, shard_parameters
 from graphddp.frontend.wrap import check_and_broadcast
 from graphddp.graph.part_collectives import PREFETCH
@@ -298,11 +299,14 @@ class FullyShardedGraphDDP(nn.Module):
         return out[: part.numel].view(part.shape)
 
 
-def compile_fully_sharded(module: nn.Module, group: Any, config: DDPConfig, optimizer: Any) -> FullyShardedGraphDDP:
+def compile_fully_sharded(module: nn.Module, groups: MeshGroups, config: DDPConfig, optimizer: Any) -> FullyShardedGraphDDP:
     """``graphddp.compile``'s ``sharding="full"`` path: the wrap-time checks every mode makes,
     the broadcast from the group's first rank (whole tensors, before they are cut), the cut, and
     the optimizer re-pointed at the parts."""
     where = "graphddp.compile"
+    group = groups.whole
+    if groups.replicate is not None:
+        raise ValueError(f"{where}: sharding='full' with a 2-D device_mesh= (hybrid sharding) is not built yet")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(
             f"{where}: sharding='full' keeps each parameter's optimizer state 1/N per rank, so it needs optimizer= "

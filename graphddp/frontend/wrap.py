@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from graphddp.config import DDPConfig
+from graphddp.frontend.mesh import MeshGroups, flat_groups
 from graphddp.optim.attached import AttachedOptimizer
 from graphddp.optim.shard import ShardedState
 from graphddp.runtime.agree import check_parameter_agreement
@@ -56,7 +57,8 @@ def _refuse_sparse_gradients(where: str, module: nn.Module) -> None:
 
 def resolve_group(where: str, module: Any, process_group: Any, options: dict[str, Any]) -> Any:
     """``process_group`` or WORLD, after checking what needs no process group: the module's
-    type and the options a config cannot hold."""
+    type and an initialized default group (``device_mesh=``'s groups:
+    :func:`graphddp.frontend.mesh.resolve_mesh`)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"{where}: module must be a torch.nn.Module, got {type(module).__name__}")
     if not dist.is_available() or not dist.is_initialized():
@@ -108,7 +110,7 @@ def check_and_broadcast(where: str, module: nn.Module, group: Any, config: DDPCo
 
 
 def prepare(
-    where: str, module: nn.Module, group: Any, config: DDPConfig, optimizer: Any = None
+    where: str, module: nn.Module, group: Any, config: DDPConfig, optimizer: Any = None, groups: MeshGroups | None = None,
 ) -> tuple[AttachedOptimizer | None, DDPConfig]:
     """Wrap-time checks and broadcast, as DDP's constructor does them; attach ``optimizer``;
     returns it and ``config`` with its cost model resolved (``bucket_cap_mb="auto"``: measured
@@ -118,6 +120,7 @@ def prepare(
     ``broadcast_buffers`` (torch >= 2.13's DDP: ``init_sync_buffers`` follows it), since
     otherwise DDP leaves them rank-local. The optimizer is checked before any collective (so
     every rank fails alike) and attached (its ``step`` made a no-op) after the last one.
+    ``groups``: a ``device_mesh=``'s (:mod:`graphddp.frontend.mesh`); ``group`` is its whole group.
     """
     if config.sharding == "full":
         raise ValueError(
@@ -137,5 +140,6 @@ def prepare(
     if attached is not None:
         attached.attach()
         if config.sharding == "optimizer":
-            attached.sharded = ShardedState(optimizer, attached.params, attached.rules, attached.group_of, group)
+            groups = groups or flat_groups(group)
+            attached.sharded = ShardedState(optimizer, attached.params, attached.rules, attached.group_of, groups.shard, groups.placement)
     return attached, config

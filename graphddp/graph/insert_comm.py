@@ -6,7 +6,7 @@ carries it out, and refuses (before editing anything) a Schedule that does not f
 
 A bucket is one small Python function (``graph/bucket_function.py``), traced
 (``graph/trace.py``, the pattern of Inductor's ``bucketing.py``) on the graph's fake gradients
-and spliced in two parts at the nodes ``graph/placement.py`` resolves from the schedule: the waits
+and spliced in two parts at the nodes ``graph/anchors.py`` resolves from the schedule: the waits
 of its last stage of collectives and everything after them right before the wait point, the
 rest right after the issue point (``_late_part``). The communication hook (``graphddp.hooks``)
 is called inside it, so a hook is traced exactly like the rest of the bucket and the pass knows
@@ -82,7 +82,7 @@ from torch._guards import detect_fake_mode
 
 from graphddp.graph.bucket_function import HookContext, _builtin_fn, _user_fn
 from graphddp.graph.capture import descendants
-from graphddp.graph.placement import _Placement, place_buckets
+from graphddp.graph.anchors import _Placement, place_buckets
 from graphddp.graph.trace import set_outputs, splice, trace
 from graphddp.hooks import builtin as hooks
 from graphddp.hooks.traced import StateSpec, TracedHook

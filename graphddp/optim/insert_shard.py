@@ -80,7 +80,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from graphddp.graph.capture import ancestors, storage_of
-from graphddp.graph.placement import place_buckets
+from graphddp.graph.anchors import place_buckets
 from graphddp.graph.trace import after_all, set_outputs, splice, trace
 from graphddp.hooks import builtin as hooks
 from graphddp.optim import clip
@@ -133,7 +133,8 @@ def insert_sharded_updates(
     output = graph.output_node()
     outs: list[Any] = list(output.args[0])
     placements = {p.bucket.index: p for p in place_buckets(gm, schedule, outs, only={b.index for b in sharded})}
-    shards = [shard_layout(b, inputs.rules, inputs.groups, schedule.world_size, rank) for b in sharded]
+    assert schedule.placement is not None, "with_sharding sets the placement of sharded buckets"
+    shards = [shard_layout(b, inputs.rules, inputs.groups, schedule.placement, rank) for b in sharded]
     fake_mode = detect_fake_mode(tuple(inputs.values.values()))
     decompositions = select_decomp_table()
     issues = [placements[shard.bucket.index].issue for shard in shards]
@@ -148,7 +149,7 @@ def insert_sharded_updates(
     reduces = {}  # max_grad_norm: per bucket, the trace of its reduce-scatter to its part and its norms' shares
     for shard in shards if clipped else ():
         b = shard.bucket
-        fn = reduce_fn(shard, hook or hooks.for_bucket(b), schedule.group_name, b.index in carried, schedule.grad_norm_type)
+        fn = reduce_fn(shard, hook or hooks.for_bucket(b), b.index in carried, schedule.grad_norm_type)
         reduces[b.index] = trace(fn, gradients(b), f"sharded bucket {b.index}'s average", decompositions)
     coef = _coefficient_value(list(reduces.values()), fake_mode) if clipped else None
     rests = {shard.bucket.index: state_values(shard, fake_mode, inputs.values) for shard in shards}  # after the parameters
@@ -162,16 +163,16 @@ def insert_sharded_updates(
         rest = rests[b.index]
         if clipped:
             grad_part = _outputs(reduces[b.index])[0]
-            fn = clipped_update_fn(shard, schedule.group_name, private)
+            fn = clipped_update_fn(shard, private)
             update = trace(fn, [grad_part, *params, *rest, coef], f"sharded bucket {b.index}'s update", decompositions)
         else:
-            fn = update_fn(shard, hook or hooks.for_bucket(b), schedule.group_name, private, b.index in carried)
+            fn = update_fn(shard, hook or hooks.for_bucket(b), private, b.index in carried)
             update = trace(fn, gradients(b) + params + rest, f"sharded bucket {b.index}", decompositions)
         result = _outputs(update)
         # What ends the bucket in this graph: its wait and writes, or with gather="forward" (the
         # next forward waits and writes) its all-gather, issued at the output.
         if b.gather == "forward":
-            tail = trace(gather_fn(shard, schedule.group_name), [result], f"sharded bucket {b.index}'s all-gather")
+            tail = trace(gather_fn(shard), [result], f"sharded bucket {b.index}'s all-gather")
         else:
             tail = trace(write_fn(shard), [result, *params], f"sharded bucket {b.index}'s write")
         traced.append(_Traced(shard, update, tail, reduces.get(b.index)))
@@ -300,7 +301,7 @@ class _Splicer:
         norms = clip.insert_norms(graph, returned, schedule.grad_norm_type, decompositions)
         last = self.traced[-1].shard.bucket.index
         coefficient = clip.sharded_coefficient_fn(
-            schedule.max_grad_norm, schedule.grad_norm_type, len(squares), schedule.group_name, schedule.world_size
+            schedule.max_grad_norm, schedule.grad_norm_type, len(squares), schedule.placement.shard.name, schedule.placement.shard.size
         )
         traced = trace(coefficient, [n.meta["val"] for n in squares + norms], "the clip coefficient", decompositions)
         coef = splice(graph, traced, squares + norms, after_all(graph, squares + norms), last)

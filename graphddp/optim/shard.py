@@ -32,7 +32,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from graphddp.optim.attached import F64, UPDATES, UpdateRule, adam_step, hyper_values
-from graphddp.values.comm import gather_flat
+from graphddp.values.comm import gather_flat, group_name_of
+from graphddp.values.placement import Placement, flat
 from graphddp.values.shards import chunk, part
 
 # Per-element state a part holds; every other entry ("step") is one value for the whole parameter.
@@ -57,7 +58,9 @@ class ShardedState:
     """This rank's parts of the optimizer state, and the eager sharded step (module docstring)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: Mapping[str, nn.Parameter], rules: Sequence[UpdateRule],
-                 group_of: Mapping[str, int], group: Any) -> None:
+                 group_of: Mapping[str, int], group: Any, placement: Placement | None = None) -> None:
+        """``group``: the shard group, whose ranks each hold one part; ``placement``: the
+        sharded buckets' (:mod:`graphddp.values.placement`; default: sharded over ``group``)."""
         self.optimizer = optimizer
         self.params = dict(params)
         self.rules = rules
@@ -65,6 +68,7 @@ class ShardedState:
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.placement = placement or flat(group_name_of(group), self.world)
         self.pending: dict[str, dict[str, Any]] = {}  # loaded full state, cut into parts on first use
         self._adopt_existing()
 

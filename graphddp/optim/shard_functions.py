@@ -20,8 +20,8 @@ from graphddp.graph.trace import fresh_copy, role
 from graphddp.hooks import builtin as hooks
 from graphddp.optim import clip
 from graphddp.optim.attached import F64, UPDATES, UpdateRule, adam_step
-from graphddp.values.collectives import backend_of, kind
 from graphddp.values.comm import WAIT
+from graphddp.values.placement import Placement
 from graphddp.values.schedule import Bucket
 from graphddp.values.shards import chunk, part
 
@@ -37,7 +37,12 @@ class ShardLayout:
     parts: tuple[tuple[int, int], ...]  # per slot: [lo, hi) of the parameter's flat view
     rules: tuple[UpdateRule, ...]  # per slot
     group_of: tuple[int, ...]  # per slot
-    world: int
+    placement: Placement  # the groups its collectives run on
+
+    @property
+    def world(self) -> int:
+        """The shard group's size: the number of parts."""
+        return self.placement.shard.size
 
     @property
     def groups(self) -> list[int]:
@@ -52,11 +57,12 @@ class ShardLayout:
         return [i for i, (lo, hi) in enumerate(self.parts) if hi > lo]
 
 
-def shard_layout(bucket: Bucket, rules: Mapping[str, UpdateRule], groups: Mapping[str, int], world: int, rank: int) -> ShardLayout:
+def shard_layout(bucket: Bucket, rules: Mapping[str, UpdateRule], groups: Mapping[str, int], placement: Placement, rank: int) -> ShardLayout:
+    """``rank``: this rank's index in the shard group, which part it holds."""
     names = bucket.param_names
     return ShardLayout(
-        bucket, tuple(part(s.numel, world, rank) for s in bucket.slots), tuple(rules[n] for n in names),
-        tuple(groups[n] for n in names), world,
+        bucket, tuple(part(s.numel, placement.shard.size, rank) for s in bucket.slots), tuple(rules[n] for n in names),
+        tuple(groups[n] for n in names), placement,
     )
 
 
@@ -87,10 +93,11 @@ def _clone(t: torch.Tensor) -> torch.Tensor:
     return aten.clone.default(t)
 
 
-def _issue(shard: ShardLayout, hook: hooks.CommHook, group_name: str, grads: Sequence[torch.Tensor], carried: Sequence[torch.Tensor]) -> torch.Tensor:
+def _issue(shard: ShardLayout, hook: hooks.CommHook, grads: Sequence[torch.Tensor], carried: Sequence[torch.Tensor]) -> torch.Tensor:
     """Traced: the bucket's gradients (plus, ``carried``, each slot's gradient accumulated under
     ``no_sync``: DDP's bucket after ``no_sync`` holds the sum) flattened, compressed, divided by
-    the world size and reduce-scattered; returns what to wait on."""
+    every rank's count (the placement's world) and reduce-scattered over the shard group;
+    returns what to wait on."""
     bucket, world = shard.bucket, shard.world
     if carried:
         with role("carry"):
@@ -106,17 +113,18 @@ def _issue(shard: ShardLayout, hook: hooks.CommHook, group_name: str, grads: Seq
         with role("compress"):
             column = hook.compress(column, bucket)
         with role("scale"):
-            columns.append(aten.div.Tensor(column, world))
+            columns.append(aten.div.Tensor(column, shard.placement.world))
     with role("flatten"):
         scaled = aten.view.default(aten.cat.default(columns, 1) if len(columns) > 1 else columns[0], [-1])
     with role(SHARDED):
-        return kind(SHARDED).lower(backend_of(group_name)).issue(scaled, group_name, world)
+        return shard.placement.issue_reduce(scaled)
 
 
-def _receive(shard: ShardLayout, hook: hooks.CommHook, group_name: str, pending: torch.Tensor) -> torch.Tensor:
-    """Traced: the reduce-scatter's wait, then this rank's part of the bucket's average."""
+def _receive(shard: ShardLayout, hook: hooks.CommHook, pending: torch.Tensor) -> torch.Tensor:
+    """Traced: the reduce-scatter's wait, then this rank's part of the bucket's average (with
+    hybrid sharding, all-reduced over the replicate group first)."""
     with role("wait"):
-        done = kind(SHARDED).lower(backend_of(group_name)).finish(WAIT(pending), shard.world)
+        done = shard.placement.finish_reduce(pending, tag=role)
     with role("decompress"):
         return hook.decompress(done, shard.bucket)
 
@@ -132,7 +140,7 @@ def _copies(shard: ShardLayout, params: Sequence[torch.Tensor], private: bool) -
         return [copy(aten.slice.Tensor(_flat(p, s.numel), 0, lo, hi)) for p, s, (lo, hi) in zip(params, shard.bucket.slots, shard.parts)]
 
 
-def _step(shard: ShardLayout, group_name: str, grad_part: torch.Tensor, work: list[torch.Tensor], rest: list[torch.Tensor]) -> torch.Tensor:
+def _step(shard: ShardLayout, grad_part: torch.Tensor, work: list[torch.Tensor], rest: list[torch.Tensor]) -> torch.Tensor:
     """Traced: the optimizer's math on each owned part (``rest``: the state and hyperparameter
     inputs, :func:`layout`'s order); returns the all-gather of the updated parts, not waited,
     or with ``gather="forward"`` the updated parts (:func:`gather_fn` issues their all-gather
@@ -156,10 +164,10 @@ def _step(shard: ShardLayout, group_name: str, grad_part: torch.Tensor, work: li
         mine = aten.cat.default([aten.constant_pad_nd.default(w, [0, c - w.numel()]) for w, c in zip(work, shard.chunks)])
     if shard.bucket.gather == "forward":
         return mine
-    return gather_fn(shard, group_name)(mine)
+    return gather_fn(shard)(mine)
 
 
-def update_fn(shard: ShardLayout, hook: hooks.CommHook, group_name: str, private: bool, carry: bool) -> Callable[..., torch.Tensor]:
+def update_fn(shard: ShardLayout, hook: hooks.CommHook, private: bool, carry: bool) -> Callable[..., torch.Tensor]:
     """(grads[, carried], params, states, hypers) -> the all-gather of the updated parts, not
     waited (with ``gather="forward"`` the updated parts): a bucket updated as soon as its
     average arrives. ``carry``: each slot's accumulated gradient after the gradients."""
@@ -168,15 +176,15 @@ def update_fn(shard: ShardLayout, hook: hooks.CommHook, group_name: str, private
 
     def run(*args: torch.Tensor) -> torch.Tensor:
         grads, carried, params, rest = args[:n], args[n:m], args[m:m + n], list(args[m + n:])
-        pending = _issue(shard, hook, group_name, grads, carried)
+        pending = _issue(shard, hook, grads, carried)
         work = _copies(shard, params, private)
-        return _step(shard, group_name, _receive(shard, hook, group_name, pending), work, rest)
+        return _step(shard, _receive(shard, hook, pending), work, rest)
 
     return run
 
 
 def reduce_fn(
-    shard: ShardLayout, hook: hooks.CommHook, group_name: str, carry: bool, norm_type: float,
+    shard: ShardLayout, hook: hooks.CommHook, carry: bool, norm_type: float,
 ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """``max_grad_norm``, first half: (grads[, carried]) -> (this rank's part of the bucket's
     average, each slot's share of its gradient's norm, :func:`graphddp.optim.clip.part_norms`):
@@ -186,13 +194,13 @@ def reduce_fn(
 
     def run(*args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         grads, carried = args[:n], args[n:] if carry else ()
-        grad_part = _receive(shard, hook, group_name, _issue(shard, hook, group_name, grads, carried))
+        grad_part = _receive(shard, hook, _issue(shard, hook, grads, carried))
         return grad_part, clip.part_norms(grad_part, [hi - lo for lo, hi in shard.parts], shard.chunks, norm_type)
 
     return run
 
 
-def clipped_update_fn(shard: ShardLayout, group_name: str, private: bool) -> Callable[..., torch.Tensor]:
+def clipped_update_fn(shard: ShardLayout, private: bool) -> Callable[..., torch.Tensor]:
     """``max_grad_norm``, second half: (this rank's part of the average, params, states,
     hypers, the clip coefficient) -> as :func:`update_fn`, from the part times the coefficient
     (``clip_grad_norm_``'s ``mul_``)."""
@@ -203,19 +211,18 @@ def clipped_update_fn(shard: ShardLayout, group_name: str, private: bool) -> Cal
         work = _copies(shard, params, private)
         with role(clip.CLIP):
             grad_part = aten.mul.Tensor(grad_part, coef)
-        return _step(shard, group_name, grad_part, work, rest)
+        return _step(shard, grad_part, work, rest)
 
     return run
 
 
-def gather_fn(shard: ShardLayout, group_name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """(updated parts) -> their all-gather, not waited (with ``gather="forward"`` traced on its
-    own, at the output)."""
-    all_gather = kind("all_gather").lower(backend_of(group_name))
+def gather_fn(shard: ShardLayout) -> Callable[[torch.Tensor], torch.Tensor]:
+    """(updated parts) -> their all-gather over the shard group, not waited (with
+    ``gather="forward"`` traced on its own, at the output)."""
 
     def run(parts: torch.Tensor) -> torch.Tensor:
         with role("all_gather"):
-            return all_gather.issue(parts, group_name, shard.world)
+            return shard.placement.issue_gather(parts)
 
     return run
 

@@ -7,7 +7,9 @@ all-gather has delivered them. Invariants, per sharded bucket (``collective ==
 "reduce_scatter"``):
 
 S1. **One of each.** Exactly one reduce-scatter and one all-gather carry the bucket's tag, and
-    nothing else graphddp made for it is a collective.
+    nothing else graphddp made for it is a collective but, with hybrid sharding
+    (:class:`graphddp.values.placement.Placement`), one all-reduce of the part over the
+    replicate group, which reads the reduce-scatter's wait and whose wait the all-gather reads.
 S2. **After its gradients.** The reduce-scatter comes after the node producing each of the
     bucket's gradients, and its input depends on every one of them.
 S3. **Averaged gradient.** The all-gather's input depends on the reduce-scatter's wait: the
@@ -46,7 +48,8 @@ from graphddp.optim.clip import CLIP, CLIP_COEFFICIENT, CLIP_NORM, reduce_op
 from graphddp.optim.insert_shard import carried_inputs
 from graphddp.optim.verify import _closure, _Memory, _root
 from graphddp.values.collectives import kind
-from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_collective, is_wait
+from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, group_of, is_collective, is_wait
+from graphddp.values.placement import REPLICATE, Placement, flat
 from graphddp.values.schedule import Schedule
 
 aten = torch.ops.aten
@@ -61,6 +64,7 @@ def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
     memory_of = _Memory(nodes)
     outs = list(gm.graph.output_node().args[0])
     rs_ops, ag_ops = kind("reduce_scatter").ops, kind("all_gather").ops
+    placement = schedule.placement or flat(schedule.group_name, schedule.world_size)
     issued: dict[int, tuple[fx.Node, fx.Node]] = {}  # per sharded bucket: its reduce-scatter and all-gather
     carried = carried_inputs(gm.graph)  # the carrying variant's accumulated gradients, per bucket
     for bucket in (b for b in schedule.buckets if b.collective == "reduce_scatter"):
@@ -68,12 +72,17 @@ def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
         collectives = [n for n in mine if is_collective(n) and n.meta.get(ROLE_KEY) != CLIP]  # S6 checks the norms' all-reduce
         # by role: on gloo both are all-to-alls (graphddp.values.collectives)
         gathers = [n for n in collectives if n.target in ag_ops and n.meta.get(ROLE_KEY) == "all_gather"]
-        scatters = [n for n in collectives if n.target in rs_ops and n not in gathers]
+        replicas = [n for n in collectives if n.meta.get(ROLE_KEY) == REPLICATE]
+        scatters = [n for n in collectives if n.target in rs_ops and n not in gathers and n not in replicas]
         where = f"sharded bucket {bucket.index}"
-        if len(scatters) != 1 or len(gathers) != 1 or len(collectives) != 2:
+        hybrid = int(placement.hybrid)
+        if len(scatters) != 1 or len(gathers) != 1 or len(replicas) != hybrid or len(collectives) != 2 + hybrid:
+            expected = "one reduce-scatter, one all-reduce over the replicate group" if hybrid else "one reduce-scatter"
             _fail(gm, (collectives or [gm.graph.output_node()])[0],
-                  f"{where}: expected one reduce-scatter and one all-gather, found {[n.name for n in collectives]} (S1)")
+                  f"{where}: expected {expected} and one all-gather, found {[n.name for n in collectives]} (S1)")
         scatter, gather = issued[bucket.index] = scatters[0], gathers[0]
+        if replicas:
+            _check_replicated(gm, where, scatter, replicas[0], gather, placement)
         inputs = ancestors(scatter)
         for node in carried.get(bucket.index, ()):  # S7
             users = list(node.users)
@@ -88,7 +97,7 @@ def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
         if not scatter_waits or not any(w in ancestors(gather) for w in scatter_waits):
             _fail(gm, gather, f"{where}: the all-gather's parts do not depend on the reduce-scatter's wait (S3)")
         if scatter.target is ALL_TO_ALL:
-            _check_rows_summed(gm, where, scatter_waits, schedule.world_size)
+            _check_rows_summed(gm, where, scatter_waits, placement.shard.size)
         for slot in bucket.slots:
             if outs[slot.output_index] is not None:
                 _fail(gm, gm.graph.output_node(), f"{where}: the gradient of {slot.param_name!r} is still returned (S4)")
@@ -135,6 +144,20 @@ def _check_clipping(gm: fx.GraphModule, schedule: Schedule, outs: list, issued: 
                 _fail(gm, out, f"{out.name}, a gradient of bucket {bucket.index} the graph returns, is not clipped (S6)")
         if graded and not any(n.meta.get(BUCKET_KEY) == bucket.index and n.meta.get(ROLE_KEY) == CLIP_NORM for n in inputs):
             _fail(gm, coef, f"the clip coefficient {coef.name} does not read the norms of bucket {bucket.index}'s returned gradients (S6)")
+
+
+def _check_replicated(gm: fx.GraphModule, where: str, scatter: fx.Node, replica: fx.Node, gather: fx.Node, placement: Placement) -> None:
+    """S1, hybrid: the part's all-reduce runs over the replicate group, reads the
+    reduce-scatter's wait, and the all-gather reads its wait (each part averaged over every rank)."""
+    assert placement.replicate is not None
+    if group_of(replica) != placement.replicate.name:
+        _fail(gm, replica, f"{where}: the part's all-reduce runs on {group_of(replica)!r}, not the replicate group {placement.replicate.name!r} (S1)")
+    above = ancestors(replica)
+    if not any(is_wait(u) and u in above for u in scatter.users):
+        _fail(gm, replica, f"{where}: the part's all-reduce does not read the reduce-scatter's wait (S1)")
+    waits = [u for u in replica.users if is_wait(u)]
+    if len(waits) != 1 or waits[0] not in ancestors(gather):
+        _fail(gm, gather, f"{where}: the all-gather's parts do not depend on the replicate all-reduce's wait (S1)")
 
 
 def _check_rows_summed(gm: fx.GraphModule, where: str, waits: list[fx.Node], world: int) -> None:

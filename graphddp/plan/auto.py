@@ -58,6 +58,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from graphddp.plan.cost import CostModel, agreement_seconds, compute_timeline
+from graphddp.values.placement import Placement
 from graphddp.values.collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CollectiveKind
 from graphddp.values.schedule import GradSlot, NodeFact
 
@@ -83,23 +84,30 @@ class Pricing:
     # once the step is steady (graphddp.runtime.steady); a plan of more pays a collective for
     # it (graphddp.plan.cost.agreement_seconds), as graphddp.simulate prices it.
     agreement_in_one_bucket: bool = False
+    # Where sharded buckets' parts live (graphddp.values.placement): hybrid sharding prices its
+    # reduce-scatter and all-gather over the shard group and the part's all-reduce over the other.
+    placement: Placement | None = None
 
     def agreement(self, cost: CostModel, buckets: int, world_size: int) -> float:
         """What a plan of ``buckets`` buckets pays for the agreement beyond a one-bucket plan."""
         return agreement_seconds(cost, world_size) if self.agreement_in_one_bucket and buckets > 1 else 0.0
 
     @classmethod
-    def of(cls, sharding: str | None, gather: str = "backward") -> Pricing:
+    def of(cls, sharding: str | None, gather: str = "backward", placement: Placement | None = None) -> Pricing:
         """What ``DDPConfig.sharding`` and ``DDPConfig.gather`` will run: all-reduces when
         replicated; reduce-scatters when sharded, with their all-gathers in the backward when
-        ``gather="backward"`` (with ``"forward"`` they complete in the next forward)."""
+        ``gather="backward"`` (with ``"forward"`` they complete in the next forward), over
+        ``placement``'s groups."""
         if sharding is None:
             return REPLICATED
-        return cls(REDUCE_SCATTER, ALL_GATHER if gather == "backward" else None)
+        return cls(REDUCE_SCATTER, ALL_GATHER if gather == "backward" else None, placement=placement)
 
     def seconds(self, cost: CostModel, wire_nbytes: float, gathered_nbytes: float, world_size: int) -> float:
         """The link time of one bucket: its collective on ``wire_nbytes``, and the
         ``alongside`` one on ``gathered_nbytes``."""
+        if self.placement is not None:
+            alongside = 0.0 if self.alongside is None else self.placement.gather_seconds(cost, int(gathered_nbytes))
+            return self.placement.reduce_seconds(cost, int(wire_nbytes)) + alongside
         alongside = 0.0 if self.alongside is None else self.alongside.seconds(cost, gathered_nbytes, world_size)
         return self.backward.seconds(cost, wire_nbytes, world_size) + alongside
 
@@ -261,7 +269,7 @@ def robust_partition(
 def auto_partition(
     ordered: Sequence[GradSlot], nodes: Sequence[NodeFact], cost: CostModel, world_size: int,
     wire_ratio: Mapping[tuple[str, str], float] | None = None, *, sharding: str | None = None,
-    gather: str = "backward", gated: bool = False,
+    gather: str = "backward", gated: bool = False, placement: Placement | None = None,
 ) -> list[tuple[GradSlot, ...]]:
     """Buckets of production-ordered ``ordered``, per (dtype, device) key, by
     :func:`robust_partition`; ``wire_ratio[key]`` scales bytes to bytes on the wire (a
@@ -280,7 +288,7 @@ def auto_partition(
     of one CPU bucket saves the agreement's own collective once the step is steady
     (:attr:`Pricing.agreement_in_one_bucket`; one dtype and device only: two are two buckets
     anyway)."""
-    pricing = Pricing.of(sharding, gather)
+    pricing = Pricing.of(sharding, gather, placement)
     keys = {(s.dtype, s.device.split(":")[0]) for s in ordered}
     if gated and len(keys) == 1 and next(iter(keys))[1] == "cpu":
         pricing = dataclasses.replace(pricing, agreement_in_one_bucket=True)

@@ -11,7 +11,9 @@ timeline of one backward pass with its communication.
   produced, its issue is done and the link is free (one bucket on the wire at a time).
   Whatever communication ends after the last compute node is *exposed*.
 * Sharded buckets (``Bucket.collective == "reduce_scatter"``): the reduce-scatter is the
-  bucket's collective above. When ``Bucket.gather`` is ``"backward"`` (or None, plans made
+  bucket's collective above, over the placement's groups (:meth:`graphddp.values.placement.
+  Placement.reduce_seconds`: with hybrid sharding, a reduce-scatter over the shard group and an
+  all-reduce of the part over the replicate group). When ``Bucket.gather`` is ``"backward"`` (or None, plans made
   before it existed) the all-gather of its updated parts is on the link in the backward too:
   the graph issues it right after the next bucket's reduce-scatter
   (:data:`graphddp.values.shards.GATHER_LAG`), the model right after its own, one bucket
@@ -99,14 +101,17 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, measured: Mappin
     overhead = cost.collective_overhead_us * 1e-6
     link_free = 0.0
     timings = []
-    gather = kind("all_gather")
     for bucket in schedule.buckets:
         issued[bucket.issue_after] -= 1  # later buckets at the same node are issued after this one
         ready = finished.get(bucket.issue_after, clock) - overhead * issued[bucket.issue_after]
         start = max(ready, link_free)
-        end = start + kind(bucket.collective).seconds(cost, bucket.wire_nbytes, schedule.world_size)
-        if bucket.collective == "reduce_scatter" and bucket.gather != "forward":
-            end += gather.seconds(cost, bucket.nbytes, schedule.world_size)
+        placement = schedule.placement if bucket.collective == "reduce_scatter" else None
+        if placement is None:
+            end = start + kind(bucket.collective).seconds(cost, bucket.wire_nbytes, schedule.world_size)
+        else:  # its reduce-scatter (hybrid: and the part's all-reduce), the all-gather of its parts
+            end = start + placement.reduce_seconds(cost, bucket.wire_nbytes)
+            if bucket.gather != "forward":
+                end += placement.gather_seconds(cost, bucket.nbytes)
         link_free = end
         timings.append(BucketTiming(bucket.index, ready, start, end, bucket.wire_nbytes))
     step = max([clock] + [t.end for t in timings])

@@ -39,6 +39,7 @@ import torch
 
 from graphddp.config import DDPConfig
 from graphddp.plan.auto import auto_partition
+from graphddp.values.placement import Placement, flat
 from graphddp.values.schedule import WAIT_AT_OUTPUT, Bucket, CostModel, GradSlot, GraphFacts, NodeFact, Schedule
 
 DtypeDevice = tuple[str, str]  # buckets never mix either
@@ -52,6 +53,7 @@ def _order(slot: GradSlot) -> tuple[int, int]:
 def partition(
     slots: tuple[GradSlot, ...], config: DDPConfig, nodes: tuple[NodeFact, ...] = (), world_size: int = 1,
     like: tuple[tuple[GradSlot, ...], ...] | None = None, fill: bool = False, gated: bool = False,
+    placement: Placement | None = None,
 ) -> list[tuple[GradSlot, ...]]:
     """Group production-ordered slots into buckets; returns buckets in ready order.
 
@@ -66,7 +68,7 @@ def partition(
     if config.auto:
         done = auto_partition(
             ordered, nodes, cost_of(config), world_size, _wire_ratios(ordered, config.comm_dtype),
-            sharding=config.sharding, gather=config.gather, gated=gated,
+            sharding=config.sharding, gather=config.gather, gated=gated, placement=placement,
         )
         done.sort(key=lambda b: _order(b[-1]))
         return done
@@ -160,6 +162,7 @@ def plan(
     hook: str | None = None,
     like: tuple[tuple[GradSlot, ...], ...] | None = None,
     gated: bool = False,
+    placement: Placement | None = None,
 ) -> Schedule:
     """Plan the buckets of one backward graph. Pure: same inputs, same Schedule.
 
@@ -175,13 +178,15 @@ def plan(
     ``gated``: the graph's all-reduces run gated (:mod:`graphddp.runtime.gate`; the compiler's
     ``gates()``), recorded in the Schedule, and priced by an auto plan (a gated plan of one CPU
     bucket needs no collective of its own for the agreement: :mod:`graphddp.runtime.steady`).
+    ``placement``: where sharded buckets will live (:func:`with_sharding` records it), which an
+    auto plan prices (hybrid sharding's groups).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     compute = [n for n in facts.nodes if n.is_compute]
     output_position = len(facts.nodes) - 1
     buckets = []
-    for index, slots in enumerate(partition(facts.slots, config, facts.nodes, world_size, like, fill=hook is not None, gated=gated)):
+    for index, slots in enumerate(partition(facts.slots, config, facts.nodes, world_size, like, fill=hook is not None, gated=gated, placement=placement)):
         ready = max(slots, key=lambda s: s.position)  # all zero-filled: ready when the backward starts
         issue_after = ready.producer if not ready.zero_filled else facts.nodes[0].name
         overlap = tuple(n.name for n in compute if ready.position < n.position < output_position)
@@ -230,18 +235,22 @@ def with_updates(
                                grad_norm_type=grad_norm_type if max_grad_norm is not None else 2.0)
 
 
-def with_sharding(schedule: Schedule, updatable: Collection[str], gather: str = "backward") -> Schedule:
+def with_sharding(schedule: Schedule, updatable: Collection[str], gather: str = "backward", placement: Placement | None = None) -> Schedule:
     """``schedule`` with every bucket whose parameters can all be updated inside the graph
     reduce-scattered instead of all-reduced (``Bucket.collective``), for the optimizer on a
     shard (:mod:`graphddp.optim.shard`). A bucket holding a parameter the graph cannot update
     (tied across a graph break) stays an all-reduce: the parameter is stepped after the
     backward, on its shard too. ``gather`` is where each sharded bucket's all-gather completes
-    (``Bucket.gather``: ``"backward"`` or ``"forward"``). Pure, like ``plan``."""
+    (``Bucket.gather``: ``"backward"`` or ``"forward"``); ``placement`` where their parts live
+    (default: sharded over the schedule's group, every rank). Pure, like ``plan``."""
+    placement = placement or flat(schedule.group_name, schedule.world_size)
+    if placement.world != schedule.world_size:
+        raise ValueError(f"graphddp: a placement over {placement.world} ranks for a schedule of {schedule.world_size}")
     buckets = tuple(
         dataclasses.replace(b, collective="reduce_scatter", gather=gather) if b.slots and all(n in updatable for n in b.param_names) else b
         for b in schedule.buckets
     )
-    return dataclasses.replace(schedule, buckets=buckets)
+    return dataclasses.replace(schedule, buckets=buckets, placement=placement)
 
 
 def with_wire_bytes(schedule: Schedule, wire: Mapping[int, int]) -> Schedule:

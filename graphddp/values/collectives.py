@@ -41,7 +41,7 @@ from typing import Callable, Mapping
 import torch
 
 from graphddp.values.comm import ALL_REDUCE as ALL_REDUCE_OP
-from graphddp.values.schedule import CostModel
+from graphddp.values.prediction import CostModel
 
 
 def _as_is(done: torch.Tensor, world: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch
 
 # The cost model's values have a module of their own; every value type keeps this import path.
 from graphddp.values.prediction import BucketTiming, CostModel, Span, Timeline  # noqa: F401
+from graphddp.values.placement import Placement
 from graphddp.values.schedule_table import ScheduleTable
 
 # The value types, and the cost model's that this module re-exports (their import path).
@@ -189,6 +190,9 @@ class Schedule(ScheduleTable):
     # by world_size (so the graph does not), adds what was carried from no_sync, or holds the
     # bucket when the ranks' steps differ.
     gated: bool = False
+    # Where the sharded buckets' parts live (collective "reduce_scatter"; graphddp.values.placement):
+    # their groups, set with the sharding (plan.planner.with_sharding); None without one.
+    placement: Placement | None = None
 
     @property
     def num_buckets(self) -> int:
@@ -245,6 +249,7 @@ class Schedule(ScheduleTable):
             **({"max_grad_norm": self.max_grad_norm} if self.max_grad_norm is not None else {}),
             **({"grad_norm_type": str(self.grad_norm_type)} if self.grad_norm_type != 2.0 else {}),  # "inf": JSON has none
             **({"gated": True} if self.gated else {}),
+            **({"placement": self.placement.to_dict()} if self.placement is not None else {}),
             "cost_model": self.cost_model.to_dict() if self.cost_model is not None else None,
             "unreduced": list(self.unreduced),
             "nodes": [{**dataclasses.asdict(n), "inputs": list(n.inputs)} for n in self.nodes],
@@ -309,6 +314,7 @@ class Schedule(ScheduleTable):
             max_grad_norm=data.get("max_grad_norm"),
             grad_norm_type=float(data.get("grad_norm_type", 2.0)),
             gated=data.get("gated", False),
+            placement=Placement.from_dict(data.get("placement")),
             cost_model=CostModel.from_dict(data["cost_model"]) if data.get("cost_model") else None,
             buckets=buckets,
             unreduced=tuple(data["unreduced"]),
@@ -327,7 +333,8 @@ class Schedule(ScheduleTable):
         Node names, positions and overlap windows are left out: two ranks whose compute
         differs but whose layouts are equal reduce the same gradients.
         """
-        return self.world_size, tuple(b.wire() for b in self.buckets)
+        placed = () if self.placement is None or not self.placement.hybrid else (self.placement.shape(),)
+        return (self.world_size, *placed), tuple(b.wire() for b in self.buckets)
 
     def renamed(self, names: Mapping[str, str]) -> "Schedule":
         """This plan for other parameters of the same shapes: Dynamo runs one compiled graph for
@@ -350,6 +357,8 @@ class Schedule(ScheduleTable):
         """
         data = self.to_dict()
         data.pop("group_name")
+        if self.placement is not None:
+            data["placement"] = self.placement.shape()  # group names are per rank
         data.pop("nodes")  # cost inputs, not the plan
         data.pop("cost_model")  # calibrated numbers vary run to run; the buckets they chose are in
         for bucket in data["buckets"]:

@@ -12,10 +12,11 @@ import graphddp
 from graphddp.graph.capture import ancestors
 from graphddp.graph.verify import VerificationError
 from graphddp.models import MLP
-from graphddp.optim import insert_shard, shard_functions
+from graphddp.optim import insert_shard
 from graphddp.optim.verify_shard import verify_sharded
 from graphddp.testing import release_process_group
 from graphddp.values.collectives import kind
+from graphddp.values import placement
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY
 from graphddp.values.shards import chunk, owners, part
 
@@ -37,7 +38,7 @@ def _compiled(fake_world, world: int = 4, lowered_for: str | None = None, monkey
     """``lowered_for="gloo"``: the graph gloo's ranks get (the fake group is not gloo)."""
     fake_world(world)
     if lowered_for is not None:
-        monkeypatch.setattr(shard_functions, "backend_of", lambda group: lowered_for)
+        monkeypatch.setattr(placement, "backend_of", lambda group: lowered_for)
     torch.manual_seed(0)
     model = MLP(width=32, depth=4)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

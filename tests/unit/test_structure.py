@@ -76,9 +76,11 @@ def test_schedule_is_the_bottom_layer_and_imports_have_no_cycle():
     graph = _imports()
     assert graph["graphddp.values.prediction"] == set()
     assert graph["graphddp.values.schedule_table"] == {"graphddp.values.prediction"}  # Timeline, for annotations only
-    assert graph["graphddp.values.schedule"] == {"graphddp.values.prediction", "graphddp.values.schedule_table"}
+    # A schedule records where its sharded buckets live: the placement, built on the collective kinds.
+    assert graph["graphddp.values.schedule"] == {"graphddp.values.prediction", "graphddp.values.schedule_table", "graphddp.values.placement"}
+    assert graph["graphddp.values.placement"] == {"graphddp.values.prediction", "graphddp.values.collectives"}
+    assert graph["graphddp.values.collectives"] == {"graphddp.values.prediction", "graphddp.values.comm"}  # the kinds: under the value types
     assert graph["graphddp.graph.capture"] == {"graphddp.values.schedule"}
-    assert graph["graphddp.values.collectives"] == {"graphddp.values.schedule", "graphddp.values.comm"}  # the kinds: just above the value types
     assert graph["graphddp.plan.cost"] == {"graphddp.values.schedule", "graphddp.values.collectives"}
     below_the_top = {m for m in graph if m not in ("graphddp", "graphddp.__main__", "graphddp.frontend.cli", "graphddp.testing")}
     assert not [m for m in below_the_top if "graphddp" in graph[m]], "only the top imports the package itself"

@@ -1,0 +1,128 @@
+"""Where a sharded bucket's tensors live, and the collectives that follow from it.
+
+A bucket is replicated (every rank holds it whole and all-reduces it) or sharded: each rank of
+a *shard group* holds one part of it, so its gradient is reduce-scattered over that group and,
+after the update, its parts all-gathered over it. With hybrid sharding (a 2-D ``DeviceMesh``,
+FSDP2's HSDP convention: dim 0 replicates, dim 1 shards) the shard groups are themselves
+replicas of one another: after the reduce-scatter each rank's part is all-reduced over its
+*replicate group* (the ranks holding the same part in the other shard groups), so the link
+between groups carries 1/S of the bytes with S ranks per shard group.
+
+:class:`Placement` is that fact as a value, planned once and read by every sharded mode:
+``sharding="optimizer"`` (:mod:`graphddp.optim.shard_functions` traces its bucket's reduce and
+gather from it) and ``sharding="full"`` (:mod:`graphddp.frontend.parts` gathers each parameter
+and reduces its gradient through it; :mod:`graphddp.graph.part_collectives` buckets them through
+it). The functions below are traced into graphs, so both modes issue the same collectives, in
+the same order, from one definition; a placement's cost is :meth:`Placement.reduce_seconds`.
+
+Group names differ between ranks of different shard groups (each group registers its own), so
+a schedule's fingerprint keeps the sizes only (:meth:`Placement.shape`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from graphddp.values.collectives import backend_of, kind
+from graphddp.values.prediction import CostModel
+
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
+_ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default  # out of place: also traced by AOTAutograd
+REPLICATE = "replicate"  # ROLE_KEY of the all-reduce of a part over the replicate group
+REPLICATE_WAIT = "replicate_wait"
+
+
+@dataclasses.dataclass(frozen=True)
+class Level:
+    """One group of a placement: the name functional collectives find it by, and its size."""
+
+    name: str
+    size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """A sharded bucket's parts over ``shard``, averaged over ``replicate`` too (module docstring)."""
+
+    shard: Level
+    replicate: Level | None = None
+
+    @property
+    def world(self) -> int:
+        """Every rank the average is over: what a gradient is divided by before it is sent."""
+        return self.shard.size * (self.replicate.size if self.replicate is not None else 1)
+
+    @property
+    def hybrid(self) -> bool:
+        return self.replicate is not None and self.replicate.size > 1
+
+    def shape(self) -> tuple[int, int]:
+        """``(replicate, shard)`` sizes: what every rank of one job agrees on."""
+        return (self.replicate.size if self.replicate is not None else 1, self.shard.size)
+
+    def describe(self) -> str:
+        if not self.hybrid:
+            return f"sharded over {self.shard.size} ranks"
+        return f"sharded over {self.shard.size} ranks, replicated over {self.replicate.size}"  # type: ignore[union-attr]
+
+    # -- traced: the collectives of a sharded bucket -------------------------------------------
+
+    def issue_reduce(self, scaled: torch.Tensor) -> torch.Tensor:
+        """The reduce-scatter of a flat buffer already divided by :attr:`world`, rank-major
+        (``[shard size, part]``), over the shard group; returns what :meth:`finish_reduce` waits on."""
+        low = kind("reduce_scatter").lower(backend_of(self.shard.name))
+        return low.issue(scaled, self.shard.name, self.shard.size)
+
+    def finish_reduce(self, pending: torch.Tensor, tag: Any = None) -> torch.Tensor:
+        """This rank's part of the average: the reduce-scatter waited and finished, then with a
+        replicate group the part all-reduced over it and waited. ``tag``: a context manager
+        factory (``graphddp.graph.trace.role``) to mark the replicate all-reduce's nodes."""
+        low = kind("reduce_scatter").lower(backend_of(self.shard.name))
+        done = low.finish(_WAIT(pending), self.shard.size)
+        if not self.hybrid:
+            return done
+        assert self.replicate is not None
+        if tag is None:
+            return _WAIT(_ALL_REDUCE(done, "sum", self.replicate.name))
+        with tag(REPLICATE):
+            issued = _ALL_REDUCE(done, "sum", self.replicate.name)
+        with tag(REPLICATE_WAIT):
+            return _WAIT(issued)
+
+    def issue_gather(self, part: torch.Tensor) -> torch.Tensor:
+        """Every shard rank's ``part``, rank-major, over the shard group; not waited."""
+        return kind("all_gather").lower(backend_of(self.shard.name)).issue(part, self.shard.name, self.shard.size)
+
+    # -- cost ------------------------------------------------------------------------------------
+
+    def reduce_seconds(self, cost: CostModel, nbytes: int) -> float:
+        """Link time of one bucket's reduce (``nbytes`` whole): the reduce-scatter over the shard
+        group, then, hybrid, the all-reduce of a part (1/S of the bytes) over the replicate group."""
+        seconds = kind("reduce_scatter").seconds(cost, nbytes, self.shard.size)
+        if self.hybrid:
+            assert self.replicate is not None
+            seconds += kind("all_reduce").seconds(cost, nbytes // self.shard.size, self.replicate.size)
+        return seconds
+
+    def gather_seconds(self, cost: CostModel, nbytes: int) -> float:
+        """Link time of one bucket's all-gather over the shard group (``nbytes`` whole)."""
+        return kind("all_gather").seconds(cost, nbytes, self.shard.size)
+
+    # -- records ---------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> "Placement | None":
+        if data is None:
+            return None
+        replicate = data.get("replicate")
+        return cls(Level(**data["shard"]), Level(**replicate) if replicate else None)
+
+
+def flat(name: str, size: int) -> Placement:
+    """The placement of sharding over one group, every rank of it (no replicate dim)."""
+    return Placement(Level(name, size))
