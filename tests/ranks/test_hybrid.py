@@ -1,0 +1,112 @@
+"""Hybrid sharding (``device_mesh=`` a 2-D mesh, dims ``("replicate", "shard")``) against DDP over every rank.
+
+Each case trains graphddp on 4 ranks as 2 x 2 or 6 ranks as 3 x 2 with ``sharding="optimizer"``
+or ``"full"`` next to ``DistributedDataParallel`` over all ranks with a plain optimizer of the
+same class, from parameters that differ between ranks before wrapping, with rank-dependent
+data. After every step the parameters equal DDP's and each rank holds 1/S of every
+parameter's optimizer state (``"optimizer"``) or of every parameter and its state (``"full"``),
+S the shard dim's size: the part :func:`graphddp.values.shards.part` gives its index in the
+shard group. The compiled backward reduce-scatters over the shard group (S ranks) and
+all-reduces each part over the replicate group: what :class:`graphddp.values.placement.Placement`
+says, read from the graphs.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from test_optim_ranks import ADAM_NOISE, TIGHT, _adamw, _hf_gpt2, _hf_loss, _sgd, unequal_pair
+from torch.distributed.device_mesh import init_device_mesh
+
+import graphddp
+from graphddp import models
+from graphddp.optim.shard import ELEMENTWISE
+from graphddp.testing import spawn
+from graphddp.values.comm import ROLE_KEY, group_of, is_collective
+from graphddp.values.placement import REPLICATE
+from graphddp.values.shards import part
+
+
+def _mlp_loss(m: nn.Module, rank: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return F.mse_loss(m(torch.randn(8, 16, generator=g)), torch.randn(8, 4, generator=g))
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    make: Callable[[], nn.Module]
+    loss: Callable[[nn.Module, int, int], torch.Tensor]
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer]
+    sharding: str
+    shape: tuple[int, int]  # (replicate, shard)
+    tol: dict = dataclasses.field(default_factory=lambda: TIGHT)
+    steps: int = 3
+    max_grad_norm: float | None = None
+
+
+CASES = {
+    "optimizer_mlp_adamw_2x2": Case(models.MLP, _mlp_loss, _adamw, "optimizer", (2, 2)),
+    "optimizer_mlp_sgd_3x2": Case(models.MLP, _mlp_loss, _sgd, "optimizer", (3, 2)),
+    "optimizer_mlp_adamw_2x2_clipped": Case(models.MLP, _mlp_loss, _adamw, "optimizer", (2, 2), max_grad_norm=0.05),
+    "optimizer_hf_gpt2_adamw_2x2": Case(_hf_gpt2, _hf_loss, _adamw, "optimizer", (2, 2), tol=ADAM_NOISE),
+}
+
+
+def _check_state_parts(model: nn.Module, opt: torch.optim.Optimizer, shard: int, index: int, what: str) -> None:
+    """Every elementwise state entry is this rank's part over the shard group (1/S), nothing else."""
+    for name, p in model.named_parameters():
+        lo, hi = part(p.numel(), shard, index)
+        for k, v in opt.state.get(p, {}).items():
+            if k in ELEMENTWISE:
+                assert v.numel() == hi - lo, f"{what}: {name}[{k!r}] has {v.numel()} elements, its part over {shard} ranks {hi - lo}"
+
+
+def _check_collectives(ours: Any, mesh: Any, what: str) -> None:
+    """Reduce-scatters and all-gathers over the shard group, one all-reduce per sharded bucket over the replicate group."""
+    shard_name, replicate_name = mesh.get_group(1).group_name, mesh.get_group(0).group_name
+    nodes = [n for r in ours.records for n in r.graph.graph.nodes if n.op == "call_function"]
+    replicas = [n for n in nodes if n.meta.get(ROLE_KEY) == REPLICATE]
+    sharded = [b for s in ours.schedules for b in s.buckets if b.collective == "reduce_scatter"]
+    assert sharded and len(replicas) == len(sharded), f"{what}: {len(replicas)} replicate all-reduces for {len(sharded)} sharded buckets"
+    assert {group_of(n) for n in replicas} == {replicate_name}, what
+    parts = [n for n in nodes if is_collective(n) and n.meta.get(ROLE_KEY) in ("reduce_scatter", "all_gather")]
+    assert parts and {group_of(n) for n in parts} == {shard_name}, f"{what}: {sorted({str(group_of(n)) for n in parts})}"
+    (placement,) = {s.placement for s in ours.schedules if s.placement is not None}
+    assert placement.shape() == tuple(mesh.shape), what
+
+
+def _train(rank: int, world: int, name: str) -> None:
+    case = CASES[name]
+    mesh = init_device_mesh("cpu", case.shape, mesh_dim_names=("replicate", "shard"))
+    mine, ref = unequal_pair(case.make, rank)
+    opt, ref_opt = case.optimizer(mine), case.optimizer(ref.module)
+    ours = graphddp.compile(
+        mine, optimizer=opt, sharding=case.sharding, device_mesh=mesh, backend="aot_eager", bucket_cap_mb=0.004,
+        max_grad_norm=case.max_grad_norm,
+    )
+    shard, index = case.shape[1], mesh.get_local_rank(1)
+    for step in range(case.steps):
+        case.loss(ours, rank, step).backward()
+        opt.step()
+        opt.zero_grad()
+        case.loss(ref, rank, step).backward()
+        if case.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), case.max_grad_norm)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for (n, p), q in zip(mine.named_parameters(), ref.module.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), **case.tol, msg=lambda m: f"{name} step {step} {n}: {m}")
+        _check_state_parts(mine, opt, shard, index, f"{name} step {step}")
+    _check_collectives(ours, mesh, name)
+    dist.barrier()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_hybrid_sharding_trains_like_ddp_over_every_rank(name: str) -> None:
+    case = CASES[name]
+    spawn(_train, case.shape[0] * case.shape[1], name)
