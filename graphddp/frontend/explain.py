@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._pytree import tree_leaves
 
 from graphddp.config import DDPConfig
@@ -66,6 +67,7 @@ def explain(
     world_size: int = 8,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     optimizer: Callable[..., torch.optim.Optimizer] | None = None,
+    device_mesh: tuple[int, int] | None = None,
     **options: Any,
 ) -> list[Schedule] | list[FullSchedule]:
     """Plan ``model`` for ``world_size`` ranks in this process; returns one schedule per graph:
@@ -81,7 +83,11 @@ def explain(
     as ``optimizer=`` (the optimizer inside the backward); with ``sharding="full"`` it steps once
     after the backward so that the schedule counts its state. Without it, the modes that need
     one plan with a still SGD (lr 0), which keeps no state.
+    ``device_mesh=(replicate, shard)``: hybrid sharding's mesh shape (``world_size`` is then
+    their product); each sharded bucket's placement shows both levels.
     """
+    if device_mesh is not None:
+        world_size = _mesh_world(device_mesh, world_size, "world_size" in options)
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if optimizer is not None and not callable(optimizer):
@@ -90,12 +96,20 @@ def explain(
     with fake_process_group(world_size), standing_in(dist.group.WORLD):
         copied = copy.deepcopy(model)
         opt = _optimizer(copied, optimizer, bool(options.get("sharding") or options.get("max_grad_norm") is not None))
-        compiled = compile_ddp(copied, optimizer=opt, **options)
+        mesh = init_device_mesh("cpu", tuple(device_mesh), mesh_dim_names=("replicate", "shard")) if device_mesh is not None else None
+        compiled = compile_ddp(copied, optimizer=opt, device_mesh=mesh, **options)
         out = compiled(*example_inputs)
         (loss_fn or _default_loss)(out).backward()
         if config.sharding == "full":
             opt.step()  # the state of the parts, for the schedule's memory
         return compiled.schedules
+
+
+def _mesh_world(shape: Any, world_size: int, given: bool) -> int:
+    """The world of a hybrid mesh ``(replicate, shard)``, checked."""
+    if not (isinstance(shape, (tuple, list)) and len(shape) == 2 and all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape)):
+        raise ValueError(f"graphddp.explain: device_mesh= is a shape (replicate, shard) of positive ints, got {shape!r}")
+    return shape[0] * shape[1]
 
 
 def _optimizer(model: nn.Module, make: Callable[..., torch.optim.Optimizer] | None, needed: bool) -> torch.optim.Optimizer | None:

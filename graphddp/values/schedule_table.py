@@ -89,6 +89,12 @@ class ScheduleTable:
                 "reduce_scatter buckets: each rank updates its part after the wait; the updated parts are all-gathered, "
                 + "; ".join(where.get(g, f"gather {g!r}") for g in gathers)
             )
+        placement = self.placement
+        if gathers and placement is not None and placement.hybrid:
+            lines.append(
+                f"placement: {placement.describe()}: each bucket reduce-scattered over its {placement.shard.size} shard ranks, "
+                f"each part all-reduced over the {placement.replicate.size} replicas, gathered over the shard ranks"
+            )
         if timeline:
             lines.append(
                 f"predicted ({timeline.link}): backward compute "

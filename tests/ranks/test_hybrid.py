@@ -3,7 +3,8 @@
 Each case trains graphddp on 4 ranks as 2 x 2 or 6 ranks as 3 x 2 with ``sharding="optimizer"``
 or ``"full"`` next to ``DistributedDataParallel`` over all ranks with a plain optimizer of the
 same class, from parameters that differ between ranks before wrapping, with rank-dependent
-data. After every step the parameters equal DDP's and each rank holds 1/S of every
+data and one ``no_sync`` micro-batch. After every step the parameters equal DDP's, so does the
+full optimizer state (``graphddp.full_optimizer_state_dict``), and each rank holds 1/S of every
 parameter's optimizer state (``"optimizer"``) or of every parameter and its state (``"full"``),
 S the shard dim's size: the part :func:`graphddp.values.shards.part` gives its index in the
 shard group. The compiled backward reduce-scatters over the shard group (S ranks) and
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from test_optim_ranks import ADAM_NOISE, TIGHT, _adamw, _hf_gpt2, _hf_loss, _sgd, unequal_pair
+from test_optim_ranks import ADAM_NOISE, TIGHT, _adamw, _hf_gpt2, _hf_loss, _sgd, assert_state_dicts_equal, unequal_pair
 from torch.distributed.device_mesh import init_device_mesh
 
 import graphddp
@@ -47,6 +48,8 @@ class Case:
     tol: dict = dataclasses.field(default_factory=lambda: TIGHT)
     steps: int = 3
     max_grad_norm: float | None = None
+    gather: str = "backward"
+    backend_object: bool = False  # torch.compile(model, backend=graphddp.backend(model, ...)): the pipeline's form
 
 
 CASES = {
@@ -54,6 +57,8 @@ CASES = {
     "optimizer_mlp_sgd_3x2": Case(models.MLP, _mlp_loss, _sgd, "optimizer", (3, 2)),
     "optimizer_mlp_adamw_2x2_clipped": Case(models.MLP, _mlp_loss, _adamw, "optimizer", (2, 2), max_grad_norm=0.05),
     "optimizer_hf_gpt2_adamw_2x2": Case(_hf_gpt2, _hf_loss, _adamw, "optimizer", (2, 2), tol=ADAM_NOISE),
+    "optimizer_mlp_adamw_2x2_gather_forward": Case(models.MLP, _mlp_loss, _adamw, "optimizer", (2, 2), gather="forward"),
+    "optimizer_mlp_adamw_2x2_backend_object": Case(models.MLP, _mlp_loss, _adamw, "optimizer", (2, 2), backend_object=True),
 }
 
 
@@ -85,13 +90,23 @@ def _train(rank: int, world: int, name: str) -> None:
     mesh = init_device_mesh("cpu", case.shape, mesh_dim_names=("replicate", "shard"))
     mine, ref = unequal_pair(case.make, rank)
     opt, ref_opt = case.optimizer(mine), case.optimizer(ref.module)
-    ours = graphddp.compile(
-        mine, optimizer=opt, sharding=case.sharding, device_mesh=mesh, backend="aot_eager", bucket_cap_mb=0.004,
-        max_grad_norm=case.max_grad_norm,
+    options = dict(
+        optimizer=opt, sharding=case.sharding, device_mesh=mesh, backend="aot_eager", bucket_cap_mb=0.004, max_grad_norm=case.max_grad_norm,
+        **({"gather": case.gather} if case.sharding == "optimizer" else {}),
     )
+    if case.backend_object:
+        made = graphddp.backend(mine, **options)
+        model, ours = torch.compile(mine, backend=made), made
+    else:
+        model = ours = graphddp.compile(mine, **options)
     shard, index = case.shape[1], mesh.get_local_rank(1)
     for step in range(case.steps):
-        case.loss(ours, rank, step).backward()
+        if step == 1:  # a no_sync micro-batch: the next backward carries it into its buckets
+            with ours.no_sync():
+                case.loss(model, rank, 50 + step).backward()
+            with ref.no_sync():
+                case.loss(ref, rank, 50 + step).backward()
+        case.loss(model, rank, step).backward()
         opt.step()
         opt.zero_grad()
         case.loss(ref, rank, step).backward()
@@ -99,9 +114,12 @@ def _train(rank: int, world: int, name: str) -> None:
             torch.nn.utils.clip_grad_norm_(ref.parameters(), case.max_grad_norm)
         ref_opt.step()
         ref_opt.zero_grad()
+        if case.gather == "forward":  # the updated parameters are on the wire until the next forward
+            ours.finish_gathers()
         for (n, p), q in zip(mine.named_parameters(), ref.module.parameters()):
             torch.testing.assert_close(p.detach(), q.detach(), **case.tol, msg=lambda m: f"{name} step {step} {n}: {m}")
         _check_state_parts(mine, opt, shard, index, f"{name} step {step}")
+        assert_state_dicts_equal(graphddp.full_optimizer_state_dict(ours), ref_opt.state_dict(), case.tol, f"{name} step {step}")
     _check_collectives(ours, mesh, name)
     dist.barrier()
 
