@@ -30,7 +30,7 @@ from graphddp.optim.shard import ELEMENTWISE
 from graphddp.testing import spawn
 from graphddp.values.comm import ROLE_KEY, group_of, is_collective
 from graphddp.values.placement import REPLICATE
-from graphddp.values.shards import part
+from graphddp.values.shards import chunk, part
 
 
 def _mlp_loss(m: nn.Module, rank: int, step: int) -> torch.Tensor:
@@ -79,6 +79,11 @@ def _check_collectives(ours: Any, mesh: Any, what: str) -> None:
     sharded = [b for s in ours.schedules for b in s.buckets if b.collective == "reduce_scatter"]
     assert sharded and len(replicas) == len(sharded), f"{what}: {len(replicas)} replicate all-reduces for {len(sharded)} sharded buckets"
     assert {group_of(n) for n in replicas} == {replicate_name}, what
+    # Between shard groups (nodes) each bucket sends one part: 1/S of its elements, padded per parameter.
+    shard = mesh.shape[1]
+    sent = sum(n.args[0].meta["val"].numel() for n in replicas)
+    assert sent == sum(chunk(s.numel, shard) for b in sharded for s in b.slots), what
+    assert sent * shard < sum(b.numel for b in sharded) + shard * sum(len(b.slots) for b in sharded), what
     parts = [n for n in nodes if is_collective(n) and n.meta.get(ROLE_KEY) in ("reduce_scatter", "all_gather")]
     assert parts and {group_of(n) for n in parts} == {shard_name}, f"{what}: {sorted({str(group_of(n)) for n in parts})}"
     (placement,) = {s.placement for s in ours.schedules if s.placement is not None}
