@@ -138,6 +138,17 @@ def options_from_args(args: argparse.Namespace) -> dict:
     return {f.name: getattr(args, f.name) for f in DDPConfig.option_fields() if getattr(args, f.name, None) is not None}
 
 
+def _mesh_shape(text: str) -> tuple[int, int]:
+    """``RxS`` -> ``(R, S)``, two positive ints."""
+    try:
+        r, s = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--device-mesh is REPLICATExSHARD, e.g. 2x4; got {text!r}") from None
+    if r < 1 or s < 1:
+        raise argparse.ArgumentTypeError(f"--device-mesh sizes must be positive, got {text!r}")
+    return r, s
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from graphddp import render
     from graphddp.config import DDPConfig
@@ -150,6 +161,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("explain", help="plan a model for N ranks in one process and render the schedule")
     p.add_argument("factory", help="PATH.py:FACTORY returning (model, example_inputs)")
     p.add_argument("--world-size", type=int, default=8)
+    p.add_argument("--device-mesh", type=_mesh_shape, metavar="RxS",
+                   help="hybrid sharding's mesh, REPLICATE x SHARD ranks (2x4: 8 ranks, sharded within groups of 4); "
+                        "with --sharding optimizer or full, instead of --world-size")
     p.add_argument("--optimizer", type=_optimizer_class, metavar="NAME",
                    help="a torch.optim class (AdamW, SGD, ...) with its defaults, as optimizer=: the optimizer inside the backward; "
                         "with --sharding full its state is counted")
@@ -173,7 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(str(e))
 
     model, example_inputs = _load_factory(args.factory)()
-    schedules = explain(model, *example_inputs, world_size=args.world_size, optimizer=args.optimizer, **options)
+    mesh = {"device_mesh": args.device_mesh} if args.device_mesh else {"world_size": args.world_size}
+    schedules = explain(model, *example_inputs, optimizer=args.optimizer, **mesh, **options)
     if options.get("sharding") == "full":  # read back from the compiled graphs: no predicted timeline
         if args.format not in ("table", "json"):
             raise SystemExit(f"--format {args.format}: sharding='full' has a table or json (--format table|json)")

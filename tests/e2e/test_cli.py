@@ -63,3 +63,13 @@ def test_help_reads_as_plain_text():
         assert run.returncode == 0, run.stderr
         assert "`" not in run.stdout and ":func:" not in run.stdout and ":mod:" not in run.stdout, run.stdout
     assert "python -m graphddp explain PATH.py:FACTORY: print" in _cli("--help").stdout
+
+
+def test_cli_explains_hybrid_sharding():
+    """--device-mesh RxS: hybrid sharding's plan, both levels in the table; a malformed shape is a usage error."""
+    run = _cli("explain", "examples/factories.py:mlp", "--device-mesh", "2x4", "--sharding", "optimizer", "--optimizer", "AdamW",
+               "--backend", "aot_eager", "--bucket-cap-mb", "0.1")
+    assert run.returncode == 0, run.stderr
+    assert "world_size=8" in run.stdout and "sharded over 4 ranks, replicated over 2" in run.stdout, run.stdout
+    bad = _cli("explain", "examples/factories.py:mlp", "--device-mesh", "2by4", "--sharding", "optimizer")
+    assert bad.returncode == 2 and "--device-mesh is REPLICATExSHARD" in bad.stderr
