@@ -36,6 +36,7 @@ from graphddp.plan.full_cap import planned_cap_bytes
 from graphddp.runtime.usage import GradientUsage, NoneOutputs
 from graphddp.runtime.variants import compiled_backward_node
 from graphddp.values.part_schedule import PartCap, PartGraph
+from graphddp.values.placement import Placement
 
 
 class _TagRegathers(CustomGraphPass):
@@ -66,7 +67,8 @@ class Compiled:
     names_by_id: Mapping[int, str]
     world_size: int
     updates: PartUpdates | None = None
-    group: Any = None  # the process group the parts are sharded over
+    group: Any = None  # every rank's process group: what they agree over (an unused part)
+    placement: Placement | None = None  # where the parts' gradients are averaged (hybrid: the replicate group too)
     graphs: list[tuple[str, fx.GraphModule]] = dataclasses.field(default_factory=list)
     described: list[tuple[int, PartGraph]] = dataclasses.field(default_factory=list)
     dynamo_graphs: int = 0
@@ -151,7 +153,7 @@ class _Graph:
             self.usage = GradientUsage.of_graph(gm, {i: self.names[input_name(i)] for i in range(count) if input_name(i) in self.names})
         else:
             reshard.mark_saved_outputs(gm)  # a user's output that views a gathered parameter is not kept for the backward
-        cap = _placed(gm, self.config, self.compiled.world_size, backward, self.kept, tuple(self.names))
+        cap = _placed(gm, self.config, self.compiled.world_size, backward, self.kept, tuple(self.names), self.compiled.placement)
         kind = "backward" if backward else "forward"
         compiled, updates = self.compiled, self.compiled.updates
         compiled.graphs.append((kind, gm))
@@ -213,16 +215,19 @@ class _Graph:
         return inner
 
 
-def _placed(gm: fx.GraphModule, config: DDPConfig, world_size: int, backward: bool, kept: Kept, parts: tuple[str, ...]) -> PartCap:
+def _placed(
+    gm: fx.GraphModule, config: DDPConfig, world_size: int, backward: bool, kept: Kept, parts: tuple[str, ...], placement: Placement | None = None,
+) -> PartCap:
     """The graph's collectives bucketed under :func:`bucket_cap` and placed where a step wants
     them (:mod:`graphddp.graph.part_collectives`), checked after the rewrite when
     ``config.verify`` (:mod:`graphddp.graph.verify_full`: every one of the ``parts``' gradients
-    reduce-scattered; a resharding forward may keep the gathers ``kept``). Returns the cap."""
+    reduce-scattered; a resharding forward may keep the gathers ``kept``; hybrid ``placement``:
+    each part also averaged over the replicate group). Returns the cap."""
     cap = bucket_cap(config, whole_bytes(gm.graph), world_size)
-    place_part_collectives(gm.graph, cap_bytes=cap.nbytes)
+    place_part_collectives(gm.graph, cap_bytes=cap.nbytes, placement=placement)
     gm.recompile()
     if config.verify:
-        check_part_collectives(gm, backward, config.reshard_after_forward, kept.nbytes, parts)
+        check_part_collectives(gm, backward, config.reshard_after_forward, kept.nbytes, parts, placement)
     return cap
 
 
