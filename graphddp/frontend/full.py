@@ -26,6 +26,12 @@ What the parts mean for the user:
   backward does not update, and still reduce-scatters (the accumulated gradient is DDP's; the
   bytes are one reduce-scatter per micro-step).
 
+Hybrid sharding is FSDP2's HSDP: with a 2-D ``device_mesh=`` (dims ``("replicate", "shard")``)
+every "N" above is the shard dim's size: the parameters, their state and the state dicts' cuts
+are over the shard group, and each part's gradient, reduce-scattered over it, is then
+all-reduced over the replicate group (:class:`graphddp.values.placement.Placement`), so the
+step is DDP's over every rank.
+
 Mixed precision is FSDP2's ``MixedPrecisionPolicy`` passed as ``mp_policy=`` (same meaning):
 parameters gathered and computed in ``param_dtype``, gradients reduce-scattered in
 ``reduce_dtype``, the parts and the optimizer's state in the parameters' own dtype.
