@@ -9,8 +9,9 @@ and AOTAutograd derives each gather's backward, a reduce-scatter of the gradient
 receives the gradient of its part, summed over ranks; :class:`_Average` divides the whole
 gradient by the world size first, as DDP does. With a mixed-precision policy, or hybrid
 sharding (a 2-D ``device_mesh=``: parts cut over the shard group, each part's gradient then
-averaged over the replicate group too), the gather and its backward are :class:`_Gather`. With ``reshard_after_forward`` (default True) the
-backward gathers again instead of keeping the gathered parameters (:mod:`graphddp.graph.reshard`).
+averaged over the replicate group too), the gather and its backward are :class:`_Gather`.
+With ``reshard_after_forward`` (default True) the backward gathers again instead of keeping
+the gathered parameters (:mod:`graphddp.graph.reshard`).
 
 The optimizer is re-pointed at the parts (:func:`repoint_optimizer`), any state it has cut to
 them (:func:`cut_state`). A module of its own because this is the cut itself, done once at wrap
