@@ -47,6 +47,7 @@ class Case:
     tol: dict = dataclasses.field(default_factory=lambda: TIGHT)
     steps: int = 3
     max_grad_norm: float | None = None
+    backend: str = "aot_eager"
 
 
 CASES = {
@@ -58,6 +59,7 @@ CASES = {
     "full_mlp_sgd_3x2": Case(models.MLP, _mlp_loss, _sgd, "full", (3, 2)),
     "full_mlp_adamw_2x2_clipped": Case(models.MLP, _mlp_loss, _adamw, "full", (2, 2), max_grad_norm=0.05),
     "full_hf_gpt2_adamw_2x2": Case(_hf_gpt2, _hf_loss, _adamw, "full", (2, 2), tol=ADAM_NOISE),
+    "full_mlp_adamw_2x2_inductor": Case(models.MLP, _mlp_loss, _adamw, "full", (2, 2), backend="inductor"),
 }
 
 
@@ -126,7 +128,7 @@ def _train(rank: int, world: int, name: str) -> None:
     mine, ref = unequal_pair(case.make, rank)
     opt, ref_opt = case.optimizer(mine), case.optimizer(ref.module)
     ours = graphddp.compile(
-        mine, optimizer=opt, sharding=case.sharding, device_mesh=mesh, backend="aot_eager", bucket_cap_mb=0.004,
+        mine, optimizer=opt, sharding=case.sharding, device_mesh=mesh, backend=case.backend, bucket_cap_mb=0.004,
         max_grad_norm=case.max_grad_norm,
     )
     shard, index = case.shape[1], mesh.get_local_rank(1)
