@@ -55,8 +55,9 @@ from graphddp.graph.verify_common import VerificationError, _fail
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, group_of, is_wait
 from graphddp.values.placement import REPLICATE, REPLICATE_WAIT, Placement
 
+_ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 _COLLECTIVES = (
-    torch.ops._c10d_functional.all_reduce.default,
+    _ALL_REDUCE,
     torch.ops._c10d_functional.all_gather_into_tensor.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
     torch.ops._c10d_functional.all_to_all_single.default,
@@ -138,11 +139,11 @@ def check_replicated(gm: fx.GraphModule, placement: Placement, grads: list[tuple
     for issue in nodes:
         if issue.meta.get(ROLE_KEY) in ("gather", "reduce_scatter") and group_of(issue) != placement.shard.name:
             _fail(gm, issue, f"P6: {issue.name} runs on {group_of(issue)!r}, not the shard group {placement.shard.name!r}")
-    replicas = [n for n in nodes if n.meta.get(ROLE_KEY) == REPLICATE]
+    reduces = [n for n in nodes if n.target is _ALL_REDUCE]
     for issue in (n for n in nodes if n.meta.get(ROLE_KEY) == "reduce_scatter"):
         wait = next(u for u in issue.users if is_wait(u))
-        mine = [r for r in replicas if wait in ancestors(r)]
-        if len(mine) != 1 or mine[0].meta.get(BUCKET_KEY) != issue.meta.get(BUCKET_KEY):
+        mine = [r for r in reduces if wait in ancestors(r)]
+        if len(mine) != 1 or mine[0].meta.get(ROLE_KEY) != REPLICATE or mine[0].meta.get(BUCKET_KEY) != issue.meta.get(BUCKET_KEY):
             _fail(gm, issue, f"P6: the part {issue.name} reduce-scatters is all-reduced over the replicate group by "
                              f"{[r.name for r in mine]}, not once by its bucket's all-reduce")
         if group_of(mine[0]) != placement.replicate.name:
