@@ -52,7 +52,9 @@ class _TagRegathers(CustomGraphPass):
     def uuid(self) -> bytes:
         config = self.graph.config
         with open(reshard.__file__, "rb") as f:  # the keep budget's inputs too: bucket_cap's
-            return hashlib.sha256(f.read() + repr((config.bucket_cap_mb, config.cost, self.graph.compiled.world_size)).encode()).digest()
+            compiled = self.graph.compiled
+            shape = None if compiled.placement is None else compiled.placement.shape()
+            return hashlib.sha256(f.read() + repr((config.bucket_cap_mb, config.cost, compiled.world_size, shape)).encode()).digest()
 
 
 @dataclasses.dataclass
@@ -65,7 +67,7 @@ class Compiled:
     backward (:mod:`graphddp.compiler.full_updates`), None where it steps after it."""
 
     names_by_id: Mapping[int, str]
-    world_size: int
+    world_size: int  # the ranks a part is cut over (the shard group's)
     updates: PartUpdates | None = None
     group: Any = None  # every rank's process group: what they agree over (an unused part)
     placement: Placement | None = None  # where the parts' gradients are averaged (hybrid: the replicate group too)
@@ -143,7 +145,7 @@ class _Graph:
     def tag(self, joint: fx.Graph) -> None:
         """The joint graph's gathers tagged for the backward to gather again, but the backward's
         first bucket (:func:`tag_regathers`: a bucket's cap, as planned for the whole graph)."""
-        keep = bucket_cap(self.config, whole_bytes(joint), self.compiled.world_size).nbytes
+        keep = bucket_cap(self.config, whole_bytes(joint), self.compiled.world_size, self.compiled.placement).nbytes
         self.kept = tag_regathers(joint, keep)
 
     def keep(self, gm: fx.GraphModule, backward: bool) -> UpdatingBackward | None:
@@ -223,7 +225,7 @@ def _placed(
     ``config.verify`` (:mod:`graphddp.graph.verify_full`: every one of the ``parts``' gradients
     reduce-scattered; a resharding forward may keep the gathers ``kept``; hybrid ``placement``:
     each part also averaged over the replicate group). Returns the cap."""
-    cap = bucket_cap(config, whole_bytes(gm.graph), world_size)
+    cap = bucket_cap(config, whole_bytes(gm.graph), world_size, placement)
     place_part_collectives(gm.graph, cap_bytes=cap.nbytes, placement=placement)
     gm.recompile()
     if config.verify:
@@ -231,16 +233,17 @@ def _placed(
     return cap
 
 
-def bucket_cap(config: DDPConfig, whole: int, world_size: int) -> PartCap:
+def bucket_cap(config: DDPConfig, whole: int, world_size: int, placement: Placement | None = None) -> PartCap:
     """The cap of a graph's gather and reduce-scatter buckets, ``whole`` the bytes its
-    collectives carry whole: ``bucket_cap_mb`` where given, else planned from the cost model
+    collectives carry whole, ``world_size`` the ranks a part is cut over (``placement``'s shard
+    group, whose replicate group adds its all-reduce): ``bucket_cap_mb`` where given, else planned from the cost model
     (:func:`graphddp.plan.full_cap.planned_cap_bytes`; ``config.cost``, calibrated when the
     model was wrapped, or the given one)."""
     if isinstance(config.bucket_cap_mb, (int, float)):
         return PartCap(int(config.bucket_cap_mb * MB), "bucket_cap_mb")
     cost = config.cost
     assert cost is not None, "sharding='full' resolves its cost model when the model is wrapped (compile_fully_sharded)"
-    return PartCap(planned_cap_bytes(cost, whole, world_size, bool(config.reshard_after_forward)), f"planned ({cost.source})")
+    return PartCap(planned_cap_bytes(cost, whole, world_size, bool(config.reshard_after_forward), placement), f"planned ({cost.source})")
 
 
 def _once(compile: Compile) -> Compile:
