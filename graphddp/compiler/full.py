@@ -36,6 +36,7 @@ from graphddp.plan.full_cap import planned_cap_bytes
 from graphddp.runtime.usage import GradientUsage, NoneOutputs
 from graphddp.runtime.variants import compiled_backward_node
 from graphddp.values.part_schedule import PartCap, PartGraph
+from graphddp.values.placement import Placement
 
 
 class _TagRegathers(CustomGraphPass):
@@ -51,7 +52,9 @@ class _TagRegathers(CustomGraphPass):
     def uuid(self) -> bytes:
         config = self.graph.config
         with open(reshard.__file__, "rb") as f:  # the keep budget's inputs too: bucket_cap's
-            return hashlib.sha256(f.read() + repr((config.bucket_cap_mb, config.cost, self.graph.compiled.world_size)).encode()).digest()
+            compiled = self.graph.compiled
+            shape = None if compiled.placement is None else compiled.placement.shape()
+            return hashlib.sha256(f.read() + repr((config.bucket_cap_mb, config.cost, compiled.world_size, shape)).encode()).digest()
 
 
 @dataclasses.dataclass
@@ -64,9 +67,10 @@ class Compiled:
     backward (:mod:`graphddp.compiler.full_updates`), None where it steps after it."""
 
     names_by_id: Mapping[int, str]
-    world_size: int
+    world_size: int  # the ranks a part is cut over (the shard group's)
     updates: PartUpdates | None = None
-    group: Any = None  # the process group the parts are sharded over
+    group: Any = None  # every rank's process group: what they agree over (an unused part)
+    placement: Placement | None = None  # where the parts' gradients are averaged (hybrid: the replicate group too)
     graphs: list[tuple[str, fx.GraphModule]] = dataclasses.field(default_factory=list)
     described: list[tuple[int, PartGraph]] = dataclasses.field(default_factory=list)
     dynamo_graphs: int = 0
@@ -141,7 +145,7 @@ class _Graph:
     def tag(self, joint: fx.Graph) -> None:
         """The joint graph's gathers tagged for the backward to gather again, but the backward's
         first bucket (:func:`tag_regathers`: a bucket's cap, as planned for the whole graph)."""
-        keep = bucket_cap(self.config, whole_bytes(joint), self.compiled.world_size).nbytes
+        keep = bucket_cap(self.config, whole_bytes(joint), self.compiled.world_size, self.compiled.placement).nbytes
         self.kept = tag_regathers(joint, keep)
 
     def keep(self, gm: fx.GraphModule, backward: bool) -> UpdatingBackward | None:
@@ -151,7 +155,7 @@ class _Graph:
             self.usage = GradientUsage.of_graph(gm, {i: self.names[input_name(i)] for i in range(count) if input_name(i) in self.names})
         else:
             reshard.mark_saved_outputs(gm)  # a user's output that views a gathered parameter is not kept for the backward
-        cap = _placed(gm, self.config, self.compiled.world_size, backward, self.kept, tuple(self.names))
+        cap = _placed(gm, self.config, self.compiled.world_size, backward, self.kept, tuple(self.names), self.compiled.placement)
         kind = "backward" if backward else "forward"
         compiled, updates = self.compiled, self.compiled.updates
         compiled.graphs.append((kind, gm))
@@ -213,29 +217,33 @@ class _Graph:
         return inner
 
 
-def _placed(gm: fx.GraphModule, config: DDPConfig, world_size: int, backward: bool, kept: Kept, parts: tuple[str, ...]) -> PartCap:
+def _placed(
+    gm: fx.GraphModule, config: DDPConfig, world_size: int, backward: bool, kept: Kept, parts: tuple[str, ...], placement: Placement | None = None,
+) -> PartCap:
     """The graph's collectives bucketed under :func:`bucket_cap` and placed where a step wants
     them (:mod:`graphddp.graph.part_collectives`), checked after the rewrite when
     ``config.verify`` (:mod:`graphddp.graph.verify_full`: every one of the ``parts``' gradients
-    reduce-scattered; a resharding forward may keep the gathers ``kept``). Returns the cap."""
-    cap = bucket_cap(config, whole_bytes(gm.graph), world_size)
-    place_part_collectives(gm.graph, cap_bytes=cap.nbytes)
+    reduce-scattered; a resharding forward may keep the gathers ``kept``; hybrid ``placement``:
+    each part also averaged over the replicate group). Returns the cap."""
+    cap = bucket_cap(config, whole_bytes(gm.graph), world_size, placement)
+    place_part_collectives(gm.graph, cap_bytes=cap.nbytes, placement=placement)
     gm.recompile()
     if config.verify:
-        check_part_collectives(gm, backward, config.reshard_after_forward, kept.nbytes, parts)
+        check_part_collectives(gm, backward, config.reshard_after_forward, kept.nbytes, parts, placement)
     return cap
 
 
-def bucket_cap(config: DDPConfig, whole: int, world_size: int) -> PartCap:
+def bucket_cap(config: DDPConfig, whole: int, world_size: int, placement: Placement | None = None) -> PartCap:
     """The cap of a graph's gather and reduce-scatter buckets, ``whole`` the bytes its
-    collectives carry whole: ``bucket_cap_mb`` where given, else planned from the cost model
+    collectives carry whole, ``world_size`` the ranks a part is cut over (``placement``'s shard
+    group, whose replicate group adds its all-reduce): ``bucket_cap_mb`` where given, else planned from the cost model
     (:func:`graphddp.plan.full_cap.planned_cap_bytes`; ``config.cost``, calibrated when the
     model was wrapped, or the given one)."""
     if isinstance(config.bucket_cap_mb, (int, float)):
         return PartCap(int(config.bucket_cap_mb * MB), "bucket_cap_mb")
     cost = config.cost
     assert cost is not None, "sharding='full' resolves its cost model when the model is wrapped (compile_fully_sharded)"
-    return PartCap(planned_cap_bytes(cost, whole, world_size, bool(config.reshard_after_forward)), f"planned ({cost.source})")
+    return PartCap(planned_cap_bytes(cost, whole, world_size, bool(config.reshard_after_forward), placement), f"planned ({cost.source})")
 
 
 def _once(compile: Compile) -> Compile:

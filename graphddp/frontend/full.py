@@ -26,6 +26,12 @@ What the parts mean for the user:
   backward does not update, and still reduce-scatters (the accumulated gradient is DDP's; the
   bytes are one reduce-scatter per micro-step).
 
+Hybrid sharding is FSDP2's HSDP: with a 2-D ``device_mesh=`` (dims ``("replicate", "shard")``)
+every "N" above is the shard dim's size: the parameters, their state and the state dicts' cuts
+are over the shard group, and each part's gradient, reduce-scattered over it, is then
+all-reduced over the replicate group (:class:`graphddp.values.placement.Placement`), so the
+step is DDP's over every rank.
+
 Mixed precision is FSDP2's ``MixedPrecisionPolicy`` passed as ``mp_policy=`` (same meaning):
 parameters gathered and computed in ``param_dtype``, gradients reduce-scattered in
 ``reduce_dtype``, the parts and the optimizer's state in the parameters' own dtype.
@@ -72,10 +78,11 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
 class FullyShardedGraphDDP(nn.Module):
     """What ``graphddp.compile(..., sharding="full")`` returns (module docstring)."""
 
-    def __init__(self, module: nn.Module, group: Any, config: DDPConfig, optimizer: torch.optim.Optimizer, parts: dict[int, Part]) -> None:
+    def __init__(self, module: nn.Module, groups: MeshGroups, config: DDPConfig, optimizer: torch.optim.Optimizer, parts: dict[int, Part]) -> None:
         super().__init__()
         self.module = module
-        self.process_group = group
+        self.process_group = groups.whole  # every rank: the forward's agreement, the buffers
+        self._groups = groups
         self.config = config
         self.optimizer = optimizer
         self._parts = parts
@@ -83,7 +90,9 @@ class FullyShardedGraphDDP(nn.Module):
         self._sync = True
         self._forwards = 0  # run by this rank: every rank runs every forward (_check_same_forward)
         updates = PartUpdates.of(optimizer, module, lambda: self._sync, config.verify, config.max_grad_norm)
-        self._record = Compiled({id(p.part): p.names[0] for p in parts.values()}, dist.get_world_size(group), updates, group)
+        self._record = Compiled(
+            {id(p.part): p.names[0] for p in parts.values()}, self.world_size, updates, groups.whole, placement=groups.placement
+        )
         self.graphs = self._record.graphs  # every compiled forward and backward, in order
         object.__setattr__(self, "_compiled", torch.compile(
             module, backend=fully_sharded_compiler(config, self._record), fullgraph=config.fullgraph, dynamic=config.dynamic, **_ISOLATED
@@ -91,7 +100,9 @@ class FullyShardedGraphDDP(nn.Module):
 
     @property
     def world_size(self) -> int:
-        return dist.get_world_size(self.process_group)
+        """The ranks each parameter is cut over: the shard group's (every rank without a 2-D
+        ``device_mesh=``); state dicts gather over it, each replicate group holding the same parts."""
+        return dist.get_world_size(self._groups.shard)
 
     @property
     def parts(self) -> dict[str, Part]:
@@ -238,7 +249,7 @@ class FullyShardedGraphDDP(nn.Module):
                 "update inside the backward hold this rank's parts, so they are loaded by copying into them; "
                 "call load_state_dict(state_dict) without assign"
             )
-        rank = dist.get_rank(self.process_group)
+        rank = self._groups.shard_rank
         cut = dict(state_dict)
         for name, part in self._by_name.items():
             value = cut.get(name)
@@ -280,7 +291,7 @@ class FullyShardedGraphDDP(nn.Module):
     def load_full_optimizer_state_dict(self, state: Mapping[str, Any]) -> None:
         """Load a whole optimizer state (from :meth:`full_optimizer_state_dict` on any world size,
         or a plain optimizer's ``state_dict()``): each rank keeps its part of every entry."""
-        world, rank = self.world_size, dist.get_rank(self.process_group)
+        world, rank = self.world_size, self._groups.shard_rank
         by_index = self._parts_by_index()
         if len(state["state"]) > len(by_index) or any(int(i) >= len(by_index) for i in state["state"]):
             raise ValueError(f"load_full_optimizer_state_dict: the state holds entries for {len(state['state'])} parameters "
@@ -295,18 +306,19 @@ class FullyShardedGraphDDP(nn.Module):
 
     def _whole_of(self, value: torch.Tensor, part: Part) -> torch.Tensor:
         out = torch.empty(value.numel() * self.world_size, dtype=value.dtype, device=value.device)
-        gather_flat(out, value.detach().contiguous(), self.process_group)
+        gather_flat(out, value.detach().contiguous(), self._groups.shard)
         return out[: part.numel].view(part.shape)
 
 
 def compile_fully_sharded(module: nn.Module, groups: MeshGroups, config: DDPConfig, optimizer: Any) -> FullyShardedGraphDDP:
     """``graphddp.compile``'s ``sharding="full"`` path: the wrap-time checks every mode makes,
     the broadcast from the group's first rank (whole tensors, before they are cut), the cut, and
-    the optimizer re-pointed at the parts."""
+    the optimizer re-pointed at the parts. With a 2-D ``device_mesh=`` (hybrid) the parts, the
+    optimizer's state and the clip's norm are over the shard group (each replicate group holds
+    the same averaged parts: a norm summed over every rank would count each part once per
+    replica); the rest stays on every rank's group."""
     where = "graphddp.compile"
     group = groups.whole
-    if groups.replicate is not None:
-        raise ValueError(f"{where}: sharding='full' with a 2-D device_mesh= (hybrid sharding) is not built yet")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(
             f"{where}: sharding='full' keeps each parameter's optimizer state 1/N per rank, so it needs optimizer= "
@@ -315,12 +327,12 @@ def compile_fully_sharded(module: nn.Module, groups: MeshGroups, config: DDPConf
     device = check_and_broadcast(where, module, group, config)  # whole tensors, before they are cut
     config = resolve_cost(config, group, device)  # what the buckets' cap is planned with (graphddp.plan.full_cap)
     guards.watch_gathered_copies()
-    parts = shard_parameters(module, group, config.mp_policy)
+    parts = shard_parameters(module, groups.shard, config.mp_policy, groups.placement)
     for part in parts.values():
         # clip_grad_norm_ on parts is refused (graphddp.optim.guards), told whether max_grad_norm clips already
         setattr(part.part, guards.PART, True if config.max_grad_norm is None else (config.max_grad_norm, config.grad_norm_type))
-    repoint_optimizer(optimizer, parts, dist.get_world_size(group), dist.get_rank(group))
+    repoint_optimizer(optimizer, parts, dist.get_world_size(groups.shard), groups.shard_rank)
     if config.max_grad_norm is not None:
-        clip.clip_parts_before_step(optimizer, config.max_grad_norm, config.grad_norm_type, group)
+        clip.clip_parts_before_step(optimizer, config.max_grad_norm, config.grad_norm_type, groups.shard)
     guards.agree_found_inf(optimizer, group)  # parts: one rank's inf must skip every rank's step
-    return FullyShardedGraphDDP(module, group, config, optimizer, parts)
+    return FullyShardedGraphDDP(module, groups, config, optimizer, parts)

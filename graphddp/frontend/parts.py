@@ -7,9 +7,11 @@ name all-gathers the parts and views the result as the whole parameter. ``torch.
 these gathers into the forward graphs (across graph breaks: every graph gathers what it reads),
 and AOTAutograd derives each gather's backward, a reduce-scatter of the gradient, so every rank
 receives the gradient of its part, summed over ranks; :class:`_Average` divides the whole
-gradient by the world size first, as DDP does. With a mixed-precision policy the gather and its
-reduce-scatter are :class:`_GatherInDtype`. With ``reshard_after_forward`` (default True) the
-backward gathers again instead of keeping the gathered parameters (:mod:`graphddp.graph.reshard`).
+gradient by the world size first, as DDP does. With a mixed-precision policy, or hybrid
+sharding (a 2-D ``device_mesh=``: parts cut over the shard group, each part's gradient then
+averaged over the replicate group too), the gather and its backward are :class:`_Gather`.
+With ``reshard_after_forward`` (default True) the backward gathers again instead of keeping
+the gathered parameters (:mod:`graphddp.graph.reshard`).
 
 The optimizer is re-pointed at the parts (:func:`repoint_optimizer`), any state it has cut to
 them (:func:`cut_state`). A module of its own because this is the cut itself, done once at wrap
@@ -28,6 +30,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 
 from graphddp.optim.shard import ELEMENTWISE, check_whole_state
+from graphddp.values.placement import Placement, flat
 from graphddp.values.shards import padded_part
 
 # The functional all-gather whose backward reduce-scatters: its torch 2.13 name, or the older one.
@@ -66,34 +69,44 @@ _RS = torch.ops._c10d_functional.reduce_scatter_tensor.default
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
-class _GatherInDtype(torch.autograd.Function):
-    """With a mixed-precision policy (FSDP2's, same meaning): the parts cast to ``param_dtype``
-    and all-gathered (the forward's bytes in that dtype); the backward casts the whole gradient
-    to ``reduce_dtype``, divides it by the world size, reduce-scatters it (sum) and casts this
-    rank's part back to the part's dtype, where the optimizer steps it. A function of its own
-    because autograd's derived reduce-scatter would send the gradient in the gathered dtype."""
+class _Gather(torch.autograd.Function):
+    """The gather of a part with a backward of graphddp's own, where the one autograd derives
+    for the functional all-gather (a reduce-scatter of the gradient as it comes, over the one
+    group) would be wrong: with a mixed-precision policy (FSDP2's, same meaning) the parts are
+    cast to ``param_dtype`` and gathered in it, and the gradient sent in ``reduce_dtype``; with
+    hybrid sharding each part gradient is also averaged over the replicate group. The forward
+    all-gathers over the placement's shard group; the backward casts the whole gradient to
+    ``reduce_dtype``, divides it by every rank of the average (:attr:`Placement.world`),
+    reduce-scatters it (sum) over the shard group, all-reduces the part over the replicate
+    group (:meth:`Placement.average_replicas`) and casts it back to the part's dtype, where the
+    optimizer steps it. The raw reduce-scatter is what
+    :mod:`graphddp.graph.part_collectives` finds, buckets and lowers per backend."""
 
     @staticmethod
-    def forward(ctx: Any, part: torch.Tensor, world: int, group_name: str, param_dtype: torch.dtype,  # type: ignore[override]
+    def forward(ctx: Any, part: torch.Tensor, placement: Placement, param_dtype: torch.dtype,  # type: ignore[override]
                 reduce_dtype: torch.dtype) -> torch.Tensor:
-        ctx.world, ctx.group_name, ctx.reduce_dtype, ctx.part_dtype = world, group_name, reduce_dtype, part.dtype
-        return _WAIT(_AG(part.to(param_dtype), world, group_name))
+        ctx.placement, ctx.reduce_dtype, ctx.part_dtype = placement, reduce_dtype, part.dtype
+        return _WAIT(_AG(part.to(param_dtype), placement.shard.size, placement.shard.name))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        sent = grad.to(ctx.reduce_dtype) / ctx.world
-        return _WAIT(_RS(sent, "sum", ctx.world, ctx.group_name)).to(ctx.part_dtype), None, None, None, None
+        placement = ctx.placement
+        sent = grad.to(ctx.reduce_dtype) / placement.world
+        done = placement.average_replicas(_WAIT(_RS(sent, "sum", placement.shard.size, placement.shard.name)))
+        return done.to(ctx.part_dtype), None, None, None
 
 
-def _gathered(part: torch.Tensor, shape: tuple[int, ...], group: Any, policy: Any = None) -> torch.Tensor:
-    """The whole parameter from every rank's part: all-gather, drop the padding, view; with a
-    mixed-precision ``policy`` in its ``param_dtype`` (:class:`_GatherInDtype`)."""
+def _gathered(part: torch.Tensor, shape: tuple[int, ...], group: Any, policy: Any = None, placement: Placement | None = None) -> torch.Tensor:
+    """The whole parameter from every rank's part over ``group`` (the shard group): all-gather,
+    drop the padding, view; with a mixed-precision ``policy`` in its ``param_dtype``, or a
+    hybrid ``placement``, through :class:`_Gather`."""
     world = dist.get_world_size(group)
     param_dtype = getattr(policy, "param_dtype", None) or part.dtype
     reduce_dtype = getattr(policy, "reduce_dtype", None) or param_dtype
-    if param_dtype == part.dtype and reduce_dtype == part.dtype:
+    hybrid = placement is not None and placement.hybrid
+    if param_dtype == part.dtype and reduce_dtype == part.dtype and not hybrid:
         return _Average.apply(_all_gather(part, 0, group)[: math.prod(shape)].view(shape), world)
-    full = _GatherInDtype.apply(part, world, group.group_name, param_dtype, reduce_dtype)
+    full = _Gather.apply(part, placement if placement is not None else flat(group.group_name, world), param_dtype, reduce_dtype)
     return full[: math.prod(shape)].view(shape)
 
 
@@ -108,16 +121,18 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
         def prop(name: str) -> property:
             def getter(self: nn.Module) -> torch.Tensor:
                 q = self._parameters[name]
-                return _gathered(q, q._graphddp_shape, q._graphddp_group, q._graphddp_policy)
+                return _gathered(q, q._graphddp_shape, q._graphddp_group, q._graphddp_policy, q._graphddp_placement)
             return property(getter)
 
         _SHARDED_CLASSES[key] = type(f"FullySharded{cls.__name__}", (cls,), {n: prop(n) for n in names})
     return _SHARDED_CLASSES[key]
 
 
-def shard_parameters(module: nn.Module, group: Any, policy: Any = None) -> dict[int, Part]:
-    """Replace every parameter of ``module`` by this rank's part and every read of it by a gather
-    (module docstring). Returns the parts by the id of the parameter they replace."""
+def shard_parameters(module: nn.Module, group: Any, policy: Any = None, placement: Placement | None = None) -> dict[int, Part]:
+    """Replace every parameter of ``module`` by this rank's part over ``group`` (the shard
+    group) and every read of it by a gather (module docstring); ``placement``: where each part
+    gradient is averaged (None: over ``group`` alone). Returns the parts by the id of the
+    parameter they replace."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     parts: dict[int, Part] = {}  # by the replaced parameter's id
     placed: dict[int, Part] = {}  # by the part's id: a module reached twice holds parts already
@@ -131,6 +146,7 @@ def shard_parameters(module: nn.Module, group: Any, policy: Any = None) -> dict[
             if entry is None:
                 q = nn.Parameter(padded_part(p, world, rank), requires_grad=p.requires_grad)
                 q._graphddp_shape, q._graphddp_group, q._graphddp_policy = tuple(p.shape), group, policy  # type: ignore[attr-defined]
+                q._graphddp_placement = placement  # type: ignore[attr-defined]
                 entry = parts[id(p)] = placed[id(q)] = Part(q, tuple(p.shape), [])
             full_name = f"{mod_name}.{name}" if mod_name else name
             if full_name not in entry.names:

@@ -19,9 +19,10 @@ from graphddp.graph.capture import output_nodes
 from graphddp.graph.reshard import kept_gathered_bytes
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
 from graphddp.values.part_schedule import PART_KINDS, PartBucket, PartGraph
+from graphddp.values.placement import REPLICATE, REPLICATE_WAIT
 from graphddp.values.schedule import dtype_name
 
-_ROLES = {k for kind in PART_KINDS for k in (kind, f"{kind}_wait")}
+_ROLES = {k for kind in PART_KINDS for k in (kind, f"{kind}_wait")} | {REPLICATE, REPLICATE_WAIT}
 
 
 def input_name(index: int) -> str:
@@ -43,12 +44,21 @@ def describe_part_collectives(gm: fx.GraphModule, kind: str, world_size: int, na
         if isinstance(out, fx.Node):
             positions.setdefault(out, []).append(i)
     buckets = [
-        _bucket(nodes, order, role, index, tagged[(role, index)], tagged[(f"{role}_wait", index)], world_size, names, positions)
+        _bucket(nodes, order, role, index, tagged[(role, index)], _received(tagged, role, index), world_size, names, positions)
         for role, index in tagged if role in PART_KINDS
     ]
     buckets.sort(key=lambda b: b.issue_at)
     kept = kept_gathered_bytes(gm) if kind == "forward" else 0
     return PartGraph(kind=kind, nodes=len(nodes), buckets=tuple(buckets), kept_bytes=kept)
+
+
+def _received(tagged: Mapping[tuple[str, int], list[fx.Node]], role: str, index: int) -> list[fx.Node]:
+    """The nodes that wait for and cut what a bucket received, its own wait first: with hybrid
+    sharding a reduce-scatter's part all-reduced over the replicate group and waited too."""
+    found = list(tagged[(f"{role}_wait", index)])
+    if role == "reduce_scatter":
+        found += tagged.get((REPLICATE, index), []) + tagged.get((REPLICATE_WAIT, index), [])
+    return found
 
 
 def _bucket(

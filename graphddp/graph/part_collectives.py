@@ -27,6 +27,12 @@ then keeps graphddp's order (``INDUCTOR_FX_ORDER_CONFIG``):
   ``world`` times: two functional all-gathers in flight at once on gloo corrupt the heap (torch
   2.13; ``python -m tools.gloo_gather_race``), and prefetching means several in flight. The cost
   is the repeated parts, a bucket's gathered size, alive until its wait.
+* **hybrid** (a 2-D ``device_mesh=``) each part's gradient comes out of the frontend's gather
+  reduce-scattered over the shard group and then all-reduced over the replicate group; a
+  bucket does the same once for all its parts, from the parts'
+  :class:`~graphddp.values.placement.Placement` (:meth:`~Placement.finish_reduce`):
+  reduce-scatter, wait, one all-reduce of the bucket's part, wait (roles ``"replicate"`` and
+  ``"replicate_wait"``).
 
 Every node added carries ``ROLE_KEY`` (``"gather"``, ``"gather_wait"``, ``"reduce_scatter"``,
 ``"reduce_scatter_wait"``) and ``BUCKET_KEY``. Postconditions, checked after the rewrite by
@@ -41,12 +47,15 @@ import torch.fx as fx
 
 from graphddp.graph.capture import ancestors
 from graphddp.graph.trace import role, splice, trace
-from graphddp.values.collectives import REDUCE_SCATTER, backend_of
+from graphddp.values.collectives import backend_of
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
+from graphddp.values.placement import Placement
+from graphddp.values.placement import flat as flat_placement
 
 ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 _REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
 _ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
+_ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 # Gather buckets in flight ahead of the one being read. Two: with one the forward is link-bound
 # throughout, and three is slower (figures: docs/full-sharding.md, "Two gather buckets ahead"). The
@@ -56,14 +65,18 @@ PREFETCH = 2
 SCATTER_LAG = 1  # reduce-scatter buckets in flight behind the backward's compute
 
 
-def place_part_collectives(graph: fx.Graph, cap_bytes: int, prefetch: int = PREFETCH, lag: int = SCATTER_LAG) -> None:
+def place_part_collectives(
+    graph: fx.Graph, cap_bytes: int, prefetch: int = PREFETCH, lag: int = SCATTER_LAG, placement: Placement | None = None,
+) -> None:
     """Bucket and place every gather of a part and every reduce-scatter (module docstring); a bucket
-    closes once its gathered (or whole-gradient) bytes reach ``cap_bytes``."""
+    closes once its gathered (or whole-gradient) bytes reach ``cap_bytes``. ``placement``: the
+    parts' (hybrid: each reduce-scatter's part all-reduced over its replicate group, which the
+    bucket then does once for all its parts)."""
     _one_wait_per_gather(graph)
     gathers = _bucket_gathers(graph, _buckets(_part_gathers(graph), cap_bytes))
     _place_gathers(graph, gathers, prefetch)
     _one_wait_each(graph)
-    scatters = _bucket_scatters(graph, _buckets(_reduce_scatters(graph), cap_bytes))
+    scatters = _bucket_scatters(graph, _buckets(_reduce_scatters(graph, placement), cap_bytes), placement)
     _place_scatter_waits(graph, scatters, lag)
 
 
@@ -162,13 +175,35 @@ def _one_wait_each(graph: fx.Graph) -> None:
             wait.replace_input_with(issue, twin)
 
 
-def _reduce_scatters(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
+def _reduce_scatters(graph: fx.Graph, placement: Placement | None = None) -> list[tuple[fx.Node, fx.Node]]:
+    """(reduce-scatter, the node its part is final at): its wait, or with a hybrid ``placement``
+    the wait of the all-reduce of that part over the replicate group (:class:`graphddp.frontend.parts._Gather`'s)."""
     pairs = [(n, _wait_of(n)) for n in graph.nodes if n.target is _REDUCE_SCATTER and n.args[1] == "sum"]
-    return [(r, w) for r, w in pairs if w is not None]
+    return [(r, _replicated(w, placement) or w) for r, w in pairs if w is not None]
+
+
+def _replicated(wait: fx.Node, placement: Placement | None) -> fx.Node | None:
+    """The wait of the all-reduce over ``placement``'s replicate group that is the only reader
+    of a reduce-scatter's ``wait``; None where there is none."""
+    if placement is None or not placement.hybrid or len(wait.users) != 1:
+        return None
+    (reduce,) = wait.users
+    if reduce.target is not _ALL_REDUCE or reduce.args[0] is not wait or reduce.args[2] != placement.replicate.name:  # type: ignore[union-attr]
+        return None
+    return _wait_of(reduce) if len(reduce.users) == 1 else None
+
+
+def _chain(issue: fx.Node, end: fx.Node) -> list[fx.Node]:
+    """The nodes from ``end`` back to ``issue`` through first arguments, ``end`` first: the order
+    they can be erased in (a reduce-scatter, its wait, and with hybrid, the part's all-reduce and wait)."""
+    out = [end]
+    while out[-1] is not issue:
+        out.append(out[-1].args[0])
+    return out
 
 
 def _buckets(pairs: list[tuple[fx.Node, fx.Node]], cap_bytes: int) -> list[list[tuple[fx.Node, fx.Node]]]:
-    """Consecutive pairs of one (group, dtype, device), each bucket closing once its bytes (of the
+    """Consecutive pairs of one :func:`_key`, each bucket closing once its bytes (of the
     full tensor: gathered, or the gradient sent) reach ``cap_bytes``."""
     buckets: list[list[tuple[fx.Node, fx.Node]]] = []
     size = 0
@@ -176,8 +211,8 @@ def _buckets(pairs: list[tuple[fx.Node, fx.Node]], cap_bytes: int) -> list[list[
         issue = pair[0]
         val = _whole(issue)
         nbytes = _nbytes(val)
-        key = (issue.args[-1], val.dtype, val.device)
-        if not buckets or size >= cap_bytes or _key(buckets[-1][0][0]) != key:
+        key = _key(pair)
+        if not buckets or size >= cap_bytes or _key(buckets[-1][0]) != key:
             buckets.append([])
             size = 0
         buckets[-1].append(pair)
@@ -185,9 +220,12 @@ def _buckets(pairs: list[tuple[fx.Node, fx.Node]], cap_bytes: int) -> list[list[
     return buckets
 
 
-def _key(issue: fx.Node) -> tuple[Any, ...]:
+def _key(pair: tuple[fx.Node, fx.Node]) -> tuple[Any, ...]:
+    """What one bucket's collectives share: group, dtype, device, and whether each part goes on
+    to a replicate all-reduce (its final node is not its own wait)."""
+    issue, end = pair
     val = issue.meta["val"]
-    return issue.args[-1], val.dtype, val.device
+    return issue.args[-1], val.dtype, val.device, end is not _wait_of(issue)
 
 
 # -- the rewrite ---------------------------------------------------------------------------------
@@ -216,16 +254,18 @@ def _gather_fn(world: int, group: str, sizes: Sequence[int], gloo: bool, dtype: 
     return gather
 
 
-def _scatter_fn(world: int, group: str, sizes: Sequence[int], backend: str | None) -> Callable[..., list[torch.Tensor]]:
-    lowering = REDUCE_SCATTER.lower(backend)
+def _scatter_fn(placement: Placement, sizes: Sequence[int]) -> Callable[..., list[torch.Tensor]]:
+    """One bucket's reduce, from its placement: the reduce-scatter over the shard group (lowered
+    per backend), and with a replicate group one all-reduce of the bucket's part over it."""
+    world = placement.shard.size
 
     def scatter(*grads: torch.Tensor) -> list[torch.Tensor]:
         with role("reduce_scatter"):
             rows = [g.view(world, c) for g, c in zip(grads, sizes)]
             flat = (torch.cat(rows, dim=1) if len(rows) > 1 else rows[0]).reshape(-1)
-            sent = lowering.issue(flat, group, world)
+            sent = placement.issue_reduce(flat)
         with role("reduce_scatter_wait"):
-            done = lowering.finish(_WAIT(sent), world)
+            done = placement.finish_reduce(sent, tag=role)
             out, at = [], 0
             for c in sizes:
                 out.append(done[at:at + c])
@@ -252,14 +292,18 @@ def _bucket_gathers(graph: fx.Graph, buckets: list[list[tuple[fx.Node, fx.Node]]
     return out
 
 
-def _bucket_scatters(graph: fx.Graph, buckets: list[list[tuple[fx.Node, fx.Node]]]) -> list[tuple[list[fx.Node], fx.Node]]:
+def _bucket_scatters(
+    graph: fx.Graph, buckets: list[list[tuple[fx.Node, fx.Node]]], placement: Placement | None = None,
+) -> list[tuple[list[fx.Node], fx.Node]]:
     """Each bucket's reduce-scatters replaced by one, spliced in where its last one was issued;
-    returns per bucket (its issue nodes, its wait)."""
+    returns per bucket (its issue nodes, its wait). A bucket whose parts were each all-reduced
+    over ``placement``'s replicate group reduces through that placement (one all-reduce)."""
     out = []
     for index, bucket in enumerate(buckets):
         _, _, world, group = bucket[0][0].args
         grads = [r.args[0] for r, _ in bucket]
-        fn = _scatter_fn(world, group, [g.meta["val"].shape[0] // world for g in grads], backend_of(group))
+        replicated = placement is not None and bucket[0][1] is not _wait_of(bucket[0][0])
+        fn = _scatter_fn(placement if replicated else flat_placement(group, world), [g.meta["val"].shape[0] // world for g in grads])
         out.append(_replace(graph, bucket, fn, grads, bucket[-1][0], index, "reduce_scatter"))
     return out
 
@@ -272,10 +316,10 @@ def _replace(
     ``bucket`` replaced by its result. Returns the new bucket's issue nodes and wait."""
     traced = trace(fn, [x.meta["val"] for x in inputs], f"{kind} bucket {index}")
     results = splice(graph, traced, inputs, before, index)
-    for (issue, wait), result in zip(bucket, results):
-        wait.replace_all_uses_with(result)
-        graph.erase_node(wait)
-        graph.erase_node(issue)
+    for (issue, end), result in zip(bucket, results):
+        end.replace_all_uses_with(result)
+        for node in _chain(issue, end):
+            graph.erase_node(node)
     _after(graph, results)
     return _issue_and_wait(results[0], kind)
 

@@ -28,6 +28,13 @@ P5. **Resharded: only the backward's first bucket kept** (``reshard_after_forwar
     buffer's last reader is in the forward, so it is freed there, and the backward gathers
     again what it reads.
 
+P6. **Hybrid: each part averaged over its replicate group too** (a 2-D ``device_mesh=``, the
+    parts' :class:`~graphddp.values.placement.Placement` given). Every gather and
+    reduce-scatter runs on the shard group; each reduce-scatter bucket's part is all-reduced
+    once, over the replicate group, reading that bucket's wait; and every part's gradient
+    (P2's) reads the reduce-scatters only through a replicate all-reduce's wait. Without it a
+    replica group would step on its own data alone (the gradients 1/R of DDP's).
+
 (Given no parts, P2 checks those the backward gathers again: a backward that keeps the
 forward's gathered parameters has no part among its inputs, so there it has nothing to map.
 P1 and P3 hold for every graph.)
@@ -45,9 +52,12 @@ from graphddp.graph.capture import ancestors, views_of
 from graphddp.graph.part_collectives import above_reduce_scatters
 from graphddp.graph.reshard import kept_gathered, kept_gathered_bytes
 from graphddp.graph.verify_common import VerificationError, _fail
-from graphddp.values.comm import ROLE_KEY, is_wait
+from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, group_of, is_wait
+from graphddp.values.placement import REPLICATE, REPLICATE_WAIT, Placement
 
+_ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 _COLLECTIVES = (
+    _ALL_REDUCE,
     torch.ops._c10d_functional.all_gather_into_tensor.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
     torch.ops._c10d_functional.all_to_all_single.default,
@@ -57,10 +67,12 @@ _PRIMAL = re.compile(r"primals_(\d+)$")
 
 def check_part_collectives(
     gm: fx.GraphModule, backward: bool, reshard: bool = False, kept_bytes: int = 0, parts: Collection[str] | None = None,
+    placement: Placement | None = None,
 ) -> None:
     """P1-P3 (module docstring) on one rewritten graph; P2 on a ``backward`` one (for ``parts``,
     the forward inputs' names of the graph's parts, or where not given, those the backward
-    gathers), P5 on a forward that ``reshard``s and keeps at most ``kept_bytes`` gathered."""
+    gathers), P5 on a forward that ``reshard``s and keeps at most ``kept_bytes`` gathered, P6
+    with a hybrid ``placement``."""
     gm.graph.lint()
     for issue in gm.graph.nodes:
         if issue.target in _COLLECTIVES:
@@ -72,6 +84,8 @@ def check_part_collectives(
         again = [a for a in ancestors(issue.args[0]) if is_wait(a) and a.meta.get(ROLE_KEY) == "reduce_scatter_wait"]
         if again:
             _fail(gm, issue, f"P3: {issue.name} reduce-scatters what {again[0].name} received: a gradient averaged twice")
+    if placement is not None and placement.hybrid:
+        check_replicated(gm, placement, _part_gradients(gm, parts) if backward else [])
     if backward:
         _check_part_gradients(gm, parts)
     elif reshard:
@@ -91,23 +105,64 @@ def _check_part_gradients(gm: fx.GraphModule, parts: Collection[str] | None) -> 
     """P2: each part's gradient output reads the tangents through reduce-scatter waits only;
     ``parts`` by their forward inputs' names (``primals_k``), or where not given, the inputs the
     backward gathers."""
+    for name, index, grad in _part_gradients(gm, parts):
+        through, around = _paths_to_tangents(grad)
+        if around or not through:
+            why = f"around a reduce-scatter (via {around.name})" if around else "without a reduce-scatter"
+            _fail(gm, grad, f"P2: the gradient of part {name} (output {index}) reads the incoming gradients {why}")
+
+
+def _part_gradients(gm: fx.GraphModule, parts: Collection[str] | None) -> list[tuple[str, int, fx.Node]]:
+    """(part's input name, output index, gradient node) of each part the backward returns a
+    gradient for; ``parts`` as :func:`_check_part_gradients` takes them."""
     outs = gm.graph.output_node().args[0]
     if not isinstance(outs, (tuple, list)):
-        return
+        return []
     if parts is None:
         parts = [n.name for n in gm.graph.nodes if n.op == "placeholder" and any(_gathers(u) for u in n.users)]
+    found = []
     for name in parts:
         match = _PRIMAL.match(name)
         if match is None:
             continue
         index = int(match.group(1)) - 1
         grad = outs[index] if index < len(outs) else None
-        if not isinstance(grad, fx.Node):
-            continue  # no gradient (a frozen part) or not this graph's to return
-        through, around = _paths_to_tangents(grad)
-        if around or not through:
-            why = f"around a reduce-scatter (via {around.name})" if around else "without a reduce-scatter"
-            _fail(gm, grad, f"P2: the gradient of part {name} (output {index}) reads the incoming gradients {why}")
+        if isinstance(grad, fx.Node):  # else no gradient (a frozen part) or not this graph's to return
+            found.append((name, index, grad))
+    return found
+
+
+def check_replicated(gm: fx.GraphModule, placement: Placement, grads: list[tuple[str, int, fx.Node]]) -> None:
+    """P6 (module docstring) on a graph of hybrid ``placement``; ``grads``: its part gradients."""
+    assert placement.replicate is not None
+    nodes = [n for n in gm.graph.nodes if n.target in _COLLECTIVES]
+    for issue in nodes:
+        if issue.meta.get(ROLE_KEY) in ("gather", "reduce_scatter") and group_of(issue) != placement.shard.name:
+            _fail(gm, issue, f"P6: {issue.name} runs on {group_of(issue)!r}, not the shard group {placement.shard.name!r}")
+    reduces = [n for n in nodes if n.target is _ALL_REDUCE]
+    for issue in (n for n in nodes if n.meta.get(ROLE_KEY) == "reduce_scatter"):
+        wait = next(u for u in issue.users if is_wait(u))
+        mine = [r for r in reduces if wait in ancestors(r)]
+        if len(mine) != 1 or mine[0].meta.get(ROLE_KEY) != REPLICATE or mine[0].meta.get(BUCKET_KEY) != issue.meta.get(BUCKET_KEY):
+            _fail(gm, issue, f"P6: the part {issue.name} reduce-scatters is all-reduced over the replicate group by "
+                             f"{[r.name for r in mine]}, not once by its bucket's all-reduce")
+        if group_of(mine[0]) != placement.replicate.name:
+            _fail(gm, mine[0], f"P6: {mine[0].name} runs on {group_of(mine[0])!r}, not the replicate group {placement.replicate.name!r}")
+    for name, index, grad in grads:
+        seen, todo, met = set(), [grad], False
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if is_wait(n) and n.meta.get(ROLE_KEY) == REPLICATE_WAIT:
+                met = True
+            elif is_wait(n) and n.meta.get(ROLE_KEY) == "reduce_scatter_wait":
+                _fail(gm, grad, f"P6: the gradient of part {name} (output {index}) reads {n.name} around the replicate all-reduce")
+            else:
+                todo.extend(n.all_input_nodes)
+        if not met:
+            _fail(gm, grad, f"P6: the gradient of part {name} (output {index}) is not all-reduced over the replicate group")
 
 
 def _gathers(node: fx.Node) -> bool:

@@ -12,7 +12,8 @@ buckets that their collectives' host time leaves the GPU idle, waiting for the h
 
 The model. With ``S`` bytes gathered by one graph, ``n`` buckets of ``S / n`` bytes, ``F`` the
 fixed time of one bucket's collectives (``k`` of them: 3 with resharding, 2 without) and ``b``
-the link time per byte of one all-gather plus one reduce-scatter (the exposed pair), the step
+the link time per byte of one all-gather plus one reduce (the exposed pair; with hybrid
+sharding the reduce is a reduce-scatter and an all-reduce of its part), the step
 pays about ``n * F + (S / n) * b``, least at ``n = sqrt(S * b / F)``: a cap of
 ``sqrt(S * F / b)`` bytes. On the benchmark's GPT and a calibration of its emulated link that
 cap lies inside the band the sweep found best (docs/full-sharding.md). Where the link costs
@@ -31,24 +32,28 @@ from __future__ import annotations
 import math
 
 from graphddp.config import MB
-from graphddp.values.collectives import kind
+from graphddp.values.placement import Placement, flat
 from graphddp.values.prediction import CostModel
 
 MAX_CAP_BYTES = 25 * MB
 MIN_CAP_BYTES = MB // 4
 
 
-def planned_cap_bytes(cost: CostModel, gathered_bytes: int, world_size: int, regathers: bool) -> int:
+def planned_cap_bytes(cost: CostModel, gathered_bytes: int, world_size: int, regathers: bool, placement: Placement | None = None) -> int:
     """The cap of one graph's gather and reduce-scatter buckets (module docstring):
     ``gathered_bytes``, what the graph gathers whole; ``regathers``, whether the backward
-    gathers again (``reshard_after_forward``). The same on every rank given the same ``cost``
-    (the calibration's numbers are every rank's slowest) and graph."""
-    gather, scatter = kind("all_gather"), kind("reduce_scatter")
-    per_byte = sum(k.seconds(cost, MB, world_size) - k.seconds(cost, 0, world_size) for k in (gather, scatter)) / MB
+    gathers again (``reshard_after_forward``); ``placement``, the parts' (hybrid: a bucket's
+    reduce is also one all-reduce of its part over the replicate group, one more collective and
+    its bytes, :meth:`Placement.reduce_seconds`), or without one sharding over ``world_size``
+    ranks. The same on every rank given the same ``cost`` (the calibration's numbers are every
+    rank's slowest) and graph."""
+    place = placement if placement is not None else flat("", world_size)  # the cost reads its sizes only
+    gather, reduce = (lambda n: place.gather_seconds(cost, n)), (lambda n: place.reduce_seconds(cost, n))
+    per_byte = (gather(MB) - gather(0) + reduce(MB) - reduce(0)) / MB
     if per_byte <= 0 or gathered_bytes <= 0:
         return MAX_CAP_BYTES
-    collectives = 3 if regathers else 2
-    latency = gather.seconds(cost, 0, world_size) * (collectives - 1) + scatter.seconds(cost, 0, world_size)
-    fixed = collectives * cost.collective_overhead_us * 1e-6 + latency
+    gathers = 2 if regathers else 1
+    collectives = gathers + 1 + int(place.hybrid)
+    fixed = collectives * cost.collective_overhead_us * 1e-6 + gather(0) * gathers + reduce(0)
     cap = math.sqrt(gathered_bytes * fixed / per_byte)
     return int(min(MAX_CAP_BYTES, max(MIN_CAP_BYTES, cap)))

@@ -80,7 +80,12 @@ class Placement:
         replicate group the part all-reduced over it and waited. ``tag``: a context manager
         factory (``graphddp.graph.trace.role``) to mark the replicate all-reduce's nodes."""
         low = kind("reduce_scatter").lower(backend_of(self.shard.name))
-        done = low.finish(_WAIT(pending), self.shard.size)
+        return self.average_replicas(low.finish(_WAIT(pending), self.shard.size), tag)
+
+    def average_replicas(self, done: torch.Tensor, tag: Any = None) -> torch.Tensor:
+        """A reduce-scatter's finished part, all-reduced over the replicate group and waited
+        (hybrid), or as it is: the tail of :meth:`finish_reduce`, on its own for a graph that
+        issued the reduce-scatter itself (``sharding="full"``'s backward of a gather)."""
         if not self.hybrid:
             return done
         assert self.replicate is not None

@@ -20,11 +20,13 @@ import torch
 import torch.nn as nn
 from test_optim_ranks import _hf_gpt2, _hf_loss, _sgd
 from test_sharded import _mlp_loss
+from torch.distributed.device_mesh import init_device_mesh
 
 import graphddp
 from graphddp import models
 from graphddp.testing import spawn
 from graphddp.values.comm import ROLE_KEY
+from graphddp.values.placement import REPLICATE
 
 ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default  # gloo: gathers and reduce-scatters
 BF16 = {"atol": 2e-4, "rtol": 2e-3}  # SGD: a bf16 rounding of a gradient is lr * 2^-8 of it
@@ -38,6 +40,7 @@ class Case:
     backend: str = "aot_eager"
     reshard: bool = True
     steps: int = 3
+    mesh: tuple[int, int] | None = None  # hybrid sharding: (replicate, shard), for both sides
 
 
 CASES = {
@@ -45,6 +48,7 @@ CASES = {
     "mlp_bf16_reduce_bf16_kept": Case(models.MLP, _mlp_loss, None, reshard=False),
     "hf_gpt2_bf16_reduce_fp32": Case(_hf_gpt2, _hf_loss, torch.float32),
     "mlp_bf16_reduce_fp32_inductor": Case(models.MLP, _mlp_loss, torch.float32, backend="inductor", steps=2),
+    "mlp_bf16_reduce_fp32_hybrid_2x2": Case(models.MLP, _mlp_loss, torch.float32, mesh=(2, 2)),
 }
 
 
@@ -63,16 +67,17 @@ def _train(rank: int, world: int, name: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     case = CASES[name]
+    mesh = None if case.mesh is None else init_device_mesh("cpu", case.mesh, mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
     base = case.make()
     mine, ref = copy.deepcopy(base), copy.deepcopy(base)
     for block in _blocks(ref):
-        fully_shard(block, mp_policy=_policy(case), reshard_after_forward=case.reshard)
-    fully_shard(ref, mp_policy=_policy(case), reshard_after_forward=case.reshard)
+        fully_shard(block, mesh=mesh, mp_policy=_policy(case), reshard_after_forward=case.reshard)
+    fully_shard(ref, mesh=mesh, mp_policy=_policy(case), reshard_after_forward=case.reshard)
     opt, ref_opt = _sgd(mine), _sgd(ref)
     # small buckets (4 KB): the forward keeps only the backward's first one, so the backward
     # gathers the rest again, cast to bf16 as in the forward
-    ours = graphddp.compile(mine, optimizer=opt, sharding="full", backend=case.backend,
+    ours = graphddp.compile(mine, optimizer=opt, sharding="full", backend=case.backend, device_mesh=mesh,
                             reshard_after_forward=case.reshard, mp_policy=_policy(case), bucket_cap_mb=4 / 1024)
     for step in range(case.steps):
         losses = []
@@ -95,6 +100,8 @@ def _train(rank: int, world: int, name: str) -> None:
     regathers = 0
     for kind, g in ours.graphs:
         for n in g.graph.nodes:
+            if n.meta.get(ROLE_KEY) == REPLICATE:
+                assert n.args[0].meta["val"].dtype == case.reduce_dtype, f"{name}: a replicate all-reduce sent {n.args[0].meta['val'].dtype}"
             if n.target is ALL_TO_ALL and n.meta.get(ROLE_KEY) in sent:
                 sent[n.meta[ROLE_KEY]].add(n.args[0].meta["val"].dtype)
                 regathers += kind == "backward" and n.meta[ROLE_KEY] == "gather"
@@ -103,10 +110,17 @@ def _train(rank: int, world: int, name: str) -> None:
     assert sent["reduce_scatter"] == {case.reduce_dtype or torch.bfloat16}, f"{name}: reduce-scatters sent {sent['reduce_scatter']}"
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.mesh is None])
 def test_full_sharding_with_a_policy_matches_fsdp2_on_two_ranks(name: str) -> None:
     spawn(_train, 2, name)
 
 
 def test_full_sharding_with_a_policy_matches_fsdp2_on_three_ranks() -> None:
     spawn(_train, 3, "mlp_bf16_reduce_fp32")
+
+
+def test_hybrid_full_sharding_with_a_policy_matches_fsdp2_hsdp() -> None:
+    """A 2-D mesh on both sides: FSDP2's HSDP and graphddp's hybrid sharding, the part
+    gradients all-reduced over the replicate group in ``reduce_dtype`` too."""
+    case = CASES["mlp_bf16_reduce_fp32_hybrid_2x2"]
+    spawn(_train, case.mesh[0] * case.mesh[1], "mlp_bf16_reduce_fp32_hybrid_2x2")

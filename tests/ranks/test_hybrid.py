@@ -30,7 +30,7 @@ from graphddp.optim.shard import ELEMENTWISE
 from graphddp.testing import spawn
 from graphddp.values.comm import ROLE_KEY, group_of, is_collective
 from graphddp.values.placement import REPLICATE
-from graphddp.values.shards import chunk, part
+from graphddp.values.shards import chunk, padded_part, part
 
 
 def _mlp_loss(m: nn.Module, rank: int, step: int) -> torch.Tensor:
@@ -48,6 +48,7 @@ class Case:
     tol: dict = dataclasses.field(default_factory=lambda: TIGHT)
     steps: int = 3
     max_grad_norm: float | None = None
+    backend: str = "aot_eager"
     gather: str = "backward"
     backend_object: bool = False  # torch.compile(model, backend=graphddp.backend(model, ...)): the pipeline's form
 
@@ -59,6 +60,11 @@ CASES = {
     "optimizer_hf_gpt2_adamw_2x2": Case(_hf_gpt2, _hf_loss, _adamw, "optimizer", (2, 2), tol=ADAM_NOISE),
     "optimizer_mlp_adamw_2x2_gather_forward": Case(models.MLP, _mlp_loss, _adamw, "optimizer", (2, 2), gather="forward"),
     "optimizer_mlp_adamw_2x2_backend_object": Case(models.MLP, _mlp_loss, _adamw, "optimizer", (2, 2), backend_object=True),
+    "full_mlp_adamw_2x2": Case(models.MLP, _mlp_loss, _adamw, "full", (2, 2)),
+    "full_mlp_sgd_3x2": Case(models.MLP, _mlp_loss, _sgd, "full", (3, 2)),
+    "full_mlp_adamw_2x2_clipped": Case(models.MLP, _mlp_loss, _adamw, "full", (2, 2), max_grad_norm=0.05),
+    "full_hf_gpt2_adamw_2x2": Case(_hf_gpt2, _hf_loss, _adamw, "full", (2, 2), tol=ADAM_NOISE),
+    "full_mlp_adamw_2x2_inductor": Case(models.MLP, _mlp_loss, _adamw, "full", (2, 2), backend="inductor"),
 }
 
 
@@ -69,6 +75,42 @@ def _check_state_parts(model: nn.Module, opt: torch.optim.Optimizer, shard: int,
         for k, v in opt.state.get(p, {}).items():
             if k in ELEMENTWISE:
                 assert v.numel() == hi - lo, f"{what}: {name}[{k!r}] has {v.numel()} elements, its part over {shard} ranks {hi - lo}"
+
+
+def _check_full_parts(ours: Any, mine: nn.Module, opt: torch.optim.Optimizer, ref: Any, ref_opt: Any, case: Case, what: str) -> None:
+    """``sharding="full"``: the whole parameters (gathered) equal DDP's, each rank holds
+    chunk(numel, S) elements of every parameter and of its elementwise state, and the whole
+    optimizer state (gathered over the shard group) equals the reference optimizer's."""
+    whole = dict(ours.named_parameters())
+    for n, q in ref.module.named_parameters():
+        torch.testing.assert_close(whole[n], q.detach(), **case.tol, msg=lambda m: f"{what} param {n}: {m}")
+    shard = case.shape[1]
+    for n, p in mine.named_parameters():
+        size = chunk(ours.parts[n].numel, shard)
+        assert p.dim() == 1 and p.numel() == size, f"{what}: {n} is held as {tuple(p.shape)}, not its part over {shard} ranks"
+        for k, v in opt.state.get(p, {}).items():
+            if k in ELEMENTWISE:
+                assert v.numel() == size, f"{what}: {n}[{k!r}] has {v.numel()} elements, its part over {shard} ranks {size}"
+    assert_state_dicts_equal(graphddp.full_optimizer_state_dict(ours), ref_opt.state_dict(), case.tol, what)
+
+
+def _check_full_collectives(ours: Any, mesh: Any, what: str) -> None:
+    """``sharding="full"``: every compiled graph's gathers and reduce-scatters (roles "gather",
+    "reduce_scatter", graphddp.graph.part_collectives) on the shard group, and in each backward
+    one all-reduce per reduce-scatter bucket, on the replicate group."""
+    shard_name, replicate_name = mesh.get_group(1).group_name, mesh.get_group(0).group_name
+    assert ours.graphs, what
+    for kind, gm in ours.graphs:  # a graph between two graph breaks may read no parameter
+        nodes = [n for n in gm.graph.nodes if is_collective(n)]
+        parts = [n for n in nodes if n.meta.get(ROLE_KEY) in ("gather", "reduce_scatter")]
+        assert {group_of(n) for n in parts} <= {shard_name}, f"{what} {kind}: {sorted({str(group_of(n)) for n in parts})}"
+        scatters = [n for n in parts if n.meta.get(ROLE_KEY) == "reduce_scatter"]
+        replicas = [n for n in nodes if n.meta.get(ROLE_KEY) == REPLICATE]
+        assert len(replicas) == len(scatters), f"{what} {kind}: {len(replicas)} replicate all-reduces for {len(scatters)} reduce-scatter buckets"
+        assert not replicas or {group_of(n) for n in replicas} == {replicate_name}, what
+        assert len(nodes) == len(parts) + len(replicas), f"{what} {kind}: other collectives {[n.name for n in nodes]}"
+    backwards = [s.backward for s in ours.schedules if s.backward is not None]
+    assert any(b.of("reduce_scatter") for b in backwards), f"{what}: no reduce-scatter bucket in a backward"
 
 
 def _check_collectives(ours: Any, mesh: Any, what: str) -> None:
@@ -96,7 +138,7 @@ def _train(rank: int, world: int, name: str) -> None:
     mine, ref = unequal_pair(case.make, rank)
     opt, ref_opt = case.optimizer(mine), case.optimizer(ref.module)
     options = dict(
-        optimizer=opt, sharding=case.sharding, device_mesh=mesh, backend="aot_eager", bucket_cap_mb=0.004, max_grad_norm=case.max_grad_norm,
+        optimizer=opt, sharding=case.sharding, device_mesh=mesh, backend=case.backend, bucket_cap_mb=0.004, max_grad_norm=case.max_grad_norm,
         **({"gather": case.gather} if case.sharding == "optimizer" else {}),
     )
     if case.backend_object:
@@ -105,6 +147,7 @@ def _train(rank: int, world: int, name: str) -> None:
     else:
         model = ours = graphddp.compile(mine, **options)
     shard, index = case.shape[1], mesh.get_local_rank(1)
+    full = case.sharding == "full"
     for step in range(case.steps):
         if step == 1:  # a no_sync micro-batch: the next backward carries it into its buckets
             with ours.no_sync():
@@ -119,13 +162,25 @@ def _train(rank: int, world: int, name: str) -> None:
             torch.nn.utils.clip_grad_norm_(ref.parameters(), case.max_grad_norm)
         ref_opt.step()
         ref_opt.zero_grad()
+        if full:
+            _check_full_parts(ours, mine, opt, ref, ref_opt, case, f"{name} step {step}")
+            continue
         if case.gather == "forward":  # the updated parameters are on the wire until the next forward
             ours.finish_gathers()
         for (n, p), q in zip(mine.named_parameters(), ref.module.parameters()):
             torch.testing.assert_close(p.detach(), q.detach(), **case.tol, msg=lambda m: f"{name} step {step} {n}: {m}")
         _check_state_parts(mine, opt, shard, index, f"{name} step {step}")
         assert_state_dicts_equal(graphddp.full_optimizer_state_dict(ours), ref_opt.state_dict(), case.tol, f"{name} step {step}")
-    _check_collectives(ours, mesh, name)
+    if full:
+        for k, v in ours.state_dict().items():
+            torch.testing.assert_close(v, ref.module.state_dict()[k], **case.tol, msg=lambda m: f"{name} state_dict[{k!r}]: {m}")
+        _check_full_collectives(ours, mesh, name)
+        whole = ref.module.state_dict()
+        ours.load_state_dict(whole)  # each rank keeps its part over the shard group
+        for n, p in mine.named_parameters():
+            torch.testing.assert_close(p.detach(), padded_part(whole[n], shard, index), rtol=0, atol=0, msg=lambda m: f"{name} load {n}: {m}")
+    else:
+        _check_collectives(ours, mesh, name)
     dist.barrier()
 
 

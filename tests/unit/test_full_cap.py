@@ -78,3 +78,14 @@ def test_a_given_cap_is_the_cap():
     assert all(g.cap.nbytes == MB // 2 and g.cap.source == "bucket_cap_mb" for g in s.graphs)
     with pytest.raises(ValueError, match="cost"):
         _explain(bucket_cap_mb=0.5, cost=EMULATED)  # a cost with a given cap would plan nothing
+
+
+def test_a_hybrid_placement_plans_with_its_replicate_all_reduce():
+    from graphddp.values.placement import Level, Placement
+
+    flat = planned_cap_bytes(EMULATED, GPT_BYTES, 2, True)
+    assert planned_cap_bytes(EMULATED, GPT_BYTES, 2, True, Placement(Level("s", 2), Level("r", 1))) == flat
+    hybrid = planned_cap_bytes(EMULATED, GPT_BYTES, 2, True, Placement(Level("s", 2), Level("r", 2)))
+    # one more collective per bucket (its fixed time: a larger cap) carrying half a bucket's
+    # bytes again (its link time: a smaller one); on this link the bytes weigh more
+    assert MIN_CAP_BYTES < hybrid < flat, (hybrid / MB, flat / MB)

@@ -1,7 +1,7 @@
 """The rewrite of ``sharding="full"``'s collectives (graphddp/graph/part_collectives.py) on the
 graphs of a real compile, in one process (a fake group of 8 ranks): buckets by the cap, each
 gather bucket issued one bucket ahead of its wait, each reduce-scatter bucket travelling behind
-the next bucket's gradient compute, and rules P1-P5 (graphddp/graph/verify_full.py) with
+the next bucket's gradient compute, and rules P1-P6 (graphddp/graph/verify_full.py) with
 mutations that break each."""
 import copy
 
@@ -248,3 +248,62 @@ def test_one_reduce_scatter_waited_twice_becomes_one_slot_per_wait(fake_world):
     assert cat.target is torch.ops.aten.cat.default and len(cat.args[0]) == 2, f"one bucket of two gradients expected: {gm.graph}"
     outs = gm.graph.output_node().args[0]
     assert all(o.args[0] is _waits(scatters)[0] for o in outs), "each output is its slot of the bucket's wait"
+
+
+# -- hybrid sharding (a 2-D mesh): P6 -------------------------------------------------------------
+
+
+def _hybrid_backward():
+    """The backward of a model compiled on a 2 x 4 mesh (2 replicate, 4 shard) of the fake group, and its placement."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(256, 256) for _ in range(6)))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    ours = graphddp.compile(model, optimizer=opt, sharding="full", backend="aot_eager", bucket_cap_mb=0.5, device_mesh=mesh)
+    ours(torch.randn(4, 256)).sum().backward()
+    return dict(ours.graphs)["backward"], ours._record.placement
+
+
+def test_hybrid_buckets_all_reduce_each_reduce_scatter_once_over_the_replicate_group(fake_world):
+    from graphddp.values.comm import group_of
+    from graphddp.values.placement import REPLICATE
+
+    fake_world(8)
+    backward, placement = _hybrid_backward()
+    scatters = _by_role(backward, "reduce_scatter")
+    replicas = [n for n in backward.graph.nodes if n.meta.get(ROLE_KEY) == REPLICATE]
+    assert len(scatters) == 3 and len(replicas) == 3, (len(scatters), len(replicas))  # one per bucket, not per parameter
+    assert {group_of(n) for n in scatters} == {placement.shard.name} and {group_of(n) for n in replicas} == {placement.replicate.name}
+    for scatter, replica in zip(scatters, replicas):
+        assert scatter.meta[BUCKET_KEY] == replica.meta[BUCKET_KEY] and _waits([scatter])[0] in ancestors(replica)
+
+
+@pytest.mark.parametrize("mutation", ["gradient around the all-reduce", "all-reduce on the shard group", "all-reduce left out"])
+def test_rule_p6_fails_a_part_not_averaged_over_the_replicate_group(fake_world, mutation):
+    from graphddp.values.placement import REPLICATE
+
+    fake_world(8)
+    backward, placement = _hybrid_backward()
+    parts = [f"primals_{k}" for k in range(1, 13)]
+    check_part_collectives(backward, backward=True, parts=parts, placement=placement)  # the compiled graph passes
+    broken = copy.deepcopy(backward)
+    graph = broken.graph
+    replica = next(n for n in graph.nodes if n.meta.get(ROLE_KEY) == REPLICATE)
+    done = replica.args[0]  # the reduce-scatter's finished part
+    if mutation == "all-reduce on the shard group":
+        replica.args = (done, replica.args[1], placement.shard.name)
+        match = "P6: .* not the replicate group"
+    else:
+        wait = next(u for u in replica.users if is_wait(u))
+        wait.replace_all_uses_with(done)  # the part as this shard group alone reduced it
+        if mutation == "all-reduce left out":
+            graph.erase_node(wait)
+            graph.erase_node(replica)
+            match = "P6: .* not once by its bucket's all-reduce"
+        else:
+            match = "P6: .* around the replicate all-reduce"
+    broken.recompile()
+    with pytest.raises(VerificationError, match=match):
+        check_part_collectives(broken, backward=True, parts=parts, placement=placement)
