@@ -122,7 +122,7 @@ class FullyShardedGraphDDP(nn.Module):
             FullSchedule(
                 graph_index=index, world_size=self.world_size, reshard_after_forward=self.config.reshard_after_forward,
                 prefetch=PREFETCH, forward=pair.get("forward"), backward=pair.get("backward"),
-                memory=self._memory(pair.get("forward"), pair.get("backward")),
+                memory=self._memory(pair.get("forward"), pair.get("backward")), replicas=self._groups.placement.shape()[0],
             )
             for index, pair in sorted(by_index.items())
         ]
@@ -151,7 +151,7 @@ class FullyShardedGraphDDP(nn.Module):
     @torch._dynamo.disable
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_same_forward()
-        if self.config.broadcast_buffers and self.world_size > 1:
+        if self.config.broadcast_buffers and dist.get_world_size(self.process_group) > 1:
             buffers = list(self.module.buffers())
             if buffers:
                 broadcast_tensors(buffers, self.process_group)

@@ -109,6 +109,9 @@ class FullSchedule:
     forward: PartGraph | None
     backward: PartGraph | None
     memory: RankMemory
+    # Hybrid sharding (graphddp.values.placement): the shard groups' count; world_size is one
+    # group's, the parts' count. 1 without a 2-D device_mesh=.
+    replicas: int = 1
 
     @property
     def graphs(self) -> tuple[PartGraph, ...]:
@@ -121,6 +124,7 @@ class FullSchedule:
             "forward": None if self.forward is None else self.forward.to_dict(),
             "backward": None if self.backward is None else self.backward.to_dict(),
             "memory": self.memory.to_dict(),
+            **({"replicas": self.replicas} if self.replicas > 1 else {}),
         }
 
     def fingerprint(self) -> str:
@@ -134,14 +138,18 @@ class FullSchedule:
             [graph.kind, list(graph.updates)] + [[b.kind, b.index, list(b.params), b.dtype, b.whole_bytes, b.part_bytes] for b in graph.buckets]
             for graph in self.graphs
         ]
-        head = [self.graph_index, self.world_size, self.reshard_after_forward, self.prefetch]
+        head = [self.graph_index, self.world_size, self.reshard_after_forward, self.prefetch] + ([self.replicas] if self.replicas > 1 else [])
         return hashlib.sha256(json.dumps([head, plan]).encode()).hexdigest()[:16]
 
     def to_table(self) -> str:
         m = self.memory
         state = size_text(m.optimizer_state) if m.optimizer_state else "none (not stepped yet, or an optimizer that keeps none)"
+        ranks = f"{self.world_size} ranks" if self.replicas == 1 else (
+            f"{self.world_size * self.replicas} ranks: sharded over {self.world_size}, each part's gradient all-reduced "
+            f"over its {self.replicas} replicas"
+        )
         lines = [
-            f"sharding='full', graph {self.graph_index}, {self.world_size} ranks, "
+            f"sharding='full', graph {self.graph_index}, {ranks}, "
             f"reshard_after_forward={self.reshard_after_forward}, gathers issued up to {self.prefetch} bucket(s) "
             "ahead of the one being read",
             f"each rank holds: parameters {size_text(m.parameters)} (whole: {size_text(m.whole_parameters)}), "

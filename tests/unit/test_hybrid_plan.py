@@ -88,3 +88,12 @@ def test_a_one_dim_mesh_is_its_group(fake_world):
     model = MLP(width=8, depth=2)
     gd = graphddp.compile(model, device_mesh=mesh, backend="aot_eager", bucket_cap_mb=25)
     assert gd.process_group is mesh.get_group()
+
+
+def test_explain_full_sharding_with_a_mesh_says_both_levels():
+    (hybrid,) = _explain(device_mesh=(2, 4), sharding="full", backend="aot_eager")
+    (flat,) = _explain(world_size=4, sharding="full", backend="aot_eager")
+    assert hybrid.world_size == 4 and hybrid.replicas == 2 and flat.replicas == 1
+    assert "8 ranks: sharded over 4, each part's gradient all-reduced over its 2 replicas" in hybrid.to_table()
+    assert hybrid.memory.parameters == flat.memory.parameters  # 1/S per rank, whatever the replicas
+    assert hybrid.fingerprint() != flat.fingerprint() and hybrid.to_dict()["replicas"] == 2
