@@ -51,18 +51,16 @@ import torch.nn as nn
 from graphddp.compiler.full import Compiled, fully_sharded_compiler
 from graphddp.compiler.full_updates import PartUpdates
 from graphddp.config import DDPConfig
+from graphddp.frontend.full_state import WholeTensors
 from graphddp.frontend.mesh import MeshGroups
-from graphddp.frontend.parts import Part, cut_state, repoint_optimizer, shard_parameters
+from graphddp.frontend.parts import Part, repoint_optimizer, shard_parameters
 from graphddp.frontend.wrap import check_and_broadcast
 from graphddp.graph.part_collectives import PREFETCH
 from graphddp.optim import clip, guards
-from graphddp.optim.shard import ELEMENTWISE
 from graphddp.runtime import agree
 from graphddp.runtime.calibrate import resolve_cost
 from graphddp.runtime.sync import broadcast_tensors
-from graphddp.values.comm import gather_flat
 from graphddp.values.part_schedule import FullSchedule, PartGraph, RankMemory
-from graphddp.values.shards import padded_part
 
 _ISOLATED = {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
 
@@ -78,7 +76,14 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
 class FullyShardedGraphDDP(nn.Module):
     """What ``graphddp.compile(..., sharding="full")`` returns (module docstring)."""
 
-    def __init__(self, module: nn.Module, groups: MeshGroups, config: DDPConfig, optimizer: torch.optim.Optimizer, parts: dict[int, Part]) -> None:
+    def __init__(
+        self, module: nn.Module, groups: MeshGroups, config: DDPConfig, optimizer: torch.optim.Optimizer, parts: dict[int, Part],
+        own_compile: bool = True,
+    ) -> None:
+        """``own_compile``: compile ``module`` here (``graphddp.compile``'s form); without it a
+        pipeline's ``torch.compile`` calls :attr:`compile_graph` (``graphddp.backend``'s form)
+        and the forward's work runs around the module's own (:meth:`before_forward`,
+        :meth:`after_forward`)."""
         super().__init__()
         self.module = module
         self.process_group = groups.whole  # every rank: the forward's agreement, the buffers
@@ -94,9 +99,13 @@ class FullyShardedGraphDDP(nn.Module):
             {id(p.part): p.names[0] for p in parts.values()}, self.world_size, updates, groups.whole, placement=groups.placement
         )
         self.graphs = self._record.graphs  # every compiled forward and backward, in order
-        object.__setattr__(self, "_compiled", torch.compile(
-            module, backend=fully_sharded_compiler(config, self._record), fullgraph=config.fullgraph, dynamic=config.dynamic, **_ISOLATED
-        ))
+        self.whole_tensors = WholeTensors(parts, groups.shard)
+        self.whole_tensors.install(module)
+        self.compile_graph = fully_sharded_compiler(config, self._record)  # the torch.compile backend of both forms
+        if own_compile:
+            object.__setattr__(self, "_compiled", torch.compile(
+                module, backend=self.compile_graph, fullgraph=config.fullgraph, dynamic=config.dynamic, **_ISOLATED
+            ))
 
     @property
     def world_size(self) -> int:
@@ -150,6 +159,12 @@ class FullyShardedGraphDDP(nn.Module):
 
     @torch._dynamo.disable
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = self.before_forward(args, kwargs)
+        return self.after_forward(self._compiled(*args, **kwargs))
+
+    def before_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Every forward's work before the compiled one: the check that every rank runs it, the
+        buffers' broadcast, a mixed-precision policy's input cast."""
         self._check_same_forward()
         if self.config.broadcast_buffers and dist.get_world_size(self.process_group) > 1:
             buffers = list(self.module.buffers())
@@ -158,10 +173,12 @@ class FullyShardedGraphDDP(nn.Module):
         policy = self.config.mp_policy
         if policy is not None and policy.param_dtype is not None and policy.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), policy.param_dtype)
-        out = self._compiled(*args, **kwargs)
-        if policy is not None and policy.output_dtype is not None:
-            out = _cast_floats(out, policy.output_dtype)
-        return out
+        return args, kwargs
+
+    def after_forward(self, out: Any) -> Any:
+        """A mixed-precision policy's output cast."""
+        policy = self.config.mp_policy
+        return _cast_floats(out, policy.output_dtype) if policy is not None and policy.output_dtype is not None else out
 
     def _check_same_forward(self) -> None:
         """Every rank must run every forward: each one gathers the parameters from all ranks. A
@@ -224,22 +241,13 @@ class FullyShardedGraphDDP(nn.Module):
     def register_comm_hook(self, *_: Any, **__: Any) -> None:
         raise NotImplementedError("graphddp: register_comm_hook is not supported with sharding='full' yet")
 
-    # -- whole tensors in and out -------------------------------------------------------------------
+    # -- whole tensors in and out (graphddp.frontend.full_state: hooks on the module) ---------------------
     def _whole(self, part: Part) -> torch.Tensor:
-        return self._whole_of(part.part, part)
+        return self.whole_tensors.whole(part.part, part)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """The wrapped module's state dict with every parameter whole (gathered: every rank calls it)."""
-        out = self.module.state_dict(*args, **kwargs)
-        prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
-        whole: dict[int, torch.Tensor] = {}
-        for name, part in self._by_name.items():
-            key = prefix + name
-            if key in out:
-                if id(part) not in whole:
-                    whole[id(part)] = self._whole(part)
-                out[key] = whole[id(part)]
-        return out
+        return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         """Whole tensors under the module's keys; each rank keeps its part, copied into it."""
@@ -249,15 +257,7 @@ class FullyShardedGraphDDP(nn.Module):
                 "update inside the backward hold this rank's parts, so they are loaded by copying into them; "
                 "call load_state_dict(state_dict) without assign"
             )
-        rank = self._groups.shard_rank
-        cut = dict(state_dict)
-        for name, part in self._by_name.items():
-            value = cut.get(name)
-            if isinstance(value, torch.Tensor):
-                if tuple(value.shape) != part.shape:
-                    raise ValueError(f"graphddp: {name!r} has shape {list(value.shape)} in the state dict, {list(part.shape)} in the model")
-                cut[name] = padded_part(value.to(part.part.device), self.world_size, rank)
-        return self.module.load_state_dict(cut, strict=strict)
+        return self.module.load_state_dict(state_dict, strict=strict)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:  # type: ignore[override]
         """The whole current values, gathered (every rank calls it), detached (module docstring)."""
@@ -277,47 +277,24 @@ class FullyShardedGraphDDP(nn.Module):
     # -- the optimizer's whole state ------------------------------------------------------------------
     def full_optimizer_state_dict(self) -> dict[str, Any]:
         """The state dict a plain optimizer of the same class over the whole parameters would
-        have: every elementwise entry gathered and cut to its parameter's shape (every rank
-        calls it; the padding is dropped)."""
-        out = self.optimizer.state_dict()
-        by_index = self._parts_by_index()
-        for index, state in out["state"].items():
-            part = by_index[index]
-            out["state"][index] = {
-                k: self._whole_of(v, part) if k in ELEMENTWISE and isinstance(v, torch.Tensor) else v for k, v in state.items()
-            }
-        return out
+        have (every rank calls it: :meth:`WholeTensors.optimizer_state_dict`)."""
+        return self.whole_tensors.optimizer_state_dict(self.optimizer)
 
     def load_full_optimizer_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Load a whole optimizer state (from :meth:`full_optimizer_state_dict` on any world size,
-        or a plain optimizer's ``state_dict()``): each rank keeps its part of every entry."""
-        world, rank = self.world_size, self._groups.shard_rank
-        by_index = self._parts_by_index()
-        if len(state["state"]) > len(by_index) or any(int(i) >= len(by_index) for i in state["state"]):
-            raise ValueError(f"load_full_optimizer_state_dict: the state holds entries for {len(state['state'])} parameters "
-                             f"(indices up to {max(int(i) for i in state['state'])}), the optimizer steps {len(by_index)}")
-        cut = {**state, "state": {index: cut_state(st, world, rank, by_index[int(index)]) for index, st in state["state"].items()}}
-        self.optimizer.load_state_dict(cut)
-
-    def _parts_by_index(self) -> list[Part]:
-        """The parts in the optimizer's order: what a state dict's index names."""
-        parts = {id(part.part): part for part in self._parts.values()}
-        return [parts[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
-
-    def _whole_of(self, value: torch.Tensor, part: Part) -> torch.Tensor:
-        out = torch.empty(value.numel() * self.world_size, dtype=value.dtype, device=value.device)
-        gather_flat(out, value.detach().contiguous(), self._groups.shard)
-        return out[: part.numel].view(part.shape)
+        """Load a whole optimizer state: each rank keeps its part of every entry."""
+        self.whole_tensors.load_optimizer_state_dict(self.optimizer, state)
 
 
-def compile_fully_sharded(module: nn.Module, groups: MeshGroups, config: DDPConfig, optimizer: Any) -> FullyShardedGraphDDP:
+def compile_fully_sharded(
+    module: nn.Module, groups: MeshGroups, config: DDPConfig, optimizer: Any, where: str = "graphddp.compile", own_compile: bool = True,
+) -> FullyShardedGraphDDP:
     """``graphddp.compile``'s ``sharding="full"`` path: the wrap-time checks every mode makes,
     the broadcast from the group's first rank (whole tensors, before they are cut), the cut, and
     the optimizer re-pointed at the parts. With a 2-D ``device_mesh=`` (hybrid) the parts, the
     optimizer's state and the clip's norm are over the shard group (each replicate group holds
     the same averaged parts: a norm summed over every rank would count each part once per
-    replica); the rest stays on every rank's group."""
-    where = "graphddp.compile"
+    replica); the rest stays on every rank's group. ``own_compile``: as
+    :class:`FullyShardedGraphDDP` takes it."""
     group = groups.whole
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(
@@ -335,4 +312,4 @@ def compile_fully_sharded(module: nn.Module, groups: MeshGroups, config: DDPConf
     if config.max_grad_norm is not None:
         clip.clip_parts_before_step(optimizer, config.max_grad_norm, config.grad_norm_type, groups.shard)
     guards.agree_found_inf(optimizer, group)  # parts: one rank's inf must skip every rank's step
-    return FullyShardedGraphDDP(module, groups, config, optimizer, parts)
+    return FullyShardedGraphDDP(module, groups, config, optimizer, parts, own_compile)

@@ -22,12 +22,22 @@ def _attached(model: Any, where: str) -> Any:
     return replica.optimizer
 
 
+def _fully_sharded(model: Any) -> FullyShardedGraphDDP | None:
+    """``model``'s fully sharded state: the module ``graphddp.compile`` returned, or the one a
+    ``graphddp.backend`` object holds (its ``sharded``)."""
+    if isinstance(model, FullyShardedGraphDDP):
+        return model
+    inner = model.__dict__.get("sharded") if hasattr(model, "__dict__") else None
+    return inner if isinstance(inner, FullyShardedGraphDDP) else None
+
+
 def full_optimizer_state_dict(model: Any) -> dict[str, Any]:
     """The state dict a plain optimizer of the attached one's class would have, on every rank.
 
     Sharded, every rank takes part (it gathers the parts): call it on all ranks."""
-    if isinstance(model, FullyShardedGraphDDP):
-        return model.full_optimizer_state_dict()
+    full = _fully_sharded(model)
+    if full is not None:
+        return full.full_optimizer_state_dict()
     attached = _attached(model, "graphddp.full_optimizer_state_dict")
     if attached.sharded is None:
         return attached.optimizer.state_dict()
@@ -37,8 +47,9 @@ def full_optimizer_state_dict(model: Any) -> dict[str, Any]:
 def load_full_optimizer_state_dict(model: Any, state: Mapping[str, Any]) -> None:
     """Load a whole optimizer state (from :func:`full_optimizer_state_dict` on any world size, or
     from a plain optimizer's ``state_dict()``); sharded, each rank keeps its parts."""
-    if isinstance(model, FullyShardedGraphDDP):
-        return model.load_full_optimizer_state_dict(state)
+    full = _fully_sharded(model)
+    if full is not None:
+        return full.load_full_optimizer_state_dict(state)
     attached = _attached(model, "graphddp.load_full_optimizer_state_dict")
     if attached.sharded is None:
         attached.optimizer.load_state_dict(state)

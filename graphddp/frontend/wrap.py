@@ -122,11 +122,7 @@ def prepare(
     every rank fails alike) and attached (its ``step`` made a no-op) after the last one.
     ``groups``: a ``device_mesh=``'s (:mod:`graphddp.frontend.mesh`); ``group`` is its whole group.
     """
-    if config.sharding == "full":
-        raise ValueError(
-            f"{where}: sharding='full' is built by graphddp.compile only (it replaces the module's parameters by "
-            "parts before compiling); use graphddp.compile(model, optimizer=opt, sharding='full')"
-        )
+    assert config.sharding != "full", "sharding='full' wraps through graphddp.frontend.full.compile_fully_sharded"
     _refuse_optimizer_with_traced_hook(where, config, optimizer)
     if config.sharding is not None and optimizer is None:
         raise ValueError(

@@ -55,6 +55,7 @@ class Case:
     reshard: bool = True
     max_grad_norm: float | None = None
     cost: CostModel | None = None  # the buckets' cap planned from this model (None: calibrated)
+    form: str = "compile"  # or "backend_object", "backend_name": torch.compile(model, backend=graphddp.backend(...) or "graphddp")
 
 
 # A link so slow for its per-collective cost that the planned cap is the floor (0.25 MB), so the
@@ -84,17 +85,45 @@ CASES = {
     "hf_gpt2_sgd_planned_buckets": Case(_hf_gpt2_wide, _hf_loss, _sgd, steps=3, cost=SLOW_LINK),
     "mlp_adamw_recompile": Case(models.MLP, _mlp_loss_new_shape, _adamw),
     "mlp_adamw_inductor": Case(models.MLP, _mlp_loss, _adamw, backend="inductor", steps=3),
+    "mlp_adamw_backend_object": Case(models.MLP, _mlp_loss, _adamw, form="backend_object"),
+    "hf_gpt2_adamw_backend_name": Case(_hf_gpt2, _hf_loss, _adamw, tol=ADAM_NOISE, form="backend_name"),
 }
+
+
+class _Pipeline:
+    """``torch.compile(model, backend=graphddp.backend(model, sharding="full", ...))`` seen as the
+    module ``graphddp.compile`` returns: called, switched, its parameters read whole (through
+    ``model.state_dict()``, which gathers), inspected on the backend object."""
+
+    def __init__(self, model: nn.Module, compiled: Any, made: Any) -> None:
+        self.model, self.compiled, self.made = model, compiled, made
+        self.sharded = made.sharded  # what graphddp.full_optimizer_state_dict reads
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.compiled(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:  # no_sync, parts, graphs, updates, schedules
+        return getattr(self.__dict__["made"], name)
+
+    def named_parameters(self) -> Any:
+        return ((n, v) for n, v in self.model.state_dict().items() if n in self.made.parts)
+
+    def state_dict(self) -> dict:
+        return self.model.state_dict()
 
 
 def _pair(case: Case, rank: int) -> tuple[Any, nn.Module, torch.optim.Optimizer, DDP, torch.optim.Optimizer]:
     mine, ref = unequal_pair(case.make, rank)
     opt, ref_opt = case.optimizer(mine), case.optimizer(ref.module)
-    ours = graphddp.compile(
-        mine, optimizer=opt, sharding="full", backend=case.backend, reshard_after_forward=case.reshard,
+    options = dict(
+        optimizer=opt, sharding="full", backend=case.backend, reshard_after_forward=case.reshard,
         max_grad_norm=case.max_grad_norm, cost=case.cost,
     )
-    return ours, mine, opt, ref, ref_opt
+    if case.form == "compile":
+        return graphddp.compile(mine, **options), mine, opt, ref, ref_opt
+    made = graphddp.backend(mine, **options)
+    compiled = torch.compile(mine, backend=made if case.form == "backend_object" else "graphddp")
+    return _Pipeline(mine, compiled, made), mine, opt, ref, ref_opt
 
 
 def _step(case: Case, ours: Any, opt: Any, sched: Any, ref: DDP, ref_opt: Any, ref_sched: Any, rank: int, step: int) -> None:
