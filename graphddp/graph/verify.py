@@ -16,7 +16,7 @@ only it catches. This module runs them all and holds 0-2, 10 and 11; one bucket'
    output is in two buckets (else a gradient would be reduced twice).
 1. **Accounting.** Every all-reduce graphddp inserted (tagged with a bucket) is
    ``all_reduce_`` and belongs to a schedule bucket; every bucket has exactly one. Every such
-   all-reduce has exactly one user, a wait of the same bucket; every graphddp wait waits on
+   all-reduce has exactly one user, a wait of the same bucket (:mod:`graphddp.graph.invariants`' W); every graphddp wait waits on
    its own bucket's all-reduce (no stray waits).
 2. **Fake values.** Every node graphddp inserted carries a tensor ``meta["val"]``, or a
    tuple of them for an op with several results (later passes and inductor read it).
@@ -75,6 +75,7 @@ from typing import Mapping
 import torch
 import torch.fx as fx
 
+from graphddp.graph.invariants import waited_once
 from graphddp.graph.verify_bucket import _check_bucket, _check_carried
 from graphddp.graph.verify_common import VerificationError, _fail, _Graph, _names
 from graphddp.graph.verify_hook import _check_hook_bucket, _check_hook_gradient
@@ -105,11 +106,9 @@ def _collect_all_reduces(g: _Graph, schedule: Schedule, hooked: set[int]) -> dic
         if ar.target not in expected.ops:
             _fail(g.gm, ar, f"bucket {index}'s collective {ar.name} is {ar.target}; a bucket of kind {expected.key} is issued with "
                             f"{sorted(map(str, expected.ops))}")
-        users = list(ar.users)
-        if len(users) != 1 or not is_wait(users[0]):
-            _fail(g.gm, ar, f"all-reduce {ar.name} of bucket {index} must have exactly one user, its wait; has {_names(users)}")
-        if not is_ours(users[0], index):
-            _fail(g.gm, users[0], f"wait {users[0].name} of bucket {index}'s all-reduce {ar.name} is not tagged bucket {index}")
+        wait = waited_once(g.gm, ar, "rule 1", f"the all-reduce of bucket {index}")
+        if not is_ours(wait, index):
+            _fail(g.gm, wait, f"wait {wait.name} of bucket {index}'s all-reduce {ar.name} is not tagged bucket {index}")
         by_bucket[index] = ar
     missing = sorted(set(range(schedule.num_buckets)) - set(by_bucket) - hooked)
     if missing:

@@ -4,8 +4,8 @@ graph of ``sharding="full"``.
 The rewrite replaces AOTAutograd's own collectives by buckets and moves them; what it could get
 wrong, and a numerics test on one model might not show:
 
-P1. **Waited once, read after.** Every collective is read by exactly one wait, and nothing
-    reads its result but through that wait; FX's lint (every node after what it reads) then
+P1. **Waited once, read after** (:mod:`graphddp.graph.invariants`' W). Every collective is
+    read by exactly one wait, and nothing reads its result but through that wait; FX's lint (every node after what it reads) then
     makes "no parameter read before its gather's wait" and "no gradient part read before its
     reduce-scatter's wait" hold.
 P2. **Every gradient of a part reduce-scattered.** In a backward (a part is the forward's
@@ -20,7 +20,8 @@ P4. **Each part updated once, after its average, last** (the optimizer inside th
     :mod:`graphddp.optim.insert_part_update`). For every part the variant updates: its gradient
     output is None; exactly one graphddp update ``copy_`` writes it (through its input
     ``primals_k`` or its ``update_param`` input); that write reads a reduce-scatter's wait (the
-    averaged gradient, not this rank's own); and no node after the write reads the part.
+    averaged gradient, not this rank's own); and no node after the write reads the part
+    (:mod:`graphddp.graph.invariants`' L).
 P5. **Resharded: only the backward's first bucket kept** (``reshard_after_forward=True``). The
     forward's outputs (what AOTAutograd saves for the backward is among them) hold no more
     gathered bytes than the parts :func:`graphddp.graph.reshard.tag_regathers` kept (the
@@ -48,7 +49,8 @@ from typing import Collection, Mapping
 import torch
 import torch.fx as fx
 
-from graphddp.graph.capture import ancestors, views_of
+from graphddp.graph.capture import ancestors
+from graphddp.graph.invariants import Memory, waited_once, written_last
 from graphddp.graph.part_collectives import above_reduce_scatters
 from graphddp.graph.reshard import kept_gathered, kept_gathered_bytes
 from graphddp.graph.verify_common import VerificationError, _fail
@@ -76,9 +78,7 @@ def check_part_collectives(
     gm.graph.lint()
     for issue in gm.graph.nodes:
         if issue.target in _COLLECTIVES:
-            waits = [u for u in issue.users if is_wait(u)]
-            if len(waits) != 1 or len(issue.users) != 1:
-                _fail(gm, issue, f"P1: {issue.name} ({issue.target}) must be read by exactly one wait, is read by {list(issue.users)}")
+            waited_once(gm, issue, "P1", f"{issue.target}")
     scatters = [n for n in gm.graph.nodes if n.target in _COLLECTIVES and n.meta.get(ROLE_KEY) == "reduce_scatter"]
     for issue in scatters:
         again = [a for a in ancestors(issue.args[0]) if is_wait(a) and a.meta.get(ROLE_KEY) == "reduce_scatter_wait"]
@@ -181,7 +181,6 @@ def check_part_updates(gm: fx.GraphModule, updated: Mapping[int, str]) -> None:
     """P4 (module docstring) for ``updated`` (backward output index -> part name, every part the
     graph updates); the rest of the graph is checked by :func:`check_part_collectives`."""
     nodes = list(gm.graph.nodes)
-    order = {n: i for i, n in enumerate(nodes)}
     outs = gm.graph.output_node().args[0]
     inputs = {n.name: n for n in nodes if n.op == "placeholder"}
     extra = [n for n in nodes if n.op == "placeholder" and n.name.startswith("update_param_")]
@@ -191,19 +190,13 @@ def check_part_updates(gm: fx.GraphModule, updated: Mapping[int, str]) -> None:
     for node in nodes:
         if node.target is torch.ops.aten.copy_.default and node.meta.get(ROLE_KEY) == "update":
             writes.setdefault(node.args[0], []).append(node)  # the update writes its input itself
+    memory = Memory(nodes)
     for k, (index, name) in enumerate(sorted(updated.items())):
         what = f"P4: the update of part {name!r} (output {index})"
         if outs[index] is not None:
             _fail(gm, outs[index], f"{what}: its gradient is still returned")
         targets = [t for t in (inputs.get(f"primals_{index + 1}"), extra[k]) if t is not None]
-        found = [w for t in targets for w in writes.get(t, [])]
-        if len(found) != 1:
-            raise VerificationError(f"graphddp verify: {what}: {len(found)} writes of the part, expected 1 ({[w.name for w in found]})")
-        (write,) = found
+        write = written_last(gm, [w for t in targets for w in writes.get(t, [])], memory, "P4", what, aliases=targets)
         if not above_reduce_scatters(write)[0]:
             _fail(gm, write, f"{what}: {write.name} does not read a reduce-scatter's wait: it would step this rank's own gradient")
-        for target in targets:
-            late = [u for v in views_of(target) for u in v.users if u is not write and u.op != "output" and order[u] > order[write]]
-            if late:
-                _fail(gm, late[0], f"{what}: {late[0].name} reads the part after {write.name} updated it")
 

@@ -10,9 +10,8 @@ per parameter in ``Bucket.updates``:
 U1. **Schedule.** Every updated parameter is one of its bucket's slots, and is updated by
     one bucket only.
 U2. **No gradient kept.** Its gradient output is ``None``.
-U3. **One write, last.** Exactly one graphddp ``copy_`` writes its memory (found by the fake
-    storage of its ``update_param_k`` input), and no node after that write reads or writes
-    that memory.
+U3. **One write, last** (:mod:`graphddp.graph.invariants`' L, found by the fake storage of its
+    ``update_param_k`` input).
 U4. **One way in.** Every node that reads its memory reads it through the written node (or
     views of it): no other graph input that shares the memory is still read.
 U5. **Averaged gradient.** At world size > 1, the update reads the bucket's reduced
@@ -30,57 +29,18 @@ Failures raise :class:`graphddp.graph.verify_common.VerificationError` showing t
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.fx as fx
 
-from graphddp.graph.capture import storage_of
+from graphddp.graph.invariants import Memory, root, written_last
 from graphddp.graph.verify_common import VerificationError, _fail
 from graphddp.optim.clip import CLIP_COEFFICIENT, CLIP_NORM
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
 from graphddp.values.schedule import Schedule
 
 aten = torch.ops.aten
-
-
-def _storage(node: Any) -> int | None:
-    """Identity of the memory behind a node's (fake) value; views share it."""
-    return storage_of(node.meta.get("val")) if isinstance(node, fx.Node) else None
-
-
-def _root(node: fx.Node, storage: Callable[[Any], int | None] = _storage) -> fx.Node:
-    """Follow views (first argument) back to the node whose memory they show."""
-    while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node) and storage(node.args[0]) == storage(node) and node.target is not aten.copy_.default:
-        node = node.args[0]
-    return node
-
-
-class _Memory:
-    """Each node's storage, computed once, and who reads and who updates each storage.
-
-    The checks ask, per updated parameter, which nodes touch its memory; asking every edge of
-    the graph each time made the verifier quadratic (seconds on a six-layer GPT-2, most of its
-    compile)."""
-
-    def __init__(self, nodes: list[fx.Node]) -> None:
-        self.of: dict[fx.Node, int | None] = {n: _storage(n) for n in nodes}
-        self.readers: dict[int, list[tuple[fx.Node, fx.Node]]] = {}  # storage -> (node, the input it reads it by)
-        self.updates: dict[int, list[fx.Node]] = {}  # storage -> graphddp's update copy_ nodes writing it
-        for node in nodes:
-            if node.op == "output":
-                continue
-            for arg in node.all_input_nodes:
-                memory = self.of.get(arg)
-                if memory is not None:
-                    self.readers.setdefault(memory, []).append((node, arg))
-            if node.target is aten.copy_.default and node.meta.get(ROLE_KEY) == "update":
-                memory = self.of.get(node.args[0]) if isinstance(node.args[0], fx.Node) else None
-                if memory is not None:
-                    self.updates.setdefault(memory, []).append(node)
-
-    def __call__(self, node: Any) -> int | None:
-        return self.of.get(node) if isinstance(node, fx.Node) else None
 
 
 def verify_updates(gm: fx.GraphModule, schedule: Schedule) -> None:
@@ -95,7 +55,7 @@ def verify_updates(gm: fx.GraphModule, schedule: Schedule) -> None:
     if len(update_params) != len(names):
         raise VerificationError(f"graphddp verify: the schedule updates {len(names)} parameters, the graph has {len(update_params)} update_param inputs")
     waits = {n.meta[BUCKET_KEY]: n for n in nodes if is_wait(n) and n.meta.get(BUCKET_KEY) is not None}
-    storage = _Memory(nodes)
+    storage = Memory(nodes)
     unflatten_views: dict[int, list[fx.Node]] = {}
     for n in nodes:
         if n.meta.get(ROLE_KEY) == "unflatten" and n.target is aten.view.default and n.meta.get(BUCKET_KEY) is not None:
@@ -116,17 +76,10 @@ def verify_updates(gm: fx.GraphModule, schedule: Schedule) -> None:
                 _fail(gm, outs[slot.output_index], f"{what}: its gradient is still returned (output {slot.output_index})")
             memory = storage(update_params[k])
             k += 1
-            writes = storage.updates.get(memory, []) if memory is not None else []
-            if len(writes) != 1:  # U3
-                raise VerificationError(f"graphddp verify: {what}: {len(writes)} writes of the parameter, expected 1 ({[w.name for w in writes]})")
-            write = writes[0]
-            written = _root(write.args[0], storage)
+            write = written_last(gm, storage.updates.get(memory, []) if memory is not None else [], storage, "U3", what)
+            written = root(write.args[0], storage)
             for node, arg in storage.readers.get(memory, ()):  # in graph order
-                if node is write:
-                    continue
-                if order[node] > order[write]:  # U3
-                    _fail(gm, node, f"{what}: {node.name} reads the parameter's memory after {write.name} updated it")
-                if arg.op == "placeholder" and arg is not written and node.op != "placeholder":  # U4
+                if node is not write and arg.op == "placeholder" and arg is not written and node.op != "placeholder":  # U4
                     _fail(gm, node, f"{what}: {node.name} reads {arg.name}, another input backed by the parameter's memory, which the compiler cannot order against {write.name}")
             wait = waits.get(bucket.index)
             if wait is not None:

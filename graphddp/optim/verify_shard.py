@@ -6,7 +6,9 @@ before the backward's last read of its old value, or written from the parts befo
 all-gather has delivered them. Invariants, per sharded bucket (``collective ==
 "reduce_scatter"``):
 
-S1. **One of each.** Exactly one reduce-scatter and one all-gather carry the bucket's tag, and
+S1. **One of each.** Exactly one reduce-scatter and one all-gather carry the bucket's tag, each
+    waited once (:mod:`graphddp.graph.invariants`' W; the all-gather with ``gather="forward"``
+    by the next forward), and
     nothing else graphddp made for it is a collective but, with hybrid sharding
     (:class:`graphddp.values.placement.Placement`), one all-reduce of the part over the
     replicate group, which reads the reduce-scatter's wait and whose wait the all-gather reads.
@@ -19,7 +21,7 @@ S3. **Averaged gradient.** The all-gather's input depends on the reduce-scatter'
 S4. **No gradient kept.** Every slot's gradient output is ``None``.
 S5. **One write, after the gather, last.** Each parameter of the bucket is written by exactly
     one ``copy_`` whose value depends on the all-gather's wait, and no node after that write
-    reads the parameter's memory. With ``gather="forward"`` instead: the all-gather is returned,
+    reads the parameter's memory (:mod:`graphddp.graph.invariants`' L). With ``gather="forward"`` instead: the all-gather is returned,
     un-waited, as one of the graph's extra outputs, and the backward writes no parameter of the
     bucket (the next forward does: :func:`graphddp.optim.insert_gather.verify_forward_gathers`).
 
@@ -43,10 +45,11 @@ import torch
 import torch.fx as fx
 
 from graphddp.graph.capture import ancestors
+from graphddp.graph.invariants import Memory, root, waited_once, written_last
 from graphddp.graph.verify_common import VerificationError, _fail
 from graphddp.optim.clip import CLIP, CLIP_COEFFICIENT, CLIP_NORM, reduce_op
 from graphddp.optim.insert_shard import carried_inputs
-from graphddp.optim.verify import _closure, _Memory, _root
+from graphddp.optim.verify import _closure
 from graphddp.values.collectives import kind
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, group_of, is_collective, is_wait
 from graphddp.values.placement import REPLICATE, Placement, flat
@@ -61,7 +64,7 @@ def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     by_name = {n.name: n for n in nodes}
-    memory_of = _Memory(nodes)
+    memory_of = Memory(nodes)
     outs = list(gm.graph.output_node().args[0])
     rs_ops, ag_ops = kind("reduce_scatter").ops, kind("all_gather").ops
     placement = schedule.placement or flat(schedule.group_name, schedule.world_size)
@@ -81,6 +84,9 @@ def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
             _fail(gm, (collectives or [gm.graph.output_node()])[0],
                   f"{where}: expected {expected} and one all-gather, found {[n.name for n in collectives]} (S1)")
         scatter, gather = issued[bucket.index] = scatters[0], gathers[0]
+        waited_once(gm, scatter, "S1", where)
+        if bucket.gather != "forward":  # else returned un-waited (S5), the next forward waits for it
+            waited_once(gm, gather, "S1", where)
         if replicas:
             _check_replicated(gm, where, scatter, replicas[0], gather, placement)
         inputs = ancestors(scatter)
@@ -108,7 +114,7 @@ def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
                 _fail(gm, gather, f"{where}: gather='forward' leaves the all-gather un-waited and returned, and writes "
                                   f"no parameter in the backward (S5)")
             continue
-        _check_writes(gm, where, bucket.param_names, writes, gather_waits, memory_of, order)
+        _check_writes(gm, where, bucket.param_names, writes, gather_waits, memory_of)
     _check_clipping(gm, schedule, outs, issued)
 
 
@@ -155,8 +161,7 @@ def _check_replicated(gm: fx.GraphModule, where: str, scatter: fx.Node, replica:
     above = ancestors(replica)
     if not any(is_wait(u) and u in above for u in scatter.users):
         _fail(gm, replica, f"{where}: the part's all-reduce does not read the reduce-scatter's wait (S1)")
-    waits = [u for u in replica.users if is_wait(u)]
-    if len(waits) != 1 or waits[0] not in ancestors(gather):
+    if waited_once(gm, replica, "S1", where) not in ancestors(gather):
         _fail(gm, gather, f"{where}: the all-gather's parts do not depend on the replicate all-reduce's wait (S1)")
 
 
@@ -178,18 +183,13 @@ def deferred(schedule: Schedule) -> list[int]:
 
 
 def _check_writes(gm: fx.GraphModule, where: str, names: tuple[str, ...], writes: list[fx.Node], gather_waits: list[fx.Node],
-                  memory_of: _Memory, order: dict[fx.Node, int]) -> None:
-    """S5 for one bucket: one write per parameter, from the gathered parts, and nothing after it."""
+                  memory_of: Memory) -> None:
+    """S5 for one bucket: one write per parameter, from the gathered parts, and nothing after it
+    (:mod:`graphddp.graph.invariants`' L)."""
     if len(writes) != len(names):
         _fail(gm, (writes or [gm.graph.output_node()])[0], f"{where}: {len(writes)} parameter writes for {len(names)} parameters (S5)")
     for write in writes:
         before = ancestors(write)
         if not any(w in before for w in gather_waits):
             _fail(gm, write, f"{where}: {write.name} writes a parameter from values the all-gather did not deliver (S5)")
-        target = _root(write.args[0], memory_of)
-        memory = memory_of(target)
-        if memory is None:
-            continue
-        for later, arg in memory_of.readers.get(memory, ()):  # in graph order
-            if order[later] > order[write] and arg is not write:
-                _fail(gm, later, f"{where}: {later.name} reads {target.name}'s memory after its write {write.name} (S5)")
+        written_last(gm, [write], memory_of, "S5", f"{where}: {root(write.args[0], memory_of).name}")

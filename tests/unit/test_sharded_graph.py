@@ -77,6 +77,16 @@ def _mutate_second_scatter(gm: fx.GraphModule) -> str:
     return "expected one reduce-scatter and one all-gather"
 
 
+def _mutate_gather_read_before_its_wait(gm: fx.GraphModule) -> str:
+    """A write reads the all-gather's buffer itself, still on the wire, besides its wait."""
+    ag = next(n for n in _bucket_nodes(gm, 0) if n.target is AG)
+    write = next(n for n in _bucket_nodes(gm, 0) if n.target is aten.copy_.default and n.meta.get(ROLE_KEY) == "write")
+    with gm.graph.inserting_before(write):
+        early = gm.graph.call_function(aten.clone.default, (ag,))
+    early.meta["val"] = ag.meta["val"]
+    return r"must have exactly one user, its wait.*\(S1\)"
+
+
 def _mutate_gather_local_parts(gm: fx.GraphModule) -> str:
     ag = next(n for n in _bucket_nodes(gm, 0) if n.target is AG)
     rs = next(n for n in _bucket_nodes(gm, 0) if n.target is RS)
@@ -93,7 +103,7 @@ def _mutate_gradient_returned(gm: fx.GraphModule) -> str:
     output = gm.graph.output_node()
     outs = list(output.args[0])
     rs = next(n for n in _bucket_nodes(gm, 0) if n.target is RS)
-    outs[outs.index(None)] = rs
+    outs[outs.index(None)] = next(iter(rs.users))  # its wait: waited once (S1 holds), returned as a gradient
     output.args = (tuple(outs),)
     return "still returned"
 
@@ -110,7 +120,7 @@ def _mutate_read_after_write(gm: fx.GraphModule) -> str:
     with gm.graph.inserting_after(write):
         late = gm.graph.call_function(aten.clone.default, (write.args[0],))
     late.meta["val"] = write.args[0].meta["val"]
-    return "after its write"
+    return r"after .* updated it \(S5\)"
 
 
 def _mutate_scatter_before_its_gradients(gm: fx.GraphModule) -> str:
@@ -126,6 +136,7 @@ def _mutate_scatter_before_its_gradients(gm: fx.GraphModule) -> str:
 
 MUTATIONS = {
     "S1 a second reduce-scatter": _mutate_second_scatter,
+    "S1 an all-gather read before its wait": _mutate_gather_read_before_its_wait,
     "S2 reduce-scatter without its gradients": _mutate_scatter_before_its_gradients,
     "S3 all-gather of local values": _mutate_gather_local_parts,
     "S4 gradient still returned": _mutate_gradient_returned,

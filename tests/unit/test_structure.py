@@ -250,6 +250,18 @@ def _history(text: str) -> list[int]:
     return [n for n, line in enumerate(text.splitlines(), 1) if HISTORY.search(line)]
 
 
+def test_each_shared_invariant_is_stated_once_and_every_mode_checks_it():
+    """W (waited once) and L (one write, last) live in graph/invariants.py; every mode's verifier
+    calls them instead of writing its own (they were rule 1 = S1 = P1 and U3 = S5 = P4)."""
+    text = {m: PACKAGE.joinpath(m).read_text() for m in (
+        "graph/verify.py", "optim/verify.py", "optim/verify_shard.py", "graph/verify_full.py",
+    )}
+    assert all("waited_once(" in text[m] for m in ("graph/verify.py", "optim/verify_shard.py", "graph/verify_full.py"))
+    assert all("written_last(" in text[m] for m in ("optim/verify.py", "optim/verify_shard.py", "graph/verify_full.py"))
+    for m, body in text.items():
+        assert "class _Memory" not in body and "def _root(" not in body, f"{m} defines its own memory map"
+
+
 def test_the_package_names_no_dates_and_no_issue_numbers():
     hits = [
         f"graphddp/{rel}:{n}"

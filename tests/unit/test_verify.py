@@ -41,7 +41,7 @@ def test_verify_rejects_a_missing_wait():
     (piece,), reduce = wait.users, wait.args[0]
     wait.replace_all_uses_with(reduce)
     gm.graph.erase_node(wait)
-    with pytest.raises(VerificationError, match=rf"all-reduce {reduce.name} of bucket 0 must have exactly one user, its wait; has \['{piece.name}'\]"):
+    with pytest.raises(VerificationError, match=rf"the all-reduce of bucket 0: {reduce.name} must have exactly one user, its wait; has \['{piece.name}'\] \(rule 1\)"):
         verify(gm, schedule, PARAMS)
 
 

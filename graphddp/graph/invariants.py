@@ -1,0 +1,100 @@
+"""The invariants every mode's checker states once, whatever a bucket's placement.
+
+Each mode's verifier checks what is its own (a replicated bucket's layout and scale,
+:mod:`graphddp.graph.verify`; a sharded bucket's reduce-scatter, update and gather,
+:mod:`graphddp.optim.verify_shard`; full sharding's gathers of parts,
+:mod:`graphddp.graph.verify_full`), but two invariants are one in all of them, and are
+written here once:
+
+W. **Waited once.** A collective graphddp issued is read by exactly one node, its wait: read
+   before its wait it is a buffer still on the wire, waited twice it is two completions of one
+   work (rule 1 of the replicated verifier, S1 of the sharded one, P1 of full sharding's).
+L. **One write, last.** A tensor the optimizer updates inside the backward (a parameter, or a
+   part of one) is written by exactly one ``copy_``, and after that write nothing reads its
+   memory but through the write itself: a read of the old name (the input, a view of it, a
+   second input sharing its storage) is one the compiler may run before the write, or after,
+   and so sees the old value or the new one as it pleases (U3, S5, P4).
+
+Memory is told by the storage of each node's fake value (:class:`Memory`), so views and
+aliases of a tensor are found without naming each view op. Nothing here edits a graph.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from graphddp.graph.capture import storage_of
+from graphddp.graph.verify_common import VerificationError, _fail, _names
+from graphddp.values.comm import ROLE_KEY, is_wait
+
+aten = torch.ops.aten
+
+
+def _storage(node: Any) -> int | None:
+    """Identity of the memory behind a node's (fake) value; views share it."""
+    return storage_of(node.meta.get("val")) if isinstance(node, fx.Node) else None
+
+
+def root(node: fx.Node, storage: Callable[[Any], int | None] = _storage) -> fx.Node:
+    """Follow views (first argument) back to the node whose memory they show (a write is a root)."""
+    while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node) and storage(node.args[0]) == storage(node) and node.target is not aten.copy_.default:
+        node = node.args[0]
+    return node
+
+
+class Memory:
+    """Each node's storage, computed once, and who reads and who updates each storage.
+
+    The checks ask, per updated tensor, which nodes touch its memory; asking every edge of the
+    graph each time made the verifier quadratic (seconds on a six-layer GPT-2, most of its
+    compile)."""
+
+    def __init__(self, nodes: list[fx.Node]) -> None:
+        self.of: dict[fx.Node, int | None] = {n: _storage(n) for n in nodes}
+        self.order = {n: i for i, n in enumerate(nodes)}
+        self.readers: dict[int, list[tuple[fx.Node, fx.Node]]] = {}  # storage -> (node, the input it reads it by)
+        self.updates: dict[int, list[fx.Node]] = {}  # storage -> graphddp's update copy_ nodes writing it
+        for node in nodes:
+            if node.op == "output":
+                continue
+            for arg in node.all_input_nodes:
+                memory = self.of.get(arg)
+                if memory is not None:
+                    self.readers.setdefault(memory, []).append((node, arg))
+            if node.target is aten.copy_.default and node.meta.get(ROLE_KEY) == "update":
+                memory = self.of.get(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+                if memory is not None:
+                    self.updates.setdefault(memory, []).append(node)
+
+    def __call__(self, node: Any) -> int | None:
+        return self.of.get(node) if isinstance(node, fx.Node) else None
+
+
+def waited_once(gm: fx.GraphModule, issue: fx.Node, rule: str, what: str) -> fx.Node:
+    """W (module docstring) for ``issue``; returns its wait. ``rule`` names the mode's rule."""
+    users = list(issue.users)
+    if len(users) != 1 or not is_wait(users[0]):
+        _fail(gm, issue, f"{what}: {issue.name} must have exactly one user, its wait; has {_names(users)} ({rule})")
+    return users[0]
+
+
+def written_last(
+    gm: fx.GraphModule, writes: Sequence[fx.Node], memory: Memory, rule: str, what: str, aliases: Sequence[fx.Node] = (),
+) -> fx.Node:
+    """L (module docstring) for one updated tensor whose update ``copy_`` nodes are ``writes``;
+    returns the write. ``aliases``: other graph inputs that are the same tensor at run time
+    (fake values do not share their storage), read after the write no more than it."""
+    if len(writes) != 1:
+        where = writes[0] if writes else gm.graph.output_node()
+        if not writes:
+            raise VerificationError(f"graphddp verify: {what}: no write of it, expected 1 ({rule})")
+        _fail(gm, where, f"{what}: {len(writes)} writes of it, expected 1 ({_names(writes)}) ({rule})")
+    (write,) = writes
+    targets = {memory(root(write.args[0], memory)), *(memory(a) for a in aliases)} - {None}
+    for target in targets:
+        for node, arg in memory.readers.get(target, ()):  # type: ignore[arg-type]
+            if node is not write and memory.order[node] > memory.order[write] and root(arg, memory) is not write:
+                _fail(gm, node, f"{what}: {node.name} reads its memory after {write.name} updated it ({rule})")
+    return write
