@@ -60,11 +60,18 @@ def test_full_sharding_needs_the_optimizer(fake_world):
         graphddp.compile(models.MLP(), sharding="full")
 
 
-def test_the_backend_says_full_sharding_is_compiles(fake_world):
+def test_the_backend_builds_full_sharding_and_refuses_it_by_its_own_name(fake_world):
+    """graphddp.backend(sharding="full") cuts the model's parameters now (training through it:
+    tests/ranks/test_full_sharding.py); its refusals name graphddp.backend."""
     fake_world(8)
     model = models.MLP()
-    with pytest.raises(ValueError, match="graphddp.compile only"):
-        graphddp.backend(model, optimizer=_adamw(model), sharding="full")
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    made = graphddp.backend(model, optimizer=_adamw(model), sharding="full", backend="aot_eager")
+    assert set(made.parts) == set(shapes) and made.world_size == 8
+    assert all(p.dim() == 1 for p in model.parameters()), "the model holds its parts"
+    assert {n: v.shape for n, v in model.state_dict().items() if n in shapes} == shapes, "state_dict() is whole"
+    with pytest.raises(ValueError, match="graphddp.backend: sharding='full' keeps each parameter's optimizer state"):
+        graphddp.backend(models.MLP(), sharding="full")
 
 
 def test_an_optimizer_over_other_tensors_is_refused(fake_world):
