@@ -47,10 +47,8 @@ import torch.fx as fx
 
 from graphddp.graph.capture import ancestors
 from graphddp.graph.trace import role, splice, trace
-from graphddp.values.collectives import backend_of
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
-from graphddp.values.placement import Placement
-from graphddp.values.placement import flat as flat_placement
+from graphddp.values.placement import Placement, flat as flat_placement
 
 ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 _REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
@@ -231,18 +229,17 @@ def _key(pair: tuple[fx.Node, fx.Node]) -> tuple[Any, ...]:
 # -- the rewrite ---------------------------------------------------------------------------------
 
 
-def _gather_fn(world: int, group: str, sizes: Sequence[int], gloo: bool, dtype: torch.dtype) -> Callable[..., list[torch.Tensor]]:
-    total = sum(sizes)
+def _gather_fn(placement: Placement, sizes: Sequence[int], dtype: torch.dtype) -> Callable[..., list[torch.Tensor]]:
+    """One bucket's gather: its parts (cast to ``dtype``, a policy's ``param_dtype``) concatenated
+    and gathered over the placement's shard group (the all-gather kind, lowered for the group's
+    backend), each parameter cut back out of the ``[shard size, parts]`` rows."""
+    total, world = sum(sizes), placement.shard.size
 
     def gather(*parts: torch.Tensor) -> list[torch.Tensor]:
         with role("gather"):
             # a policy's param_dtype: cast, then sent (the prim inductor lowers: it has no _to_copy)
             parts = tuple(p if p.dtype == dtype else torch.ops.prims.convert_element_type.default(p, dtype) for p in parts)
-            flat = torch.cat(parts) if len(parts) > 1 else parts[0]
-            if gloo:
-                sent = _ALL_TO_ALL(flat.repeat(world), [total] * world, [total] * world, group)
-            else:
-                sent = ALL_GATHER(flat, world, group)
+            sent = placement.issue_gather(torch.cat(parts) if len(parts) > 1 else parts[0])
         with role("gather_wait"):
             rows = _WAIT(sent).view(world, total)
             out, at = [], 0
@@ -284,7 +281,7 @@ def _bucket_gathers(graph: fx.Graph, buckets: list[list[tuple[fx.Node, fx.Node]]
         parts = [part_input(g) for g, _ in bucket]
         casts = [g.args[0] for g, _ in bucket if g.args[0] not in parts]
         dtype = bucket[0][0].meta["val"].dtype  # one per bucket (_buckets keys on it)
-        fn = _gather_fn(world, group, [p.meta["val"].shape[0] for p in parts], backend_of(group) == "gloo", dtype)
+        fn = _gather_fn(flat_placement(group, world), [p.meta["val"].shape[0] for p in parts], dtype)
         out.append(_replace(graph, bucket, fn, parts, bucket[0][1], index, "gather"))
         for cast in casts:  # now inside the bucket's gather, which moves with it
             if not cast.users:
