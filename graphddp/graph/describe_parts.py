@@ -1,10 +1,11 @@
 """Read ``sharding="full"``'s collectives back from a rewritten graph, as a
 :class:`~graphddp.values.part_schedule.PartGraph`.
 
-A reader, not a planner: :mod:`graphddp.graph.part_collectives` decides the buckets and their
-places in the graph, and tags every node it adds with ``ROLE_KEY`` and ``BUCKET_KEY``; this
-module reads those tags, so what it reports is what the graph does (the same tags
-:mod:`graphddp.graph.verify_full` checks). Parameter names come from the graph's inputs:
+A reader, not a planner: :mod:`graphddp.plan.part_buckets` decides the buckets,
+:mod:`graphddp.graph.part_collectives` makes them and their places in the graph, and tags every
+node it adds with ``ROLE_KEY`` and ``BUCKET_KEY``; this module reads those tags, so what it
+reports is what the graph does (the same tags :mod:`graphddp.graph.verify_full` checks), and
+the compiler checks the plan against it (:func:`graphddp.plan.part_buckets.plan_disagreement`). Parameter names come from the graph's inputs:
 AOTAutograd names its forward inputs ``primals_1..n`` in the order Dynamo passed them (a
 backward keeps a saved input's name), and a backward's outputs are the gradients of those
 inputs in the same order.
@@ -16,6 +17,7 @@ from typing import Callable, Mapping
 import torch.fx as fx
 
 from graphddp.graph.capture import output_nodes
+from graphddp.graph.part_facts import input_name
 from graphddp.graph.reshard import kept_gathered_bytes
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
 from graphddp.values.part_schedule import PART_KINDS, PartBucket, PartGraph
@@ -23,11 +25,6 @@ from graphddp.values.placement import REPLICATE, REPLICATE_WAIT
 from graphddp.values.schedule import dtype_name
 
 _ROLES = {k for kind in PART_KINDS for k in (kind, f"{kind}_wait")} | {REPLICATE, REPLICATE_WAIT}
-
-
-def input_name(index: int) -> str:
-    """AOTAutograd's name for the graph input at ``index`` (0-based) of the Dynamo graph."""
-    return f"primals_{index + 1}"
 
 
 def describe_part_collectives(gm: fx.GraphModule, kind: str, world_size: int, names: Mapping[str, str]) -> PartGraph:

@@ -14,7 +14,9 @@ then keeps graphddp's order (``INDUCTOR_FX_ORDER_CONFIG``):
   gathered rows (``[world, parts]``: rank ``r``'s row holds its part of every parameter). The
   backward's reduce-scatters, in issue order, form buckets the same way: each gradient (padded,
   ``[world, part]``) concatenated along the parts, one reduce-scatter, the result cut back into
-  parts: a transformer block's dozen gathers become a few.
+  parts: a transformer block's dozen gathers become a few. Which collectives share a bucket is
+  planned before the rewrite, from the facts of the graph's collectives alone
+  (:mod:`graphddp.graph.part_facts`, :mod:`graphddp.plan.part_buckets`); this pass lowers the plan.
 * **placement.** Bucket ``i``'s gather is issued right before the wait of bucket ``i -
   prefetch``, so ``prefetch`` buckets travel while the compute reads the ones before them; each
   wait stays right before its first parameter's first read. A reduce-scatter bucket is issued
@@ -40,20 +42,21 @@ Every node added carries ``ROLE_KEY`` (``"gather"``, ``"gather_wait"``, ``"reduc
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.fx as fx
 
 from graphddp.graph.capture import ancestors
+from graphddp.graph.part_facts import ALL_GATHER, Pair, part_facts, part_gathers, part_input, reduce_scatters, wait_of
 from graphddp.graph.trace import role, splice, trace
+from graphddp.plan.part_buckets import plan_part_buckets
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
+from graphddp.values.part_plan import PartPlan, PlannedBucket
 from graphddp.values.placement import Placement, flat as flat_placement
 
-ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 _REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
 _ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
-_ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 # Gather buckets in flight ahead of the one being read. Two: with one the forward is link-bound
 # throughout, and three is slower (figures: docs/full-sharding.md, "Two gather buckets ahead"). The
@@ -65,64 +68,42 @@ SCATTER_LAG = 1  # reduce-scatter buckets in flight behind the backward's comput
 
 def place_part_collectives(
     graph: fx.Graph, cap_bytes: int, prefetch: int = PREFETCH, lag: int = SCATTER_LAG, placement: Placement | None = None,
-) -> None:
-    """Bucket and place every gather of a part and every reduce-scatter (module docstring); a bucket
-    closes once its gathered (or whole-gradient) bytes reach ``cap_bytes``. ``placement``: the
-    parts' (hybrid: each reduce-scatter's part all-reduced over its replicate group, which the
-    bucket then does once for all its parts)."""
+) -> PartPlan:
+    """Bucket and place every gather of a part and every reduce-scatter (module docstring): the
+    graph's collectives each waited once, their facts read (:func:`part_facts`), the buckets
+    planned from them alone (:func:`plan_part_buckets`: a bucket closes once its gathered, or
+    whole-gradient, bytes reach ``cap_bytes``), and that plan lowered. ``placement``: the parts'
+    (hybrid: each reduce-scatter's part all-reduced over its replicate group, which the bucket
+    then does once for all its parts). Returns the plan."""
     _one_wait_per_gather(graph)
-    gathers = _bucket_gathers(graph, _buckets(_part_gathers(graph), cap_bytes))
-    _place_gathers(graph, gathers, prefetch)
     _one_wait_each(graph)
-    scatters = _bucket_scatters(graph, _buckets(_reduce_scatters(graph, placement), cap_bytes), placement)
-    _place_scatter_waits(graph, scatters, lag)
+    plan = plan_part_buckets(*part_facts(graph, placement), cap_bytes)
+    lower_part_plan(graph, plan, prefetch, lag, placement)
+    return plan
+
+
+def lower_part_plan(
+    graph: fx.Graph, plan: PartPlan, prefetch: int = PREFETCH, lag: int = SCATTER_LAG, placement: Placement | None = None,
+) -> None:
+    """``plan``'s buckets made in ``graph``, the graph its facts were read from: each bucket's
+    collectives replaced by one, then placed. Both kinds' collectives are taken before either is
+    rewritten, in the order the facts list them."""
+    gathers, scatters = part_gathers(graph), reduce_scatters(graph, placement)
+    placed = _bucket_gathers(graph, _members(gathers, plan.gathers))
+    _place_gathers(graph, placed, prefetch)
+    placed = _bucket_scatters(graph, _members(scatters, plan.reduce_scatters), placement)
+    _place_scatter_waits(graph, placed, lag)
+
+
+def _members(pairs: list[Pair], buckets: tuple[PlannedBucket, ...]) -> list[list[Pair]]:
+    """Each planned bucket's (issue, end) pairs; the plan must cover the pairs exactly, in order."""
+    members = [i for b in buckets for i in b.members]
+    if members != list(range(len(pairs))):
+        raise RuntimeError(f"graphddp: a plan of {len(members)} collective(s) lowered on a graph of {len(pairs)}: not the graph it was planned from")
+    return [[pairs[i] for i in b.members] for b in buckets]
 
 
 # -- what the graph has ------------------------------------------------------------------------
-
-
-def whole_bytes(graph: fx.Graph) -> int:
-    """What the graph's collectives carry whole, in bytes: its gathered parameters, or its
-    gradients sent, whichever is more (a forward only gathers; a backward reduce-scatters, and
-    gathers again when the forward reshards). What a planned cap is sized by
-    (:func:`graphddp.plan.full_cap.planned_cap_bytes`)."""
-    def total(pairs: list[tuple[fx.Node, fx.Node]]) -> int:
-        return sum(_nbytes(_whole(issue)) for issue, _ in pairs)
-
-    return max(total(_part_gathers(graph)), total(_reduce_scatters(graph)))
-
-
-def _nbytes(val: Any) -> int:
-    return val.numel() * val.element_size()
-
-
-def _whole(issue: fx.Node) -> Any:
-    """The full tensor of a collective: a gather's result, or the gradient a reduce-scatter sends."""
-    return (issue if issue.target is ALL_GATHER else issue.args[0]).meta["val"]
-
-
-
-def _wait_of(issue: fx.Node) -> fx.Node | None:
-    return next((u for u in issue.users if is_wait(u)), None)
-
-
-_CASTS = (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
-
-
-def part_input(gather: fx.Node) -> fx.Node | None:
-    """The graph input a gather sends, directly or cast to another dtype first (a
-    mixed-precision policy's ``param_dtype``); None where it gathers anything else."""
-    sent = gather.args[0]
-    if isinstance(sent, fx.Node) and sent.target in _CASTS and len(sent.args) >= 1 and isinstance(sent.args[0], fx.Node):
-        sent = sent.args[0]
-    return sent if isinstance(sent, fx.Node) and sent.op == "placeholder" else None
-
-
-def _part_gathers(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
-    """(gather, wait) of every graph input gathered, in the order their waits come (each wait
-    right before its parameter's first read, where AOTAutograd put it)."""
-    pairs = [(n, _wait_of(n)) for n in graph.nodes if n.target is ALL_GATHER and part_input(n) is not None]
-    return [(g, w) for g, w in pairs if w is not None]
 
 
 def above_reduce_scatters(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
@@ -173,24 +154,6 @@ def _one_wait_each(graph: fx.Graph) -> None:
             wait.replace_input_with(issue, twin)
 
 
-def _reduce_scatters(graph: fx.Graph, placement: Placement | None = None) -> list[tuple[fx.Node, fx.Node]]:
-    """(reduce-scatter, the node its part is final at): its wait, or with a hybrid ``placement``
-    the wait of the all-reduce of that part over the replicate group (:class:`graphddp.frontend.parts._Gather`'s)."""
-    pairs = [(n, _wait_of(n)) for n in graph.nodes if n.target is _REDUCE_SCATTER and n.args[1] == "sum"]
-    return [(r, _replicated(w, placement) or w) for r, w in pairs if w is not None]
-
-
-def _replicated(wait: fx.Node, placement: Placement | None) -> fx.Node | None:
-    """The wait of the all-reduce over ``placement``'s replicate group that is the only reader
-    of a reduce-scatter's ``wait``; None where there is none."""
-    if placement is None or not placement.hybrid or len(wait.users) != 1:
-        return None
-    (reduce,) = wait.users
-    if reduce.target is not _ALL_REDUCE or reduce.args[0] is not wait or reduce.args[2] != placement.replicate.name:  # type: ignore[union-attr]
-        return None
-    return _wait_of(reduce) if len(reduce.users) == 1 else None
-
-
 def _chain(issue: fx.Node, end: fx.Node) -> list[fx.Node]:
     """The nodes from ``end`` back to ``issue`` through first arguments, ``end`` first: the order
     they can be erased in (a reduce-scatter, its wait, and with hybrid, the part's all-reduce and wait)."""
@@ -198,32 +161,6 @@ def _chain(issue: fx.Node, end: fx.Node) -> list[fx.Node]:
     while out[-1] is not issue:
         out.append(out[-1].args[0])
     return out
-
-
-def _buckets(pairs: list[tuple[fx.Node, fx.Node]], cap_bytes: int) -> list[list[tuple[fx.Node, fx.Node]]]:
-    """Consecutive pairs of one :func:`_key`, each bucket closing once its bytes (of the
-    full tensor: gathered, or the gradient sent) reach ``cap_bytes``."""
-    buckets: list[list[tuple[fx.Node, fx.Node]]] = []
-    size = 0
-    for pair in pairs:
-        issue = pair[0]
-        val = _whole(issue)
-        nbytes = _nbytes(val)
-        key = _key(pair)
-        if not buckets or size >= cap_bytes or _key(buckets[-1][0]) != key:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(pair)
-        size += nbytes
-    return buckets
-
-
-def _key(pair: tuple[fx.Node, fx.Node]) -> tuple[Any, ...]:
-    """What one bucket's collectives share: group, dtype, device, and whether each part goes on
-    to a replicate all-reduce (its final node is not its own wait)."""
-    issue, end = pair
-    val = issue.meta["val"]
-    return issue.args[-1], val.dtype, val.device, end is not _wait_of(issue)
 
 
 # -- the rewrite ---------------------------------------------------------------------------------
@@ -280,7 +217,7 @@ def _bucket_gathers(graph: fx.Graph, buckets: list[list[tuple[fx.Node, fx.Node]]
         _, world, group = bucket[0][0].args
         parts = [part_input(g) for g, _ in bucket]
         casts = [g.args[0] for g, _ in bucket if g.args[0] not in parts]
-        dtype = bucket[0][0].meta["val"].dtype  # one per bucket (_buckets keys on it)
+        dtype = bucket[0][0].meta["val"].dtype  # one per bucket (the plan keys on it)
         fn = _gather_fn(flat_placement(group, world), [p.meta["val"].shape[0] for p in parts], dtype)
         out.append(_replace(graph, bucket, fn, parts, bucket[0][1], index, "gather"))
         for cast in casts:  # now inside the bucket's gather, which moves with it
@@ -299,7 +236,7 @@ def _bucket_scatters(
     for index, bucket in enumerate(buckets):
         _, _, world, group = bucket[0][0].args
         grads = [r.args[0] for r, _ in bucket]
-        replicated = placement is not None and bucket[0][1] is not _wait_of(bucket[0][0])
+        replicated = placement is not None and bucket[0][1] is not wait_of(bucket[0][0])
         fn = _scatter_fn(placement if replicated else flat_placement(group, world), [g.meta["val"].shape[0] // world for g in grads])
         out.append(_replace(graph, bucket, fn, grads, bucket[-1][0], index, "reduce_scatter"))
     return out

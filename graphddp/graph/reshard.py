@@ -37,7 +37,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from graphddp.graph.capture import descendants, is_view, output_nodes, views_of
-from graphddp.graph.part_collectives import part_input
+from graphddp.graph.part_facts import part_input
 from graphddp.values.comm import ROLE_KEY, is_wait
 
 _ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default

@@ -3,10 +3,12 @@
 The replicated and optimizer-sharded modes plan their buckets before rewriting a graph, and
 their :class:`~graphddp.values.schedule.Schedule` is that plan. In full sharding the
 collectives are in the graphs before graphddp sees them (every parameter read is a gather of
-the ranks' parts, and AOTAutograd derives each reduce-scatter), and
-:mod:`graphddp.graph.part_collectives` buckets and places them inside each graph. So this
-mode's schedule is read back from the rewritten graphs
-(:func:`graphddp.graph.part_collectives.describe_part_collectives`): per compiled graph, every
+the ranks' parts, and AOTAutograd derives each reduce-scatter): its buckets are planned from
+those collectives' facts (:class:`~graphddp.values.part_plan.PartPlan`), and
+:mod:`graphddp.graph.part_collectives` makes and places them inside each graph. This mode's
+schedule is read back from the rewritten graphs
+(:func:`graphddp.graph.describe_parts.describe_part_collectives`), so it says what the graph
+does, and the compiler checks it against the plan: per compiled graph, every
 bucket's collective, its parameters, its bytes, and where it is issued and waited; and per
 rank, the memory the parts, their gradients, the optimizer's state and the gathers in flight
 take. ``graphddp.explain(..., sharding="full")`` returns it for any world size, a run's

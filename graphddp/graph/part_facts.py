@@ -1,0 +1,137 @@
+"""What ``sharding="full"``'s bucketing needs to know of one graph, read before the rewrite.
+
+Every gather of a part and every reduce-scatter of a gradient, in the order
+:mod:`graphddp.graph.part_collectives` takes them, as the nodes it rewrites
+(:func:`part_gathers`, :func:`reduce_scatters`) and as plain values
+(:func:`part_facts`: :class:`~graphddp.values.part_plan.PartCollective`). The buckets are
+planned from the values alone (:mod:`graphddp.plan.part_buckets`), so which collectives share a
+bucket is a decision made before the graph is touched, and the same decision whatever lowers it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from graphddp.values.comm import is_wait
+from graphddp.values.part_plan import GATHER, REDUCE_SCATTER, PartCollective
+from graphddp.values.placement import Placement
+from graphddp.values.schedule import dtype_name
+
+ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+_REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
+_ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
+_CASTS = (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
+
+Pair = tuple[fx.Node, fx.Node]  # (a collective's issue, the node its result is final at)
+
+
+def part_facts(graph: fx.Graph, placement: Placement | None = None) -> tuple[list[PartCollective], list[PartCollective]]:
+    """The facts of ``graph``'s gathers and reduce-scatters (``placement``: the parts', whose
+    replicate group a hybrid reduce-scatter's part goes on to), each kind in the rewrite's order.
+    Read from a graph whose collectives are each waited once (what
+    :func:`graphddp.graph.part_collectives.place_part_collectives` makes of it first)."""
+    outputs = _output_positions(graph)
+    gathers = [_fact(GATHER, pair, (part_input(pair[0]).name,)) for pair in part_gathers(graph)]  # type: ignore[union-attr]
+    scatters = [_fact(REDUCE_SCATTER, pair, _outputs_reached(pair[1], outputs)) for pair in reduce_scatters(graph, placement)]
+    return gathers, scatters
+
+
+def _fact(kind: str, pair: Pair, params: tuple[str, ...]) -> PartCollective:
+    issue, end = pair
+    val = issue.meta["val"]
+    return PartCollective(
+        kind=kind, sends=issue.args[0].name, params=params, whole_bytes=_nbytes(_whole(issue)),  # type: ignore[union-attr]
+        dtype=dtype_name(val.dtype), device=str(val.device), group=str(issue.args[-1]), replicated=end is not wait_of(issue),
+    )
+
+
+def input_name(index: int) -> str:
+    """AOTAutograd's name for the graph input at ``index`` (0-based) of the Dynamo graph; a
+    backward's outputs are the gradients of those inputs in the same order."""
+    return f"primals_{index + 1}"
+
+
+def _output_positions(graph: fx.Graph) -> dict[fx.Node, list[int]]:
+    outs = graph.output_node().args[0]
+    positions: dict[fx.Node, list[int]] = {}
+    for i, out in enumerate(outs if isinstance(outs, (list, tuple)) else [outs]):
+        if isinstance(out, fx.Node):
+            positions.setdefault(out, []).append(i)
+    return positions
+
+
+def _outputs_reached(end: fx.Node, positions: dict[fx.Node, list[int]]) -> tuple[str, ...]:
+    """The inputs whose gradients the graph's outputs reached from ``end`` are (through casts,
+    and the sum of a tied weight's gradients), in the order a walk from ``end`` meets them."""
+    found: list[str] = []
+    seen = {end}
+    todo = [end]
+    while todo:
+        node = todo.pop(0)
+        for user in node.users:
+            if user.op == "output":
+                found += [input_name(i) for i in positions.get(node, []) if input_name(i) not in found]
+            elif user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return tuple(found)
+
+
+def whole_bytes(graph: fx.Graph) -> int:
+    """What the graph's collectives carry whole, in bytes: its gathered parameters, or its
+    gradients sent, whichever is more (a forward only gathers; a backward reduce-scatters, and
+    gathers again when the forward reshards). What a planned cap is sized by
+    (:func:`graphddp.plan.full_cap.planned_cap_bytes`)."""
+    def total(pairs: list[Pair]) -> int:
+        return sum(_nbytes(_whole(issue)) for issue, _ in pairs)
+
+    return max(total(part_gathers(graph)), total(reduce_scatters(graph)))
+
+
+def _nbytes(val: Any) -> int:
+    return val.numel() * val.element_size()
+
+
+def _whole(issue: fx.Node) -> Any:
+    """The full tensor of a collective: a gather's result, or the gradient a reduce-scatter sends."""
+    return (issue if issue.target is ALL_GATHER else issue.args[0]).meta["val"]  # type: ignore[union-attr]
+
+
+def wait_of(issue: fx.Node) -> fx.Node | None:
+    return next((u for u in issue.users if is_wait(u)), None)
+
+
+def part_input(gather: fx.Node) -> fx.Node | None:
+    """The graph input a gather sends, directly or cast to another dtype first (a
+    mixed-precision policy's ``param_dtype``); None where it gathers anything else."""
+    sent = gather.args[0]
+    if isinstance(sent, fx.Node) and sent.target in _CASTS and len(sent.args) >= 1 and isinstance(sent.args[0], fx.Node):
+        sent = sent.args[0]
+    return sent if isinstance(sent, fx.Node) and sent.op == "placeholder" else None
+
+
+def part_gathers(graph: fx.Graph) -> list[Pair]:
+    """(gather, wait) of every graph input gathered, in the order their waits come (each wait
+    right before its parameter's first read, where AOTAutograd put it)."""
+    pairs = [(n, wait_of(n)) for n in graph.nodes if n.target is ALL_GATHER and part_input(n) is not None]
+    return [(g, w) for g, w in pairs if w is not None]
+
+
+def reduce_scatters(graph: fx.Graph, placement: Placement | None = None) -> list[Pair]:
+    """(reduce-scatter, the node its part is final at): its wait, or with a hybrid ``placement``
+    the wait of the all-reduce of that part over the replicate group (:class:`graphddp.frontend.parts._Gather`'s)."""
+    pairs = [(n, wait_of(n)) for n in graph.nodes if n.target is _REDUCE_SCATTER and n.args[1] == "sum"]
+    return [(r, _replicated(w, placement) or w) for r, w in pairs if w is not None]
+
+
+def _replicated(wait: fx.Node, placement: Placement | None) -> fx.Node | None:
+    """The wait of the all-reduce over ``placement``'s replicate group that is the only reader
+    of a reduce-scatter's ``wait``; None where there is none."""
+    if placement is None or not placement.hybrid or len(wait.users) != 1:
+        return None
+    (reduce,) = wait.users
+    if reduce.target is not _ALL_REDUCE or reduce.args[0] is not wait or reduce.args[2] != placement.replicate.name:  # type: ignore[union-attr]
+        return None
+    return wait_of(reduce) if len(reduce.users) == 1 else None

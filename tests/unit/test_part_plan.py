@@ -1,0 +1,146 @@
+"""sharding="full"'s buckets planned as a value (graphddp/plan/part_buckets.py) from the facts of a
+graph's collectives (graphddp/graph/part_facts.py), then lowered (graphddp/graph/part_collectives.py):
+the planner's rule on plain values, and on real graphs the plan equal to what
+graphddp/graph/describe_parts.py reads back from the rewritten graph."""
+import pytest
+import torch
+import torch.nn as nn
+
+import graphddp
+from graphddp.graph.describe_parts import describe_part_collectives
+from graphddp.graph.part_collectives import lower_part_plan, place_part_collectives
+from graphddp.graph.part_facts import part_facts
+from graphddp.plan.part_buckets import bucket_collectives, plan_disagreement, plan_part_buckets
+from graphddp.values.part_plan import GATHER, REDUCE_SCATTER, PartCollective
+
+KB = 1024
+
+
+def _c(nbytes, name="p", dtype="float32", group="g", device="cpu", replicated=False, kind=GATHER):
+    return PartCollective(kind=kind, sends=name, params=(name,), whole_bytes=nbytes, dtype=dtype, device=device, group=group,
+                          replicated=replicated)
+
+
+def _members(buckets):
+    return [b.members for b in buckets]
+
+
+def test_a_bucket_closes_once_its_bytes_reach_the_cap():
+    sizes = [3 * KB, 3 * KB, 3 * KB, 1 * KB, 2 * KB, 1 * KB]
+    buckets = bucket_collectives([_c(n, f"p{i}") for i, n in enumerate(sizes)], cap_bytes=4 * KB)
+    # 3+3 reaches 4 KB (closed past the cap, DDP's rule); 3+1 reaches it exactly; 2+1 stays open
+    assert _members(buckets) == [(0, 1), (2, 3), (4, 5)]
+    assert [b.whole_bytes for b in buckets] == [6 * KB, 4 * KB, 3 * KB]
+    assert [b.index for b in buckets] == [0, 1, 2] and buckets[1].params == ("p2", "p3")
+
+
+@pytest.mark.parametrize("change", [dict(dtype="bfloat16"), dict(group="other"), dict(device="cuda:0"), dict(replicated=True)])
+def test_a_key_change_closes_a_bucket(change):
+    facts = [_c(KB, "a"), _c(KB, "b"), _c(KB, "c", **change), _c(KB, "d", **change), _c(KB, "e")]
+    buckets = bucket_collectives(facts, cap_bytes=1 << 20)
+    assert _members(buckets) == [(0, 1), (2, 3), (4,)]
+    if "dtype" in change:
+        assert [b.dtype for b in buckets] == ["float32", "bfloat16", "float32"]
+
+
+def test_no_collectives_no_buckets():
+    plan = plan_part_buckets([], [], cap_bytes=KB)
+    assert plan.gathers == () and plan.reduce_scatters == () and plan.cap_bytes == KB
+
+
+def test_a_collective_larger_than_the_cap_is_a_bucket_alone():
+    assert _members(bucket_collectives([_c(100 * KB)], cap_bytes=KB)) == [(0,)]
+    facts = [_c(KB // 2, "a"), _c(100 * KB, "huge"), _c(KB // 2, "b"), _c(100 * KB, "huge2")]
+    # the huge one joins the open bucket (below the cap), which it then closes
+    assert _members(bucket_collectives(facts, cap_bytes=KB)) == [(0, 1), (2, 3)]
+    assert _members(bucket_collectives([_c(100 * KB, "huge"), _c(KB, "a")], cap_bytes=KB)) == [(0,), (1,)]
+
+
+def test_a_tied_weights_gradients_name_it_once_per_bucket():
+    facts = [_c(KB, "w", kind=REDUCE_SCATTER), _c(KB, "b", kind=REDUCE_SCATTER), _c(KB, "w", kind=REDUCE_SCATTER)]
+    (bucket,) = bucket_collectives(facts, cap_bytes=1 << 20)
+    assert bucket.params == ("w", "b") and bucket.whole_bytes == 3 * KB and bucket.kind == REDUCE_SCATTER
+
+
+# -- on real graphs ---------------------------------------------------------------------------------
+
+
+def _compiled(reshard, mesh=None):
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(256, 256) for _ in range(6)))  # 256 KB per weight
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    ours = graphddp.compile(model, optimizer=opt, sharding="full", backend="aot_eager", reshard_after_forward=reshard,
+                            bucket_cap_mb=0.5, **({} if mesh is None else dict(device_mesh=mesh)))
+    ours(torch.randn(4, 256)).sum().backward()
+    return ours
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_the_plan_of_a_compiled_graph_is_what_describe_parts_reads_back(fake_world, reshard):
+    fake_world(8)
+    ours = _compiled(reshard)
+    record = ours._record
+    assert [i for i, _ in record.planned] == [i for i, _ in record.described] and len(record.planned) == 2
+    for (_, plan), (_, described) in zip(record.planned, record.described):  # the record's plan names parameters as the reading
+        assert plan_disagreement(plan, described) == []
+        for kind in (GATHER, REDUCE_SCATTER):
+            read = described.of(kind)
+            assert [(b.index, b.whole_bytes, b.dtype) for b in plan.of(kind)] == [(b.index, b.whole_bytes, b.dtype) for b in read]
+            assert [b.params for b in plan.of(kind)] == [b.params for b in read]
+    forward, backward = (plan for _, plan in record.planned)
+    # in reading order w0 b0 w1 | b1 w2 b2 w3 | b3 w4 b4 w5 | b5; gradients b5 w5 b4 w4 | b3 w3 b2 w2 | b1 w1 b0 w0
+    assert len(forward.gathers) == 4 and forward.reduce_scatters == ()
+    assert len(backward.reduce_scatters) == 3 and bool(backward.gathers) == reshard  # a resharding backward gathers again
+    assert all(b.dtype == "float32" for b in forward.gathers + backward.reduce_scatters)
+
+
+def test_the_hybrid_plan_keys_on_the_replicate_all_reduce(fake_world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    fake_world(8)
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
+    record = _compiled(True, mesh)._record
+    (_, backward), = [(i, p) for i, p in record.planned if p.reduce_scatters]
+    assert len(backward.reduce_scatters) == 3
+    described = next(d for _, d in record.described if d.kind == "backward")
+    assert plan_disagreement(backward, described) == [] and len(described.of(REDUCE_SCATTER)) == 3
+
+
+def _traced_gathers():
+    """A graph of four parts gathered over the fake group, the third in another dtype."""
+    import torch.distributed as dist
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    group = dist.group.WORLD.group_name
+    gather = torch.ops._c10d_functional.all_gather_into_tensor.default
+    wait = torch.ops._c10d_functional.wait_tensor.default
+
+    def fn(a, b, c, d):
+        return [wait(gather(p, 8, group)).sum() for p in (a, b, c, d)]
+
+    parts = [torch.randn(32), torch.randn(32), torch.randn(32, dtype=torch.bfloat16), torch.randn(32)]
+    return make_fx(fn, tracing_mode="fake")(*parts)
+
+
+def test_facts_read_before_the_rewrite_plan_what_the_graph_then_does(fake_world):
+    fake_world(8)
+    gm = _traced_gathers()
+    gathers, scatters = part_facts(gm.graph)
+    assert [(f.params, f.whole_bytes, f.dtype) for f in gathers] == [
+        (("a_1",), 1024, "float32"), (("b_1",), 1024, "float32"), (("c_1",), 512, "bfloat16"), (("d_1",), 1024, "float32"),
+    ] and scatters == []
+    plan = plan_part_buckets(gathers, scatters, cap_bytes=4 * KB)
+    assert _members(plan.gathers) == [(0, 1), (2,), (3,)]  # the dtype changes twice
+    assert place_part_collectives(gm.graph, cap_bytes=4 * KB) == plan
+    gm.recompile()
+    described = describe_part_collectives(gm, "forward", 8, {})
+    assert plan_disagreement(plan, described, {}) == []
+    assert [b.params for b in described.of(GATHER)] == [b.params for b in plan.gathers]
+
+
+def test_a_plan_lowered_on_another_graph_is_refused(fake_world):
+    fake_world(8)
+    gm = _traced_gathers()
+    plan = plan_part_buckets([_c(KB, "x")], [], cap_bytes=KB)
+    with pytest.raises(RuntimeError, match="not the graph it was planned from"):
+        lower_part_plan(gm.graph, plan)
