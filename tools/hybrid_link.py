@@ -7,8 +7,11 @@ node). Four gloo ranks, two per namespace, train the same MLP with AdamW for eac
 interleaved over ``--rounds``: ``sharding="optimizer"`` over all four ranks, and over a 2 x 2
 ``device_mesh=`` (hybrid: reduce-scatter and all-gather inside a node, one part all-reduced
 between nodes); the same two with ``sharding="full"``. It prints each mode's median step and
-the bytes each rank's graphs send between nodes per step (read from the compiled graphs: what
-the collectives on a group spanning both nodes carry). The namespaces are removed at the end.
+the bytes each rank sends to the other node per step, counted from the compiled graphs'
+collectives on groups spanning both nodes: gloo runs a reduce-scatter and an all-gather as
+all-to-alls (``graphddp.values.collectives``), which send each peer its share, half of them on
+the other node here; an all-reduce over the two replicas sends its whole input once (a ring of
+two). The namespaces are removed at the end.
 
 Nothing outside the two namespaces is touched; traffic goes only between them.
 """
@@ -98,18 +101,22 @@ def worker(mode: str, steps: int, width: int) -> None:
         dist.barrier()
         if step >= 2:
             times.append(time.perf_counter() - start)
-    # Bytes this rank sends per step on groups that span both nodes (the whole group, or the replicate one).
+    # Bytes this rank sends per step to the other node (module docstring).
     spanning = {dist.group.WORLD.group_name} | ({mesh.get_group(0).group_name} if mesh is not None else set())
-    graphs = [r.graph for r in gd.records] if sharding == "optimizer" else [g for _, g in gd.graphs if _ != "backward_update"]
-    sent = 0
+    graphs = [r.graph for r in gd.records] if sharding == "optimizer" else [g for kind, g in gd.graphs if kind != "backward_update"]
+    all_to_all = torch.ops._c10d_functional.all_to_all_single.default
+    sent = 0.0
     for gm in graphs:
         for n in gm.graph.nodes:
             if is_collective(n) and group_of(n) in spanning:
-                val = n.args[0].meta.get("val")
-                sent += val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+                val = n.args[0].meta["val"]
+                size = val.numel() * val.element_size()
+                sent += size * 2 / 4 if n.target is all_to_all else size  # half the peers are on the other node; a ring of two
     if rank == 0:
-        print(json.dumps({"mode": mode, "step_ms": [t * 1e3 for t in times], "spanning_bytes": sent}))
-    dist.destroy_process_group()
+        print(json.dumps({"mode": mode, "step_ms": [t * 1e3 for t in times], "cross_node_bytes": sent}))
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)  # no teardown of gloo's pairs while peers exit (a rank once aborted there)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,12 +140,12 @@ def main(argv: list[str] | None = None) -> int:
                 out = _launch(mode, args.steps, args.width, port)
                 port += 1
                 runs[mode] += out["step_ms"]
-                sent[mode] = out["spanning_bytes"]
+                sent[mode] = out["cross_node_bytes"]
         print(f"4 gloo ranks on 2 emulated nodes, {args.gbit:g} Gbit/s between them; MLP width {args.width}, depth 6, AdamW")
-        print(f"{'mode':<18} {'median step ms':>15} {'min':>8} {'max':>8} {'sent between nodes / step':>26}")
+        print(f"{'mode':<18} {'median step ms':>15} {'min':>8} {'max':>8} {'to the other node / step':>25}")
         for mode in MODES:
             ms = runs[mode]
-            print(f"{mode:<18} {statistics.median(ms):>15.1f} {min(ms):>8.1f} {max(ms):>8.1f} {sent[mode] / 1e6:>23.2f} MB")
+            print(f"{mode:<18} {statistics.median(ms):>15.1f} {min(ms):>8.1f} {max(ms):>8.1f} {sent[mode] / 1e6:>22.2f} MB")
     finally:
         teardown()
     return 0
