@@ -27,7 +27,8 @@ from graphddp.compiler.full_updates import Compile, PartUpdates, UpdatingBackwar
 from graphddp.config import MB, DDPConfig
 from graphddp.config.inductor_settings import INDUCTOR_FX_ORDER_CONFIG
 from graphddp.graph import reshard
-from graphddp.graph.describe_parts import describe_part_collectives, input_name
+from graphddp.graph.describe_parts import describe_part_collectives
+from graphddp.graph.part_facts import input_name
 from graphddp.graph.part_collectives import place_part_collectives
 from graphddp.graph.part_facts import whole_bytes
 from graphddp.graph.reshard import Kept, tag_regathers

@@ -47,7 +47,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from graphddp.graph.describe_parts import input_name
+from graphddp.graph.part_facts import input_name
 from graphddp.graph.verify_full import check_part_updates
 from graphddp.optim import guards
 from graphddp.optim.attached import AttachedOptimizer

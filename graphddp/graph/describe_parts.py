@@ -16,8 +16,7 @@ from typing import Callable, Mapping
 
 import torch.fx as fx
 
-from graphddp.graph.capture import output_nodes
-from graphddp.graph.part_facts import input_name
+from graphddp.graph.part_facts import output_positions, outputs_reached
 from graphddp.graph.reshard import kept_gathered_bytes
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
 from graphddp.values.part_schedule import PART_KINDS, PartBucket, PartGraph
@@ -36,10 +35,7 @@ def describe_part_collectives(gm: fx.GraphModule, kind: str, world_size: int, na
     for n in nodes:
         if n.meta.get(ROLE_KEY) in _ROLES and n.meta.get(BUCKET_KEY) is not None:
             tagged.setdefault((n.meta[ROLE_KEY], n.meta[BUCKET_KEY]), []).append(n)
-    positions: dict[fx.Node, list[int]] = {}  # an output node -> the outputs it is
-    for i, out in enumerate(output_nodes(gm)):
-        if isinstance(out, fx.Node):
-            positions.setdefault(out, []).append(i)
+    positions = output_positions(gm.graph)
     buckets = [
         _bucket(nodes, order, role, index, tagged[(role, index)], _received(tagged, role, index), world_size, names, positions)
         for role, index in tagged if role in PART_KINDS
@@ -90,23 +86,9 @@ def _gathered_inputs(issue: list[fx.Node], names: Mapping[str, str]) -> tuple[st
 
 
 def _gradient_outputs(wait: fx.Node, names: Mapping[str, str], positions: Mapping[fx.Node, list[int]]) -> tuple[str, ...]:
-    """The inputs whose gradients a reduce-scatter bucket's results become (the graph's outputs
-    they reach through casts and the sum of a tied weight's parts)."""
-    found: list[str] = []
-    seen = {wait}
-    todo = [wait]
-    while todo:
-        node = todo.pop(0)
-        for user in node.users:
-            if user.op == "output":
-                for i in positions.get(node, []):
-                    name = names.get(input_name(i), input_name(i))
-                    if name not in found:
-                        found.append(name)
-            elif user not in seen:
-                seen.add(user)
-                todo.append(user)
-    return tuple(found)
+    """The parts whose gradients a reduce-scatter bucket's results become (the graph's outputs
+    they reach through casts and the sum of a tied weight's parts), by the compiler's names."""
+    return tuple(dict.fromkeys(names.get(n, n) for n in outputs_reached(wait, positions)))
 
 
 def _before(nodes: list[fx.Node], at: int) -> str:

@@ -9,7 +9,7 @@ bucket is a decision made before the graph is touched, and the same decision wha
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.fx as fx
@@ -32,9 +32,9 @@ def part_facts(graph: fx.Graph, placement: Placement | None = None) -> tuple[lis
     replicate group a hybrid reduce-scatter's part goes on to), each kind in the rewrite's order.
     Read from a graph whose collectives are each waited once (what
     :func:`graphddp.graph.part_collectives.place_part_collectives` makes of it first)."""
-    outputs = _output_positions(graph)
+    outputs = output_positions(graph)
     gathers = [_fact(GATHER, pair, (part_input(pair[0]).name,)) for pair in part_gathers(graph)]  # type: ignore[union-attr]
-    scatters = [_fact(REDUCE_SCATTER, pair, _outputs_reached(pair[1], outputs)) for pair in reduce_scatters(graph, placement)]
+    scatters = [_fact(REDUCE_SCATTER, pair, outputs_reached(pair[1], outputs)) for pair in reduce_scatters(graph, placement)]
     return gathers, scatters
 
 
@@ -53,7 +53,8 @@ def input_name(index: int) -> str:
     return f"primals_{index + 1}"
 
 
-def _output_positions(graph: fx.Graph) -> dict[fx.Node, list[int]]:
+def output_positions(graph: fx.Graph) -> dict[fx.Node, list[int]]:
+    """Each node the graph returns, and the output positions it is returned at."""
     outs = graph.output_node().args[0]
     positions: dict[fx.Node, list[int]] = {}
     for i, out in enumerate(outs if isinstance(outs, (list, tuple)) else [outs]):
@@ -62,7 +63,7 @@ def _output_positions(graph: fx.Graph) -> dict[fx.Node, list[int]]:
     return positions
 
 
-def _outputs_reached(end: fx.Node, positions: dict[fx.Node, list[int]]) -> tuple[str, ...]:
+def outputs_reached(end: fx.Node, positions: Mapping[fx.Node, list[int]]) -> tuple[str, ...]:
     """The inputs whose gradients the graph's outputs reached from ``end`` are (through casts,
     and the sum of a tied weight's gradients), in the order a walk from ``end`` meets them."""
     found: list[str] = []
