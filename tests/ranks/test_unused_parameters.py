@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from test_optim_ranks import ADAM_NOISE
+from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import graphddp
@@ -39,6 +40,10 @@ MODES = {
     "full_clip": {"inside": True, "sharding": "full", "max_grad_norm": 0.5},
     "inside_clip": {"inside": True, "max_grad_norm": 0.5},
     "full_inductor": {"inside": True, "sharding": "full", "backend": "inductor"},  # the "out" scenario only
+    # hybrid sharding, 4 ranks as 2 x 2 (graphddp.values.placement): which parameters no rank used
+    # is agreed over every rank, not only within a shard group
+    "optimizer_hybrid": {"inside": True, "sharding": "optimizer", "mesh": (2, 2)},
+    "full_hybrid": {"inside": True, "sharding": "full", "mesh": (2, 2)},
 }
 SCENARIOS = ("out", "zero", "rank", "flag")
 STEPS = 4
@@ -71,6 +76,8 @@ def _compile(model: nn.Module, opt: torch.optim.Optimizer, mode: str) -> nn.Modu
     kwargs = {"backend": "aot_eager", **MODES[mode]}
     if kwargs.pop("inside", False):
         kwargs["optimizer"] = opt
+    if "mesh" in kwargs:
+        kwargs["device_mesh"] = init_device_mesh("cpu", kwargs.pop("mesh"), mesh_dim_names=("replicate", "shard"))
     return graphddp.compile(model, **kwargs)
 
 
@@ -112,7 +119,7 @@ def _train(rank: int, world: int, mode: str) -> None:
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_a_parameter_no_rank_used_is_not_updated(mode: str) -> None:
-    spawn(_train, 2, mode)
+    spawn(_train, 4 if "mesh" in MODES[mode] else 2, mode)
 
 
 def _bert(rank: int, world: int, mode: str) -> None:
