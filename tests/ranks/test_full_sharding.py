@@ -86,7 +86,7 @@ CASES = {
     "mlp_adamw_recompile": Case(models.MLP, _mlp_loss_new_shape, _adamw),
     "mlp_adamw_inductor": Case(models.MLP, _mlp_loss, _adamw, backend="inductor", steps=3),
     "mlp_adamw_backend_object": Case(models.MLP, _mlp_loss, _adamw, form="backend_object"),
-    "hf_gpt2_adamw_backend_name": Case(_hf_gpt2, _hf_loss, _adamw, tol=ADAM_NOISE, form="backend_name"),
+    "mlp_sgd_backend_name": Case(models.MLP, _mlp_loss, _sgd, form="backend_name"),
 }
 
 
