@@ -224,7 +224,7 @@ def _pool_entry(rank: int, world_size: int, store_path: str, tasks: Any, results
 
 
 class RankPool:
-    """Gloo ranks (2 or 3) that run one function after another (see :func:`reuse_ranks`).
+    """Gloo ranks (2, 3 or 4) that run one function after another (see :func:`reuse_ranks`).
 
     Between functions each rank resets Dynamo and collects garbage, freezing what survives
     (:func:`freeze_survivors`); after a failure or a timeout the pool is retired (its processes
@@ -232,7 +232,7 @@ class RankPool:
     half-finished collective for the next.
     """
 
-    WORLDS = (2, 3)
+    WORLDS = (2, 3, 4)
     PG_TIMEOUT = 120.0
 
     def __init__(self, world_size: int = 2) -> None:

@@ -1,5 +1,5 @@
 """Shared test settings: one inductor cache for all tests (and spawned ranks), one thread, and
-long-lived groups of gloo ranks (2 and 3) that multi-rank tests run on (``graphddp.testing.reuse_ranks``)."""
+long-lived groups of gloo ranks (2, 3 and 4) that multi-rank tests run on (``graphddp.testing.reuse_ranks``)."""
 import os
 import tempfile
 
