@@ -27,7 +27,7 @@ def _fully_sharded(model: Any) -> FullyShardedGraphDDP | None:
     ``graphddp.backend`` object holds (its ``sharded``)."""
     if isinstance(model, FullyShardedGraphDDP):
         return model
-    inner = model.__dict__.get("sharded") if hasattr(model, "__dict__") else None
+    inner = getattr(model, "sharded", None)
     return inner if isinstance(inner, FullyShardedGraphDDP) else None
 
 

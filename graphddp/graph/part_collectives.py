@@ -56,7 +56,6 @@ from graphddp.values.part_plan import PartPlan, PlannedBucket
 from graphddp.values.placement import Placement, flat as flat_placement
 
 _REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
-_ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 # Gather buckets in flight ahead of the one being read. Two: with one the forward is link-bound
 # throughout, and three is slower (figures: docs/full-sharding.md, "Two gather buckets ahead"). The
