@@ -91,7 +91,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace, out: str) -> None:
                     times.append(elapsed)
                     if before is not None and after is not None:
                         sent += after - before
-            union = getattr(wrapped._backend, "union", None) if mode == "graphddp" else None
+            union = getattr(wrapped._state.backend, "union", None) if mode == "graphddp" else None
             divergent = union.steps if union is not None else None
             results.append({
                 "mode": mode, "layerdrop": layerdrop, "median_step_ms": 1e3 * statistics.median(times),

@@ -7,9 +7,9 @@ often with a backend given as an object or as a string. Two forms fit them:
   :func:`backend` does at once what ``graphddp.compile`` does at wrap time (parameter
   agreement, the broadcast) and returns a torch.compile backend. It wraps ``model.forward``
   (an instance attribute, removed by :meth:`GraphDDPCompileBackend.remove`) with the
-  per-forward work of :class:`~graphddp.frontend.replica.Replica` (buffer broadcast, the average of
-  gradients accumulated under :meth:`GraphDDPCompileBackend.no_sync`, the uncovered-parameter
-  guard), which runs eagerly, graph breaks before and after the compiled forward. DDP's
+  per-forward work of the mode's state (replicated: :class:`~graphddp.frontend.replica.Replica`'s
+  buffer broadcast, average of gradients accumulated under ``no_sync``, uncovered-parameter
+  guard; fully sharded: :class:`~graphddp.frontend.full.FullyShardedState`'s), which runs eagerly, graph breaks before and after the compiled forward. DDP's
   ``no_sync()``, ``require_backward_grad_sync`` and ``register_comm_hook`` are the backend
   object's: there is no wrapper module to carry them, and the switch set on the model itself
   (``torch.compile``'s module forwards attributes to it) is refused at the next forward,
@@ -31,12 +31,9 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from graphddp.config import DDPConfig
-from graphddp.frontend.replica import Replica, ReplicaView
-from graphddp.frontend.full import compile_fully_sharded
-from graphddp.frontend.mesh import resolve_mesh
-from graphddp.frontend.wrap import prepare, resolve_group
-from graphddp.optim.attached import AttachedOptimizer
+from graphddp.frontend.api import ModelView, build_state
+from graphddp.frontend.full import FullyShardedState
+from graphddp.frontend.replica import Replica
 
 NAME = "graphddp"  # the registered backend name
 
@@ -63,17 +60,22 @@ class _Backends:
 BACKENDS = _Backends()
 
 
-class _BoundBackend:
-    """What every ``graphddp.backend`` object is: a torch.compile backend bound to one model,
-    whose forward it wraps with its mode's per-forward work, found by the name ``"graphddp"``
-    for that model's graphs."""
+class GraphDDPCompileBackend(ModelView):
+    """A torch.compile backend bound to one model: ``torch.compile(model, backend=this)``.
 
-    module: nn.Module
+    Made by :func:`backend`, in every mode. Holds the model's state (:class:`ModelView`), so
+    the same inspection and switches as a ``graphddp.compile`` module are here; it wraps the
+    model's forward with the mode's per-forward work and is found by the name ``"graphddp"``
+    for that model's graphs. With ``sharding="full"`` the model's parameters are this rank's
+    parts from now on (:mod:`graphddp.frontend.parts`); ``model.state_dict()`` gives whole
+    tensors and ``model.load_state_dict`` takes them (every rank calls both:
+    :mod:`graphddp.frontend.full_state`).
+    """
 
-    def _bind(self, module: nn.Module, before: Callable[[tuple, dict], tuple[tuple, dict]], after: Callable[[Any], Any]) -> None:
-        """Put the mode's per-forward work around ``module.forward`` (an instance attribute):
-        ``before(args, kwargs)`` returns the arguments the forward runs on, ``after(out)`` what
-        it returns.
+    def __init__(self, module: nn.Module, state: Replica | FullyShardedState) -> None:
+        """Puts the mode's per-forward work around ``module.forward`` (an instance attribute):
+        ``state.before_forward(args, kwargs)`` returns the arguments the forward runs on,
+        ``state.after_forward(out)`` what it returns.
 
         Not forward hooks: ``torch.compile`` runs those outside Dynamo only for user classes;
         for a torch.nn class (``nn.Sequential``) it traces them, and a Dynamo-disabled hook
@@ -81,6 +83,8 @@ class _BoundBackend:
         defined here is traced like user code: the two disabled calls are graph breaks before
         and after the compiled forward.
         """
+        self._state = state
+        self._joinable()
         self.module = module
         self._param_ids = {id(p) for p in module.parameters()}
         original = module.forward  # the bound method, or a forward the user set on the instance
@@ -92,10 +96,10 @@ class _BoundBackend:
                     f"switch is the graphddp.backend object's (backend.{_SWITCH} = ..., or backend.no_sync()); "
                     f"delete the model's attribute (del model.{_SWITCH})"
                 )
-            return before(args, kwargs)
+            return state.before_forward(args, kwargs)
 
         first = torch._dynamo.disable(before_forward, reason=_WRAPPER_REASON)
-        last = torch._dynamo.disable(after, reason=_WRAPPER_REASON)
+        last = torch._dynamo.disable(state.after_forward, reason=_WRAPPER_REASON)
 
         @functools.wraps(original)
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -105,6 +109,9 @@ class _BoundBackend:
         self._restore = module.__dict__.get("forward", _UNSET)
         module.forward = forward
         BACKENDS.add(self)
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **compile_kwargs: Any) -> Callable[..., Any]:
+        return self._state.compile_graph(gm, example_inputs, **compile_kwargs)
 
     @property
     def attached(self) -> bool:
@@ -126,72 +133,6 @@ class _BoundBackend:
         self._param_ids = set()
 
 
-class GraphDDPCompileBackend(ReplicaView, _BoundBackend):
-    """A torch.compile backend bound to one model: ``torch.compile(model, backend=this)``.
-
-    Made by :func:`backend`. Holds the model's :class:`~graphddp.frontend.replica.Replica`, so the same
-    inspection as a ``graphddp.compile`` module is here: ``config``, ``schedules``, ``records``,
-    ``world_size``, and DDP's ``no_sync()``, ``require_backward_grad_sync``,
-    ``register_comm_hook`` and ``join()``.
-    """
-
-    def __init__(self, module: nn.Module, group: Any, config: DDPConfig, optimizer: AttachedOptimizer | None = None) -> None:
-        self._replica = Replica(module, group, config, optimizer)
-        self._joinable()
-        replica = self._replica
-
-        def before(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            replica.before_forward()
-            return args, kwargs
-
-        def after(out: Any) -> Any:
-            replica.after_forward(out)
-            return out
-
-        self._bind(module, before, after)
-
-    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **compile_kwargs: Any) -> Callable[..., Any]:
-        return self._replica.compile_graph(gm, example_inputs, **compile_kwargs)
-
-
-class FullyShardedCompileBackend(_BoundBackend):
-    """``graphddp.backend(model, optimizer=opt, sharding="full")``: the model's parameters become
-    this rank's parts now (:mod:`graphddp.frontend.parts`), its forward checks that every rank
-    runs it, and ``torch.compile(model, backend=this)`` compiles its graphs as
-    ``graphddp.compile(..., sharding="full")`` does. ``model.state_dict()`` gives whole tensors
-    and ``model.load_state_dict`` takes them (every rank calls both:
-    :mod:`graphddp.frontend.full_state`); ``model.parameters()`` are the parts the optimizer
-    steps. The inspection of the compiled module is here: ``config``, ``schedules``, ``graphs``,
-    ``parts``, ``updates``, ``world_size``, ``no_sync()``, ``require_backward_grad_sync``."""
-
-    def __init__(self, module: nn.Module, groups: Any, config: DDPConfig, optimizer: Any) -> None:
-        self.sharded = compile_fully_sharded(module, groups, config, optimizer, where="graphddp.backend", own_compile=False)
-        self._bind(module, self.sharded.before_forward, self.sharded.after_forward)
-
-    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **compile_kwargs: Any) -> Callable[..., Any]:
-        return self.sharded.compile_graph(gm, example_inputs, **compile_kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        if name in _FULL_VIEW:
-            return getattr(self.__dict__["sharded"], name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    @property
-    def require_backward_grad_sync(self) -> bool:
-        return self.sharded.require_backward_grad_sync
-
-    @require_backward_grad_sync.setter
-    def require_backward_grad_sync(self, value: bool) -> None:
-        self.sharded.require_backward_grad_sync = value
-
-
-# What the backend object of sharding="full" shows of the module graphddp.compile would return.
-_FULL_VIEW = frozenset({
-    "config", "schedules", "graphs", "parts", "updates", "world_size", "no_sync", "optimizer", "process_group",
-    "full_optimizer_state_dict", "load_full_optimizer_state_dict", "join", "register_comm_hook",
-})
-
-
 _UNSET, _DETACHED = object(), object()
 _SWITCH = "require_backward_grad_sync"  # DDP's attribute: this form keeps it on the backend object
 _WRAPPER_REASON = "graphddp's per-forward work (buffer broadcast, no_sync average, guard) runs eagerly"
@@ -199,20 +140,14 @@ _WRAPPER_REASON = "graphddp's per-forward work (buffer broadcast, no_sync averag
 
 def backend(
     module: nn.Module, *, process_group: Any = None, device_mesh: Any = None, optimizer: Any = None, **options: Any,
-) -> GraphDDPCompileBackend | FullyShardedCompileBackend:
+) -> GraphDDPCompileBackend:
     """A torch.compile backend doing graphddp's job for ``module`` (see the module docstring).
 
     ``options`` are ``graphddp.compile``'s (DDPConfig's fields), and so is ``optimizer`` (the
     update inside the backward, :mod:`graphddp.optim.attached`). Parameters are broadcast from the
     group's first rank now, as by ``graphddp.compile``; ``device_mesh`` as there.
     """
-    resolve_group("graphddp.backend", module, process_group, options)
-    config = DDPConfig.from_options("graphddp.backend", options)
-    groups = resolve_mesh("graphddp.backend", device_mesh, process_group, config.sharding)
-    if config.sharding == "full":
-        return FullyShardedCompileBackend(module, groups, config, optimizer)
-    attached, config = prepare("graphddp.backend", module, groups.whole, config, optimizer, groups)
-    return GraphDDPCompileBackend(module, groups.whole, config, attached)
+    return GraphDDPCompileBackend(module, build_state("graphddp.backend", module, process_group, device_mesh, optimizer, options))
 
 
 def _by_name(gm: fx.GraphModule, example_inputs: Sequence[Any], **compile_kwargs: Any) -> Callable[..., Any]:

@@ -40,8 +40,6 @@ Not yet (refused by name where an option asks for it): comm hooks, ``join()``.
 """
 from __future__ import annotations
 
-import contextlib
-import inspect
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -62,9 +60,6 @@ from graphddp.runtime.calibrate import resolve_cost
 from graphddp.runtime.sync import broadcast_tensors
 from graphddp.values.part_schedule import FullSchedule, PartGraph, RankMemory
 
-_ISOLATED = {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
-
-
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
     """Every floating-point tensor of ``tree`` cast to ``dtype`` (FSDP2's ``cast_forward_inputs``
     and ``output_dtype``; integer tensors, such as token ids, stay as they are)."""
@@ -73,39 +68,31 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
     return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
 
-class FullyShardedGraphDDP(nn.Module):
-    """What ``graphddp.compile(..., sharding="full")`` returns (module docstring)."""
+class FullyShardedState:
+    """The state of one fully sharded model on this rank (module docstring): what the module
+    ``graphddp.compile`` returns and the ``graphddp.backend`` object (:mod:`graphddp.frontend.api`)
+    read and run for this mode. Its ``compile_graph`` is the torch.compile backend of both forms."""
 
-    def __init__(
-        self, module: nn.Module, groups: MeshGroups, config: DDPConfig, optimizer: torch.optim.Optimizer, parts: dict[int, Part],
-        own_compile: bool = True,
-    ) -> None:
-        """``own_compile``: compile ``module`` here (``graphddp.compile``'s form); without it a
-        pipeline's ``torch.compile`` calls :attr:`compile_graph` (``graphddp.backend``'s form)
-        and the forward's work runs around the module's own (:meth:`before_forward`,
-        :meth:`after_forward`)."""
-        super().__init__()
+    hook_state = None  # comm hooks are refused in this mode
+
+    def __init__(self, module: nn.Module, groups: MeshGroups, config: DDPConfig, optimizer: torch.optim.Optimizer, parts: dict[int, Part]) -> None:
         self.module = module
-        self.process_group = groups.whole  # every rank: the forward's agreement, the buffers
+        self.group = groups.whole  # every rank: the forward's agreement, the buffers
         self._groups = groups
         self.config = config
         self.optimizer = optimizer
         self._parts = parts
         self._by_name = {name: part for part in parts.values() for name in part.names}
-        self._sync = True
+        self.sync = True  # DDP's require_backward_grad_sync, read at the forward
         self._forwards = 0  # run by this rank: every rank runs every forward (_check_same_forward)
-        updates = PartUpdates.of(optimizer, module, lambda: self._sync, config.verify, config.max_grad_norm)
-        self._record = Compiled(
+        updates = PartUpdates.of(optimizer, module, lambda: self.sync, config.verify, config.max_grad_norm)
+        self.record = Compiled(
             {id(p.part): p.names[0] for p in parts.values()}, self.world_size, updates, groups.whole, placement=groups.placement
         )
-        self.graphs = self._record.graphs  # every compiled forward and backward, in order
+        self.graphs = self.record.graphs  # every compiled forward and backward, in order
         self.whole_tensors = WholeTensors(parts, groups.shard)
         self.whole_tensors.install(module)
-        self.compile_graph = fully_sharded_compiler(config, self._record)  # the torch.compile backend of both forms
-        if own_compile:
-            object.__setattr__(self, "_compiled", torch.compile(
-                module, backend=self.compile_graph, fullgraph=config.fullgraph, dynamic=config.dynamic, **_ISOLATED
-            ))
+        self.compile_graph = fully_sharded_compiler(config, self.record)
 
     @property
     def world_size(self) -> int:
@@ -125,7 +112,7 @@ class FullyShardedGraphDDP(nn.Module):
         far: its forward's and backward's collectives, read back from the compiled graphs, and
         what this rank holds."""
         by_index: dict[int, dict[str, PartGraph]] = {}
-        for index, graph in self._record.described:
+        for index, graph in self.record.described:
             by_index.setdefault(index, {})[graph.kind] = graph
         return [
             FullSchedule(
@@ -146,7 +133,7 @@ class FullyShardedGraphDDP(nn.Module):
         states = [self.optimizer.state.get(p, {}) for p in parts]
         state = sum(size(v) for st in states for v in st.values() if isinstance(v, torch.Tensor))
         graphs = [g for g in (forward, backward) if g is not None]
-        inside = {n for _, g in self._record.described for n in g.updates}
+        inside = {n for _, g in self.record.described for n in g.updates}
         kept = 0 if forward is None else forward.kept_bytes
         return RankMemory(
             parameters=sum(size(p) for p in parts),
@@ -157,19 +144,14 @@ class FullyShardedGraphDDP(nn.Module):
             kept_to_backward=kept,
         )
 
-    @torch._dynamo.disable
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = self.before_forward(args, kwargs)
-        return self.after_forward(self._compiled(*args, **kwargs))
-
     def before_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Every forward's work before the compiled one: the check that every rank runs it, the
         buffers' broadcast, a mixed-precision policy's input cast."""
         self._check_same_forward()
-        if self.config.broadcast_buffers and dist.get_world_size(self.process_group) > 1:
+        if self.config.broadcast_buffers and dist.get_world_size(self.group) > 1:
             buffers = list(self.module.buffers())
             if buffers:
-                broadcast_tensors(buffers, self.process_group)
+                broadcast_tensors(buffers, self.group)
         policy = self.config.mp_policy
         if policy is not None and policy.param_dtype is not None and policy.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), policy.param_dtype)
@@ -190,16 +172,16 @@ class FullyShardedGraphDDP(nn.Module):
         how many forwards this rank has run and whether autograd is on; ranks that differ raise
         :class:`~graphddp.runtime.agree.ScheduleMismatchError` on every rank, naming each side.
         One small all-gather read on the host per forward (its cost: docs/full-sharding.md)."""
-        if agree.nothing_to_agree(self.process_group):
+        if agree.nothing_to_agree(self.group):
             return
         self._forwards += 1
         mine = [self._forwards, int(torch.is_grad_enabled())]
-        got = agree.max_over_ranks([*mine, *(-v for v in mine)], self.process_group)
+        got = agree.max_over_ranks([*mine, *(-v for v in mine)], self.group)
         if got[:2] == [-v for v in got[2:]]:
             return
         sides = "; ".join(
             f"rank {r}: its forward {n}, {'with autograd' if grad else 'under no_grad'}"
-            for r, (n, grad) in enumerate(agree.gather(mine, self.process_group))
+            for r, (n, grad) in enumerate(agree.gather(mine, self.group))
         )
         raise agree.ScheduleMismatchError(
             f"graphddp: sharding='full': the ranks are not running the same forward ({sides}). Every forward gathers "
@@ -207,49 +189,29 @@ class FullyShardedGraphDDP(nn.Module):
             "estimate_loss runs on rank 0 alone: run it on every rank)"
         )
 
-    # -- DDP's switches: accepted, the gradient is reduce-scattered every micro-step -----------------
-    @property
-    def require_backward_grad_sync(self) -> bool:
-        return self._sync
-
-    @require_backward_grad_sync.setter
-    def require_backward_grad_sync(self, value: bool) -> None:
-        self._sync = bool(value)
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """A forward under it does not update the parts in its backward: the gradients
-        accumulate (still reduce-scattered each micro-step, module docstring) until a
-        synchronising micro-step, whose ``opt.step()`` steps them."""
-        before, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = before
-
     @property
     def updates(self) -> dict[str, int]:
         """How many backwards updated their parts inside (``"inside"``) and how many left them
         to ``opt.step()``, by reason (:mod:`graphddp.compiler.full_updates`); empty where the
         optimizer steps after every backward (its class, or ``max_grad_norm``)."""
-        updates = self._record.updates
+        updates = self.record.updates
         return {} if updates is None else dict(updates.counts)
 
-    def join(self, *_: Any, **__: Any) -> Any:
+    def join(self, view: Any, *_: Any, **__: Any) -> Any:
         raise NotImplementedError("graphddp: join() is not supported with sharding='full' yet (every forward gathers)")
 
-    def register_comm_hook(self, *_: Any, **__: Any) -> None:
+    def register_comm_hook(self, *_: Any) -> None:
         raise NotImplementedError("graphddp: register_comm_hook is not supported with sharding='full' yet")
 
-    # -- whole tensors in and out (graphddp.frontend.full_state: hooks on the module) ---------------------
-    def _whole(self, part: Part) -> torch.Tensor:
-        return self.whole_tensors.whole(part.part, part)
+    def finish_gathers(self) -> None:
+        """Nothing is left on the wire between steps: the parts are updated in place."""
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+    # -- whole tensors in and out (graphddp.frontend.full_state: hooks on the module) ---------------------
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The wrapped module's state dict with every parameter whole (gathered: every rank calls it)."""
         return self.module.state_dict(*args, **kwargs)
 
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Whole tensors under the module's keys; each rank keeps its part, copied into it."""
         if assign:
             raise ValueError(
@@ -259,22 +221,18 @@ class FullyShardedGraphDDP(nn.Module):
             )
         return self.module.load_state_dict(state_dict, strict=strict)
 
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:  # type: ignore[override]
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         """The whole current values, gathered (every rank calls it), detached (module docstring)."""
         seen: set[int] = set()
         for name, part in self._by_name.items():
             if remove_duplicate and id(part) in seen:
                 continue
             seen.add(id(part))
-            whole = nn.Parameter(self._whole(part), requires_grad=False)
+            whole = nn.Parameter(self.whole_tensors.whole(part.part, part), requires_grad=False)
             # clipping it would clip nothing: refused (graphddp.optim.guards), saying whether max_grad_norm clips already
             setattr(whole, guards.GATHERED_COPY, getattr(part.part, guards.PART, True))
             yield (f"{prefix}.{name}" if prefix else name), whole
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.module.zero_grad(set_to_none=set_to_none)
-
-    # -- the optimizer's whole state ------------------------------------------------------------------
     def full_optimizer_state_dict(self) -> dict[str, Any]:
         """The state dict a plain optimizer of the same class over the whole parameters would
         have (every rank calls it: :meth:`WholeTensors.optimizer_state_dict`)."""
@@ -285,16 +243,13 @@ class FullyShardedGraphDDP(nn.Module):
         self.whole_tensors.load_optimizer_state_dict(self.optimizer, state)
 
 
-def compile_fully_sharded(
-    module: nn.Module, groups: MeshGroups, config: DDPConfig, optimizer: Any, where: str = "graphddp.compile", own_compile: bool = True,
-) -> FullyShardedGraphDDP:
-    """``graphddp.compile``'s ``sharding="full"`` path: the wrap-time checks every mode makes,
+def compile_fully_sharded(module: nn.Module, groups: MeshGroups, config: DDPConfig, optimizer: Any, where: str) -> FullyShardedState:
+    """``sharding="full"``'s wrap: the wrap-time checks every mode makes,
     the broadcast from the group's first rank (whole tensors, before they are cut), the cut, and
     the optimizer re-pointed at the parts. With a 2-D ``device_mesh=`` (hybrid) the parts, the
     optimizer's state and the clip's norm are over the shard group (each replicate group holds
     the same averaged parts: a norm summed over every rank would count each part once per
-    replica); the rest stays on every rank's group. ``own_compile``: as
-    :class:`FullyShardedGraphDDP` takes it."""
+    replica); the rest stays on every rank's group."""
     group = groups.whole
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(
@@ -312,4 +267,4 @@ def compile_fully_sharded(
     if config.max_grad_norm is not None:
         clip.clip_parts_before_step(optimizer, config.max_grad_norm, config.grad_norm_type, groups.shard)
     guards.agree_found_inf(optimizer, group)  # parts: one rank's inf must skip every rank's step
-    return FullyShardedGraphDDP(module, groups, config, optimizer, parts, own_compile)
+    return FullyShardedState(module, groups, config, optimizer, parts)

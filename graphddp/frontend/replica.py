@@ -4,8 +4,9 @@ DDP does three things at forward time that no compiled graph can do: it broadcas
 before the forward (``broadcast_buffers``), it starts averaging gradients that were
 accumulated locally under ``no_sync`` once a synchronising forward begins, and (in graphddp)
 a parameter that no compiled graph of this forward covers must not end up with an un-averaged
-gradient. :class:`Replica` holds that state and does that work, so that both forms graphddp
-comes in share it:
+gradient. :class:`Replica` holds that state and does that work: it is the mode's state of
+the replicated and ``sharding="optimizer"`` modes, which both forms graphddp comes in read
+through one surface (:class:`graphddp.frontend.api.ModelView`):
 
 * ``graphddp.compile(model)`` returns a module whose ``forward`` calls
   :meth:`Replica.before_forward`, the compiled model, then :meth:`Replica.after_forward`;
@@ -18,13 +19,12 @@ Wrap-time work (parameter agreement, the initial broadcast, attaching an optimiz
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.nn as nn
-from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
+from torch.distributed.algorithms.join import Join, JoinHook
 
 from graphddp.compiler.graph_compiler import GraphCompiler
 from graphddp.compiler.record import GraphRecord
@@ -32,6 +32,7 @@ from graphddp.config import DDPConfig
 from graphddp.frontend.ddp_hooks import as_comm_hook
 from graphddp.frontend.wrap import _refuse_optimizer_with_traced_hook
 from graphddp.graph.capture import names_by_identity
+from graphddp.hooks.traced import HOOK_STATE_KEY
 from graphddp.optim.attached import AttachedOptimizer
 from graphddp.runtime.join import JoinState, join, join_hook
 from graphddp.runtime.step import StepState
@@ -86,12 +87,12 @@ class Replica:
         """The torch.compile backend of both forms: the current compiler (:meth:`_build`)."""
         return self.backend(gm, example_inputs, **compile_kwargs)
 
-    def register_comm_hook(self, comm_hook: Any, what: str) -> None:
-        """DDP's ``register_comm_hook``, its hook already as a ``comm_hook=`` value
-        (:mod:`graphddp.frontend.ddp_hooks`; ``what`` names the hook in errors): once, before
-        the first forward (the hook is compiled into every backward graph), and not on top
-        of ``comm_hook=``."""
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        """DDP's ``register_comm_hook``, its hook made a ``comm_hook=`` value
+        (:mod:`graphddp.frontend.ddp_hooks`): once, before the first forward (the hook is
+        compiled into every backward graph), and not on top of ``comm_hook=``."""
         where = "register_comm_hook"
+        comm_hook, what = as_comm_hook(where, state, hook, self.group)
         if self._hook_registered:
             raise RuntimeError(f"{where}: a communication hook can only be registered once (as in DDP); {what} is the second")
         if self._forwards_began:
@@ -135,7 +136,71 @@ class Replica:
     def schedules(self) -> list[Schedule]:
         return [r.schedule for r in self._records]
 
-    def before_forward(self) -> None:
+    @property
+    def hook_state(self) -> Any:
+        """A traced comm hook's state (PowerSGD's Q and error), saved with the model; None without one."""
+        return self.backend.hook_state
+
+    @property
+    def sync(self) -> bool:
+        """DDP's ``require_backward_grad_sync``, held by the step (:meth:`StepState.set_sync`)."""
+        return self.step.sync
+
+    @sync.setter
+    def sync(self, value: bool) -> None:
+        self.step.set_sync(value)
+
+    def finish_gathers(self) -> None:
+        self.step.gathers.finish()
+
+    def join(self, view: Any, *args: Any) -> Join:
+        self.finish_gathers()
+        return join(view, *args)
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return join_hook(self, **kwargs)
+
+    # -- checkpoints use the wrapped module's keys; a traced hook's state rides along ------------
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        out = self.module.state_dict(*args, **kwargs)
+        if self.hook_state is not None:
+            out[HOOK_STATE_KEY] = self.hook_state.state_dict()
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        state_dict = dict(state_dict)
+        hook = state_dict.pop(HOOK_STATE_KEY, None)
+        if hook is not None:
+            if self.hook_state is None:
+                raise ValueError(f"the checkpoint has {HOOK_STATE_KEY!r} (a comm hook's state), but this module runs no traced comm hook")
+            self.hook_state.load_state_dict(hook)
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """The module's own, their updated values completed first (``gather="forward"`` leaves
+        them on the wire between a backward and the next forward)."""
+        self.finish_gathers()
+        return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    # -- the optimizer's whole state: its own, or gathered from the parts with sharding="optimizer" --
+    def _attached(self, where: str) -> AttachedOptimizer:
+        if self.optimizer is None:
+            raise TypeError(f"{where}: expects a model from graphddp.compile(..., optimizer=) or graphddp.backend(..., optimizer=)")
+        self.finish_gathers()  # gather="forward": the parameters as the state describes them
+        return self.optimizer
+
+    def full_optimizer_state_dict(self) -> dict[str, Any]:
+        attached = self._attached("graphddp.full_optimizer_state_dict")
+        return attached.optimizer.state_dict() if attached.sharded is None else attached.sharded.full_state_dict()
+
+    def load_full_optimizer_state_dict(self, state: Mapping[str, Any]) -> None:
+        attached = self._attached("graphddp.load_full_optimizer_state_dict")
+        if attached.sharded is None:
+            attached.optimizer.load_state_dict(state)
+        else:
+            attached.sharded.load_full(state)
+
+    def before_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Broadcast buffers; start averaging gradients accumulated under ``no_sync``; inside
         ``join()``, tell the joined ranks what this step does (:mod:`graphddp.runtime.join`)."""
         distributed = self.world_size > 1
@@ -164,8 +229,9 @@ class Replica:
         elif pending:
             trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
             self._pending = average_async(trainable, self.group)  # hidden behind the forward
+        return args, kwargs
 
-    def after_forward(self, out: Any = None) -> None:
+    def after_forward(self, out: Any) -> Any:
         """Finish the average; guard parameters no compiled graph of this forward covered
         (``out``, the forward's output, says which of them it may give a gradient)."""
         step = self.step
@@ -190,6 +256,7 @@ class Replica:
             if not step.sync:
                 step.accumulate()
         self._sync_buffers_next = self._syncing
+        return out
 
     def _take_returned_parameters(self, out: Any) -> None:
         """A parameter the forward returns as it is (or an eager view of it): Dynamo hands it
@@ -268,111 +335,6 @@ def _reached_parameters(out: Any, wanted: set[int]) -> set[int]:
             found.add(id(variable))
         todo.extend(n for n, _ in node.next_functions)
     return found
-
-
-class ReplicaView(Joinable):
-    """What both forms show of their :class:`Replica` (``self._replica``): the options, the
-    plans, the rewritten graphs, the world size, and DDP's public surface: ``no_sync`` and
-    ``require_backward_grad_sync``, ``register_comm_hook``, ``join``. A ``Joinable``, so
-    ``torch.distributed.algorithms.Join([model, ...])`` takes it (:mod:`graphddp.runtime.join`)."""
-
-    _replica: Replica
-
-    def _joinable(self) -> None:
-        """Called by a form's constructor once it has its replica (what ``Joinable.__init__``
-        sets, without calling it again: for a module that would re-run ``nn.Module.__init__``)."""
-        self._join_config = _JoinConfig.construct_disabled_join_config()
-        self._replica.joinable = self
-
-    def join(
-        self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
-    ) -> Join:
-        """DDP's context manager for uneven inputs: inside it, a rank that runs out of batches
-        shadows the collectives of the ranks still training (:mod:`graphddp.runtime.join`)."""
-        self.finish_gathers()
-        return join(self, divide_by_initial_world_size, enable, throw_on_early_termination)
-
-    def finish_gathers(self) -> None:
-        """With ``gather="forward"``, the parameters hold their updated values only once the
-        next forward (or a checkpoint) completes the all-gathers the backward issued; code that
-        reads or writes parameter tensors directly between a backward and the next forward
-        calls this first. Otherwise (and when nothing is pending) it does nothing."""
-        self._replica.step.gathers.finish()
-
-    def join_hook(self, **kwargs: Any) -> JoinHook:
-        return join_hook(self._replica, **kwargs)
-
-    @property
-    def join_device(self) -> torch.device:
-        from graphddp.runtime.agree import _device
-
-        return _device(self._replica.group)
-
-    @property
-    def join_process_group(self) -> Any:
-        return self._replica.group
-
-    @property
-    def config(self) -> DDPConfig:
-        """The options, as compiled (a hook given to :meth:`register_comm_hook` included)."""
-        return self._replica.config
-
-    @property
-    def world_size(self) -> int:
-        """The size of the process group: a fact of the job, read once by the backend."""
-        return self._replica.world_size
-
-    @property
-    def schedules(self) -> list[Schedule]:
-        """One Schedule per compiled backward graph, in compile order (after the first backward)."""
-        return self._replica.schedules
-
-    @property
-    def records(self) -> list[GraphRecord]:
-        """Schedules with the rewritten graphs and, under inductor, the generated code."""
-        return self._replica.records
-
-    @property
-    def require_backward_grad_sync(self) -> bool:
-        """DDP's switch (nanoGPT sets it per micro-step instead of using ``no_sync()``): read
-        at every forward; the backward of a forward run while it is False accumulates
-        gradients locally, with no communication, exactly as under :meth:`no_sync`, which
-        sets it to False and restores it. Held by the step (:meth:`StepState.set_sync`);
-        assigned values count by their truth, as DDP reads them."""
-        return self._replica.step.sync
-
-    @require_backward_grad_sync.setter
-    def require_backward_grad_sync(self, value: bool) -> None:
-        self._replica.step.set_sync(bool(value))
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate gradients locally, with no communication.
-
-        DDP's implementation: ``require_backward_grad_sync`` is False inside and restored on
-        exit, so the two never disagree. As in DDP, what counts is where the *forward* runs:
-        the backward of a forward run inside uses each compiled graph's communication-free
-        backward, whatever the frame structure (graph breaks included; see
-        :mod:`graphddp.runtime.dispatch`). The next synchronised backward yields DDP's result:
-        the average over ranks of everything accumulated. The locally accumulated gradients
-        are averaged by one async all-reduce launched when that synchronised forward starts
-        and waited when it ends, so it hides behind the forward; the new gradients are
-        reduced in the backward graph as usual.
-        """
-        previous = self.require_backward_grad_sync
-        self.require_backward_grad_sync = False
-        try:
-            yield
-        finally:
-            self.require_backward_grad_sync = previous
-
-    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
-        """DDP's ``register_comm_hook``, before the first forward and once. DDP's own hooks
-        (``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``, ``powerSGD_hook``
-        with its ``PowerSGDState``) become graphddp's in-graph equivalents; any other hook is
-        traced into the graph as ``comm_hook=(state, hook)`` would be
-        (:mod:`graphddp.frontend.ddp_hooks`)."""
-        self._replica.register_comm_hook(*as_comm_hook("register_comm_hook", state, hook, self._replica.group))
 
 
 def _uncovered_error(name: str) -> Callable[[torch.Tensor], None]:

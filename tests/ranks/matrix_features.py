@@ -146,10 +146,10 @@ def _feature_no_sync(spec: Spec, rank: int, world: int, backend: str, check: Che
     # Each Dynamo graph compiled once: the local variant is chosen at run time, never by a
     # recompile (a guard on the sync flag was lost after a graph break), and each graph has
     # one plan, made for the synchronising steps.
-    compiled = pair.ours._backend.graphs_compiled
+    compiled = pair.ours._state.backend.graphs_compiled
     check.expect(compiled == spec.min_graphs == len(pair.ours.schedules),
                  f"no_sync: {compiled} graphs compiled, {len(pair.ours.schedules)} schedules, expected {spec.min_graphs}")
-    local = [s.plain_compiles for s in pair.ours._backend.states]
+    local = [s.plain_compiles for s in pair.ours._state.backend.states]
     check.expect(local == [1] * spec.min_graphs, f"no_sync: local backwards compiled {local} times per graph, expected once each")
 
 

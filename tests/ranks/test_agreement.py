@@ -38,7 +38,7 @@ def _flipped(rank: int, world: int) -> None:
     refs = dict(ref.module.named_parameters())
     for name, p in compiled.module.named_parameters():
         torch.testing.assert_close(p.grad, refs[name].grad)
-    assert compiled._backend.union.steps == 1
+    assert compiled._state.backend.union.steps == 1
 
 
 def test_ranks_whose_buckets_differ_are_averaged_over_the_union():

@@ -172,7 +172,7 @@ def _train(rank: int, world: int, name: str) -> None:
                 torch.testing.assert_close(p.detach(), q.detach(), **case.tol, msg=lambda m: f"{name} step {step} {n}: {m}")
             state = graphddp.full_optimizer_state_dict(ours) if sharded else opt.state_dict()
             assert_state_dicts_equal(state, ref_opt.state_dict(), case.tol, f"{name} step {step}")
-    updating = [(st.steps_in_graph, st.steps_after) for st in ours._replica.backend.states if st.steps_in_graph + st.steps_after]
+    updating = [(st.steps_in_graph, st.steps_after) for st in ours._state.backend.states if st.steps_in_graph + st.steps_after]
     assert tuple(updating) == case.expect_runs, f"{name}: (in-graph, after-backward) steps per graph {updating}"
     clipped = [s for s in ours.schedules if any(b.updates for b in s.buckets)]
     assert all(s.max_grad_norm == case.max_norm for s in clipped)
@@ -251,7 +251,7 @@ def _train_norms(rank: int, world: int, name: str) -> None:
             assert ours.updates == {}, f"{what}: {ours.updates}"
             continue
         assert all(s.grad_norm_type == norm_type for s in ours.schedules if any(b.updates for b in s.buckets))
-        runs = [(st.steps_in_graph, st.steps_after) for st in ours._replica.backend.states if st.steps_in_graph + st.steps_after]
+        runs = [(st.steps_in_graph, st.steps_after) for st in ours._state.backend.states if st.steps_in_graph + st.steps_after]
         assert all(r == ((case.steps, 0) if case.in_graph else (0, case.steps)) for r in runs) and runs, f"{what}: {runs}"
 
 

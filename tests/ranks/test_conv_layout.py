@@ -163,7 +163,7 @@ def _train_case(case: Case, name: str, rank: int) -> None:
     if case.sharding == "full":
         assert ours.updates.get("inside") == STEPS, f"{name}: updates {ours.updates}, expected every step inside"
     else:
-        runs = [(st.steps_in_graph, st.steps_after) for st in ours._replica.backend.states]
+        runs = [(st.steps_in_graph, st.steps_after) for st in ours._state.backend.states]
         assert runs == [(STEPS, 0)], f"{name}: (in-graph, after-backward) steps {runs}"
         _assert_relaid(ours, mine, case.relaid, name)
 

@@ -115,7 +115,7 @@ def _recompile_limit_fallback(rank: int, world: int) -> None:
                                            msg=lambda m: f"rank {rank} step {step} grad {name}: {m}")
             _assert_same_on_every_rank([p.grad for p in ours.parameters()], None, f"step {step} grads")
     # The second batch size really hit the limit: no second graph was compiled for it.
-    assert ours._backend.graphs_compiled == 1, ours._backend.graphs_compiled
+    assert ours._state.backend.graphs_compiled == 1, ours._state.backend.graphs_compiled
     assert len(ours.schedules) == 1, [s.to_table() for s in ours.schedules]
 
 

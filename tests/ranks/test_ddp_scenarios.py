@@ -180,7 +180,7 @@ def _cell(rank: int, row: str, feature: str) -> dict[str, Any]:
                 assert set(opt_ours.state[p]) == set(opt_ref.state[q]), f"{row} step {step}: {name} state"
                 if "step" in opt_ref.state[q]:
                     assert float(opt_ours.state[p]["step"]) == float(opt_ref.state[q]["step"]), f"{row} step {step}: {name}"
-    return {"divergent": ours._backend.union.steps, "graphs": len(ours.schedules)}
+    return {"divergent": ours._state.backend.union.steps, "graphs": len(ours.schedules)}
 
 
 def _row(rank: int, world: int, row: str, out: str | None) -> None:
@@ -248,7 +248,7 @@ def _loop_break(rank: int, world: int) -> None:
         LoopBreakGPT, lambda r, s: (_tokens(r, s, None)[0], _tokens(r, s, None)[2]), _token_xent, steps=2,
         backend="aot_eager", bucket_cap_mb=CAP_MB,
     )
-    assert ours._backend.union.steps == 2
+    assert ours._state.backend.union.steps == 2
 
 
 def test_a_graph_break_inside_the_layer_loop_is_averaged_as_ddp_averages_it():

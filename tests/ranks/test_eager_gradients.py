@@ -35,7 +35,7 @@ def _eager_batch(rank: int, step: int):
 
 def _eager_gradient(rank: int, world: int) -> None:
     ours = assert_matches_ddp(_EagerScale, _eager_batch, torch.nn.functional.mse_loss, steps=3, backend="aot_eager")
-    assert ours._backend.union.steps == 3  # every step: the eager gradient joins the union average
+    assert ours._state.backend.union.steps == 3  # every step: the eager gradient joins the union average
 
 
 def test_a_gradient_made_by_eager_code_is_averaged_as_ddp_averages_it():

@@ -97,7 +97,6 @@ class _Pipeline:
 
     def __init__(self, model: nn.Module, compiled: Any, made: Any) -> None:
         self.model, self.compiled, self.made = model, compiled, made
-        self.sharded = made.sharded  # what graphddp.full_optimizer_state_dict reads
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.compiled(*args, **kwargs)

@@ -61,7 +61,7 @@ def _read_at_first_issue(rank: int, world: int) -> None:
             assert events == ["issue 0", "read"] + [f"issue {i}" for i in range(1, schedule.num_buckets)], events
     finally:
         gate.Armed.allreduce, agree.PendingProbe.result = issue, result
-    assert ours._backend.states[0].held == 0
+    assert ours._state.backend.states[0].held == 0
 
 
 def test_the_agreement_is_read_inside_the_first_buckets_issue():
@@ -84,8 +84,8 @@ def _held(rank: int, world: int, case: str) -> None:
             torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"step {step} grad {name}: {m}")
         for m in (ref, ours):
             m.zero_grad()
-    held = sum(s.held for s in ours._backend.states)
-    union = ours._backend.union.steps
+    held = sum(s.held for s in ours._state.backend.states)
+    union = ours._state.backend.union.steps
     if case == "layouts_differ":  # every step: held, then the union average
         assert (held, union) == (3, 3), (held, union)
     else:  # one step: held, then the buckets all-reduced after the OR of the unused ones

@@ -184,7 +184,7 @@ def step_both(case: Any, view: Any, ours: Any, mine: tuple[Any, Any], ref: DDP, 
             case.loss(ours, rank, 50 + step).backward()
         with ref.no_sync():
             case.loss(ref, rank, 50 + step).backward()
-        assert any(p.grad is not None for p in view._replica.module.parameters()), "no_sync kept no gradient"
+        assert any(p.grad is not None for p in view._state.module.parameters()), "no_sync kept no gradient"
     for model, (opt, sched) in ((ours, mine), (ref, theirs)):
         case.loss(model, rank, step).backward()
         opt.step()
@@ -214,7 +214,7 @@ def _train(rank: int, world: int, name: str) -> None:
         updated = sum(len(b.updates) for s in view.schedules for b in s.buckets)
         assert updated > 0, f"{name}: no parameter was updated inside a graph"
         # Which variant each graph ran: inside the graph, except where it cannot be the whole step.
-        runs = tuple((st.steps_in_graph, st.steps_after) for st, sched in zip(view._replica.backend.states, _by_graph(view)) if sched.buckets)
+        runs = tuple((st.steps_in_graph, st.steps_after) for st, sched in zip(view._state.backend.states, _by_graph(view)) if sched.buckets)
         assert runs == case.expect_runs, f"{name}: (in-graph, after-backward) steps per graph {runs}, expected {case.expect_runs}"
     told = [str(w.message) for w in warned if "torch's step" in str(w.message)]
     assert all(any(n in t for t in told) for n in case.tied) and (told == []) == (case.tied == ()), told

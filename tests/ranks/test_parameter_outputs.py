@@ -86,7 +86,7 @@ def _view_only(rank: int, world: int, mode: str) -> None:
         whole = dict(ours.named_parameters())
         for n, q in ref.module.named_parameters():
             torch.testing.assert_close(whole[n].detach(), q.detach(), **ADAM_NOISE, msg=lambda m: f"view {mode} step {step} {n}: {m}")
-    assert ours._backend.union.steps == 0, "a view made in the graph needs no divergent step"
+    assert ours._state.backend.union.steps == 0, "a view made in the graph needs no divergent step"
     assert all(not r.fallbacks for r in ours.records), [r.fallbacks for r in ours.records]
 
 

@@ -249,7 +249,7 @@ def _row(rank: int, world: int, trigger_name: str, features: tuple[str, ...], ba
     trigger = TRIGGERS[trigger_name]
     for name in features:
         ours = train_cell(trigger, FEATURES[name], rank, backend, what=f"{trigger_name} x {name} ({backend})")
-        compiled = ours._backend.step.graphs
+        compiled = ours._state.backend.step.graphs
         frames = {g.frame for g in compiled}
         assert len(compiled) > len(frames), f"{trigger_name} x {name}: nothing recompiled ({len(compiled)} graphs, frames {frames})"
         if FEATURES[name].in_graph:  # no fallback: every recompiled graph updated its buckets itself
@@ -339,5 +339,5 @@ def test_one_rank_keeps_updating_in_the_graph_after_a_shape_change(fake_world, f
             assert p.grad is None, f"step {step}: {name}.grad kept"
             assert opt.state[p]["step"].item() == step + 1, f"step {step}: {name} stepped {opt.state[p]['step'].item()} times"
             torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {step} {name}: {m}")
-    graphs = [s for s in view._replica.backend.states if s.steps_in_graph]
+    graphs = [s for s in view._state.backend.states if s.steps_in_graph]
     assert len(graphs) == 2 and all(not r.fallbacks for r in view.records), [r.fallbacks for r in view.records]

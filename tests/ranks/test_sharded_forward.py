@@ -45,7 +45,7 @@ def _train(rank: int, world: int, name: str) -> None:
     ours = graphddp.compile(mine, optimizer=opt, sharding="optimizer", gather="forward", backend=case.backend, bucket_cap_mb=0.004)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.7)
-    gathers = ours._replica.step.gathers
+    gathers = ours._state.step.gathers
     for step in range(case.steps):
         if step == case.no_sync_step:
             with ours.no_sync():
@@ -90,7 +90,7 @@ def _train(rank: int, world: int, name: str) -> None:
     ours.finish_gathers()
     _assert_params(mine, ref.module, case.tol, f"{name}: at the end")
     if case.backend == "inductor":
-        _assert_waits_spread(ours._backend.forwards[0].slot_code, "forward", "its first and its last bucket's wait")
+        _assert_waits_spread(ours._state.backend.forwards[0].slot_code, "forward", "its first and its last bucket's wait")
         _assert_waits_spread(ours.records[0].generated_code, "backward", "its first and its last reduce-scatter's wait")
 
 

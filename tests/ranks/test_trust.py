@@ -72,7 +72,7 @@ def _no_sync_across_graph_breaks(rank: int, world: int, make: str, backend: str)
         for m in (ref, ours):
             m.zero_grad(set_to_none=True)
     assert len(ours.schedules) == 2, "one plan per graph of the synchronising steps"
-    assert ours._backend.graphs_compiled == 2  # two Dynamo graphs, no variant recompiles
+    assert ours._state.backend.graphs_compiled == 2  # two Dynamo graphs, no variant recompiles
 
 
 @pytest.mark.parametrize("make,backend", [("namespace", "aot_eager"), ("graph_break_mlp", "aot_eager")])
@@ -153,7 +153,7 @@ def _production_order_differs(rank: int, world: int) -> None:
     # Different buckets on each rank: the step is divergent (graphddp.runtime.union), averaged at its
     # end over the union of the gradients, with no half-reduced bucket and no error: DDP's result.
     ours = assert_matches_ddp(Reordered, _mlp16_batch, F.mse_loss, steps=2, backend="aot_eager", bucket_cap_mb=0.0005)
-    assert ours._backend.union.steps == 2
+    assert ours._state.backend.union.steps == 2
 
 
 def _mlp16_batch(rank: int, step: int):

@@ -112,7 +112,7 @@ def _recompiled_frames(rank: int) -> dict:
     graphs = 0
     for trigger, name in CACHED:
         ours = train_cell(TRIGGERS[trigger], FEATURES[name], rank, "inductor", what=f"restart {trigger} x {name}")
-        graphs += len(ours._backend.step.graphs)
+        graphs += len(ours._state.backend.step.graphs)
     return {"counters": dict(counters["graphddp"]), "graphs": graphs}
 
 

@@ -29,8 +29,8 @@ def test_added_passes_run_on_every_graph_forward_and_backward(fake_world, backen
         seen.append(("backward", graph_index, plan))
         return dataclasses.replace(plan, optimizer="marked by a pass")
 
-    model._backend.forward_passes.append(on_forward)
-    model._backend.backward_passes.append(on_backward)
+    model._state.backend.forward_passes.append(on_forward)
+    model._state.backend.backward_passes.append(on_backward)
     model(torch.randn(4, 16)).sum().backward()
     graphs = len(model.schedules)
     assert graphs == 2  # the graph break

@@ -35,7 +35,7 @@ def _train_step(model) -> None:
 def test_the_switch_is_the_steps_and_no_sync_sets_and_restores_it(fake_world):
     fake_world(2)
     model = _model()
-    step = model._replica.step
+    step = model._state.step
     assert model.require_backward_grad_sync is True and step.sync is True
     with model.no_sync():
         assert model.require_backward_grad_sync is False and step.sync is False
@@ -57,7 +57,7 @@ def test_a_forward_run_while_the_switch_is_false_runs_the_local_backward(fake_wo
     model.require_backward_grad_sync = False
     _train_step(model)
     local = {n: p.grad.clone() for n, p in model.module.named_parameters()}
-    assert [s.plain_compiles for s in model._backend.states] == [1]
+    assert [s.plain_compiles for s in model._state.backend.states] == [1]
     model.zero_grad()
     model.require_backward_grad_sync = True
     _train_step(model)
@@ -70,7 +70,7 @@ def test_the_backend_forms_switch_is_on_the_backend_and_refused_on_the_model(fak
     module = MLP()
     backend = graphddp.backend(module, backend="aot_eager")
     with backend.no_sync():
-        assert backend.require_backward_grad_sync is False and backend._replica.step.sync is False
+        assert backend.require_backward_grad_sync is False and backend._state.step.sync is False
     compiled = torch.compile(module, backend=backend)
     compiled.require_backward_grad_sync = False  # torch.compile's module sets it on the model
     assert module.__dict__["require_backward_grad_sync"] is False
@@ -106,7 +106,7 @@ def test_powersgd_hook_becomes_graphddps_powersgd_with_the_states_settings_strea
     model = _model()
     model.register_comm_hook(state, ddp_powersgd.powerSGD_hook)
     hook = model.config.comm_hook
-    assert isinstance(hook, PowerSGD) and model._backend.hook is hook
+    assert isinstance(hook, PowerSGD) and model._state.backend.hook is hook
     assert {k: getattr(hook, k) for k in settings} == settings
     assert hook.iter == 2
     expected = PowerSGD(random_seed=11).rng.randint(1_000_000_000)

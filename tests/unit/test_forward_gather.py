@@ -51,12 +51,12 @@ def test_backward_returns_the_gathers_and_the_next_forward_waits_before_each_buc
     assert nodes.index(scatters[-1]) < nodes.index(gathers[-1]), "issued at the output: the backward's link carries reduce-scatters only"
     first_wait = next(u for u in scatters[0].users if u.target is WAIT)
     assert nodes.index(first_wait) < nodes.index(scatters[-1]), "each bucket updated one bucket after its reduce-scatter, as gather='backward'"
-    held = sum(s.world * sum(s.chunks) for s in gd._backend.dispatches[0].variants["sync"].update.shards) * 4
-    assert gd._replica.step.gathers.held_bytes() == held, "the gathered buckets are held between steps"
+    held = sum(s.world * sum(s.chunks) for s in gd._state.backend.dispatches[0].variants["sync"].update.shards) * 4
+    assert gd._state.step.gathers.held_bytes() == held, "the gathered buckets are held between steps"
     assert "waited for and written in the next forward" in record.schedule.to_table()
 
-    forward = gd._backend.forwards[0]
-    assert gd._replica.step.gathers.taken == 1 and forward.slot_graph is not None
+    forward = gd._state.backend.forwards[0]
+    assert gd._state.step.gathers.taken == 1 and forward.slot_graph is not None
     nodes = list(forward.slot_graph.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     inputs = [n for n in nodes if n.op == "placeholder" and n.meta.get(ROLE_KEY) == GATHER_INPUT]
@@ -78,7 +78,7 @@ def test_both_graphs_are_compiled_in_graphddps_order(fake_world):
 
     gd, record = _two_steps(fake_world)
     assert pinned_config(record.graph) is INDUCTOR_FX_ORDER_CONFIG
-    assert pinned_config(gd._backend.forwards[0].slot_graph) is INDUCTOR_FX_ORDER_CONFIG
+    assert pinned_config(gd._state.backend.forwards[0].slot_graph) is INDUCTOR_FX_ORDER_CONFIG
     plain = graphddp.compile(MLP(width=32, depth=4), backend="aot_eager", bucket_cap_mb=0.002)
     plain(torch.randn(8, 16)).sum().backward()
     assert pinned_config(plain.records[0].graph) is INDUCTOR_PINNED_CONFIG, "replicated graphs keep inductor's comm passes"
@@ -121,8 +121,8 @@ def test_each_rule_fails_on_its_mutation(fake_world):
     expected = _mutate_wait_in_backward(backward)
     with pytest.raises(VerificationError, match=expected):
         verify_sharded(backward, record.schedule)
-    shards = [s for s in gd._backend.dispatches[0].variants["sync"].update.shards]
-    forward = gd._backend.forwards[0].slot_graph
+    shards = [s for s in gd._state.backend.dispatches[0].variants["sync"].update.shards]
+    forward = gd._state.backend.forwards[0].slot_graph
     verify_forward_gathers(forward, shards)
     for mutate in (_mutate_read_old_value, _mutate_write_unwaited):
         mutated = copy.deepcopy(forward)
@@ -137,7 +137,7 @@ def test_parameters_read_through_the_module_complete_the_gathers_and_zero_grad_d
     from tools.bench.sharded import param_bytes
 
     gd, _ = _two_steps(fake_world)
-    gathers = gd._replica.step.gathers
+    gathers = gd._state.step.gathers
     own = sum(p.numel() * p.element_size() for p in gd.module.parameters())
     assert gathers
     gd.zero_grad()

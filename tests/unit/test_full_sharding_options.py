@@ -74,6 +74,33 @@ def test_the_backend_builds_full_sharding_and_refuses_it_by_its_own_name(fake_wo
         graphddp.backend(models.MLP(), sharding="full")
 
 
+def test_both_forms_show_one_surface_and_refuse_what_full_sharding_lacks_by_name(fake_world):
+    """The module and the backend object are one surface over the mode's state in every mode:
+    the same class whatever the sharding, join() and register_comm_hook refused by name with
+    sharding="full", the switch held by the state, the whole optimizer state read from either."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    fake_world(8)
+    model, other = models.MLP(), models.MLP()
+    forms = [
+        graphddp.compile(model, optimizer=_adamw(model), sharding="full", backend="aot_eager"),
+        graphddp.backend(other, optimizer=_adamw(other), sharding="full", backend="aot_eager"),
+    ]
+    assert type(forms[0]) is type(graphddp.compile(models.MLP(), backend="aot_eager"))
+    for made in forms:
+        with pytest.raises(NotImplementedError, match=r"join\(\) is not supported with sharding='full'"):
+            made.join()
+        with pytest.raises(NotImplementedError, match="register_comm_hook is not supported with sharding='full'"):
+            made.register_comm_hook(None, default_hooks.allreduce_hook)
+        with made.no_sync():
+            assert made.require_backward_grad_sync is False and made._state.sync is False
+        assert made.require_backward_grad_sync is True
+        state = graphddp.full_optimizer_state_dict(made)
+        assert state["param_groups"] and made.full_optimizer_state_dict().keys() == state.keys()
+    with pytest.raises(TypeError, match="graphddp.full_optimizer_state_dict: expects a model from graphddp.compile"):
+        graphddp.full_optimizer_state_dict(graphddp.compile(models.MLP(), backend="aot_eager"))
+
+
 def test_an_optimizer_over_other_tensors_is_refused(fake_world):
     fake_world(8)
     model = models.MLP()

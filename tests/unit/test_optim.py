@@ -261,7 +261,7 @@ def test_lr_changes_take_effect_without_recompiling(fake_world, scheduler_first:
         opt.step()
         sched.step()
     assert all(torch.equal(a, b.detach()) for a, b in zip(moved, gd.parameters())), "lr=0 must not move the parameters"
-    assert len(gd.records) == 1 and gd._backend.graphs_compiled == 1, "an lr change must not recompile"
+    assert len(gd.records) == 1 and gd._state.backend.graphs_compiled == 1, "an lr change must not recompile"
 
 
 def test_inductor_code_updates_each_bucket_between_the_waits(fake_world) -> None:
@@ -300,7 +300,7 @@ def test_two_forwards_then_one_backward_is_one_step(fake_world) -> None:
     (gd(a).sum() + gd(b).sum()).backward()
     ((ref(a).sum() + ref(b).sum()) / 4).backward()
     ref_opt.step()
-    (state,) = gd._backend.states
+    (state,) = gd._state.backend.states
     assert (state.steps_in_graph, state.steps_after) == (0, 2)
     assert all(opt.state[p]["step"].item() == 1.0 for p in gd.parameters())
     for p, q in zip(gd.parameters(), ref.parameters()):
@@ -333,13 +333,13 @@ def test_two_graphs_of_one_frame_in_one_step_fall_back_to_one_torch_step(fake_wo
     ref_opt.step()
     ref_opt.zero_grad()
     assert len(gd.records) == 2 and all(r.fallbacks.get("shared") for r in gd.records), [r.fallbacks for r in gd.records]
-    assert [(s.steps_in_graph, s.steps_after) for s in gd._backend.states] == [(1, 1), (0, 1)]
+    assert [(s.steps_in_graph, s.steps_after) for s in gd._state.backend.states] == [(1, 1), (0, 1)]
     assert all(opt.state[p]["step"].item() == 2.0 for p in gd.parameters())
     for p, q in zip(gd.parameters(), ref.parameters()):
         assert p.grad is None
         torch.testing.assert_close(p.detach(), q.detach(), atol=1e-6, rtol=1e-5)
     gd(b).sum().backward()  # one graph in this step: inside it again
-    assert gd._backend.states[1].steps_in_graph == 1
+    assert gd._state.backend.states[1].steps_in_graph == 1
 
 
 def test_a_backward_that_raises_does_not_stop_later_steps(fake_world) -> None:
@@ -357,7 +357,7 @@ def test_a_backward_that_raises_does_not_stop_later_steps(fake_world) -> None:
         loss.backward()
     handle.remove()
     before = [p.detach().clone() for p in gd.parameters()]
-    (state,) = gd._backend.states
+    (state,) = gd._state.backend.states
     in_graph = state.steps_in_graph
     gd(x).sum().backward()
     assert state.steps_in_graph == in_graph + 1, "the failed backward's step is over: this one is whole"
@@ -393,7 +393,7 @@ def _beside_torch(fake_world, make: Callable[[Any], torch.optim.Optimizer], chec
 def test_world_size_one_updates_in_the_graph_like_torch(fake_world) -> None:
     """No all-reduce to follow: each bucket's update still goes in the graph, before the output."""
     gd = _beside_torch(fake_world, OPTIMIZERS["adam_wd_amsgrad"])
-    (state,) = gd._backend.states
+    (state,) = gd._state.backend.states
     assert state.steps_in_graph == 3 and gd.records[0].schedule.num_buckets >= 2
 
 
@@ -414,7 +414,7 @@ def test_adams_step_lives_where_torchs_own_would(fake_world) -> None:
     torch.set_default_dtype(torch.float64)
     try:
         gd = _beside_torch(fake_world, lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True), check)
-        (state,) = gd._backend.states
+        (state,) = gd._state.backend.states
         assert state.steps_in_graph == 3
     finally:
         torch.set_default_dtype(default)

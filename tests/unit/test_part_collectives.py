@@ -263,7 +263,7 @@ def _hybrid_backward():
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     ours = graphddp.compile(model, optimizer=opt, sharding="full", backend="aot_eager", bucket_cap_mb=0.5, device_mesh=mesh)
     ours(torch.randn(4, 256)).sum().backward()
-    return dict(ours.graphs)["backward"], ours._record.placement
+    return dict(ours.graphs)["backward"], ours._state.record.placement
 
 
 def test_hybrid_buckets_all_reduce_each_reduce_scatter_once_over_the_replicate_group(fake_world):

@@ -79,7 +79,7 @@ def _compiled(reshard, mesh=None):
 def test_the_plan_of_a_compiled_graph_is_what_describe_parts_reads_back(fake_world, reshard):
     fake_world(8)
     ours = _compiled(reshard)
-    record = ours._record
+    record = ours._state.record
     assert [i for i, _ in record.planned] == [i for i, _ in record.described] and len(record.planned) == 2
     for (_, plan), (_, described) in zip(record.planned, record.described):  # the record's plan names parameters as the reading
         assert plan_disagreement(plan, described) == []
@@ -99,7 +99,7 @@ def test_the_hybrid_plan_keys_on_the_replicate_all_reduce(fake_world):
 
     fake_world(8)
     mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
-    record = _compiled(True, mesh)._record
+    record = _compiled(True, mesh)._state.record
     (_, backward), = [(i, p) for i, p in record.planned if p.reduce_scatters]
     assert len(backward.reduce_scatters) == 3
     described = next(d for _, d in record.described if d.kind == "backward")

@@ -102,8 +102,8 @@ def param_bytes(model: nn.Module) -> int:
     """Bytes of parameters this rank holds between steps (FSDP2: its shards after the step;
     graphddp with ``gather="forward"``: the updated values on their way too, the all-gathers
     the last backward left for the next forward)."""
-    replica = getattr(model, "_replica", None)
-    pending = getattr(getattr(replica, "step", None), "gathers", None)
+    state = getattr(model, "_state", None)
+    pending = getattr(getattr(state, "step", None), "gathers", None)
     held = pending.held_bytes() if pending else 0
     # A graphddp module's parameters() completes the pending all-gathers (sharding="full": gathers
     # whole values): count its wrapped module's, the parts with full sharding.
