@@ -73,8 +73,6 @@ class FullyShardedState:
     ``graphddp.compile`` returns and the ``graphddp.backend`` object (:mod:`graphddp.frontend.api`)
     read and run for this mode. Its ``compile_graph`` is the torch.compile backend of both forms."""
 
-    hook_state = None  # comm hooks are refused in this mode
-
     def __init__(self, module: nn.Module, groups: MeshGroups, config: DDPConfig, optimizer: torch.optim.Optimizer, parts: dict[int, Part]) -> None:
         self.module = module
         self.group = groups.whole  # every rank: the forward's agreement, the buffers
