@@ -115,6 +115,20 @@ def test_powersgd_hook_becomes_graphddps_powersgd_with_the_states_settings_strea
     assert {b.hook for b in model.schedules[0].buckets} == {"PowerSGD"} and hook.iter == 3
 
 
+def test_a_hooks_state_rides_in_the_state_dict_and_a_model_without_one_refuses_it(fake_world):
+    """PowerSGD's state is saved under "graphddp_comm_hook" beside the model's own keys; loading
+    it into a model that runs no traced hook is refused, not dropped."""
+    fake_world(2)
+    model = _model()
+    model.register_comm_hook(ddp_powersgd.PowerSGDState(None, start_powerSGD_iter=2), ddp_powersgd.powerSGD_hook)
+    _train_step(model)
+    saved = model.state_dict()
+    assert "graphddp_comm_hook" in saved and saved.keys() - {"graphddp_comm_hook"} == model.module.state_dict().keys()
+    model.load_state_dict(saved)
+    with pytest.raises(ValueError, match="'graphddp_comm_hook' .* runs no traced comm hook"):
+        _model().load_state_dict(saved)
+
+
 def test_a_users_hook_registered_is_traced_as_comm_hook_is(fake_world):
     fake_world(2)
     model = _model()
