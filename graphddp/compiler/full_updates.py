@@ -84,15 +84,11 @@ class PartUpdates:
         except (TypeError, ValueError):
             return None
         updates = PartUpdates(attached, syncing, verify)
-        optimizer.register_step_post_hook(lambda *_: updates.step_done())
-        attached.after_scaler_step = (updates.step_done,)  # a step GradScaler skipped ends the step too
+        # opt.step() ends the step; so does one GradScaler skipped
+        optimizer.register_step_post_hook(lambda *_: updates.step.optimizer_stepped())
+        attached.after_scaler_step = (updates.step.optimizer_stepped,)
         guards.watch(attached)  # clipping the parts' p.grad is refused by name; an enabled GradScaler marks the step
         return updates
-
-    def step_done(self) -> None:
-        """``opt.step()`` ended the step: a forward whose backward never ran (a graph whose
-        outputs the loss does not read) no longer counts."""
-        self.step.optimizer_stepped()
 
     # -- compile time ------------------------------------------------------------------------------
     def forward_compiled(self, index: int, gm: fx.GraphModule, names: Mapping[str, str]) -> None:

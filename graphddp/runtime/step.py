@@ -29,6 +29,9 @@ Algorithm
       many graphs ran) the listeners run in order (a traced hook's end-of-step work, torch's
       optimizer step for gradients the graphs left) and the step is over: nodes that ran are
       forgotten, nodes still waiting count for the next one.
+    * Whether a graph's optimizer update inside its backward is the whole step is asked of
+      this record (:meth:`not_inside`, every reason stated there), by the replicated optimizer
+      and by sharding="full", whose forwards and backwards go to a StepState of its own.
     * The user's switch (DDP's ``require_backward_grad_sync``, which ``no_sync`` toggles), whether gradients were accumulated locally, and the step
       after ``no_sync`` where a traced hook runs eagerly are held here too; the replica sets
       them through this class's methods (``set_sync``, ``accumulate``, ``hook_accumulated``...),
@@ -280,10 +283,6 @@ class StepState(StepAgreement):
         """Backwards of graph ``index`` in this step: run already, running, or still to come."""
         return sum(r.counts() for r in self._runs.get(index, ()))
 
-    def others_this_step(self, index: int) -> list[int]:
-        """The other graphs of this step (their backward ran, runs, or is still to come)."""
-        return [g.index for g in self.graphs if g.index != index and self.runs(g.index)]
-
     def shared_this_step(self, index: int, names: Iterable[str]) -> set[str]:
         """Which of ``names`` another graph of this step also reads (its gradient comes in parts)."""
         wanted = set(names)
@@ -314,30 +313,20 @@ class StepState(StepAgreement):
           norm), another graph of this step adds to the global norm.
         * ``"accumulated"``: one of them holds a gradient from earlier micro-steps (``held``;
           sharding="full" passes none: its carrying variant adds them inside)."""
-        runs = self.runs(index)
-        mine = self._runs.get(index, ())
-        shared = self.shared_this_step(index, names)
-        others = [g for g in self.others_this_step(index) if in_norm(g)] if in_norm is not None else []
-        if scaled:
-            return NotInside("scaler", tuple(names))
-        if unused & set(names):
-            return NotInside("unused", tuple(sorted(unused & set(names))), "no rank used them in this step")
-        if any(r.local and r.counts() for r in mine):
-            return NotInside("no_sync", tuple(names))
-        if runs > 1:
-            return NotInside("ran twice", tuple(names), f"the graph's forward ran {runs} times before one backward")
-        if any(r.foreign and r.counts() for r in mine):
-            return NotInside("other parts", tuple(names))
-        if shared:
-            return NotInside("shared", tuple(sorted(shared)), "another compiled graph of this step reads them too")
-        if others:
-            return NotInside(
-                "clip spans graphs", tuple(names),
-                f"max_grad_norm: the global norm spans {len(others) + 1} compiled graphs of this step (a graph break)",
-            )
-        if held:
-            return NotInside("accumulated", tuple(held))
-        return None
+        mine = [r for r in self._runs.get(index, ()) if r.counts()]
+        wanted, shared = set(names), self.shared_this_step(index, names)
+        others = [g.index for g in self.graphs if g.index != index and in_norm is not None and self.runs(g.index) and in_norm(g.index)]
+        reasons = (
+            (scaled, "scaler", names, ""),
+            (unused & wanted, "unused", sorted(unused & wanted), "no rank used them in this step"),
+            (any(r.local for r in mine), "no_sync", names, ""),
+            (len(mine) > 1, "ran twice", names, f"the graph's forward ran {len(mine)} times before one backward"),
+            (any(r.foreign for r in mine), "other parts", names, ""),
+            (shared, "shared", sorted(shared), "another compiled graph of this step reads them too"),
+            (others, "clip spans graphs", names, f"max_grad_norm: the global norm spans {len(others) + 1} compiled graphs of this step (a graph break)"),
+            (held, "accumulated", held, ""),
+        )
+        return next((NotInside(kind, tuple(which), why) for holds, kind, which, why in reasons if holds), None)
 
     def optimizer_stepped(self) -> None:
         """torch's ``opt.step()`` ended a step that no synchronising backward ends (sharding="full"):
