@@ -122,8 +122,8 @@ class _Graph:
         self.none_outputs = NoneOutputs()
 
     def forward(self, fn: Callable[..., Any], part_ids: Mapping[int, int]) -> Callable[..., Any]:
-        """The compiled forward ``fn``, each training call counted for the update inside
-        (:meth:`PartUpdates.forward_ran`) and its autograd node tagged as an attached model's
+        """The compiled forward ``fn``, each training call's backward recorded for the update
+        inside (:meth:`PartUpdates.forward_ran`) and its autograd node tagged as an attached model's
         (:mod:`graphddp.optim.guards`), and, while its backward may leave a part unused, a
         pre-hook on that node recording which output gradients come as None
         (:mod:`graphddp.runtime.usage`)."""
@@ -134,13 +134,12 @@ class _Graph:
             if not torch.is_grad_enabled():
                 return fn(*args)
             inputs = list(args[0]) if boxed and len(args) == 1 and isinstance(args[0], list) else args
-            if updates is not None:
-                updates.forward_ran(self.index, inputs, part_ids)
             noting = self.usage is None or self.usage.may_be_unused
             out = fn(*args)
             if updates is not None or noting:
                 node = compiled_backward_node(out if isinstance(out, (list, tuple)) else [out], inputs)
                 if node is not None and updates is not None:  # an enabled GradScaler.scale of it marks the step (graphddp.optim.guards)
+                    updates.forward_ran(self.index, node, inputs, part_ids)
                     node.metadata[ATTACHED_NODE] = updates.attached
                 if node is not None and noting:
                     node.register_prehook(self.none_outputs.note)

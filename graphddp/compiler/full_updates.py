@@ -13,24 +13,12 @@ interchange.
 
 A backward updates inside where that is the whole step for its parts. Where a part holds a
 gradient accumulated by earlier micro-steps (the synchronising micro-step after ``no_sync``),
-the carrying variant adds it to this backward's gradient, updates, and leaves the part none. Otherwise the
-backward returns the gradients and ``opt.step()`` steps them (``FullyShardedGraphDDP.updates``
-counts each case: ``"inside"``, ``"inside, carried"``, or the reason):
-
-* ``"no_sync"``: a micro-step under ``no_sync()`` or ``require_backward_grad_sync = False``
-  accumulates (a reduce-scatter per micro-step, as before);
-* ``"ran twice"``: the graph's forward ran more than once before this backward;
-* ``"shared"``: another graph of this step reads one of its parts (a weight tied across a graph
-  break), and either its backward is still to come or it returned that part's share already
-  (which autograd may add to ``p.grad`` only after this backward has begun, so it is not
-  carried);
-* ``"other parts"``: Dynamo ran the graph for other modules' parts than it was compiled for
-  (their parent's frame runs eagerly), so the state passed by name would be another part's;
-* ``"unused"``: no rank used one of its parts this step (an output the loss left out): that
-  part's gradient is returned as None and ``opt.step()`` skips it, as it skips a parameter DDP
-  leaves without one (:mod:`graphddp.runtime.usage`).
-* ``"scaler"``: an enabled ``GradScaler`` scaled the loss (:mod:`graphddp.optim.scaled_step`):
-  its ``unscale_``, inf check (agreed across ranks) and ``step`` come after the backward.
+the carrying variant adds it to this backward's gradient, updates, and leaves the part none.
+Otherwise the backward returns the gradients and ``opt.step()`` steps them, for one of the
+reasons of :meth:`graphddp.runtime.step.StepState.not_inside`, the same as the replicated
+optimizer's, over the same record of the step's forwards and backwards
+(``GraphDDP.updates`` (full sharding) counts each case: ``"inside"``, ``"inside, carried"``, or the
+reason).
 
 Not inside the backward at all (every step through ``opt.step()``): optimizer classes other
 than ``torch.optim`` SGD, Adam and AdamW, and ``max_grad_norm`` (the global norm needs every
@@ -53,6 +41,7 @@ from graphddp.optim import guards
 from graphddp.optim.attached import AttachedOptimizer
 from graphddp.optim.insert_part_update import insert_part_updates
 from graphddp.optim.insert_update import UpdateInputs
+from graphddp.runtime.step import StepState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,13 +68,8 @@ class PartUpdates:
         self.syncing = syncing  # require_backward_grad_sync, read at each forward
         self.verify = verify
         self.forward_values: dict[int, dict[str, Any]] = {}  # per Dynamo graph: its parts' fake values
-        self.parts_of: dict[int, frozenset[str]] = {}  # the parts each graph's forward reads
-        self.pending: collections.Counter[int] = collections.Counter()  # forwards whose backward is to come
-        self.foreign: collections.Counter[int] = collections.Counter()  # of those, run for other parts
-        self.local: collections.Counter[int] = collections.Counter()  # of those, run under no_sync (read at the forward, as DDP reads it)
-        # Parts whose gradient a backward of this backward pass returned: autograd may add it to
-        # p.grad only after a later graph's backward has begun (seen on a weight tied across a graph break).
-        self.returned: set[str] = set()
+        self.step = StepState()  # the forwards whose backward is to come, and the backwards of this backward pass
+        self.entries: dict[int, int] = {}  # Dynamo graph -> its entry in the step (reading its parts)
         self.counts: collections.Counter[str] = collections.Counter()  # "inside" or a reason
 
     @staticmethod
@@ -100,17 +84,11 @@ class PartUpdates:
         except (TypeError, ValueError):
             return None
         updates = PartUpdates(attached, syncing, verify)
-        optimizer.register_step_post_hook(lambda *_: updates.step_done())
-        attached.after_scaler_step = (updates.step_done,)  # a step GradScaler skipped ends the step too
+        # opt.step() ends the step; so does one GradScaler skipped
+        optimizer.register_step_post_hook(lambda *_: updates.step.optimizer_stepped())
+        attached.after_scaler_step = (updates.step.optimizer_stepped,)
         guards.watch(attached)  # clipping the parts' p.grad is refused by name; an enabled GradScaler marks the step
         return updates
-
-    def step_done(self) -> None:
-        """``opt.step()`` ended the step: a forward whose backward never ran (a graph whose
-        outputs the loss does not read) no longer counts as pending."""
-        for counter in (self.pending, self.foreign, self.local):
-            counter.clear()
-        self.returned.clear()
 
     # -- compile time ------------------------------------------------------------------------------
     def forward_compiled(self, index: int, gm: fx.GraphModule, names: Mapping[str, str]) -> None:
@@ -118,7 +96,7 @@ class PartUpdates:
         backward input aliasing one is found by)."""
         values = {names[n.name]: n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder" and n.name in names}
         self.forward_values[index] = values
-        self.parts_of[index] = frozenset(values)
+        self.entries[index] = self.step.add_graph(None, values).index
 
     def backward_variant(self, index: int, gm: fx.GraphModule, names: Mapping[str, str]) -> UpdatingBackward | None:
         """``gm`` (placed, checked) with its parts' updates, on a copy; None when it updates none."""
@@ -151,15 +129,12 @@ class PartUpdates:
         return UpdatingBackward(variant, carrying, tuple(updated), groups)
 
     # -- run time ----------------------------------------------------------------------------------
-    def forward_ran(self, index: int, inputs: Sequence[Any], part_ids: Mapping[int, int]) -> None:
-        """Graph ``index``'s forward ran for training: one more backward to come, under
-        ``no_sync`` or not, and with other parts than ``part_ids`` (input position -> id) it was
-        compiled for or not."""
-        self.pending[index] += 1
-        if not self.syncing():
-            self.local[index] += 1
-        if any(i < len(inputs) and id(inputs[i]) != pid for i, pid in part_ids.items()):
-            self.foreign[index] += 1
+    def forward_ran(self, index: int, node: Any, inputs: Sequence[Any], part_ids: Mapping[int, int]) -> None:
+        """Graph ``index``'s forward made ``node``, whose backward is to come: under ``no_sync``
+        or not, and with other parts than ``part_ids`` (input position -> id) it was compiled
+        for or not."""
+        foreign = any(i < len(inputs) and id(inputs[i]) != pid for i, pid in part_ids.items())
+        self.step.record_run(self.entries[index], node, local=not self.syncing(), foreign=foreign)
 
     def backward(self, index: int, variant: UpdatingBackward, plain: Compile, updating: Compile, carrying: Compile) -> Callable[[list], Any]:
         """What AOTAutograd runs as graph ``index``'s backward: where the update inside is the
@@ -169,53 +144,27 @@ class PartUpdates:
         params = [self.attached.params[n] for n in variant.names]
 
         def run(args: list, unused: frozenset[str] = frozenset()) -> Any:
-            why = "unused" if unused.intersection(variant.names) else self._why_not(index, variant.names)
-            try:
-                if why is not None:
-                    self.counts[why] += 1
-                    self._returning(self.parts_of.get(index, frozenset()))
-                    return plain()(args)
-                extra = self.attached.update_args(variant.names, variant.groups)
-                args.extend(extra.tensors)  # the same list: the callee frees what it no longer needs
-                held = [p.grad for p in params]
-                if all(g is None for g in held):
-                    out = updating()(args)
-                    self.counts["inside"] += 1
-                else:
-                    args.extend(g if g is not None else torch.zeros_like(p) for g, p in zip(held, params))
-                    del held
-                    out = carrying()(args)
-                    for p in params:
-                        p.grad = None  # added in, and stepped
-                    self.counts["inside, carried"] += 1
-                self.attached.updated(extra)
-                return out
-            finally:
-                self.pending[index] -= 1
-                self.foreign[index] = min(self.foreign[index], self.pending[index])
-                self.local[index] = min(self.local[index], self.pending[index])
+            entry = self.entries[index]
+            self.step.synchronising_backward(entry)
+            reason = self.step.not_inside(entry, variant.names, scaled=self.attached.scaled, unused=unused)
+            if reason is not None:
+                self.counts[reason.kind] += 1
+                return plain()(args)
+            extra = self.attached.update_args(variant.names, variant.groups)
+            args.extend(extra.tensors)  # the same list: the callee frees what it no longer needs
+            held = [p.grad for p in params]
+            if all(g is None for g in held):
+                out = updating()(args)
+                self.counts["inside"] += 1
+            else:
+                args.extend(g if g is not None else torch.zeros_like(p) for g, p in zip(held, params))
+                del held
+                out = carrying()(args)
+                for p in params:
+                    p.grad = None  # added in, and stepped
+                self.counts["inside, carried"] += 1
+            self.attached.updated(extra)
+            return out
 
         run._boxed_call = True  # type: ignore[attr-defined]
         return run
-
-    def _returning(self, names: frozenset[str]) -> None:
-        """``names``' gradients are returned by a backward now: until this backward pass ends
-        (when autograd has added every returned gradient), no later graph updates them."""
-        if not self.returned:
-            torch.autograd.Variable._execution_engine.queue_callback(self.returned.clear)
-        self.returned |= names
-
-    def _why_not(self, index: int, names: Sequence[str]) -> str | None:
-        """None when the update inside is the whole step for ``names``, else the reason."""
-        mine = set(names)
-        if self.attached.scaled:
-            return "scaler"
-        if self.local[index]:
-            return "no_sync"
-        if self.pending[index] != 1:
-            return "ran twice"
-        if self.foreign[index]:
-            return "other parts"
-        if mine & self.returned or any(self.pending[h] > 0 and self.parts_of.get(h, frozenset()) & mine for h in self.pending if h != index):
-            return "shared"
-        return None

@@ -64,36 +64,16 @@ class InGraphUpdates:
         tensors = {**self.parameters, **optimizer.params}
 
         def allowed(unused: frozenset[str]) -> bool:
-            """The graph's update is the whole step for its parameters: its backward runs once
-            in this step, no other graph of this step reads one of them (tied across a graph
-            break), every one was used on some rank (torch.optim skips a None gradient), and
-            none holds a gradient already (accumulated under no_sync), and an enabled GradScaler did not
-            scale the loss (graphddp.optim.scaled_step). With max_grad_norm, also:
-            no other graph runs in this step (the global norm would span graphs) and no
-            parameter of the graph holds a gradient. Otherwise torch's step (after torch's
-            clip_grad_norm_) runs for them after the backward; the first time, a warning says why."""
-            runs = self.step.runs(graph_index)
-            shared = self.step.shared_this_step(graph_index, names)
-            others = [g for g in self.step.others_this_step(graph_index) if self._has_gradients(g)] if clip else []
+            """The graph's update is the whole step for its parameters (:meth:`StepState.not_inside`);
+            otherwise torch's step (after torch's clip_grad_norm_) runs for them after the
+            backward, recorded in ``record.fallbacks`` and warned once (but the expected reasons)."""
             held = tuple(n for n in graded if n in tensors and tensors[n].grad is not None)
-            if optimizer.scaled:  # an enabled GradScaler unscales, checks and steps after the backward
-                record.fallbacks["scaler"] = names
-            elif unused & set(names):
-                self._fallback(record, graph_index, "unused", sorted(unused & set(names)), "no rank used them in this step")
-            elif runs > 1:
-                self._fallback(record, graph_index, "ran twice", names, f"the graph's forward ran {runs} times before one backward")
-            elif shared:
-                self._fallback(record, graph_index, "shared", sorted(shared), "another compiled graph of this step reads them too")
-            elif others:
-                self._fallback(
-                    record, graph_index, "clip spans graphs", names,
-                    f"max_grad_norm: the global norm spans {len(others) + 1} compiled graphs of this step (a graph break)",
-                )
-            elif held:
-                record.fallbacks["accumulated"] = held
-            else:
-                return True
-            return False
+            reason = self.step.not_inside(
+                graph_index, names, scaled=optimizer.scaled, unused=unused, held=held, in_norm=self._has_gradients if clip else None
+            )
+            if reason is not None:
+                self._fallback(record, graph_index, reason.kind, reason.names, reason.why)
+            return reason is None
 
         placeholders = [n for n in record.graph.graph.nodes if n.op == "placeholder"]
         writes = tuple((i, ph.meta[WRITES]) for i, ph in enumerate(placeholders) if WRITES in ph.meta)
@@ -114,10 +94,10 @@ class InGraphUpdates:
         return any(p.requires_grad for n in self.step.graphs[graph_index].params if (p := self.parameters.get(n)) is not None)
 
     def _fallback(self, record: GraphRecord, graph_index: int, kind: str, names: Sequence[str], why: str) -> None:
-        """Record (and, the first time per graph and kind, warn) that torch's step after the
-        backward updates ``names`` instead of the graph. Right, but not overlapped."""
+        """Record (and, where there is a ``why``, the first time per graph and kind, warn) that
+        torch's step after the backward updates ``names`` instead of the graph. Right, but not overlapped."""
         record.fallbacks[kind] = tuple(names)
-        if (graph_index, kind) in self._warned:
+        if not why or (graph_index, kind) in self._warned:
             return
         self._warned.add((graph_index, kind))
         warnings.warn(

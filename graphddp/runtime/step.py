@@ -29,6 +29,9 @@ Algorithm
       many graphs ran) the listeners run in order (a traced hook's end-of-step work, torch's
       optimizer step for gradients the graphs left) and the step is over: nodes that ran are
       forgotten, nodes still waiting count for the next one.
+    * Whether a graph's optimizer update inside its backward is the whole step is asked of
+      this record (:meth:`not_inside`, every reason stated there), by the replicated optimizer
+      and by sharding="full", whose forwards and backwards go to a StepState of its own.
     * The user's switch (DDP's ``require_backward_grad_sync``, which ``no_sync`` toggles), whether gradients were accumulated locally, and the step
       after ``no_sync`` where a traced hook runs eagerly are held here too; the replica sets
       them through this class's methods (``set_sync``, ``accumulate``, ``hook_accumulated``...),
@@ -45,7 +48,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import weakref
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -63,14 +66,29 @@ class GraphEntry:
     params: frozenset[str]
 
 
+@dataclasses.dataclass(frozen=True)
+class NotInside:
+    """Why a backward's optimizer update is not the whole step for its parameters
+    (:meth:`StepState.not_inside`): the reason as ``GraphRecord.fallbacks`` and
+    ``GraphDDP.updates`` (full sharding) name it, the parameters it concerns, and what a warning
+    says (empty for the expected ones, which are not warned)."""
+
+    kind: str
+    names: tuple[str, ...]
+    why: str = ""
+
+
 class _Run:
-    """One synchronising forward's backward node, and whether its backward started."""
+    """One forward's backward node, whether its backward started, and what the forward ran
+    under: ``no_sync`` (``local``) or other parameters than its graph was compiled for
+    (``foreign``; only sharding="full" records either: a replicated graph runs its local backward
+    then, or is renamed, and never asks :meth:`StepState.not_inside`)."""
 
-    __slots__ = ("node", "started")
+    __slots__ = ("node", "started", "local", "foreign")
 
-    def __init__(self, node: Any) -> None:
+    def __init__(self, node: Any, local: bool = False, foreign: bool = False) -> None:
         self.node = weakref.ref(node)
-        self.started = False
+        self.started, self.local, self.foreign = False, local, foreign
 
     def counts(self) -> bool:
         return self.started or self.node() is not None
@@ -245,8 +263,12 @@ class StepState(StepAgreement):
             self.eager_graphs.append(index)
             node.register_prehook(self._eager_backward)
         if self.track_runs and syncing and node is not None and torch.is_grad_enabled():
-            # Forwards whose outputs were dropped never reach a backward: forget them.
-            self._runs[index] = [r for r in self._runs.get(index, ()) if r.counts()] + [_Run(node)]
+            self.record_run(index, node)
+
+    def record_run(self, index: int, node: Any, local: bool = False, foreign: bool = False) -> None:
+        """Graph ``index``'s forward made ``node``, whose backward is to come (:class:`_Run`).
+        Forwards whose outputs were dropped never reach a backward: forgotten here."""
+        self._runs[index] = [r for r in self._runs.get(index, ()) if r.counts()] + [_Run(node, local, foreign)]
 
     # -- backward -------------------------------------------------------------------------------
     def contribute(self, schedule: Any, grads: dict[str, torch.Tensor], used: Iterable[str]) -> None:
@@ -261,14 +283,56 @@ class StepState(StepAgreement):
         """Backwards of graph ``index`` in this step: run already, running, or still to come."""
         return sum(r.counts() for r in self._runs.get(index, ()))
 
-    def others_this_step(self, index: int) -> list[int]:
-        """The other graphs of this step (their backward ran, runs, or is still to come)."""
-        return [g.index for g in self.graphs if g.index != index and self.runs(g.index)]
-
     def shared_this_step(self, index: int, names: Iterable[str]) -> set[str]:
         """Which of ``names`` another graph of this step also reads (its gradient comes in parts)."""
         wanted = set(names)
         return {n for g in self.graphs if g.index != index and self.runs(g.index) for n in g.params & wanted}
+
+    def not_inside(
+        self, index: int, names: Sequence[str], *, scaled: bool, unused: frozenset[str] = frozenset(),
+        held: Sequence[str] = (), in_norm: Callable[[int], bool] | None = None,
+    ) -> NotInside | None:
+        """None where graph ``index``'s update inside its backward is the whole step for
+        ``names``, else the first reason it is not; torch's step after the backward (or, with
+        full sharding, ``opt.step()``) then steps them from their gradients, the same result,
+        not overlapped. Each reason, and why it holds:
+
+        * ``"scaler"``: an enabled GradScaler scaled the loss; its unscale, inf check and step
+          come after the backward (:mod:`graphddp.optim.scaled_step`).
+        * ``"unused"``: no rank used one of them (``unused``): torch.optim skips a parameter
+          without a gradient, as it skips one DDP leaves without.
+        * ``"no_sync"``: the forward ran under ``no_sync``, so this backward accumulates (only
+          sharding="full" asks then: a replicated graph runs its local backward instead).
+        * ``"ran twice"``: the graph's forward ran more than once before this backward: the
+          step's gradient is the sum of its backwards.
+        * ``"other parts"``: Dynamo ran the graph for other parameters than it was compiled for,
+          so state passed by name would be another's (recorded by sharding="full" only).
+        * ``"shared"``: another graph of this step reads one of them (tied across a graph
+          break): its gradient comes in parts, which autograd adds after this backward.
+        * ``"clip spans graphs"``: with max_grad_norm (``in_norm``: does a graph add to the
+          norm), another graph of this step adds to the global norm.
+        * ``"accumulated"``: one of them holds a gradient from earlier micro-steps (``held``;
+          sharding="full" passes none: its carrying variant adds them inside)."""
+        mine = [r for r in self._runs.get(index, ()) if r.counts()]
+        wanted, shared = set(names), self.shared_this_step(index, names)
+        others = [g.index for g in self.graphs if g.index != index and in_norm is not None and self.runs(g.index) and in_norm(g.index)]
+        reasons = (
+            (scaled, "scaler", names, ""),
+            (unused & wanted, "unused", sorted(unused & wanted), "no rank used them in this step"),
+            (any(r.local for r in mine), "no_sync", names, ""),
+            (len(mine) > 1, "ran twice", names, f"the graph's forward ran {len(mine)} times before one backward"),
+            (any(r.foreign for r in mine), "other parts", names, ""),
+            (shared, "shared", sorted(shared), "another compiled graph of this step reads them too"),
+            (others, "clip spans graphs", names, f"max_grad_norm: the global norm spans {len(others) + 1} compiled graphs of this step (a graph break)"),
+            (held, "accumulated", held, ""),
+        )
+        return next((NotInside(kind, tuple(which), why) for holds, kind, which, why in reasons if holds), None)
+
+    def optimizer_stepped(self) -> None:
+        """torch's ``opt.step()`` ended a step that no synchronising backward ends (sharding="full"):
+        a forward whose backward never ran no longer counts."""
+        self._runs.clear()
+        self._end_queued = False
 
     def on_end_of_step(self, listener: Callable[[], None]) -> None:
         """Run ``listener`` at the end of every synchronising backward, in registration order."""
