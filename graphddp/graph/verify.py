@@ -8,9 +8,9 @@ neighbours in the graph; a schedule that does not describe the graph (0, a bucke
 all-reduce, an output in no bucket) is named by bucket and output instead. Every check has a
 mutation in ``tests/unit/test_verify_mutations.py`` (or a test in ``tests/unit/test_verify.py``) that
 only it catches. This module runs them all and holds 0-2, 10 and 11; one bucket's checks
-(3-9) are in :mod:`graphddp.graph.verify_bucket`, a user hook's (12) in
-:mod:`graphddp.graph.verify_hook`, and the error and graph lookups every checker shares in
-:mod:`graphddp.graph.verify_common`. Checks run in this order:
+(3-9, and a user hook's, 12) are in :mod:`graphddp.graph.verify_bucket`, the invariants every
+mode shares in :mod:`graphddp.graph.invariants`, and the error and graph lookups every
+checker shares in :mod:`graphddp.graph.verify_common`. Checks run in this order:
 
 0. **Schedule.** The schedule is well formed: bucket ``i`` is at position ``i``, and no
    output is in two buckets (else a gradient would be reduced twice).
@@ -76,9 +76,8 @@ import torch
 import torch.fx as fx
 
 from graphddp.graph.invariants import waited_once
-from graphddp.graph.verify_bucket import _check_bucket, _check_carried
+from graphddp.graph.verify_bucket import _check_bucket, _check_carried, _check_hook_bucket, _check_hook_gradient, _check_slice
 from graphddp.graph.verify_common import VerificationError, _fail, _Graph, _names
-from graphddp.graph.verify_hook import _check_hook_bucket, _check_hook_gradient
 from graphddp.values.collectives import kind
 from graphddp.values.comm import BUCKET_KEY, CAST, is_collective, is_ours, is_wait, wire_bytes
 from graphddp.values.schedule import Bucket, GradSlot, Schedule
@@ -170,12 +169,7 @@ def _check_gradient(g: _Graph, index: int, name: str, bucket: Bucket, slot: Grad
     shape = [aten.view.default, aten.slice.Tensor] + ([CAST] if bucket.comm_dtype else [])
     if [n.target for n in path] != shape:
         _fail(g.gm, returned, f"{what} reaches bucket {bucket.index}'s wait {wait.name} through {_names(path)}, not view(slice({'cast(' if bucket.comm_dtype else ''}wait))")
-    view, piece = path[0], path[1]
-    want = (0, offset, offset + slot.numel)
-    if tuple(piece.args[1:4]) != want or (len(piece.args) > 4 and piece.args[4] != 1):
-        _fail(g.gm, piece, f"{what} is {piece.name}, the slice {tuple(piece.args[1:])} of bucket {bucket.index}, not its own slice (dim, start, end) = {want}")
-    if list(view.args[1]) != list(slot.shape):
-        _fail(g.gm, view, f"{what} is viewed as {list(view.args[1])} by {view.name}; its shape is {list(slot.shape)}")
+    _check_slice(g, what, bucket, slot, offset, view=path[0], piece=path[1])
 
 
 def _check_outputs(g: _Graph, schedule: Schedule, expected: Mapping[int, str], sharded: set[int] = frozenset()) -> None:

@@ -242,7 +242,7 @@ def test_verify_rejects_a_hook_collective_on_another_group(hooked):
     gm, _ = _copy(gm)
     c = _ours(gm, 1, is_collective)[1]
     c.args = (*c.args[:2], "other")
-    with pytest.raises(VerificationError, match=r"bucket 1's all_reduce_\d+ runs on group 'other'"):
+    with pytest.raises(VerificationError, match=r"bucket 1's hook: all_reduce_\d+ runs on group 'other'"):
         verify(gm, schedule, _expected(schedule))
 
 

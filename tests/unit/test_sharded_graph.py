@@ -96,7 +96,7 @@ def _mutate_gather_local_parts(gm: fx.GraphModule) -> str:
         local = gm.graph.call_function(aten.slice.Tensor, (flat, 0, 0, ag.args[0].meta["val"].numel()))
     local.meta["val"] = ag.args[0].meta["val"]
     ag.args = (local, *ag.args[1:])
-    return "do not depend on the reduce-scatter's wait"
+    return "does not depend on the reduce-scatter's wait"
 
 
 def _mutate_gradient_returned(gm: fx.GraphModule) -> str:
@@ -112,7 +112,7 @@ def _mutate_write_before_gather(gm: fx.GraphModule) -> str:
     write = next(n for n in _bucket_nodes(gm, 0) if n.target is aten.copy_.default and n.meta.get(ROLE_KEY) == "write")
     # Write the parameter from its own (old) value: not from what the all-gather delivered.
     write.args = (write.args[0], write.args[0])
-    return "the all-gather did not deliver"
+    return "does not depend on the all-gather's wait"
 
 
 def _mutate_read_after_write(gm: fx.GraphModule) -> str:
