@@ -27,6 +27,10 @@ R. **On its group.** Each collective runs on the group its placement names (the 
 O. **Carried once.** A carried input (the gradients accumulated under ``no_sync``) is read
    exactly once, by the ``add`` that puts it into its bucket: left out, a micro-step is lost
    from the average; read twice, it is counted twice (rule 7, S7).
+H. **Hybrid: each part averaged over its replicas, once.** With a hybrid placement, the part
+   a reduce-scatter delivers is all-reduced exactly once over the replicate group, by its own
+   bucket's all-reduce, waited once: without it a replica group steps on its own data alone
+   (the gradients 1/R of DDP's); twice, it is divided by R twice (S1, P6).
 C. **One clip coefficient, read by every returned gradient.** With ``max_grad_norm``, exactly
    one clip coefficient node, and every gradient the graph still returns is computed from it;
    without it, none. Two would clip by different norms; a gradient around it leaves the graph
@@ -44,7 +48,8 @@ import torch.fx as fx
 
 from graphddp.graph.capture import ancestors, storage_of
 from graphddp.graph.verify_common import VerificationError, _fail, _names
-from graphddp.values.comm import ROLE_KEY, group_of, is_wait
+from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, group_of, is_wait
+from graphddp.values.placement import REPLICATE
 
 aten = torch.ops.aten
 
@@ -134,6 +139,18 @@ def on_group(gm: fx.GraphModule, issue: fx.Node, group: object, rule: str, what:
     """R (module docstring): ``issue`` runs on ``group``, ``whose`` it is."""
     if group_of(issue) != group:
         _fail(gm, issue, f"{what}: {issue.name} runs on group {group_of(issue)!r}, not {whose} {group!r} ({rule})")
+
+
+def over_replicas(gm: fx.GraphModule, scatter: fx.Node, reduces: Sequence[fx.Node], group: object, rule: str, what: str) -> fx.Node:
+    """H (module docstring) for the part ``scatter`` delivers, among the all-reduces ``reduces``,
+    ``group`` the replicate group's name; returns the replicate all-reduce's wait."""
+    done = [u for u in scatter.users if is_wait(u)]
+    mine = [r for r in reduces if any(w in ancestors(r) for w in done)]
+    if len(mine) != 1 or mine[0].meta.get(ROLE_KEY) != REPLICATE or mine[0].meta.get(BUCKET_KEY) != scatter.meta.get(BUCKET_KEY):
+        _fail(gm, scatter, f"{what}: the part {scatter.name} reduce-scatters is all-reduced over the replicate group by "
+                           f"{_names(mine)}, not once by its bucket's all-reduce ({rule})")
+    on_group(gm, mine[0], group, rule, what, "the replicate group")
+    return waited_once(gm, mine[0], rule, what)
 
 
 def carried_once(gm: fx.GraphModule, carried: fx.Node, into: Callable[[fx.Node], bool], rule: str, what: str, by: str) -> None:

@@ -31,10 +31,9 @@ P5. **Resharded: only the backward's first bucket kept** (``reshard_after_forwar
 
 P6. **Hybrid: each part averaged over its replicate group too** (a 2-D ``device_mesh=``, the
     parts' :class:`~graphddp.values.placement.Placement` given). Every gather and
-    reduce-scatter runs on the shard group (:mod:`graphddp.graph.invariants`' R); each reduce-scatter bucket's part is all-reduced
-    once, over the replicate group, reading that bucket's wait; and every part's gradient
-    (P2's) reads the reduce-scatters only through a replicate all-reduce's wait. Without it a
-    replica group would step on its own data alone (the gradients 1/R of DDP's).
+    reduce-scatter runs on the shard group (:mod:`graphddp.graph.invariants`' R); each
+    reduce-scatter bucket's part is all-reduced once, over the replicate group (H); and every
+    part's gradient (P2's) reads the reduce-scatters only through a replicate all-reduce's wait.
 
 (Given no parts, P2 checks those the backward gathers again: a backward that keeps the
 forward's gathered parameters has no part among its inputs, so there it has nothing to map.
@@ -50,12 +49,12 @@ import torch
 import torch.fx as fx
 
 from graphddp.graph.capture import ancestors
-from graphddp.graph.invariants import Memory, from_average, not_returned, on_group, waited_once, written_last
+from graphddp.graph.invariants import Memory, from_average, not_returned, on_group, over_replicas, waited_once, written_last
 from graphddp.graph.part_collectives import above_reduce_scatters
 from graphddp.graph.reshard import kept_gathered, kept_gathered_bytes
 from graphddp.graph.verify_common import VerificationError, _fail
-from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
-from graphddp.values.placement import REPLICATE, REPLICATE_WAIT, Placement
+from graphddp.values.comm import ROLE_KEY, is_wait
+from graphddp.values.placement import REPLICATE_WAIT, Placement
 
 _ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 _COLLECTIVES = (
@@ -141,12 +140,7 @@ def check_replicated(gm: fx.GraphModule, placement: Placement, grads: list[tuple
             on_group(gm, issue, placement.shard.name, "P6", "P6", "the shard group")
     reduces = [n for n in nodes if n.target is _ALL_REDUCE]
     for issue in (n for n in nodes if n.meta.get(ROLE_KEY) == "reduce_scatter"):
-        wait = next(u for u in issue.users if is_wait(u))
-        mine = [r for r in reduces if wait in ancestors(r)]
-        if len(mine) != 1 or mine[0].meta.get(ROLE_KEY) != REPLICATE or mine[0].meta.get(BUCKET_KEY) != issue.meta.get(BUCKET_KEY):
-            _fail(gm, issue, f"P6: the part {issue.name} reduce-scatters is all-reduced over the replicate group by "
-                             f"{[r.name for r in mine]}, not once by its bucket's all-reduce")
-        on_group(gm, mine[0], placement.replicate.name, "P6", "P6", "the replicate group")
+        over_replicas(gm, issue, reduces, placement.replicate.name, "P6", "P6")
     for name, index, grad in grads:
         seen, todo, met = set(), [grad], False
         while todo:

@@ -11,7 +11,7 @@ S1. **One of each.** Exactly one reduce-scatter and one all-gather carry the buc
     by the next forward), and
     nothing else graphddp made for it is a collective but, with hybrid sharding
     (:class:`graphddp.values.placement.Placement`), one all-reduce of the part over the
-    replicate group, which reads the reduce-scatter's wait and whose wait the all-gather reads.
+    replicate group (:mod:`graphddp.graph.invariants`' H), whose wait the all-gather reads (A).
 S2. **After its gradients.** The reduce-scatter comes after the node producing each of the
     bucket's gradients, and its input depends on every one of them.
 S3. **Averaged gradient** (:mod:`graphddp.graph.invariants`' A). The all-gather's input
@@ -47,14 +47,15 @@ import torch.fx as fx
 
 from graphddp.graph.capture import ancestors, descendants, output_nodes
 from graphddp.graph.invariants import (
-    Memory, carried_once, clip_coefficient, from_average, not_returned, on_group, returned_clipped, root, waited_once, written_last,
+    Memory, carried_once, clip_coefficient, from_average, not_returned, over_replicas, returned_clipped, root, waited_once,
+    written_last,
 )
 from graphddp.graph.verify_common import _fail
 from graphddp.optim.clip import CLIP, CLIP_COEFFICIENT, CLIP_NORM, reduce_op
 from graphddp.optim.insert_shard import carried_inputs
 from graphddp.values.collectives import kind
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_collective, is_wait
-from graphddp.values.placement import REPLICATE, Placement, flat
+from graphddp.values.placement import REPLICATE, flat
 from graphddp.values.schedule import Schedule
 
 aten = torch.ops.aten
@@ -88,7 +89,8 @@ def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
         if bucket.gather != "forward":  # else returned un-waited (S5), the next forward waits for it
             waited_once(gm, gather, "S1", where)
         if replicas:
-            _check_replicated(gm, where, scatter, replicas[0], gather, placement)
+            replicated = over_replicas(gm, scatter, replicas, placement.replicate.name, "S1", where)
+            from_average(gm, gather, [replicated], "S1", f"{where}: the all-gather", "the replicate all-reduce")
         inputs = ancestors(scatter)
         for node in carried.get(bucket.index, ()):
             carried_once(gm, node, inputs.__contains__, "S7", where, "an add its reduce-scatter reads")
@@ -105,7 +107,8 @@ def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
         gather_waits = [u for u in gather.users if is_wait(u)]
         writes = [n for n in mine if n.target is aten.copy_.default and n.meta.get(ROLE_KEY) == "write"]
         if bucket.gather == "forward":
-            if gather_waits or writes or gather not in outs[len(outs) - len(deferred(schedule)):]:
+            deferred = [b for b in schedule.buckets if b.collective == "reduce_scatter" and b.gather == "forward"]
+            if gather_waits or writes or gather not in outs[len(outs) - len(deferred):]:
                 _fail(gm, gather, f"{where}: gather='forward' leaves the all-gather un-waited and returned, and writes "
                                   f"no parameter in the backward (S5)")
             continue
@@ -141,15 +144,6 @@ def _check_clipping(gm: fx.GraphModule, schedule: Schedule, outs: list, issued: 
             _fail(gm, coef, f"the clip coefficient {coef.name} does not read the norms of bucket {bucket.index}'s returned gradients (S6)")
 
 
-def _check_replicated(gm: fx.GraphModule, where: str, scatter: fx.Node, replica: fx.Node, gather: fx.Node, placement: Placement) -> None:
-    """S1, hybrid: the part's all-reduce runs over the replicate group, reads the
-    reduce-scatter's wait, and the all-gather reads its wait (each part averaged over every rank)."""
-    assert placement.replicate is not None
-    on_group(gm, replica, placement.replicate.name, "S1", f"{where}: the part's all-reduce", "the replicate group")
-    from_average(gm, replica, [u for u in scatter.users if is_wait(u)], "S1", f"{where}: the part's all-reduce", "the reduce-scatter")
-    from_average(gm, gather, [waited_once(gm, replica, "S1", where)], "S1", f"{where}: the all-gather", "the replicate all-reduce")
-
-
 def _check_rows_summed(gm: fx.GraphModule, where: str, waits: list[fx.Node], world: int) -> None:
     """S3 for gloo's all-to-all: every read of what it received is a [world, -1] view summed over dim 0."""
     for wait in waits:
@@ -159,12 +153,6 @@ def _check_rows_summed(gm: fx.GraphModule, where: str, waits: list[fx.Node], wor
                 u.target is not aten.sum.dim_IntList or list(u.args[1]) != [0] for u in view.users
             ):
                 _fail(gm, view, f"{where}: {view.name} reads the all-to-all's rows other than as their sum (S3)")
-
-
-def deferred(schedule: Schedule) -> list[int]:
-    """The buckets whose all-gathers the backward returns (``gather="forward"``), in the order of
-    its extra outputs."""
-    return [b.index for b in schedule.buckets if b.collective == "reduce_scatter" and b.gather == "forward"]
 
 
 def _check_writes(gm: fx.GraphModule, where: str, names: tuple[str, ...], writes: list[fx.Node], gather_waits: list[fx.Node],

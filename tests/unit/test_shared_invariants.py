@@ -1,8 +1,9 @@
 """The invariants every mode shares (``graphddp.graph.invariants``), each broken once per placement.
 
 One mutation per shared invariant, run on the graph each placement compiles (replicated with
-the optimizer attached, ``sharding="optimizer"``, ``sharding="full"``) and checked by that
-mode's verifier: the failure names the invariant's rule in that mode. The mutations that need
+the optimizer attached, ``sharding="optimizer"``, ``sharding="full"``, and the hybrid ones of
+a 2 x 4 mesh) and checked by that mode's verifier: the failure names the invariant's rule in
+that mode. The mutations that need
 one mode's structure (a sharded bucket's gather, a replicated bucket's layout) stay beside
 that mode's tests.
 """
@@ -17,7 +18,7 @@ import torch.fx as fx
 
 from graphddp.graph.capture import output_nodes
 from graphddp.graph.verify import VerificationError
-from graphddp.graph.verify_full import check_part_updates
+from graphddp.graph.verify_full import check_part_collectives, check_part_updates
 from graphddp.optim.clip import CLIP_COEFFICIENT
 from graphddp.optim.verify import verify_updates
 from graphddp.optim.verify_shard import verify_sharded
@@ -103,4 +104,53 @@ def test_c_a_second_clip_coefficient(fake_world, build, rule):
     (coef,) = [n for n in gm.graph.nodes if n.meta.get(ROLE_KEY) == CLIP_COEFFICIENT]
     coef.prev.meta[ROLE_KEY] = CLIP_COEFFICIENT
     with pytest.raises(VerificationError, match=rf"2 clip coefficients, expected 1 \({rule}\)"):
+        check(gm)
+
+
+def _hybrid_sharded(fake_world) -> tuple[fx.GraphModule, Check]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import graphddp
+    from graphddp.models import MLP
+
+    fake_world(8)
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = MLP(width=32, depth=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gd = graphddp.compile(model, optimizer=opt, sharding="optimizer", backend="aot_eager", bucket_cap_mb=0.005, device_mesh=mesh)
+    gd(torch.randn(8, 16)).sum().backward()
+    (record,) = gd.records
+    return record.graph, lambda gm: verify_sharded(gm, record.schedule)
+
+
+def _hybrid_full(fake_world) -> tuple[fx.GraphModule, Check]:
+    from test_part_collectives import _hybrid_backward
+
+    fake_world(8)
+    backward, placement = _hybrid_backward()
+    parts = [f"primals_{k}" for k in range(1, 13)]
+    return backward, lambda gm: check_part_collectives(gm, backward=True, parts=parts, placement=placement)
+
+
+@pytest.mark.parametrize("build, rule", [(_hybrid_sharded, "S1"), (_hybrid_full, "P6")], ids=["optimizer", "full"])
+@pytest.mark.parametrize("mutation", ["on the shard group", "of the local gradient"])
+def test_h_a_part_not_averaged_over_its_replicas(fake_world, build, rule, mutation):
+    """H: the part's all-reduce moved to the shard group (it averages over the wrong ranks), or
+    fed what the reduce-scatter sends instead of the part it delivers (this rank's gradient)."""
+    from graphddp.values.comm import BUCKET_KEY
+    from graphddp.values.placement import REPLICATE
+
+    gm, check = build(fake_world)
+    check(gm)  # as compiled
+    gm = copy.deepcopy(gm)
+    replica = next(n for n in gm.graph.nodes if n.meta.get(ROLE_KEY) == REPLICATE)
+    scatter = next(n for n in gm.graph.nodes if n.meta.get(ROLE_KEY) == "reduce_scatter" and n.meta[BUCKET_KEY] == replica.meta[BUCKET_KEY])
+    if mutation == "on the shard group":
+        replica.args = (*replica.args[:2], scatter.args[-1])
+        expected = rf"runs on group .*, not the replicate group .* \({rule}\)"
+    else:
+        replica.args = (scatter.args[0], *replica.args[1:])
+        expected = rf"all-reduced over the replicate group by \[\], not once by its bucket's all-reduce \({rule}\)"
+    with pytest.raises(VerificationError, match=expected):
         check(gm)

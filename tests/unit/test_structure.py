@@ -257,7 +257,8 @@ SHARED_INVARIANTS = {
     "written_last(": (("optim/verify.py", "optim/verify_shard.py", "graph/verify_full.py"), "reads its memory after"),
     "not_returned(": (("optim/verify.py", "optim/verify_shard.py", "graph/verify_full.py"), "still returned"),
     "from_average(": (("optim/verify_shard.py", "graph/verify_full.py", "optim/insert_gather.py"), "'s wait ({rule})"),
-    "on_group(": (("graph/verify_bucket.py", "optim/verify_shard.py", "graph/verify_full.py"), "runs on group"),
+    "on_group(": (("graph/verify_bucket.py", "graph/verify_full.py"), "runs on group"),  # and optimizer sharding through over_replicas
+    "over_replicas(": (("optim/verify_shard.py", "graph/verify_full.py"), "not once by its bucket's all-reduce"),
     "carried_once(": (("graph/verify_bucket.py", "optim/verify_shard.py"), "carried gradient"),
     "clip_coefficient(": (("optim/verify.py", "optim/verify_shard.py"), "clip coefficients, expected"),
     "returned_clipped(": (("optim/verify.py", "optim/verify_shard.py"), "unclipped ("),
@@ -267,7 +268,7 @@ VERIFIERS = ("graph/verify.py", "graph/verify_bucket.py", "graph/verify_common.p
 
 
 def test_each_shared_invariant_is_stated_once_and_every_mode_checks_it():
-    """The invariants every mode shares (W, L, G, A, R, O, C) live in graph/invariants.py; every
+    """The invariants every mode shares (W, L, G, A, R, H, O, C) live in graph/invariants.py; every
     mode's verifier calls them instead of writing its own, and no verifier repeats one's message."""
     text = {m: PACKAGE.joinpath(m).read_text() for m in VERIFIERS}
     shared = PACKAGE.joinpath("graph/invariants.py").read_text()
