@@ -3,11 +3,8 @@
 :mod:`graphddp.graph.verify` lists every invariant and runs them in order; these are the ones
 that follow a single bucket from its gradients to its all-reduce (3 reduction, 4 issue order,
 5 scale, 6 compression casts, 7 layout, 8 no reads in flight) and from its wait to its readers
-(6 the cast back, 9 wait placement). A bucket that runs a user's traced hook
-(:mod:`graphddp.hooks.traced`) is checked by what graphddp can know of any hook instead (12):
-its collectives' group, issue point and waits, the bytes they send, its layout (7), where its
-results are first read and how each gradient is sliced from them; no scale, cast or single
-all-reduce is assumed. Read-only, like the whole verifier.
+(6 the cast back, 9 wait placement); a bucket that runs a user's traced hook, by what
+graphddp can know of any hook instead (12). Read-only, like the whole verifier.
 """
 from __future__ import annotations
 

@@ -105,7 +105,8 @@ def _check_part_gradients(gm: fx.GraphModule, parts: Collection[str] | None) -> 
     ``parts`` by their forward inputs' names (``primals_k``), or where not given, the inputs the
     backward gathers."""
     for name, index, grad in _part_gradients(gm, parts):
-        through, around = _paths_to_tangents(grad)
+        through, inputs = above_reduce_scatters(grad)  # stopping at reduce-scatter waits
+        around = next((n for n in inputs if n.name.startswith("tangents")), None)
         if around or not through:
             why = f"around a reduce-scatter (via {around.name})" if around else "without a reduce-scatter"
             _fail(gm, grad, f"P2: the gradient of part {name} (output {index}) reads the incoming gradients {why}")
@@ -118,7 +119,7 @@ def _part_gradients(gm: fx.GraphModule, parts: Collection[str] | None) -> list[t
     if not isinstance(outs, (tuple, list)):
         return []
     if parts is None:
-        parts = [n.name for n in gm.graph.nodes if n.op == "placeholder" and any(_gathers(u) for u in n.users)]
+        parts = [n.name for n in gm.graph.nodes if n.op == "placeholder" and any(u.meta.get(ROLE_KEY) == "gather" for u in n.users)]
     found = []
     for name in parts:
         match = _PRIMAL.match(name)
@@ -156,18 +157,6 @@ def check_replicated(gm: fx.GraphModule, placement: Placement, grads: list[tuple
                 todo.extend(n.all_input_nodes)
         if not met:
             _fail(gm, grad, f"P6: the gradient of part {name} (output {index}) is not all-reduced over the replicate group")
-
-
-def _gathers(node: fx.Node) -> bool:
-    """Whether ``node`` is part of a gather bucket (its cast, concatenation or collective)."""
-    return node.meta.get(ROLE_KEY) == "gather"
-
-
-def _paths_to_tangents(grad: fx.Node) -> tuple[int, fx.Node | None]:
-    """Walking from ``grad`` towards the inputs, stopping at reduce-scatter waits: how many waits
-    it meets, and a tangent it reaches without passing one (None if none)."""
-    waits, inputs = above_reduce_scatters(grad)
-    return len(waits), next((n for n in inputs if n.name.startswith("tangents")), None)
 
 
 def check_part_updates(gm: fx.GraphModule, updated: Mapping[int, str]) -> None:

@@ -57,7 +57,7 @@ def verify_updates(gm: fx.GraphModule, schedule: Schedule) -> None:
     for n in nodes:
         if n.meta.get(ROLE_KEY) == "unflatten" and n.target is aten.view.default and n.meta.get(BUCKET_KEY) is not None:
             unflatten_views.setdefault(n.meta[BUCKET_KEY], []).append(n)
-    clipped = _clipped(gm, schedule, buckets, waits, order)  # U7's coefficient, and what it feeds
+    clipped = _clipped(gm, schedule, buckets, waits, unflatten_views, order)  # U7's coefficient, and what it feeds
     seen: set[str] = set()
     k = 0
     for bucket in buckets:
@@ -96,7 +96,7 @@ def verify_updates(gm: fx.GraphModule, schedule: Schedule) -> None:
         returned_clipped(gm, buckets, outs, clipped, "U7")
 
 
-def _clipped(gm: fx.GraphModule, schedule: Schedule, buckets: list, waits: dict, order: dict) -> set[fx.Node] | None:
+def _clipped(gm: fx.GraphModule, schedule: Schedule, buckets: list, waits: dict, unflatten_views: dict, order: dict) -> set[fx.Node] | None:
     """U7's first half: the one coefficient, after every wait, computed from every slot's
     reduced gradient. Returns the nodes computed from it (None without ``max_grad_norm``)."""
     if schedule.max_grad_norm is not None and not any(b.updates for b in buckets):
@@ -111,7 +111,7 @@ def _clipped(gm: fx.GraphModule, schedule: Schedule, buckets: list, waits: dict,
     for bucket in buckets:
         if bucket.index not in waits:  # world size 1: nothing was reduced
             continue
-        views = [n for n in gm.graph.nodes if n.meta.get(BUCKET_KEY) == bucket.index and n.meta.get(ROLE_KEY) == "unflatten" and n.target is aten.view.default]
+        views = unflatten_views.get(bucket.index, [])
         for slot, view in zip(bucket.slots, views if len(views) == len(bucket.slots) else ()):
             if not slot.zero_filled and not any(u.meta.get(ROLE_KEY) == CLIP_NORM and u in inputs for u in view.users):
                 _fail(gm, view, f"the clip norm does not read the reduced gradient of {slot.param_name!r} (bucket {bucket.index})")
