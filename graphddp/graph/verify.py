@@ -17,7 +17,7 @@ checker shares in :mod:`graphddp.graph.verify_common`. Checks run in this order:
 1. **Accounting.** Every all-reduce graphddp inserted (tagged with a bucket) is
    ``all_reduce_`` and belongs to a schedule bucket; every bucket has exactly one. Every such
    all-reduce has exactly one user, a wait of the same bucket (:mod:`graphddp.graph.invariants`' W); every graphddp wait waits on
-   its own bucket's all-reduce (no stray waits).
+   a collective of its own bucket (no stray waits; a hook's bucket too).
 2. **Fake values.** Every node graphddp inserted carries a tensor ``meta["val"]``, or a
    tuple of them for an op with several results (later passes and inductor read it).
 3. **Reduction.** Each all-reduce uses reduce op ``"sum"`` on ``schedule.group_name`` (on
@@ -115,16 +115,16 @@ def _collect_all_reduces(g: _Graph, schedule: Schedule, hooked: set[int]) -> dic
     return by_bucket
 
 
-def _check_stray_waits(g: _Graph, hooked: set[int]) -> None:
-    """Every graphddp wait waits on its own bucket's graphddp all-reduce."""
+def _check_stray_waits(g: _Graph, skipped: set[int]) -> None:
+    """Every graphddp wait waits on a collective of its own bucket (a hook's may issue several)."""
     for wait in g.nodes:
-        if not (is_wait(wait) and is_ours(wait)) or wait.meta[BUCKET_KEY] in hooked:
+        if not (is_wait(wait) and is_ours(wait)) or wait.meta[BUCKET_KEY] in skipped:
             continue
         index = wait.meta[BUCKET_KEY]
         target = wait.args[0] if wait.args else None
         if not (isinstance(target, fx.Node) and is_collective(target) and is_ours(target, index)):
             name = target.name if isinstance(target, fx.Node) else repr(target)
-            _fail(g.gm, wait, f"wait {wait.name} of bucket {index} waits on {name}, which is not bucket {index}'s all-reduce")
+            _fail(g.gm, wait, f"wait {wait.name} of bucket {index} waits on {name}, which is not bucket {index}'s collective")
 
 
 # -- 2. fake values -----------------------------------------------------------------------------
@@ -223,7 +223,7 @@ def verify(gm: fx.GraphModule, schedule: Schedule, expected: Mapping[int, str]) 
     # Sharded buckets (reduce-scatter, update, all-gather) are the optimizer's: graphddp.optim.verify_shard.
     sharded = {b.index for b in schedule.buckets if b.collective == "reduce_scatter"}
     reduces = _collect_all_reduces(g, schedule, hooked | sharded)
-    _check_stray_waits(g, hooked | sharded)
+    _check_stray_waits(g, sharded)
     _check_fake_values(g)
     sent = wire_bytes(gm)
     for bucket in schedule.buckets:
