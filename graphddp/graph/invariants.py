@@ -1,10 +1,11 @@
 """The invariants every mode's checker states once, whatever a bucket's placement.
 
 Each mode's verifier checks what is its own (a replicated bucket's layout and scale,
-:mod:`graphddp.graph.verify`; a sharded bucket's reduce-scatter, update and gather,
-:mod:`graphddp.optim.verify_shard`; full sharding's gathers of parts,
-:mod:`graphddp.graph.verify_full`), but two invariants are one in all of them, and are
-written here once:
+:mod:`graphddp.graph.verify`; the replicated update, :mod:`graphddp.optim.verify`; a sharded
+bucket's reduce-scatter, update and gather, :mod:`graphddp.optim.verify_shard`; full
+sharding's gathers of parts, :mod:`graphddp.graph.verify_full`), but these invariants are one
+in all of them, and are written here once; each mode passes what its placement gives (the
+group, which collective's wait averages, the rule's name in that mode):
 
 W. **Waited once.** A collective graphddp issued is read by exactly one node, its wait: read
    before its wait it is a buffer still on the wire, waited twice it is two completions of one
@@ -14,6 +15,26 @@ L. **One write, last.** A tensor the optimizer updates inside the backward (a pa
    memory but through the write itself: a read of the old name (the input, a view of it, a
    second input sharing its storage) is one the compiler may run before the write, or after,
    and so sees the old value or the new one as it pleases (U3, S5, P4).
+G. **No gradient kept.** A tensor the graph updates returns no gradient: a returned one would
+   be accumulated into ``.grad`` and stepped again by a loop that still calls ``step()``
+   (U2, S4, P4).
+A. **From the average.** What an update writes, or a gather sends, depends on the wait of the
+   collective that averaged it over the ranks: computed around that wait it is this rank's own
+   gradient, 1/N of the data (S3, S5, P4; the forward gather's F1, with the all-gather's wait).
+R. **On its group.** Each collective runs on the group its placement names (the schedule's,
+   or a hybrid placement's shard or replicate group): on another it averages over the wrong
+   ranks, or hangs (rules 3 and 12, S1, P6).
+O. **Carried once.** A carried input (the gradients accumulated under ``no_sync``) is read
+   exactly once, by the ``add`` that puts it into its bucket: left out, a micro-step is lost
+   from the average; read twice, it is counted twice (rule 7, S7).
+H. **Hybrid: each part averaged over its replicas, once.** With a hybrid placement, the part
+   a reduce-scatter delivers is all-reduced exactly once over the replicate group, by its own
+   bucket's all-reduce, waited once: without it a replica group steps on its own data alone
+   (the gradients 1/R of DDP's); twice, it is divided by R twice (S1, P6).
+C. **One clip coefficient, read by every returned gradient.** With ``max_grad_norm``, exactly
+   one clip coefficient node, and every gradient the graph still returns is computed from it;
+   without it, none. Two would clip by different norms; a gradient around it leaves the graph
+   unclipped while its neighbours are clipped (U7, S6).
 
 Memory is told by the storage of each node's fake value (:class:`Memory`), so views and
 aliases of a tensor are found without naming each view op. Nothing here edits a graph.
@@ -25,9 +46,10 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from graphddp.graph.capture import storage_of
+from graphddp.graph.capture import ancestors, storage_of
 from graphddp.graph.verify_common import VerificationError, _fail, _names
-from graphddp.values.comm import ROLE_KEY, is_wait
+from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, group_of, is_wait
+from graphddp.values.placement import REPLICATE
 
 aten = torch.ops.aten
 
@@ -98,3 +120,64 @@ def written_last(
             if node is not write and memory.order[node] > memory.order[write] and root(arg, memory) is not write:
                 _fail(gm, node, f"{what}: {node.name} reads its memory after {write.name} updated it ({rule})")
     return write
+
+
+def not_returned(gm: fx.GraphModule, out: Any, rule: str, what: str) -> None:
+    """G (module docstring) for one updated tensor whose gradient output is ``out``."""
+    if out is not None:
+        _fail(gm, out if isinstance(out, fx.Node) else gm.graph.output_node(), f"{what}: its gradient is still returned ({rule})")
+
+
+def from_average(gm: fx.GraphModule, node: fx.Node, waits: Sequence[fx.Node], rule: str, what: str, source: str) -> None:
+    """A (module docstring): ``node`` depends on one of ``waits``, those of ``source``."""
+    above = ancestors(node)
+    if not any(w in above for w in waits):
+        _fail(gm, node, f"{what}: {node.name} does not depend on {source}'s wait ({rule})")
+
+
+def on_group(gm: fx.GraphModule, issue: fx.Node, group: object, rule: str, what: str, whose: str) -> None:
+    """R (module docstring): ``issue`` runs on ``group``, ``whose`` it is."""
+    if group_of(issue) != group:
+        _fail(gm, issue, f"{what}: {issue.name} runs on group {group_of(issue)!r}, not {whose} {group!r} ({rule})")
+
+
+def over_replicas(gm: fx.GraphModule, scatter: fx.Node, reduces: Sequence[fx.Node], group: object, rule: str, what: str) -> fx.Node:
+    """H (module docstring) for the part ``scatter`` delivers, among the all-reduces ``reduces``,
+    ``group`` the replicate group's name; returns the replicate all-reduce's wait."""
+    done = [u for u in scatter.users if is_wait(u)]
+    mine = [r for r in reduces if any(w in ancestors(r) for w in done)]
+    if len(mine) != 1 or mine[0].meta.get(ROLE_KEY) != REPLICATE or mine[0].meta.get(BUCKET_KEY) != scatter.meta.get(BUCKET_KEY):
+        _fail(gm, scatter, f"{what}: the part {scatter.name} reduce-scatters is all-reduced over the replicate group by "
+                           f"{_names(mine)}, not once by its bucket's all-reduce ({rule})")
+    on_group(gm, mine[0], group, rule, what, "the replicate group")
+    return waited_once(gm, mine[0], rule, what)
+
+
+def carried_once(gm: fx.GraphModule, carried: fx.Node, into: Callable[[fx.Node], bool], rule: str, what: str, by: str) -> None:
+    """O (module docstring): ``carried`` has one reader, a ``carry`` add for which ``into`` holds."""
+    users = list(carried.users)
+    if len(users) != 1 or users[0].meta.get(ROLE_KEY) != "carry" or not into(users[0]):
+        _fail(gm, carried, f"{what}: the carried gradient {carried.name} is read by {_names(users)}, not once by {by} ({rule})")
+
+
+def clip_coefficient(gm: fx.GraphModule, max_grad_norm: float | None, rule: str, role: str) -> fx.Node | None:
+    """C (module docstring): the one node of ``role`` (the clip coefficient's), or None without
+    ``max_grad_norm``."""
+    coefs = [n for n in gm.graph.nodes if n.meta.get(ROLE_KEY) == role]
+    if max_grad_norm is None:
+        if coefs:
+            _fail(gm, coefs[0], f"a clip coefficient in a graph whose schedule has no max_grad_norm ({rule})")
+        return None
+    if len(coefs) != 1:
+        raise VerificationError(f"graphddp verify: max_grad_norm={max_grad_norm}: {len(coefs)} clip coefficients, expected 1 ({rule})")
+    return coefs[0]
+
+
+def returned_clipped(gm: fx.GraphModule, buckets: Sequence[Any], outs: Sequence[Any], clipped: set[fx.Node], rule: str) -> None:
+    """C's second half: each gradient of ``buckets`` the graph returns is among ``clipped``, the
+    nodes computed from the coefficient."""
+    for bucket in buckets:
+        for slot in (s for s in bucket.slots if not s.zero_filled):
+            out = outs[slot.output_index]
+            if isinstance(out, fx.Node) and out not in clipped:
+                _fail(gm, out, f"the gradient of {slot.param_name!r} (output {slot.output_index}) is returned unclipped ({rule})")

@@ -8,16 +8,16 @@ neighbours in the graph; a schedule that does not describe the graph (0, a bucke
 all-reduce, an output in no bucket) is named by bucket and output instead. Every check has a
 mutation in ``tests/unit/test_verify_mutations.py`` (or a test in ``tests/unit/test_verify.py``) that
 only it catches. This module runs them all and holds 0-2, 10 and 11; one bucket's checks
-(3-9) are in :mod:`graphddp.graph.verify_bucket`, a user hook's (12) in
-:mod:`graphddp.graph.verify_hook`, and the error and graph lookups every checker shares in
-:mod:`graphddp.graph.verify_common`. Checks run in this order:
+(3-9, and a user hook's, 12) are in :mod:`graphddp.graph.verify_bucket`, the invariants every
+mode shares in :mod:`graphddp.graph.invariants`, and the error and graph lookups every
+checker shares in :mod:`graphddp.graph.verify_common`. Checks run in this order:
 
 0. **Schedule.** The schedule is well formed: bucket ``i`` is at position ``i``, and no
    output is in two buckets (else a gradient would be reduced twice).
 1. **Accounting.** Every all-reduce graphddp inserted (tagged with a bucket) is
    ``all_reduce_`` and belongs to a schedule bucket; every bucket has exactly one. Every such
    all-reduce has exactly one user, a wait of the same bucket (:mod:`graphddp.graph.invariants`' W); every graphddp wait waits on
-   its own bucket's all-reduce (no stray waits).
+   a collective of its own bucket (no stray waits; a hook's bucket too).
 2. **Fake values.** Every node graphddp inserted carries a tensor ``meta["val"]``, or a
    tuple of them for an op with several results (later passes and inductor read it).
 3. **Reduction.** Each all-reduce uses reduce op ``"sum"`` on ``schedule.group_name`` (on
@@ -76,9 +76,8 @@ import torch
 import torch.fx as fx
 
 from graphddp.graph.invariants import waited_once
-from graphddp.graph.verify_bucket import _check_bucket, _check_carried
+from graphddp.graph.verify_bucket import _check_bucket, _check_carried, _check_hook_bucket, _check_hook_gradient, _check_slice
 from graphddp.graph.verify_common import VerificationError, _fail, _Graph, _names
-from graphddp.graph.verify_hook import _check_hook_bucket, _check_hook_gradient
 from graphddp.values.collectives import kind
 from graphddp.values.comm import BUCKET_KEY, CAST, is_collective, is_ours, is_wait, wire_bytes
 from graphddp.values.schedule import Bucket, GradSlot, Schedule
@@ -116,16 +115,16 @@ def _collect_all_reduces(g: _Graph, schedule: Schedule, hooked: set[int]) -> dic
     return by_bucket
 
 
-def _check_stray_waits(g: _Graph, hooked: set[int]) -> None:
-    """Every graphddp wait waits on its own bucket's graphddp all-reduce."""
+def _check_stray_waits(g: _Graph, skipped: set[int]) -> None:
+    """Every graphddp wait waits on a collective of its own bucket (a hook's may issue several)."""
     for wait in g.nodes:
-        if not (is_wait(wait) and is_ours(wait)) or wait.meta[BUCKET_KEY] in hooked:
+        if not (is_wait(wait) and is_ours(wait)) or wait.meta[BUCKET_KEY] in skipped:
             continue
         index = wait.meta[BUCKET_KEY]
         target = wait.args[0] if wait.args else None
         if not (isinstance(target, fx.Node) and is_collective(target) and is_ours(target, index)):
             name = target.name if isinstance(target, fx.Node) else repr(target)
-            _fail(g.gm, wait, f"wait {wait.name} of bucket {index} waits on {name}, which is not bucket {index}'s all-reduce")
+            _fail(g.gm, wait, f"wait {wait.name} of bucket {index} waits on {name}, which is not bucket {index}'s collective")
 
 
 # -- 2. fake values -----------------------------------------------------------------------------
@@ -170,12 +169,7 @@ def _check_gradient(g: _Graph, index: int, name: str, bucket: Bucket, slot: Grad
     shape = [aten.view.default, aten.slice.Tensor] + ([CAST] if bucket.comm_dtype else [])
     if [n.target for n in path] != shape:
         _fail(g.gm, returned, f"{what} reaches bucket {bucket.index}'s wait {wait.name} through {_names(path)}, not view(slice({'cast(' if bucket.comm_dtype else ''}wait))")
-    view, piece = path[0], path[1]
-    want = (0, offset, offset + slot.numel)
-    if tuple(piece.args[1:4]) != want or (len(piece.args) > 4 and piece.args[4] != 1):
-        _fail(g.gm, piece, f"{what} is {piece.name}, the slice {tuple(piece.args[1:])} of bucket {bucket.index}, not its own slice (dim, start, end) = {want}")
-    if list(view.args[1]) != list(slot.shape):
-        _fail(g.gm, view, f"{what} is viewed as {list(view.args[1])} by {view.name}; its shape is {list(slot.shape)}")
+    _check_slice(g, what, bucket, slot, offset, view=path[0], piece=path[1])
 
 
 def _check_outputs(g: _Graph, schedule: Schedule, expected: Mapping[int, str], sharded: set[int] = frozenset()) -> None:
@@ -229,7 +223,7 @@ def verify(gm: fx.GraphModule, schedule: Schedule, expected: Mapping[int, str]) 
     # Sharded buckets (reduce-scatter, update, all-gather) are the optimizer's: graphddp.optim.verify_shard.
     sharded = {b.index for b in schedule.buckets if b.collective == "reduce_scatter"}
     reduces = _collect_all_reduces(g, schedule, hooked | sharded)
-    _check_stray_waits(g, hooked | sharded)
+    _check_stray_waits(g, sharded)
     _check_fake_values(g)
     sent = wire_bytes(gm)
     for bucket in schedule.buckets:

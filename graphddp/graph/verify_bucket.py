@@ -1,11 +1,10 @@
-"""The communication verifier's checks of one bucket with a built-in hook: invariants 3-9.
+"""The communication verifier's checks of one bucket: invariants 3-9, and 12 for a user's hook.
 
 :mod:`graphddp.graph.verify` lists every invariant and runs them in order; these are the ones
 that follow a single bucket from its gradients to its all-reduce (3 reduction, 4 issue order,
 5 scale, 6 compression casts, 7 layout, 8 no reads in flight) and from its wait to its readers
-(6 the cast back, 9 wait placement). They have a module of their own because they are the
-largest family and read one bucket at a time; the layout check (7) is shared with a user
-hook's bucket (:mod:`graphddp.graph.verify_hook`). Read-only, like the whole verifier.
+(6 the cast back, 9 wait placement); a bucket that runs a user's traced hook, by what
+graphddp can know of any hook instead (12). Read-only, like the whole verifier.
 """
 from __future__ import annotations
 
@@ -15,8 +14,9 @@ import torch
 import torch.fx as fx
 
 from graphddp.graph.capture import views_of
+from graphddp.graph.invariants import carried_once, on_group, waited_once
 from graphddp.graph.verify_common import _fail, _Graph, _names
-from graphddp.values.comm import BUCKET_KEY, CARRIED, ROLE_KEY, gate_name, is_cast, is_ours
+from graphddp.values.comm import BUCKET_KEY, CARRIED, ROLE_KEY, gate_name, is_cast, is_collective, is_ours, is_wait
 from graphddp.values.schedule import WAIT_AT_OUTPUT, Bucket, GradSlot, Schedule, dtype_name
 
 aten = torch.ops.aten
@@ -35,26 +35,27 @@ def _arg(node: fx.Node, i: int, name: str) -> Any:
 
 
 def _check_reduction(g: _Graph, bucket: Bucket, ar: fx.Node, schedule: Schedule) -> None:
-    op, group = _arg(ar, 1, "reduce_op"), _arg(ar, 2, "group_name")
+    """A sum (the scale divides, 5), on the schedule's group (:mod:`graphddp.graph.invariants`' R)."""
+    op = _arg(ar, 1, "reduce_op")
     if op != "sum":
         _fail(g.gm, ar, f"bucket {bucket.index}'s all-reduce {ar.name} reduces with {op!r}, expected 'sum'")
     expected = gate_name(schedule.group_name) if schedule.gated else schedule.group_name
-    if group != expected:
-        _fail(g.gm, ar, f"bucket {bucket.index}'s all-reduce {ar.name} runs on group {group!r}, the schedule's is {expected!r}")
+    on_group(g.gm, ar, expected, "rule 3", f"bucket {bucket.index}'s all-reduce", "the gate's group" if schedule.gated else "the schedule's")
+
+
+def _issue_anchor(g: _Graph, bucket: Bucket, at: fx.Node) -> fx.Node:
+    """The node named by ``issue_after`` (the last placeholder, when that names a placeholder)."""
+    anchor = g.by_name.get(bucket.issue_after)
+    if anchor is None:
+        _fail(g.gm, at, f"bucket {bucket.index}'s issue_after {bucket.issue_after!r} is not in the graph")
+    return g.last_placeholder if anchor.op == "placeholder" and g.last_placeholder is not None else anchor
 
 
 def _check_issue_order(g: _Graph, bucket: Bucket, ar: fx.Node) -> None:
-    """Not issued before ``issue_after`` (the last placeholder, when that names a placeholder).
-
-    That the all-reduce also follows every gradient it reduces needs no check of its own: the
-    layout check makes its buffer read every producer, and the order check puts those reads
-    after their definitions.
-    """
-    anchor = g.by_name.get(bucket.issue_after)
-    if anchor is None:
-        _fail(g.gm, ar, f"bucket {bucket.index}'s issue_after {bucket.issue_after!r} is not in the graph")
-    if anchor.op == "placeholder" and g.last_placeholder is not None:
-        anchor = g.last_placeholder
+    """Not issued before ``issue_after``. That the all-reduce also follows every gradient it
+    reduces needs no check of its own: the layout check makes its buffer read every producer,
+    and the order check puts those reads after their definitions."""
+    anchor = _issue_anchor(g, bucket, ar)
     if g.before(ar, anchor):
         _fail(g.gm, ar, f"bucket {bucket.index}'s all-reduce {ar.name} is issued before {anchor.name}, its issue_after")
 
@@ -162,6 +163,16 @@ def _check_piece(g: _Graph, bucket: Bucket, i: int, piece: Any, slot: GradSlot, 
         _fail(g.gm, piece, f"{what}, {piece.name}, is {size} of {_numel(source)} elements; {slot.param_name!r} has {slot.numel}")
 
 
+def _check_slice(g: _Graph, what: str, bucket: Bucket, slot: GradSlot, offset: int, view: fx.Node, piece: fx.Node) -> None:
+    """A returned gradient is ``view(piece, shape)``, ``piece`` its slot's own slice of the
+    bucket (10 and 12): another offset hands a parameter its neighbour's gradient."""
+    want = (0, offset, offset + slot.numel)
+    if tuple(piece.args[1:4]) != want or (len(piece.args) > 4 and piece.args[4] != 1):
+        _fail(g.gm, piece, f"{what} is {piece.name}, the slice {tuple(piece.args[1:])} of bucket {bucket.index}, not its own slice (dim, start, end) = {want}")
+    if list(view.args[1]) != list(slot.shape):
+        _fail(g.gm, view, f"{what} is viewed as {list(view.args[1])} by {view.name}; its shape is {list(slot.shape)}")
+
+
 def _carried_sum(g: _Graph, bucket: Bucket, piece: fx.Node, add: fx.Node, slot: GradSlot, what: str) -> Any:
     """A carrying bucket's piece flattens ``add(producer, c)``, ``c`` the bucket's carried input
     of the piece's slot; returns the gradient added to (checked as any piece's by the caller)."""
@@ -177,15 +188,13 @@ def _carried_sum(g: _Graph, bucket: Bucket, piece: fx.Node, add: fx.Node, slot: 
 
 
 def _check_carried(g: _Graph, sharded: Collection[int] = ()) -> None:
-    """A carried input is read once, by its bucket's ``add`` (7 checked which slot): an unread
-    one is an accumulated gradient left out of the average. Not yet those of ``sharded``
-    buckets, which the optimizer's pass reads (``graphddp.optim.verify_shard``, S7)."""
+    """Each carried input is read once, by its bucket's ``add`` (:mod:`graphddp.graph.invariants`'
+    O; 7 checked which slot). Not those of ``sharded`` buckets, which the optimizer's pass reads
+    (``graphddp.optim.verify_shard``, S7)."""
     for node in g.gm.graph.nodes:
-        if node.op != "placeholder" or node.meta.get(ROLE_KEY) != CARRIED or node.meta.get(BUCKET_KEY) in sharded:
-            continue
-        users = list(node.users)
-        if len(users) != 1 or users[0].meta.get(ROLE_KEY) != "carry" or not is_ours(users[0], node.meta.get(BUCKET_KEY)):
-            _fail(g.gm, node, f"carried input {node.name} ({node.meta.get(CARRIED)!r}) is read by {_names(users)}; expected once, by its bucket's add")
+        index = node.meta.get(BUCKET_KEY)
+        if node.op == "placeholder" and node.meta.get(ROLE_KEY) == CARRIED and index not in sharded:
+            carried_once(g.gm, node, lambda add: is_ours(add, index), "rule 7", f"bucket {index}, {node.meta.get(CARRIED)!r}", "its bucket's add")
 
 
 def _check_in_flight(g: _Graph, bucket: Bucket, ar: fx.Node) -> None:
@@ -227,13 +236,17 @@ def _reduced_region(wait: fx.Node, index: int) -> set[fx.Node]:
     return region
 
 
-def _check_wait_placement(g: _Graph, bucket: Bucket, wait: fx.Node) -> None:
+def _wait_target(g: _Graph, bucket: Bucket, at: fx.Node) -> fx.Node:
+    """The node named by the bucket's ``wait_before`` (``"output"``: the output node)."""
     if bucket.wait_before == WAIT_AT_OUTPUT:
-        target = g.output
-    elif bucket.wait_before in g.by_name:
-        target = g.by_name[bucket.wait_before]
-    else:
-        _fail(g.gm, wait, f"bucket {bucket.index}'s wait_before {bucket.wait_before!r} is not in the graph")
+        return g.output
+    if bucket.wait_before not in g.by_name:
+        _fail(g.gm, at, f"bucket {bucket.index}'s wait_before {bucket.wait_before!r} is not in the graph")
+    return g.by_name[bucket.wait_before]
+
+
+def _check_wait_placement(g: _Graph, bucket: Bucket, wait: fx.Node) -> None:
+    target = _wait_target(g, bucket, wait)
     if not g.before(wait, target):
         _fail(g.gm, wait, f"bucket {bucket.index}'s wait {wait.name} is not before {target.name}, its wait_before")
     region = _reduced_region(wait, bucket.index)
@@ -254,3 +267,60 @@ def _check_bucket(g: _Graph, bucket: Bucket, ar: fx.Node, schedule: Schedule) ->
     (wait,) = ar.users
     _check_decompress(g, bucket, wait)
     _check_wait_placement(g, bucket, wait)
+
+
+# -- 12. a bucket that runs a user's hook ------------------------------------------------------
+
+
+def _hook_buffer(g: _Graph, bucket: Bucket, nodes: list[fx.Node]) -> Any:
+    """The flat buffer handed to the hook: the last flatten node (through graphddp's copy of a
+    one-gradient bucket, so the hook may write it)."""
+    flats = [n for n in nodes if n.meta.get(ROLE_KEY) == "flatten"]
+    top = [n for n in flats if not any(u in flats for u in n.users)]
+    if len(top) != 1:
+        _fail(g.gm, (top or nodes)[0], f"bucket {bucket.index}'s hook {bucket.hook!r} reads {len(top)} flat buffers, expected one")
+    flat = top[0]
+    if flat.target == aten.copy_.default and len(bucket.slots) == 1:  # graph.trace.fresh_copy
+        flat = flat.args[1]
+    return flat
+
+
+def _check_hook_bucket(g: _Graph, bucket: Bucket, schedule: Schedule, sent: int) -> None:
+    index, hook = bucket.index, bucket.hook
+    nodes = g.bucket_nodes(index)
+    collectives = [n for n in nodes if is_collective(n)]
+    if not collectives:
+        _fail(g.gm, nodes[-1] if nodes else g.output, f"bucket {index}'s hook {hook!r} issues no collective: its gradients would not be averaged")
+    anchor = _issue_anchor(g, bucket, collectives[0])
+    for c in collectives:
+        on_group(g.gm, c, schedule.group_name, "rule 12", f"bucket {index}'s hook", "the schedule's")
+        wait = waited_once(g.gm, c, "rule 12", f"bucket {index}'s hook")
+        if not is_ours(wait, index):
+            _fail(g.gm, wait, f"wait {wait.name} of bucket {index}'s {c.name} is not tagged bucket {index}")
+        if g.before(c, anchor):
+            _fail(g.gm, c, f"bucket {index}'s {c.name} is issued before {bucket.issue_after}, its issue_after")
+    if sent != bucket.wire_nbytes:
+        _fail(g.gm, collectives[0], f"bucket {index}'s collectives send {sent} bytes, the schedule records {bucket.wire_nbytes}")
+    _check_layout(g, bucket, collectives[0], _hook_buffer(g, bucket, nodes))
+    target = _wait_target(g, bucket, collectives[0])
+    region = g.after_waits(index)
+    for node in sorted(region, key=g.order.__getitem__):
+        if is_wait(node) and not g.before(node, target):
+            _fail(g.gm, node, f"bucket {index}'s wait {node.name} is not before {target.name}, its wait_before")
+        for reader in node.users:
+            if not is_ours(reader, index) and reader.op != "output" and g.before(reader, target):
+                _fail(g.gm, reader, f"{reader.name} reads bucket {index}'s reduced values ({node.name}) before {target.name}, the bucket's wait_before")
+
+
+def _check_hook_gradient(g: _Graph, index: int, name: str, bucket: Bucket, slot: GradSlot, offset: int) -> None:
+    """Output ``index`` is ``view(slice(r, 0, off, off+n), shape)`` of the bucket's hook result."""
+    returned = g.returned(index)
+    what = f"gradient of {name!r} (output {index})"
+    view = returned
+    piece = view.args[0] if view.target == aten.view.default and view.args else None
+    result = piece.args[0] if isinstance(piece, fx.Node) and piece.target == aten.slice.Tensor else None
+    if not (is_ours(view, bucket.index) and isinstance(result, fx.Node) and is_ours(piece, bucket.index)):
+        _fail(g.gm, returned, f"{what} is {returned.name}, not view(slice(..)) of bucket {bucket.index}'s hook result")
+    if not is_ours(result, bucket.index) or result not in g.after_waits(bucket.index):
+        _fail(g.gm, result, f"{what} is sliced from {result.name}, which does not depend on a wait of bucket {bucket.index}: it is not averaged")
+    _check_slice(g, what, bucket, slot, offset, view, piece)

@@ -18,10 +18,10 @@ P3. **Once.** No reduce-scatter sends what a reduce-scatter received: a gradient
     is divided by N twice.
 P4. **Each part updated once, after its average, last** (the optimizer inside the backward,
     :mod:`graphddp.optim.insert_part_update`). For every part the variant updates: its gradient
-    output is None; exactly one graphddp update ``copy_`` writes it (through its input
-    ``primals_k`` or its ``update_param`` input); that write reads a reduce-scatter's wait (the
-    averaged gradient, not this rank's own); and no node after the write reads the part
-    (:mod:`graphddp.graph.invariants`' L).
+    output is None (:mod:`graphddp.graph.invariants`' G); exactly one graphddp update ``copy_``
+    writes it (through its input ``primals_k`` or its ``update_param`` input); that write reads
+    a reduce-scatter's wait (the averaged gradient, not this rank's own: A); and no node after
+    the write reads the part (L).
 P5. **Resharded: only the backward's first bucket kept** (``reshard_after_forward=True``). The
     forward's outputs (what AOTAutograd saves for the backward is among them) hold no more
     gathered bytes than the parts :func:`graphddp.graph.reshard.tag_regathers` kept (the
@@ -31,10 +31,9 @@ P5. **Resharded: only the backward's first bucket kept** (``reshard_after_forwar
 
 P6. **Hybrid: each part averaged over its replicate group too** (a 2-D ``device_mesh=``, the
     parts' :class:`~graphddp.values.placement.Placement` given). Every gather and
-    reduce-scatter runs on the shard group; each reduce-scatter bucket's part is all-reduced
-    once, over the replicate group, reading that bucket's wait; and every part's gradient
-    (P2's) reads the reduce-scatters only through a replicate all-reduce's wait. Without it a
-    replica group would step on its own data alone (the gradients 1/R of DDP's).
+    reduce-scatter runs on the shard group (:mod:`graphddp.graph.invariants`' R); each
+    reduce-scatter bucket's part is all-reduced once, over the replicate group (H); and every
+    part's gradient (P2's) reads the reduce-scatters only through a replicate all-reduce's wait.
 
 (Given no parts, P2 checks those the backward gathers again: a backward that keeps the
 forward's gathered parameters has no part among its inputs, so there it has nothing to map.
@@ -50,12 +49,12 @@ import torch
 import torch.fx as fx
 
 from graphddp.graph.capture import ancestors
-from graphddp.graph.invariants import Memory, waited_once, written_last
+from graphddp.graph.invariants import Memory, from_average, not_returned, on_group, over_replicas, waited_once, written_last
 from graphddp.graph.part_collectives import above_reduce_scatters
 from graphddp.graph.reshard import kept_gathered, kept_gathered_bytes
 from graphddp.graph.verify_common import VerificationError, _fail
-from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, group_of, is_wait
-from graphddp.values.placement import REPLICATE, REPLICATE_WAIT, Placement
+from graphddp.values.comm import ROLE_KEY, is_wait
+from graphddp.values.placement import REPLICATE_WAIT, Placement
 
 _ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 _COLLECTIVES = (
@@ -106,7 +105,8 @@ def _check_part_gradients(gm: fx.GraphModule, parts: Collection[str] | None) -> 
     ``parts`` by their forward inputs' names (``primals_k``), or where not given, the inputs the
     backward gathers."""
     for name, index, grad in _part_gradients(gm, parts):
-        through, around = _paths_to_tangents(grad)
+        through, inputs = above_reduce_scatters(grad)  # stopping at reduce-scatter waits
+        around = next((n for n in inputs if n.name.startswith("tangents")), None)
         if around or not through:
             why = f"around a reduce-scatter (via {around.name})" if around else "without a reduce-scatter"
             _fail(gm, grad, f"P2: the gradient of part {name} (output {index}) reads the incoming gradients {why}")
@@ -119,7 +119,7 @@ def _part_gradients(gm: fx.GraphModule, parts: Collection[str] | None) -> list[t
     if not isinstance(outs, (tuple, list)):
         return []
     if parts is None:
-        parts = [n.name for n in gm.graph.nodes if n.op == "placeholder" and any(_gathers(u) for u in n.users)]
+        parts = [n.name for n in gm.graph.nodes if n.op == "placeholder" and any(u.meta.get(ROLE_KEY) == "gather" for u in n.users)]
     found = []
     for name in parts:
         match = _PRIMAL.match(name)
@@ -137,17 +137,11 @@ def check_replicated(gm: fx.GraphModule, placement: Placement, grads: list[tuple
     assert placement.replicate is not None
     nodes = [n for n in gm.graph.nodes if n.target in _COLLECTIVES]
     for issue in nodes:
-        if issue.meta.get(ROLE_KEY) in ("gather", "reduce_scatter") and group_of(issue) != placement.shard.name:
-            _fail(gm, issue, f"P6: {issue.name} runs on {group_of(issue)!r}, not the shard group {placement.shard.name!r}")
+        if issue.meta.get(ROLE_KEY) in ("gather", "reduce_scatter"):
+            on_group(gm, issue, placement.shard.name, "P6", "P6", "the shard group")
     reduces = [n for n in nodes if n.target is _ALL_REDUCE]
     for issue in (n for n in nodes if n.meta.get(ROLE_KEY) == "reduce_scatter"):
-        wait = next(u for u in issue.users if is_wait(u))
-        mine = [r for r in reduces if wait in ancestors(r)]
-        if len(mine) != 1 or mine[0].meta.get(ROLE_KEY) != REPLICATE or mine[0].meta.get(BUCKET_KEY) != issue.meta.get(BUCKET_KEY):
-            _fail(gm, issue, f"P6: the part {issue.name} reduce-scatters is all-reduced over the replicate group by "
-                             f"{[r.name for r in mine]}, not once by its bucket's all-reduce")
-        if group_of(mine[0]) != placement.replicate.name:
-            _fail(gm, mine[0], f"P6: {mine[0].name} runs on {group_of(mine[0])!r}, not the replicate group {placement.replicate.name!r}")
+        over_replicas(gm, issue, reduces, placement.replicate.name, "P6", "P6")
     for name, index, grad in grads:
         seen, todo, met = set(), [grad], False
         while todo:
@@ -165,18 +159,6 @@ def check_replicated(gm: fx.GraphModule, placement: Placement, grads: list[tuple
             _fail(gm, grad, f"P6: the gradient of part {name} (output {index}) is not all-reduced over the replicate group")
 
 
-def _gathers(node: fx.Node) -> bool:
-    """Whether ``node`` is part of a gather bucket (its cast, concatenation or collective)."""
-    return node.meta.get(ROLE_KEY) == "gather"
-
-
-def _paths_to_tangents(grad: fx.Node) -> tuple[int, fx.Node | None]:
-    """Walking from ``grad`` towards the inputs, stopping at reduce-scatter waits: how many waits
-    it meets, and a tangent it reaches without passing one (None if none)."""
-    waits, inputs = above_reduce_scatters(grad)
-    return len(waits), next((n for n in inputs if n.name.startswith("tangents")), None)
-
-
 def check_part_updates(gm: fx.GraphModule, updated: Mapping[int, str]) -> None:
     """P4 (module docstring) for ``updated`` (backward output index -> part name, every part the
     graph updates); the rest of the graph is checked by :func:`check_part_collectives`."""
@@ -191,12 +173,11 @@ def check_part_updates(gm: fx.GraphModule, updated: Mapping[int, str]) -> None:
         if node.target is torch.ops.aten.copy_.default and node.meta.get(ROLE_KEY) == "update":
             writes.setdefault(node.args[0], []).append(node)  # the update writes its input itself
     memory = Memory(nodes)
+    scatter_waits = [n for n in nodes if is_wait(n) and n.meta.get(ROLE_KEY) == "reduce_scatter_wait"]
     for k, (index, name) in enumerate(sorted(updated.items())):
         what = f"P4: the update of part {name!r} (output {index})"
-        if outs[index] is not None:
-            _fail(gm, outs[index], f"{what}: its gradient is still returned")
+        not_returned(gm, outs[index], "P4", what)
         targets = [t for t in (inputs.get(f"primals_{index + 1}"), extra[k]) if t is not None]
         write = written_last(gm, [w for t in targets for w in writes.get(t, [])], memory, "P4", what, aliases=targets)
-        if not above_reduce_scatters(write)[0]:
-            _fail(gm, write, f"{what}: {write.name} does not read a reduce-scatter's wait: it would step this rank's own gradient")
+        from_average(gm, write, scatter_waits, "P4", what, "a reduce-scatter")
 

@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from graphddp.graph.capture import ancestors
+from graphddp.graph.invariants import from_average
 from graphddp.graph.trace import splice, trace
 from graphddp.graph.verify_common import _fail
 from graphddp.optim.shard_functions import ShardLayout, gathered_value, write_fn
@@ -69,7 +69,7 @@ def insert_forward_gathers(gm: fx.GraphModule, shards: Sequence[ShardLayout], pa
 
 def verify_forward_gathers(gm: fx.GraphModule, shards: Sequence[ShardLayout]) -> None:
     """F1: each parameter of a bucket is written by one ``copy_`` from values that depend on
-    the wait of that bucket's all-gather input. F2: that write is the only reader of the
+    the wait of that bucket's all-gather input (:mod:`graphddp.graph.invariants`' A). F2: that write is the only reader of the
     parameter's placeholder: every other read goes through the write, so none sees the old value."""
     nodes = list(gm.graph.nodes)
     inputs = {n.meta.get(BUCKET_KEY): n for n in nodes if n.op == "placeholder" and n.meta.get(ROLE_KEY) == GATHER_INPUT}
@@ -85,8 +85,7 @@ def verify_forward_gathers(gm: fx.GraphModule, shards: Sequence[ShardLayout]) ->
         if len(writes) != len(b.slots):
             _fail(gm, (writes or [source])[0], f"{where}: {len(writes)} parameter writes for {len(b.slots)} parameters (F1)")
         for write in writes:
-            if not any(w in ancestors(write) for w in waits):
-                _fail(gm, write, f"{where}: {write.name} writes a parameter from values its all-gather's wait did not deliver (F1)")
+            from_average(gm, write, waits, "F1", f"{where}: a parameter's write", "its all-gather")
             param = write.args[0]
             for user in param.users:
                 if user is not write:

@@ -9,7 +9,7 @@ per parameter in ``Bucket.updates``:
 
 U1. **Schedule.** Every updated parameter is one of its bucket's slots, and is updated by
     one bucket only.
-U2. **No gradient kept.** Its gradient output is ``None``.
+U2. **No gradient kept** (:mod:`graphddp.graph.invariants`' G). Its gradient output is ``None``.
 U3. **One write, last** (:mod:`graphddp.graph.invariants`' L, found by the fake storage of its
     ``update_param_k`` input).
 U4. **One way in.** Every node that reads its memory reads it through the written node (or
@@ -20,8 +20,8 @@ U6. **Placement** (:meth:`Schedule.update_after`). Without clipping, the write c
     bucket's wait and before the next bucket's wait, so each bucket is updated while the later
     ones are still on the wire. With ``max_grad_norm``, it comes after the last bucket's wait:
     no update before every average is in.
-U7. **Clipping** (``max_grad_norm``; :mod:`graphddp.optim.clip`). One clip coefficient node,
-    after every wait, computed from every slot's reduced gradient (each bucket's unflatten
+U7. **Clipping** (``max_grad_norm``; :mod:`graphddp.optim.clip`). One clip coefficient node
+    (:mod:`graphddp.graph.invariants`' C), after every wait, computed from every slot's reduced gradient (each bucket's unflatten
     view has a norm among its users); every update's write, and every parameter gradient the
     graph still returns, is computed from it. Without ``max_grad_norm``, no coefficient.
 
@@ -29,12 +29,11 @@ Failures raise :class:`graphddp.graph.verify_common.VerificationError` showing t
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
-
 import torch
 import torch.fx as fx
 
-from graphddp.graph.invariants import Memory, root, written_last
+from graphddp.graph.capture import ancestors, descendants, output_nodes
+from graphddp.graph.invariants import Memory, clip_coefficient, not_returned, returned_clipped, root, written_last
 from graphddp.graph.verify_common import VerificationError, _fail
 from graphddp.optim.clip import CLIP_COEFFICIENT, CLIP_NORM
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
@@ -46,21 +45,19 @@ aten = torch.ops.aten
 def verify_updates(gm: fx.GraphModule, schedule: Schedule) -> None:
     """Check U1-U7 (module docstring)."""
     nodes = list(gm.graph.nodes)
-    order = {n: i for i, n in enumerate(nodes)}
-    output = gm.graph.output_node()
-    outs = list(output.args[0])
+    storage = Memory(nodes)
+    order, outs = storage.order, output_nodes(gm)
     update_params = [n for n in nodes if n.op == "placeholder" and n.name.startswith("update_param_")]
     buckets = [b for b in schedule.buckets if b.collective != "reduce_scatter"]  # sharded: verify_shard
     names = [n for b in buckets for n in b.updates]
     if len(update_params) != len(names):
         raise VerificationError(f"graphddp verify: the schedule updates {len(names)} parameters, the graph has {len(update_params)} update_param inputs")
     waits = {n.meta[BUCKET_KEY]: n for n in nodes if is_wait(n) and n.meta.get(BUCKET_KEY) is not None}
-    storage = Memory(nodes)
     unflatten_views: dict[int, list[fx.Node]] = {}
     for n in nodes:
         if n.meta.get(ROLE_KEY) == "unflatten" and n.target is aten.view.default and n.meta.get(BUCKET_KEY) is not None:
             unflatten_views.setdefault(n.meta[BUCKET_KEY], []).append(n)
-    clipped = _clipped(gm, schedule, buckets, waits, order)  # U7's coefficient, and what it feeds
+    clipped = _clipped(gm, schedule, buckets, waits, unflatten_views, order)  # U7's coefficient, and what it feeds
     seen: set[str] = set()
     k = 0
     for bucket in buckets:
@@ -72,8 +69,7 @@ def verify_updates(gm: fx.GraphModule, schedule: Schedule) -> None:
                 raise VerificationError(f"graphddp verify: {what}: not a slot of the bucket, or updated twice")
             seen.add(name)
             index, slot = slots[name]
-            if outs[slot.output_index] is not None:  # U2
-                _fail(gm, outs[slot.output_index], f"{what}: its gradient is still returned (output {slot.output_index})")
+            not_returned(gm, outs[slot.output_index], "U2", f"{what}, output {slot.output_index}")
             memory = storage(update_params[k])
             k += 1
             write = written_last(gm, storage.updates.get(memory, []) if memory is not None else [], storage, "U3", what)
@@ -96,48 +92,27 @@ def verify_updates(gm: fx.GraphModule, schedule: Schedule) -> None:
                 _fail(gm, write, f"{what}: {write.name} runs after bucket {bucket.index + 1}'s wait {following.name}: the update no longer overlaps it")
             if clipped is not None and write not in clipped:  # U7
                 _fail(gm, write, f"{what}: {write.name} does not read the clip coefficient: the parameter would be updated with an unclipped gradient")
-    if clipped is not None:  # U7: what the graph returns is clipped too
-        for bucket in buckets:
-            for slot in bucket.slots:
-                out = outs[slot.output_index] if not slot.zero_filled else None
-                if isinstance(out, fx.Node) and out not in clipped:
-                    _fail(gm, out, f"the gradient of {slot.param_name!r} (output {slot.output_index}) is returned unclipped")
+    if clipped is not None:
+        returned_clipped(gm, buckets, outs, clipped, "U7")
 
 
-def _clipped(gm: fx.GraphModule, schedule: Schedule, buckets: list, waits: dict, order: dict) -> set[fx.Node] | None:
+def _clipped(gm: fx.GraphModule, schedule: Schedule, buckets: list, waits: dict, unflatten_views: dict, order: dict) -> set[fx.Node] | None:
     """U7's first half: the one coefficient, after every wait, computed from every slot's
     reduced gradient. Returns the nodes computed from it (None without ``max_grad_norm``)."""
-    coefs = [n for n in gm.graph.nodes if n.meta.get(ROLE_KEY) == CLIP_COEFFICIENT]
-    if schedule.max_grad_norm is None:
-        if coefs:
-            _fail(gm, coefs[0], "a clip coefficient in a graph whose schedule has no max_grad_norm")
+    if schedule.max_grad_norm is not None and not any(b.updates for b in buckets):
         return None
-    if not any(b.updates for b in buckets):
+    coef = clip_coefficient(gm, schedule.max_grad_norm, "U7", CLIP_COEFFICIENT)
+    if coef is None:
         return None
-    if len(coefs) != 1:
-        raise VerificationError(f"graphddp verify: max_grad_norm={schedule.max_grad_norm}: {len(coefs)} clip coefficients, expected 1")
-    (coef,) = coefs
     late = [w for w in waits.values() if order[w] > order[coef]]
     if late:
         _fail(gm, coef, f"the clip coefficient {coef.name} is computed before {late[0].name}: without that bucket's average")
-    inputs = _closure(coef, lambda n: n.all_input_nodes)
+    inputs = ancestors(coef)
     for bucket in buckets:
         if bucket.index not in waits:  # world size 1: nothing was reduced
             continue
-        views = [n for n in gm.graph.nodes if n.meta.get(BUCKET_KEY) == bucket.index and n.meta.get(ROLE_KEY) == "unflatten" and n.target is aten.view.default]
+        views = unflatten_views.get(bucket.index, [])
         for slot, view in zip(bucket.slots, views if len(views) == len(bucket.slots) else ()):
             if not slot.zero_filled and not any(u.meta.get(ROLE_KEY) == CLIP_NORM and u in inputs for u in view.users):
                 _fail(gm, view, f"the clip norm does not read the reduced gradient of {slot.param_name!r} (bucket {bucket.index})")
-    return _closure(coef, lambda n: n.users)
-
-
-def _closure(start: fx.Node, neighbours: Callable[[fx.Node], Iterable[fx.Node]]) -> set[fx.Node]:
-    """Every node reachable from ``start`` (not itself) through ``neighbours``."""
-    found: set[fx.Node] = set()
-    todo = [start]
-    while todo:
-        for other in neighbours(todo.pop()):
-            if other not in found:
-                found.add(other)
-                todo.append(other)
-    return found
+    return descendants([coef])

@@ -11,30 +11,31 @@ S1. **One of each.** Exactly one reduce-scatter and one all-gather carry the buc
     by the next forward), and
     nothing else graphddp made for it is a collective but, with hybrid sharding
     (:class:`graphddp.values.placement.Placement`), one all-reduce of the part over the
-    replicate group, which reads the reduce-scatter's wait and whose wait the all-gather reads.
+    replicate group (:mod:`graphddp.graph.invariants`' H), whose wait the all-gather reads (A).
 S2. **After its gradients.** The reduce-scatter comes after the node producing each of the
     bucket's gradients, and its input depends on every one of them.
-S3. **Averaged gradient.** The all-gather's input depends on the reduce-scatter's wait: the
-    parts are updated from the average, not from the local gradient. Where the reduce-scatter
+S3. **Averaged gradient** (:mod:`graphddp.graph.invariants`' A). The all-gather's input
+    depends on the reduce-scatter's wait: the parts are updated from the average, not from the
+    local gradient. Where the reduce-scatter
     is gloo's all-to-all (:mod:`graphddp.values.collectives`), the wait is read only as the sum
     of its ``world`` rows: one rank's row alone is a local gradient again.
-S4. **No gradient kept.** Every slot's gradient output is ``None``.
+S4. **No gradient kept** (:mod:`graphddp.graph.invariants`' G). Every slot's gradient output is ``None``.
 S5. **One write, after the gather, last.** Each parameter of the bucket is written by exactly
-    one ``copy_`` whose value depends on the all-gather's wait, and no node after that write
-    reads the parameter's memory (:mod:`graphddp.graph.invariants`' L). With ``gather="forward"`` instead: the all-gather is returned,
+    one ``copy_`` whose value depends on the all-gather's wait (A, with the gather's wait), and
+    no node after that write reads the parameter's memory (:mod:`graphddp.graph.invariants`' L). With ``gather="forward"`` instead: the all-gather is returned,
     un-waited, as one of the graph's extra outputs, and the backward writes no parameter of the
     bucket (the next forward does: :func:`graphddp.optim.insert_gather.verify_forward_gathers`).
 
-S6. **Clipping** (``max_grad_norm``; :mod:`graphddp.optim.clip`). One clip coefficient node,
-    computed from every sharded bucket's reduce-scatter wait through one all-reduce (each
+S6. **Clipping** (``max_grad_norm``; :mod:`graphddp.optim.clip`). One clip coefficient node
+    (:mod:`graphddp.graph.invariants`' C), computed from every sharded bucket's reduce-scatter wait through one all-reduce (each
     rank holds its parts' shares of the norms only, :func:`graphddp.optim.clip.part_norms`:
     combined over ranks they are the norms), whose reduction is the norm's
     (:func:`graphddp.optim.clip.reduce_op`: SUM for a finite p, MAX for inf: a sum of maxima
     is no maximum), and from every gradient the graph still returns; every bucket's all-gather, and every such returned
     gradient, is computed from it. Without ``max_grad_norm``, no coefficient.
 
-S7. **Carried gradients** (the carrying variant, a step after ``no_sync``). Each of the bucket's
-    carried inputs is read once, by an ``add`` of the bucket that its reduce-scatter depends on:
+S7. **Carried gradients** (the carrying variant, a step after ``no_sync``;
+    :mod:`graphddp.graph.invariants`' O). Each of the bucket's carried inputs is read once, by an ``add`` of the bucket that its reduce-scatter depends on:
     an accumulated gradient left out is a micro-step lost from the average.
 
 Failures raise :class:`graphddp.graph.verify_common.VerificationError` showing the node in context.
@@ -44,15 +45,17 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from graphddp.graph.capture import ancestors
-from graphddp.graph.invariants import Memory, root, waited_once, written_last
-from graphddp.graph.verify_common import VerificationError, _fail
+from graphddp.graph.capture import ancestors, descendants, output_nodes
+from graphddp.graph.invariants import (
+    Memory, carried_once, clip_coefficient, from_average, not_returned, over_replicas, returned_clipped, root, waited_once,
+    written_last,
+)
+from graphddp.graph.verify_common import _fail
 from graphddp.optim.clip import CLIP, CLIP_COEFFICIENT, CLIP_NORM, reduce_op
 from graphddp.optim.insert_shard import carried_inputs
-from graphddp.optim.verify import _closure
 from graphddp.values.collectives import kind
-from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, group_of, is_collective, is_wait
-from graphddp.values.placement import REPLICATE, Placement, flat
+from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_collective, is_wait
+from graphddp.values.placement import REPLICATE, flat
 from graphddp.values.schedule import Schedule
 
 aten = torch.ops.aten
@@ -62,10 +65,8 @@ ALL_TO_ALL = kind("reduce_scatter").lower("gloo").op  # a reduce-scatter on gloo
 def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
     """Check S1-S7 (module docstring)."""
     nodes = list(gm.graph.nodes)
-    order = {n: i for i, n in enumerate(nodes)}
-    by_name = {n.name: n for n in nodes}
     memory_of = Memory(nodes)
-    outs = list(gm.graph.output_node().args[0])
+    order, by_name, outs = memory_of.order, {n.name: n for n in nodes}, output_nodes(gm)
     rs_ops, ag_ops = kind("reduce_scatter").ops, kind("all_gather").ops
     placement = schedule.placement or flat(schedule.group_name, schedule.world_size)
     issued: dict[int, tuple[fx.Node, fx.Node]] = {}  # per sharded bucket: its reduce-scatter and all-gather
@@ -88,29 +89,26 @@ def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
         if bucket.gather != "forward":  # else returned un-waited (S5), the next forward waits for it
             waited_once(gm, gather, "S1", where)
         if replicas:
-            _check_replicated(gm, where, scatter, replicas[0], gather, placement)
+            replicated = over_replicas(gm, scatter, replicas, placement.replicate.name, "S1", where)
+            from_average(gm, gather, [replicated], "S1", f"{where}: the all-gather", "the replicate all-reduce")
         inputs = ancestors(scatter)
-        for node in carried.get(bucket.index, ()):  # S7
-            users = list(node.users)
-            if len(users) != 1 or users[0].meta.get(ROLE_KEY) != "carry" or users[0] not in inputs:
-                _fail(gm, node, f"{where}: the carried gradient {node.name} is read by {[u.name for u in users]}, not once by "
-                                f"an add its reduce-scatter reads (S7)")
+        for node in carried.get(bucket.index, ()):
+            carried_once(gm, node, inputs.__contains__, "S7", where, "an add its reduce-scatter reads")
         for slot in bucket.slots:
             producer = by_name.get(slot.producer)
             if producer is None or producer not in inputs or order[producer] > order[scatter]:
                 _fail(gm, scatter, f"{where}: the reduce-scatter does not follow the gradient of {slot.param_name!r} (S2)")
         scatter_waits = [u for u in scatter.users if is_wait(u)]
-        if not scatter_waits or not any(w in ancestors(gather) for w in scatter_waits):
-            _fail(gm, gather, f"{where}: the all-gather's parts do not depend on the reduce-scatter's wait (S3)")
+        from_average(gm, gather, scatter_waits, "S3", f"{where}: the all-gather", "the reduce-scatter")
         if scatter.target is ALL_TO_ALL:
             _check_rows_summed(gm, where, scatter_waits, placement.shard.size)
         for slot in bucket.slots:
-            if outs[slot.output_index] is not None:
-                _fail(gm, gm.graph.output_node(), f"{where}: the gradient of {slot.param_name!r} is still returned (S4)")
+            not_returned(gm, outs[slot.output_index], "S4", f"{where}: {slot.param_name!r}")
         gather_waits = [u for u in gather.users if is_wait(u)]
         writes = [n for n in mine if n.target is aten.copy_.default and n.meta.get(ROLE_KEY) == "write"]
         if bucket.gather == "forward":
-            if gather_waits or writes or gather not in outs[len(outs) - len(deferred(schedule)):]:
+            deferred = [b for b in schedule.buckets if b.collective == "reduce_scatter" and b.gather == "forward"]
+            if gather_waits or writes or gather not in outs[len(outs) - len(deferred):]:
                 _fail(gm, gather, f"{where}: gather='forward' leaves the all-gather un-waited and returned, and writes "
                                   f"no parameter in the backward (S5)")
             continue
@@ -120,14 +118,9 @@ def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
 
 def _check_clipping(gm: fx.GraphModule, schedule: Schedule, outs: list, issued: dict[int, tuple[fx.Node, fx.Node]]) -> None:
     """S6 (module docstring); ``issued``: each sharded bucket's reduce-scatter and all-gather (S1)."""
-    coefs = [n for n in gm.graph.nodes if n.meta.get(ROLE_KEY) == CLIP_COEFFICIENT]
-    if schedule.max_grad_norm is None:
-        if coefs:
-            _fail(gm, coefs[0], "a clip coefficient in a graph whose schedule has no max_grad_norm (S6)")
+    coef = clip_coefficient(gm, schedule.max_grad_norm, "S6", CLIP_COEFFICIENT)
+    if coef is None:
         return
-    if len(coefs) != 1:
-        raise VerificationError(f"graphddp verify: max_grad_norm={schedule.max_grad_norm}: {len(coefs)} clip coefficients, expected 1 (S6)")
-    (coef,) = coefs
     inputs = ancestors(coef)
     summed = [n for n in inputs if is_collective(n) and n.meta.get(ROLE_KEY) == CLIP]
     if len(summed) != 1:
@@ -137,32 +130,18 @@ def _check_clipping(gm: fx.GraphModule, schedule: Schedule, outs: list, issued: 
         _fail(gm, summed[0], f"the all-reduce of the parts' L{schedule.grad_norm_type:g} norms reduces by {summed[0].args[1:2]}, "
                              f"expected {op!r} (S6)")
     reduced = ancestors(summed[0])
-    later = _closure(coef, lambda n: n.users)
+    later = descendants([coef])
     for index, (scatter, gather) in issued.items():
         if not any(is_wait(u) and u in reduced for u in scatter.users):
             _fail(gm, summed[0], f"sharded bucket {index}: the all-reduce of the parts' norms does not read its reduce-scatter's wait (S6)")
         if gather not in later:
             _fail(gm, gather, f"sharded bucket {index}: its parts are updated without the clip coefficient (S6)")
-    for bucket in (b for b in schedule.buckets if b.collective != "reduce_scatter"):
-        graded = [outs[s.output_index] for s in bucket.slots if not s.zero_filled and isinstance(outs[s.output_index], fx.Node)]
-        for out in graded:
-            if out not in later:
-                _fail(gm, out, f"{out.name}, a gradient of bucket {bucket.index} the graph returns, is not clipped (S6)")
+    replicated = [b for b in schedule.buckets if b.collective != "reduce_scatter"]
+    returned_clipped(gm, replicated, outs, later, "S6")
+    for bucket in replicated:
+        graded = any(not s.zero_filled and isinstance(outs[s.output_index], fx.Node) for s in bucket.slots)
         if graded and not any(n.meta.get(BUCKET_KEY) == bucket.index and n.meta.get(ROLE_KEY) == CLIP_NORM for n in inputs):
             _fail(gm, coef, f"the clip coefficient {coef.name} does not read the norms of bucket {bucket.index}'s returned gradients (S6)")
-
-
-def _check_replicated(gm: fx.GraphModule, where: str, scatter: fx.Node, replica: fx.Node, gather: fx.Node, placement: Placement) -> None:
-    """S1, hybrid: the part's all-reduce runs over the replicate group, reads the
-    reduce-scatter's wait, and the all-gather reads its wait (each part averaged over every rank)."""
-    assert placement.replicate is not None
-    if group_of(replica) != placement.replicate.name:
-        _fail(gm, replica, f"{where}: the part's all-reduce runs on {group_of(replica)!r}, not the replicate group {placement.replicate.name!r} (S1)")
-    above = ancestors(replica)
-    if not any(is_wait(u) and u in above for u in scatter.users):
-        _fail(gm, replica, f"{where}: the part's all-reduce does not read the reduce-scatter's wait (S1)")
-    if waited_once(gm, replica, "S1", where) not in ancestors(gather):
-        _fail(gm, gather, f"{where}: the all-gather's parts do not depend on the replicate all-reduce's wait (S1)")
 
 
 def _check_rows_summed(gm: fx.GraphModule, where: str, waits: list[fx.Node], world: int) -> None:
@@ -176,12 +155,6 @@ def _check_rows_summed(gm: fx.GraphModule, where: str, waits: list[fx.Node], wor
                 _fail(gm, view, f"{where}: {view.name} reads the all-to-all's rows other than as their sum (S3)")
 
 
-def deferred(schedule: Schedule) -> list[int]:
-    """The buckets whose all-gathers the backward returns (``gather="forward"``), in the order of
-    its extra outputs."""
-    return [b.index for b in schedule.buckets if b.collective == "reduce_scatter" and b.gather == "forward"]
-
-
 def _check_writes(gm: fx.GraphModule, where: str, names: tuple[str, ...], writes: list[fx.Node], gather_waits: list[fx.Node],
                   memory_of: Memory) -> None:
     """S5 for one bucket: one write per parameter, from the gathered parts, and nothing after it
@@ -189,7 +162,5 @@ def _check_writes(gm: fx.GraphModule, where: str, names: tuple[str, ...], writes
     if len(writes) != len(names):
         _fail(gm, (writes or [gm.graph.output_node()])[0], f"{where}: {len(writes)} parameter writes for {len(names)} parameters (S5)")
     for write in writes:
-        before = ancestors(write)
-        if not any(w in before for w in gather_waits):
-            _fail(gm, write, f"{where}: {write.name} writes a parameter from values the all-gather did not deliver (S5)")
+        from_average(gm, write, gather_waits, "S5", f"{where}: a parameter's write", "the all-gather")
         written_last(gm, [write], memory_of, "S5", f"{where}: {root(write.args[0], memory_of).name}")

@@ -242,7 +242,19 @@ def test_verify_rejects_a_hook_collective_on_another_group(hooked):
     gm, _ = _copy(gm)
     c = _ours(gm, 1, is_collective)[1]
     c.args = (*c.args[:2], "other")
-    with pytest.raises(VerificationError, match=r"bucket 1's all_reduce_\d+ runs on group 'other'"):
+    with pytest.raises(VerificationError, match=r"bucket 1's hook: all_reduce_\d+ runs on group 'other'"):
+        verify(gm, schedule, _expected(schedule))
+
+
+def test_verify_rejects_a_hook_wait_on_another_buckets_collective(hooked):
+    gm, schedule = hooked
+    gm, _ = _copy(gm)
+    other = _ours(gm, 0, is_collective)[0]
+    wait = _ours(gm, 1, is_wait)[0]
+    with gm.graph.inserting_after(other):
+        stray = gm.graph.call_function(wait.target, (other,))  # a second wait tagged bucket 1, on bucket 0's collective
+    stray.meta.update(wait.meta)
+    with pytest.raises(VerificationError, match=rf"wait {stray.name} of bucket 1 waits on {other.name}, which is not bucket 1's collective"):
         verify(gm, schedule, _expected(schedule))
 
 

@@ -144,15 +144,6 @@ def _mutate_next_wait_early(gm: fx.GraphModule) -> str:
     return "no longer overlaps"
 
 
-def _mutate_gradient_returned(gm: fx.GraphModule) -> str:
-    view = next(n for n in gm.graph.nodes if n.meta.get(ROLE_KEY) == "unflatten" and n.target is aten.view.default)
-    output = gm.graph.output_node()
-    outs = list(output.args[0])
-    outs[outs.index(None)] = view
-    output.args = (tuple(outs),)
-    return "still returned"
-
-
 def _mutate_read_after_write(gm: fx.GraphModule) -> str:
     write = _param_write(gm, 0)
     with gm.graph.inserting_after(write):
@@ -184,7 +175,6 @@ def _mutate_local_gradient(gm: fx.GraphModule) -> str:
 
 MUTATIONS = {
     "U6 next wait before the update": _mutate_next_wait_early,
-    "U2 gradient still returned": _mutate_gradient_returned,
     "U3 read after the write": _mutate_read_after_write,
     "U4 read through an aliasing input": _mutate_alias_read,
     "U5 update reads another gradient": _mutate_local_gradient,

@@ -131,7 +131,7 @@ def _mutate_returned_unclipped(gm: fx.GraphModule) -> str:
     i = next(i for i, o in enumerate(outs) if isinstance(o, fx.Node) and o.meta.get(ROLE_KEY) == CLIP)
     outs[i] = outs[i].args[0]
     output.args = (tuple(outs),)
-    return "the graph returns, is not clipped"
+    return "is returned unclipped \\(S6\\)"
 
 
 def _mutate_reduction(gm: fx.GraphModule) -> str:

@@ -96,23 +96,14 @@ def _mutate_gather_local_parts(gm: fx.GraphModule) -> str:
         local = gm.graph.call_function(aten.slice.Tensor, (flat, 0, 0, ag.args[0].meta["val"].numel()))
     local.meta["val"] = ag.args[0].meta["val"]
     ag.args = (local, *ag.args[1:])
-    return "do not depend on the reduce-scatter's wait"
-
-
-def _mutate_gradient_returned(gm: fx.GraphModule) -> str:
-    output = gm.graph.output_node()
-    outs = list(output.args[0])
-    rs = next(n for n in _bucket_nodes(gm, 0) if n.target is RS)
-    outs[outs.index(None)] = next(iter(rs.users))  # its wait: waited once (S1 holds), returned as a gradient
-    output.args = (tuple(outs),)
-    return "still returned"
+    return "does not depend on the reduce-scatter's wait"
 
 
 def _mutate_write_before_gather(gm: fx.GraphModule) -> str:
     write = next(n for n in _bucket_nodes(gm, 0) if n.target is aten.copy_.default and n.meta.get(ROLE_KEY) == "write")
     # Write the parameter from its own (old) value: not from what the all-gather delivered.
     write.args = (write.args[0], write.args[0])
-    return "the all-gather did not deliver"
+    return "does not depend on the all-gather's wait"
 
 
 def _mutate_read_after_write(gm: fx.GraphModule) -> str:
@@ -139,7 +130,6 @@ MUTATIONS = {
     "S1 an all-gather read before its wait": _mutate_gather_read_before_its_wait,
     "S2 reduce-scatter without its gradients": _mutate_scatter_before_its_gradients,
     "S3 all-gather of local values": _mutate_gather_local_parts,
-    "S4 gradient still returned": _mutate_gradient_returned,
     "S5 write not from the all-gather": _mutate_write_before_gather,
     "S5 read after the write": _mutate_read_after_write,
 }

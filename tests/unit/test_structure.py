@@ -250,14 +250,32 @@ def _history(text: str) -> list[int]:
     return [n for n, line in enumerate(text.splitlines(), 1) if HISTORY.search(line)]
 
 
+# Each shared invariant of graph/invariants.py: the modules whose verifiers call it, and what a
+# failure of it says (only invariants.py may say it: another module saying it has its own copy).
+SHARED_INVARIANTS = {
+    "waited_once(": (("graph/verify.py", "graph/verify_bucket.py", "optim/verify_shard.py", "graph/verify_full.py"), "must have exactly one user"),
+    "written_last(": (("optim/verify.py", "optim/verify_shard.py", "graph/verify_full.py"), "reads its memory after"),
+    "not_returned(": (("optim/verify.py", "optim/verify_shard.py", "graph/verify_full.py"), "still returned"),
+    "from_average(": (("optim/verify_shard.py", "graph/verify_full.py", "optim/insert_gather.py"), "'s wait ({rule})"),
+    "on_group(": (("graph/verify_bucket.py", "graph/verify_full.py"), "runs on group"),  # and optimizer sharding through over_replicas
+    "over_replicas(": (("optim/verify_shard.py", "graph/verify_full.py"), "not once by its bucket's all-reduce"),
+    "carried_once(": (("graph/verify_bucket.py", "optim/verify_shard.py"), "carried gradient"),
+    "clip_coefficient(": (("optim/verify.py", "optim/verify_shard.py"), "clip coefficients, expected"),
+    "returned_clipped(": (("optim/verify.py", "optim/verify_shard.py"), "unclipped ("),
+}
+VERIFIERS = ("graph/verify.py", "graph/verify_bucket.py", "graph/verify_common.py", "optim/verify.py", "optim/verify_shard.py",
+             "graph/verify_full.py", "optim/insert_gather.py")
+
+
 def test_each_shared_invariant_is_stated_once_and_every_mode_checks_it():
-    """W (waited once) and L (one write, last) live in graph/invariants.py; every mode's verifier
-    calls them instead of writing its own (they were rule 1 = S1 = P1 and U3 = S5 = P4)."""
-    text = {m: PACKAGE.joinpath(m).read_text() for m in (
-        "graph/verify.py", "optim/verify.py", "optim/verify_shard.py", "graph/verify_full.py",
-    )}
-    assert all("waited_once(" in text[m] for m in ("graph/verify.py", "optim/verify_shard.py", "graph/verify_full.py"))
-    assert all("written_last(" in text[m] for m in ("optim/verify.py", "optim/verify_shard.py", "graph/verify_full.py"))
+    """The invariants every mode shares (W, L, G, A, R, H, O, C) live in graph/invariants.py; every
+    mode's verifier calls them instead of writing its own, and no verifier repeats one's message."""
+    text = {m: PACKAGE.joinpath(m).read_text() for m in VERIFIERS}
+    shared = PACKAGE.joinpath("graph/invariants.py").read_text()
+    for call, (callers, says) in SHARED_INVARIANTS.items():
+        assert f"def {call}" in shared and says in shared, call
+        assert [m for m in callers if call not in text[m]] == [], f"a mode's verifier does not call {call}"
+        assert [m for m in VERIFIERS if says in text[m]] == [], f"{call}: its failure is stated again"
     for m, body in text.items():
         assert "class _Memory" not in body and "def _root(" not in body, f"{m} defines its own memory map"
 
