@@ -82,8 +82,8 @@ from torch._guards import detect_fake_mode
 
 from graphddp.graph.bucket_function import HookContext, _builtin_fn, _user_fn
 from graphddp.graph.capture import descendants
-from graphddp.graph.anchors import _Placement, place_buckets
-from graphddp.graph.trace import set_outputs, splice, trace
+from graphddp.graph.anchors import IssuePoints, _Placement, place_buckets
+from graphddp.graph.trace import set_outputs, trace
 from graphddp.hooks import builtin as hooks
 from graphddp.hooks.traced import StateSpec, TracedHook
 from graphddp.values.comm import BUCKET_KEY, CARRIED, ROLE_KEY, group_of, is_collective, is_wait
@@ -306,19 +306,12 @@ def insert_collectives(
     # Edits start here, once every bucket has been placed and traced.
     states = _add_carried_inputs(graph, schedule.buckets) if carry else _add_state_inputs(graph, traced)
     zeros = _add_zeros(graph, schedule, zero_values)
-    # Buckets issued at the start go after the placeholders and the zeros they may read.
-    zero_nodes = set(zeros.values())
-    last_placeholder = [n for n in graph.nodes if n.op == "placeholder" or n in zero_nodes][-1]
-    cursor: dict[fx.Node, fx.Node] = {}  # issue point -> last node inserted after it
+    points = IssuePoints(graph, set(zeros.values()))  # issued at the start: after the zeros they may read
     results = []
     for t in traced:
         p = t.placement
         grads = [zeros[slot.param_name] if slot.zero_filled else outs[slot.output_index] for slot in p.bucket.slots]
-        issue = last_placeholder if p.issue.op == "placeholder" else p.issue
-        early = cursor.get(issue, issue).next
-        views = splice(graph, t.gm, grads + states.get(p.bucket.index, []), early, p.bucket.index, late=(t.late, p.wait))
-        cursor[issue] = early.prev  # the next bucket issued at this point follows this one
-        results.append((p, views))
+        results.append((p, points.splice(t.gm, grads + states.get(p.bucket.index, []), p.issue, t.late, p.wait, p.bucket.index)))
     for p, views in results:
         for slot, view in zip(p.bucket.slots, views, strict=True):
             if not slot.zero_filled:  # DDP leaves an unused parameter's gradient as it was

@@ -70,17 +70,16 @@ parameter written exactly once after every other read of its memory, no gradient
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from graphddp.graph.capture import ancestors, storage_of
-from graphddp.graph.anchors import place_buckets
+from graphddp.graph.anchors import IssuePoints, place_buckets
 from graphddp.graph.trace import after_all, set_outputs, splice, trace
 from graphddp.hooks import builtin as hooks
 from graphddp.optim import clip
@@ -186,7 +185,7 @@ def insert_sharded_updates(
         new_params.update(zip(shard.bucket.param_names, nodes[:n]))
         new_rest[shard.bucket.index] = nodes[n:]
     param_node = parameter_nodes(graph, list(new_params), inputs, new_params)
-    splicer = _Splicer(graph, traced, outs, param_node, new_rest, carried, _IssuePoints(graph), placements, issues, position)
+    splicer = _Splicer(graph, traced, outs, param_node, new_rest, carried, IssuePoints(graph), placements, issues, position)
     if clipped:
         splicer.clipped(schedule, decompositions)
     else:
@@ -212,23 +211,6 @@ def carried_inputs(graph: fx.Graph) -> dict[int, list[fx.Node]]:
     return by_bucket
 
 
-class _IssuePoints:
-    """Where each bucket's reduce-scatter goes: right after its issue point (after the graph's
-    inputs for a bucket issued with them), after any bucket issued at the same point before it."""
-
-    def __init__(self, graph: fx.Graph) -> None:
-        self.last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
-        self.cursor: dict[fx.Node, fx.Node] = {}  # issue point -> the last node spliced after it
-
-    @contextlib.contextmanager
-    def at(self, issue: fx.Node) -> Iterator[fx.Node]:
-        """The node to splice before; the next bucket issued at ``issue`` follows what was spliced."""
-        issue = self.last_placeholder if issue.op == "placeholder" else issue
-        early = self.cursor.get(issue, issue).next
-        yield early
-        self.cursor[issue] = early.prev
-
-
 @dataclasses.dataclass
 class _Splicer:
     """The traced buckets spliced into the graph, with or without clipping."""
@@ -239,7 +221,7 @@ class _Splicer:
     param_node: Mapping[str, fx.Node]
     rest: Mapping[int, list[fx.Node]]  # per bucket index: its state and hyperparameter inputs
     carried: Mapping[int, list[fx.Node]]  # per bucket index: its accumulated gradients (the carrying variant)
-    early: _IssuePoints
+    early: IssuePoints
     placements: Mapping[int, Any]
     issues: list[fx.Node]  # per bucket, its issue point (placement)
     position: Mapping[fx.Node, int]  # each node's place in the graph before any edit
@@ -258,8 +240,7 @@ class _Splicer:
         outputs and that point."""
         p = self.placements[bucket.index]
         wait = _update_point(at, p, self.issues, self.position, self.graph.output_node())
-        with self.early.at(p.issue) as point:
-            return splice(self.graph, traced, inputs, point, bucket.index, late=(frozenset(_not_for_the_issue(traced)), wait)), wait
+        return self.early.splice(traced, inputs, p.issue, _not_for_the_issue(traced), wait, bucket.index), wait
 
     def overlapped(self) -> None:
         """Each bucket updated as soon as its average arrives (module docstring)."""
