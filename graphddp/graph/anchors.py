@@ -6,16 +6,19 @@ before it edits anything: the schedule is well formed, the issue point comes bef
 point, and each output is the gradient the slot says, of its shape and dtype, produced by the
 issue point. Both rewrites of a backward do this, :mod:`graphddp.graph.insert_comm` for the
 replicated buckets and :mod:`graphddp.optim.insert_shard` for the sharded ones, so it has a
-module of its own. It reads the graph and never edits it.
+module of its own. :func:`place_buckets` reads the graph and never edits it; both rewrites then
+splice each bucket's traced function through one :class:`IssuePoints`, in two parts: what goes
+right after the issue point, and what goes before the wait (or update) point.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import torch
 import torch.fx as fx
 
+from graphddp.graph.trace import splice
 from graphddp.values.schedule import WAIT_AT_OUTPUT, Bucket, Schedule, dtype_name
 
 
@@ -95,3 +98,25 @@ def place_buckets(gm: fx.GraphModule, schedule: Schedule, outs: Sequence[Any], o
         _check_slots(bucket, outs, order, issue)
         placements.append(_Placement(bucket, issue, wait))
     return placements
+
+
+class IssuePoints:
+    """Where each bucket's early part goes: right after its issue point (after the graph's
+    inputs, and the nodes in ``first``, for a bucket issued with the inputs), after any bucket
+    issued at the same point before it, so buckets sharing an issue point keep bucket order."""
+
+    def __init__(self, graph: fx.Graph, first: Collection[fx.Node] = ()) -> None:
+        self.graph = graph
+        self.last_input = [n for n in graph.nodes if n.op == "placeholder" or n in first][-1]
+        self.cursor: dict[fx.Node, fx.Node] = {}  # issue point -> the last node spliced after it
+
+    def splice(
+        self, traced: fx.GraphModule, inputs: Sequence[fx.Node], issue: fx.Node, late: Collection[fx.Node], wait: fx.Node, bucket: int,
+    ) -> Any:
+        """``traced`` spliced in two parts: its ``late`` nodes right before ``wait``, the rest
+        right after ``issue``; returns its outputs (:func:`graphddp.graph.trace.splice`)."""
+        issue = self.last_input if issue.op == "placeholder" else issue
+        early = self.cursor.get(issue, issue).next
+        outputs = splice(self.graph, traced, inputs, early, bucket, late=(late, wait))
+        self.cursor[issue] = early.prev
+        return outputs

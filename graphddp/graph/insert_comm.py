@@ -82,8 +82,8 @@ from torch._guards import detect_fake_mode
 
 from graphddp.graph.bucket_function import HookContext, _builtin_fn, _user_fn
 from graphddp.graph.capture import descendants
-from graphddp.graph.anchors import _Placement, place_buckets
-from graphddp.graph.trace import set_outputs, splice, trace
+from graphddp.graph.anchors import IssuePoints, _Placement, place_buckets
+from graphddp.graph.trace import set_outputs, trace
 from graphddp.hooks import builtin as hooks
 from graphddp.hooks.traced import StateSpec, TracedHook
 from graphddp.values.comm import BUCKET_KEY, CARRIED, ROLE_KEY, group_of, is_collective, is_wait
@@ -196,27 +196,46 @@ def _trace_bucket(
     return _Traced(p, gm, _late_part(gm, what), ())
 
 
-def _carried_values(graph: fx.Graph, bucket: Bucket) -> list[torch.Tensor]:
-    """Fake values of a bucket's carried gradients: each parameter's shape, contiguous (what
-    autograd's accumulation leaves in ``.grad`` for a contiguous parameter), its gradient's dtype."""
-    fake_mode = detect_fake_mode(tuple(n.meta.get("val") for n in graph.nodes if n.op == "placeholder"))
+def _slot_values(graph: fx.Graph, slots: Sequence[GradSlot], make: Any) -> list[torch.Tensor]:
+    """Fake values shaped as ``slots`` (each parameter's shape, contiguous: what autograd's
+    accumulation leaves in ``.grad`` for a contiguous parameter; its gradient's dtype), made by
+    ``make`` (``torch.empty``, ``torch.zeros``) in the graph's fake mode, before any edit."""
+    fake_mode = detect_fake_mode(tuple(n.meta.get("val") for n in graph.find_nodes(op="placeholder")))
     with fake_mode:
-        return [torch.empty(s.shape, dtype=getattr(torch, s.dtype), device=torch.device(s.device)) for s in bucket.slots]
+        return [make(s.shape, dtype=getattr(torch, s.dtype), device=torch.device(s.device)) for s in slots]
+
+
+def _add_inputs(graph: fx.Graph, new: Sequence[tuple[int, str, torch.Tensor, Mapping[str, Any]]]) -> dict[int, list[fx.Node]]:
+    """Placeholders after the existing ones, in order, one per (bucket index, name, fake
+    value, more meta); returns them per bucket index."""
+    placeholders = graph.find_nodes(op="placeholder")
+    last = placeholders[-1] if placeholders else None
+    by_bucket: dict[int, list[fx.Node]] = {}
+    for index, name, val, meta in new:
+        with graph.inserting_after(last):
+            last = graph.placeholder(name)
+        last.meta.update({"val": val, BUCKET_KEY: index, **meta})
+        by_bucket.setdefault(index, []).append(last)
+    return by_bucket
 
 
 def _add_carried_inputs(graph: fx.Graph, buckets: Sequence[Bucket]) -> dict[int, list[fx.Node]]:
-    """Placeholders for every bucket's carried gradients, in bucket and slot order, after the
-    existing ones (role ``carried_gradient``, the slot's parameter in the name). A sharded
-    bucket's are read by the optimizer's pass (:mod:`graphddp.optim.insert_shard`)."""
-    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    """Placeholders for every bucket's carried gradients, in bucket and slot order (role
+    ``carried_gradient``, the slot's parameter in ``meta[CARRIED]``). A sharded bucket's are
+    read by the optimizer's pass, through :func:`carried_inputs`."""
+    return _add_inputs(graph, [
+        (b.index, f"carried_{b.index}_{k}", val, {ROLE_KEY: CARRIED, CARRIED: slot.param_name})
+        for b in buckets for k, (slot, val) in enumerate(zip(b.slots, _slot_values(graph, b.slots, torch.empty), strict=True))
+    ])
+
+
+def carried_inputs(graph: fx.Graph) -> dict[int, list[fx.Node]]:
+    """The carrying variant's inputs (:func:`insert_collectives` with ``carry``): per bucket
+    index, each slot's gradient accumulated under ``no_sync``, in slot order."""
     by_bucket: dict[int, list[fx.Node]] = {}
-    for bucket in buckets:
-        for k, (slot, val) in enumerate(zip(bucket.slots, _carried_values(graph, bucket), strict=True)):
-            with graph.inserting_after(last):
-                node = graph.placeholder(f"carried_{bucket.index}_{k}")
-            node.meta.update({"val": val, ROLE_KEY: CARRIED, BUCKET_KEY: bucket.index, CARRIED: slot.param_name})
-            by_bucket.setdefault(bucket.index, []).append(node)
-            last = node
+    for node in graph.find_nodes(op="placeholder"):
+        if node.meta.get(ROLE_KEY) == CARRIED:
+            by_bucket.setdefault(node.meta[BUCKET_KEY], []).append(node)
     return by_bucket
 
 
@@ -224,11 +243,7 @@ def _zero_values(graph: fx.Graph, schedule: Schedule) -> dict[str, torch.Tensor]
     """Fake zeros for every zero-filled slot (:attr:`GradSlot.zero_filled`): what the buckets'
     functions are traced on in its place, made before any edit."""
     slots = [s for b in schedule.buckets for s in b.slots if s.zero_filled]
-    if not slots:
-        return {}
-    fake_mode = detect_fake_mode(tuple(n.meta.get("val") for n in graph.nodes if n.op == "placeholder"))
-    with fake_mode:
-        return {s.param_name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype), device=torch.device(s.device)) for s in slots}
+    return dict(zip([s.param_name for s in slots], _slot_values(graph, slots, torch.zeros))) if slots else {}
 
 
 def _add_zeros(graph: fx.Graph, schedule: Schedule, values: Mapping[str, torch.Tensor]) -> dict[str, fx.Node]:
@@ -253,23 +268,11 @@ def _value(slot: GradSlot, outs: Sequence[Any], zeros: Mapping[str, torch.Tensor
 
 
 def _add_state_inputs(graph: fx.Graph, traced: Sequence[_Traced]) -> dict[int, list[fx.Node]]:
-    """Placeholders for every bucket's hook state, after the existing ones (role hook_state)."""
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    last = placeholders[-1] if placeholders else None
-    by_bucket: dict[int, list[fx.Node]] = {}
-    fake = [t.gm.graph.find_nodes(op="placeholder") for t in traced]
-    for t, phs in zip(traced, fake):
-        index = t.placement.bucket.index
-        for spec, ph in zip(t.states, phs[len(t.placement.bucket.slots):]):
-            with graph.inserting_after(last):
-                node = graph.placeholder(f"hook_state_{index}_{spec.name}")
-            node.meta["val"] = ph.meta["val"]
-            node.meta[ROLE_KEY] = HOOK_STATE
-            node.meta[BUCKET_KEY] = index
-            node.meta[HOOK_STATE_SPEC] = spec
-            by_bucket.setdefault(index, []).append(node)
-            last = node
-    return by_bucket
+    """Placeholders for every bucket's hook state (role hook_state, its StateSpec in meta)."""
+    return _add_inputs(graph, [
+        (t.placement.bucket.index, f"hook_state_{t.placement.bucket.index}_{spec.name}", ph.meta["val"], {ROLE_KEY: HOOK_STATE, HOOK_STATE_SPEC: spec})
+        for t in traced for spec, ph in zip(t.states, t.gm.graph.find_nodes(op="placeholder")[len(t.placement.bucket.slots):])
+    ])
 
 
 def insert_collectives(
@@ -300,25 +303,18 @@ def insert_collectives(
         traced = [_trace_user_bucket(p, outs, zero_values, schedule, hook, ctx) for p in placements]
     else:
         traced = [
-            _trace_bucket(p, outs, zero_values, schedule, hook or hooks.for_bucket(p.bucket), _carried_values(graph, p.bucket) if carry else ())
+            _trace_bucket(p, outs, zero_values, schedule, hook or hooks.for_bucket(p.bucket), _slot_values(graph, p.bucket.slots, torch.empty) if carry else ())
             for p in placements
         ]
     # Edits start here, once every bucket has been placed and traced.
     states = _add_carried_inputs(graph, schedule.buckets) if carry else _add_state_inputs(graph, traced)
     zeros = _add_zeros(graph, schedule, zero_values)
-    # Buckets issued at the start go after the placeholders and the zeros they may read.
-    zero_nodes = set(zeros.values())
-    last_placeholder = [n for n in graph.nodes if n.op == "placeholder" or n in zero_nodes][-1]
-    cursor: dict[fx.Node, fx.Node] = {}  # issue point -> last node inserted after it
+    points = IssuePoints(graph, set(zeros.values()))  # issued at the start: after the zeros they may read
     results = []
     for t in traced:
         p = t.placement
         grads = [zeros[slot.param_name] if slot.zero_filled else outs[slot.output_index] for slot in p.bucket.slots]
-        issue = last_placeholder if p.issue.op == "placeholder" else p.issue
-        early = cursor.get(issue, issue).next
-        views = splice(graph, t.gm, grads + states.get(p.bucket.index, []), early, p.bucket.index, late=(t.late, p.wait))
-        cursor[issue] = early.prev  # the next bucket issued at this point follows this one
-        results.append((p, views))
+        results.append((p, points.splice(t.gm, grads + states.get(p.bucket.index, []), p.issue, t.late, p.wait, p.bucket.index)))
     for p, views in results:
         for slot, view in zip(p.bucket.slots, views, strict=True):
             if not slot.zero_filled:  # DDP leaves an unused parameter's gradient as it was

@@ -70,17 +70,17 @@ parameter written exactly once after every other read of its memory, no gradient
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from graphddp.graph.capture import ancestors, storage_of
-from graphddp.graph.anchors import place_buckets
+from graphddp.graph.anchors import IssuePoints, place_buckets
+from graphddp.graph.insert_comm import carried_inputs
 from graphddp.graph.trace import after_all, set_outputs, splice, trace
 from graphddp.hooks import builtin as hooks
 from graphddp.optim import clip
@@ -89,7 +89,7 @@ from graphddp.optim.shard_functions import (
     SHARDED, ShardLayout, clipped_update_fn, gather_fn, layout, reduce_fn, shard_layout, state_values, update_fn, write_fn,
 )
 from graphddp.values.collectives import kind
-from graphddp.values.comm import BUCKET_KEY, CARRIED, ROLE_KEY
+from graphddp.values.comm import ROLE_KEY
 from graphddp.values.schedule import Bucket, Schedule
 from graphddp.values.shards import GATHER_LAG
 
@@ -186,7 +186,7 @@ def insert_sharded_updates(
         new_params.update(zip(shard.bucket.param_names, nodes[:n]))
         new_rest[shard.bucket.index] = nodes[n:]
     param_node = parameter_nodes(graph, list(new_params), inputs, new_params)
-    splicer = _Splicer(graph, traced, outs, param_node, new_rest, carried, _IssuePoints(graph), placements, issues, position)
+    splicer = _Splicer(graph, traced, outs, param_node, new_rest, carried, IssuePoints(graph), placements, issues, position)
     if clipped:
         splicer.clipped(schedule, decompositions)
     else:
@@ -202,33 +202,6 @@ def insert_sharded_updates(
     return shards
 
 
-def carried_inputs(graph: fx.Graph) -> dict[int, list[fx.Node]]:
-    """The carrying variant's inputs (:func:`graphddp.graph.insert_comm.insert_collectives`
-    with ``carry``): per bucket index, each slot's gradient accumulated under ``no_sync``, in slot order."""
-    by_bucket: dict[int, list[fx.Node]] = {}
-    for node in graph.find_nodes(op="placeholder"):
-        if node.meta.get(ROLE_KEY) == CARRIED:
-            by_bucket.setdefault(node.meta[BUCKET_KEY], []).append(node)
-    return by_bucket
-
-
-class _IssuePoints:
-    """Where each bucket's reduce-scatter goes: right after its issue point (after the graph's
-    inputs for a bucket issued with them), after any bucket issued at the same point before it."""
-
-    def __init__(self, graph: fx.Graph) -> None:
-        self.last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
-        self.cursor: dict[fx.Node, fx.Node] = {}  # issue point -> the last node spliced after it
-
-    @contextlib.contextmanager
-    def at(self, issue: fx.Node) -> Iterator[fx.Node]:
-        """The node to splice before; the next bucket issued at ``issue`` follows what was spliced."""
-        issue = self.last_placeholder if issue.op == "placeholder" else issue
-        early = self.cursor.get(issue, issue).next
-        yield early
-        self.cursor[issue] = early.prev
-
-
 @dataclasses.dataclass
 class _Splicer:
     """The traced buckets spliced into the graph, with or without clipping."""
@@ -239,7 +212,7 @@ class _Splicer:
     param_node: Mapping[str, fx.Node]
     rest: Mapping[int, list[fx.Node]]  # per bucket index: its state and hyperparameter inputs
     carried: Mapping[int, list[fx.Node]]  # per bucket index: its accumulated gradients (the carrying variant)
-    early: _IssuePoints
+    early: IssuePoints
     placements: Mapping[int, Any]
     issues: list[fx.Node]  # per bucket, its issue point (placement)
     position: Mapping[fx.Node, int]  # each node's place in the graph before any edit
@@ -258,8 +231,7 @@ class _Splicer:
         outputs and that point."""
         p = self.placements[bucket.index]
         wait = _update_point(at, p, self.issues, self.position, self.graph.output_node())
-        with self.early.at(p.issue) as point:
-            return splice(self.graph, traced, inputs, point, bucket.index, late=(frozenset(_not_for_the_issue(traced)), wait)), wait
+        return self.early.splice(traced, inputs, p.issue, _not_for_the_issue(traced), wait, bucket.index), wait
 
     def overlapped(self) -> None:
         """Each bucket updated as soon as its average arrives (module docstring)."""
@@ -274,9 +246,9 @@ class _Splicer:
             if b.gather == "forward":
                 self.deferred[at] = gathered
             else:
-                writes.append((at, (b, t.tail, gathered, params)))
-        for at, pending in writes:
-            _splice_write(self.graph, _write_point(late_points, at, pending[3], output), *pending)
+                writes.append((at, t.tail, [gathered, *params], b.index))
+        for at, tail, inputs, index in writes:  # each bucket's wait and parameter writes
+            splice(self.graph, tail, inputs, _write_point(late_points, at, inputs[1:], output), index)
 
     def clipped(self, schedule: Schedule, decompositions: Mapping[Any, Any]) -> None:
         """``max_grad_norm``: each bucket's reduce-scatter where it would be, its wait and the
@@ -316,14 +288,14 @@ class _Splicer:
             params = [self.param_node[n] for n in b.param_names]
             gathered = splice(graph, t.update, [parts[at], *params, *self.rest[b.index], coef], output, b.index)
             if pending is not None:
-                _splice_write(graph, output, *pending)
+                splice(graph, *pending)
                 pending = None
             if b.gather == "forward":
                 self.deferred[at] = gathered
             else:
-                pending = (b, t.tail, gathered, params)
+                pending = (t.tail, [gathered, *params], output, b.index)  # its wait and writes, one bucket later
         if pending is not None:
-            _splice_write(graph, output, *pending)
+            splice(graph, *pending)
 
 
 def _update_point(at: int, placement: Any, issues: list[fx.Node], position: Mapping[fx.Node, int], output: fx.Node) -> fx.Node:
@@ -362,11 +334,6 @@ def _write_point(late_points: list[fx.Node], at: int, params: list[fx.Node], out
         return output
     point = late_points[at + 1]
     return output if _reads_after(point, _storages(p.meta.get("val") for p in params), output) else point
-
-
-def _splice_write(graph: fx.Graph, point: fx.Node, bucket: Bucket, write: fx.GraphModule, gathered: Any, params: list[fx.Node]) -> None:
-    """A bucket's all-gather wait and parameter writes, before ``point`` (:func:`_write_point`)."""
-    splice(graph, write, [gathered, *params], point, bucket.index)
 
 
 def _not_for_the_issue(gm: fx.GraphModule) -> set[fx.Node]:

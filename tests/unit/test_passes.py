@@ -252,6 +252,21 @@ def test_gradient_that_is_a_graph_input_is_issued_after_the_placeholders():
     verify(gm, schedule, params)
 
 
+def test_buckets_issued_at_one_node_follow_it_in_bucket_order():
+    gm, schedule = planned(ONE_PER_BUCKET)
+    last = schedule.buckets[-1].issue_after
+    schedule = with_buckets(schedule, **{f"b{b.index}": dict(issue_after=last) for b in schedule.buckets})
+    insert_collectives(gm, schedule)
+    issued = all_reduces(gm)
+    assert [n.meta[BUCKET_KEY] for n in issued] == list(range(len(schedule.buckets)))
+    node, seen = nodes_by_name(gm)[last].next, []  # each bucket's early part whole, right after the last one's
+    while ROLE_KEY in node.meta:
+        seen.append(node.meta[BUCKET_KEY])
+        node = node.next
+    assert seen == sorted(seen) and set(seen) == set(range(len(schedule.buckets)))
+    verify(gm, schedule, PARAMS)
+
+
 # ---------------------------------------------------------------------------------------------
 # the rewrite honours the schedule: wait_before, issue_after, slots
 
