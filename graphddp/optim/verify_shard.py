@@ -46,13 +46,13 @@ import torch
 import torch.fx as fx
 
 from graphddp.graph.capture import ancestors, descendants, output_nodes
+from graphddp.graph.insert_comm import carried_inputs
 from graphddp.graph.invariants import (
     Memory, carried_once, clip_coefficient, from_average, not_returned, over_replicas, returned_clipped, root, waited_once,
     written_last,
 )
 from graphddp.graph.verify_common import _fail
 from graphddp.optim.clip import CLIP, CLIP_COEFFICIENT, CLIP_NORM, reduce_op
-from graphddp.optim.insert_shard import carried_inputs
 from graphddp.values.collectives import kind
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_collective, is_wait
 from graphddp.values.placement import REPLICATE, flat
