@@ -1,7 +1,7 @@
 """fp16's loop, ``scaler.scale(loss).backward(); scaler.unscale_(opt); scaler.step(opt);
 scaler.update()``, with the optimizer inside (replicated, ``sharding="optimizer"``,
-``sharding="full"``) against DDP + the same ``torch.optim`` + the same ``GradScaler``, on 2
-gloo ranks (:mod:`graphddp.optim.scaled_step`).
+``sharding="full"``, both also hybrid on a 2 x 2 mesh) against DDP + the same ``torch.optim`` + the
+same ``GradScaler``, on 2 gloo ranks (3 and 4 in some cases) (:mod:`graphddp.optim.scaled_step`).
 
 The scaler runs on CPU (``GradScaler("cpu")``) with ``growth_interval=2``, so the scale grows
 during the run. At one step rank 1 puts an ``inf`` into its gradient: into one element
@@ -79,6 +79,7 @@ class Case:
     scheduler: bool = False  # a StepLR made after graphddp attached the optimizer, stepped after each step
     user_clip: float | None = None  # both sides call clip_grad_norm_ after unscale_ (on the scaled steps)
     world: int = 2
+    mesh: tuple[int, int] | None = None  # hybrid sharding: device_mesh=(replicate, shard) over ``world`` ranks
 
 
 CASES = {
@@ -96,6 +97,12 @@ CASES = {
     "full_mlp_adamw": Case(ProbedMLP, _mlp_loss, options={"sharding": "full"}),
     "full_mlp_adamw_3_ranks": Case(ProbedMLP, _mlp_loss, options={"sharding": "full"}, world=3),
     "full_mlp_adamw_clip": Case(ProbedMLP, _mlp_loss, options={"sharding": "full", "max_grad_norm": 0.05}),
+    # Hybrid sharding on 2 x 2: full sharding's parts of rank 1's inf reach ranks 0 and 2 only
+    # (its shard group's reduce-scatter, then the replicate all-reduce), so ranks 1 and 3 skip
+    # only through the inf check's agreement (seen failing agreed over the replicate group);
+    # optimizer sharding's scaled step holds whole averaged gradients on every rank
+    "hybrid_full_mlp_adamw_2x2": Case(ProbedMLP, _mlp_loss, options={"sharding": "full"}, world=4, mesh=(2, 2)),
+    "hybrid_sharded_mlp_adamw_2x2": Case(ProbedMLP, _mlp_loss, options={"sharding": "optimizer"}, world=4, mesh=(2, 2)),
     # An FSDP user's scaler: its own scale and unscale_ (which all-reduces the flag itself), GradScaler's step
     "full_mlp_adamw_sharded_grad_scaler": Case(ProbedMLP, _mlp_loss, options={"sharding": "full"}, sharded_scaler=True),
     # SGD: Adam turns the rounding noise of the attention's key bias (true gradient zero), summed
@@ -144,6 +151,10 @@ def _train(rank: int, world: int, name: str) -> None:
     ref = DDP(copy.deepcopy(base))
     opt, ref_opt = case.optimizer(mine), case.optimizer(ref.module)
     options = dict(optimizer=opt, backend=case.backend, bucket_cap_mb=0.004, **case.options)
+    if case.mesh is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        options["device_mesh"] = init_device_mesh("cpu", case.mesh, mesh_dim_names=("replicate", "shard"))
     if case.form == "backend":
         view = graphddp.backend(mine, **options)
         ours = torch.compile(mine, backend=view)
