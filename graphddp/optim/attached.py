@@ -47,6 +47,7 @@ loss an enabled ``GradScaler`` scaled leaves its update to ``scaler.step`` (:mod
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 from typing import Any, Callable, Mapping, Sequence
 
@@ -129,6 +130,17 @@ def adam_step(rule: UpdateRule, like: torch.Tensor, step: torch.Tensor | None = 
     if step is None:
         return torch.zeros((), dtype=dtype, device=device)
     return step if (step.device, step.dtype) == (device, dtype) else step.to(device=device, dtype=dtype)
+
+
+def init_adam_state(rule: UpdateRule, state: dict[str, Any], like: torch.Tensor, zeros: Callable[[], torch.Tensor]) -> None:
+    """Adam's ``state`` of ``like`` (a parameter or part) as torch's ``Adam._init_group`` makes it,
+    each moment ``zeros()``; a loaded ``step`` goes where the graph reads it (:func:`adam_step`)."""
+    if "step" in state:
+        state["step"] = adam_step(rule, like, state["step"])
+    else:
+        state.update(step=adam_step(rule, like), exp_avg=zeros(), exp_avg_sq=zeros())
+    if rule.flag("amsgrad") and "max_exp_avg_sq" not in state:
+        state["max_exp_avg_sq"] = zeros()
 
 
 def hyper_values(group: Mapping[str, Any], rule: UpdateRule) -> list[float]:
@@ -327,14 +339,7 @@ class AttachedOptimizer(LossScaled):
             state = self.optimizer.state[p]
             tensors.append(p)
             if rule.kind == "adam":
-                if "step" not in state:  # torch.optim.Adam._init_group
-                    state["step"] = adam_step(rule, p)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                else:  # a loaded one, where the graph reads it
-                    state["step"] = adam_step(rule, p, state["step"])
-                if rule.flag("amsgrad") and "max_exp_avg_sq" not in state:
-                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                init_adam_state(rule, state, p, functools.partial(torch.zeros_like, p, memory_format=torch.preserve_format))
                 tensors.extend(state[k] for k in rule.state)
             elif rule.flag("momentum"):
                 buf = state.get("momentum_buffer")

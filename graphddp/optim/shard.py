@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from graphddp.optim.attached import F64, UPDATES, UpdateRule, adam_step, hyper_values
+from graphddp.optim.attached import F64, UPDATES, UpdateRule, hyper_values, init_adam_state
 from graphddp.values.comm import gather_flat, group_name_of
 from graphddp.values.placement import Placement, flat
 from graphddp.values.shards import chunk, part
@@ -97,14 +97,8 @@ class ShardedState:
         self._cut_loaded(name)
         state = self.optimizer.state[p]
         rule = self.rules[self.group_of[name]]
-        if rule.kind == "adam" and "step" not in state:  # torch.optim.Adam._init_group
-            state["step"] = adam_step(rule, p)
-            state["exp_avg"] = p.new_zeros(hi - lo)
-            state["exp_avg_sq"] = p.new_zeros(hi - lo)
-        elif rule.kind == "adam":  # a loaded one, where the graph reads it
-            state["step"] = adam_step(rule, p, state["step"])
-        if rule.kind == "adam" and rule.flag("amsgrad") and "max_exp_avg_sq" not in state:
-            state["max_exp_avg_sq"] = p.new_zeros(hi - lo)
+        if rule.kind == "adam":
+            init_adam_state(rule, state, p, lambda: p.new_zeros(hi - lo))
         return state
 
     def _cut_loaded(self, name: str) -> None:
@@ -180,10 +174,14 @@ class ShardedState:
             at += c
 
     # -- checkpoints ---------------------------------------------------------------------------
+    def _order(self) -> list[str]:
+        """Parameter names in the optimizer's order: a state dict's indices."""
+        names = {id(p): n for n, p in self.params.items()}
+        return [names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
+
     def full_state_dict(self) -> dict[str, Any]:
         """The state dict a plain optimizer of the same class would have, on every rank."""
-        names = {id(p): n for n, p in self.params.items()}
-        order = [names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
+        order = self._order()
         for name in order:
             self._cut_loaded(name)  # a loaded state not stepped since is saved as loaded
         mine = {}
@@ -218,12 +216,10 @@ class ShardedState:
     def load_full(self, full: Mapping[str, Any]) -> None:
         """Take a plain optimizer's state dict: param groups as ``load_state_dict`` takes them,
         each parameter's state kept for its part (cut when first used)."""
-        names = {id(p): n for n, p in self.params.items()}
-        order = [names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
+        states = {name: full["state"].get(i, full["state"].get(str(i))) for i, name in enumerate(self._order())}
         if len(full["param_groups"]) != len(self.optimizer.param_groups):
             raise ValueError("load_full_optimizer_state_dict: the state dict has a different number of param groups")
-        for index, name in enumerate(order):
-            saved = full["state"].get(index, full["state"].get(str(index)))
+        for name, saved in states.items():
             check_whole_state(name, saved or {}, self.params[name].numel())
         for group, saved in zip(self.optimizer.param_groups, full["param_groups"]):
             if len(saved["params"]) != len(group["params"]):
@@ -231,8 +227,4 @@ class ShardedState:
             group.update({k: copy.deepcopy(v) for k, v in saved.items() if k != "params"})
         for p in self.params.values():
             self.optimizer.state.pop(p, None)
-        self.pending = {}
-        for index, name in enumerate(order):
-            saved = full["state"].get(index, full["state"].get(str(index)))
-            if saved:
-                self.pending[name] = dict(saved)
+        self.pending = {name: dict(saved) for name, saved in states.items() if saved}

@@ -190,9 +190,9 @@ def _probe_failed(what: str, e: BaseException) -> CollectiveError:
     )
 
 
-def max_reduce(values: Sequence[int], group: Any) -> list[int]:
-    """The collective of every agreement: per position, the largest of every rank's int64
-    ``values``, read on the host. On a GPU on a stream of its own (:func:`_side_stream`): the
+def max_reduce(values: Sequence[float], group: Any, dtype: torch.dtype = torch.int64) -> list:
+    """The collective of every agreement: per position, the largest of every rank's ``values``
+    (sent as ``dtype``: a calibration's times are float64), read on the host. On a GPU on a stream of its own (:func:`_side_stream`): the
     host waits for it, not for the kernels queued before it.
 
     An all-gather of the values and the maximum taken here, not a MAX all-reduce: for a few
@@ -200,33 +200,33 @@ def max_reduce(values: Sequence[int], group: Any) -> list[int]:
     small-message latencies where the all-gather costs one (gloo's figures: docs/ddp-features.md),
     and the host waits for this collective at every synchronising backward.
     Still fixed-size (``world * len(values)``), so it pairs with any rank's agreement."""
-    return max_reduce_async(values, group)()
+    return max_reduce_async(values, group, dtype)()
 
 
-def max_reduce_async(values: Sequence[int], group: Any) -> Callable[[], list[int]]:
+def max_reduce_async(values: Sequence[float], group: Any, dtype: torch.dtype = torch.int64) -> Callable[[], list]:
     """:func:`max_reduce` issued now; the returned function waits for it and reads the answer
     (on a GPU on the agreement's own stream, so reading it waits for this collective alone)."""
     device = _device(group)
     world = dist.get_world_size(group)
     with unset_fake_temporarily(), _side_stream(device):
-        mine = torch.tensor([int(v) for v in values], dtype=torch.int64, device=device)
-        everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
+        mine = torch.tensor(list(values), dtype=dtype, device=device)
+        everyone = torch.empty(world * mine.numel(), dtype=dtype, device=device)
         work = gather_flat(everyone, mine, group, async_op=True)
 
     def read() -> list[int]:
         with unset_fake_temporarily(), _side_stream(device):
             work.wait()
-            return [int(v) for v in everyone.view(world, -1).amax(dim=0).tolist()]
+            return everyone.view(world, -1).amax(dim=0).tolist()
 
     return read
 
 
-def max_over_ranks(values: Sequence[int], group: Any) -> list[int]:
-    """Per position, the largest of every rank's ``values`` (one :func:`max_reduce`); every
-    rank must pass the same number of values."""
+def max_over_ranks(values: Sequence[float], group: Any, dtype: torch.dtype = torch.int64) -> list:
+    """Per position, the largest of every rank's ``values`` (one :func:`max_reduce`, sent as
+    ``dtype``); every rank must pass the same number of values."""
     if nothing_to_agree(group) or not values:
-        return [int(v) for v in values]
-    return max_reduce(values, group)
+        return list(values)
+    return max_reduce(values, group, dtype)
 
 
 def any_rank(bits: Sequence[bool], group: Any) -> list[bool]:

@@ -21,7 +21,7 @@ every rank of the group times
 Each time is the fastest of its repeats, not their median: what disturbs a microbenchmark
 (the other rank still compiling, a page fault, the scheduler) only ever adds time, and with
 medians, calibrations of one machine give compute rates far apart and plans to match
-(docs/auto-plan.md). The times are then all-reduced with MAX, so every rank fits the same numbers
+(docs/auto-plan.md). Each time is then the largest over ranks, so every rank fits the same numbers
 (the slowest rank's) and plans the same buckets; they are rounded to two significant figures,
 so reruns on the same machines usually plan the same buckets too (and hit the compile cache).
 The result is cached per (process group, device type): later models on the same group reuse it.
@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from graphddp.config import DDPConfig
 from graphddp.plan.cost import CostModel, fit_link, floor_latency, link_noise
-from graphddp.runtime.calibration_store import max_over_ranks as _max_over_ranks
+from graphddp.runtime.agree import max_over_ranks
 from graphddp.runtime.calibration_store import settle
 from graphddp.values.comm import group_name_of
 
@@ -111,7 +111,7 @@ def calibrate(group: Any, device: torch.device | None = None) -> CostModel:
         return CostModel(source=f"default: a fake process group of {world} ranks has no link to measure")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = _compute_times(device, sync) + (_link_times(group, device, sync) if world > 1 else [])
-    matmul_s, copy_s, op_s, *link = _max_over_ranks(times, torch.float64, group, device)
+    matmul_s, copy_s, op_s, *link = max_over_ranks(times, group, torch.float64)
     rates = {
         "compute_tflops": _round2(2 * _MATMUL_N[device.type] ** 3 / matmul_s / 1e12),
         "memory_gbps": _round2(2 * _COPY_BYTES / copy_s / 1e9),
@@ -127,7 +127,7 @@ def calibrate(group: Any, device: torch.device | None = None) -> CostModel:
             bandwidth_gbps=_round2(fitted.bandwidth_gbps), latency_us=_round2(fitted.latency_us),
             collective_overhead_us=_round2(issue_s * 1e6), **rates, source=source + noise,
         )
-    model = settle(model, key, group, device)
+    model = settle(model, key, group)
     CALIBRATIONS.put(key, model)
     return model
 
@@ -192,7 +192,7 @@ def _fit_link(link: list[float], world: int, group: Any, device: torch.device, s
     noise = link_noise(fitted, link[-1], world)
     if noise is None:
         return fitted, ""
-    again = _max_over_ranks(_allreduce_times(group, device, sync), torch.float64, group, device)
+    again = max_over_ranks(_allreduce_times(group, device, sync), group, torch.float64)
     fitted = fit_link(SIZES, again[:-1], world)
     second = link_noise(fitted, again[-1], world)
     if second is None:
@@ -285,7 +285,7 @@ def _collective_seconds(nbytes: int, group: Any, device: torch.device, sync: Cal
         dist.all_reduce(buf, group=group)
         sync()
         samples.append(time.perf_counter() - start)
-    slowest = sorted(_max_over_ranks(samples, torch.float64, group, device))
+    slowest = sorted(max_over_ranks(samples, group, torch.float64))
     return slowest[0], slowest[len(slowest) // 2] - slowest[0]
 
 

@@ -10,18 +10,15 @@ whatever is stored, as does deleting the file.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import math
 import os
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from graphddp.plan.cost import CostModel
 from graphddp.runtime import disk
+from graphddp.runtime.agree import layout_hash, max_over_ranks
 
 log = logging.getLogger("graphddp")
 
@@ -38,7 +35,7 @@ KEEP_WITHIN = 2.0
 US_SLACK = 100.0
 
 
-def settle(measured: CostModel, key: tuple[str, str, int, str], group: Any, device: torch.device) -> CostModel:
+def settle(measured: CostModel, key: tuple[str, str, int, str], group: Any) -> CostModel:
     """This run's cost model: the one an earlier run of the same group stored, if this run's
     measurement is within ``KEEP_WITHIN`` of it on every rank, else the measurement.
 
@@ -46,7 +43,7 @@ def settle(measured: CostModel, key: tuple[str, str, int, str], group: Any, devi
     noise; a plan made from other numbers is another compile (the compile cache checks the
     plan, :mod:`graphddp.compiler.cache`). The stored model sits in the inductor cache
     directory, which each rank may have its own of, so the choice is agreed: kept only if
-    every rank holds the same stored model and finds it close (one more all-reduce, here at
+    every rank holds the same stored model and finds it close (one more maximum over ranks, here at
     wrap time, where calibration talks anyway). Nothing is stored or read where torch's compile
     caches or graphddp's are off.
 
@@ -62,8 +59,8 @@ def settle(measured: CostModel, key: tuple[str, str, int, str], group: Any, devi
     anew = os.environ.get(RECALIBRATE_ENV, "0") == "1"  # a rank that measures anew keeps nothing: no rank keeps
     stored, outside_before = (None, False) if anew else _load(path)
     keep = stored is not None and _close(stored, measured)
-    mine = _digest(stored) if keep else -1  # type: ignore[arg-type]
-    high, minus_low = max_over_ranks([mine, -mine], torch.int64, group, device)
+    mine = layout_hash(_numbers(stored)) if keep else -1  # type: ignore[arg-type]
+    high, minus_low = max_over_ranks([mine, -mine], group)
     low = -minus_low
     if keep and low == high == mine:
         if outside_before:
@@ -96,11 +93,6 @@ def _numbers(model: CostModel) -> str:
     return json.dumps(model.numbers, sort_keys=True)
 
 
-def _digest(model: CostModel) -> int:
-    """A non-negative int64 naming the stored numbers (ranks compare these)."""
-    return int(hashlib.sha256(_numbers(model).encode()).hexdigest()[:15], 16)
-
-
 def _close(stored: CostModel, measured: CostModel) -> bool:
     for name, a in stored.numbers.items():
         b = measured.numbers[name]
@@ -127,12 +119,3 @@ def _load(path: str) -> tuple[CostModel | None, bool]:
 def _store(path: str, model: CostModel, outside: bool = False) -> None:
     disk.write_atomically(path, json.dumps({**model.to_dict(), "outside_before": outside}).encode())
 
-
-def max_over_ranks(values: list, dtype: torch.dtype, group: Any, device: torch.device) -> list:
-    """Element-wise MAX of ``values`` over the group's ranks (sent from the device NCCL
-    needs); a group of one rank sends nothing."""
-    if dist.get_world_size(group) == 1:
-        return list(values)
-    wire = torch.tensor(values, dtype=dtype, device=device if device.type == "cuda" else "cpu")
-    dist.all_reduce(wire, op=dist.ReduceOp.MAX, group=group)
-    return wire.cpu().tolist()

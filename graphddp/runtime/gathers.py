@@ -60,8 +60,7 @@ class PendingGathers:
         # At collection or at exit, whichever comes first (module docstring). The callback holds
         # the dict, not self, so it does not keep self alive.
         weakref.finalize(self, _wait_left, self._pending)
-        self.finished_eagerly = 0  # graphs whose gathers were completed outside a forward graph
-        self.taken = 0  # ... and inside one
+        self.taken = 0  # graphs whose gathers a forward graph completed
 
     def __bool__(self) -> bool:
         return bool(self._pending)
@@ -101,7 +100,6 @@ class PendingGathers:
             pending = self._pending.pop(index, None)
             if pending is not None:
                 pending.write(pending.tensors)
-                self.finished_eagerly += 1
 
 
 def _wait_left(pending: dict[int, Pending]) -> None:

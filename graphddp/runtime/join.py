@@ -37,12 +37,10 @@ from graphddp.runtime.sync import average_async, broadcast_tensors
 
 Replica = Any  # graphddp.frontend.replica.Replica, which imports this module
 
-# Slots of the per-forward state (module docstring, 2.), then one per rank: still training.
-SYNC, BUFFERS, PENDING, EAGER_HOOK = range(4)
-
-
 class JoinState:
-    """One forward's state as every rank reads it after the maximum over ranks."""
+    """One forward's state as every rank reads it after the maximum over ranks: the four flags
+    of the module docstring's 2. (sync, buffers, pending, eager hook), then one per rank: still
+    training."""
 
     def __init__(self, values: list[int], world: int) -> None:
         self.sync, self.buffers, self.pending, self.eager_hook = (bool(v) for v in values[:4])

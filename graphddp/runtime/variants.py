@@ -135,8 +135,7 @@ class Synced:
 
     def __post_init__(self) -> None:
         # Checked before every synchronising step, computed once: the layout never changes.
-        self.layout = self.schedule.wire_layout()
-        self.digest = layout_hash(self.layout)
+        self.digest = layout_hash(self.schedule.wire_layout())
         self.steady = _steady_shape(self.schedule)  # renaming a schedule keeps its buckets' shape
         self.what = f"backward graph {self.schedule.graph_index}"
 

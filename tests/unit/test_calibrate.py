@@ -33,29 +33,27 @@ def test_a_calibration_kept_from_the_cache_says_where_and_how_to_measure_anew(fa
     import logging
     import os
 
-    import torch
-
     from graphddp.runtime import calibration_store as store
 
     fake_world(1)  # one rank: the agreement on what is stored sends nothing
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(store.RECALIBRATE_ENV, raising=False)
-    key, cpu = ("group", "gloo", 2, "cpu"), torch.device("cpu")
+    key = ("group", "gloo", 2, "cpu")
     first = CostModel(bandwidth_gbps=10.0, latency_us=20.0, source="calibrated on process group group (2 ranks, cpu)")
     noisy = dataclasses.replace(first, bandwidth_gbps=13.0, latency_us=0.0)
     with caplog.at_level(logging.INFO, logger="graphddp"):
-        assert store.settle(first, key, dist.group.WORLD, cpu) is first  # nothing stored yet: stored now
+        assert store.settle(first, key, dist.group.WORLD) is first  # nothing stored yet: stored now
         assert not caplog.records
-        kept = store.settle(noisy, key, dist.group.WORLD, cpu)
+        kept = store.settle(noisy, key, dist.group.WORLD)
     assert kept.numbers == first.numbers and "kept from an earlier run" in kept.source
     path = os.path.join(str(tmp_path), "graphddp", "calibration-group-gloo-2-cpu.json")
     (record,) = caplog.records
     assert record.levelno == logging.INFO and path in record.getMessage(), record.getMessage()
     assert "GRAPHDDP_RECALIBRATE=1" in record.getMessage() and "delete that file" in record.getMessage()
     monkeypatch.setenv(store.RECALIBRATE_ENV, "1")
-    assert store.settle(noisy, key, dist.group.WORLD, cpu) is noisy  # measured anew, and stored
+    assert store.settle(noisy, key, dist.group.WORLD) is noisy  # measured anew, and stored
     monkeypatch.delenv(store.RECALIBRATE_ENV)
-    assert store.settle(first, key, dist.group.WORLD, cpu).numbers == noisy.numbers
+    assert store.settle(first, key, dist.group.WORLD).numbers == noisy.numbers
 
 
 def test_a_link_fit_that_is_noise_is_measured_again_then_floored(fake_world, monkeypatch):
