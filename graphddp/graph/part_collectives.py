@@ -49,7 +49,8 @@ import torch.fx as fx
 
 from graphddp.graph.capture import ancestors
 from graphddp.graph.part_facts import ALL_GATHER, Pair, part_facts, part_gathers, part_input, reduce_scatters, wait_of
-from graphddp.graph.trace import role, splice, trace
+from graphddp.graph.anchors import IssuePoints
+from graphddp.graph.trace import role, role_of, splice, trace
 from graphddp.plan.part_buckets import plan_part_buckets
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
 from graphddp.values.part_plan import PartPlan, PlannedBucket
@@ -59,7 +60,7 @@ _REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 # Gather buckets in flight ahead of the one being read. Two: with one the forward is link-bound
 # throughout, and three is slower (figures: docs/full-sharding.md, "Two gather buckets ahead"). The
-# first two go out in bucket order (_place_gathers), or bucket 0 waits behind bucket 1.
+# first two go out in bucket order (_bucket_gathers), or bucket 0 waits behind bucket 1.
 # Each one more holds one more bucket's gathered bytes (graphddp.plan.full_cap's ceiling: 25 MB).
 PREFETCH = 2
 SCATTER_LAG = 1  # reduce-scatter buckets in flight behind the backward's compute
@@ -88,8 +89,7 @@ def lower_part_plan(
     collectives replaced by one, then placed. Both kinds' collectives are taken before either is
     rewritten, in the order the facts list them."""
     gathers, scatters = part_gathers(graph), reduce_scatters(graph, placement)
-    placed = _bucket_gathers(graph, _members(gathers, plan.gathers))
-    _place_gathers(graph, placed, prefetch)
+    _bucket_gathers(graph, _members(gathers, plan.gathers), prefetch)
     placed = _bucket_scatters(graph, _members(scatters, plan.reduce_scatters), placement)
     _place_scatter_waits(graph, placed, lag)
 
@@ -208,21 +208,30 @@ def _scatter_fn(placement: Placement, sizes: Sequence[int]) -> Callable[..., lis
     return scatter
 
 
-def _bucket_gathers(graph: fx.Graph, buckets: list[list[tuple[fx.Node, fx.Node]]]) -> list[tuple[list[fx.Node], fx.Node]]:
-    """Each bucket's gathers replaced by one, spliced in before the bucket's first wait; returns
-    per bucket (its issue nodes, its wait)."""
-    out = []
+def _bucket_gathers(graph: fx.Graph, buckets: list[list[tuple[fx.Node, fx.Node]]], prefetch: int) -> None:
+    """Each bucket's gathers replaced by one, spliced in two parts: its wait and the parameters
+    cut out of it right before the bucket's first wait, its issue right before the wait of bucket
+    ``i - prefetch``. The first ``prefetch`` are issued after the graph's inputs, in bucket order
+    (:class:`IssuePoints`): a collective backend runs them in the order they are issued (gloo's
+    two threads take the first two), so bucket 0, which the compute needs first, goes out first."""
+    top, waits = IssuePoints(graph), []
     for index, bucket in enumerate(buckets):
         _, world, group = bucket[0][0].args
         parts = [part_input(g) for g, _ in bucket]
         casts = [g.args[0] for g, _ in bucket if g.args[0] not in parts]
         dtype = bucket[0][0].meta["val"].dtype  # one per bucket (the plan keys on it)
         fn = _gather_fn(flat_placement(group, world), [p.meta["val"].shape[0] for p in parts], dtype)
-        out.append(_replace(graph, bucket, fn, parts, bucket[0][1], index, "gather"))
-        for cast in casts:  # now inside the bucket's gather, which moves with it
+        traced = trace(fn, [p.meta["val"] for p in parts], f"gather bucket {index}")
+        late = {n for n in traced.graph.nodes if role_of(n) == "gather_wait"}
+        if index < prefetch:
+            results = top.splice(traced, parts, top.last_input, late, bucket[0][1], index)
+        else:
+            results = splice(graph, traced, parts, waits[index - prefetch] if prefetch else bucket[0][1], index, late=(late, bucket[0][1]))
+        _replace(graph, bucket, results)
+        waits.append(_issue_and_wait(results[0], "gather")[1])
+        for cast in casts:  # now inside the bucket's gather
             if not cast.users:
                 graph.erase_node(cast)
-    return out
 
 
 def _bucket_scatters(
@@ -237,24 +246,20 @@ def _bucket_scatters(
         grads = [r.args[0] for r, _ in bucket]
         replicated = placement is not None and bucket[0][1] is not wait_of(bucket[0][0])
         fn = _scatter_fn(placement if replicated else flat_placement(group, world), [g.meta["val"].shape[0] // world for g in grads])
-        out.append(_replace(graph, bucket, fn, grads, bucket[-1][0], index, "reduce_scatter"))
+        traced = trace(fn, [g.meta["val"] for g in grads], f"reduce_scatter bucket {index}")
+        results = splice(graph, traced, grads, bucket[-1][0], index)
+        _replace(graph, bucket, results)
+        _after(graph, results)
+        out.append(_issue_and_wait(results[0], "reduce_scatter"))
     return out
 
 
-def _replace(
-    graph: fx.Graph, bucket: list[tuple[fx.Node, fx.Node]], fn: Callable[..., list[torch.Tensor]], inputs: list[fx.Node],
-    before: fx.Node, index: int, kind: str,
-) -> tuple[list[fx.Node], fx.Node]:
-    """``fn`` traced on ``inputs`` and spliced in before ``before``; each (issue, wait) of
-    ``bucket`` replaced by its result. Returns the new bucket's issue nodes and wait."""
-    traced = trace(fn, [x.meta["val"] for x in inputs], f"{kind} bucket {index}")
-    results = splice(graph, traced, inputs, before, index)
+def _replace(graph: fx.Graph, bucket: list[tuple[fx.Node, fx.Node]], results: list[fx.Node]) -> None:
+    """Each (issue, wait) of ``bucket`` replaced by its result of the bucket spliced in."""
     for (issue, end), result in zip(bucket, results):
         end.replace_all_uses_with(result)
         for node in _chain(issue, end):
             graph.erase_node(node)
-    _after(graph, results)
-    return _issue_and_wait(results[0], kind)
 
 
 def _after(graph: fx.Graph, results: list[fx.Node]) -> None:
@@ -283,19 +288,6 @@ def _issue_and_wait(result: fx.Node, kind: str) -> tuple[list[fx.Node], fx.Node]
 
 
 # -- placement -----------------------------------------------------------------------------------
-
-
-def _place_gathers(graph: fx.Graph, buckets: list[tuple[list[fx.Node], fx.Node]], prefetch: int) -> None:
-    """Bucket ``i``'s issue right before bucket ``i - prefetch``'s wait; the first ``prefetch``
-    buckets' at the top of the graph, in bucket order: a collective backend runs them in the order
-    they are issued (gloo's two threads take the first two), so bucket 0, which the compute
-    needs first, must go out first."""
-    early = {n for issue, _ in buckets[:prefetch] for n in issue}
-    start = next(n for n in graph.nodes if n.op != "placeholder" and n not in early)
-    for i, (issue, _) in enumerate(buckets):
-        anchor = buckets[i - prefetch][1] if i >= prefetch else start
-        for n in issue:
-            anchor.prepend(n)
 
 
 def _place_scatter_waits(graph: fx.Graph, buckets: list[tuple[list[fx.Node], fx.Node]], lag: int) -> None:
