@@ -52,7 +52,7 @@ from graphddp.graph.part_facts import ALL_GATHER, Pair, part_facts, part_gathers
 from graphddp.graph.anchors import IssuePoints
 from graphddp.graph.trace import role, role_of, splice, trace
 from graphddp.plan.part_buckets import plan_part_buckets
-from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
+from graphddp.values.comm import ROLE_KEY, is_wait
 from graphddp.values.part_plan import PartPlan, PlannedBucket
 from graphddp.values.placement import Placement, flat as flat_placement
 
@@ -90,8 +90,7 @@ def lower_part_plan(
     rewritten, in the order the facts list them."""
     gathers, scatters = part_gathers(graph), reduce_scatters(graph, placement)
     _bucket_gathers(graph, _members(gathers, plan.gathers), prefetch)
-    placed = _bucket_scatters(graph, _members(scatters, plan.reduce_scatters), placement)
-    _place_scatter_waits(graph, placed, lag)
+    _bucket_scatters(graph, _members(scatters, plan.reduce_scatters), lag, placement)
 
 
 def _members(pairs: list[Pair], buckets: tuple[PlannedBucket, ...]) -> list[list[Pair]]:
@@ -228,30 +227,35 @@ def _bucket_gathers(graph: fx.Graph, buckets: list[list[tuple[fx.Node, fx.Node]]
         else:
             results = splice(graph, traced, parts, waits[index - prefetch] if prefetch else bucket[0][1], index, late=(late, bucket[0][1]))
         _replace(graph, bucket, results)
-        waits.append(_issue_and_wait(results[0], "gather")[1])
+        waits.append(_gather_wait(results[0]))
         for cast in casts:  # now inside the bucket's gather
             if not cast.users:
                 graph.erase_node(cast)
 
 
 def _bucket_scatters(
-    graph: fx.Graph, buckets: list[list[tuple[fx.Node, fx.Node]]], placement: Placement | None = None,
-) -> list[tuple[list[fx.Node], fx.Node]]:
-    """Each bucket's reduce-scatters replaced by one, spliced in where its last one was issued;
-    returns per bucket (its issue nodes, its wait). A bucket whose parts were each all-reduced
-    over ``placement``'s replicate group reduces through that placement (one all-reduce)."""
-    out = []
+    graph: fx.Graph, buckets: list[list[tuple[fx.Node, fx.Node]]], lag: int, placement: Placement | None = None,
+) -> None:
+    """Each bucket's reduce-scatters replaced by one, spliced in two parts: its issue where its
+    last one was issued, its wait (and what reads its result there) right before the issue of the
+    bucket ``lag`` later, or, where that bucket's gradients read it, right after its own issue, as
+    the last ``lag`` buckets'. A bucket whose parts were each all-reduced over ``placement``'s
+    replicate group reduces through that placement (one all-reduce)."""
     for index, bucket in enumerate(buckets):
         _, _, world, group = bucket[0][0].args
         grads = [r.args[0] for r, _ in bucket]
         replicated = placement is not None and bucket[0][1] is not wait_of(bucket[0][0])
         fn = _scatter_fn(placement if replicated else flat_placement(group, world), [g.meta["val"].shape[0] // world for g in grads])
         traced = trace(fn, [g.meta["val"] for g in grads], f"reduce_scatter bucket {index}")
-        results = splice(graph, traced, grads, bucket[-1][0], index)
+        later = buckets[index + lag] if index + lag < len(buckets) else []
+        ends = {end for _, end in bucket}
+        if later and not any(ends & ancestors(r.args[0]) for r, _ in later):
+            late = ({n for n in traced.graph.nodes if role_of(n) != "reduce_scatter"}, later[-1][0])
+        else:
+            late = None
+        results = splice(graph, traced, grads, bucket[-1][0], index, late=late)
         _replace(graph, bucket, results)
         _after(graph, results)
-        out.append(_issue_and_wait(results[0], "reduce_scatter"))
-    return out
 
 
 def _replace(graph: fx.Graph, bucket: list[tuple[fx.Node, fx.Node]], results: list[fx.Node]) -> None:
@@ -264,7 +268,7 @@ def _replace(graph: fx.Graph, bucket: list[tuple[fx.Node, fx.Node]], results: li
 
 def _after(graph: fx.Graph, results: list[fx.Node]) -> None:
     """Move what reads a bucket's results, and was placed before the last of them, to right after
-    it, in its order. A reduce-scatter bucket's results come where its last gradient's was
+    it, in its order. A reduce-scatter bucket's results come after where its last gradient's was
     issued; a reader of an earlier one (a policy's cast of this rank's part back to its dtype)
     sat right after that one's wait. Everything else such a reader reads is older, so it may move."""
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -276,29 +280,9 @@ def _after(graph: fx.Graph, results: list[fx.Node]) -> None:
         anchor = node
 
 
-def _issue_and_wait(result: fx.Node, kind: str) -> tuple[list[fx.Node], fx.Node]:
-    """From one of a spliced bucket's results: its ``kind`` (role) nodes, the issue (what must
-    move together to issue it elsewhere; a gradient's reduce-scatter may depend on a re-gather
-    of the same bucket index, so the role tells them apart), and its wait."""
-    wait = next(n for n in ancestors(result) if is_wait(n) and n.meta.get(ROLE_KEY) == f"{kind}_wait")
-    bucket = wait.meta[BUCKET_KEY]
-    issue = [n for n in ancestors(wait.args[0]) if n.meta.get(ROLE_KEY) == kind and n.meta.get(BUCKET_KEY) == bucket]
-    order = {n: i for i, n in enumerate(result.graph.nodes)}
-    return sorted(issue, key=order.__getitem__), wait
-
-
-# -- placement -----------------------------------------------------------------------------------
-
-
-def _place_scatter_waits(graph: fx.Graph, buckets: list[tuple[list[fx.Node], fx.Node]], lag: int) -> None:
-    for i in range(len(buckets) - lag):
-        anchor = buckets[i + lag][0][0]
-        wait = buckets[i][1]
-        moved = _readers_before(wait, anchor)
-        if any(n in ancestors(anchor) for n in moved):
-            continue  # the later issue depends on this result: leave it where it is
-        for n in moved:
-            anchor.prepend(n)
+def _gather_wait(result: fx.Node) -> fx.Node:
+    """The wait of the gather bucket ``result`` was cut out of."""
+    return next(n for n in ancestors(result) if is_wait(n) and n.meta.get(ROLE_KEY) == "gather_wait")
 
 
 def _readers_before(wait: fx.Node, anchor: fx.Node) -> list[fx.Node]:
