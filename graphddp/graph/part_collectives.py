@@ -42,7 +42,7 @@ Every node added carries ``ROLE_KEY`` (``"gather"``, ``"gather_wait"``, ``"reduc
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 import torch
 import torch.fx as fx
@@ -104,10 +104,11 @@ def _members(pairs: list[Pair], buckets: tuple[PlannedBucket, ...]) -> list[list
 # -- what the graph has ------------------------------------------------------------------------
 
 
-def above_reduce_scatters(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
-    """Walking from ``node`` towards the graph's inputs, stopping at reduce-scatter waits: the
-    waits it meets, and the inputs it reaches without passing one (what a gradient is made of:
-    averaged parts, or something local)."""
+def above_reduce_scatters(node: fx.Node, also: Collection[str] = ()) -> tuple[list[fx.Node], list[fx.Node]]:
+    """Walking from ``node`` towards the graph's inputs, stopping at reduce-scatter waits (and at
+    waits of the roles in ``also``): the waits it meets, in the order met, and the inputs it
+    reaches without passing one (what a gradient is made of: averaged parts, or something local)."""
+    stops = {"reduce_scatter_wait", *also}
     waits: list[fx.Node] = []
     inputs: list[fx.Node] = []
     seen: set[fx.Node] = set()
@@ -117,7 +118,7 @@ def above_reduce_scatters(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
         if n in seen:
             continue
         seen.add(n)
-        if is_wait(n) and n.meta.get(ROLE_KEY) == "reduce_scatter_wait":
+        if is_wait(n) and n.meta.get(ROLE_KEY) in stops:
             waits.append(n)
         elif n.op == "placeholder":
             inputs.append(n)
