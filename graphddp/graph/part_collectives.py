@@ -42,16 +42,17 @@ Every node added carries ``ROLE_KEY`` (``"gather"``, ``"gather_wait"``, ``"reduc
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 import torch
 import torch.fx as fx
 
 from graphddp.graph.capture import ancestors
 from graphddp.graph.part_facts import ALL_GATHER, Pair, part_facts, part_gathers, part_input, reduce_scatters, wait_of
-from graphddp.graph.trace import role, splice, trace
+from graphddp.graph.anchors import IssuePoints
+from graphddp.graph.trace import role, role_of, splice, trace
 from graphddp.plan.part_buckets import plan_part_buckets
-from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
+from graphddp.values.comm import ROLE_KEY, is_wait
 from graphddp.values.part_plan import PartPlan, PlannedBucket
 from graphddp.values.placement import Placement, flat as flat_placement
 
@@ -59,7 +60,7 @@ _REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 # Gather buckets in flight ahead of the one being read. Two: with one the forward is link-bound
 # throughout, and three is slower (figures: docs/full-sharding.md, "Two gather buckets ahead"). The
-# first two go out in bucket order (_place_gathers), or bucket 0 waits behind bucket 1.
+# first two go out in bucket order (_bucket_gathers), or bucket 0 waits behind bucket 1.
 # Each one more holds one more bucket's gathered bytes (graphddp.plan.full_cap's ceiling: 25 MB).
 PREFETCH = 2
 SCATTER_LAG = 1  # reduce-scatter buckets in flight behind the backward's compute
@@ -88,10 +89,8 @@ def lower_part_plan(
     collectives replaced by one, then placed. Both kinds' collectives are taken before either is
     rewritten, in the order the facts list them."""
     gathers, scatters = part_gathers(graph), reduce_scatters(graph, placement)
-    placed = _bucket_gathers(graph, _members(gathers, plan.gathers))
-    _place_gathers(graph, placed, prefetch)
-    placed = _bucket_scatters(graph, _members(scatters, plan.reduce_scatters), placement)
-    _place_scatter_waits(graph, placed, lag)
+    _bucket_gathers(graph, _members(gathers, plan.gathers), prefetch)
+    _bucket_scatters(graph, _members(scatters, plan.reduce_scatters), lag, placement)
 
 
 def _members(pairs: list[Pair], buckets: tuple[PlannedBucket, ...]) -> list[list[Pair]]:
@@ -105,10 +104,11 @@ def _members(pairs: list[Pair], buckets: tuple[PlannedBucket, ...]) -> list[list
 # -- what the graph has ------------------------------------------------------------------------
 
 
-def above_reduce_scatters(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
-    """Walking from ``node`` towards the graph's inputs, stopping at reduce-scatter waits: the
-    waits it meets, and the inputs it reaches without passing one (what a gradient is made of:
-    averaged parts, or something local)."""
+def above_reduce_scatters(node: fx.Node, also: Collection[str] = ()) -> tuple[list[fx.Node], list[fx.Node]]:
+    """Walking from ``node`` towards the graph's inputs, stopping at reduce-scatter waits (and at
+    waits of the roles in ``also``): the waits it meets, in the order met, and the inputs it
+    reaches without passing one (what a gradient is made of: averaged parts, or something local)."""
+    stops = {"reduce_scatter_wait", *also}
     waits: list[fx.Node] = []
     inputs: list[fx.Node] = []
     seen: set[fx.Node] = set()
@@ -118,7 +118,7 @@ def above_reduce_scatters(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
         if n in seen:
             continue
         seen.add(n)
-        if is_wait(n) and n.meta.get(ROLE_KEY) == "reduce_scatter_wait":
+        if is_wait(n) and n.meta.get(ROLE_KEY) in stops:
             waits.append(n)
         elif n.op == "placeholder":
             inputs.append(n)
@@ -208,58 +208,68 @@ def _scatter_fn(placement: Placement, sizes: Sequence[int]) -> Callable[..., lis
     return scatter
 
 
-def _bucket_gathers(graph: fx.Graph, buckets: list[list[tuple[fx.Node, fx.Node]]]) -> list[tuple[list[fx.Node], fx.Node]]:
-    """Each bucket's gathers replaced by one, spliced in before the bucket's first wait; returns
-    per bucket (its issue nodes, its wait)."""
-    out = []
+def _bucket_gathers(graph: fx.Graph, buckets: list[list[tuple[fx.Node, fx.Node]]], prefetch: int) -> None:
+    """Each bucket's gathers replaced by one, spliced in two parts: its wait and the parameters
+    cut out of it right before the bucket's first wait, its issue right before the wait of bucket
+    ``i - prefetch``. The first ``prefetch`` are issued after the graph's inputs, in bucket order
+    (:class:`IssuePoints`): a collective backend runs them in the order they are issued (gloo's
+    two threads take the first two), so bucket 0, which the compute needs first, goes out first."""
+    top, waits = IssuePoints(graph), []
     for index, bucket in enumerate(buckets):
         _, world, group = bucket[0][0].args
         parts = [part_input(g) for g, _ in bucket]
         casts = [g.args[0] for g, _ in bucket if g.args[0] not in parts]
         dtype = bucket[0][0].meta["val"].dtype  # one per bucket (the plan keys on it)
         fn = _gather_fn(flat_placement(group, world), [p.meta["val"].shape[0] for p in parts], dtype)
-        out.append(_replace(graph, bucket, fn, parts, bucket[0][1], index, "gather"))
-        for cast in casts:  # now inside the bucket's gather, which moves with it
+        traced = trace(fn, [p.meta["val"] for p in parts], f"gather bucket {index}")
+        late = {n for n in traced.graph.nodes if role_of(n) == "gather_wait"}
+        if index < prefetch:
+            results = top.splice(traced, parts, top.last_input, late, bucket[0][1], index)
+        else:
+            results = splice(graph, traced, parts, waits[index - prefetch] if prefetch else bucket[0][1], index, late=(late, bucket[0][1]))
+        _replace(graph, bucket, results)
+        waits.append(_gather_wait(results[0]))
+        for cast in casts:  # now inside the bucket's gather
             if not cast.users:
                 graph.erase_node(cast)
-    return out
 
 
 def _bucket_scatters(
-    graph: fx.Graph, buckets: list[list[tuple[fx.Node, fx.Node]]], placement: Placement | None = None,
-) -> list[tuple[list[fx.Node], fx.Node]]:
-    """Each bucket's reduce-scatters replaced by one, spliced in where its last one was issued;
-    returns per bucket (its issue nodes, its wait). A bucket whose parts were each all-reduced
-    over ``placement``'s replicate group reduces through that placement (one all-reduce)."""
-    out = []
+    graph: fx.Graph, buckets: list[list[tuple[fx.Node, fx.Node]]], lag: int, placement: Placement | None = None,
+) -> None:
+    """Each bucket's reduce-scatters replaced by one, spliced in two parts: its issue where its
+    last one was issued, its wait (and what reads its result there) right before the issue of the
+    bucket ``lag`` later, or, where that bucket's gradients read it, right after its own issue, as
+    the last ``lag`` buckets'. A bucket whose parts were each all-reduced over ``placement``'s
+    replicate group reduces through that placement (one all-reduce)."""
     for index, bucket in enumerate(buckets):
         _, _, world, group = bucket[0][0].args
         grads = [r.args[0] for r, _ in bucket]
         replicated = placement is not None and bucket[0][1] is not wait_of(bucket[0][0])
         fn = _scatter_fn(placement if replicated else flat_placement(group, world), [g.meta["val"].shape[0] // world for g in grads])
-        out.append(_replace(graph, bucket, fn, grads, bucket[-1][0], index, "reduce_scatter"))
-    return out
+        traced = trace(fn, [g.meta["val"] for g in grads], f"reduce_scatter bucket {index}")
+        later = buckets[index + lag] if index + lag < len(buckets) else []
+        ends = {end for _, end in bucket}
+        if later and not any(ends & ancestors(r.args[0]) for r, _ in later):
+            late = ({n for n in traced.graph.nodes if role_of(n) != "reduce_scatter"}, later[-1][0])
+        else:
+            late = None
+        results = splice(graph, traced, grads, bucket[-1][0], index, late=late)
+        _replace(graph, bucket, results)
+        _after(graph, results)
 
 
-def _replace(
-    graph: fx.Graph, bucket: list[tuple[fx.Node, fx.Node]], fn: Callable[..., list[torch.Tensor]], inputs: list[fx.Node],
-    before: fx.Node, index: int, kind: str,
-) -> tuple[list[fx.Node], fx.Node]:
-    """``fn`` traced on ``inputs`` and spliced in before ``before``; each (issue, wait) of
-    ``bucket`` replaced by its result. Returns the new bucket's issue nodes and wait."""
-    traced = trace(fn, [x.meta["val"] for x in inputs], f"{kind} bucket {index}")
-    results = splice(graph, traced, inputs, before, index)
+def _replace(graph: fx.Graph, bucket: list[tuple[fx.Node, fx.Node]], results: list[fx.Node]) -> None:
+    """Each (issue, wait) of ``bucket`` replaced by its result of the bucket spliced in."""
     for (issue, end), result in zip(bucket, results):
         end.replace_all_uses_with(result)
         for node in _chain(issue, end):
             graph.erase_node(node)
-    _after(graph, results)
-    return _issue_and_wait(results[0], kind)
 
 
 def _after(graph: fx.Graph, results: list[fx.Node]) -> None:
     """Move what reads a bucket's results, and was placed before the last of them, to right after
-    it, in its order. A reduce-scatter bucket's results come where its last gradient's was
+    it, in its order. A reduce-scatter bucket's results come after where its last gradient's was
     issued; a reader of an earlier one (a policy's cast of this rank's part back to its dtype)
     sat right after that one's wait. Everything else such a reader reads is older, so it may move."""
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -271,42 +281,9 @@ def _after(graph: fx.Graph, results: list[fx.Node]) -> None:
         anchor = node
 
 
-def _issue_and_wait(result: fx.Node, kind: str) -> tuple[list[fx.Node], fx.Node]:
-    """From one of a spliced bucket's results: its ``kind`` (role) nodes, the issue (what must
-    move together to issue it elsewhere; a gradient's reduce-scatter may depend on a re-gather
-    of the same bucket index, so the role tells them apart), and its wait."""
-    wait = next(n for n in ancestors(result) if is_wait(n) and n.meta.get(ROLE_KEY) == f"{kind}_wait")
-    bucket = wait.meta[BUCKET_KEY]
-    issue = [n for n in ancestors(wait.args[0]) if n.meta.get(ROLE_KEY) == kind and n.meta.get(BUCKET_KEY) == bucket]
-    order = {n: i for i, n in enumerate(result.graph.nodes)}
-    return sorted(issue, key=order.__getitem__), wait
-
-
-# -- placement -----------------------------------------------------------------------------------
-
-
-def _place_gathers(graph: fx.Graph, buckets: list[tuple[list[fx.Node], fx.Node]], prefetch: int) -> None:
-    """Bucket ``i``'s issue right before bucket ``i - prefetch``'s wait; the first ``prefetch``
-    buckets' at the top of the graph, in bucket order: a collective backend runs them in the order
-    they are issued (gloo's two threads take the first two), so bucket 0, which the compute
-    needs first, must go out first."""
-    early = {n for issue, _ in buckets[:prefetch] for n in issue}
-    start = next(n for n in graph.nodes if n.op != "placeholder" and n not in early)
-    for i, (issue, _) in enumerate(buckets):
-        anchor = buckets[i - prefetch][1] if i >= prefetch else start
-        for n in issue:
-            anchor.prepend(n)
-
-
-def _place_scatter_waits(graph: fx.Graph, buckets: list[tuple[list[fx.Node], fx.Node]], lag: int) -> None:
-    for i in range(len(buckets) - lag):
-        anchor = buckets[i + lag][0][0]
-        wait = buckets[i][1]
-        moved = _readers_before(wait, anchor)
-        if any(n in ancestors(anchor) for n in moved):
-            continue  # the later issue depends on this result: leave it where it is
-        for n in moved:
-            anchor.prepend(n)
+def _gather_wait(result: fx.Node) -> fx.Node:
+    """The wait of the gather bucket ``result`` was cut out of."""
+    return next(n for n in ancestors(result) if is_wait(n) and n.meta.get(ROLE_KEY) == "gather_wait")
 
 
 def _readers_before(wait: fx.Node, anchor: fx.Node) -> list[fx.Node]:

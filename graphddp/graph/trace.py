@@ -80,7 +80,7 @@ def set_outputs(graph: fx.Graph, outs: Sequence[Any]) -> None:
         ]
 
 
-def _role_of(node: fx.Node) -> str | None:
+def role_of(node: fx.Node) -> str | None:
     custom = node.meta.get("custom")
     return custom.get(ROLE_KEY) if isinstance(custom, dict) else None
 
@@ -109,7 +109,7 @@ def trace(
     for node in traced.graph.nodes:
         if node.op == "get_attr":
             raise RuntimeError(f"graphddp: {what} made a tensor constant ({node.target}); make it from its inputs instead")
-        if node.op == "call_function" and _role_of(node) is None:
+        if node.op == "call_function" and role_of(node) is None:
             raise RuntimeError(f"graphddp: {what} made {node.name} = {node.target} outside a role() block")
     return traced
 
@@ -152,6 +152,6 @@ def splice(
             copy = graph.node_copy(node, env.__getitem__)
         copy.meta = {key: node.meta[key] for key in _KEPT_META if key in node.meta}
         copy.meta[BUCKET_KEY] = bucket
-        copy.meta[ROLE_KEY] = _role_of(node)
+        copy.meta[ROLE_KEY] = role_of(node)
         env[node] = copy
     return outputs

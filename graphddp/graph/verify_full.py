@@ -143,19 +143,11 @@ def check_replicated(gm: fx.GraphModule, placement: Placement, grads: list[tuple
     for issue in (n for n in nodes if n.meta.get(ROLE_KEY) == "reduce_scatter"):
         over_replicas(gm, issue, reduces, placement.replicate.name, "P6", "P6")
     for name, index, grad in grads:
-        seen, todo, met = set(), [grad], False
-        while todo:
-            n = todo.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            if is_wait(n) and n.meta.get(ROLE_KEY) == REPLICATE_WAIT:
-                met = True
-            elif is_wait(n) and n.meta.get(ROLE_KEY) == "reduce_scatter_wait":
-                _fail(gm, grad, f"P6: the gradient of part {name} (output {index}) reads {n.name} around the replicate all-reduce")
-            else:
-                todo.extend(n.all_input_nodes)
-        if not met:
+        waits, _ = above_reduce_scatters(grad, also=(REPLICATE_WAIT,))  # stopping at either wait
+        around = next((w for w in waits if w.meta.get(ROLE_KEY) != REPLICATE_WAIT), None)
+        if around is not None:
+            _fail(gm, grad, f"P6: the gradient of part {name} (output {index}) reads {around.name} around the replicate all-reduce")
+        if not waits:
             _fail(gm, grad, f"P6: the gradient of part {name} (output {index}) is not all-reduced over the replicate group")
 
 

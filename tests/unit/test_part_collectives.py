@@ -240,6 +240,32 @@ def test_one_reduce_scatter_waited_twice_becomes_one_slot_per_wait(fake_world):
     assert all(o.args[0] is _waits(scatters)[0] for o in outs), "each output is its slot of the bucket's wait"
 
 
+def test_a_reduce_scatter_the_next_buckets_gradient_reads_is_waited_right_after_its_issue(fake_world):
+    """A reduce-scatter bucket is waited before the next bucket's issue, unless that bucket's
+    gradient reads its result: then its wait stays right after its own issue, and the compute
+    between (here ``other``) stays after it."""
+    import torch.distributed as dist
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graphddp.graph.part_collectives import place_part_collectives
+
+    fake_world(8)
+    group = dist.group.WORLD.group_name
+    wait = torch.ops._c10d_functional.wait_tensor.default
+
+    def chained(g, x):
+        first = wait(REDUCE_SCATTER(g, "sum", 8, group))
+        other = x * 5
+        second = wait(REDUCE_SCATTER(first.repeat(8) * 3, "sum", 8, group))
+        return first, second, other
+
+    gm = make_fx(chained, tracing_mode="fake")(torch.randn(64), torch.randn(4))
+    place_part_collectives(gm.graph, cap_bytes=1)  # a bucket each
+    gm.graph.lint()
+    first = next(n for n in gm.graph.nodes if n.meta.get(ROLE_KEY) == "reduce_scatter_wait" and n.meta[BUCKET_KEY] == 0)
+    assert is_wait(first) and first.prev.target is REDUCE_SCATTER, f"bucket 0 waited right after its issue: {gm.graph}"
+
+
 # -- hybrid sharding (a 2-D mesh): P6 -------------------------------------------------------------
 
 
