@@ -275,7 +275,8 @@ class GraphCompiler(InGraphUpdates, HookRuntime, BackwardRewrite):
             return compile_inductor(
                 gm, example_inputs, record_forward, rewrite, dispatch, inductor_patches, phase, graph_index, cache, wrap_forward
             )
-        run = _interpret if self.config.backend == "eager" else _as_is
+        # eager: node by node through fx.Interpreter (for a debugger); aot_eager: the graphs' FX code
+        run = (lambda g: lambda *args: fx.Interpreter(g).run(*args)) if self.config.backend == "eager" else (lambda g: g)
 
         def bw_compiler(bw: fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., Any]:
             plain = copy.deepcopy(bw)
@@ -314,10 +315,9 @@ def checked_settings(config: DDPConfig, example_inputs: Sequence[Any], mode: str
 def as_dynamo_calls(
     compiled: Callable[..., Any], run: Callable[[Sequence[Any], Callable[[], Any]], Any], tracked: Callable[[], bool] = lambda: True,
 ) -> Callable[..., Any]:
-    """``compiled`` as Dynamo calls it, each call where ``tracked()`` through ``run(inputs, call)``.
-    Dynamo calls a boxed function with one list (which the callee frees: an untracked call
-    keeps no copy) or, for some recompiled graphs (dynamic sizes as ints), with the arguments
-    themselves: ``inputs`` are the arguments either way."""
+    """``compiled`` as Dynamo calls it, each call where ``tracked()`` through ``run(inputs, call)``:
+    Dynamo passes one list, which the callee frees (an untracked call keeps no copy), or, for
+    some recompiled graphs (dynamic sizes as ints), the arguments themselves."""
     boxed = getattr(compiled, "_boxed_call", False)
 
     def called(*args: Any) -> Any:
@@ -330,10 +330,9 @@ def as_dynamo_calls(
 
 
 def backward_node(out: Any, inputs: Sequence[Any], attached: Any, none_outputs: Any) -> Any:
-    """The autograd node a call of a compiled forward made (or None), tagged as an attached
-    optimizer's model's where ``attached`` (an enabled GradScaler.scale of it marks the step:
-    :mod:`graphddp.optim.guards`), and noting which output gradients come as None where
-    ``none_outputs`` (a parameter its backward may leave unused: :mod:`graphddp.runtime.usage`)."""
+    """The autograd node a compiled forward's call made (or None), tagged as ``attached``'s (an
+    enabled GradScaler.scale of it marks the step: :mod:`graphddp.optim.guards`), noting which
+    output gradients come as None in ``none_outputs`` (:mod:`graphddp.runtime.usage`)."""
     node = compiled_backward_node(out if isinstance(out, (list, tuple)) else [out], inputs)
     if node is not None and attached is not None:
         node.metadata[ATTACHED_NODE] = attached
@@ -348,11 +347,3 @@ def _cap_bytes(config: DDPConfig) -> float:
 
     cap = config.bucket_cap_mb
     return float(cap if isinstance(cap, (int, float)) else DEFAULT_BUCKET_CAP_MB) * 1024 * 1024
-
-
-def _as_is(gm: fx.GraphModule) -> Callable[..., Any]:
-    return gm
-
-
-def _interpret(gm: fx.GraphModule) -> Callable[..., Any]:
-    return lambda *args: fx.Interpreter(gm).run(*args)
