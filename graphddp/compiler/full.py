@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import hashlib
 from typing import Any, Callable, Mapping, Sequence
 
@@ -23,22 +24,21 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from graphddp.compiler.graph_compiler import as_dynamo_calls, backward_node, checked_settings
 from graphddp.compiler.full_updates import Compile, PartUpdates, UpdatingBackward
 from graphddp.config import MB, DDPConfig
 from graphddp.config.inductor_settings import INDUCTOR_FX_ORDER_CONFIG
 from graphddp.graph import reshard
 from graphddp.graph.describe_parts import describe_part_collectives
-from graphddp.graph.part_facts import input_name
+from graphddp.graph.capture import parameter_of_inputs
 from graphddp.graph.part_collectives import place_part_collectives
-from graphddp.graph.part_facts import whole_bytes
+from graphddp.graph.part_facts import input_name, whole_bytes
 from graphddp.graph.reshard import Kept, tag_regathers
 from graphddp.graph.verify_common import VerificationError
 from graphddp.graph.verify_full import check_part_collectives
-from graphddp.optim.guards import ATTACHED_NODE
 from graphddp.plan.full_cap import planned_cap_bytes
 from graphddp.plan.part_buckets import plan_disagreement
 from graphddp.runtime.usage import GradientUsage, NoneOutputs
-from graphddp.runtime.variants import compiled_backward_node
 from graphddp.values.part_plan import PartPlan
 from graphddp.values.part_schedule import PartCap, PartGraph
 from graphddp.values.placement import Placement
@@ -88,11 +88,11 @@ def fully_sharded_compiler(config: DDPConfig, compiled: Compiled) -> Callable[..
     backward graph it compiles goes to ``compiled`` (:class:`Compiled`)."""
 
     def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], **_: Any) -> Callable[..., Any]:
-        device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), None)
-        patches = config.check_inductor_settings("graphddp", device)
+        patches = checked_settings(config, example_inputs)
         index, compiled.dynamo_graphs = compiled.dynamo_graphs, compiled.dynamo_graphs + 1
-        part_ids = {i: id(t) for i, t in enumerate(example_inputs) if id(t) in compiled.names_by_id}
-        names = {input_name(i): compiled.names_by_id[pid] for i, pid in part_ids.items()}
+        part_inputs = parameter_of_inputs(example_inputs, compiled.names_by_id)
+        part_ids = {i: id(example_inputs[i]) for i in part_inputs}
+        names = {input_name(i): name for i, name in part_inputs.items()}
         graph = _Graph(config, compiled, index, names)
         if config.backend == "inductor":
             from torch._inductor import config as inductor_config
@@ -122,31 +122,21 @@ class _Graph:
         self.none_outputs = NoneOutputs()
 
     def forward(self, fn: Callable[..., Any], part_ids: Mapping[int, int]) -> Callable[..., Any]:
-        """The compiled forward ``fn``, each training call's backward recorded for the update
-        inside (:meth:`PartUpdates.forward_ran`) and its autograd node tagged as an attached model's
-        (:mod:`graphddp.optim.guards`), and, while its backward may leave a part unused, a
-        pre-hook on that node recording which output gradients come as None
-        (:mod:`graphddp.runtime.usage`)."""
+        """The compiled forward ``fn``, each training call's backward node marked
+        (:func:`backward_node`: while its backward may leave a part unused, noting the None
+        gradients) and recorded for the update inside (:meth:`PartUpdates.forward_ran`)."""
         updates = self.compiled.updates
-        boxed = getattr(fn, "_boxed_call", False)
 
-        def run(*args: Any) -> Any:
-            if not torch.is_grad_enabled():
-                return fn(*args)
-            inputs = list(args[0]) if boxed and len(args) == 1 and isinstance(args[0], list) else args
+        def run(inputs: Sequence[Any], call: Callable[[], Any]) -> Any:
             noting = self.usage is None or self.usage.may_be_unused
-            out = fn(*args)
+            out = call()
             if updates is not None or noting:
-                node = compiled_backward_node(out if isinstance(out, (list, tuple)) else [out], inputs)
-                if node is not None and updates is not None:  # an enabled GradScaler.scale of it marks the step (graphddp.optim.guards)
+                node = backward_node(out, inputs, None if updates is None else updates.attached, self.none_outputs if noting else None)
+                if node is not None and updates is not None:
                     updates.forward_ran(self.index, node, inputs, part_ids)
-                    node.metadata[ATTACHED_NODE] = updates.attached
-                if node is not None and noting:
-                    node.register_prehook(self.none_outputs.note)
             return out
 
-        run._boxed_call = boxed  # type: ignore[attr-defined]
-        return run
+        return as_dynamo_calls(fn, run, torch.is_grad_enabled)
 
     def tag(self, joint: fx.Graph) -> None:
         """The joint graph's gathers tagged for the backward to gather again, but the backward's
@@ -186,11 +176,12 @@ class _Graph:
         updated inside, the choice between it and the variants (:meth:`PartUpdates.backward`).
         Each variant is compiled at its first call unless compiled already."""
         updates = self.compiled.updates
-        choose = None if variant is None or updates is None else updates.backward(self.index, variant, _once(plain), _once(updating), _once(carrying))
+        once = functools.cache
+        choose = None if variant is None or updates is None else updates.backward(self.index, variant, once(plain), once(updating), once(carrying))
         usage = self.usage
         if usage is None or not usage.may_be_unused:
             return choose if choose is not None else plain()
-        group, names, plain_once = self.compiled.group, tuple(usage.outputs), _once(plain)
+        group, names, plain_once = self.compiled.group, tuple(usage.outputs), once(plain)
 
         def dropping(args: list) -> Any:
             """Gradients of the parts no rank used this step returned as None, and not
@@ -254,18 +245,6 @@ def bucket_cap(config: DDPConfig, whole: int, world_size: int, placement: Placem
     cost = config.cost
     assert cost is not None, "sharding='full' resolves its cost model when the model is wrapped (compile_fully_sharded)"
     return PartCap(planned_cap_bytes(cost, whole, world_size, bool(config.reshard_after_forward), placement), f"planned ({cost.source})")
-
-
-def _once(compile: Compile) -> Compile:
-    """``compile``, run at the first call only."""
-    done: list[Any] = []
-
-    def get() -> Callable[[list], Any]:
-        if not done:
-            done.append(compile())
-        return done[0]
-
-    return get
 
 
 def _aot_eager(config: DDPConfig, graph: _Graph) -> Callable[..., Any]:

@@ -145,8 +145,7 @@ class GraphCompiler(InGraphUpdates, HookRuntime, BackwardRewrite):
         backend=this, mode=..., options=...)`` call passes; without them the config's apply."""
         param_inputs = parameter_of_inputs(example_inputs, self.names_by_id)
         copy_parameter_outputs(gm, param_inputs)  # their gradients then go through the buckets
-        device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), None)
-        patches = self.config.check_inductor_settings("graphddp", device, mode, options)
+        patches = checked_settings(self.config, example_inputs, mode, options)
         self.graphs_compiled += 1
         entry = self.step.add_graph(current_frame(), param_inputs.values())
         state = GraphState()
@@ -166,33 +165,23 @@ class GraphCompiler(InGraphUpdates, HookRuntime, BackwardRewrite):
         module's graph for its siblings when their parent's frame runs eagerly) tells the
         backward which parameters it reduces, through a pre-hook too.
         """
-        boxed = getattr(compiled, "_boxed_call", False)
         step = self.step
         first = min(param_ids, default=None)  # one parameter tells whether the call has others
-        tag_attached = self.optimizer is not None
 
-        def run(*args: Any) -> Any:
+        def run(inputs: Sequence[Any], call: Callable[[], Any]) -> Any:
             syncing = step.graph_syncs()
-            # Dynamo calls a boxed function with one list (which the callee frees) or, for some
-            # recompiled graphs (dynamic sizes as ints), with the arguments themselves.
-            called_boxed = boxed and len(args) == 1 and isinstance(args[0], list)
-            inputs = list(args[0]) if called_boxed else args
             renamed = None
             if first is not None and id(inputs[first]) != param_ids[first]:
                 renamed = self._renamed(inputs, param_inputs)
             if step.gathers:  # gather="forward": what another graph's backward left pending
                 names = renamed.values() if renamed else param_inputs.values()
                 step.gathers.before_graph(graph_index, names, own=not renamed and graph_index in self.forward_slots)
-            out = compiled(*args)
+            out = call()
             node = None
             dispatch = self.dispatches.get(graph_index)  # made at the first backward
             unused_possible = dispatch is None or dispatch.usage.may_be_unused
             if torch.is_grad_enabled() and (step.track_runs or not syncing or unused_possible or renamed or step.carrying):  # a walk: only if read
-                node = compiled_backward_node(out if isinstance(out, (list, tuple)) else [out], inputs)
-            if node is not None and tag_attached:  # an enabled GradScaler.scale of it marks the step (optim.guards)
-                node.metadata[ATTACHED_NODE] = self.optimizer
-            if node is not None and unused_possible:
-                node.register_prehook(state.none_outputs.note)
+                node = backward_node(out, inputs, self.optimizer, state.none_outputs if unused_possible else None)
             if node is not None and renamed:
                 node.register_prehook(lambda _grads, names=renamed: state.rename_next(names))
             step.forward_ran(graph_index, node, syncing, renamed)
@@ -202,8 +191,7 @@ class GraphCompiler(InGraphUpdates, HookRuntime, BackwardRewrite):
                 node.register_prehook(state.mark_local)
             return out
 
-        run._boxed_call = boxed  # type: ignore[attr-defined]
-        return run
+        return as_dynamo_calls(compiled, run)
 
     def _renamed(self, inputs: Sequence[Any], param_inputs: Mapping[int, str]) -> dict[str, str]:
         """Compiled parameter name -> the name of the parameter this call passes instead."""
@@ -287,7 +275,8 @@ class GraphCompiler(InGraphUpdates, HookRuntime, BackwardRewrite):
             return compile_inductor(
                 gm, example_inputs, record_forward, rewrite, dispatch, inductor_patches, phase, graph_index, cache, wrap_forward
             )
-        run = _interpret if self.config.backend == "eager" else _as_is
+        # eager: node by node through fx.Interpreter (for a debugger); aot_eager: the graphs' FX code
+        run = (lambda g: lambda *args: fx.Interpreter(g).run(*args)) if self.config.backend == "eager" else (lambda g: g)
 
         def bw_compiler(bw: fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., Any]:
             plain = copy.deepcopy(bw)
@@ -316,17 +305,45 @@ class GraphCompiler(InGraphUpdates, HookRuntime, BackwardRewrite):
         return self.forward_slots.forwards
 
 
+def checked_settings(config: DDPConfig, example_inputs: Sequence[Any], mode: str | None = None, options: dict | None = None) -> dict:
+    """The user's inductor settings (``mode``/``options``) checked against graphddp's pinned ones
+    on the device of the graph's inputs; what to patch inductor's config with."""
+    device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), None)
+    return config.check_inductor_settings("graphddp", device, mode, options)
+
+
+def as_dynamo_calls(
+    compiled: Callable[..., Any], run: Callable[[Sequence[Any], Callable[[], Any]], Any], tracked: Callable[[], bool] = lambda: True,
+) -> Callable[..., Any]:
+    """``compiled`` as Dynamo calls it, each call where ``tracked()`` through ``run(inputs, call)``:
+    Dynamo passes one list, which the callee frees (an untracked call keeps no copy), or, for
+    some recompiled graphs (dynamic sizes as ints), the arguments themselves."""
+    boxed = getattr(compiled, "_boxed_call", False)
+
+    def called(*args: Any) -> Any:
+        if not tracked():
+            return compiled(*args)
+        return run(list(args[0]) if boxed and len(args) == 1 and isinstance(args[0], list) else args, lambda: compiled(*args))
+
+    called._boxed_call = boxed  # type: ignore[attr-defined]
+    return called
+
+
+def backward_node(out: Any, inputs: Sequence[Any], attached: Any, none_outputs: Any) -> Any:
+    """The autograd node a compiled forward's call made (or None), tagged as ``attached``'s (an
+    enabled GradScaler.scale of it marks the step: :mod:`graphddp.optim.guards`), noting which
+    output gradients come as None in ``none_outputs`` (:mod:`graphddp.runtime.usage`)."""
+    node = compiled_backward_node(out if isinstance(out, (list, tuple)) else [out], inputs)
+    if node is not None and attached is not None:
+        node.metadata[ATTACHED_NODE] = attached
+    if node is not None and none_outputs is not None:
+        node.register_prehook(none_outputs.note)
+    return node
+
+
 def _cap_bytes(config: DDPConfig) -> float:
     """The union average's bucket size: the user's cap, or DDP's default under an auto plan."""
     from graphddp.config import DEFAULT_BUCKET_CAP_MB
 
     cap = config.bucket_cap_mb
     return float(cap if isinstance(cap, (int, float)) else DEFAULT_BUCKET_CAP_MB) * 1024 * 1024
-
-
-def _as_is(gm: fx.GraphModule) -> Callable[..., Any]:
-    return gm
-
-
-def _interpret(gm: fx.GraphModule) -> Callable[..., Any]:
-    return lambda *args: fx.Interpreter(gm).run(*args)

@@ -81,3 +81,23 @@ def test_sparse_gradients_are_refused_at_wrap_time_by_name(fake_world, make):
     fake_world(2)
     with pytest.raises(ValueError, match=r"parameter '(0|bag)\.weight' gets sparse gradients .*sparse=False"):
         graphddp.compile(make())
+
+
+def test_the_eager_backend_runs_the_rewritten_graphs_node_by_node(fake_world, monkeypatch):
+    """backend="eager" interprets the graphs (for a debugger) and computes what aot_eager does."""
+    fake_world(4)
+    interpreted = []
+    run = torch.fx.Interpreter.run
+    monkeypatch.setattr(torch.fx.Interpreter, "run", lambda self, *a, **k: interpreted.append(self.module) or run(self, *a, **k))
+    grads = {}
+    for backend in ("aot_eager", "eager"):
+        torch.manual_seed(0)
+        model = MLP(width=32, depth=4)
+        gd = graphddp.compile(model, backend=backend, bucket_cap_mb=0.005)
+        interpreted.clear()
+        gd(torch.randn(8, 16, generator=torch.Generator().manual_seed(1))).sum().backward()
+        grads[backend] = [p.grad for p in model.parameters()]
+        ran = {id(m) for m in interpreted}
+        assert (id(gd.records[0].graph) in ran) == (backend == "eager"), backend
+    for ours, theirs in zip(grads["eager"], grads["aot_eager"]):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
