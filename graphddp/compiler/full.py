@@ -87,8 +87,12 @@ def fully_sharded_compiler(config: DDPConfig, compiled: Compiled) -> Callable[..
     """A ``torch.compile`` backend for a fully sharded module under ``config``; every forward and
     backward graph it compiles goes to ``compiled`` (:class:`Compiled`)."""
 
-    def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], **_: Any) -> Callable[..., Any]:
-        patches = checked_settings(config, example_inputs)
+    def compile_graph(
+        gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None, options: dict | None = None,
+    ) -> Callable[..., Any]:
+        """``mode``/``options``: a ``torch.compile(..., backend=graphddp.backend(...))`` call's,
+        checked and applied as the replicated compiler does; without them the config's."""
+        patches = checked_settings(config, example_inputs, mode, options)
         index, compiled.dynamo_graphs = compiled.dynamo_graphs, compiled.dynamo_graphs + 1
         part_inputs = parameter_of_inputs(example_inputs, compiled.names_by_id)
         part_ids = {i: id(example_inputs[i]) for i in part_inputs}

@@ -67,11 +67,12 @@ def test_mode_needs_inductor():
         DDPConfig(mode="fastest")
 
 
-def test_torch_compile_options_reach_graphddp(fake_world):
-    """torch.compile(m, backend=graphddp.backend(m), options=...) hands them to graphddp."""
+@pytest.mark.parametrize("sharding", [None, "full"])
+def test_torch_compile_options_reach_graphddp(fake_world, sharding):
+    """torch.compile(m, backend=graphddp.backend(m), options=...) hands them to graphddp, in every mode."""
     fake_world(2)
     m = MLP()
-    b = graphddp.backend(m)
+    b = graphddp.backend(m) if sharding is None else graphddp.backend(m, sharding=sharding, optimizer=torch.optim.AdamW(m.parameters()))
     compiled = torch.compile(m, backend=b, options={"_fuse_ddp_communication": True})
     with pytest.raises(Exception, match=r"\['_fuse_ddp_communication'\] are set by graphddp"):
         compiled(torch.randn(8, 16))
