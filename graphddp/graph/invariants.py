@@ -48,7 +48,7 @@ import torch.fx as fx
 
 from graphddp.graph.capture import ancestors, storage_of
 from graphddp.graph.verify_common import VerificationError, _fail, _names
-from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, group_of, is_wait
+from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, group_of, is_ours, is_wait
 from graphddp.values.placement import REPLICATE
 
 aten = torch.ops.aten
@@ -94,11 +94,14 @@ class Memory:
         return self.of.get(node) if isinstance(node, fx.Node) else None
 
 
-def waited_once(gm: fx.GraphModule, issue: fx.Node, rule: str, what: str) -> fx.Node:
-    """W (module docstring) for ``issue``; returns its wait. ``rule`` names the mode's rule."""
+def waited_once(gm: fx.GraphModule, issue: fx.Node, rule: str, what: str, bucket: int | None = None) -> fx.Node:
+    """W (module docstring) for ``issue``; returns its wait. ``rule`` names the mode's rule; with
+    ``bucket``, the wait must be tagged that bucket too (the rewrite's passes find it by its tag)."""
     users = list(issue.users)
     if len(users) != 1 or not is_wait(users[0]):
         _fail(gm, issue, f"{what}: {issue.name} must have exactly one user, its wait; has {_names(users)} ({rule})")
+    if bucket is not None and not is_ours(users[0], bucket):
+        _fail(gm, users[0], f"{what}: wait {users[0].name} of {issue.name} is not tagged bucket {bucket} ({rule})")
     return users[0]
 
 

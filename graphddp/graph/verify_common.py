@@ -40,7 +40,7 @@ def _names(nodes: Iterable[fx.Node]) -> list[str]:
 
 
 class _Graph:
-    """Read-only lookups over one graph, computed once per ``verify`` call."""
+    """Read-only lookups over one graph, computed once per check of it (every mode's verifier)."""
 
     def __init__(self, gm: fx.GraphModule) -> None:
         self.gm = gm

@@ -53,16 +53,10 @@ from graphddp.graph.invariants import Memory, from_average, not_returned, on_gro
 from graphddp.graph.part_collectives import above_reduce_scatters
 from graphddp.graph.reshard import kept_gathered, kept_gathered_bytes
 from graphddp.graph.verify_common import VerificationError, _fail
-from graphddp.values.comm import ROLE_KEY, is_wait
+from graphddp.values.comm import ROLE_KEY, is_collective, is_wait
 from graphddp.values.placement import REPLICATE_WAIT, Placement
 
 _ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
-_COLLECTIVES = (
-    _ALL_REDUCE,
-    torch.ops._c10d_functional.all_gather_into_tensor.default,
-    torch.ops._c10d_functional.reduce_scatter_tensor.default,
-    torch.ops._c10d_functional.all_to_all_single.default,
-)
 _PRIMAL = re.compile(r"primals_(\d+)$")
 
 
@@ -76,9 +70,9 @@ def check_part_collectives(
     with a hybrid ``placement``."""
     gm.graph.lint()
     for issue in gm.graph.nodes:
-        if issue.target in _COLLECTIVES:
+        if is_collective(issue):
             waited_once(gm, issue, "P1", f"{issue.target}")
-    scatters = [n for n in gm.graph.nodes if n.target in _COLLECTIVES and n.meta.get(ROLE_KEY) == "reduce_scatter"]
+    scatters = [n for n in gm.graph.nodes if is_collective(n) and n.meta.get(ROLE_KEY) == "reduce_scatter"]
     for issue in scatters:
         again = [a for a in ancestors(issue.args[0]) if is_wait(a) and a.meta.get(ROLE_KEY) == "reduce_scatter_wait"]
         if again:
@@ -135,7 +129,7 @@ def _part_gradients(gm: fx.GraphModule, parts: Collection[str] | None) -> list[t
 def check_replicated(gm: fx.GraphModule, placement: Placement, grads: list[tuple[str, int, fx.Node]]) -> None:
     """P6 (module docstring) on a graph of hybrid ``placement``; ``grads``: its part gradients."""
     assert placement.replicate is not None
-    nodes = [n for n in gm.graph.nodes if n.target in _COLLECTIVES]
+    nodes = [n for n in gm.graph.nodes if is_collective(n)]
     for issue in nodes:
         if issue.meta.get(ROLE_KEY) in ("gather", "reduce_scatter"):
             on_group(gm, issue, placement.shard.name, "P6", "P6", "the shard group")

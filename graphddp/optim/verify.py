@@ -32,9 +32,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from graphddp.graph.capture import ancestors, descendants, output_nodes
+from graphddp.graph.capture import ancestors, descendants
 from graphddp.graph.invariants import Memory, clip_coefficient, not_returned, returned_clipped, root, written_last
-from graphddp.graph.verify_common import VerificationError, _fail
+from graphddp.graph.verify_common import VerificationError, _fail, _Graph
 from graphddp.optim.clip import CLIP_COEFFICIENT, CLIP_NORM
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
 from graphddp.values.schedule import Schedule
@@ -44,9 +44,8 @@ aten = torch.ops.aten
 
 def verify_updates(gm: fx.GraphModule, schedule: Schedule) -> None:
     """Check U1-U7 (module docstring)."""
-    nodes = list(gm.graph.nodes)
-    storage = Memory(nodes)
-    order, outs = storage.order, output_nodes(gm)
+    g = _Graph(gm)
+    nodes, storage, order, outs = g.nodes, Memory(g.nodes), g.order, g.outs
     update_params = [n for n in nodes if n.op == "placeholder" and n.name.startswith("update_param_")]
     buckets = [b for b in schedule.buckets if b.collective != "reduce_scatter"]  # sharded: verify_shard
     names = [n for b in buckets for n in b.updates]

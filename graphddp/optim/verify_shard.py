@@ -45,13 +45,13 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from graphddp.graph.capture import ancestors, descendants, output_nodes
+from graphddp.graph.capture import ancestors, descendants
 from graphddp.graph.insert_comm import carried_inputs
 from graphddp.graph.invariants import (
     Memory, carried_once, clip_coefficient, from_average, not_returned, over_replicas, returned_clipped, root, waited_once,
     written_last,
 )
-from graphddp.graph.verify_common import _fail
+from graphddp.graph.verify_common import _fail, _Graph
 from graphddp.optim.clip import CLIP, CLIP_COEFFICIENT, CLIP_NORM, reduce_op
 from graphddp.values.collectives import kind
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_collective, is_wait
@@ -64,15 +64,14 @@ ALL_TO_ALL = kind("reduce_scatter").lower("gloo").op  # a reduce-scatter on gloo
 
 def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
     """Check S1-S7 (module docstring)."""
-    nodes = list(gm.graph.nodes)
-    memory_of = Memory(nodes)
-    order, by_name, outs = memory_of.order, {n.name: n for n in nodes}, output_nodes(gm)
+    g = _Graph(gm)
+    memory_of, order, by_name, outs = Memory(g.nodes), g.order, g.by_name, g.outs
     rs_ops, ag_ops = kind("reduce_scatter").ops, kind("all_gather").ops
     placement = schedule.placement or flat(schedule.group_name, schedule.world_size)
     issued: dict[int, tuple[fx.Node, fx.Node]] = {}  # per sharded bucket: its reduce-scatter and all-gather
     carried = carried_inputs(gm.graph)  # the carrying variant's accumulated gradients, per bucket
     for bucket in (b for b in schedule.buckets if b.collective == "reduce_scatter"):
-        mine = [n for n in nodes if n.meta.get(BUCKET_KEY) == bucket.index]
+        mine = g.bucket_nodes(bucket.index)
         collectives = [n for n in mine if is_collective(n) and n.meta.get(ROLE_KEY) != CLIP]  # S6 checks the norms' all-reduce
         # by role: on gloo both are all-to-alls (graphddp.values.collectives)
         gathers = [n for n in collectives if n.target in ag_ops and n.meta.get(ROLE_KEY) == "all_gather"]

@@ -258,6 +258,15 @@ def test_verify_rejects_a_hook_wait_on_another_buckets_collective(hooked):
         verify(gm, schedule, _expected(schedule))
 
 
+def test_verify_rejects_a_hook_wait_not_tagged_its_bucket(hooked):
+    gm, schedule = hooked
+    gm, _ = _copy(gm)
+    wait = _ours(gm, 1, is_wait)[0]
+    del wait.meta["graphddp_bucket"]  # the wait's tag is how the passes after the rewrite find it
+    with pytest.raises(VerificationError, match=rf"bucket 1's hook: wait {wait.name} of \w+ is not tagged bucket 1 \(rule 12\)"):
+        verify(gm, schedule, _expected(schedule))
+
+
 def test_verify_rejects_recorded_bytes_that_the_graph_does_not_send(hooked):
     gm, schedule = hooked
     wrong = dataclasses.replace(schedule.buckets[0], hook_wire_nbytes=schedule.buckets[0].wire_nbytes * 2)
