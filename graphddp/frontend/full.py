@@ -60,6 +60,7 @@ from graphddp.runtime.calibrate import resolve_cost
 from graphddp.runtime.sync import broadcast_tensors
 from graphddp.values.part_schedule import FullSchedule, PartGraph, RankMemory
 
+
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
     """Every floating-point tensor of ``tree`` cast to ``dtype`` (FSDP2's ``cast_forward_inputs``
     and ``output_dtype``; integer tensors, such as token ids, stay as they are)."""
