@@ -220,7 +220,7 @@ class _InductorCompile:
             return cache_derivation.Derived(got["records"], got["plain"], got.get("fw_key"), got.get("bw_key"), got.get("carry"))
 
         derivation = cache_derivation.Derivation(self.graph_index, entry, plan_now, compile_cold, example_inputs)
-        record = cache_derivation.hit_record(plan_now, getattr(catcher.bw_code, "source_code", None), phase_now, derivation)
+        record = cache_derivation.CachedRecord(plan_now, getattr(catcher.bw_code, "source_code", None), phase_now, derivation)
         compile_cache.log_hit(self.graph_index, plan_now)
         backward = self.dispatch(  # one phase (no traced hook), no update (no optimizer): see plan_key
             {phase_now: record}, lambda record: (lambda: catcher.bw_code), lambda record: None,
