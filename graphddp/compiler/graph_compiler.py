@@ -112,8 +112,7 @@ class GraphCompiler(InGraphUpdates, HookRuntime, BackwardRewrite):
     def __call__(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None, options: dict | None = None
     ) -> Callable[..., Any]:
-        """Compile one Dynamo graph. ``mode``/``options`` are what a ``torch.compile(...,
-        backend=this, mode=..., options=...)`` call passes; without them the config's apply."""
+        """Compile one Dynamo graph; ``mode``/``options``: a ``torch.compile`` call's, else the config's."""
         param_inputs = parameter_of_inputs(example_inputs, self.names_by_id)
         copy_parameter_outputs(gm, param_inputs)  # their gradients then go through the buckets
         patches = checked_settings(self.config, example_inputs, mode, options)
@@ -271,8 +270,7 @@ class GraphCompiler(InGraphUpdates, HookRuntime, BackwardRewrite):
 
 
 def checked_settings(config: DDPConfig, example_inputs: Sequence[Any], mode: str | None = None, options: dict | None = None) -> dict:
-    """The user's inductor settings (``mode``/``options``) checked against graphddp's pinned ones
-    on the device of the graph's inputs; what to patch inductor's config with."""
+    """What to patch inductor's config with: the user's settings, checked on the inputs' device."""
     device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), None)
     return config.check_inductor_settings("graphddp", device, mode, options)
 
@@ -280,9 +278,8 @@ def checked_settings(config: DDPConfig, example_inputs: Sequence[Any], mode: str
 def as_dynamo_calls(
     compiled: Callable[..., Any], run: Callable[[Sequence[Any], Callable[[], Any]], Any], tracked: Callable[[], bool] = lambda: True,
 ) -> Callable[..., Any]:
-    """``compiled`` as Dynamo calls it, each call where ``tracked()`` through ``run(inputs, call)``:
-    Dynamo passes one list, which the callee frees (an untracked call keeps no copy), or, for
-    some recompiled graphs (dynamic sizes as ints), the arguments themselves."""
+    """``compiled`` as Dynamo calls it, each ``tracked()`` call through ``run(inputs, call)``: one
+    list, which the callee frees, or for some recompiled graphs (sizes as ints) the arguments."""
     boxed = getattr(compiled, "_boxed_call", False)
 
     def called(*args: Any) -> Any:
@@ -295,9 +292,8 @@ def as_dynamo_calls(
 
 
 def backward_node(out: Any, inputs: Sequence[Any], attached: Any, none_outputs: Any) -> Any:
-    """The autograd node a compiled forward's call made (or None), tagged as ``attached``'s (an
-    enabled GradScaler.scale of it marks the step: :mod:`graphddp.optim.guards`), noting which
-    output gradients come as None in ``none_outputs`` (:mod:`graphddp.runtime.usage`)."""
+    """The autograd node a compiled forward's call made (or None), tagged as ``attached``'s (a
+    GradScaler's scale marks the step through it), noting None output gradients in ``none_outputs``."""
     node = compiled_backward_node(out if isinstance(out, (list, tuple)) else [out], inputs)
     if node is not None and attached is not None:
         node.metadata[ATTACHED_NODE] = attached

@@ -32,9 +32,8 @@ from graphddp.runtime.calibration_store import settle
 from graphddp.values.comm import group_name_of
 
 SIZES = (1 << 16, 1 << 20, 1 << 22)  # bytes per all-reduce: the range buckets span
-# Per all-reduce size: enough that a loopback's fitted bandwidth stays within the band a restart
-# keeps (KEEP_WITHIN; fewer let warm restarts replan), few enough that a slow link's calibration
-# takes seconds, not more (figures: docs/auto-plan.md).
+# Per all-reduce size: enough that a loopback's fit stays within the band a restart keeps
+# (KEEP_WITHIN), few enough that a slow link calibrates in seconds (docs/auto-plan.md).
 REPEATS = 15
 COMPUTE_REPEATS = 15  # a few ms each; a busy machine's cores can run a matmul at two speeds by turns
 
@@ -108,8 +107,7 @@ _COPY_BYTES = 32 << 20
 def _fastest_seconds(
     run: Callable[[], Any], sync: Callable[[], None], repeats: int, before: Callable[[], Any] = lambda: None
 ) -> float:
-    """The fastest of ``repeats`` timed runs after a warm-up; ``before`` each (untimed): a
-    barrier, where every rank must run at once."""
+    """The fastest of ``repeats`` timed runs after a warm-up, ``before`` each (untimed): a barrier."""
     run()  # warm-up: first-call allocation and dispatch
     sync()
     samples = []

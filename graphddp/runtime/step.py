@@ -90,9 +90,8 @@ class StepState(StepAgreement):
         self.local_grads: dict[str, torch.Tensor] = {}  # divergent: this rank's gradients, not averaged yet
         self.local_used: set[str] = set()  # ... of which these came from a used output
         self.local_schedules: list[Any] = []  # ... from the graphs with these schedules, in run order
-        # Parameters no compiled graph of this step covers, which eager code (a frame Dynamo
-        # skipped: a graph break inside a loop) may give a gradient: name -> its grad before the
-        # backward. Any makes the step divergent, and the union average takes their gradients.
+        # Parameters eager code may give a gradient though no compiled graph of this step covers
+        # them (a frame Dynamo skipped): name -> its grad before the backward. Any makes the step divergent.
         self.eager: dict[str, torch.Tensor | None] = {}
         self._runs: dict[int, list[_Run]] = {}
         self._listeners: list[Callable[[], None]] = []
@@ -107,8 +106,7 @@ class StepState(StepAgreement):
         self._average_accumulated: Callable[[bool], None] = lambda shadow: None  # the replica's eager average
         self.carry_ready: Callable[[int], bool] = lambda index: False  # has graph ``index`` a carrying variant
         # Steady positions (graphddp.runtime.steady): position -> the layout every rank agreed on
-        # there, whose agreement now rides in its one bucket's all-reduce. Kept across steps;
-        # written only from answers every rank read alike.
+        # there, kept across steps, written only from answers every rank read alike.
         self.steady: dict[int, Expected] = {}
         self._wires: dict[int, torch.Tensor] = {}  # per steady position, the buffer its all-reduce sends
         self._layouts: dict[tuple[int, int, int], int] = {}  # layout_hash((digest, position, expected)), kept
@@ -302,16 +300,14 @@ class StepState(StepAgreement):
         self.queue_end()
 
     def queue_end(self) -> None:
-        """Make sure the end of this backward ends the step (once per backward; called from
-        inside it: a backward graph, or a gradient eager code gave a parameter)."""
+        """End the step at the end of this backward (called from inside it, once per backward)."""
         if self._end_queued:
             return
         self._end_queued = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_step)
 
     def _forget_started(self) -> None:
-        """Runs whose backward started belong to a step that is over; those still waiting
-        count for the next one."""
+        """Runs whose backward started belong to a step that is over; those waiting count next."""
         for index, runs in list(self._runs.items()):
             self._runs[index] = [r for r in runs if not r.started and r.node() is not None]
 
