@@ -9,8 +9,8 @@ its first bucket's issue, the round trip has usually come back by then.
 A compiled graph cannot branch on the answer, so the choice is made where every bucket's
 collective goes: the graph all-reduces on :class:`Gate`, a process group registered under its
 own name (:func:`gate_name`) that wraps the user's group and is armed (:class:`Armed`) with the
-running backward's agreement. When the step goes on, each bucket has the gradients accumulated
-under ``no_sync`` added, is divided by the world size and all-reduced: DDP's arithmetic, in DDP's
+running backward's agreement. When the step goes on, each bucket has what it carries from
+``no_sync`` added, is divided by the world size and all-reduced: DDP's arithmetic, in DDP's
 order. Otherwise each is held, undivided, and the graph returns this rank's own gradients, so that
 the dispatcher does what a step that agreed before its backward would have done
 (:meth:`graphddp.runtime.dispatch.BackwardDispatch._gated`). That is why a gated bucket has no
