@@ -1,60 +1,28 @@
 """Warm restarts: graphddp's compiled graphs from torch's compile caches, its plans beside them.
 
-Plain ``torch.compile`` restarts fast because AOTAutograd caches its whole result (the forward
-and backward code, by their inductor FX-graph cache keys, and the metadata to rebuild the
-runtime wrappers) keyed by the Dynamo graph, its inputs and the configs: a hit skips tracing
-the joint graph, the joint-graph passes, the partitioner and every inductor compile. graphddp
-switched that cache off, since a hit would hand AOTAutograd's backward straight to autograd,
-skipping graphddp's rewrite and its runtime wrapper (:class:`graphddp.runtime.dispatch.BackwardDispatch`:
-sync or ``no_sync`` variant, the in-band agreement). On a warm restart every graph was traced,
-partitioned and rewritten again; only inductor's own compiles hit the FX-graph cache.
+AOTAutograd's cache makes a plain ``torch.compile`` restart fast, but a hit there would hand its
+backward straight to autograd, skipping graphddp's rewrite and its dispatcher; so graphddp sets
+its own key on the Dynamo graph module (``GM_ATTRIBUTE``, which AOTAutograd hashes into its key)
+and writes an :class:`Entry` beside AOTAutograd's (docs/compile-cache.md):
 
-This module lets graphddp's graphs use the AOTAutograd cache too:
+* the key (:func:`plan_key`) covers every input of the plan but the cost model, the autocast
+  state included (AOTAutograd's own key held only whether autocast was on before torch 2.12, and
+  served a graph compiled under bf16 to a run under fp16, docs/gpu.md);
+* the cost model is checked, not keyed: ``bucket_cap_mb="auto"`` calibrates anew in every run,
+  so this run's plan is made from the entry's facts (the planner is pure) and the cache is used
+  only if its buckets are the cached ones (else ``compile_cache_replanned``);
+* a hit gives the cold graph: the hit catcher (inductor's post-compile hook) checks that exactly
+  the code the entry names was loaded and hands AOTAutograd a :class:`CachedBackward`, which the
+  same dispatcher as cold is bound to; without a matching entry it compiles cold
+  (``compile_cache_stale``); what the cache does not hold is derived on first use
+  (:mod:`graphddp.compiler.cache_derivation`);
+* ranks cannot disagree because one hit: a hit reproduces the plan a miss makes from the same
+  options and cost model, the cache is file I/O only, and every synchronising backward still
+  agrees on the wire layout in band.
 
-* **The key covers the plan's inputs.** :func:`plan_key` hashes what the rewrite reads besides
-  the backward graph: the options (``DDPConfig``), world size, group name, the graph's index,
-  its parameters' names by input position, the parameters other graphs hold, the phase, grad
-  mode, the autocast state, the Dynamo graph's code and input metadata, and graphddp's own
-  source. The key is set on the Dynamo graph module (``gm._graphddp_cache_key``), whose
-  attributes AOTAutograd hashes into its own key, so a compile with other plan inputs never reaches another's entry; and it
-  names graphddp's entry (:class:`Entry`, a small pickle under ``<inductor cache dir>/graphddp``):
-  the cold compile's Schedule, its backward graph's facts (what the planner reads), and the
-  FX-graph keys of the forward and of the rewritten backward that AOTAutograd's entry points to.
-  The key holds the autocast state (enabled and dtype, per device): AOTAutograd's own key held
-  only whether autocast was on before torch 2.12 (the upstream fix: docs/gpu.md), so under torch 2.11 a graph
-  compiled under bf16 autocast was served to a run under fp16 from a shared cache directory (the
-  likely cause of the GPU lane's fp16 case failing on DDP(torch.compile)'s side, docs/gpu.md).
-* **The cost model is checked, not keyed.** ``bucket_cap_mb="auto"`` plans with a cost model
-  calibrated on the link when the model is wrapped, so a restart measures other numbers. They
-  are left out of the key; before the cache is read, this run's plan is made from the entry's
-  facts (the planner is pure, and replanning them gave the cold plan back when it was stored),
-  and the cache is used only if its buckets are the cached ones (else: compiled cold,
-  ``compile_cache_replanned``). The hit's Schedule is this run's plan, its cost model included:
-  what a cold compile in this run would record.
-* **A hit gives the cold graph.** On a miss the rewritten backward is what AOTAutograd caches
-  (:func:`mark_cacheable` gives the dispatcher the FX-graph key of the code it runs), after
-  graphddp's entry is written. On a hit, the hit catcher (inductor's post-compile hook,
-  ``config.cudagraph_policy``, which sees every output AOTAutograd loads from its cache) checks
-  that exactly the forward and backward graphddp's entry names were loaded, and hands
-  AOTAutograd a :class:`CachedBackward` in place of the backward; graphddp then builds the same
-  dispatcher as cold around the loaded code. An AOTAutograd hit without a matching graphddp
-  entry (deleted, written by an interrupted run) is compiled cold (``compile_cache_stale``).
-* **What the cache does not hold is derived on first use.** The ``no_sync`` variant and the
-  rewritten FX graph, by one more cold compile that must match the cached one
-  (:mod:`graphddp.compiler.cache_derivation`, with the record of a hit).
-* **Ranks cannot disagree because one hit.** Every rank has the same options and cost model
-  (calibration agrees across ranks), a hit reproduces the plan a miss makes from them,
-  compiling still never runs a collective (this is file I/O only), and every synchronising
-  backward still agrees on the wire layout in band (:mod:`graphddp.runtime.step`).
-
-Not cached (compiled as before, AOTAutograd cache off): a traced comm hook (the user's hook code
-is not something a key can cover; PowerSGD's phases), an attached optimizer, the
-``aot_eager``/``eager`` backends, torch's caches switched off
-(``torch.compiler.config.force_disable_caches``, ``torch._functorch.config.enable_autograd_cache``),
-``GRAPHDDP_COMPILE_CACHE=0``. ``torch._dynamo.utils.counters["graphddp"]`` counts
-``compile_cache_hit``/``_miss``/``_bypass``/``_replanned``/``_stale``/``_derive``.
+Not cached: a traced comm hook (its code is nothing a key can cover), an attached optimizer, the
+``aot_eager``/``eager`` backends, torch's caches off, ``GRAPHDDP_COMPILE_CACHE=0``.
 """
-from __future__ import annotations
 
 import contextlib
 import dataclasses
@@ -121,8 +89,7 @@ class Key:
         return self._facts(backward)
 
     def plan(self, facts: Any, unreduced: tuple[str, ...]) -> Any:
-        """The Schedule this run plans for a backward graph of these facts (the planner is pure;
-        it computes with real tensors, so never inside a fake mode)."""
+        """The Schedule this run plans for a backward graph of these facts, never inside a fake mode."""
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         with unset_fake_temporarily():
@@ -150,12 +117,8 @@ def plan_key(
     backend: Any, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], param_inputs: Mapping[int, str],
     graph_index: int, phase: str,
 ) -> Key | None:
-    """graphddp's cache key of one Dynamo graph, or None where it is not cached (module docstring).
-
-    ``backend`` is the :class:`~graphddp.compiler.graph_compiler.GraphCompiler` compiling it. The cost
-    model is left out of the key: ``bucket_cap_mb="auto"`` calibrates it anew in every run, and
-    what counts is whether its plan changes, which :meth:`Key.plan` tells from the entry's facts.
-    """
+    """graphddp's cache key of one Dynamo graph (compiled by ``backend``, a
+    :class:`~graphddp.compiler.graph_compiler.GraphCompiler`), or None where it is not cached."""
     reason = None
     config = backend.config
     if not enabled():
@@ -257,8 +220,8 @@ class CachedBackward:
 
 
 def hit_catcher(entry: Entry | None, previous: Any) -> Any:
-    """Inductor's post-compile hook for one compile (module docstring); ``previous`` is the
-    user's ``cudagraph_policy``, which still decides everything it decided."""
+    """Inductor's post-compile hook for one compile; ``previous`` is the user's
+    ``cudagraph_policy``, which still decides everything it decided."""
     return _catcher_class()(entry, previous)
 
 
@@ -273,7 +236,6 @@ def _catcher_class() -> type:
         def __init__(self, entry: Entry | None, previous: Any) -> None:
             self.entry, self.previous = entry, previous
             self.armed = entry is not None  # disarmed once this compile runs cold
-            self.fw_code: Any = None
             self.bw_code: Any = None
             self.proxy: CachedBackward | None = None
             self.loaded: list[str | None] = []  # FX-graph keys of everything loaded while armed
@@ -294,9 +256,7 @@ def _catcher_class() -> type:
             if not self.armed or entry is None:
                 return output_code
             self.loaded.append(key)
-            if key is not None and key == entry.fw_key:
-                self.fw_code = output_code
-            elif key is not None and key == entry.bw_key:
+            if key is not None and key == entry.bw_key:
                 self.bw_code = output_code
                 self.proxy = CachedBackward()
                 return self.proxy

@@ -1,14 +1,10 @@
 """A compile-cache hit's record and the variants the cache does not hold, derived on first use.
 
-The compile cache (:mod:`graphddp.compiler.cache`) serves a hit's plan and compiled code; it
-lives apart from this module because keying, storing and catching a hit are file I/O and key
-arithmetic, while this is a second, deferred compile of the graph with its own checks.
-
-* **What the cache does not hold is derived on first use.** The ``no_sync`` variant and the
-  rewritten FX graph (``record.graph``) are not in the cache: the first time a step or a user
-  needs them, :class:`Derivation` compiles the Dynamo graph once more, cold, in the saved
-  tracing context (inductor's compiles hit its FX-graph cache), checks that the forward, the
-  backward and the plan are exactly the cached ones, and serves them from that.
+The ``no_sync`` variant and the rewritten FX graph (``record.graph``) are not in the cache: the
+first time a step or a user needs them, :class:`Derivation` compiles the Dynamo graph once more,
+cold, in the saved tracing context (inductor's compiles hit its FX-graph cache), and checks that
+the forward, the backward and the plan are exactly the cached ones. Apart from
+:mod:`graphddp.compiler.cache`, which is file I/O and key arithmetic.
 """
 from __future__ import annotations
 
@@ -62,13 +58,9 @@ class Derived:
 
 
 class Derivation:
-    """A hit's graphs and variants that are not in the cache, compiled once when first needed.
-
-    ``compile_cold(inputs)`` compiles the Dynamo graph as a miss does, with AOTAutograd's cache
-    off and its backward compiled at once, and returns :class:`Derived`. It runs in the tracing
-    and compile context of the hit, with grad mode on (the ``no_sync`` variant is first needed
-    inside a backward, where it is off) and the autocast state of the hit.
-    """
+    """A hit's graphs and variants that are not in the cache, compiled once when first needed by
+    ``compile_cold(inputs)``, as a miss compiles, in the hit's tracing and compile context and
+    autocast state, with grad mode on (the ``no_sync`` variant is first needed inside a backward)."""
 
     def __init__(
         self, graph_index: int, entry: Entry, schedule: Any, compile_cold: Callable[[Sequence[Any]], Derived],
@@ -125,8 +117,3 @@ def _fake_inputs(example_inputs: Sequence[Any], tracing_context: Any) -> list[An
             return x
 
     return [fake(x) for x in example_inputs]
-
-
-def hit_record(schedule: Any, generated_code: str | None, phase: str, derivation: Derivation) -> Any:
-    """The record of a hit: this run's plan (the cached plan's buckets, this run's cost model)."""
-    return CachedRecord(schedule, generated_code, phase, derivation)

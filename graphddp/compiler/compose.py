@@ -1,19 +1,11 @@
-"""The passes of one Dynamo graph, composed by the compiler: a list for the forward graph and a
-list for the backward graph, each pass ``fn(gm, plan, **opts) -> plan`` (None: the plan is
-unchanged).
+"""The passes of one Dynamo graph: a list for the forward graph and a list for the backward,
+each pass ``fn(gm, plan, **opts) -> plan`` (None: the plan is unchanged).
 
-Why lists. A feature adds its pass where it belongs (the optimizer's update after the
-collectives and their verifier), and a mode that must write into the forward graph (a sharded
-mode's all-gather before a bucket's parameters are first read) adds a forward pass, once, for
-every compile path (aot_eager, eager, inductor, a warm restart's derivation) instead of being
-threaded through each by hand; Inductor's ``bucketing.py`` passes and torchtitan's SimpleFSDP
-backend compose the same way.
-
-Order and what passes share. AOTAutograd hands over the forward graph before the backward
-graph of the same Dynamo graph, so the forward list runs first; its plan is the one of the
-frame's earlier graph when this one is a recompile, else None. What a pass learns for a later
-one (the parameters' forward values, the graph from before the update) goes into
-``opts["shared"]`` (:class:`Shared`), one per Dynamo graph.
+Lists, so that a feature adds its pass where it belongs (the optimizer's update after the
+collectives, a sharded mode's forward all-gathers) once for every compile path (aot_eager, eager,
+inductor, a warm restart's derivation), as Inductor's ``bucketing.py`` and torchtitan's SimpleFSDP
+compose. AOTAutograd hands over the forward graph first; what a pass learns for a later one goes
+into ``opts["shared"]`` (:class:`Shared`), one per Dynamo graph.
 """
 from __future__ import annotations
 
@@ -57,8 +49,7 @@ def run_passes(passes: Sequence[Pass], gm: fx.GraphModule, plan: Schedule | None
 
 
 def record_parameter_values(gm: fx.GraphModule, plan: Schedule | None, *, param_inputs: Mapping[int, str], shared: Shared, **_: Any) -> None:
-    """Read, not write: each parameter's value in the forward graph (the update pass needs its
-    fake tensor, with the parameter's storage, to write the parameter in place)."""
+    """Each parameter's fake value in the forward graph, with its storage: the update pass writes through it."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for i, name in param_inputs.items():
         if i < len(placeholders):
@@ -72,10 +63,8 @@ def insert_comm(
     gm: fx.GraphModule, plan: Schedule, *, world_size: int, hook: Any, hook_context: Any, graph_index: int, shared: Shared,
     carry: bool = False, **_: Any,
 ) -> Schedule:
-    """Each bucket's collective (its kind, or the traced hook) and its wait; with a hook, the
-    bytes its collectives put on the wire, read from the rewritten graph; ``carry``: each
-    bucket also takes its gradients accumulated under ``no_sync`` (the carrying variant). One
-    rank: nothing."""
+    """Each bucket's collective (its kind, or the traced hook) and its wait; with a hook, the bytes
+    its collectives put on the wire; ``carry``: the carrying variant. One rank: nothing."""
     if any(b.collective == "reduce_scatter" for b in plan.buckets):  # the all-reduce variant starts from it
         shared.before_comm = copy.deepcopy(gm)
     if world_size == 1:

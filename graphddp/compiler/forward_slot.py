@@ -1,10 +1,7 @@
 """``gather="forward"``: each training forward graph as a :class:`ForwardDispatch`, and its slot
-variant (:mod:`graphddp.optim.insert_gather`) made once its backward is planned.
-
-The forward of a Dynamo graph is compiled before its backward, and which buckets the backward
-all-gathers is known only once the backward is planned; so the forward is compiled as it is,
-a copy of its graph is kept, and the variant that takes the all-gathers is built from that copy
-and compiled the first time a step needs it (as the backward's other variants are).
+variant (:mod:`graphddp.optim.insert_gather`). A forward is compiled before its backward is
+planned, which decides what it all-gathers; so a copy of its graph is kept, and the variant that
+takes the all-gathers is built from it and compiled the first time a step needs it.
 """
 from __future__ import annotations
 

@@ -1,14 +1,11 @@
 """What a recompile inherits from the graphs of its frame: their buckets and their hook state.
 
-A recompile (:mod:`graphddp.runtime.step` says why it is not a graph break) replaces an older graph of
-the same Dynamo frame for later steps. If it planned afresh, two ranks that recompile at
-different steps (one got a short batch) could bucket the same gradients differently (an auto
-plan follows the compute, and a dynamic graph's sizes cost nothing), and a traced hook's state
-(PowerSGD's error feedback and Q, per bucket) would start over where DDP's hook goes on. So a
-recompile whose gradients an earlier plan of its frame covers takes that plan's buckets
-(``planner.plan(like=)``), and a bucket that puts the same gradients on the wire as an earlier
-bucket of its frame uses that bucket's hook state (``HookState.share``). Pure bookkeeping:
-no graph, no process group.
+A recompile replaces an older graph of the same Dynamo frame. Planned afresh, two ranks that
+recompile at different steps (one got a short batch) could bucket the same gradients differently,
+and a traced hook's state (PowerSGD's error feedback) would start over where DDP's hook goes on.
+So a recompile whose gradients an earlier plan of its frame covers takes that plan's buckets
+(``planner.plan(like=)``), and a bucket with the same wire layout as an earlier one of its frame
+uses that bucket's hook state (``HookState.share``). Pure bookkeeping: no graph, no process group.
 """
 from __future__ import annotations
 

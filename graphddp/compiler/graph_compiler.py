@@ -1,38 +1,18 @@
 """The torch.compile backend: AOTAutograd, then graphddp's passes on every backward graph.
 
-Dynamo hands each captured forward graph to :class:`GraphCompiler`. AOTAutograd splits it
-into forward and backward ATen graphs; the backward one goes through capture -> plan, then
-the backend's backward passes (:mod:`graphddp.compiler.compose`: insert_comm -> verify_comm,
-and the optimizer's pass; :mod:`graphddp.compiler.rewrite`) before the inner compiler sees it; the
-forward graph goes through the forward passes (today: reading the parameters' values):
+AOTAutograd splits each Dynamo graph into forward and backward ATen graphs; the forward passes
+and the backward passes (:mod:`graphddp.compiler.compose`, :mod:`graphddp.compiler.rewrite`) run
+before the inner compiler sees them:
 
-* ``inductor`` (:mod:`graphddp.compiler.inductor`): :func:`torch._inductor.compile_fx.compile_fx`
-  with our pass wrapped around its ``inner_compile``, so inductor's own decompositions, partitioner and joint-graph
-  passes run unchanged. Inductor's comm reordering runs ``raise_comms`` then ``sink_waits``
-  so each all-reduce is issued as soon as its bucket is ready and its wait stays late (with
-  default settings inductor issues and waits them back to back: no overlap). The
-  user's ``mode`` and ``options`` (torch.compile's) patch inductor's config around the whole
-  compile, graphddp's pinned settings (``inductor_settings.INDUCTOR_PINNED_CONFIG``) go on top.
-  Warm restarts (:mod:`graphddp.compiler.cache`): the AOTAutograd cache holds the rewritten
-  backward under a key that covers the plan's inputs, graphddp's own entry beside it holds
-  the plan and the facts it was made from (a recalibrated cost model is checked against
-  them); a hit gives the cold compile's plan and code without tracing, partitioning or
-  rewriting, and builds the same dispatcher around them (a traced hook or an optimizer: the
-  AOTAutograd cache stays off, as a hit would skip the rewrite).
+* ``inductor`` (:mod:`graphddp.compiler.inductor`): ``compile_fx`` with the rewrite wrapped around
+  its ``inner_compile``, so that inductor's decompositions, partitioner and joint-graph passes run
+  unchanged; its comm reordering (``raise_comms``, ``sink_waits``) issues each all-reduce when its
+  bucket is ready and waits late (inductor's defaults issue and wait back to back: no overlap).
+  The user's ``mode``/``options`` patch inductor's config, graphddp's pinned settings go on top.
 * ``aot_eager``: the rewritten graphs run as plain FX code (fast to compile, for tests).
-* ``eager``: the rewritten graphs run node by node through :class:`torch.fx.Interpreter`
-  (slowest; for stepping through with a debugger).
+* ``eager``: node by node through :class:`torch.fx.Interpreter` (for a debugger).
 
-A user's traced comm hook (``graphddp.hooks.traced``) is traced into every bucket; a hook with
-phases (PowerSGD: a plain all-reduce first) gets one rewritten graph per phase, the one in use
-compiled now and the others on first use, and the hook's state tensors are appended to the
-graph's inputs at run time (``HookState``). After ``no_sync`` the hook runs eagerly on the
-accumulated gradients instead (:mod:`graphddp.compiler.hook_runtime`).
-
-With an optimizer attached (``graphddp.compile(..., optimizer=)``) the rewrite goes on:
-with_updates -> insert_update -> verify_updates (:mod:`graphddp.optim.attached`,
-:mod:`graphddp.compiler.updates`); the graph without the update is kept as the variant for
-steps the graph cannot update alone.
+A traced hook with phases (PowerSGD) gets one rewritten graph per phase, compiled on first use.
 """
 from __future__ import annotations
 
@@ -74,19 +54,10 @@ from graphddp.values.comm import group_name_of
 class GraphCompiler(InGraphUpdates, HookRuntime, BackwardRewrite):
     """A torch.compile backend that rewrites every backward graph per the bucket plan.
 
-    Each Dynamo graph is compiled once. Its backward comes in two variants, chosen per
-    forward call (see :mod:`graphddp.runtime.dispatch`): synchronising (rewritten) and local (for
-    ``no_sync``); with an optimizer, a third (the all-reduces without the update) for steps
-    the graph cannot update alone. Which one runs is read from the step
-    (:class:`graphddp.runtime.step.StepState`, the replica's) at every forward call, never at compile
-    time; the backend reads the step and tells it what ran, it never decides a step's phase.
-
-    An attached optimizer's passes and per-step decisions are :class:`InGraphUpdates`'s
-    (:mod:`graphddp.compiler.updates`), a traced hook's run-time side and the end-of-step
-    listeners :class:`HookRuntime`'s (:mod:`graphddp.compiler.hook_runtime`), the plan and
-    rewrite of one backward graph and the configuration's facts that decide its variants
-    :class:`BackwardRewrite`'s (:mod:`graphddp.compiler.rewrite`).
-    """
+    Each Dynamo graph's backward comes in variants (:mod:`graphddp.runtime.dispatch`):
+    synchronising, local (``no_sync``) and, with an optimizer, without the update. Which one runs
+    is read from the step (:class:`graphddp.runtime.step.StepState`) at every forward call, never
+    at compile time: the backend tells the step what ran, it never decides a step's phase."""
 
     def __init__(
         self,
@@ -141,8 +112,7 @@ class GraphCompiler(InGraphUpdates, HookRuntime, BackwardRewrite):
     def __call__(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None, options: dict | None = None
     ) -> Callable[..., Any]:
-        """Compile one Dynamo graph. ``mode``/``options`` are what a ``torch.compile(...,
-        backend=this, mode=..., options=...)`` call passes; without them the config's apply."""
+        """Compile one Dynamo graph; ``mode``/``options``: a ``torch.compile`` call's, else the config's."""
         param_inputs = parameter_of_inputs(example_inputs, self.names_by_id)
         copy_parameter_outputs(gm, param_inputs)  # their gradients then go through the buckets
         patches = checked_settings(self.config, example_inputs, mode, options)
@@ -157,14 +127,9 @@ class GraphCompiler(InGraphUpdates, HookRuntime, BackwardRewrite):
         self, compiled: Callable[..., Any], graph_index: int, state: GraphState, param_ids: Mapping[int, int],
         param_inputs: Mapping[int, str],
     ) -> Callable[..., Any]:
-        """What Dynamo calls: the compiled forward, and the step's record of this call.
-
-        A call records the backward node it made with the step (:mod:`graphddp.runtime.step`); under
-        ``no_sync`` the node gets a pre-hook that picks the local backward (:mod:`graphddp.runtime.dispatch`).
-        A call with other parameters than the compiled ones (``param_ids``: Dynamo reuses a
-        module's graph for its siblings when their parent's frame runs eagerly) tells the
-        backward which parameters it reduces, through a pre-hook too.
-        """
+        """What Dynamo calls: the compiled forward, and the step's record of this call. A call
+        with other parameters than the compiled ones (Dynamo reuses a module's graph for its
+        siblings when their parent's frame runs eagerly) tells the backward which it reduces."""
         step = self.step
         first = min(param_ids, default=None)  # one parameter tells whether the call has others
 
@@ -216,9 +181,8 @@ class GraphCompiler(InGraphUpdates, HookRuntime, BackwardRewrite):
         phases = self.hook.phases if self.hook is not None else ("sync",)  # keys of self._phase()
 
         def rewrite(bw: fx.GraphModule) -> dict[str, GraphRecord]:
-            """One record per phase, each from its own copy of the untouched graph; and, where
-            a step after ``no_sync`` can carry the accumulated gradients into the buckets, the
-            carrying variant (:data:`CARRY`)."""
+            """One record per phase, each from its own copy of the untouched graph, and the
+            carrying variant (:data:`CARRY`) where a step after ``no_sync`` can carry."""
             carrying = copy.deepcopy(bw) if self.carries() and not self.gates() else None  # before the rewrite edits bw
             graphs = [copy.deepcopy(bw) for _ in phases[1:]] + [bw]
             records = {
@@ -306,8 +270,7 @@ class GraphCompiler(InGraphUpdates, HookRuntime, BackwardRewrite):
 
 
 def checked_settings(config: DDPConfig, example_inputs: Sequence[Any], mode: str | None = None, options: dict | None = None) -> dict:
-    """The user's inductor settings (``mode``/``options``) checked against graphddp's pinned ones
-    on the device of the graph's inputs; what to patch inductor's config with."""
+    """What to patch inductor's config with: the user's settings, checked on the inputs' device."""
     device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), None)
     return config.check_inductor_settings("graphddp", device, mode, options)
 
@@ -315,9 +278,8 @@ def checked_settings(config: DDPConfig, example_inputs: Sequence[Any], mode: str
 def as_dynamo_calls(
     compiled: Callable[..., Any], run: Callable[[Sequence[Any], Callable[[], Any]], Any], tracked: Callable[[], bool] = lambda: True,
 ) -> Callable[..., Any]:
-    """``compiled`` as Dynamo calls it, each call where ``tracked()`` through ``run(inputs, call)``:
-    Dynamo passes one list, which the callee frees (an untracked call keeps no copy), or, for
-    some recompiled graphs (dynamic sizes as ints), the arguments themselves."""
+    """``compiled`` as Dynamo calls it, each ``tracked()`` call through ``run(inputs, call)``: one
+    list, which the callee frees, or for some recompiled graphs (sizes as ints) the arguments."""
     boxed = getattr(compiled, "_boxed_call", False)
 
     def called(*args: Any) -> Any:
@@ -330,9 +292,8 @@ def as_dynamo_calls(
 
 
 def backward_node(out: Any, inputs: Sequence[Any], attached: Any, none_outputs: Any) -> Any:
-    """The autograd node a compiled forward's call made (or None), tagged as ``attached``'s (an
-    enabled GradScaler.scale of it marks the step: :mod:`graphddp.optim.guards`), noting which
-    output gradients come as None in ``none_outputs`` (:mod:`graphddp.runtime.usage`)."""
+    """The autograd node a compiled forward's call made (or None), tagged as ``attached``'s (a
+    GradScaler's scale marks the step through it), noting None output gradients in ``none_outputs``."""
     node = compiled_backward_node(out if isinstance(out, (list, tuple)) else [out], inputs)
     if node is not None and attached is not None:
         node.metadata[ATTACHED_NODE] = attached

@@ -1,16 +1,10 @@
 """A user's traced hook at run time, and the end of a step it shares with the union average.
 
-:class:`~graphddp.compiler.graph_compiler.GraphCompiler` compiles a traced hook into every
-bucket (one rewritten graph per phase). Around the compiled graphs the hook still has work at
-run time: its state tensors become each graph's extra inputs, its eager work runs before a
-synchronising step, after ``no_sync`` it runs eagerly on the accumulated gradients at the end
-of the step, and a parameter whose gradient two graphs of a step split is refused. The end of
-a step also runs the union average of a divergent step (and a joined rank's shadow of one),
-through the hook when it averages. These are the compiler's listeners on the step
-(:class:`graphddp.runtime.step.StepState`), in a module of their own so that the compiler's
-reads as compiling. :class:`HookRuntime` is mixed into GraphCompiler and reads its attributes:
-``hook``, ``hook_state``, ``_hook_context``, ``step``, ``group``, ``world_size``, ``union``,
-``dispatches``, ``frames`` and ``_frame()``.
+Around the compiled graphs a traced hook still has run-time work: its state tensors as each
+graph's extra inputs, its eager work before a synchronising step, the eager hook on accumulated
+gradients after ``no_sync``, and the refusal of a gradient two graphs of a step split. These are
+the compiler's listeners on the step; :class:`HookRuntime` is mixed into GraphCompiler, whose
+attributes it reads.
 """
 from __future__ import annotations
 
@@ -44,8 +38,7 @@ class HookRuntime:
         return lambda: list(tensors)
 
     def _on_sync(self, synced: Synced) -> None:
-        """Before a synchronising variant runs: the hook's eager work (its step count moves
-        once per backward, at the step's end: :meth:`_hook_end_of_step`)."""
+        """Before a synchronising variant runs: the hook's eager work."""
         self.hook.before_step(self.hook_state, synced.schedule.graph_index, synced.schedule)
 
     def hook_runs_now(self) -> bool:
@@ -53,12 +46,10 @@ class HookRuntime:
         return self.hook is not None and self._phase() != "allreduce"
 
     def _hook_end_of_step(self) -> None:
-        """At the end of every synchronising backward: after ``no_sync``, DDP's semantics (the
-        hook sees each bucket's *accumulated* local gradients; a nonlinear hook such as
-        PowerSGD differs from hooking each micro-batch): the graphs ran without communication,
-        and here every bucket of every graph that ran goes through the same hook function,
-        eagerly, and its result replaces the gradients. Then the hook counts the step, as
-        DDP's ``bucket.is_last()`` does."""
+        """At the end of every synchronising backward. After ``no_sync``, DDP's semantics: the hook
+        sees each bucket's accumulated gradients (a nonlinear hook such as PowerSGD differs from
+        hooking each micro-batch), so the graphs ran locally and every bucket goes through the hook
+        here, eagerly. Then the hook counts the step, as DDP's ``bucket.is_last()`` does."""
         from graphddp.graph.bucket_function import run_hook_eagerly
 
         for graph_index in dict.fromkeys(self.step.eager_graphs):
@@ -68,8 +59,8 @@ class HookRuntime:
         self.hook.after_backward()
 
     def _union_end_of_step(self) -> None:
-        """A divergent step (:mod:`graphddp.runtime.union`) ends with the union average; a step whose
-        gradients came from eager code alone agrees here first (its first and only agreement)."""
+        """A divergent step ends with the union average; a step whose gradients came from eager
+        code alone agrees here first (its first and only agreement)."""
         step = self.step
         if self.world_size > 1 and not step.divergent and step.eager and not step.probed:
             # Only eager code gave gradients on this rank: its agreement is made here, and pairs
@@ -79,8 +70,8 @@ class HookRuntime:
             self.union.run(step, self.hook_runs_now())
 
     def shadow_step(self) -> None:
-        """A joined rank's part of one synchronising step of the others (:mod:`graphddp.runtime.join`):
-        the agreement (it asks for a divergent step), then the union average, with zeros."""
+        """A joined rank's part of one synchronising step of the others: the agreement (asking
+        for a divergent step), then the union average, with zeros."""
         step = self.step
         with step.shadowing():
             step.agree(self.group, 0, "a joined rank's shadow of a backward", False)
@@ -89,11 +80,9 @@ class HookRuntime:
                 self.hook.after_backward()
 
     def refuse_split_gradients(self, graph_index: int) -> None:
-        """A parameter that two graphs of one step read (tied across a graph break) gets its
-        gradient in two parts, and a traced hook would compress each part on its own; DDP
-        hooks their sum. Refused, never approximated: checked at each synchronising forward,
-        before any collective of the step, since only then is it known which graphs run
-        together (a recompile of a frame replaces its older graph, it never runs beside it)."""
+        """A parameter two graphs of one step read gets its gradient in two parts, which a traced
+        hook would compress apart where DDP hooks their sum: refused, never approximated, at each
+        synchronising forward (only then is it known which graphs run together)."""
         if self.hook is None:
             return
         shared = sorted(self.step.shared_this_step(graph_index, self.step.graphs[graph_index].params))

@@ -1,9 +1,6 @@
-"""The inductor path of graphddp's backend (:mod:`graphddp.compiler.graph_compiler`): compile_fx with the
-rewrite of the backward inside its inner compile, graphddp's pinned inductor settings, the
-variants compiled on first use, and warm restarts from the compile cache.
-
-Its own module so that the backend reads as what it does for every inner compiler (record,
-plan, rewrite, dispatch) and this one as what inductor needs on top.
+"""The inductor path of graphddp's backend: compile_fx with the rewrite of the backward inside its
+inner compile, graphddp's pinned settings, variants compiled on first use, and warm restarts from
+the compile cache (:mod:`graphddp.compiler.cache`).
 """
 from __future__ import annotations
 
@@ -34,20 +31,11 @@ def compile_inductor(
     cache: compile_cache.Key | None = None,
     wrap_forward: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
-    """Inductor's compile_fx under the user's ``patches`` (mode and options), with graphddp's
-    pinned settings on top of them for every inner compile. The backward of the phase in use
-    now is compiled now; the other variants the first time a step needs them.
-
-    With a ``cache`` key (:func:`graphddp.compiler.cache.plan_key`) the AOTAutograd cache is on
-    for this graph: a miss compiles as without it and caches the rewritten backward beside
-    graphddp's entry; a hit builds the same dispatcher around the cached code and this run's
-    plan (checked to be the cached one), and compiles the rest once, cold, if it is ever needed
-    (:mod:`graphddp.compiler.cache`).
-
-    ``wrap_forward(graph, code, compile_graph)`` (``gather="forward"``) replaces a training
-    forward's compiled code by what it returns, given the graph before inductor compiled it and
-    ``compile_graph(variant, extra example inputs)``, which compiles a variant of it on first use.
-    """
+    """Inductor's compile_fx under the user's ``patches``, graphddp's pinned settings on top for
+    every inner compile. The backward of the phase in use now is compiled now, the other variants
+    the first time a step needs them. With a ``cache`` key the AOTAutograd cache is on for this
+    graph. ``wrap_forward(graph, code, compile_graph)`` (``gather="forward"``) replaces a training
+    forward's code, given its graph before inductor and a way to compile a variant of it later."""
     job = _InductorCompile(gm, record_forward, rewrite, dispatch, patches, phase_now, graph_index, cache)
     job.wrap_forward = wrap_forward
     # The example inputs are passed down, never kept: they are the real tensors of Dynamo's first
@@ -58,8 +46,7 @@ def compile_inductor(
 
 
 class _InductorCompile:
-    """One Dynamo graph through compile_fx (:func:`compile_inductor`): its inputs, and the steps
-    of a compile as methods (what were closures of one long function)."""
+    """One Dynamo graph through compile_fx: its inputs, and the steps of a compile as methods."""
 
     def __init__(
         self, gm: fx.GraphModule, record_forward: Callable[[fx.GraphModule], None],
@@ -95,9 +82,8 @@ class _InductorCompile:
                         return code
                     return wrap(source, code, lambda variant, extra: later(compile_fx_inner, variant, saved + list(extra), kwargs, patches))
                 plain = copy.deepcopy(graph)
-                # As at a backward compiled lazily, outside the fake mode: the planner computes
-                # with real tensors (a backward compiled at once, for dynamic shapes or by a
-                # cache hit's derivation, runs inside it).
+                # Outside the fake mode, as a backward compiled lazily: the planner computes with
+                # real tensors (dynamic shapes and a cache hit's derivation compile it at once).
                 with unset_fake_temporarily():
                     facts = cache.facts(plain) if cache is not None else None
                     records = self.rewrite(graph)
@@ -190,16 +176,15 @@ class _InductorCompile:
         phase_now = self.phase_now
 
         def on_forward(code: Any, is_inference: bool) -> None:
-            """This compile runs cold (nothing loaded can be a hit); an inference graph (no
-            backward, nothing of graphddp's in it) has its entry now."""
+            """This compile runs cold; an inference graph (no backward) has its entry now."""
             catcher.armed = False
             forward["key"] = compile_cache.fx_key(code)
             if is_inference and forward["key"] is not None:
                 compile_cache.store(cache.key, compile_cache.Entry(forward["key"], None, phase_now))
 
         def finish_and_store(records: dict[str, GraphRecord], synced: Any, grads: Any, plain: Any, compiled: Any, facts: Any) -> BackwardDispatch:
-            """The cold dispatcher; graphddp's entry is written before AOTAutograd writes its own,
-            if the plan is the planner's alone (replanning the facts gives it back)."""
+            """The cold dispatcher; graphddp's entry is written before AOTAutograd's, if
+            replanning the facts gives the plan back."""
             backward = self.finish_cold(records, synced, grads, plain, compiled, facts)
             fw_key, bw_key, schedule = forward.get("key"), compile_cache.fx_key(compiled), records[phase_now].schedule
             if (
@@ -215,13 +200,12 @@ class _InductorCompile:
     def _hit(
         self, entry: Any, plan_now: Any, catcher: Any, compiled_fn: Callable[..., Any], example_inputs: Sequence[Any],
     ) -> Callable[..., Any]:
-        """A hit: this run's plan around the cached backward code; what the cache does not
-        hold (the local variant) is derived by one cold compile if a step ever needs it."""
+        """A hit: this run's plan around the cached backward code; the local variant is derived by
+        one cold compile if a step ever needs it."""
         phase_now = self.phase_now
 
         def compile_cold(inputs: Sequence[Any]) -> cache_derivation.Derived:
-            """What a miss compiles, for what the cache does not hold (the compile is the same,
-            inductor's compiles hit its FX-graph cache); the backward compiled now."""
+            """What a miss compiles (inductor's compiles hit its FX-graph cache), backward included."""
             got: dict[str, Any] = {}
 
             def finish_derived(records: dict[str, GraphRecord], synced: Any, grads: Any, plain: Any, compiled: Any, facts: Any) -> Any:
@@ -236,7 +220,7 @@ class _InductorCompile:
             return cache_derivation.Derived(got["records"], got["plain"], got.get("fw_key"), got.get("bw_key"), got.get("carry"))
 
         derivation = cache_derivation.Derivation(self.graph_index, entry, plan_now, compile_cold, example_inputs)
-        record = cache_derivation.hit_record(plan_now, getattr(catcher.bw_code, "source_code", None), phase_now, derivation)
+        record = cache_derivation.CachedRecord(plan_now, getattr(catcher.bw_code, "source_code", None), phase_now, derivation)
         compile_cache.log_hit(self.graph_index, plan_now)
         backward = self.dispatch(  # one phase (no traced hook), no update (no optimizer): see plan_key
             {phase_now: record}, lambda record: (lambda: catcher.bw_code), lambda record: None,
@@ -248,12 +232,9 @@ class _InductorCompile:
 
 
 def pinned_config(graph: fx.GraphModule) -> dict[str, Any]:
-    """graphddp's inductor settings for ``graph``: in graphddp's own order where the graph waits
-    for a sharded bucket's collective itself: a backward with sharded buckets (each bucket's
-    wait and update placed after the next bucket's reduce-scatter) or a forward that completes
-    their all-gathers before each bucket's first read (inductor_settings.INDUCTOR_FX_ORDER_CONFIG says why;
-    inductor's own passes pulled the forward's waits up to its first node: a forward that
-    waited for every bucket before computing anything)."""
+    """graphddp's inductor settings for ``graph``: in graphddp's own FX order where the graph waits
+    for a sharded bucket's collective itself (a backward with reduce-scatters, a forward that
+    completes all-gathers before each bucket's first read; ``INDUCTOR_FX_ORDER_CONFIG`` says why)."""
     for node in graph.graph.nodes:
         if node.meta.get(BUCKET_KEY) is None:
             continue
@@ -268,13 +249,9 @@ def later(
     compile_inner: Callable[..., Any], graph: fx.GraphModule, inputs: Sequence[Any], kwargs: dict, patches: dict[str, Any],
     settings: Callable[[fx.GraphModule], dict[str, Any]] | None = None,
 ) -> Callable[[], Any]:
-    """Compile ``graph`` on first use, in the tracing and compile context of now.
-
-    The local (``no_sync``) backward is compiled only if a step ever needs it, the way
-    AOTAutograd compiles its own backward lazily: under the saved contexts, so shape
-    guards and fake tensors are the ones the graph was traced with. ``settings(graph)``: the
-    inductor settings on top of ``patches`` (default :func:`pinned_config`).
-    """
+    """Compile ``graph`` on first use, as AOTAutograd compiles its own backward lazily: under the
+    tracing and compile contexts of now, so that shape guards and fake tensors are the ones the
+    graph was traced with. ``settings(graph)``: on top of ``patches`` (default :func:`pinned_config`)."""
     from torch._dynamo.convert_frame import compile_lock
     from torch._guards import CompileContext, TracingContext, compile_context, tracing
     from torch._inductor import config as inductor_config

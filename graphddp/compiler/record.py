@@ -1,8 +1,5 @@
-"""What graphddp did to one backward graph: :class:`GraphRecord`.
-
-Its own module, below both the backend that makes records (:mod:`graphddp.compiler.graph_compiler`)
-and the compile cache that makes them from a cache hit (:mod:`graphddp.compiler.cache`,
-:mod:`graphddp.compiler.cache_derivation`), so neither imports the other for it.
+"""What graphddp did to one backward graph: :class:`GraphRecord`, below both the backend and the
+compile cache that make records, so that neither imports the other for it.
 """
 from __future__ import annotations
 
@@ -17,8 +14,8 @@ from graphddp.values.comm import CARRIED, ROLE_KEY
 from graphddp.values.schedule import Schedule
 
 
-# The records' key of a graph's carrying variant: its synchronising backward with each bucket
-# also taking the gradients accumulated under no_sync (graphddp.graph.insert_comm, carry=True).
+# The records' key of a graph's carrying variant: each bucket also takes the gradients
+# accumulated under no_sync (graphddp.graph.insert_comm, carry=True).
 CARRY = "carry"
 
 
@@ -36,13 +33,9 @@ class GraphRecord:
     # A user hook with phases (graphddp.hooks.PowerSGD): every phase's record, this one included.
     phases: dict[str, "GraphRecord"] = dataclasses.field(default_factory=dict)
     # With an optimizer: parameters whose update torch's step took over after the backward, by
-    # reason ("shared": another graph of the step reads them; "unused": no rank used them; "ran twice": two forwards before
-    # one backward; "accumulated": gradients from no_sync; "scaler": an enabled GradScaler's step takes it), as of the
-    # last step it happened.
+    # reason (StepState.not_inside), as of the last step it happened.
     fallbacks: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
-    # The carrying variant (the step after no_sync: accumulated gradients averaged with the new
-    # ones in the same buckets), where the graph has one.
-    carrying: "GraphRecord | None" = None
+    carrying: "GraphRecord | None" = None  # the carrying variant's record, where the graph has one
 
     @staticmethod
     def _inputs(graph: fx.GraphModule, *roles: str) -> list[Any]:

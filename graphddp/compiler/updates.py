@@ -1,18 +1,11 @@
 """The attached optimizer's side of the compiler: updates inside the backward, and when not.
 
-With ``graphddp.compile(..., optimizer=)`` each backward graph goes on after its collectives:
-which parameters it can update itself (not read by a graph of another frame, not
-zero-filled), the sharded plan (``sharding="optimizer"``: which buckets are reduce-scattered,
-a pass before the collectives), with_updates -> insert_update -> verify_updates and the
-sharded buckets' pass, and the variant without the update for steps the graph cannot update
-alone. At run time each synchronising variant gets an
-:class:`~graphddp.runtime.variants.InGraphUpdate` that decides, step by step, whether the
-graph's update is the whole step for its parameters or torch's step after the backward takes
-over (recorded in ``GraphRecord.fallbacks``, warned once per graph and reason). This is how
-the optimizer plugs into the compiler (its passes in ``backward_passes``), in a module of its
-own so that the compiler's reads as compiling. :class:`InGraphUpdates` is mixed into
-GraphCompiler and reads its attributes: ``optimizer``, ``config``, ``step``, ``parameters``,
-``world_size``, ``rank`` and ``_warned``.
+Each backward graph goes on after its collectives: which parameters it can update itself, the
+sharded plan (``sharding="optimizer"``), with_updates -> insert_update -> verify_updates, and the
+variant without the update for steps the graph cannot update alone. At run time an
+:class:`~graphddp.runtime.variants.InGraphUpdate` decides step by step whether the graph's update
+is the whole step (``GraphRecord.fallbacks`` records when not). :class:`InGraphUpdates` is mixed
+into GraphCompiler and reads its attributes (``optimizer``, ``config``, ``step``, ``parameters``...).
 """
 from __future__ import annotations
 
@@ -65,8 +58,7 @@ class InGraphUpdates:
 
         def allowed(unused: frozenset[str]) -> bool:
             """The graph's update is the whole step for its parameters (:meth:`StepState.not_inside`);
-            otherwise torch's step (after torch's clip_grad_norm_) runs for them after the
-            backward, recorded in ``record.fallbacks`` and warned once (but the expected reasons)."""
+            otherwise torch's step runs for them after the backward."""
             held = tuple(n for n in graded if n in tensors and tensors[n].grad is not None)
             reason = self.step.not_inside(
                 graph_index, names, scaled=optimizer.scaled, unused=unused, held=held, in_norm=self._has_gradients if clip else None
@@ -89,13 +81,12 @@ class InGraphUpdates:
         return InGraphUpdate(optimizer, replicated, groups, allowed, compile_grads, writes, shards=shards, write_deferred=write_deferred)
 
     def _has_gradients(self, graph_index: int) -> bool:
-        """Does graph ``graph_index`` read a parameter that takes a gradient (a graph that only
-        computes the loss does not add to a gradient norm)?"""
+        """Does graph ``graph_index`` read a parameter that takes a gradient (adds to a norm)?"""
         return any(p.requires_grad for n in self.step.graphs[graph_index].params if (p := self.parameters.get(n)) is not None)
 
     def _fallback(self, record: GraphRecord, graph_index: int, kind: str, names: Sequence[str], why: str) -> None:
-        """Record (and, where there is a ``why``, the first time per graph and kind, warn) that
-        torch's step after the backward updates ``names`` instead of the graph. Right, but not overlapped."""
+        """Record (and warn once per graph and kind, where there is a ``why``) that torch's step
+        after the backward updates ``names``: right, but not overlapped."""
         record.fallbacks[kind] = tuple(names)
         if not why or (graph_index, kind) in self._warned:
             return
@@ -108,21 +99,17 @@ class InGraphUpdates:
         )
 
     def _optimizer_pass(self, gm: fx.GraphModule, schedule: Schedule, *, graph_index: int, shared: Shared, carry: bool = False, **_: Any) -> Schedule:
-        """The optimizer's backward pass (after the collectives): with_updates -> insert_update
-        -> verify_updates. The graph from before it goes to ``shared.without_update`` (None when
-        nothing is updated), the parameters left to torch's step (a graph of another frame reads
-        them too) to ``shared.tied``. Without the forward's parameter values, nothing."""
+        """The optimizer's backward pass, after the collectives: the graph from before it goes to
+        ``shared.without_update``, the parameters tied across a graph break to ``shared.tied``."""
         if self.optimizer is None or not shared.fw_values:
             return schedule
         schedule, shared.without_update, shared.tied = self._add_updates(gm, schedule, graph_index, self.optimizer, shared, carry)
         return schedule
 
     def _updatable(self, schedule: Schedule, graph_index: int, fw_values: Mapping[str, Any]) -> tuple[list[str], tuple[str, ...]]:
-        """The parameters the graph can update itself, and those tied across a graph break.
-
-        A parameter a graph of another frame also reads (tied across a graph break) gets part of
-        its gradient there: it keeps the gradient route, and torch's step after the backward.
-        Recompiles of this graph's own frame never run beside it: they do not count."""
+        """The parameters the graph can update itself, and those a graph of another frame also
+        reads (tied across a graph break: part of their gradient comes from there, so they keep
+        torch's step after the backward). Recompiles of this graph's own frame do not count."""
         optimizer = self.optimizer
         elsewhere = self.step.in_other_frames(graph_index)
         zero_filled = {s.param_name for b in schedule.buckets for s in b.slots if s.zero_filled}
@@ -152,10 +139,9 @@ class InGraphUpdates:
     def _add_updates(
         self, gm: fx.GraphModule, schedule: Schedule, graph_index: int, optimizer: AttachedOptimizer, shared: Shared, carry: bool = False,
     ) -> tuple[Schedule, fx.GraphModule | None, tuple[str, ...]]:
-        """with_updates -> insert_update -> verify_updates, then the sharded buckets
-        (insert_sharded_updates -> verify_sharded); returns the schedule with its updates, the
-        graph without them (every bucket all-reduced, its gradients returned; None when nothing
-        is updated) and the parameters left to torch's step because another frame reads them."""
+        """with_updates -> insert_update -> verify_updates, then the sharded buckets; returns the
+        schedule with its updates, the graph without them (None when nothing is updated) and the
+        tied parameters."""
         fw_values = shared.fw_values
         updatable, tied = self._updatable(schedule, graph_index, fw_values)
         max_norm = self.config.max_grad_norm
@@ -191,9 +177,8 @@ class InGraphUpdates:
         return schedule, without_update, tied
 
     def _without_update(self, gm: fx.GraphModule, schedule: Schedule, shared: Shared, carry: bool = False) -> fx.GraphModule:
-        """The variant for steps the graph cannot update alone: every gradient averaged and
-        returned. Sharded buckets are all-reduced there, from the graph before the collectives
-        (``carry``: the carrying variant's, taking the same accumulated gradients)."""
+        """The variant for steps the graph cannot update alone: every gradient averaged (sharded
+        buckets all-reduced, from the graph before the collectives) and returned."""
         if shared.before_comm is None:
             return copy.deepcopy(gm)
         graph = copy.deepcopy(shared.before_comm)

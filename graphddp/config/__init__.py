@@ -1,11 +1,9 @@
 """The user's options, defined once, validated once, frozen for the life of a compiled model.
 
-:class:`DDPConfig` is the one definition of graphddp's options: ``compile`` and ``explain``
-take them as keywords (``DDPConfig.from_options``), the CLI builds its flags from the fields'
-metadata (``cli_flags``), the benchmark passes a DDPConfig. It holds the user's *policy*
-only; facts of the running job (world size, process group) come from the process group and
-reach the planner separately. Every option that changes the plan is a field, so the plan is
-a pure function of (graph, options, world size) and ranks with equal options plan identically.
+:class:`DDPConfig` is the one definition of graphddp's options (``compile``, ``explain``, the CLI's
+flags from the fields' metadata). It holds the user's policy only; facts of the job (world size,
+process group) reach the planner separately. Every option that changes the plan is a field, so
+the plan is a pure function of (graph, options, world size) and ranks with equal options agree.
 """
 from __future__ import annotations
 
@@ -48,10 +46,7 @@ def _check_megabytes(name: str, value: Any) -> None:
 
 
 def _normalise_cap_list(value: Any) -> tuple[float, ...] | None:
-    """``bucket_cap_mb_list`` as a tuple (hashable, so the config stays frozen and comparable).
-
-    An empty list means "not given", as in DDP (``if bucket_cap_mb_list:``).
-    """
+    """``bucket_cap_mb_list`` as a tuple, so the config stays hashable; empty means not given, as in DDP."""
     if value is None:
         return None
     if not isinstance(value, (list, tuple)):
@@ -67,45 +62,23 @@ def _option(default: Any, help: str) -> Any:  # noqa: A002 - argparse's word
 
 
 def _ddp_keyword(help: str) -> Any:  # noqa: A002 - argparse's word
-    """A field for one of DistributedDataParallel's constructor keywords (default None: not
-    given). Taken so that ``DDP(model, **kw)`` becomes ``graphddp.compile(model, **kw)``; none
-    shapes the plan, so the CLI, which plans in one process, has no flag for them."""
+    """A field for one of DDP's constructor keywords (None: not given), taken so that ``DDP(model,
+    **kw)`` becomes ``graphddp.compile(model, **kw)``; none shapes the plan, so the CLI has no flag."""
     return dataclasses.field(default=None, metadata={"help": help, "ddp_keyword": True})
 
 
 @dataclasses.dataclass(frozen=True)
 class DDPConfig:
-    """Options that shape the bucket plan and the rewrite.
+    """Options that shape the bucket plan and the rewrite (docs/options.md).
 
-    Bucket caps follow ``DistributedDataParallel`` exactly (its ``_BucketCapacityConfig`` and
-    the reducer's ``compute_bucket_assignment_by_size``); a bucket closes once its size reaches
-    its cap, so it may exceed the cap by one gradient, and caps are counted per (dtype, device).
-
-    * nothing given (graphddp's default): ``"auto"``, below. DDP's own default caps, 25 MB
-      buckets after a 1 MB first bucket, are ``bucket_cap_mb=25, first_bucket_cap_mb=1``.
-    * ``bucket_cap_mb=x``: every bucket, the first included, is capped at ``x`` (DDP uses its
-      small first bucket only at the default).
-    * ``bucket_cap_mb_list``: per-bucket caps in the order buckets become ready, the last entry
-      repeating; as in DDP it overrides ``bucket_cap_mb``. An empty list means not given.
-    * ``first_bucket_cap_mb``, ``last_bucket_cap_mb`` or ``bucket_cap_mb_list`` given without
-      ``bucket_cap_mb``: caps as DDP leaves them unset, 25 MB after a 1 MB first bucket, with
-      the given ones applied.
-    * ``first_bucket_cap_mb`` (graphddp's extension; None: DDP's rule above) sets the first
-      bucket's cap, clamped to the rest: ``min(first_bucket_cap_mb, bucket cap)``. A first cap
-      above the rest would defeat its purpose (start early) and silently make the first bucket
-      the largest; ``bucket_cap_mb_list`` expresses any other shape, so the two are exclusive.
-    * ``last_bucket_cap_mb`` (graphddp's own; None: off, as in DDP) caps the bucket of the
-      gradients produced last; its transfer starts after the last backward kernel, so all of it
-      is exposed.
-    * ``bucket_cap_mb="auto"`` (graphddp's own, and its default): no caps; the buckets are the partition of the
-      production order that minimises the backward predicted by ``cost``
-      (:mod:`graphddp.plan.auto`), a :class:`~graphddp.plan.cost.CostModel` that is by default
-      calibrated on the process group when the model is wrapped (:mod:`graphddp.runtime.calibrate`).
-      The other cap options do not combine with it, and ``cost`` means nothing without it.
-
-    The fields keep what the user passed; ``effective_*`` and ``bucket_size_limits`` are the
-    resolved caps the planner uses and the Schedule records.
-    """
+    Bucket caps follow ``DistributedDataParallel`` exactly (its ``_BucketCapacityConfig`` and the
+    reducer's ``compute_bucket_assignment_by_size``): a bucket closes once its size reaches its
+    cap, caps count per (dtype, device), and DDP's small first bucket applies only while
+    ``bucket_cap_mb`` is unset. graphddp's own: ``first_bucket_cap_mb`` (clamped to the rest: a
+    larger first bucket would defeat its purpose, starting early), ``last_bucket_cap_mb`` (the last
+    bucket's transfer is all exposed) and ``"auto"``, the default when no cap is given: the
+    partition that minimises the backward ``cost`` predicts (:mod:`graphddp.plan.auto`). The
+    fields keep what the user passed; ``effective_*`` and ``bucket_size_limits`` are resolved."""
 
     bucket_cap_mb: float | str | None = _option(
         None, "bucket cap in MB, the first bucket's too, or 'auto': buckets chosen by the cost model "
@@ -234,20 +207,16 @@ class DDPConfig:
     def check_inductor_settings(self, where: str, device: Any, mode: str | None = None,
                                 options: dict[str, Any] | None = None) -> dict[str, Any]:
         """The inductor patches for a compile of this config (or of a ``torch.compile`` call's
-        ``mode``/``options``, when the pipeline owns it), refused where graphddp cannot keep its
-        promises: :func:`graphddp.config.inductor_settings.check_inductor_settings`."""
+        ``mode``/``options``), refused where graphddp cannot keep its promises."""
         return inductor_settings.check_inductor_settings(
             where, self.backend, device, self.mode if mode is None else mode,
             self.inductor_options if options is None else dict(options), sharded=self.sharding is not None,
         )
 
     def _check_full_sharding(self) -> None:
-        """``reshard_after_forward`` belongs to ``sharding="full"`` (None there means True, FSDP2's
-        default); what full sharding does not run yet is refused by name, never ignored: its
-        gather and reduce-scatter buckets take one cap (``bucket_cap_mb``; first, last and
-        per-bucket caps are the replicated planner's), no comm hook, and the
-        eager backend has no partitioner to reshard. ``cost`` is the model its cap is planned
-        with when ``bucket_cap_mb`` is not given (:mod:`graphddp.plan.full_cap`)."""
+        """``reshard_after_forward`` and ``mp_policy`` belong to ``sharding="full"`` (None there
+        means True, FSDP2's default); what full sharding does not run is refused by name, never
+        ignored: first, last and per-bucket caps, a comm hook, the eager backend."""
         if self.sharding != "full":
             for name in ("reshard_after_forward", "mp_policy"):
                 if getattr(self, name) is not None:
@@ -270,13 +239,11 @@ class DDPConfig:
             raise ValueError("sharding='full' needs backend='inductor' or 'aot_eager' (AOTAutograd places the gathers)")
 
     def _check_ddp_keywords(self) -> None:
-        """DDP's constructor keywords, each accepted with DDP's meaning or refused by name
-        (:func:`graphddp.config.ddp_keywords.check_keywords`)."""
+        """DDP's constructor keywords, each accepted with DDP's meaning or refused by name."""
         object.__setattr__(self, "device_ids", ddp_keywords.check_keywords(self))
 
     def check_devices(self, where: str, device: torch.device | None) -> None:
-        """``device_ids`` and ``output_device`` name the device of the module's parameters
-        (:func:`graphddp.config.ddp_keywords.check_devices`)."""
+        """``device_ids`` and ``output_device`` name the device of the module's parameters."""
         ddp_keywords.check_devices(where, self.device_ids, self.output_device, device)
 
     def _check_caps(self) -> None:
@@ -322,8 +289,7 @@ class DDPConfig:
 
     @property
     def auto(self) -> bool:
-        """Buckets from the cost model, not from caps: ``bucket_cap_mb="auto"``, or no cap
-        option given at all (the default since the benchmark showed it wins; see README)."""
+        """Buckets from the cost model: ``bucket_cap_mb="auto"``, or no cap option given at all."""
         if self.bucket_cap_mb is None:
             return self.first_bucket_cap_mb is None and self.last_bucket_cap_mb is None and not self.bucket_cap_mb_list
         return isinstance(self.bucket_cap_mb, str) and self.bucket_cap_mb == AUTO

@@ -27,7 +27,3 @@ def check_clipping(max_grad_norm: Any, norm_type: Any) -> tuple[float | None, fl
         raise ValueError(f"grad_norm_type={norm_type!r} is the norm max_grad_norm clips by, and max_grad_norm is not given")
     return (None if c is None else float(c)), float(p)
 
-
-def norm_name(norm_type: float) -> str:
-    """How messages and plans name the norm: L2, L1, Linf, L3."""
-    return f"L{norm_type:g}"

@@ -46,9 +46,7 @@ def names_device(value: Any, device: torch.device) -> bool:
 
 
 def check_keywords(config: Any) -> tuple[Any, ...] | None:
-    """DDP's constructor keywords: each accepted where graphddp does what it asks, else
-    refused by name (never silently ignored). Returns ``device_ids`` as a tuple (the config is
-    frozen and hashable); an empty one means not given, as in DDP."""
+    """Refuse what graphddp does not do; ``device_ids`` as a tuple (empty: not given, as in DDP)."""
     ids = config.device_ids
     if ids is not None:
         if not isinstance(ids, (list, tuple)):
@@ -76,10 +74,9 @@ def check_keywords(config: Any) -> tuple[Any, ...] | None:
 
 
 def check_devices(where: str, device_ids: tuple[Any, ...] | None, output_device: Any, device: torch.device | None) -> None:
-    """``device_ids`` and ``output_device`` against the device of the module's parameters
-    (``device``; None: it has none). graphddp runs the model where its parameters are and
-    returns the outputs the model makes there, so the one device either may name is that
-    one (DDP's meaning for a single-device module, whose outputs stay on it)."""
+    """``device_ids`` and ``output_device`` may name only the device of the module's parameters
+    (``device``): graphddp runs the model there and leaves its outputs there, DDP's meaning for a
+    single-device module."""
     named = [("device_ids", device_ids[0])] if device_ids else []
     named += [("output_device", output_device)] if output_device is not None else []
     for name, value in named:

@@ -1,11 +1,6 @@
 """Inductor's settings under graphddp: the ones it pins around its compiles, and the user's
-(``mode``, ``options``) checked before any compile.
-
-Where a user's setting would cost graphddp a promise it is refused here, by name: a pinned key
-(the overlap or the buckets' correctness depend on it), a key inductor does not know (it would
-fail inside the first backward), CUDA graphs on a CUDA model (the backward's collectives and
-the in-band check between them are not replayed safely). :class:`graphddp.config.DDPConfig`
-calls these; the compilers import the pinned settings from here.
+(``mode``, ``options``) checked before any compile, refused by name where they would cost graphddp
+a promise (:func:`check_inductor_settings`).
 """
 from __future__ import annotations
 
@@ -79,21 +74,11 @@ def check_request(backend: str, mode: str | None, options: dict[str, Any]) -> No
 def check_inductor_settings(
     where: str, backend: str, device: Any, mode: str | None, given: dict[str, Any], sharded: bool = False
 ) -> dict[str, Any]:
-    """The inductor patches, refused where graphddp cannot keep its promises.
-
-    * a key of graphddp's pinned settings (comm reordering, DDP fusion off): overriding it
-      would lose the overlap or re-fuse the buckets; with ``sharded`` (``sharding=`` set), also
-      a key of :data:`INDUCTOR_FX_ORDER_CONFIG`, which its graphs are compiled with;
-    * an unknown key: inductor would fail later, inside the first backward;
-    * CUDA graphs (``reduce-overhead``, ``max-autotune``, ``triton.cudagraphs``) on a CUDA
-      model: the backward graph's collectives and the in-band check between them are not
-      captured or replayed safely; on CPU inductor does not use CUDA graphs, so they are
-      harmless there.
-
-    ``mode``/``given`` (inductor options) come from a ``torch.compile(model, backend=...)`` call
-    when the pipeline owns it, else from graphddp's config. The result is ``mode``'s settings,
-    then ``given``; graphddp's pinned settings go on top of these at compile time, never under.
-    """
+    """``mode``'s settings, then ``given``'s (graphddp's pinned ones go on top at compile time),
+    refused where graphddp cannot keep its promises: a pinned key (the overlap, or the buckets
+    re-fused; with ``sharded``, the FX-order keys too), a key inductor does not know (it would
+    fail inside the first backward), CUDA graphs on a CUDA model (the backward's collectives and
+    the in-band check between them are not replayed safely; on CPU inductor uses none)."""
     from torch._inductor import list_mode_options, list_options
 
     check_request(backend, mode, given)
@@ -119,8 +104,8 @@ def check_inductor_settings(
 
 
 def refuse_cuda_graphs(where: str, mode: str | None, given: dict[str, Any]) -> None:
-    """CUDA graphs on a CUDA model: refused. A function of its own so that the CUDA-graph probe
-    (``tools/bench/cudagraphs.py``) can lift the refusal and measure what happens without it."""
+    """CUDA graphs on a CUDA model: refused, in a function of its own so that the CUDA-graph probe
+    (``tools/bench/cudagraphs.py``) can lift the refusal."""
     why = f"mode={mode!r}" if not given.get("triton.cudagraphs") else "options['triton.cudagraphs']"
     raise ValueError(
         f"{where}: {why} turns on CUDA graphs, which graphddp does not support: its backward "

@@ -1,26 +1,13 @@
 """Communication hooks: what a bucket does to its flat buffer on each side of the all-reduce.
 
-Users' hooks, ``comm_hook=(state, hook)``, and PowerSGD (``graphddp.hooks.PowerSGD``) are
-traced into the graph in place of the all-reduce: :mod:`graphddp.hooks.traced`,
-:mod:`graphddp.hooks.powersgd`. This module's built-in hooks are the default and compression ones.
-
-A hook is a pair of plain tensor functions, traced into the backward graph with the rest of
-the bucket (``graph/bucket_function.py``, which ``graph/insert_comm.py`` traces):
-
-* ``compress(flat, bucket) -> tensor``: runs right after the bucket's gradients are flattened;
-  its result is divided by the world size and all-reduced (so it is what goes on the wire).
-* ``decompress(reduced, bucket) -> tensor``: runs right after the wait; its result must have
-  the bucket's dtype and ``bucket.numel`` elements, and the gradients are returned as views
-  into it.
-
-Both are traced on fake tensors, never run eagerly, so they must be traceable: torch ops on
-their input, no data-dependent Python control flow, no tensor constants. ``bucket`` is the
-Schedule's :class:`~graphddp.values.schedule.Bucket` (index, dtype, slots, ``comm_dtype``).
-
-The built-in hooks are DDP's default ``allreduce_hook`` (no compression) and its
-``fp16_compress_hook`` / ``bf16_compress_hook`` (cast to half precision before dividing, cast
-back after the wait), named in :data:`COMM_HOOKS`. Casts use ``comm.CAST``, the prim
-the already-decomposed backward graph (and the verifier) expects.
+Users' hooks and PowerSGD are traced into the graph in place of the all-reduce
+(:mod:`graphddp.hooks.traced`); the built-in ones here are DDP's default ``allreduce_hook`` and
+its ``fp16_compress_hook`` / ``bf16_compress_hook``, named in :data:`COMM_HOOKS`. A built-in hook
+is a pair of tensor functions traced with the rest of the bucket on fake tensors: ``compress``
+right after the gradients are flattened (its result is divided and all-reduced: what goes on
+the wire) and ``decompress`` right after the wait (the bucket's dtype and ``numel``: the
+gradients are views into it). Casts use ``comm.CAST``, the prim the decomposed backward graph
+and the verifier expect.
 """
 from __future__ import annotations
 
@@ -44,7 +31,7 @@ HookFn = Callable[[torch.Tensor, Bucket], torch.Tensor]
 
 @dataclasses.dataclass(frozen=True)
 class CommHook:
-    """A named pair of functions traced around every bucket's all-reduce (module docstring)."""
+    """A named pair of functions traced around every bucket's all-reduce."""
 
     name: str
     compress: HookFn
@@ -60,11 +47,8 @@ ALLREDUCE = CommHook("allreduce", _unchanged, _unchanged)
 
 
 def cast_hook(name: str, comm_dtype: str) -> CommHook:
-    """Send buckets in ``comm_dtype`` (DDP's ``fp16_compress_hook`` when it is float16).
-
-    DDP casts first and then divides, so the division rounds in ``comm_dtype``; this hook
-    only casts, and the division that follows it does the same.
-    """
+    """Send buckets in ``comm_dtype``. DDP casts, then divides, so the division rounds in
+    ``comm_dtype``; this hook only casts, and the division that follows it does the same."""
     wire = getattr(torch, comm_dtype)
 
     def compress(flat: torch.Tensor, bucket: Bucket) -> torch.Tensor:

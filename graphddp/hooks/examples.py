@@ -22,7 +22,7 @@ def fp16_hook(state, bucket):
 
 
 def int8_hook(state, bucket):
-    """Two stages: the scale's max first, then the quantised sum (the user_hooks docstring's)."""
+    """Two stages: the scale's max first, then the quantised sum (docs/comm-hooks.md's example)."""
     flat = bucket.buffer()
     scale = funcol.all_reduce(flat.abs().amax(), "max", bucket.group) / 127
     q = (flat / scale).round().to(torch.int8)
@@ -34,10 +34,8 @@ def int8_hook(state, bucket):
 
 
 def ddp_bf16_compress_hook(state, bucket):  # unannotated: DDP checks a hook's annotations
-    """DDP's ``bf16_compress_hook`` without its check for NCCL (DDP refuses it on gloo), for
-    ``DistributedDataParallel.register_comm_hook``: the same recipe, cast, divide, all-reduce,
-    cast back into the bucket. The reference graphddp's ``comm_hook="bf16_compress"`` is
-    tested against on gloo ranks."""
+    """DDP's ``bf16_compress_hook`` without its check for NCCL, for DDP's ``register_comm_hook``:
+    the reference graphddp's ``comm_hook="bf16_compress"`` is tested against on gloo ranks."""
     wire = bucket.buffer().to(torch.bfloat16).div_(dist.get_world_size())
 
     def back(fut: torch.futures.Future) -> torch.Tensor:

@@ -1,38 +1,19 @@
 """PowerSGD inside the compiled backward: DDP's ``powerSGD_hook``, traced per bucket.
 
-The algorithm is torch's (``torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py``,
-Vogels et al. 2019), step for step, so a run equals DDP + ``powerSGD_hook`` with the same
-settings (the tests compare them):
+The algorithm is torch's (``ddp_comm_hooks/powerSGD_hook.py``, Vogels et al. 2019) step for step,
+so a run equals DDP + ``powerSGD_hook`` with the same settings (the tests compare them): a plain
+all-reduce for the first ``start_powerSGD_iter`` steps (the ``"allreduce"`` phase, a graph variant
+of its own); then per bucket the error feedback added, matrices worth compressing grouped by
+shape (the rest all-reduced as they are), ``P = M Q`` all-reduced and orthogonalised,
+``Q = M^T P`` all-reduced, the average approximated by ``P Q^T``.
 
-1. Before ``start_powerSGD_iter`` synchronising steps, buckets are averaged by a plain
-   all-reduce (graphddp's built-in one: the ``"allreduce"`` phase, a graph variant of its own).
-2. Then, per bucket: add the error left by the last step (``use_error_feedback``); view each
-   gradient as a matrix ``(shape[0], -1)``; those worth compressing at the rank
-   ``min(n, m, matrix_approximation_rank)`` (``(n + m) * rank * min_compression_rate < n *
-   m``) are compressed, the rest (biases, norms: rank-1 tensors) are all-reduced as they are;
-   matrices of one shape are grouped, and stacked into one batch with
-   ``batch_tensors_with_same_shape``.
-3. ``P = M Q`` with Q from the last step (``warm_start``) or fresh random values, orthogonalised;
-   all-reduce P; orthogonalise P; ``Q = M^T P``; all-reduce Q and divide it by the world size;
-   the average is approximated by ``P Q^T``; the error is what that approximation missed.
-
-What is eager and what is in the graph. Random numbers never enter the graph (every rank
-would draw its own): before a step, :meth:`PowerSGD.before_step` fills a bucket's Q state
-with the values DDP draws (a seed from ``numpy.random.RandomState(random_seed)`` per bucket,
-``randn`` per matrix group on the CPU), when the bucket has no Q yet or ``warm_start`` is off.
-Both generators are the hook's own: unlike DDP's hook, it never reseeds the user's global
-ones. Everything else is traced: the two state tensors per bucket (``"q"`` and ``"error"``,
-:class:`~graphddp.hooks.traced.HookState`) are graph inputs written in place.
-The step count advances once per synchronising backward, at its end, as DDP's
-``bucket.is_last()`` does; ``no_sync`` steps do not count, as in DDP.
-
-Overlap. The uncompressed all-reduce and Q's are the hook's last stage: they are in flight
-while the backward goes on; P's all-reduce is the earlier stage and completes at the bucket's
-issue point (``graphddp.hooks.traced``, "Where the pieces run").
-
-DDP requires ``start_powerSGD_iter > 1`` with error feedback or warm start because its buckets
-are rebuilt after the first step; graphddp's buckets are fixed when the graph is compiled, so
-any ``start_powerSGD_iter >= 0`` is accepted.
+Random numbers never enter the graph (every rank would draw its own): :meth:`PowerSGD.before_step`
+fills a bucket's Q eagerly with the values DDP draws, from generators of the hook's own (DDP's
+reseeds the user's global ones). The ``"q"`` and ``"error"`` state tensors are graph inputs written
+in place; the step count advances at the end of each synchronising backward, as DDP's
+``bucket.is_last()`` does. Q's all-reduce and the uncompressed one are the hook's last stage and
+overlap the backward; P's completes at the issue point. DDP requires ``start_powerSGD_iter > 1``
+because its buckets are rebuilt after the first step; graphddp's are fixed at compile time.
 """
 from __future__ import annotations
 
@@ -101,11 +82,8 @@ def _orthogonalize(matrices: torch.Tensor, epsilon: float) -> torch.Tensor:
 
 
 class PowerSGD(TracedHook):
-    """``graphddp.compile(model, comm_hook=graphddp.hooks.PowerSGD(...))``: module docstring.
-
-    The settings are those of DDP's ``PowerSGDState`` (without ``process_group``: graphddp's
-    group is the one the hook runs on). ``iter`` counts synchronising steps, as DDP's does.
-    """
+    """``comm_hook=graphddp.hooks.PowerSGD(...)``, with the settings of DDP's ``PowerSGDState``
+    (the group is graphddp's). ``iter`` counts synchronising steps, as DDP's does."""
 
     phases = PHASES
 

@@ -1,47 +1,19 @@
 """Communication hooks users write, traced into the backward graph once per bucket.
 
-DDP's ``register_comm_hook(state, hook)`` runs ``hook(state, bucket)`` eagerly for every
-bucket and gets a Future back. graphddp takes the same pair, ``comm_hook=(state, hook)``, but
-*traces* ``hook`` on the bucket's fake values when the backward graph is compiled, so what it
-does is compiled into the graph and overlapped like any bucket. The vocabulary is DDP's; the
-one difference is that the hook returns the averaged flat tensor, not a Future::
+DDP's ``register_comm_hook(state, hook)`` runs ``hook(state, bucket)`` eagerly for every bucket.
+graphddp takes the same pair, ``comm_hook=(state, hook)``, and traces ``hook`` on the bucket's fake
+values when the backward is compiled, so that it is compiled and overlapped like any bucket; it
+returns the averaged flat tensor, not a Future (docs/comm-hooks.md has an example and the rules).
+A hook may use torch ops, ``_functional_collectives`` on ``bucket.group`` and Python control flow
+on shapes and its ``state`` (read at compile time). Refused, naming the hook and the call: eager
+collectives, reading tensor values in Python, tensors from outside its inputs (baked in as
+constants), random numbers (ranks would disagree), another group.
 
-    import torch.distributed._functional_collectives as funcol
-
-    def int8_hook(state, bucket):                   # bucket: GradBucket (below)
-        flat = bucket.buffer()                      # the local, un-averaged gradients
-        scale = funcol.all_reduce(flat.abs().amax(), "max", bucket.group) / 127
-        q = (flat / scale).round().to(torch.int8)
-        total = funcol.all_reduce(q.to(torch.int32), "sum", bucket.group)
-        return total.to(flat.dtype) * scale / bucket.world_size
-
-    model = graphddp.compile(model, comm_hook=(None, int8_hook))
-
-What a traced hook may do: torch ops on ``bucket.buffer()``, ``bucket.gradients()`` and its
-state tensors; collectives from ``torch.distributed._functional_collectives`` on
-``bucket.group`` (they become ``_c10d_functional`` ops and ``wait_tensor``\\ s in the graph);
-Python control flow on shapes, on ``bucket.index()`` and on the hook's own ``state`` object
-(read when the graph is compiled: a change later does not reach the compiled graph). What it
-may not do, each refused with an error that names the hook and the call: eager collectives
-(``torch.distributed.all_reduce``, futures), reading tensor values in Python (``.item()``,
-``if tensor:``), tensors from outside its inputs (they would be baked in as constants, the
-parameters' values included), random numbers (ranks would disagree), collectives on a group
-other than ``bucket.group``.
-
-State. ``bucket.state_tensor(name, shape)`` declares a tensor graphddp keeps for this bucket
-across steps (zero-filled at first). It is an input of the graph; write it in place
-(``t.copy_(new)``) and the next step reads the new value. graphddp owns these tensors
-(:class:`HookState`): ``GraphDDP.state_dict()`` saves them under the key
-``"graphddp_comm_hook"`` and ``load_state_dict`` restores them. A hook declares its state by
-calling ``state_tensor`` while it is traced, so it is traced twice: once to learn its state,
-once for the graph (it must be a pure function of its inputs and ``state``).
-
-Where the pieces run. A bucket's hook is one traced function; graphddp splits it in two. The
-collectives that no other collective of the hook depends on (its last stage) are issued right
-after the bucket's gradients are ready, with everything they depend on; their waits and what
-follows run at the bucket's wait point (by default the end of the backward). A one-collective
-hook therefore overlaps exactly like DDP's default hook; an earlier stage (a max for the
-scale, PowerSGD's P) runs to completion at the issue point.
+``bucket.state_tensor(name, shape)`` declares a tensor graphddp keeps per bucket across steps
+(:class:`HookState`, saved by ``GraphDDP.state_dict()``): a graph input, written in place. So a
+hook is traced twice, once to learn its state and once for the graph, and must be a pure function
+of its inputs and ``state``. Its last stage of collectives is issued with the bucket and waited at
+the bucket's wait point; earlier stages (PowerSGD's P) complete at the issue point.
 """
 from __future__ import annotations
 
@@ -68,12 +40,9 @@ class StateSpec:
 
 
 class GradBucket:
-    """What a traced hook sees: DDP's ``GradBucket`` vocabulary, on fake tensors.
-
-    ``buffer()`` is the bucket's local gradients, flattened in slot order and *not* divided
-    by the world size (as DDP hands it to a hook): the hook averages. It is fresh memory, so
-    the hook may write it in place. ``gradients()`` are views into it, one per parameter.
-    """
+    """What a traced hook sees: DDP's ``GradBucket`` vocabulary, on fake tensors. ``buffer()`` is
+    the bucket's local gradients, flat and not divided by the world size (as DDP hands it to a
+    hook), in fresh memory the hook may write; ``gradients()`` are views into it."""
 
     def __init__(
         self, bucket: Bucket, flat: torch.Tensor, group: Any, world_size: int, is_last: bool,
@@ -127,11 +96,8 @@ class GradBucket:
 
 
 class TracedHook:
-    """A communication hook traced into the graph: ``(state, hook)`` as DDP takes them.
-
-    Subclasses (``graphddp.hooks.PowerSGD``) may have phases: a phase is a variant of the
-    backward graph compiled on first use (``"allreduce"``: graphddp's built-in average).
-    """
+    """A communication hook traced into the graph. Subclasses (``graphddp.hooks.PowerSGD``) may
+    have phases: variants of the backward compiled on first use (``"allreduce"``: graphddp's own)."""
 
     def __init__(self, state: Any, hook: HookFunction, name: str | None = None) -> None:
         if not callable(hook):
@@ -181,15 +147,11 @@ def as_traced_hook(value: Any) -> TracedHook | None:
 
 
 class HookState:
-    """The state tensors of every bucket's hook, owned by graphddp: graph inputs per step.
-
-    Keyed ``"g{graph}.b{bucket}.{name}"`` (graph and bucket indices are deterministic for a
-    model and its options, so a checkpoint restores into the same slots in a new process).
-    Loaded state waiting for a graph that is not compiled yet is kept until it is. A bucket of
-    a recompiled graph that puts the same gradients on the wire as a bucket of the graph it
-    replaces shares that bucket's state (:meth:`share`), as DDP's hook keeps one state per
-    bucket whatever Dynamo compiles: PowerSGD's error feedback and warm-started Q go on.
-    """
+    """The state tensors of every bucket's hook, graph inputs keyed ``"g{graph}.b{bucket}.{name}"``:
+    indices are deterministic for a model and its options, so a checkpoint restores into the same
+    slots in a new process (loaded state waits for its graph to compile). A recompiled graph's
+    bucket with the same wire layout shares the replaced bucket's state (:meth:`share`), as DDP
+    keeps one state per bucket whatever Dynamo compiles: PowerSGD's error feedback goes on."""
 
     def __init__(self, hook: TracedHook) -> None:
         self.hook = hook

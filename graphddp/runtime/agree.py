@@ -1,30 +1,14 @@
 """Cross-rank agreement: every rank must put the same bytes on the wire, in the same order.
 
-Design (why no collective runs at compile time). A rank may compile a graph that no other
-rank compiles at that moment: it saw a new sequence length, took a branch another rank took
-earlier, or missed a cache. A collective issued while compiling would then pair with another
-rank's bucket all-reduce: a hang, or a buffer reduced with the wrong one. So compiling never
-talks. Instead, agreement is reached *in band*, at run time:
-
-* :func:`probe`, the first collective of every synchronising backward graph (called by
-  :meth:`graphddp.runtime.step.StepState.agree`): every rank takes the maximum over ranks of ``[h, -h, *flags]`` (:func:`max_reduce`),
-  ``h`` a hash of its wire layout (:meth:`graphddp.values.schedule.Schedule.wire_layout`: world size
-  and, per bucket in issue order, dtype, device type, wire dtype, hook and the ordered
-  (parameter name, shape) list; node names, positions and overlap windows are left out, so
-  ranks whose compute differs but whose layout is equal reduce the same gradients, like DDP).
-  The result, ``[max h, -min h, any flag]``, is the same on every rank, and the collective is
-  fixed-size, so it can never pair with a bucket of another size. A difference is not an
-  error: the step is averaged over the union of the ranks' gradients (:mod:`graphddp.runtime.union`).
-* :func:`check_in_band`, the same probe where a difference *is* an error: the eager average of
-  gradients accumulated under ``no_sync`` (a canonical layout, every trainable parameter);
-  every rank gathers the layouts and raises :class:`ScheduleMismatchError` naming the first
-  differing bucket and the parameter and shape on each side.
-* If a check itself fails (a dead peer, a timeout), :class:`CollectiveError` names graphddp and
-  what was being checked, with the original error chained.
-
-Also here: the wrap-time check that every rank has the same parameters (names, shapes,
-dtypes), run by ``graphddp.compile`` on every rank before the initial broadcast; small
-gathers (:func:`gather`) and OR-reductions (:func:`any_rank`) for the union average.
+Compiling never talks: a rank may compile a graph no other rank compiles at that moment (a new
+sequence length, a branch, a cache miss), and a collective issued then would pair with another
+rank's bucket all-reduce: a hang, or a buffer reduced with the wrong one. Ranks agree in band, at
+run time, in :func:`probe`, the first collective of every synchronising backward graph: a
+fixed-size maximum over ranks of ``[h, -h, *flags]``, ``h`` a hash of the wire layout
+(:meth:`graphddp.values.schedule.Schedule.wire_layout`; as with DDP, ranks whose compute differs
+but whose layout is equal reduce the same gradients). Fixed-size, it never pairs with a bucket of
+another size, and every rank reads the same answer. :func:`check_in_band` is the same probe where
+a difference is an error (the eager average after ``no_sync``).
 """
 from __future__ import annotations
 
@@ -79,8 +63,7 @@ def standing_in(group: Any) -> Iterator[None]:
 
 
 def agrees_at_run_time(group: Any) -> bool:
-    """Do a real run's ranks of ``group`` agree in band before their buckets (more than one of
-    them, not a fake group, or a fake one :func:`standing_in` for real ranks)?"""
+    """More than one rank, and real ones (or a fake group :func:`standing_in` for them)?"""
     if dist.get_world_size(group) == 1:
         return False
     return not _is_fake(group) or group_name_of(group) in _STAND_INS
@@ -96,13 +79,9 @@ _SIDE_STREAMS: dict[int, Any] = {}
 
 
 def _side_stream(device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    """Where an agreement's small collective runs on a GPU: a stream of its own.
-
-    Why. NCCL makes its collective wait for the stream current at the call, and reading the
-    answer (``tolist``) waits for that collective: on the compute stream, the host would wait
-    for every kernel queued before it (the whole forward) and only then launch the backward,
-    leaving the GPU idle while it does. On a stream with nothing queued, the host waits for the
-    collective alone, while the GPU goes on with the forward (docs/gpu.md). CPU: nothing to do."""
+    """A stream of its own for an agreement's collective on a GPU: NCCL makes a collective wait for
+    the current stream, so on the compute stream reading the answer would wait for the whole
+    queued forward, and the GPU would idle before the backward launches (docs/gpu.md)."""
     if device.type != "cuda":
         return contextlib.nullcontext()
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -120,14 +99,10 @@ def layout_hash(layout: Any) -> int:
 def check_in_band(
     layout: tuple[int, tuple[WireBucket, ...]], group: Any, what: str, digest: int | None = None
 ) -> None:
-    """Raise on every rank unless every rank of ``group`` passes an equal ``layout`` here.
-
-    ``layout`` is ``(world_size, buckets)``; ``what`` names it for messages; ``digest`` is
-    ``layout_hash(layout)`` when the caller keeps it. Must be called by every rank at the same
-    point of its collective sequence: right before the collectives the layout describes. On a
-    difference every rank gathers the layouts (all of them are in this branch, so the gather
-    pairs with itself) and raises :class:`ScheduleMismatchError` naming the first differing bucket.
-    """
+    """Raise :class:`ScheduleMismatchError` on every rank, naming the first differing bucket,
+    unless every rank of ``group`` passes an equal ``layout`` (``(world_size, buckets)``). Called
+    right before the collectives the layout describes; on a difference every rank gathers, so the
+    gather pairs with itself."""
     same, _ = probe(layout, (), group, what, digest)
     if not same:
         raise ScheduleMismatchError(describe_mismatch(_gather(layout, group), what))
@@ -136,12 +111,8 @@ def check_in_band(
 def probe(
     layout: Any, flags: Sequence[bool], group: Any, what: str, digest: int | None = None
 ) -> tuple[bool, tuple[bool, ...]]:
-    """Do all ranks pass an equal ``layout`` here, and which ``flags`` does any rank raise?
-
-    One maximum over ranks of ``[h, -h, *flags]`` (:func:`max_reduce`): fixed-size, so it pairs with any other rank's
-    probe whatever its layout, and every rank reads the same answer. The caller decides what a
-    difference means (:meth:`graphddp.runtime.step.StepState.agree`: a divergent step, not an error).
-    """
+    """Do all ranks pass an equal ``layout`` here, and which ``flags`` does any rank raise? The
+    caller decides what a difference means."""
     return probe_async(layout, flags, group, what, digest).result()
 
 
@@ -171,8 +142,7 @@ class PendingProbe:
 def probe_async(
     layout: Any, flags: Sequence[bool], group: Any, what: str, digest: int | None = None, question: Any = None
 ) -> PendingProbe:
-    """:func:`probe`, issued now and read later (:meth:`PendingProbe.result`): the same
-    collective, so it pairs with any rank's probe, blocking or not."""
+    """:func:`probe`, issued now and read later: the same collective, so it pairs with any probe."""
     if nothing_to_agree(group):
         return PendingProbe(None, flags, what, question)
     h = layout_hash(layout) if digest is None else digest
@@ -191,21 +161,16 @@ def _probe_failed(what: str, e: BaseException) -> CollectiveError:
 
 
 def max_reduce(values: Sequence[float], group: Any, dtype: torch.dtype = torch.int64) -> list:
-    """The collective of every agreement: per position, the largest of every rank's ``values``
-    (sent as ``dtype``: a calibration's times are float64), read on the host. On a GPU on a stream of its own (:func:`_side_stream`): the
-    host waits for it, not for the kernels queued before it.
+    """Per position, the largest of every rank's ``values`` (sent as ``dtype``), read on the host.
 
-    An all-gather of the values and the maximum taken here, not a MAX all-reduce: for a few
-    integers the all-reduce's two phases (reduce-scatter, then all-gather) cost two
-    small-message latencies where the all-gather costs one (gloo's figures: docs/ddp-features.md),
-    and the host waits for this collective at every synchronising backward.
-    Still fixed-size (``world * len(values)``), so it pairs with any rank's agreement."""
+    An all-gather and the maximum taken here, not a MAX all-reduce: for a few integers the
+    all-reduce's two phases cost two small-message latencies where the all-gather costs one
+    (docs/ddp-features.md), and the host waits for it at every synchronising backward."""
     return max_reduce_async(values, group, dtype)()
 
 
 def max_reduce_async(values: Sequence[float], group: Any, dtype: torch.dtype = torch.int64) -> Callable[[], list]:
-    """:func:`max_reduce` issued now; the returned function waits for it and reads the answer
-    (on a GPU on the agreement's own stream, so reading it waits for this collective alone)."""
+    """:func:`max_reduce` issued now; the returned function waits for it and reads the answer."""
     device = _device(group)
     world = dist.get_world_size(group)
     with unset_fake_temporarily(), _side_stream(device):
@@ -222,16 +187,14 @@ def max_reduce_async(values: Sequence[float], group: Any, dtype: torch.dtype = t
 
 
 def max_over_ranks(values: Sequence[float], group: Any, dtype: torch.dtype = torch.int64) -> list:
-    """Per position, the largest of every rank's ``values`` (one :func:`max_reduce`, sent as
-    ``dtype``); every rank must pass the same number of values."""
+    """:func:`max_reduce`, or ``values`` where there is nothing to agree."""
     if nothing_to_agree(group) or not values:
         return list(values)
     return max_reduce(values, group, dtype)
 
 
 def any_rank(bits: Sequence[bool], group: Any) -> list[bool]:
-    """Per position, whether any rank of ``group`` passes True; every rank must pass the same
-    number of bits."""
+    """Per position, whether any rank of ``group`` passes True."""
     return [v != 0 for v in max_over_ranks([int(bool(b)) for b in bits], group)]
 
 
@@ -271,11 +234,8 @@ def gather(obj: Any, group: Any) -> list[Any]:
 
 
 def _gather(obj: Any, group: Any) -> list[Any]:
-    """All-gather a small picklable object with two tensor all-gathers.
-
-    Not ``dist.all_gather_object``: that needs NumPy, which torch does not require. Runs
-    outside any fake-tensor mode: it may be reached while AOTAutograd traces.
-    """
+    """Not ``dist.all_gather_object``, which needs NumPy; outside fake-tensor mode, as AOTAutograd
+    may be tracing."""
     with unset_fake_temporarily():
         device = _device(group)
         data = pickle.dumps(obj)
@@ -292,11 +252,8 @@ def _gather(obj: Any, group: Any) -> list[Any]:
 
 
 def check_parameter_agreement(module: nn.Module, group: Any) -> None:
-    """Raise on every rank if parameter names, shapes or dtypes differ between ranks.
-
-    Called by ``graphddp.compile`` on every rank, before the initial broadcast, so a
-    mismatch is an error, not a broadcast of the wrong size.
-    """
+    """Raise on every rank if parameter names, shapes or dtypes differ between ranks: run before
+    the initial broadcast, so a mismatch is an error, not a broadcast of the wrong size."""
     if nothing_to_agree(group):
         return
     mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]

@@ -1,44 +1,19 @@
 """Measure the cost model that ``bucket_cap_mb="auto"`` plans with, once per process group.
 
-When a model is wrapped (``graphddp.compile`` / ``graphddp.backend``: the point where DDP's
-constructor talks to every rank too, and never while compiling; see :mod:`graphddp.runtime.agree`),
-every rank of the group times
+It runs when a model is wrapped, where DDP's constructor talks to every rank too, never while
+compiling (:mod:`graphddp.runtime.agree`). Every rank times blocking all-reduces of ``SIZES`` (the
+alpha-beta line through them, :func:`graphddp.plan.cost.fit_link`, unweighted so that the large
+sizes buckets have count most: a fit by relative error underprices the bandwidth,
+docs/auto-plan.md), the compute lane's cost of a collective (:func:`_collective_overhead_seconds`),
+and a matmul, a copy and a one-element add on the model's device (the rates of node estimates).
 
-* blocking all-reduces of a few sizes (``SIZES``), each repeat started from a barrier and
-  timed as its slowest rank saw it, the fastest of ``REPEATS`` after a warm-up: the link's
-  latency and bandwidth come from the alpha-beta line through them
-  (:func:`graphddp.plan.cost.fit_link`, the same fit the benchmark's bounds use), unweighted, so
-  the large sizes that buckets have count most. A fit by least relative error over 4 KB to
-  4 MB underprices the bandwidth: a rate limiter lets the small all-reduces through in a burst,
-  and the backward comes out far above its prediction (docs/auto-plan.md);
-* the compute lane's cost of a collective: the time to issue an asynchronous all-reduce, or on
-  the CPU, where gloo's threads share the ranks' cores, the time a collective takes away from
-  compute running beside it, whichever is more (:func:`_collective_overhead_seconds`);
-* a square matmul (FLOP rate), a copy into a preallocated buffer (memory bandwidth) and a
-  one-element add (per-op overhead) on the model's device: the rates the backward's node
-  estimates are made from.
-
-Each time is the fastest of its repeats, not their median: what disturbs a microbenchmark
-(the other rank still compiling, a page fault, the scheduler) only ever adds time, and with
-medians, calibrations of one machine give compute rates far apart and plans to match
-(docs/auto-plan.md). Each time is then the largest over ranks, so every rank fits the same numbers
-(the slowest rank's) and plans the same buckets; they are rounded to two significant figures,
-so reruns on the same machines usually plan the same buckets too (and hit the compile cache).
-The result is cached per (process group, device type): later models on the same group reuse it.
-A restart keeps the numbers an earlier run stored in the inductor cache directory when it
-measures within ``KEEP_WITHIN`` of them on every rank (:mod:`graphddp.runtime.calibration_store`), so noise does not
-change the plan, and the compile cache hits; one measurement outside that band does not
-replace them, two in a row do.
-
-A fit whose link figures are noise (a latency at or below 0, or below the spread of the
-repeats it came from; :func:`graphddp.plan.cost.link_noise`) is measured again, and where the
-second is noise too its latency is floored (:data:`graphddp.plan.cost.LATENCY_FLOOR_US`); the
-model's ``source`` says which. Why: on a busy machine the fit can put the latency at or below
-zero, and the plan made from it differs from the next run's.
-
-On a group of one rank only the compute is timed (nothing is sent). Under graphddp.explain's
-fake process group nothing is timed: the plan uses ``CostModel()``'s defaults unless
-``cost=`` is given, and its Schedule says so.
+Each time is the fastest of its repeats, not their median (what disturbs a microbenchmark only
+adds time), then the largest over ranks, so that every rank plans the same buckets. Figures are
+rounded to two significant figures so that reruns plan alike and hit the compile cache, and a
+restart keeps stored numbers it measures within ``KEEP_WITHIN`` of
+(:mod:`graphddp.runtime.calibration_store`). A link fit that is noise
+(:func:`graphddp.plan.cost.link_noise`) is measured again, then its latency floored; the model's
+``source`` says which. Under a fake process group nothing is timed: ``CostModel()``'s defaults.
 """
 from __future__ import annotations
 
@@ -57,22 +32,16 @@ from graphddp.runtime.calibration_store import settle
 from graphddp.values.comm import group_name_of
 
 SIZES = (1 << 16, 1 << 20, 1 << 22)  # bytes per all-reduce: the range buckets span
-# Per all-reduce size: enough that a loopback's fitted bandwidth stays within the band a restart
-# keeps (KEEP_WITHIN; fewer let warm restarts replan), few enough that a slow link's calibration
-# takes seconds, not more (figures: docs/auto-plan.md).
+# Per all-reduce size: enough that a loopback's fit stays within the band a restart keeps
+# (KEEP_WITHIN), few enough that a slow link calibrates in seconds (docs/auto-plan.md).
 REPEATS = 15
 COMPUTE_REPEATS = 15  # a few ms each; a busy machine's cores can run a matmul at two speeds by turns
 
 
 class Calibrations:
-    """The process-wide registry of calibrated cost models, one per (process group name,
-    backend, ranks, device type).
-
-    Why process-wide: a calibration is a collective of every rank of the group (seconds on a
-    slow link) and measures the group's link, not a model; every model wrapped on the same
-    group in this process plans with the same numbers, and only the first wrap pays. Lifetime:
-    the process. A group destroyed and made again under the same name keeps its entry;
-    :meth:`clear` forgets every entry (tests that calibrate anew call it)."""
+    """The process-wide calibrated cost models, one per (group name, backend, ranks, device type):
+    a calibration measures the group's link, not a model, and costs every rank seconds on a slow
+    link, so only the first wrap on a group pays. :meth:`clear` forgets them."""
 
     def __init__(self) -> None:
         self._models: dict[tuple[str, str, int, str], CostModel] = {}
@@ -91,9 +60,8 @@ CALIBRATIONS = Calibrations()
 
 
 def resolve_cost(config: DDPConfig, group: Any, device: torch.device | None) -> DDPConfig:
-    """``config`` with the cost model its plan needs: the user's ``cost`` if given, else a
-    calibrated one (``bucket_cap_mb="auto"`` only; caps need none). A collective: call it
-    on every rank of ``group`` at the same point."""
+    """``config`` with the cost model its plan needs: the user's ``cost``, else a calibrated one
+    (``bucket_cap_mb="auto"`` only). A collective: every rank of ``group`` calls it at once."""
     if not config.auto or config.cost is not None:
         return config
     return dataclasses.replace(config, cost=calibrate(group, device))
@@ -139,8 +107,7 @@ _COPY_BYTES = 32 << 20
 def _fastest_seconds(
     run: Callable[[], Any], sync: Callable[[], None], repeats: int, before: Callable[[], Any] = lambda: None
 ) -> float:
-    """The fastest of ``repeats`` timed runs after a warm-up; ``before`` each (untimed): a
-    barrier, where every rank must run at once."""
+    """The fastest of ``repeats`` timed runs after a warm-up, ``before`` each (untimed): a barrier."""
     run()  # warm-up: first-call allocation and dispatch
     sync()
     samples = []
@@ -169,25 +136,19 @@ def _compute_times(device: torch.device, sync: Callable[[], None]) -> list[float
 
 
 def _link_times(group: Any, device: torch.device, sync: Callable[[], None]) -> list[float]:
-    """The compute lane's cost of one collective (:func:`_collective_overhead_seconds`), then
-    :func:`_allreduce_times`."""
     allreduce = _allreduce_times(group, device, sync)
     return [_collective_overhead_seconds(group, device, sync, allreduce[0])] + allreduce
 
 
 def _allreduce_times(group: Any, device: torch.device, sync: Callable[[], None]) -> list[float]:
-    """A blocking all-reduce's time per size of ``SIZES``, then the spread of the smallest one's
-    repeats (:func:`_collective_seconds`): the same numbers on every rank."""
+    """A blocking all-reduce's time per size of ``SIZES``, then the smallest one's spread."""
     timed = [_collective_seconds(nbytes, group, device, sync) for nbytes in SIZES]
     return [fastest for fastest, _ in timed] + [timed[0][1]]
 
 
 def _fit_link(link: list[float], world: int, group: Any, device: torch.device, sync: Callable[[], None]) -> tuple[CostModel, str]:
-    """The link's figures from :func:`_link_times`' all-reduce times and spread, and what was
-    done about noise (:func:`graphddp.plan.cost.link_noise`): a fit that is noise is measured
-    again, and where the second is noise too, its latency is floored
-    (:data:`graphddp.plan.cost.LATENCY_FLOOR_US`). Every rank holds the same times (the slowest
-    rank's), so every rank measures again, or none."""
+    """The link's figures fitted, and what was done about noise (module docstring); every rank
+    holds the same times, so every rank measures again, or none."""
     fitted = fit_link(SIZES, link[:-1], world)
     noise = link_noise(fitted, link[-1], world)
     if noise is None:
@@ -211,22 +172,14 @@ LOADED_COLLECTIVES = 4  # issued into one block, one per quarter
 
 
 def _collective_overhead_seconds(group: Any, device: torch.device, sync: Callable[[], None], small_allreduce_s: float) -> float:
-    """How much time of the compute lane one collective takes: the time to issue an
-    asynchronous all-reduce, and on the CPU what a collective costs the compute running beside
-    it, whichever is more.
+    """The compute lane's cost of one collective: the time to issue an asynchronous all-reduce
+    or, on the CPU, what a collective takes from the compute beside it, whichever is more.
 
-    Why the second. A gloo collective's work (its threads copying, reducing, waking on the
-    socket) runs on the CPU's cores, the ones the ranks compute on; where the ranks take every
-    core, each collective takes far more from the compute than issuing it does, however early
-    it is issued. Planned with the issue time alone, the auto plan cut a small model's
-    gradients into one bucket or several by the calibration's noise, and several made the step
-    slower than DDP's (figures: docs/auto-plan.md,
-    docs/design-agreement-overlap.md). Measured here as the ranks run it: every rank computes a block of matmuls at once
-    (from a barrier), alone and with ``LOADED_COLLECTIVES`` small all-reduces issued into it;
-    the fastest of each over ``REPEATS``, the difference per collective. Where collectives
-    have cores of their own it is about 0, and the issue time counts. On a GPU the compute is
-    the device's and a collective's work NCCL's, not the host's cores: the issue time only
-    (not measured under load there)."""
+    A gloo collective's threads run on the cores the ranks compute on: where the ranks take every
+    core, a collective costs the compute far more than issuing it, and planned with the issue time
+    alone the auto plan split a small model by the calibration's noise, slower than DDP
+    (docs/auto-plan.md). Measured as the ranks run: a block of matmuls from a barrier, alone and
+    with ``LOADED_COLLECTIVES`` small all-reduces issued into it. On a GPU the issue time only."""
     one = torch.zeros(1, device=device)
 
     def issue() -> float:
@@ -267,14 +220,9 @@ def _collective_overhead_seconds(group: Any, device: torch.device, sync: Callabl
 
 
 def _collective_seconds(nbytes: int, group: Any, device: torch.device, sync: Callable[[], None]) -> tuple[float, float]:
-    """How long a blocking all-reduce of ``nbytes`` takes, and the spread of its repeats (the
-    median's excess over the fastest, what tells a figure from noise): each repeat starts from
-    a barrier, and its time is the slowest rank's; the fastest repeat counts.
-
-    Why not each rank's own fastest: a rank that arrives late finds its peers' data already
-    sent and returns early, so its fastest repeat can be a fraction of the collective (a
-    loopback's fit then varied run to run, and restarts replanned: docs/compile-cache.md).
-    """
+    """A blocking all-reduce's time and its spread (median minus fastest, what tells a figure from
+    noise): each repeat starts from a barrier and takes the slowest rank's time, since a rank that
+    arrives late finds its peers' data sent and returns early (docs/compile-cache.md)."""
     buf = torch.zeros(nbytes // 4, device=device)
     dist.all_reduce(buf, group=group)  # warm-up: first-call allocation and connection setup
     sync()

@@ -1,11 +1,6 @@
 """The calibration an earlier run stored, kept when this run measures close to it: the same
-plan after a restart (:func:`settle`, called by :func:`graphddp.runtime.calibrate.calibrate`).
-
-The stored calibration sits in torch's inductor cache directory
-(``<cache_dir>/graphddp/calibration-<group>-<backend>-<ranks>-<device>.json``). A run that plans
-with it says so on the ``graphddp`` logger (INFO), naming the file and how to measure anew:
-``GRAPHDDP_RECALIBRATE=1`` (:data:`RECALIBRATE_ENV`) measures and stores this run's numbers
-whatever is stored, as does deleting the file.
+plan after a restart. It sits in torch's inductor cache directory; a run that plans with it
+says so on the ``graphddp`` logger, and ``GRAPHDDP_RECALIBRATE=1`` measures anew.
 """
 from __future__ import annotations
 
@@ -25,34 +20,22 @@ log = logging.getLogger("graphddp")
 RECALIBRATE_ENV = "GRAPHDDP_RECALIBRATE"
 
 
-# A measurement within this factor of the stored one, in every number, keeps the stored one;
-# times in microseconds are compared with US_SLACK added to both (a few tens of microseconds of
-# latency is noise, not another link). Why 2x: the auto plan is chosen to hold up under a 1.5x error
-# of the model (autoplan.SCENARIOS), plans near the optimum differ by a few percent (the README's
-# sweep), two calibrations of one loopback can differ by about that much in bandwidth
-# (docs/compile-cache.md), and another machine or link differs by far more.
+# A measurement within this factor of the stored one, in every number (microseconds with
+# US_SLACK added: tens of microseconds of latency are noise), keeps the stored one. 2x: the auto
+# plan holds up under a 1.5x error of the model (autoplan.SCENARIOS), two calibrations of one
+# loopback differ by about that much in bandwidth (docs/compile-cache.md), another link by far more.
 KEEP_WITHIN = 2.0
 US_SLACK = 100.0
 
 
 def settle(measured: CostModel, key: tuple[str, str, int, str], group: Any) -> CostModel:
     """This run's cost model: the one an earlier run of the same group stored, if this run's
-    measurement is within ``KEEP_WITHIN`` of it on every rank, else the measurement.
-
-    Why: a restart measures the link anew, and two measurements of one link differ by their
-    noise; a plan made from other numbers is another compile (the compile cache checks the
-    plan, :mod:`graphddp.compiler.cache`). The stored model sits in the inductor cache
-    directory, which each rank may have its own of, so the choice is agreed: kept only if
-    every rank holds the same stored model and finds it close (one more maximum over ranks, here at
-    wrap time, where calibration talks anyway). Nothing is stored or read where torch's compile
-    caches or graphddp's are off.
-
-    A measurement outside the band replaces the stored model only when the run before measured
-    outside it too (the file says so): a single outlying measurement (a busy loopback sometimes
-    fits far above its usual bandwidth: docs/compile-cache.md) plans this run anew and leaves the stored model to
-    the next restart, where it would otherwise make every later restart replan; a machine or
-    link that really changed is stored on its second run.
-    """
+    measurement is within ``KEEP_WITHIN`` of it on every rank, else the measurement. Two
+    measurements of one link differ by their noise, and a plan made from other numbers is another
+    compile. Each rank may have its own cache directory, so the choice is agreed (one maximum over
+    ranks, at wrap time, where calibration talks anyway). A measurement outside the band replaces
+    the stored model only when the run before measured outside it too: one outlier (a busy
+    loopback) plans this run anew without making every later restart replan."""
     if not disk.enabled():
         return measured
     path = _stored_path(key)

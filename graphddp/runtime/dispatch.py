@@ -1,38 +1,16 @@
 """Which backward runs, the synchronising one or the local one: decided per forward call.
 
 DDP decides at forward time whether the coming backward communicates (``no_sync`` clears
-``require_backward_grad_sync``, the forward reads it). graphddp does the same, per compiled
-graph and per call, without Dynamo guards: a guard lives in one frame, and after a graph break
-the inner frames are compiled on their own, without it, so a guard-selected variant was
-silently reused for the wrong kind of step.
-
-Each compiled graph has one forward and one backward entry point, :class:`BackwardDispatch`,
-holding two compiled backwards: the rewritten one (bucketed all-reduces) and the plain one
-(no communication, compiled the first time it is needed). A forward that runs under
-``no_sync`` registers a pre-hook on the autograd node of *that call*; the hook fires right
-before the node's backward and tells the dispatcher to run the plain variant once. A forward
-outside ``no_sync`` registers nothing: synchronising steps pay no hook (with an optimizer or a
-traced hook the step keeps a weak reference to the node: :mod:`graphddp.runtime.step`).
-
-With an optimizer attached (:mod:`graphddp.optim.attached`) the synchronising variant also updates
-the parameters after each bucket's wait. A step it cannot update alone (the backend's rule,
-:attr:`~graphddp.runtime.variants.InGraphUpdate.allowed`, asked of the graphs of this step:
-:mod:`graphddp.runtime.step`) runs a third variant instead, the all-reduces without the update,
-compiled the first time it is needed; torch's step then runs at the end of the backward for the gradients it returned.
-Every synchronising backward tells the step (:meth:`StepState.synchronising_backward`), which
-ends it once the whole backward is done.
-
-Before its collectives, a synchronising variant agrees with the other ranks
-(:meth:`StepState.agree`). In a divergent step (ranks' graphs differ) it runs the local
-variant instead and hands its gradients to the step, which averages the union at the end
-(:mod:`graphddp.runtime.union`). Gradients computed only from outputs the loss left out
-(:class:`graphddp.runtime.usage.GradientUsage`) are returned as None where no rank used the
-parameter, as DDP leaves them.
-
-The variants themselves (:class:`~graphddp.runtime.variants.Synced`,
-:class:`~graphddp.runtime.variants.InGraphUpdate`) and the state a graph's forward shares with its
-dispatcher (:class:`~graphddp.runtime.variants.GraphState`) are data the compiler builds, in
-:mod:`graphddp.runtime.variants`; this module holds the dispatcher that chooses among them.
+``require_backward_grad_sync``, the forward reads it). graphddp does the same, per compiled graph
+and per call, without Dynamo guards: a guard lives in one frame, and after a graph break the inner
+frames are compiled without it, so a guard-selected variant was silently reused for the wrong
+kind of step. A forward under ``no_sync`` registers a pre-hook on the autograd node of that call,
+which tells the dispatcher to run the local variant once; a synchronising forward registers
+nothing. The variants (:mod:`graphddp.runtime.variants`) are data the compiler builds: the
+synchronising one per hook phase, the local one and, with an optimizer, the all-reduces without
+the update, the last two compiled on first use. Before its collectives a synchronising variant
+agrees with the other ranks; in a divergent step it runs locally and hands its gradients to the
+union average (:mod:`graphddp.runtime.union`).
 """
 from __future__ import annotations
 
@@ -55,14 +33,9 @@ if TYPE_CHECKING:
 
 
 class BackwardDispatch:
-    """The compiled backward AOTAutograd calls: the local or a synchronising variant.
-
-    Before a synchronising variant runs, every rank checks in band that it is about to put
-    the same buckets on the wire (:meth:`graphddp.runtime.step.StepState.agree`); a collective that
-    fails inside the graph is re-raised naming graphddp, the graph and the bucket.
-    ``phase`` picks the synchronising variant (a user hook's phase; one variant otherwise)
-    and ``on_sync`` runs before it (a hook's eager work, its end-of-backward callback).
-    """
+    """The compiled backward AOTAutograd calls: the local or a synchronising variant (``phase``
+    picks which; ``on_sync`` runs before it). A collective that fails inside the graph is
+    re-raised naming graphddp, the graph and the bucket."""
 
     def __init__(
         self,
@@ -135,7 +108,7 @@ class BackwardDispatch:
                 unused = self._unused_anywhere(schedule, unused)
         self.step.synchronising_backward(schedule.graph_index)
         if divergent:
-            return self._locally(schedule, args, unused, outputs)
+            return self._contribute(schedule, list(self.plain()(args)), unused, outputs)
         if self.carry is not None and not renamed and self.step.take_carried():
             synced = self.carry
             args.extend(self._take_accumulated(synced.schedule))
@@ -169,13 +142,10 @@ class BackwardDispatch:
         outputs: dict[str, int], renamed: dict[str, str] | None,
     ) -> Any:
         """A gated graph (:mod:`graphddp.runtime.gate`): its agreement issued now and read at its
-        first bucket's issue. When the answer lets it go on, the graph ran as compiled. When
-        not, its buckets were held and it returned this rank's own gradients; then this does
-        what :meth:`__call__` does after an answer read before the backward, in the same order
-        of collectives (every rank of this configuration gates): the accumulated gradients
-        averaged if carrying stops, and either the local gradients handed to the union average
-        (a divergent step) or the held buckets divided and all-reduced now, after the question
-        of which gradients no rank used."""
+        first bucket's issue. When the answer stops it, its buckets were held and it returned this
+        rank's own gradients; then this does what :meth:`__call__` does after an answer read
+        before the backward, in the same order of collectives (every rank of this configuration
+        gates): the local gradients to the union average, or the held buckets all-reduced now."""
         what, steady = synced.what, synced.steady
         header = self.step.steady_header(self.group, digest, bool(unused)) if steady is not None else None
         agreement = header or self.step.agree_async(self.group, digest, what, bool(unused), steady)
@@ -218,8 +188,7 @@ class BackwardDispatch:
 
     def _issue_held(self, armed: Armed, schedule: Schedule, carried: list[list[tuple[int, torch.Tensor]]] | None) -> None:
         """The held buckets divided and all-reduced now, in issue order, with the gradients
-        ``carried`` added first where the step still carries: what every other rank's compiled
-        buckets do (:meth:`graphddp.runtime.gate.Armed.allreduce`'s arithmetic)."""
+        ``carried`` added first: what every other rank's compiled buckets do (``Armed.allreduce``)."""
         for index, flat in enumerate(armed.held):
             with torch.no_grad():
                 for offset, grad in carried[index] if carried is not None else ():
@@ -263,11 +232,6 @@ class BackwardDispatch:
                 taken.append(grad)
                 param.grad = None
         return taken
-
-    def _locally(self, schedule: Schedule, args: list[Any], unused: frozenset[str], outputs: dict[str, int]) -> Any:
-        """A divergent step: the local backward, its gradients handed to the step for the
-        union average at the end (:mod:`graphddp.runtime.union`), none to autograd."""
-        return self._contribute(schedule, list(self.plain()(args)), unused, outputs)
 
     def _contribute(self, schedule: Schedule, out: list[Any], unused: frozenset[str], outputs: dict[str, int]) -> Any:
         """This rank's gradients in ``out`` handed to the step's union average; none to autograd."""

@@ -1,11 +1,9 @@
 """Name the bucket whose collective failed inside a compiled backward graph.
 
-A collective that fails (a dead peer, a timeout) raises from deep inside generated code:
-inductor's wrapper module or the FX code of the aot_eager backend. The raw error names
-neither graphddp nor the bucket. The compiled code issues the buckets' all-reduces in
-bucket order, so the failing line is enough: find the innermost traceback frame that sits on
-an ``all_reduce_`` or ``wait_tensor`` line, read its buffer, and count which all-reduce of
-that source file reduces it.
+A collective that fails (a dead peer, a timeout) raises from inside generated code, naming
+neither graphddp nor the bucket. The compiled code issues the buckets' all-reduces in bucket
+order, so the innermost traceback frame on an ``all_reduce_`` or ``wait_tensor`` line, and which
+all-reduce of that source file it is, name the bucket.
 """
 from __future__ import annotations
 

@@ -1,40 +1,23 @@
 """The agreement read where it is needed: at the first bucket's issue, not before the backward.
 
-Why. Every synchronising backward graph with buckets agrees with the other ranks first
-(:meth:`graphddp.runtime.step.StepState.agree`): a small collective whose answer says whether
-the buckets about to go on the wire pair with every other rank's. Read before the backward,
-the host waits for a round trip with nothing to hide it behind: where ranks share busy cores it
-can be all of graphddp's per-iteration gap to ``DDP(torch.compile)`` (nanoGPT's loop:
-docs/design-agreement-overlap.md), and on a GPU it is time the GPU waits for the host (docs/gpu.md). Here the agreement is issued when the backward
-starts and read when its first bucket is issued: by then the backward has computed that
-bucket's gradients, and the round trip has usually come back.
+Read before the backward, the agreement (:meth:`graphddp.runtime.step.StepState.agree`) makes the
+host wait a round trip with nothing to hide it behind: where ranks share busy cores that can be
+all of graphddp's per-iteration gap to ``DDP(torch.compile)`` (docs/design-agreement-overlap.md),
+and on a GPU it is time the GPU waits for the host. Issued when the backward starts and read at
+its first bucket's issue, the round trip has usually come back by then.
 
-How, without a branch in the graph. A compiled graph cannot branch on the answer, so the
-choice is made where every bucket's collective goes: the graph issues its all-reduces on
-:class:`Gate`, a process group of graphddp's registered under its own name
-(:func:`gate_name`) that wraps the user's group. While a backward runs, the gate is armed
-(:class:`Armed`) with that backward's pending agreement; its first all-reduce reads the
-answer, and then each bucket:
-
-* when the agreement lets the step go on (:meth:`StepState.goes_on`), has the gradients this
-  rank accumulated under ``no_sync`` added (carrying, as DDP's bucket after ``no_sync`` holds
-  their sum), is divided by the world size (DDP pre-divides) and all-reduced on the user's
-  group: the same arithmetic as DDP's, in the same order;
-* otherwise is held: nothing goes on the wire, the buffer keeps this rank's own gradients
-  (not divided, nothing carried), and the graph returns them. The dispatcher then does what a
-  step that agreed before its backward would have done, with these local gradients in place
-  of a local backward (:meth:`graphddp.runtime.dispatch.BackwardDispatch._gated`).
-
-That is why a gated bucket has no division in the graph: the local gradients must come back
-exactly. Only where every collective of the graph can be held without having changed
-anything: replicated buckets with the built-in hook, no optimizer inside the backward, no
-compression (see :meth:`graphddp.compiler.rewrite.BackwardRewrite.gates`). Every other
-configuration agrees before its backward as before. Every rank of one configuration gates
-alike, so the collectives that follow an answer are the same on every rank.
-
-Once a graph of one CPU bucket is steady (:mod:`graphddp.runtime.steady`) there is no separate
-agreement: its all-reduce carries it as a header (:meth:`Armed._issue_with_header`), and the
-answer is read from that all-reduce's sum.
+A compiled graph cannot branch on the answer, so the choice is made where every bucket's
+collective goes: the graph all-reduces on :class:`Gate`, a process group registered under its
+own name (:func:`gate_name`) that wraps the user's group and is armed (:class:`Armed`) with the
+running backward's agreement. When the step goes on, each bucket has what it carries from
+``no_sync`` added, is divided by the world size and all-reduced: DDP's arithmetic, in DDP's
+order. Otherwise each is held, undivided, and the graph returns this rank's own gradients, so that
+the dispatcher does what a step that agreed before its backward would have done
+(:meth:`graphddp.runtime.dispatch.BackwardDispatch._gated`). That is why a gated bucket has no
+division in the graph, and why only configurations whose every collective can be held unchanged
+gate (:meth:`graphddp.compiler.rewrite.BackwardRewrite.gates`); every rank of one configuration
+gates alike. A steady graph (:mod:`graphddp.runtime.steady`) carries its agreement as a header of
+its one bucket's all-reduce instead.
 """
 from __future__ import annotations
 
@@ -58,11 +41,9 @@ from graphddp.values.comm import gate_name, group_name_of
 
 
 class Armed:
-    """One gated backward: its agreement, and what its buckets do once it is read.
-
-    ``carried``: per bucket in issue order, ``(offset, accumulated gradient)`` per slot, added
-    to the bucket before it is divided when the step goes on (dropped bucket by bucket, so
-    carrying holds no more memory than the carrying graph did)."""
+    """One gated backward: its agreement, and what its buckets do once it is read. ``carried``: per
+    bucket, ``(offset, accumulated gradient)`` per slot, dropped bucket by bucket so that carrying
+    holds no more memory than the carrying graph did."""
 
     def __init__(
         self, agreement: PendingProbe | SteadyHeader, world: int, carried: list[list[tuple[int, torch.Tensor]]] | None
@@ -77,8 +58,7 @@ class Armed:
         self._header: HeaderWork | None = None
 
     def read(self) -> bool:
-        """The agreement's answer (waits for it once): the classic probe's, or the header's
-        sum, which the first bucket's all-reduce brings back."""
+        """The agreement's answer (waits for it once): the probe's, or the header's sum."""
         if self.goes_on is None:
             if isinstance(self.agreement, SteadyHeader):
                 assert self._header is not None, "a steady header is read after its bucket's issue"
@@ -93,9 +73,7 @@ class Armed:
         return self.goes_on
 
     def _issue_with_header(self, flat: torch.Tensor, opts: AllreduceOptions, inner: Any) -> Any:
-        """The first bucket at a steady position: the payload and the header in one all-reduce
-        (:mod:`graphddp.runtime.steady`); the average is copied into the bucket when the graph
-        waits for it and no rank raised a flag (:class:`HeaderWork`)."""
+        """The first bucket at a steady position: the payload and the header in one all-reduce."""
         header = self.agreement
         assert isinstance(header, SteadyHeader)
         carried = self.carried[0] if self.carried is not None else ()
@@ -125,14 +103,10 @@ class Armed:
 
 
 class HeaderWork(dist.Work):
-    """A steady header's all-reduce as its graph waits for it: on the waiting thread, once it
-    completes, the header read and, where no rank raised a flag, the average copied into the
-    bucket, before the graph reads the bucket.
-
-    Why a work of our own and not a callback on the collective's future: the callback runs on
-    gloo's thread and, being Python, takes the interpreter's lock from the thread that waits for
-    it; with both ranks computing on every core that hand-over cost the synchronising backward
-    a scheduling round trip per step."""
+    """A steady header's all-reduce as its graph waits for it: the header read and, where no rank
+    raised a flag, the average copied into the bucket, on the waiting thread. Not a callback on
+    the collective's future: that runs on gloo's thread and takes the interpreter's lock from the
+    waiting one, which cost the backward a scheduling round trip per step on busy cores."""
 
     def __init__(self, work: Any, header: SteadyHeader, wire: torch.Tensor, flat: torch.Tensor) -> None:
         super().__init__()
@@ -143,8 +117,7 @@ class HeaderWork(dist.Work):
         self._goes_on: bool | None = None
 
     def answer(self) -> bool:
-        """Waits for the all-reduce (once; a failed one raises here, in the graph's wait) and
-        says whether the step goes on, the bucket then holding the average."""
+        """Waits for the all-reduce once (a failure raises here, in the graph's wait)."""
         if self._goes_on is None:
             self.work.wait()
             self._goes_on = self.header.goes_on(self.wire)
@@ -159,8 +132,7 @@ class HeaderWork(dist.Work):
 
 
 class Gate(dist.ProcessGroup):
-    """The user's group as a gated graph sees it (module docstring): all-reduces go through the
-    armed backward; a gated graph has no other collective."""
+    """The user's group as a gated graph sees it: all-reduces go through the armed backward."""
 
     def __init__(self, inner: Any) -> None:
         super().__init__(inner.rank(), inner.size())
@@ -179,8 +151,7 @@ class Gate(dist.ProcessGroup):
         return armed.allreduce(tensor_list, opts, self.inner)
 
     def arm(self, armed: Armed | None) -> None:
-        """Route this thread's gated all-reduces to ``armed`` (None: to nothing, after its
-        backward): set around the graph's call, in a ``try``/``finally``."""
+        """Route this thread's gated all-reduces to ``armed`` (None after its backward)."""
         self._local.armed = armed
 
 
@@ -188,21 +159,16 @@ _GATES: dict[str, Gate] = {}
 
 
 def gate_for(group: Any) -> Gate:
-    """The gate of ``group``, registered under :func:`gate_name` of its name. Registered again
-    when the name no longer resolves to it (a process group destroyed and made anew: names
-    are reused)."""
+    """The gate of ``group``, registered anew when its name no longer resolves to it (a process
+    group destroyed and made anew reuses names)."""
     name = gate_name(group_name_of(group))
     gate = _GATES.get(name)
-    if gate is None or gate.inner is not group or not _registered(name, gate):
+    if gate is None or gate.inner is not group or _resolved(name) is not gate:
         gate = _GATES[name] = Gate(group)
         if _resolved(name) is not None:
             _unregister_process_group(name)
         _register_process_group(name, gate)
     return gate
-
-
-def _registered(name: str, gate: Gate) -> bool:
-    return _resolved(name) is gate
 
 
 def _resolved(name: str) -> Any:

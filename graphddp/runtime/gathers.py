@@ -1,36 +1,19 @@
 """All-gathers a backward issued and the next forward completes (``gather="forward"``).
 
-With ``sharding="optimizer", gather="forward"`` a compiled backward returns each sharded
-bucket's all-gather of the updated parts un-waited (:mod:`graphddp.optim.insert_shard`).
-Between that backward and the next forward the parameters of those buckets still hold the
-previous step's values: the new ones are on the wire. :class:`PendingGathers` (one per step
-owner, :class:`graphddp.runtime.step.StepState`) keeps them, and completes them in one of two
-ways:
+With ``sharding="optimizer", gather="forward"`` a compiled backward returns each sharded bucket's
+all-gather of the updated parts un-waited (:mod:`graphddp.optim.insert_shard`): until the next
+forward the parameters hold the previous step's values. :class:`PendingGathers` keeps them; the
+forward of the same graph takes them as inputs and waits for each bucket before its first read
+(:class:`ForwardDispatch`), and anything else that could read the parameters first (another
+graph, ``state_dict()``, the checkpoint functions, ``join()``, :func:`graphddp.finish_gathers`)
+finishes them eagerly. A tensor read directly between steps (an EMA copy) is not seen: such
+code calls :func:`graphddp.finish_gathers`, which is why this is not the default.
 
-* in the graph: the forward of the same compiled graph takes them as extra inputs and waits
-  for each bucket right before its parameters are first read (:class:`ForwardDispatch`,
-  :mod:`graphddp.optim.insert_gather`), so the transfer hides behind the forward's compute;
-* eagerly (:meth:`PendingGathers.finish`): wait, then write the parameters, before anything
-  else can read them: another compiled graph that reads one of them (an evaluation graph, a
-  recompile, a sibling module's call of the same graph), the end of a forward whose graphs did
-  not take them, ``state_dict()`` / ``load_state_dict()`` on any module holding them, the
-  checkpoint functions, ``join()``, and :func:`graphddp.finish_gathers`.
-
-Why the backward issues them, and not the next forward: completing a bucket then never needs
-a collective, only a wait. A ``state_dict()`` that one rank alone calls between steps (to save a
-checkpoint on rank 0) finishes the gathers on that rank and returns; had the forward been left
-to issue them, that rank would issue an all-gather no other rank joins, and hang. The price is
-memory: between steps a rank holds the gathered buckets next to the parameters.
-
-What this cannot see: a tensor read directly between the backward and the next forward
-(``model.fc.weight.norm()``, an EMA copy, a manual in-place write). Such code must call
-:func:`graphddp.finish_gathers` first; that is why ``gather="forward"`` is not the default.
-
-The last backward's all-gathers have no next forward: a run that ends there, or drops the
-model, would leave them issued and never waited, and c10d counts every functional collective
-not passed to ``wait_tensor`` as an error of the program ("unwaited collective calls", printed
-at exit). So the gathers still pending when their :class:`PendingGathers` is collected, or when
-the interpreter exits, are waited then (:func:`_wait_left`); nothing reads them any more.
+The backward issues them, not the next forward, so that completing a bucket needs only a wait,
+never a collective: a ``state_dict()`` that rank 0 alone calls to save a checkpoint would
+otherwise issue an all-gather no other rank joins, and hang. The price is memory between steps.
+Gathers still pending when their owner is collected or the interpreter exits are waited then
+(:func:`_wait_left`): c10d reports an unwaited functional collective as an error of the program.
 """
 from __future__ import annotations
 
@@ -57,8 +40,7 @@ class PendingGathers:
 
     def __init__(self) -> None:
         self._pending: dict[int, Pending] = {}
-        # At collection or at exit, whichever comes first (module docstring). The callback holds
-        # the dict, not self, so it does not keep self alive.
+        # At collection or at exit, whichever comes first; the callback holds the dict, not self.
         weakref.finalize(self, _wait_left, self._pending)
         self.taken = 0  # graphs whose gathers a forward graph completed
 
@@ -70,8 +52,7 @@ class PendingGathers:
         return sum(t.numel() * t.element_size() for p in self._pending.values() for t in p.tensors)
 
     def put(self, graph_index: int, pending: Pending) -> None:
-        """Graph ``graph_index``'s backward issued these. A forward always takes or finishes the
-        graph's earlier ones first; finishing any left over keeps the parameters right anyway."""
+        """Graph ``graph_index``'s backward issued these; any of its earlier ones are finished first."""
         self.finish(graph_index=graph_index)
         self._pending[graph_index] = pending
 
@@ -84,9 +65,8 @@ class PendingGathers:
         return pending.tensors
 
     def before_graph(self, graph_index: int, names: Collection[str], own: bool) -> None:
-        """Before compiled graph ``graph_index`` runs, reading parameters ``names``: every other
-        graph's gathers that write one of them are finished now; its own too unless ``own``
-        (its forward takes them)."""
+        """Before graph ``graph_index`` reads ``names``: other graphs' gathers that write one of
+        them are finished now, its own too unless ``own`` (its forward takes them)."""
         names = frozenset(names)
         for index, pending in list(self._pending.items()):
             if (index != graph_index or not own) and pending.names & names:
@@ -103,9 +83,8 @@ class PendingGathers:
 
 
 def _wait_left(pending: dict[int, Pending]) -> None:
-    """Wait for the all-gathers no forward will take (their values are not written: nothing
-    reads these parameters any more). A failed one is not raised: there is no caller to raise
-    to, and the step that issued it has ended."""
+    """Wait for the all-gathers no forward will take, unwritten; a failure is not raised: the
+    step that issued them has ended, and there is no caller to raise to."""
     for gathers in pending.values():
         for tensor in gathers.tensors:
             try:
@@ -117,10 +96,8 @@ def _wait_left(pending: dict[int, Pending]) -> None:
 
 class ForwardDispatch:
     """The compiled forward AOTAutograd calls, for a graph whose backward defers its all-gathers:
-    the plain forward, or, when this graph's all-gathers are pending, the forward that takes
-    them as extra inputs and completes them before the first read of each bucket. The latter is
-    built and compiled the first time it is needed (``compile_slot``, set once the backward is
-    planned: which buckets it has is known only then)."""
+    the plain forward, or, when its all-gathers are pending, the forward that takes them as inputs
+    (``compile_slot``, set once the backward is planned, compiled at first use)."""
 
     def __init__(self, plain: Callable[[list[Any]], Any], graph_index: int, gathers: PendingGathers) -> None:
         self._boxed_call = True  # an instance attribute: wrappers copy __dict__ (as BackwardDispatch)

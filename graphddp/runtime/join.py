@@ -1,29 +1,14 @@
 """Uneven inputs: ``model.join()``, DDP's context manager for ranks that run out of batches.
 
 Without it, a rank whose data ends first leaves the others waiting in their next collective
-forever. With it (``torch.distributed.algorithms.Join`` and a graphddp model as a
-``Joinable``, so it composes with ``ZeroRedundancyOptimizer`` and other joinables), a rank
-that has no more batches *shadows* every collective the others still run, with zeros, until
-all are done; then every rank takes the model of the last rank to finish.
-
-What a rank still training runs per forward, and its joined peer shadows (:meth:`JoinState`):
-
-1. ``Join.notify_join_context`` (the context manager's own all-reduce, which tells the joined
-   ranks to keep shadowing and, with ``throw_on_early_termination``, raises on every rank);
-2. one maximum over ranks (``max_over_ranks``) of what the coming step does: whether its backward synchronises, whether
-   buffers are broadcast now, whether gradients accumulated under ``no_sync`` are averaged
-   now, and which ranks are still training (buffers come from the highest of them, as DDP's);
-3. the buffer broadcast and the average of accumulated gradients, when they run;
-4. in a synchronising backward: the step's agreement, where a joined rank asks for a divergent
-   step, and the union average at its end (:mod:`graphddp.runtime.union`), with zeros from the joined
-   rank, through the traced comm hook's buckets and state when there is one, as DDP's join hook
-   runs the hook on zero buckets. The step's graphs run locally meanwhile: a step with a
-   joined rank does not overlap its communication.
-
-``divide_by_initial_world_size`` (default True, DDP's) divides by the world size; False by the
-number of ranks still training. After everyone joined, the parameters (and buffers, with
-``broadcast_buffers``) are broadcast from the last rank to join, as DDP does; with
-``optimizer=`` the joined ranks' optimizer states stay as they were when they joined.
+forever. With it (``torch.distributed.algorithms.Join``, the model a ``Joinable``, so it composes
+with ``ZeroRedundancyOptimizer``), a joined rank shadows every collective the others still run,
+with zeros, in their order: ``Join.notify_join_context``; one maximum over ranks of what the step
+does (:class:`JoinState`); the buffer broadcast and the average after ``no_sync`` when they run;
+in a synchronising backward the agreement, where a joined rank makes the step divergent, and the
+union average with its zeros (through the traced hook, as DDP's join hook runs the hook on zero
+buckets). After everyone joined, every rank takes the model of the last rank to join, as DDP.
+``divide_by_initial_world_size=False`` divides by the ranks still training.
 """
 from __future__ import annotations
 
@@ -38,9 +23,8 @@ from graphddp.runtime.sync import average_async, broadcast_tensors
 Replica = Any  # graphddp.frontend.replica.Replica, which imports this module
 
 class JoinState:
-    """One forward's state as every rank reads it after the maximum over ranks: the four flags
-    of the module docstring's 2. (sync, buffers, pending, eager hook), then one per rank: still
-    training."""
+    """One forward's state as every rank reads it after the maximum over ranks: four flags (sync,
+    buffers, pending average, eager hook), then one per rank: still training."""
 
     def __init__(self, values: list[int], world: int) -> None:
         self.sync, self.buffers, self.pending, self.eager_hook = (bool(v) for v in values[:4])
@@ -97,7 +81,7 @@ class ReplicaJoinHook(JoinHook):
 
 
 def join(view: Any, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False) -> Join:
-    """DDP's ``model.join(...)`` for a graphddp model ``view`` (module docstring)."""
+    """DDP's ``model.join(...)`` for a graphddp model ``view``."""
     return Join(
         [view], enable=enable, throw_on_early_termination=throw_on_early_termination,
         divide_by_initial_world_size=divide_by_initial_world_size,
@@ -105,7 +89,6 @@ def join(view: Any, divide_by_initial_world_size: bool = True, enable: bool = Tr
 
 
 def join_hook(replica: "Replica", **kwargs: Any) -> ReplicaJoinHook:
-    """The ``Joinable`` hook; ``divide_by_initial_world_size`` reaches every rank here (the
-    context manager asks every rank's joinables for their hooks)."""
+    """The ``Joinable`` hook, where ``divide_by_initial_world_size`` reaches every rank."""
     replica.backend.union.divide_by_initial_world_size = bool(kwargs.get("divide_by_initial_world_size", True))
     return ReplicaJoinHook(replica)

@@ -1,40 +1,22 @@
 """The agreement carried in the bucket's own all-reduce, once a position of the step is steady.
 
-Why. Every synchronising backward graph agrees with the other ranks before its buckets go on
-the wire (:meth:`graphddp.runtime.step.StepState.agree`): one small collective, then the
-buckets. For a model whose backward graph has one bucket (nanoGPT's small GPT, any model up to
-a bucket's size) that is two collectives a step where ``DDP`` issues one, and where ranks share
-busy cores each costs a round trip the backward cannot hide, which can be all of graphddp's
-remaining per-iteration gap to ``DDP(torch.compile)`` (nanoGPT's loop on CPU ranks:
-docs/design-agreement-overlap.md).
+For a backward graph of one bucket (nanoGPT's small GPT) the agreement before the bucket makes two
+collectives a step where DDP issues one, and on busy cores each costs a round trip the backward
+cannot hide (docs/design-agreement-overlap.md). Once a position of the step (its n-th
+synchronising backward graph) has agreed on a layout whose one bucket is replicated, gated
+(:mod:`graphddp.runtime.gate`) and on the CPU, that layout is expected there (:class:`Expected`,
+recorded from an answer every rank read alike). From then on the agreement is a header of
+:data:`HEADER` elements after the payload, in the bucket's one all-reduce: each rank writes 1
+where it deviates from the expectation or raises a flag of the agreement, and a sum of 0
+everywhere means what the classic agreement's go-on means: the payload is the average.
 
-What. Once a position of the step (its n-th synchronising backward graph) has agreed with every
-rank on a layout whose one bucket is replicated, gated (:mod:`graphddp.runtime.gate`) and on the
-CPU, that layout is *expected* there (:class:`Expected`, the same on every rank because it is
-recorded from an answer every rank read alike). From then on, the agreement at that position is
-a header of :data:`HEADER` elements after the bucket's payload, in the bucket's one all-reduce
-(:class:`SteadyHeader`): each rank writes 1 where it deviates from the expectation (another
-layout, another wire size) or raises a flag of the agreement (joined, eager gradients, an unused
-gradient source, unable to carry), 0 elsewhere. The sum over ranks is 0 everywhere exactly when
-the classic agreement would have let the step go on: then the payload is the bucket's average,
-as it would have been.
-
-Why it cannot hang or average wrongly. The all-reduce's size is the expectation's, not the
-rank's: a rank that deviates sends zeros of the expected size and dtype with its flag raised, so
-the collective pairs whatever each rank ran. Every rank reads the same sum; on any raised flag
-no rank uses the payload (it is written to a scratch buffer, so the bucket keeps this rank's own
-gradients), and every rank asks the classic agreement at the same position next
-(:meth:`graphddp.runtime.dispatch.BackwardDispatch._gated`), whose answer decides as before.
-Every other path that agrees at a steady position (a graph that is not gated, eager gradients
-alone, see :meth:`StepState.agree`) sends the deviating header first, then the classic probe,
-so the collective sequence pairs on every rank. A flag's sum never rounds to 0 from a raised
-flag in any float dtype, so a bf16 or fp16 bucket carries it too.
-
-Where not. A join context (its joined ranks shadow the classic agreement), a GPU (the header is read and
-the payload copied back on the host when the graph waits, which on a GPU would hold the host
-until the collective completes; classic there, not yet measured),
-a graph of more than one bucket (its second bucket would wait for the whole first all-reduce
-instead of a small round trip), a group of one rank.
+It cannot hang or average wrongly: the all-reduce's size is the expectation's, not the rank's (a
+deviating rank sends zeros with its flag raised), every rank reads the same sum, on a raised
+flag no rank uses the payload (a scratch buffer) and every rank asks the classic agreement at
+the same position next. A path with no bucket sends the deviating header, then the probe. A
+raised flag never sums to 0 in any float dtype, so bf16 buckets carry it too. Not in a join
+context, on a GPU (the host would wait for the collective to read the header), for a graph of
+several buckets, or on a group of one rank.
 """
 from __future__ import annotations
 
@@ -57,16 +39,14 @@ class Expected:
     dtype: torch.dtype
 
     def buffer(self) -> torch.Tensor:
-        """What the position's all-reduce sends, payload then header: one per steady position,
-        kept from step to step (:meth:`graphddp.runtime.step.StepState.steady_header`), as DDP
-        keeps its buckets; a fresh one each step cost the page faults of its first touch."""
+        """What the position's all-reduce sends, payload then header: kept from step to step, as DDP
+        keeps its buckets (a fresh one each step cost the page faults of its first touch)."""
         return torch.empty(self.numel + HEADER, dtype=self.dtype)
 
 
 class SteadyHeader:
-    """One steady position's agreement, as the header of its bucket's all-reduce (module
-    docstring). ``flags``: the classic agreement's (joined, eager, unused here, carrying,
-    unable to carry); ``layout``: this rank's layout hash at this position."""
+    """One steady position's agreement, as the header of its bucket's all-reduce. ``flags``: the
+    classic agreement's; ``layout``: this rank's layout hash at this position."""
 
     def __init__(self, position: int, expected: Expected, layout: int, flags: tuple[bool, ...], out: torch.Tensor) -> None:
         self.position = position
@@ -76,19 +56,14 @@ class SteadyHeader:
         self.out = out  # the position's send buffer (Expected.buffer)
 
     def deviates(self, flat: torch.Tensor | None) -> bool:
-        """Does this rank deviate from the expectation (``flat``: its bucket, None for a path
-        that has no bucket to send)?"""
+        """Does this rank deviate from the expectation (``flat`` None: it has no bucket to send)?"""
         e = self.expected
         return flat is None or self.layout != e.layout or flat.numel() != e.numel or flat.dtype != e.dtype
 
     def wire(self, flat: torch.Tensor | None, carried: Sequence[tuple[int, torch.Tensor]], world: int) -> torch.Tensor:
-        """What this rank all-reduces: its bucket with the gradients it carries added, divided
-        by the world size (the gate's arithmetic: each element ``(new + carried) / world``),
-        then the header; zeros of the expected size in place of the bucket where it deviates.
-        ``flat`` is not written. ``carried``: ``(offset, gradient)`` per slot, in slot order;
-        the slots tile the bucket (:meth:`graphddp.values.schedule.Bucket.offsets`), so the
-        carried gradients, concatenated, are the bucket's layout: one concatenation and one
-        add, not an add per parameter."""
+        """What this rank all-reduces: ``(flat + carried) / world`` (the gate's arithmetic), then
+        the header; zeros where it deviates. ``flat`` is not written. The carried slots tile the
+        bucket, so that one concatenation and one add replace an add per parameter."""
         e = self.expected
         out = self.out
         payload, header = out[: e.numel], out[e.numel:]
@@ -116,6 +91,6 @@ class SteadyHeader:
 
 
 def send_deviating(header: SteadyHeader, group: Any) -> None:
-    """A path with no bucket to send at a steady position (module docstring): the header's
-    all-reduce with this rank's deviation raised, so that it pairs with every other rank's."""
+    """A path with no bucket at a steady position: the header's all-reduce with this rank's
+    deviation raised, so that it pairs with every other rank's."""
     dist.all_reduce(header.wire(None, (), 1), group=group)

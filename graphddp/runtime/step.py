@@ -1,47 +1,18 @@
 """What a training step is, at run time: the one owner of the state of a step.
 
-Background
-    Dynamo compiles a model into several graphs for two different reasons, and graphddp must
-    never confuse them:
+Dynamo makes several graphs for two reasons that must never be confused. A graph break splits one
+forward into graphs that all run in the same step (a parameter read by two of them gets its
+gradient in parts); a recompile (a guard failed) makes a graph that replaces an older one, and the
+two never run in the same step. So "is this parameter in another graph" is asked of the graphs of
+this step: a graph's Dynamo frame (recompiles share it) says which graphs could run together,
+which ones did is known only at run time, and kept here.
 
-    * a **graph break** splits one forward into several graphs that all run in the same step;
-      a parameter read by two of them (tied across the break) gets its gradient in parts;
-    * a **recompile** (a guard failed: a config attribute set by the first forward, another
-      batch or sequence length, ``requires_grad`` toggled, train/eval) makes a new graph that
-      *replaces* an older one for later steps; both read the same parameters, but they never
-      run in the same step.
-
-    Every decision that asks "is this parameter in another graph" must ask it of the graphs of
-    this step, not of every graph compiled so far: whether a graph may update its parameters
-    inside the backward, whether a traced hook sees a whole gradient. A graph's frame (Dynamo's
-    ``frame_id``: graphs of one frame are recompiles of each other) is known at compile time and
-    says which graphs *could* run together; which ones did is known only at run time, and kept
-    here.
-
-Algorithm
-    * Each synchronising forward of a compiled graph records the autograd node its call made
-      (:meth:`forward_ran`), held weakly; its backward notes when it starts
-      (:meth:`synchronising_backward`). A graph is
-      *in this step* while it has a node whose backward already ran in this step, or a live
-      node that has not run yet. A forward whose output is dropped (an evaluation with grad
-      enabled) frees its node and stops counting, as it never reaches a backward.
-    * At the end of every synchronising backward (one engine callback per backward, however
-      many graphs ran) the listeners run in order (a traced hook's end-of-step work, torch's
-      optimizer step for gradients the graphs left) and the step is over: nodes that ran are
-      forgotten, nodes still waiting count for the next one.
-    * Whether a graph's optimizer update inside its backward is the whole step is asked of
-      this record (:meth:`not_inside`, every reason stated there), by the replicated optimizer
-      and by sharding="full", whose forwards and backwards go to a StepState of its own.
-    * The user's switch (DDP's ``require_backward_grad_sync``, which ``no_sync`` toggles), whether gradients were accumulated locally, and the step
-      after ``no_sync`` where a traced hook runs eagerly are held here too; the replica sets
-      them through this class's methods (``set_sync``, ``accumulate``, ``hook_accumulated``...),
-      the backend and the dispatchers read them; no other object writes a field of the step.
-
-Agreement, and steps that differ across ranks
-    Before a synchronising backward graph's collectives, the step agrees with the other ranks
-    in band (:meth:`agree`); a step whose graphs differ across ranks is *divergent* and ends
-    in the union average. Those methods, and the design note on them, are in
-    :mod:`graphddp.runtime.step_agreement` (:class:`StepState` inherits them).
+Each synchronising forward records the autograd node its call made, held weakly: a graph is in this
+step while it has a node whose backward ran in this step, or a live one still to run (a dropped
+output frees its node). At the end of every synchronising backward (one engine callback however
+many graphs ran) the listeners run in order and the step is over. The replica writes the step's
+switches through this class's methods; the backend and the dispatchers only read them. Agreement
+with the other ranks, and divergent steps, are in :mod:`graphddp.runtime.step_agreement`.
 """
 from __future__ import annotations
 
@@ -68,10 +39,8 @@ class GraphEntry:
 
 @dataclasses.dataclass(frozen=True)
 class NotInside:
-    """Why a backward's optimizer update is not the whole step for its parameters
-    (:meth:`StepState.not_inside`): the reason as ``GraphRecord.fallbacks`` and
-    ``GraphDDP.updates`` (full sharding) name it, the parameters it concerns, and what a warning
-    says (empty for the expected ones, which are not warned)."""
+    """Why a backward's optimizer update is not the whole step for ``names``
+    (:meth:`StepState.not_inside`); ``why`` is the warning's text, empty for expected reasons."""
 
     kind: str
     names: tuple[str, ...]
@@ -79,10 +48,8 @@ class NotInside:
 
 
 class _Run:
-    """One forward's backward node, whether its backward started, and what the forward ran
-    under: ``no_sync`` (``local``) or other parameters than its graph was compiled for
-    (``foreign``; only sharding="full" records either: a replicated graph runs its local backward
-    then, or is renamed, and never asks :meth:`StepState.not_inside`)."""
+    """One forward's backward node, whether its backward started, and whether the forward ran under
+    ``no_sync`` (``local``) or with other parameters than compiled (``foreign``): sharding="full" only."""
 
     __slots__ = ("node", "started", "local", "foreign")
 
@@ -123,25 +90,23 @@ class StepState(StepAgreement):
         self.local_grads: dict[str, torch.Tensor] = {}  # divergent: this rank's gradients, not averaged yet
         self.local_used: set[str] = set()  # ... of which these came from a used output
         self.local_schedules: list[Any] = []  # ... from the graphs with these schedules, in run order
-        # Parameters no compiled graph of this step covers, which eager code (a frame Dynamo
-        # skipped: a graph break inside a loop) may give a gradient: name -> its grad before the
-        # backward. Any makes the step divergent, and the union average takes their gradients.
+        # Parameters eager code may give a gradient though no compiled graph of this step covers
+        # them (a frame Dynamo skipped): name -> its grad before the backward. Any makes the step divergent.
         self.eager: dict[str, torch.Tensor | None] = {}
         self._runs: dict[int, list[_Run]] = {}
         self._listeners: list[Callable[[], None]] = []
         self._end_queued = False
         # gather="forward": all-gathers the last backward issued, completed by the next forward.
         self.gathers = PendingGathers()
-        # Carrying (module docstring): this synchronising step's graphs average the gradients
-        # accumulated under no_sync in their own buckets, together with the new ones.
+        # Carrying: this synchronising step's graphs average the gradients accumulated under no_sync
+        # in their own buckets, together with the new ones.
         self.carrying = False
         self._carry_graphs: dict[int, Any] = {}  # graph -> weak reference to the node its forward made
         self._carry_blocked = False  # a fact of this rank's forward that rules carrying out
         self._average_accumulated: Callable[[bool], None] = lambda shadow: None  # the replica's eager average
         self.carry_ready: Callable[[int], bool] = lambda index: False  # has graph ``index`` a carrying variant
         # Steady positions (graphddp.runtime.steady): position -> the layout every rank agreed on
-        # there, whose agreement now rides in its one bucket's all-reduce. Kept across steps;
-        # written only from answers every rank read alike.
+        # there, kept across steps, written only from answers every rank read alike.
         self.steady: dict[int, Expected] = {}
         self._wires: dict[int, torch.Tensor] = {}  # per steady position, the buffer its all-reduce sends
         self._layouts: dict[tuple[int, int, int], int] = {}  # layout_hash((digest, position, expected)), kept
@@ -165,9 +130,7 @@ class StepState(StepAgreement):
 
     # -- the replica's switches (graphddp.frontend.replica): the only writers of these fields ---------------
     def set_sync(self, sync: bool) -> None:
-        """DDP's ``require_backward_grad_sync``, the one switch ``no_sync()`` also goes through:
-        read at every forward (a forward run while it is False gets its graphs' local
-        backward, and its gradients accumulate until a synchronising step)."""
+        """DDP's ``require_backward_grad_sync``, the one switch ``no_sync()`` also goes through."""
         self.sync = sync
 
     def accumulate(self) -> None:
@@ -179,8 +142,8 @@ class StepState(StepAgreement):
         self.accumulated = False
 
     def set_accumulated_average(self, average: Callable[[bool], None]) -> None:
-        """The replica's eager average of accumulated gradients, ``average(shadow)`` (a joined
-        rank's shadow: zeros): what a step that cannot carry does instead (:meth:`agree`)."""
+        """The replica's eager average of accumulated gradients, ``average(shadow)``: what a step
+        that cannot carry does instead (:meth:`agree`)."""
         self._average_accumulated = average
 
     def carry_accumulated(self) -> None:
@@ -190,15 +153,13 @@ class StepState(StepAgreement):
         self._carry_blocked = False
 
     def allow_headers(self, allowed: bool) -> None:
-        """May this step's steady positions carry their agreement in their bucket
-        (:mod:`graphddp.runtime.steady`)? Not in a join context, where joined ranks shadow the
-        classic agreement: set at every forward, alike on every rank."""
+        """May this step's steady positions carry their agreement in their bucket? Not in a join
+        context, where joined ranks shadow the classic agreement."""
         self.headers_allowed = allowed
 
     def block_carry(self) -> None:
-        """Something of this forward rules carrying out on this rank (parameters holding an
-        accumulated gradient that no graph of this step covers, say); the first agreement of
-        the backward tells every rank, and the step averages eagerly instead."""
+        """Something of this forward rules carrying out on this rank; the first agreement of the
+        backward tells every rank, and the step averages eagerly instead."""
         self._carry_blocked = True
 
     def take_carried(self) -> bool:
@@ -206,8 +167,7 @@ class StepState(StepAgreement):
         return self.carrying
 
     def hook_accumulated(self) -> None:
-        """This synchronising step's traced hook averages the accumulated gradients eagerly,
-        at the end of its backward (its graphs run locally)."""
+        """This step's traced hook averages the accumulated gradients eagerly, at the end of its backward."""
         self.eager_hook_step = True
         self.accumulated = False
 
@@ -227,9 +187,7 @@ class StepState(StepAgreement):
 
     # -- forward --------------------------------------------------------------------------------
     def begin_forward(self) -> None:
-        """A model forward begins: the graphs it runs are recorded afresh. A backward that
-        raised never ran its end-of-step callback: its runs are over and the next end is
-        queued anew."""
+        """A model forward begins; a backward that raised never ran its end of step: it ends here."""
         if self._end_queued:  # its backward raised
             self._forget_started()
             self.end_agreement()
@@ -266,8 +224,7 @@ class StepState(StepAgreement):
             self.record_run(index, node)
 
     def record_run(self, index: int, node: Any, local: bool = False, foreign: bool = False) -> None:
-        """Graph ``index``'s forward made ``node``, whose backward is to come (:class:`_Run`).
-        Forwards whose outputs were dropped never reach a backward: forgotten here."""
+        """Graph ``index``'s forward made ``node``; runs whose outputs were dropped are forgotten."""
         self._runs[index] = [r for r in self._runs.get(index, ()) if r.counts()] + [_Run(node, local, foreign)]
 
     # -- backward -------------------------------------------------------------------------------
@@ -292,27 +249,19 @@ class StepState(StepAgreement):
         self, index: int, names: Sequence[str], *, scaled: bool, unused: frozenset[str] = frozenset(),
         held: Sequence[str] = (), in_norm: Callable[[int], bool] | None = None,
     ) -> NotInside | None:
-        """None where graph ``index``'s update inside its backward is the whole step for
-        ``names``, else the first reason it is not; torch's step after the backward (or, with
-        full sharding, ``opt.step()``) then steps them from their gradients, the same result,
-        not overlapped. Each reason, and why it holds:
+        """None where graph ``index``'s update inside its backward is the whole step for ``names``,
+        else the first reason it is not; torch's step after the backward (or full sharding's
+        ``opt.step()``) then steps them from their gradients: the same result, not overlapped.
 
-        * ``"scaler"``: an enabled GradScaler scaled the loss; its unscale, inf check and step
-          come after the backward (:mod:`graphddp.optim.scaled_step`).
-        * ``"unused"``: no rank used one of them (``unused``): torch.optim skips a parameter
-          without a gradient, as it skips one DDP leaves without.
-        * ``"no_sync"``: the forward ran under ``no_sync``, so this backward accumulates (only
-          sharding="full" asks then: a replicated graph runs its local backward instead).
-        * ``"ran twice"``: the graph's forward ran more than once before this backward: the
-          step's gradient is the sum of its backwards.
-        * ``"other parts"``: Dynamo ran the graph for other parameters than it was compiled for,
-          so state passed by name would be another's (recorded by sharding="full" only).
-        * ``"shared"``: another graph of this step reads one of them (tied across a graph
-          break): its gradient comes in parts, which autograd adds after this backward.
-        * ``"clip spans graphs"``: with max_grad_norm (``in_norm``: does a graph add to the
-          norm), another graph of this step adds to the global norm.
-        * ``"accumulated"``: one of them holds a gradient from earlier micro-steps (``held``;
-          sharding="full" passes none: its carrying variant adds them inside)."""
+        * ``"scaler"``: a GradScaler's unscale, inf check and step come after the backward.
+        * ``"unused"``: no rank used them: torch.optim skips a parameter DDP leaves without a gradient.
+        * ``"no_sync"``: this backward accumulates (sharding="full" only; a replicated graph runs locally).
+        * ``"ran twice"``: the step's gradient is the sum of the graph's backwards.
+        * ``"other parts"``: the graph ran for other parameters than compiled; state passed by name
+          would be another's (sharding="full" only).
+        * ``"shared"``: another graph of this step reads them: autograd adds the parts after this backward.
+        * ``"clip spans graphs"``: another graph of this step adds to the global norm (``in_norm``).
+        * ``"accumulated"``: they hold a gradient from earlier micro-steps (``held``)."""
         mine = [r for r in self._runs.get(index, ()) if r.counts()]
         wanted, shared = set(names), self.shared_this_step(index, names)
         others = [g.index for g in self.graphs if g.index != index and in_norm is not None and self.runs(g.index) and in_norm(g.index)]
@@ -342,10 +291,8 @@ class StepState(StepAgreement):
         self.synchronising_backward(None)
 
     def synchronising_backward(self, index: int | None = None) -> None:
-        """A synchronising backward of graph ``index`` starts (its node is alive while it runs:
-        the first of its runs not started yet is this one; with two alive the graph falls back
-        either way); the step ends when the whole backward is done (a callback queued once per
-        backward)."""
+        """A synchronising backward of graph ``index`` starts (the first of its runs not started
+        yet); the step ends when the whole backward is done."""
         for run in self._runs.get(index, ()) if index is not None else ():
             if not run.started and run.node() is not None:
                 run.started = True
@@ -353,16 +300,14 @@ class StepState(StepAgreement):
         self.queue_end()
 
     def queue_end(self) -> None:
-        """Make sure the end of this backward ends the step (once per backward; called from
-        inside it: a backward graph, or a gradient eager code gave a parameter)."""
+        """End the step at the end of this backward (called from inside it, once per backward)."""
         if self._end_queued:
             return
         self._end_queued = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_step)
 
     def _forget_started(self) -> None:
-        """Runs whose backward started belong to a step that is over; those still waiting
-        count for the next one."""
+        """Runs whose backward started belong to a step that is over; those waiting count next."""
         for index, runs in list(self._runs.items()):
             self._runs[index] = [r for r in runs if not r.started and r.node() is not None]
 

@@ -1,31 +1,18 @@
 """A step's agreement with the other ranks: the half of :class:`~graphddp.runtime.step.StepState`
-that asks, before a synchronising backward's collectives, whether every rank is about to put the
-same buckets on the wire.
+that talks to them, which the gate (:mod:`graphddp.runtime.gate`) and steady positions
+(:mod:`graphddp.runtime.steady`) extend. A base of ``StepState`` only: the fields it reads and
+writes are declared in ``StepState.__init__``, the step stays their one owner.
 
-It lives apart from the step's bookkeeping (which graphs ran, the user's switches, the end of a
-backward: :mod:`graphddp.runtime.step`) because it is the one part of the step that talks to the
-other ranks, and the one that the gate (:mod:`graphddp.runtime.gate`) and steady positions
-(:mod:`graphddp.runtime.steady`) extend. :class:`StepAgreement` is a base of ``StepState`` only:
-the fields its methods read and write (``probed``, ``divergent``, ``steady``, ``carrying``...)
-are the step's, declared in ``StepState.__init__``; the step stays their one owner.
-
-Agreement, and steps that differ across ranks
-    Every synchronising backward graph with buckets first agrees with the other ranks, in band
-    (:meth:`agree`): one small maximum over ranks (an all-gather of a few integers) of a hash of its wire layout, its position in
-    the step and the number of synchronising forwards the step ran, plus two flags. Equal
-    everywhere (the static case), the graph runs its compiled all-reduces, as before. Different
-    (ranks whose control flow used different parameters: LayerDrop, a head per task; ranks that
-    ran different numbers of graphs) or asked for by a joined rank (:mod:`graphddp.runtime.join`), the
-    step is *divergent* on every rank at once: this and every later graph of the step runs its
-    local backward, hands its gradients to the step (:meth:`StepState.contribute`) instead of autograd,
-    and the end of the step averages the union of every rank's gradients, zeros where a rank
-    had none (:mod:`graphddp.runtime.union`), as DDP with ``find_unused_parameters=True`` does. The
-    other flag says some rank has a parameter whose every gradient source was unused this step
-    (an output left out of the loss): the graph then also agrees on which parameters were used
-    anywhere, and the ones used nowhere keep ``grad`` None, as in DDP. A step where parameters
-    no compiled graph covers may get a gradient from eager code (Dynamo runs a frame with a
-    graph break inside a loop eagerly: BART's LayerDrop) is divergent too, so that those
-    gradients are averaged with the rest.
+Every synchronising backward graph with buckets first agrees in band (:meth:`agree`): one small
+maximum over ranks of a hash of its wire layout, its position in the step and the synchronising
+forwards the step ran, plus flags. Equal everywhere (the static case), the graph runs its compiled
+all-reduces. Different (control flow used other parameters: LayerDrop, a head per task; ranks ran
+other numbers of graphs), asked for by a joined rank, or with parameters eager code may give a
+gradient (a frame Dynamo runs eagerly), the step is divergent on every rank at once: every later
+graph of it runs its local backward and hands its gradients to the step, and the end of the step
+averages the union (:mod:`graphddp.runtime.union`), as DDP with ``find_unused_parameters=True``.
+A flag for an unused gradient source makes the graph agree on which parameters were used
+anywhere: the ones used nowhere keep ``grad`` None, as in DDP.
 """
 from __future__ import annotations
 
@@ -41,9 +28,8 @@ class StepAgreement:
     """The agreement methods of :class:`~graphddp.runtime.step.StepState` (module docstring)."""
 
     def agree(self, group: Any, digest: int, what: str, unused_here: bool) -> tuple[bool, bool]:
-        """Before a synchronising backward graph's collectives: is this step divergent (module
-        docstring), and did some rank see an unused gradient source? The same answer on every
-        rank. Once divergent, the step stays so and no further check is made."""
+        """Is this step divergent, and did some rank see an unused gradient source? The same
+        answer on every rank; once divergent, the step stays so without further checks."""
         if self.divergent:
             return True, False
         header = self.steady_header(group, digest, unused_here)
@@ -58,16 +44,14 @@ class StepAgreement:
     def agree_async(
         self, group: Any, digest: int, what: str, unused_here: bool, steady: tuple[int, torch.dtype] | None = None
     ) -> PendingProbe:
-        """:meth:`agree`'s collective, issued now and read later (a gated backward reads it at
-        its first bucket's issue: :mod:`graphddp.runtime.gate`); :meth:`agreed` finishes it.
-        Only while the step is not divergent yet. ``steady``: this graph's one bucket's
-        ``(numel, dtype)`` where it could carry its next agreements (:mod:`graphddp.runtime.steady`)."""
+        """:meth:`agree`'s collective, issued now (a gated backward reads it at its first bucket);
+        :meth:`agreed` finishes it. ``steady``: this graph's one bucket's ``(numel, dtype)`` where
+        it could carry its next agreements."""
         position, self.probed = self.probed, self.probed + 1
         return self._ask(group, position, self._layout(digest, position), self._flags(position, unused_here), what, steady)
 
     def _layout(self, digest: int, position: int) -> int:
-        """What a rank's agreement at ``position`` compares: its graph's layout, the position and
-        the synchronising forwards of the step so far (a hash, kept: every step asks the same)."""
+        """The hash an agreement at ``position`` compares, kept: every step asks the same."""
         key = (digest, position, self.expected)
         layout = self._layouts.get(key)
         if layout is None:
@@ -92,8 +76,7 @@ class StepAgreement:
 
     def steady_header(self, group: Any, digest: int, unused_here: bool) -> SteadyHeader | None:
         """The next position's agreement as a header of its bucket's all-reduce, where that
-        position is steady (:mod:`graphddp.runtime.steady`); None where the classic probe asks.
-        Takes the position as :meth:`agree_async` does."""
+        position is steady; None where the classic probe asks."""
         expected = self.steady.get(self.probed) if self.headers_allowed and not self.joined else None
         if expected is None or self._alone(group):
             return None
@@ -106,24 +89,19 @@ class StepAgreement:
     def probe_after(
         self, header: SteadyHeader, group: Any, what: str, steady: tuple[int, torch.dtype] | None = None
     ) -> PendingProbe:
-        """The classic probe at a steady position whose header some rank raised: every rank
-        asks it next, at the same position, with the same flags (:meth:`agreed` decides);
-        ``steady`` as for :meth:`agree_async`."""
+        """The classic probe at a steady position whose header some rank raised: every rank asks
+        it next, at the same position, with the same flags."""
         return self._ask(group, header.position, header.layout, header.flags, what, steady)
 
     @staticmethod
     def goes_on(pending: PendingProbe) -> bool:
-        """Does the agreement let a synchronising graph issue its buckets as compiled: the same
-        layout everywhere, no rank joined, eager, with an unused gradient or unable to carry?
-        Reads (waits for) the answer; no side effect."""
+        """Does the agreement let a synchronising graph issue its buckets as compiled? Reads the answer."""
         same, (join_asks, eager, unused, _carrying, blocked, _unsteady) = pending.result()
         return same and not (join_asks or eager or unused or blocked)
 
     def agreed(self, pending: PendingProbe) -> tuple[bool, bool]:
-        """What :meth:`agree` returns, from its collective: the step's divergence and the
-        averages a step that cannot carry makes now (module docstring). Records or forgets
-        the position's expectation (:mod:`graphddp.runtime.steady`) from the answer, which
-        every rank reads alike."""
+        """What :meth:`agree` returns, from its collective. Records or forgets the position's
+        steady expectation from the answer, which every rank reads alike."""
         same, (join_asks, eager, unused, carrying, blocked, unsteady) = pending.result()
         if pending.question is not None:
             position, layout, steady = pending.question
@@ -145,10 +123,9 @@ class StepAgreement:
         return self.divergent, unused
 
     def _cannot_carry(self) -> bool:
-        """Rules carrying out on this rank, at the step's first agreement: a fact of its
-        forward (:meth:`block_carry`), a graph without a carrying variant, or a graph whose
-        forward ran in this step but whose backward this backward will not run (its
-        parameters' accumulated gradients would stay unaveraged)."""
+        """Rules carrying out on this rank, at the step's first agreement: a fact of its forward, a
+        graph without a carrying variant, or one whose forward ran but whose backward this backward
+        will not run (its accumulated gradients would stay unaveraged)."""
         if self._carry_blocked:
             return True
         for index, ref in self._carry_graphs.items():
@@ -160,9 +137,7 @@ class StepAgreement:
 
 def _runs_in_this_backward(node: Any) -> bool:
     """Will the running backward execute ``node``, or is it executing it now? torch's
-    ``_will_engine_execute_node`` leaves the graph task's root out when the backward starts at
-    one node (its ``nodes_in_graph`` holds what the root leads to): a backward called on a
-    compiled graph's own output (a Hugging Face model's ``.loss``, computed inside the graph)
-    starts at that graph's node, which the check then calls unexecuted while it runs."""
+    ``_will_engine_execute_node`` calls the root unexecuted when the backward starts at it (a
+    backward on a compiled graph's own output, a Hugging Face model's ``.loss``)."""
     current = getattr(torch._C, "_current_autograd_node", None)
     return (current is not None and node is current()) or torch._C._will_engine_execute_node(node)

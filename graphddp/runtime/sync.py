@@ -60,14 +60,10 @@ class PendingAverage:
 
 @torch.no_grad()
 def average_async(named: Sequence[tuple[str, nn.Parameter]], group: Any, shadow: bool = False) -> PendingAverage:
-    """Start averaging the ``.grad`` of ``named`` over ``group`` (pre-divided, like DDP).
-
-    The layout is canonical, the same on every rank whatever each accumulated: every given
-    parameter, in order, per (dtype, device); a parameter with no gradient on this rank
-    sends zeros, and a count per parameter tells whether any rank had one (then every rank
-    gets the average, as DDP gives a parameter unused on one rank). Checked in band first.
-    ``shadow``: a joined rank's part (:mod:`graphddp.runtime.join`): zeros, and nothing written back.
-    """
+    """Start averaging the ``.grad`` of ``named`` over ``group`` (pre-divided, like DDP), checked in
+    band first. The layout is canonical, the same on every rank whatever each accumulated: a
+    parameter without a gradient here sends zeros, and a count per parameter says whether any rank
+    had one (then every rank gets the average, as in DDP). ``shadow``: a joined rank's zeros."""
     world = dist.get_world_size(group)
     groups: dict[tuple[torch.dtype, torch.device], list[tuple[str, nn.Parameter]]] = {}
     for name, p in named:

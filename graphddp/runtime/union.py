@@ -1,32 +1,17 @@
 """A divergent step: ranks whose graphs produced different gradients average their union.
 
-When does it happen. The compiled buckets of a graph pair with the same buckets on every
-other rank; that holds while ranks run the same graphs. Real models break it: LayerDrop and
-stochastic depth skip a random layer per rank (Hugging Face BART's ``encoder_layerdrop``,
-Wav2Vec2's ``layerdrop``), a multi-task model runs another head per batch, a rank runs one
-more graph than its peer; and a rank that has joined (:mod:`graphddp.runtime.join`) runs nothing. The
-step's in-band agreement (:meth:`graphddp.runtime.step.StepState.agree`) sees it before the first
-collective, on every rank at once; from then on the step's graphs run locally and hand their
-gradients to the step.
-
-What it does, at the end of the backward, like DDP with ``find_unused_parameters=True``:
-
-* every rank gathers what every rank produced: the buckets of the graphs it ran locally, which
-  parameters it really used, whether it has joined;
-* when every rank still training ran the same buckets (a joined rank's step, a static model),
-  those buckets are averaged, through the traced comm hook if there is one, with its state:
-  a joined rank shadows them with zeros, as DDP's join hook runs the hook on zero buckets;
-* otherwise the union of the parameters, in the order the ranks produced them, is averaged in
-  buckets of at most ``bucket_cap_mb`` (per dtype and device), zeros where a rank had no
-  gradient; a traced hook is refused here, by name, since its buckets and state would differ
-  from rank to rank;
-* gradients eager code produced (a frame Dynamo ran eagerly: a graph break inside a loop, as
-  in BART's LayerDrop) are part of the union;
-* a parameter used on some rank gets the average (added to a gradient it already holds, as
-  autograd would add it); one used nowhere keeps its ``grad`` as it was (None stays None).
-
-Cost: the step's communication no longer overlaps the backward (it all runs at its end), and
-every rank sends every parameter any rank used. The static case pays none of it.
+A graph's compiled buckets pair with the same buckets on every other rank only while ranks run
+the same graphs. LayerDrop (BART's ``encoder_layerdrop``), a head per task, one more graph on one
+rank, or a joined rank that runs nothing break it; the step's in-band agreement sees it before
+the first collective, on every rank at once (:mod:`graphddp.runtime.step_agreement`). At the end
+of the backward, like DDP with ``find_unused_parameters=True``, every rank gathers what every
+rank produced. Where every rank still training ran the same buckets, those are averaged, through
+the traced hook with its state (a joined rank shadows them with zeros, as DDP's join hook does);
+otherwise the union of the parameters, in production order, is averaged in buckets of at most
+``bucket_cap_mb``, zeros where a rank had no gradient (a traced hook is refused by name: its
+buckets and state would differ between ranks). Gradients eager code produced are part of the
+union. A parameter used nowhere keeps its ``grad`` as it was. Cost: this communication does not
+overlap the backward; the static case pays none of it.
 """
 from __future__ import annotations
 
@@ -54,9 +39,8 @@ class Produced:
 
 
 def union_order(produced: Sequence[Produced]) -> tuple[bool, list[tuple]]:
-    """``(same, buckets)``: the buckets every rank still training ran, when they all ran the
-    same ones; else the union of their parameters as ``(name, shape)`` pairs, in the order
-    the ranks produced them (rank 0's first)."""
+    """``(same, buckets)``: the buckets every rank still training ran, when they all ran the same
+    ones; else the union of their parameters as ``(name, shape)``, in production order."""
     active = [p for p in produced if not p.joined]
     layouts = {p.buckets for p in active}
     if len(layouts) == 1 and active[0].buckets and not any(p.eager for p in active):
@@ -159,9 +143,8 @@ class UnionAverage:
 
     @torch.no_grad()
     def _take_eager(self, step: Any) -> list[str]:
-        """Gradients eager code added this step (:attr:`StepState.eager`) join this rank's local
-        gradients, and each parameter's ``grad`` goes back to what it was before the backward
-        (the average is added to it, as to the rest)."""
+        """Gradients eager code added this step join this rank's local gradients, and each
+        ``grad`` goes back to what it was before the backward (the average is added to it)."""
         taken = []
         for name, before in step.eager.items():
             p = self.params[name]

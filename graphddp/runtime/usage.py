@@ -1,24 +1,14 @@
 """Which parameters a backward got no gradient for, as DDP would leave them: ``grad`` None.
 
-Why: a forward output the loss did not use still reaches the compiled backward, as zeros
-autograd puts in place of its missing gradient, and the graph turns them into zero gradients.
-DDP (and FSDP2) leave such a parameter's ``grad`` None after ``zero_grad(set_to_none=True)``,
-so ``torch.optim`` skips it: no step count, no momentum, no weight decay. A zero gradient
-stepped by Adam moves the parameter. Every mode that hands a backward's gradients on (to
-``p.grad`` or to an update inside the graph) asks this first.
-
-Algorithm
-    Each gradient a graph returns is computed from some of the backward's incoming output
-    gradients (its *sources*: :func:`graphddp.graph.capture.gradient_sources`, read once from the
-    traced graph). A pre-hook on the call's autograd node (:class:`NoneOutputs`) records which
-    output gradients were None; a parameter whose every source was such a zero input was not
-    used by this rank. Which of those no rank used is one OR over the ranks
-    (:meth:`GradientUsage.unused_anywhere`): a parameter some rank used gets the average with
-    the others' zeros, as DDP gives it. A gradient that is zero because the loss multiplied it
-    by zero is still a gradient: its source was given.
-
-    Graphs where every gradient depends on every output gradient (a loss, one hidden state) can
-    never have an unused parameter and are never asked (:attr:`GradientUsage.may_be_unused`).
+A forward output the loss did not use still reaches the compiled backward, as zeros autograd puts
+in place of its missing gradient, and the graph turns them into zero gradients. DDP (and FSDP2)
+leave such a parameter's ``grad`` None, so ``torch.optim`` skips it, where Adam would move it on
+a zero gradient. A pre-hook on the call's autograd node (:class:`NoneOutputs`) records which
+output gradients were None; a parameter whose every source
+(:func:`graphddp.graph.capture.gradient_sources`) was such a zero was not used by this rank, and
+one OR over the ranks says which no rank used: a parameter some rank used gets the average with
+the others' zeros, as in DDP. A gradient the loss multiplied by zero is still a gradient. Graphs
+where every gradient depends on every output gradient are never asked (``may_be_unused``).
 """
 from __future__ import annotations
 
@@ -33,8 +23,7 @@ from graphddp.values.schedule import Schedule
 
 
 class NoneOutputs:
-    """Which output gradients of a graph's next backward were None, recorded by a pre-hook on
-    the call's autograd node (autograd replaces them by zeros before the backward runs)."""
+    """Which output gradients of a graph's next backward were None (autograd makes them zeros)."""
 
     def __init__(self) -> None:
         self._pattern: tuple[bool, ...] | None = None
@@ -52,9 +41,8 @@ class NoneOutputs:
 
 
 class GradientUsage:
-    """Per graph: which parameters a backward got gradients for only from unused outputs
-    (module docstring). ``outputs``: each parameter's gradient's position among the backward's
-    outputs; ``sources``: the backward inputs that gradient is computed from."""
+    """Per graph: which parameters a backward got gradients for only from unused outputs.
+    ``outputs``: each gradient's output position; ``sources``: the inputs it is computed from."""
 
     def __init__(self, outputs: Mapping[str, int], sources: Mapping[str, Iterable[int]]) -> None:
         self.outputs = dict(outputs)
@@ -72,8 +60,7 @@ class GradientUsage:
 
     @classmethod
     def of_graph(cls, gm: fx.GraphModule, names: Mapping[int, str]) -> "GradientUsage":
-        """From a backward graph, ``names`` its parameters by output position (read before any
-        rewrite merges gradients into buckets)."""
+        """From a backward graph before any rewrite, ``names`` its parameters by output position."""
         sources, outs = gradient_sources(gm), output_nodes(gm)
         found = {i: outs[i] for i in names if i < len(outs) and isinstance(outs[i], fx.Node)}
         return cls({names[i]: i for i in found}, {names[i]: sources.get(node, ()) for i, node in found.items()})
@@ -92,8 +79,7 @@ class GradientUsage:
 
     @staticmethod
     def unused_anywhere(names: Iterable[str], unused: frozenset[str], group: Any) -> frozenset[str]:
-        """Which of ``names`` no rank used: one OR over the ranks of ``group``, called by every
-        rank with the same ``names``."""
+        """Which of ``names`` no rank used: one OR over the ranks, every rank passing the same names."""
         names = list(names)
         anywhere = any_rank([n not in unused for n in names], group)
         return frozenset(n for n, used in zip(names, anywhere) if not used)

@@ -1,19 +1,7 @@
 """What one compiled graph's backward can run, as data: the variants a
-:class:`~graphddp.runtime.dispatch.BackwardDispatch` chooses between, and the state a graph's
-forward wrapper shares with it.
-
-* :class:`GraphState`: set by the forward wrapper (a ``no_sync`` forward's pre-hook on its
-  autograd node, the parameters a renamed call ran with, which output gradients came as None)
-  and taken once by the next backward; :func:`compiled_backward_node` finds the node a call made.
-* :class:`Synced`: one synchronising variant (its plan, its code compiled on first use, the
-  wire layout and hash it agrees on, the shape of its one bucket where the agreement can ride
-  in it).
-* :class:`InGraphUpdate`: how a synchronising variant runs the attached optimizer
-  (:mod:`graphddp.optim.attached`) after each bucket's wait, and the rule
-  (:attr:`InGraphUpdate.allowed`, asked of the graphs of this step) that sends a step it cannot
-  update alone to a third variant, the all-reduces without the update.
-
-They live apart from the dispatcher because the compiler builds them (:mod:`graphddp.compiler`)
+:class:`~graphddp.runtime.dispatch.BackwardDispatch` chooses between (:class:`Synced`, with its
+:class:`InGraphUpdate` when an optimizer is attached), and the state the graph's forward wrapper
+shares with it (:class:`GraphState`). Apart from the dispatcher because the compiler builds them
 and the dispatcher only reads them: what a variant is, not which one runs.
 """
 from __future__ import annotations
@@ -62,12 +50,9 @@ class GraphState:
 
 
 def compiled_backward_node(outputs: Iterable[Any], inputs: Iterable[Any]) -> Any:
-    """The autograd node this call of a compiled graph created, or None.
-
-    Walks from the outputs' ``grad_fn`` (through view nodes AOTAutograd adds for aliased
-    outputs) to the first ``CompiledFunctionBackward``, never past a node that an input
-    already had: that one belongs to an earlier graph.
-    """
+    """The autograd node this call of a compiled graph created, or None: the first
+    ``CompiledFunctionBackward`` from the outputs (through AOTAutograd's view nodes), never past a
+    node an input already had, which belongs to an earlier graph."""
     earlier = {t.grad_fn for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}
     todo = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     seen: set[Any] = set()
@@ -84,7 +69,7 @@ def compiled_backward_node(outputs: Iterable[Any], inputs: Iterable[Any]) -> Any
 
 @dataclasses.dataclass
 class InGraphUpdate:
-    """How one graph's synchronising variant runs the optimizer (module docstring)."""
+    """How one graph's synchronising variant runs the attached optimizer after each bucket's wait."""
 
     attached: "AttachedOptimizer"
     names: tuple[str, ...]  # parameters the graph updates, in its input order
@@ -120,12 +105,8 @@ class InGraphUpdate:
 
 @dataclasses.dataclass
 class Synced:
-    """One synchronising variant of a graph's backward: its plan, its code (compiled on first
-    use), its in-graph update, and the state tensors a user's hook reads (in input order).
-
-    A hook with phases (PowerSGD's plain all-reduce before ``start_powerSGD_iter``) has one
-    per phase; every other graph has one.
-    """
+    """One synchronising variant of a graph's backward (one per hook phase): its plan, its code
+    (compiled on first use), its in-graph update, and the state tensors a user's hook reads."""
 
     schedule: Schedule
     compile: Callable[[], Callable[[list[Any]], Any]]
@@ -146,9 +127,8 @@ class Synced:
 
 
 def _steady_shape(schedule: Schedule) -> tuple[int, torch.dtype] | None:
-    """A gated graph's one bucket, ``(numel, dtype)``, where its agreement can ride in the
-    bucket's all-reduce once its position is steady (:attr:`Schedule.agreement_in_bucket`).
-    None elsewhere."""
+    """A gated graph's one bucket, ``(numel, dtype)``, where its agreement can ride in the bucket's
+    all-reduce once its position is steady; None elsewhere."""
     if not schedule.agreement_in_bucket:
         return None
     (bucket,) = schedule.buckets
