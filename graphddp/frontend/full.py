@@ -108,8 +108,8 @@ class FullyShardedState:
     @property
     def schedules(self) -> list[FullSchedule]:
         """One :class:`~graphddp.values.part_schedule.FullSchedule` per Dynamo graph compiled so
-        far: its forward's and backward's collectives, read back from the compiled graphs, and
-        what this rank holds."""
+        far: its forward's and backward's collectives as planned, placed as the compiled graphs
+        have them, and what this rank holds."""
         by_index: dict[int, dict[str, PartGraph]] = {}
         for index, graph in self.record.described:
             by_index.setdefault(index, {})[graph.kind] = graph

@@ -3,7 +3,7 @@
 Every gather of a part and every reduce-scatter of a gradient, in the order
 :mod:`graphddp.graph.part_collectives` takes them, as the nodes it rewrites
 (:func:`part_gathers`, :func:`reduce_scatters`) and as plain values
-(:func:`part_facts`: :class:`~graphddp.values.part_plan.PartCollective`). The buckets are
+(:func:`part_facts`: :class:`~graphddp.values.part_schedule.PartCollective`). The buckets are
 planned from the values alone (:mod:`graphddp.plan.part_buckets`), so which collectives share a
 bucket is a decision made before the graph is touched, and the same decision whatever lowers it.
 """
@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from graphddp.values.comm import is_wait
-from graphddp.values.part_plan import GATHER, REDUCE_SCATTER, PartCollective
+from graphddp.values.part_schedule import GATHER, REDUCE_SCATTER, PartCollective
 from graphddp.values.placement import Placement
 from graphddp.values.schedule import dtype_name
 
