@@ -9,7 +9,7 @@ each graph the collectives are issued and waited, in buckets
 (:mod:`graphddp.graph.part_collectives`, then kept in that order by inductor), the check of that
 placement, what each graph does (:mod:`graphddp.graph.describe_parts`), and each backward's
 variant that updates its parts (:mod:`graphddp.compiler.full_updates`). The buckets' cap is
-planned per graph from the cost model (:mod:`graphddp.plan.full_cap`) unless
+planned per graph from the cost model (:mod:`graphddp.plan.parts`) unless
 ``bucket_cap_mb`` gives one.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ from graphddp.graph.part_facts import input_name, whole_bytes
 from graphddp.graph.reshard import Kept, tag_regathers
 from graphddp.graph.verify_common import VerificationError
 from graphddp.graph.verify_full import check_part_collectives
-from graphddp.plan.full_cap import planned_cap_bytes
+from graphddp.plan.parts import planned_cap_bytes
 from graphddp.runtime.usage import GradientUsage, NoneOutputs
 from graphddp.values.part_schedule import PartCap, PartGraph
 from graphddp.values.placement import Placement
@@ -236,7 +236,7 @@ def bucket_cap(config: DDPConfig, whole: int, world_size: int, placement: Placem
     """The cap of a graph's gather and reduce-scatter buckets, ``whole`` the bytes its
     collectives carry whole, ``world_size`` the ranks a part is cut over (``placement``'s shard
     group, whose replicate group adds its all-reduce): ``bucket_cap_mb`` where given, else planned from the cost model
-    (:func:`graphddp.plan.full_cap.planned_cap_bytes`; ``config.cost``, calibrated when the
+    (:func:`graphddp.plan.parts.planned_cap_bytes`; ``config.cost``, calibrated when the
     model was wrapped, or the given one)."""
     if isinstance(config.bucket_cap_mb, (int, float)):
         return PartCap(int(config.bucket_cap_mb * MB), "bucket_cap_mb")

@@ -256,7 +256,7 @@ def compile_fully_sharded(module: nn.Module, groups: MeshGroups, config: DDPConf
             "(a torch.optim optimizer over model.parameters(), built before graphddp.compile)"
         )
     device = check_and_broadcast(where, module, group, config)  # whole tensors, before they are cut
-    config = resolve_cost(config, group, device)  # what the buckets' cap is planned with (graphddp.plan.full_cap)
+    config = resolve_cost(config, group, device)  # what the buckets' cap is planned with (graphddp.plan.parts)
     guards.watch_gathered_copies()
     parts = shard_parameters(module, groups.shard, config.mp_policy, groups.placement)
     for part in parts.values():

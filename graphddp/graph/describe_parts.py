@@ -1,7 +1,7 @@
 """Complete ``sharding="full"``'s plan of a graph with where the rewrite put each bucket, read
 from the rewritten graph, and check that the graph does what was planned.
 
-Not a planner: :mod:`graphddp.plan.part_buckets` decides the buckets (a
+Not a planner: :mod:`graphddp.plan.parts` decides the buckets (a
 :class:`~graphddp.values.part_schedule.PartGraph`), :mod:`graphddp.graph.part_collectives`
 makes them and their places in the graph, and tags every node it adds with ``ROLE_KEY`` and
 ``BUCKET_KEY``; this module reads those tags (the same :mod:`graphddp.graph.verify_full`

@@ -16,7 +16,7 @@ then keeps graphddp's order (``INDUCTOR_FX_ORDER_CONFIG``):
   ``[world, part]``) concatenated along the parts, one reduce-scatter, the result cut back into
   parts: a transformer block's dozen gathers become a few. Which collectives share a bucket is
   planned before the rewrite, from the facts of the graph's collectives alone
-  (:mod:`graphddp.graph.part_facts`, :mod:`graphddp.plan.part_buckets`); this pass lowers the plan.
+  (:mod:`graphddp.graph.part_facts`, :mod:`graphddp.plan.parts`); this pass lowers the plan.
 * **placement.** Bucket ``i``'s gather is issued right before the wait of bucket ``i -
   prefetch``, so ``prefetch`` buckets travel while the compute reads the ones before them; each
   wait stays right before its first parameter's first read. A reduce-scatter bucket is issued
@@ -51,7 +51,7 @@ from graphddp.graph.capture import ancestors
 from graphddp.graph.part_facts import ALL_GATHER, Pair, part_facts, part_gathers, part_input, reduce_scatters, wait_of
 from graphddp.graph.anchors import IssuePoints
 from graphddp.graph.trace import role, role_of, splice, trace
-from graphddp.plan.part_buckets import plan_part_buckets
+from graphddp.plan.parts import plan_part_buckets
 from graphddp.values.comm import ROLE_KEY, is_wait
 from graphddp.values.part_schedule import GATHER, REDUCE_SCATTER, PartBucket, PartCap, PartGraph
 from graphddp.values.placement import Placement, flat as flat_placement
@@ -61,7 +61,7 @@ _WAIT = torch.ops._c10d_functional.wait_tensor.default
 # Gather buckets in flight ahead of the one being read. Two: with one the forward is link-bound
 # throughout, and three is slower (figures: docs/full-sharding.md, "Two gather buckets ahead"). The
 # first two go out in bucket order (_bucket_gathers), or bucket 0 waits behind bucket 1.
-# Each one more holds one more bucket's gathered bytes (graphddp.plan.full_cap's ceiling: 25 MB).
+# Each one more holds one more bucket's gathered bytes (graphddp.plan.parts's ceiling: 25 MB).
 PREFETCH = 2
 SCATTER_LAG = 1  # reduce-scatter buckets in flight behind the backward's compute
 

@@ -73,7 +73,7 @@ class PartBucket:
 @dataclasses.dataclass(frozen=True)
 class PartCap:
     """The cap a graph's buckets closed at, and where it came from: ``"bucket_cap_mb"`` (given),
-    or ``"planned (<the cost model's source>)"`` (:mod:`graphddp.plan.full_cap`)."""
+    or ``"planned (<the cost model's source>)"`` (:mod:`graphddp.plan.parts`)."""
 
     nbytes: int
     source: str

@@ -1,4 +1,4 @@
-"""sharding="full"'s buckets planned as a value (graphddp/plan/part_buckets.py) from the facts of a
+"""sharding="full"'s buckets planned as a value (graphddp/plan/parts.py) from the facts of a
 graph's collectives (graphddp/graph/part_facts.py), then lowered (graphddp/graph/part_collectives.py):
 the planner's rule on plain values, and on real graphs the plan completed with where the rewrite
 put each bucket by graphddp/graph/describe_parts.py, which finds a graph that is not the plan's."""
@@ -12,7 +12,7 @@ import graphddp
 from graphddp.graph.describe_parts import describe_part_collectives
 from graphddp.graph.part_collectives import lower_part_plan, place_part_collectives
 from graphddp.graph.part_facts import part_facts
-from graphddp.plan.part_buckets import bucket_collectives, plan_part_buckets
+from graphddp.plan.parts import bucket_collectives, plan_part_buckets
 from graphddp.values.part_schedule import GATHER, REDUCE_SCATTER, PartCap, PartCollective
 
 KB = 1024
