@@ -9,7 +9,7 @@ each graph the collectives are issued and waited, in buckets
 (:mod:`graphddp.graph.part_collectives`, then kept in that order by inductor), the check of that
 placement, what each graph does (:mod:`graphddp.graph.describe_parts`), and each backward's
 variant that updates its parts (:mod:`graphddp.compiler.full_updates`). The buckets' cap is
-planned per graph from the cost model (:mod:`graphddp.plan.full_cap`) unless
+planned per graph from the cost model (:mod:`graphddp.plan.parts`) unless
 ``bucket_cap_mb`` gives one.
 """
 from __future__ import annotations
@@ -36,10 +36,8 @@ from graphddp.graph.part_facts import input_name, whole_bytes
 from graphddp.graph.reshard import Kept, tag_regathers
 from graphddp.graph.verify_common import VerificationError
 from graphddp.graph.verify_full import check_part_collectives
-from graphddp.plan.full_cap import planned_cap_bytes
-from graphddp.plan.part_buckets import plan_disagreement
+from graphddp.plan.parts import planned_cap_bytes
 from graphddp.runtime.usage import GradientUsage, NoneOutputs
-from graphddp.values.part_plan import PartPlan
 from graphddp.values.part_schedule import PartCap, PartGraph
 from graphddp.values.placement import Placement
 
@@ -66,9 +64,8 @@ class _TagRegathers(CustomGraphPass):
 class Compiled:
     """What the compiler of one fully sharded module keeps: every compiled forward and backward
     graph (``model.graphs``; a backward's variant that updates its parts as
-    ``"backward_update"``), and each one's collectives read back, under the index of the
-    Dynamo graph it came from (``model.schedules``), beside the buckets planned for it
-    (``planned``, the plan the rewrite lowered, which the reading must agree with). ``names_by_id``: the parts' names, by the
+    ``"backward_update"``), and each one's buckets as planned and placed, under the index of the
+    Dynamo graph it came from (``model.schedules``). ``names_by_id``: the parts' names, by the
     id of the part Dynamo passes as a graph input. ``updates``: the optimizer inside the
     backward (:mod:`graphddp.compiler.full_updates`), None where it steps after it."""
 
@@ -79,7 +76,6 @@ class Compiled:
     placement: Placement | None = None  # where the parts' gradients are averaged (hybrid: the replicate group too)
     graphs: list[tuple[str, fx.GraphModule]] = dataclasses.field(default_factory=list)
     described: list[tuple[int, PartGraph]] = dataclasses.field(default_factory=list)
-    planned: list[tuple[int, PartPlan]] = dataclasses.field(default_factory=list)
     dynamo_graphs: int = 0
 
 
@@ -155,7 +151,7 @@ class _Graph:
             self.usage = GradientUsage.of_graph(gm, {i: self.names[input_name(i)] for i in range(count) if input_name(i) in self.names})
         else:
             reshard.mark_saved_outputs(gm)  # a user's output that views a gathered parameter is not kept for the backward
-        cap, plan = _placed(gm, self.config, self.compiled.world_size, backward, self.kept, tuple(self.names), self.compiled.placement)
+        plan = _placed(gm, self.config, self.compiled.world_size, backward, self.kept, tuple(self.names), self.compiled.placement)
         kind = "backward" if backward else "forward"
         compiled, updates = self.compiled, self.compiled.updates
         compiled.graphs.append((kind, gm))
@@ -164,15 +160,13 @@ class _Graph:
             updates.forward_compiled(self.index, gm, self.names)
         elif updates is not None:
             variant = updates.backward_variant(self.index, gm, self.names)
-        described = dataclasses.replace(describe_part_collectives(gm, kind, compiled.world_size, self.names), cap=cap)
-        plan = plan.named(self.names)  # as the reading names its parameters
-        if self.config.verify and (wrong := plan_disagreement(plan, described)):
+        described, wrong = describe_part_collectives(gm, plan, compiled.world_size, self.names)
+        if self.config.verify and wrong:
             raise VerificationError(f"graphddp: the {kind} graph's buckets are not the ones planned: " + "; ".join(wrong))
         if variant is not None:
             compiled.graphs.append(("backward_update", variant.graph))
             described = dataclasses.replace(described, updates=variant.names)
         compiled.described.append((self.index, described))
-        compiled.planned.append((self.index, plan))
         return variant
 
     def backward(self, variant: UpdatingBackward | None, plain: Compile, updating: Compile, carrying: Compile) -> Callable[..., Any]:
@@ -224,25 +218,25 @@ class _Graph:
 
 def _placed(
     gm: fx.GraphModule, config: DDPConfig, world_size: int, backward: bool, kept: Kept, parts: tuple[str, ...], placement: Placement | None = None,
-) -> tuple[PartCap, PartPlan]:
+) -> PartGraph:
     """The graph's collectives bucketed under :func:`bucket_cap` and placed where a step wants
     them (:mod:`graphddp.graph.part_collectives`), checked after the rewrite when
     ``config.verify`` (:mod:`graphddp.graph.verify_full`: every one of the ``parts``' gradients
     reduce-scattered; a resharding forward may keep the gathers ``kept``; hybrid ``placement``:
-    each part also averaged over the replicate group). Returns the cap and the buckets planned."""
+    each part also averaged over the replicate group). Returns the buckets planned."""
     cap = bucket_cap(config, whole_bytes(gm.graph), world_size, placement)
-    plan = place_part_collectives(gm.graph, cap_bytes=cap.nbytes, placement=placement)
+    plan = place_part_collectives(gm.graph, "backward" if backward else "forward", cap, placement=placement)
     gm.recompile()
     if config.verify:
         check_part_collectives(gm, backward, config.reshard_after_forward, kept.nbytes, parts, placement)
-    return cap, plan
+    return plan
 
 
 def bucket_cap(config: DDPConfig, whole: int, world_size: int, placement: Placement | None = None) -> PartCap:
     """The cap of a graph's gather and reduce-scatter buckets, ``whole`` the bytes its
     collectives carry whole, ``world_size`` the ranks a part is cut over (``placement``'s shard
     group, whose replicate group adds its all-reduce): ``bucket_cap_mb`` where given, else planned from the cost model
-    (:func:`graphddp.plan.full_cap.planned_cap_bytes`; ``config.cost``, calibrated when the
+    (:func:`graphddp.plan.parts.planned_cap_bytes`; ``config.cost``, calibrated when the
     model was wrapped, or the given one)."""
     if isinstance(config.bucket_cap_mb, (int, float)):
         return PartCap(int(config.bucket_cap_mb * MB), "bucket_cap_mb")

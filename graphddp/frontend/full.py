@@ -108,8 +108,8 @@ class FullyShardedState:
     @property
     def schedules(self) -> list[FullSchedule]:
         """One :class:`~graphddp.values.part_schedule.FullSchedule` per Dynamo graph compiled so
-        far: its forward's and backward's collectives, read back from the compiled graphs, and
-        what this rank holds."""
+        far: its forward's and backward's collectives as planned, placed as the compiled graphs
+        have them, and what this rank holds."""
         by_index: dict[int, dict[str, PartGraph]] = {}
         for index, graph in self.record.described:
             by_index.setdefault(index, {})[graph.kind] = graph
@@ -256,7 +256,7 @@ def compile_fully_sharded(module: nn.Module, groups: MeshGroups, config: DDPConf
             "(a torch.optim optimizer over model.parameters(), built before graphddp.compile)"
         )
     device = check_and_broadcast(where, module, group, config)  # whole tensors, before they are cut
-    config = resolve_cost(config, group, device)  # what the buckets' cap is planned with (graphddp.plan.full_cap)
+    config = resolve_cost(config, group, device)  # what the buckets' cap is planned with (graphddp.plan.parts)
     guards.watch_gathered_copies()
     parts = shard_parameters(module, groups.shard, config.mp_policy, groups.placement)
     for part in parts.values():

@@ -1,17 +1,18 @@
-"""Read ``sharding="full"``'s collectives back from a rewritten graph, as a
-:class:`~graphddp.values.part_schedule.PartGraph`.
+"""Complete ``sharding="full"``'s plan of a graph with where the rewrite put each bucket, read
+from the rewritten graph, and check that the graph does what was planned.
 
-A reader, not a planner: :mod:`graphddp.plan.part_buckets` decides the buckets,
-:mod:`graphddp.graph.part_collectives` makes them and their places in the graph, and tags every
-node it adds with ``ROLE_KEY`` and ``BUCKET_KEY``; this module reads those tags, so what it
-reports is what the graph does (the same tags :mod:`graphddp.graph.verify_full` checks), and
-the compiler checks the plan against it (:func:`graphddp.plan.part_buckets.plan_disagreement`). Parameter names come from the graph's inputs:
-AOTAutograd names its forward inputs ``primals_1..n`` in the order Dynamo passed them (a
-backward keeps a saved input's name), and a backward's outputs are the gradients of those
-inputs in the same order.
+Not a planner: :mod:`graphddp.plan.parts` decides the buckets (a
+:class:`~graphddp.values.part_schedule.PartGraph`), :mod:`graphddp.graph.part_collectives`
+makes them and their places in the graph, and tags every node it adds with ``ROLE_KEY`` and
+``BUCKET_KEY``; this module reads those tags (the same :mod:`graphddp.graph.verify_full`
+checks), so where the schedule says a bucket is issued and waited is where the graph does it.
+Parameter names come from the graph's inputs: AOTAutograd names its forward inputs
+``primals_1..n`` in the order Dynamo passed them (a backward keeps a saved input's name), and a
+backward's outputs are the gradients of those inputs in the same order.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Mapping
 
 import torch.fx as fx
@@ -19,16 +20,21 @@ import torch.fx as fx
 from graphddp.graph.part_facts import output_positions, outputs_reached
 from graphddp.graph.reshard import kept_gathered_bytes
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
-from graphddp.values.part_schedule import PART_KINDS, PartBucket, PartGraph
+from graphddp.values.part_schedule import GATHER, PART_KINDS, REDUCE_SCATTER, PartBucket, PartGraph
 from graphddp.values.placement import REPLICATE, REPLICATE_WAIT
 from graphddp.values.schedule import dtype_name
 
 _ROLES = {k for kind in PART_KINDS for k in (kind, f"{kind}_wait")} | {REPLICATE, REPLICATE_WAIT}
 
 
-def describe_part_collectives(gm: fx.GraphModule, kind: str, world_size: int, names: Mapping[str, str]) -> PartGraph:
-    """The collectives of ``gm`` (``kind``: "forward" or "backward"); ``names`` maps an input's
-    name (:func:`input_name`) to its parameter's name."""
+def describe_part_collectives(
+    gm: fx.GraphModule, plan: PartGraph, world_size: int, names: Mapping[str, str],
+) -> tuple[PartGraph, list[str]]:
+    """``plan``, the buckets lowered into ``gm``, with its parameters named by ``names`` (an
+    input's name, :func:`input_name`, to its parameter's) and each bucket placed as ``gm`` has it,
+    in graph order; and where ``gm``'s buckets differ from the plan (empty where they agree). A
+    bucket's parameters are compared as a set: the reading meets them walking the graph, in an
+    order casts can change."""
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     tagged: dict[tuple[str, int], list[fx.Node]] = {}  # (role, bucket) -> its nodes, in graph order
@@ -36,13 +42,24 @@ def describe_part_collectives(gm: fx.GraphModule, kind: str, world_size: int, na
         if n.meta.get(ROLE_KEY) in _ROLES and n.meta.get(BUCKET_KEY) is not None:
             tagged.setdefault((n.meta[ROLE_KEY], n.meta[BUCKET_KEY]), []).append(n)
     positions = output_positions(gm.graph)
-    buckets = [
-        _bucket(nodes, order, role, index, tagged[(role, index)], _received(tagged, role, index), world_size, names, positions)
-        for role, index in tagged if role in PART_KINDS
-    ]
+    planned = {(b.kind, b.index) for b in plan.buckets}
+    extra = [(role, index) for role, index in tagged if role in PART_KINDS and (role, index) not in planned]
+    wrong = [f"{plan.kind}: {role} {index} is in the graph, not in the plan" for role, index in extra]
+    buckets = []
+    for b in plan.buckets:
+        named = dataclasses.replace(b, params=tuple(dict.fromkeys(names.get(p, p) for p in b.params)))
+        if (b.kind, b.index) not in tagged:
+            wrong.append(f"{plan.kind}: {b.kind} {b.index} planned, not in the graph")
+            buckets.append(named)
+            continue
+        placed, params = _placed(named, nodes, order, tagged, world_size, names, positions)
+        want, have = (sorted(named.params), named.whole_bytes, named.dtype), (sorted(set(params)), placed.whole_bytes, placed.dtype)
+        if want != have:
+            wrong.append(f"{plan.kind}: {b.kind} {b.index} planned as {want}, the graph's is {have}")
+        buckets.append(placed)
     buckets.sort(key=lambda b: b.issue_at)
-    kept = kept_gathered_bytes(gm) if kind == "forward" else 0
-    return PartGraph(kind=kind, nodes=len(nodes), buckets=tuple(buckets), kept_bytes=kept)
+    kept = kept_gathered_bytes(gm) if plan.kind == "forward" else 0
+    return dataclasses.replace(plan, nodes=len(nodes), buckets=tuple(buckets), kept_bytes=kept), wrong
 
 
 def _received(tagged: Mapping[tuple[str, int], list[fx.Node]], role: str, index: int) -> list[fx.Node]:
@@ -54,23 +71,24 @@ def _received(tagged: Mapping[tuple[str, int], list[fx.Node]], role: str, index:
     return found
 
 
-def _bucket(
-    nodes: list[fx.Node], order: dict[fx.Node, int], role: str, index: int, issue: list[fx.Node], received: list[fx.Node],
+def _placed(
+    bucket: PartBucket, nodes: list[fx.Node], order: dict[fx.Node, int], tagged: Mapping[tuple[str, int], list[fx.Node]],
     world: int, names: Mapping[str, str], positions: Mapping[fx.Node, list[int]],
-) -> PartBucket:
-    """One bucket from its ``issue`` nodes and the nodes that wait for and cut what it ``received``."""
+) -> tuple[PartBucket, tuple[str, ...]]:
+    """``bucket`` where the graph has it: its issue nodes and the nodes that wait for and cut what
+    it received; with the bytes and dtype of the graph's collective, and the parameters it carries."""
+    role, issue, received = bucket.kind, tagged[(bucket.kind, bucket.index)], _received(tagged, bucket.kind, bucket.index)
     wait = next(n for n in received if is_wait(n))
     collective = next(n for n in issue if str(n.target).startswith("_c10d_functional."))
-    sent = collective.args[0] if role == "reduce_scatter" else collective  # the whole: gradients sent, or gathered
+    sent = collective.args[0] if role == REDUCE_SCATTER else collective  # the whole: gradients sent, or gathered
     val = sent.meta["val"]
     whole = val.numel() * val.element_size()
-    params = _gathered_inputs(issue, names) if role == "gather" else _gradient_outputs(wait, names, positions)
+    params = _gathered_inputs(issue, names) if role == GATHER else _gradient_outputs(wait, names, positions)
     inside = set(received)
-    return PartBucket(
-        kind=role, index=index, params=params, dtype=dtype_name(val.dtype), whole_bytes=whole, part_bytes=whole // world,
-        issue_at=order[collective], wait_at=order[wait],
+    return dataclasses.replace(
+        bucket, dtype=dtype_name(val.dtype), whole_bytes=whole, part_bytes=whole // world, issue_at=order[collective], wait_at=order[wait],
         issued_after=_before(nodes, order[issue[0]]), waited_before=_first_reader(wait, inside.__contains__, order),
-    )
+    ), params
 
 
 def _gathered_inputs(issue: list[fx.Node], names: Mapping[str, str]) -> tuple[str, ...]:

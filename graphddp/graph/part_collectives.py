@@ -16,7 +16,7 @@ then keeps graphddp's order (``INDUCTOR_FX_ORDER_CONFIG``):
   ``[world, part]``) concatenated along the parts, one reduce-scatter, the result cut back into
   parts: a transformer block's dozen gathers become a few. Which collectives share a bucket is
   planned before the rewrite, from the facts of the graph's collectives alone
-  (:mod:`graphddp.graph.part_facts`, :mod:`graphddp.plan.part_buckets`); this pass lowers the plan.
+  (:mod:`graphddp.graph.part_facts`, :mod:`graphddp.plan.parts`); this pass lowers the plan.
 * **placement.** Bucket ``i``'s gather is issued right before the wait of bucket ``i -
   prefetch``, so ``prefetch`` buckets travel while the compute reads the ones before them; each
   wait stays right before its first parameter's first read. A reduce-scatter bucket is issued
@@ -51,9 +51,9 @@ from graphddp.graph.capture import ancestors
 from graphddp.graph.part_facts import ALL_GATHER, Pair, part_facts, part_gathers, part_input, reduce_scatters, wait_of
 from graphddp.graph.anchors import IssuePoints
 from graphddp.graph.trace import role, role_of, splice, trace
-from graphddp.plan.part_buckets import plan_part_buckets
+from graphddp.plan.parts import plan_part_buckets
 from graphddp.values.comm import ROLE_KEY, is_wait
-from graphddp.values.part_plan import PartPlan, PlannedBucket
+from graphddp.values.part_schedule import GATHER, REDUCE_SCATTER, PartBucket, PartCap, PartGraph
 from graphddp.values.placement import Placement, flat as flat_placement
 
 _REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
@@ -61,39 +61,39 @@ _WAIT = torch.ops._c10d_functional.wait_tensor.default
 # Gather buckets in flight ahead of the one being read. Two: with one the forward is link-bound
 # throughout, and three is slower (figures: docs/full-sharding.md, "Two gather buckets ahead"). The
 # first two go out in bucket order (_bucket_gathers), or bucket 0 waits behind bucket 1.
-# Each one more holds one more bucket's gathered bytes (graphddp.plan.full_cap's ceiling: 25 MB).
+# Each one more holds one more bucket's gathered bytes (graphddp.plan.parts's ceiling: 25 MB).
 PREFETCH = 2
 SCATTER_LAG = 1  # reduce-scatter buckets in flight behind the backward's compute
 
 
 def place_part_collectives(
-    graph: fx.Graph, cap_bytes: int, prefetch: int = PREFETCH, lag: int = SCATTER_LAG, placement: Placement | None = None,
-) -> PartPlan:
+    graph: fx.Graph, kind: str, cap: PartCap, prefetch: int = PREFETCH, lag: int = SCATTER_LAG, placement: Placement | None = None,
+) -> PartGraph:
     """Bucket and place every gather of a part and every reduce-scatter (module docstring): the
     graph's collectives each waited once, their facts read (:func:`part_facts`), the buckets
     planned from them alone (:func:`plan_part_buckets`: a bucket closes once its gathered, or
-    whole-gradient, bytes reach ``cap_bytes``), and that plan lowered. ``placement``: the parts'
+    whole-gradient, bytes reach ``cap``), and that plan lowered. ``placement``: the parts'
     (hybrid: each reduce-scatter's part all-reduced over its replicate group, which the bucket
-    then does once for all its parts). Returns the plan."""
+    then does once for all its parts). Returns the plan, a ``kind`` graph's."""
     _one_wait_per_gather(graph)
     _one_wait_each(graph)
-    plan = plan_part_buckets(*part_facts(graph, placement), cap_bytes)
+    plan = plan_part_buckets(kind, *part_facts(graph, placement), cap)
     lower_part_plan(graph, plan, prefetch, lag, placement)
     return plan
 
 
 def lower_part_plan(
-    graph: fx.Graph, plan: PartPlan, prefetch: int = PREFETCH, lag: int = SCATTER_LAG, placement: Placement | None = None,
+    graph: fx.Graph, plan: PartGraph, prefetch: int = PREFETCH, lag: int = SCATTER_LAG, placement: Placement | None = None,
 ) -> None:
     """``plan``'s buckets made in ``graph``, the graph its facts were read from: each bucket's
     collectives replaced by one, then placed. Both kinds' collectives are taken before either is
     rewritten, in the order the facts list them."""
     gathers, scatters = part_gathers(graph), reduce_scatters(graph, placement)
-    _bucket_gathers(graph, _members(gathers, plan.gathers), prefetch)
-    _bucket_scatters(graph, _members(scatters, plan.reduce_scatters), lag, placement)
+    _bucket_gathers(graph, _members(gathers, plan.of(GATHER)), prefetch)
+    _bucket_scatters(graph, _members(scatters, plan.of(REDUCE_SCATTER)), lag, placement)
 
 
-def _members(pairs: list[Pair], buckets: tuple[PlannedBucket, ...]) -> list[list[Pair]]:
+def _members(pairs: list[Pair], buckets: tuple[PartBucket, ...]) -> list[list[Pair]]:
     """Each planned bucket's (issue, end) pairs; the plan must cover the pairs exactly, in order."""
     members = [i for b in buckets for i in b.members]
     if members != list(range(len(pairs))):

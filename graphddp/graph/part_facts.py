@@ -3,8 +3,8 @@
 Every gather of a part and every reduce-scatter of a gradient, in the order
 :mod:`graphddp.graph.part_collectives` takes them, as the nodes it rewrites
 (:func:`part_gathers`, :func:`reduce_scatters`) and as plain values
-(:func:`part_facts`: :class:`~graphddp.values.part_plan.PartCollective`). The buckets are
-planned from the values alone (:mod:`graphddp.plan.part_buckets`), so which collectives share a
+(:func:`part_facts`: :class:`~graphddp.values.part_schedule.PartCollective`). The buckets are
+planned from the values alone (:mod:`graphddp.plan.parts`), so which collectives share a
 bucket is a decision made before the graph is touched, and the same decision whatever lowers it.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from graphddp.values.comm import is_wait
-from graphddp.values.part_plan import GATHER, REDUCE_SCATTER, PartCollective
+from graphddp.values.part_schedule import GATHER, REDUCE_SCATTER, PartCollective
 from graphddp.values.placement import Placement
 from graphddp.values.schedule import dtype_name
 
@@ -84,7 +84,7 @@ def whole_bytes(graph: fx.Graph) -> int:
     """What the graph's collectives carry whole, in bytes: its gathered parameters, or its
     gradients sent, whichever is more (a forward only gathers; a backward reduce-scatters, and
     gathers again when the forward reshards). What a planned cap is sized by
-    (:func:`graphddp.plan.full_cap.planned_cap_bytes`)."""
+    (:func:`graphddp.plan.parts.planned_cap_bytes`)."""
     def total(pairs: list[Pair]) -> int:
         return sum(_nbytes(_whole(issue)) for issue, _ in pairs)
 

@@ -33,7 +33,7 @@ instead of caps.
 from __future__ import annotations
 
 import dataclasses
-from typing import Collection, Mapping
+from typing import Callable, Collection, Hashable, Iterable, Mapping, TypeVar
 
 import torch
 
@@ -43,6 +43,7 @@ from graphddp.values.placement import Placement, flat
 from graphddp.values.schedule import WAIT_AT_OUTPUT, Bucket, CostModel, GradSlot, GraphFacts, NodeFact, Schedule
 
 DtypeDevice = tuple[str, str]  # buckets never mix either
+Item = TypeVar("Item")
 
 
 def _order(slot: GradSlot) -> tuple[int, int]:
@@ -112,26 +113,43 @@ def _wire_ratios(slots: list[GradSlot], comm_dtype: str | None) -> dict[tuple[st
 
 
 def _assign_by_size(ordered: list[GradSlot], limits: tuple[int, ...]) -> list[tuple[GradSlot, ...]]:
-    """DDP's ``compute_bucket_assignment_by_size`` over slots already in production order.
+    """DDP's ``compute_bucket_assignment_by_size`` over slots already in production order: one
+    open bucket per (dtype, device), each closed bucket advancing its key to the next limit, the
+    last limit repeating; leftover open buckets closed at the end."""
+    key, limit = (lambda s: (s.dtype, s.device)), (lambda closed: limits[min(closed, len(limits) - 1)])
+    return [tuple(b) for b in bucket_by_size(ordered, key, lambda s: s.nbytes, limit)]
 
-    Per (dtype, device): append, and close the bucket once its bytes reach the current limit
-    (``>=``, as the reducer does); each closed bucket advances that key to the next limit,
-    and the last limit repeats. Leftover open buckets are closed at the end.
-    """
-    open_buckets: dict[DtypeDevice, list[GradSlot]] = {}
-    sizes: dict[DtypeDevice, int] = {}
-    closed: dict[DtypeDevice, int] = {}
-    done: list[tuple[GradSlot, ...]] = []
-    for slot in ordered:
-        key = (slot.dtype, slot.device)
-        open_buckets.setdefault(key, []).append(slot)
-        sizes[key] = sizes.get(key, 0) + slot.nbytes
-        count = closed.get(key, 0)
-        if sizes[key] >= limits[min(count, len(limits) - 1)]:
-            done.append(tuple(open_buckets.pop(key)))
-            sizes[key] = 0
-            closed[key] = count + 1
-    done.extend(tuple(b) for b in open_buckets.values())
+
+def bucket_by_size(
+    items: Iterable[Item], key: Callable[[Item], Hashable], nbytes: Callable[[Item], int], limit: Callable[[int], int],
+    consecutive: bool = False,
+) -> list[list[Item]]:
+    """The greedy rule every mode's buckets follow (as inductor's ``greedy_bucket_collective_by_mb``,
+    parameterised by a key and a size): walk ``items`` in order, add each to the open bucket of its
+    ``key``, and close that bucket once its bytes reach ``limit(n)``, ``n`` the buckets of that key
+    closed before it (``>=``, as DDP's reducer does: a bucket passes its limit by at most its last
+    item, and an item larger than the limit is a bucket alone). DDP keeps one bucket open per key
+    across interleaved keys; with ``consecutive`` a key change closes the open bucket, so every
+    bucket is a run of consecutive items (full sharding: one collective replaces a bucket's
+    members where the graph has them). Returns the buckets in the order they closed, those left
+    open at the end last, in the order they opened."""
+    opened: dict[Hashable, list[Item]] = {}
+    sizes: dict[Hashable, int] = {}
+    closed: dict[Hashable, int] = {}
+    done: list[list[Item]] = []
+    for item in items:
+        k = key(item)
+        if consecutive and opened and k not in opened:
+            done.extend(opened.values())
+            opened.clear()
+        if k not in opened:
+            opened[k], sizes[k] = [], 0
+        opened[k].append(item)
+        sizes[k] += nbytes(item)
+        if sizes[k] >= limit(closed.get(k, 0)):
+            done.append(opened.pop(k))
+            closed[k] = closed.get(k, 0) + 1
+    done.extend(opened.values())
     return done
 
 

@@ -1,18 +1,17 @@
 """What ``sharding="full"`` put in each compiled graph, and what each rank holds: its Schedule.
 
-The replicated and optimizer-sharded modes plan their buckets before rewriting a graph, and
-their :class:`~graphddp.values.schedule.Schedule` is that plan. In full sharding the
-collectives are in the graphs before graphddp sees them (every parameter read is a gather of
-the ranks' parts, and AOTAutograd derives each reduce-scatter): its buckets are planned from
-those collectives' facts (:class:`~graphddp.values.part_plan.PartPlan`), and
-:mod:`graphddp.graph.part_collectives` makes and places them inside each graph. This mode's
-schedule is read back from the rewritten graphs
-(:func:`graphddp.graph.describe_parts.describe_part_collectives`), so it says what the graph
-does, and the compiler checks it against the plan: per compiled graph, every
-bucket's collective, its parameters, its bytes, and where it is issued and waited; and per
-rank, the memory the parts, their gradients, the optimizer's state and the gathers in flight
-take. ``graphddp.explain(..., sharding="full")`` returns it for any world size, a run's
-``model.schedules`` for its own.
+In full sharding the collectives are in the graphs before graphddp sees them (every parameter
+read is a gather of the ranks' parts, and AOTAutograd derives each reduce-scatter). Their facts
+(:class:`PartCollective`, read by :mod:`graphddp.graph.part_facts`) are what its buckets are
+planned from (:mod:`graphddp.plan.parts`), as the other modes'
+:class:`~graphddp.values.schedule.Schedule` is planned from its graph's facts: the plan is a
+:class:`PartGraph` of :class:`PartBucket` values, which :mod:`graphddp.graph.part_collectives`
+lowers and :mod:`graphddp.graph.describe_parts` then completes with where the rewrite put each
+bucket, checking that the graph does what was planned. The same value is the schedule: per
+compiled graph, every bucket's collective, its parameters, its bytes, and where it is issued
+and waited; and per rank, the memory the parts, their gradients, the optimizer's state and the
+gathers in flight take. ``graphddp.explain(..., sharding="full")`` returns it for any world
+size, a run's ``model.schedules`` for its own.
 
 Plain values only, like :mod:`graphddp.values.schedule`: comparable across ranks,
 serialisable, printable; it imports nothing from graphddp.
@@ -22,34 +21,59 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from typing import Mapping
 
 MB = 1024 * 1024
-PART_KINDS = ("gather", "reduce_scatter")
+GATHER, REDUCE_SCATTER = "gather", "reduce_scatter"
+PART_KINDS = (GATHER, REDUCE_SCATTER)
+
+
+@dataclasses.dataclass(frozen=True)
+class PartCollective:
+    """One gather of a part, or one reduce-scatter of a gradient, as the graph has it before the
+    rewrite (the order of a graph's collectives of one kind is the order the rewrite takes them)."""
+
+    kind: str  # GATHER | REDUCE_SCATTER
+    sends: str  # the node it sends: a gather's part (a graph input), a reduce-scatter's gradient
+    params: tuple[str, ...]  # graph inputs it is of: a gather's part; the inputs a reduce-scatter's gradient becomes
+    whole_bytes: int  # the full tensor: gathered, or the gradient sent
+    dtype: str  # what travels
+    device: str
+    group: str  # the process group's name
+    replicated: bool  # its part goes on to an all-reduce over a replicate group (hybrid sharding)
+
+    def key(self) -> tuple[str, str, str, bool]:
+        """What the collectives of one bucket share: one collective carries them all."""
+        return self.group, self.dtype, self.device, self.replicated
 
 
 @dataclasses.dataclass(frozen=True)
 class PartBucket:
-    """One collective of a compiled graph: a gather of parts, or a reduce-scatter of gradients."""
+    """One collective of a compiled graph: a gather of parts, or a reduce-scatter of gradients.
+    Planned with its first six fields; the rest say where the rewrite put it, filled in from the
+    rewritten graph (:func:`graphddp.graph.describe_parts.describe_part_collectives`)."""
 
-    kind: str  # "gather" | "reduce_scatter"
+    kind: str  # GATHER | REDUCE_SCATTER
     index: int  # the bucket's index among the graph's buckets of this kind
-    params: tuple[str, ...]  # parameter names (a tied weight under its first name), in the bucket's order
+    members: tuple[int, ...]  # positions in the graph's collectives of this kind, before the rewrite
+    params: tuple[str, ...]  # graph inputs, or once placed parameter names (a tied weight under its first name), each once
     dtype: str  # what travels
     whole_bytes: int  # gathered (or the whole gradients reduce-scattered), padding included
-    part_bytes: int  # this rank's share: what it sends in a gather, receives from a reduce-scatter
-    issue_at: int  # position of the collective among the graph's nodes
-    wait_at: int  # position of its wait
-    issued_after: str  # the last node before the issue that is not part of a bucket
-    waited_before: str  # the first node after the wait that reads what it brought
+    part_bytes: int = 0  # this rank's share: what it sends in a gather, receives from a reduce-scatter
+    issue_at: int = -1  # position of the collective among the graph's nodes
+    wait_at: int = -1  # position of its wait
+    issued_after: str = ""  # the last node before the issue that is not part of a bucket
+    waited_before: str = ""  # the first node after the wait that reads what it brought
 
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "params": list(self.params)}
-
+        found = dataclasses.asdict(self)
+        del found["members"]
+        return {**found, "params": list(self.params)}
 
 @dataclasses.dataclass(frozen=True)
 class PartCap:
     """The cap a graph's buckets closed at, and where it came from: ``"bucket_cap_mb"`` (given),
-    or ``"planned (<the cost model's source>)"`` (:mod:`graphddp.plan.full_cap`)."""
+    or ``"planned (<the cost model's source>)"`` (:mod:`graphddp.plan.parts`)."""
 
     nbytes: int
     source: str
@@ -60,13 +84,14 @@ class PartCap:
 
 @dataclasses.dataclass(frozen=True)
 class PartGraph:
-    """The collectives of one compiled forward or backward graph, in graph order."""
+    """The collectives of one compiled forward or backward graph: as planned, each kind's buckets
+    in index order; once placed, in graph order."""
 
     kind: str  # "forward" | "backward"
-    nodes: int
     buckets: tuple[PartBucket, ...]
+    cap: PartCap | None = None  # what the buckets closed at
+    nodes: int = 0  # the rewritten graph's, once placed
     updates: tuple[str, ...] = ()  # the parts a backward updates inside (the optimizer inside the backward)
-    cap: PartCap | None = None  # None: read back from a graph without the compiler's record of it
     kept_bytes: int = 0  # a forward's gathered parameters it keeps for its backward (its outputs hold them)
 
     def of(self, kind: str) -> tuple[PartBucket, ...]:

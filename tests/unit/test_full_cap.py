@@ -1,4 +1,4 @@
-"""``sharding="full"``'s bucket cap planned from the cost model (graphddp.plan.full_cap): the
+"""``sharding="full"``'s bucket cap planned from the cost model (graphddp.plan.parts): the
 arithmetic, and what a compiled graph's buckets do with it, under explain's fake group."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 import graphddp
 from graphddp import models
-from graphddp.plan.full_cap import MAX_CAP_BYTES, MIN_CAP_BYTES, planned_cap_bytes
+from graphddp.plan.parts import MAX_CAP_BYTES, MIN_CAP_BYTES, planned_cap_bytes
 from graphddp.values.prediction import CostModel
 
 MB = 1 << 20

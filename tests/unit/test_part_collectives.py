@@ -221,6 +221,7 @@ def test_one_reduce_scatter_waited_twice_becomes_one_slot_per_wait(fake_world):
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from graphddp.graph.part_collectives import place_part_collectives
+    from graphddp.values.part_schedule import PartCap
 
     fake_world(8)
     group = dist.group.WORLD.group_name
@@ -230,7 +231,7 @@ def test_one_reduce_scatter_waited_twice_becomes_one_slot_per_wait(fake_world):
         return torch.ops._c10d_functional.wait_tensor.default(sent), torch.ops._c10d_functional.wait_tensor.default(sent)
 
     gm = make_fx(two_waits, tracing_mode="fake")(torch.randn(64))
-    place_part_collectives(gm.graph, cap_bytes=1 << 20)
+    place_part_collectives(gm.graph, "backward", PartCap(1 << 20, "bucket_cap_mb"))
     gm.graph.lint()
     scatters = [n for n in gm.graph.nodes if n.target is REDUCE_SCATTER]
     assert len(scatters) == 1 and len(_waits(scatters)) == 1, gm.graph
@@ -248,6 +249,7 @@ def test_a_reduce_scatter_the_next_buckets_gradient_reads_is_waited_right_after_
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from graphddp.graph.part_collectives import place_part_collectives
+    from graphddp.values.part_schedule import PartCap
 
     fake_world(8)
     group = dist.group.WORLD.group_name
@@ -260,7 +262,7 @@ def test_a_reduce_scatter_the_next_buckets_gradient_reads_is_waited_right_after_
         return first, second, other
 
     gm = make_fx(chained, tracing_mode="fake")(torch.randn(64), torch.randn(4))
-    place_part_collectives(gm.graph, cap_bytes=1)  # a bucket each
+    place_part_collectives(gm.graph, "backward", PartCap(1, "bucket_cap_mb"))  # a bucket each
     gm.graph.lint()
     first = next(n for n in gm.graph.nodes if n.meta.get(ROLE_KEY) == "reduce_scatter_wait" and n.meta[BUCKET_KEY] == 0)
     assert is_wait(first) and first.prev.target is REDUCE_SCATTER, f"bucket 0 waited right after its issue: {gm.graph}"

@@ -1,7 +1,9 @@
-"""sharding="full"'s buckets planned as a value (graphddp/plan/part_buckets.py) from the facts of a
+"""sharding="full"'s buckets planned as a value (graphddp/plan/parts.py) from the facts of a
 graph's collectives (graphddp/graph/part_facts.py), then lowered (graphddp/graph/part_collectives.py):
-the planner's rule on plain values, and on real graphs the plan equal to what
-graphddp/graph/describe_parts.py reads back from the rewritten graph."""
+the planner's rule on plain values, and on real graphs the plan completed with where the rewrite
+put each bucket by graphddp/graph/describe_parts.py, which finds a graph that is not the plan's."""
+import dataclasses
+
 import pytest
 import torch
 import torch.nn as nn
@@ -10,8 +12,8 @@ import graphddp
 from graphddp.graph.describe_parts import describe_part_collectives
 from graphddp.graph.part_collectives import lower_part_plan, place_part_collectives
 from graphddp.graph.part_facts import part_facts
-from graphddp.plan.part_buckets import bucket_collectives, plan_disagreement, plan_part_buckets
-from graphddp.values.part_plan import GATHER, REDUCE_SCATTER, PartCollective
+from graphddp.plan.parts import bucket_collectives, plan_part_buckets
+from graphddp.values.part_schedule import GATHER, REDUCE_SCATTER, PartCap, PartCollective
 
 KB = 1024
 
@@ -44,8 +46,8 @@ def test_a_key_change_closes_a_bucket(change):
 
 
 def test_no_collectives_no_buckets():
-    plan = plan_part_buckets([], [], cap_bytes=KB)
-    assert plan.gathers == () and plan.reduce_scatters == () and plan.cap_bytes == KB
+    plan = plan_part_buckets("forward", [], [], PartCap(KB, "bucket_cap_mb"))
+    assert plan.buckets == () and plan.cap.nbytes == KB and plan.kind == "forward"
 
 
 def test_a_collective_larger_than_the_cap_is_a_bucket_alone():
@@ -76,22 +78,21 @@ def _compiled(reshard, mesh=None):
 
 
 @pytest.mark.parametrize("reshard", [True, False])
-def test_the_plan_of_a_compiled_graph_is_what_describe_parts_reads_back(fake_world, reshard):
+def test_a_compiled_graphs_planned_buckets_are_placed_in_graph_order(fake_world, reshard):
     fake_world(8)
     ours = _compiled(reshard)
-    record = ours._state.record
-    assert [i for i, _ in record.planned] == [i for i, _ in record.described] and len(record.planned) == 2
-    for (_, plan), (_, described) in zip(record.planned, record.described):  # the record's plan names parameters as the reading
-        assert plan_disagreement(plan, described) == []
+    (forward, backward) = (graph for _, graph in ours._state.record.described)
+    for graph in (forward, backward):
+        assert [b.issue_at for b in graph.buckets] == sorted(b.issue_at for b in graph.buckets)
+        assert all(0 <= b.issue_at < b.wait_at < graph.nodes and b.part_bytes * 8 == b.whole_bytes for b in graph.buckets)
         for kind in (GATHER, REDUCE_SCATTER):
-            read = described.of(kind)
-            assert [(b.index, b.whole_bytes, b.dtype) for b in plan.of(kind)] == [(b.index, b.whole_bytes, b.dtype) for b in read]
-            assert [b.params for b in plan.of(kind)] == [b.params for b in read]
-    forward, backward = (plan for _, plan in record.planned)
+            assert [b.index for b in graph.of(kind)] == list(range(len(graph.of(kind))))
     # in reading order w0 b0 w1 | b1 w2 b2 w3 | b3 w4 b4 w5 | b5; gradients b5 w5 b4 w4 | b3 w3 b2 w2 | b1 w1 b0 w0
-    assert len(forward.gathers) == 4 and forward.reduce_scatters == ()
-    assert len(backward.reduce_scatters) == 3 and bool(backward.gathers) == reshard  # a resharding backward gathers again
-    assert all(b.dtype == "float32" for b in forward.gathers + backward.reduce_scatters)
+    assert [b.params for b in forward.of(GATHER)] == [("0.weight", "0.bias", "1.weight"), ("1.bias", "2.weight", "2.bias", "3.weight"),
+                                                      ("3.bias", "4.weight", "4.bias", "5.weight"), ("5.bias",)]
+    assert len(forward.of(GATHER)) == 4 and forward.of(REDUCE_SCATTER) == ()
+    assert len(backward.of(REDUCE_SCATTER)) == 3 and bool(backward.of(GATHER)) == reshard  # a resharding backward gathers again
+    assert all(b.dtype == "float32" for b in forward.buckets + backward.buckets)
 
 
 def test_the_hybrid_plan_keys_on_the_replicate_all_reduce(fake_world):
@@ -100,10 +101,8 @@ def test_the_hybrid_plan_keys_on_the_replicate_all_reduce(fake_world):
     fake_world(8)
     mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
     record = _compiled(True, mesh)._state.record
-    (_, backward), = [(i, p) for i, p in record.planned if p.reduce_scatters]
-    assert len(backward.reduce_scatters) == 3
-    described = next(d for _, d in record.described if d.kind == "backward")
-    assert plan_disagreement(backward, described) == [] and len(described.of(REDUCE_SCATTER)) == 3
+    backward = next(d for _, d in record.described if d.kind == "backward")
+    assert len(backward.of(REDUCE_SCATTER)) == 3 and all(b.issue_at >= 0 for b in backward.buckets)
 
 
 def _traced_gathers():
@@ -129,18 +128,50 @@ def test_facts_read_before_the_rewrite_plan_what_the_graph_then_does(fake_world)
     assert [(f.params, f.whole_bytes, f.dtype) for f in gathers] == [
         (("a_1",), 1024, "float32"), (("b_1",), 1024, "float32"), (("c_1",), 512, "bfloat16"), (("d_1",), 1024, "float32"),
     ] and scatters == []
-    plan = plan_part_buckets(gathers, scatters, cap_bytes=4 * KB)
-    assert _members(plan.gathers) == [(0, 1), (2,), (3,)]  # the dtype changes twice
-    assert place_part_collectives(gm.graph, cap_bytes=4 * KB) == plan
+    plan = plan_part_buckets("forward", gathers, scatters, PartCap(4 * KB, "bucket_cap_mb"))
+    assert _members(plan.of(GATHER)) == [(0, 1), (2,), (3,)]  # the dtype changes twice
+    assert place_part_collectives(gm.graph, "forward", PartCap(4 * KB, "bucket_cap_mb")) == plan
     gm.recompile()
-    described = describe_part_collectives(gm, "forward", 8, {})
-    assert plan_disagreement(plan, described, {}) == []
-    assert [b.params for b in described.of(GATHER)] == [b.params for b in plan.gathers]
+    described, wrong = describe_part_collectives(gm, plan, 8, {})
+    assert wrong == [] and described.nodes == len(gm.graph.nodes)
+    unplaced = dict(part_bytes=0, issue_at=-1, wait_at=-1, issued_after="", waited_before="")
+    assert [dataclasses.replace(b, **unplaced) for b in described.buckets] == list(plan.buckets)
+
+
+def test_a_graph_that_is_not_the_plan_is_found(fake_world):
+    fake_world(8)
+    gm = _traced_gathers()
+    plan = place_part_collectives(gm.graph, "forward", PartCap(4 * KB, "bucket_cap_mb"))
+    first, second, third = plan.buckets
+    assert describe_part_collectives(gm, plan, 8, {"a_1": "w"})[1] == []  # the graph's inputs named as the plan's
+    changed = (dataclasses.replace(first, params=("a_1",)), dataclasses.replace(second, whole_bytes=1), dataclasses.replace(third, index=3))
+    wrong = describe_part_collectives(gm, dataclasses.replace(plan, buckets=changed), 8, {})[1]
+    assert wrong == [
+        "forward: gather 2 is in the graph, not in the plan",
+        "forward: gather 0 planned as (['a_1'], 2048, 'float32'), the graph's is (['a_1', 'b_1'], 2048, 'float32')",
+        "forward: gather 1 planned as (['c_1'], 1, 'bfloat16'), the graph's is (['c_1'], 512, 'bfloat16')",
+        "forward: gather 3 planned, not in the graph",
+    ], wrong
 
 
 def test_a_plan_lowered_on_another_graph_is_refused(fake_world):
     fake_world(8)
     gm = _traced_gathers()
-    plan = plan_part_buckets([_c(KB, "x")], [], cap_bytes=KB)
+    plan = plan_part_buckets("forward", [_c(KB, "x")], [], PartCap(KB, "bucket_cap_mb"))
     with pytest.raises(RuntimeError, match="not the graph it was planned from"):
         lower_part_plan(gm.graph, plan)
+
+
+def test_the_compiler_refuses_a_graph_that_is_not_its_plan(fake_world, monkeypatch):
+    import graphddp.compiler.full as full
+
+    fake_world(8)
+    read = full.describe_part_collectives
+
+    def misplanned(gm, plan, world_size, names):  # the graph read against a plan whose first bucket says one byte less
+        first = dataclasses.replace(plan.buckets[0], whole_bytes=plan.buckets[0].whole_bytes - 1)
+        return read(gm, dataclasses.replace(plan, buckets=(first, *plan.buckets[1:])), world_size, names)
+
+    monkeypatch.setattr(full, "describe_part_collectives", misplanned)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="VerificationError: .* not the ones planned: forward: gather 0 planned"):
+        _compiled(True)

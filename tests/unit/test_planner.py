@@ -485,3 +485,17 @@ def test_with_updates_places_every_update_after_the_last_wait_only_when_clipping
     with pytest.raises(ValueError, match="max_grad_norm must be None or a positive, finite number"):
         DDPConfig(max_grad_norm=0.0)
     assert DDPConfig(max_grad_norm=1).max_grad_norm == 1.0
+
+
+def test_one_greedy_rule_keeps_a_bucket_open_per_key_or_closes_it_at_a_key_change():
+    """bucket_by_size, the rule of both planners: DDP's keeps a bucket open per key across
+    interleaved keys; full sharding's (consecutive) closes it when the key changes."""
+    from graphddp.plan.planner import bucket_by_size
+
+    items = [("a", 2), ("b", 1), ("a", 2), ("b", 1), ("a", 1)]
+    key, size = (lambda i: i[0]), (lambda i: i[1])
+    assert bucket_by_size(items, key, size, lambda _: 4) == [[("a", 2), ("a", 2)], [("b", 1), ("b", 1)], [("a", 1)]]
+    assert bucket_by_size(items, key, size, lambda _: 4, consecutive=True) == [[("a", 2)], [("b", 1)], [("a", 2)], [("b", 1)], [("a", 1)]]
+    # the limit of a key's n-th bucket (DDP's small first bucket); the buckets left open come last
+    first_small = bucket_by_size(items, key, size, lambda closed: 2 if closed == 0 else 100)
+    assert first_small == [[("a", 2)], [("b", 1), ("b", 1)], [("a", 2), ("a", 1)]]

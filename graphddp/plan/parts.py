@@ -1,4 +1,14 @@
-"""How large ``sharding="full"``'s gather and reduce-scatter buckets are, from the cost model.
+"""``sharding="full"``'s buckets, planned from the facts of one graph's collectives, and their cap.
+
+A function of values (:class:`~graphddp.values.part_schedule.PartCollective`, read by
+:mod:`graphddp.graph.part_facts`) and the cap, as the other modes' planner is: the rewrite
+(:mod:`graphddp.graph.part_collectives`) lowers the buckets it returns and decides nothing of
+their membership itself. The rule is the planner's (:func:`graphddp.plan.planner.bucket_by_size`,
+DDP's), with consecutive collectives of one kind sharing a bucket while they share what one
+collective must (:meth:`PartCollective.key`: group, dtype, device, and whether the part goes on
+to a replicate all-reduce): one collective replaces a bucket's members where the graph has them,
+so a key change closes the bucket. A bucket closes once its bytes (of the full tensors: gathered,
+or the gradients sent) reach the cap.
 
 Why a plan and not a fixed cap. Full sharding issues every bucket's collectives every step: an
 all-gather before the forward reads it, another before the backward does (with
@@ -30,8 +40,11 @@ being absurd for a mis-measured link: smaller caps make the step clearly slower 
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 from graphddp.config import MB
+from graphddp.plan.planner import bucket_by_size
+from graphddp.values.part_schedule import PartBucket, PartCap, PartCollective, PartGraph
 from graphddp.values.placement import Placement, flat
 from graphddp.values.prediction import CostModel
 
@@ -57,3 +70,26 @@ def planned_cap_bytes(cost: CostModel, gathered_bytes: int, world_size: int, reg
     fixed = collectives * cost.collective_overhead_us * 1e-6 + gather(0) * gathers + reduce(0)
     cap = math.sqrt(gathered_bytes * fixed / per_byte)
     return int(min(MAX_CAP_BYTES, max(MIN_CAP_BYTES, cap)))
+
+
+def plan_part_buckets(kind: str, gathers: Sequence[PartCollective], scatters: Sequence[PartCollective], cap: PartCap) -> PartGraph:
+    """The buckets of one ``kind`` of graph (forward, backward): its ``gathers`` and its
+    ``scatters`` (each in the rewrite's order) bucketed under ``cap``."""
+    return PartGraph(kind=kind, buckets=bucket_collectives(gathers, cap.nbytes) + bucket_collectives(scatters, cap.nbytes), cap=cap)
+
+
+def bucket_collectives(collectives: Sequence[PartCollective], cap_bytes: int) -> tuple[PartBucket, ...]:
+    """Consecutive ``collectives`` of one key, each bucket closing once its bytes reach ``cap_bytes``."""
+    key, nbytes = (lambda ic: ic[1].key()), (lambda ic: ic[1].whole_bytes)
+    groups = bucket_by_size(enumerate(collectives), key, nbytes, lambda _: cap_bytes, consecutive=True)
+    return tuple(_bucket(index, [c for _, c in group], tuple(i for i, _ in group)) for index, group in enumerate(groups))
+
+
+def _bucket(index: int, members: list[PartCollective], positions: tuple[int, ...]) -> PartBucket:
+    params: list[str] = []
+    for c in members:
+        params += [p for p in c.params if p not in params]
+    return PartBucket(
+        kind=members[0].kind, index=index, members=positions, params=tuple(params),
+        whole_bytes=sum(c.whole_bytes for c in members), dtype=members[0].dtype,
+    )
