@@ -69,7 +69,7 @@ FULL = {"graphddp_full": True, "graphddp_full_keep": False, "graphddp_full_bf16"
 # Mixed precision as FSDP2 users set it: gathers in bf16, reductions in fp32 (graphddp takes FSDP2's policy)
 MIXED = ("graphddp_full_bf16", "fsdp2_reshard_bf16")
 # the graphddp options a fully sharded run takes from the benchmark's (not its caps: full
-# sharding plans its own, graphddp.plan.full_cap)
+# sharding plans its own, graphddp.plan.parts)
 FULL_OPTIONS = ("backend", "mode", "options", "verify", "broadcast_buffers", "fullgraph", "dynamic")
 
 
