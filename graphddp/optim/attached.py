@@ -107,6 +107,13 @@ def adam_step(rule: UpdateRule, like: torch.Tensor, step: torch.Tensor | None = 
     return step if (step.device, step.dtype) == (device, dtype) else step.to(device=device, dtype=dtype)
 
 
+def fake_state(rule: UpdateRule, like: torch.Tensor, moment: Callable[[], torch.Tensor]) -> list[torch.Tensor]:
+    """Values shaped as ``rule.state`` for ``like`` (a parameter or part), each moment ``moment()``:
+    call it in the graph's fake mode, for the update's new inputs."""
+    flag = lambda: torch.empty((), dtype=torch.bool)  # noqa: E731
+    return [adam_step(rule, like) if s == "step" else flag() if s == "first" else moment() for s in rule.state]
+
+
 def init_adam_state(rule: UpdateRule, state: dict[str, Any], like: torch.Tensor, zeros: Callable[[], torch.Tensor]) -> None:
     """Adam's ``state`` of ``like`` (a parameter or part) as torch's ``Adam._init_group`` makes it."""
     if "step" in state:

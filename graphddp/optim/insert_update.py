@@ -95,13 +95,7 @@ def append_update_inputs(
         for name, rule in zip(names, rules):
             p = inputs.values[name]
             vals.append(p)
-            for s in rule.state:
-                if s == "step":
-                    vals.append(optim.adam_step(rule, p))
-                elif s == "first":
-                    vals.append(torch.empty((), dtype=torch.bool))
-                else:
-                    vals.append(torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=p.device))
+            vals.extend(optim.fake_state(rule, p, lambda: torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=p.device)))
         for g in groups:
             vals.extend(torch.empty((), dtype=optim.F64) for _ in rules[group_of.index(g)].hyper)
     nodes = add_update_inputs(graph, labels, vals)

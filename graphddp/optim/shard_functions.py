@@ -13,7 +13,7 @@ import torch
 from graphddp.graph.trace import fresh_copy, role
 from graphddp.hooks import builtin as hooks
 from graphddp.optim import clip
-from graphddp.optim.attached import F64, UPDATES, UpdateRule, adam_step
+from graphddp.optim.attached import F64, UPDATES, UpdateRule, fake_state
 from graphddp.values.comm import WAIT
 from graphddp.values.placement import Placement
 from graphddp.values.schedule import Bucket
@@ -234,13 +234,7 @@ def state_values(shard: ShardLayout, fake_mode: Any, values: Mapping[str, torch.
         for k in shard.owned():
             p = values[shard.bucket.slots[k].param_name]
             lo, hi = shard.parts[k]
-            for s in shard.rules[k].state:
-                if s == "step":
-                    vals.append(adam_step(shard.rules[k], p))
-                elif s == "first":
-                    vals.append(torch.empty((), dtype=torch.bool))
-                else:
-                    vals.append(torch.empty(hi - lo, dtype=p.dtype, device=p.device))
+            vals.extend(fake_state(shard.rules[k], p, lambda: torch.empty(hi - lo, dtype=p.dtype, device=p.device)))
         for g in shard.groups:
             vals.extend(torch.empty((), dtype=F64) for _ in shard.rules[shard.group_of.index(g)].hyper)
     return vals
