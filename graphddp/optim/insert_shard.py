@@ -129,8 +129,7 @@ def insert_sharded_updates(
             fn = update_fn(shard, hook or hooks.for_bucket(b), private, b.index in carried)
             update = trace(fn, gradients(b) + params + rest, f"sharded bucket {b.index}", decompositions)
         result = _outputs(update)
-        # What ends the bucket in this graph: its wait and writes, or with gather="forward" (the
-        # next forward waits and writes) its all-gather, issued at the output.
+        # What ends the bucket in this graph: its wait and writes, or (gather="forward") its all-gather.
         if b.gather == "forward":
             tail = trace(gather_fn(shard), [result], f"sharded bucket {b.index}'s all-gather")
         else:
@@ -151,8 +150,7 @@ def insert_sharded_updates(
         splicer.clipped(schedule, decompositions)
     else:
         splicer.overlapped()
-    # gather="forward": every all-gather at the output, the last bucket's first (the forward
-    # reads it first), so that the backward's link carries the reduce-scatters only.
+    # gather="forward": every all-gather at the output, the last bucket's first.
     deferred = splicer.deferred
     for at in sorted(deferred, reverse=True):
         deferred[at] = splice(graph, traced[at].tail, [deferred[at]], output, traced[at].shard.bucket.index)
