@@ -21,7 +21,7 @@ from graphddp.compiler.record import GraphRecord
 from graphddp.config import DDPConfig
 from graphddp.frontend.ddp_hooks import as_comm_hook
 from graphddp.frontend.wrap import _refuse_optimizer_with_traced_hook
-from graphddp.graph.capture import names_by_identity
+from graphddp.graph.capture import autograd_nodes, names_by_identity
 from graphddp.hooks.traced import HOOK_STATE_KEY
 from graphddp.optim.attached import AttachedOptimizer
 from graphddp.runtime.join import JoinState, join, join_hook
@@ -291,20 +291,13 @@ class Replica:
 
 def _reached_parameters(out: Any, wanted: set[int]) -> set[int]:
     """Which of the tensors with ids ``wanted`` the autograd graph of ``out`` leads to."""
-    from torch.utils._pytree import tree_leaves
-
-    todo = [t.grad_fn for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    seen: set[Any] = set()
     found: set[int] = set()
-    while todo and found != wanted:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
+    for node in autograd_nodes(out):
+        if found == wanted:
+            break
         variable = getattr(node, "variable", None)  # an AccumulateGrad node: its leaf
         if variable is not None and id(variable) in wanted:
             found.add(id(variable))
-        todo.extend(n for n, _ in node.next_functions)
     return found
 
 

@@ -11,7 +11,7 @@ to the graph, so planning is a pure function that tests can feed by hand.
 from __future__ import annotations
 
 import operator
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -199,6 +199,19 @@ def extract_facts(gm: fx.GraphModule, param_inputs: Mapping[int, str]) -> GraphF
         )
     slots.sort(key=lambda s: (s.position, s.output_index))
     return GraphFacts(nodes=nodes, slots=tuple(slots))
+
+
+def autograd_nodes(outputs: Any) -> Iterator[Any]:
+    """Every autograd node the tensors of ``outputs`` were computed through, once each, depth first."""
+    todo = [t.grad_fn for t in tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen: set[Any] = set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        yield node
+        todo.extend(n for n, _ in node.next_functions)
 
 
 def names_by_identity(named: Iterable[tuple[str, torch.Tensor]]) -> dict[int, str]:

@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.utils as nn_utils
 import torch.nn.utils.clip_grad as clip_grad
-from torch.utils._pytree import tree_leaves
+
+from graphddp.graph.capture import autograd_nodes
 
 # Key of the autograd node metadata the compiler sets on every forward of a model whose
 # optimizer is attached (graphddp.compiler.graph_compiler).
@@ -146,18 +147,11 @@ def _scaler_refusal(what: str, why: str) -> RuntimeError:
 
 
 def _attached_reached(outputs: Any) -> list[Any]:
-    todo = [t.grad_fn for t in tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    seen: set[Any] = set()
     found: list[Any] = []
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
+    for node in autograd_nodes(outputs):
         attached = node.metadata.get(ATTACHED_NODE)
         if attached is not None and all(a is not attached for a in found):
             found.append(attached)
-        todo.extend(n for n, _ in node.next_functions)
     return found
 
 
