@@ -40,7 +40,7 @@ from torch._guards import detect_fake_mode
 from graphddp.graph.bucket_function import HookContext, _builtin_fn, _user_fn
 from graphddp.graph.capture import descendants
 from graphddp.graph.anchors import IssuePoints, _Placement, place_buckets
-from graphddp.graph.trace import set_outputs, trace
+from graphddp.graph.trace import add_inputs, set_outputs, trace
 from graphddp.hooks import builtin as hooks
 from graphddp.hooks.traced import StateSpec, TracedHook
 from graphddp.values.comm import BUCKET_KEY, CARRIED, ROLE_KEY, group_of, is_collective, is_wait
@@ -158,14 +158,10 @@ def _slot_values(graph: fx.Graph, slots: Sequence[GradSlot], make: Any) -> list[
 
 def _add_inputs(graph: fx.Graph, new: Sequence[tuple[int, str, torch.Tensor, Mapping[str, Any]]]) -> dict[int, list[fx.Node]]:
     """Placeholders after the existing ones, one per (bucket index, name, fake value, meta)."""
-    placeholders = graph.find_nodes(op="placeholder")
-    last = placeholders[-1] if placeholders else None
+    nodes = add_inputs(graph, [name for _, name, _, _ in new], [{"val": val, BUCKET_KEY: index, **meta} for index, _, val, meta in new])
     by_bucket: dict[int, list[fx.Node]] = {}
-    for index, name, val, meta in new:
-        with graph.inserting_after(last):
-            last = graph.placeholder(name)
-        last.meta.update({"val": val, BUCKET_KEY: index, **meta})
-        by_bucket.setdefault(index, []).append(last)
+    for (index, *_), node in zip(new, nodes):
+        by_bucket.setdefault(index, []).append(node)
     return by_bucket
 
 

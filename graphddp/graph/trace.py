@@ -67,6 +67,19 @@ def set_outputs(graph: fx.Graph, outs: Sequence[Any]) -> None:
         ]
 
 
+def add_inputs(graph: fx.Graph, names: Sequence[str], metas: Sequence[Mapping[str, Any]]) -> list[fx.Node]:
+    """New placeholders after the existing ones, in order, each with its meta (a fake ``val`` among it)."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    last = placeholders[-1] if placeholders else None
+    nodes = []
+    for name, meta in zip(names, metas, strict=True):
+        with graph.inserting_after(last):
+            last = graph.placeholder(name)
+        last.meta.update(meta)
+        nodes.append(last)
+    return nodes
+
+
 def role_of(node: fx.Node) -> str | None:
     custom = node.meta.get("custom")
     return custom.get(ROLE_KEY) if isinstance(custom, dict) else None

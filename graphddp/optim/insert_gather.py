@@ -24,7 +24,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from graphddp.graph.invariants import from_average
-from graphddp.graph.trace import splice, trace
+from graphddp.graph.trace import add_inputs, splice, trace
 from graphddp.graph.verify_common import _fail
 from graphddp.optim.shard_functions import ShardLayout, gathered_value, write_fn
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
@@ -39,14 +39,11 @@ def insert_forward_gathers(gm: fx.GraphModule, shards: Sequence[ShardLayout], pa
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     fake_mode = detect_fake_mode(tuple(n.meta["val"] for n in placeholders if "val" in n.meta))
     order = {n: i for i, n in enumerate(graph.nodes)}
-    last = placeholders[-1]
     for shard in shards:
         b = shard.bucket
         params = [placeholders[param_index[n]] for n in b.param_names]
-        with graph.inserting_after(last):
-            last = graph.placeholder(f"gather{b.index}")
-        last.meta["val"] = gathered_value(shard, fake_mode, params[0].meta["val"])
-        last.meta[BUCKET_KEY], last.meta[ROLE_KEY] = b.index, GATHER_INPUT
+        value = gathered_value(shard, fake_mode, params[0].meta["val"])
+        (last,) = add_inputs(graph, [f"gather{b.index}"], [{"val": value, BUCKET_KEY: b.index, ROLE_KEY: GATHER_INPUT}])
         readers = [u for p in params for u in p.users]
         first = min(readers, key=order.__getitem__) if readers else graph.output_node()
         write = trace(write_fn(shard), [last.meta["val"], *(p.meta["val"] for p in params)], f"forward gather of bucket {b.index}")

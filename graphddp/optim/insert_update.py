@@ -29,7 +29,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from graphddp.graph.capture import storage_of, views_of
-from graphddp.graph.trace import after_all, set_outputs, splice, trace
+from graphddp.graph.trace import add_inputs, after_all, set_outputs, splice, trace
 from graphddp.optim import attached as optim
 from graphddp.optim.clip import insert_clip, insert_scaled
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY
@@ -112,15 +112,7 @@ def append_update_inputs(
 
 
 def add_update_inputs(graph: fx.Graph, labels: Sequence[str], vals: Sequence[torch.Tensor]) -> list[fx.Node]:
-    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
-    nodes = []
-    for label, val in zip(labels, vals, strict=True):
-        with graph.inserting_after(last):
-            last = graph.placeholder(label)
-        last.meta["val"] = val
-        last.meta[ROLE_KEY] = UPDATE_INPUT
-        nodes.append(last)
-    return nodes
+    return add_inputs(graph, labels, [{"val": val, ROLE_KEY: UPDATE_INPUT} for val in vals])
 
 
 class UpdateTraces:
