@@ -29,12 +29,14 @@ class HookContext:
     parameters: Mapping[str, torch.nn.Parameter] = dataclasses.field(default_factory=dict)
 
 
+def flat_view(t: torch.Tensor, numel: int) -> torch.Tensor:
+    if not t.is_contiguous():  # a view can only flatten contiguous memory
+        t = aten.clone.default(t, memory_format=torch.contiguous_format)
+    return aten.view.default(t, [numel])
+
+
 def _flatten(grads: Sequence[torch.Tensor], bucket: Bucket) -> torch.Tensor:
-    flats = []
-    for grad, slot in zip(grads, bucket.slots, strict=True):
-        if not grad.is_contiguous():  # a view can only flatten contiguous memory
-            grad = aten.clone.default(grad, memory_format=torch.contiguous_format)
-        flats.append(aten.view.default(grad, [slot.numel]))
+    flats = [flat_view(grad, slot.numel) for grad, slot in zip(grads, bucket.slots, strict=True)]
     return flats[0] if len(flats) == 1 else aten.cat.default(flats)
 
 

@@ -10,6 +10,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from graphddp.graph.bucket_function import flat_view
 from graphddp.graph.trace import fresh_copy, role
 from graphddp.hooks import builtin as hooks
 from graphddp.optim import clip
@@ -69,12 +70,6 @@ def layout(shard: ShardLayout) -> list[str]:
     return names
 
 
-def _flat(t: torch.Tensor, numel: int) -> torch.Tensor:
-    if not t.is_contiguous():
-        t = aten.clone.default(t, memory_format=torch.contiguous_format)
-    return aten.view.default(t, [numel])
-
-
 def _clone(t: torch.Tensor) -> torch.Tensor:
     """A copy inductor's ``remove_noop_ops`` folds into the parameter, so the update writes its part in
     place: only where nothing reads the old values after the update (``insert_shard._reads_after``)."""
@@ -94,7 +89,7 @@ def _issue(shard: ShardLayout, hook: hooks.CommHook, grads: Sequence[torch.Tenso
     columns = []
     for grad, slot, c in zip(grads, bucket.slots, shard.chunks):
         with role("flatten"):
-            flat = _flat(grad, slot.numel)
+            flat = flat_view(grad, slot.numel)
             column = aten.view.default(aten.constant_pad_nd.default(flat, [0, world * c - slot.numel]), [world, c])
         with role("compress"):
             column = hook.compress(column, bucket)
@@ -119,7 +114,7 @@ def _copies(shard: ShardLayout, params: Sequence[torch.Tensor], private: bool) -
     ``gather="forward"`` until the next forward writes them)."""
     copy = fresh_copy if private else _clone
     with role("update"):
-        return [copy(aten.slice.Tensor(_flat(p, s.numel), 0, lo, hi)) for p, s, (lo, hi) in zip(params, shard.bucket.slots, shard.parts)]
+        return [copy(aten.slice.Tensor(flat_view(p, s.numel), 0, lo, hi)) for p, s, (lo, hi) in zip(params, shard.bucket.slots, shard.parts)]
 
 
 def _step(shard: ShardLayout, grad_part: torch.Tensor, work: list[torch.Tensor], rest: list[torch.Tensor]) -> torch.Tensor:
