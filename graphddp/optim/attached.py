@@ -44,11 +44,6 @@ SUPPORTED = ("SGD", "Adam", "AdamW")
 F64 = torch.float64
 
 
-def step_dtype(fused: bool = False) -> torch.dtype:
-    """The dtype of Adam's ``state["step"]``, as torch creates it (``_get_scalar_dtype``)."""
-    return torch.float32 if fused or torch.get_default_dtype() != F64 else F64
-
-
 @dataclasses.dataclass(frozen=True)
 class UpdateRule:
     """What one param group's update compiles to: the optimizer and its shape-changing flags;
@@ -101,7 +96,7 @@ def adam_step(rule: UpdateRule, like: torch.Tensor, step: torch.Tensor | None = 
     step costs a host kernel per parameter on a GPU, docs/gpu.md), so a given ``step`` (say,
     loaded) is moved there; None: a new one at zero."""
     device = like.device if rule.flag("capturable") or rule.flag("fused") else torch.device("cpu")
-    dtype = step_dtype(rule.flag("fused"))
+    dtype = torch.float32 if rule.flag("fused") or torch.get_default_dtype() != F64 else F64  # torch's _get_scalar_dtype
     if step is None:
         return torch.zeros((), dtype=dtype, device=device)
     return step if (step.device, step.dtype) == (device, dtype) else step.to(device=device, dtype=dtype)
