@@ -22,8 +22,6 @@ from graphddp.frontend.wrap import prepare, resolve_group
 # same code shares one recompile limit, so earlier compiles of the model's class (explain's,
 # another wrapper's) would push this one into eager fallback.
 _ISOLATED = {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
-# Compiling a graphddp module again (torch.compile(gd), gd.compile()) composes: its forward is
-# opaque to the outer compile, which runs it as it is. The outer compile's settings do nothing.
 _OUTER_COMPILE = (
     "a graphddp module compiles itself: an outer torch.compile (or .compile()) runs it as it is "
     "and its backend, mode and options do not apply; pass mode=/options= to graphddp.compile, or "
