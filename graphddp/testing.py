@@ -1,7 +1,5 @@
 """Helpers for tests, examples and the benchmark: spawned gloo ranks, a fake process group and
-a DDP-equivalence harness. Shipped in the package so users can test their own models. (Comm
-hooks written as users write them: :mod:`graphddp.hooks.examples`; a tiny Hugging Face GPT-2:
-:mod:`graphddp.models`.)"""
+a DDP-equivalence harness, shipped so users can test their own models."""
 from __future__ import annotations
 
 import copy
@@ -27,11 +25,9 @@ GPU_PATHS_ENV = "GRAPHDDP_TEST_INDUCTOR_GPU_PATHS"
 
 
 def force_inductor_gpu_paths() -> None:
-    """Make inductor take, for CPU graphs, the compile paths it otherwise takes only for GPU
-    inputs, where a CPU switch exists: comprehensive padding (``disable_padding_cpu``). Such a
-    path reads graph bookkeeping a CPU compile never reads (the output node's
-    ``user_visible_output_idxs`` and ``original_output_strides``): a rewrite that left it stale
-    crashed on every GPU and passed every CPU test. Process-wide, for test processes."""
+    """Make inductor take, for CPU graphs, its GPU-only comprehensive padding path, which reads
+    output-node bookkeeping a CPU compile never reads: a rewrite that left it stale crashed on
+    every GPU and passed every CPU test. Process-wide, for test processes."""
     from torch._inductor import config as inductor_config
 
     if hasattr(inductor_config, "disable_padding_cpu"):
@@ -40,8 +36,6 @@ def force_inductor_gpu_paths() -> None:
 
 
 def _init_rank(rank: int, world_size: int, store_path: str, pg_timeout: float) -> None:
-    """One spawned rank: one thread, a gloo group over a file store, faulthandler on; inductor's
-    GPU-only paths on when ``GPU_PATHS_ENV`` asks (:func:`force_inductor_gpu_paths`)."""
     # A rank that dies in C++ (abort, segfault) reports no Python traceback; faulthandler
     # prints where each thread was, so a crash in CI says more than an exit code.
     faulthandler.enable(all_threads=True)
@@ -55,17 +49,10 @@ def _init_rank(rank: int, world_size: int, store_path: str, pg_timeout: float) -
 
 
 def freeze_survivors() -> None:
-    """Collect garbage, then move every survivor out of the collector's sight (``gc.freeze``).
-
-    A test process holds torch's, transformers' and Dynamo's long-lived objects (hundreds of
-    thousands); every full collection, and Dynamo's tracing triggers many, walks them all:
-    about a fifth of a compile's time in a rank. Frozen survivors are still freed by reference
-    counting; only a cycle among them is never collected, which a test process can afford.
-    For test processes only (the test session's rank pools, and ranks :func:`spawn` starts
-    while it runs): a user's process should not lose its cycle collection, and the benchmark's
-    and ``tools.compile_time``'s ranks, which also come from :func:`spawn`, must collect as a
-    user's process does, or their figures would not be the user's.
-    """
+    """Collect garbage, then hide every survivor from the collector (``gc.freeze``): every full
+    collection (Dynamo's tracing triggers many) walks a test process's hundreds of thousands of
+    long-lived objects. Only a cycle among them is never freed, which a test process can afford;
+    a user's process (and the benchmark's ranks) must collect as usual."""
     gc.collect()
     gc.freeze()
 
@@ -102,12 +89,8 @@ def _entry(
 
 
 def release_process_group() -> None:
-    """Destroy the default group once nothing of ours holds it any more.
-
-    Compiled modules, their guards and DDP reducers keep the group alive; dropping Dynamo's
-    caches and collecting cycles first lets its last reference die inside
-    ``destroy_process_group``, while the interpreter is whole.
-    """
+    """Destroy the default group after dropping Dynamo's caches and cycles, which hold it, so its
+    last reference dies inside ``destroy_process_group`` while the interpreter is whole."""
     torch._dynamo.reset()
     gc.collect()
     if dist.is_initialized():
@@ -118,16 +101,12 @@ def spawn(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0, pg_timeout: float = 120.0,
     fresh: bool = False,
 ) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo CPU ranks; re-raise failures.
+    """Run the importable ``fn(rank, world_size, *args)`` on ``world_size`` gloo CPU ranks and
+    re-raise failures; a failure or ``timeout`` terminates the rest, so a test never hangs.
 
-    ``fn`` must be importable (module level). A rank that fails makes the others be
-    terminated; ranks still running after ``timeout`` seconds are killed, so a test never hangs.
-    ``pg_timeout`` is the process group's collective timeout, in seconds.
-
-    After :func:`reuse_ranks` (the test suite turns it on), 2- and 3-rank calls with the default
-    ``pg_timeout`` run on a :class:`RankPool` of that size instead of new processes;
-    ``fresh=True`` asks for new processes anyway (a function that changes process-wide state,
-    or kills a rank).
+    After :func:`reuse_ranks`, calls with a pool's size and the default ``pg_timeout`` run on a
+    :class:`RankPool`; ``fresh=True`` asks for new processes (a function that changes
+    process-wide state, or kills a rank).
     """
     if _POOL_ENABLED and world_size in RankPool.WORLDS and pg_timeout == RankPool.PG_TIMEOUT and not fresh:
         return _pool(world_size).run(fn, args, timeout)
@@ -175,11 +154,8 @@ _POOLS: "dict[int, RankPool]" = {}
 
 
 def reuse_ranks(enabled: bool = True) -> None:
-    """Let :func:`spawn` run 2- and 3-rank functions on long-lived groups of ranks.
-
-    Starting the ranks (interpreters, ``import torch``, the process group) and their first
-    compile costs seconds per call, most of a short test; a pool pays it once per size.
-    """
+    """Let :func:`spawn` run on long-lived groups of ranks: starting ranks costs seconds per call,
+    most of a short test; a pool pays it once per size."""
     global _POOL_ENABLED
     _POOL_ENABLED = enabled
     if not enabled:
@@ -224,13 +200,8 @@ def _pool_entry(rank: int, world_size: int, store_path: str, tasks: Any, results
 
 
 class RankPool:
-    """Gloo ranks (2, 3 or 4) that run one function after another (see :func:`reuse_ranks`).
-
-    Between functions each rank resets Dynamo and collects garbage, freezing what survives
-    (:func:`freeze_survivors`); after a failure or a timeout the pool is retired (its processes
-    terminated) and the next call starts a new one, so one failing test cannot leave a
-    half-finished collective for the next.
-    """
+    """Gloo ranks that run one function after another, resetting Dynamo in between; after a failure
+    or a timeout the pool is retired, so a failing test cannot leave a half-finished collective."""
 
     WORLDS = (2, 3, 4)
     PG_TIMEOUT = 120.0
@@ -310,10 +281,8 @@ def init_fake_process_group(world_size: int, rank: int = 0) -> None:
 
 
 def paired_grads(ours: nn.Module, ref: nn.Module, step: int) -> Iterator[tuple[str, nn.Parameter, nn.Parameter]]:
-    """``(name, our parameter, reference parameter)`` for every parameter both have a grad for.
-
-    A gradient present on one side only fails here: that is a missed or extra reduction.
-    """
+    """``(name, ours, reference)`` for every parameter both have a grad for; a grad on one side only
+    (a missed or extra reduction) fails."""
     named_ref = dict(ref.named_parameters())
     for name, p in ours.named_parameters():
         q = named_ref[name]
@@ -336,12 +305,9 @@ def assert_matches_ddp(
     ddp_hook: tuple[Any, Callable[..., Any]] | None = None,
     **graphddp_kwargs: Any,
 ) -> Any:
-    """On every rank: train DDP and graphddp side by side, compare every grad and param.
-
-    ``make_batch(rank, step) -> (inputs, target)``; inputs is a tuple of positional args.
-    ``ddp_hook``: ``(state, hook)`` registered on DDP with ``register_comm_hook``.
-    Returns the graphddp module for further checks.
-    """
+    """On every rank: train DDP and graphddp side by side, compare every grad and param; returns
+    the graphddp module. ``make_batch(rank, step) -> (args tuple, target)``; ``ddp_hook``: DDP's
+    ``register_comm_hook`` arguments."""
     import graphddp
 
     torch.manual_seed(1234)

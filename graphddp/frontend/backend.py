@@ -1,25 +1,14 @@
-"""graphddp for pipelines that own their ``torch.compile`` call.
+"""graphddp for pipelines that own their ``torch.compile`` call (docs/compiled-pipelines.md).
 
-Trainers and frameworks call ``torch.compile`` themselves, on whatever model they are handed,
-often with a backend given as an object or as a string. Two forms fit them:
+* ``torch.compile(model, backend=graphddp.backend(model, **options))``: :func:`backend` does the
+  wrap-time work of ``graphddp.compile`` now and wraps ``model.forward`` with the mode's
+  per-forward work, which runs eagerly, graph breaks around the compiled forward. DDP's switches
+  (``no_sync()``, ``require_backward_grad_sync``, ``register_comm_hook``) are the backend object's:
+  there is no wrapper module, and the switch set on the model is refused at the next forward.
+* ``torch.compile(model, backend="graphddp")``: the same for code that takes a backend name, which
+  finds the :func:`backend` made for the graph's model: call ``graphddp.backend`` first.
 
-* ``torch.compile(model, backend=graphddp.backend(model, process_group=..., **options))``:
-  :func:`backend` does at once what ``graphddp.compile`` does at wrap time (parameter
-  agreement, the broadcast) and returns a torch.compile backend. It wraps ``model.forward``
-  (an instance attribute, removed by :meth:`GraphDDPCompileBackend.remove`) with the
-  per-forward work of the mode's state (replicated: :class:`~graphddp.frontend.replica.Replica`'s
-  buffer broadcast, average of gradients accumulated under ``no_sync``, uncovered-parameter
-  guard; fully sharded: :class:`~graphddp.frontend.full.FullyShardedState`'s), which runs eagerly, graph breaks before and after the compiled forward. DDP's
-  ``no_sync()``, ``require_backward_grad_sync`` and ``register_comm_hook`` are the backend
-  object's: there is no wrapper module to carry them, and the switch set on the model itself
-  (``torch.compile``'s module forwards attributes to it) is refused at the next forward,
-  since nothing would read it.
-* ``torch.compile(model, backend="graphddp")``: the same, for code that takes a backend name.
-  The name finds the :func:`backend` made for the model the graph's parameters belong to, so
-  call ``graphddp.backend(model, ...)`` first (it carries the process group and the options).
-
-``torch.compile``'s ``mode`` and ``options`` reach graphddp's inductor compile in both forms
-(``fullgraph`` and ``dynamic`` are torch.compile's own and apply as usual).
+``torch.compile``'s ``mode`` and ``options`` reach graphddp's inductor compile in both forms.
 """
 from __future__ import annotations
 
@@ -39,11 +28,8 @@ NAME = "graphddp"  # the registered backend name
 
 
 class _Backends:
-    """The process-wide registry the name ``"graphddp"`` looks in: every
-    :class:`GraphDDPCompileBackend` made, most recent last. Why process-wide: Dynamo calls a
-    backend registered by name with the graph alone, so the name must find the backend made
-    for that graph's model. Lifetime: each entry is a weak reference, kept while its backend
-    lives; dead ones are dropped whenever a backend is added."""
+    """Every :class:`GraphDDPCompileBackend` made, weakly, most recent last: process-wide because
+    Dynamo calls a backend registered by name with the graph alone."""
 
     def __init__(self) -> None:
         self._refs: list[weakref.ref] = []
@@ -61,28 +47,15 @@ BACKENDS = _Backends()
 
 
 class GraphDDPCompileBackend(ModelView):
-    """A torch.compile backend bound to one model: ``torch.compile(model, backend=this)``.
-
-    Made by :func:`backend`, in every mode. Holds the model's state (:class:`ModelView`), so
-    the same inspection and switches as a ``graphddp.compile`` module are here; it wraps the
-    model's forward with the mode's per-forward work and is found by the name ``"graphddp"``
-    for that model's graphs. With ``sharding="full"`` the model's parameters are this rank's
-    parts from now on (:mod:`graphddp.frontend.parts`); ``model.state_dict()`` gives whole
-    tensors and ``model.load_state_dict`` takes them (every rank calls both:
-    :mod:`graphddp.frontend.full_state`).
-    """
+    """A torch.compile backend bound to one model, with the same :class:`ModelView` surface as a
+    ``graphddp.compile`` module. With ``sharding="full"`` the model's parameters are this rank's
+    parts from now on; its state dicts hold whole tensors (every rank calls them)."""
 
     def __init__(self, module: nn.Module, state: Replica | FullyShardedState) -> None:
-        """Puts the mode's per-forward work around ``module.forward`` (an instance attribute):
-        ``state.before_forward(args, kwargs)`` returns the arguments the forward runs on,
-        ``state.after_forward(out)`` what it returns.
-
-        Not forward hooks: ``torch.compile`` runs those outside Dynamo only for user classes;
-        for a torch.nn class (``nn.Sequential``) it traces them, and a Dynamo-disabled hook
-        inside the traced call would make the whole forward run eagerly, uncompiled. A wrapper
-        defined here is traced like user code: the two disabled calls are graph breaks before
-        and after the compiled forward.
-        """
+        """Puts the mode's per-forward work around ``module.forward`` (an instance attribute).
+        Not forward hooks: for a torch.nn class (``nn.Sequential``) Dynamo traces those, and a
+        disabled hook inside would run the whole forward eagerly; this wrapper is traced like user
+        code, its two disabled calls graph breaks around the compiled forward."""
         self._state = state
         self._joinable()
         self.module = module
@@ -115,14 +88,13 @@ class GraphDDPCompileBackend(ModelView):
 
     @property
     def attached(self) -> bool:
-        """Until :meth:`remove`: the model's forward is wrapped and the name finds this backend."""
         return self._restore is not _DETACHED
 
     def owns(self, tensors: Sequence[Any]) -> bool:
         return any(isinstance(t, nn.Parameter) and id(t) in self._param_ids for t in tensors)
 
     def remove(self) -> None:
-        """Detach from the model: restore its forward; the name no longer finds this backend."""
+        """Restore the model's forward; the name no longer finds this backend."""
         if not self.attached:
             return
         if self._restore is _UNSET:
@@ -141,21 +113,14 @@ _WRAPPER_REASON = "graphddp's per-forward work (buffer broadcast, no_sync averag
 def backend(
     module: nn.Module, *, process_group: Any = None, device_mesh: Any = None, optimizer: Any = None, **options: Any,
 ) -> GraphDDPCompileBackend:
-    """A torch.compile backend doing graphddp's job for ``module`` (see the module docstring).
-
-    ``options`` are ``graphddp.compile``'s (DDPConfig's fields), and so is ``optimizer`` (the
-    update inside the backward, :mod:`graphddp.optim.attached`). Parameters are broadcast from the
-    group's first rank now, as by ``graphddp.compile``; ``device_mesh`` as there.
-    """
+    """A torch.compile backend doing graphddp's job for ``module``; the arguments are
+    ``graphddp.compile``'s, and parameters are broadcast now as there."""
     return GraphDDPCompileBackend(module, build_state("graphddp.backend", module, process_group, device_mesh, optimizer, options))
 
 
 def _by_name(gm: fx.GraphModule, example_inputs: Sequence[Any], **compile_kwargs: Any) -> Callable[..., Any]:
-    """``backend="graphddp"``: hand the graph to the backend made for its parameters' model.
-
-    A graph with no parameter among its inputs (after a graph break, say the loss) has no
-    gradient to average: the most recently made backend compiles it, with its options.
-    """
+    """``backend="graphddp"``: the backend made for the graph's parameters' model; a graph with
+    no parameter (the loss after a graph break) goes to the most recent backend."""
     live = BACKENDS.attached()
     owner = next((b for b in live if b.owns(example_inputs)), None)
     if owner is None and live and not any(isinstance(t, nn.Parameter) for t in example_inputs):

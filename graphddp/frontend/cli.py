@@ -189,15 +189,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     model, example_inputs = _load_factory(args.factory)()
     mesh = {"device_mesh": args.device_mesh} if args.device_mesh else {"world_size": args.world_size}
     schedules = explain(model, *example_inputs, optimizer=args.optimizer, **mesh, **options)
-    if options.get("sharding") == "full":  # read back from the compiled graphs: no predicted timeline
-        if args.format not in ("table", "json"):
-            raise SystemExit(f"--format {args.format}: sharding='full' has a table or json (--format table|json)")
-        text = (
-            "\n\n".join(f"fingerprint {s.fingerprint()}\n{s.to_table()}" for s in schedules) if args.format == "table"
-            else json.dumps([s.to_dict() for s in schedules], indent=2, sort_keys=True)
-        )
-        _write(text, args.out)
-        return 0
+    full = options.get("sharding") == "full"  # read back from the compiled graphs: no predicted timeline
+    if full and args.format not in ("table", "json"):
+        raise SystemExit(f"--format {args.format}: sharding='full' has a table or json (--format table|json)")
     if args.format in ("png", "svg"):
         if not args.out:
             raise SystemExit(f"--format {args.format} needs --out FILE")
@@ -206,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             render.plot(s, args.out if len(schedules) == 1 else f"{root}.{s.graph_index}{ext}", cost)
         return 0
     if args.format == "table":
-        text = "\n\n".join(f"fingerprint {s.fingerprint()}\n{render.table(s, cost)}" for s in schedules)
+        text = "\n\n".join(f"fingerprint {s.fingerprint()}\n{s.to_table() if full else render.table(s, cost)}" for s in schedules)
     elif args.format == "json":
         text = json.dumps([s.to_dict() for s in schedules], indent=2, sort_keys=True)
     elif args.format == "trace":

@@ -1,10 +1,7 @@
 """DDP's ``register_comm_hook(state, hook)``, as a value of graphddp's ``comm_hook=`` option.
 
-DDP calls a hook eagerly for every bucket and waits on the Future it returns; graphddp traces a
-hook into the compiled backward once per bucket (:mod:`graphddp.hooks.traced`). DDP's own hooks
-are written for eager execution (``dist.all_reduce(..., async_op=True)``, Futures, a state
-mutated in Python), so tracing them would fail; graphddp has an in-graph equivalent of each
-of four, and a swap from DDP keeps working when each maps to it:
+DDP's own hooks are written for eager execution (Futures, state mutated in Python), so tracing
+them would fail; four have an in-graph equivalent, so a swap from DDP keeps working:
 
 =====================================================  ==========================================
 DDP's hook                                             graphddp's ``comm_hook=``
@@ -16,16 +13,10 @@ DDP's hook                                             graphddp's ``comm_hook=``
                                                        settings, its random stream and step count
 =====================================================  ==========================================
 
-What cannot be mapped is refused by name: a process group other than the model's (the three
-default hooks take one as their state; ``None`` is WORLD, as in DDP), a ``PowerSGDState``
-that has already compressed (its per-bucket error and Q tensors belong to DDP's buckets),
-and every other hook of ``torch.distributed.algorithms.ddp_comm_hooks`` (``batched_powerSGD_hook``,
-the ``*_compress_wrapper`` hooks, quantization, post-local SGD, ``noop_hook``...). Any other
-hook is the user's own and is traced as ``comm_hook=(state, hook)`` is.
-
-The ``PowerSGDState`` is read once: graphddp's :class:`~graphddp.hooks.PowerSGD` keeps its
-own state (in ``model.state_dict()`` under ``"graphddp_comm_hook"``), so the DDP state object's
-``iter`` and compression statistics do not move.
+Refused by name: a process group other than the model's, a ``PowerSGDState`` that has compressed
+already (its tensors belong to DDP's buckets), and DDP's other hooks. Any other hook is the user's
+own, traced as ``comm_hook=(state, hook)``. The ``PowerSGDState`` is read once: graphddp's PowerSGD
+keeps its own state, so the DDP state's ``iter`` and statistics do not move.
 """
 from __future__ import annotations
 
@@ -49,8 +40,7 @@ MAPPED = ("allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "powerSG
 
 
 def as_comm_hook(where: str, state: object, hook: Callable[..., Any], group: Any) -> tuple[Any, str]:
-    """``(comm_hook= value, the hook's name for messages)`` for DDP's ``(state, hook)``
-    registered on a model that averages over ``group`` (module docstring)."""
+    """``(comm_hook= value, the hook's name for messages)`` for DDP's ``(state, hook)``."""
     if not callable(hook):
         raise TypeError(f"{where}: hook must be callable, as DDP's register_comm_hook requires; got {hook!r}")
     name = getattr(hook, "__qualname__", None) or repr(hook)
@@ -69,8 +59,7 @@ def as_comm_hook(where: str, state: object, hook: Callable[..., Any], group: Any
 
 
 def _check_group(where: str, what: str, state_group: Any, group: Any) -> None:
-    """A DDP hook talks on the group its state names (None: WORLD); graphddp's hooks on the
-    model's group: the two must be the same group."""
+    """The group a DDP hook's state names (None: WORLD) must be the model's."""
     named = state_group if state_group is not None else dist.group.WORLD
     if named is group or group_name_of(named) == group_name_of(group):
         return

@@ -1,12 +1,9 @@
 """Whole tensors in and out of a fully sharded module: its state dicts and its optimizer's.
 
-Each rank holds one part of every parameter (:mod:`graphddp.frontend.parts`), over the shard
-group. Checkpoints must not see that: ``state_dict()`` gives every parameter whole (gathered
-over the shard group) under the module's own keys, and ``load_state_dict`` takes whole tensors
-and keeps this rank's part, so checkpoints move between world sizes and to plain models. Both
-go through hooks on the module itself, so the module ``graphddp.compile`` returns and the
-user's own module under ``graphddp.backend`` (whose ``model.state_dict()`` is the one a
-pipeline calls) behave alike. Every rank calls them: they gather.
+Checkpoints must not see the parts: ``state_dict()`` gathers every parameter whole under the
+module's own keys, and ``load_state_dict`` keeps this rank's part, so checkpoints move between
+world sizes and to plain models. Hooks on the module itself make both forms (and a pipeline's
+``model.state_dict()`` under ``graphddp.backend``) behave alike. Every rank calls them: they gather.
 """
 from __future__ import annotations
 
@@ -23,7 +20,6 @@ from graphddp.values.shards import padded_part
 
 
 class WholeTensors:
-    """One fully sharded module's parts, read and written whole (module docstring)."""
 
     def __init__(self, parts: Mapping[int, Part], shard_group: Any) -> None:
         self.parts = dict(parts)

@@ -1,12 +1,9 @@
 """``device_mesh=``: the process groups a sharded mode runs on, read from a ``DeviceMesh``.
 
-FSDP2's convention: a 1-D mesh is one group (what ``process_group=`` means); a 2-D mesh is
-hybrid sharding, dim 0 replicating and dim 1 sharding (``("replicate", "shard")``). The
-parameters (``sharding="full"``) or the optimizer state (``sharding="optimizer"``) are cut over
-the shard group only, and each part is averaged over the replicate group after its
-reduce-scatter (:class:`graphddp.values.placement.Placement`). Everything that concerns the
-whole job (the wrap-time broadcast, the step's agreement, a divergent step's average, the
-buffers) runs on the group of every rank of the mesh.
+FSDP2's convention: a 1-D mesh is one group; a 2-D mesh is hybrid sharding, dim 0 replicating and
+dim 1 sharding: parts are cut over the shard group and averaged over the replicate group too
+(:class:`graphddp.values.placement.Placement`). What concerns the whole job (the broadcast, the
+step's agreement, the buffers) runs on the group of every rank of the mesh.
 """
 from __future__ import annotations
 
@@ -43,10 +40,9 @@ def flat_groups(group: Any) -> MeshGroups:
 
 
 def resolve_mesh(where: str, device_mesh: Any, process_group: Any, sharding: str | None) -> MeshGroups:
-    """The groups ``device_mesh`` names (module docstring); without one, ``process_group`` (or
-    WORLD) alone. Refused by name: both given, a mesh of another rank count than the default
-    group's (its whole group would be a new group every rank must make), more than two dims, and
-    a 2-D mesh without a sharded mode."""
+    """The groups ``device_mesh`` names; without one, ``process_group`` (or WORLD) alone. A mesh of
+    another rank count than the default group's is refused: its whole group would be a new group
+    every rank must make."""
     if device_mesh is None:
         return flat_groups(process_group if process_group is not None else dist.group.WORLD)
     if process_group is not None:

@@ -1,21 +1,11 @@
 """One rank's replica of a data-parallel model: the work around every forward call.
 
-DDP does three things at forward time that no compiled graph can do: it broadcasts buffers
-before the forward (``broadcast_buffers``), it starts averaging gradients that were
-accumulated locally under ``no_sync`` once a synchronising forward begins, and (in graphddp)
-a parameter that no compiled graph of this forward covers must not end up with an un-averaged
-gradient. :class:`Replica` holds that state and does that work: it is the mode's state of
-the replicated and ``sharding="optimizer"`` modes, which both forms graphddp comes in read
-through one surface (:class:`graphddp.frontend.api.ModelView`):
-
-* ``graphddp.compile(model)`` returns a module whose ``forward`` calls
-  :meth:`Replica.before_forward`, the compiled model, then :meth:`Replica.after_forward`;
-* ``torch.compile(model, backend=graphddp.backend(model))`` wraps ``model.forward`` with the
-  same two calls, Dynamo-disabled, so they run eagerly around the compiled forward
-  (:mod:`graphddp.frontend.backend` says why not hooks).
-
-Wrap-time work (parameter agreement, the initial broadcast, attaching an optimizer) is
-:func:`graphddp.frontend.wrap.prepare`.
+DDP does at forward time what no compiled graph can: it broadcasts buffers (``broadcast_buffers``)
+and, once a synchronising forward begins, starts averaging gradients accumulated under ``no_sync``;
+and in graphddp a parameter no compiled graph of the forward covers must not keep an un-averaged
+gradient. :class:`Replica` does that work for the replicated and ``sharding="optimizer"`` modes,
+between the compiled forward's two Dynamo-disabled calls, :meth:`Replica.before_forward` and
+:meth:`Replica.after_forward`, in both forms. Wrap-time work is :func:`graphddp.frontend.wrap.prepare`.
 """
 from __future__ import annotations
 
@@ -31,7 +21,7 @@ from graphddp.compiler.record import GraphRecord
 from graphddp.config import DDPConfig
 from graphddp.frontend.ddp_hooks import as_comm_hook
 from graphddp.frontend.wrap import _refuse_optimizer_with_traced_hook
-from graphddp.graph.capture import names_by_identity
+from graphddp.graph.capture import autograd_nodes, names_by_identity
 from graphddp.hooks.traced import HOOK_STATE_KEY
 from graphddp.optim.attached import AttachedOptimizer
 from graphddp.runtime.join import JoinState, join, join_hook
@@ -41,7 +31,6 @@ from graphddp.values.schedule import Schedule
 
 
 class Replica:
-    """The data-parallel state of one model on this rank (see the module docstring)."""
 
     def __init__(self, module: nn.Module, group: Any, config: DDPConfig, optimizer: AttachedOptimizer | None = None) -> None:
         self.module = module
@@ -60,9 +49,8 @@ class Replica:
             self._finish_gathers_on_checkpoints()
 
     def _build(self, config: DDPConfig, sync: bool = True) -> None:
-        """The step and the compiler for ``config``: at construction, and again when
-        :meth:`register_comm_hook` changes the hook before anything ran (``sync``, the user's
-        switch, carries over; nothing else has state yet)."""
+        """The step and the compiler for ``config``; again when :meth:`register_comm_hook` changes
+        the hook before anything ran (only ``sync``, the user's switch, has state yet)."""
         self.config = config
         # What this step is: the one owner (graphddp.runtime.step). Which graphs ran is asked only by
         # the optimizer inside the backward and by a traced hook.
@@ -77,20 +65,17 @@ class Replica:
             self.step.on_end_of_step(self.optimizer.finish)
 
     def _average_accumulated(self, shadow: bool) -> None:
-        """Average the gradients accumulated under ``no_sync`` now, every trainable parameter
-        in a canonical layout (a joined rank: zeros): the step after ``no_sync`` that cannot
-        carry them into its buckets (:meth:`graphddp.runtime.step.StepState.agree`)."""
+        """Average the gradients accumulated under ``no_sync`` now (a joined rank: zeros), for a
+        step that cannot carry them into its buckets."""
         trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         average_async(trainable, self.group, shadow=shadow).wait()
 
     def compile_graph(self, gm: Any, example_inputs: Any, **compile_kwargs: Any) -> Any:
-        """The torch.compile backend of both forms: the current compiler (:meth:`_build`)."""
         return self.backend(gm, example_inputs, **compile_kwargs)
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
-        """DDP's ``register_comm_hook``, its hook made a ``comm_hook=`` value
-        (:mod:`graphddp.frontend.ddp_hooks`): once, before the first forward (the hook is
-        compiled into every backward graph), and not on top of ``comm_hook=``."""
+        """DDP's hook made a ``comm_hook=`` value: once, before the first forward (it is compiled
+        into every backward), and not on top of ``comm_hook=``."""
         where = "register_comm_hook"
         comm_hook, what = as_comm_hook(where, state, hook, self.group)
         if self._hook_registered:
@@ -112,10 +97,9 @@ class Replica:
         self._hook_registered = True
 
     def _finish_gathers_on_checkpoints(self) -> None:
-        """gather="forward": ``state_dict()`` and ``load_state_dict()`` of any module holding
-        parameters (the wrapped one's, a submodule's, through any reference) first complete the
-        all-gathers a backward left pending (:mod:`graphddp.runtime.gathers`), so a checkpoint
-        holds the updated values, and a load is not overwritten by a late write."""
+        """gather="forward": any parameter-holding submodule's state dict calls first complete the
+        pending all-gathers, so a checkpoint holds the updated values and a late write cannot
+        overwrite a load."""
         def finish(*_: Any, **__: Any) -> None:
             self.step.gathers.finish()
 
@@ -138,12 +122,10 @@ class Replica:
 
     @property
     def hook_state(self) -> Any:
-        """A traced comm hook's state (PowerSGD's Q and error), saved with the model; None without one."""
         return self.backend.hook_state
 
     @property
     def sync(self) -> bool:
-        """DDP's ``require_backward_grad_sync``, held by the step (:meth:`StepState.set_sync`)."""
         return self.step.sync
 
     @sync.setter
@@ -177,8 +159,7 @@ class Replica:
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
-        """The module's own, their updated values completed first (``gather="forward"`` leaves
-        them on the wire between a backward and the next forward)."""
+        """The module's own, pending all-gathers (``gather="forward"``) completed first."""
         self.finish_gathers()
         return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
@@ -202,7 +183,7 @@ class Replica:
 
     def before_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Broadcast buffers; start averaging gradients accumulated under ``no_sync``; inside
-        ``join()``, tell the joined ranks what this step does (:mod:`graphddp.runtime.join`)."""
+        ``join()``, tell the joined ranks what this step does."""
         distributed = self.world_size > 1
         step = self.step
         self._forwards_began = True
@@ -232,8 +213,7 @@ class Replica:
         return args, kwargs
 
     def after_forward(self, out: Any) -> Any:
-        """Finish the average; guard parameters no compiled graph of this forward covered
-        (``out``, the forward's output, says which of them it may give a gradient)."""
+        """Finish the average; guard parameters no compiled graph of this forward covered."""
         step = self.step
         if self._pending is not None:
             self._pending.wait()
@@ -259,12 +239,9 @@ class Replica:
         return out
 
     def _take_returned_parameters(self, out: Any) -> None:
-        """A parameter the forward returns as it is (or an eager view of it): Dynamo hands it
-        back without a graph, so the gradient through it reaches ``p.grad`` past the buckets.
-        The step takes that gradient as eager code's (:attr:`StepState.eager`): the step is
-        divergent and the union average at its end averages it with the rest, as DDP's hooks
-        would. (A view made inside a graph is copied there instead:
-        :mod:`graphddp.graph.alias_outputs`.)"""
+        """A parameter the forward returns as it is (or an eager view of it) gets its gradient past
+        the buckets, as Dynamo hands it back without a graph: the step takes it as eager code's,
+        averaged at the step's end. (A view made inside a graph: :mod:`graphddp.graph.alias_outputs`.)"""
         from torch.utils._pytree import tree_leaves
 
         leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad and (t.is_leaf or t._base is not None)]
@@ -279,17 +256,11 @@ class Replica:
     def _guard_uncovered_parameters(self, syncing: bool, out: Any, uncovered_params: list[tuple[str, Any]]) -> None:
         """Average, or fail loudly on, gradients produced outside the compiled graphs that ran.
 
-        A parameter that no compiled graph of this forward covers (used in eager code between
-        graph breaks, or in a frame Dynamo ran eagerly: a graph break inside a loop, the
-        recompile limit) would get a gradient nobody averages. If the forward's output depends
-        on it (a walk of the autograd graph from ``out``, as DDP's ``find_unused_parameters``
-        walks, made only when such parameters exist), the step takes it
-        (:attr:`StepState.eager`): the step becomes divergent and the union average at its end
-        averages it with the rest (:mod:`graphddp.runtime.union`). Any other (unused, or used outside
-        the forward) gets a hook that raises if a gradient reaches it, instead of a silently
-        wrong gradient. Nothing runs in the steady state, where every graph ran.
-        ``uncovered_params``: the trainable parameters no graph of this forward covered
-        (:meth:`after_forward` walks the module once for this and the carry check).
+        A parameter no compiled graph of this forward covers (eager code between graph breaks, a
+        frame Dynamo ran eagerly) would get a gradient nobody averages. If ``out`` depends on it
+        (an autograd walk, as DDP's ``find_unused_parameters``), the step takes it as eager and
+        averages it at its end (:mod:`graphddp.runtime.union`); any other gets a hook that raises
+        if a gradient reaches it. Nothing runs in the steady state.
         """
         step = self.step
         covered = step.ran_params
@@ -320,20 +291,13 @@ class Replica:
 
 def _reached_parameters(out: Any, wanted: set[int]) -> set[int]:
     """Which of the tensors with ids ``wanted`` the autograd graph of ``out`` leads to."""
-    from torch.utils._pytree import tree_leaves
-
-    todo = [t.grad_fn for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    seen: set[Any] = set()
     found: set[int] = set()
-    while todo and found != wanted:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
+    for node in autograd_nodes(out):
+        if found == wanted:
+            break
         variable = getattr(node, "variable", None)  # an AccumulateGrad node: its leaf
         if variable is not None and id(variable) in wanted:
             found.add(id(variable))
-        todo.extend(n for n, _ in node.next_functions)
     return found
 
 

@@ -1,13 +1,6 @@
-"""Wrap-time work, as DDP's constructor does it: what every mode checks and broadcasts once.
-
-Before a model is compiled (by ``graphddp.compile`` or ``graphddp.backend``), each rank checks
-what can be checked without a graph: the module's type and an initialized process group
-(:func:`resolve_group`); no sparse gradient, one device, inductor settings graphddp can keep,
-the same parameters on every rank, then the broadcast from the group's first rank
-(:func:`check_and_broadcast`, which ``sharding="full"`` shares); the options that need an
-optimizer, or refuse one; the optimizer attached and the cost model resolved (:func:`prepare`).
-Kept apart from :mod:`graphddp.frontend.replica`, whose state is the work around every forward:
-this runs once, and leaves behind only what it returns.
+"""Wrap-time work, as DDP's constructor does it: what every mode checks and broadcasts once, before
+any graph exists. Kept apart from :mod:`graphddp.frontend.replica`'s per-forward work: this runs
+once and leaves behind only what it returns.
 """
 from __future__ import annotations
 
@@ -27,7 +20,6 @@ from graphddp.runtime.sync import broadcast_tensors
 
 
 def _check_devices(module: nn.Module) -> torch.device | None:
-    """The one device of the module's parameters and buffers (None when it has none)."""
     devices: dict[torch.device, str] = {}
     for name, t in list(module.named_parameters()) + list(module.named_buffers()):
         devices.setdefault(t.device, name)
@@ -41,10 +33,8 @@ def _check_devices(module: nn.Module) -> torch.device | None:
 
 
 def _refuse_sparse_gradients(where: str, module: nn.Module) -> None:
-    """Sparse gradients (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``) are
-    refused by name at wrap time: graphddp averages flat dense buckets inside the compiled
-    backward, and DDP's separate sparse all-reduce has no place there (it failed deep in the
-    rewrite, naming a memory format)."""
+    """Refused by name now: graphddp's buckets are dense, and a sparse gradient failed deep in the
+    rewrite."""
     for prefix, sub in module.named_modules():
         if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
             name = f"{prefix}.weight" if prefix else "weight"
@@ -56,9 +46,7 @@ def _refuse_sparse_gradients(where: str, module: nn.Module) -> None:
 
 
 def resolve_group(where: str, module: Any, process_group: Any, options: dict[str, Any]) -> Any:
-    """``process_group`` or WORLD, after checking what needs no process group: the module's
-    type and an initialized default group (``device_mesh=``'s groups:
-    :func:`graphddp.frontend.mesh.resolve_mesh`)."""
+    """``process_group`` or WORLD, after checking the module's type and an initialized default group."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"{where}: module must be a torch.nn.Module, got {type(module).__name__}")
     if not dist.is_available() or not dist.is_initialized():
@@ -70,8 +58,6 @@ def resolve_group(where: str, module: Any, process_group: Any, options: dict[str
 
 
 def _refuse_optimizer_with_traced_hook(where: str, config: DDPConfig, optimizer: Any) -> None:
-    """``optimizer=`` and a traced hook, however the hook came (``comm_hook=`` or
-    ``register_comm_hook``), are refused alike."""
     if optimizer is not None and config.traced_hook is not None:
         raise ValueError(
             f"{where}: optimizer= with comm_hook={config.traced_hook.name} is not supported yet (the in-graph update "
@@ -80,9 +66,6 @@ def _refuse_optimizer_with_traced_hook(where: str, config: DDPConfig, optimizer:
 
 
 def _refuse_clipping_without_the_optimizer(where: str, config: DDPConfig, optimizer: Any) -> None:
-    """``max_grad_norm`` clips inside graphddp's step, so it needs the step there: without
-    ``optimizer=`` the gradients are in ``p.grad`` after the backward and torch clips them as
-    usual."""
     if config.max_grad_norm is not None and optimizer is None:
         raise ValueError(
             f"{where}: max_grad_norm={config.max_grad_norm} clips the gradients inside the backward, before the "
@@ -93,11 +76,9 @@ def _refuse_clipping_without_the_optimizer(where: str, config: DDPConfig, optimi
 
 
 def check_and_broadcast(where: str, module: nn.Module, group: Any, config: DDPConfig) -> torch.device | None:
-    """What every mode checks when it wraps a module, then DDP's broadcast: no sparse gradient,
-    one device (the config's device options agreeing), inductor settings graphddp can keep, the
-    same parameters on every rank (checked in band, so a mismatch fails on every rank before any
-    broadcast), then parameters (and, with ``broadcast_buffers``, buffers) from the group's first
-    rank. Returns the module's device."""
+    """What every mode checks at wrap time, then DDP's broadcast of parameters (and, with
+    ``broadcast_buffers``, buffers) from the group's first rank; returns the module's device. The
+    parameters' agreement is checked in band, so a mismatch fails on every rank before any broadcast."""
     _refuse_sparse_gradients(where, module)
     device = _check_devices(module)
     config.check_devices(where, device)
@@ -112,16 +93,10 @@ def check_and_broadcast(where: str, module: nn.Module, group: Any, config: DDPCo
 def prepare(
     where: str, module: nn.Module, group: Any, config: DDPConfig, optimizer: Any = None, groups: MeshGroups | None = None,
 ) -> tuple[AttachedOptimizer | None, DDPConfig]:
-    """Wrap-time checks and broadcast, as DDP's constructor does them; attach ``optimizer``;
-    returns it and ``config`` with its cost model resolved (``bucket_cap_mb="auto"``: measured
-    on ``group`` now, by :mod:`graphddp.runtime.calibrate`, since compiling never talks).
-
-    Parameters are broadcast from the group's first rank; buffers too, but only with
-    ``broadcast_buffers`` (torch >= 2.13's DDP: ``init_sync_buffers`` follows it), since
-    otherwise DDP leaves them rank-local. The optimizer is checked before any collective (so
-    every rank fails alike) and attached (its ``step`` made a no-op) after the last one.
-    ``groups``: a ``device_mesh=``'s (:mod:`graphddp.frontend.mesh`); ``group`` is its whole group.
-    """
+    """The replicated and ``sharding="optimizer"`` wrap: checks, broadcast, ``optimizer`` attached;
+    returns it and ``config`` with its cost model resolved (measured on ``group`` now, since
+    compiling never talks). The optimizer is checked before any collective, so every rank fails
+    alike, and attached after the last one."""
     assert config.sharding != "full", "sharding='full' wraps through graphddp.frontend.full.compile_fully_sharded"
     _refuse_optimizer_with_traced_hook(where, config, optimizer)
     if config.sharding is not None and optimizer is None:

@@ -1,20 +1,11 @@
 """A forward output that is a parameter, or a view of one, becomes a copy computed in the graph.
 
-Why: AOTAutograd does not return such an output from the compiled function; it takes the
-view again from the parameter outside it, so the output's gradient reaches the parameter's
-``grad`` directly, past the compiled backward and its buckets. That part of the gradient would
-be this rank's own, not averaged, while DDP averages everything the parameter accumulates
-(a model returning ``self.weight.view(-1)[0]`` for a loss term: each rank's weight would drift
-by its own term). A copy made in the graph keeps the output's gradient in the compiled
-backward, where it is summed with the rest of the parameter's gradient before its bucket
-goes on the wire.
-
-What changes for the user: such an output is a fresh tensor, not the parameter or a view of
-it (writing into it does not write the parameter; autograd refuses in-place writes into a view
-of a leaf that requires grad anyway). Outputs that do not require grad are left as they are.
-
-A pass on the Dynamo graph, before AOTAutograd traces it: ``(gm, parameter input positions) ->
-names of the outputs copied``; a no-op where no output aliases a parameter.
+AOTAutograd takes such an output again from the parameter outside the compiled function, so its
+gradient reaches ``grad`` past the compiled backward and its buckets, un-averaged (each rank's
+weight would drift by its own term). A copy made in the graph keeps that gradient in the backward,
+summed into the parameter's before its bucket goes on the wire. The output is then a fresh tensor,
+not a view of the parameter. A pass on the Dynamo graph, before AOTAutograd traces it; a no-op where
+no output that requires grad aliases a parameter.
 """
 from __future__ import annotations
 

@@ -1,14 +1,9 @@
 """Where each bucket of a Schedule goes in a graph: its names resolved to nodes, checked first.
 
-A Schedule names nodes (``issue_after``, ``wait_before``, each slot's ``producer``); a pass
-that rewrites a graph by it needs the nodes, and needs to know the schedule fits the graph
-before it edits anything: the schedule is well formed, the issue point comes before the wait
-point, and each output is the gradient the slot says, of its shape and dtype, produced by the
-issue point. Both rewrites of a backward do this, :mod:`graphddp.graph.insert_comm` for the
-replicated buckets and :mod:`graphddp.optim.insert_shard` for the sharded ones, so it has a
-module of its own. :func:`place_buckets` reads the graph and never edits it; both rewrites then
-splice each bucket's traced function through one :class:`IssuePoints`, in two parts: what goes
-right after the issue point, and what goes before the wait (or update) point.
+Both rewrites of a backward (:mod:`graphddp.graph.insert_comm`, :mod:`graphddp.optim.insert_shard`)
+need the nodes a Schedule names, and to know it fits the graph before they edit anything
+(:func:`place_buckets`, read-only); both then splice each bucket in two parts through one
+:class:`IssuePoints`: after the issue point, and before the wait (or update) point.
 """
 from __future__ import annotations
 
@@ -72,10 +67,8 @@ def _check_slots(bucket: Bucket, outs: Sequence[Any], order: dict[fx.Node, int],
 
 
 def place_buckets(gm: fx.GraphModule, schedule: Schedule, outs: Sequence[Any], only: set[int] | None = None) -> list[_Placement]:
-    """Resolve every bucket's names to nodes (``only`` those buckets) and check the schedule fits the graph.
-
-    Runs before any edit, so a schedule that does not fit leaves the graph untouched.
-    """
+    """Resolve every bucket's names to nodes (``only`` those buckets) and check the schedule fits the
+    graph: well formed, each issue point before its wait point, each output the slot's gradient."""
     graph = gm.graph
     nodes = {n.name: n for n in graph.nodes}
     order = {n: i for i, n in enumerate(graph.nodes)}

@@ -1,12 +1,8 @@
 """What a bucket does, as one Python function: flatten, the hook, the collective, unflatten.
 
-:mod:`graphddp.graph.insert_comm` traces these functions on a graph's fake gradients and
-splices the result in: the built-in hook's bucket (flatten, compress, divide by the world size,
-the bucket's collective, wait, decompress, one view per slot) and a user's traced hook's
-(flatten into fresh memory, the hook, views). After ``no_sync`` a traced hook runs on the
-accumulated gradients eagerly instead (:func:`run_hook_eagerly`), with the same ``GradBucket``
-and the same check of its result as in the graph. They have their own module because they
-are about a bucket's tensors, not about any graph: nothing here reads or edits one.
+:mod:`graphddp.graph.insert_comm` traces these on a graph's fake gradients; after ``no_sync`` a
+traced hook runs eagerly on the accumulated gradients instead (:func:`run_hook_eagerly`), with the
+same ``GradBucket`` and the same check of its result. Nothing here reads or edits a graph.
 """
 from __future__ import annotations
 
@@ -27,20 +23,20 @@ aten = torch.ops.aten
 
 @dataclasses.dataclass(frozen=True)
 class HookContext:
-    """What a user hook's ``GradBucket`` offers beyond the schedule: the process group and
-    the parameters (by name). Only needed for a :class:`~graphddp.hooks.traced.TracedHook`."""
+    """What a user hook's ``GradBucket`` offers beyond the schedule: the group and the parameters."""
 
     group: Any
     parameters: Mapping[str, torch.nn.Parameter] = dataclasses.field(default_factory=dict)
 
 
+def flat_view(t: torch.Tensor, numel: int) -> torch.Tensor:
+    if not t.is_contiguous():  # a view can only flatten contiguous memory
+        t = aten.clone.default(t, memory_format=torch.contiguous_format)
+    return aten.view.default(t, [numel])
+
+
 def _flatten(grads: Sequence[torch.Tensor], bucket: Bucket) -> torch.Tensor:
-    """The bucket's gradients as one flat buffer, in slot order."""
-    flats = []
-    for grad, slot in zip(grads, bucket.slots, strict=True):
-        if not grad.is_contiguous():  # a view can only flatten contiguous memory
-            grad = aten.clone.default(grad, memory_format=torch.contiguous_format)
-        flats.append(aten.view.default(grad, [slot.numel]))
+    flats = [flat_view(grad, slot.numel) for grad, slot in zip(grads, bucket.slots, strict=True)]
     return flats[0] if len(flats) == 1 else aten.cat.default(flats)
 
 
@@ -68,10 +64,9 @@ def _check_result(bucket: Bucket, hook_name: str, done: Any, verb: str = "return
 
 
 def _builtin_fn(bucket: Bucket, hook: hooks.CommHook, schedule: Schedule, carry: bool = False) -> Callable[..., list[torch.Tensor]]:
-    """gradients -> flatten -> compress -> divide -> the bucket's collective (all_reduce_) -> wait
-    -> decompress -> views. With ``carry``, as many inputs again after the gradients: each slot's
-    gradient accumulated under ``no_sync``, added to its new one before anything else (DDP's
-    bucket after ``no_sync`` holds the sum, and averages it once)."""
+    """gradients -> flatten -> compress -> divide -> collective -> wait -> decompress -> views. With
+    ``carry``, each slot's gradient accumulated under ``no_sync`` follows as an input, added first
+    (DDP's bucket after ``no_sync`` holds the sum, and averages it once)."""
     wire = getattr(torch, bucket.comm_dtype or bucket.dtype)
     collective = kind(bucket.collective)
     lowered = collective.lower(backend_of(schedule.group_name))
@@ -137,10 +132,8 @@ def _user_fn(
 
 
 def run_hook_eagerly(hook: TracedHook, schedule: Schedule, ctx: HookContext, states: HookState) -> None:
-    """Run ``hook`` on every bucket of ``schedule`` now, on the parameters' ``.grad``, and
-    write its average back: the step after ``no_sync`` (:mod:`graphddp.compiler.hook_runtime`). The same hook
-    function as in the graph, on real tensors; its state is the graph's (``states``, allocated
-    when the graph was compiled, in the order the hook declares it)."""
+    """Run ``hook`` on every bucket now, on the parameters' ``.grad``, and write its average back
+    (the step after ``no_sync``); its state is the graph's."""
     for bucket in schedule.buckets:
         params = [ctx.parameters[name] for name in bucket.param_names]
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])

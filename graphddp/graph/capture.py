@@ -11,7 +11,7 @@ to the graph, so planning is a pure function that tests can feed by hand.
 from __future__ import annotations
 
 import operator
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -26,11 +26,7 @@ _UNMARKED_VIEWS = {torch.ops.aten._unsafe_view.default}
 
 
 def is_view(node: fx.Node) -> bool:
-    """A node that returns an alias of its input: it moves no data and shares storage.
-
-    The op schema says so (``OpOverload.is_view``: view, reshape, t, permute, expand, slice,
-    select, split, detach, alias, ...); ``_unsafe_view`` is the one view it does not mark.
-    """
+    """A node that returns an alias of its input, as its op schema says (but ``_unsafe_view``)."""
     if node.op != "call_function":
         return False
     target = node.target
@@ -77,10 +73,8 @@ def views_of(node: fx.Node) -> list[fx.Node]:
 
 
 def storage_of(val: Any) -> int | None:
-    """Identity of the memory behind a (fake) tensor value, shared by its views; None for
-    anything else. Fake tensors keep their real counterparts' aliasing at trace time; a
-    compiled forward may still save a copy where the backward graph shows a parameter
-    (inductor's layout optimization), so a write never relies on a saved input being it."""
+    """Identity of the memory behind a (fake) tensor value, shared by its views; None for anything
+    else. It is trace-time aliasing: a compiled forward may still save a copy of a parameter."""
     return StorageWeakRef(val.untyped_storage()).cdata if isinstance(val, torch.Tensor) else None
 
 
@@ -116,11 +110,8 @@ class _Symbolic(Exception):
 
 
 def node_flops_and_bytes(node: fx.Node) -> tuple[int, int]:
-    """FLOPs (torch's flop-counter formulas) and bytes read + written by one graph node.
-
-    Symbolic sizes give ``(0, 0)`` rather than a specialisation guard: the estimate is for
-    people and the cost model, and must never change what gets compiled.
-    """
+    """FLOPs (torch's flop-counter formulas) and bytes read + written by one graph node; symbolic
+    sizes give ``(0, 0)`` rather than a guard: an estimate must never change what gets compiled."""
     if node.op != "call_function":
         return 0, 0
     try:
@@ -151,13 +142,9 @@ def _flops_and_bytes(node: fx.Node) -> tuple[int, int]:
 
 
 def gradient_sources(gm: fx.GraphModule) -> dict[fx.Node, tuple[int, ...]]:
-    """Per node, the positions of the backward graph's incoming output gradients
-    (AOTAutograd's ``tangents_*`` placeholders) its value is computed from.
-
-    Why: autograd hands a compiled backward zeros for a forward output that the loss did not
-    use, and the graph turns them into zero gradients; a parameter whose every source was such
-    an output was not used in the step, and DDP leaves its ``grad`` None. Bit sets over the
-    tangents, one pass in graph order."""
+    """Per node, the positions of the ``tangents_*`` its value is computed from. Autograd hands a
+    compiled backward zeros for an output the loss did not use: a parameter whose every source was
+    such an output was unused in the step, and DDP leaves its ``grad`` None."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     tangents = [i for i, n in enumerate(placeholders) if n.name.startswith("tangents")]
     bit_of = {placeholders[i]: 1 << k for k, i in enumerate(tangents)}
@@ -212,6 +199,19 @@ def extract_facts(gm: fx.GraphModule, param_inputs: Mapping[int, str]) -> GraphF
         )
     slots.sort(key=lambda s: (s.position, s.output_index))
     return GraphFacts(nodes=nodes, slots=tuple(slots))
+
+
+def autograd_nodes(outputs: Any) -> Iterator[Any]:
+    """Every autograd node the tensors of ``outputs`` were computed through, once each, depth first."""
+    todo = [t.grad_fn for t in tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen: set[Any] = set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        yield node
+        todo.extend(n for n, _ in node.next_functions)
 
 
 def names_by_identity(named: Iterable[tuple[str, torch.Tensor]]) -> dict[int, str]:

@@ -1,75 +1,32 @@
 """Apply a Schedule to a backward graph: flatten, average, all-reduce, wait, unflatten.
 
-The Schedule is the contract between the planner and this pass: every decision about where
-communication goes is made by the planner and written into the Schedule; this pass only
-carries it out, and refuses (before editing anything) a Schedule that does not fit the graph.
+The planner decides where communication goes; this pass only carries the Schedule out, and refuses
+(before editing anything) one that does not fit the graph. A bucket is one small function
+(``graph/bucket_function.py``) with its communication hook called inside, traced on the graph's
+fake gradients and spliced in two parts at the nodes ``graph/anchors.py`` resolves: its last stage's
+waits and what follows right before ``wait_before``, the rest right after ``issue_after``
+(``_late_part``). Every bucket is traced before the first edit, so neither a schedule nor a hook
+that does not fit leaves a half-rewritten graph. ``Schedule.gated``: each all-reduce runs undivided
+on the gate of the group (``graphddp.runtime.gate``), which divides or holds it local.
 
-A bucket is one small Python function (``graph/bucket_function.py``), traced
-(``graph/trace.py``, the pattern of Inductor's ``bucketing.py``) on the graph's fake gradients
-and spliced in two parts at the nodes ``graph/anchors.py`` resolves from the schedule: the waits
-of its last stage of collectives and everything after them right before the wait point, the
-rest right after the issue point (``_late_part``). The communication hook (``graphddp.hooks``)
-is called inside it, so a hook is traced exactly like the rest of the bucket and the pass knows
-nothing of what it does; a user's :class:`~graphddp.hooks.traced.TracedHook` replaces compress,
-scale, all-reduce and decompress with its own function, and its state tensors become new
-placeholders. Every bucket is traced before the first edit, so neither a schedule nor a hook
-that does not fit leaves a half-rewritten graph.
-
-Fields read, and what each one decides:
-
-* ``Schedule.world_size``: the divisor of each bucket (DDP pre-divides).
-* ``Schedule.group_name``: the process group every all-reduce runs on.
-* ``Schedule.gated``: each all-reduce runs on the gate of ``group_name`` instead
-  (``values.comm.gate_name``), on a buffer of its own and undivided: the gate divides when it
-  issues it, or holds it local (``graphddp.runtime.gate``).
-* ``Bucket.index``: tags every node made for the bucket (``meta[BUCKET_KEY]``); must equal
-  the bucket's position in ``Schedule.buckets``.
-* ``Bucket.issue_after``: the all-reduce is issued right after this node (after the last
-  placeholder when it names a placeholder). It may not come before any slot's producer.
-* ``Bucket.wait_before``: the wait, the decompress cast and the unflatten views go right
-  before this node; ``"output"`` is the graph's output node. It must come after the issue
-  point.
-* ``Bucket.slots`` in order, with ``Bucket.offsets()``: the layout of the flat buffer. Per
-  slot, ``output_index`` says which output is flattened and replaced, ``numel`` and
-  ``shape`` size the flatten and unflatten views. ``producer``, ``shape`` and ``dtype`` are
-  checked against the graph (the output must be that node, of that shape and dtype). A
-  zero-filled slot (``GradSlot.zero_filled``: the graph has no gradient for it) is filled
-  from a ``zeros`` node made for it after the placeholders, and no output is replaced.
-* ``Bucket.dtype`` / ``Bucket.device``: checked against every slot's gradient; ``dtype`` is
-  what the hook's decompress must return.
-* ``Bucket.comm_dtype``: the dtype on the wire (None: ``dtype``). It picks the built-in hook
-  (``hooks.for_bucket``), and the hook's compress must return it.
-
-Not read (derived from the above, or for people and the cost model): ``Bucket.overlap``,
-``Schedule.graph_index``, the bucket caps, ``Schedule.unreduced``, ``Schedule.nodes``,
-``GradSlot.position``, ``GradSlot.nbytes``; ``GradSlot.param_name`` only names things in errors.
-
-Precondition: ``gm`` is the AOTAutograd backward graph the schedule was planned from (node
-names in the schedule exist, output ``slot.output_index`` is that slot's gradient, every
-node has ``meta["val"]`` fake tensors, all from one fake mode).
-
-Postcondition, per bucket, in graph order; every node is tagged with the bucket
-(``meta[BUCKET_KEY]``), the role of the part of the function that made it (``meta[ROLE_KEY]``,
-left column) and a fake ``meta["val"]``::
+Precondition: ``gm`` is the AOTAutograd backward the schedule was planned from (its node names exist,
+output ``slot.output_index`` is that slot's gradient of the slot's shape and dtype, every node has a
+fake ``meta["val"]``). Postcondition, per bucket in graph order, every node tagged with its bucket
+(``meta[BUCKET_KEY]``), its role (``meta[ROLE_KEY]``, left column) and a fake ``meta["val"]``::
 
     <issue_after node>
-    # the bucket's function, traced; this part after the issue point:
-    flatten     flat_i  = view(g_i, [n_i])         # clone first if g_i is not contiguous
-    flatten     flat    = cat([flat_0, ..., flat_k]) # skipped for a one-gradient bucket
-    compress    sent    = hook.compress(flat)      # fp16/bf16: convert_element_type(flat, comm_dtype)
-    scale       scaled  = div(sent, world_size)    # DDP pre-divides, after the cast as DDP does
+    flatten     flat    = cat([view(g_0, [n_0]), ...]) # no cat for a one-gradient bucket
+    compress    sent    = hook.compress(flat)          # fp16/bf16: convert_element_type
+    scale       scaled  = div(sent, world_size)        # DDP pre-divides, after the cast as DDP does
     all_reduce  reduced = all_reduce_(scaled, "sum", group)
     ... the rest of the backward (the overlap window) ...
-    # its late part (the last stage's wait on), just before wait_before (by default the output):
     wait        done    = wait_tensor(reduced)
-    decompress  done    = hook.decompress(done)    # fp16/bf16: convert_element_type(done, dtype)
+    decompress  done    = hook.decompress(done)
     unflatten   grad_i  = view(slice(done, 0, off_i, off_i + n_i), shape_i)
     <wait_before node>
-    output(..., grad_i, ...)
 
-The default hook adds no node in ``compress`` and ``decompress``. The returned gradients are
-views into the reduced flat buffer (DDP's gradient_as_bucket_view), so no copy back is made.
-A no-op when the schedule has no buckets.
+The returned gradients are views into the reduced buffer (DDP's gradient_as_bucket_view). A
+zero-filled slot (no gradient in the graph) is read from a ``zeros`` node and replaces no output.
 """
 from __future__ import annotations
 
@@ -83,7 +40,7 @@ from torch._guards import detect_fake_mode
 from graphddp.graph.bucket_function import HookContext, _builtin_fn, _user_fn
 from graphddp.graph.capture import descendants
 from graphddp.graph.anchors import IssuePoints, _Placement, place_buckets
-from graphddp.graph.trace import set_outputs, trace
+from graphddp.graph.trace import add_inputs, set_outputs, trace
 from graphddp.hooks import builtin as hooks
 from graphddp.hooks.traced import StateSpec, TracedHook
 from graphddp.values.comm import BUCKET_KEY, CARRIED, ROLE_KEY, group_of, is_collective, is_wait
@@ -159,11 +116,8 @@ def _check_user_ops(gm: fx.GraphModule, schedule: Schedule, what: str) -> None:
 
 
 def _late_part(gm: fx.GraphModule, what: str) -> frozenset[fx.Node]:
-    """The nodes that go at the wait point: the waits of the last stage and what follows.
-
-    The last stage is the collectives no other collective depends on. Everything else, the
-    earlier stages with their waits included, goes at the issue point.
-    """
+    """The nodes that go at the wait point: the waits of the last stage (the collectives no other
+    collective depends on) and what follows them."""
     nodes = list(gm.graph.nodes)
     collectives = [n for n in nodes if is_collective(n)]
     after = {c: descendants(list(c.users)) for c in collectives}
@@ -188,8 +142,6 @@ def _trace_bucket(
     p: _Placement, outs: Sequence[Any], zeros: Mapping[str, torch.Tensor], schedule: Schedule, hook: hooks.CommHook,
     carried: Sequence[torch.Tensor] = (),
 ) -> _Traced:
-    """The built-in hook's bucket traced on the fake values of its gradients (and, carrying,
-    of its accumulated ones); edits nothing."""
     what = f"bucket {p.bucket.index} (hook {hook.name!r})"
     grads = [_value(slot, outs, zeros) for slot in p.bucket.slots]
     gm = trace(_builtin_fn(p.bucket, hook, schedule, carry=bool(carried)), [*grads, *carried], what)
@@ -197,32 +149,23 @@ def _trace_bucket(
 
 
 def _slot_values(graph: fx.Graph, slots: Sequence[GradSlot], make: Any) -> list[torch.Tensor]:
-    """Fake values shaped as ``slots`` (each parameter's shape, contiguous: what autograd's
-    accumulation leaves in ``.grad`` for a contiguous parameter; its gradient's dtype), made by
-    ``make`` (``torch.empty``, ``torch.zeros``) in the graph's fake mode, before any edit."""
+    """Fake values shaped as ``slots``' parameters, contiguous (what autograd's accumulation leaves
+    in ``.grad``), made by ``make`` in the graph's fake mode."""
     fake_mode = detect_fake_mode(tuple(n.meta.get("val") for n in graph.find_nodes(op="placeholder")))
     with fake_mode:
         return [make(s.shape, dtype=getattr(torch, s.dtype), device=torch.device(s.device)) for s in slots]
 
 
 def _add_inputs(graph: fx.Graph, new: Sequence[tuple[int, str, torch.Tensor, Mapping[str, Any]]]) -> dict[int, list[fx.Node]]:
-    """Placeholders after the existing ones, in order, one per (bucket index, name, fake
-    value, more meta); returns them per bucket index."""
-    placeholders = graph.find_nodes(op="placeholder")
-    last = placeholders[-1] if placeholders else None
+    """Placeholders after the existing ones, one per (bucket index, name, fake value, meta)."""
+    nodes = add_inputs(graph, [name for _, name, _, _ in new], [{"val": val, BUCKET_KEY: index, **meta} for index, _, val, meta in new])
     by_bucket: dict[int, list[fx.Node]] = {}
-    for index, name, val, meta in new:
-        with graph.inserting_after(last):
-            last = graph.placeholder(name)
-        last.meta.update({"val": val, BUCKET_KEY: index, **meta})
-        by_bucket.setdefault(index, []).append(last)
+    for (index, *_), node in zip(new, nodes):
+        by_bucket.setdefault(index, []).append(node)
     return by_bucket
 
 
 def _add_carried_inputs(graph: fx.Graph, buckets: Sequence[Bucket]) -> dict[int, list[fx.Node]]:
-    """Placeholders for every bucket's carried gradients, in bucket and slot order (role
-    ``carried_gradient``, the slot's parameter in ``meta[CARRIED]``). A sharded bucket's are
-    read by the optimizer's pass, through :func:`carried_inputs`."""
     return _add_inputs(graph, [
         (b.index, f"carried_{b.index}_{k}", val, {ROLE_KEY: CARRIED, CARRIED: slot.param_name})
         for b in buckets for k, (slot, val) in enumerate(zip(b.slots, _slot_values(graph, b.slots, torch.empty), strict=True))
@@ -230,8 +173,8 @@ def _add_carried_inputs(graph: fx.Graph, buckets: Sequence[Bucket]) -> dict[int,
 
 
 def carried_inputs(graph: fx.Graph) -> dict[int, list[fx.Node]]:
-    """The carrying variant's inputs (:func:`insert_collectives` with ``carry``): per bucket
-    index, each slot's gradient accumulated under ``no_sync``, in slot order."""
+    """The carrying variant's inputs: per bucket index, each slot's gradient accumulated under
+    ``no_sync``, in slot order."""
     by_bucket: dict[int, list[fx.Node]] = {}
     for node in graph.find_nodes(op="placeholder"):
         if node.meta.get(ROLE_KEY) == CARRIED:
@@ -240,14 +183,11 @@ def carried_inputs(graph: fx.Graph) -> dict[int, list[fx.Node]]:
 
 
 def _zero_values(graph: fx.Graph, schedule: Schedule) -> dict[str, torch.Tensor]:
-    """Fake zeros for every zero-filled slot (:attr:`GradSlot.zero_filled`): what the buckets'
-    functions are traced on in its place, made before any edit."""
     slots = [s for b in schedule.buckets for s in b.slots if s.zero_filled]
     return dict(zip([s.param_name for s in slots], _slot_values(graph, slots, torch.zeros))) if slots else {}
 
 
 def _add_zeros(graph: fx.Graph, schedule: Schedule, values: Mapping[str, torch.Tensor]) -> dict[str, fx.Node]:
-    """One zeros node per zero-filled slot, right after the placeholders, tagged with its bucket."""
     last = [n for n in graph.nodes if n.op == "placeholder"][-1]
     out: dict[str, fx.Node] = {}
     for bucket in schedule.buckets:
@@ -263,12 +203,10 @@ def _add_zeros(graph: fx.Graph, schedule: Schedule, values: Mapping[str, torch.T
 
 
 def _value(slot: GradSlot, outs: Sequence[Any], zeros: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The fake value a slot's place in its bucket is traced on: its gradient's, or zeros."""
     return zeros[slot.param_name] if slot.zero_filled else outs[slot.output_index].meta["val"]
 
 
 def _add_state_inputs(graph: fx.Graph, traced: Sequence[_Traced]) -> dict[int, list[fx.Node]]:
-    """Placeholders for every bucket's hook state (role hook_state, its StateSpec in meta)."""
     return _add_inputs(graph, [
         (t.placement.bucket.index, f"hook_state_{t.placement.bucket.index}_{spec.name}", ph.meta["val"], {ROLE_KEY: HOOK_STATE, HOOK_STATE_SPEC: spec})
         for t in traced for spec, ph in zip(t.states, t.gm.graph.find_nodes(op="placeholder")[len(t.placement.bucket.slots):])
@@ -279,14 +217,9 @@ def insert_collectives(
     gm: fx.GraphModule, schedule: Schedule, *, hook: hooks.CommHook | TracedHook | None = None,
     context: HookContext | None = None, carry: bool = False,
 ) -> fx.GraphModule:
-    """Insert every schedule bucket's communication (see module docstring).
-
-    ``hook`` is traced around every bucket's all-reduce; by default each bucket gets the
-    built-in hook its ``comm_dtype`` names (``hooks.for_bucket``). A
-    :class:`~graphddp.hooks.traced.TracedHook` replaces the all-reduce with the user's function
-    (``context`` gives it the process group and the parameters); the state tensors it declares
-    become placeholders (``meta[ROLE_KEY] == "hook_state"``, ``meta[HOOK_STATE_SPEC]``).
-    """
+    """Insert every schedule bucket's communication. ``hook`` defaults per bucket to the built-in
+    one its ``comm_dtype`` names; a ``TracedHook`` replaces the all-reduce with the user's function
+    and its state tensors become placeholders (role ``hook_state``)."""
     graph = gm.graph
     output = graph.output_node()
     outs: list[Any] = list(output.args[0])

@@ -1,43 +1,28 @@
 """The invariants every mode's checker states once, whatever a bucket's placement.
 
-Each mode's verifier checks what is its own (a replicated bucket's layout and scale,
-:mod:`graphddp.graph.verify`; the replicated update, :mod:`graphddp.optim.verify`; a sharded
-bucket's reduce-scatter, update and gather, :mod:`graphddp.optim.verify_shard`; full
-sharding's gathers of parts, :mod:`graphddp.graph.verify_full`), but these invariants are one
-in all of them, and are written here once; each mode passes what its placement gives (the
-group, which collective's wait averages, the rule's name in that mode):
+Each mode's verifier checks what is its own and calls these, passing what its placement gives (the
+group, which wait averages, the rule's name in that mode):
 
-W. **Waited once.** A collective graphddp issued is read by exactly one node, its wait: read
-   before its wait it is a buffer still on the wire, waited twice it is two completions of one
-   work (rule 1 of the replicated verifier, S1 of the sharded one, P1 of full sharding's).
-L. **One write, last.** A tensor the optimizer updates inside the backward (a parameter, or a
-   part of one) is written by exactly one ``copy_``, and after that write nothing reads its
-   memory but through the write itself: a read of the old name (the input, a view of it, a
-   second input sharing its storage) is one the compiler may run before the write, or after,
-   and so sees the old value or the new one as it pleases (U3, S5, P4).
-G. **No gradient kept.** A tensor the graph updates returns no gradient: a returned one would
-   be accumulated into ``.grad`` and stepped again by a loop that still calls ``step()``
-   (U2, S4, P4).
+W. **Waited once.** A collective graphddp issued is read only by its one wait: read before, it is a
+   buffer still on the wire; waited twice, two completions of one work (rule 1, S1, P1).
+L. **One write, last.** A tensor updated inside the backward is written by exactly one ``copy_``,
+   and after it nothing reads its memory but through the write: a read by the old name (the input,
+   a view, an aliasing input) may be run before the write or after, as the compiler pleases (U3, S5, P4).
+G. **No gradient kept.** A tensor the graph updates returns no gradient, which a loop still calling
+   ``step()`` would step again (U2, S4, P4).
 A. **From the average.** What an update writes, or a gather sends, depends on the wait of the
-   collective that averaged it over the ranks: computed around that wait it is this rank's own
-   gradient, 1/N of the data (S3, S5, P4; the forward gather's F1, with the all-gather's wait).
-R. **On its group.** Each collective runs on the group its placement names (the schedule's,
-   or a hybrid placement's shard or replicate group): on another it averages over the wrong
-   ranks, or hangs (rules 3 and 12, S1, P6).
-O. **Carried once.** A carried input (the gradients accumulated under ``no_sync``) is read
-   exactly once, by the ``add`` that puts it into its bucket: left out, a micro-step is lost
-   from the average; read twice, it is counted twice (rule 7, S7).
-H. **Hybrid: each part averaged over its replicas, once.** With a hybrid placement, the part
-   a reduce-scatter delivers is all-reduced exactly once over the replicate group, by its own
-   bucket's all-reduce, waited once: without it a replica group steps on its own data alone
-   (the gradients 1/R of DDP's); twice, it is divided by R twice (S1, P6).
-C. **One clip coefficient, read by every returned gradient.** With ``max_grad_norm``, exactly
-   one clip coefficient node, and every gradient the graph still returns is computed from it;
-   without it, none. Two would clip by different norms; a gradient around it leaves the graph
-   unclipped while its neighbours are clipped (U7, S6).
+   collective that averaged it: around it, it is this rank's gradient alone (S3, S5, P4, F1).
+R. **On its group.** Each collective runs on the group its placement names: on another it averages
+   over the wrong ranks, or hangs (rules 3 and 12, S1, P6).
+O. **Carried once.** A carried input (gradients accumulated under ``no_sync``) is read once, by the
+   ``add`` into its bucket: else a micro-step is lost or counted twice (rule 7, S7).
+H. **Hybrid: each part averaged over its replicas, once**, by its own bucket's all-reduce over the
+   replicate group: without it a replica group steps on its own data; twice, it divides by R twice (S1, P6).
+C. **One clip coefficient, read by every returned gradient** (none without ``max_grad_norm``): two
+   would clip by different norms, and a gradient around it leaves unclipped (U7, S6).
 
-Memory is told by the storage of each node's fake value (:class:`Memory`), so views and
-aliases of a tensor are found without naming each view op. Nothing here edits a graph.
+Memory is told by the storage of each node's fake value (:class:`Memory`), so views are found
+without naming each view op. Nothing here edits a graph.
 """
 from __future__ import annotations
 
@@ -67,11 +52,8 @@ def root(node: fx.Node, storage: Callable[[Any], int | None] = _storage) -> fx.N
 
 
 class Memory:
-    """Each node's storage, computed once, and who reads and who updates each storage.
-
-    The checks ask, per updated tensor, which nodes touch its memory; asking every edge of the
-    graph each time made the verifier quadratic (seconds on a six-layer GPT-2, most of its
-    compile)."""
+    """Each node's storage, computed once, and who reads and who updates each storage: asking every
+    edge per updated tensor would make the verifier quadratic."""
 
     def __init__(self, nodes: list[fx.Node]) -> None:
         self.of: dict[fx.Node, int | None] = {n: _storage(n) for n in nodes}
@@ -95,8 +77,8 @@ class Memory:
 
 
 def waited_once(gm: fx.GraphModule, issue: fx.Node, rule: str, what: str, bucket: int | None = None) -> fx.Node:
-    """W (module docstring) for ``issue``; returns its wait. ``rule`` names the mode's rule; with
-    ``bucket``, the wait must be tagged that bucket too (the rewrite's passes find it by its tag)."""
+    """W for ``issue``; returns its wait. With ``bucket``, the wait must be tagged that bucket too
+    (the rewrite's passes find it by its tag)."""
     users = list(issue.users)
     if len(users) != 1 or not is_wait(users[0]):
         _fail(gm, issue, f"{what}: {issue.name} must have exactly one user, its wait; has {_names(users)} ({rule})")
@@ -108,9 +90,8 @@ def waited_once(gm: fx.GraphModule, issue: fx.Node, rule: str, what: str, bucket
 def written_last(
     gm: fx.GraphModule, writes: Sequence[fx.Node], memory: Memory, rule: str, what: str, aliases: Sequence[fx.Node] = (),
 ) -> fx.Node:
-    """L (module docstring) for one updated tensor whose update ``copy_`` nodes are ``writes``;
-    returns the write. ``aliases``: other graph inputs that are the same tensor at run time
-    (fake values do not share their storage), read after the write no more than it."""
+    """L for one updated tensor written by ``writes``; returns the write. ``aliases``: other inputs
+    that are the same tensor at run time (their fake values do not share its storage)."""
     if len(writes) != 1:
         where = writes[0] if writes else gm.graph.output_node()
         if not writes:
@@ -126,27 +107,26 @@ def written_last(
 
 
 def not_returned(gm: fx.GraphModule, out: Any, rule: str, what: str) -> None:
-    """G (module docstring) for one updated tensor whose gradient output is ``out``."""
+    """G for one updated tensor whose gradient output is ``out``."""
     if out is not None:
         _fail(gm, out if isinstance(out, fx.Node) else gm.graph.output_node(), f"{what}: its gradient is still returned ({rule})")
 
 
 def from_average(gm: fx.GraphModule, node: fx.Node, waits: Sequence[fx.Node], rule: str, what: str, source: str) -> None:
-    """A (module docstring): ``node`` depends on one of ``waits``, those of ``source``."""
+    """A: ``node`` depends on one of ``waits``, those of ``source``."""
     above = ancestors(node)
     if not any(w in above for w in waits):
         _fail(gm, node, f"{what}: {node.name} does not depend on {source}'s wait ({rule})")
 
 
 def on_group(gm: fx.GraphModule, issue: fx.Node, group: object, rule: str, what: str, whose: str) -> None:
-    """R (module docstring): ``issue`` runs on ``group``, ``whose`` it is."""
+    """R: ``issue`` runs on ``group``, ``whose`` it is."""
     if group_of(issue) != group:
         _fail(gm, issue, f"{what}: {issue.name} runs on group {group_of(issue)!r}, not {whose} {group!r} ({rule})")
 
 
 def over_replicas(gm: fx.GraphModule, scatter: fx.Node, reduces: Sequence[fx.Node], group: object, rule: str, what: str) -> fx.Node:
-    """H (module docstring) for the part ``scatter`` delivers, among the all-reduces ``reduces``,
-    ``group`` the replicate group's name; returns the replicate all-reduce's wait."""
+    """H for the part ``scatter`` delivers, among ``reduces``; returns the replicate all-reduce's wait."""
     done = [u for u in scatter.users if is_wait(u)]
     mine = [r for r in reduces if any(w in ancestors(r) for w in done)]
     if len(mine) != 1 or mine[0].meta.get(ROLE_KEY) != REPLICATE or mine[0].meta.get(BUCKET_KEY) != scatter.meta.get(BUCKET_KEY):
@@ -157,15 +137,14 @@ def over_replicas(gm: fx.GraphModule, scatter: fx.Node, reduces: Sequence[fx.Nod
 
 
 def carried_once(gm: fx.GraphModule, carried: fx.Node, into: Callable[[fx.Node], bool], rule: str, what: str, by: str) -> None:
-    """O (module docstring): ``carried`` has one reader, a ``carry`` add for which ``into`` holds."""
+    """O: ``carried`` has one reader, a ``carry`` add for which ``into`` holds."""
     users = list(carried.users)
     if len(users) != 1 or users[0].meta.get(ROLE_KEY) != "carry" or not into(users[0]):
         _fail(gm, carried, f"{what}: the carried gradient {carried.name} is read by {_names(users)}, not once by {by} ({rule})")
 
 
 def clip_coefficient(gm: fx.GraphModule, max_grad_norm: float | None, rule: str, role: str) -> fx.Node | None:
-    """C (module docstring): the one node of ``role`` (the clip coefficient's), or None without
-    ``max_grad_norm``."""
+    """C: the one clip coefficient (node of ``role``), or None without ``max_grad_norm``."""
     coefs = [n for n in gm.graph.nodes if n.meta.get(ROLE_KEY) == role]
     if max_grad_norm is None:
         if coefs:
@@ -177,8 +156,7 @@ def clip_coefficient(gm: fx.GraphModule, max_grad_norm: float | None, rule: str,
 
 
 def returned_clipped(gm: fx.GraphModule, buckets: Sequence[Any], outs: Sequence[Any], clipped: set[fx.Node], rule: str) -> None:
-    """C's second half: each gradient of ``buckets`` the graph returns is among ``clipped``, the
-    nodes computed from the coefficient."""
+    """C's second half: each gradient of ``buckets`` returned is among ``clipped``."""
     for bucket in buckets:
         for slot in (s for s in bucket.slots if not s.zero_filled):
             out = outs[slot.output_index]

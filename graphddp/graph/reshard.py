@@ -1,32 +1,19 @@
 """``sharding="full", reshard_after_forward=True``: the backward gathers parameters again instead
 of keeping the forward's gathered copies.
 
-Why a tag on the joint graph. With full sharding each parameter is read through an all-gather
-of the ranks' parts (:mod:`graphddp.frontend.parts`), so AOTAutograd's joint graph holds, per
-read, ``part -> all_gather_into_tensor -> wait_tensor -> views``. Left alone, the partitioner
-saves what the backward needs of the gathered parameter as a forward output, and the full
-parameter lives from the forward to the backward: FSDP2's ``reshard_after_forward=False``.
-To free it after the forward (FSDP2's default) the backward must gather again. SimpleFSDP gets
-that from a selective activation checkpoint whose policy must recompute every gather; but a
-checkpointed region cannot contain a graph break (around a whole Hugging Face GPT-2 Dynamo gave
-up and ran it eagerly: docs/design-full-sharding.md). The same policy written straight onto the
-joint graph needs no region: each gather of a part, its wait and the views of its result are
-tagged ``MUST_RECOMPUTE`` / ``PREFER_RECOMPUTE``, which the min-cut partitioner honours (it
-never saves a node it must recompute), so it saves the part, a graph input, and the backward
-re-issues the gather where it first needs the parameter.
+Why a tag on the joint graph. Each parameter is read through an all-gather of the ranks' parts, so
+left alone the partitioner saves the gathered parameter for the backward (FSDP2's
+``reshard_after_forward=False``). SimpleFSDP re-gathers through a selective activation checkpoint,
+but a checkpointed region cannot contain a graph break (docs/design-full-sharding.md). The same
+policy written straight onto the joint graph needs no region: each gather of a graph input, its wait
+and the views of its result are tagged ``MUST_RECOMPUTE`` / ``PREFER_RECOMPUTE``, so the min-cut
+partitioner saves the part and the backward re-issues the gather where it first needs it. A gather
+of an activation (a user's own collective) is left to the partitioner.
 
-Only gathers of a graph input are tagged: a part is always an input (a parameter of the graph),
-and a gather of an activation (a user's own collective) is left to the partitioner.
-
-**The backward's first bucket is kept** (``keep_bytes``, a bucket's cap). The backward needs
-first what the forward read last, and a gather at the top of the backward has nothing to hide
-behind: re-gathering it would put one bucket's link time on every step (on the benchmark's GPT,
-the 2 MB tied embedding its head reads). So the parameters the backward reads first, in that
-order until their gathered bytes reach ``keep_bytes``, are left untagged: the partitioner saves
-them, and the backward starts computing at once. FSDP2 does the same for its root module's
-parameters. In one graph this costs no peak: the backward would gather that bucket again right
-away, with every activation still alive; a forward followed by more graphs (a graph break)
-holds it through them.
+**The backward's first bucket is kept** (``keep_bytes``, a bucket's cap): the backward needs first
+what the forward read last, and a gather at its top has nothing to hide behind. So the parameters
+the backward reads first, up to ``keep_bytes``, stay untagged, as FSDP2 keeps its root module's. In
+one graph this costs no peak: the backward would gather them again at once, every activation alive.
 """
 from __future__ import annotations
 
@@ -48,18 +35,16 @@ _REGION = 0
 
 @dataclasses.dataclass(frozen=True)
 class Kept:
-    """The parts whose forward gathers a resharding forward keeps for its backward (their
-    inputs' names, ``primals_k``, in the order the backward reads them) and their gathered
-    bytes: what the graph's P5 check allows (:mod:`graphddp.graph.verify_full`)."""
+    """The parts a resharding forward keeps gathered for its backward (their inputs' names, in the
+    order the backward reads them) and their bytes: what P5 allows."""
 
     inputs: tuple[str, ...] = ()
     nbytes: int = 0
 
 
 def tag_regathers(graph: fx.Graph, keep_bytes: int = 0) -> Kept:
-    """Tag every all-gather of a graph input, its wait and the views of its result for
-    recomputation, but those of the parts the backward reads first, up to ``keep_bytes``
-    (module docstring); returns the parts kept."""
+    """Tag every all-gather of a graph input, its wait and its views for recomputation, but the
+    first ``keep_bytes`` the backward reads; returns the parts kept."""
     gathers = [n for n in graph.nodes if n.target is _ALL_GATHER and part_input(n) is not None]
     kept = _first_read_by_backward(graph, gathers, keep_bytes)
     for node in gathers:
@@ -125,10 +110,8 @@ def mark_saved_outputs(gm: fx.GraphModule) -> None:
 
 
 def kept_gathered(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
-    """What a compiled forward keeps of its gathered parameters for the backward: each distinct
-    gathered tensor its saved outputs (:data:`SAVED_FROM`) are, or are views of (a parameter cut from a gather bucket's
-    result, or the result itself: the bucket's nodes carry the ``gather_wait`` role,
-    :mod:`graphddp.graph.part_collectives`), and the first output that holds it."""
+    """Each distinct gathered tensor (role ``gather_wait``) a compiled forward's saved outputs are, or
+    are views of, and the first output that holds it."""
     roots: dict[fx.Node, fx.Node] = {}
     for out in output_nodes(gm)[gm.meta.get(SAVED_FROM, 0):]:
         node = out

@@ -1,16 +1,11 @@
 """Trace a small Python function on a graph's fake values and splice its nodes into the graph.
 
-The pattern of Inductor's ``fx_passes/bucketing.py`` (``_trace``, ``_insert_fn_trace_before_node``):
-a rewrite is written as ordinary tensor code, ``make_fx`` turns it into nodes on the fake
-tensors already in the graph (so nothing real is allocated or run), and the nodes are copied in
-where the rewrite belongs. Writing the rewrite as a function keeps it readable, gives every new
-node a ``meta["val"]`` from the tracer rather than by hand, and lets a function we did not write
-(a communication hook) be traced through the same path as our own code.
-
-Every node graphddp adds carries a role (``meta[ROLE_KEY]``) that the verifier and tests read.
-The function says which part made a node with ``with role("compress"): ...``; the tracer records
-it as an FX annotation, and :func:`splice` moves it to ``ROLE_KEY``. Tracing is separate from
-splicing so a caller can trace (and check) everything before it edits anything.
+The pattern of Inductor's ``fx_passes/bucketing.py``: a rewrite is ordinary tensor code, ``make_fx``
+turns it into nodes on the graph's own fake tensors, and the nodes are copied in where the rewrite
+belongs. Every new node gets its ``meta["val"]`` from the tracer, and a function we did not write
+(a communication hook) takes the same path as ours. Every node carries a role (``meta[ROLE_KEY]``,
+set with ``with role(...)``) that the verifiers and tests read. Tracing is separate from splicing so
+a caller can trace (and check) everything before it edits anything.
 """
 from __future__ import annotations
 
@@ -40,29 +35,21 @@ def role(name: str) -> Iterator[None]:
 
 
 def fresh_copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` in memory of its own, for traced code that then writes it in place.
-
-    Not ``clone``: the graphs graphddp rewrites are not functional, but inductor's
-    ``remove_noop_ops`` assumes they are and drops a clone whose layout equals its source's, so
-    an in-place write to the clone would land in the source (a parameter, a gradient that is
-    also another node's input). An empty tensor and a ``copy_`` into it are never dropped."""
+    """A copy of ``t`` in memory of its own, for traced code that then writes it in place. Not
+    ``clone``: inductor's ``remove_noop_ops`` assumes a functional graph and drops a clone whose
+    layout equals its source's, so the write would land in the source."""
     aten = torch.ops.aten
     return aten.copy_.default(aten.empty.memory_format(list(t.shape), dtype=t.dtype, device=t.device), t)
 
 
 def set_outputs(graph: fx.Graph, outs: Sequence[Any]) -> None:
-    """Make ``outs`` the graph's outputs, and keep the output node's bookkeeping true.
+    """Make ``outs`` the graph's outputs, keeping the output node's bookkeeping true: every pass
+    that adds, drops (``None``) or replaces an output goes through here.
 
-    Every pass that adds, drops (``None``) or replaces an output writes it through here.
-    Inductor reads the output node's meta in passes that run only for some inputs:
-    ``user_visible_output_idxs`` (set by ``compile_fx_backward`` before graphddp's rewrite)
-    and ``original_output_strides`` (recorded from it) decide which outputs keep their
-    strides, and comprehensive padding (GPU inputs only) follows every index listed there to
-    a node. An index whose output graphddp dropped (a gradient updated inside the graph)
-    crashed it: ``'NoneType' object has no attribute 'target'``. So: an index stays visible
-    while its output is a node; an output added past the old ones (values the runtime reads,
-    such as a bucket's all-gather) is visible, so its strides are the traced ones; recorded
-    strides are recorded again from the new outputs' values.
+    Inductor's comprehensive padding (GPU inputs only) follows every ``user_visible_output_idxs``
+    index to a node, so a dropped output listed there crashed it. An index stays visible while its
+    output is a node; an added output is visible (its strides are the traced ones); recorded
+    ``original_output_strides`` are recorded again.
     """
     output = graph.output_node()
     old = len(output.args[0]) if isinstance(output.args[0], (tuple, list)) else 1
@@ -80,6 +67,19 @@ def set_outputs(graph: fx.Graph, outs: Sequence[Any]) -> None:
         ]
 
 
+def add_inputs(graph: fx.Graph, names: Sequence[str], metas: Sequence[Mapping[str, Any]]) -> list[fx.Node]:
+    """New placeholders after the existing ones, in order, each with its meta (a fake ``val`` among it)."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    last = placeholders[-1] if placeholders else None
+    nodes = []
+    for name, meta in zip(names, metas, strict=True):
+        with graph.inserting_after(last):
+            last = graph.placeholder(name)
+        last.meta.update(meta)
+        nodes.append(last)
+    return nodes
+
+
 def role_of(node: fx.Node) -> str | None:
     custom = node.meta.get("custom")
     return custom.get(ROLE_KEY) if isinstance(custom, dict) else None
@@ -88,14 +88,9 @@ def role_of(node: fx.Node) -> str | None:
 def trace(
     fn: Callable[..., Any], vals: Sequence[torch.Tensor], what: str, decompositions: Mapping[Any, Callable[..., Any]] | None = None
 ) -> fx.GraphModule:
-    """``fn`` traced on ``vals`` (fake tensors of one graph) into a graph of aten ops.
-
-    Traced inside the values' own fake mode, so shapes (symbolic ones included) and devices
-    are the graph's. ``what`` names the function in errors. Raises if ``fn`` made a node no
-    :func:`role` block covers, or a tensor constant (a ``get_attr`` that would dangle once
-    spliced into another graph). ``decompositions`` (e.g. inductor's table) decompose ops
-    the graph's compiler expects decomposed, when ``fn`` is written with composite ops.
-    """
+    """``fn`` traced on ``vals`` (fake tensors of one graph, in their fake mode) into aten ops.
+    Raises on an eager collective, a node no :func:`role` block covers, or a tensor constant (a
+    ``get_attr`` that would dangle once spliced); ``what`` names ``fn`` in errors."""
     fake_mode = detect_fake_mode(tuple(vals))
     if fake_mode is None:
         raise RuntimeError(f"graphddp: {what}: its inputs carry no fake values to trace it on")
@@ -115,8 +110,7 @@ def trace(
 
 
 def after_all(graph: fx.Graph, nodes: Collection[fx.Node]) -> fx.Node:
-    """The node right after the last of ``nodes`` in graph order (the output node when there
-    are none): where to splice what must follow all of them."""
+    """The node right after the last of ``nodes`` (none: the output node)."""
     if not nodes:
         return graph.output_node()
     wanted = set(nodes)
@@ -131,13 +125,9 @@ def splice(
     graph: fx.Graph, traced: fx.GraphModule, inputs: Sequence[fx.Node], before: fx.Node, bucket: int,
     late: tuple[Collection[fx.Node], fx.Node] | None = None,
 ) -> Any:
-    """Copy ``traced``'s nodes into ``graph`` right before ``before``, reading ``inputs``.
-
-    With ``late = (nodes, point)``, those of ``traced``'s nodes go right before ``point``
-    instead (a bucket's waits and what follows them; ``point`` must come after ``before``).
-    Each copy is tagged with ``bucket`` and its role. Returns the traced function's outputs,
-    as nodes of ``graph`` in the same structure (a node, or a list of them).
-    """
+    """Copy ``traced``'s nodes into ``graph`` right before ``before``, reading ``inputs``, each
+    tagged with ``bucket`` and its role; ``late = (nodes, point)``: those go before the later
+    ``point``. Returns the traced outputs as nodes of ``graph``, in the same structure."""
     late_nodes, late_point = late if late is not None else ((), before)
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     env: dict[fx.Node, fx.Node] = dict(zip(placeholders, inputs, strict=True))

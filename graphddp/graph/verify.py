@@ -1,72 +1,34 @@
 """The checker run after every rewrite: prove the communication in a graph matches its Schedule.
 
-Every invariant below is something a rewrite (or a later pass) can actually get wrong, most
-of them in a graph that FX lint still accepts (lint only guarantees def-before-use, so a
-check such as "nothing reads a bucket before its wait" proves nothing after it). Each
-failure raises :class:`VerificationError` naming the offending node and showing it with its
-neighbours in the graph; a schedule that does not describe the graph (0, a bucket with no
-all-reduce, an output in no bucket) is named by bucket and output instead. Every check has a
-mutation in ``tests/unit/test_verify_mutations.py`` (or a test in ``tests/unit/test_verify.py``) that
-only it catches. This module runs them all and holds 0-2, 10 and 11; one bucket's checks
-(3-9, and a user hook's, 12) are in :mod:`graphddp.graph.verify_bucket`, the invariants every
-mode shares in :mod:`graphddp.graph.invariants`, and the error and graph lookups every
-checker shares in :mod:`graphddp.graph.verify_common`. Checks run in this order:
+Every invariant is one a rewrite can get wrong in a graph FX lint still accepts (lint only
+guarantees def-before-use). A failure raises :class:`VerificationError` showing the offending node
+with its neighbours; every check has a mutation in ``tests/unit/test_verify_mutations.py`` (or a test
+in ``test_verify.py``) that only it catches. Only collectives graphddp inserted (tagged with a
+bucket) are checked; the model's own (tensor parallelism) are left alone. Nothing is mutated. This
+module holds 0-2, 10 and 11; one bucket's checks (3-9, 12) are in :mod:`graphddp.graph.verify_bucket`.
+In order:
 
-0. **Schedule.** The schedule is well formed: bucket ``i`` is at position ``i``, and no
-   output is in two buckets (else a gradient would be reduced twice).
-1. **Accounting.** Every all-reduce graphddp inserted (tagged with a bucket) is
-   ``all_reduce_`` and belongs to a schedule bucket; every bucket has exactly one. Every such
-   all-reduce has exactly one user, a wait of the same bucket (:mod:`graphddp.graph.invariants`' W); every graphddp wait waits on
-   a collective of its own bucket (no stray waits; a hook's bucket too).
-2. **Fake values.** Every node graphddp inserted carries a tensor ``meta["val"]``, or a
-   tuple of them for an op with several results (later passes and inductor read it).
-3. **Reduction.** Each all-reduce uses reduce op ``"sum"`` on ``schedule.group_name`` (on
-   its gate, ``graphddp.runtime.gate.gate_name(group_name)``, in a gated schedule).
-4. **Issue order.** Each all-reduce comes after (in graph order) its ``issue_after`` node
-   (the last placeholder, when that names a placeholder). That it also comes after the
-   producer of every gradient it reduces follows from 7 (its buffer reads every producer)
-   and 11 (every read comes after the definition), so it is not checked twice.
-5. **Scale.** Between the flat buffer and the all-reduce the bucket is scaled exactly once,
-   by ``div(.., schedule.world_size)`` (DDP pre-divides; a sum of un-divided gradients, or a
-   double division, is silently wrong). In a gated schedule (``Schedule.gated``) the gate
-   divides when it issues the all-reduce, so the graph must not scale at all.
-6. **Compression casts are paired.** A bucket with ``comm_dtype`` is cast to it exactly once
-   before the all-reduce, and its wait is cast back to the bucket dtype exactly once; a bucket
-   without ``comm_dtype`` has neither cast.
-7. **Layout.** The flat buffer concatenates exactly the bucket's slots, in order: piece ``i``
-   is a flattening ``view`` (of a contiguous ``clone`` at most) of the node named by slot
-   ``i``'s ``producer``, with ``numel`` elements; a zero-filled slot's piece flattens
-   ``zeros`` made for that bucket (and no output is returned for it, 10). In a carrying
-   graph (gradients accumulated under ``no_sync`` averaged with the new ones) the piece
-   flattens ``add(producer, c)``, ``c`` the bucket's carried input for that slot's parameter,
-   and every carried input is read once, that way.
-8. **No reads of the buffer in flight.** Once the (in-place) all-reduce is issued, nothing
-   but it reads its input buffer or a view of it.
-9. **Wait placement.** Each wait comes before its bucket's ``wait_before`` node (``"output"``
-   is the output node), and until that node nothing but graphddp's decompress and unflatten
-   nodes of that bucket reads the wait's result.
-10. **Outputs.** Every gradient that needs synchronisation (``expected``: output index ->
-    parameter) is in a bucket and is returned as
-    ``view(slice(wait [-> cast back], 0, off, off + numel), shape)`` of its own bucket's
-    wait, at its own offset; every slot of the schedule is expected; an output that needs no
-    synchronisation is not one of graphddp's nodes (the rewrite left it as it was).
-12. **User hooks.** A bucket with ``hook`` (a user's traced hook, ``graphddp.hooks.traced``) is
-    checked instead of 1 and 3-10 by what graphddp can know of any hook: it issues at least
-    one collective (else its gradients would not be averaged), every one on
-    ``schedule.group_name``, after ``issue_after``, each with exactly one user, a wait of
-    the bucket; its flat buffer is the bucket's slots in order (7); the bytes its collectives
-    send equal ``Bucket.hook_wire_nbytes``; every wait comes before ``wait_before`` and
-    nothing but the bucket's own nodes reads what depends on a wait before it; every gradient
-    is ``view(slice(r, 0, off, off + numel), shape)`` of one result ``r`` of the bucket that
-    depends on its waits. The scale is the hook's business (DDP leaves averaging to a hook).
-11. **Order and lint.** Every argument is defined before its use (so the graph is acyclic),
-    and the graph is FX lint-clean. This runs last, so a misplaced collective is first
-    reported in terms of the schedule.
-
-Only collectives graphddp inserted (tagged with a bucket) are checked: collectives the model
-issues itself (tensor parallelism, say) are left alone.
-
-The checker reads the graph and the schedule; it never mutates either.
+0. **Schedule.** Bucket ``i`` is at position ``i``; no output is in two buckets.
+1. **Accounting.** Each bucket has exactly one tagged ``all_reduce_``, waited once by a wait of its
+   bucket (invariants' W); every graphddp wait waits on its own bucket's collective.
+2. **Fake values.** Every inserted node has a tensor ``meta["val"]`` (later passes read it).
+3. **Reduction.** ``"sum"`` on ``schedule.group_name`` (on its gate in a gated schedule).
+4. **Issue order.** After ``issue_after``; after every producer follows from 7 and 11.
+5. **Scale.** Exactly one ``div(.., world_size)`` before the all-reduce (DDP pre-divides; a missing
+   or double division is silently wrong); none in a gated schedule, where the gate divides.
+6. **Casts.** With ``comm_dtype``, one cast to it before the all-reduce and one back after the wait.
+7. **Layout.** The flat buffer is the bucket's slots in order, each a flattening ``view`` (of a
+   ``clone`` at most) of its ``producer`` (a zero-filled slot: of the bucket's ``zeros``; carrying:
+   of ``add(producer, carried)``, each carried input read once so).
+8. **No reads in flight.** Once issued, nothing but the all-reduce reads its buffer or a view of it.
+9. **Wait placement.** Each wait before ``wait_before``; until then only the bucket's decompress
+   and unflatten read its result.
+10. **Outputs.** Every gradient in ``expected`` is ``view(slice(wait [-> cast back], 0, off, off +
+    numel), shape)`` of its own bucket's wait; every slot is expected; any other output is not ours.
+12. **User hooks** (checked instead of 1, 3-10): at least one collective, all on the group, after
+    ``issue_after``, each waited once; the layout of 7; ``Bucket.hook_wire_nbytes`` on the wire;
+    waits before ``wait_before``; every gradient a slice of one result depending on the waits.
+11. **Order and lint**, last, so that a misplaced collective is reported in the schedule's terms.
 """
 from __future__ import annotations
 
@@ -89,8 +51,7 @@ aten = torch.ops.aten
 
 
 def _collect_all_reduces(g: _Graph, schedule: Schedule, hooked: set[int]) -> dict[int, fx.Node]:
-    """Bucket index -> its one graphddp all-reduce; each with exactly one wait of its bucket.
-    Buckets in ``hooked`` run a user's hook, checked by 12 instead."""
+    """Bucket index -> its one graphddp all-reduce (``hooked`` buckets are checked by 12)."""
     by_bucket: dict[int, fx.Node] = {}
     for ar in g.nodes:
         # Collectives the model itself issues (e.g. tensor parallelism) are not ours to check.
@@ -114,7 +75,6 @@ def _collect_all_reduces(g: _Graph, schedule: Schedule, hooked: set[int]) -> dic
 
 
 def _check_stray_waits(g: _Graph, skipped: set[int]) -> None:
-    """Every graphddp wait waits on a collective of its own bucket (a hook's may issue several)."""
     for wait in g.nodes:
         if not (is_wait(wait) and is_ours(wait)) or wait.meta[BUCKET_KEY] in skipped:
             continue
@@ -140,11 +100,8 @@ def _check_fake_values(g: _Graph) -> None:
 
 
 def _trace_back(node: fx.Node) -> tuple[fx.Node | None, list[fx.Node]]:
-    """Follow graphddp's nodes back from a returned value, by first argument, to a wait.
-
-    Returns (the wait, or None, and the graphddp nodes on the way). Only graphddp's own nodes
-    are followed, so the walk is a few nodes long however deep the backward is.
-    """
+    """(The wait, or None, and graphddp's nodes on the way) from a returned value back by first
+    argument; only graphddp's nodes are followed, so the walk is short however deep the graph."""
     path: list[fx.Node] = []
     while isinstance(node, fx.Node) and is_ours(node) and node not in path:
         if is_wait(node):
@@ -196,7 +153,7 @@ def _check_outputs(g: _Graph, schedule: Schedule, expected: Mapping[int, str], s
 
 
 def _check_order(g: _Graph) -> None:
-    """Every argument is defined before its use: lint's rule, but naming the node in context."""
+    """Lint's def-before-use rule, but naming the node in context."""
     for node in g.nodes:
         for arg in node.all_input_nodes:
             if arg not in g.order or not g.before(arg, node):
@@ -204,7 +161,6 @@ def _check_order(g: _Graph) -> None:
 
 
 def _check_lint(gm: fx.GraphModule) -> None:
-    """FX lint for the rest (targets, names, the graph's own bookkeeping)."""
     try:
         gm.graph.lint()
     except Exception as e:  # lint raises RuntimeError/AssertionError naming the node
@@ -212,7 +168,7 @@ def _check_lint(gm: fx.GraphModule) -> None:
 
 
 def verify(gm: fx.GraphModule, schedule: Schedule, expected: Mapping[int, str]) -> None:
-    """Check invariants 0-11 (module docstring). ``expected``: output index -> param name."""
+    """Check invariants 0-12. ``expected``: output index -> param name."""
     problem = schedule.structure_error()
     if problem:
         raise VerificationError(f"graphddp verify: {problem}")

@@ -1,11 +1,5 @@
-"""The communication verifier's checks of one bucket: invariants 3-9, and 12 for a user's hook.
-
-:mod:`graphddp.graph.verify` lists every invariant and runs them in order; these are the ones
-that follow a single bucket from its gradients to its all-reduce (3 reduction, 4 issue order,
-5 scale, 6 compression casts, 7 layout, 8 no reads in flight) and from its wait to its readers
-(6 the cast back, 9 wait placement); a bucket that runs a user's traced hook, by what
-graphddp can know of any hook instead (12). Read-only, like the whole verifier.
-"""
+"""The communication verifier's checks of one bucket: invariants 3-9, and 12 for a user's hook
+(:mod:`graphddp.graph.verify` lists them all)."""
 from __future__ import annotations
 
 from typing import Any, Collection
@@ -61,12 +55,9 @@ def _check_issue_order(g: _Graph, bucket: Bucket, ar: fx.Node) -> None:
 
 
 def _chain(ar: fx.Node) -> tuple[list[fx.Node], Any]:
-    """The scale and cast nodes between the flat buffer and the all-reduce, and the buffer.
-
-    Nearest the all-reduce first. Anything else in the way ends the walk and is taken as the
-    buffer, which the layout check then rejects by name. A copy into fresh memory (a gated
-    one-gradient bucket's: its gate writes the buffer in place) is looked through.
-    """
+    """The scale and cast nodes between the flat buffer and the all-reduce (nearest first), and the
+    buffer: anything else ends the walk, for the layout check to reject. A fresh copy (a gated
+    one-gradient bucket's) is looked through."""
     chain: list[fx.Node] = []
     node = ar.args[0]
     while isinstance(node, fx.Node) and node not in chain and (node.target in _SCALE_OPS or is_cast(node)):

@@ -1,11 +1,7 @@
 """What every checker of a rewritten graph shares: its error, its way of failing, its lookups.
 
-The communication verifier (:mod:`graphddp.graph.verify` and the invariant families it runs)
-and the optimizer's verifiers (:mod:`graphddp.optim.verify`, :mod:`graphddp.optim.verify_shard`,
-:mod:`graphddp.optim.insert_gather`) all fail the same way: a :class:`VerificationError` that
-shows the offending node with its neighbours in the graph. It has a module of its own, below
-all of them, so that each family of checks can raise it without importing the others. Nothing
-here mutates a graph.
+Every verifier fails the same way, a :class:`VerificationError` showing the offending node with its
+neighbours; this module sits below them all so that each can raise it without importing the others.
 """
 from __future__ import annotations
 

@@ -1,44 +1,25 @@
 """The checker run after :func:`graphddp.graph.part_collectives.place_part_collectives` on every
-graph of ``sharding="full"``.
+graph of ``sharding="full"``: what rebucketing AOTAutograd's collectives could get wrong, and a
+numerics test on one model might not show.
 
-The rewrite replaces AOTAutograd's own collectives by buckets and moves them; what it could get
-wrong, and a numerics test on one model might not show:
+P1. **Waited once, read after** (invariants' W). With FX's def-before-use, no parameter or gradient
+    part is read before its gather's or reduce-scatter's wait.
+P2. **Every gradient of a part reduce-scattered.** In a backward, each part's gradient output
+    (input ``primals_k``, output ``k - 1``) reads the ``tangents`` through at least one
+    reduce-scatter's wait and never around one: else a rank trains on 1/N of the data.
+P3. **Once.** No reduce-scatter sends what a reduce-scatter received (divided by N twice).
+P4. **Each part updated once, after its average, last** (:mod:`graphddp.optim.insert_part_update`):
+    its gradient output None (G), one update ``copy_`` writes it (L), reading a reduce-scatter's
+    wait (A).
+P5. **Resharded: only the backward's first bucket kept** (``reshard_after_forward=True``): the
+    forward's outputs hold no more gathered bytes than :func:`graphddp.graph.reshard.tag_regathers`
+    kept, so every other gathered buffer is freed in the forward.
+P6. **Hybrid: each part averaged over its replicate group too**: gathers and reduce-scatters on the
+    shard group (R), each reduce-scatter's part all-reduced once over the replicate group (H), every
+    part's gradient reading the reduce-scatters only through that all-reduce's wait.
 
-P1. **Waited once, read after** (:mod:`graphddp.graph.invariants`' W). Every collective is
-    read by exactly one wait, and nothing reads its result but through that wait; FX's lint (every node after what it reads) then
-    makes "no parameter read before its gather's wait" and "no gradient part read before its
-    reduce-scatter's wait" hold.
-P2. **Every gradient of a part reduce-scattered.** In a backward (a part is the forward's
-    input ``primals_k``, its gradient the backward's output ``k - 1``; the compiler names the
-    graph's parts), the gradient of each part reaches the output through
-    reduce-scatters only: the output depends on the backward's incoming gradients (its
-    ``tangents``) through at least one reduce-scatter's wait and never around one. A rank that
-    returned its local gradient for a part would train on 1/N of the data.
-P3. **Once.** No reduce-scatter sends what a reduce-scatter received: a gradient averaged twice
-    is divided by N twice.
-P4. **Each part updated once, after its average, last** (the optimizer inside the backward,
-    :mod:`graphddp.optim.insert_part_update`). For every part the variant updates: its gradient
-    output is None (:mod:`graphddp.graph.invariants`' G); exactly one graphddp update ``copy_``
-    writes it (through its input ``primals_k`` or its ``update_param`` input); that write reads
-    a reduce-scatter's wait (the averaged gradient, not this rank's own: A); and no node after
-    the write reads the part (L).
-P5. **Resharded: only the backward's first bucket kept** (``reshard_after_forward=True``). The
-    forward's outputs (what AOTAutograd saves for the backward is among them) hold no more
-    gathered bytes than the parts :func:`graphddp.graph.reshard.tag_regathers` kept (the
-    parameters the backward reads first, one bucket's cap of them): every other gathered
-    buffer's last reader is in the forward, so it is freed there, and the backward gathers
-    again what it reads.
-
-P6. **Hybrid: each part averaged over its replicate group too** (a 2-D ``device_mesh=``, the
-    parts' :class:`~graphddp.values.placement.Placement` given). Every gather and
-    reduce-scatter runs on the shard group (:mod:`graphddp.graph.invariants`' R); each
-    reduce-scatter bucket's part is all-reduced once, over the replicate group (H); and every
-    part's gradient (P2's) reads the reduce-scatters only through a replicate all-reduce's wait.
-
-(Given no parts, P2 checks those the backward gathers again: a backward that keeps the
-forward's gathered parameters has no part among its inputs, so there it has nothing to map.
-P1 and P3 hold for every graph.)
-Failures raise :class:`graphddp.graph.verify_common.VerificationError` showing the node in context.
+Given no parts, P2 checks those the backward gathers again (a backward that keeps the forward's
+gathered parameters has no part among its inputs).
 """
 from __future__ import annotations
 
@@ -64,10 +45,8 @@ def check_part_collectives(
     gm: fx.GraphModule, backward: bool, reshard: bool = False, kept_bytes: int = 0, parts: Collection[str] | None = None,
     placement: Placement | None = None,
 ) -> None:
-    """P1-P3 (module docstring) on one rewritten graph; P2 on a ``backward`` one (for ``parts``,
-    the forward inputs' names of the graph's parts, or where not given, those the backward
-    gathers), P5 on a forward that ``reshard``s and keeps at most ``kept_bytes`` gathered, P6
-    with a hybrid ``placement``."""
+    """P1-P3 on one rewritten graph; P2 on a ``backward`` (``parts``: the forward inputs' names of its
+    parts), P5 on a forward that ``reshard``s, P6 with a hybrid ``placement``."""
     gm.graph.lint()
     for issue in gm.graph.nodes:
         if is_collective(issue):
@@ -86,7 +65,6 @@ def check_part_collectives(
 
 
 def _check_kept_gathers(gm: fx.GraphModule, allowed: int) -> None:
-    """P5: the forward's outputs hold at most ``allowed`` gathered bytes."""
     held = kept_gathered_bytes(gm)
     if held > allowed:
         out = next(iter(kept_gathered(gm).values()))
@@ -95,9 +73,6 @@ def _check_kept_gathers(gm: fx.GraphModule, allowed: int) -> None:
 
 
 def _check_part_gradients(gm: fx.GraphModule, parts: Collection[str] | None) -> None:
-    """P2: each part's gradient output reads the tangents through reduce-scatter waits only;
-    ``parts`` by their forward inputs' names (``primals_k``), or where not given, the inputs the
-    backward gathers."""
     for name, index, grad in _part_gradients(gm, parts):
         through, inputs = above_reduce_scatters(grad)  # stopping at reduce-scatter waits
         around = next((n for n in inputs if n.name.startswith("tangents")), None)
@@ -108,7 +83,7 @@ def _check_part_gradients(gm: fx.GraphModule, parts: Collection[str] | None) -> 
 
 def _part_gradients(gm: fx.GraphModule, parts: Collection[str] | None) -> list[tuple[str, int, fx.Node]]:
     """(part's input name, output index, gradient node) of each part the backward returns a
-    gradient for; ``parts`` as :func:`_check_part_gradients` takes them."""
+    gradient for; ``parts`` None: the inputs the backward gathers."""
     outs = gm.graph.output_node().args[0]
     if not isinstance(outs, (tuple, list)):
         return []
@@ -127,7 +102,7 @@ def _part_gradients(gm: fx.GraphModule, parts: Collection[str] | None) -> list[t
 
 
 def check_replicated(gm: fx.GraphModule, placement: Placement, grads: list[tuple[str, int, fx.Node]]) -> None:
-    """P6 (module docstring) on a graph of hybrid ``placement``; ``grads``: its part gradients."""
+    """P6 on a graph of hybrid ``placement``; ``grads``: its part gradients."""
     assert placement.replicate is not None
     nodes = [n for n in gm.graph.nodes if is_collective(n)]
     for issue in nodes:
@@ -146,8 +121,7 @@ def check_replicated(gm: fx.GraphModule, placement: Placement, grads: list[tuple
 
 
 def check_part_updates(gm: fx.GraphModule, updated: Mapping[int, str]) -> None:
-    """P4 (module docstring) for ``updated`` (backward output index -> part name, every part the
-    graph updates); the rest of the graph is checked by :func:`check_part_collectives`."""
+    """P4 for ``updated``: backward output index -> part name, every part the graph updates."""
     nodes = list(gm.graph.nodes)
     outs = gm.graph.output_node().args[0]
     inputs = {n.name: n for n in nodes if n.op == "placeholder"}

@@ -1,48 +1,30 @@
 """The optimizer inside the backward graph: each bucket's parameters updated after its wait.
 
-DDP keeps every gradient alive until ``optimizer.step()`` runs after the whole backward.
-graphddp owns the backward graph, so ``graphddp.compile(model, optimizer=opt)`` compiles the
-update of a bucket's parameters right after that bucket's wait: the update runs while later
-buckets are still on the wire, and no gradient outlives its bucket (``p.grad`` stays None).
+DDP keeps every gradient alive until ``optimizer.step()`` after the backward; graphddp compiles a
+bucket's update right after its wait, so it runs while later buckets are on the wire and no gradient
+outlives its bucket (``p.grad`` stays None). docs/optimizer.md has the whole story.
 
 Background
-    torch's optimizers are Python loops over ``param.grad``. Their math, for the classes
-    supported here, is a few pointwise ops per parameter, written below once as traceable
-    functions (:func:`sgd_update`, :func:`adam_update`) with the exact formulas of
-    ``torch.optim``'s single-tensor implementations (``_single_tensor_sgd``/``_adam``):
-    same operations, same order, hyperparameters in float64 as torch computes them in
-    Python. Compiled code may fuse them (an FMA, a different vector width), so results agree
-    with ``torch.optim`` to float32 rounding, not bit for bit.
+    torch's optimizers are Python loops over ``param.grad``; for the classes supported here the
+    math is a few pointwise ops per parameter, written once below as traceable functions with the
+    formulas of ``torch.optim``'s single-tensor implementations, in the same order, hyperparameters
+    in float64 as torch computes them in Python. Compiled code may fuse them, so results agree with
+    ``torch.optim`` to float32 rounding, not bit for bit.
 
 Algorithm
-    * Hyperparameters are read from ``optimizer.param_groups`` at every step and passed to
-      the graph as float64 scalar tensors (inputs, not constants), so an LR scheduler or a
-      hand-edited ``lr`` takes effect on the next step with no recompile. Options that change
-      the *shape* of the update (SGD ``momentum == 0``, ``nesterov``, ``maximize``,
-      ``amsgrad``, decoupled weight decay) are compiled in (:class:`UpdateRule`); changing one
-      after the first step raises, naming it.
-    * State lives where torch keeps it (``optimizer.state[p]``: ``step``, ``exp_avg``,
-      ``exp_avg_sq``, ``max_exp_avg_sq``, ``momentum_buffer``), is passed to the graph and
-      updated in place, so ``state_dict()``/``load_state_dict()`` interchange with a plain
-      optimizer of the same class.
-    * A step the graph cannot update alone falls back to torch's own ``step`` at the end of
-      the backward, for the parameters concerned, with the gradients the graph returns (the
-      "grads" variant, :mod:`graphddp.runtime.dispatch`): the synchronising step after ``no_sync``
-      (gradients were accumulated), a graph whose forward ran twice before one backward, a
-      parameter that another graph run in the same step also uses (tied across a graph
-      break), or a parameter that already holds a ``.grad``. Either way, at the end of every
-      synchronising backward each optimised parameter has been stepped once and has
-      ``grad`` None.
-    * ``optimizer.step()`` and ``optimizer.zero_grad()`` become no-ops while attached, so
-      training loops need not change; step hooks do not run for the in-graph updates.
-    * ``max_grad_norm``: the gradients are clipped by their global norm before the update, as
-      ``clip_grad_norm_(model.parameters(), max_grad_norm, grad_norm_type)`` would: in the graph
-      (:mod:`graphddp.optim.clip`, every update after the last wait) when the graph is the
-      step's only one, else by torch's ``clip_grad_norm_`` before torch's step.
+    * Hyperparameters are graph inputs read from ``param_groups`` every step (a scheduler needs no
+      recompile); options that change the update's shape are compiled in (:class:`UpdateRule`),
+      and changing one later raises, naming it.
+    * State lives in ``optimizer.state[p]``, updated in place, so state dicts interchange with a
+      plain optimizer of the same class.
+    * A step the graph cannot update alone falls back to torch's ``step`` at the end of the backward
+      for the parameters concerned (:meth:`AttachedOptimizer.finish`; the reasons:
+      ``runtime.step.StepState.not_inside``). Either way each optimised parameter is stepped once per
+      synchronising backward and left with ``grad`` None.
+    * ``optimizer.step()``/``zero_grad()`` become no-ops while attached; step hooks do not run.
 
-Not supported: other optimizer classes, ``differentiable=True``, complex parameters,
-clipping ``p.grad`` in the loop (refused by name, :mod:`graphddp.optim.guards`). A step whose
-loss an enabled ``GradScaler`` scaled leaves its update to ``scaler.step`` (:mod:`graphddp.optim.scaled_step`).
+Not supported: other optimizer classes, ``differentiable=True``, complex parameters, clipping
+``p.grad`` in the loop (refused, :mod:`graphddp.optim.guards`).
 """
 from __future__ import annotations
 
@@ -62,18 +44,10 @@ SUPPORTED = ("SGD", "Adam", "AdamW")
 F64 = torch.float64
 
 
-def step_dtype(fused: bool = False) -> torch.dtype:
-    """The dtype of Adam's ``state["step"]``, as torch creates it (``_get_scalar_dtype``)."""
-    return torch.float32 if fused or torch.get_default_dtype() != F64 else F64
-
-
 @dataclasses.dataclass(frozen=True)
 class UpdateRule:
-    """What one param group's update compiles to: the optimizer and its shape-changing flags.
-
-    ``hyper`` names the float hyperparameters passed to the graph at every step, ``state``
-    the per-parameter tensors passed with each parameter, in order.
-    """
+    """What one param group's update compiles to: the optimizer and its shape-changing flags;
+    ``hyper`` and ``state`` name the graph inputs passed per group and per parameter."""
 
     optimizer: str  # "SGD" | "Adam" | "AdamW"
     flags: tuple[tuple[str, bool], ...]
@@ -117,24 +91,26 @@ def _group_rule(optimizer: torch.optim.Optimizer, index: int) -> UpdateRule:
 
 
 def adam_step(rule: UpdateRule, like: torch.Tensor, step: torch.Tensor | None = None) -> torch.Tensor:
-    """Adam's ``state["step"]`` for a parameter (or part) ``like``, where torch's
-    ``Adam._init_group`` puts it: on the parameter's device (fp32 when fused) if the group is
-    capturable or fused, else a host scalar (torch keeps it there to spare a kernel launch).
-    The compiled update reads it where it is, so it must be where the graph was traced for:
-    on a GPU a host ``step`` makes inductor compute each parameter's bias corrections in a host
-    kernel of their own (docs/gpu.md), a device one inside the update's kernels. ``step``: a
-    state's own (say, loaded from a checkpoint), moved there if it is not, as torch.compile's
-    optimizer moves a host step to the device; none: a new one at zero."""
+    """Adam's ``state["step"]`` for ``like``, where torch's ``Adam._init_group`` puts it: on the
+    device if capturable or fused, else a host scalar. The graph was traced for that place (a host
+    step costs a host kernel per parameter on a GPU, docs/gpu.md), so a given ``step`` (say,
+    loaded) is moved there; None: a new one at zero."""
     device = like.device if rule.flag("capturable") or rule.flag("fused") else torch.device("cpu")
-    dtype = step_dtype(rule.flag("fused"))
+    dtype = torch.float32 if rule.flag("fused") or torch.get_default_dtype() != F64 else F64  # torch's _get_scalar_dtype
     if step is None:
         return torch.zeros((), dtype=dtype, device=device)
     return step if (step.device, step.dtype) == (device, dtype) else step.to(device=device, dtype=dtype)
 
 
+def fake_state(rule: UpdateRule, like: torch.Tensor, moment: Callable[[], torch.Tensor]) -> list[torch.Tensor]:
+    """Values shaped as ``rule.state`` for ``like`` (a parameter or part), each moment ``moment()``:
+    call it in the graph's fake mode, for the update's new inputs."""
+    flag = lambda: torch.empty((), dtype=torch.bool)  # noqa: E731
+    return [adam_step(rule, like) if s == "step" else flag() if s == "first" else moment() for s in rule.state]
+
+
 def init_adam_state(rule: UpdateRule, state: dict[str, Any], like: torch.Tensor, zeros: Callable[[], torch.Tensor]) -> None:
-    """Adam's ``state`` of ``like`` (a parameter or part) as torch's ``Adam._init_group`` makes it,
-    each moment ``zeros()``; a loaded ``step`` goes where the graph reads it (:func:`adam_step`)."""
+    """Adam's ``state`` of ``like`` (a parameter or part) as torch's ``Adam._init_group`` makes it."""
     if "step" in state:
         state["step"] = adam_step(rule, like, state["step"])
     else:
@@ -213,12 +189,8 @@ UPDATES: dict[str, Callable[..., None]] = {"sgd": sgd_update, "adam": adam_updat
 def bucket_update_fn(
     rules: Sequence[UpdateRule], group_of: Sequence[int], groups: Sequence[int], clipped: bool = False
 ) -> Callable[..., None]:
-    """One bucket's update as a function of flat placeholders, in the order of :func:`layout`.
-
-    Arguments: per updated parameter its gradient, then per parameter the parameter and its
-    state tensors, then per group used (``groups``) its hyperparameters; with ``clipped``, last,
-    the clip coefficient (:mod:`graphddp.optim.clip`) every gradient is multiplied by first.
-    """
+    """One bucket's update: arguments the gradients, then :func:`layout`'s inputs, then (with
+    ``clipped``) the clip coefficient every gradient is multiplied by first."""
     n = len(rules)
 
     def update(*args: torch.Tensor) -> None:
@@ -256,7 +228,6 @@ class UpdateArgs:
 
 
 class AttachedOptimizer(LossScaled):
-    """A ``torch.optim`` optimizer whose steps graphddp runs (module docstring)."""
 
     def __init__(self, optimizer: Any, module: nn.Module, where: str, max_grad_norm: float | None = None, grad_norm_type: float = 2.0) -> None:
         name = type(optimizer).__name__
@@ -286,10 +257,8 @@ class AttachedOptimizer(LossScaled):
         self.sharded: Any = None
 
     def attach(self) -> None:
-        """From now on graphddp steps: ``step``/``zero_grad`` become no-ops on the instance.
-
-        Bound methods, because LR schedulers wrap ``optimizer.step`` through its ``__func__``.
-        """
+        """``step``/``zero_grad`` become no-ops on the instance, as bound methods: LR schedulers
+        wrap ``optimizer.step`` through its ``__func__``."""
         optimizer = self.optimizer
         step: Any = types.MethodType(attached_step, optimizer)
         if hasattr(optimizer.step, "_wrapped_by_lr_sched"):  # a scheduler came first: keep its mark
@@ -308,12 +277,10 @@ class AttachedOptimizer(LossScaled):
         return ", ".join(sorted({str(r) for r in self.rules}))
 
     def rule(self, name: str) -> UpdateRule | None:
-        """The update rule of parameter ``name``, or None when the optimizer does not hold it."""
         g = self.group_of.get(name)
         return None if g is None else self.rules[g]
 
     def check_unchanged(self) -> None:
-        """The compiled shape of every group's update still matches the optimizer."""
         if len(self.optimizer.param_groups) != len(self.rules):
             raise RuntimeError("graphddp: optimizer.add_param_group after graphddp.compile(..., optimizer=) is not supported")
         for g, rule in enumerate(self.rules):
@@ -327,9 +294,8 @@ class AttachedOptimizer(LossScaled):
 
     # -- per step -------------------------------------------------------------------------
     def update_args(self, names: Sequence[str], groups: Sequence[int], shards: Sequence[Any] = ()) -> UpdateArgs:
-        """Parameters, state (created as torch creates it) and hyperparameters, in layout order;
-        then, per sharded bucket (``graphddp.optim.shard_functions.ShardLayout``), the inputs of
-        its layout: its parameters, the state of this rank's parts, its groups' hyperparameters."""
+        """The update's inputs in layout order (state created as torch creates it), then each
+        sharded bucket's: its parameters, the state of this rank's parts, its hyperparameters."""
         self.check_unchanged()
         tensors: list[torch.Tensor] = []
         fresh: dict[str, torch.Tensor] = {}
@@ -364,13 +330,10 @@ class AttachedOptimizer(LossScaled):
 
     @torch.no_grad()
     def finish(self) -> None:
-        """At the end of every synchronising backward (:mod:`graphddp.runtime.step`): torch's step for
-        what the graphs returned (the parameters they left to it are the ones with a grad),
-        then no gradient is kept (``sharding="optimizer"``: each rank's part, then an all-gather).
-        With ``max_grad_norm``, torch's ``clip_grad_norm_`` over every parameter of the module
-        first: a step whose graphs left anything to torch left everything (the norm spans all of
-        them; :mod:`graphddp.compiler.updates`), and what they left is whole: all-reduced.
-        A scaled step's gradients wait for ``GradScaler.step`` (:mod:`graphddp.optim.scaled_step`)."""
+        """At the end of every synchronising backward: torch's step for the parameters the graphs
+        left a grad, then no gradient is kept. With ``max_grad_norm``, ``clip_grad_norm_`` over the
+        whole module first: a step that left anything to torch left everything, all-reduced
+        (:mod:`graphddp.compiler.updates`). A scaled step's gradients wait for ``GradScaler.step``."""
         if self.scaled:
             return
         if any(p.grad is not None for p in self.params.values()):

@@ -1,35 +1,22 @@
-"""Clipping by global norm inside the backward (``max_grad_norm=``, ``grad_norm_type=``): the norms and the coefficient.
+"""Clipping by global norm inside the backward (``max_grad_norm=``, ``grad_norm_type=``).
 
 Background
-    ``torch.nn.utils.clip_grad_norm_`` reads ``p.grad`` after the backward; with the optimizer
-    inside the backward no gradient is kept, so a loop that clips there clips nothing
-    (:mod:`graphddp.optim.guards` makes that an error). ``graphddp.compile(model,
-    optimizer=opt, max_grad_norm=c, grad_norm_type=p)`` computes instead, in the graph, what
-    ``clip_grad_norm_(model.parameters(), c, norm_type=p)`` computes on the averaged gradients,
-    op for op: each gradient's p-norm (torch's ``_foreach_norm``, one ``vector_norm`` per
-    tensor), the p-norm of those norms (``vector_norm`` of their stack),
-    ``clip_coef = c / (total + 1e-6)`` (``Tensor.__rtruediv__``: a reciprocal times ``c``),
-    clamped to 1, and every gradient multiplied by it before its update.
+    With the optimizer inside the backward no gradient is kept, so a loop's ``clip_grad_norm_``
+    would clip nothing (:mod:`graphddp.optim.guards` refuses it). The graph computes instead what
+    ``clip_grad_norm_(model.parameters(), c, norm_type=p)`` computes on the averaged gradients, op
+    for op: each gradient's p-norm, the p-norm of their stack, ``c / (total + 1e-6)`` clamped to 1,
+    every gradient multiplied by it before its update.
 
-Sharded (``sharding="optimizer"``)
-    Each rank holds a part of every reduce-scattered gradient. A p-norm is a sum over
-    elements raised to 1/p, so each rank's sums of ``|g|^p`` per gradient (the squares for
-    p = 2) add up over ranks to the whole gradient's: one SUM all-reduce, then the 1/p power.
-    The inf-norm is a maximum, not a sum: each rank's largest ``|g|`` per gradient, one MAX
-    all-reduce. Padding holds zeros, which add nothing to either. ``sharding="full"`` clips
-    the parts the same way, eagerly, before ``opt.step()`` (:func:`clip_parts_before_step`).
+Sharded
+    A p-norm is a sum over elements raised to 1/p, so each rank's sums of ``|g|^p`` over its parts
+    add up over ranks to the whole gradient's: one SUM all-reduce (the inf-norm: a MAX of each
+    rank's largest ``|g|``). Padding holds zeros, which add nothing to either. ``sharding="full"``
+    clips the parts the same way, eagerly (:func:`clip_parts_before_step`).
 
-Where (:meth:`graphddp.values.schedule.Schedule.update_after` decides, this pass follows)
-    The norm needs every bucket's average, so no update may run before the last wait. What can
-    run earlier does: each bucket's gradient norms go right after its own wait, while later
-    buckets are still on the wire; the coefficient goes after the last bucket's norms; then
-    every update, each reading the coefficient. The gradients the graph still returns (of
-    parameters the optimizer does not hold) are scaled too, as ``clip_grad_norm_`` scales
-    every gradient of ``model.parameters()``.
-
-Postcondition (``graphddp.optim.verify``, U7): one coefficient node, after every wait,
-computed from every bucket's reduced gradients; every update and every returned parameter
-gradient reads it.
+Where (``Schedule.update_after`` decides)
+    The norm needs every bucket's average, so no update runs before the last wait; each bucket's
+    norms go right after its own wait, the coefficient after the last, then every update. The
+    gradients the graph still returns are scaled too, as ``clip_grad_norm_`` scales every one.
 """
 from __future__ import annotations
 
@@ -51,7 +38,6 @@ EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
 
 
 def gradient_norms_fn(norm_type: float) -> Callable[..., list[torch.Tensor]]:
-    """Each gradient's ``norm_type`` norm, as ``_get_total_norm`` computes them (before stacking)."""
 
     def gradient_norms(*grads: torch.Tensor) -> list[torch.Tensor]:
         with role(CLIP_NORM):
@@ -61,7 +47,6 @@ def gradient_norms_fn(norm_type: float) -> Callable[..., list[torch.Tensor]]:
 
 
 def coefficient_fn(max_norm: float, norm_type: float) -> Callable[..., torch.Tensor]:
-    """The clip coefficient from every gradient's norm: ``clip_grad_norm_``'s arithmetic."""
 
     def coefficient(*norms: torch.Tensor) -> torch.Tensor:
         with role(CLIP):
@@ -72,22 +57,18 @@ def coefficient_fn(max_norm: float, norm_type: float) -> Callable[..., torch.Ten
 
 
 def scale(coef: torch.Tensor, *grads: torch.Tensor) -> list[torch.Tensor]:
-    """Returned gradients times the coefficient (``_clip_grads_with_norm_``'s ``mul_``)."""
     with role(CLIP):
         return [g * coef for g in grads]
 
 
 def reduce_op(norm_type: float) -> str:
-    """How ranks combine their parts' :func:`part_norms`: a maximum for the inf-norm, else a sum."""
     return "max" if norm_type == math.inf else "sum"
 
 
 def part_norms(grad_part: torch.Tensor, sizes: Sequence[int], chunks: Sequence[int], norm_type: float) -> torch.Tensor:
-    """``sharding="optimizer"``: per slot of a reduce-scattered bucket, this rank's share of the
-    gradient's norm (``grad_part`` holds ``chunks[k]`` elements per slot, the first ``sizes[k]``
-    of them this rank's part; a slot this rank owns nothing of adds 0), in a float type at least
-    as wide as float32: the sum of ``|g|^p`` (of squares for p = 2), or for inf the largest
-    ``|g|``. Combined over ranks by :func:`reduce_op` they are each gradient's norm to the p."""
+    """Per slot of a reduce-scattered bucket, this rank's share of the gradient's norm, at least
+    float32: the sum of ``|g|^p``, or for inf the largest ``|g|`` (``grad_part`` holds ``chunks[k]``
+    elements per slot, the first ``sizes[k]`` this rank's)."""
     with role(CLIP_NORM):
         shares, at = [], 0
         for size, c in zip(sizes, chunks):
@@ -105,7 +86,6 @@ def part_norms(grad_part: torch.Tensor, sizes: Sequence[int], chunks: Sequence[i
 
 
 def _root(combined: torch.Tensor, norm_type: float) -> torch.Tensor:
-    """Each gradient's norm from its :func:`part_norms` combined over ranks."""
     if norm_type == 2.0:
         return torch.sqrt(combined)
     if norm_type in (1.0, math.inf):
@@ -114,11 +94,8 @@ def _root(combined: torch.Tensor, norm_type: float) -> torch.Tensor:
 
 
 def sharded_coefficient_fn(max_norm: float, norm_type: float, buckets: int, group_name: str, world: int) -> Callable[..., torch.Tensor]:
-    """``sharding="optimizer"``: the clip coefficient from every sharded bucket's part norms
-    (:func:`part_norms`, one vector per bucket: combined over ranks by one all-reduce,
-    :func:`reduce_op`'s, each gradient's norm from that) and the norms of the gradients the
-    graph returns (all-reduced already, whole on every rank: not combined again), as
-    ``clip_grad_norm_`` combines per-tensor norms."""
+    """The clip coefficient from every sharded bucket's :func:`part_norms`, combined over ranks by one
+    all-reduce, and the norms of the gradients the graph returns (whole already: not combined)."""
     op = reduce_op(norm_type)
     issue = kind("all_reduce").lower(backend_of(group_name)).issue if op == "sum" else (
         lambda flat, group, _world: ALL_REDUCE(flat, op, group))
@@ -138,8 +115,8 @@ def sharded_coefficient_fn(max_norm: float, norm_type: float, buckets: int, grou
 def insert_norms(
     graph: fx.Graph, buckets: Sequence[tuple[int, Sequence[fx.Node]]], norm_type: float, decompositions: Mapping[Any, Callable[..., Any]],
 ) -> list[fx.Node]:
-    """Each bucket's gradient norms, right after its own nodes (its wait and unflatten views)
-    and its gradients; returns them, in bucket order. ``buckets``: (index, its gradients' nodes)."""
+    """Each bucket's gradient norms, right after its own nodes and its gradients, in bucket order.
+    ``buckets``: (index, its gradients' nodes)."""
     norms: list[fx.Node] = []
     for index, grads in buckets:
         if not grads:
@@ -154,9 +131,7 @@ def insert_clip(
     graph: fx.Graph, buckets: Sequence[tuple[int, Sequence[fx.Node]]], max_norm: float, norm_type: float,
     decompositions: Mapping[Any, Callable[..., Any]],
 ) -> fx.Node:
-    """Splice each bucket's gradient norms right after its own nodes (its wait and unflatten
-    views) and its gradients, then the coefficient after the last norm; returns the
-    coefficient's node. ``buckets``: (index, its gradients' nodes) in bucket order."""
+    """:func:`insert_norms`, then the coefficient after the last norm; returns its node."""
     norms = insert_norms(graph, buckets, norm_type, decompositions)
     last = buckets[-1][0]
     traced = trace(coefficient_fn(max_norm, norm_type), [n.meta["val"] for n in norms], "the clip coefficient", decompositions)
@@ -174,11 +149,9 @@ def insert_scaled(graph: fx.Graph, coef: fx.Node, grads: Sequence[fx.Node], buck
 
 
 def clip_parts_before_step(optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float, group: Any) -> Any:
-    """``sharding="full"`` without the update inside: before every ``optimizer.step()``, scale
-    the parts' gradients so that the whole gradient's ``norm_type`` norm is at most
-    ``max_norm``, as ``clip_grad_norm_(..., norm_type)`` on the whole parameters would: one
-    all-reduce of this rank's share of the norm (the sum of ``|g|^p``, SUM; for inf the largest
-    ``|g|``, MAX); padding holds zeros, which add nothing. Returns the hook's handle."""
+    """``sharding="full"`` without the update inside: a step pre-hook scaling the parts' gradients as
+    ``clip_grad_norm_`` on the whole parameters would, by one all-reduce of this rank's share
+    (module docstring: Sharded). Returns the hook's handle."""
     inf = norm_type == math.inf
 
     def clip(opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:

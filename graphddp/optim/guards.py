@@ -1,52 +1,29 @@
 """Loops written for DDP that read ``p.grad`` must not silently do something else.
 
 Background
-    With ``graphddp.compile(model, optimizer=opt)`` the parameters are updated inside the
-    backward and ``p.grad`` stays None. Two things training loops do after the backward then
-    go wrong without a word (nanoGPT's ``train.py`` does both):
-
-    * ``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` finds no gradient, returns 0.0
-      and clips nothing: the update already ran unclipped (``clip_grad_value_`` alike);
-    * ``scaler.scale(loss).backward()`` with an enabled ``torch.amp.GradScaler`` updates the
-      parameters with gradients multiplied by the loss scale, and ``scaler.step(opt)`` then
-      fails deep in torch (``No inf checks were recorded for this optimizer``).
-
-    Clipping has an in-graph form (``max_grad_norm=``, :mod:`graphddp.optim.clip`), so it is
-    refused here with an error that says what to do instead. The scaler is honoured: a scaled
-    step leaves its update to ``scaler.step`` (:mod:`graphddp.optim.scaled_step`); the wrappers
-    below are how graphddp learns that a step is scaled, and where it refuses what it cannot
-    honour.
+    With ``optimizer=`` the parameters are updated inside the backward and ``p.grad`` stays None,
+    so two things training loops do after it (nanoGPT's ``train.py`` does both) go wrong without a
+    word: ``clip_grad_norm_``/``clip_grad_value_`` clip nothing, and an enabled ``GradScaler``'s
+    step fails deep in torch after an update with scaled gradients. Clipping has an in-graph form
+    (``max_grad_norm=``), so it is refused here, naming it; a scaled step is honoured, its update left
+    to ``scaler.step`` (:mod:`graphddp.optim.scaled_step`).
 
 Algorithm
-    The first :meth:`AttachedOptimizer.attach` installs, once per process, thin wrappers
-    around ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` (the attributes of
-    ``torch.nn.utils`` and of ``torch.nn.utils.clip_grad``, which nanoGPT looks up at call
-    time) and around ``torch.amp.GradScaler.scale`` / ``unscale_`` / ``step`` (the base class
-    ``torch.cuda.amp.GradScaler`` inherits them from). Each wrapper asks one question and
-    otherwise calls torch's function unchanged:
+    The first attach installs, once per process, thin wrappers around ``torch.nn.utils``' clip
+    functions (both attributes nanoGPT may look up at call time) and ``GradScaler``'s ``scale``,
+    ``unscale_`` and ``step``; each asks one question, else calls torch's function unchanged:
 
-    * clipping: is one of the parameters passed held by an attached optimizer (alive: the
-      registry is weak)? Then raise, naming ``max_grad_norm=``; unless its step is scaled, whose
-      averaged gradients wait in ``p.grad`` for ``scaler.step`` (DDP's ``unscale_``, clip,
-      ``step`` then clips them as DDP does).
-    * an enabled scaler's ``scale(outputs)``: do the outputs come from a forward of a graphddp
-      model with an attached optimizer? The compiler tags the autograd node of every such
-      forward with its attached optimizer (:data:`ATTACHED_NODE`); the wrapper walks the
-      outputs' autograd graph and marks each one it finds as scaled, before ``backward()``,
-      so that no parameter is updated inside the backward with scaled gradients. A fused
-      optimizer is refused there. The walk only happens while some optimizer is attached.
-    * an *enabled* scaler's ``unscale_``/``step`` on an attached optimizer whose step is not
-      marked scaled: raise (the backward updated already). Marked: torch's own, ``step``
-      with the attached ``opt.step()`` made the real step for its duration. On an optimizer
-      over parts (``sharding="full"``, :func:`agree_found_inf`), ``unscale_`` then agrees on the
-      inf flag over the ranks. A disabled scaler (nanoGPT's with bf16) passes through: its
-      ``step`` just calls ``opt.step()``, a no-op while attached.
+    * clipping: is a parameter passed held by a live attached optimizer whose step is not scaled?
+    * an enabled scaler's ``scale(outputs)``: do the outputs' autograd graphs reach a forward the
+      compiler tagged with its attached optimizer (:data:`ATTACHED_NODE`)? Then that step is
+      marked scaled before ``backward()``, so no parameter is updated with scaled gradients.
+    * an enabled scaler's ``unscale_``/``step`` on an attached optimizer not marked scaled: refused
+      (the backward updated already). Over parts (``sharding="full"``) ``unscale_`` agrees on the inf
+      flag over the ranks (:func:`agree_found_inf`).
 
-    Why wrappers and not something in the step: the error must come where the user's code
-    does the wrong thing, and before the update where possible; nothing graphddp runs sees a
-    clip call (it only reads ``p.grad``) or a scaled loss (the scale is a multiplication
-    before the backward). The wrappers are installed once and never removed; with no
-    attached optimizer alive (and no optimizer over parts) each costs one empty-set check.
+    Wrappers, because the error must come where the user's code does the wrong thing: nothing
+    graphddp runs sees a clip call or a scaled loss. With no attached optimizer alive each costs one
+    empty-set check.
 """
 from __future__ import annotations
 
@@ -59,7 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.utils as nn_utils
 import torch.nn.utils.clip_grad as clip_grad
-from torch.utils._pytree import tree_leaves
+
+from graphddp.graph.capture import autograd_nodes
 
 # Key of the autograd node metadata the compiler sets on every forward of a model whose
 # optimizer is attached (graphddp.compiler.graph_compiler).
@@ -82,22 +60,17 @@ _gathered_copies = False  # some were made in this process: the clip wrappers lo
 
 
 def watch_gathered_copies() -> None:
-    """From now on the clip wrappers refuse tensors marked :data:`GATHERED_COPY`; installs them
-    the first time."""
     global _gathered_copies
     _gathered_copies = True
     _install()
 
 
 def watch(attached: Any) -> None:
-    """From now on the wrappers refuse ``attached``'s parameters and optimizer; installs them
-    the first time."""
     _ATTACHED.add(attached)
     _install()
 
 
 def _owner_of(params: Iterable[Any]) -> Any:
-    """The attached optimizer holding one of ``params``, or None."""
     live = list(_ATTACHED)
     if not live:
         return None
@@ -106,11 +79,8 @@ def _owner_of(params: Iterable[Any]) -> Any:
 
 
 def _clipping_instead(clipping: Any, args: tuple, kwargs: dict) -> str:
-    """What a ``clip_grad_norm_(params, *args, **kwargs)`` call on gradients graphddp clips (or
-    would clip) inside should become. ``clipping``: (max_grad_norm, grad_norm_type) given to
-    graphddp, or None. A user who already passed ``max_grad_norm=`` is told the gradients are
-    clipped, by which norm, and to drop the call; one whose call asks another norm or bound is
-    told the option that gives it."""
+    """What a refused ``clip_grad_norm_`` call should become, given graphddp's ``clipping``
+    ((max_grad_norm, grad_norm_type) or None): the option to pass, or that it is done already."""
     max_norm = args[0] if args else kwargs.get("max_norm", "...")
     try:
         norm_type = float(args[1] if len(args) > 1 else kwargs.get("norm_type", 2.0))
@@ -177,26 +147,17 @@ def _scaler_refusal(what: str, why: str) -> RuntimeError:
 
 
 def _attached_reached(outputs: Any) -> list[Any]:
-    """The attached optimizers whose models' forwards the tensors of ``outputs`` depend on."""
-    todo = [t.grad_fn for t in tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    seen: set[Any] = set()
     found: list[Any] = []
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
+    for node in autograd_nodes(outputs):
         attached = node.metadata.get(ATTACHED_NODE)
         if attached is not None and all(a is not attached for a in found):
             found.append(attached)
-        todo.extend(n for n, _ in node.next_functions)
     return found
 
 
 def _refuse_fused(optimizer: Any, what: str) -> None:
-    """A fused optimizer takes the scale and the inf flag into its own kernel
-    (``_step_supports_amp_scaling``): torch's step then reads neither ``unscale_`` nor the flag
-    the ranks agreed on, so the skip could differ between ranks."""
+    """A fused optimizer checks for inf in its own kernel, not reading the flag the ranks agreed
+    on, so the skip could differ between ranks."""
     if getattr(optimizer, "_step_supports_amp_scaling", False):
         raise _scaler_refusal(
             what,
@@ -206,17 +167,15 @@ def _refuse_fused(optimizer: Any, what: str) -> None:
 
 
 def agree_found_inf(optimizer: Any, group: Any) -> None:
-    """From now on an enabled GradScaler's ``unscale_(optimizer)`` agrees on the inf flag over
-    ``group``: ``optimizer`` holds this rank's parts of the gradients only (``sharding="full"``),
-    so one rank may see an inf the others do not; every rank must skip that step (FSDP's
-    ``ShardedGradScaler`` does the same all-reduce)."""
+    """An enabled GradScaler's ``unscale_(optimizer)`` agrees on the inf flag over ``group`` from
+    now on: over parts one rank may see an inf the others do not, and every rank must skip that
+    step (FSDP's ``ShardedGradScaler`` does the same all-reduce)."""
     _AGREE[optimizer] = group
     _install()
 
 
 def _agree(scaler: Any, optimizer: Any, group: Any) -> None:
-    """The maximum over ``group`` of this rank's inf flags, written back into every one of them
-    (one entry on the scale's device where this rank held no gradient to check)."""
+    """The maximum over ``group`` of the inf flags, written back into each (or one new entry)."""
     found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
     total = torch.zeros((), dtype=torch.float32, device=scaler._scale.device)
     for flag in found.values():
@@ -229,14 +188,9 @@ def _agree(scaler: Any, optimizer: Any, group: Any) -> None:
 
 
 def _scaler_guards(cls: type) -> None:
-    """An enabled scaler around an attached optimizer: ``scale(loss)`` of an attached model's
-    output marks the step as scaled (its backward then leaves every gradient in ``p.grad``),
-    ``unscale_`` agrees on the inf flag where the optimizer holds parts, and ``step`` runs the
-    attached optimizer's own step from torch's ``optimizer.step()`` call, which torch skips on an
-    inf. A scaler whose ``scale`` was not seen on the attached model's loss is refused.
-
-    Wraps the methods ``cls`` defines itself: a subclass that overrides some (FSDP's
-    ``ShardedGradScaler``: ``scale``, ``unscale_``) keeps the base class's wrapper for the rest."""
+    """Wraps the scaler methods ``cls`` defines itself (module docstring): a subclass overriding
+    some (FSDP's ``ShardedGradScaler``) keeps the base class's wrapper for the rest. ``step`` runs
+    the attached optimizer's real step from torch's ``optimizer.step()`` call."""
     scale, unscale_, step = cls.scale, cls.unscale_, cls.step
 
     @functools.wraps(scale)
@@ -250,8 +204,6 @@ def _scaler_guards(cls: type) -> None:
         return scale(self, outputs)
 
     def scaled_owner(what: str, optimizer: Any) -> Any:
-        """``optimizer``'s attached optimizer (None: not attached), refused where its step is
-        not scaled; a fused optimizer over parts is refused too."""
         attached = next((a for a in _ATTACHED if a.optimizer is optimizer), None)
         if attached is not None and not attached.scaled:
             raise _scaler_refusal(

@@ -1,30 +1,15 @@
 """``sharding="full"``: each part updated inside the backward, right after its gradient arrives.
 
-In full sharding a backward graph returns, for every part it gathered, the part's gradient:
-the wait of a reduce-scatter bucket cut back into parts (:mod:`graphddp.graph.part_collectives`),
-cast to the part's dtype under a mixed-precision policy, summed where a tied weight was read
-twice. This pass updates the part there instead, with the optimizer's own math
-(:func:`graphddp.optim.attached.bucket_update_fn`, the update the replicated and sharded modes
-splice, traced once per signature), and returns None for its gradient: no gradient of a part
-outlives its update, and the update of one bucket runs while later buckets are still on the
-wire.
+A fully sharded backward returns each gathered part's gradient (a reduce-scatter bucket's wait cut
+back into parts, :mod:`graphddp.graph.part_collectives`). This pass updates the part there instead,
+with the optimizer update the other modes splice (traced once per signature), and returns None
+for its gradient, so one bucket's update runs while later buckets are on the wire.
 
-Inputs. Every part is updated through a new placeholder, which the runtime fills with the part
-itself, in :func:`graphddp.optim.insert_update.append_update_inputs`'s order
-(:meth:`graphddp.optim.attached.AttachedOptimizer.update_args`), never through a tensor the
-forward saved (a compiled forward may save a copy). A part the backward reads already
-(``reshard_after_forward=True``: the backward gathers it again from its saved input
-``primals_k``) is read through a view of that placeholder instead
-(:func:`graphddp.optim.insert_update.parameter_nodes`), so the compiler orders the update after
-the gather.
-
-Where. Each update goes right after the last of: its gradient, and every read of its part
-(:func:`graphddp.graph.trace.after_all`); the updates of parts whose gradients come from one
-reduce-scatter bucket follow that bucket's wait.
-
-Postcondition, checked by :func:`graphddp.graph.verify_full.check_part_updates` (P4): each
-updated part is written once, after its gradient's reduce-scatter wait and after every other
-read of it, and its gradient output is None.
+Each part is updated through a new placeholder the runtime fills with the part itself, never a
+tensor the forward saved (it may be a copy); a part the backward reads already (re-gathered from
+``primals_k``) is read through a view of that placeholder, so the update comes after the gather
+(:func:`graphddp.optim.insert_update.parameter_nodes`). Each update goes after its gradient and every
+read of its part. :func:`graphddp.graph.verify_full.check_part_updates` (P4) checks the result.
 """
 from __future__ import annotations
 
@@ -42,12 +27,10 @@ from graphddp.values.comm import BUCKET_KEY, ROLE_KEY
 
 
 def insert_part_updates(gm: fx.GraphModule, grads: Mapping[int, str], inputs: UpdateInputs, carry: bool = False) -> list[str]:
-    """Update in ``gm`` every part named in ``grads`` (backward output index -> part name) that
-    ``inputs`` has a rule for and whose gradient the graph computes; returns their names, in
-    the order of their new inputs (empty: the graph is unchanged). With ``carry``, one more
-    input per updated part, after the update's (``carried_k``): the gradient it accumulated in
-    earlier micro-steps (``no_sync``) or earlier backwards of this step (a weight tied across a
-    graph break), added to this backward's before the update."""
+    """Update every part in ``grads`` (output index -> part name) that ``inputs`` has a rule for and
+    whose gradient the graph computes; returns their names in input order (empty: unchanged). With
+    ``carry``, one more input per part (``carried_k``): what it accumulated earlier in the step
+    (``no_sync``, or a weight tied across a graph break), added before the update."""
     from torch._inductor.decomposition import select_decomp_table
 
     graph = gm.graph
@@ -78,7 +61,6 @@ def insert_part_updates(gm: fx.GraphModule, grads: Mapping[int, str], inputs: Up
 
 
 def _carried_inputs(graph: fx.Graph, grads: list[fx.Node]) -> dict[fx.Node, fx.Node]:
-    """One placeholder per gradient, after every other, shaped as it is: what was accumulated."""
     vals = []
     fake_mode = detect_fake_mode(tuple(g.meta["val"] for g in grads))
     with fake_mode:
@@ -90,7 +72,6 @@ def _carried_inputs(graph: fx.Graph, grads: list[fx.Node]) -> dict[fx.Node, fx.N
 
 
 def _added(graph: fx.Graph, grad: fx.Node, carried: fx.Node, before: fx.Node) -> fx.Node:
-    """``grad + carried``, right before ``before`` (the update's place)."""
     with graph.inserting_before(before):
         node = graph.call_function(torch.ops.aten.add.Tensor, (grad, carried))
     with detect_fake_mode((grad.meta["val"],)):

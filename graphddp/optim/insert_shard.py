@@ -1,72 +1,36 @@
 """Sharded buckets in the backward graph: reduce-scatter, update this rank's part, all-gather.
 
-The functions traced per bucket, and its layout on this rank, are
-:mod:`graphddp.optim.shard_functions`'s; this pass places them. Runs after :func:`~graphddp.graph.insert_comm.insert_collectives` (which leaves the buckets
-whose collective is ``"reduce_scatter"`` to this pass) and after the replicated optimizer
-pass. Per sharded bucket (``Bucket.collective == "reduce_scatter"``; every slot updated), two
-functions are traced on the graph's fake values and spliced in, in the layout of
-:mod:`graphddp.values.shards` (each parameter cut into ``world`` chunks, rank-major)::
+Runs after :func:`~graphddp.graph.insert_comm.insert_collectives`, which leaves the buckets whose
+collective is ``"reduce_scatter"`` here, and places :mod:`graphddp.optim.shard_functions`' traced
+functions, in :mod:`graphddp.values.shards`' layout (each parameter cut into ``world`` chunks)::
 
     <issue_after node>
-    flatten         g_i -> pad to world * c_i -> view [world, c_i]
-    compress        hook.compress (fp16/bf16: a cast), per column
-    scale           div(world_size), per column
-    flatten         cat(dim=1) -> view [-1]
-    reduce_scatter  reduce_scatter_tensor(flat, "sum", world, group)
-                    (on gloo: all_to_all_single(flat), summed over its world rows after the
-                    wait; graphddp.values.collectives says why)
-    ... the backward, up to the next bucket's reduce-scatter ...
-    # right after the next sharded bucket's reduce-scatter is issued (GATHER_LAG), so that the
-    # all-gather shares the link with the rest of the backward instead of following it (faster on
-    # a link-bound step: docs/sharding.md; the compiler keeps this
-    # order in inductor's code: inductor_settings.INDUCTOR_FX_ORDER_CONFIG); the last bucket's at the
-    # output. gather="forward" too, but its all-gather is issued at the output: what the
-    # reduce-scatter received is freed early, and the backward's link carries reduce-scatters only.
-    update          work_i = a copy of param_i.flat[lo_i:hi_i]   (this rank's part of the parameter;
-                    a clone, which inductor folds into the parameter (_clone), or, where the
-                    parameter's old values are read after the update, a copy it cannot fold
-                    (graph.trace.fresh_copy))
-    wait            wait_tensor; decompress (a cast back)
-    update          the optimizer's math on work_i, the part of the gradient and the part's
-                    state (inputs, written in place), for every slot with a non-empty part
-    all_gather      all_gather_into_tensor(cat(pad(work_i, c_i)), world, group)
-    # gather="backward": right after the next bucket's all-gather is issued, where nothing after
-    # reads the bucket's parameters (else, and for the last bucket, at the output): its own
-    # all-gather was on the wire before that bucket's, and the gathered bucket dies here instead
-    # of living to the end of the backward (_write_point)
+    flatten         g_i -> pad to world * c_i -> view [world, c_i]; compress; div(world_size)
+    reduce_scatter  reduce_scatter_tensor(cat(dim=1).view(-1)) (gloo: all_to_all_single, rows summed)
+    ... the backward ...
+    # right after the next bucket's reduce-scatter is issued (GATHER_LAG), so the all-gather shares
+    # the link with the rest of the backward (docs/sharding.md); the last bucket's at the output
+    update          work_i = a copy of this rank's part of param_i (a clone inductor folds, or
+                    graph.trace.fresh_copy where the old values are read after the update)
+    wait            wait_tensor; decompress
+    update          the optimizer's math on work_i, the gradient's part and the state (in place)
+    all_gather      all_gather_into_tensor(cat(pad(work_i, c_i)))
+    # gather="backward": after the next bucket's all-gather, if nothing after reads the bucket's
+    # parameters (_write_point), else at the output
     wait            wait_tensor
     write           param_i.copy_(gathered[:, at_i:at_i + c_i].flat[:numel_i].view(shape_i))
     output(..., None for every gradient of the bucket, ...)
-    # gather="forward": the all-gather is issued at the output instead, in reverse bucket order
-    # (the forward reads the last bucket first), with no wait and no write: it is an extra
-    # output after the graph's own, and :func:`graphddp.optim.insert_gather.insert_forward_gathers`
-    # puts the wait and the write into the next forward. It is issued in the backward, and not
-    # when the next forward starts, so that completing it never needs a collective: a
-    # ``state_dict()`` that one rank alone calls between steps waits for it and writes.
-    output(..., None for every gradient of the bucket, ..., the all-gather of every such bucket)
 
-With ``max_grad_norm`` (:meth:`_Splicer.clipped`) every update needs the global norm, so each
-bucket is traced in two halves: up to its wait, then each slot's part's share of its norm (the
-sum of squares for L2, of ``|g|^p`` for p, the largest ``|g|`` for inf;
-:func:`graphddp.optim.clip.part_norms`), at the same points as above; after the last bucket one
-all-reduce of every bucket's shares (a SUM, a MAX for inf) and the coefficient
-(:func:`graphddp.optim.clip.sharded_coefficient_fn`; gradients the graph still returns, of
-parameters the optimizer does not hold, add their norms once and are scaled); then, at the
-output, every bucket's update from its part times the coefficient and its all-gather, each
-bucket's wait and writes one bucket later.
+``gather="forward"``: the all-gathers are issued at the output, last bucket first (the forward reads
+it first), returned un-waited; the next forward waits and writes
+(:mod:`graphddp.optim.insert_gather`). They are issued here, not when that forward starts, so that
+completing them never needs a collective: a ``state_dict()`` one rank alone calls can finish them.
+``max_grad_norm``: see :meth:`_Splicer.clipped`.
 
-New inputs, appended after the existing placeholders, per sharded bucket in bucket order
-(:func:`layout`): every slot's parameter, then the state tensors of every slot this rank owns a
-part of, then each param group's hyperparameters. Parameters are read and written through the
-one node that is the parameter, saved views of it rewritten to views of that node, as the
-replicated update does (:mod:`graphddp.optim.insert_update`): every read comes before the write.
-
-Postcondition (:mod:`graphddp.optim.verify_shard` checks it): per sharded bucket, one
-reduce-scatter issued after every gradient of the bucket, its wait before the update, one
-all-gather of the updated parts, its wait before any parameter of the bucket is written, each
-parameter written exactly once after every other read of its memory, no gradient returned
-(``gather="forward"``: the all-gather returned un-waited, no parameter written); with
-``max_grad_norm``, every all-gather computed from the one clip coefficient.
+New inputs per sharded bucket (:func:`layout`): its parameters, the state of every part this rank
+owns, the hyperparameters. Each parameter is read and written through its one node, as in
+:mod:`graphddp.optim.insert_update`, every read before the write. :mod:`graphddp.optim.verify_shard`
+checks the result.
 """
 from __future__ import annotations
 
@@ -105,14 +69,12 @@ class _Traced:
 
 
 def _outputs(traced: fx.GraphModule) -> Any:
-    """The fake values a traced function returns (one, or a tuple of them)."""
     out = traced.graph.output_node().args[0]
     return tuple(n.meta["val"] for n in out) if isinstance(out, (tuple, list)) else out.meta["val"]
 
 
 def _coefficient_value(reduces: list[fx.GraphModule], fake_mode: Any) -> torch.Tensor:
-    """A fake value of the clip coefficient: a scalar of the type the norms' shares add up in
-    (:func:`graphddp.optim.clip.sharded_coefficient_fn`), on their device."""
+    """A fake clip coefficient: a scalar of the type the norms' shares add up in."""
     squares = [_outputs(r)[1] for r in reduces]
     with fake_mode:
         return torch.empty((), dtype=functools.reduce(torch.promote_types, [q.dtype for q in squares]), device=squares[0].device)
@@ -121,9 +83,8 @@ def _coefficient_value(reduces: list[fx.GraphModule], fake_mode: Any) -> torch.T
 def insert_sharded_updates(
     gm: fx.GraphModule, schedule: Schedule, inputs: UpdateInputs, *, rank: int, hook: hooks.CommHook | None = None,
 ) -> list[ShardLayout]:
-    """Splice every sharded bucket (module docstring; with ``max_grad_norm``,
-    :meth:`_Splicer.clipped`); returns their layouts, in bucket order (the runtime passes the
-    inputs of :func:`layout` for each). A no-op without one."""
+    """Splice every sharded bucket; returns their layouts in bucket order (the runtime passes each
+    one's :func:`layout` inputs). A no-op without one."""
     sharded = [b for b in schedule.buckets if b.collective == SHARDED]
     if not sharded:
         return []
@@ -143,7 +104,6 @@ def insert_sharded_updates(
     carried = carried_inputs(graph)  # the carrying variant: per bucket, its accumulated gradients
 
     def gradients(b: Bucket) -> list[torch.Tensor]:
-        """Fake values of a bucket's gradients, then of its carried ones."""
         return [outs[s.output_index].meta["val"] for s in b.slots] + [c.meta["val"] for c in carried.get(b.index, ())]
 
     reduces = {}  # max_grad_norm: per bucket, the trace of its reduce-scatter to its part and its norms' shares
@@ -169,8 +129,7 @@ def insert_sharded_updates(
             fn = update_fn(shard, hook or hooks.for_bucket(b), private, b.index in carried)
             update = trace(fn, gradients(b) + params + rest, f"sharded bucket {b.index}", decompositions)
         result = _outputs(update)
-        # What ends the bucket in this graph: its wait and writes, or with gather="forward" (the
-        # next forward waits and writes) its all-gather, issued at the output.
+        # What ends the bucket in this graph: its wait and writes, or (gather="forward") its all-gather.
         if b.gather == "forward":
             tail = trace(gather_fn(shard), [result], f"sharded bucket {b.index}'s all-gather")
         else:
@@ -191,8 +150,7 @@ def insert_sharded_updates(
         splicer.clipped(schedule, decompositions)
     else:
         splicer.overlapped()
-    # gather="forward": every all-gather at the output, the last bucket's first (the forward
-    # reads it first), so that the backward's link carries the reduce-scatters only.
+    # gather="forward": every all-gather at the output, the last bucket's first.
     deferred = splicer.deferred
     for at in sorted(deferred, reverse=True):
         deferred[at] = splice(graph, traced[at].tail, [deferred[at]], output, traced[at].shard.bucket.index)
@@ -204,8 +162,6 @@ def insert_sharded_updates(
 
 @dataclasses.dataclass
 class _Splicer:
-    """The traced buckets spliced into the graph, with or without clipping."""
-
     graph: fx.Graph
     traced: list[_Traced]  # in bucket order
     outs: list[Any]  # the graph's outputs, each bucket's gradients set to None as it is spliced
@@ -226,15 +182,13 @@ class _Splicer:
         return grads, [self.param_node[n] for n in bucket.param_names]
 
     def _from_issue(self, at: int, bucket: Bucket, traced: fx.GraphModule, inputs: list[fx.Node]) -> tuple[Any, fx.Node]:
-        """``traced`` spliced from the bucket's issue point, all but its reduce-scatter and what
-        that reads going before the bucket's update point (:func:`_update_point`); returns its
-        outputs and that point."""
+        """``traced`` spliced from the bucket's issue point, all but its reduce-scatter going before
+        :func:`_update_point`; returns its outputs and that point."""
         p = self.placements[bucket.index]
         wait = _update_point(at, p, self.issues, self.position, self.graph.output_node())
         return self.early.splice(traced, inputs, p.issue, _not_for_the_issue(traced), wait, bucket.index), wait
 
     def overlapped(self) -> None:
-        """Each bucket updated as soon as its average arrives (module docstring)."""
         output = self.graph.output_node()
         writes = []
         late_points: list[fx.Node] = []  # per bucket: the node its wait, update and all-gather precede
@@ -251,14 +205,10 @@ class _Splicer:
             splice(self.graph, tail, inputs, _write_point(late_points, at, inputs[1:], output), index)
 
     def clipped(self, schedule: Schedule, decompositions: Mapping[Any, Any]) -> None:
-        """``max_grad_norm``: each bucket's reduce-scatter where it would be, its wait and the
-        shares of its parts' norms where its update would be (:func:`_update_point`: while
-        later buckets are on the wire); the gradients the graph still returns (all-reduced
-        buckets: parameters the optimizer does not hold) normed after their own wait; then, at
-        the end, one all-reduce of the shares and the coefficient
-        (:func:`graphddp.optim.clip.sharded_coefficient_fn`), the returned gradients scaled,
-        and every bucket's update from its part times the coefficient, its all-gather and, one
-        bucket later, its wait and writes (two all-gathers in flight, as without clipping)."""
+        """Every update needs the global norm: each bucket's wait and its parts' norm shares go
+        where its update would be; at the end one all-reduce of the shares (with the norms of the
+        gradients still returned, which it scales too) gives the coefficient, then every bucket's
+        update and all-gather, its wait and writes one bucket later (two all-gathers in flight)."""
         graph, output = self.graph, self.graph.output_node()
         parts, squares = [], []
         for at, t in enumerate(self.traced):
@@ -300,8 +250,7 @@ class _Splicer:
 
 def _update_point(at: int, placement: Any, issues: list[fx.Node], position: Mapping[fx.Node, int], output: fx.Node) -> fx.Node:
     """The node bucket ``at``'s wait, update and all-gather go before: right after the next
-    bucket's issue point (GATHER_LAG), where its reduce-scatter is spliced in before this node;
-    else (a later bucket issued at the same node, or the last bucket) its own wait point."""
+    bucket's issue point (GATHER_LAG); else (issued at the same node, or the last) its wait point."""
     issue = placement.issue
     later = issues[at + GATHER_LAG] if at + GATHER_LAG < len(issues) else None
     if later is not None and later.op != "placeholder" and (issue.op == "placeholder" or position[later] > position[issue]):
@@ -310,7 +259,6 @@ def _update_point(at: int, placement: Any, issues: list[fx.Node], position: Mapp
 
 
 def _storages(values: Iterable[Any]) -> set[int]:
-    """The memory behind these (fake) tensor values, as :func:`_reads_after` compares it."""
     return {storage_of(v) for v in values} - {None}
 
 
@@ -325,11 +273,9 @@ def _reads_after(point: fx.Node, memory: set[int], output: fx.Node) -> bool:
 
 
 def _write_point(late_points: list[fx.Node], at: int, params: list[fx.Node], output: fx.Node) -> fx.Node:
-    """Where bucket ``at``'s wait and writes go: right after the next bucket's update and
-    all-gather (its all-gather went on the wire before that bucket's, so it is done or nearly:
-    the gathered bucket is freed there instead of living to the end of the backward, one more
-    copy of the parameters at the peak), if no node from there on reads the old values of its
-    parameters' memory; else at the output."""
+    """Where bucket ``at``'s wait and writes go: right after the next bucket's all-gather (its own is
+    done or nearly, and the gathered bucket is freed there rather than at the end), if nothing from
+    there on reads its parameters' old values; else at the output."""
     if at + 1 >= len(late_points) or late_points[at + 1] is output:
         return output
     point = late_points[at + 1]
@@ -337,10 +283,8 @@ def _write_point(late_points: list[fx.Node], at: int, params: list[fx.Node], out
 
 
 def _not_for_the_issue(gm: fx.GraphModule) -> set[fx.Node]:
-    """The traced update's nodes that go at the wait point: all but the reduce-scatter and what
-    it reads. The copies of this rank's parts of the parameters are made there too, not at the
-    issue point, so that they live from the update to the all-gather only (on the MLP they are
-    16 MB, half the parameters, which would otherwise all be alive at the end of the backward)."""
+    """The traced update's nodes that go at the wait point: all but the reduce-scatter and what it
+    reads, so that the copies of the parameters' parts live only from the update to the all-gather."""
     # the first: traced before the all-gather, which on gloo is an all-to-all too
     scatter = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target in kind(SHARDED).ops)
     needed = ancestors(scatter)

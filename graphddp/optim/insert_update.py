@@ -1,39 +1,23 @@
 """Apply the optimizer inside a backward graph: each bucket's update right after its wait.
 
-Runs after :func:`~graphddp.graph.insert_comm` (or, at world size 1, on the graph as
-it is). For every bucket with ``Bucket.updates`` it traces the optimizer step of those
-parameters (:func:`graphddp.optim.attached.bucket_update_fn`, inductor's decompositions applied) on
-the graph's fake values and splices it right after the bucket's last node (its unflatten
-views), so bucket ``i``'s update runs before bucket ``i + 1``'s wait: while later buckets are
-still on the wire. The updated parameters' gradients are then no longer returned (``None``):
-no gradient memory outlives the update. With ``Schedule.max_grad_norm`` the gradients are
-clipped first (:mod:`graphddp.optim.clip`): each bucket's norms after its wait, the
-coefficient after the last one, and every update after that (``Schedule.update_after``).
+Runs after :func:`~graphddp.graph.insert_comm` (at world size 1, on the graph as it is). Each
+bucket's ``Bucket.updates`` are traced (:func:`graphddp.optim.attached.bucket_update_fn`) and
+spliced after the bucket's unflatten views, so bucket ``i``'s update runs before bucket ``i + 1``'s
+wait, while later buckets are on the wire; their gradients are then returned as None. With
+``Schedule.max_grad_norm`` every update waits for the clip coefficient (``Schedule.update_after``).
+New inputs follow the existing placeholders in ``optim.layout`` order, role ``update_input``.
 
-New inputs, appended after the existing placeholders, in this order (``optim.layout``): per
-updated parameter, in bucket and slot order, the parameter and its state tensors; then per
-param group used, its hyperparameters (float64 scalars). Each carries
-``meta[ROLE_KEY] == "update_input"`` and a fake ``meta["val"]``; the runtime passes the real
-tensors in the same order (:class:`graphddp.optim.attached.AttachedOptimizer`).
+Aliasing. A saved parameter, or a saved view of one (``t(weight)``), is an input of the backward;
+a compiler cannot know two inputs share memory, so an in-place update could be reordered before a
+read of the view. Nor is a saved input sure to be the parameter: inductor may save a channels-last
+copy of a convolution weight, and an update through it would miss the parameter. So (a) a parameter
+is updated through its own new input, which the runtime fills with the parameter itself, and (b)
+every read of a saved input aliasing it becomes an ``as_strided`` view of that input: all reads go
+through the one node the update mutates, and come first. The runtime checks on the first call that
+each written input is its parameter's memory (``WRITES``).
 
-Aliasing (why the pass needs each parameter's forward value). AOTAutograd saves tensors for
-the backward; a saved parameter is an input of the backward graph already, and a saved view
-of one (``t(weight)``) is an input too, backed by the parameter's memory at trace time. A
-compiler cannot know two inputs share memory, so an in-place update of the parameter could be
-reordered before a read of the view. Nor is a saved input sure to be the parameter at run
-time: the compiled forward may save a copy instead (inductor's layout optimization saves a
-channels-last copy of each convolution weight), and an update written through it would miss
-the parameter. The pass therefore (a) updates a parameter always through its own new input,
-which the runtime fills with the parameter itself, and (b) rewrites every read of a saved
-input that aliases it at trace time into an ``as_strided`` view of that input. Every read of
-the parameter's memory then goes through one node, which the update mutates, and the
-compiler orders the reads first; a read sees the old values whether the forward saved the
-parameter or a copy. The runtime checks, on the first call, that each written input is its
-parameter's memory (``WRITES``).
-
-Postcondition (``graphddp.optim.verify`` checks it): every updated parameter is written
-(``copy_``) exactly once, after its bucket's wait and after every other read of its memory;
-its gradient output is None; other outputs are unchanged.
+Postcondition (``graphddp.optim.verify``): every updated parameter written once, after its
+bucket's wait and every other read of its memory; its gradient output None.
 """
 from __future__ import annotations
 
@@ -45,7 +29,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from graphddp.graph.capture import storage_of, views_of
-from graphddp.graph.trace import after_all, set_outputs, splice, trace
+from graphddp.graph.trace import add_inputs, after_all, set_outputs, splice, trace
 from graphddp.optim import attached as optim
 from graphddp.optim.clip import insert_clip, insert_scaled
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY
@@ -59,8 +43,8 @@ WRITES = "graphddp_writes"  # meta of the input an update writes a parameter thr
 
 @dataclasses.dataclass(frozen=True)
 class UpdateInputs:
-    """What the pass needs beyond the schedule, per parameter the schedule updates: its rule,
-    its param group, and its forward value (a fake tensor: the storage its aliases share)."""
+    """Per parameter the schedule updates: its rule, its param group, and its forward value (a fake
+    tensor: the storage its aliases share)."""
 
     rules: Mapping[str, optim.UpdateRule]
     groups: Mapping[str, int]
@@ -68,13 +52,12 @@ class UpdateInputs:
 
 
 def replicated(schedule: Schedule) -> list:
-    """The buckets this pass updates: all but the sharded ones (:mod:`graphddp.optim.insert_shard`)."""
     return [b for b in schedule.buckets if b.collective != "reduce_scatter"]
 
 
 def parameter_nodes(graph: fx.Graph, names: list[str], inputs: UpdateInputs, new: dict[str, fx.Node]) -> dict[str, fx.Node]:
-    """The node each parameter is read and updated through: its new input ``new[name]``, never
-    a saved input (module docstring: Aliasing); saved aliases rewritten to views of it."""
+    """The node each parameter is read and updated through: ``new[name]``, saved aliases rewritten
+    to views of it (module docstring: Aliasing)."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder" and n.meta.get(ROLE_KEY) != UPDATE_INPUT]
     by_storage: dict[int, list[fx.Node]] = {}
     for ph in placeholders:
@@ -98,18 +81,11 @@ def parameter_nodes(graph: fx.Graph, names: list[str], inputs: UpdateInputs, new
     return chosen
 
 
-def _new_inputs(graph: fx.Graph, schedule: Schedule, inputs: UpdateInputs) -> tuple[list[str], dict[str, list[fx.Node]], dict[int, list[fx.Node]]]:
-    """Append the update's placeholders; returns updated names, per-name and per-group nodes."""
-    names = [n for b in replicated(schedule) for n in b.updates]
-    per_name, per_group = append_update_inputs(graph, names, inputs)
-    return names, per_name, per_group
-
-
 def append_update_inputs(
     graph: fx.Graph, names: Sequence[str], inputs: UpdateInputs
 ) -> tuple[dict[str, list[fx.Node]], dict[int, list[fx.Node]]]:
-    """Append the placeholders of ``names``' updates (module docstring: the order); returns
-    per name its parameter's and state's nodes, per param group its hyperparameters'."""
+    """Append the placeholders of ``names``' updates; returns per name its parameter's and state's
+    nodes, per param group its hyperparameters'."""
     rules = [inputs.rules[n] for n in names]
     group_of = [inputs.groups[n] for n in names]
     labels, groups = optim.layout(rules, group_of)
@@ -119,13 +95,7 @@ def append_update_inputs(
         for name, rule in zip(names, rules):
             p = inputs.values[name]
             vals.append(p)
-            for s in rule.state:
-                if s == "step":
-                    vals.append(optim.adam_step(rule, p))
-                elif s == "first":
-                    vals.append(torch.empty((), dtype=torch.bool))
-                else:
-                    vals.append(torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=p.device))
+            vals.extend(optim.fake_state(rule, p, lambda: torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=p.device)))
         for g in groups:
             vals.extend(torch.empty((), dtype=optim.F64) for _ in rules[group_of.index(g)].hyper)
     nodes = add_update_inputs(graph, labels, vals)
@@ -142,30 +112,17 @@ def append_update_inputs(
 
 
 def add_update_inputs(graph: fx.Graph, labels: Sequence[str], vals: Sequence[torch.Tensor]) -> list[fx.Node]:
-    """New placeholders after the last one, tagged as the update's inputs, with fake values."""
-    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
-    nodes = []
-    for label, val in zip(labels, vals, strict=True):
-        with graph.inserting_after(last):
-            last = graph.placeholder(label)
-        last.meta["val"] = val
-        last.meta[ROLE_KEY] = UPDATE_INPUT
-        nodes.append(last)
-    return nodes
+    return add_inputs(graph, labels, [{"val": val, ROLE_KEY: UPDATE_INPUT} for val in vals])
 
 
 class UpdateTraces:
     """Each parameter's update, traced once per signature and reused for its lookalikes.
 
-    A transformer's layers repeat the same parameter shapes, and tracing the update (make_fx
-    with inductor's decompositions) is costly: once per parameter, it is a large part of a large
-    model's compile (docs/gpu.md has the figures). A parameter whose rule, clipping and inputs (shape, strides, dtype, device of the
-    gradient, the parameter, its state and its group's hyperparameters) equal an earlier one's
-    gets that graph again, with every node's fake value computed afresh from its own inputs
-    (a run of the traced graph in the values' fake mode, far cheaper than tracing): no two
-    parameters' nodes share a fake value, so storages (which the verifiers and inductor read
-    to know what aliases what) stay each parameter's own. Symbolic shapes are traced each
-    time. One cache per graph rewrite: nothing outlives it."""
+    Tracing once per parameter is a large part of a large model's compile (docs/gpu.md), and a
+    transformer's layers repeat shapes. A reused graph gets every node's fake value computed afresh
+    from its own inputs (a fake run, far cheaper than tracing), so no two parameters share a storage,
+    which the verifiers and inductor read for aliasing. Symbolic shapes are traced each time; one
+    cache per graph rewrite."""
 
     def __init__(self, decompositions: Mapping[Any, Any]) -> None:
         self.decompositions = decompositions
@@ -187,7 +144,6 @@ class UpdateTraces:
 
 
 class _FakeValues(fx.Interpreter):
-    """Run a traced graph on fake values, recording each node's new value as its meta["val"]."""
 
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)
@@ -208,11 +164,9 @@ def _signature(rule: optim.UpdateRule, clipped: bool, vals: list[torch.Tensor]) 
 
 
 def _update_point(graph: fx.Graph, index: int, after: int, params: list[fx.Node], grads: list[fx.Node]) -> fx.Node:
-    """The node bucket ``index``'s update goes before: right after the nodes of bucket ``after``
-    (:meth:`Schedule.update_after`: its own wait and unflatten views, or with clipping the last
-    bucket's, its norms and the coefficient), its gradients (at world size 1 there is no wait),
-    every read of its parameters and the earlier buckets' updates (updates run in bucket
-    order), whichever is last."""
+    """The node bucket ``index``'s update goes before: after the nodes of bucket ``after``
+    (:meth:`Schedule.update_after`), its gradients, every read of its parameters and the earlier
+    buckets' updates (updates run in bucket order), whichever is last."""
     last = [
         n for n in graph.nodes
         if n.meta.get(BUCKET_KEY) == after or (n.meta.get(ROLE_KEY) == "update" and n.meta.get(BUCKET_KEY, index) < index)
@@ -222,10 +176,7 @@ def _update_point(graph: fx.Graph, index: int, after: int, params: list[fx.Node]
 
 
 def insert_update(gm: fx.GraphModule, schedule: Schedule, inputs: UpdateInputs) -> fx.GraphModule:
-    """Splice every bucket's optimizer update after its wait (module docstring).
-
-    A no-op when no bucket updates a parameter.
-    """
+    """Splice every bucket's optimizer update; a no-op when no bucket updates a parameter."""
     if not any(b.updates for b in replicated(schedule)):
         return gm
     from torch._inductor.decomposition import select_decomp_table
@@ -233,7 +184,8 @@ def insert_update(gm: fx.GraphModule, schedule: Schedule, inputs: UpdateInputs) 
     graph = gm.graph
     output = graph.output_node()
     outs: list[Any] = list(output.args[0])
-    names, per_name, per_group = _new_inputs(graph, schedule, inputs)
+    names = [n for b in replicated(schedule) for n in b.updates]
+    per_name, per_group = append_update_inputs(graph, names, inputs)
     param_node = parameter_nodes(graph, names, inputs, {n: per_name[n][0] for n in names})
     decompositions = select_decomp_table()
     updates = UpdateTraces(decompositions)

@@ -1,26 +1,12 @@
-"""The optimizer on a shard: each rank keeps and updates its part of every parameter only.
+"""The optimizer on a shard (``sharding="optimizer"``): each rank keeps and updates its part only.
 
-``graphddp.compile(model, optimizer=opt, sharding="optimizer")``. Parameters stay whole on
-every rank between steps (the ZeRO-2 shape: forward, evaluation, ``state_dict()`` and user
-code see ordinary tensors); the optimizer state does not: ``opt.state[p]`` holds this rank's
-part of ``p``'s state only, as flat tensors (:mod:`graphddp.values.shards` says which part),
-and nothing where another rank owns all of ``p``. AdamW's two extra copies of every parameter
-shrink to ``2/N`` of them per rank.
-
-Two routes update a part, with the same math (:func:`graphddp.optim.attached.sgd_update`,
-:func:`~graphddp.optim.attached.adam_update`, on flat slices):
-
-* inside the backward (:mod:`graphddp.optim.insert_shard`): a bucket is reduce-scattered, its
-  parts updated right after the wait, and the updated parts all-gathered while later buckets
-  are still computing. No gradient is kept;
-* at the end of the backward (:meth:`ShardedState.step`), for what the graphs leave to
-  torch's step when replicated (the synchronising step after ``no_sync``, a parameter tied
-  across a graph break, ...): each rank updates its part of the averaged gradient and one
-  all-gather per dtype and device puts the parameters back together.
-
-Checkpoints: :meth:`ShardedState.full_state_dict` gathers the parts into the state dict a plain
-``torch.optim`` optimizer of the same class would have, on every rank; :meth:`load_full` takes
-one back (from any world size) and each rank keeps its parts.
+Parameters stay whole on every rank between steps (ZeRO-2); ``opt.state[p]`` holds this rank's part
+of ``p``'s state only, flat (:mod:`graphddp.values.shards` says which), and nothing where another
+rank owns all of ``p``. A part is updated with the same math by two routes: inside the backward
+(:mod:`graphddp.optim.insert_shard`), or at its end (:meth:`ShardedState.step`) for what the graphs
+leave to torch's step, each rank updating its part and one all-gather per dtype and device
+rebuilding the parameters. Checkpoints hold the whole state (:meth:`ShardedState.full_state_dict`,
+:meth:`ShardedState.load_full`), so they move between world sizes.
 """
 from __future__ import annotations
 
@@ -41,10 +27,8 @@ ELEMENTWISE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
 
 
 def check_whole_state(name: str, state: Mapping[str, Any], numel: int) -> None:
-    """Every elementwise entry of ``name``'s state about to be cut into parts must be the whole
-    parameter's (``numel`` elements): one saved from a sharded optimizer's own ``state_dict()``
-    holds one rank's part, and cut again it would give the other ranks zeros or another rank's
-    values, silently."""
+    """Every elementwise entry of a state about to be cut must be the whole parameter's: one rank's
+    part (a sharded optimizer's own ``state_dict()``), cut again, would silently give wrong values."""
     for key, value in state.items():
         if key in ELEMENTWISE and isinstance(value, torch.Tensor) and value.numel() != numel:
             raise ValueError(
@@ -55,12 +39,10 @@ def check_whole_state(name: str, state: Mapping[str, Any], numel: int) -> None:
 
 
 class ShardedState:
-    """This rank's parts of the optimizer state, and the eager sharded step (module docstring)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: Mapping[str, nn.Parameter], rules: Sequence[UpdateRule],
                  group_of: Mapping[str, int], group: Any, placement: Placement | None = None) -> None:
-        """``group``: the shard group, whose ranks each hold one part; ``placement``: the
-        sharded buckets' (:mod:`graphddp.values.placement`; default: sharded over ``group``)."""
+        """``group``: the shard group; ``placement``: the sharded buckets' (default: over ``group``)."""
         self.optimizer = optimizer
         self.params = dict(params)
         self.rules = rules
@@ -73,10 +55,8 @@ class ShardedState:
         self._adopt_existing()
 
     def _adopt_existing(self) -> None:
-        """State the optimizer already has when the model is wrapped is whole (a resume that
-        loaded a plain optimizer's ``state_dict()`` before ``graphddp.compile``, as nanoGPT's
-        train.py does): kept to be cut into this rank's part at first use, as a loaded full
-        state is. One rank's part (a sharded run's own ``state_dict()``) is refused by name."""
+        """State the optimizer has at wrap time (a resume that loaded a plain ``state_dict()`` first,
+        as nanoGPT does) is whole: cut at first use, as a loaded full state is."""
         held = {name: self.optimizer.state[p] for name, p in self.params.items() if self.optimizer.state.get(p)}
         for name, state in held.items():
             check_whole_state(name, state, self.params[name].numel())
@@ -88,8 +68,7 @@ class ShardedState:
 
     # -- state -------------------------------------------------------------------------------
     def state_of(self, name: str) -> dict[str, Any] | None:
-        """``opt.state[p]`` for this rank's part of ``name``, created as torch creates it (or cut
-        from a loaded full state); None where this rank owns no element of it."""
+        """``opt.state[p]`` for this rank's part of ``name`` (None: it owns no element of it)."""
         p = self.params[name]
         lo, hi = self.part(name)
         if hi <= lo:
@@ -102,7 +81,6 @@ class ShardedState:
         return state
 
     def _cut_loaded(self, name: str) -> None:
-        """A loaded full state of ``name`` becomes this rank's part of it (nothing if none)."""
         full = self.pending.pop(name, None)
         lo, hi = self.part(name)
         if full is None or hi <= lo:
@@ -119,8 +97,7 @@ class ShardedState:
                 state[key] = value
 
     def update_tensors(self, name: str) -> list[torch.Tensor]:
-        """The state tensors of ``name``'s part in :attr:`UpdateRule.state` order (SGD: the
-        momentum buffer, started at zeros, and whether this step starts it)."""
+        """The state tensors of ``name``'s part in :attr:`UpdateRule.state` order."""
         rule = self.rules[self.group_of[name]]
         state = self.state_of(name)
         if state is None or not rule.state:
@@ -140,8 +117,6 @@ class ShardedState:
     # -- the eager sharded step ----------------------------------------------------------------
     @torch.no_grad()
     def step(self, names: Iterable[str]) -> None:
-        """Update this rank's part of each parameter in ``names`` from its (averaged) ``grad``,
-        then all-gather the parts, one collective per dtype and device."""
         by_kind: dict[tuple[torch.dtype, torch.device], list[str]] = {}
         for name in names:
             p = self.params[name]
@@ -162,7 +137,6 @@ class ShardedState:
             self._gather_into(names_, torch.cat(chunks))
 
     def _gather_into(self, names: Sequence[str], mine: torch.Tensor) -> None:
-        """All-gather every rank's updated chunks (rank-major) and write them into the parameters."""
         gathered = mine.new_empty(self.world * mine.numel())
         gather_flat(gathered, mine, self.group)
         rows = gathered.view(self.world, mine.numel())
@@ -175,12 +149,10 @@ class ShardedState:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def _order(self) -> list[str]:
-        """Parameter names in the optimizer's order: a state dict's indices."""
         names = {id(p): n for n, p in self.params.items()}
         return [names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
 
     def full_state_dict(self) -> dict[str, Any]:
-        """The state dict a plain optimizer of the same class would have, on every rank."""
         order = self._order()
         for name in order:
             self._cut_loaded(name)  # a loaded state not stepped since is saved as loaded
@@ -214,8 +186,7 @@ class ShardedState:
         return {"state": state, "param_groups": groups}
 
     def load_full(self, full: Mapping[str, Any]) -> None:
-        """Take a plain optimizer's state dict: param groups as ``load_state_dict`` takes them,
-        each parameter's state kept for its part (cut when first used)."""
+        """Take a plain optimizer's state dict; each parameter's state is cut when first used."""
         states = {name: full["state"].get(i, full["state"].get(str(i))) for i, name in enumerate(self._order())}
         if len(full["param_groups"]) != len(self.optimizer.param_groups):
             raise ValueError("load_full_optimizer_state_dict: the state dict has a different number of param groups")

@@ -1,13 +1,7 @@
-"""A sharded bucket's layout on this rank, and the functions traced into the backward for it.
-
-What each sharded bucket computes (:mod:`graphddp.optim.insert_shard` says where each piece
-goes in the graph, and why): the reduce-scatter of its gradients (plus, carrying, what they
-accumulated under ``no_sync``), this rank's part of the average, the optimizer's math on it,
-the all-gather of the updated parts and the writes of the parameters from it; with
-``max_grad_norm`` in two halves, the sum of squares of each part between them
-(:mod:`graphddp.optim.clip`). Traced on fake values by ``graphddp.graph.trace.trace``; each
-node is tagged with its role (``flatten``, ``reduce_scatter``, ``wait``, ``update``, ...), which
-the pass and the verifier (:mod:`graphddp.optim.verify_shard`) read.
+"""A sharded bucket's layout on this rank, and the functions traced into the backward for it:
+the reduce-scatter, this rank's part of the average, the optimizer's math on it, the all-gather and
+the parameters' writes (:mod:`graphddp.optim.insert_shard` places them). Every node is tagged with
+its role, which the pass and :mod:`graphddp.optim.verify_shard` read.
 """
 from __future__ import annotations
 
@@ -16,10 +10,11 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from graphddp.graph.bucket_function import flat_view
 from graphddp.graph.trace import fresh_copy, role
 from graphddp.hooks import builtin as hooks
 from graphddp.optim import clip
-from graphddp.optim.attached import F64, UPDATES, UpdateRule, adam_step
+from graphddp.optim.attached import F64, UPDATES, UpdateRule, fake_state
 from graphddp.values.comm import WAIT
 from graphddp.values.placement import Placement
 from graphddp.values.schedule import Bucket
@@ -41,8 +36,7 @@ class ShardLayout:
 
     @property
     def world(self) -> int:
-        """The shard group's size: the number of parts."""
-        return self.placement.shard.size
+            return self.placement.shard.size
 
     @property
     def groups(self) -> list[int]:
@@ -53,12 +47,11 @@ class ShardLayout:
         return [chunk(s.numel, self.world) for s in self.bucket.slots]
 
     def owned(self) -> list[int]:
-        """Slots this rank owns a non-empty part of."""
-        return [i for i, (lo, hi) in enumerate(self.parts) if hi > lo]
+            return [i for i, (lo, hi) in enumerate(self.parts) if hi > lo]
 
 
 def shard_layout(bucket: Bucket, rules: Mapping[str, UpdateRule], groups: Mapping[str, int], placement: Placement, rank: int) -> ShardLayout:
-    """``rank``: this rank's index in the shard group, which part it holds."""
+    """``rank``: this rank's index in the shard group."""
     names = bucket.param_names
     return ShardLayout(
         bucket, tuple(part(s.numel, placement.shard.size, rank) for s in bucket.slots), tuple(rules[n] for n in names),
@@ -67,7 +60,7 @@ def shard_layout(bucket: Bucket, rules: Mapping[str, UpdateRule], groups: Mappin
 
 
 def layout(shard: ShardLayout) -> list[str]:
-    """Placeholder names of one sharded bucket's inputs, in order (:mod:`graphddp.optim.insert_shard`'s module docstring: "New inputs")."""
+    """Placeholder names of one sharded bucket's inputs: parameters, owned parts' state, hyperparameters."""
     b = shard.bucket.index
     names = [f"shard{b}_param_{k}" for k in range(len(shard.bucket.slots))]
     for k in shard.owned():
@@ -77,27 +70,15 @@ def layout(shard: ShardLayout) -> list[str]:
     return names
 
 
-def _flat(t: torch.Tensor, numel: int) -> torch.Tensor:
-    """``t`` as a flat view (a contiguous copy first where its memory is not contiguous)."""
-    if not t.is_contiguous():
-        t = aten.clone.default(t, memory_format=torch.contiguous_format)
-    return aten.view.default(t, [numel])
-
-
 def _clone(t: torch.Tensor) -> torch.Tensor:
-    """A copy of this rank's part that inductor may fold into the parameter itself: its
-    ``remove_noop_ops`` drops a clone whose layout equals its source's (it assumes a functional
-    graph), so the update then writes this rank's part of the parameter in place. Used only
-    where nothing reads the parameter's old values after the update (``graphddp.optim.insert_shard._reads_after``): the
-    write of the gathered bucket overwrites the whole parameter anyway, and no copy is made."""
+    """A copy inductor's ``remove_noop_ops`` folds into the parameter, so the update writes its part in
+    place: only where nothing reads the old values after the update (``insert_shard._reads_after``)."""
     return aten.clone.default(t)
 
 
 def _issue(shard: ShardLayout, hook: hooks.CommHook, grads: Sequence[torch.Tensor], carried: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Traced: the bucket's gradients (plus, ``carried``, each slot's gradient accumulated under
-    ``no_sync``: DDP's bucket after ``no_sync`` holds the sum) flattened, compressed, divided by
-    every rank's count (the placement's world) and reduce-scattered over the shard group;
-    returns what to wait on."""
+    """The bucket's gradients (plus ``carried``, accumulated under ``no_sync``) flattened, compressed,
+    divided by the placement's world and reduce-scattered; returns what to wait on."""
     bucket, world = shard.bucket, shard.world
     if carried:
         with role("carry"):
@@ -108,7 +89,7 @@ def _issue(shard: ShardLayout, hook: hooks.CommHook, grads: Sequence[torch.Tenso
     columns = []
     for grad, slot, c in zip(grads, bucket.slots, shard.chunks):
         with role("flatten"):
-            flat = _flat(grad, slot.numel)
+            flat = flat_view(grad, slot.numel)
             column = aten.view.default(aten.constant_pad_nd.default(flat, [0, world * c - slot.numel]), [world, c])
         with role("compress"):
             column = hook.compress(column, bucket)
@@ -121,8 +102,6 @@ def _issue(shard: ShardLayout, hook: hooks.CommHook, grads: Sequence[torch.Tenso
 
 
 def _receive(shard: ShardLayout, hook: hooks.CommHook, pending: torch.Tensor) -> torch.Tensor:
-    """Traced: the reduce-scatter's wait, then this rank's part of the bucket's average (with
-    hybrid sharding, all-reduced over the replicate group first)."""
     with role("wait"):
         done = shard.placement.finish_reduce(pending, tag=role)
     with role("decompress"):
@@ -130,21 +109,17 @@ def _receive(shard: ShardLayout, hook: hooks.CommHook, pending: torch.Tensor) ->
 
 
 def _copies(shard: ShardLayout, params: Sequence[torch.Tensor], private: bool) -> list[torch.Tensor]:
-    """Traced: the copies of this rank's parts of the parameters that the update writes.
-    ``private``: copies no compiler pass folds into the parameters (``fresh_copy``), for a
-    bucket whose parameters' old values are read after the update: by the rest of the backward,
-    or, with ``gather="forward"``, between steps (the parameters keep the previous step's
-    values until the next forward writes them, on every rank alike)."""
+    """The copies of this rank's parts the update writes; ``private``: copies no pass folds into the
+    parameters, whose old values are read after the update (by the backward, or with
+    ``gather="forward"`` until the next forward writes them)."""
     copy = fresh_copy if private else _clone
     with role("update"):
-        return [copy(aten.slice.Tensor(_flat(p, s.numel), 0, lo, hi)) for p, s, (lo, hi) in zip(params, shard.bucket.slots, shard.parts)]
+        return [copy(aten.slice.Tensor(flat_view(p, s.numel), 0, lo, hi)) for p, s, (lo, hi) in zip(params, shard.bucket.slots, shard.parts)]
 
 
 def _step(shard: ShardLayout, grad_part: torch.Tensor, work: list[torch.Tensor], rest: list[torch.Tensor]) -> torch.Tensor:
-    """Traced: the optimizer's math on each owned part (``rest``: the state and hyperparameter
-    inputs, :func:`layout`'s order); returns the all-gather of the updated parts, not waited,
-    or with ``gather="forward"`` the updated parts (:func:`gather_fn` issues their all-gather
-    at the output)."""
+    """The optimizer's math on each owned part; returns the all-gather of the updated parts, not
+    waited, or with ``gather="forward"`` the parts themselves."""
     states = {}
     for k in shard.owned():
         width = len(shard.rules[k].state)
@@ -168,9 +143,8 @@ def _step(shard: ShardLayout, grad_part: torch.Tensor, work: list[torch.Tensor],
 
 
 def update_fn(shard: ShardLayout, hook: hooks.CommHook, private: bool, carry: bool) -> Callable[..., torch.Tensor]:
-    """(grads[, carried], params, states, hypers) -> the all-gather of the updated parts, not
-    waited (with ``gather="forward"`` the updated parts): a bucket updated as soon as its
-    average arrives. ``carry``: each slot's accumulated gradient after the gradients."""
+    """(grads[, carried], params, states, hypers) -> :func:`_step`'s result: a bucket updated as soon
+    as its average arrives."""
     n = len(shard.bucket.slots)
     m = 2 * n if carry else n
 
@@ -186,10 +160,8 @@ def update_fn(shard: ShardLayout, hook: hooks.CommHook, private: bool, carry: bo
 def reduce_fn(
     shard: ShardLayout, hook: hooks.CommHook, carry: bool, norm_type: float,
 ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """``max_grad_norm``, first half: (grads[, carried]) -> (this rank's part of the bucket's
-    average, each slot's share of its gradient's norm, :func:`graphddp.optim.clip.part_norms`):
-    the update waits for the clip coefficient, which needs every bucket's shares
-    (:func:`graphddp.optim.clip.sharded_coefficient_fn`)."""
+    """``max_grad_norm``, first half: (grads[, carried]) -> (this rank's part of the average, its
+    :func:`~graphddp.optim.clip.part_norms`); the update waits for every bucket's shares."""
     n = len(shard.bucket.slots)
 
     def run(*args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,9 +173,8 @@ def reduce_fn(
 
 
 def clipped_update_fn(shard: ShardLayout, private: bool) -> Callable[..., torch.Tensor]:
-    """``max_grad_norm``, second half: (this rank's part of the average, params, states,
-    hypers, the clip coefficient) -> as :func:`update_fn`, from the part times the coefficient
-    (``clip_grad_norm_``'s ``mul_``)."""
+    """``max_grad_norm``, second half: (part, params, states, hypers, coefficient) -> as
+    :func:`update_fn`, from the part times the coefficient."""
     n = len(shard.bucket.slots)
 
     def run(grad_part: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
@@ -217,8 +188,6 @@ def clipped_update_fn(shard: ShardLayout, private: bool) -> Callable[..., torch.
 
 
 def gather_fn(shard: ShardLayout) -> Callable[[torch.Tensor], torch.Tensor]:
-    """(updated parts) -> their all-gather over the shard group, not waited (with
-    ``gather="forward"`` traced on its own, at the output)."""
 
     def run(parts: torch.Tensor) -> torch.Tensor:
         with role("all_gather"):
@@ -229,8 +198,7 @@ def gather_fn(shard: ShardLayout) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def write_fn(shard: ShardLayout) -> Callable[..., list[torch.Tensor]]:
     """(the all-gather, params) -> wait, then every parameter written from its gathered chunks;
-    returns the written parameters (what reads them afterwards must read). Traced into the
-    backward or the next forward (``gather``), or run eagerly when a forward cannot."""
+    returns the written parameters, which later reads must read."""
     bucket, world = shard.bucket, shard.world
     width = sum(shard.chunks)
 
@@ -251,25 +219,17 @@ def write_fn(shard: ShardLayout) -> Callable[..., list[torch.Tensor]]:
 
 
 def gathered_value(shard: ShardLayout, fake_mode: Any, like: torch.Tensor) -> torch.Tensor:
-    """The fake value of a bucket's all-gather result (``world`` rows of its chunks)."""
     with fake_mode:
         return torch.empty(shard.world * sum(shard.chunks), dtype=like.dtype, device=like.device)
 
 
 def state_values(shard: ShardLayout, fake_mode: Any, values: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-    """Fake values of the new inputs after the parameters (:func:`layout`'s order)."""
     vals: list[torch.Tensor] = []
     with fake_mode:
         for k in shard.owned():
             p = values[shard.bucket.slots[k].param_name]
             lo, hi = shard.parts[k]
-            for s in shard.rules[k].state:
-                if s == "step":
-                    vals.append(adam_step(shard.rules[k], p))
-                elif s == "first":
-                    vals.append(torch.empty((), dtype=torch.bool))
-                else:
-                    vals.append(torch.empty(hi - lo, dtype=p.dtype, device=p.device))
+            vals.extend(fake_state(shard.rules[k], p, lambda: torch.empty(hi - lo, dtype=p.dtype, device=p.device)))
         for g in shard.groups:
             vals.extend(torch.empty((), dtype=F64) for _ in shard.rules[shard.group_of.index(g)].hyper)
     return vals

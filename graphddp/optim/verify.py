@@ -1,31 +1,19 @@
 """The checker run after :func:`graphddp.optim.insert_update`: the optimizer update is safe.
 
-An in-place update of a parameter inside the backward is wrong in ways no numerics test on
-one model is sure to show: it may read the local gradient instead of the average, or run
-before the last read of the parameter's old value (the input gradient of a matmul needs the
-old weight; a tied weight is read twice), or through a second input that aliases the
-parameter and that a compiler cannot order against the write. Invariants, per bucket and
-per parameter in ``Bucket.updates``:
+An in-place update inside the backward can read the local gradient instead of the average, run
+before the last read of the old value (a matmul's input gradient needs the old weight), or write
+through an input a compiler cannot order against an aliasing one; no numerics test on one model is
+sure to show it. Per bucket and per parameter in ``Bucket.updates``:
 
-U1. **Schedule.** Every updated parameter is one of its bucket's slots, and is updated by
-    one bucket only.
-U2. **No gradient kept** (:mod:`graphddp.graph.invariants`' G). Its gradient output is ``None``.
-U3. **One write, last** (:mod:`graphddp.graph.invariants`' L, found by the fake storage of its
-    ``update_param_k`` input).
-U4. **One way in.** Every node that reads its memory reads it through the written node (or
-    views of it): no other graph input that shares the memory is still read.
-U5. **Averaged gradient.** At world size > 1, the update reads the bucket's reduced
-    gradient: the slot's unflatten view has an update among its users.
-U6. **Placement** (:meth:`Schedule.update_after`). Without clipping, the write comes after its
-    bucket's wait and before the next bucket's wait, so each bucket is updated while the later
-    ones are still on the wire. With ``max_grad_norm``, it comes after the last bucket's wait:
-    no update before every average is in.
-U7. **Clipping** (``max_grad_norm``; :mod:`graphddp.optim.clip`). One clip coefficient node
-    (:mod:`graphddp.graph.invariants`' C), after every wait, computed from every slot's reduced gradient (each bucket's unflatten
-    view has a norm among its users); every update's write, and every parameter gradient the
-    graph still returns, is computed from it. Without ``max_grad_norm``, no coefficient.
-
-Failures raise :class:`graphddp.graph.verify_common.VerificationError` showing the node in context.
+U1. **Schedule.** Every updated parameter is a slot of its bucket, updated by one bucket only.
+U2. **No gradient kept** (G).
+U3. **One write, last** (L, by the fake storage of its ``update_param_k`` input).
+U4. **One way in.** Its memory is read only through the written node: no aliasing input is read.
+U5. **Averaged gradient.** At world size > 1, the slot's unflatten view has an update among its users.
+U6. **Placement** (:meth:`Schedule.update_after`). After its bucket's wait and before the next
+    bucket's; with ``max_grad_norm``, after the last bucket's wait.
+U7. **Clipping** (C). One coefficient, after every wait, computed from every slot's reduced gradient;
+    every update's write and every returned gradient computed from it.
 """
 from __future__ import annotations
 
@@ -43,7 +31,7 @@ aten = torch.ops.aten
 
 
 def verify_updates(gm: fx.GraphModule, schedule: Schedule) -> None:
-    """Check U1-U7 (module docstring)."""
+    """Check U1-U7."""
     g = _Graph(gm)
     nodes, storage, order, outs = g.nodes, Memory(g.nodes), g.order, g.outs
     update_params = [n for n in nodes if n.op == "placeholder" and n.name.startswith("update_param_")]
@@ -96,8 +84,7 @@ def verify_updates(gm: fx.GraphModule, schedule: Schedule) -> None:
 
 
 def _clipped(gm: fx.GraphModule, schedule: Schedule, buckets: list, waits: dict, unflatten_views: dict, order: dict) -> set[fx.Node] | None:
-    """U7's first half: the one coefficient, after every wait, computed from every slot's
-    reduced gradient. Returns the nodes computed from it (None without ``max_grad_norm``)."""
+    """U7's first half; returns the nodes computed from the coefficient (None without one)."""
     if schedule.max_grad_norm is not None and not any(b.updates for b in buckets):
         return None
     coef = clip_coefficient(gm, schedule.max_grad_norm, "U7", CLIP_COEFFICIENT)

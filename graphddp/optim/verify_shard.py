@@ -1,44 +1,21 @@
-"""The checker run after :func:`graphddp.optim.insert_shard.insert_sharded_updates`.
+"""The checker run after :func:`graphddp.optim.insert_shard.insert_sharded_updates`: what a
+numerics test on one model may not show (an update from the local gradient, a parameter written
+before the backward's last read of it, or before the all-gather delivered it). Per sharded bucket:
 
-A sharded bucket goes wrong in ways a numerics test on one model may not show: a rank that
-updates from its local gradient instead of the reduce-scattered average, a parameter written
-before the backward's last read of its old value, or written from the parts before the
-all-gather has delivered them. Invariants, per sharded bucket (``collective ==
-"reduce_scatter"``):
-
-S1. **One of each.** Exactly one reduce-scatter and one all-gather carry the bucket's tag, each
-    waited once (:mod:`graphddp.graph.invariants`' W; the all-gather with ``gather="forward"``
-    by the next forward), and
-    nothing else graphddp made for it is a collective but, with hybrid sharding
-    (:class:`graphddp.values.placement.Placement`), one all-reduce of the part over the
-    replicate group (:mod:`graphddp.graph.invariants`' H), whose wait the all-gather reads (A).
-S2. **After its gradients.** The reduce-scatter comes after the node producing each of the
-    bucket's gradients, and its input depends on every one of them.
-S3. **Averaged gradient** (:mod:`graphddp.graph.invariants`' A). The all-gather's input
-    depends on the reduce-scatter's wait: the parts are updated from the average, not from the
-    local gradient. Where the reduce-scatter
-    is gloo's all-to-all (:mod:`graphddp.values.collectives`), the wait is read only as the sum
-    of its ``world`` rows: one rank's row alone is a local gradient again.
-S4. **No gradient kept** (:mod:`graphddp.graph.invariants`' G). Every slot's gradient output is ``None``.
-S5. **One write, after the gather, last.** Each parameter of the bucket is written by exactly
-    one ``copy_`` whose value depends on the all-gather's wait (A, with the gather's wait), and
-    no node after that write reads the parameter's memory (:mod:`graphddp.graph.invariants`' L). With ``gather="forward"`` instead: the all-gather is returned,
-    un-waited, as one of the graph's extra outputs, and the backward writes no parameter of the
-    bucket (the next forward does: :func:`graphddp.optim.insert_gather.verify_forward_gathers`).
-
-S6. **Clipping** (``max_grad_norm``; :mod:`graphddp.optim.clip`). One clip coefficient node
-    (:mod:`graphddp.graph.invariants`' C), computed from every sharded bucket's reduce-scatter wait through one all-reduce (each
-    rank holds its parts' shares of the norms only, :func:`graphddp.optim.clip.part_norms`:
-    combined over ranks they are the norms), whose reduction is the norm's
-    (:func:`graphddp.optim.clip.reduce_op`: SUM for a finite p, MAX for inf: a sum of maxima
-    is no maximum), and from every gradient the graph still returns; every bucket's all-gather, and every such returned
-    gradient, is computed from it. Without ``max_grad_norm``, no coefficient.
-
-S7. **Carried gradients** (the carrying variant, a step after ``no_sync``;
-    :mod:`graphddp.graph.invariants`' O). Each of the bucket's carried inputs is read once, by an ``add`` of the bucket that its reduce-scatter depends on:
-    an accumulated gradient left out is a micro-step lost from the average.
-
-Failures raise :class:`graphddp.graph.verify_common.VerificationError` showing the node in context.
+S1. **One of each.** One tagged reduce-scatter and one all-gather, each waited once (W; with
+    ``gather="forward"`` the all-gather by the next forward), no other collective but, with hybrid
+    sharding, one all-reduce of the part over the replicate group (H) whose wait the gather reads.
+S2. **After its gradients.** The reduce-scatter follows and depends on every gradient of the bucket.
+S3. **Averaged gradient** (A). The all-gather's input depends on the reduce-scatter's wait; gloo's
+    all-to-all is read only as the sum of its ``world`` rows (one row alone is a local gradient).
+S4. **No gradient kept** (G).
+S5. **One write, after the gather, last** (L, and A with the gather's wait). With
+    ``gather="forward"`` the all-gather is returned un-waited and the backward writes no parameter.
+S6. **Clipping** (C). One coefficient, from every sharded bucket's reduce-scatter wait through one
+    all-reduce whose reduction is the norm's (SUM, or MAX for inf: a sum of maxima is no maximum)
+    and from every returned gradient; every all-gather and returned gradient computed from it.
+S7. **Carried gradients** (O). Each carried input is read once, by an ``add`` the bucket's
+    reduce-scatter depends on.
 """
 from __future__ import annotations
 
@@ -63,7 +40,7 @@ ALL_TO_ALL = kind("reduce_scatter").lower("gloo").op  # a reduce-scatter on gloo
 
 
 def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
-    """Check S1-S7 (module docstring)."""
+    """Check S1-S7."""
     g = _Graph(gm)
     memory_of, order, by_name, outs = Memory(g.nodes), g.order, g.by_name, g.outs
     rs_ops, ag_ops = kind("reduce_scatter").ops, kind("all_gather").ops
@@ -116,7 +93,7 @@ def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
 
 
 def _check_clipping(gm: fx.GraphModule, schedule: Schedule, outs: list, issued: dict[int, tuple[fx.Node, fx.Node]]) -> None:
-    """S6 (module docstring); ``issued``: each sharded bucket's reduce-scatter and all-gather (S1)."""
+    """S6; ``issued``: each sharded bucket's reduce-scatter and all-gather (S1)."""
     coef = clip_coefficient(gm, schedule.max_grad_norm, "S6", CLIP_COEFFICIENT)
     if coef is None:
         return
@@ -156,8 +133,7 @@ def _check_rows_summed(gm: fx.GraphModule, where: str, waits: list[fx.Node], wor
 
 def _check_writes(gm: fx.GraphModule, where: str, names: tuple[str, ...], writes: list[fx.Node], gather_waits: list[fx.Node],
                   memory_of: Memory) -> None:
-    """S5 for one bucket: one write per parameter, from the gathered parts, and nothing after it
-    (:mod:`graphddp.graph.invariants`' L)."""
+    """S5 for one bucket."""
     if len(writes) != len(names):
         _fail(gm, (writes or [gm.graph.output_node()])[0], f"{where}: {len(writes)} parameter writes for {len(names)} parameters (S5)")
     for write in writes:
