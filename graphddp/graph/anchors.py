@@ -18,7 +18,7 @@ from graphddp.values.schedule import WAIT_AT_OUTPUT, Bucket, Schedule, dtype_nam
 
 
 @dataclasses.dataclass(frozen=True)
-class _Placement:
+class Anchors:
     """Where one bucket's communication goes in this graph, resolved from its names."""
 
     bucket: Bucket
@@ -66,7 +66,7 @@ def _check_slots(bucket: Bucket, outs: Sequence[Any], order: dict[fx.Node, int],
             raise RuntimeError(f"{where}: issued after {issue.name}, before its producer {grad.name}")
 
 
-def place_buckets(gm: fx.GraphModule, schedule: Schedule, outs: Sequence[Any], only: set[int] | None = None) -> list[_Placement]:
+def place_buckets(gm: fx.GraphModule, schedule: Schedule, outs: Sequence[Any], only: set[int] | None = None) -> list[Anchors]:
     """Resolve every bucket's names to nodes (``only`` those buckets) and check the schedule fits the
     graph: well formed, each issue point before its wait point, each output the slot's gradient."""
     graph = gm.graph
@@ -77,7 +77,7 @@ def place_buckets(gm: fx.GraphModule, schedule: Schedule, outs: Sequence[Any], o
     problem = schedule.structure_error()
     if problem:
         raise RuntimeError(f"graphddp: {problem}")
-    placements = []
+    found = []
     for bucket in schedule.buckets:
         if only is not None and bucket.index not in only:
             continue
@@ -89,8 +89,8 @@ def place_buckets(gm: fx.GraphModule, schedule: Schedule, outs: Sequence[Any], o
                 f"{issue.name} (issue_after={bucket.issue_after!r})"
             )
         _check_slots(bucket, outs, order, issue)
-        placements.append(_Placement(bucket, issue, wait))
-    return placements
+        found.append(Anchors(bucket, issue, wait))
+    return found
 
 
 class IssuePoints:

@@ -23,12 +23,9 @@ then keeps graphddp's order (``INDUCTOR_FX_ORDER_CONFIG``):
   where its last gradient is complete and waited right before the issue of the bucket ``lag``
   later (with the few ops that read its result), so ``lag`` travel while later gradients are
   computed and each full-size gradient dies after its send.
-* **on gloo** a reduce-scatter is an ``all_to_all_single`` and a sum of the parts received
-  (:data:`graphddp.values.collectives.REDUCE_SCATTER`'s gloo lowering: gloo's own reduce-scatter
-  sends an all-reduce's bytes), and a gather an ``all_to_all_single`` of the parts repeated
-  ``world`` times: two functional all-gathers in flight at once on gloo corrupt the heap (torch
-  2.13; ``python -m tools.gloo_gather_race``), and prefetching means several in flight. The cost
-  is the repeated parts, a bucket's gathered size, alive until its wait.
+* **per backend** every collective is issued and waited through the parts' placement, as its kind
+  lowers it (:mod:`graphddp.values.collectives`): on gloo all-to-alls, where prefetching's gathers
+  in flight would corrupt the heap; the cost is the parts repeated, a bucket's gathered size.
 * **hybrid** (a 2-D ``device_mesh=``) each part's gradient comes out of the frontend's gather
   reduce-scattered over the shard group and then all-reduced over the replicate group; a
   bucket does the same once for all its parts, from the parts'
