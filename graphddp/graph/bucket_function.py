@@ -84,7 +84,7 @@ def receive(placement: Placement, hook: hooks.CommHook, bucket: Bucket, pending:
         return hook.decompress(done, bucket)
 
 
-def _builtin_fn(bucket: Bucket, hook: hooks.CommHook, schedule: Schedule, carry: bool = False) -> Callable[..., list[torch.Tensor]]:
+def _builtin_fn(bucket: Bucket, hook: hooks.CommHook, schedule: Schedule) -> Callable[..., list[torch.Tensor]]:
     """gradients[, carried] -> flatten -> compress -> divide -> all-reduce -> wait -> decompress -> views;
     gated, the all-reduce runs on the gate's group, which divides."""
     wire = getattr(torch, bucket.comm_dtype or bucket.dtype)
@@ -93,7 +93,7 @@ def _builtin_fn(bucket: Bucket, hook: hooks.CommHook, schedule: Schedule, carry:
     n = len(bucket.slots)
 
     def run(*args: torch.Tensor) -> list[torch.Tensor]:
-        grads = carry_in(args[:n], args[n:] if carry else ())
+        grads = carry_in(args[:n], args[n:])
         with role("flatten"):
             flat = _flatten(grads, bucket)
         with role("compress"):

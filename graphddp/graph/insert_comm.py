@@ -144,7 +144,7 @@ def _trace_bucket(
 ) -> _Traced:
     what = f"bucket {p.bucket.index} (hook {hook.name!r})"
     grads = [_value(slot, outs, zeros) for slot in p.bucket.slots]
-    gm = trace(_builtin_fn(p.bucket, hook, schedule, carry=bool(carried)), [*grads, *carried], what)
+    gm = trace(_builtin_fn(p.bucket, hook, schedule), [*grads, *carried], what)
     return _Traced(p, gm, _late_part(gm, what), ())
 
 

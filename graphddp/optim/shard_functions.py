@@ -148,14 +148,14 @@ def update_fn(shard: ShardLayout, hook: hooks.CommHook, private: bool, carry: bo
 
 
 def reduce_fn(
-    shard: ShardLayout, hook: hooks.CommHook, carry: bool, norm_type: float,
+    shard: ShardLayout, hook: hooks.CommHook, norm_type: float,
 ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """``max_grad_norm``, first half: (grads[, carried]) -> (this rank's part of the average, its
     :func:`~graphddp.optim.clip.part_norms`); the update waits for every bucket's shares."""
     n = len(shard.bucket.slots)
 
     def run(*args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        grads, carried = args[:n], args[n:] if carry else ()
+        grads, carried = args[:n], args[n:]
         grad_part = receive(shard.placement, hook, shard.bucket, _issue(shard, hook, grads, carried))
         return grad_part, clip.part_norms(grad_part, [hi - lo for lo, hi in shard.parts], shard.chunks, norm_type)
 
