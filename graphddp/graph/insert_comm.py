@@ -208,7 +208,8 @@ def _value(slot: GradSlot, outs: Sequence[Any], zeros: Mapping[str, torch.Tensor
 
 def _add_state_inputs(graph: fx.Graph, traced: Sequence[_Traced]) -> dict[int, list[fx.Node]]:
     return _add_inputs(graph, [
-        (t.points.bucket.index, f"hook_state_{t.points.bucket.index}_{spec.name}", ph.meta["val"], {ROLE_KEY: HOOK_STATE, HOOK_STATE_SPEC: spec})
+        (t.points.bucket.index, f"hook_state_{t.points.bucket.index}_{spec.name}", ph.meta["val"],
+         {ROLE_KEY: HOOK_STATE, HOOK_STATE_SPEC: spec})
         for t in traced for spec, ph in zip(t.states, t.gm.graph.find_nodes(op="placeholder")[len(t.points.bucket.slots):])
     ])
 

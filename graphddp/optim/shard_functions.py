@@ -35,7 +35,7 @@ class ShardLayout:
 
     @property
     def world(self) -> int:
-            return self.placement.shard.size
+        return self.placement.shard.size
 
     @property
     def groups(self) -> list[int]:
@@ -46,7 +46,7 @@ class ShardLayout:
         return [chunk(s.numel, self.world) for s in self.bucket.slots]
 
     def owned(self) -> list[int]:
-            return [i for i, (lo, hi) in enumerate(self.parts) if hi > lo]
+        return [i for i, (lo, hi) in enumerate(self.parts) if hi > lo]
 
 
 def shard_layout(bucket: Bucket, rules: Mapping[str, UpdateRule], groups: Mapping[str, int], placement: Placement, rank: int) -> ShardLayout:
