@@ -4,9 +4,8 @@
 traced hook runs eagerly on the accumulated gradients instead (:func:`run_hook_eagerly`), with the
 same ``GradBucket`` and the same check of its result. Nothing here reads or edits a graph.
 
-A replicated bucket is reduced through its :class:`~graphddp.values.placement.Whole` placement as a
-sharded one (:mod:`graphddp.optim.shard_functions`) through its own: both add what they carry and
-receive the reduce with :func:`carry_in` and :func:`receive`; only their layouts differ.
+A replicated bucket is reduced through its placement (:class:`~graphddp.values.placement.Whole`) with
+the :func:`carry_in` and :func:`receive` of a sharded one (:mod:`graphddp.optim.shard_functions`).
 """
 from __future__ import annotations
 
@@ -89,7 +88,7 @@ def _builtin_fn(bucket: Bucket, hook: hooks.CommHook, schedule: Schedule) -> Cal
     gated, the all-reduce runs on the gate's group, which divides."""
     wire = getattr(torch, bucket.comm_dtype or bucket.dtype)
     group = gate_name(schedule.group_name) if schedule.gated else schedule.group_name
-    placement = Whole(Level(group, schedule.world_size), collective=bucket.collective)
+    placement = Whole(Level(group, schedule.world_size), reduce_kind=bucket.collective)
     n = len(bucket.slots)
 
     def run(*args: torch.Tensor) -> list[torch.Tensor]:

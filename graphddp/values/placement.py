@@ -139,13 +139,9 @@ class Placement:
 @dataclasses.dataclass(frozen=True)
 class Whole(Placement):
     """A replicated bucket: whole on every rank of its one group (``shard``), so its reduce is the
-    bucket's ``collective`` (an all-reduce kind), through the same lowerings as a sharded bucket's."""
+    bucket's collective (an all-reduce kind), through the same lowerings as a sharded bucket's."""
 
-    collective: str = "all_reduce"
-
-    @property
-    def reduce_kind(self) -> str:  # type: ignore[override]
-        return self.collective
+    reduce_kind: str = "all_reduce"  # type: ignore[misc]
 
 
 def flat(name: str, size: int) -> Placement:
