@@ -22,24 +22,14 @@ class Anchors:
     """Where one bucket's communication goes in this graph, resolved from its names."""
 
     bucket: Bucket
-    issue: fx.Node  # the all-reduce chain goes right after this node
-    wait: fx.Node  # the wait and unflatten views go right before this node
+    issue: fx.Node  # its collective's issue goes right after this node
+    wait: fx.Node  # its wait (or update) and what follows go right before this node
 
 
 def _node_named(nodes: dict[str, fx.Node], bucket: Bucket, field: str, name: str) -> fx.Node:
     if name not in nodes:
         raise RuntimeError(f"graphddp: bucket {bucket.index}: {field} names node {name!r}, which is not in the graph")
     return nodes[name]
-
-
-def _issue_point(nodes: dict[str, fx.Node], placeholders: list[fx.Node], bucket: Bucket) -> fx.Node:
-    """The node the bucket's all-reduce chain follows; placeholders stay first."""
-    node = _node_named(nodes, bucket, "issue_after", bucket.issue_after)
-    return placeholders[-1] if node.op == "placeholder" else node
-
-
-def _wait_point(nodes: dict[str, fx.Node], output: fx.Node, bucket: Bucket) -> fx.Node:
-    return output if bucket.wait_before == WAIT_AT_OUTPUT else _node_named(nodes, bucket, "wait_before", bucket.wait_before)
 
 
 def _check_slots(bucket: Bucket, outs: Sequence[Any], order: dict[fx.Node, int], issue: fx.Node) -> None:
@@ -81,8 +71,9 @@ def place_buckets(gm: fx.GraphModule, schedule: Schedule, outs: Sequence[Any], o
     for bucket in schedule.buckets:
         if only is not None and bucket.index not in only:
             continue
-        issue = _issue_point(nodes, placeholders, bucket)
-        wait = _wait_point(nodes, output, bucket)
+        issue = _node_named(nodes, bucket, "issue_after", bucket.issue_after)
+        issue = placeholders[-1] if issue.op == "placeholder" else issue  # placeholders stay first
+        wait = output if bucket.wait_before == WAIT_AT_OUTPUT else _node_named(nodes, bucket, "wait_before", bucket.wait_before)
         if order[wait] <= order[issue]:
             raise RuntimeError(
                 f"graphddp: bucket {bucket.index}: wait_before {wait.name} is not after the issue point "
