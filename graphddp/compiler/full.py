@@ -22,8 +22,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
+from torch._dynamo.backends.debugging import boxed_nop
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from graphddp.compiler.aot import Compiler, Passes, compile_aot
 from graphddp.compiler.graph_compiler import as_dynamo_calls, backward_node, checked_settings
 from graphddp.compiler.full_updates import Compile, PartUpdates, UpdatingBackward
 from graphddp.config import MB, DDPConfig
@@ -94,17 +96,9 @@ def fully_sharded_compiler(config: DDPConfig, compiled: Compiled) -> Callable[..
         part_ids = {i: id(example_inputs[i]) for i in part_inputs}
         names = {input_name(i): name for i, name in part_inputs.items()}
         graph = _Graph(config, compiled, index, names)
-        if config.backend == "inductor":
-            from torch._inductor import config as inductor_config
-            from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-
-            pinned = {**patches, **INDUCTOR_FX_ORDER_CONFIG}
-            if config.reshard_after_forward:
-                pinned["joint_custom_pre_pass"] = _TagRegathers(graph)
-            with inductor_config.patch(pinned):
-                fn = compile_fx(gm, example_inputs, inner_compile=graph.inner(compile_fx_inner, pinned))
-        else:
-            fn = _aot_eager(config, graph)(gm, example_inputs)
+        joint = _TagRegathers(graph) if config.reshard_after_forward else None
+        passes = Passes(graph.forward_pass, graph.backward_pass, lambda _: {}, boxed_nop, joint, min_cut=True)
+        fn = compile_aot(config.backend, gm, example_inputs, passes, {**patches, **INDUCTOR_FX_ORDER_CONFIG})
         return graph.forward(fn, part_ids)
 
     return compile_graph
@@ -191,29 +185,27 @@ class _Graph:
         dropping._boxed_call = True  # type: ignore[attr-defined]
         return dropping
 
-    def inner(self, compile_inner: Callable[..., Any], patches: dict[str, Any]) -> Callable[..., Any]:
-        """``compile_inner`` (inductor's, under ``patches``) that first places and keeps the graph
-        (inference graphs are compiled as they are); a backward's updating variant is compiled
-        now, the graph as it is and the carrying variant when a step first needs them."""
-        from graphddp.compiler.inductor import later
+    def forward_pass(self, gm: fx.GraphModule, compiler: Compiler, inference: bool) -> Any:
+        """The forward placed and kept, then compiled (an inference graph as it is)."""
+        if not inference:
+            self.keep(gm, False)
+        return compiler.now(gm)
 
-        def inner(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
-            if kwargs.get("is_inference"):
-                return compile_inner(gm, example_inputs, **kwargs)
-            backward = bool(kwargs.get("is_backward"))
-            variant = self.keep(gm, backward)
-            if variant is None:
-                fn = compile_inner(gm, example_inputs, **kwargs)
-                return self.backward(None, lambda: fn, fn, fn) if backward else fn
+    def backward_pass(self, gm: fx.GraphModule, compiler: Compiler) -> Any:
+        """The backward placed and kept; its updating variant compiled now, the graph as it is
+        and the carrying variant when a step first needs them."""
+        variant = self.keep(gm, True)
+        if variant is None:
+            fn = compiler.now(gm)
+            return self.backward(None, lambda: fn, fn, fn)
+        given = len(gm.graph.find_nodes(op="placeholder"))
 
-            def lazily(graph: fx.GraphModule) -> Compile:
-                inputs = [*example_inputs, *[n.meta["val"] for n in graph.graph.nodes if n.op == "placeholder"][len(example_inputs):]]
-                return later(compile_inner, copy.deepcopy(graph), inputs, kwargs, patches, settings=lambda _: {})
+        def lazily(graph: fx.GraphModule) -> Compile:
+            extra = [n.meta["val"] for n in graph.graph.find_nodes(op="placeholder")][given:]
+            return compiler.later(copy.deepcopy(graph) if compiler.in_place else graph, extra)
 
-            updating = lazily(variant.graph)()
-            return self.backward(variant, lazily(gm), lambda: updating, lazily(variant.carrying))
-
-        return inner
+        updating = lazily(variant.graph)()
+        return self.backward(variant, lazily(gm), lambda: updating, lazily(variant.carrying))
 
 
 def _placed(
@@ -244,27 +236,3 @@ def bucket_cap(config: DDPConfig, whole: int, world_size: int, placement: Placem
     assert cost is not None, "sharding='full' resolves its cost model when the model is wrapped (compile_fully_sharded)"
     return PartCap(planned_cap_bytes(cost, whole, world_size, bool(config.reshard_after_forward), placement), f"planned ({cost.source})")
 
-
-def _aot_eager(config: DDPConfig, graph: _Graph) -> Callable[..., Any]:
-    """AOTAutograd without a code generator, partitioned by min-cut (the partitioner that reads
-    the recompute tags), the gathers tagged first when ``reshard``."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._dynamo.backends.debugging import boxed_nop
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-
-    def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
-        if config.reshard_after_forward:
-            graph.tag(joint.graph)
-        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
-
-    def forward(gm: fx.GraphModule, inputs: Any) -> Any:
-        graph.keep(gm, False)
-        return boxed_nop(gm, inputs)
-
-    def backward(gm: fx.GraphModule, inputs: Any) -> Any:
-        variant = graph.keep(gm, True)
-        return graph.backward(
-            variant, lambda: boxed_nop(gm, inputs), lambda: boxed_nop(variant.graph, inputs), lambda: boxed_nop(variant.carrying, inputs)
-        )
-
-    return aot_autograd(fw_compiler=forward, bw_compiler=backward, partition_fn=partition, inference_compiler=boxed_nop)

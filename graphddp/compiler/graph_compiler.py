@@ -22,11 +22,11 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from graphddp.compiler import cache as compile_cache
+from graphddp.compiler.aot import Compiler, Passes, compile_aot
 from graphddp.compiler.compose import Shared, insert_comm, record_parameter_values, run_passes, verify_comm
 from graphddp.compiler.forward_slot import ForwardSlots
 from graphddp.compiler.frames import FramePlans
@@ -240,28 +240,28 @@ class GraphCompiler(InGraphUpdates, HookRuntime, BackwardRewrite):
                 gm, example_inputs, record_forward, rewrite, dispatch, inductor_patches, phase, graph_index, cache, wrap_forward
             )
         # eager: node by node through fx.Interpreter (for a debugger); aot_eager: the graphs' FX code
-        run = (lambda g: lambda *args: fx.Interpreter(g).run(*args)) if self.config.backend == "eager" else (lambda g: g)
+        eager = self.config.backend == "eager"
+        run = (lambda g: lambda *args: fx.Interpreter(g).run(*args)) if eager else (lambda g: g)
 
-        def bw_compiler(bw: fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., Any]:
+        def backward(bw: fx.GraphModule, compiler: Compiler) -> BackwardDispatch:
             plain = copy.deepcopy(bw)
             records = rewrite(bw)
             return dispatch(
-                records, lambda record: lambda: make_boxed_func(run(record.graph)),
-                lambda record: lambda: make_boxed_func(run(record.without_update)),
-                lambda: make_boxed_func(run(plain)), {},
+                records, lambda record: compiler.later(record.graph), lambda record: compiler.later(record.without_update),
+                compiler.later(plain), {},
             )
 
-        def fw_compiler(fw: fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., Any]:
+        def forward(fw: fx.GraphModule, compiler: Compiler, _inference: bool) -> Any:
+            """Every forward, an inference graph too: AOTAutograd's forward compiler is its inference compiler."""
             record_forward(fw)
             if wrap_forward is None:
-                return make_boxed_func(run(fw))
+                return compiler.now(fw)
             with unset_fake_temporarily():  # the graph's real constants (HF GPT-2 has some) are copied as they are
                 source = copy.deepcopy(fw)
-            return wrap_forward(source, make_boxed_func(run(fw)), lambda g, _extra: lambda: make_boxed_func(run(g)))
+            return wrap_forward(source, compiler.now(fw), compiler.later)
 
-        return aot_autograd(
-            fw_compiler=fw_compiler, bw_compiler=bw_compiler, keep_inference_input_mutations=True
-        )(gm, example_inputs)
+        passes = Passes(forward, backward, lambda _: {}, run=lambda g, _inputs: make_boxed_func(run(g)))
+        return compile_aot(self.config.backend, gm, example_inputs, passes)
 
     @property
     def forwards(self) -> dict[int, ForwardDispatch]:

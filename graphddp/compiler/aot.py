@@ -1,0 +1,139 @@
+"""The torch.compile backend of every mode, built in one place: AOTAutograd with the mode's
+forward and backward passes as peers (:class:`Passes`), the graphs then compiled by inductor or
+run as FX code.
+
+A mode says what it does to each forward and backward graph AOTAutograd hands it, and
+:func:`compile_aot` builds the rest for the config's ``backend``:
+
+* ``inductor``: ``compile_fx`` with the passes around its ``inner_compile``, so that inductor's
+  decompositions, partitioner and joint-graph passes run unchanged (a mode's ``joint`` pass as
+  inductor's ``joint_custom_pre_pass``), under the user's settings with the mode's pinned ones
+  on top for each graph;
+* ``aot_eager`` and ``eager``: ``aot_autograd`` with the passes as its compilers, each graph run
+  as the mode's ``run`` makes it (min-cut partitioned after the ``joint`` pass, where the mode
+  asks, as inductor partitions).
+
+A pass compiles a graph through its :class:`Compiler`: now, or at first use (a variant a step may
+never need), with the inputs of the graph AOTAutograd passed and those a rewrite appended.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import torch.fx as fx
+
+Settings = Callable[[fx.GraphModule], dict[str, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiler:
+    """How a pass compiles a graph: ``now(graph, extra=(), settings=None)`` returns its code,
+    ``later(...)`` a call that compiles it the first time (``extra``: example inputs the graph
+    reads beyond AOTAutograd's; ``settings``: inductor's, else the mode's for that graph).
+    ``in_place``: compiling rewrites the graph (inductor's does), so a graph kept is copied first."""
+
+    now: Callable[..., Any]
+    later: Callable[..., Callable[[], Any]]
+    in_place: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Passes:
+    """One mode's work on AOTAutograd's graphs. ``forward(graph, compiler, inference)`` and
+    ``backward(graph, compiler)`` return what AOTAutograd runs; ``settings(graph)``: the inductor
+    settings pinned for a graph; ``run(graph, inputs)``: a graph's code without inductor;
+    ``joint``: a pass on the joint graph before it is partitioned (a ``CustomGraphPass``, so
+    that inductor's caches key on it); ``min_cut``: partition by min-cut without inductor too."""
+
+    forward: Callable[[fx.GraphModule, Compiler, bool], Any]
+    backward: Callable[[fx.GraphModule, Compiler], Any]
+    settings: Settings
+    run: Callable[[fx.GraphModule, Sequence[Any]], Any] | None = None
+    joint: Any = None
+    min_cut: bool = False
+
+
+def compile_aot(
+    backend: str, gm: fx.GraphModule, example_inputs: Sequence[Any], passes: Passes,
+    patches: dict[str, Any] | None = None, functorch: dict[str, Any] | None = None, this_compile: dict[str, Any] | None = None,
+) -> Callable[..., Any]:
+    """``gm`` through AOTAutograd and ``passes`` for ``backend``; with inductor, every graph
+    under the user's ``patches`` (and the joint pass), this call's under ``this_compile`` too
+    (not the variants compiled later), with AOTAutograd's ``functorch`` config patched."""
+    if backend != "inductor":
+        return _aot_eager(gm, example_inputs, passes)
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    joint = {} if passes.joint is None else {"joint_custom_pre_pass": passes.joint}
+    patches = {**(patches or {}), **joint}
+
+    def inner_compile(graph: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
+        given = list(inputs)
+
+        def now(g: fx.GraphModule, extra: Sequence[Any] = (), settings: dict[str, Any] | None = None) -> Any:
+            with inductor_config.patch(passes.settings(g) if settings is None else settings):
+                return compile_fx_inner(g, [*given, *extra], **kwargs)
+
+        def at_first_use(g: fx.GraphModule, extra: Sequence[Any] = (), settings: dict[str, Any] | None = None) -> Callable[[], Any]:
+            pinned = passes.settings if settings is None else (lambda _: settings)
+            return later(compile_fx_inner, g, [*given, *extra], kwargs, patches, pinned)
+
+        compiler = Compiler(now, at_first_use, in_place=True)
+        if kwargs.get("is_backward", False):
+            return passes.backward(graph, compiler)
+        return passes.forward(graph, compiler, bool(kwargs.get("is_inference", False)))
+
+    with functorch_config.patch(functorch or {}), inductor_config.patch({**patches, **(this_compile or {})}):
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+
+
+def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], passes: Passes) -> Callable[..., Any]:
+    """AOTAutograd without a code generator: every graph runs as ``passes.run`` makes it."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+
+    run = passes.run
+    assert run is not None, "these passes compile under inductor only"
+
+    def compiler(inputs: Sequence[Any]) -> Compiler:
+        return Compiler(
+            lambda g, extra=(), settings=None: run(g, inputs),
+            lambda g, extra=(), settings=None: lambda: run(g, inputs), in_place=False,
+        )
+
+    def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
+        if passes.joint is not None:
+            passes.joint(joint.graph)
+        split = min_cut_rematerialization_partition if passes.min_cut else default_partition
+        return split(joint, joint_inputs, **kwargs)
+
+    return aot_autograd(
+        fw_compiler=lambda g, inputs: passes.forward(g, compiler(inputs), False),
+        bw_compiler=lambda g, inputs: passes.backward(g, compiler(inputs)),
+        inference_compiler=lambda g, inputs: passes.forward(g, compiler(inputs), True),
+        partition_fn=partition, keep_inference_input_mutations=True,
+    )(gm, example_inputs)
+
+
+def later(
+    compile_inner: Callable[..., Any], graph: fx.GraphModule, inputs: Sequence[Any], kwargs: dict, patches: dict[str, Any],
+    settings: Settings,
+) -> Callable[[], Any]:
+    """Compile ``graph`` on first use, as AOTAutograd compiles its own backward lazily: under the
+    tracing and compile contexts of now, so that shape guards and fake tensors are the ones the
+    graph was traced with; under ``patches`` and ``settings(graph)`` on top."""
+    from torch._dynamo.convert_frame import compile_lock
+    from torch._guards import CompileContext, TracingContext, compile_context, tracing
+    from torch._inductor import config as inductor_config
+
+    saved_tracing, saved_compile = TracingContext.try_get(), CompileContext.try_get()
+
+    def compile_now() -> Any:
+        pinned = {**patches, **settings(graph)}
+        with compile_lock, tracing(saved_tracing), compile_context(saved_compile), inductor_config.patch(pinned):
+            return compile_inner(graph, inputs, **kwargs)
+
+    return compile_now
