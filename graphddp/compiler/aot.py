@@ -18,6 +18,7 @@ never need), with the inputs of the graph AOTAutograd passed and those a rewrite
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Callable, Sequence
 
@@ -37,6 +38,10 @@ class Compiler:
     later: Callable[..., Callable[[], Any]]
     in_place: bool
 
+    def copy(self, graph: fx.GraphModule) -> fx.GraphModule:
+        """``graph`` to compile where the caller keeps it as it is: a copy if compiling rewrites it."""
+        return copy.deepcopy(graph) if self.in_place else graph
+
 
 @dataclasses.dataclass(frozen=True)
 class Passes:
@@ -49,7 +54,7 @@ class Passes:
     forward: Callable[[fx.GraphModule, Compiler, bool], Any]
     backward: Callable[[fx.GraphModule, Compiler], Any]
     settings: Settings
-    run: Callable[[fx.GraphModule, Sequence[Any]], Any] | None = None
+    run: Callable[[fx.GraphModule, Sequence[Any]], Any]
     joint: Any = None
     min_cut: bool = False
 
@@ -96,8 +101,6 @@ def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], passes: Passes
     from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
     run = passes.run
-    assert run is not None, "these passes compile under inductor only"
-
     def compiler(inputs: Sequence[Any]) -> Compiler:
         return Compiler(
             lambda g, extra=(), settings=None: run(g, inputs),

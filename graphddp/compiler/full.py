@@ -14,7 +14,6 @@ planned per graph from the cost model (:mod:`graphddp.plan.parts`) unless
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import hashlib
@@ -202,7 +201,7 @@ class _Graph:
 
         def lazily(graph: fx.GraphModule) -> Compile:
             extra = [n.meta["val"] for n in graph.graph.find_nodes(op="placeholder")][given:]
-            return compiler.later(copy.deepcopy(graph) if compiler.in_place else graph, extra)
+            return compiler.later(compiler.copy(graph), extra)
 
         updating = lazily(variant.graph)()
         return self.backward(variant, lazily(gm), lambda: updating, lazily(variant.carrying))

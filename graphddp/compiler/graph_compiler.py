@@ -22,16 +22,13 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch._functorch.aot_autograd import make_boxed_func
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from graphddp.compiler import cache as compile_cache
-from graphddp.compiler.aot import Compiler, Passes, compile_aot
 from graphddp.compiler.compose import Shared, insert_comm, record_parameter_values, run_passes, verify_comm
 from graphddp.compiler.forward_slot import ForwardSlots
 from graphddp.compiler.frames import FramePlans
 from graphddp.compiler.hook_runtime import HookRuntime
-from graphddp.compiler.inductor import compile_inductor
+from graphddp.compiler.inductor import compile_replicated
 from graphddp.compiler.record import CARRY, GraphRecord
 from graphddp.compiler.rewrite import BackwardRewrite
 from graphddp.compiler.updates import InGraphUpdates
@@ -233,35 +230,12 @@ class GraphCompiler(InGraphUpdates, HookRuntime, BackwardRewrite):
             def wrap_forward(fw: fx.GraphModule, plain: Any, compile_graph: Callable[..., Callable[[], Any]]) -> ForwardDispatch:
                 return self.forward_slots.wrap(graph_index, fw, plain, compile_graph, param_inputs)
 
+        phase, cache = self._phase(), None
         if self.config.backend == "inductor":
-            phase = self._phase()
             cache = compile_cache.plan_key(self, gm, example_inputs, param_inputs, graph_index, phase)
-            return compile_inductor(
-                gm, example_inputs, record_forward, rewrite, dispatch, inductor_patches, phase, graph_index, cache, wrap_forward
-            )
-        # eager: node by node through fx.Interpreter (for a debugger); aot_eager: the graphs' FX code
-        eager = self.config.backend == "eager"
-        run = (lambda g: lambda *args: fx.Interpreter(g).run(*args)) if eager else (lambda g: g)
-
-        def backward(bw: fx.GraphModule, compiler: Compiler) -> BackwardDispatch:
-            plain = copy.deepcopy(bw)
-            records = rewrite(bw)
-            return dispatch(
-                records, lambda record: compiler.later(record.graph), lambda record: compiler.later(record.without_update),
-                compiler.later(plain), {},
-            )
-
-        def forward(fw: fx.GraphModule, compiler: Compiler, _inference: bool) -> Any:
-            """Every forward, an inference graph too: AOTAutograd's forward compiler is its inference compiler."""
-            record_forward(fw)
-            if wrap_forward is None:
-                return compiler.now(fw)
-            with unset_fake_temporarily():  # the graph's real constants (HF GPT-2 has some) are copied as they are
-                source = copy.deepcopy(fw)
-            return wrap_forward(source, compiler.now(fw), compiler.later)
-
-        passes = Passes(forward, backward, lambda _: {}, run=lambda g, _inputs: make_boxed_func(run(g)))
-        return compile_aot(self.config.backend, gm, example_inputs, passes)
+        return compile_replicated(
+            self.config.backend, gm, example_inputs, record_forward, rewrite, dispatch, inductor_patches, phase, graph_index, cache, wrap_forward
+        )
 
     @property
     def forwards(self) -> dict[int, ForwardDispatch]:

@@ -8,6 +8,7 @@ import copy
 from typing import Any, Callable, Sequence
 
 import torch.fx as fx
+from torch._functorch.aot_autograd import make_boxed_func
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from graphddp.compiler import cache as compile_cache
@@ -21,7 +22,8 @@ from graphddp.values.collectives import ALL_GATHER, REDUCE_SCATTER
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
 
 
-def compile_inductor(
+def compile_replicated(
+    backend: str,
     gm: fx.GraphModule,
     example_inputs: Sequence[Any],
     record_forward: Callable[[fx.GraphModule], None],
@@ -33,12 +35,12 @@ def compile_inductor(
     cache: compile_cache.Key | None = None,
     wrap_forward: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
-    """Inductor's compile_fx under the user's ``patches``, graphddp's pinned settings on top for
-    every inner compile. The backward of the phase in use now is compiled now, the other variants
-    the first time a step needs them. With a ``cache`` key the AOTAutograd cache is on for this
-    graph. ``wrap_forward(graph, code, compile_graph)`` (``gather="forward"``) replaces a training
+    """``gm`` through ``backend`` (:func:`compile_aot`; inductor's under the user's ``patches``,
+    graphddp's pinned settings on top for every inner compile). The backward of the phase in use
+    now is compiled now, the other variants the first time a step needs them. With a ``cache``
+    key the AOTAutograd cache is on for this graph. ``wrap_forward(graph, code, compile_graph)`` (``gather="forward"``) replaces a training
     forward's code, given its graph before inductor and a way to compile a variant of it later."""
-    job = _InductorCompile(gm, record_forward, rewrite, dispatch, patches, phase_now, graph_index, cache)
+    job = _Compile(backend, gm, record_forward, rewrite, dispatch, patches, phase_now, graph_index, cache)
     job.wrap_forward = wrap_forward
     # The example inputs are passed down, never kept: they are the real tensors of Dynamo's first
     # call (a graph after a break gets the previous graph's outputs: a GPT's logits), and the job
@@ -47,15 +49,15 @@ def compile_inductor(
     return job.cold(example_inputs) if cache is None else job.through_cache(cache, example_inputs)
 
 
-class _InductorCompile:
-    """One Dynamo graph through compile_fx: its inputs, and the steps of a compile as methods."""
+class _Compile:
+    """One Dynamo graph through AOTAutograd: its inputs, and the steps of a compile as methods."""
 
     def __init__(
-        self, gm: fx.GraphModule, record_forward: Callable[[fx.GraphModule], None],
+        self, backend: str, gm: fx.GraphModule, record_forward: Callable[[fx.GraphModule], None],
         rewrite: Callable[[fx.GraphModule], dict[str, GraphRecord]], dispatch: Callable[..., BackwardDispatch],
         patches: dict[str, Any], phase_now: str, graph_index: int, cache: compile_cache.Key | None,
     ) -> None:
-        self.gm = gm
+        self.backend, self.gm = backend, gm
         self.record_forward, self.rewrite, self.dispatch = record_forward, rewrite, dispatch
         self.patches, self.phase_now, self.graph_index, self.cache = patches, phase_now, graph_index, cache
         self.wrap_forward: Callable[..., Any] | None = None
@@ -68,7 +70,8 @@ class _InductorCompile:
 
         def forward(graph: fx.GraphModule, compiler: Compiler, inference: bool) -> Any:
             self.record_forward(graph)
-            wrap = None if inference else self.wrap_forward
+            # Without inductor AOTAutograd's inference compiler is its forward compiler: it wraps those too.
+            wrap = None if inference and self.backend == "inductor" else self.wrap_forward
             with unset_fake_temporarily():  # real constants are copied as they are
                 source = copy.deepcopy(graph) if wrap is not None else None
             code = compiler.now(graph, settings=INDUCTOR_PINNED_CONFIG)
@@ -85,7 +88,7 @@ class _InductorCompile:
             now = records[self.phase_now]
             # Inductor rewrites what it compiles in place (on an FX-graph cache miss only):
             # the record keeps graphddp's graph, the same whether inductor compiled or loaded.
-            compiled = compiler.now(copy.deepcopy(now.graph), now.extra_inputs())
+            compiled = compiler.now(compiler.copy(now.graph), now.extra_inputs())
             now.generated_code = getattr(compiled, "source_code", None)
 
             def synced(record: GraphRecord) -> Callable[[], Any]:
@@ -103,7 +106,7 @@ class _InductorCompile:
 
             return finish(records, synced, grads, compiler.later(plain), compiled, facts)
 
-        return Passes(forward, backward, pinned_config, run=None)
+        return Passes(forward, backward, pinned_config, _run_eager if self.backend == "eager" else _run_fx)
 
     def run_compile_fx(
         self, inputs: Sequence[Any], finish: Callable[..., Any], on_forward: Callable[[Any, bool], None] = lambda code, inference: None,
@@ -119,7 +122,7 @@ class _InductorCompile:
             setattr(self.gm, compile_cache.GM_ATTRIBUTE, self.cache.key)  # type: ignore[union-attr] # AOTAutograd hashes it
         if eager_backward:
             functorch_patches["force_non_lazy_backward_lowering"] = True
-        return compile_aot("inductor", self.gm, inputs, self.passes(finish, on_forward), self.patches, functorch_patches, this_compile)
+        return compile_aot(self.backend, self.gm, inputs, self.passes(finish, on_forward), self.patches, functorch_patches, this_compile)
 
     def finish_cold(self, records: dict[str, GraphRecord], synced: Any, grads: Any, plain: Any, compiled: Any, facts: Any) -> BackwardDispatch:
         return self.dispatch(records, synced, grads, plain, {self.phase_now: compiled})
@@ -216,6 +219,16 @@ class _InductorCompile:
         )
         catcher.proxy.target = backward
         return compiled_fn
+
+
+def _run_fx(graph: fx.GraphModule, _inputs: Sequence[Any]) -> Any:
+    """``aot_eager``: the graph's FX code."""
+    return make_boxed_func(graph)
+
+
+def _run_eager(graph: fx.GraphModule, _inputs: Sequence[Any]) -> Any:
+    """``eager``: node by node through :class:`torch.fx.Interpreter` (for a debugger)."""
+    return make_boxed_func(lambda *args: fx.Interpreter(graph).run(*args))
 
 
 def pinned_config(graph: fx.GraphModule) -> dict[str, Any]:
