@@ -1,20 +1,11 @@
 """The torch.compile backend of every mode, built in one place: AOTAutograd with the mode's
-forward and backward passes as peers (:class:`Passes`), the graphs then compiled by inductor or
-run as FX code.
+forward and backward passes as peers (:class:`Passes`), then inductor or plain FX code.
 
-A mode says what it does to each forward and backward graph AOTAutograd hands it, and
-:func:`compile_aot` builds the rest for the config's ``backend``:
-
-* ``inductor``: ``compile_fx`` with the passes around its ``inner_compile``, so that inductor's
-  decompositions, partitioner and joint-graph passes run unchanged (a mode's ``joint`` pass as
-  inductor's ``joint_custom_pre_pass``), under the user's settings with the mode's pinned ones
-  on top for each graph;
-* ``aot_eager`` and ``eager``: ``aot_autograd`` with the passes as its compilers, each graph run
-  as the mode's ``run`` makes it (min-cut partitioned after the ``joint`` pass, where the mode
-  asks, as inductor partitions).
-
-A pass compiles a graph through its :class:`Compiler`: now, or at first use (a variant a step may
-never need), with the inputs of the graph AOTAutograd passed and those a rewrite appended.
+Under ``inductor`` the passes run around ``compile_fx``'s ``inner_compile``, so that inductor's
+decompositions, partitioner and joint-graph passes run unchanged (a mode's ``joint`` pass as its
+``joint_custom_pre_pass``); under ``aot_eager`` and ``eager`` they are ``aot_autograd``'s
+compilers, and a mode that asks partitions by min-cut, as inductor does. A pass compiles a graph
+through a :class:`Compiler`, now or at first use (a variant a step may never need).
 """
 from __future__ import annotations
 
@@ -23,8 +14,6 @@ import dataclasses
 from typing import Any, Callable, Sequence
 
 import torch.fx as fx
-
-Settings = Callable[[fx.GraphModule], dict[str, Any]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +42,7 @@ class Passes:
 
     forward: Callable[[fx.GraphModule, Compiler, bool], Any]
     backward: Callable[[fx.GraphModule, Compiler], Any]
-    settings: Settings
+    settings: Callable[[fx.GraphModule], dict[str, Any]]
     run: Callable[[fx.GraphModule, Sequence[Any]], Any]
     joint: Any = None
     min_cut: bool = False
@@ -68,12 +57,13 @@ def compile_aot(
     (not the variants compiled later), with AOTAutograd's ``functorch`` config patched."""
     if backend != "inductor":
         return _aot_eager(gm, example_inputs, passes)
+    from torch._dynamo.convert_frame import compile_lock
     from torch._functorch import config as functorch_config
+    from torch._guards import CompileContext, TracingContext, compile_context, tracing
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-    joint = {} if passes.joint is None else {"joint_custom_pre_pass": passes.joint}
-    patches = {**(patches or {}), **joint}
+    patches = {**(patches or {}), **({} if passes.joint is None else {"joint_custom_pre_pass": passes.joint})}
 
     def inner_compile(graph: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
         given = list(inputs)
@@ -82,11 +72,19 @@ def compile_aot(
             with inductor_config.patch(passes.settings(g) if settings is None else settings):
                 return compile_fx_inner(g, [*given, *extra], **kwargs)
 
-        def at_first_use(g: fx.GraphModule, extra: Sequence[Any] = (), settings: dict[str, Any] | None = None) -> Callable[[], Any]:
-            pinned = passes.settings if settings is None else (lambda _: settings)
-            return later(compile_fx_inner, g, [*given, *extra], kwargs, patches, pinned)
+        def later(g: fx.GraphModule, extra: Sequence[Any] = (), settings: dict[str, Any] | None = None) -> Callable[[], Any]:
+            """As AOTAutograd compiles its own backward lazily: under the tracing and compile
+            contexts of now, so that shape guards and fake tensors are the ones ``g`` was traced with."""
+            contexts = TracingContext.try_get(), CompileContext.try_get()
 
-        compiler = Compiler(now, at_first_use, in_place=True)
+            def compile_now() -> Any:
+                pinned = {**patches, **(passes.settings(g) if settings is None else settings)}
+                with compile_lock, tracing(contexts[0]), compile_context(contexts[1]), inductor_config.patch(pinned):
+                    return compile_fx_inner(g, [*given, *extra], **kwargs)
+
+            return compile_now
+
+        compiler = Compiler(now, later, in_place=True)
         if kwargs.get("is_backward", False):
             return passes.backward(graph, compiler)
         return passes.forward(graph, compiler, bool(kwargs.get("is_inference", False)))
@@ -100,12 +98,9 @@ def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], passes: Passes
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
-    run = passes.run
     def compiler(inputs: Sequence[Any]) -> Compiler:
-        return Compiler(
-            lambda g, extra=(), settings=None: run(g, inputs),
-            lambda g, extra=(), settings=None: lambda: run(g, inputs), in_place=False,
-        )
+        now = lambda g, extra=(), settings=None: passes.run(g, inputs)  # noqa: E731
+        return Compiler(now, lambda g, extra=(), settings=None: lambda: now(g), in_place=False)
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
         if passes.joint is not None:
@@ -119,24 +114,3 @@ def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], passes: Passes
         inference_compiler=lambda g, inputs: passes.forward(g, compiler(inputs), True),
         partition_fn=partition, keep_inference_input_mutations=True,
     )(gm, example_inputs)
-
-
-def later(
-    compile_inner: Callable[..., Any], graph: fx.GraphModule, inputs: Sequence[Any], kwargs: dict, patches: dict[str, Any],
-    settings: Settings,
-) -> Callable[[], Any]:
-    """Compile ``graph`` on first use, as AOTAutograd compiles its own backward lazily: under the
-    tracing and compile contexts of now, so that shape guards and fake tensors are the ones the
-    graph was traced with; under ``patches`` and ``settings(graph)`` on top."""
-    from torch._dynamo.convert_frame import compile_lock
-    from torch._guards import CompileContext, TracingContext, compile_context, tracing
-    from torch._inductor import config as inductor_config
-
-    saved_tracing, saved_compile = TracingContext.try_get(), CompileContext.try_get()
-
-    def compile_now() -> Any:
-        pinned = {**patches, **settings(graph)}
-        with compile_lock, tracing(saved_tracing), compile_context(saved_compile), inductor_config.patch(pinned):
-            return compile_inner(graph, inputs, **kwargs)
-
-    return compile_now

@@ -162,28 +162,6 @@ class _Graph:
         compiled.described.append((self.index, described))
         return variant
 
-    def backward(self, variant: UpdatingBackward | None, plain: Compile, updating: Compile, carrying: Compile) -> Callable[..., Any]:
-        """What AOTAutograd runs as the backward: the graph as compiled, or where the parts are
-        updated inside, the choice between it and the variants (:meth:`PartUpdates.backward`).
-        Each variant is compiled at its first call unless compiled already."""
-        updates = self.compiled.updates
-        once = functools.cache
-        choose = None if variant is None or updates is None else updates.backward(self.index, variant, once(plain), once(updating), once(carrying))
-        usage = self.usage
-        if usage is None or not usage.may_be_unused:
-            return choose if choose is not None else plain()
-        group, names, plain_once = self.compiled.group, tuple(usage.outputs), once(plain)
-
-        def dropping(args: list) -> Any:
-            """Gradients of the parts no rank used this step returned as None, and not
-            updated inside (:mod:`graphddp.runtime.usage`)."""
-            unused = GradientUsage.unused_anywhere(names, usage.unused(*self.none_outputs.take(), args), group)
-            out = choose(args, unused) if choose is not None else plain_once()(args)
-            return GradientUsage.drop(out, usage.outputs, unused)
-
-        dropping._boxed_call = True  # type: ignore[attr-defined]
-        return dropping
-
     def forward_pass(self, gm: fx.GraphModule, compiler: Compiler, inference: bool) -> Any:
         """The forward placed and kept, then compiled (an inference graph as it is)."""
         if not inference:
@@ -191,20 +169,36 @@ class _Graph:
         return compiler.now(gm)
 
     def backward_pass(self, gm: fx.GraphModule, compiler: Compiler) -> Any:
-        """The backward placed and kept; its updating variant compiled now, the graph as it is
-        and the carrying variant when a step first needs them."""
+        """The backward placed and kept, and what AOTAutograd runs for it: the graph as compiled,
+        or where the parts are updated inside, the choice between it and the variants
+        (:meth:`PartUpdates.backward`), the updating one compiled now, the graph as it is and the
+        carrying one when a step first needs them."""
         variant = self.keep(gm, True)
         if variant is None:
-            fn = compiler.now(gm)
-            return self.backward(None, lambda: fn, fn, fn)
-        given = len(gm.graph.find_nodes(op="placeholder"))
+            plain, choose = compiler.now(gm), None
+        else:
+            given = len(gm.graph.find_nodes(op="placeholder"))
 
-        def lazily(graph: fx.GraphModule) -> Compile:
-            extra = [n.meta["val"] for n in graph.graph.find_nodes(op="placeholder")][given:]
-            return compiler.later(compiler.copy(graph), extra)
+            def lazily(graph: fx.GraphModule) -> Compile:
+                extra = [n.meta["val"] for n in graph.graph.find_nodes(op="placeholder")][given:]
+                return functools.cache(compiler.later(compiler.copy(graph), extra))
 
-        updating = lazily(variant.graph)()
-        return self.backward(variant, lazily(gm), lambda: updating, lazily(variant.carrying))
+            updating = lazily(variant.graph)()
+            choose = self.compiled.updates.backward(self.index, variant, lazily(gm), lambda: updating, lazily(variant.carrying))
+        usage = self.usage
+        if usage is None or not usage.may_be_unused:
+            return choose if choose is not None else plain
+        group, names = self.compiled.group, tuple(usage.outputs)
+
+        def dropping(args: list) -> Any:
+            """Gradients of the parts no rank used this step returned as None, and not
+            updated inside (:mod:`graphddp.runtime.usage`)."""
+            unused = GradientUsage.unused_anywhere(names, usage.unused(*self.none_outputs.take(), args), group)
+            out = choose(args, unused) if choose is not None else plain(args)
+            return GradientUsage.drop(out, usage.outputs, unused)
+
+        dropping._boxed_call = True  # type: ignore[attr-defined]
+        return dropping
 
 
 def _placed(

@@ -1,18 +1,13 @@
-"""The torch.compile backend: AOTAutograd, then graphddp's passes on every backward graph.
+"""The torch.compile backend of replicated and ``sharding="optimizer"`` models: graphddp's
+forward and backward passes (:mod:`graphddp.compiler.compose`, :mod:`graphddp.compiler.rewrite`)
+on every graph AOTAutograd splits a Dynamo graph into, before it is compiled
+(:mod:`graphddp.compiler.inductor`, through :func:`graphddp.compiler.aot.compile_aot`).
 
-AOTAutograd splits each Dynamo graph into forward and backward ATen graphs; the forward passes
-and the backward passes (:mod:`graphddp.compiler.compose`, :mod:`graphddp.compiler.rewrite`) run
-before the inner compiler sees them:
-
-* ``inductor`` (:mod:`graphddp.compiler.inductor`): ``compile_fx`` with the rewrite wrapped around
-  its ``inner_compile``, so that inductor's decompositions, partitioner and joint-graph passes run
-  unchanged; its comm reordering (``raise_comms``, ``sink_waits``) issues each all-reduce when its
-  bucket is ready and waits late (inductor's defaults issue and wait back to back: no overlap).
-  The user's ``mode``/``options`` patch inductor's config, graphddp's pinned settings go on top.
-* ``aot_eager``: the rewritten graphs run as plain FX code (fast to compile, for tests).
-* ``eager``: node by node through :class:`torch.fx.Interpreter` (for a debugger).
-
-A traced hook with phases (PowerSGD) gets one rewritten graph per phase, compiled on first use.
+Under inductor its comm reordering (``raise_comms``, ``sink_waits``) issues each all-reduce when
+its bucket is ready and waits late (inductor's defaults issue and wait back to back: no overlap).
+``aot_eager`` runs the graphs as plain FX code (fast to compile, for tests), ``eager`` node by node
+through :class:`torch.fx.Interpreter` (for a debugger). A traced hook with phases (PowerSGD) gets
+one rewritten graph per phase, compiled on first use.
 """
 from __future__ import annotations
 
@@ -28,7 +23,7 @@ from graphddp.compiler.compose import Shared, insert_comm, record_parameter_valu
 from graphddp.compiler.forward_slot import ForwardSlots
 from graphddp.compiler.frames import FramePlans
 from graphddp.compiler.hook_runtime import HookRuntime
-from graphddp.compiler.inductor import compile_replicated
+from graphddp.compiler.inductor import ReplicatedCompile
 from graphddp.compiler.record import CARRY, GraphRecord
 from graphddp.compiler.rewrite import BackwardRewrite
 from graphddp.compiler.updates import InGraphUpdates
@@ -233,9 +228,9 @@ class GraphCompiler(InGraphUpdates, HookRuntime, BackwardRewrite):
         phase, cache = self._phase(), None
         if self.config.backend == "inductor":
             cache = compile_cache.plan_key(self, gm, example_inputs, param_inputs, graph_index, phase)
-        return compile_replicated(
-            self.config.backend, gm, example_inputs, record_forward, rewrite, dispatch, inductor_patches, phase, graph_index, cache, wrap_forward
-        )
+        return ReplicatedCompile(
+            self.config.backend, gm, record_forward, rewrite, dispatch, inductor_patches, phase, graph_index, cache, wrap_forward
+        ).compile(example_inputs)
 
     @property
     def forwards(self) -> dict[int, ForwardDispatch]:

@@ -1,6 +1,6 @@
-"""The inductor path of graphddp's backend: compile_fx with the rewrite of the backward inside its
-inner compile, graphddp's pinned settings, variants compiled on first use, and warm restarts from
-the compile cache (:mod:`graphddp.compiler.cache`).
+"""The replicated compiler's passes (and ``sharding="optimizer"``'s) through :func:`compile_aot`:
+the rewrite of each backward, inductor's pinned settings, variants compiled on first use, and warm
+restarts from the compile cache (:mod:`graphddp.compiler.cache`).
 """
 from __future__ import annotations
 
@@ -22,45 +22,33 @@ from graphddp.values.collectives import ALL_GATHER, REDUCE_SCATTER
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
 
 
-def compile_replicated(
-    backend: str,
-    gm: fx.GraphModule,
-    example_inputs: Sequence[Any],
-    record_forward: Callable[[fx.GraphModule], None],
-    rewrite: Callable[[fx.GraphModule], dict[str, GraphRecord]],
-    dispatch: Callable[..., BackwardDispatch],
-    patches: dict[str, Any],
-    phase_now: str,
-    graph_index: int = 0,
-    cache: compile_cache.Key | None = None,
-    wrap_forward: Callable[..., Any] | None = None,
-) -> Callable[..., Any]:
-    """``gm`` through ``backend`` (:func:`compile_aot`; inductor's under the user's ``patches``,
-    graphddp's pinned settings on top for every inner compile). The backward of the phase in use
-    now is compiled now, the other variants the first time a step needs them. With a ``cache``
-    key the AOTAutograd cache is on for this graph. ``wrap_forward(graph, code, compile_graph)`` (``gather="forward"``) replaces a training
-    forward's code, given its graph before inductor and a way to compile a variant of it later."""
-    job = _Compile(backend, gm, record_forward, rewrite, dispatch, patches, phase_now, graph_index, cache)
-    job.wrap_forward = wrap_forward
-    # The example inputs are passed down, never kept: they are the real tensors of Dynamo's first
-    # call (a graph after a break gets the previous graph's outputs: a GPT's logits), and the job
-    # lives as long as the compiled code does. Kept, they would hold a large model's first logits
-    # on the device for the whole run (docs/gpu.md); a later compile (a cache hit's derivation) fakes them.
-    return job.cold(example_inputs) if cache is None else job.through_cache(cache, example_inputs)
-
-
-class _Compile:
-    """One Dynamo graph through AOTAutograd: its inputs, and the steps of a compile as methods."""
+class ReplicatedCompile:
+    """One Dynamo graph of the replicated compiler (and ``sharding="optimizer"``'s) through
+    :func:`compile_aot` for ``backend``: the forward recorded by ``record_forward``, the backward
+    rewritten by ``rewrite`` into a record per variant and run through ``dispatch``; the variant of
+    the phase in use now compiled now, the others the first time a step needs them; under
+    inductor the user's ``patches``, graphddp's pinned settings on top for each graph, and with a
+    ``cache`` key the AOTAutograd cache on. ``wrap_forward(graph, code, compile_graph)``
+    (``gather="forward"``) replaces a training forward's code, given its graph before it was
+    compiled and a way to compile a variant of it later."""
 
     def __init__(
         self, backend: str, gm: fx.GraphModule, record_forward: Callable[[fx.GraphModule], None],
         rewrite: Callable[[fx.GraphModule], dict[str, GraphRecord]], dispatch: Callable[..., BackwardDispatch],
         patches: dict[str, Any], phase_now: str, graph_index: int, cache: compile_cache.Key | None,
+        wrap_forward: Callable[..., Any] | None = None,
     ) -> None:
         self.backend, self.gm = backend, gm
         self.record_forward, self.rewrite, self.dispatch = record_forward, rewrite, dispatch
         self.patches, self.phase_now, self.graph_index, self.cache = patches, phase_now, graph_index, cache
-        self.wrap_forward: Callable[..., Any] | None = None
+        self.wrap_forward = wrap_forward
+
+    def compile(self, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        # The example inputs are passed down, never kept: they are the real tensors of Dynamo's first
+        # call (a graph after a break gets the previous graph's outputs: a GPT's logits), and the job
+        # lives as long as the compiled code does. Kept, they would hold a large model's first logits
+        # on the device for the whole run (docs/gpu.md); a later compile (a cache hit's derivation) fakes them.
+        return self.cold(example_inputs) if self.cache is None else self.through_cache(self.cache, example_inputs)
 
     # -- the compile, with or without the AOTAutograd cache ---------------------------------------
     def passes(self, finish: Callable[..., Any], on_forward: Callable[[Any, bool], None]) -> Passes:
