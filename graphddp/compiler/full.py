@@ -24,8 +24,7 @@ import torch.fx as fx
 from torch._dynamo.backends.debugging import boxed_nop
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from graphddp.compiler.aot import Compiler, Passes, compile_aot
-from graphddp.compiler.graph_compiler import as_dynamo_calls, backward_node, checked_settings
+from graphddp.compiler.aot import Compiler, Passes, as_dynamo_calls, backward_node, checked_settings, compile_aot
 from graphddp.compiler.full_updates import Compile, PartUpdates, UpdatingBackward
 from graphddp.config import MB, DDPConfig
 from graphddp.config.inductor_settings import INDUCTOR_FX_ORDER_CONFIG
@@ -41,24 +40,6 @@ from graphddp.plan.parts import planned_cap_bytes
 from graphddp.runtime.usage import GradientUsage, NoneOutputs
 from graphddp.values.part_schedule import PartCap, PartGraph
 from graphddp.values.placement import Placement
-
-
-class _TagRegathers(CustomGraphPass):
-    """:func:`tag_regathers` as inductor's joint-graph pre-pass, with a key for its caches; what
-    it keeps goes to ``graph`` (its P5 check reads it)."""
-
-    def __init__(self, graph: "_Graph") -> None:
-        self.graph = graph
-
-    def __call__(self, joint: fx.Graph) -> None:
-        self.graph.tag(joint)
-
-    def uuid(self) -> bytes:
-        config = self.graph.config
-        with open(reshard.__file__, "rb") as f:  # the keep budget's inputs too: bucket_cap's
-            compiled = self.graph.compiled
-            shape = None if compiled.placement is None else compiled.placement.shape()
-            return hashlib.sha256(f.read() + repr((config.bucket_cap_mb, config.cost, compiled.world_size, shape)).encode()).digest()
 
 
 @dataclasses.dataclass
@@ -95,7 +76,7 @@ def fully_sharded_compiler(config: DDPConfig, compiled: Compiled) -> Callable[..
         part_ids = {i: id(example_inputs[i]) for i in part_inputs}
         names = {input_name(i): name for i, name in part_inputs.items()}
         graph = _Graph(config, compiled, index, names)
-        joint = _TagRegathers(graph) if config.reshard_after_forward else None
+        joint = graph if config.reshard_after_forward else None
         passes = Passes(graph.forward_pass, graph.backward_pass, lambda _: {}, boxed_nop, joint, min_cut=True)
         fn = compile_aot(config.backend, gm, example_inputs, passes, {**patches, **INDUCTOR_FX_ORDER_CONFIG})
         return graph.forward(fn, part_ids)
@@ -103,10 +84,11 @@ def fully_sharded_compiler(config: DDPConfig, compiled: Compiled) -> Callable[..
     return compile_graph
 
 
-class _Graph:
-    """One Dynamo graph's forward and backward through an inner compiler: each placed
-    (:func:`_placed`), kept with what it does (:class:`Compiled`), and a backward with the
-    parts' updates compiled in a variant of its own beside the graph as it is."""
+class _Graph(CustomGraphPass):
+    """One Dynamo graph's passes: with resharding, the joint graph's (inductor's joint-graph
+    pre-pass, with a key for its caches); each forward and backward placed (:func:`_placed`) and
+    kept with what it does (:class:`Compiled`), a backward with the parts' updates compiled in
+    a variant of its own beside the graph as it is."""
 
     def __init__(self, config: DDPConfig, compiled: Compiled, index: int, names: Mapping[str, str]) -> None:
         self.config, self.compiled, self.index, self.names = config, compiled, index, names
@@ -131,11 +113,18 @@ class _Graph:
 
         return as_dynamo_calls(fn, run, torch.is_grad_enabled)
 
-    def tag(self, joint: fx.Graph) -> None:
+    def __call__(self, joint: fx.Graph) -> None:
         """The joint graph's gathers tagged for the backward to gather again, but the backward's
-        first bucket (:func:`tag_regathers`: a bucket's cap, as planned for the whole graph)."""
+        first bucket (:func:`tag_regathers`: a bucket's cap, as planned for the whole graph); what
+        it keeps is read by the P5 check."""
         keep = bucket_cap(self.config, whole_bytes(joint), self.compiled.world_size, self.compiled.placement).nbytes
         self.kept = tag_regathers(joint, keep)
+
+    def uuid(self) -> bytes:
+        with open(reshard.__file__, "rb") as f:  # the keep budget's inputs too: bucket_cap's
+            shape = None if self.compiled.placement is None else self.compiled.placement.shape()
+            key = (self.config.bucket_cap_mb, self.config.cost, self.compiled.world_size, shape)
+            return hashlib.sha256(f.read() + repr(key).encode()).digest()
 
     def keep(self, gm: fx.GraphModule, backward: bool) -> UpdatingBackward | None:
         if backward:  # before the rewrite merges gradients into buckets
@@ -228,4 +217,3 @@ def bucket_cap(config: DDPConfig, whole: int, world_size: int, placement: Placem
     cost = config.cost
     assert cost is not None, "sharding='full' resolves its cost model when the model is wrapped (compile_fully_sharded)"
     return PartCap(planned_cap_bytes(cost, whole, world_size, bool(config.reshard_after_forward), placement), f"planned ({cost.source})")
-

@@ -12,6 +12,7 @@ one rewritten graph per phase, compiled on first use.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -19,6 +20,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from graphddp.compiler import cache as compile_cache
+from graphddp.compiler.aot import as_dynamo_calls, backward_node, checked_settings
 from graphddp.compiler.compose import Shared, insert_comm, record_parameter_values, run_passes, verify_comm
 from graphddp.compiler.forward_slot import ForwardSlots
 from graphddp.compiler.frames import FramePlans
@@ -33,13 +35,12 @@ from graphddp.graph.bucket_function import HookContext
 from graphddp.graph.capture import parameter_of_inputs
 from graphddp.hooks.traced import HookState
 from graphddp.optim.attached import AttachedOptimizer
-from graphddp.optim.guards import ATTACHED_NODE
 from graphddp.runtime.dispatch import BackwardDispatch
 from graphddp.runtime.gate import gate_for
 from graphddp.runtime.gathers import ForwardDispatch
 from graphddp.runtime.step import StepState, current_frame
 from graphddp.runtime.union import UnionAverage
-from graphddp.runtime.variants import GraphState, Synced, compiled_backward_node
+from graphddp.runtime.variants import GraphState, Synced
 from graphddp.values.comm import group_name_of
 
 
@@ -220,10 +221,8 @@ class GraphCompiler(InGraphUpdates, HookRuntime, BackwardRewrite):
                 self.forward_slots.planned(graph_index, update.deferred_shards)
             return self.dispatches[graph_index]
 
-        wrap_forward = None
-        if self.optimizer is not None and self.config.gather == "forward":
-            def wrap_forward(fw: fx.GraphModule, plain: Any, compile_graph: Callable[..., Callable[[], Any]]) -> ForwardDispatch:
-                return self.forward_slots.wrap(graph_index, fw, plain, compile_graph, param_inputs)
+        gathers = self.optimizer is not None and self.config.gather == "forward"  # each training forward: a dispatcher
+        wrap_forward = functools.partial(self.forward_slots.wrap, graph_index, param_inputs=param_inputs) if gathers else None
 
         phase, cache = self._phase(), None
         if self.config.backend == "inductor":
@@ -236,39 +235,6 @@ class GraphCompiler(InGraphUpdates, HookRuntime, BackwardRewrite):
     def forwards(self) -> dict[int, ForwardDispatch]:
         """gather="forward": each training graph's forward dispatcher (for people and tests)."""
         return self.forward_slots.forwards
-
-
-def checked_settings(config: DDPConfig, example_inputs: Sequence[Any], mode: str | None = None, options: dict | None = None) -> dict:
-    """What to patch inductor's config with: the user's settings, checked on the inputs' device."""
-    device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), None)
-    return config.check_inductor_settings("graphddp", device, mode, options)
-
-
-def as_dynamo_calls(
-    compiled: Callable[..., Any], run: Callable[[Sequence[Any], Callable[[], Any]], Any], tracked: Callable[[], bool] = lambda: True,
-) -> Callable[..., Any]:
-    """``compiled`` as Dynamo calls it, each ``tracked()`` call through ``run(inputs, call)``: one
-    list, which the callee frees, or for some recompiled graphs (sizes as ints) the arguments."""
-    boxed = getattr(compiled, "_boxed_call", False)
-
-    def called(*args: Any) -> Any:
-        if not tracked():
-            return compiled(*args)
-        return run(list(args[0]) if boxed and len(args) == 1 and isinstance(args[0], list) else args, lambda: compiled(*args))
-
-    called._boxed_call = boxed  # type: ignore[attr-defined]
-    return called
-
-
-def backward_node(out: Any, inputs: Sequence[Any], attached: Any, none_outputs: Any) -> Any:
-    """The autograd node a compiled forward's call made (or None), tagged as ``attached``'s (a
-    GradScaler's scale marks the step through it), noting None output gradients in ``none_outputs``."""
-    node = compiled_backward_node(out if isinstance(out, (list, tuple)) else [out], inputs)
-    if node is not None and attached is not None:
-        node.metadata[ATTACHED_NODE] = attached
-    if node is not None and none_outputs is not None:
-        node.register_prehook(none_outputs.note)
-    return node
 
 
 def _cap_bytes(config: DDPConfig) -> float:

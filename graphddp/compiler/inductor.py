@@ -94,7 +94,11 @@ class ReplicatedCompile:
 
             return finish(records, synced, grads, compiler.later(plain), compiled, facts)
 
-        return Passes(forward, backward, pinned_config, _run_eager if self.backend == "eager" else _run_fx)
+        def run(graph: fx.GraphModule, _inputs: Sequence[Any]) -> Any:
+            """``aot_eager``: the graph's FX code; ``eager``: node by node through :class:`fx.Interpreter` (for a debugger)."""
+            return make_boxed_func(graph if self.backend != "eager" else lambda *args: fx.Interpreter(graph).run(*args))
+
+        return Passes(forward, backward, pinned_config, run)
 
     def run_compile_fx(
         self, inputs: Sequence[Any], finish: Callable[..., Any], on_forward: Callable[[Any, bool], None] = lambda code, inference: None,
@@ -207,16 +211,6 @@ class ReplicatedCompile:
         )
         catcher.proxy.target = backward
         return compiled_fn
-
-
-def _run_fx(graph: fx.GraphModule, _inputs: Sequence[Any]) -> Any:
-    """``aot_eager``: the graph's FX code."""
-    return make_boxed_func(graph)
-
-
-def _run_eager(graph: fx.GraphModule, _inputs: Sequence[Any]) -> Any:
-    """``eager``: node by node through :class:`torch.fx.Interpreter` (for a debugger)."""
-    return make_boxed_func(lambda *args: fx.Interpreter(graph).run(*args))
 
 
 def pinned_config(graph: fx.GraphModule) -> dict[str, Any]:
