@@ -24,13 +24,10 @@ from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
 
 class ReplicatedCompile:
     """One Dynamo graph of the replicated compiler (and ``sharding="optimizer"``'s) through
-    :func:`compile_aot` for ``backend``: the forward recorded by ``record_forward``, the backward
-    rewritten by ``rewrite`` into a record per variant and run through ``dispatch``; the variant of
-    the phase in use now compiled now, the others the first time a step needs them; under
-    inductor the user's ``patches``, graphddp's pinned settings on top for each graph, and with a
-    ``cache`` key the AOTAutograd cache on. ``wrap_forward(graph, code, compile_graph)``
-    (``gather="forward"``) replaces a training forward's code, given its graph before it was
-    compiled and a way to compile a variant of it later."""
+    :func:`compile_aot`: each forward recorded (``record_forward``; ``gather="forward"``: its code
+    replaced by ``wrap_forward(graph, code, compile_graph)``), each backward rewritten into a
+    record per variant (``rewrite``) and run through ``dispatch``; the variant of the phase in use
+    now compiled now, the others at first use; with a ``cache`` key, the AOTAutograd cache on."""
 
     def __init__(
         self, backend: str, gm: fx.GraphModule, record_forward: Callable[[fx.GraphModule], None],
