@@ -1,57 +1,22 @@
-"""The communication verifier's checks of one bucket: invariants 3-9, and 12 for a user's hook
-(:mod:`graphddp.graph.verify` lists them all)."""
+"""What a bucket's buffer holds on its way in and out (rules 2, 5-8, 10 and 12's slices): the slots
+flattened in order, scaled once, cast once each way, left alone while on the wire, and every
+gradient returned as its own slice."""
 from __future__ import annotations
 
-from typing import Any, Collection
+from typing import Any, Collection, Mapping
 
 import torch
 import torch.fx as fx
 
 from graphddp.graph.capture import views_of
-from graphddp.graph.invariants import carried_once, on_group, waited_once
+from graphddp.graph.invariants import carried_once
 from graphddp.graph.verify_common import _fail, _Graph, _names
-from graphddp.values.comm import BUCKET_KEY, CARRIED, ROLE_KEY, gate_name, is_cast, is_collective, is_ours, is_wait
-from graphddp.values.schedule import WAIT_AT_OUTPUT, Bucket, GradSlot, Schedule, dtype_name
+from graphddp.values.comm import BUCKET_KEY, CARRIED, CAST, ROLE_KEY, is_cast, is_ours, is_wait
+from graphddp.values.schedule import Bucket, GradSlot, Schedule, dtype_name
 
 aten = torch.ops.aten
-
 # Ops that scale a tensor by a number: exactly one, a div by the world size, per bucket.
 _SCALE_OPS = {aten.div.Tensor, aten.div.Scalar, aten.mul.Tensor, aten.mul.Scalar}
-# What graphddp places between a bucket's wait and the gradients it returns.
-_UNFLATTEN_ROLES = {"decompress", "unflatten"}
-
-
-# -- 3-8. one bucket, from its gradients to its all-reduce ------------------------------------
-
-
-def _arg(node: fx.Node, i: int, name: str) -> Any:
-    return node.args[i] if len(node.args) > i else node.kwargs.get(name)
-
-
-def _check_reduction(g: _Graph, bucket: Bucket, ar: fx.Node, schedule: Schedule) -> None:
-    """A sum (the scale divides, 5), on the schedule's group (:mod:`graphddp.graph.invariants`' R)."""
-    op = _arg(ar, 1, "reduce_op")
-    if op != "sum":
-        _fail(g.gm, ar, f"bucket {bucket.index}'s all-reduce {ar.name} reduces with {op!r}, expected 'sum'")
-    expected = gate_name(schedule.group_name) if schedule.gated else schedule.group_name
-    on_group(g.gm, ar, expected, "rule 3", f"bucket {bucket.index}'s all-reduce", "the gate's group" if schedule.gated else "the schedule's")
-
-
-def _issue_anchor(g: _Graph, bucket: Bucket, at: fx.Node) -> fx.Node:
-    """The node named by ``issue_after`` (the last placeholder, when that names a placeholder)."""
-    anchor = g.by_name.get(bucket.issue_after)
-    if anchor is None:
-        _fail(g.gm, at, f"bucket {bucket.index}'s issue_after {bucket.issue_after!r} is not in the graph")
-    return g.last_placeholder if anchor.op == "placeholder" and g.last_placeholder is not None else anchor
-
-
-def _check_issue_order(g: _Graph, bucket: Bucket, ar: fx.Node) -> None:
-    """Not issued before ``issue_after``. That the all-reduce also follows every gradient it
-    reduces needs no check of its own: the layout check makes its buffer read every producer,
-    and the order check puts those reads after their definitions."""
-    anchor = _issue_anchor(g, bucket, ar)
-    if g.before(ar, anchor):
-        _fail(g.gm, ar, f"bucket {bucket.index}'s all-reduce {ar.name} is issued before {anchor.name}, its issue_after")
 
 
 def _chain(ar: fx.Node) -> tuple[list[fx.Node], Any]:
@@ -113,6 +78,19 @@ def _check_compress(g: _Graph, bucket: Bucket, ar: fx.Node, chain: list[fx.Node]
         _fail(g.gm, casts[0], f"bucket {bucket.index} is cast to {_cast_dtype(casts[0])} by {casts[0].name}; its comm_dtype is {bucket.comm_dtype}")
 
 
+def _check_decompress(g: _Graph, bucket: Bucket, wait: fx.Node) -> None:
+    """Exactly one cast back to the bucket dtype after the wait, or none without a hook."""
+    casts = [u for u in wait.users if is_cast(u)]
+    if bucket.comm_dtype is None:
+        if casts:
+            _fail(g.gm, casts[0], f"bucket {bucket.index} has no compression hook, but {casts[0].name} casts its wait {wait.name} to {_cast_dtype(casts[0])}")
+        return
+    if len(casts) != 1:
+        _fail(g.gm, wait, f"bucket {bucket.index} travels in {bucket.comm_dtype}: its wait {wait.name} needs exactly one cast back to {bucket.dtype}, has {_names(casts)}")
+    if _cast_dtype(casts[0]) != bucket.dtype:
+        _fail(g.gm, casts[0], f"bucket {bucket.index}'s wait is cast back to {_cast_dtype(casts[0])} by {casts[0].name}; the bucket is {bucket.dtype}")
+
+
 def _numel(node: Any) -> int | None:
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     return int(val.numel()) if isinstance(val, torch.Tensor) else None
@@ -154,16 +132,6 @@ def _check_piece(g: _Graph, bucket: Bucket, i: int, piece: Any, slot: GradSlot, 
         _fail(g.gm, piece, f"{what}, {piece.name}, is {size} of {_numel(source)} elements; {slot.param_name!r} has {slot.numel}")
 
 
-def _check_slice(g: _Graph, what: str, bucket: Bucket, slot: GradSlot, offset: int, view: fx.Node, piece: fx.Node) -> None:
-    """A returned gradient is ``view(piece, shape)``, ``piece`` its slot's own slice of the
-    bucket (10 and 12): another offset hands a parameter its neighbour's gradient."""
-    want = (0, offset, offset + slot.numel)
-    if tuple(piece.args[1:4]) != want or (len(piece.args) > 4 and piece.args[4] != 1):
-        _fail(g.gm, piece, f"{what} is {piece.name}, the slice {tuple(piece.args[1:])} of bucket {bucket.index}, not its own slice (dim, start, end) = {want}")
-    if list(view.args[1]) != list(slot.shape):
-        _fail(g.gm, view, f"{what} is viewed as {list(view.args[1])} by {view.name}; its shape is {list(slot.shape)}")
-
-
 def _carried_sum(g: _Graph, bucket: Bucket, piece: fx.Node, add: fx.Node, slot: GradSlot, what: str) -> Any:
     """A carrying bucket's piece flattens ``add(producer, c)``, ``c`` the bucket's carried input
     of the piece's slot; returns the gradient added to (checked as any piece's by the caller)."""
@@ -181,7 +149,7 @@ def _carried_sum(g: _Graph, bucket: Bucket, piece: fx.Node, add: fx.Node, slot: 
 def _check_carried(g: _Graph, sharded: Collection[int] = ()) -> None:
     """Each carried input is read once, by its bucket's ``add`` (:mod:`graphddp.graph.invariants`'
     O; 7 checked which slot). Not those of ``sharded`` buckets, which the optimizer's pass reads
-    (``graphddp.optim.verify_shard``, S7)."""
+    (``graphddp.optim.verify.verify_sharded``, S7)."""
     for node in g.gm.graph.nodes:
         index = node.meta.get(BUCKET_KEY)
         if node.op == "placeholder" and node.meta.get(ROLE_KEY) == CARRIED and index not in sharded:
@@ -199,106 +167,40 @@ def _check_in_flight(g: _Graph, bucket: Bucket, ar: fx.Node) -> None:
                 _fail(g.gm, reader, f"{reader.name} reads bucket {bucket.index}'s buffer {buffer.name} after its all-reduce {ar.name} was issued")
 
 
-# -- 6, 9. one bucket, from its wait to its readers -------------------------------------------
+def _check_fake_values(g: _Graph) -> None:
+    for node in g.nodes:
+        val = node.meta.get("val")
+        tensors = val if isinstance(val, (tuple, list)) and val else [val]  # an op returning several (linalg_qr)
+        if is_ours(node) and not all(isinstance(v, torch.Tensor) for v in tensors):
+            _fail(g.gm, node, f"{node.name} (bucket {node.meta[BUCKET_KEY]}) has no tensor meta['val']")
 
 
-def _check_decompress(g: _Graph, bucket: Bucket, wait: fx.Node) -> None:
-    """Exactly one cast back to the bucket dtype after the wait, or none without a hook."""
-    casts = [u for u in wait.users if is_cast(u)]
-    if bucket.comm_dtype is None:
-        if casts:
-            _fail(g.gm, casts[0], f"bucket {bucket.index} has no compression hook, but {casts[0].name} casts its wait {wait.name} to {_cast_dtype(casts[0])}")
-        return
-    if len(casts) != 1:
-        _fail(g.gm, wait, f"bucket {bucket.index} travels in {bucket.comm_dtype}: its wait {wait.name} needs exactly one cast back to {bucket.dtype}, has {_names(casts)}")
-    if _cast_dtype(casts[0]) != bucket.dtype:
-        _fail(g.gm, casts[0], f"bucket {bucket.index}'s wait is cast back to {_cast_dtype(casts[0])} by {casts[0].name}; the bucket is {bucket.dtype}")
+def _trace_back(node: fx.Node) -> tuple[fx.Node | None, list[fx.Node]]:
+    """(The wait, or None, and graphddp's nodes on the way) from a returned value back by first
+    argument; only graphddp's nodes are followed, so the walk is short however deep the graph."""
+    path: list[fx.Node] = []
+    while isinstance(node, fx.Node) and is_ours(node) and node not in path:
+        if is_wait(node):
+            return node, path
+        path.append(node)
+        node = node.args[0] if node.args else None
+    return None, path
 
 
-def _reduced_region(wait: fx.Node, index: int) -> set[fx.Node]:
-    """The wait and graphddp's decompress/unflatten nodes of its bucket that read it."""
-    region, todo = set(), [wait]
-    while todo:
-        n = todo.pop()
-        if n in region:
-            continue
-        region.add(n)
-        todo.extend(u for u in n.users if is_ours(u, index) and u.meta.get(ROLE_KEY) in _UNFLATTEN_ROLES)
-    return region
-
-
-def _wait_target(g: _Graph, bucket: Bucket, at: fx.Node) -> fx.Node:
-    """The node named by the bucket's ``wait_before`` (``"output"``: the output node)."""
-    if bucket.wait_before == WAIT_AT_OUTPUT:
-        return g.output
-    if bucket.wait_before not in g.by_name:
-        _fail(g.gm, at, f"bucket {bucket.index}'s wait_before {bucket.wait_before!r} is not in the graph")
-    return g.by_name[bucket.wait_before]
-
-
-def _check_wait_placement(g: _Graph, bucket: Bucket, wait: fx.Node) -> None:
-    target = _wait_target(g, bucket, wait)
-    if not g.before(wait, target):
-        _fail(g.gm, wait, f"bucket {bucket.index}'s wait {wait.name} is not before {target.name}, its wait_before")
-    region = _reduced_region(wait, bucket.index)
-    for node in sorted(region, key=g.order.__getitem__):
-        for reader in node.users:
-            if reader not in region and g.before(reader, target):
-                _fail(g.gm, reader, f"{reader.name} reads bucket {bucket.index}'s reduced buffer ({node.name}) before {target.name}, the bucket's wait_before")
-
-
-def _check_bucket(g: _Graph, bucket: Bucket, ar: fx.Node, schedule: Schedule) -> None:
-    _check_reduction(g, bucket, ar, schedule)
-    _check_issue_order(g, bucket, ar)
-    chain, flat = _chain(ar)
-    _check_scale(g, bucket, ar, chain, schedule.world_size, schedule.gated)
-    _check_compress(g, bucket, ar, chain)
-    _check_layout(g, bucket, ar, flat)
-    _check_in_flight(g, bucket, ar)
-    (wait,) = ar.users
-    _check_decompress(g, bucket, wait)
-    _check_wait_placement(g, bucket, wait)
-
-
-# -- 12. a bucket that runs a user's hook ------------------------------------------------------
-
-
-def _hook_buffer(g: _Graph, bucket: Bucket, nodes: list[fx.Node]) -> Any:
-    """The flat buffer handed to the hook: the last flatten node (through graphddp's copy of a
-    one-gradient bucket, so the hook may write it)."""
-    flats = [n for n in nodes if n.meta.get(ROLE_KEY) == "flatten"]
-    top = [n for n in flats if not any(u in flats for u in n.users)]
-    if len(top) != 1:
-        _fail(g.gm, (top or nodes)[0], f"bucket {bucket.index}'s hook {bucket.hook!r} reads {len(top)} flat buffers, expected one")
-    flat = top[0]
-    if flat.target == aten.copy_.default and len(bucket.slots) == 1:  # graph.trace.fresh_copy
-        flat = flat.args[1]
-    return flat
-
-
-def _check_hook_bucket(g: _Graph, bucket: Bucket, schedule: Schedule, sent: int) -> None:
-    index, hook = bucket.index, bucket.hook
-    nodes = g.bucket_nodes(index)
-    collectives = [n for n in nodes if is_collective(n)]
-    if not collectives:
-        _fail(g.gm, nodes[-1] if nodes else g.output, f"bucket {index}'s hook {hook!r} issues no collective: its gradients would not be averaged")
-    anchor = _issue_anchor(g, bucket, collectives[0])
-    for c in collectives:
-        on_group(g.gm, c, schedule.group_name, "rule 12", f"bucket {index}'s hook", "the schedule's")
-        waited_once(g.gm, c, "rule 12", f"bucket {index}'s hook", index)
-        if g.before(c, anchor):
-            _fail(g.gm, c, f"bucket {index}'s {c.name} is issued before {bucket.issue_after}, its issue_after")
-    if sent != bucket.wire_nbytes:
-        _fail(g.gm, collectives[0], f"bucket {index}'s collectives send {sent} bytes, the schedule records {bucket.wire_nbytes}")
-    _check_layout(g, bucket, collectives[0], _hook_buffer(g, bucket, nodes))
-    target = _wait_target(g, bucket, collectives[0])
-    region = g.after_waits(index)
-    for node in sorted(region, key=g.order.__getitem__):
-        if is_wait(node) and not g.before(node, target):
-            _fail(g.gm, node, f"bucket {index}'s wait {node.name} is not before {target.name}, its wait_before")
-        for reader in node.users:
-            if not is_ours(reader, index) and reader.op != "output" and g.before(reader, target):
-                _fail(g.gm, reader, f"{reader.name} reads bucket {index}'s reduced values ({node.name}) before {target.name}, the bucket's wait_before")
+def _check_gradient(g: _Graph, index: int, name: str, bucket: Bucket, slot: GradSlot, offset: int) -> None:
+    """Output ``index`` is ``view(slice(wait [-> cast], 0, off, off+n), shape)`` of its bucket."""
+    returned = g.returned(index)
+    what = f"gradient of {name!r} (output {index})"
+    wait, path = _trace_back(returned)
+    if wait is None:  # not graphddp's at all, or graphddp's nodes that lead to no wait
+        how = f": graphddp's nodes {_names(path)} lead to no bucket's wait" if path else ""
+        _fail(g.gm, returned, f"{what} is returned unreduced, as {returned.name}{how}")
+    if wait.meta[BUCKET_KEY] != bucket.index:
+        _fail(g.gm, wait, f"{what} comes from bucket {wait.meta[BUCKET_KEY]}'s wait {wait.name}, planned bucket {bucket.index}")
+    shape = [aten.view.default, aten.slice.Tensor] + ([CAST] if bucket.comm_dtype else [])
+    if [n.target for n in path] != shape:
+        _fail(g.gm, returned, f"{what} reaches bucket {bucket.index}'s wait {wait.name} through {_names(path)}, not view(slice({'cast(' if bucket.comm_dtype else ''}wait))")
+    _check_slice(g, what, bucket, slot, offset, view=path[0], piece=path[1])
 
 
 def _check_hook_gradient(g: _Graph, index: int, name: str, bucket: Bucket, slot: GradSlot, offset: int) -> None:
@@ -313,3 +215,34 @@ def _check_hook_gradient(g: _Graph, index: int, name: str, bucket: Bucket, slot:
     if not is_ours(result, bucket.index) or result not in g.after_waits(bucket.index):
         _fail(g.gm, result, f"{what} is sliced from {result.name}, which does not depend on a wait of bucket {bucket.index}: it is not averaged")
     _check_slice(g, what, bucket, slot, offset, view, piece)
+
+
+def _check_slice(g: _Graph, what: str, bucket: Bucket, slot: GradSlot, offset: int, view: fx.Node, piece: fx.Node) -> None:
+    """A returned gradient is ``view(piece, shape)``, ``piece`` its slot's own slice of the
+    bucket (10 and 12): another offset hands a parameter its neighbour's gradient."""
+    want = (0, offset, offset + slot.numel)
+    if tuple(piece.args[1:4]) != want or (len(piece.args) > 4 and piece.args[4] != 1):
+        _fail(g.gm, piece, f"{what} is {piece.name}, the slice {tuple(piece.args[1:])} of bucket {bucket.index}, not its own slice (dim, start, end) = {want}")
+    if list(view.args[1]) != list(slot.shape):
+        _fail(g.gm, view, f"{what} is viewed as {list(view.args[1])} by {view.name}; its shape is {list(slot.shape)}")
+
+
+def _check_outputs(g: _Graph, schedule: Schedule, expected: Mapping[int, str], sharded: set[int] = frozenset()) -> None:
+    left = {s.output_index for b in schedule.buckets if b.index in sharded for s in b.slots}
+    expected = {i: n for i, n in expected.items() if i not in left}
+    planned = {
+        s.output_index: (b, s, off) for b in schedule.buckets if b.index not in sharded
+        for s, off in zip(b.slots, b.offsets()) if not s.zero_filled
+    }
+    for index, name in sorted(expected.items()):
+        if index not in planned:
+            _fail(g.gm, g.returned(index), f"gradient of {name!r} (output {index}) is in no bucket")
+        check = _check_hook_gradient if planned[index][0].hook else _check_gradient
+        check(g, index, name, *planned[index])
+    extra = sorted(set(planned) - set(expected))
+    if extra:
+        _fail(g.gm, g.returned(extra[0]), f"outputs {extra} are reduced but need no synchronisation")
+    for index in range(len(g.outs)):
+        returned = g.returned(index)
+        if index not in planned and is_ours(returned):  # the rewrite replaced what it should not have
+            _fail(g.gm, returned, f"output {index} needs no synchronisation, but is {returned.name}, graphddp's node for bucket {returned.meta[BUCKET_KEY]}")
