@@ -63,32 +63,19 @@ def _cast_dtype(node: fx.Node) -> str:
     return dtype_name(node.args[1] if len(node.args) > 1 else node.kwargs.get("dtype"))
 
 
-def _check_compress(g: _Graph, bucket: Bucket, ar: fx.Node, chain: list[fx.Node]) -> None:
-    """Exactly one cast to ``comm_dtype`` before the all-reduce, or none without a hook."""
-    casts = [n for n in chain if is_cast(n)]
+def _check_casts(g: _Graph, bucket: Bucket, casts: list[fx.Node], at: fx.Node, dtype: str | None, way: str) -> None:
+    """6, one ``way`` (before the all-reduce ``at``, after its wait ``at``): with a compression hook
+    exactly one of ``casts``, to ``dtype``; none without. Of several, the last is shown (before the
+    all-reduce: the first applied)."""
     if bucket.comm_dtype is None:
         if casts:
-            _fail(g.gm, casts[0], f"bucket {bucket.index} has no compression hook, but {casts[0].name} casts it to {_cast_dtype(casts[0])} before its all-reduce")
-        return
-    if not casts:
-        _fail(g.gm, ar, f"bucket {bucket.index} should travel in {bucket.comm_dtype}, but nothing casts it before its all-reduce {ar.name}")
-    if len(casts) > 1:  # point at the first one applied, farthest from the all-reduce
-        _fail(g.gm, casts[-1], f"bucket {bucket.index} is cast {len(casts)} times before its all-reduce {ar.name}: {_names(casts)}")
-    if _cast_dtype(casts[0]) != bucket.comm_dtype:
-        _fail(g.gm, casts[0], f"bucket {bucket.index} is cast to {_cast_dtype(casts[0])} by {casts[0].name}; its comm_dtype is {bucket.comm_dtype}")
-
-
-def _check_decompress(g: _Graph, bucket: Bucket, wait: fx.Node) -> None:
-    """Exactly one cast back to the bucket dtype after the wait, or none without a hook."""
-    casts = [u for u in wait.users if is_cast(u)]
-    if bucket.comm_dtype is None:
-        if casts:
-            _fail(g.gm, casts[0], f"bucket {bucket.index} has no compression hook, but {casts[0].name} casts its wait {wait.name} to {_cast_dtype(casts[0])}")
+            _fail(g.gm, casts[0], f"bucket {bucket.index} has no compression hook, but {casts[0].name} casts it to {_cast_dtype(casts[0])} {way}")
         return
     if len(casts) != 1:
-        _fail(g.gm, wait, f"bucket {bucket.index} travels in {bucket.comm_dtype}: its wait {wait.name} needs exactly one cast back to {bucket.dtype}, has {_names(casts)}")
-    if _cast_dtype(casts[0]) != bucket.dtype:
-        _fail(g.gm, casts[0], f"bucket {bucket.index}'s wait is cast back to {_cast_dtype(casts[0])} by {casts[0].name}; the bucket is {bucket.dtype}")
+        _fail(g.gm, casts[-1] if casts else at, f"bucket {bucket.index} travels in {bucket.comm_dtype}: {way} it needs exactly one cast "
+                                                f"to {dtype}, has {_names(casts)}")
+    if _cast_dtype(casts[0]) != dtype:
+        _fail(g.gm, casts[0], f"bucket {bucket.index} is cast to {_cast_dtype(casts[0])} by {casts[0].name} {way}; expected {dtype}")
 
 
 def _numel(node: Any) -> int | None:

@@ -1,16 +1,16 @@
 """Which collectives a replicated bucket issues, on which group, and where (rules 1, 3, 4, 9, 11, 12)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 
 from graphddp.graph.invariants import on_group, waited_once
-from graphddp.graph.verify.layout import _chain, _check_compress, _check_decompress, _check_in_flight, _check_layout, _check_scale
+from graphddp.graph.verify.layout import _chain, _check_casts, _check_in_flight, _check_layout, _check_scale
 from graphddp.graph.verify_common import VerificationError, _fail, _Graph
 from graphddp.values.collectives import kind
-from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, gate_name, is_collective, is_ours, is_wait
+from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, gate_name, is_cast, is_collective, is_ours, is_wait
 from graphddp.values.schedule import WAIT_AT_OUTPUT, Bucket, Schedule
 
 aten = torch.ops.aten
@@ -74,13 +74,14 @@ def _issue_anchor(g: _Graph, bucket: Bucket, at: fx.Node) -> fx.Node:
     return g.last_placeholder if anchor.op == "placeholder" and g.last_placeholder is not None else anchor
 
 
-def _check_issue_order(g: _Graph, bucket: Bucket, ar: fx.Node) -> None:
-    """Not issued before ``issue_after``. That the all-reduce also follows every gradient it
-    reduces needs no check of its own: the layout check makes its buffer read every producer,
-    and the order check puts those reads after their definitions."""
-    anchor = _issue_anchor(g, bucket, ar)
-    if g.before(ar, anchor):
-        _fail(g.gm, ar, f"bucket {bucket.index}'s all-reduce {ar.name} is issued before {anchor.name}, its issue_after")
+def _check_issue_order(g: _Graph, bucket: Bucket, issued: list[fx.Node]) -> None:
+    """4 (and 12's): nothing ``issued`` before ``issue_after``. That a collective also follows every
+    gradient it reduces needs no check of its own: the layout check makes its buffer read every
+    producer, and the order check puts those reads after their definitions."""
+    anchor = _issue_anchor(g, bucket, issued[0])
+    for issue in issued:
+        if g.before(issue, anchor):
+            _fail(g.gm, issue, f"bucket {bucket.index}'s {issue.name} is issued before {anchor.name}, its issue_after")
 
 
 def _reduced_region(wait: fx.Node, index: int) -> set[fx.Node]:
@@ -104,28 +105,33 @@ def _wait_target(g: _Graph, bucket: Bucket, at: fx.Node) -> fx.Node:
     return g.by_name[bucket.wait_before]
 
 
-def _check_wait_placement(g: _Graph, bucket: Bucket, wait: fx.Node) -> None:
-    target = _wait_target(g, bucket, wait)
-    if not g.before(wait, target):
-        _fail(g.gm, wait, f"bucket {bucket.index}'s wait {wait.name} is not before {target.name}, its wait_before")
-    region = _reduced_region(wait, bucket.index)
-    for node in sorted(region, key=g.order.__getitem__):
+def _check_wait_placement(g: _Graph, bucket: Bucket, at: fx.Node, region: set[fx.Node], reads: Callable[[fx.Node], bool]) -> None:
+    """9 (and 12's): every wait in ``region`` before ``wait_before``, and until then only nodes for
+    which ``reads`` holds read what ``region`` holds (``at``: the node to show if it is missing)."""
+    target = _wait_target(g, bucket, at)
+    nodes = sorted(region, key=g.order.__getitem__)
+    for wait in (n for n in nodes if is_wait(n)):
+        if not g.before(wait, target):
+            _fail(g.gm, wait, f"bucket {bucket.index}'s wait {wait.name} is not before {target.name}, its wait_before")
+    for node in nodes:
         for reader in node.users:
-            if reader not in region and g.before(reader, target):
-                _fail(g.gm, reader, f"{reader.name} reads bucket {bucket.index}'s reduced buffer ({node.name}) before {target.name}, the bucket's wait_before")
+            if not reads(reader) and g.before(reader, target):
+                _fail(g.gm, reader, f"{reader.name} reads bucket {bucket.index}'s reduced values ({node.name}) before {target.name}, "
+                                    "the bucket's wait_before")
 
 
 def _check_bucket(g: _Graph, bucket: Bucket, ar: fx.Node, schedule: Schedule) -> None:
     _check_reduction(g, bucket, ar, schedule)
-    _check_issue_order(g, bucket, ar)
+    _check_issue_order(g, bucket, [ar])
     chain, flat = _chain(ar)
     _check_scale(g, bucket, ar, chain, schedule.world_size, schedule.gated)
-    _check_compress(g, bucket, ar, chain)
+    _check_casts(g, bucket, [n for n in chain if is_cast(n)], ar, bucket.comm_dtype, f"before its all-reduce {ar.name}")
     _check_layout(g, bucket, ar, flat)
     _check_in_flight(g, bucket, ar)
     (wait,) = ar.users
-    _check_decompress(g, bucket, wait)
-    _check_wait_placement(g, bucket, wait)
+    _check_casts(g, bucket, [u for u in wait.users if is_cast(u)], wait, bucket.dtype, f"after its wait {wait.name}")
+    region = _reduced_region(wait, bucket.index)
+    _check_wait_placement(g, bucket, wait, region, region.__contains__)
 
 
 def _hook_buffer(g: _Graph, bucket: Bucket, nodes: list[fx.Node]) -> Any:
@@ -147,23 +153,14 @@ def _check_hook_bucket(g: _Graph, bucket: Bucket, schedule: Schedule, sent: int)
     collectives = [n for n in nodes if is_collective(n)]
     if not collectives:
         _fail(g.gm, nodes[-1] if nodes else g.output, f"bucket {index}'s hook {hook!r} issues no collective: its gradients would not be averaged")
-    anchor = _issue_anchor(g, bucket, collectives[0])
     for c in collectives:
         on_group(g.gm, c, schedule.group_name, "rule 12", f"bucket {index}'s hook", "the schedule's")
         waited_once(g.gm, c, "rule 12", f"bucket {index}'s hook", index)
-        if g.before(c, anchor):
-            _fail(g.gm, c, f"bucket {index}'s {c.name} is issued before {bucket.issue_after}, its issue_after")
+    _check_issue_order(g, bucket, collectives)
     if sent != bucket.wire_nbytes:
         _fail(g.gm, collectives[0], f"bucket {index}'s collectives send {sent} bytes, the schedule records {bucket.wire_nbytes}")
     _check_layout(g, bucket, collectives[0], _hook_buffer(g, bucket, nodes))
-    target = _wait_target(g, bucket, collectives[0])
-    region = g.after_waits(index)
-    for node in sorted(region, key=g.order.__getitem__):
-        if is_wait(node) and not g.before(node, target):
-            _fail(g.gm, node, f"bucket {index}'s wait {node.name} is not before {target.name}, its wait_before")
-        for reader in node.users:
-            if not is_ours(reader, index) and reader.op != "output" and g.before(reader, target):
-                _fail(g.gm, reader, f"{reader.name} reads bucket {index}'s reduced values ({node.name}) before {target.name}, the bucket's wait_before")
+    _check_wait_placement(g, bucket, collectives[0], g.after_waits(index), lambda r: is_ours(r, index) or r.op == "output")
 
 
 def _check_order(g: _Graph) -> None:
