@@ -25,7 +25,6 @@ aten = torch.ops.aten
 ALL_TO_ALL = kind("reduce_scatter").lower("gloo").op  # a reduce-scatter on gloo: its rows are summed after the wait
 
 
-
 def verify_updates(gm: fx.GraphModule, schedule: Schedule) -> None:
     """Check U1-U7."""
     g = _Graph(gm)
