@@ -263,8 +263,8 @@ SHARED_INVARIANTS = {
     "clip_coefficient(": (("optim/verify.py",), "clip coefficients, expected"),
     "returned_clipped(": (("optim/verify.py",), "unclipped ("),
 }
-VERIFIERS = ("graph/verify/__init__.py", "graph/verify/order.py", "graph/verify/layout.py", "graph/verify/parts.py", "graph/verify/updates.py",
-             "graph/verify_common.py", "optim/verify.py", "optim/insert_gather.py")
+VERIFIERS = ("graph/verify/__init__.py", "graph/verify/order.py", "graph/verify/layout.py", "graph/verify/parts.py",
+             "graph/verify/updates.py", "graph/verify_common.py", "optim/verify.py", "optim/insert_gather.py")
 
 
 def test_each_shared_invariant_is_stated_once_and_every_mode_checks_it():

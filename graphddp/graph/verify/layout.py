@@ -69,7 +69,8 @@ def _check_casts(g: _Graph, bucket: Bucket, casts: list[fx.Node], at: fx.Node, d
     all-reduce: the first applied)."""
     if bucket.comm_dtype is None:
         if casts:
-            _fail(g.gm, casts[0], f"bucket {bucket.index} has no compression hook, but {casts[0].name} casts it to {_cast_dtype(casts[0])} {way}")
+            _fail(g.gm, casts[0], f"bucket {bucket.index} has no compression hook, but {casts[0].name} casts it to "
+                                  f"{_cast_dtype(casts[0])} {way}")
         return
     if len(casts) != 1:
         _fail(g.gm, casts[-1] if casts else at, f"bucket {bucket.index} travels in {bucket.comm_dtype}: {way} it needs exactly one cast "
