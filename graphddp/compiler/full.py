@@ -14,7 +14,6 @@ planned per graph from the cost model (:mod:`graphddp.plan.parts`) unless
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import hashlib
@@ -22,9 +21,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
+from torch._dynamo.backends.debugging import boxed_nop
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from graphddp.compiler.graph_compiler import as_dynamo_calls, backward_node, checked_settings
+from graphddp.compiler.aot import Compiler, Passes, as_dynamo_calls, backward_node, checked_settings, compile_aot
 from graphddp.compiler.full_updates import Compile, PartUpdates, UpdatingBackward
 from graphddp.config import MB, DDPConfig
 from graphddp.config.inductor_settings import INDUCTOR_FX_ORDER_CONFIG
@@ -40,24 +40,6 @@ from graphddp.plan.parts import planned_cap_bytes
 from graphddp.runtime.usage import GradientUsage, NoneOutputs
 from graphddp.values.part_schedule import PartCap, PartGraph
 from graphddp.values.placement import Placement
-
-
-class _TagRegathers(CustomGraphPass):
-    """:func:`tag_regathers` as inductor's joint-graph pre-pass, with a key for its caches; what
-    it keeps goes to ``graph`` (its P5 check reads it)."""
-
-    def __init__(self, graph: "_Graph") -> None:
-        self.graph = graph
-
-    def __call__(self, joint: fx.Graph) -> None:
-        self.graph.tag(joint)
-
-    def uuid(self) -> bytes:
-        config = self.graph.config
-        with open(reshard.__file__, "rb") as f:  # the keep budget's inputs too: bucket_cap's
-            compiled = self.graph.compiled
-            shape = None if compiled.placement is None else compiled.placement.shape()
-            return hashlib.sha256(f.read() + repr((config.bucket_cap_mb, config.cost, compiled.world_size, shape)).encode()).digest()
 
 
 @dataclasses.dataclass
@@ -94,26 +76,19 @@ def fully_sharded_compiler(config: DDPConfig, compiled: Compiled) -> Callable[..
         part_ids = {i: id(example_inputs[i]) for i in part_inputs}
         names = {input_name(i): name for i, name in part_inputs.items()}
         graph = _Graph(config, compiled, index, names)
-        if config.backend == "inductor":
-            from torch._inductor import config as inductor_config
-            from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-
-            pinned = {**patches, **INDUCTOR_FX_ORDER_CONFIG}
-            if config.reshard_after_forward:
-                pinned["joint_custom_pre_pass"] = _TagRegathers(graph)
-            with inductor_config.patch(pinned):
-                fn = compile_fx(gm, example_inputs, inner_compile=graph.inner(compile_fx_inner, pinned))
-        else:
-            fn = _aot_eager(config, graph)(gm, example_inputs)
+        joint = graph if config.reshard_after_forward else None
+        passes = Passes(graph.forward_pass, graph.backward_pass, lambda _: {}, boxed_nop, joint, min_cut=True)
+        fn = compile_aot(config.backend, gm, example_inputs, passes, {**patches, **INDUCTOR_FX_ORDER_CONFIG})
         return graph.forward(fn, part_ids)
 
     return compile_graph
 
 
-class _Graph:
-    """One Dynamo graph's forward and backward through an inner compiler: each placed
-    (:func:`_placed`), kept with what it does (:class:`Compiled`), and a backward with the
-    parts' updates compiled in a variant of its own beside the graph as it is."""
+class _Graph(CustomGraphPass):
+    """One Dynamo graph's passes: with resharding, the joint graph's (inductor's joint-graph
+    pre-pass, with a key for its caches); each forward and backward placed (:func:`_placed`) and
+    kept with what it does (:class:`Compiled`), a backward with the parts' updates compiled in
+    a variant of its own beside the graph as it is."""
 
     def __init__(self, config: DDPConfig, compiled: Compiled, index: int, names: Mapping[str, str]) -> None:
         self.config, self.compiled, self.index, self.names = config, compiled, index, names
@@ -138,11 +113,18 @@ class _Graph:
 
         return as_dynamo_calls(fn, run, torch.is_grad_enabled)
 
-    def tag(self, joint: fx.Graph) -> None:
+    def __call__(self, joint: fx.Graph) -> None:
         """The joint graph's gathers tagged for the backward to gather again, but the backward's
-        first bucket (:func:`tag_regathers`: a bucket's cap, as planned for the whole graph)."""
+        first bucket (:func:`tag_regathers`: a bucket's cap, as planned for the whole graph); what
+        it keeps is read by the P5 check."""
         keep = bucket_cap(self.config, whole_bytes(joint), self.compiled.world_size, self.compiled.placement).nbytes
         self.kept = tag_regathers(joint, keep)
+
+    def uuid(self) -> bytes:
+        with open(reshard.__file__, "rb") as f:  # the keep budget's inputs too: bucket_cap's
+            shape = None if self.compiled.placement is None else self.compiled.placement.shape()
+            key = (self.config.bucket_cap_mb, self.config.cost, self.compiled.world_size, shape)
+            return hashlib.sha256(f.read() + repr(key).encode()).digest()
 
     def keep(self, gm: fx.GraphModule, backward: bool) -> UpdatingBackward | None:
         if backward:  # before the rewrite merges gradients into buckets
@@ -169,51 +151,43 @@ class _Graph:
         compiled.described.append((self.index, described))
         return variant
 
-    def backward(self, variant: UpdatingBackward | None, plain: Compile, updating: Compile, carrying: Compile) -> Callable[..., Any]:
-        """What AOTAutograd runs as the backward: the graph as compiled, or where the parts are
-        updated inside, the choice between it and the variants (:meth:`PartUpdates.backward`).
-        Each variant is compiled at its first call unless compiled already."""
-        updates = self.compiled.updates
-        once = functools.cache
-        choose = None if variant is None or updates is None else updates.backward(self.index, variant, once(plain), once(updating), once(carrying))
+    def forward_pass(self, gm: fx.GraphModule, compiler: Compiler, inference: bool) -> Any:
+        """The forward placed and kept, then compiled (an inference graph as it is)."""
+        if not inference:
+            self.keep(gm, False)
+        return compiler.now(gm)
+
+    def backward_pass(self, gm: fx.GraphModule, compiler: Compiler) -> Any:
+        """The backward placed and kept, and what AOTAutograd runs for it: the graph as compiled,
+        or where the parts are updated inside, the choice between it and the variants
+        (:meth:`PartUpdates.backward`), the updating one compiled now, the graph as it is and the
+        carrying one when a step first needs them."""
+        variant = self.keep(gm, True)
+        if variant is None:
+            plain, choose = compiler.now(gm), None
+        else:
+            given = len(gm.graph.find_nodes(op="placeholder"))
+
+            def lazily(graph: fx.GraphModule) -> Compile:
+                extra = [n.meta["val"] for n in graph.graph.find_nodes(op="placeholder")][given:]
+                return functools.cache(compiler.later(compiler.copy(graph), extra))
+
+            updating = lazily(variant.graph)()
+            choose = self.compiled.updates.backward(self.index, variant, lazily(gm), lambda: updating, lazily(variant.carrying))
         usage = self.usage
         if usage is None or not usage.may_be_unused:
-            return choose if choose is not None else plain()
-        group, names, plain_once = self.compiled.group, tuple(usage.outputs), once(plain)
+            return choose if choose is not None else plain
+        group, names = self.compiled.group, tuple(usage.outputs)
 
         def dropping(args: list) -> Any:
             """Gradients of the parts no rank used this step returned as None, and not
             updated inside (:mod:`graphddp.runtime.usage`)."""
             unused = GradientUsage.unused_anywhere(names, usage.unused(*self.none_outputs.take(), args), group)
-            out = choose(args, unused) if choose is not None else plain_once()(args)
+            out = choose(args, unused) if choose is not None else plain(args)
             return GradientUsage.drop(out, usage.outputs, unused)
 
         dropping._boxed_call = True  # type: ignore[attr-defined]
         return dropping
-
-    def inner(self, compile_inner: Callable[..., Any], patches: dict[str, Any]) -> Callable[..., Any]:
-        """``compile_inner`` (inductor's, under ``patches``) that first places and keeps the graph
-        (inference graphs are compiled as they are); a backward's updating variant is compiled
-        now, the graph as it is and the carrying variant when a step first needs them."""
-        from graphddp.compiler.inductor import later
-
-        def inner(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
-            if kwargs.get("is_inference"):
-                return compile_inner(gm, example_inputs, **kwargs)
-            backward = bool(kwargs.get("is_backward"))
-            variant = self.keep(gm, backward)
-            if variant is None:
-                fn = compile_inner(gm, example_inputs, **kwargs)
-                return self.backward(None, lambda: fn, fn, fn) if backward else fn
-
-            def lazily(graph: fx.GraphModule) -> Compile:
-                inputs = [*example_inputs, *[n.meta["val"] for n in graph.graph.nodes if n.op == "placeholder"][len(example_inputs):]]
-                return later(compile_inner, copy.deepcopy(graph), inputs, kwargs, patches, settings=lambda _: {})
-
-            updating = lazily(variant.graph)()
-            return self.backward(variant, lazily(gm), lambda: updating, lazily(variant.carrying))
-
-        return inner
 
 
 def _placed(
@@ -243,28 +217,3 @@ def bucket_cap(config: DDPConfig, whole: int, world_size: int, placement: Placem
     cost = config.cost
     assert cost is not None, "sharding='full' resolves its cost model when the model is wrapped (compile_fully_sharded)"
     return PartCap(planned_cap_bytes(cost, whole, world_size, bool(config.reshard_after_forward), placement), f"planned ({cost.source})")
-
-
-def _aot_eager(config: DDPConfig, graph: _Graph) -> Callable[..., Any]:
-    """AOTAutograd without a code generator, partitioned by min-cut (the partitioner that reads
-    the recompute tags), the gathers tagged first when ``reshard``."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._dynamo.backends.debugging import boxed_nop
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-
-    def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
-        if config.reshard_after_forward:
-            graph.tag(joint.graph)
-        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
-
-    def forward(gm: fx.GraphModule, inputs: Any) -> Any:
-        graph.keep(gm, False)
-        return boxed_nop(gm, inputs)
-
-    def backward(gm: fx.GraphModule, inputs: Any) -> Any:
-        variant = graph.keep(gm, True)
-        return graph.backward(
-            variant, lambda: boxed_nop(gm, inputs), lambda: boxed_nop(variant.graph, inputs), lambda: boxed_nop(variant.carrying, inputs)
-        )
-
-    return aot_autograd(fw_compiler=forward, bw_compiler=backward, partition_fn=partition, inference_compiler=boxed_nop)

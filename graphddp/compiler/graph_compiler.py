@@ -1,37 +1,31 @@
-"""The torch.compile backend: AOTAutograd, then graphddp's passes on every backward graph.
+"""The torch.compile backend of replicated and ``sharding="optimizer"`` models: graphddp's
+forward and backward passes (:mod:`graphddp.compiler.compose`, :mod:`graphddp.compiler.rewrite`)
+on every graph AOTAutograd splits a Dynamo graph into, before it is compiled
+(:mod:`graphddp.compiler.inductor`, through :func:`graphddp.compiler.aot.compile_aot`).
 
-AOTAutograd splits each Dynamo graph into forward and backward ATen graphs; the forward passes
-and the backward passes (:mod:`graphddp.compiler.compose`, :mod:`graphddp.compiler.rewrite`) run
-before the inner compiler sees them:
-
-* ``inductor`` (:mod:`graphddp.compiler.inductor`): ``compile_fx`` with the rewrite wrapped around
-  its ``inner_compile``, so that inductor's decompositions, partitioner and joint-graph passes run
-  unchanged; its comm reordering (``raise_comms``, ``sink_waits``) issues each all-reduce when its
-  bucket is ready and waits late (inductor's defaults issue and wait back to back: no overlap).
-  The user's ``mode``/``options`` patch inductor's config, graphddp's pinned settings go on top.
-* ``aot_eager``: the rewritten graphs run as plain FX code (fast to compile, for tests).
-* ``eager``: node by node through :class:`torch.fx.Interpreter` (for a debugger).
-
-A traced hook with phases (PowerSGD) gets one rewritten graph per phase, compiled on first use.
+Under inductor its comm reordering (``raise_comms``, ``sink_waits``) issues each all-reduce when
+its bucket is ready and waits late (inductor's defaults issue and wait back to back: no overlap).
+``aot_eager`` runs the graphs as plain FX code (fast to compile, for tests), ``eager`` node by node
+through :class:`torch.fx.Interpreter` (for a debugger). A traced hook with phases (PowerSGD) gets
+one rewritten graph per phase, compiled on first use.
 """
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.aot_autograd import make_boxed_func
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from graphddp.compiler import cache as compile_cache
+from graphddp.compiler.aot import as_dynamo_calls, backward_node, checked_settings
 from graphddp.compiler.compose import Shared, insert_comm, record_parameter_values, run_passes, verify_comm
 from graphddp.compiler.forward_slot import ForwardSlots
 from graphddp.compiler.frames import FramePlans
 from graphddp.compiler.hook_runtime import HookRuntime
-from graphddp.compiler.inductor import compile_inductor
+from graphddp.compiler.inductor import ReplicatedCompile
 from graphddp.compiler.record import CARRY, GraphRecord
 from graphddp.compiler.rewrite import BackwardRewrite
 from graphddp.compiler.updates import InGraphUpdates
@@ -41,13 +35,12 @@ from graphddp.graph.bucket_function import HookContext
 from graphddp.graph.capture import parameter_of_inputs
 from graphddp.hooks.traced import HookState
 from graphddp.optim.attached import AttachedOptimizer
-from graphddp.optim.guards import ATTACHED_NODE
 from graphddp.runtime.dispatch import BackwardDispatch
 from graphddp.runtime.gate import gate_for
 from graphddp.runtime.gathers import ForwardDispatch
 from graphddp.runtime.step import StepState, current_frame
 from graphddp.runtime.union import UnionAverage
-from graphddp.runtime.variants import GraphState, Synced, compiled_backward_node
+from graphddp.runtime.variants import GraphState, Synced
 from graphddp.values.comm import group_name_of
 
 
@@ -228,78 +221,20 @@ class GraphCompiler(InGraphUpdates, HookRuntime, BackwardRewrite):
                 self.forward_slots.planned(graph_index, update.deferred_shards)
             return self.dispatches[graph_index]
 
-        wrap_forward = None
-        if self.optimizer is not None and self.config.gather == "forward":
-            def wrap_forward(fw: fx.GraphModule, plain: Any, compile_graph: Callable[..., Callable[[], Any]]) -> ForwardDispatch:
-                return self.forward_slots.wrap(graph_index, fw, plain, compile_graph, param_inputs)
+        gathers = self.optimizer is not None and self.config.gather == "forward"  # each training forward: a dispatcher
+        wrap_forward = functools.partial(self.forward_slots.wrap, graph_index, param_inputs=param_inputs) if gathers else None
 
+        phase, cache = self._phase(), None
         if self.config.backend == "inductor":
-            phase = self._phase()
             cache = compile_cache.plan_key(self, gm, example_inputs, param_inputs, graph_index, phase)
-            return compile_inductor(
-                gm, example_inputs, record_forward, rewrite, dispatch, inductor_patches, phase, graph_index, cache, wrap_forward
-            )
-        # eager: node by node through fx.Interpreter (for a debugger); aot_eager: the graphs' FX code
-        run = (lambda g: lambda *args: fx.Interpreter(g).run(*args)) if self.config.backend == "eager" else (lambda g: g)
-
-        def bw_compiler(bw: fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., Any]:
-            plain = copy.deepcopy(bw)
-            records = rewrite(bw)
-            return dispatch(
-                records, lambda record: lambda: make_boxed_func(run(record.graph)),
-                lambda record: lambda: make_boxed_func(run(record.without_update)),
-                lambda: make_boxed_func(run(plain)), {},
-            )
-
-        def fw_compiler(fw: fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., Any]:
-            record_forward(fw)
-            if wrap_forward is None:
-                return make_boxed_func(run(fw))
-            with unset_fake_temporarily():  # the graph's real constants (HF GPT-2 has some) are copied as they are
-                source = copy.deepcopy(fw)
-            return wrap_forward(source, make_boxed_func(run(fw)), lambda g, _extra: lambda: make_boxed_func(run(g)))
-
-        return aot_autograd(
-            fw_compiler=fw_compiler, bw_compiler=bw_compiler, keep_inference_input_mutations=True
-        )(gm, example_inputs)
+        return ReplicatedCompile(
+            self.config.backend, gm, record_forward, rewrite, dispatch, inductor_patches, phase, graph_index, cache, wrap_forward
+        ).compile(example_inputs)
 
     @property
     def forwards(self) -> dict[int, ForwardDispatch]:
         """gather="forward": each training graph's forward dispatcher (for people and tests)."""
         return self.forward_slots.forwards
-
-
-def checked_settings(config: DDPConfig, example_inputs: Sequence[Any], mode: str | None = None, options: dict | None = None) -> dict:
-    """What to patch inductor's config with: the user's settings, checked on the inputs' device."""
-    device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), None)
-    return config.check_inductor_settings("graphddp", device, mode, options)
-
-
-def as_dynamo_calls(
-    compiled: Callable[..., Any], run: Callable[[Sequence[Any], Callable[[], Any]], Any], tracked: Callable[[], bool] = lambda: True,
-) -> Callable[..., Any]:
-    """``compiled`` as Dynamo calls it, each ``tracked()`` call through ``run(inputs, call)``: one
-    list, which the callee frees, or for some recompiled graphs (sizes as ints) the arguments."""
-    boxed = getattr(compiled, "_boxed_call", False)
-
-    def called(*args: Any) -> Any:
-        if not tracked():
-            return compiled(*args)
-        return run(list(args[0]) if boxed and len(args) == 1 and isinstance(args[0], list) else args, lambda: compiled(*args))
-
-    called._boxed_call = boxed  # type: ignore[attr-defined]
-    return called
-
-
-def backward_node(out: Any, inputs: Sequence[Any], attached: Any, none_outputs: Any) -> Any:
-    """The autograd node a compiled forward's call made (or None), tagged as ``attached``'s (a
-    GradScaler's scale marks the step through it), noting None output gradients in ``none_outputs``."""
-    node = compiled_backward_node(out if isinstance(out, (list, tuple)) else [out], inputs)
-    if node is not None and attached is not None:
-        node.metadata[ATTACHED_NODE] = attached
-    if node is not None and none_outputs is not None:
-        node.register_prehook(none_outputs.note)
-    return node
 
 
 def _cap_bytes(config: DDPConfig) -> float:

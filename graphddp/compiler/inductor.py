@@ -1,6 +1,6 @@
-"""The inductor path of graphddp's backend: compile_fx with the rewrite of the backward inside its
-inner compile, graphddp's pinned settings, variants compiled on first use, and warm restarts from
-the compile cache (:mod:`graphddp.compiler.cache`).
+"""The replicated compiler's passes (and ``sharding="optimizer"``'s) through :func:`compile_aot`:
+the rewrite of each backward, inductor's pinned settings, variants compiled on first use, and warm
+restarts from the compile cache (:mod:`graphddp.compiler.cache`).
 """
 from __future__ import annotations
 
@@ -8,9 +8,12 @@ import copy
 from typing import Any, Callable, Sequence
 
 import torch.fx as fx
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from graphddp.compiler import cache as compile_cache
 from graphddp.compiler import cache_derivation
+from graphddp.compiler.aot import Compiler, Passes, compile_aot
 from graphddp.compiler.record import CARRY, GraphRecord
 from graphddp.config.inductor_settings import INDUCTOR_FX_ORDER_CONFIG, INDUCTOR_PINNED_CONFIG
 from graphddp.runtime.dispatch import BackwardDispatch
@@ -19,83 +22,62 @@ from graphddp.values.collectives import ALL_GATHER, REDUCE_SCATTER
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
 
 
-def compile_inductor(
-    gm: fx.GraphModule,
-    example_inputs: Sequence[Any],
-    record_forward: Callable[[fx.GraphModule], None],
-    rewrite: Callable[[fx.GraphModule], dict[str, GraphRecord]],
-    dispatch: Callable[..., BackwardDispatch],
-    patches: dict[str, Any],
-    phase_now: str,
-    graph_index: int = 0,
-    cache: compile_cache.Key | None = None,
-    wrap_forward: Callable[..., Any] | None = None,
-) -> Callable[..., Any]:
-    """Inductor's compile_fx under the user's ``patches``, graphddp's pinned settings on top for
-    every inner compile. The backward of the phase in use now is compiled now, the other variants
-    the first time a step needs them. With a ``cache`` key the AOTAutograd cache is on for this
-    graph. ``wrap_forward(graph, code, compile_graph)`` (``gather="forward"``) replaces a training
-    forward's code, given its graph before inductor and a way to compile a variant of it later."""
-    job = _InductorCompile(gm, record_forward, rewrite, dispatch, patches, phase_now, graph_index, cache)
-    job.wrap_forward = wrap_forward
-    # The example inputs are passed down, never kept: they are the real tensors of Dynamo's first
-    # call (a graph after a break gets the previous graph's outputs: a GPT's logits), and the job
-    # lives as long as the compiled code does. Kept, they would hold a large model's first logits
-    # on the device for the whole run (docs/gpu.md); a later compile (a cache hit's derivation) fakes them.
-    return job.cold(example_inputs) if cache is None else job.through_cache(cache, example_inputs)
-
-
-class _InductorCompile:
-    """One Dynamo graph through compile_fx: its inputs, and the steps of a compile as methods."""
+class ReplicatedCompile:
+    """One Dynamo graph of the replicated compiler (and ``sharding="optimizer"``'s) through
+    :func:`compile_aot`: each forward recorded (``record_forward``; ``gather="forward"``: its code
+    replaced by ``wrap_forward(graph, code, compile_graph)``), each backward rewritten into a
+    record per variant (``rewrite``) and run through ``dispatch``; the variant of the phase in use
+    now compiled now, the others at first use; with a ``cache`` key, the AOTAutograd cache on."""
 
     def __init__(
-        self, gm: fx.GraphModule, record_forward: Callable[[fx.GraphModule], None],
+        self, backend: str, gm: fx.GraphModule, record_forward: Callable[[fx.GraphModule], None],
         rewrite: Callable[[fx.GraphModule], dict[str, GraphRecord]], dispatch: Callable[..., BackwardDispatch],
         patches: dict[str, Any], phase_now: str, graph_index: int, cache: compile_cache.Key | None,
+        wrap_forward: Callable[..., Any] | None = None,
     ) -> None:
-        self.gm = gm
+        self.backend, self.gm = backend, gm
         self.record_forward, self.rewrite, self.dispatch = record_forward, rewrite, dispatch
         self.patches, self.phase_now, self.graph_index, self.cache = patches, phase_now, graph_index, cache
-        self.wrap_forward: Callable[..., Any] | None = None
+        self.wrap_forward = wrap_forward
+
+    def compile(self, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        # The example inputs are passed down, never kept: they are the real tensors of Dynamo's first
+        # call (a graph after a break gets the previous graph's outputs: a GPT's logits), and the job
+        # lives as long as the compiled code does. Kept, they would hold a large model's first logits
+        # on the device for the whole run (docs/gpu.md); a later compile (a cache hit's derivation) fakes them.
+        return self.cold(example_inputs) if self.cache is None else self.through_cache(self.cache, example_inputs)
 
     # -- the compile, with or without the AOTAutograd cache ---------------------------------------
-    def inner_compiler(self, finish: Callable[..., Any], on_forward: Callable[[Any, bool], None]) -> Callable[..., Any]:
-        """compile_fx's inner compile with the rewrite of the backward; ``finish(records, synced,
-        grads, plain, compiled, facts)`` makes what AOTAutograd runs as the backward."""
-        from torch._inductor import config as inductor_config
-        from torch._inductor.compile_fx import compile_fx_inner
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
+    def passes(self, finish: Callable[..., Any], on_forward: Callable[[Any, bool], None]) -> Passes:
+        """The forward recorded (and under ``gather="forward"`` wrapped), the backward rewritten:
+        ``finish(records, synced, grads, plain, compiled, facts)`` makes what AOTAutograd runs as
+        the backward; ``on_forward(code, inference)`` hears of each forward's code."""
 
-        patches, cache = self.patches, self.cache
+        def forward(graph: fx.GraphModule, compiler: Compiler, inference: bool) -> Any:
+            self.record_forward(graph)
+            # Without inductor AOTAutograd's inference compiler is its forward compiler: it wraps those too.
+            wrap = None if inference and self.backend == "inductor" else self.wrap_forward
+            with unset_fake_temporarily():  # real constants are copied as they are
+                source = copy.deepcopy(graph) if wrap is not None else None
+            code = compiler.now(graph, settings=INDUCTOR_PINNED_CONFIG)
+            on_forward(code, inference)
+            return code if wrap is None else wrap(source, code, compiler.later)
 
-        def inner_compile(graph: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
-            with inductor_config.patch(INDUCTOR_PINNED_CONFIG):
-                if not kwargs.get("is_backward", False):
-                    self.record_forward(graph)
-                    inference = bool(kwargs.get("is_inference", False))
-                    wrap = None if inference else self.wrap_forward
-                    with unset_fake_temporarily():  # real constants are copied as they are
-                        source, saved = (copy.deepcopy(graph), list(inputs)) if wrap is not None else (None, [])
-                    code = compile_fx_inner(graph, inputs, **kwargs)
-                    on_forward(code, inference)
-                    if wrap is None:
-                        return code
-                    return wrap(source, code, lambda variant, extra: later(compile_fx_inner, variant, saved + list(extra), kwargs, patches))
-                plain = copy.deepcopy(graph)
-                # Outside the fake mode, as a backward compiled lazily: the planner computes with
-                # real tensors (dynamic shapes and a cache hit's derivation compile it at once).
-                with unset_fake_temporarily():
-                    facts = cache.facts(plain) if cache is not None else None
-                    records = self.rewrite(graph)
-                now = records[self.phase_now]
-                # Inductor rewrites what it compiles in place (on an FX-graph cache miss only):
-                # the record keeps graphddp's graph, the same whether inductor compiled or loaded.
-                with inductor_config.patch(pinned_config(now.graph)):
-                    compiled = compile_fx_inner(copy.deepcopy(now.graph), list(inputs) + now.extra_inputs(), **kwargs)
+        def backward(graph: fx.GraphModule, compiler: Compiler) -> Any:
+            plain = copy.deepcopy(graph)
+            # Outside the fake mode, as a backward compiled lazily: the planner computes with
+            # real tensors (dynamic shapes and a cache hit's derivation compile it at once).
+            with unset_fake_temporarily():
+                facts = self.cache.facts(plain) if self.cache is not None else None
+                records = self.rewrite(graph)
+            now = records[self.phase_now]
+            # Inductor rewrites what it compiles in place (on an FX-graph cache miss only):
+            # the record keeps graphddp's graph, the same whether inductor compiled or loaded.
+            compiled = compiler.now(compiler.copy(now.graph), now.extra_inputs())
             now.generated_code = getattr(compiled, "source_code", None)
 
             def synced(record: GraphRecord) -> Callable[[], Any]:
-                compile_later = later(compile_fx_inner, record.graph, list(inputs) + record.extra_inputs(), kwargs, patches)
+                compile_later = compiler.later(record.graph, record.extra_inputs())
 
                 def compile_and_record() -> Any:
                     code = compile_later()
@@ -105,13 +87,15 @@ class _InductorCompile:
                 return compile_and_record
 
             def grads(record: GraphRecord) -> Callable[[], Any] | None:
-                if record.without_update is None:
-                    return None
-                return later(compile_fx_inner, record.without_update, list(inputs) + record.hook_inputs(), kwargs, patches)
+                return None if record.without_update is None else compiler.later(record.without_update, record.hook_inputs())
 
-            return finish(records, synced, grads, later(compile_fx_inner, plain, inputs, kwargs, patches), compiled, facts)
+            return finish(records, synced, grads, compiler.later(plain), compiled, facts)
 
-        return inner_compile
+        def run(graph: fx.GraphModule, _inputs: Sequence[Any]) -> Any:
+            """``aot_eager``: the graph's FX code; ``eager``: node by node through :class:`fx.Interpreter` (for a debugger)."""
+            return make_boxed_func(graph if self.backend != "eager" else lambda *args: fx.Interpreter(graph).run(*args))
+
+        return Passes(forward, backward, pinned_config, run)
 
     def run_compile_fx(
         self, inputs: Sequence[Any], finish: Callable[..., Any], on_forward: Callable[[Any, bool], None] = lambda code, inference: None,
@@ -119,20 +103,15 @@ class _InductorCompile:
     ) -> Callable[..., Any]:
         """compile_fx with the AOTAutograd cache on (with a ``catcher``) or off; ``eager_backward``
         compiles the backward now instead of at the first backward."""
-        from torch._functorch import config as functorch_config
-        from torch._inductor import config as inductor_config
-        from torch._inductor.compile_fx import compile_fx
-
         functorch_patches: dict[str, Any] = {"enable_autograd_cache": catcher is not None}
-        inductor_patches = dict(self.patches)
+        this_compile: dict[str, Any] = {}
         if catcher is not None:
             functorch_patches["bundled_autograd_cache"] = False
-            inductor_patches["cudagraph_policy"] = catcher
+            this_compile["cudagraph_policy"] = catcher
             setattr(self.gm, compile_cache.GM_ATTRIBUTE, self.cache.key)  # type: ignore[union-attr] # AOTAutograd hashes it
         if eager_backward:
             functorch_patches["force_non_lazy_backward_lowering"] = True
-        with functorch_config.patch(functorch_patches), inductor_config.patch(inductor_patches):
-            return compile_fx(self.gm, inputs, inner_compile=self.inner_compiler(finish, on_forward))
+        return compile_aot(self.backend, self.gm, inputs, self.passes(finish, on_forward), self.patches, functorch_patches, this_compile)
 
     def finish_cold(self, records: dict[str, GraphRecord], synced: Any, grads: Any, plain: Any, compiled: Any, facts: Any) -> BackwardDispatch:
         return self.dispatch(records, synced, grads, plain, {self.phase_now: compiled})
@@ -244,23 +223,3 @@ def pinned_config(graph: fx.GraphModule) -> dict[str, Any]:
             return INDUCTOR_FX_ORDER_CONFIG
     return INDUCTOR_PINNED_CONFIG
 
-
-def later(
-    compile_inner: Callable[..., Any], graph: fx.GraphModule, inputs: Sequence[Any], kwargs: dict, patches: dict[str, Any],
-    settings: Callable[[fx.GraphModule], dict[str, Any]] | None = None,
-) -> Callable[[], Any]:
-    """Compile ``graph`` on first use, as AOTAutograd compiles its own backward lazily: under the
-    tracing and compile contexts of now, so that shape guards and fake tensors are the ones the
-    graph was traced with. ``settings(graph)``: on top of ``patches`` (default :func:`pinned_config`)."""
-    from torch._dynamo.convert_frame import compile_lock
-    from torch._guards import CompileContext, TracingContext, compile_context, tracing
-    from torch._inductor import config as inductor_config
-
-    saved_tracing, saved_compile = TracingContext.try_get(), CompileContext.try_get()
-
-    def compile_now() -> Any:
-        pinned = {**patches, **(settings or pinned_config)(graph)}
-        with compile_lock, tracing(saved_tracing), compile_context(saved_compile), inductor_config.patch(pinned):
-            return compile_inner(graph, inputs, **kwargs)
-
-    return compile_now

@@ -14,7 +14,7 @@ import graphddp
 from graphddp.graph.verify import VerificationError
 from graphddp.models import MLP
 from graphddp.optim.insert_gather import GATHER_INPUT, verify_forward_gathers
-from graphddp.optim.verify_shard import verify_sharded
+from graphddp.optim.verify import verify_sharded
 from graphddp.values.collectives import kind
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, WAIT
 

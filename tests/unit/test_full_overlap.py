@@ -1,5 +1,5 @@
 """Full sharding's collectives overlap compute in the code inductor generates, not only in the
-FX graph graphddp writes (graph/part_collectives.py places them; graph/verify_full.py checks
+FX graph graphddp writes (graph/part_collectives.py places them; graph/verify/parts.py checks
 that placement).
 
 What failed before (config/inductor_settings.py, FUSION_MIN_SHARED_BYTES): inductor fused a

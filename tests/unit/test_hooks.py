@@ -315,3 +315,13 @@ def test_unknown_or_bare_callable_comm_hook_is_a_clear_error(fake_world):
         graphddp.compile(MLP(), comm_hook="powersgd")
     with pytest.raises(TypeError, match=r"comm_hook: pass a hook as \(state, hook\)"):
         graphddp.compile(MLP(), comm_hook=lambda bucket, group: bucket)
+
+
+def test_verify_rejects_a_hook_collective_issued_before_its_issue_point(hooked):
+    gm, schedule = hooked
+    first = _ours(gm, 1, is_collective)[0]
+    late = list(gm.graph.nodes)[-2]  # after every collective: the bucket would be issued before its issue point
+    wrong = dataclasses.replace(schedule.buckets[1], issue_after=late.name)
+    broken = dataclasses.replace(schedule, buckets=(schedule.buckets[0], wrong, *schedule.buckets[2:]))
+    with pytest.raises(VerificationError, match=rf"bucket 1's {first.name} is issued before {late.name}, its issue_after"):
+        verify(gm, broken, _expected(broken))

@@ -1,7 +1,7 @@
 """The rewrite of ``sharding="full"``'s collectives (graphddp/graph/part_collectives.py) on the
 graphs of a real compile, in one process (a fake group of 8 ranks): buckets by the cap, each
 gather bucket issued one bucket ahead of its wait, each reduce-scatter bucket travelling behind
-the next bucket's gradient compute, and rules P1-P6 (graphddp/graph/verify_full.py) with
+the next bucket's gradient compute, and rules P1-P6 (graphddp/graph/verify/parts.py) with
 mutations that break each."""
 import copy
 
@@ -13,7 +13,7 @@ import graphddp
 from graphddp.graph.capture import ancestors
 from graphddp.graph.part_collectives import PREFETCH
 from graphddp.graph.reshard import kept_gathered_bytes
-from graphddp.graph.verify_full import check_part_collectives, check_part_updates
+from graphddp.graph.verify import check_part_collectives, check_part_updates
 from graphddp.graph.verify_common import VerificationError
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
 

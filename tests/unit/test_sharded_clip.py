@@ -16,7 +16,7 @@ import graphddp
 from graphddp.graph.verify import VerificationError
 from graphddp.models import MLP
 from graphddp.optim.clip import CLIP, CLIP_COEFFICIENT, CLIP_NORM
-from graphddp.optim.verify_shard import verify_sharded
+from graphddp.optim.verify import verify_sharded
 from graphddp.values.collectives import kind
 from graphddp.values.schedule import Schedule
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_collective, is_wait

@@ -13,7 +13,7 @@ from graphddp.graph.capture import ancestors
 from graphddp.graph.verify import VerificationError
 from graphddp.models import MLP
 from graphddp.optim import insert_shard
-from graphddp.optim.verify_shard import verify_sharded
+from graphddp.optim.verify import verify_sharded
 from graphddp.testing import release_process_group
 from graphddp.values.collectives import kind
 from graphddp.values import placement

@@ -17,11 +17,9 @@ import torch
 import torch.fx as fx
 
 from graphddp.graph.capture import output_nodes
-from graphddp.graph.verify import VerificationError
-from graphddp.graph.verify_full import check_part_collectives, check_part_updates
+from graphddp.graph.verify import VerificationError, check_part_collectives, check_part_updates
 from graphddp.optim.clip import CLIP_COEFFICIENT
-from graphddp.optim.verify import verify_updates
-from graphddp.optim.verify_shard import verify_sharded
+from graphddp.optim.verify import verify_sharded, verify_updates
 from graphddp.values.comm import ROLE_KEY
 
 Check = Callable[[fx.GraphModule], None]

@@ -254,18 +254,18 @@ def _history(text: str) -> list[int]:
 # Each shared invariant of graph/invariants.py: the modules whose verifiers call it, and what a
 # failure of it says (only invariants.py may say it: another module saying it has its own copy).
 SHARED_INVARIANTS = {
-    "waited_once(": (("graph/verify.py", "graph/verify_bucket.py", "optim/verify_shard.py", "graph/verify_full.py"), "must have exactly one user"),
-    "written_last(": (("optim/verify.py", "optim/verify_shard.py", "graph/verify_full.py"), "reads its memory after"),
-    "not_returned(": (("optim/verify.py", "optim/verify_shard.py", "graph/verify_full.py"), "still returned"),
-    "from_average(": (("optim/verify_shard.py", "graph/verify_full.py", "optim/insert_gather.py"), "'s wait ({rule})"),
-    "on_group(": (("graph/verify_bucket.py", "graph/verify_full.py"), "runs on group"),  # and optimizer sharding through over_replicas
-    "over_replicas(": (("optim/verify_shard.py", "graph/verify_full.py"), "not once by its bucket's all-reduce"),
-    "carried_once(": (("graph/verify_bucket.py", "optim/verify_shard.py"), "carried gradient"),
-    "clip_coefficient(": (("optim/verify.py", "optim/verify_shard.py"), "clip coefficients, expected"),
-    "returned_clipped(": (("optim/verify.py", "optim/verify_shard.py"), "unclipped ("),
+    "waited_once(": (("graph/verify/order.py", "graph/verify/parts.py", "optim/verify.py"), "must have exactly one user"),
+    "written_last(": (("optim/verify.py", "graph/verify/updates.py"), "reads its memory after"),
+    "not_returned(": (("optim/verify.py", "graph/verify/updates.py"), "still returned"),
+    "from_average(": (("optim/verify.py", "graph/verify/updates.py", "optim/insert_gather.py"), "'s wait ({rule})"),
+    "on_group(": (("graph/verify/order.py", "graph/verify/parts.py"), "runs on group"),  # and optimizer sharding through over_replicas
+    "over_replicas(": (("optim/verify.py", "graph/verify/parts.py"), "not once by its bucket's all-reduce"),
+    "carried_once(": (("graph/verify/layout.py", "optim/verify.py"), "carried gradient"),
+    "clip_coefficient(": (("optim/verify.py",), "clip coefficients, expected"),
+    "returned_clipped(": (("optim/verify.py",), "unclipped ("),
 }
-VERIFIERS = ("graph/verify.py", "graph/verify_bucket.py", "graph/verify_common.py", "optim/verify.py", "optim/verify_shard.py",
-             "graph/verify_full.py", "optim/insert_gather.py")
+VERIFIERS = ("graph/verify/__init__.py", "graph/verify/order.py", "graph/verify/layout.py", "graph/verify/parts.py",
+             "graph/verify/updates.py", "graph/verify_common.py", "optim/verify.py", "optim/insert_gather.py")
 
 
 def test_each_shared_invariant_is_stated_once_and_every_mode_checks_it():

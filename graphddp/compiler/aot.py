@@ -1,0 +1,154 @@
+"""The torch.compile backend of every mode, built in one place: AOTAutograd with the mode's
+forward and backward passes as peers (:class:`Passes`), then inductor or plain FX code.
+
+Under ``inductor`` the passes run around ``compile_fx``'s ``inner_compile``, so that inductor's
+decompositions, partitioner and joint-graph passes run unchanged (a mode's ``joint`` pass as its
+``joint_custom_pre_pass``); under ``aot_eager`` and ``eager`` they are ``aot_autograd``'s
+compilers, and a mode that asks partitions by min-cut, as inductor does. A pass compiles a graph
+through a :class:`Compiler`, now or at first use (a variant a step may never need).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from graphddp.config import DDPConfig
+from graphddp.optim.guards import ATTACHED_NODE
+from graphddp.runtime.variants import compiled_backward_node
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiler:
+    """How a pass compiles a graph: ``now(graph, extra=(), settings=None)`` returns its code,
+    ``later(...)`` a call that compiles it the first time (``extra``: example inputs the graph
+    reads beyond AOTAutograd's; ``settings``: inductor's, else the mode's for that graph).
+    ``in_place``: compiling rewrites the graph (inductor's does), so a graph kept is copied first."""
+
+    now: Callable[..., Any]
+    later: Callable[..., Callable[[], Any]]
+    in_place: bool
+
+    def copy(self, graph: fx.GraphModule) -> fx.GraphModule:
+        """``graph`` to compile where the caller keeps it as it is: a copy if compiling rewrites it."""
+        return copy.deepcopy(graph) if self.in_place else graph
+
+
+@dataclasses.dataclass(frozen=True)
+class Passes:
+    """One mode's work on AOTAutograd's graphs. ``forward(graph, compiler, inference)`` and
+    ``backward(graph, compiler)`` return what AOTAutograd runs; ``settings(graph)``: the inductor
+    settings pinned for a graph; ``run(graph, inputs)``: a graph's code without inductor;
+    ``joint``: a pass on the joint graph before it is partitioned (a ``CustomGraphPass``, so
+    that inductor's caches key on it); ``min_cut``: partition by min-cut without inductor too."""
+
+    forward: Callable[[fx.GraphModule, Compiler, bool], Any]
+    backward: Callable[[fx.GraphModule, Compiler], Any]
+    settings: Callable[[fx.GraphModule], dict[str, Any]]
+    run: Callable[[fx.GraphModule, Sequence[Any]], Any]
+    joint: Any = None
+    min_cut: bool = False
+
+
+def compile_aot(
+    backend: str, gm: fx.GraphModule, example_inputs: Sequence[Any], passes: Passes,
+    patches: dict[str, Any] | None = None, functorch: dict[str, Any] | None = None, this_compile: dict[str, Any] | None = None,
+) -> Callable[..., Any]:
+    """``gm`` through AOTAutograd and ``passes`` for ``backend``; with inductor, every graph
+    under the user's ``patches`` (and the joint pass), this call's under ``this_compile`` too
+    (not the variants compiled later), with AOTAutograd's ``functorch`` config patched."""
+    if backend != "inductor":
+        return _aot_eager(gm, example_inputs, passes)
+    from torch._dynamo.convert_frame import compile_lock
+    from torch._functorch import config as functorch_config
+    from torch._guards import CompileContext, TracingContext, compile_context, tracing
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    patches = {**(patches or {}), **({} if passes.joint is None else {"joint_custom_pre_pass": passes.joint})}
+
+    def inner_compile(graph: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
+        given = list(inputs)
+
+        def now(g: fx.GraphModule, extra: Sequence[Any] = (), settings: dict[str, Any] | None = None) -> Any:
+            with inductor_config.patch(passes.settings(g) if settings is None else settings):
+                return compile_fx_inner(g, [*given, *extra], **kwargs)
+
+        def later(g: fx.GraphModule, extra: Sequence[Any] = (), settings: dict[str, Any] | None = None) -> Callable[[], Any]:
+            """As AOTAutograd compiles its own backward lazily: under the tracing and compile
+            contexts of now, so that shape guards and fake tensors are the ones ``g`` was traced with."""
+            contexts = TracingContext.try_get(), CompileContext.try_get()
+
+            def compile_now() -> Any:
+                pinned = {**patches, **(passes.settings(g) if settings is None else settings)}
+                with compile_lock, tracing(contexts[0]), compile_context(contexts[1]), inductor_config.patch(pinned):
+                    return compile_fx_inner(g, [*given, *extra], **kwargs)
+
+            return compile_now
+
+        compiler = Compiler(now, later, in_place=True)
+        if kwargs.get("is_backward", False):
+            return passes.backward(graph, compiler)
+        return passes.forward(graph, compiler, bool(kwargs.get("is_inference", False)))
+
+    with functorch_config.patch(functorch or {}), inductor_config.patch({**patches, **(this_compile or {})}):
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+
+
+def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], passes: Passes) -> Callable[..., Any]:
+    """AOTAutograd without a code generator: every graph runs as ``passes.run`` makes it."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+
+    def compiler(inputs: Sequence[Any]) -> Compiler:
+        now = lambda g, extra=(), settings=None: passes.run(g, inputs)  # noqa: E731
+        return Compiler(now, lambda g, extra=(), settings=None: lambda: now(g), in_place=False)
+
+    def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
+        if passes.joint is not None:
+            passes.joint(joint.graph)
+        split = min_cut_rematerialization_partition if passes.min_cut else default_partition
+        return split(joint, joint_inputs, **kwargs)
+
+    return aot_autograd(
+        fw_compiler=lambda g, inputs: passes.forward(g, compiler(inputs), False),
+        bw_compiler=lambda g, inputs: passes.backward(g, compiler(inputs)),
+        inference_compiler=lambda g, inputs: passes.forward(g, compiler(inputs), True),
+        partition_fn=partition, keep_inference_input_mutations=True,
+    )(gm, example_inputs)
+
+
+def checked_settings(config: DDPConfig, example_inputs: Sequence[Any], mode: str | None = None, options: dict | None = None) -> dict:
+    """What to patch inductor's config with: the user's settings, checked on the inputs' device."""
+    device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), None)
+    return config.check_inductor_settings("graphddp", device, mode, options)
+
+
+def as_dynamo_calls(
+    compiled: Callable[..., Any], run: Callable[[Sequence[Any], Callable[[], Any]], Any], tracked: Callable[[], bool] = lambda: True,
+) -> Callable[..., Any]:
+    """``compiled`` as Dynamo calls it, each ``tracked()`` call through ``run(inputs, call)``: one
+    list, which the callee frees, or for some recompiled graphs (sizes as ints) the arguments."""
+    boxed = getattr(compiled, "_boxed_call", False)
+
+    def called(*args: Any) -> Any:
+        if not tracked():
+            return compiled(*args)
+        return run(list(args[0]) if boxed and len(args) == 1 and isinstance(args[0], list) else args, lambda: compiled(*args))
+
+    called._boxed_call = boxed  # type: ignore[attr-defined]
+    return called
+
+
+def backward_node(out: Any, inputs: Sequence[Any], attached: Any, none_outputs: Any) -> Any:
+    """The autograd node a compiled forward's call made (or None), tagged as ``attached``'s (a
+    GradScaler's scale marks the step through it), noting None output gradients in ``none_outputs``."""
+    node = compiled_backward_node(out if isinstance(out, (list, tuple)) else [out], inputs)
+    if node is not None and attached is not None:
+        node.metadata[ATTACHED_NODE] = attached
+    if node is not None and none_outputs is not None:
+        node.register_prehook(none_outputs.note)
+    return node

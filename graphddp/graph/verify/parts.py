@@ -1,0 +1,99 @@
+"""The collectives of ``sharding="full"`` (P1-P3, P5, P6), checked on every graph it rewrites: each part
+reduce-scattered once after its gradients, averaged over its replicas, resharded as planned."""
+from __future__ import annotations
+
+import re
+from typing import Collection
+
+import torch
+import torch.fx as fx
+
+from graphddp.graph.capture import ancestors
+from graphddp.graph.invariants import on_group, over_replicas, waited_once
+from graphddp.graph.part_collectives import above_reduce_scatters
+from graphddp.graph.reshard import kept_gathered, kept_gathered_bytes
+from graphddp.graph.verify_common import _fail
+from graphddp.values.comm import ROLE_KEY, is_collective, is_wait
+from graphddp.values.placement import REPLICATE_WAIT, Placement
+
+_ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
+_PRIMAL = re.compile(r"primals_(\d+)$")
+
+
+def check_part_collectives(
+    gm: fx.GraphModule, backward: bool, reshard: bool = False, kept_bytes: int = 0, parts: Collection[str] | None = None,
+    placement: Placement | None = None,
+) -> None:
+    """P1-P3 on one rewritten graph; P2 on a ``backward`` (``parts``: the forward inputs' names of its
+    parts), P5 on a forward that ``reshard``s, P6 with a hybrid ``placement``."""
+    gm.graph.lint()
+    for issue in gm.graph.nodes:
+        if is_collective(issue):
+            waited_once(gm, issue, "P1", f"{issue.target}")
+    scatters = [n for n in gm.graph.nodes if is_collective(n) and n.meta.get(ROLE_KEY) == "reduce_scatter"]
+    for issue in scatters:
+        again = [a for a in ancestors(issue.args[0]) if is_wait(a) and a.meta.get(ROLE_KEY) == "reduce_scatter_wait"]
+        if again:
+            _fail(gm, issue, f"P3: {issue.name} reduce-scatters what {again[0].name} received: a gradient averaged twice")
+    if placement is not None and placement.hybrid:
+        check_replicated(gm, placement, _part_gradients(gm, parts) if backward else [])
+    if backward:
+        _check_part_gradients(gm, parts)
+    elif reshard:
+        _check_kept_gathers(gm, kept_bytes)
+
+
+def _check_kept_gathers(gm: fx.GraphModule, allowed: int) -> None:
+    held = kept_gathered_bytes(gm)
+    if held > allowed:
+        out = next(iter(kept_gathered(gm).values()))
+        _fail(gm, out, f"P5: the outputs of a forward that reshards hold {held} gathered bytes (e.g. {out.name}), "
+                       f"more than the {allowed} of the parts the backward reads first: kept for the backward instead of freed")
+
+
+def _check_part_gradients(gm: fx.GraphModule, parts: Collection[str] | None) -> None:
+    for name, index, grad in _part_gradients(gm, parts):
+        through, inputs = above_reduce_scatters(grad)  # stopping at reduce-scatter waits
+        around = next((n for n in inputs if n.name.startswith("tangents")), None)
+        if around or not through:
+            why = f"around a reduce-scatter (via {around.name})" if around else "without a reduce-scatter"
+            _fail(gm, grad, f"P2: the gradient of part {name} (output {index}) reads the incoming gradients {why}")
+
+
+def _part_gradients(gm: fx.GraphModule, parts: Collection[str] | None) -> list[tuple[str, int, fx.Node]]:
+    """(part's input name, output index, gradient node) of each part the backward returns a
+    gradient for; ``parts`` None: the inputs the backward gathers."""
+    outs = gm.graph.output_node().args[0]
+    if not isinstance(outs, (tuple, list)):
+        return []
+    if parts is None:
+        parts = [n.name for n in gm.graph.nodes if n.op == "placeholder" and any(u.meta.get(ROLE_KEY) == "gather" for u in n.users)]
+    found = []
+    for name in parts:
+        match = _PRIMAL.match(name)
+        if match is None:
+            continue
+        index = int(match.group(1)) - 1
+        grad = outs[index] if index < len(outs) else None
+        if isinstance(grad, fx.Node):  # else no gradient (a frozen part) or not this graph's to return
+            found.append((name, index, grad))
+    return found
+
+
+def check_replicated(gm: fx.GraphModule, placement: Placement, grads: list[tuple[str, int, fx.Node]]) -> None:
+    """P6 on a graph of hybrid ``placement``; ``grads``: its part gradients."""
+    assert placement.replicate is not None
+    nodes = [n for n in gm.graph.nodes if is_collective(n)]
+    for issue in nodes:
+        if issue.meta.get(ROLE_KEY) in ("gather", "reduce_scatter"):
+            on_group(gm, issue, placement.shard.name, "P6", "P6", "the shard group")
+    reduces = [n for n in nodes if n.target is _ALL_REDUCE]
+    for issue in (n for n in nodes if n.meta.get(ROLE_KEY) == "reduce_scatter"):
+        over_replicas(gm, issue, reduces, placement.replicate.name, "P6", "P6")
+    for name, index, grad in grads:
+        waits, _ = above_reduce_scatters(grad, also=(REPLICATE_WAIT,))  # stopping at either wait
+        around = next((w for w in waits if w.meta.get(ROLE_KEY) != REPLICATE_WAIT), None)
+        if around is not None:
+            _fail(gm, grad, f"P6: the gradient of part {name} (output {index}) reads {around.name} around the replicate all-reduce")
+        if not waits:
+            _fail(gm, grad, f"P6: the gradient of part {name} (output {index}) is not all-reduced over the replicate group")
