@@ -18,28 +18,18 @@ from graphddp.values.schedule import WAIT_AT_OUTPUT, Bucket, Schedule, dtype_nam
 
 
 @dataclasses.dataclass(frozen=True)
-class _Placement:
+class Anchors:
     """Where one bucket's communication goes in this graph, resolved from its names."""
 
     bucket: Bucket
-    issue: fx.Node  # the all-reduce chain goes right after this node
-    wait: fx.Node  # the wait and unflatten views go right before this node
+    issue: fx.Node  # its collective's issue goes right after this node
+    wait: fx.Node  # its wait (or update) and what follows go right before this node
 
 
 def _node_named(nodes: dict[str, fx.Node], bucket: Bucket, field: str, name: str) -> fx.Node:
     if name not in nodes:
         raise RuntimeError(f"graphddp: bucket {bucket.index}: {field} names node {name!r}, which is not in the graph")
     return nodes[name]
-
-
-def _issue_point(nodes: dict[str, fx.Node], placeholders: list[fx.Node], bucket: Bucket) -> fx.Node:
-    """The node the bucket's all-reduce chain follows; placeholders stay first."""
-    node = _node_named(nodes, bucket, "issue_after", bucket.issue_after)
-    return placeholders[-1] if node.op == "placeholder" else node
-
-
-def _wait_point(nodes: dict[str, fx.Node], output: fx.Node, bucket: Bucket) -> fx.Node:
-    return output if bucket.wait_before == WAIT_AT_OUTPUT else _node_named(nodes, bucket, "wait_before", bucket.wait_before)
 
 
 def _check_slots(bucket: Bucket, outs: Sequence[Any], order: dict[fx.Node, int], issue: fx.Node) -> None:
@@ -66,7 +56,7 @@ def _check_slots(bucket: Bucket, outs: Sequence[Any], order: dict[fx.Node, int],
             raise RuntimeError(f"{where}: issued after {issue.name}, before its producer {grad.name}")
 
 
-def place_buckets(gm: fx.GraphModule, schedule: Schedule, outs: Sequence[Any], only: set[int] | None = None) -> list[_Placement]:
+def place_buckets(gm: fx.GraphModule, schedule: Schedule, outs: Sequence[Any], only: set[int] | None = None) -> list[Anchors]:
     """Resolve every bucket's names to nodes (``only`` those buckets) and check the schedule fits the
     graph: well formed, each issue point before its wait point, each output the slot's gradient."""
     graph = gm.graph
@@ -77,20 +67,21 @@ def place_buckets(gm: fx.GraphModule, schedule: Schedule, outs: Sequence[Any], o
     problem = schedule.structure_error()
     if problem:
         raise RuntimeError(f"graphddp: {problem}")
-    placements = []
+    found = []
     for bucket in schedule.buckets:
         if only is not None and bucket.index not in only:
             continue
-        issue = _issue_point(nodes, placeholders, bucket)
-        wait = _wait_point(nodes, output, bucket)
+        issue = _node_named(nodes, bucket, "issue_after", bucket.issue_after)
+        issue = placeholders[-1] if issue.op == "placeholder" else issue  # placeholders stay first
+        wait = output if bucket.wait_before == WAIT_AT_OUTPUT else _node_named(nodes, bucket, "wait_before", bucket.wait_before)
         if order[wait] <= order[issue]:
             raise RuntimeError(
                 f"graphddp: bucket {bucket.index}: wait_before {wait.name} is not after the issue point "
                 f"{issue.name} (issue_after={bucket.issue_after!r})"
             )
         _check_slots(bucket, outs, order, issue)
-        placements.append(_Placement(bucket, issue, wait))
-    return placements
+        found.append(Anchors(bucket, issue, wait))
+    return found
 
 
 class IssuePoints:

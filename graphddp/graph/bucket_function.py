@@ -3,6 +3,9 @@
 :mod:`graphddp.graph.insert_comm` traces these on a graph's fake gradients; after ``no_sync`` a
 traced hook runs eagerly on the accumulated gradients instead (:func:`run_hook_eagerly`), with the
 same ``GradBucket`` and the same check of its result. Nothing here reads or edits a graph.
+
+A replicated bucket is reduced through its placement (:class:`~graphddp.values.placement.Whole`) with
+the :func:`carry_in` and :func:`receive` of a sharded one (:mod:`graphddp.optim.shard_functions`).
 """
 from __future__ import annotations
 
@@ -14,8 +17,8 @@ import torch
 from graphddp.graph.trace import fresh_copy, role
 from graphddp.hooks import builtin as hooks
 from graphddp.hooks.traced import GradBucket, HookState, StateSpec, TracedHook
-from graphddp.values.collectives import backend_of, kind
-from graphddp.values.comm import WAIT, gate_name
+from graphddp.values.comm import gate_name
+from graphddp.values.placement import Level, Placement, Whole
 from graphddp.values.schedule import Bucket, Schedule
 
 aten = torch.ops.aten
@@ -63,20 +66,33 @@ def _check_result(bucket: Bucket, hook_name: str, done: Any, verb: str = "return
         )
 
 
-def _builtin_fn(bucket: Bucket, hook: hooks.CommHook, schedule: Schedule, carry: bool = False) -> Callable[..., list[torch.Tensor]]:
-    """gradients -> flatten -> compress -> divide -> collective -> wait -> decompress -> views. With
-    ``carry``, each slot's gradient accumulated under ``no_sync`` follows as an input, added first
-    (DDP's bucket after ``no_sync`` holds the sum, and averages it once)."""
+def carry_in(grads: Sequence[torch.Tensor], carried: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    """Each gradient plus its slot's accumulated under ``no_sync`` (DDP's bucket after ``no_sync``
+    holds the sum, and averages it once)."""
+    if not carried:
+        return grads
+    with role("carry"):
+        return [aten.add.Tensor(g, acc) for g, acc in zip(grads, carried, strict=True)]
+
+
+def receive(placement: Placement, hook: hooks.CommHook, bucket: Bucket, pending: torch.Tensor) -> torch.Tensor:
+    """The reduce issued through ``placement``, waited, finished and decompressed: this rank's average."""
+    with role("wait"):
+        done = placement.finish_reduce(pending, tag=role)
+    with role("decompress"):
+        return hook.decompress(done, bucket)
+
+
+def _builtin_fn(bucket: Bucket, hook: hooks.CommHook, schedule: Schedule) -> Callable[..., list[torch.Tensor]]:
+    """gradients[, carried] -> flatten -> compress -> divide -> all-reduce -> wait -> decompress -> views;
+    gated, the all-reduce runs on the gate's group, which divides."""
     wire = getattr(torch, bucket.comm_dtype or bucket.dtype)
-    collective = kind(bucket.collective)
-    lowered = collective.lower(backend_of(schedule.group_name))
+    group = gate_name(schedule.group_name) if schedule.gated else schedule.group_name
+    placement = Whole(Level(group, schedule.world_size), reduce_kind=bucket.collective)
     n = len(bucket.slots)
 
     def run(*args: torch.Tensor) -> list[torch.Tensor]:
-        grads = args[:n]
-        if carry:
-            with role("carry"):
-                grads = tuple(aten.add.Tensor(g, acc) for g, acc in zip(grads, args[n:], strict=True))
+        grads = carry_in(args[:n], args[n:])
         with role("flatten"):
             flat = _flatten(grads, bucket)
         with role("compress"):
@@ -88,17 +104,12 @@ def _builtin_fn(bucket: Bucket, hook: hooks.CommHook, schedule: Schedule, carry:
         if schedule.gated:  # the gate divides, or holds the bucket local (graphddp.runtime.gate)
             with role("flatten"):
                 scaled = sent if n > 1 else fresh_copy(sent)  # the gate writes it in place
-            group = gate_name(schedule.group_name)
         else:
             with role("scale"):
                 scaled = aten.div.Tensor(sent, schedule.world_size)  # DDP pre-divides, after compressing
-            group = schedule.group_name
-        with role(collective.key):
-            reduced = lowered.issue(scaled, group, schedule.world_size)
-        with role("wait"):
-            done = lowered.finish(WAIT(reduced), schedule.world_size)
-        with role("decompress"):
-            done = hook.decompress(done, bucket)
+        with role(placement.reduce_kind):
+            reduced = placement.issue_reduce(scaled)
+        done = receive(placement, hook, bucket, reduced)
         _check_result(bucket, hook.name, done, "decompresses to")
         return _unflatten(done, bucket)
 

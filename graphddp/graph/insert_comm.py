@@ -39,7 +39,7 @@ from torch._guards import detect_fake_mode
 
 from graphddp.graph.bucket_function import HookContext, _builtin_fn, _user_fn
 from graphddp.graph.capture import descendants
-from graphddp.graph.anchors import IssuePoints, _Placement, place_buckets
+from graphddp.graph.anchors import Anchors, IssuePoints, place_buckets
 from graphddp.graph.trace import add_inputs, set_outputs, trace
 from graphddp.hooks import builtin as hooks
 from graphddp.hooks.traced import StateSpec, TracedHook
@@ -60,7 +60,7 @@ ZERO_FILL = "zero_fill"  # ROLE_KEY of the zeros a zero-filled slot's place carr
 class _Traced:
     """One bucket's function, traced on the graph's fake values but not yet in the graph."""
 
-    placement: _Placement
+    points: Anchors
     gm: fx.GraphModule  # (*gradients, *state tensors) -> one view per slot
     late: frozenset[fx.Node]  # nodes that go at the wait point; the rest at the issue point
     states: tuple[StateSpec, ...]  # the hook's state tensors, inputs after the gradients
@@ -76,7 +76,7 @@ def _hook_advice(e: Exception) -> str:
 
 
 def _trace_user_bucket(
-    p: _Placement, outs: Sequence[Any], zeros: Mapping[str, torch.Tensor], schedule: Schedule, hook: TracedHook, ctx: HookContext
+    p: Anchors, outs: Sequence[Any], zeros: Mapping[str, torch.Tensor], schedule: Schedule, hook: TracedHook, ctx: HookContext
 ) -> _Traced:
     bucket = p.bucket
     what = f"comm hook {hook.name!r} on bucket {bucket.index}"
@@ -139,12 +139,12 @@ def _late_part(gm: fx.GraphModule, what: str) -> frozenset[fx.Node]:
 
 
 def _trace_bucket(
-    p: _Placement, outs: Sequence[Any], zeros: Mapping[str, torch.Tensor], schedule: Schedule, hook: hooks.CommHook,
+    p: Anchors, outs: Sequence[Any], zeros: Mapping[str, torch.Tensor], schedule: Schedule, hook: hooks.CommHook,
     carried: Sequence[torch.Tensor] = (),
 ) -> _Traced:
     what = f"bucket {p.bucket.index} (hook {hook.name!r})"
     grads = [_value(slot, outs, zeros) for slot in p.bucket.slots]
-    gm = trace(_builtin_fn(p.bucket, hook, schedule, carry=bool(carried)), [*grads, *carried], what)
+    gm = trace(_builtin_fn(p.bucket, hook, schedule), [*grads, *carried], what)
     return _Traced(p, gm, _late_part(gm, what), ())
 
 
@@ -208,8 +208,9 @@ def _value(slot: GradSlot, outs: Sequence[Any], zeros: Mapping[str, torch.Tensor
 
 def _add_state_inputs(graph: fx.Graph, traced: Sequence[_Traced]) -> dict[int, list[fx.Node]]:
     return _add_inputs(graph, [
-        (t.placement.bucket.index, f"hook_state_{t.placement.bucket.index}_{spec.name}", ph.meta["val"], {ROLE_KEY: HOOK_STATE, HOOK_STATE_SPEC: spec})
-        for t in traced for spec, ph in zip(t.states, t.gm.graph.find_nodes(op="placeholder")[len(t.placement.bucket.slots):])
+        (t.points.bucket.index, f"hook_state_{t.points.bucket.index}_{spec.name}", ph.meta["val"],
+         {ROLE_KEY: HOOK_STATE, HOOK_STATE_SPEC: spec})
+        for t in traced for spec, ph in zip(t.states, t.gm.graph.find_nodes(op="placeholder")[len(t.points.bucket.slots):])
     ])
 
 
@@ -224,7 +225,7 @@ def insert_collectives(
     output = graph.output_node()
     outs: list[Any] = list(output.args[0])
     # A sharded bucket (reduce-scatter, its update, an all-gather) is the optimizer's pass's.
-    placements = [p for p in place_buckets(gm, schedule, outs) if p.bucket.collective != "reduce_scatter"]
+    anchors = [p for p in place_buckets(gm, schedule, outs) if p.bucket.collective != "reduce_scatter"]
     zero_values = _zero_values(graph, schedule)
     if carry and (isinstance(hook, TracedHook) or zero_values):
         raise ValueError(
@@ -233,11 +234,11 @@ def insert_collectives(
         )
     if isinstance(hook, TracedHook):
         ctx = context or HookContext(group=None)
-        traced = [_trace_user_bucket(p, outs, zero_values, schedule, hook, ctx) for p in placements]
+        traced = [_trace_user_bucket(p, outs, zero_values, schedule, hook, ctx) for p in anchors]
     else:
         traced = [
             _trace_bucket(p, outs, zero_values, schedule, hook or hooks.for_bucket(p.bucket), _slot_values(graph, p.bucket.slots, torch.empty) if carry else ())
-            for p in placements
+            for p in anchors
         ]
     # Edits start here, once every bucket has been placed and traced.
     states = _add_carried_inputs(graph, schedule.buckets) if carry else _add_state_inputs(graph, traced)
@@ -245,7 +246,7 @@ def insert_collectives(
     points = IssuePoints(graph, set(zeros.values()))  # issued at the start: after the zeros they may read
     results = []
     for t in traced:
-        p = t.placement
+        p = t.points
         grads = [zeros[slot.param_name] if slot.zero_filled else outs[slot.output_index] for slot in p.bucket.slots]
         results.append((p, points.splice(t.gm, grads + states.get(p.bucket.index, []), p.issue, t.late, p.wait, p.bucket.index)))
     for p, views in results:

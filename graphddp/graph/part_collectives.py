@@ -23,12 +23,9 @@ then keeps graphddp's order (``INDUCTOR_FX_ORDER_CONFIG``):
   where its last gradient is complete and waited right before the issue of the bucket ``lag``
   later (with the few ops that read its result), so ``lag`` travel while later gradients are
   computed and each full-size gradient dies after its send.
-* **on gloo** a reduce-scatter is an ``all_to_all_single`` and a sum of the parts received
-  (:data:`graphddp.values.collectives.REDUCE_SCATTER`'s gloo lowering: gloo's own reduce-scatter
-  sends an all-reduce's bytes), and a gather an ``all_to_all_single`` of the parts repeated
-  ``world`` times: two functional all-gathers in flight at once on gloo corrupt the heap (torch
-  2.13; ``python -m tools.gloo_gather_race``), and prefetching means several in flight. The cost
-  is the repeated parts, a bucket's gathered size, alive until its wait.
+* **per backend** every collective is issued and waited through the parts' placement, as its kind
+  lowers it (:mod:`graphddp.values.collectives`): on gloo all-to-alls, where prefetching's gathers
+  in flight would corrupt the heap; the cost is the parts repeated, a bucket's gathered size.
 * **hybrid** (a 2-D ``device_mesh=``) each part's gradient comes out of the frontend's gather
   reduce-scattered over the shard group and then all-reduced over the replicate group; a
   bucket does the same once for all its parts, from the parts'
@@ -52,12 +49,11 @@ from graphddp.graph.part_facts import ALL_GATHER, Pair, part_facts, part_gathers
 from graphddp.graph.anchors import IssuePoints
 from graphddp.graph.trace import role, role_of, splice, trace
 from graphddp.plan.parts import plan_part_buckets
-from graphddp.values.comm import ROLE_KEY, is_wait
+from graphddp.values import collectives
+from graphddp.values.comm import CAST, ROLE_KEY, is_wait
 from graphddp.values.part_schedule import GATHER, REDUCE_SCATTER, PartBucket, PartCap, PartGraph
 from graphddp.values.placement import Placement, flat as flat_placement
 
-_REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
 # Gather buckets in flight ahead of the one being read. Two: with one the forward is link-bound
 # throughout, and three is slower (figures: docs/full-sharding.md, "Two gather buckets ahead"). The
 # first two go out in bucket order (_bucket_gathers), or bucket 0 waits behind bucket 1.
@@ -146,7 +142,7 @@ def _one_wait_each(graph: fx.Graph) -> None:
     (AOTAutograd's min-cut) eliminates common subexpressions, which merges the collectives and
     keeps the waits apart. Each wait gets its own copy of the collective back, as AOTAutograd
     traced them: each gradient is one slot of a bucket."""
-    for issue in [n for n in graph.nodes if n.target is _REDUCE_SCATTER]:
+    for issue in [n for n in graph.nodes if n.target is collectives.REDUCE_SCATTER.op]:
         for wait in [u for u in issue.users if is_wait(u)][1:]:
             with graph.inserting_before(wait):
                 twin = graph.node_copy(issue)
@@ -174,10 +170,10 @@ def _gather_fn(placement: Placement, sizes: Sequence[int], dtype: torch.dtype) -
     def gather(*parts: torch.Tensor) -> list[torch.Tensor]:
         with role("gather"):
             # a policy's param_dtype: cast, then sent (the prim inductor lowers: it has no _to_copy)
-            parts = tuple(p if p.dtype == dtype else torch.ops.prims.convert_element_type.default(p, dtype) for p in parts)
+            parts = tuple(p if p.dtype == dtype else CAST(p, dtype) for p in parts)
             sent = placement.issue_gather(torch.cat(parts) if len(parts) > 1 else parts[0])
         with role("gather_wait"):
-            rows = _WAIT(sent).view(world, total)
+            rows = placement.finish_gather(sent).view(world, total)
             out, at = [], 0
             for c in sizes:  # each parameter's gathered layout: its parts in rank order
                 out.append(rows[:, at:at + c].reshape(-1))

@@ -109,7 +109,7 @@ def insert_sharded_updates(
     reduces = {}  # max_grad_norm: per bucket, the trace of its reduce-scatter to its part and its norms' shares
     for shard in shards if clipped else ():
         b = shard.bucket
-        fn = reduce_fn(shard, hook or hooks.for_bucket(b), b.index in carried, schedule.grad_norm_type)
+        fn = reduce_fn(shard, hook or hooks.for_bucket(b), schedule.grad_norm_type)
         reduces[b.index] = trace(fn, gradients(b), f"sharded bucket {b.index}'s average", decompositions)
     coef = _coefficient_value(list(reduces.values()), fake_mode) if clipped else None
     rests = {shard.bucket.index: state_values(shard, fake_mode, inputs.values) for shard in shards}  # after the parameters

@@ -10,12 +10,11 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from graphddp.graph.bucket_function import flat_view
+from graphddp.graph.bucket_function import carry_in, flat_view, receive
 from graphddp.graph.trace import fresh_copy, role
 from graphddp.hooks import builtin as hooks
 from graphddp.optim import clip
 from graphddp.optim.attached import F64, UPDATES, UpdateRule, fake_state
-from graphddp.values.comm import WAIT
 from graphddp.values.placement import Placement
 from graphddp.values.schedule import Bucket
 from graphddp.values.shards import chunk, part
@@ -36,7 +35,7 @@ class ShardLayout:
 
     @property
     def world(self) -> int:
-            return self.placement.shard.size
+        return self.placement.shard.size
 
     @property
     def groups(self) -> list[int]:
@@ -47,7 +46,7 @@ class ShardLayout:
         return [chunk(s.numel, self.world) for s in self.bucket.slots]
 
     def owned(self) -> list[int]:
-            return [i for i, (lo, hi) in enumerate(self.parts) if hi > lo]
+        return [i for i, (lo, hi) in enumerate(self.parts) if hi > lo]
 
 
 def shard_layout(bucket: Bucket, rules: Mapping[str, UpdateRule], groups: Mapping[str, int], placement: Placement, rank: int) -> ShardLayout:
@@ -80,9 +79,7 @@ def _issue(shard: ShardLayout, hook: hooks.CommHook, grads: Sequence[torch.Tenso
     """The bucket's gradients (plus ``carried``, accumulated under ``no_sync``) flattened, compressed,
     divided by the placement's world and reduce-scattered; returns what to wait on."""
     bucket, world = shard.bucket, shard.world
-    if carried:
-        with role("carry"):
-            grads = [aten.add.Tensor(g, acc) for g, acc in zip(grads, carried, strict=True)]
+    grads = carry_in(grads, carried)
     # Cast and divide each gradient's columns before they are concatenated (elementwise, so
     # the same values): inductor then writes the concatenation in one pass, where a division
     # after it took a second whole-bucket buffer, alive next to the first.
@@ -99,13 +96,6 @@ def _issue(shard: ShardLayout, hook: hooks.CommHook, grads: Sequence[torch.Tenso
         scaled = aten.view.default(aten.cat.default(columns, 1) if len(columns) > 1 else columns[0], [-1])
     with role(SHARDED):
         return shard.placement.issue_reduce(scaled)
-
-
-def _receive(shard: ShardLayout, hook: hooks.CommHook, pending: torch.Tensor) -> torch.Tensor:
-    with role("wait"):
-        done = shard.placement.finish_reduce(pending, tag=role)
-    with role("decompress"):
-        return hook.decompress(done, shard.bucket)
 
 
 def _copies(shard: ShardLayout, params: Sequence[torch.Tensor], private: bool) -> list[torch.Tensor]:
@@ -152,21 +142,21 @@ def update_fn(shard: ShardLayout, hook: hooks.CommHook, private: bool, carry: bo
         grads, carried, params, rest = args[:n], args[n:m], args[m:m + n], list(args[m + n:])
         pending = _issue(shard, hook, grads, carried)
         work = _copies(shard, params, private)
-        return _step(shard, _receive(shard, hook, pending), work, rest)
+        return _step(shard, receive(shard.placement, hook, shard.bucket, pending), work, rest)
 
     return run
 
 
 def reduce_fn(
-    shard: ShardLayout, hook: hooks.CommHook, carry: bool, norm_type: float,
+    shard: ShardLayout, hook: hooks.CommHook, norm_type: float,
 ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """``max_grad_norm``, first half: (grads[, carried]) -> (this rank's part of the average, its
     :func:`~graphddp.optim.clip.part_norms`); the update waits for every bucket's shares."""
     n = len(shard.bucket.slots)
 
     def run(*args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        grads, carried = args[:n], args[n:] if carry else ()
-        grad_part = _receive(shard, hook, _issue(shard, hook, grads, carried))
+        grads, carried = args[:n], args[n:]
+        grad_part = receive(shard.placement, hook, shard.bucket, _issue(shard, hook, grads, carried))
         return grad_part, clip.part_norms(grad_part, [hi - lo for lo, hi in shard.parts], shard.chunks, norm_type)
 
     return run
@@ -204,7 +194,7 @@ def write_fn(shard: ShardLayout) -> Callable[..., list[torch.Tensor]]:
 
     def run(gathered: torch.Tensor, *params: torch.Tensor) -> list[torch.Tensor]:
         with role("wait"):
-            full = WAIT(gathered)
+            full = shard.placement.finish_gather(gathered)
         with role("write"):
             rows = aten.view.default(full, [world, width])
             at, written = 0, []

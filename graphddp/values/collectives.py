@@ -9,7 +9,8 @@ layer that used to assume an all-reduce asks the kind instead:
 * the rewrite: :meth:`CollectiveKind.lower`, the :class:`Lowering` for the process group's
   backend: the traced call that merges a bucket's scaled flat buffer (its result is waited on
   with ``wait_tensor``, like every functional collective) and what turns the waited result
-  into the kind's result;
+  into the kind's result, issued through the bucket's :class:`~graphddp.values.placement.Placement`
+  in every mode;
 * the verifier: :attr:`CollectiveKind.ops`, the ops a bucket of this kind may be issued with;
 * the code readers (:mod:`graphddp.graph.codeinspect`, :mod:`graphddp.runtime.failures`):
   :func:`issue_pattern`, the ops' spelling in generated code.
@@ -29,8 +30,7 @@ the same rank-major result, one more part-sized buffer per bucket in flight. Whe
 the same op on a backend as another kind (gloo: both are all-to-alls), a node's kind is its
 role (``graphddp.graph.trace.role``), not its op.
 
-All-reduce is the first kind. A new kind (a reduce-scatter per bucket, an all-gather of
-updated slices) is a new :class:`CollectiveKind` in :data:`KINDS`: no layer above changes.
+A new kind is a new :class:`CollectiveKind` in :data:`KINDS`: no layer above changes.
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""The one collective vocabulary graphddp emits, and predicates to recognise it.
+"""The ops every collective of graphddp's ends in, and predicates to recognise them.
 
-graphddp writes exactly two collective ops into graphs: the in-place functional all-reduce
-``_c10d_functional.all_reduce_`` (on a fresh flat bucket, so no extra buffer is allocated)
-and ``_c10d_functional.wait_tensor``. Every pass and the verifier use these helpers, so the
-vocabulary lives in one place.
+graphddp's collectives are kinds lowered per backend (:mod:`graphddp.values.collectives`), issued
+through a bucket's placement (:mod:`graphddp.values.placement`) and each waited by
+``_c10d_functional.wait_tensor``; a replicated bucket's is the in-place all-reduce, on a fresh flat
+bucket, so no extra buffer is allocated. Every pass and verifier recognises them with these helpers.
 """
 from __future__ import annotations
 
@@ -12,15 +12,6 @@ import torch.fx as fx
 
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce_.default
 WAIT = torch.ops._c10d_functional.wait_tensor.default
-COLLECTIVES = (
-    torch.ops._c10d_functional.all_reduce_.default,
-    torch.ops._c10d_functional.reduce_scatter_tensor.default,
-    torch.ops._c10d_functional.all_gather_into_tensor.default,
-    torch.ops._c10d_functional.all_to_all_single.default,  # a reduce-scatter's on gloo
-    torch.ops._c10d_functional.all_reduce.default,
-    torch.ops._c10d_functional.all_reduce_coalesced.default,
-    torch.ops._c10d_functional.all_reduce_coalesced_.default,
-)
 
 # Meta keys graphddp sets on nodes it creates; the verifier and renderers read them.
 BUCKET_KEY = "graphddp_bucket"
@@ -28,10 +19,6 @@ ROLE_KEY = "graphddp_role"
 # ROLE_KEY of a backward input that carries a gradient accumulated under no_sync into its bucket
 # (graph.insert_comm), and the meta key naming its parameter.
 CARRIED = "carried_gradient"
-
-
-def is_all_reduce(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target in COLLECTIVES
 
 
 def is_collective(node: fx.Node) -> bool:

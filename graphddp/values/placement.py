@@ -1,4 +1,4 @@
-"""Where a sharded bucket's tensors live, and the collectives that follow from it.
+"""Where a bucket's tensors live, and the collectives that follow from it.
 
 A bucket is replicated (every rank holds it whole and all-reduces it) or sharded: each rank of
 a *shard group* holds one part of it, so its gradient is reduce-scattered over that group and,
@@ -13,7 +13,8 @@ between groups carries 1/S of the bytes with S ranks per shard group.
 gather from it) and ``sharding="full"`` (:mod:`graphddp.frontend.parts` gathers each parameter
 and reduces its gradient through it; :mod:`graphddp.graph.part_collectives` buckets them through
 it). The functions below are traced into graphs, so both modes issue the same collectives, in
-the same order, from one definition; a placement's cost is :meth:`Placement.reduce_seconds`.
+the same order, from one definition; a placement's cost is :meth:`Placement.reduce_seconds`. A
+replicated bucket's is :class:`Whole` (:mod:`graphddp.graph.bucket_function`): its reduce the all-reduce.
 
 Group names differ between ranks of different shard groups (each group registers its own), so
 a schedule's fingerprint keeps the sizes only (:meth:`Placement.shape`).
@@ -21,14 +22,14 @@ a schedule's fingerprint keeps the sizes only (:meth:`Placement.shape`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from graphddp.values.collectives import backend_of, kind
+from graphddp.values.collectives import Lowering, backend_of, kind
+from graphddp.values.comm import WAIT
 from graphddp.values.prediction import CostModel
 
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
 _ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default  # out of place: also traced by AOTAutograd
 REPLICATE = "replicate"  # ROLE_KEY of the all-reduce of a part over the replicate group
 REPLICATE_WAIT = "replicate_wait"
@@ -48,6 +49,7 @@ class Placement:
 
     shard: Level
     replicate: Level | None = None
+    reduce_kind: ClassVar[str] = "reduce_scatter"  # the collective of issue_reduce, by its kind's key
 
     @property
     def world(self) -> int:
@@ -67,20 +69,23 @@ class Placement:
             return f"sharded over {self.shard.size} ranks"
         return f"sharded over {self.shard.size} ranks, replicated over {self.replicate.size}"  # type: ignore[union-attr]
 
-    # -- traced: the collectives of a sharded bucket -------------------------------------------
+    # -- traced: the collectives of a bucket ---------------------------------------------------
+
+    def _lowered(self, key: str) -> Lowering:
+        return kind(key).lower(backend_of(self.shard.name))
 
     def issue_reduce(self, scaled: torch.Tensor) -> torch.Tensor:
-        """The reduce-scatter of a flat buffer already divided by :attr:`world`, rank-major
-        (``[shard size, part]``), over the shard group; returns what :meth:`finish_reduce` waits on."""
-        low = kind("reduce_scatter").lower(backend_of(self.shard.name))
-        return low.issue(scaled, self.shard.name, self.shard.size)
+        """The reduce of a flat buffer already divided by :attr:`world`, over the shard group: the
+        reduce-scatter of a rank-major buffer (``[shard size, part]``), or :class:`Whole`'s
+        all-reduce; returns what :meth:`finish_reduce` waits on."""
+        return self._lowered(self.reduce_kind).issue(scaled, self.shard.name, self.shard.size)
 
     def finish_reduce(self, pending: torch.Tensor, tag: Any = None) -> torch.Tensor:
-        """This rank's part of the average: the reduce-scatter waited and finished, then with a
+        """This rank's part of the average: the reduce waited and finished, then with a
         replicate group the part all-reduced over it and waited. ``tag``: a context manager
         factory (``graphddp.graph.trace.role``) to mark the replicate all-reduce's nodes."""
-        low = kind("reduce_scatter").lower(backend_of(self.shard.name))
-        return self.average_replicas(low.finish(_WAIT(pending), self.shard.size), tag)
+        done = self._lowered(self.reduce_kind).finish(WAIT(pending), self.shard.size)
+        return self.average_replicas(done, tag)
 
     def average_replicas(self, done: torch.Tensor, tag: Any = None) -> torch.Tensor:
         """A reduce-scatter's finished part, all-reduced over the replicate group and waited
@@ -90,22 +95,25 @@ class Placement:
             return done
         assert self.replicate is not None
         if tag is None:
-            return _WAIT(_ALL_REDUCE(done, "sum", self.replicate.name))
+            return WAIT(_ALL_REDUCE(done, "sum", self.replicate.name))
         with tag(REPLICATE):
             issued = _ALL_REDUCE(done, "sum", self.replicate.name)
         with tag(REPLICATE_WAIT):
-            return _WAIT(issued)
+            return WAIT(issued)
 
     def issue_gather(self, part: torch.Tensor) -> torch.Tensor:
-        """Every shard rank's ``part``, rank-major, over the shard group; not waited."""
-        return kind("all_gather").lower(backend_of(self.shard.name)).issue(part, self.shard.name, self.shard.size)
+        """Every shard rank's ``part``, rank-major, over the shard group; :meth:`finish_gather` waits on it."""
+        return self._lowered("all_gather").issue(part, self.shard.name, self.shard.size)
+
+    def finish_gather(self, pending: torch.Tensor) -> torch.Tensor:
+        return self._lowered("all_gather").finish(WAIT(pending), self.shard.size)
 
     # -- cost ------------------------------------------------------------------------------------
 
     def reduce_seconds(self, cost: CostModel, nbytes: int) -> float:
         """Link time of one bucket's reduce (``nbytes`` whole): the reduce-scatter over the shard
         group, then, hybrid, the all-reduce of a part (1/S of the bytes) over the replicate group."""
-        seconds = kind("reduce_scatter").seconds(cost, nbytes, self.shard.size)
+        seconds = kind(self.reduce_kind).seconds(cost, nbytes, self.shard.size)
         if self.hybrid:
             assert self.replicate is not None
             seconds += kind("all_reduce").seconds(cost, nbytes // self.shard.size, self.replicate.size)
@@ -126,6 +134,14 @@ class Placement:
             return None
         replicate = data.get("replicate")
         return cls(Level(**data["shard"]), Level(**replicate) if replicate else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Whole(Placement):
+    """A replicated bucket: whole on every rank of its one group (``shard``), so its reduce is the
+    bucket's collective (an all-reduce kind), through the same lowerings as a sharded bucket's."""
+
+    reduce_kind: str = "all_reduce"  # type: ignore[misc]
 
 
 def flat(name: str, size: int) -> Placement:

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import graphddp
 from graphddp.testing import paired_grads
-from graphddp.values.comm import BUCKET_KEY, is_all_reduce
+from graphddp.values.comm import BUCKET_KEY, is_collective
 
 # Small caps: several buckets per graph, so bucketing (and its dtype split) is exercised.
 CAPS = {"bucket_cap_mb": 0.01, "first_bucket_cap_mb": 0.002}
@@ -146,7 +146,7 @@ def _assert_buckets_single_dtype(ours) -> set[str]:
             seen.add(bucket.dtype)
         # The flat buffer the graph actually all-reduces has the bucket's dtype (a cat of mixed
         # dtypes would silently promote).
-        reduced = [n for n in record.graph.graph.nodes if is_all_reduce(n)]
+        reduced = [n for n in record.graph.graph.nodes if is_collective(n)]
         assert len(reduced) == len(schedule.buckets)
         for node in reduced:
             bucket = schedule.buckets[node.meta[BUCKET_KEY]]

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import graphddp
 from graphddp import models
 from graphddp.testing import spawn
-from graphddp.values.comm import is_all_reduce
+from graphddp.values.comm import is_collective
 
 
 # -- 6. process groups -------------------------------------------------------------------------------
@@ -122,7 +122,7 @@ def _single_rank(rank: int, world: int) -> None:
         torch.testing.assert_close(p, named[name], **FP32_TOL)
     assert [s.world_size for s in ours.schedules] == [1]
     for record in ours.records:  # one rank: nothing to average, no collective in the graph
-        assert not any(is_all_reduce(n) for n in record.graph.graph.nodes)
+        assert not any(is_collective(n) for n in record.graph.graph.nodes)
 
 
 def test_world_size_one_equals_local_training():

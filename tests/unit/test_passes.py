@@ -22,7 +22,7 @@ from graphddp.graph.capture import extract_facts, is_compute, output_nodes
 from graphddp.graph.insert_comm import insert_collectives
 from graphddp.graph.verify import verify
 from graphddp.plan.planner import plan
-from graphddp.values.comm import BUCKET_KEY, CAST, ROLE_KEY, is_all_reduce, is_wait
+from graphddp.values.comm import BUCKET_KEY, CAST, ROLE_KEY, is_collective, is_wait
 
 aten = torch.ops.aten
 KIB = 1 / 1024  # in MB
@@ -80,7 +80,7 @@ def positions(gm):
 
 
 def all_reduces(gm):
-    return [n for n in gm.graph.nodes if is_all_reduce(n)]
+    return [n for n in gm.graph.nodes if is_collective(n)]
 
 
 def waits(gm):
