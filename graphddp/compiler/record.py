@@ -1,5 +1,5 @@
-"""What graphddp did to one backward graph: :class:`GraphRecord`, below both the backend and the
-compile cache that make records, so that neither imports the other for it.
+"""What graphddp did to one compiled graph, in every mode: :class:`GraphRecord`, below both the
+backends and the compile cache that make records, so that none imports another for it.
 """
 from __future__ import annotations
 
@@ -11,21 +11,30 @@ import torch.fx as fx
 from graphddp.graph.insert_comm import HOOK_STATE
 from graphddp.optim.insert_update import UPDATE_INPUT
 from graphddp.values.comm import CARRIED, ROLE_KEY
+from graphddp.values.part_schedule import PartGraph
 from graphddp.values.schedule import Schedule
 
 
 # The records' key of a graph's carrying variant: each bucket also takes the gradients
 # accumulated under no_sync (graphddp.graph.insert_comm, carry=True).
 CARRY = "carry"
+# Full sharding's key of a backward's variant that updates its parts inside.
+UPDATING = "backward_update"
 
 
 @dataclasses.dataclass
 class GraphRecord:
-    """What graphddp did to one backward graph: the plan, the graph, and inductor's code."""
+    """What graphddp did to one compiled graph: its ``kind``, the graph, its plan (``schedule``: a
+    replicated or ``sharding="optimizer"`` backward's :class:`Schedule`, full sharding's
+    :class:`PartGraph` for a forward or a backward; None for a forward it does not plan), inductor's
+    code where inductor compiled it, and the variants compiled beside it. One type for every mode,
+    so ``model.records`` and ``model.graphs`` (:func:`graphs_of`) read the same in each."""
 
-    schedule: Schedule
+    schedule: Schedule | PartGraph | None
     graph: fx.GraphModule
     generated_code: str | None = None
+    kind: str = "backward"  # "forward", "backward", or a variant's key in its graph's variants
+    index: int = 0  # the Dynamo graph it came from
     # With an optimizer: the graph before insert_update (all-reduces only), for the steps
     # the graph cannot update alone.
     without_update: fx.GraphModule | None = None
@@ -35,7 +44,14 @@ class GraphRecord:
     # With an optimizer: parameters whose update torch's step took over after the backward, by
     # reason (StepState.not_inside), as of the last step it happened.
     fallbacks: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
-    carrying: "GraphRecord | None" = None  # the carrying variant's record, where the graph has one
+    # Variants compiled beside the graph, by kind: the carrying one (CARRY), full sharding's
+    # backward that updates its parts inside (UPDATING).
+    variants: dict[str, "GraphRecord"] = dataclasses.field(default_factory=dict)
+
+    @property
+    def carrying(self) -> "GraphRecord | None":
+        """The carrying variant's record, where the graph has one."""
+        return self.variants.get(CARRY)
 
     @staticmethod
     def _inputs(graph: fx.GraphModule, *roles: str) -> list[Any]:
@@ -51,3 +67,8 @@ class GraphRecord:
         user hook's state, or the carried gradients."""
         graph = self.without_update if self.without_update is not None else self.graph
         return self._inputs(graph, CARRIED, HOOK_STATE)
+
+
+def graphs_of(records: list[GraphRecord]) -> list[tuple[str, fx.GraphModule]]:
+    """Every compiled graph of ``records``, in order, each followed by its variants: ``model.graphs``."""
+    return [pair for r in records for pair in ((r.kind, r.graph), *((k, v.graph) for k, v in r.variants.items()))]

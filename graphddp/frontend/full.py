@@ -48,6 +48,7 @@ import torch.nn as nn
 
 from graphddp.compiler.full import Compiled, fully_sharded_compiler
 from graphddp.compiler.full_updates import PartUpdates
+from graphddp.compiler.record import GraphRecord
 from graphddp.config import DDPConfig
 from graphddp.frontend.full_state import WholeTensors
 from graphddp.frontend.mesh import MeshGroups
@@ -88,7 +89,6 @@ class FullyShardedState:
         self.record = Compiled(
             {id(p.part): p.names[0] for p in parts.values()}, self.world_size, updates, groups.whole, placement=groups.placement
         )
-        self.graphs = self.record.graphs  # every compiled forward and backward, in order
         self.whole_tensors = WholeTensors(parts, groups.shard)
         self.whole_tensors.install(module)
         self.compile_graph = fully_sharded_compiler(config, self.record)
@@ -106,13 +106,18 @@ class FullyShardedState:
         return dict(self._by_name)
 
     @property
+    def records(self) -> list[GraphRecord]:
+        """Every compiled forward's and backward's record, in order, each with its plan."""
+        return list(self.record.records)
+
+    @property
     def schedules(self) -> list[FullSchedule]:
         """One :class:`~graphddp.values.part_schedule.FullSchedule` per Dynamo graph compiled so
         far: its forward's and backward's collectives as planned, placed as the compiled graphs
         have them, and what this rank holds."""
         by_index: dict[int, dict[str, PartGraph]] = {}
-        for index, graph in self.record.described:
-            by_index.setdefault(index, {})[graph.kind] = graph
+        for record in self.records:
+            by_index.setdefault(record.index, {})[record.kind] = record.schedule
         return [
             FullSchedule(
                 graph_index=index, world_size=self.world_size, reshard_after_forward=self.config.reshard_after_forward,
@@ -132,7 +137,7 @@ class FullyShardedState:
         states = [self.optimizer.state.get(p, {}) for p in parts]
         state = sum(size(v) for st in states for v in st.values() if isinstance(v, torch.Tensor))
         graphs = [g for g in (forward, backward) if g is not None]
-        inside = {n for _, g in self.record.described for n in g.updates}
+        inside = {n for r in self.records for n in r.schedule.updates}
         kept = 0 if forward is None else forward.kept_bytes
         return RankMemory(
             parameters=sum(size(p) for p in parts),

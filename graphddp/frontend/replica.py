@@ -118,7 +118,7 @@ class Replica:
 
     @property
     def schedules(self) -> list[Schedule]:
-        return [r.schedule for r in self._records]
+        return [r.schedule for r in self._records if r.kind == "backward"]
 
     @property
     def hook_state(self) -> Any:
