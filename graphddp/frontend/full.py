@@ -48,7 +48,6 @@ import torch.nn as nn
 
 from graphddp.compiler.full import Compiled, fully_sharded_compiler
 from graphddp.compiler.full_updates import PartUpdates
-from graphddp.compiler.record import GraphRecord
 from graphddp.config import DDPConfig
 from graphddp.frontend.full_state import WholeTensors
 from graphddp.frontend.mesh import MeshGroups
@@ -89,6 +88,7 @@ class FullyShardedState:
         self.record = Compiled(
             {id(p.part): p.names[0] for p in parts.values()}, self.world_size, updates, groups.whole, placement=groups.placement
         )
+        self.records = self.record.records  # every compiled graph's, in order
         self.whole_tensors = WholeTensors(parts, groups.shard)
         self.whole_tensors.install(module)
         self.compile_graph = fully_sharded_compiler(config, self.record)
@@ -104,11 +104,6 @@ class FullyShardedState:
         """Every parameter name of the wrapped module (tied weights: each of theirs) and the part
         this rank holds for it."""
         return dict(self._by_name)
-
-    @property
-    def records(self) -> list[GraphRecord]:
-        """Every compiled forward's and backward's record, in order, each with its plan."""
-        return list(self.record.records)
 
     @property
     def schedules(self) -> list[FullSchedule]:
