@@ -185,6 +185,7 @@ class GraphCompiler(InGraphUpdates, HookRuntime, BackwardRewrite):
             }
             if carrying is not None and self.carries_for(records[phases[-1]].schedule):
                 records[CARRY] = self.rewrite_backward(carrying, param_inputs, graph_index, shared.fw_values, carry=True)
+                records[CARRY].kind = CARRY
             return records
 
         def dispatch(

@@ -24,16 +24,15 @@ UPDATING = "backward_update"
 
 @dataclasses.dataclass
 class GraphRecord:
-    """What graphddp did to one compiled graph: its ``kind``, the graph, its plan (``schedule``: a
-    replicated or ``sharding="optimizer"`` backward's :class:`Schedule`, full sharding's
-    :class:`PartGraph` for a forward or a backward; None for a forward it does not plan), inductor's
-    code where inductor compiled it, and the variants compiled beside it. One type for every mode,
-    so ``model.records`` and ``model.graphs`` (:func:`graphs_of`) read the same in each."""
+    """What graphddp did to one compiled graph, one type for every mode so that ``model.records``
+    and ``model.graphs`` read the same in each: the plan (a replicated or sharded backward's
+    :class:`Schedule`, full sharding's :class:`PartGraph`; None for a forward it does not plan),
+    the graph, inductor's code where inductor compiled it, and the variants compiled beside it."""
 
     schedule: Schedule | PartGraph | None
     graph: fx.GraphModule
     generated_code: str | None = None
-    kind: str = "backward"  # "forward", "backward", or a variant's key in its graph's variants
+    kind: str = "backward"  # "forward", "backward", or a variant's key (CARRY, UPDATING)
     index: int = 0  # the Dynamo graph it came from
     # With an optimizer: the graph before insert_update (all-reduces only), for the steps
     # the graph cannot update alone.
@@ -71,4 +70,4 @@ class GraphRecord:
 
 def graphs_of(records: list[GraphRecord]) -> list[tuple[str, fx.GraphModule]]:
     """Every compiled graph of ``records``, in order, each followed by its variants: ``model.graphs``."""
-    return [pair for r in records for pair in ((r.kind, r.graph), *((k, v.graph) for k, v in r.variants.items()))]
+    return [(r.kind, r.graph) for record in records for r in (record, *record.variants.values())]

@@ -87,6 +87,7 @@ def test_records_and_graphs_mean_the_same_in_every_mode(fake_world, sharding, pl
     assert (record.kind, record.index, type(record.schedule), list(record.variants)) == ("backward", 0, plan, [variant])
     assert [kind for kind, _ in ours.graphs] == ["forward", "backward", variant]
     assert ours.graphs[1][1] is record.graph and ours.graphs[2][1] is record.variants[variant].graph
+    assert record.variants[variant].kind == variant
     assert len(ours.schedules) == 1
 
 
