@@ -26,6 +26,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from graphddp.compiler.aot import Compiler, Passes, as_dynamo_calls, backward_node, checked_settings, compile_aot
 from graphddp.compiler.full_updates import Compile, PartUpdates, UpdatingBackward
+from graphddp.compiler.record import UPDATING, GraphRecord
 from graphddp.config import MB, DDPConfig
 from graphddp.config.inductor_settings import INDUCTOR_FX_ORDER_CONFIG
 from graphddp.graph import reshard
@@ -44,10 +45,9 @@ from graphddp.values.placement import Placement
 
 @dataclasses.dataclass
 class Compiled:
-    """What the compiler of one fully sharded module keeps: every compiled forward and backward
-    graph (``model.graphs``; a backward's variant that updates its parts as
-    ``"backward_update"``), and each one's buckets as planned and placed, under the index of the
-    Dynamo graph it came from (``model.schedules``). ``names_by_id``: the parts' names, by the
+    """What the compiler of one fully sharded module keeps: a record of every compiled forward and
+    backward graph with its plan (its buckets as planned and placed: ``model.schedules``) and a
+    backward's variant that updates its parts (:data:`UPDATING`). ``names_by_id``: the parts' names, by the
     id of the part Dynamo passes as a graph input. ``updates``: the optimizer inside the
     backward (:mod:`graphddp.compiler.full_updates`), None where it steps after it."""
 
@@ -56,8 +56,7 @@ class Compiled:
     updates: PartUpdates | None = None
     group: Any = None  # every rank's process group: what they agree over (an unused part)
     placement: Placement | None = None  # where the parts' gradients are averaged (hybrid: the replicate group too)
-    graphs: list[tuple[str, fx.GraphModule]] = dataclasses.field(default_factory=list)
-    described: list[tuple[int, PartGraph]] = dataclasses.field(default_factory=list)
+    records: list[GraphRecord] = dataclasses.field(default_factory=list)
     dynamo_graphs: int = 0
 
 
@@ -136,7 +135,6 @@ class _Graph(CustomGraphPass):
         plan = _placed(gm, self.config, self.compiled.world_size, backward, self.kept, tuple(self.names), self.compiled.placement)
         kind = "backward" if backward else "forward"
         compiled, updates = self.compiled, self.compiled.updates
-        compiled.graphs.append((kind, gm))
         variant = None
         if updates is not None and not backward:
             updates.forward_compiled(self.index, gm, self.names)
@@ -145,10 +143,11 @@ class _Graph(CustomGraphPass):
         described, wrong = describe_part_collectives(gm, plan, compiled.world_size, self.names)
         if self.config.verify and wrong:
             raise VerificationError(f"graphddp: the {kind} graph's buckets are not the ones planned: " + "; ".join(wrong))
+        record = GraphRecord(described, gm, kind=kind, index=self.index)
         if variant is not None:
-            compiled.graphs.append(("backward_update", variant.graph))
-            described = dataclasses.replace(described, updates=variant.names)
-        compiled.described.append((self.index, described))
+            record.schedule = dataclasses.replace(described, updates=variant.names)
+            record.variants[UPDATING] = GraphRecord(record.schedule, variant.graph, kind=UPDATING, index=self.index)
+        compiled.records.append(record)
         return variant
 
     def forward_pass(self, gm: fx.GraphModule, compiler: Compiler, inference: bool) -> Any:

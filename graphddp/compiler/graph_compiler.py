@@ -170,6 +170,7 @@ class GraphCompiler(InGraphUpdates, HookRuntime, BackwardRewrite):
         def record_forward(fw: fx.GraphModule) -> None:
             like = self.frames.like(self._frame(graph_index), param_inputs.values())
             run_passes(self.forward_passes, fw, like, param_inputs=param_inputs, shared=shared, graph_index=graph_index)
+            self.on_record(GraphRecord(None, fw, kind="forward", index=graph_index))
 
         phases = self.hook.phases if self.hook is not None else ("sync",)  # keys of self._phase()
 
@@ -184,6 +185,7 @@ class GraphCompiler(InGraphUpdates, HookRuntime, BackwardRewrite):
             }
             if carrying is not None and self.carries_for(records[phases[-1]].schedule):
                 records[CARRY] = self.rewrite_backward(carrying, param_inputs, graph_index, shared.fw_values, carry=True)
+                records[CARRY].kind = CARRY
             return records
 
         def dispatch(
@@ -197,6 +199,7 @@ class GraphCompiler(InGraphUpdates, HookRuntime, BackwardRewrite):
             by_phase = {phase: record for phase, record in records.items() if phase != CARRY}
             if len(by_phase) > 1:
                 main.phases = dict(by_phase)
+            main.index = graph_index
             self.on_record(main)
             variants = {
                 phase: Synced(
@@ -207,7 +210,7 @@ class GraphCompiler(InGraphUpdates, HookRuntime, BackwardRewrite):
             }
             carry = variants.pop(CARRY, None)
             if carry is not None:
-                main.carrying = records[CARRY]
+                main.variants[CARRY] = records[CARRY]
             elif derive_carry is not None and self.carries_for(main.schedule) and not main.schedule.gated:  # as a cold compile decides
                 carry = Synced(main.schedule, lambda: derive_carry()())
             self.dispatches[graph_index] = BackwardDispatch(

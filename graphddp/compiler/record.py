@@ -1,5 +1,5 @@
-"""What graphddp did to one backward graph: :class:`GraphRecord`, below both the backend and the
-compile cache that make records, so that neither imports the other for it.
+"""What graphddp did to one compiled graph, in every mode: :class:`GraphRecord`, below both the
+backends and the compile cache that make records, so that none imports another for it.
 """
 from __future__ import annotations
 
@@ -11,21 +11,29 @@ import torch.fx as fx
 from graphddp.graph.insert_comm import HOOK_STATE
 from graphddp.optim.insert_update import UPDATE_INPUT
 from graphddp.values.comm import CARRIED, ROLE_KEY
+from graphddp.values.part_schedule import PartGraph
 from graphddp.values.schedule import Schedule
 
 
 # The records' key of a graph's carrying variant: each bucket also takes the gradients
 # accumulated under no_sync (graphddp.graph.insert_comm, carry=True).
 CARRY = "carry"
+# Full sharding's key of a backward's variant that updates its parts inside.
+UPDATING = "backward_update"
 
 
 @dataclasses.dataclass
 class GraphRecord:
-    """What graphddp did to one backward graph: the plan, the graph, and inductor's code."""
+    """What graphddp did to one compiled graph, one type for every mode so that ``model.records``
+    and ``model.graphs`` read the same in each: the plan (a replicated or sharded backward's
+    :class:`Schedule`, full sharding's :class:`PartGraph`; None for a forward it does not plan),
+    the graph, inductor's code where inductor compiled it, and the variants compiled beside it."""
 
-    schedule: Schedule
+    schedule: Schedule | PartGraph | None
     graph: fx.GraphModule
     generated_code: str | None = None
+    kind: str = "backward"  # "forward", "backward", or a variant's key (CARRY, UPDATING)
+    index: int = 0  # the Dynamo graph it came from
     # With an optimizer: the graph before insert_update (all-reduces only), for the steps
     # the graph cannot update alone.
     without_update: fx.GraphModule | None = None
@@ -35,7 +43,14 @@ class GraphRecord:
     # With an optimizer: parameters whose update torch's step took over after the backward, by
     # reason (StepState.not_inside), as of the last step it happened.
     fallbacks: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
-    carrying: "GraphRecord | None" = None  # the carrying variant's record, where the graph has one
+    # Variants compiled beside the graph, by kind: the carrying one (CARRY), full sharding's
+    # backward that updates its parts inside (UPDATING).
+    variants: dict[str, "GraphRecord"] = dataclasses.field(default_factory=dict)
+
+    @property
+    def carrying(self) -> "GraphRecord | None":
+        """The carrying variant's record, where the graph has one."""
+        return self.variants.get(CARRY)
 
     @staticmethod
     def _inputs(graph: fx.GraphModule, *roles: str) -> list[Any]:
@@ -51,3 +66,8 @@ class GraphRecord:
         user hook's state, or the carried gradients."""
         graph = self.without_update if self.without_update is not None else self.graph
         return self._inputs(graph, CARRIED, HOOK_STATE)
+
+
+def graphs_of(records: list[GraphRecord]) -> list[tuple[str, fx.GraphModule]]:
+    """Every compiled graph of ``records``, in order, each followed by its variants: ``model.graphs``."""
+    return [(r.kind, r.graph) for record in records for r in (record, *record.variants.values())]

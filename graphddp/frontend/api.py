@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
 
-from graphddp.compiler.record import GraphRecord
+from graphddp.compiler.record import GraphRecord, graphs_of
 from graphddp.config import DDPConfig
 from graphddp.frontend.full import FullyShardedState, compile_fully_sharded
 from graphddp.frontend.mesh import resolve_mesh
@@ -65,13 +65,14 @@ class ModelView(Joinable):
 
     @property
     def records(self) -> list[GraphRecord]:
-        """Schedules with the rewritten graphs and, under inductor, the generated code."""
-        return self._state.records
+        """One per compiled backward graph, in every mode: its plan, the rewritten graph, its
+        variants and, under inductor, the generated code."""
+        return [r for r in self._state.records if r.kind == "backward"]
 
     @property
-    def graphs(self) -> list[Any]:
-        """``sharding="full"``: every compiled forward and backward graph, in order."""
-        return self._state.graphs
+    def graphs(self) -> list[tuple[str, Any]]:
+        """Every compiled forward and backward graph and its variants, in order, as (kind, graph)."""
+        return graphs_of(self._state.records)
 
     @property
     def parts(self) -> dict[str, Any]:

@@ -88,7 +88,7 @@ class FullyShardedState:
         self.record = Compiled(
             {id(p.part): p.names[0] for p in parts.values()}, self.world_size, updates, groups.whole, placement=groups.placement
         )
-        self.graphs = self.record.graphs  # every compiled forward and backward, in order
+        self.records = self.record.records  # every compiled graph's, in order
         self.whole_tensors = WholeTensors(parts, groups.shard)
         self.whole_tensors.install(module)
         self.compile_graph = fully_sharded_compiler(config, self.record)
@@ -111,8 +111,8 @@ class FullyShardedState:
         far: its forward's and backward's collectives as planned, placed as the compiled graphs
         have them, and what this rank holds."""
         by_index: dict[int, dict[str, PartGraph]] = {}
-        for index, graph in self.record.described:
-            by_index.setdefault(index, {})[graph.kind] = graph
+        for record in self.records:
+            by_index.setdefault(record.index, {})[record.kind] = record.schedule
         return [
             FullSchedule(
                 graph_index=index, world_size=self.world_size, reshard_after_forward=self.config.reshard_after_forward,
@@ -132,7 +132,7 @@ class FullyShardedState:
         states = [self.optimizer.state.get(p, {}) for p in parts]
         state = sum(size(v) for st in states for v in st.values() if isinstance(v, torch.Tensor))
         graphs = [g for g in (forward, backward) if g is not None]
-        inside = {n for _, g in self.record.described for n in g.updates}
+        inside = {n for r in self.records for n in r.schedule.updates}
         kept = 0 if forward is None else forward.kept_bytes
         return RankMemory(
             parameters=sum(size(p) for p in parts),

@@ -36,7 +36,7 @@ class Replica:
         self.module = module
         self.optimizer = optimizer
         self.group = group
-        self._records: list[GraphRecord] = []
+        self.records: list[GraphRecord] = []  # every compiled graph's, in order
         self._build(config)
         self._hook_registered = False  # register_comm_hook was called (DDP allows it once)
         self._forwards_began = False  # register_comm_hook comes before the first forward, as in DDP
@@ -58,7 +58,7 @@ class Replica:
         self.step.set_sync(sync)
         self.step.set_accumulated_average(self._average_accumulated)
         self.backend = GraphCompiler(
-            config, names_by_identity(self.module.named_parameters()), self._records.append, self.group,
+            config, names_by_identity(self.module.named_parameters()), self.records.append, self.group,
             step=self.step, optimizer=self.optimizer, parameters=dict(self.module.named_parameters()),
         )
         if self.optimizer is not None:
@@ -113,12 +113,8 @@ class Replica:
         return self.backend.world_size
 
     @property
-    def records(self) -> list[GraphRecord]:
-        return list(self._records)
-
-    @property
     def schedules(self) -> list[Schedule]:
-        return [r.schedule for r in self._records]
+        return [r.schedule for r in self.records if r.kind == "backward"]
 
     @property
     def hook_state(self) -> Any:

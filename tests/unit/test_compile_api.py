@@ -9,6 +9,7 @@ import torch.nn as nn
 import graphddp
 from graphddp.graph.codeinspect import windows_in_generated_code
 from graphddp.models import MLP
+from graphddp.values.part_schedule import PartGraph
 
 
 def test_requires_initialized_process_group():
@@ -69,6 +70,25 @@ def test_caps_change_the_compiled_code_not_a_cached_copy(fake_world):
         assert len(windows_in_generated_code(record.generated_code)) == record.schedule.num_buckets
         counts.append(record.schedule.num_buckets)
     assert counts[0] > 1 and counts[1] == 1
+
+
+@pytest.mark.parametrize("sharding,plan,variant", [
+    (None, graphddp.Schedule, "carry"), ("optimizer", graphddp.Schedule, "carry"), ("full", PartGraph, "backward_update"),
+])
+def test_records_and_graphs_mean_the_same_in_every_mode(fake_world, sharding, plan, variant):
+    """``model.records``: one per compiled backward with its plan and variants; ``model.graphs``:
+    every compiled graph, each followed by its variants, the records' graphs among them."""
+    fake_world(2)
+    model = MLP(width=32, depth=2)
+    options = {} if sharding is None else dict(sharding=sharding)
+    ours = graphddp.compile(model, optimizer=torch.optim.AdamW(model.parameters()), backend="aot_eager", **options)
+    ours(torch.randn(4, 16)).sum().backward()
+    (record,) = ours.records
+    assert (record.kind, record.index, type(record.schedule), list(record.variants)) == ("backward", 0, plan, [variant])
+    assert [kind for kind, _ in ours.graphs] == ["forward", "backward", variant]
+    assert ours.graphs[1][1] is record.graph and ours.graphs[2][1] is record.variants[variant].graph
+    assert record.variants[variant].kind == variant
+    assert len(ours.schedules) == 1
 
 
 @pytest.mark.parametrize("make", [

@@ -81,7 +81,7 @@ def _compiled(reshard, mesh=None):
 def test_a_compiled_graphs_planned_buckets_are_placed_in_graph_order(fake_world, reshard):
     fake_world(8)
     ours = _compiled(reshard)
-    (forward, backward) = (graph for _, graph in ours._state.record.described)
+    (forward, backward) = (record.schedule for record in ours._state.records)
     for graph in (forward, backward):
         assert [b.issue_at for b in graph.buckets] == sorted(b.issue_at for b in graph.buckets)
         assert all(0 <= b.issue_at < b.wait_at < graph.nodes and b.part_bytes * 8 == b.whole_bytes for b in graph.buckets)
@@ -100,8 +100,7 @@ def test_the_hybrid_plan_keys_on_the_replicate_all_reduce(fake_world):
 
     fake_world(8)
     mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
-    record = _compiled(True, mesh)._state.record
-    backward = next(d for _, d in record.described if d.kind == "backward")
+    backward = _compiled(True, mesh).records[0].schedule
     assert len(backward.of(REDUCE_SCATTER)) == 3 and all(b.issue_at >= 0 for b in backward.buckets)
 
 
