@@ -36,7 +36,7 @@ from graphddp.graph.part_collectives import place_part_collectives
 from graphddp.graph.part_facts import input_name, whole_bytes
 from graphddp.graph.reshard import Kept, tag_regathers
 from graphddp.graph.verify_common import VerificationError
-from graphddp.graph.verify_full import check_part_collectives
+from graphddp.graph.verify import check_part_collectives
 from graphddp.plan.parts import planned_cap_bytes
 from graphddp.runtime.usage import GradientUsage, NoneOutputs
 from graphddp.values.part_schedule import PartCap, PartGraph
@@ -194,7 +194,7 @@ def _placed(
 ) -> PartGraph:
     """The graph's collectives bucketed under :func:`bucket_cap` and placed where a step wants
     them (:mod:`graphddp.graph.part_collectives`), checked after the rewrite when
-    ``config.verify`` (:mod:`graphddp.graph.verify_full`: every one of the ``parts``' gradients
+    ``config.verify`` (:mod:`graphddp.graph.verify`: every one of the ``parts``' gradients
     reduce-scattered; a resharding forward may keep the gathers ``kept``; hybrid ``placement``:
     each part also averaged over the replicate group). Returns the buckets planned."""
     cap = bucket_cap(config, whole_bytes(gm.graph), world_size, placement)

@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 
 from graphddp.graph.part_facts import input_name
-from graphddp.graph.verify_full import check_part_updates
+from graphddp.graph.verify import check_part_updates
 from graphddp.optim import guards
 from graphddp.optim.attached import AttachedOptimizer
 from graphddp.optim.insert_part_update import insert_part_updates

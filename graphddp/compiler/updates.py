@@ -26,7 +26,7 @@ from graphddp.optim.insert_shard import insert_sharded_updates
 from graphddp.optim.shard_functions import shard_layout, write_fn
 from graphddp.optim.insert_update import WRITES, UpdateInputs, insert_update
 from graphddp.optim.verify import verify_updates
-from graphddp.optim.verify_shard import verify_sharded
+from graphddp.optim.verify import verify_sharded
 from graphddp.plan.planner import with_sharding, with_updates
 from graphddp.runtime.variants import InGraphUpdate
 from graphddp.values.schedule import Schedule

@@ -4,7 +4,7 @@ from the rewritten graph, and check that the graph does what was planned.
 Not a planner: :mod:`graphddp.plan.parts` decides the buckets (a
 :class:`~graphddp.values.part_schedule.PartGraph`), :mod:`graphddp.graph.part_collectives`
 makes them and their places in the graph, and tags every node it adds with ``ROLE_KEY`` and
-``BUCKET_KEY``; this module reads those tags (the same :mod:`graphddp.graph.verify_full`
+``BUCKET_KEY``; this module reads those tags (the same :mod:`graphddp.graph.verify`
 checks), so where the schedule says a bucket is issued and waited is where the graph does it.
 Parameter names come from the graph's inputs: AOTAutograd names its forward inputs
 ``primals_1..n`` in the order Dynamo passed them (a backward keeps a saved input's name), and a

@@ -35,7 +35,7 @@ then keeps graphddp's order (``INDUCTOR_FX_ORDER_CONFIG``):
 
 Every node added carries ``ROLE_KEY`` (``"gather"``, ``"gather_wait"``, ``"reduce_scatter"``,
 ``"reduce_scatter_wait"``) and ``BUCKET_KEY``. Postconditions, checked after the rewrite by
-:mod:`graphddp.graph.verify_full`.
+:mod:`graphddp.graph.verify`.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ Each part is updated through a new placeholder the runtime fills with the part i
 tensor the forward saved (it may be a copy); a part the backward reads already (re-gathered from
 ``primals_k``) is read through a view of that placeholder, so the update comes after the gather
 (:func:`graphddp.optim.insert_update.parameter_nodes`). Each update goes after its gradient and every
-read of its part. :func:`graphddp.graph.verify_full.check_part_updates` (P4) checks the result.
+read of its part. :func:`graphddp.graph.verify.check_part_updates` (P4) checks the result.
 """
 from __future__ import annotations
 

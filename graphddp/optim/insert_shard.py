@@ -29,7 +29,7 @@ completing them never needs a collective: a ``state_dict()`` one rank alone call
 
 New inputs per sharded bucket (:func:`layout`): its parameters, the state of every part this rank
 owns, the hyperparameters. Each parameter is read and written through its one node, as in
-:mod:`graphddp.optim.insert_update`, every read before the write. :mod:`graphddp.optim.verify_shard`
+:mod:`graphddp.optim.insert_update`, every read before the write. :func:`graphddp.optim.verify.verify_sharded`
 checks the result.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A sharded bucket's layout on this rank, and the functions traced into the backward for it:
 the reduce-scatter, this rank's part of the average, the optimizer's math on it, the all-gather and
 the parameters' writes (:mod:`graphddp.optim.insert_shard` places them). Every node is tagged with
-its role, which the pass and :mod:`graphddp.optim.verify_shard` read.
+its role, which the pass and :func:`graphddp.optim.verify.verify_sharded` read.
 """
 from __future__ import annotations
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import Mapping
 
 MB = 1024 * 1024
 GATHER, REDUCE_SCATTER = "gather", "reduce_scatter"
