@@ -26,7 +26,8 @@ from torch._guards import detect_fake_mode
 from graphddp.graph.invariants import from_average
 from graphddp.graph.trace import add_inputs, splice, trace
 from graphddp.graph.verify_common import _fail
-from graphddp.optim.shard_functions import ShardLayout, gathered_value, write_fn
+from graphddp.graph.bucket_function import gathered_value, write_fn
+from graphddp.optim.shard_functions import ShardLayout
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
 
 GATHER_INPUT = "gather_input"  # ROLE_KEY of the forward's placeholder that receives a bucket's all-gather
@@ -42,11 +43,11 @@ def insert_forward_gathers(gm: fx.GraphModule, shards: Sequence[ShardLayout], pa
     for shard in shards:
         b = shard.bucket
         params = [placeholders[param_index[n]] for n in b.param_names]
-        value = gathered_value(shard, fake_mode, params[0].meta["val"])
+        value = gathered_value(b, shard.placement, fake_mode, params[0].meta["val"])
         (last,) = add_inputs(graph, [f"gather{b.index}"], [{"val": value, BUCKET_KEY: b.index, ROLE_KEY: GATHER_INPUT}])
         readers = [u for p in params for u in p.users]
         first = min(readers, key=order.__getitem__) if readers else graph.output_node()
-        write = trace(write_fn(shard), [last.meta["val"], *(p.meta["val"] for p in params)], f"forward gather of bucket {b.index}")
+        write = trace(write_fn(b, shard.placement), [last.meta["val"], *(p.meta["val"] for p in params)], f"forward gather of bucket {b.index}")
         written = splice(graph, write, [last, *params], first, b.index)
         for param, copy in zip(params, written):
             param.replace_all_uses_with(copy, delete_user_cb=lambda user, c=copy: user is not c)
