@@ -1,12 +1,11 @@
 """What a bucket does, as Python functions traced into a graph: flatten, the hook, the collective
-through the bucket's placement, the wait, and the unflatten or the parameters' writes.
+through the bucket's placement, the wait, and the unflatten or (sharded) the parameters' writes.
 
-:mod:`graphddp.graph.insert_comm` traces a replicated bucket's (:class:`~graphddp.values.placement.Whole`);
-after ``no_sync`` a traced hook runs eagerly on the accumulated gradients instead (:func:`run_hook_eagerly`),
-with the same ``GradBucket`` and the same check of its result. A sharded bucket shares the carry and the
-receive; what differs is its flat layout, ``[world, chunk]`` columns (:func:`issue_columns`), and its
-all-gather written back into the parameters (:func:`write_fn`); the optimizer's update between the two
-is :mod:`graphddp.optim.shard_functions`'. Nothing here reads or edits a graph.
+:mod:`graphddp.graph.insert_comm` traces a replicated bucket's; after ``no_sync`` a traced hook runs
+eagerly on the accumulated gradients instead (:func:`run_hook_eagerly`), with the same ``GradBucket``
+and the same check of its result. A sharded bucket's flat layout is ``[world, chunk]`` columns
+(:func:`issue_columns`); the optimizer's update between its reduce-scatter and its all-gather is
+:mod:`graphddp.optim.shard_functions`'. Nothing here reads or edits a graph.
 """
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""A sharded bucket's layout on this rank, and the functions traced into the backward for it: the
-optimizer's math on this rank's part of the average, between the bucket's reduce-scatter and its
-all-gather (:mod:`graphddp.graph.bucket_function`'s; :mod:`graphddp.optim.insert_shard` places them).
-The update's rules and state are the optimizer's, which the graph layer may not know. Every node is tagged with
-its role, which the pass and :func:`graphddp.optim.verify.verify_sharded` read.
+"""A sharded bucket's layout on this rank and its update, traced between the bucket's reduce-scatter
+and all-gather (:mod:`graphddp.graph.bucket_function`'s; :mod:`graphddp.optim.insert_shard` places
+them): here because its rules and state are the optimizer's. Every node is tagged with its role,
+which the pass and :func:`graphddp.optim.verify.verify_sharded` read.
 """
 from __future__ import annotations
 
