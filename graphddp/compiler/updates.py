@@ -20,10 +20,11 @@ import torch.fx as fx
 
 from graphddp.compiler.compose import Shared
 from graphddp.compiler.record import GraphRecord
+from graphddp.graph.bucket_function import write_fn
 from graphddp.graph.insert_comm import insert_collectives
 from graphddp.optim.attached import AttachedOptimizer
 from graphddp.optim.insert_shard import insert_sharded_updates
-from graphddp.optim.shard_functions import shard_layout, write_fn
+from graphddp.optim.shard_functions import shard_layout
 from graphddp.optim.insert_update import WRITES, UpdateInputs, insert_update
 from graphddp.optim.verify import verify_updates
 from graphddp.optim.verify import verify_sharded
@@ -76,7 +77,7 @@ class InGraphUpdates:
         def write_deferred(tensors: list[torch.Tensor]) -> None:
             """Eagerly, what the forward slot does in its graph: wait, then write the parameters."""
             for shard, gathered in zip(deferred, tensors):
-                write_fn(shard)(gathered, *(optimizer.params[n].detach() for n in shard.bucket.param_names))
+                write_fn(shard.bucket, shard.placement)(gathered, *(optimizer.params[n].detach() for n in shard.bucket.param_names))
 
         return InGraphUpdate(optimizer, replicated, groups, allowed, compile_grads, writes, shards=shards, write_deferred=write_deferred)
 

@@ -1,11 +1,11 @@
-"""What a bucket does, as one Python function: flatten, the hook, the collective, unflatten.
+"""What a bucket does, as Python functions traced into a graph: flatten, the hook, the collective
+through the bucket's placement, the wait, and the unflatten or (sharded) the parameters' writes.
 
-:mod:`graphddp.graph.insert_comm` traces these on a graph's fake gradients; after ``no_sync`` a
-traced hook runs eagerly on the accumulated gradients instead (:func:`run_hook_eagerly`), with the
-same ``GradBucket`` and the same check of its result. Nothing here reads or edits a graph.
-
-A replicated bucket is reduced through its placement (:class:`~graphddp.values.placement.Whole`) with
-the :func:`carry_in` and :func:`receive` of a sharded one (:mod:`graphddp.optim.shard_functions`).
+:mod:`graphddp.graph.insert_comm` traces a replicated bucket's; after ``no_sync`` a traced hook runs
+eagerly on the accumulated gradients instead (:func:`run_hook_eagerly`), with the same ``GradBucket``
+and the same check of its result. A sharded bucket's flat layout is ``[world, chunk]`` columns
+(:func:`issue_columns`); the optimizer's update between its reduce-scatter and its all-gather is
+:mod:`graphddp.optim.shard_functions`'. Nothing here reads or edits a graph.
 """
 from __future__ import annotations
 
@@ -20,8 +20,10 @@ from graphddp.hooks.traced import GradBucket, HookState, StateSpec, TracedHook
 from graphddp.values.comm import gate_name
 from graphddp.values.placement import Level, Placement, Whole
 from graphddp.values.schedule import Bucket, Schedule
+from graphddp.values.shards import chunk
 
 aten = torch.ops.aten
+SHARDED = "reduce_scatter"  # Bucket.collective of a sharded bucket
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +83,36 @@ def receive(placement: Placement, hook: hooks.CommHook, bucket: Bucket, pending:
         done = placement.finish_reduce(pending, tag=role)
     with role("decompress"):
         return hook.decompress(done, bucket)
+
+
+def chunks(bucket: Bucket, world: int) -> list[int]:
+    """Per slot, the width of its column in a sharded bucket's ``[world, chunk]`` layout."""
+    return [chunk(s.numel, world) for s in bucket.slots]
+
+
+def issue_columns(
+    placement: Placement, hook: hooks.CommHook, bucket: Bucket, grads: Sequence[torch.Tensor], carried: Sequence[torch.Tensor],
+) -> torch.Tensor:
+    """The bucket's gradients (plus ``carried``, accumulated under ``no_sync``) flattened, compressed,
+    divided by the placement's world and reduce-scattered; returns what to wait on."""
+    world = placement.shard.size
+    grads = carry_in(grads, carried)
+    # Cast and divide each gradient's columns before they are concatenated (elementwise, so
+    # the same values): inductor then writes the concatenation in one pass, where a division
+    # after it took a second whole-bucket buffer, alive next to the first.
+    columns = []
+    for grad, slot, c in zip(grads, bucket.slots, chunks(bucket, world)):
+        with role("flatten"):
+            flat = flat_view(grad, slot.numel)
+            column = aten.view.default(aten.constant_pad_nd.default(flat, [0, world * c - slot.numel]), [world, c])
+        with role("compress"):
+            column = hook.compress(column, bucket)
+        with role("scale"):
+            columns.append(aten.div.Tensor(column, placement.world))
+    with role("flatten"):
+        scaled = aten.view.default(aten.cat.default(columns, 1) if len(columns) > 1 else columns[0], [-1])
+    with role(SHARDED):
+        return placement.issue_reduce(scaled)
 
 
 def _builtin_fn(bucket: Bucket, hook: hooks.CommHook, schedule: Schedule) -> Callable[..., list[torch.Tensor]]:
@@ -171,3 +203,39 @@ def hook_bucket_eagerly(
         done = hook(gb)
     _check_result(bucket, hook.name, done)
     return done
+
+
+def gather_fn(placement: Placement) -> Callable[[torch.Tensor], torch.Tensor]:
+
+    def run(parts: torch.Tensor) -> torch.Tensor:
+        with role("all_gather"):
+            return placement.issue_gather(parts)
+
+    return run
+
+
+def write_fn(bucket: Bucket, placement: Placement) -> Callable[..., list[torch.Tensor]]:
+    """(the all-gather, params) -> wait, then every parameter written from its gathered chunks;
+    returns the written parameters, which later reads must read."""
+    world, widths = placement.shard.size, chunks(bucket, placement.shard.size)
+    width = sum(widths)
+
+    def run(gathered: torch.Tensor, *params: torch.Tensor) -> list[torch.Tensor]:
+        with role("wait"):
+            full = placement.finish_gather(gathered)
+        with role("write"):
+            rows = aten.view.default(full, [world, width])
+            at, written = 0, []
+            for p, slot, c in zip(params, bucket.slots, widths):
+                column = aten.clone.default(aten.slice.Tensor(rows, 1, at, at + c), memory_format=torch.contiguous_format)
+                value = aten.view.default(aten.slice.Tensor(aten.view.default(column, [world * c]), 0, 0, slot.numel), list(slot.shape))
+                written.append(aten.copy_.default(p, value))
+                at += c
+        return written
+
+    return run
+
+
+def gathered_value(bucket: Bucket, placement: Placement, fake_mode: Any, like: torch.Tensor) -> torch.Tensor:
+    with fake_mode:
+        return torch.empty(placement.shard.size * sum(chunks(bucket, placement.shard.size)), dtype=like.dtype, device=like.device)

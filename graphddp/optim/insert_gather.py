@@ -23,10 +23,12 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from graphddp.graph.invariants import from_average
+from graphddp.graph.invariants import Memory
 from graphddp.graph.trace import add_inputs, splice, trace
+from graphddp.graph.verify.updates import check_writes
 from graphddp.graph.verify_common import _fail
-from graphddp.optim.shard_functions import ShardLayout, gathered_value, write_fn
+from graphddp.graph.bucket_function import gathered_value, write_fn
+from graphddp.optim.shard_functions import ShardLayout
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
 
 GATHER_INPUT = "gather_input"  # ROLE_KEY of the forward's placeholder that receives a bucket's all-gather
@@ -42,11 +44,12 @@ def insert_forward_gathers(gm: fx.GraphModule, shards: Sequence[ShardLayout], pa
     for shard in shards:
         b = shard.bucket
         params = [placeholders[param_index[n]] for n in b.param_names]
-        value = gathered_value(shard, fake_mode, params[0].meta["val"])
+        value = gathered_value(b, shard.placement, fake_mode, params[0].meta["val"])
         (last,) = add_inputs(graph, [f"gather{b.index}"], [{"val": value, BUCKET_KEY: b.index, ROLE_KEY: GATHER_INPUT}])
         readers = [u for p in params for u in p.users]
         first = min(readers, key=order.__getitem__) if readers else graph.output_node()
-        write = trace(write_fn(shard), [last.meta["val"], *(p.meta["val"] for p in params)], f"forward gather of bucket {b.index}")
+        values = [last.meta["val"], *(p.meta["val"] for p in params)]
+        write = trace(write_fn(b, shard.placement), values, f"forward gather of bucket {b.index}")
         written = splice(graph, write, [last, *params], first, b.index)
         for param, copy in zip(params, written):
             param.replace_all_uses_with(copy, delete_user_cb=lambda user, c=copy: user is not c)
@@ -55,9 +58,11 @@ def insert_forward_gathers(gm: fx.GraphModule, shards: Sequence[ShardLayout], pa
 
 
 def verify_forward_gathers(gm: fx.GraphModule, shards: Sequence[ShardLayout]) -> None:
-    """F1: each parameter of a bucket is written by one ``copy_`` depending on its bucket's wait (A).
-    F2: that write is the placeholder's only reader, so no other read sees the old value."""
+    """F2: each parameter's write is the placeholder's only reader, so no other read sees the old value.
+    F1: each parameter of a bucket is written once, last, by a ``copy_`` depending on its bucket's wait
+    (S5's check, after F2, which names a stale read more precisely)."""
     nodes = list(gm.graph.nodes)
+    memory_of = Memory(nodes)
     inputs = {n.meta.get(BUCKET_KEY): n for n in nodes if n.op == "placeholder" and n.meta.get(ROLE_KEY) == GATHER_INPUT}
     copy_ = torch.ops.aten.copy_.default
     for shard in shards:
@@ -68,11 +73,9 @@ def verify_forward_gathers(gm: fx.GraphModule, shards: Sequence[ShardLayout]) ->
             _fail(gm, gm.graph.output_node(), f"{where}: no all-gather input (F1)")
         waits = [u for u in source.users if is_wait(u)]
         writes = [n for n in nodes if n.meta.get(BUCKET_KEY) == b.index and n.meta.get(ROLE_KEY) == "write" and n.target is copy_]
-        if len(writes) != len(b.slots):
-            _fail(gm, (writes or [source])[0], f"{where}: {len(writes)} parameter writes for {len(b.slots)} parameters (F1)")
         for write in writes:
-            from_average(gm, write, waits, "F1", f"{where}: a parameter's write", "its all-gather")
             param = write.args[0]
             for user in param.users:
                 if user is not write:
                     _fail(gm, user, f"{where}: {user.name} reads {param.name} itself, not through its write {write.name} (F2)")
+        check_writes(gm, where, b.param_names, writes, waits, memory_of, rule="F1")

@@ -44,13 +44,14 @@ from torch._guards import detect_fake_mode
 
 from graphddp.graph.capture import ancestors, storage_of
 from graphddp.graph.anchors import IssuePoints, place_buckets
+from graphddp.graph.bucket_function import SHARDED, gather_fn, write_fn
 from graphddp.graph.insert_comm import carried_inputs
 from graphddp.graph.trace import after_all, set_outputs, splice, trace
 from graphddp.hooks import builtin as hooks
 from graphddp.optim import clip
 from graphddp.optim.insert_update import UpdateInputs, add_update_inputs, parameter_nodes
 from graphddp.optim.shard_functions import (
-    SHARDED, ShardLayout, clipped_update_fn, gather_fn, layout, reduce_fn, shard_layout, state_values, update_fn, write_fn,
+    ShardLayout, clipped_update_fn, layout, reduce_fn, shard_layout, state_values, update_fn,
 )
 from graphddp.values.collectives import kind
 from graphddp.values.comm import ROLE_KEY
@@ -131,9 +132,9 @@ def insert_sharded_updates(
         result = _outputs(update)
         # What ends the bucket in this graph: its wait and writes, or (gather="forward") its all-gather.
         if b.gather == "forward":
-            tail = trace(gather_fn(shard), [result], f"sharded bucket {b.index}'s all-gather")
+            tail = trace(gather_fn(shard.placement), [result], f"sharded bucket {b.index}'s all-gather")
         else:
-            tail = trace(write_fn(shard), [result, *params], f"sharded bucket {b.index}'s write")
+            tail = trace(write_fn(b, shard.placement), [result, *params], f"sharded bucket {b.index}'s write")
         traced.append(_Traced(shard, update, tail, reduces.get(b.index)))
     new_params = {}
     new_rest = {}

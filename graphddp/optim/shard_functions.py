@@ -1,7 +1,7 @@
-"""A sharded bucket's layout on this rank, and the functions traced into the backward for it:
-the reduce-scatter, this rank's part of the average, the optimizer's math on it, the all-gather and
-the parameters' writes (:mod:`graphddp.optim.insert_shard` places them). Every node is tagged with
-its role, which the pass and :func:`graphddp.optim.verify.verify_sharded` read.
+"""A sharded bucket's layout on this rank and its update, traced between the bucket's reduce-scatter
+and all-gather (:mod:`graphddp.graph.bucket_function`'s; :mod:`graphddp.optim.insert_shard` places
+them): here because its rules and state are the optimizer's. Every node is tagged with its role,
+which the pass and :func:`graphddp.optim.verify.verify_sharded` read.
 """
 from __future__ import annotations
 
@@ -10,17 +10,16 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from graphddp.graph.bucket_function import carry_in, flat_view, receive
+from graphddp.graph.bucket_function import chunks, flat_view, gather_fn, issue_columns, receive
 from graphddp.graph.trace import fresh_copy, role
 from graphddp.hooks import builtin as hooks
 from graphddp.optim import clip
 from graphddp.optim.attached import F64, UPDATES, UpdateRule, fake_state
 from graphddp.values.placement import Placement
 from graphddp.values.schedule import Bucket
-from graphddp.values.shards import chunk, part
+from graphddp.values.shards import part
 
 aten = torch.ops.aten
-SHARDED = "reduce_scatter"  # Bucket.collective of a sharded bucket
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +42,7 @@ class ShardLayout:
 
     @property
     def chunks(self) -> list[int]:
-        return [chunk(s.numel, self.world) for s in self.bucket.slots]
+        return chunks(self.bucket, self.world)
 
     def owned(self) -> list[int]:
         return [i for i, (lo, hi) in enumerate(self.parts) if hi > lo]
@@ -73,29 +72,6 @@ def _clone(t: torch.Tensor) -> torch.Tensor:
     """A copy inductor's ``remove_noop_ops`` folds into the parameter, so the update writes its part in
     place: only where nothing reads the old values after the update (``insert_shard._reads_after``)."""
     return aten.clone.default(t)
-
-
-def _issue(shard: ShardLayout, hook: hooks.CommHook, grads: Sequence[torch.Tensor], carried: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The bucket's gradients (plus ``carried``, accumulated under ``no_sync``) flattened, compressed,
-    divided by the placement's world and reduce-scattered; returns what to wait on."""
-    bucket, world = shard.bucket, shard.world
-    grads = carry_in(grads, carried)
-    # Cast and divide each gradient's columns before they are concatenated (elementwise, so
-    # the same values): inductor then writes the concatenation in one pass, where a division
-    # after it took a second whole-bucket buffer, alive next to the first.
-    columns = []
-    for grad, slot, c in zip(grads, bucket.slots, shard.chunks):
-        with role("flatten"):
-            flat = flat_view(grad, slot.numel)
-            column = aten.view.default(aten.constant_pad_nd.default(flat, [0, world * c - slot.numel]), [world, c])
-        with role("compress"):
-            column = hook.compress(column, bucket)
-        with role("scale"):
-            columns.append(aten.div.Tensor(column, shard.placement.world))
-    with role("flatten"):
-        scaled = aten.view.default(aten.cat.default(columns, 1) if len(columns) > 1 else columns[0], [-1])
-    with role(SHARDED):
-        return shard.placement.issue_reduce(scaled)
 
 
 def _copies(shard: ShardLayout, params: Sequence[torch.Tensor], private: bool) -> list[torch.Tensor]:
@@ -129,7 +105,7 @@ def _step(shard: ShardLayout, grad_part: torch.Tensor, work: list[torch.Tensor],
         mine = aten.cat.default([aten.constant_pad_nd.default(w, [0, c - w.numel()]) for w, c in zip(work, shard.chunks)])
     if shard.bucket.gather == "forward":
         return mine
-    return gather_fn(shard)(mine)
+    return gather_fn(shard.placement)(mine)
 
 
 def update_fn(shard: ShardLayout, hook: hooks.CommHook, private: bool, carry: bool) -> Callable[..., torch.Tensor]:
@@ -140,7 +116,7 @@ def update_fn(shard: ShardLayout, hook: hooks.CommHook, private: bool, carry: bo
 
     def run(*args: torch.Tensor) -> torch.Tensor:
         grads, carried, params, rest = args[:n], args[n:m], args[m:m + n], list(args[m + n:])
-        pending = _issue(shard, hook, grads, carried)
+        pending = issue_columns(shard.placement, hook, shard.bucket, grads, carried)
         work = _copies(shard, params, private)
         return _step(shard, receive(shard.placement, hook, shard.bucket, pending), work, rest)
 
@@ -156,7 +132,8 @@ def reduce_fn(
 
     def run(*args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         grads, carried = args[:n], args[n:]
-        grad_part = receive(shard.placement, hook, shard.bucket, _issue(shard, hook, grads, carried))
+        pending = issue_columns(shard.placement, hook, shard.bucket, grads, carried)
+        grad_part = receive(shard.placement, hook, shard.bucket, pending)
         return grad_part, clip.part_norms(grad_part, [hi - lo for lo, hi in shard.parts], shard.chunks, norm_type)
 
     return run
@@ -175,42 +152,6 @@ def clipped_update_fn(shard: ShardLayout, private: bool) -> Callable[..., torch.
         return _step(shard, grad_part, work, rest)
 
     return run
-
-
-def gather_fn(shard: ShardLayout) -> Callable[[torch.Tensor], torch.Tensor]:
-
-    def run(parts: torch.Tensor) -> torch.Tensor:
-        with role("all_gather"):
-            return shard.placement.issue_gather(parts)
-
-    return run
-
-
-def write_fn(shard: ShardLayout) -> Callable[..., list[torch.Tensor]]:
-    """(the all-gather, params) -> wait, then every parameter written from its gathered chunks;
-    returns the written parameters, which later reads must read."""
-    bucket, world = shard.bucket, shard.world
-    width = sum(shard.chunks)
-
-    def run(gathered: torch.Tensor, *params: torch.Tensor) -> list[torch.Tensor]:
-        with role("wait"):
-            full = shard.placement.finish_gather(gathered)
-        with role("write"):
-            rows = aten.view.default(full, [world, width])
-            at, written = 0, []
-            for p, slot, c in zip(params, bucket.slots, shard.chunks):
-                column = aten.clone.default(aten.slice.Tensor(rows, 1, at, at + c), memory_format=torch.contiguous_format)
-                value = aten.view.default(aten.slice.Tensor(aten.view.default(column, [world * c]), 0, 0, slot.numel), list(slot.shape))
-                written.append(aten.copy_.default(p, value))
-                at += c
-        return written
-
-    return run
-
-
-def gathered_value(shard: ShardLayout, fake_mode: Any, like: torch.Tensor) -> torch.Tensor:
-    with fake_mode:
-        return torch.empty(shard.world * sum(shard.chunks), dtype=like.dtype, device=like.device)
 
 
 def state_values(shard: ShardLayout, fake_mode: Any, values: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:

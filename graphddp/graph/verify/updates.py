@@ -13,13 +13,13 @@ from graphddp.values.comm import ROLE_KEY, is_wait
 
 
 def check_writes(gm: fx.GraphModule, where: str, names: tuple[str, ...], writes: list[fx.Node], gather_waits: list[fx.Node],
-                  memory_of: Memory) -> None:
-    """S5 for one bucket."""
+                  memory_of: Memory, rule: str = "S5") -> None:
+    """S5 for one bucket, or ``rule`` F1 for its all-gather completed in the next forward."""
     if len(writes) != len(names):
-        _fail(gm, (writes or [gm.graph.output_node()])[0], f"{where}: {len(writes)} parameter writes for {len(names)} parameters (S5)")
+        _fail(gm, (writes or [gm.graph.output_node()])[0], f"{where}: {len(writes)} parameter writes for {len(names)} parameters ({rule})")
     for write in writes:
-        from_average(gm, write, gather_waits, "S5", f"{where}: a parameter's write", "the all-gather")
-        written_last(gm, [write], memory_of, "S5", f"{where}: {root(write.args[0], memory_of).name}")
+        from_average(gm, write, gather_waits, rule, f"{where}: a parameter's write", "the all-gather")
+        written_last(gm, [write], memory_of, rule, f"{where}: {root(write.args[0], memory_of).name}")
 
 
 def check_part_updates(gm: fx.GraphModule, updated: Mapping[int, str]) -> None:
