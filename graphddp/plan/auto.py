@@ -58,6 +58,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from graphddp.plan.cost import CostModel, agreement_seconds, compute_timeline
+from graphddp.plan.greedy import bucket_by_size
 from graphddp.values.placement import Placement
 from graphddp.values.collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CollectiveKind
 from graphddp.values.schedule import GradSlot, NodeFact
@@ -221,14 +222,9 @@ def _gathered_ratio(wire_nbytes: Sequence[int], gathered_nbytes: float | None) -
 
 def capped_starts(nbytes: Sequence[int], caps_mb: Sequence[float]) -> tuple[int, ...]:
     """Where each bucket starts when gradients of ``nbytes`` (production order) are packed
-    as DDP packs them: a bucket closes once it reaches its cap; the last cap repeats."""
-    starts, size = [0], 0
-    for i, n in enumerate(nbytes):
-        size += n
-        if size >= caps_mb[min(len(starts) - 1, len(caps_mb) - 1)] * (1 << 20) and i + 1 < len(nbytes):
-            starts.append(i + 1)
-            size = 0
-    return tuple(starts) if nbytes else ()
+    as DDP packs them (:func:`bucket_by_size`: a bucket closes once it reaches its cap; the last cap repeats)."""
+    limit = lambda closed: caps_mb[min(closed, len(caps_mb) - 1)] * (1 << 20)  # noqa: E731
+    return tuple(group[0] for group in bucket_by_size(range(len(nbytes)), lambda _: 0, nbytes.__getitem__, limit))
 
 
 def robust_partition(

@@ -3,7 +3,7 @@
 A function of values (:class:`~graphddp.values.part_schedule.PartCollective`, read by
 :mod:`graphddp.graph.part_facts`) and the cap, as the other modes' planner is: the rewrite
 (:mod:`graphddp.graph.part_collectives`) lowers the buckets it returns and decides nothing of
-their membership itself. The rule is the planner's (:func:`graphddp.plan.planner.bucket_by_size`,
+their membership itself. The rule is the planner's (:func:`graphddp.plan.greedy.bucket_by_size`,
 DDP's), with consecutive collectives of one kind sharing a bucket while they share what one
 collective must (:meth:`PartCollective.key`: group, dtype, device, and whether the part goes on
 to a replicate all-reduce): one collective replaces a bucket's members where the graph has them,
@@ -43,7 +43,7 @@ import math
 from typing import Sequence
 
 from graphddp.config import MB
-from graphddp.plan.planner import bucket_by_size
+from graphddp.plan.greedy import bucket_by_size
 from graphddp.values.part_schedule import PartBucket, PartCap, PartCollective, PartGraph
 from graphddp.values.placement import Placement, flat
 from graphddp.values.prediction import CostModel

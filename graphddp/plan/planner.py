@@ -33,17 +33,17 @@ instead of caps.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Collection, Hashable, Iterable, Mapping, TypeVar
+from typing import Collection, Mapping
 
 import torch
 
 from graphddp.config import DDPConfig
 from graphddp.plan.auto import auto_partition
+from graphddp.plan.greedy import bucket_by_size
 from graphddp.values.placement import Placement, flat
 from graphddp.values.schedule import WAIT_AT_OUTPUT, Bucket, CostModel, GradSlot, GraphFacts, NodeFact, Schedule
 
 DtypeDevice = tuple[str, str]  # buckets never mix either
-Item = TypeVar("Item")
 
 
 def _order(slot: GradSlot) -> tuple[int, int]:
@@ -118,39 +118,6 @@ def _assign_by_size(ordered: list[GradSlot], limits: tuple[int, ...]) -> list[tu
     last limit repeating; leftover open buckets closed at the end."""
     key, limit = (lambda s: (s.dtype, s.device)), (lambda closed: limits[min(closed, len(limits) - 1)])
     return [tuple(b) for b in bucket_by_size(ordered, key, lambda s: s.nbytes, limit)]
-
-
-def bucket_by_size(
-    items: Iterable[Item], key: Callable[[Item], Hashable], nbytes: Callable[[Item], int], limit: Callable[[int], int],
-    consecutive: bool = False,
-) -> list[list[Item]]:
-    """The greedy rule every mode's buckets follow (as inductor's ``greedy_bucket_collective_by_mb``,
-    parameterised by a key and a size): walk ``items`` in order, add each to the open bucket of its
-    ``key``, and close that bucket once its bytes reach ``limit(n)``, ``n`` the buckets of that key
-    closed before it (``>=``, as DDP's reducer does: a bucket passes its limit by at most its last
-    item, and an item larger than the limit is a bucket alone). DDP keeps one bucket open per key
-    across interleaved keys; with ``consecutive`` a key change closes the open bucket, so every
-    bucket is a run of consecutive items (full sharding: one collective replaces a bucket's
-    members where the graph has them). Returns the buckets in the order they closed, those left
-    open at the end last, in the order they opened."""
-    opened: dict[Hashable, list[Item]] = {}
-    sizes: dict[Hashable, int] = {}
-    closed: dict[Hashable, int] = {}
-    done: list[list[Item]] = []
-    for item in items:
-        k = key(item)
-        if consecutive and opened and k not in opened:
-            done.extend(opened.values())
-            opened.clear()
-        if k not in opened:
-            opened[k], sizes[k] = [], 0
-        opened[k].append(item)
-        sizes[k] += nbytes(item)
-        if sizes[k] >= limit(closed.get(k, 0)):
-            done.append(opened.pop(k))
-            closed[k] = closed.get(k, 0) + 1
-    done.extend(opened.values())
-    return done
 
 
 def _tails(ordered: list[GradSlot], cap: int) -> dict[DtypeDevice, list[GradSlot]]:

@@ -431,7 +431,7 @@ def test_with_updates_places_every_update_after_the_last_wait_only_when_clipping
 def test_one_greedy_rule_keeps_a_bucket_open_per_key_or_closes_it_at_a_key_change():
     """bucket_by_size, the rule of both planners: DDP's keeps a bucket open per key across
     interleaved keys; full sharding's (consecutive) closes it when the key changes."""
-    from graphddp.plan.planner import bucket_by_size
+    from graphddp.plan.greedy import bucket_by_size
 
     items = [("a", 2), ("b", 1), ("a", 2), ("b", 1), ("a", 1)]
     key, size = (lambda i: i[0]), (lambda i: i[1])
