@@ -21,8 +21,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from graphddp.frontend.api import ModelView, build_state
-from graphddp.frontend.full import FullyShardedState
-from graphddp.frontend.replica import Replica
+from graphddp.frontend.wrap import ModelState
 
 NAME = "graphddp"  # the registered backend name
 
@@ -51,7 +50,7 @@ class GraphDDPCompileBackend(ModelView):
     ``graphddp.compile`` module. With ``sharding="full"`` the model's parameters are this rank's
     parts from now on; its state dicts hold whole tensors (every rank calls them)."""
 
-    def __init__(self, module: nn.Module, state: Replica | FullyShardedState) -> None:
+    def __init__(self, module: nn.Module, state: ModelState) -> None:
         """Puts the mode's per-forward work around ``module.forward`` (an instance attribute).
         Not forward hooks: for a torch.nn class (``nn.Sequential``) Dynamo traces those, and a
         disabled hook inside would run the whole forward eagerly; this wrapper is traced like user

@@ -52,11 +52,10 @@ from graphddp.config import DDPConfig
 from graphddp.frontend.full_state import WholeTensors
 from graphddp.frontend.mesh import MeshGroups
 from graphddp.frontend.parts import Part, repoint_optimizer, shard_parameters
-from graphddp.frontend.wrap import check_and_broadcast
+from graphddp.frontend.wrap import ModelState
 from graphddp.graph.part_collectives import PREFETCH
 from graphddp.optim import clip, guards
 from graphddp.runtime import agree
-from graphddp.runtime.calibrate import resolve_cost
 from graphddp.runtime.sync import broadcast_tensors
 from graphddp.values.part_schedule import FullSchedule, PartGraph, RankMemory
 
@@ -69,17 +68,27 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
     return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
 
-class FullyShardedState:
-    """The state of one fully sharded model on this rank (module docstring): what the module
-    ``graphddp.compile`` returns and the ``graphddp.backend`` object (:mod:`graphddp.frontend.api`)
-    read and run for this mode. Its ``compile_graph`` is the torch.compile backend of both forms."""
+class FullyShardedState(ModelState):
+    """One fully sharded model on this rank (module docstring): its parameters cut into this
+    rank's parts, once the wrap's broadcast has made them agree. With a 2-D ``device_mesh=``
+    (hybrid) the parts, the optimizer's state and the clip's norm are over the shard group (each
+    replicate group holds the same averaged parts: a norm summed over every rank would count each
+    part once per replica); the rest stays on every rank's group."""
 
-    def __init__(self, module: nn.Module, groups: MeshGroups, config: DDPConfig, optimizer: torch.optim.Optimizer, parts: dict[int, Part]) -> None:
-        self.module = module
-        self.group = groups.whole  # every rank: the forward's agreement, the buffers
+    optimizer: torch.optim.Optimizer
+
+    def __init__(self, module: nn.Module, groups: MeshGroups, config: DDPConfig, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(module, groups.whole, config, optimizer)
+        guards.watch_gathered_copies()
+        parts = shard_parameters(module, groups.shard, config.mp_policy, groups.placement)
+        for part in parts.values():
+            # clip_grad_norm_ on parts is refused (graphddp.optim.guards), told whether max_grad_norm clips already
+            setattr(part.part, guards.PART, True if config.max_grad_norm is None else (config.max_grad_norm, config.grad_norm_type))
+        repoint_optimizer(optimizer, parts, dist.get_world_size(groups.shard), groups.shard_rank)
+        if config.max_grad_norm is not None:
+            clip.clip_parts_before_step(optimizer, config.max_grad_norm, config.grad_norm_type, groups.shard)
+        guards.agree_found_inf(optimizer, groups.whole)  # parts: one rank's inf must skip every rank's step
         self._groups = groups
-        self.config = config
-        self.optimizer = optimizer
         self._parts = parts
         self._by_name = {name: part for part in parts.values() for name in part.names}
         self.sync = True  # DDP's require_backward_grad_sync, read at the forward
@@ -202,14 +211,7 @@ class FullyShardedState:
     def register_comm_hook(self, *_: Any) -> None:
         raise NotImplementedError("graphddp: register_comm_hook is not supported with sharding='full' yet")
 
-    def finish_gathers(self) -> None:
-        """Nothing is left on the wire between steps: the parts are updated in place."""
-
     # -- whole tensors in and out (graphddp.frontend.full_state: hooks on the module) ---------------------
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """The wrapped module's state dict with every parameter whole (gathered: every rank calls it)."""
-        return self.module.state_dict(*args, **kwargs)
-
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Whole tensors under the module's keys; each rank keeps its part, copied into it."""
         if assign:
@@ -218,7 +220,7 @@ class FullyShardedState:
                 "update inside the backward hold this rank's parts, so they are loaded by copying into them; "
                 "call load_state_dict(state_dict) without assign"
             )
-        return self.module.load_state_dict(state_dict, strict=strict)
+        return super().load_state_dict(state_dict, strict)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         """The whole current values, gathered (every rank calls it), detached (module docstring)."""
@@ -241,29 +243,3 @@ class FullyShardedState:
         """Load a whole optimizer state: each rank keeps its part of every entry."""
         self.whole_tensors.load_optimizer_state_dict(self.optimizer, state)
 
-
-def compile_fully_sharded(module: nn.Module, groups: MeshGroups, config: DDPConfig, optimizer: Any, where: str) -> FullyShardedState:
-    """``sharding="full"``'s wrap: the wrap-time checks every mode makes,
-    the broadcast from the group's first rank (whole tensors, before they are cut), the cut, and
-    the optimizer re-pointed at the parts. With a 2-D ``device_mesh=`` (hybrid) the parts, the
-    optimizer's state and the clip's norm are over the shard group (each replicate group holds
-    the same averaged parts: a norm summed over every rank would count each part once per
-    replica); the rest stays on every rank's group."""
-    group = groups.whole
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(
-            f"{where}: sharding='full' keeps each parameter's optimizer state 1/N per rank, so it needs optimizer= "
-            "(a torch.optim optimizer over model.parameters(), built before graphddp.compile)"
-        )
-    device = check_and_broadcast(where, module, group, config)  # whole tensors, before they are cut
-    config = resolve_cost(config, group, device)  # what the buckets' cap is planned with (graphddp.plan.parts)
-    guards.watch_gathered_copies()
-    parts = shard_parameters(module, groups.shard, config.mp_policy, groups.placement)
-    for part in parts.values():
-        # clip_grad_norm_ on parts is refused (graphddp.optim.guards), told whether max_grad_norm clips already
-        setattr(part.part, guards.PART, True if config.max_grad_norm is None else (config.max_grad_norm, config.grad_norm_type))
-    repoint_optimizer(optimizer, parts, dist.get_world_size(groups.shard), groups.shard_rank)
-    if config.max_grad_norm is not None:
-        clip.clip_parts_before_step(optimizer, config.max_grad_norm, config.grad_norm_type, groups.shard)
-    guards.agree_found_inf(optimizer, group)  # parts: one rank's inf must skip every rank's step
-    return FullyShardedState(module, groups, config, optimizer, parts)
