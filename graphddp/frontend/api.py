@@ -37,9 +37,11 @@ class ModelView(Joinable):
 
     _state: ModelState
 
-    def _joinable(self) -> None:
-        """What ``Joinable.__init__`` sets, without calling it: on a module it would re-run
-        ``nn.Module.__init__``."""
+    def _view(self, module: nn.Module, state: ModelState) -> None:
+        """``module`` and its state, and what ``Joinable.__init__`` sets, without calling it: on a
+        module it would re-run ``nn.Module.__init__``."""
+        self.module = module
+        self._state = state
         self._join_config = _JoinConfig.construct_disabled_join_config()
         self._state.joinable = self
 
@@ -148,9 +150,7 @@ class GraphDDP(ModelView, nn.Module):
 
     def __init__(self, module: nn.Module, state: ModelState) -> None:
         super().__init__()
-        self.module = module
-        self._state = state
-        self._joinable()
+        self._view(module, state)
         config = state.config
         # Stored outside the module registry so parameters are not listed twice.
         object.__setattr__(

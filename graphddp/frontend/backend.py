@@ -55,9 +55,7 @@ class GraphDDPCompileBackend(ModelView):
         Not forward hooks: for a torch.nn class (``nn.Sequential``) Dynamo traces those, and a
         disabled hook inside would run the whole forward eagerly; this wrapper is traced like user
         code, its two disabled calls graph breaks around the compiled forward."""
-        self._state = state
-        self._joinable()
-        self.module = module
+        self._view(module, state)
         self._param_ids = {id(p) for p in module.parameters()}
         original = module.forward  # the bound method, or a forward the user set on the instance
 

@@ -4,39 +4,18 @@ state held 1/N per rank, each parameter gathered where the forward and the backw
 How each parameter becomes this rank's part and every read of it a gather (SimpleFSDP's idea
 with plain tensors), with the gradient reduce-scattered back: :mod:`graphddp.frontend.parts`.
 With ``reshard_after_forward`` (default True) the backward gathers again instead of keeping the
-gathered parameters (:mod:`graphddp.graph.reshard`).
+gathered parameters (:mod:`graphddp.graph.reshard`). Which backward updates its parts itself,
+and what it leaves to ``opt.step()`` (a ``no_sync`` micro-step's accumulation, a weight tied
+across a graph break, other optimizer classes): :mod:`graphddp.compiler.full_updates`.
 
-What the parts mean for the user:
-
-* the optimizer passed as ``optimizer=`` is re-pointed at the parts (its param groups, and any
-  state it already has, cut to each part), so its state is 1/N per rank. With torch.optim's
-  SGD, Adam or AdamW each backward updates its parts itself, right after their gradients
-  arrive, and leaves them no gradient; ``opt.step()`` stays torch's and steps what a backward
-  left to it (a ``no_sync`` micro-step's accumulation, a weight tied across a graph break,
-  other optimizer classes: :mod:`graphddp.compiler.full_updates`); ``max_grad_norm=`` clips by
-  the global norm (``grad_norm_type``'s) of the whole gradient (one all-reduce of a number before ``opt.step()``,
-  which then steps every part);
-* ``model.state_dict()`` gives whole tensors under the wrapped module's keys and
-  ``load_state_dict`` keeps this rank's part: checkpoints move between world sizes and to plain
-  models; both gather or read every part, so **every rank calls them**;
-* ``model.parameters()`` / ``named_parameters()`` give the whole current values, gathered (every
-  rank calls them too), detached: for reading (an EMA, a norm, a copy), not for training;
-  ``model.module``'s own parameters are the parts;
-* ``no_sync()`` / ``require_backward_grad_sync`` (read at the forward, as DDP reads it): the
-  backward does not update, and still reduce-scatters (the accumulated gradient is DDP's; the
-  bytes are one reduce-scatter per micro-step).
-
-Hybrid sharding is FSDP2's HSDP: with a 2-D ``device_mesh=`` (dims ``("replicate", "shard")``)
-every "N" above is the shard dim's size: the parameters, their state and the state dicts' cuts
-are over the shard group, and each part's gradient, reduce-scattered over it, is then
-all-reduced over the replicate group (:class:`graphddp.values.placement.Placement`), so the
-step is DDP's over every rank.
-
-Mixed precision is FSDP2's ``MixedPrecisionPolicy`` passed as ``mp_policy=`` (same meaning):
-parameters gathered and computed in ``param_dtype``, gradients reduce-scattered in
-``reduce_dtype``, the parts and the optimizer's state in the parameters' own dtype.
-
-Not yet (refused by name where an option asks for it): comm hooks, ``join()``.
+The parts are this mode's residency (:class:`FullyShardedState`): the optimizer is re-pointed at
+them, so its state is 1/N per rank, while the state dicts and ``named_parameters()`` stay whole
+(gathered, so **every rank calls them**: checkpoints move between world sizes and to plain
+models) and ``model.module``'s own parameters are the parts. With a 2-D ``device_mesh=``
+(FSDP2's HSDP) every "N" is the shard dim's size, each part's gradient averaged over the
+replicate group too (:class:`graphddp.values.placement.Placement`). What each of these means in
+use, ``mp_policy=`` (FSDP2's ``MixedPrecisionPolicy``) and what is not supported yet (comm
+hooks, ``join()``, refused by name): docs/full-sharding.md.
 """
 from __future__ import annotations
 
@@ -110,8 +89,6 @@ class FullyShardedState(ModelState):
 
     @property
     def parts(self) -> dict[str, Part]:
-        """Every parameter name of the wrapped module (tied weights: each of theirs) and the part
-        this rank holds for it."""
         return dict(self._by_name)
 
     @property
