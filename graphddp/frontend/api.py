@@ -16,7 +16,7 @@ from graphddp.config import DDPConfig
 from graphddp.frontend.full import FullyShardedState
 from graphddp.frontend.mesh import resolve_mesh
 from graphddp.frontend.replica import Replica
-from graphddp.frontend.wrap import ModelState, check_and_broadcast, check_optimizer, resolve_group
+from graphddp.frontend.wrap import ModelState, check_and_broadcast, check_module_and_world, check_optimizer
 from graphddp.runtime.calibrate import resolve_cost
 
 # Each wrapper counts its own recompiles (torch >= 2.13): by default every torch.compile of the
@@ -186,7 +186,7 @@ def build_state(where: str, module: nn.Module, process_group: Any, device_mesh: 
     checked before any collective, so every rank fails alike; the checks and the broadcast every
     mode makes (whole tensors, before a mode cuts them); the cost model measured on the group now,
     since compiling never talks; then the mode's state, built after the last collective."""
-    resolve_group(where, module, process_group, options)
+    check_module_and_world(where, module)
     config = DDPConfig.from_options(where, options)
     groups = resolve_mesh(where, device_mesh, process_group, config.sharding)
     mode = FullyShardedState if config.sharding == "full" else Replica

@@ -44,8 +44,8 @@ def _refuse_sparse_gradients(where: str, module: nn.Module) -> None:
             )
 
 
-def resolve_group(where: str, module: Any, process_group: Any, options: dict[str, Any]) -> Any:
-    """``process_group`` or WORLD, after checking the module's type and an initialized default group."""
+def check_module_and_world(where: str, module: Any) -> None:
+    """A module to wrap, and an initialized default group: what every check after asks of both."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"{where}: module must be a torch.nn.Module, got {type(module).__name__}")
     if not dist.is_available() or not dist.is_initialized():
@@ -53,7 +53,6 @@ def resolve_group(where: str, module: Any, process_group: Any, options: dict[str
             f"{where}: torch.distributed is not initialized; call "
             "torch.distributed.init_process_group(...) first (e.g. under torchrun)"
         )
-    return process_group if process_group is not None else dist.group.WORLD
 
 
 # Why each sharding needs ``optimizer=``: what it keeps per rank is the optimizer's state.
