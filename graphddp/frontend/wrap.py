@@ -99,8 +99,6 @@ def check_and_broadcast(where: str, module: nn.Module, group: Any, config: DDPCo
     return device
 
 
-
-
 class ModelState:
     """A wrapped model's state on this rank, in every mode: what both forms
     (:class:`graphddp.frontend.api.ModelView`) read and run. A mode's class is built after the
