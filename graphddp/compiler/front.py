@@ -1,0 +1,118 @@
+"""What every mode's torch.compile backend does for a Dynamo graph around the mode's passes:
+:class:`GraphFront`.
+
+Each mode compiles a Dynamo graph through its own passes (:func:`graphddp.compiler.aot.compile_aot`:
+the replicated and ``sharding="optimizer"`` rewrite, :mod:`graphddp.compiler.graph_compiler`;
+full sharding's placed gathers and reduce-scatters, :mod:`graphddp.compiler.full`). Around them
+the work is the same in every mode, so it is written once here: the graph's inputs named as the
+module's parameters, the user's inductor settings checked, an index per Dynamo graph, and at run
+time the compiled forward wrapped so that each call's backward node is found, tagged as the
+optimizer's, and told which output gradients were None (an unused parameter's gradient stays
+None, :mod:`graphddp.runtime.usage`), before the mode records the call in its step.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+
+from graphddp.compiler.record import GraphRecord
+from graphddp.config import DDPConfig
+from graphddp.graph.capture import parameter_of_inputs
+from graphddp.optim.guards import ATTACHED_NODE
+from graphddp.runtime.usage import NoneOutputs
+from graphddp.runtime.variants import compiled_backward_node
+
+
+class GraphFront:
+    """A ``torch.compile`` backend's part that every mode shares (module docstring). A mode
+    supplies :meth:`compile_graph` (its passes), and what a forward call means to its step:
+    :meth:`before_call`, :meth:`wants_node` and :meth:`forward_ran`. ``optimizer``: the attached
+    optimizer whose backward nodes are tagged (a GradScaler's scale marks the step through them)."""
+
+    optimizer: Any = None
+    tracked: Callable[[], bool] = staticmethod(lambda: True)  # which forward calls go through the record
+
+    def __init__(self, config: DDPConfig, names_by_id: Mapping[int, str], on_record: Callable[[GraphRecord], None]) -> None:
+        self.config = config
+        self.names_by_id = names_by_id  # the module's parameters' names, by the id Dynamo passes them with
+        self.on_record = on_record
+        self.graphs_compiled = 0  # Dynamo graphs this backend compiled: the next one's index
+
+    def __call__(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None, options: dict | None = None
+    ) -> Callable[..., Any]:
+        """Compile one Dynamo graph; ``mode``/``options``: a ``torch.compile`` call's, else the
+        config's, checked on the inputs' device."""
+        param_inputs = parameter_of_inputs(example_inputs, self.names_by_id)
+        device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), None)
+        patches = self.config.check_inductor_settings("graphddp", device, mode, options)
+        index = self.graphs_compiled
+        self.graphs_compiled += 1
+        return self.compile_graph(gm, example_inputs, param_inputs, patches, index)
+
+    def compile_graph(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], param_inputs: Mapping[int, str], patches: dict[str, Any],
+        index: int,
+    ) -> Callable[..., Any]:
+        """The mode's passes on Dynamo graph ``index``, compiled under inductor's ``patches``;
+        returns :meth:`runtime` of the compiled forward."""
+        raise NotImplementedError
+
+    def runtime(
+        self, compiled: Callable[..., Any], index: int, param_inputs: Mapping[int, str], ids: Mapping[int, int],
+        none_outputs: NoneOutputs, noting: Callable[[], bool],
+    ) -> Callable[..., Any]:
+        """What Dynamo calls: the compiled forward of graph ``index`` and the mode's record of
+        each call with the backward node it made, noting its None output gradients while
+        ``noting()`` (its backward may leave a parameter unused). A call with other parameters
+        than the compiled ones (``ids``: input position -> id; Dynamo reuses a module's graph for
+        its siblings when their parent's frame runs eagerly) is told which: ``renamed``."""
+
+        def run(inputs: Sequence[Any], call: Callable[[], Any]) -> Any:
+            renamed = None
+            if any(i < len(inputs) and id(inputs[i]) != pid for i, pid in ids.items()):
+                renamed = {name: self.names_by_id.get(id(inputs[i]), name) for i, name in param_inputs.items()}
+            before = self.before_call(index, param_inputs, renamed)
+            out = call()
+            node, watch = None, noting()
+            if torch.is_grad_enabled() and self.wants_node(before, watch, renamed):
+                node = compiled_backward_node(out if isinstance(out, (list, tuple)) else [out], inputs)
+            if node is not None and self.optimizer is not None:
+                node.metadata[ATTACHED_NODE] = self.optimizer
+            if node is not None and watch:
+                node.register_prehook(none_outputs.note)
+            self.forward_ran(index, node, before, renamed, inputs, ids)
+            return out
+
+        return as_dynamo_calls(compiled, run, self.tracked)
+
+    def before_call(self, index: int, param_inputs: Mapping[int, str], renamed: dict[str, str] | None) -> Any:
+        """The mode's work before graph ``index``'s forward runs; what it returns is passed on."""
+        return None
+
+    def wants_node(self, before: Any, noting: bool, renamed: dict[str, str] | None) -> bool:
+        """Does this call's record need its backward node (finding it walks the outputs' autograd graph)?"""
+        return noting
+
+    def forward_ran(
+        self, index: int, node: Any, before: Any, renamed: dict[str, str] | None, inputs: Sequence[Any], ids: Mapping[int, int],
+    ) -> None:
+        """The mode's record of one call of graph ``index``'s forward, ``node`` its backward node or None."""
+
+
+def as_dynamo_calls(
+    compiled: Callable[..., Any], run: Callable[[Sequence[Any], Callable[[], Any]], Any], tracked: Callable[[], bool] = lambda: True,
+) -> Callable[..., Any]:
+    """``compiled`` as Dynamo calls it, each ``tracked()`` call through ``run(inputs, call)``: one
+    list, which the callee frees, or for some recompiled graphs (sizes as ints) the arguments."""
+    boxed = getattr(compiled, "_boxed_call", False)
+
+    def called(*args: Any) -> Any:
+        if not tracked():
+            return compiled(*args)
+        return run(list(args[0]) if boxed and len(args) == 1 and isinstance(args[0], list) else args, lambda: compiled(*args))
+
+    called._boxed_call = boxed  # type: ignore[attr-defined]
+    return called
