@@ -27,9 +27,13 @@ from graphddp.runtime.variants import compiled_backward_node
 
 class GraphFront:
     """A ``torch.compile`` backend's part that every mode shares (module docstring). A mode
-    supplies :meth:`compile_graph` (its passes), and what a forward call means to its step:
-    :meth:`before_call`, :meth:`wants_node` and :meth:`forward_ran`. ``optimizer``: the attached
-    optimizer whose backward nodes are tagged (a GradScaler's scale marks the step through them)."""
+    supplies ``compile_graph(gm, example_inputs, param_inputs, patches, index)``: its passes,
+    returning :meth:`runtime` of the compiled forward; and what a forward call means to its step:
+    ``before_call(index, param_inputs, renamed)``, whose result the other two are given,
+    ``wants_node(before, noting, renamed)`` (finding the backward node walks the outputs' autograd
+    graph) and ``forward_ran(index, node, before, renamed, inputs, ids)`` (``ids``: input position ->
+    the id of the parameter compiled there). ``optimizer``: the
+    attached optimizer whose backward nodes are tagged (a GradScaler's scale marks the step through them)."""
 
     optimizer: Any = None
     tracked: Callable[[], bool] = staticmethod(lambda: True)  # which forward calls go through the record
@@ -52,30 +56,28 @@ class GraphFront:
         self.graphs_compiled += 1
         return self.compile_graph(gm, example_inputs, param_inputs, patches, index)
 
-    def compile_graph(
-        self, gm: fx.GraphModule, example_inputs: Sequence[Any], param_inputs: Mapping[int, str], patches: dict[str, Any],
-        index: int,
-    ) -> Callable[..., Any]:
-        """The mode's passes on Dynamo graph ``index``, compiled under inductor's ``patches``;
-        returns :meth:`runtime` of the compiled forward."""
-        raise NotImplementedError
-
     def runtime(
-        self, compiled: Callable[..., Any], index: int, param_inputs: Mapping[int, str], ids: Mapping[int, int],
+        self, compiled: Callable[..., Any], index: int, param_inputs: Mapping[int, str], example_inputs: Sequence[Any],
         none_outputs: NoneOutputs, noting: Callable[[], bool],
     ) -> Callable[..., Any]:
-        """What Dynamo calls: the compiled forward of graph ``index`` and the mode's record of
-        each call with the backward node it made, noting its None output gradients while
-        ``noting()`` (its backward may leave a parameter unused). A call with other parameters
-        than the compiled ones (``ids``: input position -> id; Dynamo reuses a module's graph for
-        its siblings when their parent's frame runs eagerly) is told which: ``renamed``."""
+        """``compiled``, graph ``index``'s forward, as Dynamo calls it (one list, which the callee
+        frees, or for some recompiled graphs, sizes as ints, the arguments), each ``tracked()``
+        call recorded by the mode with the backward node it made, which notes its None output
+        gradients while ``noting()`` (its backward may leave a parameter unused). A call with other
+        parameters than ``example_inputs``' (Dynamo reuses a module's graph for its siblings when
+        their parent's frame runs eagerly) is told which: ``renamed``, and ``ids`` the compiled ones'."""
+        boxed = getattr(compiled, "_boxed_call", False)
+        ids = {i: id(example_inputs[i]) for i in param_inputs}  # never the tensors: Dynamo's first call's, kept alive
 
-        def run(inputs: Sequence[Any], call: Callable[[], Any]) -> Any:
+        def called(*args: Any) -> Any:
+            if not self.tracked():
+                return compiled(*args)
+            inputs = list(args[0]) if boxed and len(args) == 1 and isinstance(args[0], list) else args
             renamed = None
             if any(i < len(inputs) and id(inputs[i]) != pid for i, pid in ids.items()):
                 renamed = {name: self.names_by_id.get(id(inputs[i]), name) for i, name in param_inputs.items()}
             before = self.before_call(index, param_inputs, renamed)
-            out = call()
+            out = compiled(*args)
             node, watch = None, noting()
             if torch.is_grad_enabled() and self.wants_node(before, watch, renamed):
                 node = compiled_backward_node(out if isinstance(out, (list, tuple)) else [out], inputs)
@@ -86,33 +88,5 @@ class GraphFront:
             self.forward_ran(index, node, before, renamed, inputs, ids)
             return out
 
-        return as_dynamo_calls(compiled, run, self.tracked)
-
-    def before_call(self, index: int, param_inputs: Mapping[int, str], renamed: dict[str, str] | None) -> Any:
-        """The mode's work before graph ``index``'s forward runs; what it returns is passed on."""
-        return None
-
-    def wants_node(self, before: Any, noting: bool, renamed: dict[str, str] | None) -> bool:
-        """Does this call's record need its backward node (finding it walks the outputs' autograd graph)?"""
-        return noting
-
-    def forward_ran(
-        self, index: int, node: Any, before: Any, renamed: dict[str, str] | None, inputs: Sequence[Any], ids: Mapping[int, int],
-    ) -> None:
-        """The mode's record of one call of graph ``index``'s forward, ``node`` its backward node or None."""
-
-
-def as_dynamo_calls(
-    compiled: Callable[..., Any], run: Callable[[Sequence[Any], Callable[[], Any]], Any], tracked: Callable[[], bool] = lambda: True,
-) -> Callable[..., Any]:
-    """``compiled`` as Dynamo calls it, each ``tracked()`` call through ``run(inputs, call)``: one
-    list, which the callee frees, or for some recompiled graphs (sizes as ints) the arguments."""
-    boxed = getattr(compiled, "_boxed_call", False)
-
-    def called(*args: Any) -> Any:
-        if not tracked():
-            return compiled(*args)
-        return run(list(args[0]) if boxed and len(args) == 1 and isinstance(args[0], list) else args, lambda: compiled(*args))
-
-    called._boxed_call = boxed  # type: ignore[attr-defined]
-    return called
+        called._boxed_call = boxed  # type: ignore[attr-defined]
+        return called

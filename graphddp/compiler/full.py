@@ -59,12 +59,6 @@ class Compiled:
     records: list[GraphRecord] = dataclasses.field(default_factory=list)
 
 
-def fully_sharded_compiler(config: DDPConfig, compiled: Compiled) -> "FullyShardedCompiler":
-    """A ``torch.compile`` backend for a fully sharded module under ``config``; every forward and
-    backward graph it compiles goes to ``compiled`` (:class:`Compiled`)."""
-    return FullyShardedCompiler(config, compiled)
-
-
 class FullyShardedCompiler(GraphFront):
     """Full sharding's passes (:class:`_Graph`) behind the front every mode shares; a forward
     call is recorded while grad mode is on, for the parts' update inside the backward
@@ -87,8 +81,10 @@ class FullyShardedCompiler(GraphFront):
         joint = graph if self.config.reshard_after_forward else None
         passes = Passes(graph.forward_pass, graph.backward_pass, lambda _: {}, boxed_nop, joint, min_cut=True)
         fn = compile_aot(self.config.backend, gm, example_inputs, passes, {**patches, **INDUCTOR_FX_ORDER_CONFIG})
-        ids = {i: id(example_inputs[i]) for i in param_inputs}
-        return self.runtime(fn, index, param_inputs, ids, graph.none_outputs, graph.may_be_unused)
+        return self.runtime(fn, index, param_inputs, example_inputs, graph.none_outputs, graph.may_be_unused)
+
+    def before_call(self, index: int, param_inputs: Mapping[int, str], renamed: dict[str, str] | None) -> None:
+        return None
 
     def wants_node(self, before: Any, noting: bool, renamed: dict[str, str] | None) -> bool:
         return self.updates is not None or noting
@@ -98,6 +94,10 @@ class FullyShardedCompiler(GraphFront):
     ) -> None:
         if node is not None and self.updates is not None:
             self.updates.forward_ran(index, node, inputs, ids)
+
+
+# The backend frontend/full.py makes for a fully sharded module: every graph it compiles goes to its Compiled.
+fully_sharded_compiler = FullyShardedCompiler
 
 
 class _Graph(CustomGraphPass):

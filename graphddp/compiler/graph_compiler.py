@@ -107,8 +107,7 @@ class GraphCompiler(GraphFront, InGraphUpdates, HookRuntime, BackwardRewrite):
         self.states.append(state)
         copy_parameter_outputs(gm, param_inputs)  # their gradients then go through the buckets
         compiled = self._compile(gm, example_inputs, param_inputs, state, patches, index)
-        ids = {i: id(example_inputs[i]) for i in param_inputs}
-        return self.runtime(compiled, index, param_inputs, ids, state.none_outputs, lambda: self._may_be_unused(index))
+        return self.runtime(compiled, index, param_inputs, example_inputs, state.none_outputs, lambda: self._may_be_unused(index))
 
     def _may_be_unused(self, index: int) -> bool:
         """May graph ``index``'s backward leave a parameter unused (until its first backward: yes)?"""
