@@ -1,5 +1,5 @@
 """``sharding="full"``'s optimizer inside the backward: the variant of each backward graph that
-updates its parts (:mod:`graphddp.optim.insert_part_update`), and at every backward the choice
+updates its parts (:func:`graphddp.optim.insert_update.insert_part_updates`), and at every backward the choice
 between it and the graph as compiled, which returns the parts' gradients to torch's
 ``opt.step()``.
 
@@ -39,8 +39,7 @@ from graphddp.graph.part_facts import input_name
 from graphddp.graph.verify import check_part_updates
 from graphddp.optim import guards
 from graphddp.optim.attached import AttachedOptimizer
-from graphddp.optim.insert_part_update import insert_part_updates
-from graphddp.optim.insert_update import UpdateInputs
+from graphddp.optim.insert_update import UpdateInputs, insert_part_updates
 from graphddp.runtime.step import StepState
 
 
