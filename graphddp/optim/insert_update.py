@@ -59,23 +59,27 @@ class UpdateInputs:
     groups: Mapping[str, int]
     values: Mapping[str, torch.Tensor]
 
+    @staticmethod
+    def of(optimizer: optim.AttachedOptimizer, names: Sequence[str], values: Mapping[str, torch.Tensor]) -> UpdateInputs:
+        """For ``names``, parameters ``optimizer`` holds, whose forward values ``values`` has."""
+        rules = {n: optimizer.rule(n) for n in names}
+        return UpdateInputs(rules, {n: optimizer.group_of[n] for n in names}, {n: values[n] for n in names})  # type: ignore[arg-type]
+
 
 def replicated(schedule: Schedule) -> list:
     return [b for b in schedule.buckets if b.collective != "reduce_scatter"]
 
 
-def parameter_nodes(graph: fx.Graph, names: list[str], inputs: UpdateInputs, new: dict[str, fx.Node]) -> dict[str, fx.Node]:
-    """The node each parameter is read and updated through: ``new[name]``, saved aliases rewritten
-    to views of it (module docstring: Aliasing)."""
+def read_through(graph: fx.Graph, new: Mapping[str, fx.Node], inputs: UpdateInputs) -> None:
+    """Each parameter read and updated through its own new input ``new[name]``: saved aliases
+    rewritten to views of it (module docstring: Aliasing)."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder" and n.meta.get(ROLE_KEY) != UPDATE_INPUT]
     by_storage: dict[int, list[fx.Node]] = {}
     for ph in placeholders:
         ref = storage_of(ph.meta.get("val"))
         if ref is not None:
             by_storage.setdefault(ref, []).append(ph)
-    chosen: dict[str, fx.Node] = {}
-    for name in names:
-        chosen[name] = node = new[name]
+    for name, node in new.items():
         node.meta[WRITES] = name
         first = next(n for n in graph.nodes if n.op != "placeholder")
         for alias in by_storage.get(storage_of(inputs.values[name]), []):
@@ -87,7 +91,13 @@ def parameter_nodes(graph: fx.Graph, names: list[str], inputs: UpdateInputs, new
             view.meta["val"] = val
             view.meta[ROLE_KEY] = "alias"
             alias.replace_all_uses_with(view)
-    return chosen
+
+
+def written_inputs(gm: fx.GraphModule) -> tuple[tuple[int, str], ...]:
+    """Each input an update writes a parameter through, ``(position, name)``: what the runtime checks
+    is the parameter's memory (:meth:`graphddp.runtime.variants.InGraphUpdate.check_writes`)."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    return tuple((i, ph.meta[WRITES]) for i, ph in enumerate(placeholders) if WRITES in ph.meta)
 
 
 def append_update_inputs(
@@ -182,7 +192,7 @@ class _Updates:
 
         self.graph, self.inputs = graph, inputs
         self.per_name, self.per_group = append_update_inputs(graph, names, inputs)
-        parameter_nodes(graph, names, inputs, {n: self.per_name[n][0] for n in names})
+        read_through(graph, {n: self.per_name[n][0] for n in names}, inputs)
         self.decompositions = select_decomp_table()
         self.traces = UpdateTraces(self.decompositions)
 

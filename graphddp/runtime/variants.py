@@ -7,7 +7,7 @@ and the dispatcher only reads them: what a variant is, not which one runs.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -69,7 +69,9 @@ def compiled_backward_node(outputs: Iterable[Any], inputs: Iterable[Any]) -> Any
 
 @dataclasses.dataclass
 class InGraphUpdate:
-    """How one graph's synchronising variant runs the attached optimizer after each bucket's wait."""
+    """How one graph's variant that updates inside runs the attached optimizer, in every mode: its
+    update's inputs after the graph's own, and the variant without the update for the steps it is
+    not the whole step (``allowed``)."""
 
     attached: "AttachedOptimizer"
     names: tuple[str, ...]  # parameters the graph updates, in its input order
@@ -89,6 +91,28 @@ class InGraphUpdate:
     def deferred_shards(self) -> list[Any]:
         """The sharded buckets whose all-gathers the backward returns, in output order."""
         return [s for s in self.shards if s.bucket.gather == "forward"]
+
+    def after(self, args: list[Any]) -> Any:
+        """The variant without the update: the gradients returned, for torch's step after the backward."""
+        if self.grads is None:
+            self.grads = self.compile_grads()
+        return self.grads(args)
+
+    def inside(self, code: Callable[[], Callable[[list[Any]], Any]], args: list[Any], carry: Sequence[torch.Tensor] = ()) -> Any:
+        """``code()``, the variant that updates, on ``args`` and the update's inputs (state created as
+        torch creates it); with ``carry`` (full sharding's carrying variant), those parameters'
+        accumulated gradients after them, added in, stepped, and so gone from ``grad``."""
+        extra = self.attached.update_args(self.names, self.groups, self.shards)
+        args.extend(extra.tensors)  # the same list: the callee frees what it no longer needs
+        args.extend(p.grad if p.grad is not None else torch.zeros_like(p) for p in carry)
+        if not self.writes_checked:
+            self.check_writes(args)
+        with torch.no_grad():
+            out = code()(args)
+        for p in carry:
+            p.grad = None
+        self.attached.updated(extra)
+        return out
 
     def check_writes(self, args: list[Any]) -> None:
         """Once: each input the update writes a parameter through really is that parameter's
