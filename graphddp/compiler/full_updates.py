@@ -46,13 +46,12 @@ from graphddp.runtime.variants import InGraphUpdate
 @dataclasses.dataclass(frozen=True)
 class UpdatingBackward:
     """One backward graph's update variants: the graph that updates its parts, the one that
-    adds what they accumulated first (``carrying``: one more input per part), the parts they
-    update (in the order of their update inputs) and their param groups."""
+    adds what they accumulated first (``carrying``: one more input per part), and the parts they
+    update (in the order of their update inputs)."""
 
     graph: fx.GraphModule
     carrying: fx.GraphModule
     names: tuple[str, ...]
-    groups: tuple[int, ...]
 
 
 Compile = Callable[[], Callable[[list], Any]]  # a variant's compiled code, compiled at the first call if not before
@@ -120,8 +119,7 @@ class PartUpdates:
         if self.verify:
             for graph in (variant, carrying):
                 check_part_updates(graph, {i: n for i, n in grads.items() if n in updated})
-        groups = tuple(sorted({self.attached.group_of[n] for n in updated}))
-        return UpdatingBackward(variant, carrying, tuple(updated), groups)
+        return UpdatingBackward(variant, carrying, tuple(updated))
 
     # -- run time ----------------------------------------------------------------------------------
     def forward_ran(self, index: int, node: Any, inputs: Sequence[Any], part_ids: Mapping[int, int]) -> None:
@@ -146,7 +144,7 @@ class PartUpdates:
                 self.counts[reason.kind] += 1
             return reason is None
 
-        update = InGraphUpdate(self.attached, variant.names, variant.groups, allowed, plain, written_inputs(variant.graph))
+        update = InGraphUpdate(self.attached, variant.names, allowed, plain, written_inputs(variant.graph))
 
         def run(args: list, unused: frozenset[str] = frozenset()) -> Any:
             if not update.allowed(unused):

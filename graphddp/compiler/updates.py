@@ -15,12 +15,10 @@ import logging
 import warnings
 from typing import Any, Callable, Mapping, Sequence
 
-import torch
 import torch.fx as fx
 
 from graphddp.compiler.compose import Shared
 from graphddp.compiler.record import GraphRecord
-from graphddp.graph.bucket_function import write_fn
 from graphddp.graph.insert_comm import insert_collectives
 from graphddp.optim.attached import AttachedOptimizer
 from graphddp.optim.insert_shard import insert_sharded_updates
@@ -68,17 +66,7 @@ class InGraphUpdates:
                 self._fallback(record, graph_index, reason.kind, reason.names, reason.why)
             return reason is None
 
-        groups = tuple(sorted({optimizer.group_of[n] for n in replicated}))
-        deferred = [s for s in shards if s.bucket.gather == "forward"]
-
-        @torch.no_grad()
-        def write_deferred(tensors: list[torch.Tensor]) -> None:
-            """Eagerly, what the forward slot does in its graph: wait, then write the parameters."""
-            for shard, gathered in zip(deferred, tensors):
-                write_fn(shard.bucket, shard.placement)(gathered, *(optimizer.params[n].detach() for n in shard.bucket.param_names))
-
-        writes = written_inputs(record.graph)
-        return InGraphUpdate(optimizer, replicated, groups, allowed, compile_grads, writes, shards=shards, write_deferred=write_deferred)
+        return InGraphUpdate(optimizer, replicated, allowed, compile_grads, written_inputs(record.graph), shards=shards)
 
     def _has_gradients(self, graph_index: int) -> bool:
         """Does graph ``graph_index`` read a parameter that takes a gradient (adds to a norm)?"""

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
 
+from graphddp.graph.bucket_function import write_fn
 from graphddp.runtime.agree import layout_hash
 from graphddp.runtime.usage import NoneOutputs
 from graphddp.values.schedule import Schedule
@@ -75,22 +76,28 @@ class InGraphUpdate:
 
     attached: "AttachedOptimizer"
     names: tuple[str, ...]  # parameters the graph updates, in its input order
-    groups: tuple[int, ...]  # their param groups, whose hyperparameters it reads
     allowed: Callable[[frozenset[str]], bool]  # may this step update inside the graph (given the unused)
     compile_grads: Callable[[], Callable[[list[Any]], Any]]  # the variant without the update
     writes: tuple[tuple[int, str], ...]  # backward inputs the update writes, each a parameter's memory
     grads: Callable[[list[Any]], Any] | None = None
     writes_checked: bool = False
     shards: tuple[Any, ...] = ()  # sharded buckets' layouts (graphddp.optim.shard_functions.ShardLayout)
-    # gather="forward": the backward returns its un-waited all-gathers after the gradients; the
-    # next forward completes them (graphddp.runtime.gathers). The eager write for when no
-    # forward graph can take them.
-    write_deferred: Callable[[list[torch.Tensor]], None] | None = None
+
+    def __post_init__(self) -> None:
+        self.groups = tuple(sorted({self.attached.group_of[n] for n in self.names}))  # whose hyperparameters it reads
 
     @property
     def deferred_shards(self) -> list[Any]:
-        """The sharded buckets whose all-gathers the backward returns, in output order."""
+        """The sharded buckets whose all-gathers the backward returns, in output order
+        (gather="forward": the next forward completes them, :mod:`graphddp.runtime.gathers`)."""
         return [s for s in self.shards if s.bucket.gather == "forward"]
+
+    @torch.no_grad()
+    def write_deferred(self, tensors: list[torch.Tensor]) -> None:
+        """Where no forward graph can take the deferred all-gathers: eagerly, what the forward
+        slot does in its graph: wait, then write the parameters."""
+        for shard, gathered in zip(self.deferred_shards, tensors):
+            write_fn(shard.bucket, shard.placement)(gathered, *(self.attached.params[n].detach() for n in shard.bucket.param_names))
 
     def after(self, args: list[Any]) -> Any:
         """The variant without the update: the gradients returned, for torch's step after the backward."""
