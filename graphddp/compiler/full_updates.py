@@ -110,12 +110,11 @@ class PartUpdates:
         if not stepped:
             return None
         inputs = UpdateInputs.of(self.attached, stepped, values)
-        mine = {i: n for i, n in grads.items() if n in inputs.rules}
         variant, carrying = copy.deepcopy(gm), copy.deepcopy(gm)
-        updated = insert_part_updates(variant, mine, inputs)
+        updated = insert_part_updates(variant, grads, inputs)  # those inputs has a rule for
         if not updated:
             return None
-        insert_part_updates(carrying, mine, inputs, carry=True)
+        insert_part_updates(carrying, grads, inputs, carry=True)
         if self.verify:
             for graph in (variant, carrying):
                 check_part_updates(graph, {i: n for i, n in grads.items() if n in updated})
