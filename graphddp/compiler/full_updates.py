@@ -1,7 +1,7 @@
 """``sharding="full"``'s optimizer inside the backward: the variant of each backward graph that
-updates its parts (:func:`graphddp.optim.insert_update.insert_part_updates`), and at every backward the choice
-between it and the graph as compiled, which returns the parts' gradients to torch's
-``opt.step()``.
+updates its parts (:func:`graphddp.optim.insert_update.insert_part_updates`), and at every
+backward the choice between it and the graph as compiled, which returns the parts' gradients to
+torch's ``opt.step()``.
 
 The user's loop does not change: ``opt.step()`` and ``opt.zero_grad()`` stay torch's. A part
 updated inside the backward has no gradient (``grad`` None), and torch's optimizers skip a
@@ -111,7 +111,7 @@ class PartUpdates:
             return None
         inputs = UpdateInputs.of(self.attached, stepped, values)
         variant, carrying = copy.deepcopy(gm), copy.deepcopy(gm)
-        updated = insert_part_updates(variant, grads, inputs)  # those inputs has a rule for
+        updated = insert_part_updates(variant, grads, inputs)  # the parts ``inputs`` has a rule for
         if not updated:
             return None
         insert_part_updates(carrying, grads, inputs, carry=True)
