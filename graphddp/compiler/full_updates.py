@@ -1,7 +1,7 @@
 """``sharding="full"``'s optimizer inside the backward: the variant of each backward graph that
-updates its parts (:mod:`graphddp.optim.insert_part_update`), and at every backward the choice
-between it and the graph as compiled, which returns the parts' gradients to torch's
-``opt.step()``.
+updates its parts (:func:`graphddp.optim.insert_update.insert_part_updates`), and at every
+backward the choice between it and the graph as compiled, which returns the parts' gradients to
+torch's ``opt.step()``.
 
 The user's loop does not change: ``opt.step()`` and ``opt.zero_grad()`` stay torch's. A part
 updated inside the backward has no gradient (``grad`` None), and torch's optimizers skip a
@@ -15,10 +15,9 @@ A backward updates inside where that is the whole step for its parts. Where a pa
 gradient accumulated by earlier micro-steps (the synchronising micro-step after ``no_sync``),
 the carrying variant adds it to this backward's gradient, updates, and leaves the part none.
 Otherwise the backward returns the gradients and ``opt.step()`` steps them, for one of the
-reasons of :meth:`graphddp.runtime.step.StepState.not_inside`, the same as the replicated
-optimizer's, over the same record of the step's forwards and backwards
-(``GraphDDP.updates`` (full sharding) counts each case: ``"inside"``, ``"inside, carried"``, or the
-reason).
+reasons of :meth:`graphddp.runtime.step.StepState.not_inside`. Each backward runs as every mode's
+does, through an :class:`~graphddp.runtime.variants.InGraphUpdate`; ``GraphDDP.updates`` counts
+each case: ``"inside"``, ``"inside, carried"``, or the reason.
 
 Not inside the backward at all (every step through ``opt.step()``): optimizer classes other
 than ``torch.optim`` SGD, Adam and AdamW, and ``max_grad_norm`` (the global norm needs every
@@ -39,21 +38,20 @@ from graphddp.graph.part_facts import input_name
 from graphddp.graph.verify import check_part_updates
 from graphddp.optim import guards
 from graphddp.optim.attached import AttachedOptimizer
-from graphddp.optim.insert_part_update import insert_part_updates
-from graphddp.optim.insert_update import UpdateInputs
+from graphddp.optim.insert_update import UpdateInputs, insert_part_updates, written_inputs
 from graphddp.runtime.step import StepState
+from graphddp.runtime.variants import InGraphUpdate
 
 
 @dataclasses.dataclass(frozen=True)
 class UpdatingBackward:
     """One backward graph's update variants: the graph that updates its parts, the one that
-    adds what they accumulated first (``carrying``: one more input per part), the parts they
-    update (in the order of their update inputs) and their param groups."""
+    adds what they accumulated first (``carrying``: one more input per part), and the parts they
+    update (in the order of their update inputs)."""
 
     graph: fx.GraphModule
     carrying: fx.GraphModule
     names: tuple[str, ...]
-    groups: tuple[int, ...]
 
 
 Compile = Callable[[], Callable[[list], Any]]  # a variant's compiled code, compiled at the first call if not before
@@ -111,22 +109,16 @@ class PartUpdates:
         stepped = [n for n in grads.values() if n in values and self.attached.rule(n) is not None]  # the optimizer holds them
         if not stepped:
             return None
-        inputs = UpdateInputs(
-            rules={n: self.attached.rule(n) for n in stepped},  # type: ignore[misc]
-            groups={n: self.attached.group_of[n] for n in stepped},
-            values={n: values[n] for n in stepped},
-        )
-        mine = {i: n for i, n in grads.items() if n in inputs.rules}
+        inputs = UpdateInputs.of(self.attached, stepped, values)
         variant, carrying = copy.deepcopy(gm), copy.deepcopy(gm)
-        updated = insert_part_updates(variant, mine, inputs)
+        updated = insert_part_updates(variant, grads, inputs)  # the parts ``inputs`` has a rule for
         if not updated:
             return None
-        insert_part_updates(carrying, mine, inputs, carry=True)
+        insert_part_updates(carrying, grads, inputs, carry=True)
         if self.verify:
             for graph in (variant, carrying):
                 check_part_updates(graph, {i: n for i, n in grads.items() if n in updated})
-        groups = tuple(sorted({self.attached.group_of[n] for n in updated}))
-        return UpdatingBackward(variant, carrying, tuple(updated), groups)
+        return UpdatingBackward(variant, carrying, tuple(updated))
 
     # -- run time ----------------------------------------------------------------------------------
     def forward_ran(self, index: int, node: Any, inputs: Sequence[Any], part_ids: Mapping[int, int]) -> None:
@@ -143,27 +135,24 @@ class PartUpdates:
         graph as compiled, returning their gradients to ``opt.step()``."""
         params = [self.attached.params[n] for n in variant.names]
 
-        def run(args: list, unused: frozenset[str] = frozenset()) -> Any:
+        def allowed(unused: frozenset[str]) -> bool:
             entry = self.entries[index]
             self.step.synchronising_backward(entry)
             reason = self.step.not_inside(entry, variant.names, scaled=self.attached.scaled, unused=unused)
             if reason is not None:
                 self.counts[reason.kind] += 1
-                return plain()(args)
-            extra = self.attached.update_args(variant.names, variant.groups)
-            args.extend(extra.tensors)  # the same list: the callee frees what it no longer needs
-            held = [p.grad for p in params]
-            if all(g is None for g in held):
-                out = updating()(args)
-                self.counts["inside"] += 1
+            return reason is None
+
+        update = InGraphUpdate(self.attached, variant.names, allowed, plain, written_inputs(variant.graph))
+
+        def run(args: list, unused: frozenset[str] = frozenset()) -> Any:
+            if not update.allowed(unused):
+                return update.after(args)
+            if all(p.grad is None for p in params):
+                out, kind = update.inside(updating, args), "inside"
             else:
-                args.extend(g if g is not None else torch.zeros_like(p) for g, p in zip(held, params))
-                del held
-                out = carrying()(args)
-                for p in params:
-                    p.grad = None  # added in, and stepped
-                self.counts["inside, carried"] += 1
-            self.attached.updated(extra)
+                out, kind = update.inside(carrying, args, params), "inside, carried"
+            self.counts[kind] += 1
             return out
 
         run._boxed_call = True  # type: ignore[attr-defined]

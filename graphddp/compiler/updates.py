@@ -15,17 +15,15 @@ import logging
 import warnings
 from typing import Any, Callable, Mapping, Sequence
 
-import torch
 import torch.fx as fx
 
 from graphddp.compiler.compose import Shared
 from graphddp.compiler.record import GraphRecord
-from graphddp.graph.bucket_function import write_fn
 from graphddp.graph.insert_comm import insert_collectives
 from graphddp.optim.attached import AttachedOptimizer
 from graphddp.optim.insert_shard import insert_sharded_updates
 from graphddp.optim.shard_functions import shard_layout
-from graphddp.optim.insert_update import WRITES, UpdateInputs, insert_update
+from graphddp.optim.insert_update import UpdateInputs, insert_update, written_inputs
 from graphddp.optim.verify import verify_updates
 from graphddp.optim.verify import verify_sharded
 from graphddp.plan.planner import with_sharding, with_updates
@@ -68,18 +66,7 @@ class InGraphUpdates:
                 self._fallback(record, graph_index, reason.kind, reason.names, reason.why)
             return reason is None
 
-        placeholders = [n for n in record.graph.graph.nodes if n.op == "placeholder"]
-        writes = tuple((i, ph.meta[WRITES]) for i, ph in enumerate(placeholders) if WRITES in ph.meta)
-        groups = tuple(sorted({optimizer.group_of[n] for n in replicated}))
-        deferred = [s for s in shards if s.bucket.gather == "forward"]
-
-        @torch.no_grad()
-        def write_deferred(tensors: list[torch.Tensor]) -> None:
-            """Eagerly, what the forward slot does in its graph: wait, then write the parameters."""
-            for shard, gathered in zip(deferred, tensors):
-                write_fn(shard.bucket, shard.placement)(gathered, *(optimizer.params[n].detach() for n in shard.bucket.param_names))
-
-        return InGraphUpdate(optimizer, replicated, groups, allowed, compile_grads, writes, shards=shards, write_deferred=write_deferred)
+        return InGraphUpdate(optimizer, replicated, allowed, compile_grads, written_inputs(record.graph), shards=shards)
 
     def _has_gradients(self, graph_index: int) -> bool:
         """Does graph ``graph_index`` read a parameter that takes a gradient (adds to a norm)?"""
@@ -162,11 +149,7 @@ class InGraphUpdates:
             return schedule, None, tied
         without_update = self._without_update(gm, schedule, shared, carry)
         schedule = with_updates(schedule, updatable, str(optimizer), max_norm, self.config.grad_norm_type)
-        inputs = UpdateInputs(
-            rules={n: optimizer.rule(n) for n in updatable},
-            groups={n: optimizer.group_of[n] for n in updatable},
-            values={n: fw_values[n] for n in updatable},
-        )
+        inputs = UpdateInputs.of(optimizer, updatable, fw_values)
         insert_update(gm, schedule, inputs)
         log.debug("backward graph %d after insert_update:\n%s", graph_index, gm.code)
         if self.config.verify:

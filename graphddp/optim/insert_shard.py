@@ -49,7 +49,7 @@ from graphddp.graph.insert_comm import carried_inputs
 from graphddp.graph.trace import after_all, set_outputs, splice, trace
 from graphddp.hooks import builtin as hooks
 from graphddp.optim import clip
-from graphddp.optim.insert_update import UpdateInputs, add_update_inputs, parameter_nodes
+from graphddp.optim.insert_update import UpdateInputs, add_update_inputs, read_through
 from graphddp.optim.shard_functions import (
     ShardLayout, clipped_update_fn, layout, reduce_fn, shard_layout, state_values, update_fn,
 )
@@ -145,8 +145,8 @@ def insert_sharded_updates(
         nodes = add_update_inputs(graph, names, vals)
         new_params.update(zip(shard.bucket.param_names, nodes[:n]))
         new_rest[shard.bucket.index] = nodes[n:]
-    param_node = parameter_nodes(graph, list(new_params), inputs, new_params)
-    splicer = _Splicer(graph, traced, outs, param_node, new_rest, carried, IssuePoints(graph), placements, issues, position)
+    read_through(graph, new_params, inputs)
+    splicer = _Splicer(graph, traced, outs, new_params, new_rest, carried, IssuePoints(graph), placements, issues, position)
     if clipped:
         splicer.clipped(schedule, decompositions)
     else:

@@ -1,11 +1,18 @@
-"""Apply the optimizer inside a backward graph: each bucket's update right after its wait.
+"""Apply the optimizer inside a backward graph: each parameter updated right after its gradient
+arrives, by one splice (:class:`_Updates`) for every placement.
 
-Runs after :func:`~graphddp.graph.insert_comm` (at world size 1, on the graph as it is). Each
-bucket's ``Bucket.updates`` are traced (:func:`graphddp.optim.attached.bucket_update_fn`) and
-spliced after the bucket's unflatten views, so bucket ``i``'s update runs before bucket ``i + 1``'s
-wait, while later buckets are on the wire; their gradients are then returned as None. With
-``Schedule.max_grad_norm`` every update waits for the clip coefficient (``Schedule.update_after``).
-New inputs follow the existing placeholders in ``optim.layout`` order, role ``update_input``.
+* Replicated buckets (:func:`insert_update`, after :func:`~graphddp.graph.insert_comm`; at world
+  size 1 on the graph as it is): each bucket's ``Bucket.updates`` are spliced after the bucket's
+  unflatten views, so bucket ``i``'s update runs before bucket ``i + 1``'s wait, while later
+  buckets are on the wire. With ``Schedule.max_grad_norm`` every update waits for the clip
+  coefficient (``Schedule.update_after``).
+* ``sharding="full"``'s parts (:func:`insert_part_updates`): each gathered part's gradient (a
+  reduce-scatter bucket's wait cut back into parts, :mod:`graphddp.graph.part_collectives`) updates
+  the part there; the carrying variant first adds what the part accumulated earlier in the step.
+
+Either way the update is traced (:func:`graphddp.optim.attached.bucket_update_fn`), runs after its
+gradient and every read of its parameter's memory, and the gradient is then returned as None. New
+inputs follow the existing placeholders in ``optim.layout`` order, role ``update_input``.
 
 Aliasing. A saved parameter, or a saved view of one (``t(weight)``), is an input of the backward;
 a compiler cannot know two inputs share memory, so an in-place update could be reordered before a
@@ -16,8 +23,9 @@ every read of a saved input aliasing it becomes an ``as_strided`` view of that i
 through the one node the update mutates, and come first. The runtime checks on the first call that
 each written input is its parameter's memory (``WRITES``).
 
-Postcondition (``graphddp.optim.verify``): every updated parameter written once, after its
-bucket's wait and every other read of its memory; its gradient output None.
+Postcondition (``graphddp.optim.verify`` U1-U7; :func:`graphddp.graph.verify.check_part_updates`
+P4 for parts): every updated parameter written once, after its gradient's wait and every other
+read of its memory; its gradient output None.
 """
 from __future__ import annotations
 
@@ -29,6 +37,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from graphddp.graph.capture import storage_of, views_of
+from graphddp.graph.part_collectives import above_reduce_scatters
 from graphddp.graph.trace import add_inputs, after_all, set_outputs, splice, trace
 from graphddp.optim import attached as optim
 from graphddp.optim.clip import insert_clip, insert_scaled
@@ -50,23 +59,27 @@ class UpdateInputs:
     groups: Mapping[str, int]
     values: Mapping[str, torch.Tensor]
 
+    @staticmethod
+    def of(optimizer: optim.AttachedOptimizer, names: Sequence[str], values: Mapping[str, torch.Tensor]) -> UpdateInputs:
+        """For ``names``, parameters ``optimizer`` holds, whose forward values ``values`` has."""
+        rules = {n: optimizer.rule(n) for n in names}
+        return UpdateInputs(rules, {n: optimizer.group_of[n] for n in names}, {n: values[n] for n in names})  # type: ignore[arg-type]
+
 
 def replicated(schedule: Schedule) -> list:
     return [b for b in schedule.buckets if b.collective != "reduce_scatter"]
 
 
-def parameter_nodes(graph: fx.Graph, names: list[str], inputs: UpdateInputs, new: dict[str, fx.Node]) -> dict[str, fx.Node]:
-    """The node each parameter is read and updated through: ``new[name]``, saved aliases rewritten
-    to views of it (module docstring: Aliasing)."""
+def read_through(graph: fx.Graph, new: Mapping[str, fx.Node], inputs: UpdateInputs) -> None:
+    """Each parameter read and updated through its own new input ``new[name]``: saved aliases
+    rewritten to views of it (module docstring: Aliasing)."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder" and n.meta.get(ROLE_KEY) != UPDATE_INPUT]
     by_storage: dict[int, list[fx.Node]] = {}
     for ph in placeholders:
         ref = storage_of(ph.meta.get("val"))
         if ref is not None:
             by_storage.setdefault(ref, []).append(ph)
-    chosen: dict[str, fx.Node] = {}
-    for name in names:
-        chosen[name] = node = new[name]
+    for name, node in new.items():
         node.meta[WRITES] = name
         first = next(n for n in graph.nodes if n.op != "placeholder")
         for alias in by_storage.get(storage_of(inputs.values[name]), []):
@@ -78,7 +91,13 @@ def parameter_nodes(graph: fx.Graph, names: list[str], inputs: UpdateInputs, new
             view.meta["val"] = val
             view.meta[ROLE_KEY] = "alias"
             alias.replace_all_uses_with(view)
-    return chosen
+
+
+def written_inputs(gm: fx.GraphModule) -> tuple[tuple[int, str], ...]:
+    """Each input an update writes a parameter through, ``(position, name)``: what the runtime checks
+    is the parameter's memory (:meth:`graphddp.runtime.variants.InGraphUpdate.check_writes`)."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    return tuple((i, ph.meta[WRITES]) for i, ph in enumerate(placeholders) if WRITES in ph.meta)
 
 
 def append_update_inputs(
@@ -163,57 +182,121 @@ def _signature(rule: optim.UpdateRule, clipped: bool, vals: list[torch.Tensor]) 
     return (rule, clipped, tuple(metas))
 
 
-def _update_point(graph: fx.Graph, index: int, after: int, params: list[fx.Node], grads: list[fx.Node]) -> fx.Node:
-    """The node bucket ``index``'s update goes before: after the nodes of bucket ``after``
-    (:meth:`Schedule.update_after`), its gradients, every read of its parameters and the earlier
-    buckets' updates (updates run in bucket order), whichever is last."""
-    last = [
-        n for n in graph.nodes
-        if n.meta.get(BUCKET_KEY) == after or (n.meta.get(ROLE_KEY) == "update" and n.meta.get(BUCKET_KEY, index) < index)
-    ] + list(grads)
-    readers = [user for p in params for view in views_of(p) for user in view.users]
-    return after_all(graph, last + readers)
+class _Updates:
+    """One graph's updates as they are spliced: the update inputs appended, every saved alias of a
+    parameter read through its own input (module docstring: Aliasing), and each update traced
+    once per signature."""
+
+    def __init__(self, graph: fx.Graph, names: list[str], inputs: UpdateInputs) -> None:
+        from torch._inductor.decomposition import select_decomp_table
+
+        self.graph, self.inputs = graph, inputs
+        self.per_name, self.per_group = append_update_inputs(graph, names, inputs)
+        read_through(graph, {n: self.per_name[n][0] for n in names}, inputs)
+        self.decompositions = select_decomp_table()
+        self.traces = UpdateTraces(self.decompositions)
+
+    def point(self, names: Sequence[str], grads: Sequence[fx.Node], after: Sequence[fx.Node] = ()) -> fx.Node:
+        """The node the updates of ``names`` go before: after their gradients, every read of their
+        parameters' memory and ``after``, whichever is last."""
+        readers = [user for n in names for view in views_of(self.per_name[n][0]) for user in view.users if user.op != "output"]
+        return after_all(self.graph, [*after, *grads, *readers])
+
+    def splice(
+        self, name: str, grad: fx.Node, point: fx.Node, bucket: int, coef: fx.Node | None = None, carried: fx.Node | None = None,
+    ) -> None:
+        """Parameter ``name`` updated from ``grad`` before ``point``, its nodes tagged ``bucket``:
+        ``carried`` added to the gradient first, scaled by the clip coefficient ``coef``."""
+        if carried is not None:
+            grad = _added(self.graph, grad, carried, point)
+        args = [grad, *self.per_name[name], *self.per_group[self.inputs.groups[name]]]
+        if coef is not None:
+            args.append(coef)
+        vals = [a.meta["val"] for a in args]
+        traced = self.traces.traced(self.inputs.rules[name], coef is not None, vals, f"the optimizer update of {name!r}")
+        splice(self.graph, traced, args, point, bucket)
 
 
 def insert_update(gm: fx.GraphModule, schedule: Schedule, inputs: UpdateInputs) -> fx.GraphModule:
-    """Splice every bucket's optimizer update; a no-op when no bucket updates a parameter."""
+    """Splice every replicated bucket's optimizer update; a no-op when no bucket updates a parameter."""
     if not any(b.updates for b in replicated(schedule)):
         return gm
-    from torch._inductor.decomposition import select_decomp_table
-
     graph = gm.graph
-    output = graph.output_node()
-    outs: list[Any] = list(output.args[0])
-    names = [n for b in replicated(schedule) for n in b.updates]
-    per_name, per_group = append_update_inputs(graph, names, inputs)
-    param_node = parameter_nodes(graph, names, inputs, {n: per_name[n][0] for n in names})
-    decompositions = select_decomp_table()
-    updates = UpdateTraces(decompositions)
+    outs: list[Any] = list(graph.output_node().args[0])
+    updates = _Updates(graph, [n for b in replicated(schedule) for n in b.updates], inputs)
     coef = None
     if schedule.max_grad_norm is not None:  # the norm of every gradient first (graphddp.optim.clip)
         graded = [(b.index, [outs[s.output_index] for s in b.slots if not s.zero_filled]) for b in replicated(schedule)]
-        coef = insert_clip(graph, graded, schedule.max_grad_norm, schedule.grad_norm_type, decompositions)
+        coef = insert_clip(graph, graded, schedule.max_grad_norm, schedule.grad_norm_type, updates.decompositions)
     for bucket in replicated(schedule):
         if coef is not None:  # what the graph still returns is clipped too
             kept = [s for s in bucket.slots if s.param_name not in bucket.updates and not s.zero_filled]
-            for s, scaled in zip(kept, insert_scaled(graph, coef, [outs[s.output_index] for s in kept], bucket.index, decompositions)):
-                outs[s.output_index] = scaled
+            scaled = insert_scaled(graph, coef, [outs[s.output_index] for s in kept], bucket.index, updates.decompositions)
+            for s, grad in zip(kept, scaled):
+                outs[s.output_index] = grad
         if not bucket.updates:
             continue
         slots = {s.param_name: s for s in bucket.slots}
         updated = [slots[n] for n in bucket.updates]
-        rules = [inputs.rules[s.param_name] for s in updated]
-        group_of = [inputs.groups[s.param_name] for s in updated]
-        grads = [outs[s.output_index] for s in updated]
-        point = _update_point(graph, bucket.index, schedule.update_after(bucket.index), [param_node[s.param_name] for s in updated], grads)
-        for s, rule, g, grad in zip(updated, rules, group_of, grads):  # in slot order, each before the point
-            args = [grad, param_node[s.param_name], *per_name[s.param_name][1:], *per_group[g]]
-            if coef is not None:
-                args.append(coef)
-            traced = updates.traced(rule, coef is not None, [a.meta["val"] for a in args], f"the optimizer update of {s.param_name!r}")
-            splice(graph, traced, args, point, bucket.index)
+        # after the nodes of bucket update_after (Schedule.update_after) and the earlier buckets' updates
+        after, index = schedule.update_after(bucket.index), bucket.index
+        last = [
+            n for n in graph.nodes
+            if n.meta.get(BUCKET_KEY) == after or (n.meta.get(ROLE_KEY) == "update" and n.meta.get(BUCKET_KEY, index) < index)
+        ]
+        point = updates.point(bucket.updates, [outs[s.output_index] for s in updated], last)
+        for s in updated:  # in slot order, each before the point
+            updates.splice(s.param_name, outs[s.output_index], point, bucket.index, coef)
             outs[s.output_index] = None
-    set_outputs(graph, outs)
-    graph.lint()
+    return _rewritten(gm, outs)
+
+
+def insert_part_updates(gm: fx.GraphModule, grads: Mapping[int, str], inputs: UpdateInputs, carry: bool = False) -> list[str]:
+    """Update every part in ``grads`` (output index -> part name) that ``inputs`` has a rule for and
+    whose gradient the graph computes; returns their names in input order (empty: unchanged). With
+    ``carry``, one more input per part (``carried_k``): what it accumulated earlier in the step
+    (``no_sync``, or a weight tied across a graph break), added before the update."""
+    graph = gm.graph
+    outs: list[Any] = list(graph.output_node().args[0])
+    chosen = [(i, name) for i, name in sorted(grads.items()) if isinstance(outs[i], fx.Node) and name in inputs.rules]
+    if not chosen:
+        return []
+    updates = _Updates(graph, [name for _, name in chosen], inputs)
+    carried = _carried_inputs(graph, [outs[i] for i, _ in chosen]) if carry else {}
+    for i, name in chosen:
+        point = updates.point([name], [outs[i]])
+        updates.splice(name, outs[i], point, _bucket_of(outs[i]), carried=carried.get(outs[i]))
+        outs[i] = None
+    _rewritten(gm, outs)
+    return [name for _, name in chosen]
+
+
+def _rewritten(gm: fx.GraphModule, outs: list[Any]) -> fx.GraphModule:
+    set_outputs(gm.graph, outs)
+    gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _carried_inputs(graph: fx.Graph, grads: list[fx.Node]) -> dict[fx.Node, fx.Node]:
+    vals = []
+    with detect_fake_mode(tuple(g.meta["val"] for g in grads)):
+        for g in grads:
+            v = g.meta["val"]
+            vals.append(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device))
+    return dict(zip(grads, add_update_inputs(graph, [f"carried_{k}" for k in range(len(grads))], vals)))
+
+
+def _added(graph: fx.Graph, grad: fx.Node, carried: fx.Node, before: fx.Node) -> fx.Node:
+    with graph.inserting_before(before):
+        node = graph.call_function(aten.add.Tensor, (grad, carried))
+    with detect_fake_mode((grad.meta["val"],)):
+        node.meta["val"] = grad.meta["val"] + carried.meta["val"]
+    node.meta[ROLE_KEY] = "carry"
+    return node
+
+
+def _bucket_of(grad: fx.Node) -> int:
+    """The reduce-scatter bucket a part's gradient came from (the latest, for a tied weight's sum)."""
+    waits, _ = above_reduce_scatters(grad)
+    return max((w.meta.get(BUCKET_KEY, -1) for w in waits), default=-1)

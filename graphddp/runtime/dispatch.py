@@ -245,15 +245,8 @@ class BackwardDispatch:
     def _with_update(self, synced: Synced, update: InGraphUpdate, args: list[Any], unused: frozenset[str], other: bool) -> Any:
         if other or not update.allowed(unused):
             self.state.steps_after += 1
-            if update.grads is None:
-                update.grads = update.compile_grads()
-            return update.grads(args)
-        extra = update.attached.update_args(update.names, update.groups, update.shards)
-        args.extend(extra.tensors)  # the same list: the callee frees what it no longer needs
-        if not update.writes_checked:
-            update.check_writes(args)
-        with torch.no_grad():
-            out = synced.code()(args)
+            return update.after(args)
+        out = update.inside(synced.code, args)
         deferred = update.deferred_shards
         if deferred:  # the all-gathers after the gradients: the next forward's
             out = list(out)
@@ -261,7 +254,6 @@ class BackwardDispatch:
             del out[len(out) - len(deferred):]
             names = frozenset(n for s in deferred for n in s.bucket.param_names)
             self.step.gathers.put(synced.schedule.graph_index, Pending(names, tensors, update.write_deferred))
-        update.attached.updated(extra)
         self.state.steps_in_graph += 1
         return out
 

@@ -1,16 +1,18 @@
 """What one compiled graph's backward can run, as data: the variants a
 :class:`~graphddp.runtime.dispatch.BackwardDispatch` chooses between (:class:`Synced`, with its
-:class:`InGraphUpdate` when an optimizer is attached), and the state the graph's forward wrapper
-shares with it (:class:`GraphState`). Apart from the dispatcher because the compiler builds them
-and the dispatcher only reads them: what a variant is, not which one runs.
+:class:`InGraphUpdate` when an optimizer is attached; full sharding's updating backward runs one
+too), and the state the graph's forward wrapper shares with it (:class:`GraphState`). Apart from
+the dispatcher because the compiler builds them and the dispatcher only reads them: what a
+variant is, not which one runs.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
 
+from graphddp.graph.bucket_function import write_fn
 from graphddp.runtime.agree import layout_hash
 from graphddp.runtime.usage import NoneOutputs
 from graphddp.values.schedule import Schedule
@@ -69,26 +71,56 @@ def compiled_backward_node(outputs: Iterable[Any], inputs: Iterable[Any]) -> Any
 
 @dataclasses.dataclass
 class InGraphUpdate:
-    """How one graph's synchronising variant runs the attached optimizer after each bucket's wait."""
+    """How one graph's variant that updates inside runs the attached optimizer, in every mode: its
+    update's inputs after the graph's own, and the variant without the update for the steps it is
+    not the whole step (``allowed``)."""
 
     attached: "AttachedOptimizer"
     names: tuple[str, ...]  # parameters the graph updates, in its input order
-    groups: tuple[int, ...]  # their param groups, whose hyperparameters it reads
     allowed: Callable[[frozenset[str]], bool]  # may this step update inside the graph (given the unused)
     compile_grads: Callable[[], Callable[[list[Any]], Any]]  # the variant without the update
     writes: tuple[tuple[int, str], ...]  # backward inputs the update writes, each a parameter's memory
     grads: Callable[[list[Any]], Any] | None = None
     writes_checked: bool = False
     shards: tuple[Any, ...] = ()  # sharded buckets' layouts (graphddp.optim.shard_functions.ShardLayout)
-    # gather="forward": the backward returns its un-waited all-gathers after the gradients; the
-    # next forward completes them (graphddp.runtime.gathers). The eager write for when no
-    # forward graph can take them.
-    write_deferred: Callable[[list[torch.Tensor]], None] | None = None
+
+    def __post_init__(self) -> None:
+        self.groups = tuple(sorted({self.attached.group_of[n] for n in self.names}))  # whose hyperparameters it reads
 
     @property
     def deferred_shards(self) -> list[Any]:
-        """The sharded buckets whose all-gathers the backward returns, in output order."""
+        """The sharded buckets whose all-gathers the backward returns, in output order
+        (gather="forward": the next forward completes them, :mod:`graphddp.runtime.gathers`)."""
         return [s for s in self.shards if s.bucket.gather == "forward"]
+
+    @torch.no_grad()
+    def write_deferred(self, tensors: list[torch.Tensor]) -> None:
+        """Where no forward graph can take the deferred all-gathers: eagerly, what the forward
+        slot does in its graph: wait, then write the parameters."""
+        for shard, gathered in zip(self.deferred_shards, tensors):
+            write_fn(shard.bucket, shard.placement)(gathered, *(self.attached.params[n].detach() for n in shard.bucket.param_names))
+
+    def after(self, args: list[Any]) -> Any:
+        """The variant without the update: the gradients returned, for torch's step after the backward."""
+        if self.grads is None:
+            self.grads = self.compile_grads()
+        return self.grads(args)
+
+    def inside(self, code: Callable[[], Callable[[list[Any]], Any]], args: list[Any], carry: Sequence[torch.Tensor] = ()) -> Any:
+        """``code()``, the variant that updates, on ``args`` and the update's inputs (state created as
+        torch creates it); with ``carry`` (full sharding's carrying variant), those parameters'
+        accumulated gradients after them, added in, stepped, and so gone from ``grad``."""
+        extra = self.attached.update_args(self.names, self.groups, self.shards)
+        args.extend(extra.tensors)  # the same list: the callee frees what it no longer needs
+        args.extend(p.grad if p.grad is not None else torch.zeros_like(p) for p in carry)
+        if not self.writes_checked:
+            self.check_writes(args)
+        with torch.no_grad():
+            out = code()(args)
+        for p in carry:
+            p.grad = None
+        self.attached.updated(extra)
+        return out
 
     def check_writes(self, args: list[Any]) -> None:
         """Once: each input the update writes a parameter through really is that parameter's
