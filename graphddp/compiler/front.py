@@ -1,14 +1,10 @@
-"""What every mode's torch.compile backend does for a Dynamo graph around the mode's passes:
-:class:`GraphFront`.
-
-Each mode compiles a Dynamo graph through its own passes (:func:`graphddp.compiler.aot.compile_aot`:
-the replicated and ``sharding="optimizer"`` rewrite, :mod:`graphddp.compiler.graph_compiler`;
-full sharding's placed gathers and reduce-scatters, :mod:`graphddp.compiler.full`). Around them
-the work is the same in every mode, so it is written once here: the graph's inputs named as the
-module's parameters, the user's inductor settings checked, an index per Dynamo graph, and at run
-time the compiled forward wrapped so that each call's backward node is found, tagged as the
-optimizer's, and told which output gradients were None (an unused parameter's gradient stays
-None, :mod:`graphddp.runtime.usage`), before the mode records the call in its step.
+"""What every mode's torch.compile backend does for a Dynamo graph around the mode's passes
+(:func:`graphddp.compiler.aot.compile_aot`; the replicated and ``sharding="optimizer"`` rewrite in
+:mod:`graphddp.compiler.graph_compiler`, full sharding's in :mod:`graphddp.compiler.full`), written
+once in :class:`GraphFront`: the inputs named as the module's parameters, the inductor settings
+checked, an index per Dynamo graph, and at run time each forward call's backward node found,
+tagged as the optimizer's and told which output gradients were None (an unused parameter's
+gradient stays None, :mod:`graphddp.runtime.usage`), before the mode records the call in its step.
 """
 from __future__ import annotations
 

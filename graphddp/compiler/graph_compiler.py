@@ -98,22 +98,6 @@ class GraphCompiler(GraphFront, InGraphUpdates, HookRuntime, BackwardRewrite):
         if self.hook is not None:
             self.step.on_end_of_step(self._hook_end_of_step)
 
-    def compile_graph(
-        self, gm: fx.GraphModule, example_inputs: Sequence[Any], param_inputs: Mapping[int, str], patches: dict[str, Any],
-        index: int,
-    ) -> Callable[..., Any]:
-        self.step.add_graph(current_frame(), param_inputs.values())  # the step's entry ``index``: one per graph
-        state = GraphState()
-        self.states.append(state)
-        copy_parameter_outputs(gm, param_inputs)  # their gradients then go through the buckets
-        compiled = self._compile(gm, example_inputs, param_inputs, state, patches, index)
-        return self.runtime(compiled, index, param_inputs, example_inputs, state.none_outputs, lambda: self._may_be_unused(index))
-
-    def _may_be_unused(self, index: int) -> bool:
-        """May graph ``index``'s backward leave a parameter unused (until its first backward: yes)?"""
-        dispatch = self.dispatches.get(index)  # made at the first backward
-        return dispatch is None or dispatch.usage.may_be_unused
-
     def before_call(self, index: int, param_inputs: Mapping[int, str], renamed: dict[str, str] | None) -> bool:
         """Does this call run the synchronising backward? gather="forward": what another graph's
         backward left pending is gathered first. A traced hook refuses a call with other parameters."""
@@ -146,10 +130,14 @@ class GraphCompiler(GraphFront, InGraphUpdates, HookRuntime, BackwardRewrite):
         if not syncing and node is not None:
             node.register_prehook(state.mark_local)
 
-    def _compile(
-        self, gm: fx.GraphModule, example_inputs: Sequence[Any], param_inputs: Mapping[int, str], state: GraphState,
-        inductor_patches: dict[str, Any], graph_index: int,
+    def compile_graph(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], param_inputs: Mapping[int, str], patches: dict[str, Any],
+        graph_index: int,
     ) -> Callable[..., Any]:
+        self.step.add_graph(current_frame(), param_inputs.values())  # the step's entry ``graph_index``: one per graph
+        state = GraphState()
+        self.states.append(state)
+        copy_parameter_outputs(gm, param_inputs)  # their gradients then go through the buckets
         shared = Shared()  # what this graph's forward passes hand its backward passes
 
         def record_forward(fw: fx.GraphModule) -> None:
@@ -215,9 +203,16 @@ class GraphCompiler(GraphFront, InGraphUpdates, HookRuntime, BackwardRewrite):
         phase, cache = self._phase(), None
         if self.config.backend == "inductor":
             cache = compile_cache.plan_key(self, gm, example_inputs, param_inputs, graph_index, phase)
-        return ReplicatedCompile(
-            self.config.backend, gm, record_forward, rewrite, dispatch, inductor_patches, phase, graph_index, cache, wrap_forward
+        compiled = ReplicatedCompile(
+            self.config.backend, gm, record_forward, rewrite, dispatch, patches, phase, graph_index, cache, wrap_forward
         ).compile(example_inputs)
+
+        def noting() -> bool:
+            """May the backward leave a parameter unused (until its first backward: yes)?"""
+            made = self.dispatches.get(graph_index)  # at the first backward
+            return made is None or made.usage.may_be_unused
+
+        return self.runtime(compiled, graph_index, param_inputs, example_inputs, state.none_outputs, noting)
 
     @property
     def forwards(self) -> dict[int, ForwardDispatch]:
