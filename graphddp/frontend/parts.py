@@ -162,7 +162,7 @@ def repoint_optimizer(optimizer: torch.optim.Optimizer, parts: Mapping[int, Part
     """Make ``optimizer`` step the parts: its param groups name them instead of the whole
     parameters, and any state it has is cut to this rank's part (:meth:`WholeState.cut`: every
     elementwise entry checked first; a step count stays as it is)."""
-    params = [p for group_ in optimizer.param_groups for p in group_["params"]]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
     stray = next((p for p in params if id(p) not in parts), None)
     if stray is not None:
         raise ValueError(
@@ -173,8 +173,8 @@ def repoint_optimizer(optimizer: torch.optim.Optimizer, parts: Mapping[int, Part
     states = {parts[id(p)].part: cut(i, optimizer.state[p]) for i, p in enumerate(params) if optimizer.state.get(p)}
     optimizer.state.clear()
     optimizer.state.update(states)
-    for group_ in optimizer.param_groups:
-        group_["params"] = [parts[id(p)].part for p in group_["params"]]
+    for g in optimizer.param_groups:
+        g["params"] = [parts[id(p)].part for p in g["params"]]
 
 
 def optimizer_parts(optimizer: torch.optim.Optimizer, parts: Mapping[int, Part], group: Any) -> WholeState:
@@ -192,7 +192,7 @@ def install_whole_state_dicts(module: nn.Module, parts: Mapping[int, Part], grou
     by_name = {name: part for part in parts.values() for name in part.names}
     world, rank = dist.get_world_size(group), dist.get_rank(group)
 
-    def whole_state(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    def gather_parts(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
         done: dict[int, torch.Tensor] = {}  # a tied weight: gathered once
         for name, part in by_name.items():
             if prefix + name in state:
@@ -200,7 +200,7 @@ def install_whole_state_dicts(module: nn.Module, parts: Mapping[int, Part], grou
                     done[id(part)] = whole([part.part], [part.shape], group)[0]
                 state[prefix + name] = done[id(part)]
 
-    def cut_state(module: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
+    def keep_parts(module: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
         for name, part in by_name.items():
             value = state.get(prefix + name)
             if isinstance(value, torch.Tensor):
@@ -208,5 +208,5 @@ def install_whole_state_dicts(module: nn.Module, parts: Mapping[int, Part], grou
                     raise ValueError(f"graphddp: {name!r} has shape {list(value.shape)} in the state dict, {list(part.shape)} in the model")
                 state[prefix + name] = padded_part(value.to(part.part.device), world, rank)
 
-    module.register_state_dict_post_hook(whole_state)
-    module.register_load_state_dict_pre_hook(cut_state)
+    module.register_state_dict_post_hook(gather_parts)
+    module.register_load_state_dict_pre_hook(keep_parts)
