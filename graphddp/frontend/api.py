@@ -13,10 +13,11 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinCon
 
 from graphddp.compiler.record import GraphRecord, graphs_of
 from graphddp.config import DDPConfig
-from graphddp.frontend.full import FullyShardedState, compile_fully_sharded
+from graphddp.frontend.full import FullyShardedState
 from graphddp.frontend.mesh import resolve_mesh
 from graphddp.frontend.replica import Replica
-from graphddp.frontend.wrap import prepare, resolve_group
+from graphddp.frontend.wrap import ModelState, check_and_broadcast, check_module_and_world, check_optimizer
+from graphddp.runtime.calibrate import resolve_cost
 
 # Each wrapper counts its own recompiles (torch >= 2.13): by default every torch.compile of the
 # same code shares one recompile limit, so earlier compiles of the model's class (explain's,
@@ -31,14 +32,16 @@ _OUTER_COMPILE = (
 
 class ModelView(Joinable):
     """The surface both forms (``graphddp.compile``'s module, ``graphddp.backend``'s object) show
-    of their mode's state, a :class:`Replica` or a :class:`FullyShardedState`, which supplies
-    what differs between modes. A ``Joinable``, so ``Join([model, ...])`` takes it."""
+    of their mode's :class:`~graphddp.frontend.wrap.ModelState`. A ``Joinable``, so
+    ``Join([model, ...])`` takes it."""
 
-    _state: Replica | FullyShardedState
+    _state: ModelState
 
-    def _joinable(self) -> None:
-        """What ``Joinable.__init__`` sets, without calling it: on a module it would re-run
-        ``nn.Module.__init__``."""
+    def _view(self, module: nn.Module, state: ModelState) -> None:
+        """``module`` and its state, and what ``Joinable.__init__`` sets, without calling it: on a
+        module it would re-run ``nn.Module.__init__``."""
+        self.module = module
+        self._state = state
         self._join_config = _JoinConfig.construct_disabled_join_config()
         self._state.joinable = self
 
@@ -124,9 +127,7 @@ class ModelView(Joinable):
 
         return _device(self._state.group)
 
-    @property
-    def join_process_group(self) -> Any:
-        return self._state.group
+    join_process_group = process_group
 
     def finish_gathers(self) -> None:
         """With ``gather="forward"`` the parameters are updated only once the next forward completes
@@ -135,11 +136,11 @@ class ModelView(Joinable):
 
     def full_optimizer_state_dict(self) -> dict[str, Any]:
         """:func:`full_optimizer_state_dict` of this model."""
-        return self._state.full_optimizer_state_dict()
+        return full_optimizer_state_dict(self)
 
     def load_full_optimizer_state_dict(self, state: Mapping[str, Any]) -> None:
         """:func:`load_full_optimizer_state_dict` into this model."""
-        self._state.load_full_optimizer_state_dict(state)
+        load_full_optimizer_state_dict(self, state)
 
 
 class GraphDDP(ModelView, nn.Module):
@@ -147,11 +148,9 @@ class GraphDDP(ModelView, nn.Module):
     parameters with ``self.module``, and its state dicts use that module's keys, so checkpoints move
     freely between a plain model and a graphddp one (fully sharded: every rank calls them)."""
 
-    def __init__(self, module: nn.Module, state: Replica | FullyShardedState) -> None:
+    def __init__(self, module: nn.Module, state: ModelState) -> None:
         super().__init__()
-        self.module = module
-        self._state = state
-        self._joinable()
+        self._view(module, state)
         config = state.config
         # Stored outside the module registry so parameters are not listed twice.
         object.__setattr__(
@@ -182,15 +181,19 @@ class GraphDDP(ModelView, nn.Module):
         self.module.zero_grad(set_to_none=set_to_none)
 
 
-def build_state(where: str, module: nn.Module, process_group: Any, device_mesh: Any, optimizer: Any, options: dict[str, Any]) -> Replica | FullyShardedState:
-    """The wrap both forms share (``where`` names the one asked): the mode's state."""
-    resolve_group(where, module, process_group, options)
+def build_state(where: str, module: nn.Module, process_group: Any, device_mesh: Any, optimizer: Any, options: dict[str, Any]) -> ModelState:
+    """The wrap both forms share (``where`` names the one asked), in every mode: ``optimizer``
+    checked before any collective, so every rank fails alike; the checks and the broadcast every
+    mode makes (whole tensors, before a mode cuts them); the cost model measured on the group now,
+    since compiling never talks; then the mode's state, built after the last collective."""
+    check_module_and_world(where, module)
     config = DDPConfig.from_options(where, options)
     groups = resolve_mesh(where, device_mesh, process_group, config.sharding)
-    if config.sharding == "full":
-        return compile_fully_sharded(module, groups, config, optimizer, where)
-    attached, config = prepare(where, module, groups.whole, config, optimizer, groups)
-    return Replica(module, groups.whole, config, attached)
+    mode = FullyShardedState if config.sharding == "full" else Replica
+    check_optimizer(where, config, optimizer)
+    checked = mode.checked_optimizer(where, module, config, optimizer)
+    device = check_and_broadcast(where, module, groups.whole, config)
+    return mode(module, groups, resolve_cost(config, groups.whole, device), checked)
 
 
 def compile(module: nn.Module, *, process_group: Any = None, device_mesh: Any = None, optimizer: Any = None, **options: Any) -> GraphDDP:  # noqa: A001 - mirrors torch.compile
@@ -226,8 +229,8 @@ def load_full_optimizer_state_dict(model: Any, state: Mapping[str, Any]) -> None
     _state_of(model, "graphddp.load_full_optimizer_state_dict").load_full_optimizer_state_dict(state)
 
 
-def _state_of(model: Any, where: str) -> Replica | FullyShardedState:
+def _state_of(model: Any, where: str) -> ModelState:
     state = getattr(model, "_state", None)
-    if not isinstance(state, (Replica, FullyShardedState)):
+    if not isinstance(state, ModelState) or state.optimizer is None:
         raise TypeError(f"{where}: expects a model from graphddp.compile(..., optimizer=) or graphddp.backend(..., optimizer=)")
     return state

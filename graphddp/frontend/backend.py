@@ -21,29 +21,14 @@ import torch.fx as fx
 import torch.nn as nn
 
 from graphddp.frontend.api import ModelView, build_state
-from graphddp.frontend.full import FullyShardedState
-from graphddp.frontend.replica import Replica
+from graphddp.frontend.wrap import ModelState
 
 NAME = "graphddp"  # the registered backend name
 
 
-class _Backends:
-    """Every :class:`GraphDDPCompileBackend` made, weakly, most recent last: process-wide because
-    Dynamo calls a backend registered by name with the graph alone."""
-
-    def __init__(self) -> None:
-        self._refs: list[weakref.ref] = []
-
-    def add(self, backend: "GraphDDPCompileBackend") -> None:
-        self._refs = [ref for ref in self._refs if ref() is not None]
-        self._refs.append(weakref.ref(backend))
-
-    def attached(self) -> list["GraphDDPCompileBackend"]:
-        """The live, attached backends, most recent first."""
-        return [b for b in (ref() for ref in reversed(self._refs)) if b is not None and b.attached]
-
-
-BACKENDS = _Backends()
+# Every GraphDDPCompileBackend made, weakly, most recent last (a dict keeps its order): process-wide
+# because Dynamo calls a backend registered by name with the graph alone.
+_MADE: "weakref.WeakKeyDictionary[GraphDDPCompileBackend, None]" = weakref.WeakKeyDictionary()
 
 
 class GraphDDPCompileBackend(ModelView):
@@ -51,14 +36,12 @@ class GraphDDPCompileBackend(ModelView):
     ``graphddp.compile`` module. With ``sharding="full"`` the model's parameters are this rank's
     parts from now on; its state dicts hold whole tensors (every rank calls them)."""
 
-    def __init__(self, module: nn.Module, state: Replica | FullyShardedState) -> None:
+    def __init__(self, module: nn.Module, state: ModelState) -> None:
         """Puts the mode's per-forward work around ``module.forward`` (an instance attribute).
         Not forward hooks: for a torch.nn class (``nn.Sequential``) Dynamo traces those, and a
         disabled hook inside would run the whole forward eagerly; this wrapper is traced like user
         code, its two disabled calls graph breaks around the compiled forward."""
-        self._state = state
-        self._joinable()
-        self.module = module
+        self._view(module, state)
         self._param_ids = {id(p) for p in module.parameters()}
         original = module.forward  # the bound method, or a forward the user set on the instance
 
@@ -81,7 +64,7 @@ class GraphDDPCompileBackend(ModelView):
 
         self._restore = module.__dict__.get("forward", _UNSET)
         module.forward = forward
-        BACKENDS.add(self)
+        _MADE[self] = None
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **compile_kwargs: Any) -> Callable[..., Any]:
         return self._state.compile_graph(gm, example_inputs, **compile_kwargs)
@@ -121,7 +104,7 @@ def backend(
 def _by_name(gm: fx.GraphModule, example_inputs: Sequence[Any], **compile_kwargs: Any) -> Callable[..., Any]:
     """``backend="graphddp"``: the backend made for the graph's parameters' model; a graph with
     no parameter (the loss after a graph break) goes to the most recent backend."""
-    live = BACKENDS.attached()
+    live = [b for b in reversed(list(_MADE)) if b.attached]  # the most recent first
     owner = next((b for b in live if b.owns(example_inputs)), None)
     if owner is None and live and not any(isinstance(t, nn.Parameter) for t in example_inputs):
         owner = live[0]

@@ -186,15 +186,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         p.error(str(e))
 
+    full = options.get("sharding") == "full"  # read back from the compiled graphs: no predicted timeline
+    if full and args.format not in ("table", "json"):
+        p.error(f"--format {args.format}: sharding='full' has a table or json (--format table|json)")
+    if args.format in ("png", "svg") and not args.out:
+        p.error(f"--format {args.format} needs --out FILE")
     model, example_inputs = _load_factory(args.factory)()
     mesh = {"device_mesh": args.device_mesh} if args.device_mesh else {"world_size": args.world_size}
     schedules = explain(model, *example_inputs, optimizer=args.optimizer, **mesh, **options)
-    full = options.get("sharding") == "full"  # read back from the compiled graphs: no predicted timeline
-    if full and args.format not in ("table", "json"):
-        raise SystemExit(f"--format {args.format}: sharding='full' has a table or json (--format table|json)")
     if args.format in ("png", "svg"):
-        if not args.out:
-            raise SystemExit(f"--format {args.format} needs --out FILE")
         root, ext = os.path.splitext(args.out)
         for s in schedules:
             render.plot(s, args.out if len(schedules) == 1 else f"{root}.{s.graph_index}{ext}", cost)

@@ -4,39 +4,18 @@ state held 1/N per rank, each parameter gathered where the forward and the backw
 How each parameter becomes this rank's part and every read of it a gather (SimpleFSDP's idea
 with plain tensors), with the gradient reduce-scattered back: :mod:`graphddp.frontend.parts`.
 With ``reshard_after_forward`` (default True) the backward gathers again instead of keeping the
-gathered parameters (:mod:`graphddp.graph.reshard`).
+gathered parameters (:mod:`graphddp.graph.reshard`). Which backward updates its parts itself,
+and what it leaves to ``opt.step()`` (a ``no_sync`` micro-step's accumulation, a weight tied
+across a graph break, other optimizer classes): :mod:`graphddp.compiler.full_updates`.
 
-What the parts mean for the user:
-
-* the optimizer passed as ``optimizer=`` is re-pointed at the parts (its param groups, and any
-  state it already has, cut to each part), so its state is 1/N per rank. With torch.optim's
-  SGD, Adam or AdamW each backward updates its parts itself, right after their gradients
-  arrive, and leaves them no gradient; ``opt.step()`` stays torch's and steps what a backward
-  left to it (a ``no_sync`` micro-step's accumulation, a weight tied across a graph break,
-  other optimizer classes: :mod:`graphddp.compiler.full_updates`); ``max_grad_norm=`` clips by
-  the global norm (``grad_norm_type``'s) of the whole gradient (one all-reduce of a number before ``opt.step()``,
-  which then steps every part);
-* ``model.state_dict()`` gives whole tensors under the wrapped module's keys and
-  ``load_state_dict`` keeps this rank's part: checkpoints move between world sizes and to plain
-  models; both gather or read every part, so **every rank calls them**;
-* ``model.parameters()`` / ``named_parameters()`` give the whole current values, gathered (every
-  rank calls them too), detached: for reading (an EMA, a norm, a copy), not for training;
-  ``model.module``'s own parameters are the parts;
-* ``no_sync()`` / ``require_backward_grad_sync`` (read at the forward, as DDP reads it): the
-  backward does not update, and still reduce-scatters (the accumulated gradient is DDP's; the
-  bytes are one reduce-scatter per micro-step).
-
-Hybrid sharding is FSDP2's HSDP: with a 2-D ``device_mesh=`` (dims ``("replicate", "shard")``)
-every "N" above is the shard dim's size: the parameters, their state and the state dicts' cuts
-are over the shard group, and each part's gradient, reduce-scattered over it, is then
-all-reduced over the replicate group (:class:`graphddp.values.placement.Placement`), so the
-step is DDP's over every rank.
-
-Mixed precision is FSDP2's ``MixedPrecisionPolicy`` passed as ``mp_policy=`` (same meaning):
-parameters gathered and computed in ``param_dtype``, gradients reduce-scattered in
-``reduce_dtype``, the parts and the optimizer's state in the parameters' own dtype.
-
-Not yet (refused by name where an option asks for it): comm hooks, ``join()``.
+The parts are this mode's residency (:class:`FullyShardedState`): the optimizer is re-pointed at
+them, so its state is 1/N per rank, while the state dicts and ``named_parameters()`` stay whole
+(gathered, so **every rank calls them**: checkpoints move between world sizes and to plain
+models) and ``model.module``'s own parameters are the parts. With a 2-D ``device_mesh=``
+(FSDP2's HSDP) every "N" is the shard dim's size, each part's gradient averaged over the
+replicate group too (:class:`graphddp.values.placement.Placement`). What each of these means in
+use, ``mp_policy=`` (FSDP2's ``MixedPrecisionPolicy``) and what is not supported yet (comm
+hooks, ``join()``, refused by name): docs/full-sharding.md.
 """
 from __future__ import annotations
 
@@ -51,11 +30,10 @@ from graphddp.compiler.full_updates import PartUpdates
 from graphddp.config import DDPConfig
 from graphddp.frontend.mesh import MeshGroups
 from graphddp.frontend.parts import Part, install_whole_state_dicts, optimizer_parts, repoint_optimizer, shard_parameters
-from graphddp.frontend.wrap import check_and_broadcast
+from graphddp.frontend.wrap import ModelState
 from graphddp.graph.part_collectives import PREFETCH
 from graphddp.optim import clip, guards
 from graphddp.runtime import agree
-from graphddp.runtime.calibrate import resolve_cost
 from graphddp.runtime.sync import broadcast_tensors
 from graphddp.values.part_schedule import FullSchedule, PartGraph, RankMemory
 from graphddp.values.shards import whole
@@ -69,17 +47,27 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
     return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
 
-class FullyShardedState:
-    """The state of one fully sharded model on this rank (module docstring): what the module
-    ``graphddp.compile`` returns and the ``graphddp.backend`` object (:mod:`graphddp.frontend.api`)
-    read and run for this mode. Its ``compile_graph`` is the torch.compile backend of both forms."""
+class FullyShardedState(ModelState):
+    """One fully sharded model on this rank (module docstring): its parameters cut into this
+    rank's parts, once the wrap's broadcast has made them agree. With a 2-D ``device_mesh=``
+    (hybrid) the parts, the optimizer's state and the clip's norm are over the shard group (each
+    replicate group holds the same averaged parts: a norm summed over every rank would count each
+    part once per replica); the rest stays on every rank's group."""
 
-    def __init__(self, module: nn.Module, groups: MeshGroups, config: DDPConfig, optimizer: torch.optim.Optimizer, parts: dict[int, Part]) -> None:
-        self.module = module
-        self.group = groups.whole  # every rank: the forward's agreement, the buffers
+    optimizer: torch.optim.Optimizer
+
+    def __init__(self, module: nn.Module, groups: MeshGroups, config: DDPConfig, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(module, groups.whole, config, optimizer)
+        guards.watch_gathered_copies()
+        parts = shard_parameters(module, groups.shard, config.mp_policy, groups.placement)
+        for part in parts.values():
+            # clip_grad_norm_ on parts is refused (graphddp.optim.guards), told whether max_grad_norm clips already
+            setattr(part.part, guards.PART, True if config.max_grad_norm is None else (config.max_grad_norm, config.grad_norm_type))
+        repoint_optimizer(optimizer, parts, groups.shard)
+        if config.max_grad_norm is not None:
+            clip.clip_parts_before_step(optimizer, config.max_grad_norm, config.grad_norm_type, groups.shard)
+        guards.agree_found_inf(optimizer, groups.whole)  # parts: one rank's inf must skip every rank's step
         self._groups = groups
-        self.config = config
-        self.optimizer = optimizer
         self._parts = parts
         self._by_name = {name: part for part in parts.values() for name in part.names}
         self.sync = True  # DDP's require_backward_grad_sync, read at the forward
@@ -101,8 +89,6 @@ class FullyShardedState:
 
     @property
     def parts(self) -> dict[str, Part]:
-        """Every parameter name of the wrapped module (tied weights: each of theirs) and the part
-        this rank holds for it."""
         return dict(self._by_name)
 
     @property
@@ -202,14 +188,7 @@ class FullyShardedState:
     def register_comm_hook(self, *_: Any) -> None:
         raise NotImplementedError("graphddp: register_comm_hook is not supported with sharding='full' yet")
 
-    def finish_gathers(self) -> None:
-        """Nothing is left on the wire between steps: the parts are updated in place."""
-
     # -- whole tensors in and out (graphddp.frontend.parts.install_whole_state_dicts: hooks on the module) ---
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """The wrapped module's state dict with every parameter whole (gathered: every rank calls it)."""
-        return self.module.state_dict(*args, **kwargs)
-
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Whole tensors under the module's keys; each rank keeps its part, copied into it."""
         if assign:
@@ -218,7 +197,7 @@ class FullyShardedState:
                 "update inside the backward hold this rank's parts, so they are loaded by copying into them; "
                 "call load_state_dict(state_dict) without assign"
             )
-        return self.module.load_state_dict(state_dict, strict=strict)
+        return super().load_state_dict(state_dict, strict)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         """The whole current values, gathered (every rank calls it), detached (module docstring)."""
@@ -241,29 +220,3 @@ class FullyShardedState:
         """Load a whole optimizer state: each rank keeps its part of every entry."""
         self.whole_state.load(self.optimizer, state)
 
-
-def compile_fully_sharded(module: nn.Module, groups: MeshGroups, config: DDPConfig, optimizer: Any, where: str) -> FullyShardedState:
-    """``sharding="full"``'s wrap: the wrap-time checks every mode makes,
-    the broadcast from the group's first rank (whole tensors, before they are cut), the cut, and
-    the optimizer re-pointed at the parts. With a 2-D ``device_mesh=`` (hybrid) the parts, the
-    optimizer's state and the clip's norm are over the shard group (each replicate group holds
-    the same averaged parts: a norm summed over every rank would count each part once per
-    replica); the rest stays on every rank's group."""
-    group = groups.whole
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(
-            f"{where}: sharding='full' keeps each parameter's optimizer state 1/N per rank, so it needs optimizer= "
-            "(a torch.optim optimizer over model.parameters(), built before graphddp.compile)"
-        )
-    device = check_and_broadcast(where, module, group, config)  # whole tensors, before they are cut
-    config = resolve_cost(config, group, device)  # what the buckets' cap is planned with (graphddp.plan.parts)
-    guards.watch_gathered_copies()
-    parts = shard_parameters(module, groups.shard, config.mp_policy, groups.placement)
-    for part in parts.values():
-        # clip_grad_norm_ on parts is refused (graphddp.optim.guards), told whether max_grad_norm clips already
-        setattr(part.part, guards.PART, True if config.max_grad_norm is None else (config.max_grad_norm, config.grad_norm_type))
-    repoint_optimizer(optimizer, parts, groups.shard)
-    if config.max_grad_norm is not None:
-        clip.clip_parts_before_step(optimizer, config.max_grad_norm, config.grad_norm_type, groups.shard)
-    guards.agree_found_inf(optimizer, group)  # parts: one rank's inf must skip every rank's step
-    return FullyShardedState(module, groups, config, optimizer, parts)

@@ -5,12 +5,13 @@ and, once a synchronising forward begins, starts averaging gradients accumulated
 and in graphddp a parameter no compiled graph of the forward covers must not keep an un-averaged
 gradient. :class:`Replica` does that work for the replicated and ``sharding="optimizer"`` modes,
 between the compiled forward's two Dynamo-disabled calls, :meth:`Replica.before_forward` and
-:meth:`Replica.after_forward`, in both forms. Wrap-time work is :func:`graphddp.frontend.wrap.prepare`.
+:meth:`Replica.after_forward`, in both forms; what every mode's state answers alike is
+:class:`graphddp.frontend.wrap.ModelState`'s.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn as nn
@@ -20,22 +21,31 @@ from graphddp.compiler.graph_compiler import GraphCompiler
 from graphddp.compiler.record import GraphRecord
 from graphddp.config import DDPConfig
 from graphddp.frontend.ddp_hooks import as_comm_hook
-from graphddp.frontend.wrap import _refuse_optimizer_with_traced_hook
+from graphddp.frontend.mesh import MeshGroups
+from graphddp.frontend.wrap import ModelState, check_optimizer
 from graphddp.graph.capture import autograd_nodes, names_by_identity
-from graphddp.hooks.traced import HOOK_STATE_KEY
 from graphddp.optim.attached import AttachedOptimizer
+from graphddp.optim.shard import ShardedState
 from graphddp.runtime.join import JoinState, join, join_hook
 from graphddp.runtime.step import StepState
 from graphddp.runtime.sync import PendingAverage, average_async, broadcast_tensors
 from graphddp.values.schedule import Schedule
 
 
-class Replica:
+class Replica(ModelState):
+    """Whole replicas: the module's own parameters, an attached optimizer's state whole or, with
+    ``sharding="optimizer"``, this rank's part of every bucket's."""
 
-    def __init__(self, module: nn.Module, group: Any, config: DDPConfig, optimizer: AttachedOptimizer | None = None) -> None:
-        self.module = module
-        self.optimizer = optimizer
-        self.group = group
+    optimizer: AttachedOptimizer | None
+
+    def __init__(self, module: nn.Module, groups: MeshGroups, config: DDPConfig, optimizer: AttachedOptimizer | None) -> None:
+        super().__init__(module, groups.whole, config, optimizer)
+        if optimizer is not None:
+            optimizer.attach()
+            if config.sharding == "optimizer":
+                optimizer.sharded = ShardedState(
+                    optimizer.optimizer, optimizer.params, optimizer.rules, optimizer.group_of, groups.shard, groups.placement
+                )
         self.records: list[GraphRecord] = []  # every compiled graph's, in order
         self._build(config)
         self._hook_registered = False  # register_comm_hook was called (DDP allows it once)
@@ -44,9 +54,13 @@ class Replica:
         self._sync_buffers_next = True  # DDP: buffers sync before a forward that follows a synced one
         self._pending: PendingAverage | None = None
         self._syncing = True
-        self.joinable: Any = None  # the view users pass to torch.distributed.algorithms.Join
         if optimizer is not None and config.gather == "forward":
             self._finish_gathers_on_checkpoints()
+
+    @staticmethod
+    def checked_optimizer(where: str, module: nn.Module, config: DDPConfig, optimizer: Any) -> AttachedOptimizer | None:
+        """Attached (compiled into the backward) once the wrap's collectives are done."""
+        return AttachedOptimizer(optimizer, module, where, config.max_grad_norm, config.grad_norm_type) if optimizer is not None else None
 
     def _build(self, config: DDPConfig, sync: bool = True) -> None:
         """The step and the compiler for ``config``; again when :meth:`register_comm_hook` changes
@@ -92,7 +106,7 @@ class Replica:
                 "hook: pass one of them (comm_hook= to graphddp.compile, or register_comm_hook), not both"
             )
         config = dataclasses.replace(self.config, comm_hook=comm_hook)
-        _refuse_optimizer_with_traced_hook(where, config, self.optimizer)
+        check_optimizer(where, config, self.optimizer)
         self._build(config, sync=self.step.sync)
         self._hook_registered = True
 
@@ -138,40 +152,18 @@ class Replica:
     def join_hook(self, **kwargs: Any) -> JoinHook:
         return join_hook(self, **kwargs)
 
-    # -- checkpoints use the wrapped module's keys; a traced hook's state rides along ------------
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        out = self.module.state_dict(*args, **kwargs)
-        if self.hook_state is not None:
-            out[HOOK_STATE_KEY] = self.hook_state.state_dict()
-        return out
-
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        state_dict = dict(state_dict)
-        hook = state_dict.pop(HOOK_STATE_KEY, None)
-        if hook is not None:
-            if self.hook_state is None:
-                raise ValueError(f"the checkpoint has {HOOK_STATE_KEY!r} (a comm hook's state), but this module runs no traced comm hook")
-            self.hook_state.load_state_dict(hook)
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
-
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
-        """The module's own, pending all-gathers (``gather="forward"``) completed first."""
-        self.finish_gathers()
-        return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
-
     # -- the optimizer's whole state: its own, or gathered from the parts with sharding="optimizer" --
-    def _attached(self, where: str) -> AttachedOptimizer:
-        if self.optimizer is None:
-            raise TypeError(f"{where}: expects a model from graphddp.compile(..., optimizer=) or graphddp.backend(..., optimizer=)")
+    def _attached(self) -> AttachedOptimizer:
+        assert self.optimizer is not None, "graphddp.frontend.api._state_of refuses a model without optimizer="
         self.finish_gathers()  # gather="forward": the parameters as the state describes them
         return self.optimizer
 
     def full_optimizer_state_dict(self) -> dict[str, Any]:
-        attached = self._attached("graphddp.full_optimizer_state_dict")
+        attached = self._attached()
         return attached.optimizer.state_dict() if attached.sharded is None else attached.sharded.full_state_dict()
 
     def load_full_optimizer_state_dict(self, state: Mapping[str, Any]) -> None:
-        attached = self._attached("graphddp.load_full_optimizer_state_dict")
+        attached = self._attached()
         if attached.sharded is None:
             attached.optimizer.load_state_dict(state)
         else:

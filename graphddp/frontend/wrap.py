@@ -1,21 +1,20 @@
-"""Wrap-time work, as DDP's constructor does it: what every mode checks and broadcasts once, before
-any graph exists. Kept apart from :mod:`graphddp.frontend.replica`'s per-forward work: this runs
-once and leaves behind only what it returns.
+"""The wrap every mode shares, as DDP's constructor does it: what every mode checks and
+broadcasts once, before any graph exists, and :class:`ModelState`, what every mode's state
+answers alike. A mode supplies only where the model's tensors live and the work around a forward:
+:class:`graphddp.frontend.replica.Replica` keeps whole replicas (replicated and
+``sharding="optimizer"``), :class:`graphddp.frontend.full.FullyShardedState` this rank's parts.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from graphddp.config import DDPConfig
-from graphddp.frontend.mesh import MeshGroups, flat_groups
-from graphddp.optim.attached import AttachedOptimizer
-from graphddp.optim.shard import ShardedState
+from graphddp.hooks.traced import HOOK_STATE_KEY
 from graphddp.runtime.agree import check_parameter_agreement
-from graphddp.runtime.calibrate import resolve_cost
 from graphddp.runtime.sync import broadcast_tensors
 
 
@@ -45,8 +44,8 @@ def _refuse_sparse_gradients(where: str, module: nn.Module) -> None:
             )
 
 
-def resolve_group(where: str, module: Any, process_group: Any, options: dict[str, Any]) -> Any:
-    """``process_group`` or WORLD, after checking the module's type and an initialized default group."""
+def check_module_and_world(where: str, module: Any) -> None:
+    """A module to wrap, and an initialized default group: what every check after asks of both."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"{where}: module must be a torch.nn.Module, got {type(module).__name__}")
     if not dist.is_available() or not dist.is_initialized():
@@ -54,18 +53,28 @@ def resolve_group(where: str, module: Any, process_group: Any, options: dict[str
             f"{where}: torch.distributed is not initialized; call "
             "torch.distributed.init_process_group(...) first (e.g. under torchrun)"
         )
-    return process_group if process_group is not None else dist.group.WORLD
 
 
-def _refuse_optimizer_with_traced_hook(where: str, config: DDPConfig, optimizer: Any) -> None:
+# Why each sharding needs ``optimizer=``: what it keeps per rank is the optimizer's state.
+_NEEDS_OPTIMIZER = {
+    "optimizer": "shards the optimizer's state, so it needs optimizer= (torch.optim.SGD, Adam or AdamW): each rank then "
+    "updates its part of every bucket inside the backward",
+    "full": "keeps each parameter's optimizer state 1/N per rank, so it needs optimizer= (a torch.optim optimizer over "
+    "model.parameters(), built before graphddp.compile)",
+}
+
+
+def check_optimizer(where: str, config: DDPConfig, optimizer: Any) -> None:
+    """``optimizer=`` against the options: at wrap time before any collective, so every rank fails
+    alike, and again when :meth:`~graphddp.frontend.replica.Replica.register_comm_hook` adds a hook."""
+    missing = optimizer is None or (config.sharding == "full" and not isinstance(optimizer, torch.optim.Optimizer))
+    if config.sharding is not None and missing:
+        raise ValueError(f"{where}: sharding={config.sharding!r} {_NEEDS_OPTIMIZER[config.sharding]}")
     if optimizer is not None and config.traced_hook is not None:
         raise ValueError(
             f"{where}: optimizer= with comm_hook={config.traced_hook.name} is not supported yet (the in-graph update "
             "is checked against graphddp's own all-reduce only); compile without optimizer= and step it as usual"
         )
-
-
-def _refuse_clipping_without_the_optimizer(where: str, config: DDPConfig, optimizer: Any) -> None:
     if config.max_grad_norm is not None and optimizer is None:
         raise ValueError(
             f"{where}: max_grad_norm={config.max_grad_norm} clips the gradients inside the backward, before the "
@@ -90,27 +99,48 @@ def check_and_broadcast(where: str, module: nn.Module, group: Any, config: DDPCo
     return device
 
 
-def prepare(
-    where: str, module: nn.Module, group: Any, config: DDPConfig, optimizer: Any = None, groups: MeshGroups | None = None,
-) -> tuple[AttachedOptimizer | None, DDPConfig]:
-    """The replicated and ``sharding="optimizer"`` wrap: checks, broadcast, ``optimizer`` attached;
-    returns it and ``config`` with its cost model resolved (measured on ``group`` now, since
-    compiling never talks). The optimizer is checked before any collective, so every rank fails
-    alike, and attached after the last one."""
-    assert config.sharding != "full", "sharding='full' wraps through graphddp.frontend.full.compile_fully_sharded"
-    _refuse_optimizer_with_traced_hook(where, config, optimizer)
-    if config.sharding is not None and optimizer is None:
-        raise ValueError(
-            f"{where}: sharding={config.sharding!r} shards the optimizer's state, so it needs optimizer= (torch.optim.SGD, "
-            "Adam or AdamW): each rank then updates its part of every bucket inside the backward"
-        )
-    _refuse_clipping_without_the_optimizer(where, config, optimizer)
-    attached = AttachedOptimizer(optimizer, module, where, config.max_grad_norm, config.grad_norm_type) if optimizer is not None else None
-    device = check_and_broadcast(where, module, group, config)
-    config = resolve_cost(config, group, device)
-    if attached is not None:
-        attached.attach()
-        if config.sharding == "optimizer":
-            groups = groups or flat_groups(group)
-            attached.sharded = ShardedState(optimizer, attached.params, attached.rules, attached.group_of, groups.shard, groups.placement)
-    return attached, config
+class ModelState:
+    """A wrapped model's state on this rank, in every mode: what both forms
+    (:class:`graphddp.frontend.api.ModelView`) read and run. A mode's class is built after the
+    wrap's last collective, from what its :meth:`checked_optimizer` returned before the first, and
+    supplies its residency: ``world_size``, ``schedules``, ``named_parameters``, the optimizer's
+    whole state, ``compile_graph`` (the torch.compile backend of both forms) and the work around a
+    forward (``before_forward``, ``after_forward``)."""
+
+    hook_state: Any = None  # a traced comm hook's state, checkpointed with the module's
+
+    def __init__(self, module: nn.Module, group: Any, config: DDPConfig, optimizer: Any) -> None:
+        self.module = module
+        self.group = group  # every rank: the wrap-time broadcast, the forward's work, the buffers
+        self.config = config
+        self.optimizer = optimizer
+        self.joinable: Any = None  # the view users pass to torch.distributed.algorithms.Join
+
+    @staticmethod
+    def checked_optimizer(where: str, module: nn.Module, config: DDPConfig, optimizer: Any) -> Any:
+        """``optimizer=`` as the mode keeps it, checked before any collective."""
+        return optimizer
+
+    def finish_gathers(self) -> None:
+        """Nothing is left on the wire between steps, unless the mode leaves its all-gathers there."""
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """The module's own, pending all-gathers (``gather="forward"``) completed first."""
+        self.finish_gathers()
+        return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    # -- checkpoints use the wrapped module's keys; a traced hook's state rides along ------------
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        out = self.module.state_dict(*args, **kwargs)
+        if self.hook_state is not None:
+            out[HOOK_STATE_KEY] = self.hook_state.state_dict()
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        state_dict = dict(state_dict)
+        hook = state_dict.pop(HOOK_STATE_KEY, None)
+        if hook is not None:
+            if self.hook_state is None:
+                raise ValueError(f"the checkpoint has {HOOK_STATE_KEY!r} (a comm hook's state), but this module runs no traced comm hook")
+            self.hook_state.load_state_dict(hook)
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)

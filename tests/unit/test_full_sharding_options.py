@@ -72,6 +72,8 @@ def test_the_backend_builds_full_sharding_and_refuses_it_by_its_own_name(fake_wo
     assert {n: v.shape for n, v in model.state_dict().items() if n in shapes} == shapes, "state_dict() is whole"
     with pytest.raises(ValueError, match="graphddp.backend: sharding='full' keeps each parameter's optimizer state"):
         graphddp.backend(models.MLP(), sharding="full")
+    with pytest.raises(ValueError, match="graphddp.compile: sharding='full' keeps each parameter's optimizer state"):
+        graphddp.compile(models.MLP(), optimizer=[torch.zeros(1)], sharding="full", backend="aot_eager")
 
 
 def test_both_forms_show_one_surface_and_refuse_what_full_sharding_lacks_by_name(fake_world):

@@ -92,6 +92,21 @@ def test_backend_name_without_prepare_is_a_clear_error(fake_world):
         torch.compile(MLP(), backend="graphddp")(torch.randn(8, 16))
 
 
+def test_backend_name_finds_the_parameters_model_else_the_most_recent(fake_world):
+    """``backend="graphddp"``: a graph goes to the backend made for its parameters' model; one
+    without parameters (a loss after a graph break) to the most recent attached backend."""
+    fake_world(2)
+    first_model, second_model = MLP(), MLP()
+    first, second = graphddp.backend(first_model, backend="aot_eager"), graphddp.backend(second_model, backend="aot_eager")
+    for made, name in ((first, "first"), (second, "second")):
+        made._state.compile_graph = lambda gm, inputs, name=name, **_: name
+    by_name = graphddp.frontend.backend._by_name
+    assert by_name(None, [next(first_model.parameters())]) == "first"
+    assert by_name(None, [torch.zeros(1)]) == "second"
+    second.remove()
+    assert by_name(None, [torch.zeros(1)]) == "first"
+
+
 def test_backend_form_does_the_wrap_time_checks(fake_world):
     fake_world(2)
     with pytest.raises(TypeError, match="graphddp.backend: module must be a torch.nn.Module"):
