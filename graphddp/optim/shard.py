@@ -101,10 +101,3 @@ class ShardedState:
                 parts.append(work)
             for name, new in zip(names_, whole(parts, [self.params[n].shape for n in names_], self.group)):
                 self.params[name].detach().copy_(new)
-
-    # -- checkpoints: the whole state (graphddp.optim.whole_state) -----------------------------
-    def full_state_dict(self) -> dict[str, Any]:
-        return self.whole_state.state_dict(self.optimizer)
-
-    def load_full(self, full: Mapping[str, Any]) -> None:
-        self.whole_state.load(self.optimizer, full)
