@@ -28,15 +28,15 @@ import torch.nn as nn
 from graphddp.compiler.full import Compiled, fully_sharded_compiler
 from graphddp.compiler.full_updates import PartUpdates
 from graphddp.config import DDPConfig
-from graphddp.frontend.full_state import WholeTensors
 from graphddp.frontend.mesh import MeshGroups
-from graphddp.frontend.parts import Part, repoint_optimizer, shard_parameters
+from graphddp.frontend.parts import Part, install_whole_state_dicts, optimizer_parts, repoint_optimizer, shard_parameters
 from graphddp.frontend.wrap import ModelState
 from graphddp.graph.part_collectives import PREFETCH
 from graphddp.optim import clip, guards
 from graphddp.runtime import agree
 from graphddp.runtime.sync import broadcast_tensors
 from graphddp.values.part_schedule import FullSchedule, PartGraph, RankMemory
+from graphddp.values.shards import whole
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
@@ -63,7 +63,7 @@ class FullyShardedState(ModelState):
         for part in parts.values():
             # clip_grad_norm_ on parts is refused (graphddp.optim.guards), told whether max_grad_norm clips already
             setattr(part.part, guards.PART, True if config.max_grad_norm is None else (config.max_grad_norm, config.grad_norm_type))
-        repoint_optimizer(optimizer, parts, dist.get_world_size(groups.shard), groups.shard_rank)
+        repoint_optimizer(optimizer, parts, groups.shard)
         if config.max_grad_norm is not None:
             clip.clip_parts_before_step(optimizer, config.max_grad_norm, config.grad_norm_type, groups.shard)
         guards.agree_found_inf(optimizer, groups.whole)  # parts: one rank's inf must skip every rank's step
@@ -77,8 +77,8 @@ class FullyShardedState(ModelState):
             {id(p.part): p.names[0] for p in parts.values()}, self.world_size, updates, groups.whole, placement=groups.placement
         )
         self.records = self.record.records  # every compiled graph's, in order
-        self.whole_tensors = WholeTensors(parts, groups.shard)
-        self.whole_tensors.install(module)
+        self.whole_state = optimizer_parts(optimizer, {id(p.part): p for p in parts.values()}, groups.shard)
+        install_whole_state_dicts(module, parts, groups.shard)
         self.compile_graph = fully_sharded_compiler(config, self.record)
 
     @property
@@ -188,7 +188,7 @@ class FullyShardedState(ModelState):
     def register_comm_hook(self, *_: Any) -> None:
         raise NotImplementedError("graphddp: register_comm_hook is not supported with sharding='full' yet")
 
-    # -- whole tensors in and out (graphddp.frontend.full_state: hooks on the module) ---------------------
+    # -- whole tensors in and out (graphddp.frontend.parts.install_whole_state_dicts: hooks on the module) ---
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Whole tensors under the module's keys; each rank keeps its part, copied into it."""
         if assign:
@@ -206,17 +206,17 @@ class FullyShardedState(ModelState):
             if remove_duplicate and id(part) in seen:
                 continue
             seen.add(id(part))
-            whole = nn.Parameter(self.whole_tensors.whole(part.part, part), requires_grad=False)
+            gathered = nn.Parameter(whole([part.part], [part.shape], self._groups.shard)[0], requires_grad=False)
             # clipping it would clip nothing: refused (graphddp.optim.guards), saying whether max_grad_norm clips already
-            setattr(whole, guards.GATHERED_COPY, getattr(part.part, guards.PART, True))
-            yield (f"{prefix}.{name}" if prefix else name), whole
+            setattr(gathered, guards.GATHERED_COPY, getattr(part.part, guards.PART, True))
+            yield (f"{prefix}.{name}" if prefix else name), gathered
 
     def full_optimizer_state_dict(self) -> dict[str, Any]:
         """The state dict a plain optimizer of the same class over the whole parameters would
-        have (every rank calls it: :meth:`WholeTensors.optimizer_state_dict`)."""
-        return self.whole_tensors.optimizer_state_dict(self.optimizer)
+        have (every rank calls it: :meth:`WholeState.state_dict`)."""
+        return self.whole_state.state_dict(self.optimizer)
 
     def load_full_optimizer_state_dict(self, state: Mapping[str, Any]) -> None:
         """Load a whole optimizer state: each rank keeps its part of every entry."""
-        self.whole_tensors.load_optimizer_state_dict(self.optimizer, state)
+        self.whole_state.load(self.optimizer, state)
 

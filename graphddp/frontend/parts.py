@@ -14,7 +14,8 @@ With ``reshard_after_forward`` (default True) the backward gathers again instead
 the gathered parameters (:mod:`graphddp.graph.reshard`).
 
 The optimizer is re-pointed at the parts (:func:`repoint_optimizer`), any state it has cut to
-them (:func:`cut_state`). A module of its own because this is the cut itself, done once at wrap
+them, and state dicts hold whole tensors (:func:`install_whole_state_dicts`,
+:func:`optimizer_parts`). A module of its own because this is the cut itself, done once at wrap
 time; :mod:`graphddp.frontend.full` builds the mode around it (the returned module, its state
 dicts, its schedules).
 """
@@ -29,9 +30,9 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 
-from graphddp.optim.shard import ELEMENTWISE, check_whole_state
+from graphddp.optim.whole_state import WholeState
 from graphddp.values.placement import Placement, flat
-from graphddp.values.shards import padded_part
+from graphddp.values.shards import padded_part, whole
 
 # The functional all-gather whose backward reduce-scatters: its torch 2.13 name, or the older one.
 _all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
@@ -157,27 +158,55 @@ def shard_parameters(module: nn.Module, group: Any, policy: Any = None, placemen
     return parts
 
 
-def repoint_optimizer(optimizer: torch.optim.Optimizer, parts: Mapping[int, Part], world: int, rank: int) -> None:
+def repoint_optimizer(optimizer: torch.optim.Optimizer, parts: Mapping[int, Part], group: Any) -> None:
     """Make ``optimizer`` step the parts: its param groups name them instead of the whole
-    parameters, and any state it has is cut to this rank's part (elementwise entries; a step
-    count stays as it is)."""
-    for group in optimizer.param_groups:
-        for i, p in enumerate(group["params"]):
-            if id(p) not in parts:
-                raise ValueError(
-                    "graphddp.compile(..., sharding='full'): the optimizer holds a tensor that is not a parameter of the "
-                    f"module (shape {list(p.shape)}); build it over model.parameters() before graphddp.compile"
-                )
-            q = parts[id(p)].part
-            state = optimizer.state.pop(p, None)
-            if state:
-                optimizer.state[q] = cut_state(state, world, rank, parts[id(p)])
-            group["params"][i] = q
+    parameters, and any state it has is cut to this rank's part (:meth:`WholeState.cut`: every
+    elementwise entry checked first; a step count stays as it is)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    stray = next((p for p in params if id(p) not in parts), None)
+    if stray is not None:
+        raise ValueError(
+            "graphddp.compile(..., sharding='full'): the optimizer holds a tensor that is not a parameter of the "
+            f"module (shape {list(stray.shape)}); build it over model.parameters() before graphddp.compile"
+        )
+    cut = optimizer_parts(optimizer, parts, group).cut
+    states = {parts[id(p)].part: cut(i, optimizer.state[p]) for i, p in enumerate(params) if optimizer.state.get(p)}
+    optimizer.state.clear()
+    optimizer.state.update(states)
+    for g in optimizer.param_groups:
+        g["params"] = [parts[id(p)].part for p in g["params"]]
 
 
-def cut_state(state: Mapping[str, Any], world: int, rank: int, part: Part) -> dict[str, Any]:
-    """``part``'s whole optimizer state with every elementwise entry cut to ``rank``'s padded
-    part (a step count and other entries stay as they are); an entry of another size is refused
-    (:func:`graphddp.optim.shard.check_whole_state`)."""
-    check_whole_state(part.names[0], state, part.numel)
-    return {k: padded_part(v, world, rank) if k in ELEMENTWISE and isinstance(v, torch.Tensor) else v for k, v in state.items()}
+def optimizer_parts(optimizer: torch.optim.Optimizer, parts: Mapping[int, Part], group: Any) -> WholeState:
+    """The optimizer's state, whole in and out of its padded parts over ``group`` (the shard group);
+    ``parts`` by the id of the tensors the optimizer holds (the whole parameters, or the parts)."""
+    ordered = [parts[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    return WholeState(tuple(p.names[0] for p in ordered), tuple(p.shape for p in ordered), group, padded=True)
+
+
+def install_whole_state_dicts(module: nn.Module, parts: Mapping[int, Part], group: Any) -> None:
+    """Make ``module.state_dict()`` gather every parameter whole under the module's own keys, and
+    ``module.load_state_dict`` keep this rank's part of it: checkpoints move between world sizes
+    and to plain models, a pipeline's ``model.state_dict()`` under ``graphddp.backend`` alike.
+    Every rank calls them: they gather."""
+    by_name = {name: part for part in parts.values() for name in part.names}
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+
+    def gather_parts(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        done: dict[int, torch.Tensor] = {}  # a tied weight: gathered once
+        for name, part in by_name.items():
+            if prefix + name in state:
+                if id(part) not in done:
+                    done[id(part)] = whole([part.part], [part.shape], group)[0]
+                state[prefix + name] = done[id(part)]
+
+    def keep_parts(module: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
+        for name, part in by_name.items():
+            value = state.get(prefix + name)
+            if isinstance(value, torch.Tensor):
+                if tuple(value.shape) != part.shape:
+                    raise ValueError(f"graphddp: {name!r} has shape {list(value.shape)} in the state dict, {list(part.shape)} in the model")
+                state[prefix + name] = padded_part(value.to(part.part.device), world, rank)
+
+    module.register_state_dict_post_hook(gather_parts)
+    module.register_load_state_dict_pre_hook(keep_parts)

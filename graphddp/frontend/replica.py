@@ -160,14 +160,14 @@ class Replica(ModelState):
 
     def full_optimizer_state_dict(self) -> dict[str, Any]:
         attached = self._attached()
-        return attached.optimizer.state_dict() if attached.sharded is None else attached.sharded.full_state_dict()
+        return attached.optimizer.state_dict() if attached.sharded is None else attached.sharded.whole_state.state_dict(attached.optimizer)
 
     def load_full_optimizer_state_dict(self, state: Mapping[str, Any]) -> None:
         attached = self._attached()
         if attached.sharded is None:
             attached.optimizer.load_state_dict(state)
         else:
-            attached.sharded.load_full(state)
+            attached.sharded.whole_state.load(attached.optimizer, state)
 
     def before_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Broadcast buffers; start averaging gradients accumulated under ``no_sync``; inside

@@ -21,6 +21,15 @@ the wire as zeros and never reaches the optimizer state or a checkpoint.
 """
 from __future__ import annotations
 
+import math
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from graphddp.values.comm import gather_flat
+
 # gather="backward": a bucket's wait, update and all-gather follow the issue of the reduce-scatter
 # this many sharded buckets later (graphddp.optim.insert_shard), so that its all-gather shares the
 # link with the rest of the backward. A lag of one leaves the fewest all-gathers to the end of the
@@ -41,18 +50,24 @@ def part(numel: int, world: int, rank: int) -> tuple[int, int]:
     return lo, min(lo + size, numel)
 
 
-def owners(numel: int, world: int) -> list[tuple[int, int, int]]:
-    """``(rank, lo, hi)`` for every rank that owns a non-empty part, in rank order."""
-    return [(r, *part(numel, world, r)) for r in range(world) if part(numel, world, r)[1] > part(numel, world, r)[0]]
-
-
-def padded_part(t: "torch.Tensor", world: int, rank: int) -> "torch.Tensor":
+def padded_part(t: torch.Tensor, world: int, rank: int) -> torch.Tensor:
     """``rank``'s chunk of ``t``'s flat view as the wire holds it: ``chunk(numel, world)``
     elements, zeros past the end of ``t`` (a new tensor, on ``t``'s device, of its dtype)."""
-    import torch
-
     c = chunk(t.numel(), world)
     lo, hi = part(t.numel(), world, rank)
     out = torch.zeros(c, dtype=t.dtype, device=t.device)
     out[: hi - lo] = t.detach().reshape(-1)[lo:hi]
     return out
+
+
+def whole(parts: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]], group: Any) -> list[torch.Tensor]:
+    """The inverse of the cut, eager: every rank's ``parts`` of tensors of ``shapes`` (each with its
+    padding or without) gathered over ``group`` into the whole tensors, by one all-gather of the
+    parts padded to their chunks, rank-major (module docstring). ``parts`` share a dtype and device."""
+    world = dist.get_world_size(group)
+    sizes = [chunk(math.prod(shape), world) for shape in shapes]
+    mine = torch.cat([F.pad(t.detach().reshape(-1), (0, c - t.numel())) for t, c in zip(parts, sizes)])
+    out = mine.new_empty(world * mine.numel())
+    gather_flat(out, mine, group)
+    rows = out.view(world, mine.numel()).split(sizes, dim=1)
+    return [r.reshape(-1)[: math.prod(shape)].view(tuple(shape)) for r, shape in zip(rows, shapes)]

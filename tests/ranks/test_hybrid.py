@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import graphddp
 from graphddp import models
-from graphddp.optim.shard import ELEMENTWISE
+from graphddp.optim.whole_state import ELEMENTWISE
 from graphddp.testing import spawn
 from graphddp.values.comm import ROLE_KEY, group_of, is_collective
 from graphddp.values.placement import REPLICATE

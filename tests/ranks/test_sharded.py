@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import graphddp
 from graphddp import models
-from graphddp.optim.shard import ELEMENTWISE
+from graphddp.optim.whole_state import ELEMENTWISE
 from graphddp.testing import spawn
 from graphddp.hooks.examples import ddp_bf16_compress_hook
 from graphddp.values.comm import ROLE_KEY
