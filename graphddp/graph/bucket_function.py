@@ -3,9 +3,9 @@ through the bucket's placement, the wait, and the unflatten or (sharded) the par
 
 :mod:`graphddp.graph.insert_comm` traces a replicated bucket's; after ``no_sync`` a traced hook runs
 eagerly on the accumulated gradients instead (:func:`run_hook_eagerly`), with the same ``GradBucket``
-and the same check of its result. A sharded bucket's flat layout is ``[world, chunk]`` columns
-(:func:`issue_columns`); the optimizer's update between its reduce-scatter and its all-gather is
-:mod:`graphddp.optim.shard_functions`'. Nothing here reads or edits a graph.
+and the same check of its result. A sharded bucket's flat layout, and full sharding's, is rank-major
+``[world, chunk]`` columns (:func:`rank_major`); the optimizer's update between its reduce-scatter
+and its all-gather is :mod:`graphddp.optim.shard_functions`'. Nothing here reads or edits a graph.
 """
 from __future__ import annotations
 
@@ -107,12 +107,12 @@ def columns_of(flat: torch.Tensor, world: int, widths: Sequence[int]) -> Iterato
         at += c
 
 
-def row_parts(row: torch.Tensor, widths: Sequence[int], sizes: Sequence[int] | None = None) -> Iterator[torch.Tensor]:
-    """One rank's row of the layout (what its reduce-scatter returns): per member its chunk, or
-    its first ``sizes[k]`` elements (what the rank owns, no padding); yielded as :func:`columns_of`."""
+def row_parts(row: torch.Tensor, widths: Sequence[int], sizes: Sequence[int]) -> Iterator[torch.Tensor]:
+    """One rank's row of the layout (what its reduce-scatter returns): per member the first
+    ``sizes[k]`` elements of its chunk (all, or what the rank owns); yielded as :func:`columns_of`."""
     at = 0
-    for k, c in enumerate(widths):
-        yield row[at:at + (c if sizes is None else sizes[k])]
+    for c, size in zip(widths, sizes, strict=True):
+        yield row[at:at + size]
         at += c
 
 

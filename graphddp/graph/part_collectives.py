@@ -9,12 +9,10 @@ docs/design-full-sharding.md). This pass rewrites them, one graph at a time, and
 then keeps graphddp's order (``INDUCTOR_FX_ORDER_CONFIG``):
 
 * **buckets.** Consecutive gathers, in the order their parameters are first read, form buckets
-  of up to ``cap`` gathered bytes (a bucket closes once it reaches the cap, DDP's rule); one
-  collective gathers a bucket's parts concatenated, and each parameter is copied out of the
-  gathered rows (``[world, parts]``: rank ``r``'s row holds its part of every parameter). The
-  backward's reduce-scatters, in issue order, form buckets the same way: each gradient (padded,
-  ``[world, part]``) concatenated along the parts, one reduce-scatter, the result cut back into
-  parts: a transformer block's dozen gathers become a few. Which collectives share a bucket is
+  of up to ``cap`` gathered bytes (a bucket closes once it reaches the cap, DDP's rule), and the
+  backward's reduce-scatters, in issue order, the same way: one collective per bucket, in a
+  sharded bucket's rank-major layout (:func:`~graphddp.graph.bucket_function.rank_major`), so a
+  transformer block's dozen gathers become a few. Which collectives share a bucket is
   planned before the rewrite, from the facts of the graph's collectives alone
   (:mod:`graphddp.graph.part_facts`, :mod:`graphddp.plan.parts`); this pass lowers the plan.
 * **placement.** Bucket ``i``'s gather is issued right before the wait of bucket ``i -
@@ -188,7 +186,7 @@ def _scatter_fn(placement: Placement, sizes: Sequence[int]) -> Callable[..., lis
         with role("reduce_scatter"):
             sent = placement.issue_reduce(rank_major([g.view(world, c) for g, c in zip(grads, sizes)]))
         with role("reduce_scatter_wait"):
-            return list(row_parts(placement.finish_reduce(sent, tag=role), sizes))
+            return list(row_parts(placement.finish_reduce(sent, tag=role), sizes, sizes))
 
     return scatter
 
