@@ -91,9 +91,8 @@ def chunks(bucket: Bucket, world: int) -> list[int]:
 
 
 def rank_major(columns: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Per member its ``[world, width]`` column -> the one flat buffer a reduce-scatter or an
-    all-gather sends: rank-major (rank 0's chunks of every member, then rank 1's, ...), so that
-    rank ``r``'s share is one contiguous row (:mod:`graphddp.values.shards`)."""
+    """Per member its ``[world, width]`` column -> one flat buffer, rank-major (rank 0's chunks of
+    every member, then rank 1's, ...): a collective's rank ``r`` share is one contiguous row."""
     return aten.view.default(aten.cat.default(list(columns), 1) if len(columns) > 1 else columns[0], [-1])
 
 
