@@ -1,8 +1,9 @@
-"""Renderers for a Schedule: Chrome/Perfetto trace, Graphviz dot, and a timeline plot.
+"""Renderers for a schedule: its table with predicted times, Chrome/Perfetto trace, Graphviz dot,
+and a timeline plot.
 
-All work from the Schedule value alone (no graph, no process group), so they run on a
-schedule loaded from JSON as well as on a live one. The plain table is the Schedule's own
-``to_table()``; these need the cost model's timeline, or graphviz/matplotlib conventions.
+All work from the schedule value alone (no graph, no process group), so they run on a schedule
+loaded from JSON as well as on a live one. The trace, dot and plot take a backward's
+:class:`~graphddp.values.schedule.Schedule`: they need the cost model's timeline.
 """
 from __future__ import annotations
 
@@ -11,14 +12,16 @@ from typing import Any
 
 from graphddp.plan.cost import CostModel, simulate
 from graphddp.values.schedule import Schedule
+from graphddp.values.schedule_table import ScheduleValue
 
 COMPUTE_TID, COMM_TID = 0, 1
 _PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"]
 
 
-def table(schedule: Schedule, cost: CostModel | None = None) -> str:
-    """``schedule.to_table()`` with each bucket's predicted ready, start and end times."""
-    return schedule.to_table(simulate(schedule, cost))
+def table(schedule: ScheduleValue, cost: CostModel | None = None) -> str:
+    """``schedule.to_table()``, with each bucket's predicted ready, start and end times where the
+    cost model times the schedule (``schedule.predicted``)."""
+    return schedule.to_table(simulate(schedule, cost) if schedule.predicted else None)
 
 
 def chrome_trace(schedule: Schedule, cost: CostModel | None = None, path: str | None = None) -> dict[str, Any]:
