@@ -69,6 +69,9 @@ def test_the_schedule_shows_every_gather_and_reduce_scatter_and_each_ranks_memor
     assert graphddp.render.table(s) == table and not s.predicted
     with pytest.raises(ValueError, match="sharding='full' has no predicted timeline"):
         s.to_table(timeline=object())
+    for draw in (graphddp.render.chrome_trace, graphddp.render.dot, lambda s: graphddp.render.plot(s, "x.png")):
+        with pytest.raises(ValueError, match=r"graphddp\.render\.\w+: this schedule has no predicted timeline"):
+            draw(s)
     again = FullSchedule.from_json(json.dumps(json.loads(s.to_json())))
     assert again.to_dict() == s.to_dict() and again.fingerprint() == s.fingerprint() and again.to_table() == table
 
