@@ -1,8 +1,9 @@
-"""Renderers for a Schedule: Chrome/Perfetto trace, Graphviz dot, and a timeline plot.
+"""Renderers for a schedule: its table with predicted times, Chrome/Perfetto trace, Graphviz dot,
+and a timeline plot.
 
-All work from the Schedule value alone (no graph, no process group), so they run on a
-schedule loaded from JSON as well as on a live one. The plain table is the Schedule's own
-``to_table()``; these need the cost model's timeline, or graphviz/matplotlib conventions.
+All work from the schedule value alone (no graph, no process group), so they run on a schedule
+loaded from JSON as well as on a live one. The trace, dot and plot take a backward's
+:class:`~graphddp.values.schedule.Schedule`: they need the cost model's timeline.
 """
 from __future__ import annotations
 
@@ -11,20 +12,30 @@ from typing import Any
 
 from graphddp.plan.cost import CostModel, simulate
 from graphddp.values.schedule import Schedule
+from graphddp.values.schedule_table import ScheduleValue
 
 COMPUTE_TID, COMM_TID = 0, 1
 _PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"]
 
 
-def table(schedule: Schedule, cost: CostModel | None = None) -> str:
-    """``schedule.to_table()`` with each bucket's predicted ready, start and end times."""
-    return schedule.to_table(simulate(schedule, cost))
+def table(schedule: ScheduleValue, cost: CostModel | None = None) -> str:
+    """``schedule.to_table()``, with each bucket's predicted ready, start and end times where the
+    cost model times the schedule (``schedule.predicted``)."""
+    return schedule.to_table(simulate(schedule, cost) if schedule.predicted else None)
+
+
+def _timed(schedule: ScheduleValue, what: str) -> Schedule:
+    """``schedule``, which ``what`` draws from the cost model's timeline: refused by name where
+    the cost model does not time it (full sharding's, read back from the compiled graphs)."""
+    if not schedule.predicted:
+        raise ValueError(f"graphddp.render.{what}: this schedule has no predicted timeline (sharding='full'); render.table shows it")
+    return schedule  # type: ignore[return-value]
 
 
 def chrome_trace(schedule: Schedule, cost: CostModel | None = None, path: str | None = None) -> dict[str, Any]:
     """Trace Event Format: a compute lane (one event per node) and a communication lane (one
     event per bucket). Opens in Perfetto and chrome://tracing. Written to ``path`` if given."""
-    timeline = simulate(schedule, cost)
+    timeline = simulate(_timed(schedule, "chrome_trace"), cost)
     pid = schedule.graph_index
     events: list[dict[str, Any]] = [
         {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": f"graphddp backward graph {pid}"}},
@@ -50,7 +61,7 @@ def chrome_trace(schedule: Schedule, cost: CostModel | None = None, path: str | 
 def dot(schedule: Schedule) -> str:
     """The backward graph as Graphviz dot: each bucket's gradient producers filled in the
     bucket's colour, and the inserted all-reduce (box) and wait (octagon) nodes marked."""
-    colour = {}
+    schedule, colour = _timed(schedule, "dot"), {}
     for b in schedule.buckets:
         for s in b.slots:
             colour[s.producer] = _PALETTE[b.index % len(_PALETTE)]
@@ -85,7 +96,7 @@ def plot(schedule: Schedule, path: str, cost: CostModel | None = None) -> None:
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise RuntimeError("the timeline plot needs matplotlib: pip install 'graphddp[plot]'") from e
-    timeline = simulate(schedule, cost)
+    timeline = simulate(_timed(schedule, "plot"), cost)
     link = timeline.link
     fig, ax = plt.subplots(figsize=(10, 2.6))
     ax.broken_barh([(s.start * 1e3, (s.end - s.start) * 1e3) for s in timeline.compute], (10, 8), facecolors="#888888")

@@ -186,8 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         p.error(str(e))
 
-    full = options.get("sharding") == "full"  # read back from the compiled graphs: no predicted timeline
-    if full and args.format not in ("table", "json"):
+    if options.get("sharding") == "full" and args.format not in ("table", "json"):  # its schedule is not predicted
         p.error(f"--format {args.format}: sharding='full' has a table or json (--format table|json)")
     if args.format in ("png", "svg") and not args.out:
         p.error(f"--format {args.format} needs --out FILE")
@@ -200,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             render.plot(s, args.out if len(schedules) == 1 else f"{root}.{s.graph_index}{ext}", cost)
         return 0
     if args.format == "table":
-        text = "\n\n".join(f"fingerprint {s.fingerprint()}\n{s.to_table() if full else render.table(s, cost)}" for s in schedules)
+        text = "\n\n".join(f"fingerprint {s.fingerprint()}\n{render.table(s, cost)}" for s in schedules)
     elif args.format == "json":
         text = json.dumps([s.to_dict() for s in schedules], indent=2, sort_keys=True)
     elif args.format == "trace":

@@ -26,8 +26,7 @@ from torch.utils._pytree import tree_leaves
 from graphddp.config import DDPConfig
 from graphddp.frontend.api import compile as compile_ddp
 from graphddp.runtime.agree import standing_in
-from graphddp.values.part_schedule import FullSchedule
-from graphddp.values.schedule import Schedule
+from graphddp.values.schedule_table import ScheduleValue
 
 
 def _default_loss(out: Any) -> torch.Tensor:
@@ -69,7 +68,7 @@ def explain(
     optimizer: Callable[..., torch.optim.Optimizer] | None = None,
     device_mesh: tuple[int, int] | None = None,
     **options: Any,
-) -> list[Schedule] | list[FullSchedule]:
+) -> list[ScheduleValue]:
     """Plan ``model`` for ``world_size`` ranks in this process; returns one schedule per graph:
     a :class:`~graphddp.values.schedule.Schedule`, or with ``sharding="full"`` a
     :class:`~graphddp.values.part_schedule.FullSchedule` (every gather and reduce-scatter of the

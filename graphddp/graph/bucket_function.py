@@ -3,14 +3,14 @@ through the bucket's placement, the wait, and the unflatten or (sharded) the par
 
 :mod:`graphddp.graph.insert_comm` traces a replicated bucket's; after ``no_sync`` a traced hook runs
 eagerly on the accumulated gradients instead (:func:`run_hook_eagerly`), with the same ``GradBucket``
-and the same check of its result. A sharded bucket's flat layout is ``[world, chunk]`` columns
-(:func:`issue_columns`); the optimizer's update between its reduce-scatter and its all-gather is
-:mod:`graphddp.optim.shard_functions`'. Nothing here reads or edits a graph.
+and the same check of its result. A sharded bucket's flat layout, and full sharding's, is rank-major
+``[world, chunk]`` columns (:func:`rank_major`); the optimizer's update between its reduce-scatter
+and its all-gather is :mod:`graphddp.optim.shard_functions`'. Nothing here reads or edits a graph.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -90,6 +90,31 @@ def chunks(bucket: Bucket, world: int) -> list[int]:
     return [chunk(s.numel, world) for s in bucket.slots]
 
 
+def rank_major(columns: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per member its ``[world, width]`` column -> one flat buffer, rank-major (rank 0's chunks of
+    every member, then rank 1's, ...): a collective's rank ``r`` share is one contiguous row."""
+    return aten.view.default(aten.cat.default(list(columns), 1) if len(columns) > 1 else columns[0], [-1])
+
+
+def columns_of(flat: torch.Tensor, world: int, widths: Sequence[int]) -> Iterator[torch.Tensor]:
+    """The inverse of :func:`rank_major`: per member its ``[world, width]`` column of ``flat``, a
+    strided view. Yielded one at a time, so what a caller traces from a column follows its slice."""
+    rows = aten.view.default(flat, [world, sum(widths)])
+    at = 0
+    for c in widths:
+        yield aten.slice.Tensor(rows, 1, at, at + c)
+        at += c
+
+
+def row_parts(row: torch.Tensor, widths: Sequence[int], sizes: Sequence[int]) -> Iterator[torch.Tensor]:
+    """One rank's row of the layout (what its reduce-scatter returns): per member the first
+    ``sizes[k]`` elements of its chunk (all, or what the rank owns); yielded as :func:`columns_of`."""
+    at = 0
+    for c, size in zip(widths, sizes, strict=True):
+        yield row[at:at + size]
+        at += c
+
+
 def issue_columns(
     placement: Placement, hook: hooks.CommHook, bucket: Bucket, grads: Sequence[torch.Tensor], carried: Sequence[torch.Tensor],
 ) -> torch.Tensor:
@@ -110,7 +135,7 @@ def issue_columns(
         with role("scale"):
             columns.append(aten.div.Tensor(column, placement.world))
     with role("flatten"):
-        scaled = aten.view.default(aten.cat.default(columns, 1) if len(columns) > 1 else columns[0], [-1])
+        scaled = rank_major(columns)
     with role(SHARDED):
         return placement.issue_reduce(scaled)
 
@@ -218,19 +243,16 @@ def write_fn(bucket: Bucket, placement: Placement) -> Callable[..., list[torch.T
     """(the all-gather, params) -> wait, then every parameter written from its gathered chunks;
     returns the written parameters, which later reads must read."""
     world, widths = placement.shard.size, chunks(bucket, placement.shard.size)
-    width = sum(widths)
 
     def run(gathered: torch.Tensor, *params: torch.Tensor) -> list[torch.Tensor]:
         with role("wait"):
             full = placement.finish_gather(gathered)
         with role("write"):
-            rows = aten.view.default(full, [world, width])
-            at, written = 0, []
-            for p, slot, c in zip(params, bucket.slots, widths):
-                column = aten.clone.default(aten.slice.Tensor(rows, 1, at, at + c), memory_format=torch.contiguous_format)
+            written = []
+            for p, slot, c, column in zip(params, bucket.slots, widths, columns_of(full, world, widths)):
+                column = aten.clone.default(column, memory_format=torch.contiguous_format)
                 value = aten.view.default(aten.slice.Tensor(aten.view.default(column, [world * c]), 0, 0, slot.numel), list(slot.shape))
                 written.append(aten.copy_.default(p, value))
-                at += c
         return written
 
     return run

@@ -9,12 +9,10 @@ docs/design-full-sharding.md). This pass rewrites them, one graph at a time, and
 then keeps graphddp's order (``INDUCTOR_FX_ORDER_CONFIG``):
 
 * **buckets.** Consecutive gathers, in the order their parameters are first read, form buckets
-  of up to ``cap`` gathered bytes (a bucket closes once it reaches the cap, DDP's rule); one
-  collective gathers a bucket's parts concatenated, and each parameter is copied out of the
-  gathered rows (``[world, parts]``: rank ``r``'s row holds its part of every parameter). The
-  backward's reduce-scatters, in issue order, form buckets the same way: each gradient (padded,
-  ``[world, part]``) concatenated along the parts, one reduce-scatter, the result cut back into
-  parts: a transformer block's dozen gathers become a few. Which collectives share a bucket is
+  of up to ``cap`` gathered bytes (a bucket closes once it reaches the cap, DDP's rule), and the
+  backward's reduce-scatters, in issue order, the same way: one collective per bucket, in a
+  sharded bucket's rank-major layout (:func:`~graphddp.graph.bucket_function.rank_major`), so a
+  transformer block's dozen gathers become a few. Which collectives share a bucket is
   planned before the rewrite, from the facts of the graph's collectives alone
   (:mod:`graphddp.graph.part_facts`, :mod:`graphddp.plan.parts`); this pass lowers the plan.
 * **placement.** Bucket ``i``'s gather is issued right before the wait of bucket ``i -
@@ -44,6 +42,7 @@ from typing import Callable, Collection, Sequence
 import torch
 import torch.fx as fx
 
+from graphddp.graph.bucket_function import columns_of, rank_major, row_parts
 from graphddp.graph.capture import ancestors
 from graphddp.graph.part_facts import ALL_GATHER, Pair, part_facts, part_gathers, part_input, reduce_scatters, wait_of
 from graphddp.graph.anchors import IssuePoints
@@ -165,20 +164,15 @@ def _gather_fn(placement: Placement, sizes: Sequence[int], dtype: torch.dtype) -
     """One bucket's gather: its parts (cast to ``dtype``, a policy's ``param_dtype``) concatenated
     and gathered over the placement's shard group (the all-gather kind, lowered for the group's
     backend), each parameter cut back out of the ``[shard size, parts]`` rows."""
-    total, world = sum(sizes), placement.shard.size
+    world = placement.shard.size
 
     def gather(*parts: torch.Tensor) -> list[torch.Tensor]:
         with role("gather"):
             # a policy's param_dtype: cast, then sent (the prim inductor lowers: it has no _to_copy)
             parts = tuple(p if p.dtype == dtype else CAST(p, dtype) for p in parts)
             sent = placement.issue_gather(torch.cat(parts) if len(parts) > 1 else parts[0])
-        with role("gather_wait"):
-            rows = placement.finish_gather(sent).view(world, total)
-            out, at = [], 0
-            for c in sizes:  # each parameter's gathered layout: its parts in rank order
-                out.append(rows[:, at:at + c].reshape(-1))
-                at += c
-        return out
+        with role("gather_wait"):  # each parameter's gathered layout: its parts in rank order
+            return [column.reshape(-1) for column in columns_of(placement.finish_gather(sent), world, sizes)]
 
     return gather
 
@@ -190,16 +184,9 @@ def _scatter_fn(placement: Placement, sizes: Sequence[int]) -> Callable[..., lis
 
     def scatter(*grads: torch.Tensor) -> list[torch.Tensor]:
         with role("reduce_scatter"):
-            rows = [g.view(world, c) for g, c in zip(grads, sizes)]
-            flat = (torch.cat(rows, dim=1) if len(rows) > 1 else rows[0]).reshape(-1)
-            sent = placement.issue_reduce(flat)
+            sent = placement.issue_reduce(rank_major([g.view(world, c) for g, c in zip(grads, sizes)]))
         with role("reduce_scatter_wait"):
-            done = placement.finish_reduce(sent, tag=role)
-            out, at = [], 0
-            for c in sizes:
-                out.append(done[at:at + c])
-                at += c
-        return out
+            return list(row_parts(placement.finish_reduce(sent, tag=role), sizes, sizes))
 
     return scatter
 

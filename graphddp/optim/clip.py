@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from graphddp.graph.bucket_function import row_parts
 from graphddp.graph.trace import after_all, role, splice, trace
 from graphddp.values.collectives import backend_of, kind
 from graphddp.values.comm import ALL_REDUCE, BUCKET_KEY, ROLE_KEY, WAIT
@@ -70,9 +71,8 @@ def part_norms(grad_part: torch.Tensor, sizes: Sequence[int], chunks: Sequence[i
     float32: the sum of ``|g|^p``, or for inf the largest ``|g|`` (``grad_part`` holds ``chunks[k]``
     elements per slot, the first ``sizes[k]`` this rank's)."""
     with role(CLIP_NORM):
-        shares, at = [], 0
-        for size, c in zip(sizes, chunks):
-            piece = grad_part[at:at + size]
+        shares = []
+        for size, piece in zip(sizes, row_parts(grad_part, chunks, sizes)):
             if piece.dtype not in (torch.float32, torch.float64):
                 piece = piece.float()
             if norm_type == 2.0:
@@ -81,7 +81,6 @@ def part_norms(grad_part: torch.Tensor, sizes: Sequence[int], chunks: Sequence[i
                 shares.append(torch.amax(torch.abs(piece)) if size else piece.new_zeros(()))
             else:
                 shares.append(torch.sum(torch.abs(piece) if norm_type == 1.0 else torch.pow(torch.abs(piece), norm_type)))
-            at += c
         return torch.stack(shares)
 
 

@@ -14,7 +14,8 @@ gathers in flight take. ``graphddp.explain(..., sharding="full")`` returns it fo
 size, a run's ``model.schedules`` for its own.
 
 Plain values only, like :mod:`graphddp.values.schedule`: comparable across ranks,
-serialisable, printable; it imports nothing from graphddp.
+serialisable, printable (:mod:`graphddp.values.schedule_table`, every schedule's table, is the
+one module of graphddp it imports).
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ import dataclasses
 import hashlib
 import json
 
-MB = 1024 * 1024
+from graphddp.values.schedule_table import FullScheduleTable, fields_of, plain, set_only
+
 GATHER, REDUCE_SCATTER = "gather", "reduce_scatter"
 PART_KINDS = (GATHER, REDUCE_SCATTER)
 
@@ -64,11 +66,6 @@ class PartBucket:
     issued_after: str = ""  # the last node before the issue that is not part of a bucket
     waited_before: str = ""  # the first node after the wait that reads what it brought
 
-    def to_dict(self) -> dict:
-        found = dataclasses.asdict(self)
-        del found["members"]
-        return {**found, "params": list(self.params)}
-
 @dataclasses.dataclass(frozen=True)
 class PartCap:
     """The cap a graph's buckets closed at, and where it came from: ``"bucket_cap_mb"`` (given),
@@ -76,9 +73,6 @@ class PartCap:
 
     nbytes: int
     source: str
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,10 +96,6 @@ class PartGraph:
         sizes = [b.whole_bytes for b in self.of("gather")]
         return max((sum(sizes[i:i + prefetch + 1]) for i in range(len(sizes))), default=0)
 
-    def to_dict(self) -> dict:
-        return {"kind": self.kind, "nodes": self.nodes, "buckets": [b.to_dict() for b in self.buckets], "updates": list(self.updates),
-                "cap": None if self.cap is None else self.cap.to_dict(), "kept_bytes": self.kept_bytes}
-
 
 @dataclasses.dataclass(frozen=True)
 class RankMemory:
@@ -119,14 +109,12 @@ class RankMemory:
     gathered_in_flight: int  # the most gathered bytes in flight at once (PartGraph.in_flight_bytes)
     kept_to_backward: int  # gathered in the forward and kept for the backward (PartGraph.kept_bytes)
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 @dataclasses.dataclass(frozen=True)
-class FullSchedule:
+class FullSchedule(FullScheduleTable):
     """``sharding="full"``'s schedule of one Dynamo graph: its compiled forward and backward
-    (None until compiled: the backward compiles at its first call) and the rank's memory."""
+    (None until compiled: the backward compiles at its first call) and the rank's memory (its
+    table: :class:`~graphddp.values.schedule_table.FullScheduleTable`)."""
 
     graph_index: int
     world_size: int
@@ -144,14 +132,24 @@ class FullSchedule:
         return tuple(g for g in (self.forward, self.backward) if g is not None)
 
     def to_dict(self) -> dict:
-        return {
-            "sharding": "full", "graph_index": self.graph_index, "world_size": self.world_size,
-            "reshard_after_forward": self.reshard_after_forward, "prefetch": self.prefetch,
-            "forward": None if self.forward is None else self.forward.to_dict(),
-            "backward": None if self.backward is None else self.backward.to_dict(),
-            "memory": self.memory.to_dict(),
-            **({"replicas": self.replicas} if self.replicas > 1 else {}),
-        }
+        data = set_only(plain(self), replicas=1)  # written only for hybrid sharding: the other plans keep their JSON
+        for graph in (data["forward"], data["backward"]):
+            for bucket in graph["buckets"] if graph is not None else ():
+                del bucket["members"]  # the planner's positions, before the rewrite
+        return {"sharding": "full", **data}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> FullSchedule:
+        """The schedule :meth:`to_dict` wrote; its buckets' ``members``, the planner's, come back empty."""
+        def graph(d: dict | None) -> PartGraph | None:
+            if d is None:
+                return None
+            buckets = tuple(PartBucket(**{**b, "members": (), "params": tuple(b["params"])}) for b in d["buckets"])
+            cap = PartCap(**d["cap"]) if d["cap"] is not None else None
+            return PartGraph(**{**d, "buckets": buckets, "cap": cap, "updates": tuple(d["updates"])})
+
+        return cls(**{**fields_of(cls, data), "forward": graph(data["forward"]), "backward": graph(data["backward"]),
+                      "memory": RankMemory(**data["memory"])})
 
     def fingerprint(self) -> str:
         """A hash of the plan: per graph, its buckets in issue order (which interleaves gathers
@@ -166,51 +164,3 @@ class FullSchedule:
         ]
         head = [self.graph_index, self.world_size, self.reshard_after_forward, self.prefetch] + ([self.replicas] if self.replicas > 1 else [])
         return hashlib.sha256(json.dumps([head, plan]).encode()).hexdigest()[:16]
-
-    def to_table(self) -> str:
-        m = self.memory
-        state = size_text(m.optimizer_state) if m.optimizer_state else "none (not stepped yet, or an optimizer that keeps none)"
-        ranks = f"{self.world_size} ranks" if self.replicas == 1 else (
-            f"{self.world_size * self.replicas} ranks: sharded over {self.world_size}, each part's gradient all-reduced "
-            f"over its {self.replicas} replicas"
-        )
-        lines = [
-            f"sharding='full', graph {self.graph_index}, {ranks}, "
-            f"reshard_after_forward={self.reshard_after_forward}, gathers issued up to {self.prefetch} bucket(s) "
-            "ahead of the one being read",
-            f"each rank holds: parameters {size_text(m.parameters)} (whole: {size_text(m.whole_parameters)}), "
-            f"gradients {size_text(m.gradients)} after a backward, optimizer state {state}",
-            f"this graph's gathers: at most {size_text(m.gathered_in_flight)} in flight at once, "
-            f"{size_text(m.kept_to_backward)} kept from the forward to the backward",
-        ]
-        for graph in self.graphs:
-            updates = f"; updates {len(graph.updates)} part(s) inside, each after its gradient's wait" if graph.updates else ""
-            cap = f", capped at {size_text(graph.cap.nbytes)}: {graph.cap.source}" if graph.cap is not None else ""
-            lines.append(
-                f"{graph.kind} ({graph.nodes} nodes): {len(graph.of('gather'))} gather bucket(s), "
-                f"{len(graph.of('reduce_scatter'))} reduce-scatter bucket(s){updates}{cap}"
-            )
-            lines.append(f"  {'collective':<18}{'whole':>10}{'per rank':>10}  {'issued after':<24}{'waited before':<24}parameters")
-            for b in graph.buckets:
-                lines.append(
-                    f"  {b.kind + ' ' + str(b.index):<18}{size_text(b.whole_bytes):>10}{size_text(b.part_bytes):>10}  "
-                    f"{_short(b.issued_after):<24}{_short(b.waited_before):<24}{', '.join(b.params)}"
-                )
-        if self.backward is None:
-            lines.append("backward: not compiled yet")
-        return "\n".join(lines)
-
-
-def size_text(nbytes: int) -> str:
-    """Bytes for people: ``"512 B"``, ``"12.5 KB"``, ``"3.20 MB"``, ``"1.50 GB"``."""
-    if nbytes < 1024:
-        return f"{nbytes} B"
-    if nbytes < MB:
-        return f"{nbytes / 1024:.1f} KB"
-    if nbytes < 1024 * MB:
-        return f"{nbytes / MB:.2f} MB"
-    return f"{nbytes / (1024 * MB):.2f} GB"
-
-
-def _short(name: str, width: int = 22) -> str:
-    return name if len(name) <= width else name[: width - 1] + "~"

@@ -21,7 +21,7 @@ import torch
 # The cost model's values have a module of their own; every value type keeps this import path.
 from graphddp.values.prediction import BucketTiming, CostModel, Span, Timeline  # noqa: F401
 from graphddp.values.placement import Placement
-from graphddp.values.schedule_table import ScheduleTable
+from graphddp.values.schedule_table import ScheduleTable, fields_of, plain, set_only
 
 # The value types, and the cost model's that this module re-exports (their import path).
 __all__ = [
@@ -236,94 +236,33 @@ class Schedule(ScheduleTable):
         return None
 
     def to_dict(self) -> dict:
-        return {
-            "schema_version": SCHEMA_VERSION,
-            "graph_index": self.graph_index,
-            "world_size": self.world_size,
-            "group_name": self.group_name,
-            "bucket_cap_mb": self.bucket_cap_mb,
-            "first_bucket_cap_mb": self.first_bucket_cap_mb,
-            "last_bucket_cap_mb": self.last_bucket_cap_mb,
-            "optimizer": self.optimizer,
-            # Written only when set: plans without clipping keep their JSON and fingerprint.
-            **({"max_grad_norm": self.max_grad_norm} if self.max_grad_norm is not None else {}),
-            **({"grad_norm_type": str(self.grad_norm_type)} if self.grad_norm_type != 2.0 else {}),  # "inf": JSON has none
-            **({"gated": True} if self.gated else {}),
-            **({"placement": self.placement.to_dict()} if self.placement is not None else {}),
-            "cost_model": self.cost_model.to_dict() if self.cost_model is not None else None,
-            "unreduced": list(self.unreduced),
-            "nodes": [{**dataclasses.asdict(n), "inputs": list(n.inputs)} for n in self.nodes],
-            "buckets": [
-                {
-                    "index": b.index,
-                    "dtype": b.dtype,
-                    "device": b.device,
-                    "numel": b.numel,
-                    "nbytes": b.nbytes,
-                    "wire_nbytes": b.wire_nbytes,
-                    "comm_dtype": b.comm_dtype,
-                    # Only a kind other than all-reduce is written: plans made before kinds
-                    # existed keep their JSON and their fingerprint.
-                    **({"collective": b.collective} if b.collective != "all_reduce" else {}),
-                    **({"gather": b.gather} if b.gather is not None else {}),
-                    "hook": b.hook,
-                    "hook_wire_nbytes": b.hook_wire_nbytes,
-                    "issue_after": b.issue_after,
-                    "wait_before": b.wait_before,
-                    "overlap": list(b.overlap),
-                    "updates": list(b.updates),
-                    "slots": [dataclasses.asdict(s) for s in b.slots],
-                }
-                for b in self.buckets
-            ],
-        }
-
-    def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
+        # Fields written only when set: plans made without them keep their JSON and fingerprint.
+        data = set_only(plain(self), max_grad_norm=None, grad_norm_type=2.0, gated=False, placement=None)
+        if "grad_norm_type" in data:
+            data["grad_norm_type"] = str(self.grad_norm_type)  # "inf": JSON has none
+        data["buckets"] = [
+            {**set_only(plain(b), collective="all_reduce", gather=None), "numel": b.numel, "nbytes": b.nbytes, "wire_nbytes": b.wire_nbytes}
+            for b in self.buckets
+        ]
+        return {"schema_version": SCHEMA_VERSION, **data}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Schedule":
         if data.get("schema_version") != SCHEMA_VERSION:
             raise ValueError(f"unsupported schedule schema_version {data.get('schema_version')!r}")
         buckets = tuple(
-            Bucket(
-                index=b["index"],
-                slots=tuple(GradSlot(**{**s, "shape": tuple(s["shape"]), "sources": tuple(s.get("sources", ()))}) for s in b["slots"]),
-                dtype=b["dtype"],
-                device=b["device"],
-                issue_after=b["issue_after"],
-                wait_before=b["wait_before"],
-                overlap=tuple(b["overlap"]),
-                comm_dtype=b.get("comm_dtype"),
-                collective=b.get("collective", "all_reduce"),
-                gather=b.get("gather"),
-                hook=b.get("hook"),
-                hook_wire_nbytes=b.get("hook_wire_nbytes"),
-                updates=tuple(b.get("updates", ())),
-            )
+            Bucket(**{
+                **fields_of(Bucket, b), "overlap": tuple(b["overlap"]), "updates": tuple(b.get("updates", ())),
+                "slots": tuple(GradSlot(**{**s, "shape": tuple(s["shape"]), "sources": tuple(s.get("sources", ()))}) for s in b["slots"]),
+            })
             for b in data["buckets"]
         )
-        return cls(
-            graph_index=data["graph_index"],
-            world_size=data["world_size"],
-            group_name=data["group_name"],
-            bucket_cap_mb=data["bucket_cap_mb"],
-            first_bucket_cap_mb=data["first_bucket_cap_mb"],
-            last_bucket_cap_mb=data.get("last_bucket_cap_mb"),
-            optimizer=data.get("optimizer"),
-            max_grad_norm=data.get("max_grad_norm"),
-            grad_norm_type=float(data.get("grad_norm_type", 2.0)),
-            gated=data.get("gated", False),
-            placement=Placement.from_dict(data.get("placement")),
-            cost_model=CostModel.from_dict(data["cost_model"]) if data.get("cost_model") else None,
-            buckets=buckets,
-            unreduced=tuple(data["unreduced"]),
-            nodes=tuple(NodeFact(**{**n, "inputs": tuple(n["inputs"])}) for n in data.get("nodes", [])),
-        )
-
-    @classmethod
-    def from_json(cls, text: str) -> "Schedule":
-        return cls.from_dict(json.loads(text))
+        return cls(**{
+            **fields_of(cls, data), "buckets": buckets, "unreduced": tuple(data["unreduced"]),
+            "grad_norm_type": float(data.get("grad_norm_type", 2.0)), "placement": Placement.from_dict(data.get("placement")),
+            "cost_model": CostModel.from_dict(data["cost_model"]) if data.get("cost_model") else None,
+            "nodes": tuple(NodeFact(**{**n, "inputs": tuple(n["inputs"])}) for n in data.get("nodes", [])),
+        })
 
     def wire_layout(self) -> tuple[int, tuple]:
         """What goes on the wire, and nothing else: what ranks must agree on.

@@ -1,25 +1,48 @@
-"""A Schedule as a terminal table: :meth:`Schedule.to_table` and ``str(schedule)``.
+"""Every mode's schedule as a terminal table, and what every schedule value answers.
 
-The table is the longest reader of a :class:`~graphddp.values.schedule.Schedule` and the only
-one that is prose (the caps or cost model it was planned under, where its agreement goes, what
-the sharded buckets gather and when, what the optimizer updates); it lives apart from the value
-types so that ``schedule.py`` holds what a Schedule *is*. :class:`ScheduleTable` is a base of
-``Schedule`` only (its methods read the Schedule's fields), so ``schedule.to_table()`` is
-unchanged. It stays in the bottom layer, beside the Schedule, because the log, the CLI and
-:mod:`graphddp.render` all print it; the renderers that need the cost model are in
-:mod:`graphddp.render`.
+The table is the longest reader of a schedule and the only one that is prose (the caps or cost
+model it was planned under, where its agreement goes, what the sharded buckets gather and when,
+what the optimizer updates, what each rank holds); it lives apart from the value types so that
+``schedule.py`` and ``part_schedule.py`` hold what a schedule *is*. Both schedules derive from
+:class:`ScheduleValue` through their table, so the log, the CLI, ``graphddp.explain`` and
+:mod:`graphddp.render` read every mode's the same way.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from graphddp.values.prediction import Timeline
 
+MB = 1024 * 1024
 
-class ScheduleTable:
+
+class ScheduleValue:
+    """What a schedule of any mode answers: ``graph_index``, ``world_size``, ``to_table(timeline)``,
+    ``to_dict()`` in JSON's types, ``fingerprint()`` (equal on ranks and runs with the same plan), and
+    ``predicted``: whether the cost model can time it, as the renderers of a timeline need."""
+
+    predicted: bool
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ScheduleValue:
+        """The schedule :meth:`to_json` wrote (each class's ``from_dict`` reads its ``to_dict``)."""
+        return cls.from_dict(json.loads(text))
+
+    def __str__(self) -> str:
+        return self.to_table()
+
+
+class ScheduleTable(ScheduleValue):
     """:class:`~graphddp.values.schedule.Schedule`'s table (module docstring)."""
+
+    predicted = True
 
     def _agreement(self) -> str:
         """Where a gated schedule's agreement goes (graphddp.runtime.steady)."""
@@ -53,9 +76,7 @@ class ScheduleTable:
             "-" * len(head),
         ]
         for b in self.buckets:
-            names = ", ".join(b.param_names)
-            if len(names) > 60:
-                names = names[:57] + "..."
+            names = clip(", ".join(b.param_names), 60, "...")
             row = (
                 f"{b.index:>6}  {b.dtype:<9} {b.device:<7} {len(b.slots):>6} {b.numel:>10} "
                 f"{b.nbytes / 2**20:>8.3f}  {b.issue_after:<22} {len(b.overlap):>7}"
@@ -117,5 +138,82 @@ class ScheduleTable:
             lines.append(f"no gradient in this graph (not reduced): {', '.join(self.unreduced)}")
         return "\n".join(lines)
 
-    def __str__(self) -> str:
-        return self.to_table()
+
+class FullScheduleTable(ScheduleValue):
+    """:class:`~graphddp.values.part_schedule.FullSchedule`'s table (module docstring)."""
+
+    predicted = False  # read back from the compiled graphs: the cost model times a backward's buckets only
+
+    def to_table(self, timeline: Timeline | None = None) -> str:
+        """A terminal table: the rank's memory, then per compiled graph one row per bucket, in graph order."""
+        if timeline is not None:
+            raise ValueError("sharding='full' has no predicted timeline: its schedule is read back from the compiled graphs")
+        m = self.memory
+        state = size_text(m.optimizer_state) if m.optimizer_state else "none (not stepped yet, or an optimizer that keeps none)"
+        ranks = f"{self.world_size} ranks" if self.replicas == 1 else (
+            f"{self.world_size * self.replicas} ranks: sharded over {self.world_size}, each part's gradient all-reduced "
+            f"over its {self.replicas} replicas"
+        )
+        lines = [
+            f"sharding='full', graph {self.graph_index}, {ranks}, "
+            f"reshard_after_forward={self.reshard_after_forward}, gathers issued up to {self.prefetch} bucket(s) "
+            "ahead of the one being read",
+            f"each rank holds: parameters {size_text(m.parameters)} (whole: {size_text(m.whole_parameters)}), "
+            f"gradients {size_text(m.gradients)} after a backward, optimizer state {state}",
+            f"this graph's gathers: at most {size_text(m.gathered_in_flight)} in flight at once, "
+            f"{size_text(m.kept_to_backward)} kept from the forward to the backward",
+        ]
+        for graph in self.graphs:
+            updates = f"; updates {len(graph.updates)} part(s) inside, each after its gradient's wait" if graph.updates else ""
+            cap = f", capped at {size_text(graph.cap.nbytes)}: {graph.cap.source}" if graph.cap is not None else ""
+            lines.append(
+                f"{graph.kind} ({graph.nodes} nodes): {len(graph.of('gather'))} gather bucket(s), "
+                f"{len(graph.of('reduce_scatter'))} reduce-scatter bucket(s){updates}{cap}"
+            )
+            lines.append(f"  {'collective':<18}{'whole':>10}{'per rank':>10}  {'issued after':<24}{'waited before':<24}parameters")
+            for b in graph.buckets:
+                lines.append(
+                    f"  {b.kind + ' ' + str(b.index):<18}{size_text(b.whole_bytes):>10}{size_text(b.part_bytes):>10}  "
+                    f"{clip(b.issued_after, 22, '~'):<24}{clip(b.waited_before, 22, '~'):<24}{', '.join(b.params)}"
+                )
+        if self.backward is None:
+            lines.append("backward: not compiled yet")
+        return "\n".join(lines)
+
+
+def size_text(nbytes: int) -> str:
+    """Bytes for people: ``"512 B"``, ``"12.5 KB"``, ``"3.20 MB"``, ``"1.50 GB"``."""
+    if nbytes < 1024:
+        return f"{nbytes} B"
+    if nbytes < MB:
+        return f"{nbytes / 1024:.1f} KB"
+    if nbytes < 1024 * MB:
+        return f"{nbytes / MB:.2f} MB"
+    return f"{nbytes / (1024 * MB):.2f} GB"
+
+
+def clip(text: str, width: int, mark: str) -> str:
+    """``text`` cut to ``width`` characters, ``mark`` ending it where it was cut: a column keeps its width."""
+    return text if len(text) <= width else text[: width - len(mark)] + mark
+
+
+def plain(value: Any) -> Any:
+    """A value of dataclasses, as JSON has it: a dict per dataclass, a list per tuple."""
+    if dataclasses.is_dataclass(value):
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (tuple, list)):
+        return [plain(v) for v in value]
+    return value
+
+
+def set_only(data: dict, **unset: Any) -> dict:
+    """``data`` without the keys that hold their ``unset`` value: a field added to a schedule is
+    written only when set, so the plans made before it keep their JSON and fingerprint."""
+    return {k: v for k, v in data.items() if k not in unset or v != unset[k]}
+
+
+def fields_of(kind: type, data: dict) -> dict:
+    """The entries of ``data`` that are fields of the dataclass ``kind``: what ``to_dict`` derived
+    (a bucket's sizes) is left for the value to compute again; a field not written takes its default."""
+    names = {f.name for f in dataclasses.fields(kind)}
+    return {k: v for k, v in data.items() if k in names}

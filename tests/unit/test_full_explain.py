@@ -10,6 +10,7 @@ import torch
 
 import graphddp
 from graphddp import models
+from graphddp.values.part_schedule import FullSchedule
 from graphddp.values.shards import chunk
 
 WORLD = 64
@@ -64,7 +65,15 @@ def test_the_schedule_shows_every_gather_and_reduce_scatter_and_each_ranks_memor
     assert "tok.weight" not in _names(s.backward.of("gather")) and "ln.weight" in _names(s.backward.of("gather"))
     table = s.to_table()
     assert all(n in table for n in names) and "reshard_after_forward=True" in table and "gather 0" in table
-    json.dumps(s.to_dict())
+    # read, shown and loaded as every mode's schedule: one table renderer (no predicted times), a JSON round trip
+    assert graphddp.render.table(s) == table and not s.predicted
+    with pytest.raises(ValueError, match="sharding='full' has no predicted timeline"):
+        s.to_table(timeline=object())
+    for draw in (graphddp.render.chrome_trace, graphddp.render.dot, lambda s: graphddp.render.plot(s, "x.png")):
+        with pytest.raises(ValueError, match=r"graphddp\.render\.\w+: this schedule has no predicted timeline"):
+            draw(s)
+    again = FullSchedule.from_json(json.dumps(json.loads(s.to_json())))
+    assert again.to_dict() == s.to_dict() and again.fingerprint() == s.fingerprint() and again.to_table() == table
 
 
 def test_kept_to_the_backward_the_backward_only_reduce_scatters():
