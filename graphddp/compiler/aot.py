@@ -13,12 +13,7 @@ import copy
 import dataclasses
 from typing import Any, Callable, Sequence
 
-import torch
 import torch.fx as fx
-
-from graphddp.config import DDPConfig
-from graphddp.optim.guards import ATTACHED_NODE
-from graphddp.runtime.variants import compiled_backward_node
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,36 +114,3 @@ def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], passes: Passes
         inference_compiler=lambda g, inputs: passes.forward(g, compiler(inputs), True),
         partition_fn=partition, keep_inference_input_mutations=True,
     )(gm, example_inputs)
-
-
-def checked_settings(config: DDPConfig, example_inputs: Sequence[Any], mode: str | None = None, options: dict | None = None) -> dict:
-    """What to patch inductor's config with: the user's settings, checked on the inputs' device."""
-    device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), None)
-    return config.check_inductor_settings("graphddp", device, mode, options)
-
-
-def as_dynamo_calls(
-    compiled: Callable[..., Any], run: Callable[[Sequence[Any], Callable[[], Any]], Any], tracked: Callable[[], bool] = lambda: True,
-) -> Callable[..., Any]:
-    """``compiled`` as Dynamo calls it, each ``tracked()`` call through ``run(inputs, call)``: one
-    list, which the callee frees, or for some recompiled graphs (sizes as ints) the arguments."""
-    boxed = getattr(compiled, "_boxed_call", False)
-
-    def called(*args: Any) -> Any:
-        if not tracked():
-            return compiled(*args)
-        return run(list(args[0]) if boxed and len(args) == 1 and isinstance(args[0], list) else args, lambda: compiled(*args))
-
-    called._boxed_call = boxed  # type: ignore[attr-defined]
-    return called
-
-
-def backward_node(out: Any, inputs: Sequence[Any], attached: Any, none_outputs: Any) -> Any:
-    """The autograd node a compiled forward's call made (or None), tagged as ``attached``'s (a
-    GradScaler's scale marks the step through it), noting None output gradients in ``none_outputs``."""
-    node = compiled_backward_node(out if isinstance(out, (list, tuple)) else [out], inputs)
-    if node is not None and attached is not None:
-        node.metadata[ATTACHED_NODE] = attached
-    if node is not None and none_outputs is not None:
-        node.register_prehook(none_outputs.note)
-    return node

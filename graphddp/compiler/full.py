@@ -24,14 +24,14 @@ import torch.fx as fx
 from torch._dynamo.backends.debugging import boxed_nop
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from graphddp.compiler.aot import Compiler, Passes, as_dynamo_calls, backward_node, checked_settings, compile_aot
+from graphddp.compiler.aot import Compiler, Passes, compile_aot
+from graphddp.compiler.front import GraphFront
 from graphddp.compiler.full_updates import Compile, PartUpdates, UpdatingBackward
 from graphddp.compiler.record import UPDATING, GraphRecord
 from graphddp.config import MB, DDPConfig
 from graphddp.config.inductor_settings import INDUCTOR_FX_ORDER_CONFIG
 from graphddp.graph import reshard
 from graphddp.graph.describe_parts import describe_part_collectives
-from graphddp.graph.capture import parameter_of_inputs
 from graphddp.graph.part_collectives import place_part_collectives
 from graphddp.graph.part_facts import input_name, whole_bytes
 from graphddp.graph.reshard import Kept, tag_regathers
@@ -57,30 +57,47 @@ class Compiled:
     group: Any = None  # every rank's process group: what they agree over (an unused part)
     placement: Placement | None = None  # where the parts' gradients are averaged (hybrid: the replicate group too)
     records: list[GraphRecord] = dataclasses.field(default_factory=list)
-    dynamo_graphs: int = 0
 
 
-def fully_sharded_compiler(config: DDPConfig, compiled: Compiled) -> Callable[..., Any]:
-    """A ``torch.compile`` backend for a fully sharded module under ``config``; every forward and
-    backward graph it compiles goes to ``compiled`` (:class:`Compiled`)."""
+class FullyShardedCompiler(GraphFront):
+    """Full sharding's passes (:class:`_Graph`) behind the front every mode shares; a forward
+    call is recorded while grad mode is on, for the parts' update inside the backward
+    (:meth:`PartUpdates.forward_ran`)."""
+
+    tracked = staticmethod(torch.is_grad_enabled)
+
+    def __init__(self, config: DDPConfig, compiled: Compiled) -> None:
+        super().__init__(config, compiled.names_by_id, compiled.records.append)
+        self.compiled = compiled
+        self.updates = compiled.updates
+        self.optimizer = None if compiled.updates is None else compiled.updates.attached
 
     def compile_graph(
-        gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None, options: dict | None = None,
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], param_inputs: Mapping[int, str], patches: dict[str, Any],
+        index: int,
     ) -> Callable[..., Any]:
-        """``mode``/``options``: a ``torch.compile(..., backend=graphddp.backend(...))`` call's,
-        checked and applied as the replicated compiler does; without them the config's."""
-        patches = checked_settings(config, example_inputs, mode, options)
-        index, compiled.dynamo_graphs = compiled.dynamo_graphs, compiled.dynamo_graphs + 1
-        part_inputs = parameter_of_inputs(example_inputs, compiled.names_by_id)
-        part_ids = {i: id(example_inputs[i]) for i in part_inputs}
-        names = {input_name(i): name for i, name in part_inputs.items()}
-        graph = _Graph(config, compiled, index, names)
-        joint = graph if config.reshard_after_forward else None
+        names = {input_name(i): name for i, name in param_inputs.items()}
+        graph = _Graph(self.config, self.compiled, index, names)
+        joint = graph if self.config.reshard_after_forward else None
         passes = Passes(graph.forward_pass, graph.backward_pass, lambda _: {}, boxed_nop, joint, min_cut=True)
-        fn = compile_aot(config.backend, gm, example_inputs, passes, {**patches, **INDUCTOR_FX_ORDER_CONFIG})
-        return graph.forward(fn, part_ids)
+        fn = compile_aot(self.config.backend, gm, example_inputs, passes, {**patches, **INDUCTOR_FX_ORDER_CONFIG})
+        return self.runtime(fn, index, param_inputs, example_inputs, graph.none_outputs, graph.may_be_unused)
 
-    return compile_graph
+    def before_call(self, index: int, param_inputs: Mapping[int, str], renamed: dict[str, str] | None) -> None:
+        return None
+
+    def wants_node(self, before: Any, noting: bool, renamed: dict[str, str] | None) -> bool:
+        return self.updates is not None or noting
+
+    def forward_ran(
+        self, index: int, node: Any, before: Any, renamed: dict[str, str] | None, inputs: Sequence[Any], ids: Mapping[int, int],
+    ) -> None:
+        if node is not None and self.updates is not None:
+            self.updates.forward_ran(index, node, inputs, ids)
+
+
+# The backend frontend/full.py makes for a fully sharded module: every graph it compiles goes to its Compiled.
+fully_sharded_compiler = FullyShardedCompiler
 
 
 class _Graph(CustomGraphPass):
@@ -95,22 +112,9 @@ class _Graph(CustomGraphPass):
         self.usage: GradientUsage | None = None  # read from the backward graph when it is compiled
         self.none_outputs = NoneOutputs()
 
-    def forward(self, fn: Callable[..., Any], part_ids: Mapping[int, int]) -> Callable[..., Any]:
-        """The compiled forward ``fn``, each training call's backward node marked
-        (:func:`backward_node`: while its backward may leave a part unused, noting the None
-        gradients) and recorded for the update inside (:meth:`PartUpdates.forward_ran`)."""
-        updates = self.compiled.updates
-
-        def run(inputs: Sequence[Any], call: Callable[[], Any]) -> Any:
-            noting = self.usage is None or self.usage.may_be_unused
-            out = call()
-            if updates is not None or noting:
-                node = backward_node(out, inputs, None if updates is None else updates.attached, self.none_outputs if noting else None)
-                if node is not None and updates is not None:
-                    updates.forward_ran(self.index, node, inputs, part_ids)
-            return out
-
-        return as_dynamo_calls(fn, run, torch.is_grad_enabled)
+    def may_be_unused(self) -> bool:
+        """May the backward leave a part unused (until it is compiled: yes)?"""
+        return self.usage is None or self.usage.may_be_unused
 
     def __call__(self, joint: fx.Graph) -> None:
         """The joint graph's gathers tagged for the backward to gather again, but the backward's
@@ -214,5 +218,5 @@ def bucket_cap(config: DDPConfig, whole: int, world_size: int, placement: Placem
     if isinstance(config.bucket_cap_mb, (int, float)):
         return PartCap(int(config.bucket_cap_mb * MB), "bucket_cap_mb")
     cost = config.cost
-    assert cost is not None, "sharding='full' resolves its cost model when the model is wrapped (compile_fully_sharded)"
+    assert cost is not None, "sharding='full' resolves its cost model when the model is wrapped (FullyShardedState)"
     return PartCap(planned_cap_bytes(cost, whole, world_size, bool(config.reshard_after_forward), placement), f"planned ({cost.source})")

@@ -20,10 +20,10 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from graphddp.compiler import cache as compile_cache
-from graphddp.compiler.aot import as_dynamo_calls, backward_node, checked_settings
 from graphddp.compiler.compose import Shared, insert_comm, record_parameter_values, run_passes, verify_comm
 from graphddp.compiler.forward_slot import ForwardSlots
 from graphddp.compiler.frames import FramePlans
+from graphddp.compiler.front import GraphFront
 from graphddp.compiler.hook_runtime import HookRuntime
 from graphddp.compiler.inductor import ReplicatedCompile
 from graphddp.compiler.record import CARRY, GraphRecord
@@ -32,7 +32,6 @@ from graphddp.compiler.updates import InGraphUpdates
 from graphddp.config import DDPConfig
 from graphddp.graph.alias_outputs import copy_parameter_outputs
 from graphddp.graph.bucket_function import HookContext
-from graphddp.graph.capture import parameter_of_inputs
 from graphddp.hooks.traced import HookState
 from graphddp.optim.attached import AttachedOptimizer
 from graphddp.runtime.dispatch import BackwardDispatch
@@ -44,7 +43,7 @@ from graphddp.runtime.variants import GraphState, Synced
 from graphddp.values.comm import group_name_of
 
 
-class GraphCompiler(InGraphUpdates, HookRuntime, BackwardRewrite):
+class GraphCompiler(GraphFront, InGraphUpdates, HookRuntime, BackwardRewrite):
     """A torch.compile backend that rewrites every backward graph per the bucket plan.
 
     Each Dynamo graph's backward comes in variants (:mod:`graphddp.runtime.dispatch`):
@@ -62,15 +61,12 @@ class GraphCompiler(InGraphUpdates, HookRuntime, BackwardRewrite):
         optimizer: AttachedOptimizer | None = None,
         parameters: Mapping[str, torch.nn.Parameter] | None = None,
     ) -> None:
-        self.config = config
+        super().__init__(config, names_by_id, on_record)
         self.group = group
         # Facts of the job, not options: the planner records them in every Schedule.
         self.world_size = dist.get_world_size(group)
         self.group_name = group_name_of(group)
         self.step = step if step is not None else StepState()  # the replica's: read, never written here
-        self.names_by_id = names_by_id
-        self.on_record = on_record
-        self.graphs_compiled = 0  # Dynamo graphs this backend compiled
         self.states: list[GraphState] = []  # one per compiled graph
         self.optimizer = optimizer
         # A user's traced hook runs only where there is someone to talk to.
@@ -102,69 +98,46 @@ class GraphCompiler(InGraphUpdates, HookRuntime, BackwardRewrite):
         if self.hook is not None:
             self.step.on_end_of_step(self._hook_end_of_step)
 
-    def __call__(
-        self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None, options: dict | None = None
-    ) -> Callable[..., Any]:
-        """Compile one Dynamo graph; ``mode``/``options``: a ``torch.compile`` call's, else the config's."""
-        param_inputs = parameter_of_inputs(example_inputs, self.names_by_id)
-        copy_parameter_outputs(gm, param_inputs)  # their gradients then go through the buckets
-        patches = checked_settings(self.config, example_inputs, mode, options)
-        self.graphs_compiled += 1
-        entry = self.step.add_graph(current_frame(), param_inputs.values())
-        state = GraphState()
-        self.states.append(state)
-        compiled = self._compile(gm, example_inputs, param_inputs, state, patches, entry.index)
-        return self._runtime(compiled, entry.index, state, {i: id(example_inputs[i]) for i in param_inputs}, param_inputs)
-
-    def _runtime(
-        self, compiled: Callable[..., Any], graph_index: int, state: GraphState, param_ids: Mapping[int, int],
-        param_inputs: Mapping[int, str],
-    ) -> Callable[..., Any]:
-        """What Dynamo calls: the compiled forward, and the step's record of this call. A call
-        with other parameters than the compiled ones (Dynamo reuses a module's graph for its
-        siblings when their parent's frame runs eagerly) tells the backward which it reduces."""
-        step = self.step
-        first = min(param_ids, default=None)  # one parameter tells whether the call has others
-
-        def run(inputs: Sequence[Any], call: Callable[[], Any]) -> Any:
-            syncing = step.graph_syncs()
-            renamed = None
-            if first is not None and id(inputs[first]) != param_ids[first]:
-                renamed = self._renamed(inputs, param_inputs)
-            if step.gathers:  # gather="forward": what another graph's backward left pending
-                names = renamed.values() if renamed else param_inputs.values()
-                step.gathers.before_graph(graph_index, names, own=not renamed and graph_index in self.forward_slots)
-            out = call()
-            node = None
-            dispatch = self.dispatches.get(graph_index)  # made at the first backward
-            unused_possible = dispatch is None or dispatch.usage.may_be_unused
-            if torch.is_grad_enabled() and (step.track_runs or not syncing or unused_possible or renamed or step.carrying):  # a walk: only if read
-                node = backward_node(out, inputs, self.optimizer, state.none_outputs if unused_possible else None)
-            if node is not None and renamed:
-                node.register_prehook(lambda _grads, names=renamed: state.rename_next(names))
-            step.forward_ran(graph_index, node, syncing, renamed)
-            if syncing and node is not None:
-                self.refuse_split_gradients(graph_index)
-            if not syncing and node is not None:
-                node.register_prehook(state.mark_local)
-            return out
-
-        return as_dynamo_calls(compiled, run)
-
-    def _renamed(self, inputs: Sequence[Any], param_inputs: Mapping[int, str]) -> dict[str, str]:
-        """Compiled parameter name -> the name of the parameter this call passes instead."""
-        if self.hook is not None:
+    def before_call(self, index: int, param_inputs: Mapping[int, str], renamed: dict[str, str] | None) -> bool:
+        """Does this call run the synchronising backward? gather="forward": what another graph's
+        backward left pending is gathered first. A traced hook refuses a call with other parameters."""
+        syncing = self.step.graph_syncs()
+        if renamed and self.hook is not None:
             raise RuntimeError(
                 f"graphddp: comm_hook {self.hook.name!r}: Dynamo runs one compiled graph for several modules' parameters "
                 "(their parent's frame runs eagerly, e.g. after a graph break inside a loop), and a traced hook's state "
                 "belongs to one bucket of parameters; remove the graph break from the loop, or use a built-in comm_hook"
             )
-        return {name: self.names_by_id.get(id(inputs[i]), name) for i, name in param_inputs.items()}
+        if self.step.gathers:
+            names = renamed.values() if renamed else param_inputs.values()
+            self.step.gathers.before_graph(index, names, own=not renamed and index in self.forward_slots)
+        return syncing
 
-    def _compile(
-        self, gm: fx.GraphModule, example_inputs: Sequence[Any], param_inputs: Mapping[int, str], state: GraphState,
-        inductor_patches: dict[str, Any], graph_index: int,
+    def wants_node(self, syncing: bool, noting: bool, renamed: dict[str, str] | None) -> bool:
+        step = self.step
+        return bool(step.track_runs or not syncing or noting or renamed or step.carrying)
+
+    def forward_ran(
+        self, index: int, node: Any, syncing: bool, renamed: dict[str, str] | None, inputs: Sequence[Any], ids: Mapping[int, int],
+    ) -> None:
+        """The step's record of the call; a renamed call tells its backward which parameters it reduces."""
+        state = self.states[index]
+        if node is not None and renamed:
+            node.register_prehook(lambda _grads, names=renamed: state.rename_next(names))
+        self.step.forward_ran(index, node, syncing, renamed)
+        if syncing and node is not None:
+            self.refuse_split_gradients(index)
+        if not syncing and node is not None:
+            node.register_prehook(state.mark_local)
+
+    def compile_graph(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], param_inputs: Mapping[int, str], patches: dict[str, Any],
+        graph_index: int,
     ) -> Callable[..., Any]:
+        self.step.add_graph(current_frame(), param_inputs.values())  # the step's entry ``graph_index``: one per graph
+        state = GraphState()
+        self.states.append(state)
+        copy_parameter_outputs(gm, param_inputs)  # their gradients then go through the buckets
         shared = Shared()  # what this graph's forward passes hand its backward passes
 
         def record_forward(fw: fx.GraphModule) -> None:
@@ -230,9 +203,16 @@ class GraphCompiler(InGraphUpdates, HookRuntime, BackwardRewrite):
         phase, cache = self._phase(), None
         if self.config.backend == "inductor":
             cache = compile_cache.plan_key(self, gm, example_inputs, param_inputs, graph_index, phase)
-        return ReplicatedCompile(
-            self.config.backend, gm, record_forward, rewrite, dispatch, inductor_patches, phase, graph_index, cache, wrap_forward
+        compiled = ReplicatedCompile(
+            self.config.backend, gm, record_forward, rewrite, dispatch, patches, phase, graph_index, cache, wrap_forward
         ).compile(example_inputs)
+
+        def noting() -> bool:
+            """May the backward leave a parameter unused (until its first backward: yes)?"""
+            made = self.dispatches.get(graph_index)  # at the first backward
+            return made is None or made.usage.may_be_unused
+
+        return self.runtime(compiled, graph_index, param_inputs, example_inputs, state.none_outputs, noting)
 
     @property
     def forwards(self) -> dict[int, ForwardDispatch]:
