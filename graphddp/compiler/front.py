@@ -27,8 +27,7 @@ class GraphFront:
     returning :meth:`runtime` of the compiled forward; and what a forward call means to its step:
     ``before_call(index, param_inputs, renamed)``, whose result the other two are given,
     ``wants_node(before, noting, renamed)`` (finding the backward node walks the outputs' autograd
-    graph) and ``forward_ran(index, node, before, renamed, inputs, ids)`` (``ids``: input position ->
-    the id of the parameter compiled there). ``optimizer``: the
+    graph) and ``forward_ran(index, node, before, renamed)``. ``optimizer``: the
     attached optimizer whose backward nodes are tagged (a GradScaler's scale marks the step through them)."""
 
     optimizer: Any = None
@@ -61,7 +60,7 @@ class GraphFront:
         call recorded by the mode with the backward node it made, which notes its None output
         gradients while ``noting()`` (its backward may leave a parameter unused). A call with other
         parameters than ``example_inputs``' (Dynamo reuses a module's graph for its siblings when
-        their parent's frame runs eagerly) is told which: ``renamed``, and ``ids`` the compiled ones'."""
+        their parent's frame runs eagerly) is told which: ``renamed``."""
         boxed = getattr(compiled, "_boxed_call", False)
         ids = {i: id(example_inputs[i]) for i in param_inputs}  # never the tensors: Dynamo's first call's, kept alive
 
@@ -81,7 +80,7 @@ class GraphFront:
                 node.metadata[ATTACHED_NODE] = self.optimizer
             if node is not None and watch:
                 node.register_prehook(none_outputs.note)
-            self.forward_ran(index, node, before, renamed, inputs, ids)
+            self.forward_ran(index, node, before, renamed)
             return out
 
         called._boxed_call = boxed  # type: ignore[attr-defined]

@@ -89,15 +89,9 @@ class FullyShardedCompiler(GraphFront):
     def wants_node(self, before: Any, noting: bool, renamed: dict[str, str] | None) -> bool:
         return self.updates is not None or noting
 
-    def forward_ran(
-        self, index: int, node: Any, before: Any, renamed: dict[str, str] | None, inputs: Sequence[Any], ids: Mapping[int, int],
-    ) -> None:
+    def forward_ran(self, index: int, node: Any, before: Any, renamed: dict[str, str] | None) -> None:
         if node is not None and self.updates is not None:
-            self.updates.forward_ran(index, node, inputs, ids)
-
-
-# The backend frontend/full.py makes for a fully sharded module: every graph it compiles goes to its Compiled.
-fully_sharded_compiler = FullyShardedCompiler
+            self.updates.forward_ran(index, node, foreign=renamed is not None)
 
 
 class _Graph(CustomGraphPass):

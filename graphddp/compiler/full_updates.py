@@ -29,7 +29,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.fx as fx
@@ -121,11 +121,9 @@ class PartUpdates:
         return UpdatingBackward(variant, carrying, tuple(updated))
 
     # -- run time ----------------------------------------------------------------------------------
-    def forward_ran(self, index: int, node: Any, inputs: Sequence[Any], part_ids: Mapping[int, int]) -> None:
+    def forward_ran(self, index: int, node: Any, foreign: bool) -> None:
         """Graph ``index``'s forward made ``node``, whose backward is to come: under ``no_sync``
-        or not, and with other parts than ``part_ids`` (input position -> id) it was compiled
-        for or not."""
-        foreign = any(i < len(inputs) and id(inputs[i]) != pid for i, pid in part_ids.items())
+        or not, and with other parts than it was compiled for (``foreign``) or not."""
         self.step.record_run(self.entries[index], node, local=not self.syncing(), foreign=foreign)
 
     def backward(self, index: int, variant: UpdatingBackward, plain: Compile, updating: Compile, carrying: Compile) -> Callable[[list], Any]:

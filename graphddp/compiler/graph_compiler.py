@@ -117,9 +117,7 @@ class GraphCompiler(GraphFront, InGraphUpdates, HookRuntime, BackwardRewrite):
         step = self.step
         return bool(step.track_runs or not syncing or noting or renamed or step.carrying)
 
-    def forward_ran(
-        self, index: int, node: Any, syncing: bool, renamed: dict[str, str] | None, inputs: Sequence[Any], ids: Mapping[int, int],
-    ) -> None:
+    def forward_ran(self, index: int, node: Any, syncing: bool, renamed: dict[str, str] | None) -> None:
         """The step's record of the call; a renamed call tells its backward which parameters it reduces."""
         state = self.states[index]
         if node is not None and renamed:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from graphddp.compiler.full import Compiled, fully_sharded_compiler
+from graphddp.compiler.full import Compiled, FullyShardedCompiler
 from graphddp.compiler.full_updates import PartUpdates
 from graphddp.config import DDPConfig
 from graphddp.frontend.mesh import MeshGroups
@@ -79,7 +79,7 @@ class FullyShardedState(ModelState):
         self.records = self.record.records  # every compiled graph's, in order
         self.whole_state = optimizer_parts(optimizer, {id(p.part): p for p in parts.values()}, groups.shard)
         install_whole_state_dicts(module, parts, groups.shard)
-        self.compile_graph = fully_sharded_compiler(config, self.record)
+        self.compile_graph = FullyShardedCompiler(config, self.record)
 
     @property
     def world_size(self) -> int:
