@@ -92,7 +92,10 @@ def explain(
     if optimizer is not None and not callable(optimizer):
         raise ValueError(f"graphddp.explain: optimizer= makes the optimizer from parameters (e.g. torch.optim.AdamW), got {optimizer!r}")
     config = DDPConfig.from_options("graphddp.explain", options)  # bad options fail before any tracing
-    with fake_process_group(world_size), standing_in(dist.group.WORLD):
+    # A run's first compile of the model is static unless dynamic= says otherwise; Dynamo would
+    # make this one dynamic where this process compiled the same code with other shapes before.
+    fresh = torch._dynamo.config.patch(automatic_dynamic_shapes=False) if config.dynamic is None else contextlib.nullcontext()
+    with fake_process_group(world_size), standing_in(dist.group.WORLD), fresh:
         copied = copy.deepcopy(model)
         opt = _optimizer(copied, optimizer, bool(options.get("sharding") or options.get("max_grad_norm") is not None))
         mesh = init_device_mesh("cpu", tuple(device_mesh), mesh_dim_names=("replicate", "shard")) if device_mesh is not None else None

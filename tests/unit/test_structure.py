@@ -160,6 +160,18 @@ def test_explain_leaves_no_group_no_hook_and_no_recompile_budget_behind(fake_wor
     assert len(model.schedules) == 2
 
 
+def test_explain_plans_a_first_compile_whatever_this_process_compiled_before():
+    """explain's plan is a fresh run's first compile: static, even where this process already
+    compiled the same model code with other input shapes (Dynamo would make the next compile
+    dynamic, and the plan, its fingerprint, would then differ from the run's); dynamic=True
+    still plans dynamic shapes."""
+    x, other = torch.randn(8, 16), torch.randn(5, 16)
+    first = graphddp.explain(MLP(), x, world_size=2, backend="aot_eager")[0].fingerprint()
+    graphddp.explain(MLP(), other, world_size=2, backend="aot_eager")
+    assert graphddp.explain(MLP(), x, world_size=2, backend="aot_eager")[0].fingerprint() == first
+    assert graphddp.explain(MLP(), x, world_size=2, backend="aot_eager", dynamic=True)[0].fingerprint() != first
+
+
 # The layers of docs/architecture.md, bottom first: a folder (or a top-level module) may import
 # graphddp only from its own layer and the layers before it.
 LAYERS = ["values", "hooks", "config", "plan", "graph", "optim", "runtime", "compiler", "render", "frontend"]
