@@ -99,6 +99,11 @@ def parameter_of_inputs(
     }
 
 
+def graph_nodes(gm: fx.GraphModule) -> tuple[NodeFact, ...]:
+    """Every node of ``gm`` in order, with what the cost model prices it by."""
+    return tuple(_node_fact(n, i) for i, n in enumerate(gm.graph.nodes))
+
+
 def _node_fact(node: fx.Node, position: int) -> NodeFact:
     flops, nbytes = node_flops_and_bytes(node)
     inputs = tuple(n.name for n in node.all_input_nodes)
@@ -161,7 +166,7 @@ def extract_facts(gm: fx.GraphModule, param_inputs: Mapping[int, str]) -> GraphF
     """Read production order and gradient slots out of a backward graph (no mutation)."""
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     sources = gradient_sources(gm)
-    nodes = tuple(_node_fact(n, order[n]) for n in gm.graph.nodes)
+    nodes = graph_nodes(gm)
     outs = output_nodes(gm)
     slots = []
     for index in sorted(param_inputs):

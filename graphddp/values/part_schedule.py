@@ -23,6 +23,7 @@ import dataclasses
 import hashlib
 import json
 
+from graphddp.values.choice import PlacementChoice
 from graphddp.values.schedule_table import FullScheduleTable, fields_of, plain, set_only
 
 GATHER, REDUCE_SCATTER = "gather", "reduce_scatter"
@@ -126,13 +127,14 @@ class FullSchedule(FullScheduleTable):
     # Hybrid sharding (graphddp.values.placement): the shard groups' count; world_size is one
     # group's, the parts' count. 1 without a 2-D device_mesh=.
     replicas: int = 1
+    choice: PlacementChoice | None = None  # sharding="auto": what it weighed and chose
 
     @property
     def graphs(self) -> tuple[PartGraph, ...]:
         return tuple(g for g in (self.forward, self.backward) if g is not None)
 
     def to_dict(self) -> dict:
-        data = set_only(plain(self), replicas=1)  # written only for hybrid sharding: the other plans keep their JSON
+        data = set_only(plain(self), replicas=1, choice=None)  # written only for hybrid sharding: the other plans keep their JSON
         for graph in (data["forward"], data["backward"]):
             for bucket in graph["buckets"] if graph is not None else ():
                 del bucket["members"]  # the planner's positions, before the rewrite
@@ -149,7 +151,7 @@ class FullSchedule(FullScheduleTable):
             return PartGraph(**{**d, "buckets": buckets, "cap": cap, "updates": tuple(d["updates"])})
 
         return cls(**{**fields_of(cls, data), "forward": graph(data["forward"]), "backward": graph(data["backward"]),
-                      "memory": RankMemory(**data["memory"])})
+                      "memory": RankMemory(**data["memory"]), "choice": PlacementChoice.from_dict(data.get("choice"))})
 
     def fingerprint(self) -> str:
         """A hash of the plan: per graph, its buckets in issue order (which interleaves gathers
@@ -163,4 +165,5 @@ class FullSchedule(FullScheduleTable):
             for graph in self.graphs
         ]
         head = [self.graph_index, self.world_size, self.reshard_after_forward, self.prefetch] + ([self.replicas] if self.replicas > 1 else [])
+        head += [self.choice.chosen] if self.choice is not None else []
         return hashlib.sha256(json.dumps([head, plan]).encode()).hexdigest()[:16]

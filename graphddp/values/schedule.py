@@ -20,6 +20,7 @@ import torch
 
 # The cost model's values have a module of their own; every value type keeps this import path.
 from graphddp.values.prediction import BucketTiming, CostModel, Span, Timeline  # noqa: F401
+from graphddp.values.choice import PlacementChoice
 from graphddp.values.placement import Placement
 from graphddp.values.schedule_table import ScheduleTable, fields_of, plain, set_only
 
@@ -193,6 +194,8 @@ class Schedule(ScheduleTable):
     # Where the sharded buckets' parts live (collective "reduce_scatter"; graphddp.values.placement):
     # their groups, set with the sharding (plan.planner.with_sharding); None without one.
     placement: Placement | None = None
+    # sharding="auto": what it weighed and chose (graphddp.plan.choose); None when sharding was given.
+    choice: PlacementChoice | None = None
 
     @property
     def num_buckets(self) -> int:
@@ -237,7 +240,7 @@ class Schedule(ScheduleTable):
 
     def to_dict(self) -> dict:
         # Fields written only when set: plans made without them keep their JSON and fingerprint.
-        data = set_only(plain(self), max_grad_norm=None, grad_norm_type=2.0, gated=False, placement=None)
+        data = set_only(plain(self), max_grad_norm=None, grad_norm_type=2.0, gated=False, placement=None, choice=None)
         if "grad_norm_type" in data:
             data["grad_norm_type"] = str(self.grad_norm_type)  # "inf": JSON has none
         data["buckets"] = [
@@ -260,6 +263,7 @@ class Schedule(ScheduleTable):
         return cls(**{
             **fields_of(cls, data), "buckets": buckets, "unreduced": tuple(data["unreduced"]),
             "grad_norm_type": float(data.get("grad_norm_type", 2.0)), "placement": Placement.from_dict(data.get("placement")),
+            "choice": PlacementChoice.from_dict(data.get("choice")),
             "cost_model": CostModel.from_dict(data["cost_model"]) if data.get("cost_model") else None,
             "nodes": tuple(NodeFact(**{**n, "inputs": tuple(n["inputs"])}) for n in data.get("nodes", [])),
         })
@@ -300,6 +304,8 @@ class Schedule(ScheduleTable):
             data["placement"] = self.placement.shape()  # group names are per rank
         data.pop("nodes")  # cost inputs, not the plan
         data.pop("cost_model")  # calibrated numbers vary run to run; the buckets they chose are in
+        if self.choice is not None:
+            data["choice"] = self.choice.chosen  # its predictions come from those numbers too
         for bucket in data["buckets"]:
             for slot in bucket["slots"]:
                 slot.pop("sources")  # what a gradient is computed from: a run-time fact, not the plan

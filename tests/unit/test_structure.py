@@ -77,7 +77,11 @@ def test_schedule_is_the_bottom_layer_and_imports_have_no_cycle():
     assert graph["graphddp.values.prediction"] == set()
     assert graph["graphddp.values.schedule_table"] == {"graphddp.values.prediction"}  # Timeline, for annotations only
     # A schedule records where its sharded buckets live: the placement, built on the collective kinds.
-    assert graph["graphddp.values.schedule"] == {"graphddp.values.prediction", "graphddp.values.schedule_table", "graphddp.values.placement"}
+    # ... and, with sharding="auto", the choice it was made by (a value of its own, importing nothing).
+    assert graph["graphddp.values.choice"] == set()
+    assert graph["graphddp.values.schedule"] == {
+        "graphddp.values.prediction", "graphddp.values.schedule_table", "graphddp.values.placement", "graphddp.values.choice",
+    }
     # ... and every bucket's collectives waited with the one wait (values.comm, under the kinds).
     assert graph["graphddp.values.placement"] == {"graphddp.values.prediction", "graphddp.values.collectives", "graphddp.values.comm"}
     assert graph["graphddp.values.collectives"] == {"graphddp.values.prediction", "graphddp.values.comm"}  # the kinds: under the value types

@@ -1,0 +1,67 @@
+"""``sharding="auto"``: the placement with the best predicted step among those predicted to fit.
+
+Pure: the candidates' predictions (:mod:`graphddp.plan.step`, and each rank's memory) and the
+budget in, a :class:`~graphddp.values.choice.PlacementChoice` out, so every rank that traced the
+same model under the same cost model chooses the same.
+
+Why a tie band. Two placements within :data:`TIE` of each other's predicted step are not told
+apart by the cost model (its link figures come from a calibration that moves from run to run),
+so the simpler placement of the two wins: the candidates are listed simpler first (replicated,
+then the optimizer sharded, then everything sharded), and the first within the band of the
+fastest is chosen. The same script on the same machine then chooses the same placement.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+from graphddp.values.choice import MB, Candidate, PlacementChoice
+
+TIE = 0.05
+
+# Simpler first: (name, the compile options it sets).
+PLACEMENTS: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = (
+    ("replicated", (("sharding", None),)),
+    ("sharding='optimizer'", (("sharding", "optimizer"),)),
+    ("sharding='optimizer', gather='forward'", (("sharding", "optimizer"), ("gather", "forward"))),
+    ("sharding='full', reshard_after_forward=False", (("sharding", "full"), ("reshard_after_forward", False))),
+    ("sharding='full'", (("sharding", "full"), ("reshard_after_forward", True))),
+)
+
+
+def placements(has_optimizer: bool) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]:
+    """The candidates: sharding needs the optimizer inside (``optimizer=``); without it, only replicated."""
+    return PLACEMENTS if has_optimizer else PLACEMENTS[:1]
+
+
+def choose(
+    options: Sequence[tuple[str, tuple[tuple[str, Any], ...]]], predict: Callable[[dict[str, Any]], tuple[float, int, int]],
+    budget_bytes: int | None,
+) -> PlacementChoice:
+    """Weigh each of ``options`` by ``predict(options) -> (step seconds, peak bytes, bytes held
+    between steps)`` and choose (module docstring). A budget no candidate fits is a ValueError
+    naming the smallest predicted peak."""
+    weighed = [Candidate(name, opts, *predict(dict(opts))) for name, opts in options]
+    fits = [c for c in weighed if budget_bytes is None or c.peak_bytes <= budget_bytes]
+    if not fits:
+        least = min(weighed, key=lambda c: c.peak_bytes)
+        raise ValueError(
+            f"graphddp: sharding='auto' found no placement that fits memory_budget={budget_bytes} bytes "
+            f"({budget_bytes / MB:.1f} MB per rank): the smallest predicted peak is {least.name}'s, "
+            f"{least.peak_bytes} bytes ({least.peak_bytes / MB:.1f} MB); raise memory_budget or use more ranks"
+        )
+    fastest = min(c.step_seconds for c in fits)
+    chosen = next(c for c in fits if c.step_seconds <= fastest * (1 + TIE))
+    return PlacementChoice(chosen.name, budget_bytes, tuple(_verdict(c, chosen, budget_bytes, fastest) for c in weighed))
+
+
+def _verdict(c: Candidate, chosen: Candidate, budget: int | None, fastest: float) -> Candidate:
+    if c is chosen:
+        why = "chosen: fastest predicted" if c.step_seconds == fastest else f"chosen: within {TIE:.0%} of the fastest, simpler"
+    elif budget is not None and c.peak_bytes > budget:
+        why = f"does not fit: peak {c.peak_bytes / MB:.1f} MB > budget {budget / MB:.1f} MB"
+    elif c.step_seconds <= fastest * (1 + TIE):
+        why = f"within {TIE:.0%} of the fastest, but {chosen.name} is simpler"
+    else:
+        why = f"slower: +{(c.step_seconds / chosen.step_seconds - 1):.0%} over {chosen.name}"
+    return dataclasses.replace(c, verdict=why)

@@ -1,0 +1,102 @@
+"""sharding="auto"'s pieces that need no ranks: the planning trace, each placement's predicted step
+(graphddp.plan.step) and the choice (graphddp.plan.choose), as values."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from graphddp.compiler.planning import trace_step_facts
+from graphddp.models import TinyGPT
+from graphddp.plan.choose import PLACEMENTS, TIE, choose, placements
+from graphddp.plan.step import predict_step
+from graphddp.values.choice import PlacementChoice
+from graphddp.values.placement import Level, Placement
+from graphddp.values.prediction import CostModel
+
+
+@pytest.fixture(scope="module")
+def gpt_facts():
+    torch.manual_seed(0)
+    model = TinyGPT()
+    facts = trace_step_facts(model, (torch.randint(0, 64, (4, 16)),), min_cut=True)
+    return model, facts
+
+
+def test_the_planning_trace_reads_every_gradient_and_runs_no_backward(gpt_facts):
+    model, facts = gpt_facts
+    (graph,) = facts
+    names = {s.param_name for s in graph.backward.slots}
+    assert names == {n for n, _ in model.named_parameters()}
+    assert sum(n.is_compute for n in graph.forward) > 10
+    assert all(p.grad is None for p in model.parameters())
+
+
+def _step(facts, bandwidth=10.0, world=8, **kw):
+    return predict_step(facts, CostModel(bandwidth_gbps=bandwidth), world, state_entries=2, **kw)
+
+
+def test_each_placement_moves_what_it_should(gpt_facts):
+    _, facts = gpt_facts
+    replicated = _step(facts)
+    sharded = _step(facts, sharding="optimizer")
+    assert sharded.update == pytest.approx(replicated.update / 8, rel=0.01)  # each rank updates its parts
+    deferred = _step(facts, sharding="optimizer", gather="forward")
+    assert deferred.backward < sharded.backward  # the all-gathers left the backward
+    assert deferred.forward > replicated.forward  # for the next forward
+    keep, reshard = _step(facts, sharding="full", reshard_after_forward=False), _step(facts, sharding="full")
+    assert keep.backward < reshard.backward and keep.collectives < reshard.collectives
+    assert reshard.forward > replicated.forward  # the forward waits for gathers
+
+
+def test_full_sharding_pays_more_as_the_link_slows(gpt_facts):
+    _, facts = gpt_facts
+    ratios = [_step(facts, bw, sharding="full").seconds / _step(facts, bw).seconds for bw in (1000.0, 10.0, 0.1)]
+    assert ratios[0] < ratios[1] < ratios[2]
+
+
+def test_hybrid_prices_the_replicate_all_reduce(gpt_facts):
+    _, facts = gpt_facts
+    hybrid = Placement(Level("s", 4), Level("r", 2))
+    flat4 = _step(facts, world=8, sharding="full", placement=Placement(Level("s", 4)))
+    assert _step(facts, world=8, sharding="full", placement=hybrid).seconds > flat4.seconds
+
+
+def _fixed(table):
+    return lambda options: table[tuple(sorted(options.items(), key=str))]
+
+
+def _table(steps, peaks):
+    return {tuple(sorted(opts, key=str)): (s, p, p // 2) for (_, opts), s, p in zip(PLACEMENTS, steps, peaks)}
+
+
+def test_the_fastest_that_fits_wins_and_a_near_tie_goes_to_the_simpler():
+    peaks = [500, 300, 300, 200, 100]
+    choice = choose(PLACEMENTS, _fixed(_table([1.0, 0.9, 0.95, 1.2, 1.5], peaks)), None)
+    assert choice.chosen == "sharding='optimizer'" and choice.winner.verdict.startswith("chosen")
+    tie = choose(PLACEMENTS, _fixed(_table([1.0, 1.0 - TIE / 2, 1.1, 1.2, 1.5], peaks)), None)
+    assert tie.chosen == "replicated" and "simpler" in tie.winner.verdict
+    tight = choose(PLACEMENTS, _fixed(_table([1.0, 0.9, 0.95, 1.2, 1.5], peaks)), 150)
+    assert tight.chosen == "sharding='full'"
+    assert all(c.verdict.startswith("does not fit") for c in tight.candidates if c.name != tight.chosen)
+    assert tight.options() == {"sharding": "full", "reshard_after_forward": True}
+
+
+def test_a_budget_nothing_fits_names_the_smallest_peak():
+    with pytest.raises(ValueError, match=r"memory_budget=99 bytes.*smallest predicted peak is sharding='full''s, 100 bytes"):
+        choose(PLACEMENTS, _fixed(_table([1.0] * 5, [500, 300, 300, 200, 100])), 99)
+
+
+def test_without_an_optimizer_only_replicated_is_weighed():
+    assert [n for n, _ in placements(False)] == ["replicated"]
+
+
+def test_a_choice_round_trips_and_its_fingerprint_is_its_content():
+    choice = choose(PLACEMENTS, _fixed(_table([1.0, 0.9, 0.95, 1.2, 1.5], [5, 3, 3, 2, 1])), None)
+    back = PlacementChoice.from_dict(json.loads(json.dumps(choice.to_dict())))
+    assert back == choice and back.fingerprint() == choice.fingerprint()
+    other = dataclasses.replace(choice, chosen="replicated")
+    assert other.fingerprint() != choice.fingerprint()
+    assert "sharding='auto' chose sharding='optimizer'" in choice.to_table()
