@@ -85,7 +85,7 @@ def add_option_flags(parser: argparse.ArgumentParser) -> None:
 
     for field in DDPConfig.option_fields():
         if field.name == "cost":
-            continue  # an object: explain builds it from --bandwidth-gbps and the like
+            continue  # an object: explain builds it from --bandwidth-gbps and the like, or names it with --cost
         if field.name == "mp_policy":
             continue  # an object (FSDP2's MixedPrecisionPolicy): graphddp.explain(mp_policy=...) takes it
         if field.name in DDPConfig.ddp_keywords():

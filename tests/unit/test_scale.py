@@ -99,6 +99,9 @@ def test_the_cli_plans_1024_ranks_on_a_preset(capsys):
     schedules = [Schedule.from_dict(d) for d in json.loads(capsys.readouterr().out)]
     assert schedules and all(s.world_size == 1024 and s.cost_model == DGX_H100 for s in schedules)
     assert seconds < 60, seconds  # one compile and a plan; nothing grows with the ranks
+    with pytest.raises(SystemExit) as bad:  # a usage error, before the model is loaded
+        main(["explain", "examples/factories.py:mlp", "--cost", "dgx-b200"])
+    assert bad.value.code == 2 and "unknown link preset 'dgx-b200'" in capsys.readouterr().err
 
 
 def test_ddp_published_resnet50_scaling_is_reproduced_within_ten_percent():
