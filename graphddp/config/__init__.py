@@ -18,6 +18,7 @@ from graphddp.config.clipping import check_clipping
 from graphddp.hooks.builtin import COMM_HOOKS
 from graphddp.hooks.traced import as_traced_hook
 from graphddp.config.inductor_settings import INDUCTOR_MODES
+from graphddp.values import links
 from graphddp.values.schedule import CostModel
 
 BACKENDS = ("inductor", "aot_eager", "eager")
@@ -89,8 +90,9 @@ class DDPConfig:
     bucket_cap_mb_list: tuple[float, ...] | None = _option(
         None, "one cap per bucket in ready order, the last repeating (DDP's bucket_cap_mb_list)"
     )
-    cost: CostModel | None = _option(
-        None, "the CostModel bucket_cap_mb='auto' minimises (default: calibrated on the process group at wrap time)"
+    cost: CostModel | str | None = _option(
+        None, "the CostModel bucket_cap_mb='auto' minimises, or a link preset's name (graphddp.values.links: 'dgx-h100', "
+        "'a100+eth100', ...) (default: calibrated on the process group at wrap time)"
     )
     comm_hook: Any = _option(
         None, f"send buckets compressed: one of {sorted(COMM_HOOKS)} (DDP's compression hooks); from Python also (state, hook) or graphddp.hooks.PowerSGD(...)"
@@ -248,8 +250,10 @@ class DDPConfig:
 
     def _check_caps(self) -> None:
         object.__setattr__(self, "bucket_cap_mb_list", _normalise_cap_list(self.bucket_cap_mb_list))
+        if isinstance(self.cost, str):
+            object.__setattr__(self, "cost", links.preset(self.cost))
         if self.cost is not None and not isinstance(self.cost, CostModel):
-            raise ValueError(f"cost must be a graphddp.CostModel, got {type(self.cost).__name__}")
+            raise ValueError(f"cost must be a graphddp.CostModel or a link preset's name, got {type(self.cost).__name__}")
         if self.bucket_cap_mb == AUTO:
             given = [n for n in ("first_bucket_cap_mb", "last_bucket_cap_mb", "bucket_cap_mb_list") if getattr(self, n)]
             if given:

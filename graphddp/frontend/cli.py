@@ -85,7 +85,7 @@ def add_option_flags(parser: argparse.ArgumentParser) -> None:
 
     for field in DDPConfig.option_fields():
         if field.name == "cost":
-            continue  # an object: explain builds it from --bandwidth-gbps and the like
+            continue  # an object: explain builds it from --bandwidth-gbps and the like, or names it with --cost
         if field.name == "mp_policy":
             continue  # an object (FSDP2's MixedPrecisionPolicy): graphddp.explain(mp_policy=...) takes it
         if field.name in DDPConfig.ddp_keywords():
@@ -154,6 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from graphddp.config import DDPConfig
     from graphddp.frontend.explain import explain
     from graphddp.plan.cost import CostModel
+    from graphddp.values import links
 
     parser = argparse.ArgumentParser(prog="python -m graphddp", description=plain_text(__doc__ or ""),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -173,14 +174,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     costs.add_argument("--latency-us", type=float, default=CostModel.latency_us)
     costs.add_argument("--compute-tflops", type=float, default=CostModel.compute_tflops)
     costs.add_argument("--collective-overhead-us", type=float, default=CostModel.collective_overhead_us)
+    costs.add_argument("--cost", metavar="NAME", help="a link preset instead of the flags above: "
+                       f"{', '.join(links.names()[:3])}, or GPU+NET[xNICS] (e.g. h100+ndr400x8, a100+eth100)")
     p.add_argument("--format", choices=FORMATS, default="table")
     p.add_argument("--out", help="file to write (default: stdout; required for png/svg)")
     args = parser.parse_args(argv)
     options = options_from_args(args)
     try:  # a bad option is a usage error: say so before loading and tracing the model
-        cost = CostModel(bandwidth_gbps=args.bandwidth_gbps, latency_us=args.latency_us, compute_tflops=args.compute_tflops,
-                         collective_overhead_us=args.collective_overhead_us, source="python -m graphddp explain's flags")
-        if options.get("bucket_cap_mb") == "auto":
+        cost = links.preset(args.cost) if args.cost else CostModel(
+            bandwidth_gbps=args.bandwidth_gbps, latency_us=args.latency_us, compute_tflops=args.compute_tflops,
+            collective_overhead_us=args.collective_overhead_us, source="python -m graphddp explain's flags")
+        if options.get("bucket_cap_mb") == "auto" or (args.cost and DDPConfig.from_options("python -m graphddp explain", options).auto):
             options["cost"] = cost
         DDPConfig.from_options("python -m graphddp explain", options)
     except ValueError as e:

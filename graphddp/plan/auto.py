@@ -191,11 +191,7 @@ NEAR_TIE = 0.05
 
 def _scaled(cost: CostModel, compute: float, link: float) -> CostModel:
     """``cost`` with its compute ``compute`` times and its link ``link`` times as fast."""
-    return dataclasses.replace(
-        cost, compute_tflops=cost.compute_tflops * compute, memory_gbps=cost.memory_gbps * compute,
-        op_overhead_us=cost.op_overhead_us / compute, bandwidth_gbps=cost.bandwidth_gbps * link,
-        latency_us=cost.latency_us / link,
-    )
+    return cost.scaled(compute, link)
 
 
 def predicted_step(

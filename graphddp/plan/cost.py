@@ -117,7 +117,8 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, measured: Mappin
     step = max([clock] + [t.end for t in timings])
     if pays_agreement(schedule):
         step += agreement_seconds(cost, schedule.world_size)
-    link = f"{cost.bandwidth_gbps:g} Gbit/s, {cost.latency_us:g} us"
+    flat = cost.link(schedule.world_size)  # a topology's: the level a flat ring over the world crosses
+    link = f"{flat.bandwidth_gbps:g} Gbit/s, {flat.latency_us:g} us"
     return Timeline(tuple(spans), tuple(timings), clock, step, link)
 
 

@@ -81,11 +81,12 @@ class CollectiveKind:
         """Every op a bucket of this kind may be issued with, on some backend."""
         return frozenset([self.lowering.op, *(low.op for low in self.by_backend.values())])
 
-    def seconds(self, cost: CostModel, nbytes: int, world_size: int) -> float:
-        """Link time of one bucket of ``nbytes`` (what each rank contributes) on ``world_size`` ranks."""
+    def seconds(self, cost: CostModel, nbytes: int, world_size: int, stride: int = 1) -> float:
+        """Link time of one bucket of ``nbytes`` (what each rank contributes) on ``world_size`` ranks,
+        ``stride`` ranks apart (:meth:`CostModel.link`: which link of a topology the ring runs on)."""
         if world_size <= 1:
             return 0.0
-        return cost.ring_seconds(self.ring_steps(world_size), self.wire_share(world_size) * nbytes)
+        return cost.link(world_size, stride).ring_seconds(self.ring_steps(world_size), self.wire_share(world_size) * nbytes)
 
 
 ALL_REDUCE = CollectiveKind(

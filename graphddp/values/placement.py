@@ -112,11 +112,13 @@ class Placement:
 
     def reduce_seconds(self, cost: CostModel, nbytes: int) -> float:
         """Link time of one bucket's reduce (``nbytes`` whole): the reduce-scatter over the shard
-        group, then, hybrid, the all-reduce of a part (1/S of the bytes) over the replicate group."""
+        group, then, hybrid, the all-reduce of a part (1/S of the bytes) over the replicate group,
+        whose ranks lie ``S`` apart (on a :class:`~graphddp.values.prediction.Topology` each level
+        is priced on the link it crosses)."""
         seconds = kind(self.reduce_kind).seconds(cost, nbytes, self.shard.size)
         if self.hybrid:
             assert self.replicate is not None
-            seconds += kind("all_reduce").seconds(cost, nbytes // self.shard.size, self.replicate.size)
+            seconds += kind("all_reduce").seconds(cost, nbytes // self.shard.size, self.replicate.size, stride=self.shard.size)
         return seconds
 
     def gather_seconds(self, cost: CostModel, nbytes: int) -> float:

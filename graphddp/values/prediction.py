@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-_MAY_BE_ZERO = ("latency_us", "op_overhead_us", "collective_overhead_us")
+_MAY_BE_ZERO = ("latency_us", "op_overhead_us", "collective_overhead_us", "inter_latency_us")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +45,9 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, data: dict) -> "CostModel":
+        """The value ``to_dict`` wrote: a :class:`Topology` when it has the inter-node fields."""
+        if cls is CostModel and "gpus_per_node" in data:
+            return Topology(**data)
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
@@ -76,7 +79,74 @@ class CostModel:
         if world_size <= 1:
             return 0.0
         steps = 2 * (world_size - 1)
-        return self.ring_seconds(steps, steps / world_size * nbytes)
+        return self.link(world_size).ring_seconds(steps, steps / world_size * nbytes)
+
+    def link(self, size: int, stride: int = 1) -> "CostModel":
+        """The one link a ring over ``size`` ranks, ``stride`` ranks apart, runs at: this model's
+        own, for a single link; :class:`Topology` says which of its two levels the ring crosses."""
+        return self
+
+    def scaled(self, compute: float, link: float) -> "CostModel":
+        """This machine with its compute ``compute`` times and its links ``link`` times as fast."""
+        return dataclasses.replace(
+            self, compute_tflops=self.compute_tflops * compute, memory_gbps=self.memory_gbps * compute,
+            op_overhead_us=self.op_overhead_us / compute, bandwidth_gbps=self.bandwidth_gbps * link,
+            latency_us=self.latency_us / link,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology(CostModel):
+    """Two levels of link: ``gpus_per_node`` ranks joined by the inherited link (``bandwidth_gbps``,
+    ``latency_us``: NVLink, say), nodes joined by ``nics_per_node`` NICs of ``inter_bandwidth_gbps``
+    each (InfiniBand, Ethernet). :mod:`graphddp.values.links` has named ones, with their sources.
+
+    Why a ring is priced as :meth:`link` prices it: ranks are laid out node by node and a group's
+    ranks ``stride`` apart (a flat group: 1; hybrid sharding's replicate group: the shard size).
+    A ring within one node runs on the node's link. A ring across nodes is bounded by its slowest
+    hop: each node's NICs carry the ring traffic of every group of the kind that crosses them at
+    once. NCCL runs one ring per NIC, so a flat ring leaves a node through all of them and gets
+    ``nics_per_node x inter_bandwidth_gbps``; when every rank of a node is in another group (a
+    replicate group with one rank per node) each gets ``1 / gpus_per_node`` of that. Its latency
+    per step mixes the two levels as NCCL's own model does (``src/graph/tuning.cc``): of a ring's
+    ``p - 1`` hops, ``nodes - 1`` cross nodes.
+    """
+
+    gpus_per_node: int = 8
+    nics_per_node: int = 1
+    inter_bandwidth_gbps: float = 100.0  # one NIC, gigabits per second
+    inter_latency_us: float = 10.0  # per ring step that crosses nodes
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("gpus_per_node", "nics_per_node"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+    def link(self, size: int, stride: int = 1) -> CostModel:
+        """A single-link :class:`CostModel` for a ring over ``size`` ranks ``stride`` apart (class docstring)."""
+        node = {f.name: getattr(self, f.name) for f in dataclasses.fields(CostModel)}
+        gpus = self.gpus_per_node
+        if size * stride <= gpus:
+            return CostModel(**node)
+        per_node = max(1, min(size, gpus // stride))  # the group's ranks on one node
+        nodes = -(-size // per_node)
+        shared = self.nics_per_node * self.inter_bandwidth_gbps * per_node / gpus
+        hops = max(size - 1, 1)
+        latency = ((size - nodes) * self.latency_us + (nodes - 1) * self.inter_latency_us) / hops
+        return CostModel(**{**node, "bandwidth_gbps": min(self.bandwidth_gbps, shared), "latency_us": latency})
+
+    def scaled(self, compute: float, link: float) -> "Topology":
+        faster = super().scaled(compute, link)
+        return dataclasses.replace(  # type: ignore[return-value]
+            faster, inter_bandwidth_gbps=self.inter_bandwidth_gbps * link, inter_latency_us=self.inter_latency_us / link,
+        )
+
+    def describe(self) -> str:
+        return (f"{self.gpus_per_node} per node on {self.bandwidth_gbps:.4g} Gbit/s, {self.latency_us:.3g} us per ring step; "
+                f"nodes on {self.nics_per_node} x {self.inter_bandwidth_gbps:.4g} Gbit/s, {self.inter_latency_us:.3g} us; "
+                f"{self.compute_tflops:.4g} TFLOP/s, {self.memory_gbps:.4g} GB/s ({self.source})")
 
 
 # -- a predicted backward pass (graphddp.plan.cost.simulate makes these) ------------------------------
