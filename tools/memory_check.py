@@ -1,0 +1,152 @@
+"""Measure each rank's tensor bytes between steps and at a step's peak, per placement, on gloo CPU ranks.
+
+Between steps: every CPU tensor storage alive after ``opt.step(); opt.zero_grad()`` (found through
+``gc``, each storage once). Peak: that, plus the most bytes the profiler (``profile_memory=True``)
+sees allocated above a step's start during the step (two steps profiled, the second measured, as
+``tools/bench/modes.py`` does). Usage: ``python -m tools.memory_check [--world 2] [--model mlp]``.
+"""
+from __future__ import annotations
+
+import argparse
+import warnings
+import gc
+import json
+import os
+import sys
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+PLACEMENTS: dict[str, dict[str, Any]] = {
+    "replicated": {},
+    "optimizer_inside": {"optimizer": True},
+    "optimizer": {"optimizer": True, "sharding": "optimizer"},
+    "full": {"optimizer": True, "sharding": "full", "reshard_after_forward": True},
+    "full_keep": {"optimizer": True, "sharding": "full", "reshard_after_forward": False},
+}
+
+
+def storages_alive() -> int:
+    """Bytes of every distinct CPU tensor storage a Python object holds now."""
+    gc.collect()
+    warnings.filterwarnings("ignore", category=FutureWarning)  # isinstance() on torch.distributed's deprecated names
+    seen: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and not isinstance(obj, torch._subclasses.FakeTensor) and obj.device.type == "cpu":
+            try:
+                storage = obj.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            if storage.data_ptr():
+                seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def step_peak(step: Callable[[], None]) -> int:
+    """The most bytes allocated above the start of ``step`` while it runs (the second of two profiled)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            step()
+            with record_function("measured"):
+                step()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+    events = list(prof.profiler.kineto_results.events())
+    begin = min(e.start_ns() for e in events if e.name() == "measured")
+    mem = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    live = sum(e.nbytes() for e in mem if e.start_ns() < begin)
+    start = peak = live
+    for e in (e for e in mem if e.start_ns() >= begin):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak - start
+
+
+# -- the models: big enough that parameters, state and activations dominate, still cheap ------------
+
+
+def mlp() -> tuple[nn.Module, Callable[[int, int], tuple]]:
+    from graphddp.models import MLP
+
+    def batch(rank: int, step: int) -> tuple:
+        g = torch.Generator().manual_seed(100 * rank + step)
+        return (torch.randn(64, 64, generator=g),)
+    return MLP(width=256, depth=4, d_in=64, d_out=16), batch
+
+
+def gpt2() -> tuple[nn.Module, Callable[[int, int], tuple]]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=32,
+                                       attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, use_cache=False))
+
+    def batch(rank: int, step: int) -> tuple:
+        idx = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(100 * rank + step))
+        return ({"input_ids": idx, "labels": idx},)
+    return model, batch
+
+
+def bert() -> tuple[nn.Module, Callable[[int, int], tuple]]:
+    from transformers import BertConfig, BertForMaskedLM
+
+    model = BertForMaskedLM(BertConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                       intermediate_size=128, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                       attention_probs_dropout_prob=0.0))
+
+    def batch(rank: int, step: int) -> tuple:
+        idx = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(100 * rank + step))
+        return ({"input_ids": idx, "labels": idx},)
+    return model, batch
+
+
+MODELS = {"mlp": mlp, "gpt2": gpt2, "bert": bert}
+
+
+def loss_of(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out.square().mean()
+    return out.loss
+
+
+def call(model: nn.Module, args: tuple) -> Any:
+    return model(**args[0]) if isinstance(args[0], dict) else model(*args)
+
+
+def measure(rank: int, world: int, model_name: str, placement: str, backend: str = "aot_eager") -> dict[str, int]:
+    """One placement's bytes on this rank: between steps and at the peak."""
+    import graphddp
+
+    torch._dynamo.reset()
+    base = storages_alive()  # what earlier placements in this process left
+    torch.manual_seed(0)
+    model, batch = MODELS[model_name]()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    options = dict(PLACEMENTS[placement])
+    if options.pop("optimizer", False):
+        options["optimizer"] = opt
+    ours = graphddp.compile(model, backend=backend, **options)
+    steps = iter(range(100))
+
+    def step() -> None:
+        args = batch(rank, next(steps))
+        loss_of(call(ours, args)).backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(2):
+        step()
+    dist.barrier()
+    between = storages_alive() - base
+    peak = between + step_peak(step)
+    dist.barrier()
+    del ours, model, opt
+    gc.collect()
+    return {"between_steps": between, "peak": peak}
