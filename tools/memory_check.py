@@ -19,12 +19,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+# graphddp.plan.memory's placements as compile options
 PLACEMENTS: dict[str, dict[str, Any]] = {
     "replicated": {},
     "optimizer_inside": {"optimizer": True},
     "optimizer": {"optimizer": True, "sharding": "optimizer"},
     "full": {"optimizer": True, "sharding": "full", "reshard_after_forward": True},
-    "full_keep": {"optimizer": True, "sharding": "full", "reshard_after_forward": False},
+    "full_no_reshard": {"optimizer": True, "sharding": "full", "reshard_after_forward": False},
 }
 
 
@@ -120,9 +121,10 @@ def call(model: nn.Module, args: tuple) -> Any:
     return model(**args[0]) if isinstance(args[0], dict) else model(*args)
 
 
-def measure(rank: int, world: int, model_name: str, placement: str, backend: str = "aot_eager") -> dict[str, int]:
-    """One placement's bytes on this rank: between steps and at the peak."""
+def measure(rank: int, model_name: str, placement: str, mesh: tuple[int, int] | None = None, backend: str = "aot_eager") -> dict[str, int]:
+    """One placement's bytes on this rank: between steps and at the peak (``mesh``: hybrid sharding's shape)."""
     import graphddp
+    from torch.distributed.device_mesh import init_device_mesh
 
     torch._dynamo.reset()
     base = storages_alive()  # what earlier placements in this process left
@@ -132,6 +134,8 @@ def measure(rank: int, world: int, model_name: str, placement: str, backend: str
     options = dict(PLACEMENTS[placement])
     if options.pop("optimizer", False):
         options["optimizer"] = opt
+    if mesh is not None:
+        options["device_mesh"] = init_device_mesh("cpu", mesh, mesh_dim_names=("replicate", "shard"))
     ours = graphddp.compile(model, backend=backend, **options)
     steps = iter(range(100))
 
@@ -150,3 +154,79 @@ def measure(rank: int, world: int, model_name: str, placement: str, backend: str
     del ours, model, opt
     gc.collect()
     return {"between_steps": between, "peak": peak}
+
+
+def predicted(model_name: str, world: int, placements: list[str], shard: int | None = None) -> dict[str, Any]:
+    """graphddp's prediction of each placement, from one trace of the model."""
+    from graphddp.compiler.memory_trace import memory_facts
+    from graphddp.plan.memory import predict
+
+    torch.manual_seed(0)
+    model, batch = MODELS[model_name]()
+    args = batch(0, 0)
+    kwargs = args[0] if isinstance(args[0], dict) else {}
+    facts = memory_facts(model, *(() if kwargs else args), optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                         loss_fn=loss_of, **kwargs)
+    return {p: predict(facts, p, world, shard if p not in ("replicated", "optimizer_inside") else None) for p in placements}
+
+
+def compare(rank: int, world: int, cases: list[tuple[str, str]], mesh: tuple[int, int] | None = None) -> list[dict[str, Any]]:
+    """Measured and predicted bytes of rank 0 for each ``(model, placement)``: rows on rank 0, [] on the others."""
+    rows = []
+    facts_of: dict[str, dict[str, Any]] = {}
+    for model_name, placement in cases:
+        got = measure(rank, model_name, placement, mesh)
+        if rank:
+            continue
+        if model_name not in facts_of:
+            facts_of[model_name] = predicted(model_name, world, [p for m, p in cases if m == model_name], mesh[1] if mesh else None)
+        want = facts_of[model_name][placement]
+        rows.append({"model": model_name, "placement": placement, "ranks": f"{mesh[0]}x{mesh[1]}" if mesh else str(world),
+                     "measured_between": got["between_steps"], "predicted_between": want.between_steps,
+                     "measured_peak": got["peak"], "predicted_peak": want.peak, "phase": want.phase})
+    return rows
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    """The comparison as a markdown table, errors in percent of the measurement."""
+    head = "| model | placement | ranks | between MB measured | predicted | error | peak MB measured | predicted | error | peak in |"
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        err = lambda a, b: f"{100 * (r[b] / r[a] - 1):+.1f}%"  # noqa: E731
+        mb = lambda k: f"{r[k] / 2**20:.2f}"  # noqa: E731
+        lines.append(f"| {r['model']} | {r['placement']} | {r['ranks']} | {mb('measured_between')} | {mb('predicted_between')} | "
+                     f"{err('measured_between', 'predicted_between')} | {mb('measured_peak')} | {mb('predicted_peak')} | "
+                     f"{err('measured_peak', 'predicted_peak')} | {r['phase']} |")
+    return "\n".join(lines)
+
+
+def _rank(rank: int, world: int, cases: list[tuple[str, str]], mesh: tuple[int, int] | None, out: str) -> None:
+    rows = compare(rank, world, cases, mesh)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(rows, f)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import tempfile
+
+    from graphddp.testing import spawn
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--mesh", default=None, help="hybrid sharding's (replicate)x(shard), e.g. 2x2: the sharded placements")
+    parser.add_argument("--models", default=",".join(MODELS))
+    args = parser.parse_args(argv)
+    mesh = tuple(int(n) for n in args.mesh.split("x")) if args.mesh else None
+    placements = [p for p in PLACEMENTS if mesh is None or PLACEMENTS[p].get("sharding")]
+    cases = [(m, p) for m in args.models.split(",") for p in placements]
+    world = mesh[0] * mesh[1] if mesh else args.world
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        spawn(_rank, world, cases, mesh, out, timeout=1800)
+        with open(out) as f:
+            print(render(json.load(f)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -153,7 +153,6 @@ def _phases(facts: MemoryFacts, placement: str, largest: int, hybrid: bool, rank
     for k, g in enumerate(graphs):
         earlier = sum(h.saved for h in graphs[:k])
         part = _chunk(g.gradients, ranks) if placement in SHARDED else 0  # this rank's part of the bucket
-        relay = part if hybrid else 0  # that part all-reduced over the replicas
         gathered = 0
         if full:  # the parameters gathered: this graph's, or with them kept from the forward, every graph's so far
             gathered = sum(h.param_bytes for h in graphs[: k + 1]) if placement == "full_no_reshard" else g.param_bytes
@@ -161,7 +160,9 @@ def _phases(facts: MemoryFacts, placement: str, largest: int, hybrid: bool, rank
         at = f"backward {k}"
         if full:
             phases[at] = {"activations": earlier, "graph": g.backward_peak, "gathered": gathered}
-            phases[f"update {k}"] = {"activations": earlier, "in_flight": part + relay, "workspace": workspace}
+            phases[f"update {k}"] = {"activations": earlier, "in_flight": part, "workspace": workspace}
+            if hybrid:  # the part, and its average over the replicas
+                phases[f"replicas {k}"] = {"activations": earlier, "in_flight": 2 * part}
             continue
         later = sum(h.gradients for h in graphs[k + 1:]) if placement == "replicated" else 0  # kept in p.grad
         phases[at] = {"activations": earlier, "gradients": later, "graph": g.backward_peak_held}
@@ -170,8 +171,10 @@ def _phases(facts: MemoryFacts, placement: str, largest: int, hybrid: bool, rank
         if placement == "optimizer_inside":
             phases[f"update {k}"] = {"activations": earlier + g.saved, "in_flight": g.gradients, "workspace": workspace}
         elif placement == "optimizer":
-            phases[f"update {k}"] = {"activations": earlier + g.saved, "in_flight": g.gradients + part + relay, "workspace": workspace}
-            phases[f"gather {k}"] = {"activations": earlier + g.saved, "in_flight": 2 * g.gradients + part + relay}
+            phases[f"update {k}"] = {"activations": earlier + g.saved, "in_flight": g.gradients + part, "workspace": workspace}
+            phases[f"gather {k}"] = {"activations": earlier + g.saved, "in_flight": 2 * g.gradients + part}
+            if hybrid:
+                phases[f"replicas {k}"] = {"activations": earlier + g.saved, "in_flight": g.gradients + 2 * part}
     if placement == "replicated":
         phases["optimizer step"] = {"gradients": sum(g.gradients for g in graphs), "workspace": int(facts.step_workspace * largest)}
     return phases
