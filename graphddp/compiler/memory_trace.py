@@ -70,7 +70,9 @@ def memory_facts(
         reads.append([i for i, t in enumerate(inputs) if id(t) in named])  # Dynamo hands the real parameters
         return aot(gm, inputs)
 
-    (loss_fn or _sum_loss)(torch.compile(copied, backend=backend)(*example_inputs, **example_kwargs)).backward()
+    # Static sizes, as a run's first compile has them, even where this process compiled the same code with other shapes.
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+        (loss_fn or _sum_loss)(torch.compile(copied, backend=backend)(*example_inputs, **example_kwargs)).backward()
     forwards = [gm for kind, gm in graphs if kind == "forward"]
     backwards = [gm for kind, gm in graphs if kind == "backward"]
     params = tuple(
