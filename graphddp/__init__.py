@@ -11,7 +11,7 @@ from graphddp.config import DDPConfig
 from graphddp.frontend.api import GraphDDP, compile
 from graphddp.frontend.backend import GraphDDPCompileBackend, backend
 from graphddp.frontend.backend import register as _register_backend_name
-from graphddp.frontend.explain import explain
+from graphddp.frontend.explain import explain, predict_memory
 from graphddp.frontend.api import full_optimizer_state_dict, load_full_optimizer_state_dict
 from graphddp.graph.verify import VerificationError, verify
 from graphddp.plan.cost import CostModel, simulate
@@ -21,7 +21,7 @@ from graphddp.values.schedule import Bucket, Schedule, Timeline
 __all__ = [
     "Bucket", "CollectiveError", "CostModel", "DDPConfig", "GraphDDP", "GraphDDPCompileBackend", "Schedule",
     "ScheduleMismatchError", "Timeline", "VerificationError", "backend", "compile", "explain", "full_optimizer_state_dict",
-    "load_full_optimizer_state_dict", "render", "simulate", "verify",
+    "load_full_optimizer_state_dict", "predict_memory", "render", "simulate", "verify",
 ]
 __version__ = "0.1.0"
 

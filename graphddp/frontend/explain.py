@@ -23,8 +23,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._pytree import tree_leaves
 
+from graphddp.compiler.memory_trace import memory_facts
 from graphddp.config import DDPConfig
 from graphddp.frontend.api import compile as compile_ddp
+from graphddp.plan.memory import PLACEMENTS, SHARDED, MemoryPrediction, predict
 from graphddp.runtime.agree import standing_in
 from graphddp.values.schedule_table import ScheduleValue
 
@@ -124,3 +126,29 @@ def _optimizer(model: nn.Module, make: Callable[..., torch.optim.Optimizer] | No
     if not isinstance(made, torch.optim.Optimizer):
         raise ValueError(f"graphddp.explain: optimizer= must make a torch.optim.Optimizer from parameters, it made {type(made).__name__}")
     return made
+
+
+def predict_memory(
+    model: nn.Module,
+    *example_inputs: Any,
+    world_size: int = 8,
+    optimizer: Callable[..., torch.optim.Optimizer] | None = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    device_mesh: tuple[int, int] | None = None,
+    example_kwargs: dict[str, Any] | None = None,
+) -> list[MemoryPrediction]:
+    """Each placement's bytes on one of ``world_size`` ranks, between steps and at the step's
+    peak (:mod:`graphddp.plan.memory` says what is counted), for a loop of ``model(*example_inputs,
+    **example_kwargs)``, ``loss_fn(output).backward()`` and the ``optimizer`` (made from
+    parameters, as :func:`explain` takes it; None: no state). One trace of a copy of the model,
+    no process group: every placement is predicted from the same facts. ``device_mesh=(replicate,
+    shard)`` predicts the sharded placements as hybrid sharding over that mesh.
+    ``graphddp.plan.memory.table(predictions)`` prints them."""
+    shard = None
+    if device_mesh is not None:
+        world_size = _mesh_world(device_mesh, world_size, True)
+        shard = device_mesh[1]
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    facts = memory_facts(model, *example_inputs, optimizer=optimizer, loss_fn=loss_fn or _default_loss, **(example_kwargs or {}))
+    return [predict(facts, p, world_size, shard if p in SHARDED else None) for p in PLACEMENTS]

@@ -1,0 +1,191 @@
+"""Each rank's memory, in bytes, under every placement, predicted from facts read once off one trace.
+
+:class:`MemoryFacts` are the model's own (its compiled forward and backward before graphddp
+rewrites them, its parameters, the optimizer's state per parameter), read by
+:func:`graphddp.compiler.memory_trace.memory_facts`; :func:`predict` is pure, so one trace
+predicts every placement, at any world size.
+
+Counted: a loop of ``forward; backward; opt.step(); opt.zero_grad()`` on one rank.
+**Between steps**: parameters (a rank's parts, padded, where they are sharded), buffers, the
+optimizer's state (of the parts), and the send buffer a replicated one-bucket graph keeps from step
+to step on the CPU (:mod:`graphddp.runtime.steady`); gradients are None after ``zero_grad``.
+**Peak**: that plus the most of these phases: a forward (the activations earlier graphs saved, the
+graph's own peak, the parameters gathered); a backward (its graph's live bytes, from
+:mod:`graphddp.graph.liveness`, with the gradients kept to its end, the bucket's flat copy, the
+update's temporaries inside it, the gathers of full sharding); the optimizer's step after a
+replicated backward (every gradient and its step's temporaries on the largest parameter).
+
+Not counted: the allocator's caching and fragmentation (a GPU's reserved bytes exceed these),
+autograd's own workspace, the user's inputs and outputs, and kernels' scratch memory. The compiled
+code's temporaries are counted as the graph runs op by op (``aot_eager``); inductor fuses
+pointwise ops, so its peaks are lower. Each graph is taken as one bucket (its gradients in flight
+at once), which is what small models plan and an upper bound for a graph of several buckets.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+PLACEMENTS = ("replicated", "optimizer_inside", "optimizer", "full", "full_no_reshard")
+SHARDED = ("optimizer", "full", "full_no_reshard")
+_HEADER_BYTES = 32  # the steady all-reduce's header after the payload (runtime/steady.py's HEADER float32s)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamFact:
+    name: str
+    numel: int
+    itemsize: int
+    requires_grad: bool
+    dtype: str
+
+
+@dataclasses.dataclass(frozen=True)
+class StateRule:
+    """The optimizer's state of one parameter of ``dtype``: ``per_element * numel + fixed`` bytes
+    (Adam's moments grow with the parameter, its ``step`` does not)."""
+
+    dtype: str
+    per_element: int
+    fixed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphMemory:
+    """One Dynamo graph's bytes: its forward's peak, what it saves for the backward (parameters
+    left out), its parameters (whole), their gradients, and its backward's peak with the gradients
+    kept to its end (what the graph's liveness gives, saved activations included)."""
+
+    param_bytes: int
+    forward_peak: int
+    saved: int
+    gradients: int
+    backward_peak: int
+    backward_peak_held: int  # the same with its saved activations held to its end
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryFacts:
+    """What every placement's prediction reads (module docstring). ``step_workspace``: the
+    optimizer's ``step()`` temporaries per byte of a parameter; ``update_workspace``: the same
+    for the update traced inside the backward."""
+
+    params: tuple[ParamFact, ...]
+    buffer_bytes: int
+    state: tuple[StateRule, ...]
+    graphs: tuple[GraphMemory, ...]
+    recomputed: tuple[GraphMemory, ...]  # the same graphs partitioned by min-cut, as full sharding compiles them
+    step_workspace: float = 0.0
+    update_workspace: float = 0.0
+    device: str = "cpu"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPrediction:
+    """One placement's bytes on one rank: ``between_steps`` (the sum of ``breakdown``) and ``peak``
+    (that plus ``at_peak``, the step's own bytes in its fullest ``phase``)."""
+
+    placement: str
+    world_size: int
+    shard_size: int
+    between_steps: int
+    peak: int
+    phase: str
+    breakdown: dict[str, int]
+    at_peak: dict[str, int]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _chunk(numel: int, ranks: int) -> int:
+    """A part's elements, padding included (graphddp.values.shards.chunk)."""
+    return -(-numel // ranks)
+
+
+def _state_bytes(facts: MemoryFacts, param: ParamFact, elements: int) -> int:
+    rule = next((r for r in facts.state if r.dtype == param.dtype), None)
+    return 0 if rule is None or not param.requires_grad else rule.per_element * elements + rule.fixed
+
+
+def predict(facts: MemoryFacts, placement: str, world_size: int, shard_size: int | None = None) -> MemoryPrediction:
+    """The bytes one rank holds under ``placement`` (one of :data:`PLACEMENTS`) with ``world_size``
+    ranks; ``shard_size``: hybrid sharding's shard group (parts over that many ranks, replicated
+    over ``world_size // shard_size``), default every rank. Rank 0's, the most loaded (the
+    first ranks hold whole chunks)."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    shard = world_size if shard_size is None else shard_size
+    if world_size < 1 or shard < 1 or world_size % shard:
+        raise ValueError(f"shard_size must divide world_size, got shard_size={shard_size!r}, world_size={world_size!r}")
+    if placement not in SHARDED and shard != world_size:
+        raise ValueError(f"shard_size= is hybrid sharding's; placement {placement!r} shards nothing")
+    sharded = placement in SHARDED
+    full = placement.startswith("full")
+    ranks = shard if sharded else 1
+    parts = [_chunk(p.numel, ranks) for p in facts.params]
+    whole = sum(p.numel * p.itemsize for p in facts.params)
+    trainable = [p for p in facts.params if p.requires_grad]
+    largest = max((_chunk(p.numel, ranks) * p.itemsize for p in trainable), default=0)  # one update's parameter or part
+    steady = placement == "replicated" and world_size > 1 and facts.device == "cpu"
+    breakdown = {
+        "parameters": sum(n * p.itemsize for n, p in zip(parts, facts.params)) if full else whole,
+        "buffers": facts.buffer_bytes,
+        "optimizer_state": sum(_state_bytes(facts, p, n if sharded else p.numel) for n, p in zip(parts, facts.params)),
+        "bucket_buffers": sum(g.gradients + _HEADER_BYTES for g in facts.graphs if g.gradients) if steady else 0,
+    }
+    phases = _phases(facts, placement, largest, shard != world_size and sharded, ranks)
+    phase, at_peak = max(phases.items(), key=lambda kv: sum(kv[1].values()))
+    between = sum(breakdown.values())
+    return MemoryPrediction(placement, world_size, shard, between, between + sum(at_peak.values()), phase, breakdown, at_peak)
+
+
+def _phases(facts: MemoryFacts, placement: str, largest: int, hybrid: bool, ranks: int) -> dict[str, dict[str, int]]:
+    """Each moment of a step that may be its fullest, and the bytes it adds to what is held
+    between steps, by kind. A replicated backward graph's saved activations stay alive to its
+    end (its caller holds their list); full sharding's compiler frees each after its last use."""
+    full = placement.startswith("full")
+    graphs = facts.recomputed if full else facts.graphs
+    workspace = int(facts.update_workspace * largest)  # one parameter's (or part's) update inside the backward
+    phases: dict[str, dict[str, int]] = {}
+    for k, g in enumerate(graphs):
+        earlier = sum(h.saved for h in graphs[:k])
+        part = _chunk(g.gradients, ranks) if placement in SHARDED else 0  # this rank's part of the bucket
+        gathered = 0
+        if full:  # the parameters gathered: this graph's, or with them kept from the forward, every graph's so far
+            gathered = sum(h.param_bytes for h in graphs[: k + 1]) if placement == "full_no_reshard" else g.param_bytes
+        phases[f"forward {k}"] = {"activations": earlier + g.forward_peak, "gathered": gathered}
+        at = f"backward {k}"
+        if full:
+            phases[at] = {"activations": earlier, "graph": g.backward_peak, "gathered": gathered}
+            phases[f"update {k}"] = {"activations": earlier, "in_flight": part, "workspace": workspace}
+            if hybrid:  # the part, and its average over the replicas
+                phases[f"replicas {k}"] = {"activations": earlier, "in_flight": 2 * part}
+            continue
+        later = sum(h.gradients for h in graphs[k + 1:]) if placement == "replicated" else 0  # kept in p.grad
+        phases[at] = {"activations": earlier, "gradients": later, "graph": g.backward_peak_held}
+        held = {"activations": earlier + g.saved, "gradients": later + g.gradients}
+        phases[f"bucket {k}"] = {**held, "in_flight": g.gradients}  # the flat copy, next to what it copies
+        if placement == "optimizer_inside":
+            phases[f"update {k}"] = {"activations": earlier + g.saved, "in_flight": g.gradients, "workspace": workspace}
+        elif placement == "optimizer":
+            phases[f"update {k}"] = {"activations": earlier + g.saved, "in_flight": g.gradients + part, "workspace": workspace}
+            phases[f"gather {k}"] = {"activations": earlier + g.saved, "in_flight": 2 * g.gradients + part}
+            if hybrid:
+                phases[f"replicas {k}"] = {"activations": earlier + g.saved, "in_flight": g.gradients + 2 * part}
+    if placement == "replicated":
+        phases["optimizer step"] = {"gradients": sum(g.gradients for g in graphs), "workspace": int(facts.step_workspace * largest)}
+    return phases
+
+
+def table(predictions: list[MemoryPrediction]) -> str:
+    """One line per prediction: between steps, peak, the phase of the peak and what it holds."""
+    mb = lambda n: f"{n / 2**20:9.2f}"  # noqa: E731
+    lines = [f"{'placement':<18}{'ranks':>7}{'between MB':>11}{'peak MB':>10}  peak in / bytes held (MB)"]
+    for p in predictions:
+        ranks = f"{p.world_size}" if p.shard_size == p.world_size else f"{p.world_size // p.shard_size}x{p.shard_size}"
+        held = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in {**p.breakdown, **p.at_peak}.items() if v)
+        lines.append(f"{p.placement:<18}{ranks:>7}{mb(p.between_steps):>11}{mb(p.peak):>10}  {p.phase}: {held}")
+    return "\n".join(lines)
