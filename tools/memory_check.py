@@ -167,15 +167,14 @@ def measure(rank: int, model_name: str, placement: str, mesh: tuple[int, int] | 
 
 def predicted(model_name: str, world: int, placements: list[str], shard: int | None = None) -> dict[str, Any]:
     """graphddp's prediction of each placement, from one trace of the model."""
-    from graphddp.compiler.memory_trace import memory_facts
+    from graphddp.compiler.model_trace import trace_model
     from graphddp.plan.memory import predict
 
     torch.manual_seed(0)
     model, batch = MODELS[model_name]()
     args = batch(0, 0)
-    kwargs = args[0] if isinstance(args[0], dict) else {}
-    facts = memory_facts(model, *(() if kwargs else args), optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
-                         loss_fn=loss_of, **kwargs)
+    example = args[0] if isinstance(args[0], dict) else tuple(args)
+    facts = trace_model(model, example, torch.optim.AdamW(model.parameters(), lr=1e-3), min_cut=False).memory
     return {p: predict(facts, p, world, shard if p not in ("replicated", "optimizer_inside") else None) for p in placements}
 
 

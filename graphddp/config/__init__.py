@@ -22,8 +22,9 @@ from graphddp.values import links
 from graphddp.values.schedule import CostModel
 
 BACKENDS = ("inductor", "aot_eager", "eager")
-# sharding=: replicated, the optimizer state on a shard, or parameters, gradients and state on a shard
-SHARDINGS = (None, "optimizer", "full")
+# sharding=: replicated, the optimizer state on a shard, parameters, gradients and state on a shard,
+# or the one of those graphddp predicts fastest among those that fit (graphddp.plan.choose)
+SHARDINGS = (None, "optimizer", "full", "auto")
 # gather=: where a sharded bucket's all-gather of the updated parts completes (graphddp.optim.insert_shard)
 GATHERS = ("backward", "forward")
 MB = 1024 * 1024
@@ -101,7 +102,12 @@ class DDPConfig:
         None, "'optimizer': each rank keeps and updates 1/N of the optimizer state; buckets are reduce-scattered, "
         "updated in the backward and all-gathered; 'full': each rank holds 1/N of every parameter, gradient and "
         "optimizer state, each parameter gathered where the graphs read it and its part updated in the backward "
-        "(both need optimizer=; default None: replicated)"
+        "(both need optimizer=); 'auto': the placement (and its gather=, reshard_after_forward=) with the best predicted "
+        "step among those predicted to fit memory_budget, from a trace of example= (default None: replicated)"
+    )
+    memory_budget: float | None = _option(
+        None, "with sharding='auto': the bytes each rank may hold at the step's peak, or a fraction (0, 1] of the "
+        "device's memory (default: a GPU's free memory at wrap time, no limit on CPU)"
     )
     reshard_after_forward: bool | None = _option(
         None, "with sharding='full': free each gathered parameter after the forward and gather it again in the "
@@ -184,6 +190,7 @@ class DDPConfig:
             raise ValueError(f"sharding must be one of {SHARDINGS}, got {self.sharding!r}")
         if self.gather not in GATHERS:
             raise ValueError(f"gather must be one of {GATHERS}, got {self.gather!r}")
+        self._check_auto()
         if self.gather != "backward" and self.sharding != "optimizer":
             raise ValueError(f"gather={self.gather!r} places the all-gathers of sharding='optimizer'; it needs that option")
         self._check_full_sharding()
@@ -214,6 +221,24 @@ class DDPConfig:
             where, self.backend, device, self.mode if mode is None else mode,
             self.inductor_options if options is None else dict(options), sharded=self.sharding is not None,
         )
+
+    def _check_auto(self) -> None:
+        """``memory_budget`` belongs to ``sharding="auto"``: bytes (an int) or a fraction of the device's
+        memory (a float in (0, 1]); the knobs auto chooses are refused beside it, never overridden."""
+        budget = self.memory_budget
+        if budget is not None:
+            if self.sharding != "auto":
+                raise ValueError("memory_budget is an option of sharding='auto' (what its choice must fit); it needs that option")
+            fraction = isinstance(budget, float) and 0 < budget <= 1
+            if isinstance(budget, bool) or not (fraction or (isinstance(budget, int) and budget > 0)):
+                raise ValueError(f"memory_budget must be bytes (a positive int) or a fraction in (0, 1] of the device's memory, got {budget!r}")
+        if self.sharding != "auto":
+            return
+        chosen = [n for n, given in (("gather", self.gather != "backward"), ("reshard_after_forward", self.reshard_after_forward is not None),
+                                     ("mp_policy", self.mp_policy is not None)) if given]
+        if chosen:
+            raise ValueError(f"sharding='auto' chooses gather and reshard_after_forward itself and runs no mp_policy yet; "
+                             f"leave {chosen} out, or choose sharding= yourself")
 
     def _check_full_sharding(self) -> None:
         """``reshard_after_forward`` and ``mp_policy`` belong to ``sharding="full"`` (None there

@@ -3,6 +3,7 @@ surface it shares with ``graphddp.backend``'s object (:class:`ModelView`)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import warnings
 from typing import Any, Callable, Iterator, Mapping
@@ -13,11 +14,13 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinCon
 
 from graphddp.compiler.record import GraphRecord, graphs_of
 from graphddp.config import DDPConfig
+from graphddp.frontend.auto import choose_placement
 from graphddp.frontend.full import FullyShardedState
 from graphddp.frontend.mesh import resolve_mesh
 from graphddp.frontend.replica import Replica
 from graphddp.frontend.wrap import ModelState, check_and_broadcast, check_module_and_world, check_optimizer
 from graphddp.runtime.calibrate import resolve_cost
+from graphddp.values.choice import PlacementChoice
 
 # Each wrapper counts its own recompiles (torch >= 2.13): by default every torch.compile of the
 # same code shares one recompile limit, so earlier compiles of the model's class (explain's,
@@ -63,8 +66,14 @@ class ModelView(Joinable):
     @property
     def schedules(self) -> list[Any]:
         """One per compiled graph: a ``Schedule`` per backward, or a ``FullSchedule`` per Dynamo
-        graph with ``sharding="full"``."""
-        return self._state.schedules
+        graph with ``sharding="full"``; with ``sharding="auto"`` each carries the choice."""
+        choice = self._state.choice
+        return [s if choice is None else dataclasses.replace(s, choice=choice) for s in self._state.schedules]
+
+    @property
+    def placement_choice(self) -> PlacementChoice | None:
+        """``sharding="auto"``'s choice: every placement weighed, its predictions and verdict (None when sharding was given)."""
+        return self._state.choice
 
     @property
     def records(self) -> list[GraphRecord]:
@@ -181,22 +190,37 @@ class GraphDDP(ModelView, nn.Module):
         self.module.zero_grad(set_to_none=set_to_none)
 
 
-def build_state(where: str, module: nn.Module, process_group: Any, device_mesh: Any, optimizer: Any, options: dict[str, Any]) -> ModelState:
+def build_state(
+    where: str, module: nn.Module, process_group: Any, device_mesh: Any, optimizer: Any, options: dict[str, Any], example: Any = None,
+) -> ModelState:
     """The wrap both forms share (``where`` names the one asked), in every mode: ``optimizer``
     checked before any collective, so every rank fails alike; the checks and the broadcast every
-    mode makes (whole tensors, before a mode cuts them); the cost model measured on the group now,
-    since compiling never talks; then the mode's state, built after the last collective."""
+    mode makes (whole tensors, before a mode cuts them); with ``sharding="auto"`` the placement
+    chosen from a trace of ``example`` (:mod:`graphddp.frontend.auto`); the cost model measured on
+    the group now, since compiling never talks; then the mode's state, built after the last collective."""
     check_module_and_world(where, module)
     config = DDPConfig.from_options(where, options)
+    if example is not None and config.sharding != "auto":
+        raise ValueError(f"{where}: example= is what sharding='auto' chooses from; without it, leave example= out")
     groups = resolve_mesh(where, device_mesh, process_group, config.sharding)
-    mode = FullyShardedState if config.sharding == "full" else Replica
     check_optimizer(where, config, optimizer)
-    checked = mode.checked_optimizer(where, module, config, optimizer)
+    mode = FullyShardedState if config.sharding == "full" else Replica
+    checked = mode.checked_optimizer(where, module, config, optimizer) if config.sharding != "auto" else None
     device = check_and_broadcast(where, module, groups.whole, config)
-    return mode(module, groups, resolve_cost(config, groups.whole, device), checked)
+    choice = None
+    if config.sharding == "auto":
+        config, choice = choose_placement(where, module, groups, optimizer, config, example, device)
+        check_optimizer(where, config, optimizer)
+        mode = FullyShardedState if config.sharding == "full" else Replica
+        checked = mode.checked_optimizer(where, module, config, optimizer)
+    state = mode(module, groups, resolve_cost(config, groups.whole, device), checked)
+    state.choice = choice
+    return state
 
 
-def compile(module: nn.Module, *, process_group: Any = None, device_mesh: Any = None, optimizer: Any = None, **options: Any) -> GraphDDP:  # noqa: A001 - mirrors torch.compile
+def compile(  # noqa: A001 - mirrors torch.compile
+    module: nn.Module, *, process_group: Any = None, device_mesh: Any = None, optimizer: Any = None, example: Any = None, **options: Any,
+) -> GraphDDP:
     """Compile ``module`` for data-parallel training with its collectives inside the compiled graphs.
 
     Drop-in for ``DistributedDataParallel(torch.compile(module))``: after ``loss.backward()`` every
@@ -211,10 +235,12 @@ def compile(module: nn.Module, *, process_group: Any = None, device_mesh: Any = 
     ``max_grad_norm`` clips the averaged gradients first, as ``clip_grad_norm_`` would
     (:mod:`graphddp.optim.attached`). ``device_mesh``: a ``DeviceMesh`` instead of
     ``process_group``; 2-D with sharding, dim 0 replicates and dim 1 shards (FSDP2's HSDP).
+    ``sharding="auto"`` chooses the placement from a trace of ``example`` (a batch: a tuple of
+    positional inputs, a dict of keyword inputs, or one input) and shows why in ``placement_choice``.
     Compiling the result again runs it as it is; a pipeline that owns its torch.compile call uses
     :func:`graphddp.backend`.
     """
-    return GraphDDP(module, build_state("graphddp.compile", module, process_group, device_mesh, optimizer, options))
+    return GraphDDP(module, build_state("graphddp.compile", module, process_group, device_mesh, optimizer, options, example))
 
 
 def full_optimizer_state_dict(model: Any) -> dict[str, Any]:

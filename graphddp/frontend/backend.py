@@ -94,11 +94,14 @@ _WRAPPER_REASON = "graphddp's per-forward work (buffer broadcast, no_sync averag
 
 
 def backend(
-    module: nn.Module, *, process_group: Any = None, device_mesh: Any = None, optimizer: Any = None, **options: Any,
+    module: nn.Module, *, process_group: Any = None, device_mesh: Any = None, optimizer: Any = None, example: Any = None, **options: Any,
 ) -> GraphDDPCompileBackend:
     """A torch.compile backend doing graphddp's job for ``module``; the arguments are
-    ``graphddp.compile``'s, and parameters are broadcast now as there."""
-    return GraphDDPCompileBackend(module, build_state("graphddp.backend", module, process_group, device_mesh, optimizer, options))
+    ``graphddp.compile``'s (``sharding="auto"`` chooses now, from ``example``), and parameters are
+    broadcast now as there."""
+    return GraphDDPCompileBackend(
+        module, build_state("graphddp.backend", module, process_group, device_mesh, optimizer, options, example)
+    )
 
 
 def _by_name(gm: fx.GraphModule, example_inputs: Sequence[Any], **compile_kwargs: Any) -> Callable[..., Any]:

@@ -70,6 +70,14 @@ def _optimizer_class(name: str) -> Any:
     return made
 
 
+def _budget(text: str) -> int | float:
+    """``--memory-budget``: bytes as an integer, or a fraction of the device's memory."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
 def _optional_bool(text: str) -> bool | None:
     choices = {"none": None, "true": True, "false": False}
     if text.lower() not in choices:
@@ -102,6 +110,8 @@ def add_option_flags(parser: argparse.ArgumentParser) -> None:
             kind = {"type": _json_dict, "metavar": "JSON"}
         elif field.name == "dynamic":
             kind = {"type": _optional_bool, "metavar": "true|false|none"}
+        elif field.name == "memory_budget":
+            kind = {"type": _budget, "metavar": "BYTES|FRACTION"}
         elif field.name == "reshard_after_forward":
             kind = {"type": _optional_bool, "metavar": "true|false"}
         elif isinstance(field.default, bool):
@@ -184,7 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         cost = links.preset(args.cost) if args.cost else CostModel(
             bandwidth_gbps=args.bandwidth_gbps, latency_us=args.latency_us, compute_tflops=args.compute_tflops,
             collective_overhead_us=args.collective_overhead_us, source="python -m graphddp explain's flags")
-        if options.get("bucket_cap_mb") == "auto" or (args.cost and DDPConfig.from_options("python -m graphddp explain", options).auto):
+        planned = options.get("sharding") == "auto" or (args.cost and DDPConfig.from_options("python -m graphddp explain", options).auto)
+        if options.get("bucket_cap_mb") == "auto" or planned:
             options["cost"] = cost
         DDPConfig.from_options("python -m graphddp explain", options)
     except ValueError as e:
@@ -204,6 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.format == "table":
         text = "\n\n".join(f"fingerprint {s.fingerprint()}\n{render.table(s, cost)}" for s in schedules)
+        if schedules and schedules[0].choice is not None:
+            text = f"{schedules[0].choice}\n\n{text}"
     elif args.format == "json":
         text = json.dumps([s.to_dict() for s in schedules], indent=2, sort_keys=True)
     elif args.format == "trace":

@@ -23,7 +23,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._pytree import tree_leaves
 
-from graphddp.compiler.memory_trace import memory_facts
+from graphddp.compiler.model_trace import trace_model
 from graphddp.config import DDPConfig
 from graphddp.frontend.api import compile as compile_ddp
 from graphddp.plan.memory import PLACEMENTS, SHARDED, MemoryPrediction, predict
@@ -85,7 +85,10 @@ def explain(
     after the backward so that the schedule counts its state. Without it, the modes that need
     one plan with a still SGD (lr 0), which keeps no state.
     ``device_mesh=(replicate, shard)``: hybrid sharding's mesh shape (``world_size`` is then
-    their product); each sharded bucket's placement shows both levels.
+    their product); each sharded bucket's placement shows both levels. ``sharding="auto"``
+    chooses from ``example_inputs`` as a run would from ``example=``; each schedule carries the
+    choice (``schedule.choice``: every placement weighed, its predicted step and peak, why it won
+    or lost); it weighs the sharded placements only with ``optimizer=``.
     """
     if device_mesh is not None:
         world_size = _mesh_world(device_mesh, world_size, "world_size" in options)
@@ -99,12 +102,13 @@ def explain(
     fresh = torch._dynamo.config.patch(automatic_dynamic_shapes=False) if config.dynamic is None else contextlib.nullcontext()
     with fake_process_group(world_size), standing_in(dist.group.WORLD), fresh:
         copied = copy.deepcopy(model)
-        opt = _optimizer(copied, optimizer, bool(options.get("sharding") or options.get("max_grad_norm") is not None))
+        opt = _optimizer(copied, optimizer, config.sharding in ("optimizer", "full") or config.max_grad_norm is not None)
         mesh = init_device_mesh("cpu", tuple(device_mesh), mesh_dim_names=("replicate", "shard")) if device_mesh is not None else None
-        compiled = compile_ddp(copied, optimizer=opt, device_mesh=mesh, **options)
+        example = {"example": tuple(example_inputs)} if config.sharding == "auto" else {}
+        compiled = compile_ddp(copied, optimizer=opt, device_mesh=mesh, **example, **options)
         out = compiled(*example_inputs)
         (loss_fn or _default_loss)(out).backward()
-        if config.sharding == "full":
+        if compiled.config.sharding == "full":
             opt.step()  # the state of the parts, for the schedule's memory
         return compiled.schedules
 
@@ -133,22 +137,26 @@ def predict_memory(
     *example_inputs: Any,
     world_size: int = 8,
     optimizer: Callable[..., torch.optim.Optimizer] | None = None,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
     device_mesh: tuple[int, int] | None = None,
     example_kwargs: dict[str, Any] | None = None,
+    backend: str = "inductor",
 ) -> list[MemoryPrediction]:
     """Each placement's bytes on one of ``world_size`` ranks, between steps and at the step's
     peak (:mod:`graphddp.plan.memory` says what is counted), for a loop of ``model(*example_inputs,
-    **example_kwargs)``, ``loss_fn(output).backward()`` and the ``optimizer`` (made from
-    parameters, as :func:`explain` takes it; None: no state). One trace of a copy of the model,
-    no process group: every placement is predicted from the same facts. ``device_mesh=(replicate,
-    shard)`` predicts the sharded placements as hybrid sharding over that mesh.
-    ``graphddp.plan.memory.table(predictions)`` prints them."""
+    **example_kwargs)``, a backward and the ``optimizer`` (made from parameters, as :func:`explain`
+    takes it; None: no state), compiled by ``backend`` (its partition decides what the backward
+    keeps). One trace of the model (:mod:`graphddp.compiler.model_trace`), no process group:
+    every placement is predicted from the same facts. ``device_mesh=(replicate, shard)`` predicts
+    the sharded placements as hybrid sharding over that mesh. ``graphddp.plan.memory.table(predictions)`` prints them."""
     shard = None
     if device_mesh is not None:
         world_size = _mesh_world(device_mesh, world_size, True)
         shard = device_mesh[1]
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    facts = memory_facts(model, *example_inputs, optimizer=optimizer, loss_fn=loss_fn or _default_loss, **(example_kwargs or {}))
+    example = dict(example_kwargs) if example_kwargs else tuple(example_inputs)
+    if example_kwargs and example_inputs:
+        raise ValueError("graphddp.predict_memory: pass the inputs positionally or as example_kwargs=, not both")
+    made = _optimizer(model, optimizer, False)
+    facts = trace_model(model, example, made, min_cut=backend == "inductor").memory
     return [predict(facts, p, world_size, shard if p in SHARDED else None) for p in PLACEMENTS]

@@ -55,9 +55,9 @@ def resolve_mesh(where: str, device_mesh: Any, process_group: Any, sharding: str
             f"{where}: device_mesh= must be a torch.distributed.device_mesh.DeviceMesh of 1 or 2 dims "
             f"(('replicate', 'shard') for hybrid sharding), got {type(device_mesh).__name__} with ndim={ndim}"
         )
-    if sharding not in ("optimizer", "full"):
+    if sharding not in ("optimizer", "full", "auto"):
         raise ValueError(
-            f"{where}: a 2-D device_mesh= is hybrid sharding: it needs sharding='optimizer' or sharding='full' "
+            f"{where}: a 2-D device_mesh= is hybrid sharding: it needs sharding='optimizer', 'full' or 'auto' "
             f"(got sharding={sharding!r}); for replicated training over every rank pass a 1-D mesh or process_group="
         )
     if device_mesh.size() != dist.get_world_size():

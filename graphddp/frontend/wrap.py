@@ -68,7 +68,7 @@ def check_optimizer(where: str, config: DDPConfig, optimizer: Any) -> None:
     """``optimizer=`` against the options: at wrap time before any collective, so every rank fails
     alike, and again when :meth:`~graphddp.frontend.replica.Replica.register_comm_hook` adds a hook."""
     missing = optimizer is None or (config.sharding == "full" and not isinstance(optimizer, torch.optim.Optimizer))
-    if config.sharding is not None and missing:
+    if config.sharding in _NEEDS_OPTIMIZER and missing:
         raise ValueError(f"{where}: sharding={config.sharding!r} {_NEEDS_OPTIMIZER[config.sharding]}")
     if optimizer is not None and config.traced_hook is not None:
         raise ValueError(
@@ -108,6 +108,7 @@ class ModelState:
     forward (``before_forward``, ``after_forward``)."""
 
     hook_state: Any = None  # a traced comm hook's state, checkpointed with the module's
+    choice: Any = None  # sharding="auto"'s PlacementChoice (graphddp.frontend.auto); None when sharding was given
 
     def __init__(self, module: nn.Module, group: Any, config: DDPConfig, optimizer: Any) -> None:
         self.module = module

@@ -34,6 +34,15 @@ def placements(has_optimizer: bool) -> tuple[tuple[str, tuple[tuple[str, Any], .
     return PLACEMENTS if has_optimizer else PLACEMENTS[:1]
 
 
+def memory_placement(sharding: str | None, gather: str, reshard_after_forward: bool, has_optimizer: bool) -> str:
+    """A candidate's name in :mod:`graphddp.plan.memory`'s terms."""
+    if sharding == "full":
+        return "full" if reshard_after_forward else "full_no_reshard"
+    if sharding == "optimizer":
+        return "optimizer_forward" if gather == "forward" else "optimizer"
+    return "optimizer_inside" if has_optimizer else "replicated"
+
+
 def choose(
     options: Sequence[tuple[str, tuple[tuple[str, Any], ...]]], predict: Callable[[dict[str, Any]], tuple[float, int, int]],
     budget_bytes: int | None,

@@ -2,13 +2,15 @@
 
 :class:`MemoryFacts` are the model's own (its compiled forward and backward before graphddp
 rewrites them, its parameters, the optimizer's state per parameter), read by
-:func:`graphddp.compiler.memory_trace.memory_facts`; :func:`predict` is pure, so one trace
+:func:`graphddp.compiler.model_trace.trace_model`; :func:`predict` is pure, so one trace
 predicts every placement, at any world size.
 
 Counted: a loop of ``forward; backward; opt.step(); opt.zero_grad()`` on one rank.
 **Between steps**: parameters (a rank's parts, padded, where they are sharded), buffers, the
 optimizer's state (of the parts), and the send buffer a replicated one-bucket graph keeps from step
-to step on the CPU (:mod:`graphddp.runtime.steady`); gradients are None after ``zero_grad``.
+to step on the CPU (:mod:`graphddp.runtime.steady`), and with ``gather="forward"``
+(``optimizer_forward``) the all-gathered parameters that wait for the next forward; gradients
+are None after ``zero_grad``.
 **Peak**: that plus the most of these phases: a forward (the activations earlier graphs saved, the
 graph's own peak, the parameters gathered); a backward (its graph's live bytes, from
 :mod:`graphddp.graph.liveness`, with the gradients kept to its end, the bucket's flat copy, the
@@ -25,8 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 
-PLACEMENTS = ("replicated", "optimizer_inside", "optimizer", "full", "full_no_reshard")
-SHARDED = ("optimizer", "full", "full_no_reshard")
+PLACEMENTS = ("replicated", "optimizer_inside", "optimizer", "optimizer_forward", "full", "full_no_reshard")
+SHARDED = ("optimizer", "optimizer_forward", "full", "full_no_reshard")
 _HEADER_BYTES = 32  # the steady all-reduce's header after the payload (runtime/steady.py's HEADER float32s)
 
 
@@ -136,6 +138,8 @@ def predict(facts: MemoryFacts, placement: str, world_size: int, shard_size: int
         "optimizer_state": sum(_state_bytes(facts, p, n if sharded else p.numel) for n, p in zip(parts, facts.params)),
         "bucket_buffers": sum(g.gradients + _HEADER_BYTES for g in facts.graphs if g.gradients) if steady else 0,
     }
+    if placement == "optimizer_forward":  # each bucket's all-gathered parameters wait for the next forward
+        breakdown["pending_gathers"] = sum(p.numel * p.itemsize for p in trainable)
     phases = _phases(facts, placement, largest, shard != world_size and sharded, ranks)
     phase, at_peak = max(phases.items(), key=lambda kv: sum(kv[1].values()))
     between = sum(breakdown.values())
@@ -170,7 +174,7 @@ def _phases(facts: MemoryFacts, placement: str, largest: int, hybrid: bool, rank
         phases[f"bucket {k}"] = {**held, "in_flight": g.gradients}  # the flat copy, next to what it copies
         if placement == "optimizer_inside":
             phases[f"update {k}"] = {"activations": earlier + g.saved, "in_flight": g.gradients, "workspace": workspace}
-        elif placement == "optimizer":
+        elif placement in ("optimizer", "optimizer_forward"):
             phases[f"update {k}"] = {"activations": earlier + g.saved, "in_flight": g.gradients + part, "workspace": workspace}
             phases[f"gather {k}"] = {"activations": earlier + g.saved, "in_flight": 2 * g.gradients + part}
             if hybrid:

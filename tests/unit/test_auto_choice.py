@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from graphddp.compiler.planning import trace_step_facts
+from graphddp.compiler.model_trace import trace_model
 from graphddp.models import TinyGPT
 from graphddp.plan.choose import PLACEMENTS, TIE, choose, placements
 from graphddp.plan.step import predict_step
@@ -21,8 +21,8 @@ from graphddp.values.prediction import CostModel
 def gpt_facts():
     torch.manual_seed(0)
     model = TinyGPT()
-    facts = trace_step_facts(model, (torch.randint(0, 64, (4, 16)),), min_cut=True)
-    return model, facts
+    trace = trace_model(model, (torch.randint(0, 64, (4, 16)),), torch.optim.AdamW(model.parameters()), min_cut=True)
+    return model, trace.steps
 
 
 def test_the_planning_trace_reads_every_gradient_and_runs_no_backward(gpt_facts):
@@ -100,3 +100,37 @@ def test_a_choice_round_trips_and_its_fingerprint_is_its_content():
     other = dataclasses.replace(choice, chosen="replicated")
     assert other.fingerprint() != choice.fingerprint()
     assert "sharding='auto' chose sharding='optimizer'" in choice.to_table()
+
+
+def test_the_planning_trace_leaves_buffers_and_random_streams_as_they_were():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2))
+    before = {n: b.clone() for n, b in model.named_buffers()}
+    x = torch.randn(16, 4)
+    state = torch.get_rng_state()
+    trace_model(model, x, None, min_cut=False)
+    assert all(torch.equal(b, before[n]) for n, b in model.named_buffers())
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_explain_chooses_as_a_run_would_and_its_schedules_carry_the_choice(capsys):
+    import graphddp
+    from graphddp.frontend.cli import main
+    from graphddp.values.part_schedule import FullSchedule
+
+    torch.manual_seed(0)
+    model, x = TinyGPT(), torch.randint(0, 64, (4, 16))
+    plans = graphddp.explain(model, x, world_size=8, backend="aot_eager", sharding="auto", optimizer=torch.optim.AdamW)
+    choice = plans[0].choice
+    assert [c.name for c in choice.candidates] == [n for n, _ in PLACEMENTS]
+    assert type(plans[0]).from_json(plans[0].to_json()).choice == choice
+    least = min(c.peak_bytes for c in choice.candidates)
+    tight = graphddp.explain(model, x, world_size=8, backend="aot_eager", sharding="auto", optimizer=torch.optim.AdamW,
+                             memory_budget=least)
+    assert isinstance(tight[0], FullSchedule) and tight[0].choice.winner.peak_bytes == least
+    with pytest.raises(ValueError, match="memory_budget=1 bytes"):
+        graphddp.explain(model, x, world_size=8, backend="aot_eager", sharding="auto", optimizer=torch.optim.AdamW, memory_budget=1)
+    unsharded = graphddp.explain(model, x, world_size=8, backend="aot_eager", sharding="auto")
+    assert [c.name for c in unsharded[0].choice.candidates] == ["replicated"]  # sharding needs optimizer=
+    assert main(["explain", "examples/factories.py:mlp", "--sharding", "auto", "--optimizer", "AdamW", "--backend", "aot_eager",
+                 "--world-size", "4"]) == 0
+    assert "sharding='auto' chose" in capsys.readouterr().out

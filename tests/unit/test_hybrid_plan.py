@@ -59,7 +59,7 @@ def test_explain_refuses_a_mesh_that_is_not_a_shape():
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({}, "needs sharding='optimizer' or sharding='full'"),
+        ({}, "needs sharding='optimizer', 'full' or 'auto'"),
         ({"sharding": "optimizer", "process_group": "given"}, "not both"),
     ],
 )

@@ -31,6 +31,7 @@ def test_between_steps_counts_what_each_placement_keeps():
     assert at["optimizer_inside"] == {**at["replicated"], "bucket_buffers": 0}
     # rank 0's parts: ceil(10 / 3) = 4 and ceil(7 / 3) = 3 elements; the frozen parameter has no state
     assert at["optimizer"] == {"parameters": 80, "buffers": 16, "optimizer_state": adam(4) + adam(3), "bucket_buffers": 0}
+    assert at["optimizer_forward"] == {**at["optimizer"], "pending_gathers": 4 * (10 + 7)}  # gathered, not yet read
     assert at["full"] == at["full_no_reshard"] == {**at["optimizer"], "parameters": 4 * (4 + 3 + 1)}
     hybrid = predict(facts, "full", 6, shard_size=3)
     assert hybrid.breakdown == at["full"] and (hybrid.world_size, hybrid.shard_size) == (6, 3)

@@ -1,0 +1,150 @@
+"""One trace of the model as the user wrote it, before any placement: what ``sharding="auto"``
+chooses from and what :func:`graphddp.predict_memory` predicts from.
+
+Why one trace: a placement changes the collectives, the optimizer's share and what is gathered,
+not the model's graphs, so every placement's step (:class:`graphddp.plan.step.StepFacts`) and
+memory (:class:`graphddp.plan.memory.MemoryFacts`) is read off the same graphs. The example
+batch's forward runs once through Dynamo and AOTAutograd as plain FX code, without a backward:
+each joint graph is partitioned both ways a run may (the default partition, and min-cut, which
+inductor and full sharding compile and which recomputes cheap activations in the backward), so
+the backward's graph is known without running it. What the trace holds is one forward's
+activations beside the whole parameters, which the module holds anyway before it is placed, and
+it leaves no mark on the module (buffers and random streams are put back).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import inspect
+import warnings
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from graphddp.compiler.optimizer_probe import state_rules, step_workspace, update_workspace
+from graphddp.graph.capture import extract_facts, graph_nodes, names_by_identity, output_nodes, parameter_of_inputs
+from graphddp.graph.liveness import liveness, saved_storages, value_bytes
+from graphddp.plan.memory import GraphMemory, MemoryFacts, ParamFact
+from graphddp.plan.step import StepFacts
+
+_ISOLATED = {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelTrace:
+    """Every Dynamo graph's step facts (partitioned as the run's backend partitions) and the
+    model's memory facts."""
+
+    steps: tuple[StepFacts, ...]
+    memory: MemoryFacts
+
+
+def call_example(module: Any, example: Any) -> Any:
+    """``module`` on ``example``: a tuple is its positional inputs, a dict its keyword inputs, anything else its one input."""
+    if isinstance(example, tuple):
+        return module(*example)
+    if isinstance(example, dict):
+        return module(**example)
+    return module(example)
+
+
+@dataclasses.dataclass
+class _Graph:
+    """One Dynamo graph: its inputs that are parameters, by position and name, and both partitions."""
+
+    params: dict[int, str]
+    default: tuple[fx.GraphModule, fx.GraphModule] | None = None
+    min_cut: tuple[fx.GraphModule, fx.GraphModule] | None = None
+
+
+class _Tracer:
+    """A ``torch.compile`` backend that keeps each Dynamo graph's partitions and runs its forward as FX code."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.names_by_id = names_by_identity(module.named_parameters(remove_duplicate=False))
+        self.graphs: list[_Graph] = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.aot_autograd import make_boxed_func
+        from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+
+        graph = _Graph(parameter_of_inputs(example_inputs, self.names_by_id))
+
+        def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # copying a GraphModule's pytree specs
+                graph.min_cut = min_cut_rematerialization_partition(copy.deepcopy(joint), joint_inputs, **kwargs)
+            graph.default = default_partition(joint, joint_inputs, **kwargs)
+            self.graphs.append(graph)
+            return graph.default
+
+        boxed = lambda g, _: make_boxed_func(g)  # noqa: E731
+        return aot_autograd(fw_compiler=boxed, bw_compiler=boxed, inference_compiler=boxed, partition_fn=partition)(gm, example_inputs)
+
+
+def trace_model(module: nn.Module, example: Any, optimizer: torch.optim.Optimizer | None, min_cut: bool,
+                dynamic: bool | None = None) -> ModelTrace:
+    """The trace of ``module`` on ``example`` (module docstring); ``min_cut``: the run's backend
+    partitions by min-cut (inductor). Static sizes unless ``dynamic``, as a run's first compile
+    has them, even where this process compiled the same code with other shapes before."""
+    tracer = _Tracer(module)
+    compiled = torch.compile(module, backend=tracer, dynamic=dynamic, **_ISOLATED)
+    fresh = torch._dynamo.config.patch(automatic_dynamic_shapes=False) if dynamic is None else contextlib.nullcontext()
+    with torch.enable_grad(), _unchanged(module), fresh:
+        call_example(compiled, example)
+    if not tracer.graphs:
+        raise ValueError("graphddp: the example traced no graph that computes a gradient; pass a batch the model trains on")
+    runs = [(g, g.min_cut if min_cut else g.default) for g in tracer.graphs]
+    steps = tuple(StepFacts(extract_facts(bw, g.params), graph_nodes(fw)) for g, (fw, bw) in runs)
+    params = list(module.named_parameters())
+    memory = MemoryFacts(
+        params=tuple(ParamFact(n, p.numel(), p.element_size(), p.requires_grad, str(p.dtype).removeprefix("torch.")) for n, p in params),
+        buffer_bytes=sum(b.untyped_storage().nbytes() for b in module.buffers()),
+        state=state_rules(optimizer, {p.dtype for _, p in params}),
+        step_workspace=step_workspace(optimizer), update_workspace=update_workspace(optimizer),
+        device=next((p.device.type for _, p in params), "cpu"),
+        graphs=tuple(_graph_memory(*pair, g.params) for g, pair in runs),
+        recomputed=tuple(_graph_memory(*g.min_cut, g.params) for g in tracer.graphs),
+    )
+    return ModelTrace(steps, memory)
+
+
+@contextlib.contextmanager
+def _unchanged(module: nn.Module) -> Iterator[None]:
+    """The trace's forward leaves no mark: the buffers it updates (BatchNorm's running
+    statistics) and the random streams it draws from (dropout) are put back, so the run's first
+    step is the step it would be without the trace."""
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def _graph_memory(forward: fx.GraphModule, backward: fx.GraphModule, params: dict[int, str]) -> GraphMemory:
+    """A Dynamo graph's bytes (:class:`GraphMemory`); ``params``: its inputs that are parameters
+    (the backward's outputs at those positions are their gradients)."""
+    same = saved_storages(forward)
+    fw = liveness(forward, ())
+    primals = [n for n in forward.graph.nodes if n.op == "placeholder"]
+    of_params = {primals[i].name for i in params}
+    held = [n.name for n in backward.graph.nodes if n.op == "placeholder" and same.get(n.name, n.name) not in of_params]
+    bw = liveness(backward, held, same)
+    grads = output_nodes(backward)
+    return GraphMemory(
+        param_bytes=sum(value_bytes(primals[i]) for i in params),
+        forward_peak=fw.peak_outputs_kept, saved=bw.saved,
+        gradients=sum(value_bytes(grads[i]) for i in params if i < len(grads) and isinstance(grads[i], fx.Node)),
+        backward_peak=bw.peak_outputs_kept, backward_peak_held=bw.peak_inputs_held,
+    )

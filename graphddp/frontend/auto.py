@@ -1,0 +1,88 @@
+"""``sharding="auto"`` at wrap time: trace ``example=`` once, predict every placement's step and
+memory from that trace, choose (:mod:`graphddp.plan.choose`), and check that every rank chose
+the same before the chosen mode is built.
+
+Why at wrap time and from an example batch: full sharding cuts the parameters when the model is
+wrapped, so the placement must be known then, and a placement's peak depends on the activations
+the backward keeps, which only a trace of a real batch shows. The trace runs one forward (no
+backward) on the whole parameters the module holds anyway (:mod:`graphddp.compiler.model_trace`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from graphddp.compiler.model_trace import trace_model
+from graphddp.config import DDPConfig
+from graphddp.frontend.mesh import MeshGroups
+from graphddp.plan.choose import choose, memory_placement, placements
+from graphddp.plan.memory import predict as predict_memory
+from graphddp.plan.step import predict_step
+from graphddp.runtime.agree import max_over_ranks
+from graphddp.runtime.calibrate import calibrate
+from graphddp.values.choice import PlacementChoice
+
+
+def choose_placement(
+    where: str, module: nn.Module, groups: MeshGroups, optimizer: Any, config: DDPConfig, example: Any, device: torch.device | None,
+) -> tuple[DDPConfig, PlacementChoice]:
+    """The config of the chosen placement (``sharding``, ``gather``, ``reshard_after_forward`` set)
+    and the choice. Every rank calls it at once: the budget is every rank's smallest, and the
+    choice is compared between ranks before any rank builds it."""
+    if example is None:
+        raise ValueError(f"{where}: sharding='auto' needs example=, a batch as the model is called with (a tuple of positional "
+                         "inputs, a dict of keyword inputs, or one input): the choice is made from a trace of it")
+    cost = config.cost or calibrate(groups.whole, device)
+    budget = _budget(config.memory_budget, device, groups.whole)
+    trace = trace_model(module, example, optimizer, min_cut=config.backend == "inductor", dynamic=config.dynamic)
+    placement = groups.placement
+    world = dist.get_world_size(groups.whole)
+    entries = max((r.per_element / _itemsize(r.dtype) for r in trace.memory.state), default=0.0)
+
+    def predict(options: dict[str, Any]) -> tuple[float, int, int]:
+        sharding, gather, reshard = options.get("sharding"), options.get("gather", "backward"), options.get("reshard_after_forward", True)
+        step = predict_step(trace.steps, cost, world, sharding, gather=gather, reshard_after_forward=reshard, placement=placement,
+                            state_entries=entries)
+        memory = predict_memory(trace.memory, memory_placement(sharding, gather, reshard, optimizer is not None), world,
+                                placement.shard.size if sharding else None)
+        return step.seconds, memory.peak, memory.between_steps
+
+    candidates = [c for c in placements(optimizer is not None) if not (placement.hybrid and c[0] == "replicated")]
+    choice = choose(candidates, predict, budget)
+    _check_agreed(choice, groups.whole)
+    options = {"gather": "backward", "reshard_after_forward": None, **choice.options()}
+    return dataclasses.replace(config, memory_budget=None, cost=config.cost, **options), choice
+
+
+def _itemsize(dtype: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def _budget(budget: float | int | None, device: torch.device | None, group: Any) -> int | None:
+    """The bytes a rank may hold: given, a fraction of the device's memory, or a GPU's free memory
+    now; every rank's smallest. None on CPU without one."""
+    cuda = device is not None and device.type == "cuda"
+    if budget is None and not cuda:
+        return None
+    if budget is None or isinstance(budget, float):
+        free, total = torch.cuda.mem_get_info(device) if cuda else (0, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        budget = free if budget is None else int(budget * total)
+    return -int(max_over_ranks([-int(budget)], group)[0])
+
+
+def _check_agreed(choice: PlacementChoice, group: Any) -> None:
+    """Every rank's choice, compared: ranks that predicted differently (another device's free
+    memory was already agreed; a model that differs between ranks would show here) fail together."""
+    if dist.get_world_size(group) == 1 or dist.get_backend(group) == "fake":
+        return
+    seen: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(seen, (choice.chosen, choice.fingerprint()), group=group)
+    if len(set(seen)) > 1:
+        raise RuntimeError(f"graphddp: sharding='auto' chose differently on different ranks: {seen}; "
+                           "the model, example= and options must be the same on every rank")
+

@@ -1,0 +1,79 @@
+"""``sharding="auto"`` on 2 gloo ranks: the placement chosen at wrap time from a trace of
+``example=``, the same on every rank, and trained like DDP over every rank.
+
+A budget only full sharding's predicted peak fits (read off an unbounded choice of the same
+model) makes it choose full sharding, which then trains a GPT with tied weights and a graph
+break like DDP (SGD with momentum); an
+unbounded choice trains an MLP like DDP with AdamW whatever it chose; a budget nothing fits fails on every
+rank at wrap time with the smallest predicted peak, before any rank builds a placement.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from test_optim_ranks import TIGHT, _adamw, _gpt_loss, _sgd, _tokens, unequal_pair
+
+import graphddp
+from graphddp import models
+from graphddp.testing import spawn
+
+
+def _mlp_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+
+
+def _same_on_every_rank(value: object) -> None:
+    seen: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, value)
+    assert len(set(seen)) == 1, seen
+
+
+def _train_like_ddp(make, loss, example, optimizer, steps: int, rank: int, **options) -> object:
+    mine, ref = unequal_pair(make, rank)
+    opt, ref_opt = optimizer(mine), optimizer(ref.module)
+    ours = graphddp.compile(mine, optimizer=opt, sharding="auto", example=example, backend="aot_eager", **options)
+    for step in range(steps):
+        loss(ours, rank, step).backward()
+        opt.step()
+        opt.zero_grad()
+        loss(ref, rank, step).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        if ours.config.sharding == "optimizer" and ours.config.gather == "forward":
+            ours.finish_gathers()
+        whole = dict(ours.named_parameters()) if ours.config.sharding == "full" else dict(mine.named_parameters())
+        for n, q in ref.module.named_parameters():
+            torch.testing.assert_close(whole[n].detach(), q.detach(), **TIGHT, msg=lambda m: f"step {step} {n}: {m}")
+    return ours
+
+
+def _cases(rank: int, world: int) -> None:
+    gpt = lambda: models.BreakGPT(vocab=64, dim=32, heads=2, layers=2, seq=8)  # noqa: E731
+    gpt_example = _tokens(0, 0)
+    probe = gpt()
+    unbounded = graphddp.compile(probe, optimizer=_sgd(probe), sharding="auto", example=gpt_example, backend="aot_eager").placement_choice
+    least = min(c.peak_bytes for c in unbounded.candidates)
+    fitting = {c.name for c in unbounded.candidates if c.peak_bytes == least}
+    assert all(n.startswith("sharding='full'") for n in fitting), unbounded.to_table()
+    ours = _train_like_ddp(gpt, _gpt_loss, gpt_example, _sgd, 3, rank, memory_budget=least)
+    assert ours.placement_choice.chosen in fitting and ours.config.sharding == "full", ours.placement_choice.to_table()
+    assert all(s.choice == ours.placement_choice for s in ours.schedules)
+    _same_on_every_rank(ours.placement_choice.fingerprint())
+
+    mlp_loss = lambda m, r, s: F.mse_loss(m(_mlp_batch(r, s)[0]), _mlp_batch(r, s)[1])  # noqa: E731
+    ours = _train_like_ddp(models.MLP, mlp_loss, (_mlp_batch(0, 0)[0],), _adamw, 3, rank)
+    _same_on_every_rank((ours.placement_choice.chosen, ours.config.sharding))
+
+    mlp = models.MLP()
+    with pytest.raises(ValueError, match=r"memory_budget=64 bytes .*the smallest predicted peak is sharding='full'"):
+        graphddp.compile(mlp, optimizer=_adamw(mlp), sharding="auto", example=(_mlp_batch(0, 0)[0],), backend="aot_eager", memory_budget=64)
+    with pytest.raises(ValueError, match="sharding='auto' needs example="):
+        graphddp.compile(models.MLP(), sharding="auto")
+    dist.barrier()
+
+
+def test_auto_chooses_the_same_placement_on_every_rank_and_trains_like_ddp() -> None:
+    spawn(_cases, 2)
