@@ -1,0 +1,112 @@
+"""``sharding="auto"``'s choice against every placement measured, on the emulated link.
+
+``python -m tools.auto_check`` (root, iproute2) runs gloo ranks in a private network namespace
+whose loopback tbf limits to ``--link-gbit`` (:mod:`tools.bench.netns`, the benchmark's link).
+For each model, every rank wraps one copy with ``sharding="auto"`` (the cost model calibrated on
+the group at wrap time, no memory budget) and one copy per candidate placement with its options
+given, all with AdamW, then trains the candidates step by step, interleaved, each step fenced by
+barriers. Rank 0 prints, per placement, the predicted step and peak (from the choice) next to
+the slower rank's median step measured, and whether the chosen placement's measured step is
+within 5% of the fastest measured. docs/auto-sharding.md quotes it.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import graphddp
+from graphddp.models import MLP, TinyGPT
+from graphddp.plan.choose import TIE
+from graphddp.testing import spawn
+from tools.bench.netns import enter_emulated_link
+
+ENV = "GRAPHDDP_AUTO_IN_NETNS"
+
+
+def _models(batch: int) -> dict:
+    """name -> (make, example, loss of a model on a rank's step)."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(batch, 1024, generator=g), torch.randn(batch, 1024, generator=g)
+    tokens = torch.randint(0, 512, (batch // 16, 64), generator=g)
+    return {
+        "mlp 1024x6": (lambda: MLP(1024, 6, d_in=1024, d_out=1024), (x,), lambda m: F.mse_loss(m(x), y)),
+        "gpt 4x256": (lambda: TinyGPT(vocab=512, dim=256, heads=4, layers=4, seq=64), (tokens,),
+                      lambda m: F.cross_entropy(m(tokens).flatten(0, 1), tokens.flatten())),
+    }
+
+
+def _timed(fn) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def _rank(rank: int, world: int, steps: int, batch: int, backend: str) -> None:
+    torch.set_num_threads(1)
+    for name, (make, example, loss) in _models(batch).items():
+        torch.manual_seed(0)
+        base = make()
+        auto_model = copy.deepcopy(base)
+        chosen = graphddp.compile(auto_model, optimizer=torch.optim.AdamW(auto_model.parameters()), sharding="auto",
+                                  example=example, backend=backend).placement_choice
+        runs = {}
+        for c in chosen.candidates:
+            model = copy.deepcopy(base)
+            opt = torch.optim.AdamW(model.parameters())
+            runs[c.name] = (graphddp.compile(model, optimizer=opt, backend=backend, **dict(c.options)), opt)
+
+        def step(run) -> None:
+            loss(run[0]).backward()
+            run[1].step()
+            run[1].zero_grad()
+
+        times: dict[str, list[float]] = {n: [] for n in runs}
+        for i in range(steps + 2):
+            for n, run in runs.items():
+                t = _timed(lambda: step(run))
+                if i >= 2:
+                    times[n].append(t)
+        med = {n: statistics.median(v) for n, v in times.items()}
+        rows: list = [None] * world
+        dist.all_gather_object(rows, med)
+        if rank == 0:
+            slowest = {n: max(r[n] for r in rows) for n in med}
+            fastest = min(slowest.values())
+            print(f"\n{name}, {world} ranks, {backend}: {chosen.to_table().splitlines()[0]}")
+            print("| placement | predicted step ms | measured step ms | predicted peak MB | verdict |\n|---|---:|---:|---:|---|")
+            for c in chosen.candidates:
+                print(f"| {c.name} | {c.step_seconds * 1e3:.1f} | {slowest[c.name] * 1e3:.1f} | {c.peak_bytes / 2**20:.1f} | {c.verdict} |")
+            ok = slowest[chosen.chosen] <= fastest * (1 + TIE)
+            print(f"chosen {chosen.chosen}: measured {slowest[chosen.chosen] / fastest:.3f} x the fastest measured "
+                  f"({'within' if ok else 'NOT within'} {TIE:.0%})", flush=True)
+        del runs
+        dist.barrier()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--link-gbit", type=float, default=2.0)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--backend", default="aot_eager")
+    args = p.parse_args(argv)
+    entered = enter_emulated_link(sys.argv[1:] if argv is None else argv, "tools.auto_check", ENV, args.link_gbit)
+    if entered is not None:
+        return entered
+    print(f"emulated {args.link_gbit:g} Gbit/s link, one thread per rank, AdamW, medians of {args.steps} interleaved steps, the slower rank")
+    spawn(_rank, args.world, args.steps, args.batch, args.backend, timeout=3000.0, fresh=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
