@@ -191,22 +191,28 @@ def test_a_peer_dying_mid_backward_names_graph_and_bucket():
     spawn(_peer_dies_mid_backward, 2, timeout=120, pg_timeout=20)
 
 
-def _peer_stalls(rank: int, world: int) -> None:
+def _peer_stalls(rank: int, world: int, timed_out: str) -> None:
     ours = graphddp.compile(models.MLP(), backend="aot_eager", **CAPS)
     x = torch.randn(8, 16)
     if rank == 1:
-        time.sleep(8)  # longer than the 3 s collective timeout
+        # Stall, alive (a peer that exits is the dying case), until rank 0 has timed out (3 s
+        # collective timeout) and said so, not a fixed sleep that must outlast rank 0's compile.
+        deadline = time.monotonic() + 60
+        while not os.path.exists(timed_out) and time.monotonic() < deadline:
+            time.sleep(0.05)
         os._exit(0)
     with pytest.raises(graphddp.CollectiveError) as info:
         ours(x).sum().backward()
+    open(timed_out, "w").close()
     message = str(info.value)
     assert "graphddp" in message and "agreement" in message and "backward graph 0" in message, message
+    assert "Timed out" in message, f"the peer was alive: a timeout, not a closed connection: {message}"
     sys.stdout.flush()
     os._exit(0)
 
 
-def test_a_stalled_peer_times_out_with_a_graphddp_error():
-    spawn(_peer_stalls, 2, timeout=120, pg_timeout=3)
+def test_a_stalled_peer_times_out_with_a_graphddp_error(tmp_path):
+    spawn(_peer_stalls, 2, str(tmp_path / "timed_out"), timeout=120, pg_timeout=3)
 
 
 def _python_reducer_elsewhere(rank: int, world: int) -> None:
