@@ -15,7 +15,6 @@ import argparse
 import copy
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -26,6 +25,7 @@ from graphddp.models import MLP, TinyGPT
 from graphddp.plan.choose import TIE
 from graphddp.testing import spawn
 from tools.bench.netns import enter_emulated_link
+from tools.emulated_step import timed
 
 ENV = "GRAPHDDP_AUTO_IN_NETNS"
 
@@ -40,14 +40,6 @@ def _models(batch: int) -> dict:
         "gpt 4x256": (lambda: TinyGPT(vocab=512, dim=256, heads=4, layers=4, seq=64), (tokens,),
                       lambda m: F.cross_entropy(m(tokens).flatten(0, 1), tokens.flatten())),
     }
-
-
-def _timed(fn) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    dist.barrier()
-    return time.perf_counter() - start
 
 
 def _rank(rank: int, world: int, steps: int, batch: int, backend: str) -> None:
@@ -72,7 +64,7 @@ def _rank(rank: int, world: int, steps: int, batch: int, backend: str) -> None:
         times: dict[str, list[float]] = {n: [] for n in runs}
         for i in range(steps + 2):
             for n, run in runs.items():
-                t = _timed(lambda: step(run))
+                t = timed(lambda: step(run))
                 if i >= 2:
                     times[n].append(t)
         med = {n: statistics.median(v) for n, v in times.items()}

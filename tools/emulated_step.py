@@ -30,7 +30,8 @@ ENV = "GRAPHDDP_STEP_IN_NETNS"
 BACKEND = "aot_eager"
 
 
-def _timed(fn) -> float:
+def timed(fn) -> float:
+    """Seconds ``fn`` took on this rank, fenced by barriers so every rank times the same step."""
     dist.barrier()
     start = time.perf_counter()
     fn()
@@ -53,9 +54,9 @@ def _rank(rank: int, world: int, steps: int, width: int, depth: int, batch: int)
         forward(), backward(), step()
     times: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}
     for _ in range(steps):
-        times["forward"].append(_timed(forward))
-        times["backward"].append(_timed(backward))
-        times["step"].append(_timed(step))
+        times["forward"].append(timed(forward))
+        times["backward"].append(timed(backward))
+        times["step"].append(timed(step))
     med = {k: statistics.median(v) for k, v in times.items()}
     (schedule,) = ddp.schedules
     cost = schedule.cost_model
