@@ -134,3 +134,15 @@ def test_explain_chooses_as_a_run_would_and_its_schedules_carry_the_choice(capsy
     assert main(["explain", "examples/factories.py:mlp", "--sharding", "auto", "--optimizer", "AdamW", "--backend", "aot_eager",
                  "--world-size", "4"]) == 0
     assert "sharding='auto' chose" in capsys.readouterr().out
+
+
+def test_auto_weighs_a_hugging_face_model_from_its_keyword_batch():
+    import graphddp
+    from graphddp.models import tiny_hf_gpt2, tiny_hf_gpt2_batch
+
+    model, batch = tiny_hf_gpt2(), tiny_hf_gpt2_batch(0, 0)
+    trace = trace_model(model, batch, torch.optim.AdamW(model.parameters()), min_cut=False)
+    assert {s.param_name for g in trace.steps for s in g.backward.slots} == {n for n, _ in model.named_parameters()}
+    plans = graphddp.explain(model, batch["input_ids"], world_size=4, backend="aot_eager", sharding="auto", optimizer=torch.optim.AdamW)
+    peaks = {c.name: c.peak_bytes for c in plans[0].choice.candidates}
+    assert peaks["sharding='full'"] < peaks["sharding='optimizer'"] < peaks["replicated"]
