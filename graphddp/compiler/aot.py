@@ -9,11 +9,26 @@ through a :class:`Compiler`, now or at first use (a variant a step may never nee
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import inspect
 from typing import Any, Callable, Sequence
 
+import torch
 import torch.fx as fx
+
+# Each graphddp torch.compile counts its own recompiles (torch >= 2.13): by default every
+# torch.compile of the same code shares one recompile limit, so earlier compiles of the model's
+# class (explain's, auto's trace, another wrapper's) would push a later one into eager fallback.
+ISOLATED = {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
+
+
+def first_compile_shapes(dynamic: bool | None) -> contextlib.AbstractContextManager[Any]:
+    """A run's first compile of a model is static unless ``dynamic`` says otherwise; Dynamo would
+    make a later one dynamic where this process compiled the same code with other shapes before
+    (graphddp.explain's and the model trace's compiles must be the run's first)."""
+    return torch._dynamo.config.patch(automatic_dynamic_shapes=False) if dynamic is None else contextlib.nullcontext()
 
 
 @dataclasses.dataclass(frozen=True)

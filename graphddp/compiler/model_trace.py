@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import inspect
 import warnings
 from typing import Any, Iterator, Sequence
 
@@ -24,14 +23,12 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from graphddp.compiler.aot import ISOLATED, first_compile_shapes
 from graphddp.compiler.optimizer_probe import state_rules, step_workspace, update_workspace
 from graphddp.graph.capture import extract_facts, graph_nodes, names_by_identity, output_nodes, parameter_of_inputs
 from graphddp.graph.liveness import liveness, saved_storages, value_bytes
 from graphddp.plan.memory import GraphMemory, MemoryFacts, ParamFact
 from graphddp.plan.step import StepFacts
-
-_ISOLATED = {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
-
 
 @dataclasses.dataclass(frozen=True)
 class ModelTrace:
@@ -92,9 +89,8 @@ def trace_model(module: nn.Module, example: Any, optimizer: torch.optim.Optimize
     partitions by min-cut (inductor). Static sizes unless ``dynamic``, as a run's first compile
     has them, even where this process compiled the same code with other shapes before."""
     tracer = _Tracer(module)
-    compiled = torch.compile(module, backend=tracer, dynamic=dynamic, **_ISOLATED)
-    fresh = torch._dynamo.config.patch(automatic_dynamic_shapes=False) if dynamic is None else contextlib.nullcontext()
-    with torch.enable_grad(), _unchanged(module), fresh:
+    compiled = torch.compile(module, backend=tracer, dynamic=dynamic, **ISOLATED)
+    with torch.enable_grad(), _unchanged(module), first_compile_shapes(dynamic):
         call_example(compiled, example)
     if not tracer.graphs:
         raise ValueError("graphddp: the example traced no graph that computes a gradient; pass a batch the model trains on")

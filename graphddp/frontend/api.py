@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import warnings
 from typing import Any, Callable, Iterator, Mapping
 
@@ -12,6 +11,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
 
+from graphddp.compiler.aot import ISOLATED
 from graphddp.compiler.record import GraphRecord, graphs_of
 from graphddp.config import DDPConfig
 from graphddp.frontend.auto import choose_placement
@@ -22,10 +22,6 @@ from graphddp.frontend.wrap import ModelState, check_and_broadcast, check_module
 from graphddp.runtime.calibrate import resolve_cost
 from graphddp.values.choice import PlacementChoice
 
-# Each wrapper counts its own recompiles (torch >= 2.13): by default every torch.compile of the
-# same code shares one recompile limit, so earlier compiles of the model's class (explain's,
-# another wrapper's) would push this one into eager fallback.
-_ISOLATED = {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
 _OUTER_COMPILE = (
     "a graphddp module compiles itself: an outer torch.compile (or .compile()) runs it as it is "
     "and its backend, mode and options do not apply; pass mode=/options= to graphddp.compile, or "
@@ -163,7 +159,7 @@ class GraphDDP(ModelView, nn.Module):
         config = state.config
         # Stored outside the module registry so parameters are not listed twice.
         object.__setattr__(
-            self, "_compiled", torch.compile(module, backend=state.compile_graph, fullgraph=config.fullgraph, dynamic=config.dynamic, **_ISOLATED)
+            self, "_compiled", torch.compile(module, backend=state.compile_graph, fullgraph=config.fullgraph, dynamic=config.dynamic, **ISOLATED)
         )
 
     @torch._dynamo.disable(reason=_OUTER_COMPILE)
@@ -203,19 +199,24 @@ def build_state(
     if example is not None and config.sharding != "auto":
         raise ValueError(f"{where}: example= is what sharding='auto' chooses from; without it, leave example= out")
     groups = resolve_mesh(where, device_mesh, process_group, config.sharding)
+    auto = config.sharding == "auto"
     check_optimizer(where, config, optimizer)
-    mode = FullyShardedState if config.sharding == "full" else Replica
-    checked = mode.checked_optimizer(where, module, config, optimizer) if config.sharding != "auto" else None
+    mode, checked = (None, None) if auto else _mode(where, module, config, optimizer)
     device = check_and_broadcast(where, module, groups.whole, config)
     choice = None
-    if config.sharding == "auto":
+    if auto:  # the chosen mode's checks run after the broadcast: every rank chose the same, so every rank fails alike
         config, choice = choose_placement(where, module, groups, optimizer, config, example, device)
         check_optimizer(where, config, optimizer)
-        mode = FullyShardedState if config.sharding == "full" else Replica
-        checked = mode.checked_optimizer(where, module, config, optimizer)
+        mode, checked = _mode(where, module, config, optimizer)
     state = mode(module, groups, resolve_cost(config, groups.whole, device), checked)
     state.choice = choice
     return state
+
+
+def _mode(where: str, module: nn.Module, config: DDPConfig, optimizer: Any) -> tuple[type[ModelState], Any]:
+    """The state class of ``config``'s placement and ``optimizer`` as that class keeps it."""
+    mode = FullyShardedState if config.sharding == "full" else Replica
+    return mode, mode.checked_optimizer(where, module, config, optimizer)
 
 
 def compile(  # noqa: A001 - mirrors torch.compile

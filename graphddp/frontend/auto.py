@@ -56,7 +56,7 @@ def choose_placement(
     choice = choose(candidates, predict, budget)
     _check_agreed(choice, groups.whole)
     options = {"gather": "backward", "reshard_after_forward": None, **choice.options()}
-    return dataclasses.replace(config, memory_budget=None, cost=config.cost, **options), choice
+    return dataclasses.replace(config, memory_budget=None, **options), choice
 
 
 def _itemsize(dtype: str) -> int:

@@ -23,6 +23,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._pytree import tree_leaves
 
+from graphddp.compiler.aot import first_compile_shapes
 from graphddp.compiler.model_trace import trace_model
 from graphddp.config import DDPConfig
 from graphddp.frontend.api import compile as compile_ddp
@@ -97,10 +98,7 @@ def explain(
     if optimizer is not None and not callable(optimizer):
         raise ValueError(f"graphddp.explain: optimizer= makes the optimizer from parameters (e.g. torch.optim.AdamW), got {optimizer!r}")
     config = DDPConfig.from_options("graphddp.explain", options)  # bad options fail before any tracing
-    # A run's first compile of the model is static unless dynamic= says otherwise; Dynamo would
-    # make this one dynamic where this process compiled the same code with other shapes before.
-    fresh = torch._dynamo.config.patch(automatic_dynamic_shapes=False) if config.dynamic is None else contextlib.nullcontext()
-    with fake_process_group(world_size), standing_in(dist.group.WORLD), fresh:
+    with fake_process_group(world_size), standing_in(dist.group.WORLD), first_compile_shapes(config.dynamic):
         copied = copy.deepcopy(model)
         opt = _optimizer(copied, optimizer, config.sharding in ("optimizer", "full") or config.max_grad_norm is not None)
         mesh = init_device_mesh("cpu", tuple(device_mesh), mesh_dim_names=("replicate", "shard")) if device_mesh is not None else None

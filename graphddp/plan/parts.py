@@ -31,7 +31,7 @@ nothing (one rank: nothing is sent) or too little for the fixed time to matter, 
 :data:`MAX_CAP_BYTES`.
 
 Why a ceiling. Each rank holds the gathered buckets in flight (the one being read and those
-issued ahead of it, :data:`graphddp.graph.part_collectives.PREFETCH`): the cap is what full
+issued ahead of it, :data:`PREFETCH`): the cap is what full
 sharding adds to a rank's memory beyond its parts, so it stays bounded whatever the link.
 25 MB is DDP's bucket, and about FSDP2's unit on the models users shard with it (one GPT-2
 block of dim 768 is 28 MB in fp32). The floor (:data:`MIN_CAP_BYTES`) keeps a cap from
@@ -48,6 +48,11 @@ from graphddp.values.part_schedule import PartBucket, PartCap, PartCollective, P
 from graphddp.values.placement import Placement, flat
 from graphddp.values.prediction import CostModel
 
+# Gather buckets in flight ahead of the one being read. Two: with one the forward is link-bound
+# throughout, and three is slower (figures: docs/full-sharding.md, "Two gather buckets ahead"). The
+# first two go out in bucket order (graph.part_collectives), or bucket 0 waits behind bucket 1.
+# Each one more holds one more bucket's gathered bytes (the ceiling below: 25 MB).
+PREFETCH = 2
 MAX_CAP_BYTES = 25 * MB
 MIN_CAP_BYTES = MB // 4
 

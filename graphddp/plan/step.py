@@ -32,14 +32,12 @@ from typing import Sequence
 from graphddp.config import DDPConfig
 from graphddp.plan.cost import compute_timeline, simulate
 from graphddp.plan.greedy import bucket_by_size
-from graphddp.plan.parts import planned_cap_bytes
+from graphddp.plan.parts import PREFETCH, planned_cap_bytes
 from graphddp.plan.planner import plan, with_sharding
 from graphddp.values.placement import Placement, flat
 from graphddp.values.prediction import CostModel
 from graphddp.values.schedule import GradSlot, GraphFacts, NodeFact
 
-PREFETCH = 2  # full sharding's gathers issued ahead of the one being read (graph.part_collectives')
-BYTES_PER_STATE_ENTRY = 8  # an update reads and writes each proportional state tensor (fp32)
 
 
 @dataclasses.dataclass(frozen=True)
