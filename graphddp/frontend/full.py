@@ -31,7 +31,7 @@ from graphddp.config import DDPConfig
 from graphddp.frontend.mesh import MeshGroups
 from graphddp.frontend.parts import Part, install_whole_state_dicts, optimizer_parts, repoint_optimizer, shard_parameters
 from graphddp.frontend.wrap import ModelState
-from graphddp.graph.part_collectives import PREFETCH
+from graphddp.plan.parts import PREFETCH
 from graphddp.optim import clip, guards
 from graphddp.runtime import agree
 from graphddp.runtime.sync import broadcast_tensors

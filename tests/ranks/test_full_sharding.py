@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import graphddp
 from graphddp import models
-from graphddp.graph.part_collectives import PREFETCH
+from graphddp.plan.parts import PREFETCH
 from graphddp.runtime.agree import ScheduleMismatchError
 from graphddp.testing import spawn
 from graphddp.values.prediction import CostModel

@@ -105,7 +105,7 @@ def test_explain_names_a_bad_optimizer():
 def test_the_table_says_how_far_ahead_gathers_are_issued_not_a_count_of_buckets():
     """One gather bucket in the listing: the head line names the prefetch depth as a depth, and the
     count of gather buckets only where the listing counts them."""
-    from graphddp.graph.part_collectives import PREFETCH
+    from graphddp.plan.parts import PREFETCH
 
     torch.manual_seed(0)
     mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import graphddp
 from graphddp.graph.capture import ancestors
-from graphddp.graph.part_collectives import PREFETCH
+from graphddp.plan.parts import PREFETCH
 from graphddp.graph.reshard import kept_gathered_bytes
 from graphddp.graph.verify import check_part_collectives, check_part_updates
 from graphddp.graph.verify_common import VerificationError
