@@ -4,10 +4,13 @@
 whose loopback tbf limits to ``--link-gbit`` (:mod:`tools.bench.netns`, the benchmark's link).
 For each model, every rank wraps one copy with ``sharding="auto"`` (the cost model calibrated on
 the group at wrap time, no memory budget) and one copy per candidate placement with its options
-given, all with AdamW, then trains the candidates step by step, interleaved, each step fenced by
-barriers. Rank 0 prints, per placement, the predicted step and peak (from the choice) next to
-the slower rank's median step measured, and whether the chosen placement's measured step is
-within 5% of the fastest measured. docs/auto-sharding.md quotes it.
+given, all with AdamW, then trains the candidates in blocks of ``--block`` steps, interleaved,
+each block fenced by barriers (a step's collectives left in flight, as ``gather="forward"``
+leaves its all-gathers, overlap the next step as in a training loop; only the block's last waits
+at the fence). Rank 0 prints, per placement, the predicted step, its forward and backward, and
+peak (from the choice) next to the slower rank's median step measured (a block's time over its
+steps) and rank 0's mean forward and backward, and whether the chosen placement's measured step
+is within 5% of the fastest measured. docs/auto-sharding.md quotes it.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import argparse
 import copy
 import statistics
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -42,7 +46,7 @@ def _models(batch: int) -> dict:
     }
 
 
-def _rank(rank: int, world: int, steps: int, batch: int, backend: str) -> None:
+def _rank(rank: int, world: int, steps: int, block: int, batch: int, backend: str) -> None:
     torch.set_num_threads(1)
     for name, (make, example, loss) in _models(batch).items():
         torch.manual_seed(0)
@@ -56,17 +60,29 @@ def _rank(rank: int, world: int, steps: int, batch: int, backend: str) -> None:
             opt = torch.optim.AdamW(model.parameters())
             runs[c.name] = (graphddp.compile(model, optimizer=opt, backend=backend, **dict(c.options)), opt)
 
-        def step(run) -> None:
-            loss(run[0]).backward()
-            run[1].step()
-            run[1].zero_grad()
-
+        # per placement: each timed block's seconds per step, and rank 0's forward and backward seconds per step
         times: dict[str, list[float]] = {n: [] for n in runs}
-        for i in range(steps + 2):
-            for n, run in runs.items():
-                t = timed(lambda: step(run))
+        phases = {n: [0.0, 0.0] for n in runs}
+
+        def steps_of(n: str) -> None:
+            model, opt = runs[n]
+            for _ in range(block):
+                start = time.perf_counter()
+                out = loss(model)
+                middle = time.perf_counter()
+                out.backward()
+                phases[n][0] += middle - start
+                phases[n][1] += time.perf_counter() - middle
+                opt.step()
+                opt.zero_grad()
+
+        for i in range(steps + 2):  # two blocks of warm-up (the compiles), then the measured ones
+            if i == 2:
+                phases = {n: [0.0, 0.0] for n in runs}
+            for n in runs:
+                t = timed(lambda: steps_of(n))
                 if i >= 2:
-                    times[n].append(t)
+                    times[n].append(t / block)
         med = {n: statistics.median(v) for n, v in times.items()}
         rows: list = [None] * world
         dist.all_gather_object(rows, med)
@@ -74,13 +90,16 @@ def _rank(rank: int, world: int, steps: int, batch: int, backend: str) -> None:
             slowest = {n: max(r[n] for r in rows) for n in med}
             fastest = min(slowest.values())
             print(f"\n{name}, {world} ranks, {backend}: {chosen.to_table().splitlines()[0]}")
-            print("| placement | predicted step ms | measured step ms | predicted peak MB | verdict |\n|---|---:|---:|---:|---|")
+            print("| placement | predicted step ms | measured step ms | predicted fwd / bwd ms | rank 0's fwd / bwd ms "
+                  "| predicted peak MB | verdict |\n|---|---:|---:|---:|---:|---:|---|")
             for c in chosen.candidates:
-                print(f"| {c.name} | {c.step_seconds * 1e3:.1f} | {slowest[c.name] * 1e3:.1f} | {c.peak_bytes / 2**20:.1f} | {c.verdict} |")
+                fwd, bwd = (x / (steps * block) * 1e3 for x in phases[c.name])
+                print(f"| {c.name} | {c.step_seconds * 1e3:.1f} | {slowest[c.name] * 1e3:.1f} | {c.forward_seconds * 1e3:.1f} / "
+                      f"{c.backward_seconds * 1e3:.1f} | {fwd:.1f} / {bwd:.1f} | {c.peak_bytes / 2**20:.1f} | {c.verdict} |")
             ok = slowest[chosen.chosen] <= fastest * (1 + TIE)
             print(f"chosen {chosen.chosen}: measured {slowest[chosen.chosen] / fastest:.3f} x the fastest measured "
                   f"({'within' if ok else 'NOT within'} {TIE:.0%})", flush=True)
-        del runs
+        runs.clear()
         dist.barrier()
 
 
@@ -88,15 +107,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--link-gbit", type=float, default=2.0)
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=10, help="blocks measured per placement")
+    p.add_argument("--block", type=int, default=3, help="steps per timed block")
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--backend", default="aot_eager")
     args = p.parse_args(argv)
     entered = enter_emulated_link(sys.argv[1:] if argv is None else argv, "tools.auto_check", ENV, args.link_gbit)
     if entered is not None:
         return entered
-    print(f"emulated {args.link_gbit:g} Gbit/s link, one thread per rank, AdamW, medians of {args.steps} interleaved steps, the slower rank")
-    spawn(_rank, args.world, args.steps, args.batch, args.backend, timeout=3000.0, fresh=True)
+    print(f"emulated {args.link_gbit:g} Gbit/s link, one thread per rank, AdamW, medians of {args.steps} interleaved blocks "
+          f"of {args.block} steps, the slower rank")
+    spawn(_rank, args.world, args.steps, args.block, args.batch, args.backend, timeout=3000.0, fresh=True)
     return 0
 
 

@@ -109,6 +109,49 @@ def trace_model(module: nn.Module, example: Any, optimizer: torch.optim.Optimize
     return ModelTrace(steps, memory)
 
 
+def time_example(module: nn.Module, example: Any, repeats: int = 2) -> tuple[float, float]:
+    """Seconds of one eager forward of ``module`` on ``example`` and of its backward (the fastest of
+    ``repeats`` after a warm-up): what this rank's cores take for the model's ops, which node
+    estimates miss. The backward is taken by :func:`torch.autograd.grad` over the sum of every
+    floating output, so no ``.grad`` is written; buffers and random streams are put back."""
+    import time
+
+    params = [p for p in module.parameters() if p.requires_grad]
+    device = params[0].device if params else torch.device("cpu")
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    best = [float("inf"), float("inf")]
+    with torch.enable_grad(), _unchanged(module):
+        for i in range(repeats + 1):
+            sync()
+            start = time.perf_counter()
+            total = sum(t.float().sum() for t in _floating(call_example(module, example)) if t.requires_grad)
+            sync()
+            middle = time.perf_counter()
+            if isinstance(total, torch.Tensor):
+                torch.autograd.grad(total, params, allow_unused=True)
+            sync()
+            if i:
+                best = [min(best[0], middle - start), min(best[1], time.perf_counter() - middle)]
+    return best[0], best[1]
+
+
+def _floating(out: Any) -> Iterator[torch.Tensor]:
+    """The floating-point tensors of a model's output: a tensor, or inside mappings (a Hugging Face
+    output), sequences and dataclasses."""
+    if isinstance(out, torch.Tensor):
+        if out.is_floating_point():
+            yield out
+    elif isinstance(out, dict):
+        for v in out.values():
+            yield from _floating(v)
+    elif isinstance(out, (list, tuple)):
+        for v in out:
+            yield from _floating(v)
+    elif dataclasses.is_dataclass(out) and not isinstance(out, type):
+        for f in dataclasses.fields(out):
+            yield from _floating(getattr(out, f.name))
+
+
 @contextlib.contextmanager
 def _unchanged(module: nn.Module) -> Iterator[None]:
     """The trace's forward leaves no mark: the buffers it updates (BatchNorm's running

@@ -101,3 +101,32 @@ def update_workspace(optimizer: torch.optim.Optimizer | None) -> float:
     hyper = [torch.tensor(v, dtype=torch.float64) for v in hyper_values(optimizer.param_groups[0], rule)]
     gm = make_fx(lambda p, g, st, h: UPDATES[rule.kind](rule, p, g, st, h))(param, grad, state, hyper)
     return liveness(gm, ()).peak_outputs_freed / (_PROBE * param.element_size())
+
+
+_TIMED = 1 << 20  # elements the update is timed on: enough to run at the memory's speed, not the cache's
+
+
+def update_seconds_per_byte(optimizer: torch.optim.Optimizer | None, device: torch.device) -> float | None:
+    """graphddp's update inside the backward, op by op as aot_eager runs it, timed on one parameter
+    of ``_TIMED`` elements on ``device``: seconds per byte of parameter, the fastest of three after
+    a warm-up. None where the optimizer is not one graphddp updates inside."""
+    import time
+
+    from graphddp.optim.attached import SUPPORTED, UPDATES, _group_rule, fake_state, hyper_values
+
+    if optimizer is None or type(optimizer).__name__ not in SUPPORTED:
+        return None
+    rule = _group_rule(optimizer, 0)
+    param, grad = torch.zeros(_TIMED, device=device), torch.full((_TIMED,), 1e-3, device=device)
+    state = fake_state(rule, param, lambda: torch.zeros(_TIMED, device=device))
+    hyper = [torch.tensor(v, dtype=torch.float64) for v in hyper_values(optimizer.param_groups[0], rule)]
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    best = float("inf")
+    for i in range(4):
+        sync()
+        start = time.perf_counter()
+        UPDATES[rule.kind](rule, param, grad, state, hyper)
+        sync()
+        if i:
+            best = min(best, time.perf_counter() - start)
+    return best / (_TIMED * param.element_size())

@@ -17,12 +17,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from graphddp.compiler.model_trace import trace_model
+from graphddp.compiler.model_trace import time_example, trace_model
+from graphddp.compiler.optimizer_probe import update_seconds_per_byte
 from graphddp.config import DDPConfig
 from graphddp.frontend.mesh import MeshGroups
 from graphddp.plan.choose import choose, memory_placement, placements
 from graphddp.plan.memory import predict as predict_memory
-from graphddp.plan.step import predict_step
+from graphddp.plan.step import compute_scale, predict_step
 from graphddp.runtime.agree import max_over_ranks
 from graphddp.runtime.calibrate import calibrate
 from graphddp.values.choice import PlacementChoice
@@ -42,21 +43,35 @@ def choose_placement(
     trace = trace_model(module, example, optimizer, min_cut=config.backend == "inductor", dynamic=config.dynamic)
     placement = groups.placement
     world = dist.get_world_size(groups.whole)
+    compute, update_per_byte = (1.0, 1.0), None
+    if _times_the_model(config, groups.whole):
+        own = update_seconds_per_byte(optimizer, device or torch.device("cpu"))
+        measured = max_over_ranks([*time_example(module, example), own or 0.0], groups.whole, torch.float64)
+        compute = compute_scale(trace.steps, cost, (measured[0], measured[1]))
+        update_per_byte = float(f"{measured[2]:.2g}") if own is not None else None
     entries = max((r.per_element / _itemsize(r.dtype) for r in trace.memory.state), default=0.0)
 
-    def predict(options: dict[str, Any]) -> tuple[float, int, int]:
+    def predict(options: dict[str, Any]) -> tuple[float, int, int, float, float]:
         sharding, gather, reshard = options.get("sharding"), options.get("gather", "backward"), options.get("reshard_after_forward", True)
         step = predict_step(trace.steps, cost, world, sharding, gather=gather, reshard_after_forward=reshard, placement=placement,
-                            state_entries=entries)
+                            state_entries=entries, compute=compute, update_per_byte=update_per_byte)
         memory = predict_memory(trace.memory, memory_placement(sharding, gather, reshard, optimizer is not None), world,
                                 placement.shard.size if sharding else None)
-        return step.seconds, memory.peak, memory.between_steps
+        return step.seconds, memory.peak, memory.between_steps, step.forward, step.backward
 
     candidates = [c for c in placements(optimizer is not None) if not (placement.hybrid and c[0] == "replicated")]
     choice = choose(candidates, predict, budget)
     _check_agreed(choice, groups.whole)
     options = {"gather": "backward", "reshard_after_forward": None, **choice.options()}
     return dataclasses.replace(config, memory_budget=None, **options), choice
+
+
+def _times_the_model(config: DDPConfig, group: Any) -> bool:
+    """Whether the step's compute is measured on the model (:func:`time_example`) rather than only
+    estimated per node: where the cost model was measured on this machine (not given, not a fake
+    group's defaults) and the run's compiled code runs the traced ops one by one as an eager run
+    does (not inductor's fused kernels, which an eager run would overprice)."""
+    return config.cost is None and dist.get_backend(group) != "fake" and config.backend != "inductor"
 
 
 def _itemsize(dtype: str) -> int:

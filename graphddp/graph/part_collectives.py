@@ -47,13 +47,12 @@ from graphddp.graph.capture import ancestors
 from graphddp.graph.part_facts import ALL_GATHER, Pair, part_facts, part_gathers, part_input, reduce_scatters, wait_of
 from graphddp.graph.anchors import IssuePoints
 from graphddp.graph.trace import role, role_of, splice, trace
-from graphddp.plan.parts import PREFETCH, plan_part_buckets
+from graphddp.plan.parts import PREFETCH, SCATTER_LAG, plan_part_buckets
 from graphddp.values import collectives
 from graphddp.values.comm import CAST, ROLE_KEY, is_wait
 from graphddp.values.part_schedule import GATHER, REDUCE_SCATTER, PartBucket, PartCap, PartGraph
 from graphddp.values.placement import Placement, flat as flat_placement
 
-SCATTER_LAG = 1  # reduce-scatter buckets in flight behind the backward's compute
 
 
 def place_part_collectives(

@@ -44,11 +44,11 @@ def memory_placement(sharding: str | None, gather: str, reshard_after_forward: b
 
 
 def choose(
-    options: Sequence[tuple[str, tuple[tuple[str, Any], ...]]], predict: Callable[[dict[str, Any]], tuple[float, int, int]],
+    options: Sequence[tuple[str, tuple[tuple[str, Any], ...]]], predict: Callable[[dict[str, Any]], tuple[Any, ...]],
     budget_bytes: int | None,
 ) -> PlacementChoice:
     """Weigh each of ``options`` by ``predict(options) -> (step seconds, peak bytes, bytes held
-    between steps)`` and choose (module docstring). A budget no candidate fits is a ValueError
+    between steps[, forward seconds, backward seconds])`` and choose (module docstring). A budget no candidate fits is a ValueError
     naming the smallest predicted peak."""
     weighed = [Candidate(name, opts, *predict(dict(opts))) for name, opts in options]
     fits = [c for c in weighed if budget_bytes is None or c.peak_bytes <= budget_bytes]

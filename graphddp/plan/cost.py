@@ -7,7 +7,8 @@ timeline of one backward pass with its communication.
 * Communication: each bucket's collective kind (:mod:`graphddp.values.collectives`) on the ring; an
   all-reduce is ``2 (p-1) alpha + 2 (p-1)/p * bytes / bandwidth``.
 * Timeline: backward nodes run back to back on the compute lane, and issuing a collective
-  takes a fixed time there too; a bucket's all-reduce starts once its last gradient is
+  takes a fixed time there too, plus ``collective_host_share`` of its link time (on CPU ranks
+  the transport's threads share the compute's cores); a bucket's all-reduce starts once its last gradient is
   produced, its issue is done and the link is free (one bucket on the wire at a time).
   Whatever communication ends after the last compute node is *exposed*.
 * Sharded buckets (``Bucket.collective == "reduce_scatter"``): the reduce-scatter is the
@@ -37,11 +38,11 @@ import math
 from typing import Mapping, Sequence
 
 from graphddp.values.collectives import kind
-from graphddp.values.schedule import BucketTiming, CostModel, NodeFact, Schedule, Span, Timeline
+from graphddp.values.schedule import Bucket, BucketTiming, CostModel, NodeFact, Schedule, Span, Timeline
 
 # CostModel is a value type: it lives in graphddp.values.prediction (graphddp.values.schedule re-exports it)
 __all__ = [
-    "LATENCY_FLOOR_US", "CostModel", "agreement_seconds", "compute_timeline", "fit_link", "floor_latency", "link_noise",
+    "LATENCY_FLOOR_US", "CostModel", "agreement_seconds", "compute_timeline", "fit_link", "floor_latency", "host_seconds", "link_noise",
     "pays_agreement", "simulate",
 ]
 
@@ -62,15 +63,14 @@ def pays_agreement(schedule: Schedule) -> bool:
 
 def compute_timeline(
     nodes: Sequence[NodeFact], cost: CostModel, measured: Mapping[str, float] | None = None,
-    issued_after: Mapping[str, int] | None = None,
+    lane_after: Mapping[str, float] | None = None,
 ) -> tuple[list[Span], dict[str, float], float]:
     """The compute lane: compute nodes back to back, each at its measured time if ``measured``
-    has it, else ``cost``'s estimate; after a node, ``issued_after[node]`` collectives are
-    issued, each taking ``collective_overhead_us`` of the lane. Returns (spans, when each node
-    and the issues after it end, when the compute ends)."""
+    has it, else ``cost``'s estimate; after a node, ``lane_after[node]`` seconds of the lane
+    (the collectives issued there: :func:`host_seconds`). Returns (spans, when each node and the
+    issues after it end, when the compute ends)."""
     measured = measured or {}
-    issued_after = issued_after or {}
-    overhead = cost.collective_overhead_us * 1e-6
+    lane_after = lane_after or {}
     clock = 0.0
     finished: dict[str, float] = {}
     spans = []
@@ -79,7 +79,7 @@ def compute_timeline(
             seconds = measured.get(node.name, cost.compute_seconds(node.flops, node.nbytes))
             spans.append(Span(node.name, clock, clock + seconds))
             clock += seconds
-        clock += overhead * issued_after.get(node.name, 0)
+        clock += lane_after.get(node.name, 0.0)
         finished[node.name] = clock
     return spans, finished, clock
 
@@ -94,24 +94,18 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, measured: Mappin
     (several there: in issue order, the bucket ready when its own issue is done).
     """
     cost = cost or schedule.cost_model or CostModel()
-    issued: dict[str, int] = {}
-    for bucket in schedule.buckets:
-        issued[bucket.issue_after] = issued.get(bucket.issue_after, 0) + 1
-    spans, finished, clock = compute_timeline(schedule.nodes, cost, measured, issued)
-    overhead = cost.collective_overhead_us * 1e-6
+    links = [_link_seconds(schedule, bucket, cost) for bucket in schedule.buckets]
+    lane: dict[str, float] = {}
+    for bucket, seconds in zip(schedule.buckets, links):
+        lane[bucket.issue_after] = lane.get(bucket.issue_after, 0.0) + host_seconds(cost, seconds)
+    spans, finished, clock = compute_timeline(schedule.nodes, cost, measured, lane)
     link_free = 0.0
     timings = []
-    for bucket in schedule.buckets:
-        issued[bucket.issue_after] -= 1  # later buckets at the same node are issued after this one
-        ready = finished.get(bucket.issue_after, clock) - overhead * issued[bucket.issue_after]
+    for bucket, seconds in zip(schedule.buckets, links):
+        lane[bucket.issue_after] -= host_seconds(cost, seconds)  # later buckets at the same node are issued after this one
+        ready = finished.get(bucket.issue_after, clock) - lane[bucket.issue_after]
         start = max(ready, link_free)
-        placement = schedule.placement if bucket.collective == "reduce_scatter" else None
-        if placement is None:
-            end = start + kind(bucket.collective).seconds(cost, bucket.wire_nbytes, schedule.world_size)
-        else:  # its reduce-scatter (hybrid: and the part's all-reduce), the all-gather of its parts
-            end = start + placement.reduce_seconds(cost, bucket.wire_nbytes)
-            if bucket.gather != "forward":
-                end += placement.gather_seconds(cost, bucket.nbytes)
+        end = start + seconds
         link_free = end
         timings.append(BucketTiming(bucket.index, ready, start, end, bucket.wire_nbytes))
     step = max([clock] + [t.end for t in timings])
@@ -120,6 +114,24 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, measured: Mappin
     flat = cost.link(schedule.world_size)  # a topology's: the level a flat ring over the world crosses
     link = f"{flat.bandwidth_gbps:g} Gbit/s, {flat.latency_us:g} us"
     return Timeline(tuple(spans), tuple(timings), clock, step, link)
+
+
+def host_seconds(cost: CostModel, link_seconds: float) -> float:
+    """The compute lane's time for one collective on the link for ``link_seconds``: its issue,
+    and ``collective_host_share`` of its link time."""
+    return cost.collective_overhead_us * 1e-6 + cost.collective_host_share * link_seconds
+
+
+def _link_seconds(schedule: Schedule, bucket: Bucket, cost: CostModel) -> float:
+    """A bucket's time on the link: its collective, or, sharded, its reduce-scatter (hybrid: and
+    the part's all-reduce) and, unless deferred to the forward, the all-gather of its parts."""
+    placement = schedule.placement if bucket.collective == "reduce_scatter" else None
+    if placement is None:
+        return kind(bucket.collective).seconds(cost, bucket.wire_nbytes, schedule.world_size)
+    seconds = placement.reduce_seconds(cost, bucket.wire_nbytes)
+    if bucket.gather != "forward":
+        seconds += placement.gather_seconds(cost, bucket.nbytes)
+    return seconds
 
 
 def fit_link(nbytes: Sequence[int], seconds: Sequence[float], world_size: int, **rest: object) -> CostModel:

@@ -53,6 +53,7 @@ from graphddp.values.prediction import CostModel
 # first two go out in bucket order (graph.part_collectives), or bucket 0 waits behind bucket 1.
 # Each one more holds one more bucket's gathered bytes (the ceiling below: 25 MB).
 PREFETCH = 2
+SCATTER_LAG = 1  # reduce-scatter buckets in flight behind the backward's compute
 MAX_CAP_BYTES = 25 * MB
 MIN_CAP_BYTES = MB // 4
 

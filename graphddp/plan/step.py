@@ -6,20 +6,28 @@ the optimizer's share, not the model's compute: every placement's step is read o
 :class:`StepFacts` (one per Dynamo graph: the backward's nodes and gradients in production order,
 and the forward's compute nodes), with the collectives each placement would run.
 
-What a step counts, per graph: the forward's compute; the backward as the cost model's two lanes
-(compute, and one link where collectives run one at a time), each collective's issue taking
-``collective_overhead_us`` of the compute lane; the optimizer's update as a memory-bound pass
-over the parameters a rank updates (every one replicated, its parts sharded).
+What a step counts, per graph: the forward and the backward as the cost model's two lanes
+(compute, and one link where collectives run one at a time), each collective taking its issue and
+``collective_host_share`` of its link time from the compute lane
+(:func:`graphddp.plan.cost.host_seconds`); the optimizer's update over the parameters a rank
+updates (every one replicated, its parts sharded) on the backward's compute lane, each bucket's
+after its reduce, so that only the last bucket's is sure to be exposed.
 
 * Replicated and ``sharding="optimizer"``: the backward is :func:`graphddp.plan.cost.simulate` of
   the buckets the planner would make (``bucket_cap_mb="auto"``); with ``gather="forward"`` the
-  all-gathers of the updated parts run on the link during the next forward instead.
+  all-gathers of the updated parts are issued at the backward's end and each waited for where
+  the next forward first reads its bucket, which it reads in the reverse of the backward's order.
 * ``sharding="full"``: buckets by :func:`graphddp.plan.parts.planned_cap_bytes`. The forward reads
   the parameters in the reverse of their gradients' order, its compute spread over them by bytes;
   each bucket's all-gather is issued :data:`PREFETCH` buckets ahead and must end before its
   compute starts. The backward reduce-scatters each bucket once its last gradient is produced and,
   with ``reshard_after_forward``, gathers the bucket again before the compute that produces its
   gradients, as far ahead.
+
+Node estimates miss what a rank's cores really do with the model's ops (one thread, the other
+ranks' processes beside it): where the run's compute was measured (:func:`compute_scale`), each
+lane's compute is scaled by measured over estimated, the forward's and the backward's apart, and
+the update is the measured seconds per byte of graphddp's update (else a memory-bound pass).
 
 Not counted: the compiled code's own temporaries, the agreement (the same for every placement),
 and a GPU's launch gaps (what the host costs is ``collective_overhead_us`` and ``op_overhead_us``).
@@ -30,11 +38,13 @@ import dataclasses
 from typing import Sequence
 
 from graphddp.config import DDPConfig
-from graphddp.plan.cost import compute_timeline, simulate
+from graphddp.plan.cost import agreement_seconds, compute_timeline, host_seconds, pays_agreement
 from graphddp.plan.greedy import bucket_by_size
-from graphddp.plan.parts import PREFETCH, planned_cap_bytes
+from graphddp.plan.parts import PREFETCH, SCATTER_LAG, planned_cap_bytes
 from graphddp.plan.planner import plan, with_sharding
+from graphddp.values.collectives import kind
 from graphddp.values.placement import Placement, flat
+from graphddp.values.shards import GATHER_LAG
 from graphddp.values.prediction import CostModel
 from graphddp.values.schedule import GradSlot, GraphFacts, NodeFact
 
@@ -55,7 +65,7 @@ class StepPrediction:
     seconds: float
     forward: float
     backward: float
-    update: float
+    update: float  # inside the backward, each bucket's after its reduce: the last one's is exposed
     collectives: int  # per step: each costs the host its issue
 
     def to_dict(self) -> dict:
@@ -68,103 +78,172 @@ def update_seconds(nbytes: int, state_entries: int, cost: CostModel) -> float:
     return nbytes * (3 + 2 * state_entries) / (cost.memory_gbps * 1e9)
 
 
+def compute_scale(graphs: Sequence[StepFacts], cost: CostModel, measured: tuple[float, float]) -> tuple[float, float]:
+    """How many times the node estimates of ``graphs`` under ``cost`` the ``measured`` forward's and
+    backward's seconds are, to two significant figures (a rerun's noise then rarely moves it)."""
+    estimated = (sum(compute_timeline(g.forward, cost)[2] for g in graphs),
+                 sum(compute_timeline(g.backward.nodes, cost)[2] for g in graphs))
+    return tuple(float(f"{m / e:.2g}") if e > 0 and m > 0 else 1.0 for m, e in zip(measured, estimated))  # type: ignore[return-value]
+
+
 def predict_step(
     graphs: Sequence[StepFacts], cost: CostModel, world_size: int, sharding: str | None = None, *, gather: str = "backward",
     reshard_after_forward: bool = True, placement: Placement | None = None, state_entries: int = 0,
+    compute: tuple[float, float] = (1.0, 1.0), update_per_byte: float | None = None,
 ) -> StepPrediction:
     """The step of ``graphs`` on ``world_size`` ranks under ``sharding`` (None: replicated;
     ``"optimizer"``; ``"full"``), ``placement`` the parts' groups (default: over every rank).
-    ``state_entries``: the optimizer's state tensors per parameter (AdamW 2, SGD with momentum 1)."""
+    ``state_entries``: the optimizer's state tensors per parameter (AdamW 2, SGD with momentum 1);
+    ``compute``: :func:`compute_scale`'s factors for the forward's and the backward's compute;
+    ``update_per_byte``: the optimizer's step measured, seconds per byte of the parameters it
+    updates (else :func:`update_seconds`' memory-bound estimate)."""
     placement = placement or flat("", world_size)
+    lanes = (cost.scaled(1 / compute[0], 1.0), cost.scaled(1 / compute[1], 1.0))
     forward = backward = update = 0.0
     collectives = 0
     for graph in graphs:
-        fwd = compute_timeline(graph.forward, cost)[2]
         params = sum(s.nbytes for s in graph.backward.slots)
         share = params / placement.shard.size if sharding else params
-        update += update_seconds(share, state_entries, cost)
+        upd = share * update_per_byte if update_per_byte is not None else update_seconds(share, state_entries, cost)
         if sharding == "full":
-            fwd, bwd, count = _full(graph, cost, placement, reshard_after_forward)
+            fwd, bwd, count = _full(graph, lanes, placement, reshard_after_forward, upd)
         else:
-            fwd, bwd, count = _bucketed(graph, cost, world_size, sharding, gather, placement, fwd)
-        forward, backward, collectives = forward + fwd, backward + bwd, collectives + count
-    return StepPrediction(forward + backward + update, forward, backward, update, collectives)
+            fwd, bwd, count = _bucketed(graph, lanes, world_size, sharding, gather, placement, upd)
+        forward, backward, update, collectives = forward + fwd, backward + bwd, update + upd, collectives + count
+    return StepPrediction(forward + backward, forward, backward, update, collectives)
 
 
 def _bucketed(
-    graph: StepFacts, cost: CostModel, world_size: int, sharding: str | None, gather: str, placement: Placement, fwd: float,
+    graph: StepFacts, lanes: tuple[CostModel, CostModel], world_size: int, sharding: str | None, gather: str, placement: Placement,
+    update: float,
 ) -> tuple[float, float, int]:
-    """Replicated or ``sharding="optimizer"``: the planner's buckets, simulated; deferred gathers
-    (``gather="forward"``) run on the link while the next forward computes."""
+    """Replicated or ``sharding="optimizer"``: the planner's buckets on the backward's lanes.
+    Replicated buckets are waited for at the backward's end, each updated after its wait;
+    sharded ones :data:`GATHER_LAG` buckets later, each then updated and its all-gather issued.
+    Deferred gathers (``gather="forward"``) are issued at the backward's end, the bucket the
+    forward reads first (the last) first, and each waited for where its parameters are first read."""
+    cost = lanes[1]
     config = DDPConfig(cost=cost, sharding=sharding, gather=gather)
     schedule = plan(graph.backward, config, world_size=world_size, placement=placement if sharding else None)
     if sharding:
         schedule = with_sharding(schedule, {s.param_name for s in graph.backward.slots}, gather, placement)
-    backward = simulate(schedule, cost).step_seconds
-    count = len(schedule.buckets) * (1 + (sharding is not None) + (sharding is not None and placement.hybrid))
+    _, finished, end = compute_timeline(schedule.nodes, cost)
+    order = sorted(schedule.buckets, key=lambda b: finished.get(b.issue_after, end))
+    total = max(sum(b.nbytes for b in order), 1)
+    buckets = [_Bucket(
+        reduce=placement.reduce_seconds(cost, b.wire_nbytes) if sharding else kind(b.collective).seconds(cost, b.wire_nbytes, world_size),
+        gather=placement.gather_seconds(cost, b.nbytes) if sharding and gather == "backward" else 0.0,
+        update=update * b.nbytes / total,
+    ) for b in order]
+    backward = _backward_lane(_segments([finished.get(b.issue_after, end) for b in order], end), buckets, cost,
+                              GATHER_LAG if sharding else None)
+    if pays_agreement(schedule):
+        backward += agreement_seconds(cost, world_size)
+    count = len(order) * (1 + (sharding is not None) + (sharding is not None and placement.hybrid))
+    forward = compute_timeline(graph.forward, lanes[0])[2]
     if sharding and gather == "forward":
-        link = sum(placement.gather_seconds(cost, b.nbytes) for b in schedule.buckets)
-        fwd = max(fwd + len(schedule.buckets) * cost.collective_overhead_us * 1e-6, link)
-    return fwd, backward, count
+        sizes = [b.nbytes for b in reversed(order)]
+        forward = _gathered_lane([forward * n / total for n in sizes], sizes, cost, placement, prefetch=len(sizes))
+    return forward, backward, count
 
 
-def _full(graph: StepFacts, cost: CostModel, placement: Placement, reshard: bool) -> tuple[float, float, int]:
-    """``sharding="full"``: the forward's and the backward's two lanes (module docstring)."""
+def _full(
+    graph: StepFacts, lanes: tuple[CostModel, CostModel], placement: Placement, reshard: bool, update: float,
+) -> tuple[float, float, int]:
+    """``sharding="full"``: the forward's and the backward's lanes (module docstring), each
+    lane's compute under its cost model; each reduce-scatter waited :data:`SCATTER_LAG` buckets
+    later, its parts then updated."""
+    cost = lanes[1]
     slots = sorted(graph.backward.slots, key=lambda s: (s.position, s.output_index))
     total = sum(s.nbytes for s in slots)
     cap = planned_cap_bytes(cost, total, placement.shard.size, reshard, placement)
-    buckets = bucket_by_size(slots, key=lambda s: (s.dtype, s.device), nbytes=lambda s: s.nbytes, limit=lambda _: cap, consecutive=True)
-    sizes = [sum(s.nbytes for s in b) for b in buckets]
-    issue = cost.collective_overhead_us * 1e-6
-    fwd_compute = compute_timeline(graph.forward, cost)[2]
-    forward = _gathered_lane([fwd_compute * n / max(total, 1) for n in reversed(sizes)], list(reversed(sizes)), cost, placement, issue)
-    # The backward: compute segments end where each bucket's last gradient is produced.
+    groups = bucket_by_size(slots, key=lambda s: (s.dtype, s.device), nbytes=lambda s: s.nbytes, limit=lambda _: cap, consecutive=True)
+    sizes = [sum(s.nbytes for s in b) for b in groups]
+    fwd_compute = compute_timeline(graph.forward, lanes[0])[2]
+    forward = _gathered_lane([fwd_compute * n / max(total, 1) for n in reversed(sizes)], list(reversed(sizes)), cost, placement, PREFETCH)
     _, finished, end = compute_timeline(graph.backward.nodes, cost)
-    ready = [finished.get(_last(b).producer, end) for b in buckets]
-    segments = [r - p for r, p in zip(ready, [0.0] + ready[:-1])] + [end - (ready[-1] if ready else 0.0)]
-    backward = _backward_lane(segments, sizes, cost, placement, issue, reshard)
-    collectives = len(buckets) * (2 + reshard + placement.hybrid)
+    buckets = [_Bucket(placement.reduce_seconds(cost, n), 0.0, update * n / max(total, 1),
+                       placement.gather_seconds(cost, n) if reshard else 0.0) for n in sizes]
+    backward = _backward_lane(_segments([finished.get(_last(b).producer, end) for b in groups], end), buckets, cost, SCATTER_LAG)
+    collectives = len(groups) * (2 + reshard + placement.hybrid)
     return forward, backward, collectives
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bucket:
+    """One bucket on the backward's lanes: its link seconds (reduce; all-gather in the backward, 0
+    for none; gathered again before its gradients, 0 for none) and its update's compute seconds."""
+
+    reduce: float
+    gather: float
+    update: float
+    regather: float = 0.0
+
+
+def _segments(ready: list[float], end: float) -> list[float]:
+    """The compute between consecutive buckets' ready times, then after the last one's."""
+    return [r - p for r, p in zip(ready, [0.0] + ready[:-1])] + [end - (ready[-1] if ready else 0.0)]
 
 
 def _last(bucket: list[GradSlot]) -> GradSlot:
     return max(bucket, key=lambda s: (s.position, s.output_index))
 
 
-def _gathered_lane(compute: list[float], sizes: list[int], cost: CostModel, placement: Placement, issue: float) -> float:
-    """Compute segments, each needing its bucket gathered first; gathers issued ``PREFETCH``
-    segments ahead, one at a time on the link. Returns when the last segment ends."""
+def _gathered_lane(compute: list[float], sizes: list[int], cost: CostModel, placement: Placement, prefetch: int) -> float:
+    """Compute segments, each needing its bucket gathered first; gathers issued ``prefetch``
+    segments ahead, one at a time on the link, each costing the compute lane :func:`host_seconds`.
+    Returns when the last segment ends."""
     clock = link = 0.0
     ends: list[float] = []
+
+    def gather(nbytes: int) -> None:
+        nonlocal clock, link
+        seconds = placement.gather_seconds(cost, nbytes)
+        clock += host_seconds(cost, seconds)
+        link = max(link, clock) + seconds
+        ends.append(link)
+
     for i in range(len(sizes)):
-        if i == 0:
-            for j in range(min(PREFETCH + 1, len(sizes))):  # the first gathers, issued before any compute
-                clock += issue
-                link = max(link, clock) + placement.gather_seconds(cost, sizes[j])
-                ends.append(link)
-        elif i + PREFETCH < len(sizes):
-            clock += issue
-            link = max(link, clock) + placement.gather_seconds(cost, sizes[i + PREFETCH])
-            ends.append(link)
+        while len(ends) < min(i + prefetch + 1, len(sizes)):
+            gather(sizes[len(ends)])
         clock = max(clock, ends[i]) + compute[i]
     return clock
 
 
-def _backward_lane(segments: list[float], sizes: list[int], cost: CostModel, placement: Placement, issue: float, reshard: bool) -> float:
-    """The backward: segment ``i`` produces bucket ``i``'s gradients (with resharding, after its
-    parameters are gathered again), then its reduce-scatter is issued; the last segment is the
-    compute after the last gradient. Returns when both lanes are done."""
+def _backward_lane(segments: list[float], buckets: list[_Bucket], cost: CostModel, lag: int | None) -> float:
+    """The backward: segment ``i`` produces bucket ``i``'s gradients (after its parameters are
+    gathered again where it has a ``regather``, issued :data:`PREFETCH` buckets ahead), then its
+    reduce is issued; ``lag`` buckets later (None: after the last segment) it is waited for, its
+    update runs and its all-gather is issued. Each collective costs the compute lane
+    :func:`host_seconds`; one at a time on the link. Returns when both lanes are done."""
     clock = link = 0.0
-    gathered: list[float] = []
+    reduced: list[float] = []
+    regathered: list[float] = []
+
+    def issue(seconds: float) -> float:
+        nonlocal clock, link
+        clock += host_seconds(cost, seconds)
+        link = max(link, clock) + seconds
+        return link
+
+    def finish(j: int) -> None:
+        nonlocal clock
+        clock = max(clock, reduced[j]) + buckets[j].update
+        if buckets[j].gather:
+            issue(buckets[j].gather)
+
+    done = 0
     for i, seconds in enumerate(segments):
-        if reshard and i < len(sizes):
-            while len(gathered) <= min(i + PREFETCH, len(sizes) - 1):
-                clock += issue
-                link = max(link, clock) + placement.gather_seconds(cost, sizes[len(gathered)])
-                gathered.append(link)
-            clock = max(clock, gathered[i])
+        if i < len(buckets) and buckets[i].regather:
+            while len(regathered) <= min(i + PREFETCH, len(buckets) - 1):
+                regathered.append(issue(buckets[len(regathered)].regather))
+            clock = max(clock, regathered[i])
         clock += seconds
-        if i < len(sizes):
-            clock += issue
-            link = max(link, clock) + placement.reduce_seconds(cost, sizes[i])
+        if i < len(buckets):
+            reduced.append(issue(buckets[i].reduce))
+            if lag is not None and i >= lag:
+                finish(done)
+                done += 1
+    for j in range(done, len(buckets)):
+        finish(j)
     return max(clock, link)

@@ -4,7 +4,8 @@ It runs when a model is wrapped, where DDP's constructor talks to every rank too
 compiling (:mod:`graphddp.runtime.agree`). Every rank times blocking all-reduces of ``SIZES`` (the
 alpha-beta line through them, :func:`graphddp.plan.cost.fit_link`, unweighted so that the large
 sizes buckets have count most: a fit by relative error underprices the bandwidth,
-docs/auto-plan.md), the compute lane's cost of a collective (:func:`_collective_overhead_seconds`),
+docs/auto-plan.md), the compute lane's cost of a collective (:func:`_collective_overhead_seconds`)
+and, on the CPU, its share of a collective's link time (:func:`_host_share`),
 and a matmul, a copy and a one-element add on the model's device (the rates of node estimates).
 
 Each time is the fastest of its repeats, not their median (what disturbs a microbenchmark only
@@ -36,6 +37,7 @@ SIZES = (1 << 16, 1 << 20, 1 << 22)  # bytes per all-reduce: the range buckets s
 # (KEEP_WITHIN), few enough that a slow link calibrates in seconds (docs/auto-plan.md).
 REPEATS = 15
 COMPUTE_REPEATS = 15  # a few ms each; a busy machine's cores can run a matmul at two speeds by turns
+HOST_SHARE_REPEATS = 5  # each as long as the largest all-reduce, half again
 
 
 class Calibrations:
@@ -91,9 +93,10 @@ def calibrate(group: Any, device: torch.device | None = None) -> CostModel:
     else:
         issue_s, *allreduce = link
         fitted, noise = _fit_link(allreduce, world, group, device, sync)
+        share = _host_share(group, sync, allreduce[len(SIZES) - 1]) if device.type == "cpu" else 0.0
         model = CostModel(
             bandwidth_gbps=_round2(fitted.bandwidth_gbps), latency_us=_round2(fitted.latency_us),
-            collective_overhead_us=_round2(issue_s * 1e6), **rates, source=source + noise,
+            collective_overhead_us=_round2(issue_s * 1e6), collective_host_share=share, **rates, source=source + noise,
         )
     model = settle(model, key, group)
     CALIBRATIONS.put(key, model)
@@ -217,6 +220,38 @@ def _collective_overhead_seconds(group: Any, device: torch.device, sync: Callabl
     alone = _fastest_seconds(lambda: compute(False), sync, REPEATS, barrier)
     loaded = _fastest_seconds(lambda: compute(True), sync, REPEATS, barrier)
     return max(issue_s, (loaded - alone) / LOADED_COLLECTIVES)
+
+
+HOST_SHARE_STEP = 0.05  # the host share's granularity: a rerun's noise rarely moves it a step
+_SHARE_N = 256  # matmuls past the cache's size, as a model's are: a collective's copies slow them too
+
+
+def _host_share(group: Any, sync: Callable[[], None], allreduce_s: float) -> float:
+    """The share of a collective's link time its rank's compute loses on the CPU
+    (``CostModel.collective_host_share``): a block of matmuls half again as long as the largest
+    all-reduce of ``SIZES`` (``allreduce_s``), alone and with that all-reduce issued at its start;
+    what the block loses, over the all-reduce's time, in steps of :data:`HOST_SHARE_STEP`. The
+    small collectives' fixed cost (``collective_overhead_us``) is in what it loses too, a few
+    microseconds against milliseconds. Every rank takes the largest over ranks."""
+    a = torch.randn(_SHARE_N, _SHARE_N, generator=torch.Generator().manual_seed(2))  # not the user's generators
+    big = torch.zeros(SIZES[-1] // 4)
+    block_s = _fastest_seconds(lambda: a @ a, sync, COMPUTE_REPEATS)
+    count = max(1, math.ceil(1.5 * allreduce_s / max(block_s, 1e-7)))
+
+    def compute(collective: bool) -> None:
+        work = dist.all_reduce(big, group=group, async_op=True) if collective else None
+        for _ in range(count):
+            a @ a
+        if work is not None:
+            work.wait()
+
+    def barrier() -> None:
+        dist.barrier(group=group)
+
+    lost = _fastest_seconds(lambda: compute(True), sync, HOST_SHARE_REPEATS, barrier) - _fastest_seconds(
+        lambda: compute(False), sync, HOST_SHARE_REPEATS, barrier)
+    share = max_over_ranks([max(0.0, lost / allreduce_s)], group, torch.float64)[0]
+    return round(round(share / HOST_SHARE_STEP) * HOST_SHARE_STEP, 2)
 
 
 def _collective_seconds(nbytes: int, group: Any, device: torch.device, sync: Callable[[], None]) -> tuple[float, float]:

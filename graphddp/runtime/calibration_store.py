@@ -21,11 +21,13 @@ RECALIBRATE_ENV = "GRAPHDDP_RECALIBRATE"
 
 
 # A measurement within this factor of the stored one, in every number (microseconds with
-# US_SLACK added: tens of microseconds of latency are noise), keeps the stored one. 2x: the auto
-# plan holds up under a 1.5x error of the model (autoplan.SCENARIOS), two calibrations of one
-# loopback differ by about that much in bandwidth (docs/compile-cache.md), another link by far more.
+# US_SLACK added: tens of microseconds of latency are noise; the host share with SHARE_SLACK),
+# keeps the stored one. 2x: the auto plan holds up under a 1.5x error of the model
+# (autoplan.SCENARIOS), two calibrations of one loopback differ by about that much in bandwidth
+# (docs/compile-cache.md), another link by far more.
 KEEP_WITHIN = 2.0
 US_SLACK = 100.0
+SHARE_SLACK = 0.1  # added to the host share likewise: a tenth of a collective's time on the host is noise
 
 
 def settle(measured: CostModel, key: tuple[str, str, int, str], group: Any) -> CostModel:
@@ -83,6 +85,8 @@ def _close(stored: CostModel, measured: CostModel) -> bool:
             continue
         if name.endswith("_us"):
             a, b = a + US_SLACK, b + US_SLACK
+        elif name == "collective_host_share":
+            a, b = a + SHARE_SLACK, b + SHARE_SLACK
         if a <= 0 or b <= 0 or not (math.isfinite(a) and math.isfinite(b)) or max(a / b, b / a) > KEEP_WITHIN:
             return False
     return True

@@ -14,13 +14,15 @@ MB = 2**20
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """One placement weighed: the options it compiles with, its predicted step and memory per
-    rank (at the step's peak and between steps), and the verdict."""
+    rank (at the step's peak and between steps), the step's forward and backward, and the verdict."""
 
     name: str
     options: tuple[tuple[str, Any], ...]
     step_seconds: float
     peak_bytes: int
     between_bytes: int
+    forward_seconds: float = 0.0
+    backward_seconds: float = 0.0  # the optimizer's update inside it
     verdict: str = ""
 
 
@@ -42,10 +44,11 @@ class PlacementChoice:
 
     def to_table(self) -> str:
         budget = "no memory budget" if self.budget_bytes is None else f"memory budget {self.budget_bytes / MB:.1f} MB per rank"
-        head = f"  {'placement':<46} {'step ms':>9} {'peak MB':>9} {'held MB':>9}  verdict"
+        head = f"  {'placement':<46} {'step ms':>9} {'fwd ms':>8} {'bwd ms':>8} {'peak MB':>9} {'held MB':>9}  verdict"
         rows = [f"sharding='auto' chose {self.chosen} ({budget})", head, "  " + "-" * (len(head) - 2)]
         for c in self.candidates:
-            rows.append(f"  {c.name:<46} {c.step_seconds * 1e3:>9.3f} {c.peak_bytes / MB:>9.2f} {c.between_bytes / MB:>9.2f}  {c.verdict}")
+            rows.append(f"  {c.name:<46} {c.step_seconds * 1e3:>9.3f} {c.forward_seconds * 1e3:>8.2f} {c.backward_seconds * 1e3:>8.2f} "
+                        f"{c.peak_bytes / MB:>9.2f} {c.between_bytes / MB:>9.2f}  {c.verdict}")
         return "\n".join(rows)
 
     def __str__(self) -> str:

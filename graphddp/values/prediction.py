@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-_MAY_BE_ZERO = ("latency_us", "op_overhead_us", "collective_overhead_us", "inter_latency_us")
+_MAY_BE_ZERO = ("latency_us", "op_overhead_us", "collective_overhead_us", "collective_host_share", "inter_latency_us")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +31,9 @@ class CostModel:
     memory_gbps: float = 20.0  # memory bandwidth, gigabytes per second
     op_overhead_us: float = 2.0  # launch / dispatch cost per op
     collective_overhead_us: float = 20.0  # compute-lane time to issue and wait for one collective
+    # compute-lane seconds per second a collective is on the link: 0 where the transport runs beside
+    # the compute (a GPU's); on CPU ranks gloo's threads and the network stack share the compute's cores
+    collective_host_share: float = 0.0
     source: str = "given"
 
     def __post_init__(self) -> None:
@@ -64,8 +67,10 @@ class CostModel:
     def describe(self) -> str:
         """One line for tables and logs."""
         return (f"{self.bandwidth_gbps:.3g} Gbit/s, {self.latency_us:.3g} us per ring step, "
-                f"{self.compute_tflops:.3g} TFLOP/s, {self.memory_gbps:.3g} GB/s, {self.op_overhead_us:.3g} us per op, {self.collective_overhead_us:.3g} us per collective "
-                f"({self.source})")
+                f"{self.compute_tflops:.3g} TFLOP/s, {self.memory_gbps:.3g} GB/s, {self.op_overhead_us:.3g} us per op, "
+                f"{self.collective_overhead_us:.3g} us per collective"
+                + (f", {self.collective_host_share:.2g} of its link time on the host" if self.collective_host_share else "")
+                + f" ({self.source})")
 
     def ring_seconds(self, steps: int, wire_nbytes: float) -> float:
         """A ring collective of ``steps`` latency-bound steps that puts ``wire_nbytes`` on each

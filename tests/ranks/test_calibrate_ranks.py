@@ -119,14 +119,15 @@ LINK_S = [2.0e-5, 1.5e-3, 9.0e-3, 35.0e-3, 1.0e-5]  # issue; all-reduces of cali
 
 def _calibrate_world(compute_scale: float, link_scale: float) -> CostModel:
     """A fresh calibration of WORLD (the in-memory cache cleared: a restart) on fixed times."""
-    measure, link = calibrate._compute_times, calibrate._link_times
+    measure, link, share = calibrate._compute_times, calibrate._link_times, calibrate._host_share
     calibrate._compute_times = lambda *a: [t * compute_scale for t in COMPUTE_S]
     calibrate._link_times = lambda *a: [t * link_scale for t in LINK_S]
+    calibrate._host_share = lambda *a: 0.1
     calibrate.CALIBRATIONS.clear()
     try:
         return calibrate.calibrate(dist.group.WORLD)
     finally:
-        calibrate._compute_times, calibrate._link_times = measure, link
+        calibrate._compute_times, calibrate._link_times, calibrate._host_share = measure, link, share
 
 
 def _restarts(rank: int, world: int, dirs: list[str], empty: str) -> None:
@@ -168,17 +169,19 @@ BURN_S = 1e-3  # what each collective below takes from the compute lane
 def _collectives_that_take_the_core(rank: int, world: int) -> None:
     """Each asynchronous all-reduce of the measurement costs the rank's own thread BURN_S of
     busy work when waited (as gloo's threads take a rank's core where the ranks take them all),
-    while issuing it stays cheap: the calibrated cost per collective is the burn, not the issue."""
+    while issuing it stays cheap: the calibrated cost per collective is the burn, not the issue;
+    a large one's host share is its burn over its time on the link."""
     import time
 
     real = dist.all_reduce
+    burn_s = [BURN_S]
 
     class Burning:
         def __init__(self, work):
             self.work = work
 
         def wait(self):
-            end = time.perf_counter() + BURN_S
+            end = time.perf_counter() + burn_s[0]
             while time.perf_counter() < end:
                 pass
             return self.work.wait()
@@ -194,6 +197,26 @@ def _collectives_that_take_the_core(rank: int, world: int) -> None:
     finally:
         dist.all_reduce = real
     assert 0.9 * BURN_S <= issue_s <= 5 * BURN_S, issue_s
+
+    # The host share: an all-reduce said to take 20 ms on the link whose wait burns 10 ms of the
+    # rank's thread (and sends nothing: only what it takes from the compute is measured) costs
+    # half its time; one that burns nothing, none.
+    class Sent:
+        def wait(self):
+            end = time.perf_counter() + burn_s[0]
+            while time.perf_counter() < end:
+                pass
+
+    dist.all_reduce = lambda *args, **kwargs: Sent()
+    try:
+        burn_s[0] = 0.0
+        plain = calibrate._host_share(group, lambda: None, 20e-3)
+        burn_s[0] = 10e-3
+        burning = calibrate._host_share(group, lambda: None, 20e-3)
+    finally:
+        dist.all_reduce = real
+    assert plain <= 0.15 and 0.35 <= burning <= 0.7, (plain, burning)
+    assert abs(burning / calibrate.HOST_SHARE_STEP - round(burning / calibrate.HOST_SHARE_STEP)) < 1e-9  # in steps
 
 
 def test_a_collective_costs_what_it_takes_from_the_compute_beside_it():

@@ -8,10 +8,12 @@ import json
 import pytest
 import torch
 
-from graphddp.compiler.model_trace import trace_model
+from graphddp.compiler.model_trace import time_example, trace_model
+from graphddp.compiler.optimizer_probe import update_seconds_per_byte
 from graphddp.models import TinyGPT
 from graphddp.plan.choose import PLACEMENTS, TIE, choose, placements
-from graphddp.plan.step import predict_step
+from graphddp.plan.cost import host_seconds
+from graphddp.plan.step import _backward_lane, _Bucket, compute_scale, predict_step
 from graphddp.values.choice import PlacementChoice
 from graphddp.values.placement import Level, Placement
 from graphddp.values.prediction import CostModel
@@ -49,6 +51,48 @@ def test_each_placement_moves_what_it_should(gpt_facts):
     keep, reshard = _step(facts, sharding="full", reshard_after_forward=False), _step(facts, sharding="full")
     assert keep.backward < reshard.backward and keep.collectives < reshard.collectives
     assert reshard.forward > replicated.forward  # the forward waits for gathers
+
+
+def test_measured_compute_and_update_scale_what_they_measured(gpt_facts):
+    _, facts = gpt_facts
+    cost = CostModel(bandwidth_gbps=1e6, latency_us=0.0, collective_overhead_us=0.0)  # the step is compute and update
+    estimated = compute_scale(facts, cost, (1.0, 1.0))
+    forward, backward = (1.0 / f for f in estimated)  # the seconds the estimates give
+    factors = compute_scale(facts, cost, (2 * forward, 3 * backward))
+    assert factors == (2.0, 3.0)
+    base, scaled = (predict_step(facts, cost, 8, state_entries=2, compute=c) for c in ((1.0, 1.0), factors))
+    assert scaled.forward == pytest.approx(2 * base.forward, rel=0.05)
+    assert scaled.backward - scaled.update == pytest.approx(3 * (base.backward - base.update), rel=0.05)
+    params = sum(s.nbytes for s in facts[0].backward.slots)
+    assert _step(facts, 1e6, update_per_byte=1e-9).update == pytest.approx(params * 1e-9)
+
+
+def test_a_collectives_host_share_lengthens_the_compute_it_overlaps(gpt_facts):
+    _, facts = gpt_facts
+    cost = CostModel(bandwidth_gbps=50.0)
+    free, shared = (predict_step(facts, dataclasses.replace(cost, collective_host_share=s), 8) for s in (0.0, 0.5))
+    assert shared.backward > free.backward
+    assert host_seconds(dataclasses.replace(cost, collective_host_share=0.5), 0.01) == pytest.approx(0.005 + 20e-6)
+
+
+def test_a_sharded_bucket_waits_for_its_reduce_scatter_one_bucket_later():
+    """Replicated buckets are waited for at the backward's end, sharded ones a bucket later: the
+    compute after that wait stalls behind a slow reduce (one second of compute, a reduce of two
+    issued after each of two; then three seconds of compute)."""
+    free = CostModel(collective_overhead_us=0.0)
+    buckets = [_Bucket(reduce=2.0, gather=0.0, update=0.0)] * 2
+    assert _backward_lane([1.0, 1.0, 3.0], buckets, free, lag=None) == 5.0  # the waits at the end: the link's 5
+    assert _backward_lane([1.0, 1.0, 3.0], buckets, free, lag=1) == 6.0  # waited at 2 for the 3: 3 + 3
+    gathered = [_Bucket(reduce=2.0, gather=1.0, update=0.5)] * 2  # an update, then the all-gather on the link
+    assert _backward_lane([1.0, 1.0, 3.0], gathered, free, lag=1) == 3.0 + 0.5 + 3.0 + 0.5 + 1.0  # the last gather exposed
+
+
+def test_deferred_gathers_make_the_forward_wait_for_the_first_bucket_it_reads(gpt_facts):
+    _, facts = gpt_facts
+    step = _step(facts, 0.05, sharding="optimizer", gather="forward")
+    first = Placement(Level("", 8)).gather_seconds(CostModel(bandwidth_gbps=0.05), max(s.nbytes for s in facts[0].backward.slots))
+    compute = _step(facts, 1e6).forward
+    assert step.forward > compute + first * 0.9
 
 
 def test_full_sharding_pays_more_as_the_link_slows(gpt_facts):
@@ -100,6 +144,21 @@ def test_a_choice_round_trips_and_its_fingerprint_is_its_content():
     other = dataclasses.replace(choice, chosen="replicated")
     assert other.fingerprint() != choice.fingerprint()
     assert "sharding='auto' chose sharding='optimizer'" in choice.to_table()
+
+
+def test_the_timed_example_writes_no_gradient_and_leaves_buffers_and_random_streams():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2))
+    before = {n: b.clone() for n, b in model.named_buffers()}
+    x = torch.randn(16, 4)
+    state = torch.get_rng_state()
+    forward, backward = time_example(model, x)
+    assert forward > 0 and backward > 0
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(b, before[n]) for n, b in model.named_buffers())
+    assert torch.equal(torch.get_rng_state(), state)
+    model = torch.nn.Linear(4, 4)
+    assert update_seconds_per_byte(torch.optim.AdamW(model.parameters()), torch.device("cpu")) > 0
+    assert update_seconds_per_byte(torch.optim.LBFGS(model.parameters()), torch.device("cpu")) is None
 
 
 def test_the_planning_trace_leaves_buffers_and_random_streams_as_they_were():
