@@ -46,9 +46,11 @@ def _models(batch: int) -> dict:
     }
 
 
-def _rank(rank: int, world: int, steps: int, block: int, batch: int, backend: str) -> None:
+def _rank(rank: int, world: int, steps: int, block: int, batch: int, backend: str, only: str) -> None:
     torch.set_num_threads(1)
     for name, (make, example, loss) in _models(batch).items():
+        if only not in name:
+            continue
         torch.manual_seed(0)
         base = make()
         auto_model = copy.deepcopy(base)
@@ -111,13 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block", type=int, default=3, help="steps per timed block")
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--backend", default="aot_eager")
+    p.add_argument("--only", default="", help="the models whose name contains this (mlp, gpt)")
     args = p.parse_args(argv)
     entered = enter_emulated_link(sys.argv[1:] if argv is None else argv, "tools.auto_check", ENV, args.link_gbit)
     if entered is not None:
         return entered
     print(f"emulated {args.link_gbit:g} Gbit/s link, one thread per rank, AdamW, medians of {args.steps} interleaved blocks "
           f"of {args.block} steps, the slower rank")
-    spawn(_rank, args.world, args.steps, args.block, args.batch, args.backend, timeout=3000.0, fresh=True)
+    spawn(_rank, args.world, args.steps, args.block, args.batch, args.backend, args.only, timeout=3000.0, fresh=True)
     return 0
 
 

@@ -37,6 +37,7 @@ class ModelTrace:
 
     steps: tuple[StepFacts, ...]
     memory: MemoryFacts
+    measured: tuple[float, float] | None = None  # seconds of the traced forward and backward, when timed
 
 
 def call_example(module: Any, example: Any) -> Any:
@@ -84,14 +85,17 @@ class _Tracer:
 
 
 def trace_model(module: nn.Module, example: Any, optimizer: torch.optim.Optimizer | None, min_cut: bool,
-                dynamic: bool | None = None) -> ModelTrace:
+                dynamic: bool | None = None, timed: bool = False) -> ModelTrace:
     """The trace of ``module`` on ``example`` (module docstring); ``min_cut``: the run's backend
     partitions by min-cut (inductor). Static sizes unless ``dynamic``, as a run's first compile
-    has them, even where this process compiled the same code with other shapes before."""
+    has them, even where this process compiled the same code with other shapes before. ``timed``:
+    the traced code's forward and backward are timed too (:func:`time_example`), as AOTAutograd's
+    runtime runs the graphs op by op, which is what an ``aot_eager`` run's compute costs."""
     tracer = _Tracer(module)
     compiled = torch.compile(module, backend=tracer, dynamic=dynamic, **ISOLATED)
     with torch.enable_grad(), _unchanged(module), first_compile_shapes(dynamic):
         call_example(compiled, example)
+        measured = time_example(compiled, example, module) if timed else None
     if not tracer.graphs:
         raise ValueError("graphddp: the example traced no graph that computes a gradient; pass a batch the model trains on")
     runs = [(g, g.min_cut if min_cut else g.default) for g in tracer.graphs]
@@ -106,14 +110,15 @@ def trace_model(module: nn.Module, example: Any, optimizer: torch.optim.Optimize
         graphs=tuple(_graph_memory(*pair, g.params) for g, pair in runs),
         recomputed=tuple(_graph_memory(*g.min_cut, g.params) for g in tracer.graphs),
     )
-    return ModelTrace(steps, memory)
+    return ModelTrace(steps, memory, measured)
 
 
-def time_example(module: nn.Module, example: Any, repeats: int = 2) -> tuple[float, float]:
-    """Seconds of one eager forward of ``module`` on ``example`` and of its backward (the fastest of
-    ``repeats`` after a warm-up): what this rank's cores take for the model's ops, which node
-    estimates miss. The backward is taken by :func:`torch.autograd.grad` over the sum of every
-    floating output, so no ``.grad`` is written; buffers and random streams are put back."""
+def time_example(run: Any, example: Any, module: nn.Module, repeats: int = 2) -> tuple[float, float]:
+    """Seconds of one forward of ``run`` (``module`` or a compiled form of it) on ``example`` and
+    of its backward (the fastest of ``repeats`` after a warm-up): what this rank's cores take for
+    the model's ops, which node estimates miss. The backward is taken by
+    :func:`torch.autograd.grad` over the sum of every floating output, so no ``.grad`` is written;
+    buffers and random streams are put back."""
     import time
 
     params = [p for p in module.parameters() if p.requires_grad]
@@ -124,7 +129,7 @@ def time_example(module: nn.Module, example: Any, repeats: int = 2) -> tuple[flo
         for i in range(repeats + 1):
             sync()
             start = time.perf_counter()
-            total = sum(t.float().sum() for t in _floating(call_example(module, example)) if t.requires_grad)
+            total = sum(t.float().sum() for t in _floating(call_example(run, example)) if t.requires_grad)
             sync()
             middle = time.perf_counter()
             if isinstance(total, torch.Tensor):

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from graphddp.compiler.model_trace import time_example, trace_model
+from graphddp.compiler.model_trace import trace_model
 from graphddp.compiler.optimizer_probe import update_seconds_per_byte
 from graphddp.config import DDPConfig
 from graphddp.frontend.mesh import MeshGroups
@@ -40,13 +40,15 @@ def choose_placement(
                          "inputs, a dict of keyword inputs, or one input): the choice is made from a trace of it")
     cost = config.cost or calibrate(groups.whole, device)
     budget = _budget(config.memory_budget, device, groups.whole)
-    trace = trace_model(module, example, optimizer, min_cut=config.backend == "inductor", dynamic=config.dynamic)
+    timed = _times_the_model(config, groups.whole)
+    trace = trace_model(module, example, optimizer, min_cut=config.backend == "inductor", dynamic=config.dynamic, timed=timed)
     placement = groups.placement
     world = dist.get_world_size(groups.whole)
     compute, update_per_byte = (1.0, 1.0), None
-    if _times_the_model(config, groups.whole):
+    if timed:
+        assert trace.measured is not None
         own = update_seconds_per_byte(optimizer, device or torch.device("cpu"))
-        measured = max_over_ranks([*time_example(module, example), own or 0.0], groups.whole, torch.float64)
+        measured = max_over_ranks([*trace.measured, own or 0.0], groups.whole, torch.float64)
         compute = compute_scale(trace.steps, cost, (measured[0], measured[1]))
         update_per_byte = float(f"{measured[2]:.2g}") if own is not None else None
     entries = max((r.per_element / _itemsize(r.dtype) for r in trace.memory.state), default=0.0)
@@ -67,7 +69,8 @@ def choose_placement(
 
 
 def _times_the_model(config: DDPConfig, group: Any) -> bool:
-    """Whether the step's compute is measured on the model (:func:`time_example`) rather than only
+    """Whether the step's compute is measured on the traced model
+    (:func:`graphddp.compiler.model_trace.time_example`) rather than only
     estimated per node: where the cost model was measured on this machine (not given, not a fake
     group's defaults) and the run's compiled code runs the traced ops one by one as an eager run
     does (not inductor's fused kernels, which an eager run would overprice)."""

@@ -151,7 +151,7 @@ def test_the_timed_example_writes_no_gradient_and_leaves_buffers_and_random_stre
     before = {n: b.clone() for n, b in model.named_buffers()}
     x = torch.randn(16, 4)
     state = torch.get_rng_state()
-    forward, backward = time_example(model, x)
+    forward, backward = time_example(model, x, model)
     assert forward > 0 and backward > 0
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(b, before[n]) for n, b in model.named_buffers())
