@@ -106,24 +106,25 @@ def predict_step(
         share = params / placement.shard.size if sharding else params
         upd = share * update_per_byte if update_per_byte is not None else update_seconds(share, state_entries, cost)
         if sharding == "full":
-            fwd, bwd, count = _full(graph, lanes, placement, reshard_after_forward, upd)
+            fwd, bwd, count = _full(graph, cost, lanes, placement, reshard_after_forward, upd)
         else:
-            fwd, bwd, count = _bucketed(graph, lanes, world_size, sharding, gather, placement, upd)
+            fwd, bwd, count = _bucketed(graph, cost, lanes, world_size, sharding, gather, placement, upd)
         forward, backward, update, collectives = forward + fwd, backward + bwd, update + upd, collectives + count
     return StepPrediction(forward + backward, forward, backward, update, collectives)
 
 
 def _bucketed(
-    graph: StepFacts, lanes: tuple[CostModel, CostModel], world_size: int, sharding: str | None, gather: str, placement: Placement,
-    update: float,
+    graph: StepFacts, planned: CostModel, lanes: tuple[CostModel, CostModel], world_size: int, sharding: str | None, gather: str,
+    placement: Placement, update: float,
 ) -> tuple[float, float, int]:
     """Replicated or ``sharding="optimizer"``: the planner's buckets on the backward's lanes.
     Replicated buckets are waited for at the backward's end, each updated after its wait;
     sharded ones :data:`GATHER_LAG` buckets later, each then updated and its all-gather issued.
     Deferred gathers (``gather="forward"``) are issued at the backward's end, the bucket the
-    forward reads first (the last) first, and each waited for where its parameters are first read."""
+    forward reads first (the last) first, and each waited for where its parameters are first read.
+    The buckets are those a run plans with ``planned``, the cost model the run has."""
     cost = lanes[1]
-    config = DDPConfig(cost=cost, sharding=sharding, gather=gather)
+    config = DDPConfig(cost=planned, sharding=sharding, gather=gather)
     schedule = plan(graph.backward, config, world_size=world_size, placement=placement if sharding else None)
     if sharding:
         schedule = with_sharding(schedule, {s.param_name for s in graph.backward.slots}, gather, placement)
@@ -148,7 +149,7 @@ def _bucketed(
 
 
 def _full(
-    graph: StepFacts, lanes: tuple[CostModel, CostModel], placement: Placement, reshard: bool, update: float,
+    graph: StepFacts, planned: CostModel, lanes: tuple[CostModel, CostModel], placement: Placement, reshard: bool, update: float,
 ) -> tuple[float, float, int]:
     """``sharding="full"``: the forward's and the backward's lanes (module docstring), each
     lane's compute under its cost model; each reduce-scatter waited :data:`SCATTER_LAG` buckets
@@ -156,7 +157,7 @@ def _full(
     cost = lanes[1]
     slots = sorted(graph.backward.slots, key=lambda s: (s.position, s.output_index))
     total = sum(s.nbytes for s in slots)
-    cap = planned_cap_bytes(cost, total, placement.shard.size, reshard, placement)
+    cap = planned_cap_bytes(planned, total, placement.shard.size, reshard, placement)
     groups = bucket_by_size(slots, key=lambda s: (s.dtype, s.device), nbytes=lambda s: s.nbytes, limit=lambda _: cap, consecutive=True)
     sizes = [sum(s.nbytes for s in b) for b in groups]
     fwd_compute = compute_timeline(graph.forward, lanes[0])[2]
