@@ -3,8 +3,6 @@ makes is the cached one. Restarts on real ranks: ranks/test_warm_restart.py.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn as nn
@@ -12,6 +10,7 @@ import torch.nn as nn
 import graphddp
 from graphddp import CostModel
 from graphddp.models import MLP
+from graphddp.testing import graph_caches_in
 
 
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,18 +28,12 @@ HIGH_LATENCY = CostModel(bandwidth_gbps=100, latency_us=10000, compute_tflops=0.
 
 
 @pytest.fixture
-def empty_graph_caches(tmp_path, monkeypatch):
+def empty_graph_caches(tmp_path):
     """Empty FX-graph, AOTAutograd and graphddp caches, so that a first compile misses, over the
-    suite's shared C++ kernel cache: the kernels other tests built are loaded, not built again
-    (a whole empty ``TORCHINDUCTOR_CACHE_DIR`` made these tests build every kernel cold)."""
-    from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
-    from torch._inductor.codecache import FxGraphCache
-
-    from graphddp.compiler import cache
-
-    monkeypatch.setattr(FxGraphCache, "_get_tmp_dir", staticmethod(lambda: str(tmp_path / "fxgraph")))
-    monkeypatch.setattr(AOTAutogradCache, "_get_tmp_dir", classmethod(lambda cls: str(tmp_path / "aotautograd")))
-    monkeypatch.setattr(cache, "_path", lambda key: os.path.join(tmp_path, "graphddp", key[:2], f"{key}.pkl"))
+    suite's shared C++ kernels (``graph_caches_in``): an empty ``TORCHINDUCTOR_CACHE_DIR`` made
+    these tests build every kernel again."""
+    with graph_caches_in(str(tmp_path)):
+        yield
 
 
 def _auto_step(cost: CostModel) -> tuple[object, dict[str, int]]:
