@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 import traceback
+from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -33,6 +34,27 @@ def force_inductor_gpu_paths() -> None:
     if hasattr(inductor_config, "disable_padding_cpu"):
         inductor_config.disable_padding_cpu = False
     inductor_config.comprehensive_padding = True
+
+
+@contextmanager
+def graph_caches_in(path: str) -> Iterator[None]:
+    """The caches a warm compile reads (inductor's FX graphs, AOTAutograd's entries, graphddp's
+    plans) in ``path`` instead of ``TORCHINDUCTOR_CACHE_DIR``, which keeps the C++ kernels: with
+    ``path`` empty a compile runs cold (a miss at every level a hit is made of) but loads the
+    kernels other compiles built, where an empty inductor cache would build every one again."""
+    from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
+    from torch._inductor.codecache import FxGraphCache
+
+    from graphddp.compiler import cache
+
+    saved = FxGraphCache.__dict__["_get_tmp_dir"], AOTAutogradCache.__dict__["_get_tmp_dir"], cache._path
+    FxGraphCache._get_tmp_dir = staticmethod(lambda: os.path.join(path, "fxgraph"))
+    AOTAutogradCache._get_tmp_dir = classmethod(lambda cls: os.path.join(path, "aotautograd"))
+    cache._path = lambda key: os.path.join(path, "graphddp", key[:2], f"{key}.pkl")
+    try:
+        yield
+    finally:
+        FxGraphCache._get_tmp_dir, AOTAutogradCache._get_tmp_dir, cache._path = saved
 
 
 def _init_rank(rank: int, world_size: int, store_path: str, pg_timeout: float) -> None:

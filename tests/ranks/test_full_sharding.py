@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn as nn
 from matrix_models import _bert_batch, _hf_bert
-from test_optim_ranks import ADAM_NOISE, CNN, TIGHT, _adamw, _cnn_loss, _gpt_loss, _hf_gpt2, _hf_loss, _sgd, assert_state_dicts_equal, unequal_pair
+from test_optim_ranks import ADAM_NOISE, CNN, TIGHT, _adamw, _cnn_loss, _gpt_loss, _hf_loss, _sgd, assert_state_dicts_equal, unequal_pair
 from test_sharded import _mlp_loss, _mlp_loss_new_shape
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -78,7 +78,8 @@ CASES = {
     "frozen_mlp_adamw": Case(models.FrozenMLP, _mlp_loss, _adamw),
     "cnn_adamw": Case(CNN, _cnn_loss, _adamw),
     "tied_across_break_sgd": Case(lambda: models.BreakGPT(vocab=64, dim=32, heads=2, layers=2, seq=8), _gpt_loss, _sgd),
-    "hf_gpt2_adamw": Case(_hf_gpt2, _hf_loss, _adamw, tol=ADAM_NOISE),
+    # GPT-2 with AdamW updating its parts inside: test_hybrid.py's full_hf_gpt2_adamw_2x2 (a shard
+    # group of 2, this file's parts); GPT-2 in this file: hf_gpt2_sgd_planned_buckets.
     "hf_bert_adamw": Case(_hf_bert, _bert_loss, _adamw, tol=ADAM_NOISE, steps=3),
     # SGD: AdamW turns the attention key bias's gradient, rounding noise whose sum order the
     # buckets change, into steps of about lr (1.2e-4 apart from DDP's on this model)

@@ -93,7 +93,6 @@ CASES = {
     "replicated_mlp_sgd_user_clip": Case(ProbedMLP, _mlp_loss, _sgd, user_clip=0.05),
     "sharded_mlp_adamw_user_clip": Case(ProbedMLP, _mlp_loss, options={"sharding": "optimizer"}, user_clip=0.05),
     "sharded_mlp_adamw": Case(ProbedMLP, _mlp_loss, options={"sharding": "optimizer"}),
-    "sharded_mlp_adamw_clip": Case(ProbedMLP, _mlp_loss, options={"sharding": "optimizer", "max_grad_norm": 0.05}),
     "full_mlp_adamw": Case(ProbedMLP, _mlp_loss, options={"sharding": "full"}),
     "full_mlp_adamw_3_ranks": Case(ProbedMLP, _mlp_loss, options={"sharding": "full"}, world=3),
     "full_mlp_adamw_clip": Case(ProbedMLP, _mlp_loss, options={"sharding": "full", "max_grad_norm": 0.05}),
@@ -108,7 +107,8 @@ CASES = {
     # SGD: Adam turns the rounding noise of the attention's key bias (true gradient zero), summed
     # in another order by the reduce-scatter, into full steps
     "full_hf_gpt2_sgd": Case(_hf_gpt2, _gpt2_loss, _sgd, options={"sharding": "full"}, tol=ADAM_NOISE),
-    # inductor: the variants without the update compiled by it, clipping after unscale_
+    # inductor: the variants without the update compiled by it, clipping after unscale_ (the
+    # same case under aot_eager checked nothing more: every check reads values and records)
     "sharded_mlp_adamw_clip_inductor": Case(ProbedMLP, _mlp_loss, options={"sharding": "optimizer", "max_grad_norm": 0.05}, backend="inductor"),
 }
 

@@ -1,8 +1,10 @@
 """Warm restarts: graphddp's graphs come from torch's compile caches.
 
 Each run is a fresh pair of gloo ranks (new processes: nothing in memory can fake a hit) with
-``TORCHINDUCTOR_CACHE_DIR`` set per rank. Run 1 compiles cold into one directory. Run 2 is the
-restart, and a mixed one: rank 0 reads that directory (a hit), rank 1 an empty one (a miss).
+the caches set per rank. Run 1 compiles cold into one directory. Run 2 is the restart, and a
+mixed one: rank 0 reads that directory (a hit), rank 1 an empty one for every cache a hit is
+made of (FX graphs, AOTAutograd's and graphddp's entries: a miss), its C++ kernels loaded from
+the first directory (``graphddp.testing.graph_caches_in``: building them again tests nothing).
 A hit must give exactly the cold compile's plan and code, the two ranks must agree (the in-band
 layout check runs every synchronising step) and train like DDP, ``no_sync`` included (the
 variant the cache does not hold is derived on first use); and a changed option must not hit
@@ -21,7 +23,7 @@ import torch.nn as nn
 
 import graphddp
 from graphddp.models import MLP
-from graphddp.testing import paired_grads, spawn
+from graphddp.testing import graph_caches_in, paired_grads, spawn
 
 # Caps given, so the plan's inputs are the same run to run: bucket_cap_mb="auto" plans with a
 # cost model calibrated on the link at wrap time, which a restart measures anew (and the key
@@ -69,8 +71,13 @@ def _train_like_ddp(steps: int = 3, no_sync_step: int = 1) -> graphddp.GraphDDP:
     return ours
 
 
-def _rank(rank: int, world: int, cache_dirs: list[str], out: str, other_cap: bool) -> None:
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dirs[rank]
+def _rank(rank: int, world: int, cache_dir: str, graph_dirs: list[str], out: str, other_cap: bool) -> None:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    with graph_caches_in(graph_dirs[rank]):
+        _report(rank, out, other_cap)
+
+
+def _report(rank: int, out: str, other_cap: bool) -> None:
     torch._dynamo.reset()
     from torch._dynamo.utils import counters
 
@@ -116,9 +123,10 @@ def _recompiled_frames(rank: int) -> dict:
     return {"counters": dict(counters["graphddp"]), "graphs": graphs}
 
 
-def _run(tmp_path, name: str, cache_dirs: list[str], other_cap: bool = False) -> list[dict]:
+def _run(tmp_path, name: str, graph_dirs: list[str], other_cap: bool = False) -> list[dict]:
+    """Both ranks' kernels in one directory, each rank's graph caches in its ``graph_dirs`` entry."""
     out = str(tmp_path / name)
-    spawn(_rank, 2, cache_dirs, out, other_cap, fresh=True)
+    spawn(_rank, 2, graph_dirs[0], graph_dirs, out, other_cap, fresh=True)
     return [json.load(open(f"{out}.{r}")) for r in range(2)]
 
 

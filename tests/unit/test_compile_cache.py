@@ -3,12 +3,14 @@ makes is the cached one. Restarts on real ranks: ranks/test_warm_restart.py.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 
 import graphddp
 from graphddp import CostModel
 from graphddp.models import MLP
+from graphddp.testing import graph_caches_in
 
 
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,6 +27,15 @@ SLOW_LINK_AGAIN = CostModel(bandwidth_gbps=0.11, latency_us=1, compute_tflops=0.
 HIGH_LATENCY = CostModel(bandwidth_gbps=100, latency_us=10000, compute_tflops=0.01)  # one bucket
 
 
+@pytest.fixture
+def empty_graph_caches(tmp_path):
+    """Empty FX-graph, AOTAutograd and graphddp caches, so that a first compile misses, over the
+    suite's shared C++ kernels (``graph_caches_in``): an empty ``TORCHINDUCTOR_CACHE_DIR`` made
+    these tests build every kernel again."""
+    with graph_caches_in(str(tmp_path)):
+        yield
+
+
 def _auto_step(cost: CostModel) -> tuple[object, dict[str, int]]:
     from torch._dynamo.utils import counters
 
@@ -38,11 +49,10 @@ def _auto_step(cost: CostModel) -> tuple[object, dict[str, int]]:
     return record, dict(counters["graphddp"])
 
 
-def test_auto_plan_hits_when_this_runs_plan_is_the_cached_one(fake_world, tmp_path, monkeypatch):
+def test_auto_plan_hits_when_this_runs_plan_is_the_cached_one(fake_world, empty_graph_caches):
     """A restart calibrates the link anew: a hit needs the same buckets, not the same numbers.
     The entry keeps the backward graph's facts, and the plan of this run's cost model is made
     from them before the cache is read (in process: the caches read are on disk)."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     fake_world(8)
     cold, counts = _auto_step(SLOW_LINK)
     assert counts.get("compile_cache_miss") == 1, counts
@@ -57,14 +67,13 @@ def test_auto_plan_hits_when_this_runs_plan_is_the_cached_one(fake_world, tmp_pa
     assert other.generated_code != cold.generated_code
 
 
-def test_a_graph_compiled_under_one_autocast_dtype_is_not_served_under_another(fake_world, tmp_path, monkeypatch):
+def test_a_graph_compiled_under_one_autocast_dtype_is_not_served_under_another(fake_world, empty_graph_caches, monkeypatch):
     """torch before 2.12 keyed AOTAutograd's cache on whether autocast was on, not on its dtype
     (pytorch#181564): from a shared cache a graph compiled under bf16 was served under fp16 (the
     GPU lane, torch 2.11). graphddp's key holds the dtype, so its entries never cross."""
     from graphddp.compiler import cache as compile_cache
     from torch._dynamo.utils import counters
 
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     fake_world(8)
     keys = []
     real = compile_cache.plan_key
