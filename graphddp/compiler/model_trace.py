@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import types
 import warnings
 from typing import Any, Iterator, Sequence
 
@@ -117,8 +118,9 @@ def time_example(run: Any, example: Any, module: nn.Module, repeats: int = 2) ->
     """Seconds of one forward of ``run`` (``module`` or a compiled form of it) on ``example`` and
     of its backward (the fastest of ``repeats`` after a warm-up): what this rank's cores take for
     the model's ops, which node estimates miss. The backward is taken by
-    :func:`torch.autograd.grad` over the sum of every floating output, so no ``.grad`` is written;
-    buffers and random streams are put back."""
+    :func:`torch.autograd.grad` over the sum of every floating output, so no ``.grad`` is written
+    (0 seconds where no output it can read needs a gradient: nothing was timed); buffers and
+    random streams are put back."""
     import time
 
     params = [p for p in module.parameters() if p.requires_grad]
@@ -132,17 +134,18 @@ def time_example(run: Any, example: Any, module: nn.Module, repeats: int = 2) ->
             total = sum(t.float().sum() for t in _floating(call_example(run, example)) if t.requires_grad)
             sync()
             middle = time.perf_counter()
-            if isinstance(total, torch.Tensor):
+            backward = isinstance(total, torch.Tensor)
+            if backward:
                 torch.autograd.grad(total, params, allow_unused=True)
             sync()
             if i:
-                best = [min(best[0], middle - start), min(best[1], time.perf_counter() - middle)]
+                best = [min(best[0], middle - start), min(best[1], time.perf_counter() - middle) if backward else 0.0]
     return best[0], best[1]
 
 
 def _floating(out: Any) -> Iterator[torch.Tensor]:
     """The floating-point tensors of a model's output: a tensor, or inside mappings (a Hugging Face
-    output), sequences and dataclasses."""
+    output), sequences, dataclasses and namespaces."""
     if isinstance(out, torch.Tensor):
         if out.is_floating_point():
             yield out
@@ -155,6 +158,9 @@ def _floating(out: Any) -> Iterator[torch.Tensor]:
     elif dataclasses.is_dataclass(out) and not isinstance(out, type):
         for f in dataclasses.fields(out):
             yield from _floating(getattr(out, f.name))
+    elif isinstance(out, types.SimpleNamespace):
+        for v in vars(out).values():
+            yield from _floating(v)
 
 
 @contextlib.contextmanager

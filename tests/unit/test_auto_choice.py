@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 
 import pytest
 import torch
@@ -156,7 +157,13 @@ def test_the_timed_example_writes_no_gradient_and_leaves_buffers_and_random_stre
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(b, before[n]) for n, b in model.named_buffers())
     assert torch.equal(torch.get_rng_state(), state)
-    model = torch.nn.Linear(4, 4)
+    class Namespaced(torch.nn.Linear):  # a loss inside a namespace is found; an output with no gradient times no backward
+        def forward(self, x):
+            return types.SimpleNamespace(loss=super().forward(x).sum(), label=torch.zeros(2, dtype=torch.long))
+
+    model = Namespaced(4, 4)
+    assert time_example(model, x, model)[1] > 0
+    assert time_example(lambda x: model(x).label, x, model)[1] == 0.0
     assert update_seconds_per_byte(torch.optim.AdamW(model.parameters()), torch.device("cpu")) > 0
     assert update_seconds_per_byte(torch.optim.LBFGS(model.parameters()), torch.device("cpu")) is None
 
