@@ -190,61 +190,60 @@ def _last(bucket: list[GradSlot]) -> GradSlot:
     return max(bucket, key=lambda s: (s.position, s.output_index))
 
 
+@dataclasses.dataclass
+class _Lanes:
+    """The compute lane's clock and the link's: a collective issued costs the compute lane
+    :func:`host_seconds`, then runs on the link once the link is free, one at a time."""
+
+    cost: CostModel
+    clock: float = 0.0
+    link: float = 0.0
+
+    def issue(self, seconds: float) -> float:
+        """Issue a collective of ``seconds`` on the link; returns when it ends."""
+        self.clock += host_seconds(self.cost, seconds)
+        self.link = max(self.link, self.clock) + seconds
+        return self.link
+
+
 def _gathered_lane(compute: list[float], sizes: list[int], cost: CostModel, placement: Placement, prefetch: int) -> float:
     """Compute segments, each needing its bucket gathered first; gathers issued ``prefetch``
-    segments ahead, one at a time on the link, each costing the compute lane :func:`host_seconds`.
-    Returns when the last segment ends."""
-    clock = link = 0.0
+    segments ahead. Returns when the last segment ends."""
+    lanes = _Lanes(cost)
     ends: list[float] = []
-
-    def gather(nbytes: int) -> None:
-        nonlocal clock, link
-        seconds = placement.gather_seconds(cost, nbytes)
-        clock += host_seconds(cost, seconds)
-        link = max(link, clock) + seconds
-        ends.append(link)
-
     for i in range(len(sizes)):
         while len(ends) < min(i + prefetch + 1, len(sizes)):
-            gather(sizes[len(ends)])
-        clock = max(clock, ends[i]) + compute[i]
-    return clock
+            ends.append(lanes.issue(placement.gather_seconds(cost, sizes[len(ends)])))
+        lanes.clock = max(lanes.clock, ends[i]) + compute[i]
+    return lanes.clock
 
 
 def _backward_lane(segments: list[float], buckets: list[_Bucket], cost: CostModel, lag: int | None) -> float:
     """The backward: segment ``i`` produces bucket ``i``'s gradients (after its parameters are
     gathered again where it has a ``regather``, issued :data:`PREFETCH` buckets ahead), then its
     reduce is issued; ``lag`` buckets later (None: after the last segment) it is waited for, its
-    update runs and its all-gather is issued. Each collective costs the compute lane
-    :func:`host_seconds`; one at a time on the link. Returns when both lanes are done."""
-    clock = link = 0.0
+    update runs and its all-gather is issued. Returns when both lanes are done."""
+    lanes = _Lanes(cost)
     reduced: list[float] = []
     regathered: list[float] = []
 
-    def issue(seconds: float) -> float:
-        nonlocal clock, link
-        clock += host_seconds(cost, seconds)
-        link = max(link, clock) + seconds
-        return link
-
     def finish(j: int) -> None:
-        nonlocal clock
-        clock = max(clock, reduced[j]) + buckets[j].update
+        lanes.clock = max(lanes.clock, reduced[j]) + buckets[j].update
         if buckets[j].gather:
-            issue(buckets[j].gather)
+            lanes.issue(buckets[j].gather)
 
     done = 0
     for i, seconds in enumerate(segments):
         if i < len(buckets) and buckets[i].regather:
             while len(regathered) <= min(i + PREFETCH, len(buckets) - 1):
-                regathered.append(issue(buckets[len(regathered)].regather))
-            clock = max(clock, regathered[i])
-        clock += seconds
+                regathered.append(lanes.issue(buckets[len(regathered)].regather))
+            lanes.clock = max(lanes.clock, regathered[i])
+        lanes.clock += seconds
         if i < len(buckets):
-            reduced.append(issue(buckets[i].reduce))
+            reduced.append(lanes.issue(buckets[i].reduce))
             if lag is not None and i >= lag:
                 finish(done)
                 done += 1
     for j in range(done, len(buckets)):
         finish(j)
-    return max(clock, link)
+    return max(lanes.clock, lanes.link)
