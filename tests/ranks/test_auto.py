@@ -1,4 +1,4 @@
-"""``sharding="auto"`` on 2 gloo ranks: the placement chosen at wrap time from a trace of
+"""``sharding="auto"`` on 2 gloo ranks (and its budget case on 3): the placement chosen at wrap time from a trace of
 ``example=``, the same on every rank, and trained like DDP over every rank.
 
 A budget only full sharding's predicted peak fits (read off an unbounded choice of the same
@@ -50,7 +50,7 @@ def _train_like_ddp(make, loss, example, optimizer, steps: int, rank: int, **opt
     return ours
 
 
-def _cases(rank: int, world: int) -> None:
+def _full_sharding_when_only_it_fits(rank: int, world: int, steps: int = 3) -> None:
     gpt = lambda: models.BreakGPT(vocab=64, dim=32, heads=2, layers=2, seq=8)  # noqa: E731
     gpt_example = _tokens(0, 0)
     probe = gpt()
@@ -58,10 +58,14 @@ def _cases(rank: int, world: int) -> None:
     least = min(c.peak_bytes for c in unbounded.candidates)
     fitting = {c.name for c in unbounded.candidates if c.peak_bytes == least}
     assert all(n.startswith("sharding='full'") for n in fitting), unbounded.to_table()
-    ours = _train_like_ddp(gpt, _gpt_loss, gpt_example, _sgd, 3, rank, memory_budget=least)
+    ours = _train_like_ddp(gpt, _gpt_loss, gpt_example, _sgd, steps, rank, memory_budget=least)
     assert ours.placement_choice.chosen in fitting and ours.config.sharding == "full", ours.placement_choice.to_table()
     assert all(s.choice == ours.placement_choice for s in ours.schedules)
     _same_on_every_rank(ours.placement_choice.fingerprint())
+
+
+def _cases(rank: int, world: int) -> None:
+    _full_sharding_when_only_it_fits(rank, world)
 
     mlp_loss = lambda m, r, s: F.mse_loss(m(_mlp_batch(r, s)[0]), _mlp_batch(r, s)[1])  # noqa: E731
     ours = _train_like_ddp(models.MLP, mlp_loss, (_mlp_batch(0, 0)[0],), _adamw, 3, rank)
@@ -77,3 +81,7 @@ def _cases(rank: int, world: int) -> None:
 
 def test_auto_chooses_the_same_placement_on_every_rank_and_trains_like_ddp() -> None:
     spawn(_cases, 2)
+
+
+def test_on_three_ranks_a_budget_only_full_sharding_fits_chooses_it_and_trains_like_ddp() -> None:
+    spawn(_full_sharding_when_only_it_fits, 3, 2)
