@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_leaves
 
 from graphddp.graph.liveness import liveness
 from graphddp.plan.memory import StateRule
+from graphddp.runtime.calibrate import fastest_seconds
 
 
 def _hyper(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -88,19 +89,29 @@ def step_workspace(optimizer: torch.optim.Optimizer | None) -> float:
     return watched.peak / (_PROBE * probe_param.element_size())
 
 
-def update_workspace(optimizer: torch.optim.Optimizer | None) -> float:
-    """The temporaries of graphddp's update inside the backward per byte of the parameter (or
-    part) updated, as the traced update runs op by op (aot_eager; inductor fuses it into less)."""
+def _traced_update(optimizer: torch.optim.Optimizer | None, n: int, device: torch.device) -> tuple[Any, tuple] | None:
+    """graphddp's update inside the backward for ``optimizer``'s first group (the function the
+    backward traces, and its arguments: a parameter of ``n`` elements on ``device``, its gradient,
+    state and hyperparameters); None where the optimizer is not one graphddp updates inside."""
     from graphddp.optim.attached import SUPPORTED, UPDATES, _group_rule, fake_state, hyper_values
 
     if optimizer is None or type(optimizer).__name__ not in SUPPORTED:
-        return 0.0
+        return None
     rule = _group_rule(optimizer, 0)
-    param, grad = torch.zeros(_PROBE), torch.zeros(_PROBE)
-    state = fake_state(rule, param, lambda: torch.zeros(_PROBE))
+    param, grad = torch.zeros(n, device=device), torch.full((n,), 1e-3, device=device)
+    state = fake_state(rule, param, lambda: torch.zeros(n, device=device))
     hyper = [torch.tensor(v, dtype=torch.float64) for v in hyper_values(optimizer.param_groups[0], rule)]
-    gm = make_fx(lambda p, g, st, h: UPDATES[rule.kind](rule, p, g, st, h))(param, grad, state, hyper)
-    return liveness(gm, ()).peak_outputs_freed / (_PROBE * param.element_size())
+    return (lambda p, g, st, h: UPDATES[rule.kind](rule, p, g, st, h)), (param, grad, state, hyper)
+
+
+def update_workspace(optimizer: torch.optim.Optimizer | None) -> float:
+    """The temporaries of graphddp's update inside the backward per byte of the parameter (or
+    part) updated, as the traced update runs op by op (aot_eager; inductor fuses it into less)."""
+    traced = _traced_update(optimizer, _PROBE, torch.device("cpu"))
+    if traced is None:
+        return 0.0
+    update, args = traced
+    return liveness(make_fx(update)(*args), ()).peak_outputs_freed / (_PROBE * args[0].element_size())
 
 
 _TIMED = 1 << 20  # elements the update is timed on: enough to run at the memory's speed, not the cache's
@@ -110,23 +121,9 @@ def update_seconds_per_byte(optimizer: torch.optim.Optimizer | None, device: tor
     """graphddp's update inside the backward, op by op as aot_eager runs it, timed on one parameter
     of ``_TIMED`` elements on ``device``: seconds per byte of parameter, the fastest of three after
     a warm-up. None where the optimizer is not one graphddp updates inside."""
-    import time
-
-    from graphddp.optim.attached import SUPPORTED, UPDATES, _group_rule, fake_state, hyper_values
-
-    if optimizer is None or type(optimizer).__name__ not in SUPPORTED:
+    traced = _traced_update(optimizer, _TIMED, device)
+    if traced is None:
         return None
-    rule = _group_rule(optimizer, 0)
-    param, grad = torch.zeros(_TIMED, device=device), torch.full((_TIMED,), 1e-3, device=device)
-    state = fake_state(rule, param, lambda: torch.zeros(_TIMED, device=device))
-    hyper = [torch.tensor(v, dtype=torch.float64) for v in hyper_values(optimizer.param_groups[0], rule)]
+    update, args = traced
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    best = float("inf")
-    for i in range(4):
-        sync()
-        start = time.perf_counter()
-        UPDATES[rule.kind](rule, param, grad, state, hyper)
-        sync()
-        if i:
-            best = min(best, time.perf_counter() - start)
-    return best / (_TIMED * param.element_size())
+    return fastest_seconds(lambda: update(*args), sync, 3) / (_TIMED * args[0].element_size())

@@ -107,7 +107,7 @@ _MATMUL_N = {"cpu": 512, "cuda": 4096}  # large enough to run at the device's ma
 _COPY_BYTES = 32 << 20
 
 
-def _fastest_seconds(
+def fastest_seconds(
     run: Callable[[], Any], sync: Callable[[], None], repeats: int, before: Callable[[], Any] = lambda: None
 ) -> float:
     """The fastest of ``repeats`` timed runs after a warm-up, ``before`` each (untimed): a barrier."""
@@ -132,9 +132,9 @@ def _compute_times(device: torch.device, sync: Callable[[], None]) -> list[float
     into = torch.empty_like(big)  # preallocated: a fresh clone would time the page faults
     one = torch.zeros(1, device=device)
     return [
-        _fastest_seconds(lambda: a @ a, sync, COMPUTE_REPEATS),
-        _fastest_seconds(lambda: into.copy_(big), sync, COMPUTE_REPEATS),
-        _fastest_seconds(lambda: one + 1, sync, COMPUTE_REPEATS),
+        fastest_seconds(lambda: a @ a, sync, COMPUTE_REPEATS),
+        fastest_seconds(lambda: into.copy_(big), sync, COMPUTE_REPEATS),
+        fastest_seconds(lambda: one + 1, sync, COMPUTE_REPEATS),
     ]
 
 
@@ -182,7 +182,8 @@ def _collective_overhead_seconds(group: Any, device: torch.device, sync: Callabl
     core, a collective costs the compute far more than issuing it, and planned with the issue time
     alone the auto plan split a small model by the calibration's noise, slower than DDP
     (docs/auto-plan.md). Measured as the ranks run: a block of matmuls from a barrier, alone and
-    with ``LOADED_COLLECTIVES`` small all-reduces issued into it. On a GPU the issue time only."""
+    with ``LOADED_COLLECTIVES`` small all-reduces issued into it (:func:`_compute_lost`). On a GPU
+    the issue time only."""
     one = torch.zeros(1, device=device)
 
     def issue() -> float:
@@ -197,19 +198,29 @@ def _collective_overhead_seconds(group: Any, device: torch.device, sync: Callabl
     issue_s = min(issue() for _ in range(REPEATS))
     if device.type != "cpu":
         return issue_s
-    # The private generator of _compute_times: the global ones are the user's.
-    a = torch.randn(_LOADED_N, _LOADED_N, generator=torch.Generator().manual_seed(1))
-    small = torch.zeros(256)  # 1 KB: a collective's cost here, not its bytes
-    block_s = _fastest_seconds(lambda: a @ a, sync, COMPUTE_REPEATS)
     target = max(LOADED_MIN_S, LOADED_PER_COLLECTIVE * small_allreduce_s)
-    quarter = max(1, math.ceil(target / max(block_s, 1e-7) / LOADED_COLLECTIVES))
+    small = torch.zeros(256)  # 1 KB: a collective's cost here, not its bytes
+    lost = _compute_lost(group, sync, _LOADED_N, 1, target, small, LOADED_COLLECTIVES, REPEATS)
+    return max(issue_s, lost / LOADED_COLLECTIVES)
 
-    def compute(collectives: bool) -> None:
+
+def _compute_lost(
+    group: Any, sync: Callable[[], None], n: int, seed: int, target_s: float, tensor: torch.Tensor, issues: int, repeats: int,
+) -> float:
+    """What a block of ``n x n`` matmuls at least ``target_s`` long, run by every rank from a
+    barrier, loses when ``issues`` asynchronous all-reduces of ``tensor`` are issued into it, one
+    at the start of each equal part: the fastest of ``repeats`` loaded less the fastest alone.
+    The operand comes from a private generator seeded ``seed``: the global ones are the user's."""
+    a = torch.randn(n, n, generator=torch.Generator().manual_seed(seed))
+    block_s = fastest_seconds(lambda: a @ a, sync, COMPUTE_REPEATS)
+    part = max(1, math.ceil(target_s / max(block_s, 1e-7) / issues))
+
+    def compute(loaded: bool) -> None:
         works = []
-        for _ in range(LOADED_COLLECTIVES):
-            if collectives:
-                works.append(dist.all_reduce(small, group=group, async_op=True))
-            for _ in range(quarter):
+        for _ in range(issues):
+            if loaded:
+                works.append(dist.all_reduce(tensor, group=group, async_op=True))
+            for _ in range(part):
                 a @ a
         for work in works:
             work.wait()
@@ -217,9 +228,8 @@ def _collective_overhead_seconds(group: Any, device: torch.device, sync: Callabl
     def barrier() -> None:
         dist.barrier(group=group)
 
-    alone = _fastest_seconds(lambda: compute(False), sync, REPEATS, barrier)
-    loaded = _fastest_seconds(lambda: compute(True), sync, REPEATS, barrier)
-    return max(issue_s, (loaded - alone) / LOADED_COLLECTIVES)
+    alone = fastest_seconds(lambda: compute(False), sync, repeats, barrier)
+    return fastest_seconds(lambda: compute(True), sync, repeats, barrier) - alone
 
 
 HOST_SHARE_STEP = 0.05  # the host share's granularity: a rerun's noise rarely moves it a step
@@ -229,27 +239,11 @@ _SHARE_N = 256  # matmuls past the cache's size, as a model's are: a collective'
 def _host_share(group: Any, sync: Callable[[], None], allreduce_s: float) -> float:
     """The share of a collective's link time its rank's compute loses on the CPU
     (``CostModel.collective_host_share``): a block of matmuls half again as long as the largest
-    all-reduce of ``SIZES`` (``allreduce_s``), alone and with that all-reduce issued at its start;
-    what the block loses, over the all-reduce's time, in steps of :data:`HOST_SHARE_STEP`. The
-    small collectives' fixed cost (``collective_overhead_us``) is in what it loses too, a few
+    all-reduce of ``SIZES`` (``allreduce_s``), alone and with that all-reduce issued at its start
+    (:func:`_compute_lost`); what the block loses, over the all-reduce's time, in steps of
+    :data:`HOST_SHARE_STEP`. The small collectives' fixed cost (``collective_overhead_us``) is in what it loses too, a few
     microseconds against milliseconds. Every rank takes the largest over ranks."""
-    a = torch.randn(_SHARE_N, _SHARE_N, generator=torch.Generator().manual_seed(2))  # not the user's generators
-    big = torch.zeros(SIZES[-1] // 4)
-    block_s = _fastest_seconds(lambda: a @ a, sync, COMPUTE_REPEATS)
-    count = max(1, math.ceil(1.5 * allreduce_s / max(block_s, 1e-7)))
-
-    def compute(collective: bool) -> None:
-        work = dist.all_reduce(big, group=group, async_op=True) if collective else None
-        for _ in range(count):
-            a @ a
-        if work is not None:
-            work.wait()
-
-    def barrier() -> None:
-        dist.barrier(group=group)
-
-    lost = _fastest_seconds(lambda: compute(True), sync, HOST_SHARE_REPEATS, barrier) - _fastest_seconds(
-        lambda: compute(False), sync, HOST_SHARE_REPEATS, barrier)
+    lost = _compute_lost(group, sync, _SHARE_N, 2, 1.5 * allreduce_s, torch.zeros(SIZES[-1] // 4), 1, HOST_SHARE_REPEATS)
     share = max_over_ranks([max(0.0, lost / allreduce_s)], group, torch.float64)[0]
     return round(round(share / HOST_SHARE_STEP) * HOST_SHARE_STEP, 2)
 
