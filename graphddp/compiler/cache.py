@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from graphddp.runtime.disk import enabled, write_atomically
+from graphddp.runtime.disk import enabled, graphddp_path, write_atomically
 
 log = logging.getLogger("graphddp")
 
@@ -170,9 +170,7 @@ class Entry:
 
 
 def _path(key: str) -> str:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    return os.path.join(cache_dir(), "graphddp", key[:2], f"{key}.pkl")
+    return graphddp_path(key[:2], f"{key}.pkl")
 
 
 def load(key: str) -> Entry | None:

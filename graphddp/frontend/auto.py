@@ -1,6 +1,7 @@
 """``sharding="auto"`` at wrap time: trace ``example=`` once, predict every placement's step and
 memory from that trace, choose (:mod:`graphddp.plan.choose`), and check that every rank chose
-the same before the chosen mode is built.
+the same before the chosen mode is built. An earlier run's choice for the same model, batch,
+optimizer and group is kept while it stays in the tie band (:mod:`graphddp.runtime.choice_store`).
 
 Why at wrap time and from an example batch: full sharding cuts the parameters when the model is
 wrapped, so the placement must be known then, and a placement's peak depends on the activations
@@ -25,6 +26,7 @@ from graphddp.plan.choose import choose, memory_placement, placements
 from graphddp.plan.memory import predict as predict_memory
 from graphddp.plan.step import compute_scale, predict_step
 from graphddp.runtime.agree import max_over_ranks
+from graphddp.runtime import choice_store
 from graphddp.runtime.calibrate import calibrate
 from graphddp.values.choice import PlacementChoice
 
@@ -62,8 +64,11 @@ def choose_placement(
         return step.seconds, memory.peak, memory.between_steps, step.forward, step.backward
 
     candidates = [c for c in placements(optimizer is not None) if not (placement.hybrid and c[0] == "replicated")]
-    choice = choose(candidates, predict, budget)
+    names = [name for name, _ in candidates]
+    key = choice_store.key_of(trace.memory, world, placement.shape(), budget, config.backend, names)
+    choice = choose(candidates, predict, budget, choice_store.earlier(key, names, groups.whole))
     _check_agreed(choice, groups.whole)
+    choice_store.remember(key, choice.chosen, groups.whole)
     options = {"gather": "backward", "reshard_after_forward": None, **choice.options()}
     return dataclasses.replace(config, memory_budget=None, **options), choice
 

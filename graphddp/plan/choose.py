@@ -8,7 +8,9 @@ Why a tie band. Two placements within :data:`TIE` of each other's predicted step
 apart by the cost model (its link figures come from a calibration that moves from run to run),
 so the simpler placement of the two wins: the candidates are listed simpler first (replicated,
 then the optimizer sharded, then everything sharded), and the first within the band of the
-fastest is chosen. The same script on the same machine then chooses the same placement.
+fastest is chosen. A placement an earlier run chose (``earlier``: :mod:`graphddp.runtime.choice_store`)
+is chosen instead while it is in the band: the band says the two are not told apart, and a restart
+then trains in the placement it trained in.
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ def memory_placement(sharding: str | None, gather: str, reshard_after_forward: b
 
 def choose(
     options: Sequence[tuple[str, tuple[tuple[str, Any], ...]]], predict: Callable[[dict[str, Any]], tuple[Any, ...]],
-    budget_bytes: int | None,
+    budget_bytes: int | None, earlier: str | None = None,
 ) -> PlacementChoice:
     """Weigh each of ``options`` by ``predict(options) -> (step seconds, peak bytes, bytes held
     between steps[, forward seconds, backward seconds])`` and choose (module docstring). A budget no candidate fits is a ValueError
@@ -60,17 +62,21 @@ def choose(
             f"{least.peak_bytes} bytes ({least.peak_bytes / MB:.1f} MB); raise memory_budget or use more ranks"
         )
     fastest = min(c.step_seconds for c in fits)
-    chosen = next(c for c in fits if c.step_seconds <= fastest * (1 + TIE))
-    return PlacementChoice(chosen.name, budget_bytes, tuple(_verdict(c, chosen, budget_bytes, fastest) for c in weighed))
+    band = [c for c in fits if c.step_seconds <= fastest * (1 + TIE)]
+    kept = next((c for c in band if c.name == earlier), None)
+    chosen = kept or band[0]
+    return PlacementChoice(chosen.name, budget_bytes, tuple(_verdict(c, chosen, budget_bytes, fastest, kept is not None) for c in weighed))
 
 
-def _verdict(c: Candidate, chosen: Candidate, budget: int | None, fastest: float) -> Candidate:
-    if c is chosen:
+def _verdict(c: Candidate, chosen: Candidate, budget: int | None, fastest: float, kept: bool) -> Candidate:
+    if c is chosen and kept:
+        why = f"chosen: an earlier run's choice, within {TIE:.0%} of the fastest"
+    elif c is chosen:
         why = "chosen: fastest predicted" if c.step_seconds == fastest else f"chosen: within {TIE:.0%} of the fastest, simpler"
     elif budget is not None and c.peak_bytes > budget:
         why = f"does not fit: peak {c.peak_bytes / MB:.1f} MB > budget {budget / MB:.1f} MB"
     elif c.step_seconds <= fastest * (1 + TIE):
-        why = f"within {TIE:.0%} of the fastest, but {chosen.name} is simpler"
+        why = f"within {TIE:.0%} of the fastest, but " + (f"an earlier run chose {chosen.name}" if kept else f"{chosen.name} is simpler")
     else:
         why = f"slower: +{(c.step_seconds / chosen.step_seconds - 1):.0%} over {chosen.name}"
     return dataclasses.replace(c, verdict=why)

@@ -68,10 +68,8 @@ def settle(measured: CostModel, key: tuple[str, str, int, str], group: Any) -> C
 
 
 def _stored_path(key: tuple[str, str, int, str]) -> str:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
     name = "-".join(str(part) or "solo" for part in key)
-    return os.path.join(cache_dir(), "graphddp", f"calibration-{name}.json")
+    return disk.graphddp_path(f"calibration-{name}.json")
 
 
 def _numbers(model: CostModel) -> str:

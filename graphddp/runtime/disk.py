@@ -53,3 +53,10 @@ def write_atomically(path: str, data: bytes) -> bool:
             with contextlib.suppress(OSError):
                 os.remove(tmp)
         return False
+
+
+def graphddp_path(*parts: str) -> str:
+    """A path in graphddp's directory inside torch's inductor cache directory."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return os.path.join(cache_dir(), "graphddp", *parts)

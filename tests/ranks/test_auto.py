@@ -5,9 +5,14 @@ A budget only full sharding's predicted peak fits (read off an unbounded choice 
 model) makes it choose full sharding, which then trains a GPT with tied weights and a graph
 break like DDP (SGD with momentum); an
 unbounded choice trains an MLP like DDP with AdamW whatever it chose; a budget nothing fits fails on every
-rank at wrap time with the smallest predicted peak, before any rank builds a placement.
+rank at wrap time with the smallest predicted peak, before any rank builds a placement. A second
+run of the same wrap keeps the first's choice, and not where the ranks' stores disagree.
 """
 from __future__ import annotations
+
+import json
+import os
+import tempfile
 
 import pytest
 import torch
@@ -17,6 +22,7 @@ from test_optim_ranks import TIGHT, _adamw, _gpt_loss, _sgd, _tokens, unequal_pa
 
 import graphddp
 from graphddp import models
+from graphddp.plan.cost import CostModel
 from graphddp.testing import spawn
 
 
@@ -76,6 +82,46 @@ def _cases(rank: int, world: int) -> None:
         graphddp.compile(mlp, optimizer=_adamw(mlp), sharding="auto", example=(_mlp_batch(0, 0)[0],), backend="aot_eager", memory_budget=64)
     with pytest.raises(ValueError, match="sharding='auto' needs example="):
         graphddp.compile(models.MLP(), sharding="auto")
+    dist.barrier()
+    _a_second_run_keeps_the_first_runs_choice(rank)
+
+
+def _a_second_run_keeps_the_first_runs_choice(rank: int) -> None:
+    """Runs told apart by their stores only: the cost model given (no link or compute timed; a
+    slow link, so that three placements are predicted within the tie band), so every run predicts alike."""
+    from graphddp.runtime import choice_store
+
+    def wrap(store: str) -> object:
+        choice_store._path = lambda key: os.path.join(store, f"choice-{key}.json")
+        mlp = models.MLP()
+        return graphddp.compile(mlp, optimizer=_adamw(mlp), sharding="auto", example=(_mlp_batch(0, 0)[0],), backend="aot_eager",
+                                cost=CostModel(bandwidth_gbps=0.1)).placement_choice
+
+    def store(where: str, name: str) -> None:
+        (stored,) = os.listdir(shared[0])
+        with open(os.path.join(where, stored), "w") as f:
+            json.dump({"chosen": name}, f)
+
+    saved = choice_store._path
+    shared: list[object] = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(shared)
+    try:
+        first, second = wrap(shared[0]), wrap(shared[0])
+        assert "earlier" not in first.winner.verdict, first.to_table()
+        assert second.chosen == first.chosen and "earlier run" in second.winner.verdict, second.to_table()
+        in_band = [c.name for c in first.candidates if "within" in c.verdict and c.name != first.chosen]
+        assert len(in_band) >= 2, first.to_table()
+        dist.barrier()
+        if rank == 0:
+            store(shared[0], in_band[0])  # an earlier run chose another placement the band holds: kept
+        dist.barrier()
+        assert wrap(shared[0]).chosen == in_band[0]
+        mine = tempfile.mkdtemp()
+        store(mine, in_band[rank % 2])  # each rank's store names another: none kept
+        disagreed = wrap(mine)
+        assert disagreed.chosen == first.chosen and "earlier" not in disagreed.winner.verdict, disagreed.to_table()
+    finally:
+        choice_store._path = saved
     dist.barrier()
 
 

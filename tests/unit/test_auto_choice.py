@@ -129,6 +129,18 @@ def test_the_fastest_that_fits_wins_and_a_near_tie_goes_to_the_simpler():
     assert tight.options() == {"sharding": "full", "reshard_after_forward": True}
 
 
+def test_an_earlier_runs_choice_is_kept_only_while_it_fits_and_is_in_the_band():
+    peaks = [500, 300, 300, 200, 100]
+    steps = [1.0, 1.0 - TIE / 2, 1.1, 1.0 - TIE / 3, 1.5]  # replicated, optimizer and full (no reshard) in the band
+    near = "sharding='full', reshard_after_forward=False"
+    kept = choose(PLACEMENTS, _fixed(_table(steps, peaks)), None, earlier=near)
+    assert kept.chosen == near and "earlier run" in kept.winner.verdict
+    assert all(f"an earlier run chose {near}" in c.verdict for c in kept.candidates if c.name in ("replicated", "sharding='optimizer'"))
+    for earlier in ("sharding='full'", "sharding='optimizer', gather='forward'", "no such placement", None):  # out of the band
+        assert choose(PLACEMENTS, _fixed(_table(steps, peaks)), None, earlier=earlier).chosen == "replicated"
+    assert choose(PLACEMENTS, _fixed(_table(steps, peaks)), 250, earlier="replicated").chosen == near  # no longer fits
+
+
 def test_a_budget_nothing_fits_names_the_smallest_peak():
     with pytest.raises(ValueError, match=r"memory_budget=99 bytes.*smallest predicted peak is sharding='full''s, 100 bytes"):
         choose(PLACEMENTS, _fixed(_table([1.0] * 5, [500, 300, 300, 200, 100])), 99)

@@ -1,0 +1,58 @@
+"""The placement an earlier run chose for the same model, batch, optimizer and group: offered to
+:func:`graphddp.plan.choose.choose`, which keeps it while this run predicts it fits and within
+the tie band of the fastest, so that a restart trains in the placement it was trained in.
+
+Why: two runs measure the link and the compute with their noise, and a choice between candidates
+predicted a few percent apart would follow it; the band already says such candidates are not
+told apart. It sits beside the stored calibration (:mod:`graphddp.runtime.calibration_store`),
+follows the same switches, and ``GRAPHDDP_RECALIBRATE=1`` forgets it too. Each rank may have
+its own cache directory, so the earlier choice is agreed: kept only where every rank holds the same.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Sequence
+
+import torch.distributed as dist
+
+from graphddp.runtime import disk
+from graphddp.runtime.agree import layout_hash, max_over_ranks
+from graphddp.runtime.calibration_store import RECALIBRATE_ENV
+
+
+def key_of(*facts: Any) -> str:
+    """The store's key: a hash of what the choice was predicted from (any values with a stable repr)."""
+    return f"{layout_hash(facts):015x}"
+
+
+def earlier(key: str, names: Sequence[str], group: Any) -> str | None:
+    """The name an earlier run stored under ``key``, if it is one of ``names`` on every rank."""
+    if not _used(group):
+        return None
+    stored = None if os.environ.get(RECALIBRATE_ENV, "0") == "1" else _load(key)
+    index = names.index(stored) if stored in names else -1
+    high, minus_low = max_over_ranks([index, -index], group)
+    return names[high] if high == -minus_low and high >= 0 else None
+
+
+def remember(key: str, name: str, group: Any) -> None:
+    if _used(group):
+        disk.write_atomically(_path(key), json.dumps({"chosen": name}).encode())
+
+
+def _used(group: Any) -> bool:
+    """Where a choice is kept: a run's own ranks (not ``explain``'s fake group), caches on."""
+    return dist.get_backend(group) != "fake" and disk.enabled()
+
+
+def _path(key: str) -> str:
+    return disk.graphddp_path(f"choice-{key}.json")
+
+
+def _load(key: str) -> str | None:
+    try:
+        with open(_path(key)) as f:
+            return str(json.load(f)["chosen"])
+    except Exception:  # noqa: BLE001 - none stored, or a damaged file: chosen anew
+        return None
