@@ -23,6 +23,7 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.utils._pytree import tree_leaves
 
 from graphddp.compiler.aot import ISOLATED, first_compile_shapes
 from graphddp.compiler.optimizer_probe import state_rules, step_workspace, update_workspace
@@ -131,7 +132,7 @@ def time_example(run: Any, example: Any, module: nn.Module, repeats: int = 2) ->
         for i in range(repeats + 1):
             sync()
             start = time.perf_counter()
-            total = sum(t.float().sum() for t in _floating(call_example(run, example)) if t.requires_grad)
+            total = sum(t.float().sum() for t in floating_outputs(call_example(run, example)) if t.requires_grad)
             sync()
             middle = time.perf_counter()
             backward = isinstance(total, torch.Tensor)
@@ -143,24 +144,19 @@ def time_example(run: Any, example: Any, module: nn.Module, repeats: int = 2) ->
     return best[0], best[1]
 
 
-def _floating(out: Any) -> Iterator[torch.Tensor]:
-    """The floating-point tensors of a model's output: a tensor, or inside mappings (a Hugging Face
-    output), sequences, dataclasses and namespaces."""
-    if isinstance(out, torch.Tensor):
-        if out.is_floating_point():
-            yield out
-    elif isinstance(out, dict):
-        for v in out.values():
-            yield from _floating(v)
-    elif isinstance(out, (list, tuple)):
-        for v in out:
-            yield from _floating(v)
-    elif dataclasses.is_dataclass(out) and not isinstance(out, type):
-        for f in dataclasses.fields(out):
-            yield from _floating(getattr(out, f.name))
-    elif isinstance(out, types.SimpleNamespace):
-        for v in vars(out).values():
-            yield from _floating(v)
+def floating_outputs(out: Any) -> Iterator[torch.Tensor]:
+    """The floating-point tensors of a model's output: a tensor, or inside any container
+    ``torch.utils._pytree`` knows (mappings, sequences, a Hugging Face output) and dataclasses and
+    namespaces, which it takes for leaves. The sum of those that need a gradient is the loss the
+    trace and ``explain`` take a backward of when none is given."""
+    for leaf in tree_leaves(out):
+        if isinstance(leaf, torch.Tensor):
+            if leaf.is_floating_point():
+                yield leaf
+        elif isinstance(leaf, types.SimpleNamespace):
+            yield from floating_outputs(list(vars(leaf).values()))
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            yield from floating_outputs([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
 
 
 @contextlib.contextmanager

@@ -21,10 +21,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.utils._pytree import tree_leaves
 
 from graphddp.compiler.aot import first_compile_shapes
-from graphddp.compiler.model_trace import trace_model
+from graphddp.compiler.model_trace import floating_outputs, trace_model
 from graphddp.config import DDPConfig
 from graphddp.frontend.api import compile as compile_ddp
 from graphddp.plan.memory import PLACEMENTS, SHARDED, MemoryPrediction, predict
@@ -33,7 +32,7 @@ from graphddp.values.schedule_table import ScheduleValue
 
 
 def _default_loss(out: Any) -> torch.Tensor:
-    leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    leaves = [t for t in floating_outputs(out) if t.requires_grad]
     if not leaves:
         raise ValueError("graphddp.explain: the model output has no tensor that requires grad; pass loss_fn=")
     return sum(t.float().sum() for t in leaves)

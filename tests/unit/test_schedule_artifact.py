@@ -143,3 +143,35 @@ def test_timeline_png(mlp_schedule, tmp_path):
     path = tmp_path / "timeline.png"
     render.plot(mlp_schedule, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_explain_takes_the_backward_of_every_floating_output_in_namespaces_and_dataclasses_too():
+    import dataclasses
+    import types
+
+    @dataclasses.dataclass
+    class Out:
+        logits: torch.Tensor
+        label: torch.Tensor
+
+    class Namespaced(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return types.SimpleNamespace(first=self.a(x), rest=[Out(self.b(x), torch.zeros(2, dtype=torch.long))])
+
+    (plan,) = graphddp.explain(Namespaced(), torch.randn(3, 4), world_size=2, backend="aot_eager")
+    assert {s.param_name for b in plan.buckets for s in b.slots} == {"a.weight", "a.bias", "b.weight", "b.bias"}
+
+    class NoGradient(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return types.SimpleNamespace(label=self.a(x).argmax(-1))
+
+    with pytest.raises(ValueError, match="no tensor that requires grad; pass loss_fn="):
+        graphddp.explain(NoGradient(), torch.randn(3, 4), world_size=2, backend="aot_eager")
