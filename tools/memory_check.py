@@ -48,7 +48,7 @@ def storages_alive() -> int:
     return sum(seen.values())
 
 
-def step_peak(step: Callable[[], None], measured: int = 5) -> int:
+def step_peak(step: Callable[[], None], measured: int = 8) -> int:
     """The most bytes allocated above the start of a step while it runs, over ``measured`` steps
     profiled after a first one: the least peak among the steps that end where they began.
 
