@@ -37,12 +37,11 @@ def settle(measured: CostModel, key: tuple[str, str, int, str], group: Any) -> C
     compile. Each rank may have its own cache directory, so the choice is agreed (one maximum over
     ranks, at wrap time, where calibration talks anyway). A measurement outside the band replaces
     the stored model only when the run before measured outside it too: one outlier (a busy
-    loopback) plans this run anew without making every later restart replan."""
-    if not disk.enabled():
-        return measured
+    loopback) plans this run anew without making every later restart replan. A rank whose caches
+    are off keeps nothing, so no rank keeps, but it agrees: the others wait for it there."""
     path = _stored_path(key)
     anew = os.environ.get(RECALIBRATE_ENV, "0") == "1"  # a rank that measures anew keeps nothing: no rank keeps
-    stored, outside_before = (None, False) if anew else _load(path)
+    stored, outside_before = (None, False) if anew or not disk.enabled() else _load(path)
     keep = stored is not None and _close(stored, measured)
     mine = layout_hash(_numbers(stored)) if keep else -1  # type: ignore[arg-type]
     high, minus_low = max_over_ranks([mine, -mine], group)
@@ -58,6 +57,8 @@ def settle(measured: CostModel, key: tuple[str, str, int, str], group: Any) -> C
         return dataclasses.replace(
             stored, source=f"{measured.source}, kept from an earlier run: this run measured {_numbers(measured)}"  # type: ignore[arg-type]
         )
+    if not disk.enabled():
+        return measured
     if anew:
         log.info("graphddp: %s=1: the calibration measured now replaces any stored in %s", RECALIBRATE_ENV, path)
     if stored is None or (not keep and outside_before):

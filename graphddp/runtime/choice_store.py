@@ -27,10 +27,12 @@ def key_of(*facts: Any) -> str:
 
 
 def earlier(key: str, names: Sequence[str], group: Any) -> str | None:
-    """The name an earlier run stored under ``key``, if it is one of ``names`` on every rank."""
-    if not _used(group):
+    """The name an earlier run stored under ``key``, if it is one of ``names`` on every rank. Every
+    rank of a real group agrees, even one whose caches are off (it holds none): a rank that skipped
+    the agreement would leave the others waiting in it."""
+    if dist.get_backend(group) == "fake":
         return None
-    stored = None if os.environ.get(RECALIBRATE_ENV, "0") == "1" else _load(key)
+    stored = _load(key) if disk.enabled() and os.environ.get(RECALIBRATE_ENV, "0") != "1" else None
     index = names.index(stored) if stored in names else -1
     high, minus_low = max_over_ranks([index, -index], group)
     return names[high] if high == -minus_low and high >= 0 else None

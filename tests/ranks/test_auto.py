@@ -120,6 +120,13 @@ def _a_second_run_keeps_the_first_runs_choice(rank: int) -> None:
         store(mine, in_band[rank % 2])  # each rank's store names another: none kept
         disagreed = wrap(mine)
         assert disagreed.chosen == first.chosen and "earlier" not in disagreed.winner.verdict, disagreed.to_table()
+        if rank == 1:  # caches off on one rank: it holds no choice, but agrees (no hang), so none is kept
+            os.environ["GRAPHDDP_COMPILE_CACHE"] = "0"
+        try:
+            off = wrap(shared[0])
+        finally:
+            os.environ.pop("GRAPHDDP_COMPILE_CACHE", None)
+        assert off.chosen == first.chosen and "earlier" not in off.winner.verdict, off.to_table()
     finally:
         choice_store._path = saved
     dist.barrier()

@@ -157,6 +157,16 @@ def _restarts(rank: int, world: int, dirs: list[str], empty: str) -> None:
         dist.all_gather_object(everyone, mixed)
         assert all(m == mixed for m in everyone), everyone
         assert "kept" not in mixed.source and mixed.numbers != slower.numbers
+        # One rank with graphddp's caches off: it keeps nothing, but agrees (no hang), so neither keeps.
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = dirs[rank]
+        assert _calibrate_world(3.0, 1.0).numbers == still.numbers  # both keep again
+        if rank == 1:
+            os.environ["GRAPHDDP_COMPILE_CACHE"] = "0"
+        try:
+            off = _calibrate_world(3.1, 1.1)
+        finally:
+            os.environ.pop("GRAPHDDP_COMPILE_CACHE", None)
+        assert "kept" not in off.source and off.numbers == mixed.numbers, off
 
 
 def test_a_restart_keeps_the_stored_model_only_when_every_rank_measures_close_to_it(tmp_path):
