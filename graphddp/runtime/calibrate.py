@@ -9,7 +9,8 @@ and, on the CPU, its share of a collective's link time (:func:`_host_share`),
 and a matmul, a copy and a one-element add on the model's device (the rates of node estimates).
 
 Each time is the fastest of its repeats, not their median (what disturbs a microbenchmark only
-adds time), then the largest over ranks, so that every rank plans the same buckets. Figures are
+adds time), then the largest over ranks, so that every rank plans the same buckets; the host
+share, a difference of two times, is a median over ranks' pairs instead (:func:`_host_share`). Figures are
 rounded to two significant figures so that reruns plan alike and hit the compile cache, and a
 restart keeps stored numbers it measures within ``KEEP_WITHIN`` of
 (:mod:`graphddp.runtime.calibration_store`). A link fit that is noise
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import time
 from typing import Any, Callable
 
@@ -28,7 +30,7 @@ import torch.distributed as dist
 
 from graphddp.config import DDPConfig
 from graphddp.plan.cost import CostModel, fit_link, floor_latency, link_noise
-from graphddp.runtime.agree import max_over_ranks
+from graphddp.runtime.agree import gather, max_over_ranks
 from graphddp.runtime.calibration_store import settle
 from graphddp.values.comm import group_name_of
 
@@ -37,7 +39,6 @@ SIZES = (1 << 16, 1 << 20, 1 << 22)  # bytes per all-reduce: the range buckets s
 # (KEEP_WITHIN), few enough that a slow link calibrates in seconds (docs/auto-plan.md).
 REPEATS = 15
 COMPUTE_REPEATS = 15  # a few ms each; a busy machine's cores can run a matmul at two speeds by turns
-HOST_SHARE_REPEATS = 5  # each as long as the largest all-reduce, half again
 
 
 class Calibrations:
@@ -204,18 +205,18 @@ def _collective_overhead_seconds(group: Any, device: torch.device, sync: Callabl
     return max(issue_s, lost / LOADED_COLLECTIVES)
 
 
-def _compute_lost(
-    group: Any, sync: Callable[[], None], n: int, seed: int, target_s: float, tensor: torch.Tensor, issues: int, repeats: int,
-) -> float:
-    """What a block of ``n x n`` matmuls at least ``target_s`` long, run by every rank from a
-    barrier, loses when ``issues`` asynchronous all-reduces of ``tensor`` are issued into it, one
-    at the start of each equal part: the fastest of ``repeats`` loaded less the fastest alone.
-    The operand comes from a private generator seeded ``seed``: the global ones are the user's."""
+def _loaded_block(
+    group: Any, sync: Callable[[], None], n: int, seed: int, target_s: float, tensor: torch.Tensor, issues: int,
+) -> Callable[[bool], None]:
+    """A block of ``n x n`` matmuls at least ``target_s`` long; ``block(True)`` issues ``issues``
+    asynchronous all-reduces of ``tensor`` into it, one at the start of each equal part, and
+    waits for them at its end. The operand comes from a private generator seeded ``seed``: the
+    global ones are the user's."""
     a = torch.randn(n, n, generator=torch.Generator().manual_seed(seed))
     block_s = fastest_seconds(lambda: a @ a, sync, COMPUTE_REPEATS)
     part = max(1, math.ceil(target_s / max(block_s, 1e-7) / issues))
 
-    def compute(loaded: bool) -> None:
+    def block(loaded: bool) -> None:
         works = []
         for _ in range(issues):
             if loaded:
@@ -225,26 +226,57 @@ def _compute_lost(
         for work in works:
             work.wait()
 
+    return block
+
+
+def _compute_lost(
+    group: Any, sync: Callable[[], None], n: int, seed: int, target_s: float, tensor: torch.Tensor, issues: int, repeats: int,
+) -> float:
+    """What the block of :func:`_loaded_block`, run by every rank from a barrier, loses when
+    loaded: the fastest of ``repeats`` loaded less the fastest alone."""
+    block = _loaded_block(group, sync, n, seed, target_s, tensor, issues)
+
     def barrier() -> None:
         dist.barrier(group=group)
 
-    alone = fastest_seconds(lambda: compute(False), sync, repeats, barrier)
-    return fastest_seconds(lambda: compute(True), sync, repeats, barrier) - alone
+    alone = fastest_seconds(lambda: block(False), sync, repeats, barrier)
+    return fastest_seconds(lambda: block(True), sync, repeats, barrier) - alone
 
 
 HOST_SHARE_STEP = 0.05  # the host share's granularity: a rerun's noise rarely moves it a step
+HOST_SHARE_PAIRS = 9  # blocks alone and loaded, interleaved
 _SHARE_N = 256  # matmuls past the cache's size, as a model's are: a collective's copies slow them too
 
 
 def _host_share(group: Any, sync: Callable[[], None], allreduce_s: float) -> float:
     """The share of a collective's link time its rank's compute loses on the CPU
     (``CostModel.collective_host_share``): a block of matmuls half again as long as the largest
-    all-reduce of ``SIZES`` (``allreduce_s``), alone and with that all-reduce issued at its start
-    (:func:`_compute_lost`); what the block loses, over the all-reduce's time, in steps of
-    :data:`HOST_SHARE_STEP`. The small collectives' fixed cost (``collective_overhead_us``) is in what it loses too, a few
-    microseconds against milliseconds. Every rank takes the largest over ranks."""
-    lost = _compute_lost(group, sync, _SHARE_N, 2, 1.5 * allreduce_s, torch.zeros(SIZES[-1] // 4), 1, HOST_SHARE_REPEATS)
-    share = max_over_ranks([max(0.0, lost / allreduce_s)], group, torch.float64)[0]
+    all-reduce of ``SIZES`` (``allreduce_s``) run ``HOST_SHARE_PAIRS`` times alone and loaded
+    with that all-reduce (:func:`_loaded_block`), by turns, each from a barrier; the median of
+    what each pair's loaded block took longer, over the all-reduce's time, averaged over ranks,
+    in steps of :data:`HOST_SHARE_STEP`. The small collectives' fixed cost
+    (``collective_overhead_us``) is in what it loses too, a few microseconds against milliseconds.
+
+    Why pairs, a median and a mean: where ranks share cores, one block's time moves with the
+    scheduling of the others, so the difference of two separate fastest times, or its largest
+    over ranks, measures that noise (docs/auto-sharding.md); each rank pays the share on
+    average, so the average over ranks is the figure."""
+    block = _loaded_block(group, sync, _SHARE_N, 2, 1.5 * allreduce_s, torch.zeros(SIZES[-1] // 4), 1)
+    block(False)
+    block(True)
+    sync()
+    lost = []
+    for _ in range(HOST_SHARE_PAIRS):
+        took = []
+        for loaded in (False, True):
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            block(loaded)
+            sync()
+            took.append(time.perf_counter() - start)
+        lost.append(took[1] - took[0])
+    shares = gather(statistics.median(lost) / allreduce_s, group)
+    share = max(0.0, sum(shares) / len(shares))
     return round(round(share / HOST_SHARE_STEP) * HOST_SHARE_STEP, 2)
 
 
