@@ -65,7 +65,7 @@ def choose_placement(
 
     candidates = [c for c in placements(optimizer is not None) if not (placement.hybrid and c[0] == "replicated")]
     names = [name for name, _ in candidates]
-    key = choice_store.key_of(trace.memory, world, placement.shape(), budget, config.backend, names)
+    key = choice_store.key_of(trace.memory, world, placement.shape(), config.backend, names)  # not the budget: choose checks the fit
     choice = choose(candidates, predict, budget, choice_store.earlier(key, names, groups.whole))
     _check_agreed(choice, groups.whole)
     choice_store.remember(key, choice.chosen, groups.whole)
