@@ -25,8 +25,8 @@ from graphddp.frontend.mesh import MeshGroups
 from graphddp.plan.choose import choose, memory_placement, placements
 from graphddp.plan.memory import predict as predict_memory
 from graphddp.plan.step import compute_scale, predict_step
-from graphddp.runtime.agree import max_over_ranks
 from graphddp.runtime import choice_store
+from graphddp.runtime.agree import max_over_ranks
 from graphddp.runtime.calibrate import calibrate
 from graphddp.values.choice import PlacementChoice
 

@@ -10,7 +10,8 @@ and a matmul, a copy and a one-element add on the model's device (the rates of n
 
 Each time is the fastest of its repeats, not their median (what disturbs a microbenchmark only
 adds time), then the largest over ranks, so that every rank plans the same buckets; the host
-share, a difference of two times, is a median over ranks' pairs instead (:func:`_host_share`). Figures are
+share, a difference of two times, is each rank's median over pairs, averaged over ranks
+(:func:`_host_share`). Figures are
 rounded to two significant figures so that reruns plan alike and hit the compile cache, and a
 restart keeps stored numbers it measures within ``KEEP_WITHIN`` of
 (:mod:`graphddp.runtime.calibration_store`). A link fit that is noise
