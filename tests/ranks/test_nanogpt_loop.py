@@ -49,13 +49,12 @@ def _same(ours: list[float], theirs: list[float], what: str) -> None:
         assert abs(a - b) <= RTOL * abs(b), f"{what}, iteration {i}: graphddp {a!r}, DDP {b!r}\n{ours}\n{theirs}"
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_the_loop_trains_like_ddp_loss_for_loss(tmp_path, dtype):
-    """Micro-steps by the attribute, clipping, LR schedule, evaluation on rank 0; fp16 with an
-    enabled GradScaler (unscale_, clip, step, update) on CPU."""
-    got = _run(tmp_path, dtype, "--max-iters", "8", "--eval-interval", "4", "--dtype", dtype)
-    _same(got["graphddp"]["losses"], got["ddp"]["losses"], f"{dtype} training losses")
-    _same(got["graphddp"]["eval"], got["ddp"]["eval"], f"{dtype} evaluation losses")
+def test_the_float16_loop_trains_like_ddp_loss_for_loss(tmp_path):
+    """Micro-steps by the attribute, clipping, LR schedule, evaluation on rank 0, with an enabled
+    GradScaler (unscale_, clip, step, update) on CPU. float32: test_a_checkpoint_resumes_where_the_run_was."""
+    got = _run(tmp_path, "float16", "--max-iters", "8", "--eval-interval", "4", "--dtype", "float16")
+    _same(got["graphddp"]["losses"], got["ddp"]["losses"], "float16 training losses")
+    _same(got["graphddp"]["eval"], got["ddp"]["eval"], "float16 evaluation losses")
     assert len(got["ddp"]["eval"]) == 1
 
 
@@ -73,16 +72,19 @@ def test_the_loop_with_the_optimizer_inside_trains_like_ddp(tmp_path):
 
 
 def test_a_checkpoint_resumes_where_the_run_was(tmp_path):
-    """nanoGPT's checkpoint (raw model's and optimizer's state dicts) written at iteration 4 and
-    resumed in fresh processes: the resumed run continues loss for loss, against DDP too."""
-    whole = _run(tmp_path, "whole", "--max-iters", "8", "--eval-interval", "4")
+    """The float32 loop (micro-steps by the attribute, clipping, LR schedule, evaluation on rank
+    0) loss for loss against DDP, writing nanoGPT's checkpoint (raw model's and optimizer's state
+    dicts) at its only save, iteration 4; resumed from it in fresh processes, the run continues
+    loss for loss, DDP's too."""
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    first = _run(tmp_path, "first", "--max-iters", "5", "--eval-interval", "4", "--checkpoint-dir", str(ckpt))
-    assert first["graphddp"]["iter"] == 5 and (ckpt / "ckpt-graphddp.pt").exists()
+    whole = _run(tmp_path, "whole", "--max-iters", "8", "--eval-interval", "4", "--checkpoint-dir", str(ckpt))
+    _same(whole["graphddp"]["losses"], whole["ddp"]["losses"], "float32 training losses")
+    _same(whole["graphddp"]["eval"], whole["ddp"]["eval"], "float32 evaluation losses")
+    assert len(whole["ddp"]["eval"]) == 1 and (ckpt / "ckpt-graphddp.pt").exists() and (ckpt / "ckpt-ddp.pt").exists()
     rest = _run(tmp_path, "rest", "--max-iters", "8", "--eval-interval", "4", "--checkpoint-dir", str(ckpt))
     for name in ("ddp", "graphddp"):
-        _same(first[name]["losses"], whole[name]["losses"][:5], f"{name} before the checkpoint")
+        assert rest[name]["iter"] == 8, (name, rest[name]["iter"])
         _same(rest[name]["losses"], whole[name]["losses"][4:], f"{name} resumed at iteration 4")
 
 
@@ -98,13 +100,13 @@ def test_the_loop_with_sharded_optimizer_state_trains_like_ddp(tmp_path):
     got = _run(tmp_path, "sharded", "--max-iters", "8", *sharded)
     _same(got["graphddp"]["losses"], got["ddp"]["losses"], "sharding='optimizer', training losses")
     _same(got["graphddp"]["eval"], got["ddp"]["eval"], "sharding='optimizer', evaluation losses")
-    forward = (*sharded, "--gather", "forward")
-    whole = _run(tmp_path, "forward", "--max-iters", "8", *forward)
-    _same(whole["graphddp"]["losses"], got["ddp"]["losses"], "gather='forward', training losses")
-    _same(whole["graphddp"]["eval"], got["ddp"]["eval"], "gather='forward', evaluation losses")
+    # graphddp alone from here (--wrapper graphddp): compared with the DDP losses above
+    forward = (*sharded, "--gather", "forward", "--wrapper", "graphddp")
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    _run(tmp_path, "first", "--max-iters", "5", *forward, "--checkpoint-dir", str(ckpt))
+    whole = _run(tmp_path, "forward", "--max-iters", "8", *forward, "--checkpoint-dir", str(ckpt))  # saved at iteration 4
+    _same(whole["graphddp"]["losses"], got["ddp"]["losses"], "gather='forward', training losses")
+    _same(whole["graphddp"]["eval"], got["ddp"]["eval"], "gather='forward', evaluation losses")
     rest = _run(tmp_path, "rest", "--max-iters", "8", *forward, "--checkpoint-dir", str(ckpt))
     _same(rest["graphddp"]["losses"], whole["graphddp"]["losses"][4:], "gather='forward' resumed at iteration 4")
 
@@ -114,13 +116,12 @@ def test_the_loop_fully_sharded_trains_like_ddp_and_resumes(tmp_path):
     evaluating (the others on a copy of their generator), the checkpoint gathered on every rank
     and saved by rank 0, resumed in fresh processes: loss for loss against DDP throughout."""
     full = ("--eval-interval", "4", "--sharding", "full")
-    whole = _run(tmp_path, "whole", "--max-iters", "8", *full)
-    _same(whole["graphddp"]["losses"], whole["ddp"]["losses"], "sharding='full', training losses")
-    _same(whole["graphddp"]["eval"], whole["ddp"]["eval"], "sharding='full', evaluation losses")
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    _run(tmp_path, "first", "--max-iters", "5", "--checkpoint-dir", str(ckpt), *full)
-    rest = _run(tmp_path, "rest", "--max-iters", "8", "--checkpoint-dir", str(ckpt), *full)
+    whole = _run(tmp_path, "whole", "--max-iters", "8", "--checkpoint-dir", str(ckpt), *full)  # saved at iteration 4
+    _same(whole["graphddp"]["losses"], whole["ddp"]["losses"], "sharding='full', training losses")
+    _same(whole["graphddp"]["eval"], whole["ddp"]["eval"], "sharding='full', evaluation losses")
+    rest = _run(tmp_path, "rest", "--max-iters", "8", "--checkpoint-dir", str(ckpt), "--wrapper", "graphddp", *full)
     _same(rest["graphddp"]["losses"], whole["graphddp"]["losses"][4:], "sharding='full', resumed at iteration 4")
 
 

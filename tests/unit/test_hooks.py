@@ -60,7 +60,9 @@ def test_a_user_hook_is_recorded_per_bucket_with_the_bytes_its_graph_sends(fake_
 
 
 def test_explain_shows_the_hook_and_its_bytes_on_the_wire():
-    schedules = graphddp.explain(MLP(), torch.randn(8, 16), world_size=64, comm_hook=PowerSGD(start_powerSGD_iter=0), bucket_cap_mb=CAP)
+    schedules = graphddp.explain(
+        MLP(), torch.randn(8, 16), world_size=64, comm_hook=PowerSGD(start_powerSGD_iter=0), bucket_cap_mb=CAP, backend="aot_eager"
+    )
     (schedule,) = schedules
     hook = PowerSGD()
     assert sum(b.wire_nbytes for b in schedule.buckets) == 4 * wire_numel(hook, schedule.buckets)
@@ -114,7 +116,9 @@ def test_powersgd_phases_are_variants_and_the_record_shows_the_compressed_one(fa
 
 def test_powersgd_layout_follows_ddp_rules():
     hook = PowerSGD(matrix_approximation_rank=2, min_compression_rate=2)
-    schedule = graphddp.explain(MLP(width=64), torch.randn(8, 16), comm_hook=PowerSGD(start_powerSGD_iter=0), bucket_cap_mb=100)[0]
+    schedule = graphddp.explain(
+        MLP(width=64), torch.randn(8, 16), comm_hook=PowerSGD(start_powerSGD_iter=0), bucket_cap_mb=100, backend="aot_eager"
+    )[0]
     (bucket,) = schedule.buckets
     layout = hook.layout(bucket)
     shapes = {bucket.slots[i].shape for g in layout.groups for i in g.slots}
