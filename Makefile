@@ -35,8 +35,11 @@ PYTHON_GPU ?= python3
 demo: $(VENV)/.installed-base
 	$(PY) examples/demo.py
 
+# The unit tests on two pytest workers (pytest-xdist): each runs one process's compiles, about a
+# core's work, so two use the cores the multi-rank and end-to-end tests after them use alone.
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 tests/unit
+	$(PY) -m pytest -q --ignore=tests/unit
 
 test-gpu:
 	$(PYTHON_GPU) -m pytest -q -p no:cacheprovider -rA tests/gpu
