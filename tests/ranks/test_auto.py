@@ -127,6 +127,16 @@ def _a_second_run_keeps_the_first_runs_choice(rank: int) -> None:
         finally:
             os.environ.pop("GRAPHDDP_COMPILE_CACHE", None)
         assert off.chosen == first.chosen and "earlier" not in off.winner.verdict, off.to_table()
+        # HF GPT-2 from its config, each rank's own keyword batch (the same shapes: the same key)
+        gpt2 = os.path.join(shared[0], "gpt2")
+        runs = []
+        for _ in range(2):
+            choice_store._path = lambda key: os.path.join(gpt2, f"choice-{key}.json")
+            hf = models.tiny_hf_gpt2()
+            runs.append(graphddp.compile(hf, optimizer=_adamw(hf), sharding="auto", example=models.tiny_hf_gpt2_batch(rank, 0),
+                                         backend="aot_eager", cost=CostModel(bandwidth_gbps=0.1)).placement_choice)
+        assert runs[1].chosen == runs[0].chosen and "earlier run" in runs[1].winner.verdict, runs[1].to_table()
+        _same_on_every_rank(runs[1].fingerprint())
     finally:
         choice_store._path = saved
     dist.barrier()
