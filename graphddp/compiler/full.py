@@ -40,7 +40,7 @@ from graphddp.graph.verify import check_part_collectives
 from graphddp.plan.parts import planned_cap_bytes
 from graphddp.runtime.usage import GradientUsage, NoneOutputs
 from graphddp.values.part_schedule import PartCap, PartGraph
-from graphddp.values.placement import Placement
+from graphddp.values.placement import Placement, Whole
 
 
 @dataclasses.dataclass
@@ -56,6 +56,7 @@ class Compiled:
     updates: PartUpdates | None = None
     group: Any = None  # every rank's process group: what they agree over (an unused part)
     placement: Placement | None = None  # where the parts' gradients are averaged (hybrid: the replicate group too)
+    replicated: Whole | None = None  # where the gradients of parameters held whole are averaged (replicate_below_mb)
     records: list[GraphRecord] = dataclasses.field(default_factory=list)
 
 
@@ -130,7 +131,7 @@ class _Graph(CustomGraphPass):
             self.usage = GradientUsage.of_graph(gm, {i: self.names[input_name(i)] for i in range(count) if input_name(i) in self.names})
         else:
             reshard.mark_saved_outputs(gm)  # a user's output that views a gathered parameter is not kept for the backward
-        plan = _placed(gm, self.config, self.compiled.world_size, backward, self.kept, tuple(self.names), self.compiled.placement)
+        plan = _placed(gm, self.config, self.compiled, backward, self.kept, tuple(self.names))
         kind = "backward" if backward else "forward"
         compiled, updates = self.compiled, self.compiled.updates
         variant = None
@@ -187,19 +188,19 @@ class _Graph(CustomGraphPass):
         return dropping
 
 
-def _placed(
-    gm: fx.GraphModule, config: DDPConfig, world_size: int, backward: bool, kept: Kept, parts: tuple[str, ...], placement: Placement | None = None,
-) -> PartGraph:
+def _placed(gm: fx.GraphModule, config: DDPConfig, compiled: Compiled, backward: bool, kept: Kept, parts: tuple[str, ...]) -> PartGraph:
     """The graph's collectives bucketed under :func:`bucket_cap` and placed where a step wants
     them (:mod:`graphddp.graph.part_collectives`), checked after the rewrite when
     ``config.verify`` (:mod:`graphddp.graph.verify`: every one of the ``parts``' gradients
-    reduce-scattered; a resharding forward may keep the gathers ``kept``; hybrid ``placement``:
-    each part also averaged over the replicate group). Returns the buckets planned."""
-    cap = bucket_cap(config, whole_bytes(gm.graph), world_size, placement)
-    plan = place_part_collectives(gm.graph, "backward" if backward else "forward", cap, placement=placement)
+    reduced; a resharding forward may keep the gathers ``kept``; hybrid placement: each part
+    also averaged over the replicate group; a parameter held whole, over every rank). Returns
+    the buckets planned."""
+    placement, replicated = compiled.placement, compiled.replicated
+    cap = bucket_cap(config, whole_bytes(gm.graph), compiled.world_size, placement)
+    plan = place_part_collectives(gm.graph, "backward" if backward else "forward", cap, placement=placement, replicated=replicated)
     gm.recompile()
     if config.verify:
-        check_part_collectives(gm, backward, config.reshard_after_forward, kept.nbytes, parts, placement)
+        check_part_collectives(gm, backward, config.reshard_after_forward, kept.nbytes, parts, placement, replicated)
     return plan
 
 

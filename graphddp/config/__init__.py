@@ -113,6 +113,11 @@ class DDPConfig:
         None, "with sharding='full': free each gathered parameter after the forward and gather it again in the "
         "backward (FSDP2's option, same meaning; default True), or False: keep it from the forward to the backward"
     )
+    replicate_below_mb: float | None = _option(
+        None, "with sharding='full': parameters smaller than this many MB stay whole on every rank (replicated: never "
+        "gathered, their gradients all-reduced), as DeepSpeed ZeRO-3's param_persistence_threshold; the larger ones "
+        "sharded (default 0: every parameter sharded)"
+    )
     mp_policy: Any = _option(
         None, "with sharding='full': FSDP2's torch.distributed.fsdp.MixedPrecisionPolicy, same meaning: parameters "
         "gathered and computed in param_dtype, gradients reduce-scattered in reduce_dtype (default param_dtype), "
@@ -235,9 +240,10 @@ class DDPConfig:
         if self.sharding != "auto":
             return
         chosen = [n for n, given in (("gather", self.gather != "backward"), ("reshard_after_forward", self.reshard_after_forward is not None),
+                                     ("replicate_below_mb", self.replicate_below_mb is not None),
                                      ("mp_policy", self.mp_policy is not None)) if given]
         if chosen:
-            raise ValueError(f"sharding='auto' chooses gather and reshard_after_forward itself and runs no mp_policy yet; "
+            raise ValueError(f"sharding='auto' chooses gather, reshard_after_forward and replicate_below_mb itself and runs no mp_policy yet; "
                              f"leave {chosen} out, or choose sharding= yourself")
 
     def _check_full_sharding(self) -> None:
@@ -245,15 +251,19 @@ class DDPConfig:
         means True, FSDP2's default); what full sharding does not run is refused by name, never
         ignored: first, last and per-bucket caps, a comm hook, the eager backend."""
         if self.sharding != "full":
-            for name in ("reshard_after_forward", "mp_policy"):
+            for name in ("reshard_after_forward", "replicate_below_mb", "mp_policy"):
                 if getattr(self, name) is not None:
-                    raise ValueError(f"{name} is an option of sharding='full' (FSDP2's, same meaning); it needs that option")
+                    whose = "" if name == "replicate_below_mb" else " (FSDP2's, same meaning)"
+                    raise ValueError(f"{name} is an option of sharding='full'{whose}; it needs that option")
             return
         _check_mp_policy(self.mp_policy)
         if self.reshard_after_forward is None:
             object.__setattr__(self, "reshard_after_forward", True)
         if not isinstance(self.reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}")
+        below = self.replicate_below_mb
+        if below is not None and (isinstance(below, bool) or not isinstance(below, (int, float)) or not 0 <= below < math.inf):
+            raise ValueError(f"replicate_below_mb must be a number of MB >= 0, got {below!r}")
         caps = [n for n in ("first_bucket_cap_mb", "last_bucket_cap_mb", "bucket_cap_mb_list")
                 if getattr(self, n) not in (None, AUTO)]
         refused = caps + (["comm_hook"] if self.comm_hook is not None else [])

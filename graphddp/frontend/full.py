@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from graphddp.compiler.full import Compiled, FullyShardedCompiler
 from graphddp.compiler.full_updates import PartUpdates
-from graphddp.config import DDPConfig
+from graphddp.config import MB, DDPConfig
 from graphddp.frontend.mesh import MeshGroups
 from graphddp.frontend.parts import Part, install_whole_state_dicts, optimizer_parts, repoint_optimizer, shard_parameters
 from graphddp.frontend.wrap import ModelState
@@ -35,8 +35,9 @@ from graphddp.plan.parts import PREFETCH
 from graphddp.optim import clip, guards
 from graphddp.runtime import agree
 from graphddp.runtime.sync import broadcast_tensors
+from graphddp.values.comm import group_name_of
 from graphddp.values.part_schedule import FullSchedule, PartGraph, RankMemory
-from graphddp.values.shards import whole
+from graphddp.values.placement import Level, Whole
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
@@ -59,13 +60,16 @@ class FullyShardedState(ModelState):
     def __init__(self, module: nn.Module, groups: MeshGroups, config: DDPConfig, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(module, groups.whole, config, optimizer)
         guards.watch_gathered_copies()
-        parts = shard_parameters(module, groups.shard, config.mp_policy, groups.placement)
+        below = int((config.replicate_below_mb or 0) * MB)
+        replicated = Whole(Level(group_name_of(groups.whole), dist.get_world_size(groups.whole))) if below else None
+        parts = shard_parameters(module, groups.shard, config.mp_policy, groups.placement, replicated, below)
         for part in parts.values():
             # clip_grad_norm_ on parts is refused (graphddp.optim.guards), told whether max_grad_norm clips already
             setattr(part.part, guards.PART, True if config.max_grad_norm is None else (config.max_grad_norm, config.grad_norm_type))
         repoint_optimizer(optimizer, parts, groups.shard)
         if config.max_grad_norm is not None:
-            clip.clip_parts_before_step(optimizer, config.max_grad_norm, config.grad_norm_type, groups.shard)
+            whole_parts = {id(p.part) for p in parts.values() if p.group is None}
+            clip.clip_parts_before_step(optimizer, config.max_grad_norm, config.grad_norm_type, groups.shard, whole_parts)
         guards.agree_found_inf(optimizer, groups.whole)  # parts: one rank's inf must skip every rank's step
         self._groups = groups
         self._parts = parts
@@ -74,11 +78,12 @@ class FullyShardedState(ModelState):
         self._forwards = 0  # run by this rank: every rank runs every forward (_check_same_forward)
         updates = PartUpdates.of(optimizer, module, lambda: self.sync, config.verify, config.max_grad_norm)
         self.record = Compiled(
-            {id(p.part): p.names[0] for p in parts.values()}, self.world_size, updates, groups.whole, placement=groups.placement
+            {id(p.part): p.names[0] for p in parts.values()}, self.world_size, updates, groups.whole, placement=groups.placement,
+            replicated=replicated,
         )
         self.records = self.record.records  # every compiled graph's, in order
         self.whole_state = optimizer_parts(optimizer, {id(p.part): p for p in parts.values()}, groups.shard)
-        install_whole_state_dicts(module, parts, groups.shard)
+        install_whole_state_dicts(module, parts)
         self.compile_graph = FullyShardedCompiler(config, self.record)
 
     @property
@@ -206,7 +211,7 @@ class FullyShardedState(ModelState):
             if remove_duplicate and id(part) in seen:
                 continue
             seen.add(id(part))
-            gathered = nn.Parameter(whole([part.part], [part.shape], self._groups.shard)[0], requires_grad=False)
+            gathered = nn.Parameter(part.whole_value(), requires_grad=False)
             # clipping it would clip nothing: refused (graphddp.optim.guards), saying whether max_grad_norm clips already
             setattr(gathered, guards.GATHERED_COPY, getattr(part.part, guards.PART, True))
             yield (f"{prefix}.{name}" if prefix else name), gathered

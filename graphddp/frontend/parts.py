@@ -11,7 +11,11 @@ gradient by the world size first, as DDP does. With a mixed-precision policy, or
 sharding (a 2-D ``device_mesh=``: parts cut over the shard group, each part's gradient then
 averaged over the replicate group too), the gather and its backward are :class:`_Gather`.
 With ``reshard_after_forward`` (default True) the backward gathers again instead of keeping
-the gathered parameters (:mod:`graphddp.graph.reshard`).
+the gathered parameters (:mod:`graphddp.graph.reshard`). A parameter smaller than
+``replicate_below_mb`` stays whole on every rank (a part over one rank, held by each): never
+gathered, its read is :class:`_Replicated`, whose backward all-reduces its gradient over every
+rank (the :class:`~graphddp.values.placement.Whole` placement's reduce, which
+:mod:`graphddp.graph.part_collectives` buckets beside the reduce-scatters).
 
 The optimizer is re-pointed at the parts (:func:`repoint_optimizer`), any state it has cut to
 them, and state dicts hold whole tensors (:func:`install_whole_state_dicts`,
@@ -31,7 +35,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 
 from graphddp.optim.whole_state import WholeState
-from graphddp.values.placement import Placement, flat
+from graphddp.values.placement import Placement, Whole, flat
 from graphddp.values.shards import padded_part, whole
 
 # The functional all-gather whose backward reduce-scatters: its torch 2.13 name, or the older one.
@@ -59,14 +63,25 @@ class Part:
     part: nn.Parameter  # flat, chunk(numel, world) elements, zero past the parameter's end
     shape: tuple[int, ...]
     names: list[str]  # every name it has in the module (tied weights: more than one)
+    group: Any  # the shard group its part is cut over; None: whole on every rank (replicate_below_mb)
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    def whole_value(self) -> torch.Tensor:
+        """The parameter whole (gathered over its shard group: every rank of it calls this)."""
+        return whole([self.part], [self.shape], self.group)[0]
+
+    def cut(self, value: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a whole ``value`` of the parameter's shape."""
+        world, rank = (1, 0) if self.group is None else (dist.get_world_size(self.group), dist.get_rank(self.group))
+        return padded_part(value, world, rank)
+
 
 _AG = torch.ops._c10d_functional.all_gather_into_tensor.default
 _RS = torch.ops._c10d_functional.reduce_scatter_tensor.default
+_AR = torch.ops._c10d_functional.all_reduce.default
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
@@ -97,6 +112,32 @@ class _Gather(torch.autograd.Function):
         return done.to(ctx.part_dtype), None, None, None
 
 
+class _Replicated(torch.autograd.Function):
+    """The read of a parameter held whole on every rank: the parameter as it is (in a policy's
+    ``param_dtype``), and in the backward its gradient in ``reduce_dtype``, divided by every
+    rank and all-reduced over them (the placement's one group), cast back to the parameter's
+    dtype: DDP's average, which :mod:`graphddp.graph.part_collectives` buckets."""
+
+    @staticmethod
+    def forward(ctx: Any, whole: torch.Tensor, placement: Whole, param_dtype: torch.dtype,  # type: ignore[override]
+                reduce_dtype: torch.dtype) -> torch.Tensor:
+        ctx.placement, ctx.reduce_dtype, ctx.part_dtype = placement, reduce_dtype, whole.dtype
+        return whole.view_as(whole) if param_dtype == whole.dtype else whole.to(param_dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        placement = ctx.placement
+        sent = grad.to(ctx.reduce_dtype) / placement.world
+        return _WAIT(_AR(sent, "sum", placement.shard.name)).to(ctx.part_dtype), None, None, None
+
+
+def _read_whole(flat_param: torch.Tensor, shape: tuple[int, ...], placement: Whole, policy: Any = None) -> torch.Tensor:
+    """A replicated parameter's read (:class:`_Replicated`), viewed as its shape."""
+    param_dtype = getattr(policy, "param_dtype", None) or flat_param.dtype
+    reduce_dtype = getattr(policy, "reduce_dtype", None) or param_dtype
+    return _Replicated.apply(flat_param, placement, param_dtype, reduce_dtype).view(shape)
+
+
 def _gathered(part: torch.Tensor, shape: tuple[int, ...], group: Any, policy: Any = None, placement: Placement | None = None) -> torch.Tensor:
     """The whole parameter from every rank's part over ``group`` (the shard group): all-gather,
     drop the padding, view; with a mixed-precision ``policy`` in its ``param_dtype``, or a
@@ -122,6 +163,8 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
         def prop(name: str) -> property:
             def getter(self: nn.Module) -> torch.Tensor:
                 q = self._parameters[name]
+                if q._graphddp_group is None:
+                    return _read_whole(q, q._graphddp_shape, q._graphddp_placement, q._graphddp_policy)
                 return _gathered(q, q._graphddp_shape, q._graphddp_group, q._graphddp_policy, q._graphddp_placement)
             return property(getter)
 
@@ -129,11 +172,15 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
     return _SHARDED_CLASSES[key]
 
 
-def shard_parameters(module: nn.Module, group: Any, policy: Any = None, placement: Placement | None = None) -> dict[int, Part]:
+def shard_parameters(
+    module: nn.Module, group: Any, policy: Any = None, placement: Placement | None = None, replicated: Whole | None = None,
+    below_bytes: int = 0,
+) -> dict[int, Part]:
     """Replace every parameter of ``module`` by this rank's part over ``group`` (the shard
     group) and every read of it by a gather (module docstring); ``placement``: where each part
-    gradient is averaged (None: over ``group`` alone). Returns the parts by the id of the
-    parameter they replace."""
+    gradient is averaged (None: over ``group`` alone). A parameter of fewer than ``below_bytes``
+    stays whole on every rank, its gradient averaged over ``replicated``'s group. Returns the
+    parts by the id of the parameter they replace."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     parts: dict[int, Part] = {}  # by the replaced parameter's id
     placed: dict[int, Part] = {}  # by the part's id: a module reached twice holds parts already
@@ -145,10 +192,11 @@ def shard_parameters(module: nn.Module, group: Any, policy: Any = None, placemen
             p = mod._parameters[name]
             entry = placed.get(id(p)) or parts.get(id(p))
             if entry is None:
-                q = nn.Parameter(padded_part(p, world, rank), requires_grad=p.requires_grad)
-                q._graphddp_shape, q._graphddp_group, q._graphddp_policy = tuple(p.shape), group, policy  # type: ignore[attr-defined]
-                q._graphddp_placement = placement  # type: ignore[attr-defined]
-                entry = parts[id(p)] = placed[id(q)] = Part(q, tuple(p.shape), [])
+                keep = replicated is not None and p.numel() * p.element_size() < below_bytes
+                q = nn.Parameter(padded_part(p, 1, 0) if keep else padded_part(p, world, rank), requires_grad=p.requires_grad)
+                q._graphddp_shape, q._graphddp_group, q._graphddp_policy = tuple(p.shape), None if keep else group, policy  # type: ignore[attr-defined]
+                q._graphddp_placement = replicated if keep else placement  # type: ignore[attr-defined]
+                entry = parts[id(p)] = placed[id(q)] = Part(q, tuple(p.shape), [], None if keep else group)
             full_name = f"{mod_name}.{name}" if mod_name else name
             if full_name not in entry.names:
                 entry.names.append(full_name)
@@ -181,23 +229,23 @@ def optimizer_parts(optimizer: torch.optim.Optimizer, parts: Mapping[int, Part],
     """The optimizer's state, whole in and out of its padded parts over ``group`` (the shard group);
     ``parts`` by the id of the tensors the optimizer holds (the whole parameters, or the parts)."""
     ordered = [parts[id(p)] for g in optimizer.param_groups for p in g["params"]]
-    return WholeState(tuple(p.names[0] for p in ordered), tuple(p.shape for p in ordered), group, padded=True)
+    held_whole = frozenset(i for i, p in enumerate(ordered) if p.group is None)
+    return WholeState(tuple(p.names[0] for p in ordered), tuple(p.shape for p in ordered), group, padded=True, held_whole=held_whole)
 
 
-def install_whole_state_dicts(module: nn.Module, parts: Mapping[int, Part], group: Any) -> None:
+def install_whole_state_dicts(module: nn.Module, parts: Mapping[int, Part]) -> None:
     """Make ``module.state_dict()`` gather every parameter whole under the module's own keys, and
     ``module.load_state_dict`` keep this rank's part of it: checkpoints move between world sizes
     and to plain models, a pipeline's ``model.state_dict()`` under ``graphddp.backend`` alike.
     Every rank calls them: they gather."""
     by_name = {name: part for part in parts.values() for name in part.names}
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
 
     def gather_parts(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
         done: dict[int, torch.Tensor] = {}  # a tied weight: gathered once
         for name, part in by_name.items():
             if prefix + name in state:
                 if id(part) not in done:
-                    done[id(part)] = whole([part.part], [part.shape], group)[0]
+                    done[id(part)] = part.whole_value()
                 state[prefix + name] = done[id(part)]
 
     def keep_parts(module: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
@@ -206,7 +254,7 @@ def install_whole_state_dicts(module: nn.Module, parts: Mapping[int, Part], grou
             if isinstance(value, torch.Tensor):
                 if tuple(value.shape) != part.shape:
                     raise ValueError(f"graphddp: {name!r} has shape {list(value.shape)} in the state dict, {list(part.shape)} in the model")
-                state[prefix + name] = padded_part(value.to(part.part.device), world, rank)
+                state[prefix + name] = part.cut(value.to(part.part.device))
 
     module.register_state_dict_post_hook(gather_parts)
     module.register_load_state_dict_pre_hook(keep_parts)

@@ -20,7 +20,7 @@ import torch.fx as fx
 from graphddp.graph.part_facts import output_positions, outputs_reached
 from graphddp.graph.reshard import kept_gathered_bytes
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
-from graphddp.values.part_schedule import GATHER, PART_KINDS, REDUCE_SCATTER, PartBucket, PartGraph
+from graphddp.values.part_schedule import ALL_REDUCE, GATHER, PART_KINDS, REDUCE_SCATTER, REDUCES, PartBucket, PartGraph
 from graphddp.values.placement import REPLICATE, REPLICATE_WAIT
 from graphddp.values.schedule import dtype_name
 
@@ -66,7 +66,7 @@ def _received(tagged: Mapping[tuple[str, int], list[fx.Node]], role: str, index:
     """The nodes that wait for and cut what a bucket received, its own wait first: with hybrid
     sharding a reduce-scatter's part all-reduced over the replicate group and waited too."""
     found = list(tagged[(f"{role}_wait", index)])
-    if role == "reduce_scatter":
+    if role == REDUCE_SCATTER:
         found += tagged.get((REPLICATE, index), []) + tagged.get((REPLICATE_WAIT, index), [])
     return found
 
@@ -80,13 +80,14 @@ def _placed(
     role, issue, received = bucket.kind, tagged[(bucket.kind, bucket.index)], _received(tagged, bucket.kind, bucket.index)
     wait = next(n for n in received if is_wait(n))
     collective = next(n for n in issue if str(n.target).startswith("_c10d_functional."))
-    sent = collective.args[0] if role == REDUCE_SCATTER else collective  # the whole: gradients sent, or gathered
+    sent = collective.args[0] if role in REDUCES else collective  # the whole: gradients sent, or gathered
     val = sent.meta["val"]
     whole = val.numel() * val.element_size()
+    part = whole if role == ALL_REDUCE else whole // world  # an all-reduce's bucket is whole on every rank
     params = _gathered_inputs(issue, names) if role == GATHER else _gradient_outputs(wait, names, positions)
     inside = set(received)
     return dataclasses.replace(
-        bucket, dtype=dtype_name(val.dtype), whole_bytes=whole, part_bytes=whole // world, issue_at=order[collective], wait_at=order[wait],
+        bucket, dtype=dtype_name(val.dtype), whole_bytes=whole, part_bytes=part, issue_at=order[collective], wait_at=order[wait],
         issued_after=_before(nodes, order[issue[0]]), waited_before=_first_reader(wait, inside.__contains__, order),
     ), params
 

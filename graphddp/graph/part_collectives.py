@@ -44,42 +44,45 @@ import torch.fx as fx
 
 from graphddp.graph.bucket_function import columns_of, rank_major, row_parts
 from graphddp.graph.capture import ancestors
-from graphddp.graph.part_facts import ALL_GATHER, Pair, part_facts, part_gathers, part_input, reduce_scatters, wait_of
+from graphddp.graph.part_facts import ALL_GATHER, Pair, part_facts, part_gathers, part_input, reduces, wait_of
 from graphddp.graph.anchors import IssuePoints
 from graphddp.graph.trace import role, role_of, splice, trace
 from graphddp.plan.parts import PREFETCH, SCATTER_LAG, plan_part_buckets
 from graphddp.values import collectives
 from graphddp.values.comm import CAST, ROLE_KEY, is_wait
-from graphddp.values.part_schedule import GATHER, REDUCE_SCATTER, PartBucket, PartCap, PartGraph
-from graphddp.values.placement import Placement, flat as flat_placement
+from graphddp.values.part_schedule import ALL_REDUCE, GATHER, REDUCES, PartBucket, PartCap, PartGraph
+from graphddp.values.placement import Placement, Whole, flat as flat_placement
 
 
 
 def place_part_collectives(
     graph: fx.Graph, kind: str, cap: PartCap, prefetch: int = PREFETCH, lag: int = SCATTER_LAG, placement: Placement | None = None,
+    replicated: Whole | None = None,
 ) -> PartGraph:
-    """Bucket and place every gather of a part and every reduce-scatter (module docstring): the
-    graph's collectives each waited once, their facts read (:func:`part_facts`), the buckets
+    """Bucket and place every gather of a part and every reduce of a gradient (module docstring):
+    the graph's collectives each waited once, their facts read (:func:`part_facts`), the buckets
     planned from them alone (:func:`plan_part_buckets`: a bucket closes once its gathered, or
     whole-gradient, bytes reach ``cap``), and that plan lowered. ``placement``: the parts'
     (hybrid: each reduce-scatter's part all-reduced over its replicate group, which the bucket
-    then does once for all its parts). Returns the plan, a ``kind`` graph's."""
+    then does once for all its parts); ``replicated``: the parameters' held whole, whose
+    gradients' all-reduces are bucketed too. Returns the plan, a ``kind`` graph's."""
     _one_wait_per_gather(graph)
     _one_wait_each(graph)
-    plan = plan_part_buckets(kind, *part_facts(graph, placement), cap)
-    lower_part_plan(graph, plan, prefetch, lag, placement)
+    plan = plan_part_buckets(kind, *part_facts(graph, placement, replicated), cap)
+    lower_part_plan(graph, plan, prefetch, lag, placement, replicated)
     return plan
 
 
 def lower_part_plan(
     graph: fx.Graph, plan: PartGraph, prefetch: int = PREFETCH, lag: int = SCATTER_LAG, placement: Placement | None = None,
+    replicated: Whole | None = None,
 ) -> None:
     """``plan``'s buckets made in ``graph``, the graph its facts were read from: each bucket's
-    collectives replaced by one, then placed. Both kinds' collectives are taken before either is
-    rewritten, in the order the facts list them."""
-    gathers, scatters = part_gathers(graph), reduce_scatters(graph, placement)
+    collectives replaced by one, then placed. Both lists of collectives are taken before either
+    is rewritten, in the order the facts list them."""
+    gathers, found = part_gathers(graph), reduces(graph, placement, replicated)
     _bucket_gathers(graph, _members(gathers, plan.of(GATHER)), prefetch)
-    _bucket_scatters(graph, _members(scatters, plan.of(REDUCE_SCATTER)), lag, placement)
+    _bucket_reduces(graph, _members(found, plan.of(*REDUCES)), [b.kind for b in plan.of(*REDUCES)], lag, placement, replicated)
 
 
 def _members(pairs: list[Pair], buckets: tuple[PartBucket, ...]) -> list[list[Pair]]:
@@ -93,11 +96,12 @@ def _members(pairs: list[Pair], buckets: tuple[PartBucket, ...]) -> list[list[Pa
 # -- what the graph has ------------------------------------------------------------------------
 
 
-def above_reduce_scatters(node: fx.Node, also: Collection[str] = ()) -> tuple[list[fx.Node], list[fx.Node]]:
-    """Walking from ``node`` towards the graph's inputs, stopping at reduce-scatter waits (and at
-    waits of the roles in ``also``): the waits it meets, in the order met, and the inputs it
-    reaches without passing one (what a gradient is made of: averaged parts, or something local)."""
-    stops = {"reduce_scatter_wait", *also}
+def above_reduces(node: fx.Node, also: Collection[str] = ()) -> tuple[list[fx.Node], list[fx.Node]]:
+    """Walking from ``node`` towards the graph's inputs, stopping at the waits of reduces
+    (reduce-scatters and all-reduces, and waits of the roles in ``also``): the waits it meets, in
+    the order met, and the inputs it reaches without passing one (what a gradient is made of:
+    averaged parts or parameters, or something local)."""
+    stops = {"reduce_scatter_wait", "all_reduce_wait", *also}
     waits: list[fx.Node] = []
     inputs: list[fx.Node] = []
     seen: set[fx.Node] = set()
@@ -185,6 +189,19 @@ def _scatter_fn(placement: Placement, sizes: Sequence[int]) -> Callable[..., lis
     return scatter
 
 
+def _all_reduce_fn(placement: Whole, sizes: Sequence[int]) -> Callable[..., list[torch.Tensor]]:
+    """One bucket's all-reduce of whole gradients (of ``sizes`` elements) over the placement's
+    group (lowered per backend), each gradient cut back out of the flat buffer."""
+
+    def all_reduce(*grads: torch.Tensor) -> list[torch.Tensor]:
+        with role(ALL_REDUCE):
+            sent = placement.issue_reduce(torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1))
+        with role(f"{ALL_REDUCE}_wait"):
+            return list(placement.finish_reduce(sent).split(list(sizes)))
+
+    return all_reduce
+
+
 def _bucket_gathers(graph: fx.Graph, buckets: list[list[tuple[fx.Node, fx.Node]]], prefetch: int) -> None:
     """Each bucket's gathers replaced by one, spliced in two parts: its wait and the parameters
     cut out of it right before the bucket's first wait, its issue right before the wait of bucket
@@ -211,24 +228,30 @@ def _bucket_gathers(graph: fx.Graph, buckets: list[list[tuple[fx.Node, fx.Node]]
                 graph.erase_node(cast)
 
 
-def _bucket_scatters(
-    graph: fx.Graph, buckets: list[list[tuple[fx.Node, fx.Node]]], lag: int, placement: Placement | None = None,
+def _bucket_reduces(
+    graph: fx.Graph, buckets: list[list[tuple[fx.Node, fx.Node]]], kinds: Sequence[str], lag: int, placement: Placement | None = None,
+    replicated: Whole | None = None,
 ) -> None:
-    """Each bucket's reduce-scatters replaced by one, spliced in two parts: its issue where its
-    last one was issued, its wait (and what reads its result there) right before the issue of the
-    bucket ``lag`` later, or, where that bucket's gradients read it, right after its own issue, as
-    the last ``lag`` buckets'. A bucket whose parts were each all-reduced over ``placement``'s
-    replicate group reduces through that placement (one all-reduce)."""
-    for index, bucket in enumerate(buckets):
-        _, _, world, group = bucket[0][0].args
+    """Each bucket's reduces replaced by one, spliced in two parts: its issue where its last one
+    was issued, its wait (and what reads its result there) right before the issue of the bucket
+    ``lag`` later, or, where that bucket's gradients read it, right after its own issue, as the
+    last ``lag`` buckets'. A reduce-scatter bucket whose parts were each all-reduced over
+    ``placement``'s replicate group reduces through that placement (one all-reduce); an
+    all-reduce bucket (``kinds``) through ``replicated``."""
+    for index, (bucket, kind) in enumerate(zip(buckets, kinds)):
         grads = [r.args[0] for r, _ in bucket]
-        replicated = placement is not None and bucket[0][1] is not wait_of(bucket[0][0])
-        fn = _scatter_fn(placement if replicated else flat_placement(group, world), [g.meta["val"].shape[0] // world for g in grads])
-        traced = trace(fn, [g.meta["val"] for g in grads], f"reduce_scatter bucket {index}")
+        if kind == ALL_REDUCE:
+            assert replicated is not None
+            fn = _all_reduce_fn(replicated, [g.meta["val"].numel() for g in grads])
+        else:
+            _, _, world, group = bucket[0][0].args
+            hybrid = placement is not None and bucket[0][1] is not wait_of(bucket[0][0])
+            fn = _scatter_fn(placement if hybrid else flat_placement(group, world), [g.meta["val"].shape[0] // world for g in grads])
+        traced = trace(fn, [g.meta["val"] for g in grads], f"{kind} bucket {index}")
         later = buckets[index + lag] if index + lag < len(buckets) else []
         ends = {end for _, end in bucket}
         if later and not any(ends & ancestors(r.args[0]) for r, _ in later):
-            late = ({n for n in traced.graph.nodes if role_of(n) != "reduce_scatter"}, later[-1][0])
+            late = ({n for n in traced.graph.nodes if role_of(n) != kind}, later[-1][0])
         else:
             late = None
         results = splice(graph, traced, grads, bucket[-1][0], index, late=late)

@@ -1,8 +1,8 @@
 """What ``sharding="full"``'s bucketing needs to know of one graph, read before the rewrite.
 
-Every gather of a part and every reduce-scatter of a gradient, in the order
-:mod:`graphddp.graph.part_collectives` takes them, as the nodes it rewrites
-(:func:`part_gathers`, :func:`reduce_scatters`) and as plain values
+Every gather of a part and every reduce of a gradient (a part's reduce-scatter, or the all-reduce
+of a parameter every rank holds whole), in the order :mod:`graphddp.graph.part_collectives`
+takes them, as the nodes it rewrites (:func:`part_gathers`, :func:`reduces`) and as plain values
 (:func:`part_facts`: :class:`~graphddp.values.part_schedule.PartCollective`). The buckets are
 planned from the values alone (:mod:`graphddp.plan.parts`), so which collectives share a
 bucket is a decision made before the graph is touched, and the same decision whatever lowers it.
@@ -15,8 +15,8 @@ import torch
 import torch.fx as fx
 
 from graphddp.values.comm import is_wait
-from graphddp.values.part_schedule import GATHER, REDUCE_SCATTER, PartCollective
-from graphddp.values.placement import Placement
+from graphddp.values.part_schedule import ALL_REDUCE, GATHER, REDUCE_SCATTER, PartCollective
+from graphddp.values.placement import Placement, Whole
 from graphddp.values.schedule import dtype_name
 
 ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
@@ -27,15 +27,19 @@ _CASTS = (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.
 Pair = tuple[fx.Node, fx.Node]  # (a collective's issue, the node its result is final at)
 
 
-def part_facts(graph: fx.Graph, placement: Placement | None = None) -> tuple[list[PartCollective], list[PartCollective]]:
-    """The facts of ``graph``'s gathers and reduce-scatters (``placement``: the parts', whose
-    replicate group a hybrid reduce-scatter's part goes on to), each kind in the rewrite's order.
+def part_facts(
+    graph: fx.Graph, placement: Placement | None = None, replicated: Whole | None = None,
+) -> tuple[list[PartCollective], list[PartCollective]]:
+    """The facts of ``graph``'s gathers and reduces (``placement``: the parts', whose replicate
+    group a hybrid reduce-scatter's part goes on to; ``replicated``: the placement of the
+    parameters held whole, whose gradients are all-reduced), each list in the rewrite's order.
     Read from a graph whose collectives are each waited once (what
     :func:`graphddp.graph.part_collectives.place_part_collectives` makes of it first)."""
     outputs = output_positions(graph)
     gathers = [_fact(GATHER, pair, (part_input(pair[0]).name,)) for pair in part_gathers(graph)]  # type: ignore[union-attr]
-    scatters = [_fact(REDUCE_SCATTER, pair, outputs_reached(pair[1], outputs)) for pair in reduce_scatters(graph, placement)]
-    return gathers, scatters
+    kinds = {_REDUCE_SCATTER: REDUCE_SCATTER, _ALL_REDUCE: ALL_REDUCE}
+    found = [_fact(kinds[pair[0].target], pair, outputs_reached(pair[1], outputs)) for pair in reduces(graph, placement, replicated)]
+    return gathers, found
 
 
 def _fact(kind: str, pair: Pair, params: tuple[str, ...]) -> PartCollective:
@@ -82,13 +86,13 @@ def outputs_reached(end: fx.Node, positions: Mapping[fx.Node, list[int]]) -> tup
 
 def whole_bytes(graph: fx.Graph) -> int:
     """What the graph's collectives carry whole, in bytes: its gathered parameters, or its
-    gradients sent, whichever is more (a forward only gathers; a backward reduce-scatters, and
+    parts' gradients reduce-scattered, whichever is more (a forward only gathers; a backward reduce-scatters, and
     gathers again when the forward reshards). What a planned cap is sized by
     (:func:`graphddp.plan.parts.planned_cap_bytes`)."""
     def total(pairs: list[Pair]) -> int:
         return sum(_nbytes(_whole(issue)) for issue, _ in pairs)
 
-    return max(total(part_gathers(graph)), total(reduce_scatters(graph)))
+    return max(total(part_gathers(graph)), total(reduces(graph)))
 
 
 def _nbytes(val: Any) -> int:
@@ -120,11 +124,25 @@ def part_gathers(graph: fx.Graph) -> list[Pair]:
     return [(g, w) for g, w in pairs if w is not None]
 
 
-def reduce_scatters(graph: fx.Graph, placement: Placement | None = None) -> list[Pair]:
-    """(reduce-scatter, the node its part is final at): its wait, or with a hybrid ``placement``
-    the wait of the all-reduce of that part over the replicate group (:class:`graphddp.frontend.parts._Gather`'s)."""
-    pairs = [(n, wait_of(n)) for n in graph.nodes if n.target is _REDUCE_SCATTER and n.args[1] == "sum"]
-    return [(r, _replicated(w, placement) or w) for r, w in pairs if w is not None]
+def reduces(graph: fx.Graph, placement: Placement | None = None, replicated: Whole | None = None) -> list[Pair]:
+    """In issue order: (reduce-scatter, the node its part is final at): its wait, or with a
+    hybrid ``placement`` the wait of the all-reduce of that part over the replicate group
+    (:class:`graphddp.frontend.parts._Gather`'s); and with ``replicated``, (all-reduce, its wait)
+    of each gradient of a parameter held whole (:class:`graphddp.frontend.parts._Replicated`'s:
+    a sum over that placement's group of what no reduce-scatter received)."""
+    pairs = []
+    for n in graph.nodes:
+        if n.target is _REDUCE_SCATTER and n.args[1] == "sum" and (w := wait_of(n)) is not None:
+            pairs.append((n, _replicated(w, placement) or w))
+        elif replicated is not None and _whole_reduce(n, replicated) and (w := wait_of(n)) is not None:
+            pairs.append((n, w))
+    return pairs
+
+
+def _whole_reduce(node: fx.Node, replicated: Whole) -> bool:
+    sent = node.args[0] if node.target is _ALL_REDUCE else None
+    received = isinstance(sent, fx.Node) and is_wait(sent) and getattr(sent.args[0], "target", None) is _REDUCE_SCATTER
+    return sent is not None and node.args[1] == "sum" and node.args[2] == replicated.shard.name and not received
 
 
 def _replicated(wait: fx.Node, placement: Placement | None) -> fx.Node | None:

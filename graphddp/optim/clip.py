@@ -21,7 +21,7 @@ Where (``Schedule.update_after`` decides)
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -147,21 +147,28 @@ def insert_scaled(graph: fx.Graph, coef: fx.Node, grads: Sequence[fx.Node], buck
     return splice(graph, traced, [coef, *grads], after_all(graph, [coef, *grads]), bucket)
 
 
-def clip_parts_before_step(optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float, group: Any) -> Any:
+def clip_parts_before_step(
+    optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float, group: Any, whole: Collection[int] = (),
+) -> Any:
     """``sharding="full"`` without the update inside: a step pre-hook scaling the parts' gradients as
     ``clip_grad_norm_`` on the whole parameters would, by one all-reduce of this rank's share
-    (module docstring: Sharded). Returns the hook's handle."""
+    (module docstring: Sharded). ``whole``: the ids of parameters every rank of ``group`` holds
+    whole (``replicate_below_mb``), whose share each rank counts once over the group's size.
+    Returns the hook's handle."""
     inf = norm_type == math.inf
+    ranks = dist.get_world_size(group)
 
     def clip(opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        held = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        grads = [p.grad for p in held]
         if not grads:
             return
         values = [g.detach().float() for g in grads]
         if inf:
             share = torch.stack([v.abs().max() if v.numel() else v.new_zeros(()) for v in values]).max()
         else:
-            share = torch.stack([(v.square() if norm_type == 2.0 else v.abs().pow(norm_type)).sum() for v in values]).sum()
+            sums = [(v.square() if norm_type == 2.0 else v.abs().pow(norm_type)).sum() for v in values]
+            share = torch.stack([s / ranks if id(p) in whole else s for s, p in zip(sums, held)]).sum()
         dist.all_reduce(share, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
         total = share if inf else share.sqrt() if norm_type == 2.0 else share.pow(1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + EPS), max=1.0)

@@ -37,7 +37,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from graphddp.graph.capture import storage_of, views_of
-from graphddp.graph.part_collectives import above_reduce_scatters
+from graphddp.graph.part_collectives import above_reduces
 from graphddp.graph.trace import add_inputs, after_all, set_outputs, splice, trace
 from graphddp.optim import attached as optim
 from graphddp.optim.clip import insert_clip, insert_scaled
@@ -297,6 +297,6 @@ def _added(graph: fx.Graph, grad: fx.Node, carried: fx.Node, before: fx.Node) ->
 
 
 def _bucket_of(grad: fx.Node) -> int:
-    """The reduce-scatter bucket a part's gradient came from (the latest, for a tied weight's sum)."""
-    waits, _ = above_reduce_scatters(grad)
+    """The reduce bucket a part's gradient came from (the latest, for a tied weight's sum)."""
+    waits, _ = above_reduces(grad)
     return max((w.meta.get(BUCKET_KEY, -1) for w in waits), default=-1)

@@ -48,12 +48,18 @@ def check_whole_state(name: str, state: Mapping[str, Any], numel: int) -> None:
 class WholeState:
     """The parameters a sharded optimizer steps, in its order (a state dict's index): each one's
     name (for messages) and whole shape, cut over ``group``; ``padded``: a part keeps its padding
-    (``sharding="full"``) or not, and a rank owning no element of a parameter holds no state for it."""
+    (``sharding="full"``) or not, and a rank owning no element of a parameter holds no state for it.
+    ``held_whole``: the indices of parameters every rank holds whole (``replicate_below_mb``)."""
 
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     group: Any
     padded: bool
+    held_whole: frozenset[int] = frozenset()
+
+    def _group(self, index: int) -> Any:
+        """What parameter ``index`` is cut over: the group, or None where every rank holds it whole."""
+        return None if index in self.held_whole else self.group
 
     def cut(self, index: int, state: Mapping[str, Any]) -> dict[str, Any] | None:
         """Parameter ``index``'s whole ``state`` as this rank holds it: elementwise entries cut to its
@@ -61,7 +67,8 @@ class WholeState:
         none. An elementwise entry of another size is refused (:func:`check_whole_state`)."""
         numel = math.prod(self.shapes[index])
         check_whole_state(self.names[index], state, numel)
-        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        group = self._group(index)
+        world, rank = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
         lo, hi = part(numel, world, rank)
         if not self.padded and hi <= lo:
             return None
@@ -90,7 +97,7 @@ class WholeState:
         for i in sorted(entries):
             held = mine.get(i, {})
             state[i] = {
-                k: whole([held.get(k, torch.zeros(0, dtype=v, device=params[i].device))], [self.shapes[i]], self.group)[0]
+                k: whole([held.get(k, torch.zeros(0, dtype=v, device=params[i].device))], [self.shapes[i]], self._group(i))[0]
                 if isinstance(v, torch.dtype) else _copied(v) for k, v in entries[i].items()
             }
         return {"state": state, "param_groups": copy.deepcopy(own["param_groups"])}

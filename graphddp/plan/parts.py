@@ -4,9 +4,9 @@ A function of values (:class:`~graphddp.values.part_schedule.PartCollective`, re
 :mod:`graphddp.graph.part_facts`) and the cap, as the other modes' planner is: the rewrite
 (:mod:`graphddp.graph.part_collectives`) lowers the buckets it returns and decides nothing of
 their membership itself. The rule is the planner's (:func:`graphddp.plan.greedy.bucket_by_size`,
-DDP's), with consecutive collectives of one kind sharing a bucket while they share what one
-collective must (:meth:`PartCollective.key`: group, dtype, device, and whether the part goes on
-to a replicate all-reduce): one collective replaces a bucket's members where the graph has them,
+DDP's), with consecutive collectives sharing a bucket while they share what one collective must
+(:meth:`PartCollective.key`: kind, group, dtype, device, and whether the part goes on to a
+replicate all-reduce): one collective replaces a bucket's members where the graph has them,
 so a key change closes the bucket. A bucket closes once its bytes (of the full tensors: gathered,
 or the gradients sent) reach the cap.
 
@@ -78,10 +78,10 @@ def planned_cap_bytes(cost: CostModel, gathered_bytes: int, world_size: int, reg
     return int(min(MAX_CAP_BYTES, max(MIN_CAP_BYTES, cap)))
 
 
-def plan_part_buckets(kind: str, gathers: Sequence[PartCollective], scatters: Sequence[PartCollective], cap: PartCap) -> PartGraph:
+def plan_part_buckets(kind: str, gathers: Sequence[PartCollective], reduces: Sequence[PartCollective], cap: PartCap) -> PartGraph:
     """The buckets of one ``kind`` of graph (forward, backward): its ``gathers`` and its
-    ``scatters`` (each in the rewrite's order) bucketed under ``cap``."""
-    return PartGraph(kind=kind, buckets=bucket_collectives(gathers, cap.nbytes) + bucket_collectives(scatters, cap.nbytes), cap=cap)
+    ``reduces`` (reduce-scatters and all-reduces, each list in the rewrite's order) bucketed under ``cap``."""
+    return PartGraph(kind=kind, buckets=bucket_collectives(gathers, cap.nbytes) + bucket_collectives(reduces, cap.nbytes), cap=cap)
 
 
 def bucket_collectives(collectives: Sequence[PartCollective], cap_bytes: int) -> tuple[PartBucket, ...]:

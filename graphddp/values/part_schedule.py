@@ -26,16 +26,19 @@ import json
 from graphddp.values.choice import PlacementChoice
 from graphddp.values.schedule_table import FullScheduleTable, fields_of, plain, set_only
 
-GATHER, REDUCE_SCATTER = "gather", "reduce_scatter"
-PART_KINDS = (GATHER, REDUCE_SCATTER)
+# A part's gather; a part's gradient reduce-scattered; a gradient of a parameter every rank holds
+# whole (replicate_below_mb) all-reduced. The last two are a backward's reduces, indexed together.
+GATHER, REDUCE_SCATTER, ALL_REDUCE = "gather", "reduce_scatter", "all_reduce"
+PART_KINDS = (GATHER, REDUCE_SCATTER, ALL_REDUCE)
+REDUCES = (REDUCE_SCATTER, ALL_REDUCE)
 
 
 @dataclasses.dataclass(frozen=True)
 class PartCollective:
-    """One gather of a part, or one reduce-scatter of a gradient, as the graph has it before the
-    rewrite (the order of a graph's collectives of one kind is the order the rewrite takes them)."""
+    """One gather of a part, or one reduce of a gradient, as the graph has it before the rewrite
+    (the order of a graph's gathers, or of its reduces, is the order the rewrite takes them)."""
 
-    kind: str  # GATHER | REDUCE_SCATTER
+    kind: str  # GATHER | REDUCE_SCATTER | ALL_REDUCE
     sends: str  # the node it sends: a gather's part (a graph input), a reduce-scatter's gradient
     params: tuple[str, ...]  # graph inputs it is of: a gather's part; the inputs a reduce-scatter's gradient becomes
     whole_bytes: int  # the full tensor: gathered, or the gradient sent
@@ -44,19 +47,20 @@ class PartCollective:
     group: str  # the process group's name
     replicated: bool  # its part goes on to an all-reduce over a replicate group (hybrid sharding)
 
-    def key(self) -> tuple[str, str, str, bool]:
+    def key(self) -> tuple[str, str, str, str, bool]:
         """What the collectives of one bucket share: one collective carries them all."""
-        return self.group, self.dtype, self.device, self.replicated
+        return self.kind, self.group, self.dtype, self.device, self.replicated
 
 
 @dataclasses.dataclass(frozen=True)
 class PartBucket:
-    """One collective of a compiled graph: a gather of parts, or a reduce-scatter of gradients.
-    Planned with its first six fields; the rest say where the rewrite put it, filled in from the
-    rewritten graph (:func:`graphddp.graph.describe_parts.describe_part_collectives`)."""
+    """One collective of a compiled graph: a gather of parts, or a reduce of gradients (a
+    reduce-scatter of parts', an all-reduce of whole parameters'). Planned with its first six
+    fields; the rest say where the rewrite put it, filled in from the rewritten graph
+    (:func:`graphddp.graph.describe_parts.describe_part_collectives`)."""
 
-    kind: str  # GATHER | REDUCE_SCATTER
-    index: int  # the bucket's index among the graph's buckets of this kind
+    kind: str  # GATHER | REDUCE_SCATTER | ALL_REDUCE
+    index: int  # the bucket's index among the graph's gathers, or among its reduces (both kinds)
     members: tuple[int, ...]  # positions in the graph's collectives of this kind, before the rewrite
     params: tuple[str, ...]  # graph inputs, or once placed parameter names (a tied weight under its first name), each once
     dtype: str  # what travels
@@ -88,8 +92,8 @@ class PartGraph:
     updates: tuple[str, ...] = ()  # the parts a backward updates inside (the optimizer inside the backward)
     kept_bytes: int = 0  # a forward's gathered parameters it keeps for its backward (its outputs hold them)
 
-    def of(self, kind: str) -> tuple[PartBucket, ...]:
-        return tuple(b for b in self.buckets if b.kind == kind)
+    def of(self, *kinds: str) -> tuple[PartBucket, ...]:
+        return tuple(b for b in self.buckets if b.kind in kinds)
 
     def in_flight_bytes(self, prefetch: int) -> int:
         """The most gathered bytes in flight at once: ``prefetch + 1`` consecutive gather buckets

@@ -63,7 +63,10 @@ def padded_part(t: torch.Tensor, world: int, rank: int) -> torch.Tensor:
 def whole(parts: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]], group: Any) -> list[torch.Tensor]:
     """The inverse of the cut, eager: every rank's ``parts`` of tensors of ``shapes`` (each with its
     padding or without) gathered over ``group`` into the whole tensors, by one all-gather of the
-    parts padded to their chunks, rank-major (module docstring). ``parts`` share a dtype and device."""
+    parts padded to their chunks, rank-major (module docstring). ``parts`` share a dtype and device.
+    ``group`` None: held whole on every rank, the parts are the tensors (padding dropped)."""
+    if group is None:
+        return [t.detach().reshape(-1)[: math.prod(shape)].view(tuple(shape)) for t, shape in zip(parts, shapes)]
     world = dist.get_world_size(group)
     sizes = [chunk(math.prod(shape), world) for shape in shapes]
     mine = torch.cat([F.pad(t.detach().reshape(-1), (0, c - t.numel())) for t, c in zip(parts, sizes)])

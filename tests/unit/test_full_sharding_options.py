@@ -40,6 +40,18 @@ def test_reshard_after_forward_belongs_to_full_sharding(fake_world):
         graphddp.compile(model, optimizer=_adamw(model), sharding="full", reshard_after_forward="yes")
 
 
+def test_replicate_below_mb_belongs_to_full_sharding(fake_world):
+    fake_world(4)
+    model = models.MLP()
+    with pytest.raises(ValueError, match="replicate_below_mb is an option of sharding='full'"):
+        graphddp.compile(model, optimizer=_adamw(model), sharding="optimizer", replicate_below_mb=1.0)
+    for bad in (-1.0, "1", True, float("inf")):
+        with pytest.raises(ValueError, match="replicate_below_mb must be a number of MB >= 0"):
+            graphddp.compile(model, optimizer=_adamw(model), sharding="full", replicate_below_mb=bad)
+    with pytest.raises(ValueError, match="sharding='auto' chooses .*replicate_below_mb"):
+        graphddp.compile(model, optimizer=_adamw(model), sharding="auto", example=torch.randn(2, 16), replicate_below_mb=1.0)
+
+
 def test_mp_policy_is_fsdp2s_and_belongs_to_full_sharding(fake_world):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 

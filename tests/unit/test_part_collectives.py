@@ -209,7 +209,7 @@ def test_rule_p4_fails_an_update_of_the_local_gradient(fake_world):
         local = graph.call_function(torch.ops.aten.mul.Tensor, (write.args[0], 0.5))
     write.args = (write.args[0], local)
     graph.eliminate_dead_code()
-    with pytest.raises(VerificationError, match="P4: .* does not depend on a reduce-scatter's wait"):
+    with pytest.raises(VerificationError, match="P4: .* does not depend on a reduce's wait"):
         check_part_updates(broken, updated)
 
 

@@ -60,21 +60,23 @@ S6. **Clipping** (C). One coefficient, from every reduce-scatter's wait through 
     all-gather and returned gradient computed from it.
 S7. **Carried gradients** (O). Read once, by an ``add`` the bucket's reduce-scatter depends on.
 
-``sharding="full"``, :func:`check_part_collectives` on every rewritten graph (P1-P3, P5, P6) and
+``sharding="full"``, :func:`check_part_collectives` on every rewritten graph (P1-P3, P5-P7) and
 :func:`check_part_updates` on a backward that updates (P4):
 
 P1. **Waited once, read after** (W, and FX's def-before-use).
-P2. **Every gradient of a part reduce-scattered.** In a backward, each part's gradient output
+P2. **Every gradient of a part reduced.** In a backward, each part's gradient output
     (input ``primals_k``, output ``k - 1``) reads the ``tangents`` through at least one
-    reduce-scatter's wait and never around one: else a rank trains on 1/N of the data. Given no
-    parts, those the backward gathers again.
-P3. **Once.** No reduce-scatter sends what a reduce-scatter received (divided by N twice).
+    reduce's wait (a reduce-scatter's, or a whole parameter's all-reduce) and never around one:
+    else a rank trains on 1/N of the data. Given no parts, those the backward gathers again.
+P3. **Once.** No reduce sends what a reduce received (divided by N twice).
 P4. **Each part updated once, after its average, last** (G, L, A).
 P5. **Resharded: only the backward's first bucket kept** (``reshard_after_forward=True``): the
     forward's outputs hold no more gathered bytes than :func:`graphddp.graph.reshard.tag_regathers` kept.
 P6. **Hybrid** (R, H). Gathers and reduce-scatters on the shard group, each reduce-scatter's part
     all-reduced once over the replicate group, every part's gradient reading the reduce-scatters
-    only through that all-reduce's wait.
+    only through that all-reduce's wait (a parameter held whole: through its all-reduce's, P7).
+P7. **Held whole, averaged over every rank** (R). A gradient's all-reduce (``replicate_below_mb``)
+    runs on every rank's group, and only where parameters are held whole.
 """
 from __future__ import annotations
 

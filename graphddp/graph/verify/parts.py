@@ -1,5 +1,6 @@
-"""The collectives of ``sharding="full"`` (P1-P3, P5, P6), checked on every graph it rewrites: each part
-reduce-scattered once after its gradients, averaged over its replicas, resharded as planned."""
+"""The collectives of ``sharding="full"`` (P1-P3, P5-P7), checked on every graph it rewrites: each part
+reduce-scattered once after its gradients, averaged over its replicas, resharded as planned; each
+parameter held whole all-reduced over every rank."""
 from __future__ import annotations
 
 import re
@@ -10,11 +11,12 @@ import torch.fx as fx
 
 from graphddp.graph.capture import ancestors
 from graphddp.graph.invariants import on_group, over_replicas, waited_once
-from graphddp.graph.part_collectives import above_reduce_scatters
+from graphddp.graph.part_collectives import above_reduces
 from graphddp.graph.reshard import kept_gathered, kept_gathered_bytes
 from graphddp.graph.verify_common import _fail
 from graphddp.values.comm import ROLE_KEY, is_collective, is_wait
-from graphddp.values.placement import REPLICATE_WAIT, Placement
+from graphddp.values.part_schedule import ALL_REDUCE
+from graphddp.values.placement import REPLICATE_WAIT, Placement, Whole
 
 _ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 _PRIMAL = re.compile(r"primals_(\d+)$")
@@ -22,19 +24,24 @@ _PRIMAL = re.compile(r"primals_(\d+)$")
 
 def check_part_collectives(
     gm: fx.GraphModule, backward: bool, reshard: bool = False, kept_bytes: int = 0, parts: Collection[str] | None = None,
-    placement: Placement | None = None,
+    placement: Placement | None = None, replicated: Whole | None = None,
 ) -> None:
     """P1-P3 on one rewritten graph; P2 on a ``backward`` (``parts``: the forward inputs' names of its
-    parts), P5 on a forward that ``reshard``s, P6 with a hybrid ``placement``."""
+    parts), P5 on a forward that ``reshard``s, P6 with a hybrid ``placement``, P7 on the all-reduces
+    of parameters held whole (``replicated``: their placement)."""
     gm.graph.lint()
     for issue in gm.graph.nodes:
         if is_collective(issue):
             waited_once(gm, issue, "P1", f"{issue.target}")
-    scatters = [n for n in gm.graph.nodes if is_collective(n) and n.meta.get(ROLE_KEY) == "reduce_scatter"]
-    for issue in scatters:
-        again = [a for a in ancestors(issue.args[0]) if is_wait(a) and a.meta.get(ROLE_KEY) == "reduce_scatter_wait"]
+    reduces = [n for n in gm.graph.nodes if is_collective(n) and n.meta.get(ROLE_KEY) in ("reduce_scatter", ALL_REDUCE)]
+    for issue in reduces:
+        again = [a for a in ancestors(issue.args[0]) if is_wait(a) and a.meta.get(ROLE_KEY) in ("reduce_scatter_wait", f"{ALL_REDUCE}_wait")]
         if again:
-            _fail(gm, issue, f"P3: {issue.name} reduce-scatters what {again[0].name} received: a gradient averaged twice")
+            _fail(gm, issue, f"P3: {issue.name} reduces what {again[0].name} received: a gradient averaged twice")
+    for issue in (n for n in reduces if n.meta.get(ROLE_KEY) == ALL_REDUCE):
+        if replicated is None:
+            _fail(gm, issue, f"P7: {issue.name} all-reduces a gradient, and no parameter is held whole")
+        on_group(gm, issue, replicated.shard.name, "P7", "P7", "every rank's group")
     if placement is not None and placement.hybrid:
         check_replicated(gm, placement, _part_gradients(gm, parts) if backward else [])
     if backward:
@@ -53,7 +60,7 @@ def _check_kept_gathers(gm: fx.GraphModule, allowed: int) -> None:
 
 def _check_part_gradients(gm: fx.GraphModule, parts: Collection[str] | None) -> None:
     for name, index, grad in _part_gradients(gm, parts):
-        through, inputs = above_reduce_scatters(grad)  # stopping at reduce-scatter waits
+        through, inputs = above_reduces(grad)  # stopping at reduce-scatter waits
         around = next((n for n in inputs if n.name.startswith("tangents")), None)
         if around or not through:
             why = f"around a reduce-scatter (via {around.name})" if around else "without a reduce-scatter"
@@ -91,7 +98,9 @@ def check_replicated(gm: fx.GraphModule, placement: Placement, grads: list[tuple
     for issue in (n for n in nodes if n.meta.get(ROLE_KEY) == "reduce_scatter"):
         over_replicas(gm, issue, reduces, placement.replicate.name, "P6", "P6")
     for name, index, grad in grads:
-        waits, _ = above_reduce_scatters(grad, also=(REPLICATE_WAIT,))  # stopping at either wait
+        waits, _ = above_reduces(grad, also=(REPLICATE_WAIT,))  # stopping at either wait
+        if waits and all(w.meta.get(ROLE_KEY) == f"{ALL_REDUCE}_wait" for w in waits):
+            continue  # held whole: all-reduced over every rank (P7)
         around = next((w for w in waits if w.meta.get(ROLE_KEY) != REPLICATE_WAIT), None)
         if around is not None:
             _fail(gm, grad, f"P6: the gradient of part {name} (output {index}) reads {around.name} around the replicate all-reduce")

@@ -35,10 +35,10 @@ def check_part_updates(gm: fx.GraphModule, updated: Mapping[int, str]) -> None:
         if node.target is torch.ops.aten.copy_.default and node.meta.get(ROLE_KEY) == "update":
             writes.setdefault(node.args[0], []).append(node)  # the update writes its input itself
     memory = Memory(nodes)
-    scatter_waits = [n for n in nodes if is_wait(n) and n.meta.get(ROLE_KEY) == "reduce_scatter_wait"]
+    reduce_waits = [n for n in nodes if is_wait(n) and n.meta.get(ROLE_KEY) in ("reduce_scatter_wait", "all_reduce_wait")]
     for k, (index, name) in enumerate(sorted(updated.items())):
         what = f"P4: the update of part {name!r} (output {index})"
         not_returned(gm, outs[index], "P4", what)
         targets = [t for t in (inputs.get(f"primals_{index + 1}"), extra[k]) if t is not None]
         write = written_last(gm, [w for t in targets for w in writes.get(t, [])], memory, "P4", what, aliases=targets)
-        from_average(gm, write, scatter_waits, "P4", what, "a reduce-scatter")
+        from_average(gm, write, reduce_waits, "P4", what, "a reduce")

@@ -1,0 +1,151 @@
+"""``sharding="full", replicate_below_mb=``: the small parameters whole on every rank, the large ones sharded.
+
+Each case trains graphddp next to ``DistributedDataParallel`` with a plain optimizer of the same
+class, from parameters that differ between ranks before wrapping, with rank-dependent data and one
+``no_sync`` micro-batch. After every step the whole parameters and the whole optimizer state equal
+DDP's; each parameter below the threshold is held whole on every rank (its state too), each other
+one as this rank's part. In the compiled graphs no parameter held whole is gathered, and each
+backward all-reduces the whole parameters' gradients over every rank's group (role ``all_reduce``)
+beside the parts' reduce-scatters.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from test_optim_ranks import ADAM_NOISE, TIGHT, _adamw, _hf_gpt2, _hf_loss, _sgd, assert_state_dicts_equal, unequal_pair
+
+import graphddp
+from graphddp import models
+from graphddp.config import MB
+from graphddp.optim.whole_state import ELEMENTWISE
+from graphddp.testing import spawn
+from graphddp.values.comm import ROLE_KEY, group_of, is_collective
+from graphddp.values.shards import chunk, padded_part
+
+
+def _mlp_loss(m: nn.Module, rank: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return F.mse_loss(m(torch.randn(8, 16, generator=g)), torch.randn(8, 4, generator=g))
+
+
+def _wide_mlp() -> nn.Module:
+    return models.MLP(width=96)  # weights 6-36 KB, biases under 0.4 KB
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    make: Callable[[], nn.Module]
+    loss: Callable[[nn.Module, int, int], torch.Tensor]
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer]
+    below_mb: float
+    tol: dict = dataclasses.field(default_factory=lambda: TIGHT)
+    steps: int = 3
+    max_grad_norm: float | None = None
+    backend: str = "aot_eager"
+    reshard: bool = True
+
+
+CASES = {
+    # biases and the first weight (6 KB) whole, the 36 KB weights sharded: the reduces alternate kinds
+    "mlp_sgd": Case(_wide_mlp, _mlp_loss, _sgd, 0.01),
+    "mlp_adamw_clipped_no_reshard": Case(_wide_mlp, _mlp_loss, _adamw, 0.01, max_grad_norm=0.05, reshard=False),
+    # GPT-2 of dim 32: every block's parameters whole, the embeddings (tied to the head) sharded
+    "hf_gpt2_adamw": Case(_hf_gpt2, _hf_loss, _adamw, 0.0075, tol=ADAM_NOISE, steps=2),
+    "mlp_adamw_inductor": Case(_wide_mlp, _mlp_loss, _adamw, 0.01, backend="inductor", steps=2),
+}
+
+
+def _check_held(ours: Any, mine: nn.Module, opt: torch.optim.Optimizer, below: int, world: int, what: str) -> set[str]:
+    """Each parameter held whole (below ``below`` bytes) or as its part, its state alike; returns the whole ones' names."""
+    held_whole = set()
+    for n, p in mine.named_parameters():
+        part = ours.parts[n]
+        whole = part.numel * p.element_size() < below
+        size = part.numel if whole else chunk(part.numel, world)
+        assert p.dim() == 1 and p.numel() == size, f"{what}: {n} is held as {tuple(p.shape)}, not {size} elements"
+        assert (part.group is None) == whole, f"{what}: {n} held whole: {part.group is None}, expected {whole}"
+        for k, v in opt.state.get(p, {}).items():
+            if k in ELEMENTWISE:
+                assert v.numel() == size, f"{what}: {n}[{k!r}] has {v.numel()} elements, not {size}"
+        if whole:
+            held_whole.add(n)
+    return held_whole
+
+
+def _check_collectives(ours: Any, whole_names: set[str], what: str) -> None:
+    """No whole parameter gathered; each backward's all-reduce buckets on every rank's group,
+    carrying the whole parameters' gradients, and its reduce-scatter buckets the others'."""
+    world = dist.group.WORLD.group_name
+    reduced: set[str] = set()
+    for schedule in ours.schedules:
+        for graph in schedule.graphs:
+            for b in graph.of("gather"):
+                assert not set(b.params) & whole_names, f"{what}: gather bucket {b.index} gathers {set(b.params) & whole_names}"
+            for b in graph.of("all_reduce"):
+                assert set(b.params) <= whole_names, f"{what}: all-reduce bucket {b.index} carries parts {set(b.params) - whole_names}"
+                reduced |= set(b.params)
+            for b in graph.of("reduce_scatter"):
+                assert not set(b.params) & whole_names, f"{what}: reduce-scatter bucket {b.index} carries {set(b.params) & whole_names}"
+    assert reduced == whole_names, f"{what}: all-reduced {sorted(reduced)}, held whole {sorted(whole_names)}"
+    for kind, gm in ours.graphs:
+        for n in gm.graph.nodes:
+            if is_collective(n) and n.meta.get(ROLE_KEY) == "all_reduce":
+                assert group_of(n) == world, f"{what} {kind}: {n.name} on {group_of(n)!r}"
+
+
+def _train(rank: int, world: int, name: str) -> None:
+    case = CASES[name]
+    mine, ref = unequal_pair(case.make, rank)
+    opt, ref_opt = case.optimizer(mine), case.optimizer(ref.module)
+    ours = graphddp.compile(
+        mine, optimizer=opt, sharding="full", replicate_below_mb=case.below_mb, backend=case.backend, bucket_cap_mb=0.004,
+        max_grad_norm=case.max_grad_norm, reshard_after_forward=case.reshard,
+    )
+    below = int(case.below_mb * MB)
+    for step in range(case.steps):
+        what = f"{name} step {step}"
+        if step == 1:  # a no_sync micro-batch: the next backward carries it
+            with ours.no_sync():
+                case.loss(ours, rank, 50 + step).backward()
+            with ref.no_sync():
+                case.loss(ref, rank, 50 + step).backward()
+        case.loss(ours, rank, step).backward()
+        opt.step()
+        opt.zero_grad()
+        case.loss(ref, rank, step).backward()
+        if case.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), case.max_grad_norm)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        gathered = dict(ours.named_parameters())
+        for n, q in ref.module.named_parameters():
+            torch.testing.assert_close(gathered[n], q.detach(), **case.tol, msg=lambda m: f"{what} param {n}: {m}")
+        assert_state_dicts_equal(graphddp.full_optimizer_state_dict(ours), ref_opt.state_dict(), case.tol, what)
+        whole_names = _check_held(ours, mine, opt, below, world, what)
+    assert whole_names and len(whole_names) < len(ours.parts), f"{name}: held whole {sorted(whole_names)} of {sorted(ours.parts)}"
+    _check_collectives(ours, whole_names, name)
+    for k, v in ours.state_dict().items():
+        torch.testing.assert_close(v, ref.module.state_dict()[k], **case.tol, msg=lambda m: f"{name} state_dict[{k!r}]: {m}")
+    saved = ref.module.state_dict()
+    ours.load_state_dict(saved)  # each rank keeps its part, or the whole parameter
+    for n, p in mine.named_parameters():
+        cut = padded_part(saved[n], 1, 0) if n in whole_names else padded_part(saved[n], world, rank)
+        torch.testing.assert_close(p.detach(), cut, rtol=0, atol=0, msg=lambda m: f"{name} load {n}: {m}")
+    dist.barrier()
+
+
+def _train_each(rank: int, world: int, names: tuple[str, ...]) -> None:
+    for name in names:
+        torch._dynamo.reset()  # each case compiles from scratch, as in a process of its own
+        _train(rank, world, name)
+
+
+@pytest.mark.parametrize("names", [("mlp_sgd", "mlp_adamw_clipped_no_reshard", "hf_gpt2_adamw"), ("mlp_adamw_inductor",)], ids=["aot_eager", "inductor"])
+def test_small_parameters_held_whole_train_like_ddp(names: tuple[str, ...]) -> None:
+    spawn(_train_each, 2, names)
