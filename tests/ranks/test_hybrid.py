@@ -51,6 +51,7 @@ class Case:
     backend: str = "aot_eager"
     gather: str = "backward"
     backend_object: bool = False  # torch.compile(model, backend=graphddp.backend(model, ...)): the pipeline's form
+    replicate_below_mb: float | None = None  # sharding="full": the parameters under it whole on every rank
 
 
 CASES = {
@@ -61,7 +62,9 @@ CASES = {
     # pipeline's form only: graphddp.compile's form makes the same checks in the cases beside it.
     "optimizer_mlp_adamw_2x2_backend_object": Case(models.MLP, _mlp_loss, _adamw, "optimizer", (2, 2), backend_object=True),
     "full_mlp_sgd_3x2": Case(models.MLP, _mlp_loss, _sgd, "full", (3, 2)),
-    "full_mlp_adamw_2x2_clipped": Case(models.MLP, _mlp_loss, _adamw, "full", (2, 2), max_grad_norm=0.05),
+    # The biases and the last weight (1 KB) whole on every rank, all-reduced over all 4; the other
+    # weights sharded over 2 and averaged over 2; the clip's norm counting each once.
+    "full_mlp_adamw_2x2_clipped_small_whole": Case(models.MLP, _mlp_loss, _adamw, "full", (2, 2), max_grad_norm=0.05, replicate_below_mb=0.001),
     "full_hf_gpt2_adamw_2x2": Case(_hf_gpt2, _hf_loss, _adamw, "full", (2, 2), tol=ADAM_NOISE, steps=2),
     # The MLP with AdamW fully sharded on 2 x 2 under inductor only: every check here reads the
     # FX graphs and the values, the same under aot_eager.
@@ -87,8 +90,10 @@ def _check_full_parts(ours: Any, mine: nn.Module, opt: torch.optim.Optimizer, re
         torch.testing.assert_close(whole[n], q.detach(), **case.tol, msg=lambda m: f"{what} param {n}: {m}")
     shard = case.shape[1]
     for n, p in mine.named_parameters():
-        size = chunk(ours.parts[n].numel, shard)
-        assert p.dim() == 1 and p.numel() == size, f"{what}: {n} is held as {tuple(p.shape)}, not its part over {shard} ranks"
+        held = ours.parts[n]
+        size = held.numel if held.group is None else chunk(held.numel, shard)  # a parameter held whole (replicate_below_mb)
+        assert (held.group is None) == (held.numel * 4 < (case.replicate_below_mb or 0) * 2**20), f"{what}: {n} held whole or not"
+        assert p.dim() == 1 and p.numel() == size, f"{what}: {n} is held as {tuple(p.shape)}, not {size} elements"
         for k, v in opt.state.get(p, {}).items():
             if k in ELEMENTWISE:
                 assert v.numel() == size, f"{what}: {n}[{k!r}] has {v.numel()} elements, its part over {shard} ranks {size}"
@@ -98,8 +103,11 @@ def _check_full_parts(ours: Any, mine: nn.Module, opt: torch.optim.Optimizer, re
 def _check_full_collectives(ours: Any, mesh: Any, what: str) -> None:
     """``sharding="full"``: every compiled graph's gathers and reduce-scatters (roles "gather",
     "reduce_scatter", graphddp.graph.part_collectives) on the shard group, and in each backward
-    one all-reduce per reduce-scatter bucket, on the replicate group."""
+    one all-reduce per reduce-scatter bucket, on the replicate group; the parameters held whole
+    all-reduced (role "all_reduce") over every rank."""
     shard_name, replicate_name = mesh.get_group(1).group_name, mesh.get_group(0).group_name
+    whole = [n for _, gm in ours.graphs for n in gm.graph.nodes if is_collective(n) and n.meta.get(ROLE_KEY) == "all_reduce"]
+    assert {group_of(n) for n in whole} <= {dist.group.WORLD.group_name}, what
     assert ours.graphs, what
     for kind, gm in ours.graphs:  # a graph between two graph breaks may read no parameter
         nodes = [n for n in gm.graph.nodes if is_collective(n)]
@@ -109,7 +117,8 @@ def _check_full_collectives(ours: Any, mesh: Any, what: str) -> None:
         replicas = [n for n in nodes if n.meta.get(ROLE_KEY) == REPLICATE]
         assert len(replicas) == len(scatters), f"{what} {kind}: {len(replicas)} replicate all-reduces for {len(scatters)} reduce-scatter buckets"
         assert not replicas or {group_of(n) for n in replicas} == {replicate_name}, what
-        assert len(nodes) == len(parts) + len(replicas), f"{what} {kind}: other collectives {[n.name for n in nodes]}"
+        held_whole = [n for n in nodes if n.meta.get(ROLE_KEY) == "all_reduce"]
+        assert len(nodes) == len(parts) + len(replicas) + len(held_whole), f"{what} {kind}: other collectives {[n.name for n in nodes]}"
     backwards = [s.backward for s in ours.schedules if s.backward is not None]
     assert any(b.of("reduce_scatter") for b in backwards), f"{what}: no reduce-scatter bucket in a backward"
 
@@ -141,6 +150,7 @@ def _train(rank: int, world: int, name: str) -> None:
     options = dict(
         optimizer=opt, sharding=case.sharding, device_mesh=mesh, backend=case.backend, bucket_cap_mb=0.004, max_grad_norm=case.max_grad_norm,
         **({"gather": case.gather} if case.sharding == "optimizer" else {}),
+        **({"replicate_below_mb": case.replicate_below_mb} if case.replicate_below_mb is not None else {}),
     )
     if case.backend_object:
         made = graphddp.backend(mine, **options)
@@ -179,7 +189,8 @@ def _train(rank: int, world: int, name: str) -> None:
         whole = ref.module.state_dict()
         ours.load_state_dict(whole)  # each rank keeps its part over the shard group
         for n, p in mine.named_parameters():
-            torch.testing.assert_close(p.detach(), padded_part(whole[n], shard, index), rtol=0, atol=0, msg=lambda m: f"{name} load {n}: {m}")
+            cut = padded_part(whole[n], 1, 0) if ours.parts[n].group is None else padded_part(whole[n], shard, index)
+            torch.testing.assert_close(p.detach(), cut, rtol=0, atol=0, msg=lambda m: f"{name} load {n}: {m}")
     else:
         _check_collectives(ours, mesh, name)
     dist.barrier()
