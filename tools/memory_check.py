@@ -25,6 +25,8 @@ PLACEMENTS: dict[str, dict[str, Any]] = {
     "optimizer": {"optimizer": True, "sharding": "optimizer"},
     "full": {"optimizer": True, "sharding": "full", "reshard_after_forward": True},
     "full_no_reshard": {"optimizer": True, "sharding": "full", "reshard_after_forward": False},
+    # the parameters under 100 KB whole on every rank: the MLP's first and last weights and its biases
+    "full_small_whole": {"optimizer": True, "sharding": "full", "reshard_after_forward": True, "replicate_below_mb": 0.1},
 }
 
 
@@ -183,7 +185,13 @@ def predicted(model_name: str, world: int, placements: list[str], shard: int | N
     args = batch(0, 0)
     example = args[0] if isinstance(args[0], dict) else tuple(args)
     facts = trace_model(model, example, torch.optim.AdamW(model.parameters(), lr=1e-3), min_cut=False).memory
-    return {p: predict(facts, p, world, shard if p not in ("replicated", "optimizer_inside") else None) for p in placements}
+    def one(name: str) -> Any:
+        options = PLACEMENTS[name]
+        placement = "full" if name == "full_small_whole" else name
+        whole_below = int(options.get("replicate_below_mb", 0) * 2**20)
+        return predict(facts, placement, world, shard if placement not in ("replicated", "optimizer_inside") else None, whole_below)
+
+    return {p: one(p) for p in placements}
 
 
 def compare(rank: int, world: int, cases: list[tuple[str, str]], mesh: tuple[int, int] | None = None) -> list[dict[str, Any]]:

@@ -192,5 +192,5 @@ def _graph_memory(forward: fx.GraphModule, backward: fx.GraphModule, params: dic
         param_bytes=sum(value_bytes(primals[i]) for i in params),
         forward_peak=fw.peak_outputs_kept, saved=bw.saved,
         gradients=sum(value_bytes(grads[i]) for i in params if i < len(grads) and isinstance(grads[i], fx.Node)),
-        backward_peak=bw.peak_outputs_kept, backward_peak_held=bw.peak_inputs_held,
+        backward_peak=bw.peak_outputs_kept, backward_peak_held=bw.peak_inputs_held, params=tuple(params.values()),
     )

@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from graphddp.compiler.model_trace import trace_model
 from graphddp.compiler.optimizer_probe import update_seconds_per_byte
-from graphddp.config import DDPConfig
+from graphddp.config import MB, DDPConfig
 from graphddp.frontend.mesh import MeshGroups
 from graphddp.plan.choose import choose, memory_placement, placements
 from graphddp.plan.memory import predict as predict_memory
@@ -57,19 +57,21 @@ def choose_placement(
 
     def predict(options: dict[str, Any]) -> tuple[float, int, int, float, float]:
         sharding, gather, reshard = options.get("sharding"), options.get("gather", "backward"), options.get("reshard_after_forward", True)
+        whole_below = int(options.get("replicate_below_mb", 0) * MB)
         step = predict_step(trace.steps, cost, world, sharding, gather=gather, reshard_after_forward=reshard, placement=placement,
-                            state_entries=entries, compute=compute, update_per_byte=update_per_byte)
+                            state_entries=entries, compute=compute, update_per_byte=update_per_byte, whole_below=whole_below)
         memory = predict_memory(trace.memory, memory_placement(sharding, gather, reshard, optimizer is not None), world,
-                                placement.shard.size if sharding else None)
+                                placement.shard.size if sharding else None, whole_below)
         return step.seconds, memory.peak, memory.between_steps, step.forward, step.backward
 
-    candidates = [c for c in placements(optimizer is not None) if not (placement.hybrid and c[0] == "replicated")]
+    sizes = [p.numel * p.itemsize for p in trace.memory.params if p.requires_grad]
+    candidates = [c for c in placements(optimizer is not None, sizes) if not (placement.hybrid and c[0] == "replicated")]
     names = [name for name, _ in candidates]
     key = choice_store.key_of(trace.memory, world, placement.shape(), config.backend, names)  # not the budget: choose checks the fit
     choice = choose(candidates, predict, budget, choice_store.earlier(key, names, groups.whole))
     _check_agreed(choice, groups.whole)
     choice_store.remember(key, choice.chosen, groups.whole)
-    options = {"gather": "backward", "reshard_after_forward": None, **choice.options()}
+    options = {"gather": "backward", "reshard_after_forward": None, "replicate_below_mb": None, **choice.options()}
     return dataclasses.replace(config, memory_budget=None, **options), choice
 
 

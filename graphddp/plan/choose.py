@@ -15,6 +15,7 @@ then trains in the placement it trained in.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Sequence
 
 from graphddp.values.choice import MB, Candidate, PlacementChoice
@@ -31,9 +32,68 @@ PLACEMENTS: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = (
 )
 
 
-def placements(has_optimizer: bool) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]:
-    """The candidates: sharding needs the optimizer inside (``optimizer=``); without it, only replicated."""
-    return PLACEMENTS if has_optimizer else PLACEMENTS[:1]
+# Splits of the parameters by size weighed for full sharding's replicate_below_mb: at most this
+# many, each holding whole at least SPLIT_APART of the parameters' bytes less than the next larger
+# one, and at least SPLIT_LEAST of them (a model's blocks beside a large embedding hold a few percent).
+MAX_SPLITS = 4
+SPLIT_APART = 0.1
+SPLIT_LEAST = 0.01
+
+
+def placements(has_optimizer: bool, param_bytes: Sequence[int] = ()) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]:
+    """The candidates: sharding needs the optimizer inside (``optimizer=``); without it, only
+    replicated. After full sharding, full sharding with the parameters under each of
+    :func:`whole_below_splits` of ``param_bytes`` held whole, most held whole first, each with
+    and without resharding."""
+    if not has_optimizer:
+        return PLACEMENTS[:1]
+    mixed = tuple(
+        (f"sharding='full', {name}replicate_below_mb={_plain(mb)}",
+         (("sharding", "full"), ("reshard_after_forward", reshard), ("replicate_below_mb", mb)))
+        for mb in reversed(whole_below_splits(param_bytes))
+        for name, reshard in (("reshard_after_forward=False, ", False), ("", True))
+    )
+    return PLACEMENTS + mixed
+
+
+def whole_below_splits(param_bytes: Sequence[int]) -> tuple[float, ...]:
+    """``replicate_below_mb`` values worth weighing for parameters of ``param_bytes``: each holds
+    whole the parameters under one of their sizes and shards the rest (the largest always
+    sharded). From the split that holds the most whole down, a split is left out where it holds
+    less than :data:`SPLIT_APART` of all the bytes fewer whole than the last one kept (about the
+    same memory, more gathers), and so is a split holding less than :data:`SPLIT_LEAST` whole at
+    all (full sharding's); :data:`MAX_SPLITS` at most. Each value is the roundest number of
+    MB between the two sizes it separates, ascending."""
+    distinct = sorted(set(param_bytes))
+    total = sum(param_bytes)
+    kept: list[float] = []
+    last = None
+    for lo, hi in reversed(list(zip(distinct, distinct[1:]))):
+        held = sum(n for n in param_bytes if n <= lo)
+        if held < SPLIT_LEAST * total:
+            break  # this and every smaller split hold almost nothing whole: full sharding's
+        if last is not None and last - held < SPLIT_APART * total:
+            continue
+        kept.append(_roundest_between(lo, hi))
+        last = held
+        if len(kept) == MAX_SPLITS:
+            break
+    return tuple(reversed(kept))
+
+
+def _plain(mb: float) -> str:
+    return f"{mb:.12f}".rstrip("0").rstrip(".")
+
+
+def _roundest_between(lo: int, hi: int) -> float:
+    """The MB value of fewest significant figures whose bytes (as the option counts them) hold a
+    parameter of ``lo`` bytes whole and shard one of ``hi``."""
+    for digits in range(1, 12):
+        step = 10 ** (math.floor(math.log10((lo + 1) / MB)) - digits + 1)
+        mb = round(math.ceil((lo + 1) / MB / step) * step, 12)
+        if lo < int(mb * MB) <= hi:
+            return mb
+    return (lo + 1) / MB
 
 
 def memory_placement(sharding: str | None, gather: str, reshard_after_forward: bool, has_optimizer: bool) -> str:

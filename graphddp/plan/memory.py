@@ -63,6 +63,7 @@ class GraphMemory:
     gradients: int
     backward_peak: int
     backward_peak_held: int  # the same with its saved activations held to its end
+    params: tuple[str, ...] = ()  # its parameters' names (ParamFact.name): which of them a placement holds whole
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,11 +113,12 @@ def _state_bytes(facts: MemoryFacts, param: ParamFact, elements: int) -> int:
     return 0 if rule is None or not param.requires_grad else rule.per_element * elements + rule.fixed
 
 
-def predict(facts: MemoryFacts, placement: str, world_size: int, shard_size: int | None = None) -> MemoryPrediction:
+def predict(facts: MemoryFacts, placement: str, world_size: int, shard_size: int | None = None, whole_below: int = 0) -> MemoryPrediction:
     """The bytes one rank holds under ``placement`` (one of :data:`PLACEMENTS`) with ``world_size``
     ranks; ``shard_size``: hybrid sharding's shard group (parts over that many ranks, replicated
-    over ``world_size // shard_size``), default every rank. Rank 0's, the most loaded (the
-    first ranks hold whole chunks)."""
+    over ``world_size // shard_size``), default every rank; ``whole_below``: under full sharding,
+    parameters of fewer bytes are held whole (``replicate_below_mb``). Rank 0's, the most loaded
+    (the first ranks hold whole chunks)."""
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
     shard = world_size if shard_size is None else shard_size
@@ -127,10 +129,11 @@ def predict(facts: MemoryFacts, placement: str, world_size: int, shard_size: int
     sharded = placement in SHARDED
     full = placement.startswith("full")
     ranks = shard if sharded else 1
-    parts = [_chunk(p.numel, ranks) for p in facts.params]
+    held_whole = {p.name for p in facts.params if full and p.numel * p.itemsize < whole_below}
+    parts = [p.numel if p.name in held_whole else _chunk(p.numel, ranks) for p in facts.params]
     whole = sum(p.numel * p.itemsize for p in facts.params)
     trainable = [p for p in facts.params if p.requires_grad]
-    largest = max((_chunk(p.numel, ranks) * p.itemsize for p in trainable), default=0)  # one update's parameter or part
+    largest = max((n * p.itemsize for n, p in zip(parts, facts.params) if p.requires_grad), default=0)  # one update's parameter or part
     steady = placement == "replicated" and world_size > 1 and facts.device == "cpu"
     breakdown = {
         "parameters": sum(n * p.itemsize for n, p in zip(parts, facts.params)) if full else whole,
@@ -140,26 +143,35 @@ def predict(facts: MemoryFacts, placement: str, world_size: int, shard_size: int
     }
     if placement == "optimizer_forward":  # each bucket's all-gathered parameters wait for the next forward
         breakdown["pending_gathers"] = sum(p.numel * p.itemsize for p in trainable)
-    phases = _phases(facts, placement, largest, shard != world_size and sharded, ranks)
+    whole_bytes = {p.name: p.numel * p.itemsize for p in facts.params if p.name in held_whole}
+    phases = _phases(facts, placement, largest, shard != world_size and sharded, ranks, whole_bytes)
     phase, at_peak = max(phases.items(), key=lambda kv: sum(kv[1].values()))
     between = sum(breakdown.values())
     return MemoryPrediction(placement, world_size, shard, between, between + sum(at_peak.values()), phase, breakdown, at_peak)
 
 
-def _phases(facts: MemoryFacts, placement: str, largest: int, hybrid: bool, ranks: int) -> dict[str, dict[str, int]]:
+def _phases(
+    facts: MemoryFacts, placement: str, largest: int, hybrid: bool, ranks: int, held_whole: dict[str, int],
+) -> dict[str, dict[str, int]]:
     """Each moment of a step that may be its fullest, and the bytes it adds to what is held
     between steps, by kind. A replicated backward graph's saved activations stay alive to its
-    end (its caller holds their list); full sharding's compiler frees each after its last use."""
+    end (its caller holds their list); full sharding's compiler frees each after its last use.
+    ``held_whole``: under full sharding, the bytes of each parameter held whole (never gathered,
+    its gradient all-reduced whole)."""
     full = placement.startswith("full")
     graphs = facts.recomputed if full else facts.graphs
     workspace = int(facts.update_workspace * largest)  # one parameter's (or part's) update inside the backward
     phases: dict[str, dict[str, int]] = {}
+    def sharded_bytes(h: GraphMemory) -> int:  # what a full-sharding graph gathers: its parameters not held whole
+        return max(h.param_bytes - sum(held_whole.get(n, 0) for n in h.params), 0)
+
     for k, g in enumerate(graphs):
         earlier = sum(h.saved for h in graphs[:k])
-        part = _chunk(g.gradients, ranks) if placement in SHARDED else 0  # this rank's part of the bucket
+        kept_whole = sum(held_whole.get(n, 0) for n in g.params)  # their gradients all-reduced whole
+        part = _chunk(g.gradients - kept_whole, ranks) + kept_whole if placement in SHARDED else 0  # this rank's part of the bucket
         gathered = 0
         if full:  # the parameters gathered: this graph's, or with them kept from the forward, every graph's so far
-            gathered = sum(h.param_bytes for h in graphs[: k + 1]) if placement == "full_no_reshard" else g.param_bytes
+            gathered = sum(sharded_bytes(h) for h in graphs[: k + 1]) if placement == "full_no_reshard" else sharded_bytes(g)
         phases[f"forward {k}"] = {"activations": earlier + g.forward_peak, "gathered": gathered}
         at = f"backward {k}"
         if full:

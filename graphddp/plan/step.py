@@ -89,10 +89,12 @@ def compute_scale(graphs: Sequence[StepFacts], cost: CostModel, measured: tuple[
 def predict_step(
     graphs: Sequence[StepFacts], cost: CostModel, world_size: int, sharding: str | None = None, *, gather: str = "backward",
     reshard_after_forward: bool = True, placement: Placement | None = None, state_entries: int = 0,
-    compute: tuple[float, float] = (1.0, 1.0), update_per_byte: float | None = None,
+    compute: tuple[float, float] = (1.0, 1.0), update_per_byte: float | None = None, whole_below: int = 0,
 ) -> StepPrediction:
     """The step of ``graphs`` on ``world_size`` ranks under ``sharding`` (None: replicated;
-    ``"optimizer"``; ``"full"``), ``placement`` the parts' groups (default: over every rank).
+    ``"optimizer"``; ``"full"``), ``placement`` the parts' groups (default: over every rank);
+    ``whole_below``: under full sharding, parameters of fewer bytes are held whole (never
+    gathered, their gradients all-reduced over every rank, their update whole).
     ``state_entries``: the optimizer's state tensors per parameter (AdamW 2, SGD with momentum 1);
     ``compute``: :func:`compute_scale`'s factors for the forward's and the backward's compute;
     ``update_per_byte``: the optimizer's step measured, seconds per byte of the parameters it
@@ -101,12 +103,14 @@ def predict_step(
     lanes = (cost.scaled(1 / compute[0], 1.0), cost.scaled(1 / compute[1], 1.0))
     forward = backward = update = 0.0
     collectives = 0
+    whole = whole_below if sharding == "full" else 0
     for graph in graphs:
         params = sum(s.nbytes for s in graph.backward.slots)
-        share = params / placement.shard.size if sharding else params
+        kept = sum(s.nbytes for s in graph.backward.slots if s.nbytes < whole)
+        share = (params - kept) / placement.shard.size + kept if sharding else params
         upd = share * update_per_byte if update_per_byte is not None else update_seconds(share, state_entries, cost)
         if sharding == "full":
-            fwd, bwd, count = _full(graph, cost, lanes, placement, reshard_after_forward, upd)
+            fwd, bwd, count = _full(graph, cost, lanes, placement, reshard_after_forward, upd, world_size, whole)
         else:
             fwd, bwd, count = _bucketed(graph, cost, lanes, world_size, sharding, gather, placement, upd)
         forward, backward, update, collectives = forward + fwd, backward + bwd, update + upd, collectives + count
@@ -144,29 +148,36 @@ def _bucketed(
     forward = compute_timeline(graph.forward, lanes[0])[2]
     if sharding and gather == "forward":
         sizes = [b.nbytes for b in reversed(order)]
-        forward = _gathered_lane([forward * n / total for n in sizes], sizes, cost, placement, prefetch=len(sizes))
+        gathers = [placement.gather_seconds(cost, n) for n in sizes]
+        forward = _gathered_lane([forward * n / total for n in sizes], gathers, cost, prefetch=len(sizes))
     return forward, backward, count
 
 
 def _full(
     graph: StepFacts, planned: CostModel, lanes: tuple[CostModel, CostModel], placement: Placement, reshard: bool, update: float,
+    world_size: int, whole_below: int = 0,
 ) -> tuple[float, float, int]:
     """``sharding="full"``: the forward's and the backward's lanes (module docstring), each
-    lane's compute under its cost model; each reduce-scatter waited :data:`SCATTER_LAG` buckets
-    later, its parts then updated."""
+    lane's compute under its cost model; each reduce waited :data:`SCATTER_LAG` buckets later,
+    its parameters then updated. Gradients of fewer than ``whole_below`` bytes are of parameters
+    held whole: bucketed apart (a bucket holds one kind), never gathered, all-reduced over the
+    ``world_size`` ranks."""
     cost = lanes[1]
     slots = sorted(graph.backward.slots, key=lambda s: (s.position, s.output_index))
     total = sum(s.nbytes for s in slots)
-    cap = planned_cap_bytes(planned, total, placement.shard.size, reshard, placement)
-    groups = bucket_by_size(slots, key=lambda s: (s.dtype, s.device), nbytes=lambda s: s.nbytes, limit=lambda _: cap, consecutive=True)
+    held = lambda s: s.nbytes < whole_below  # noqa: E731
+    cap = planned_cap_bytes(planned, sum(s.nbytes for s in slots if not held(s)), placement.shard.size, reshard, placement)
+    groups = bucket_by_size(slots, key=lambda s: (s.dtype, s.device, held(s)), nbytes=lambda s: s.nbytes, limit=lambda _: cap, consecutive=True)
     sizes = [sum(s.nbytes for s in b) for b in groups]
+    whole = [held(b[0]) for b in groups]
+    gathers = [0.0 if w else placement.gather_seconds(cost, n) for n, w in zip(sizes, whole)]
     fwd_compute = compute_timeline(graph.forward, lanes[0])[2]
-    forward = _gathered_lane([fwd_compute * n / max(total, 1) for n in reversed(sizes)], list(reversed(sizes)), cost, placement, PREFETCH)
+    forward = _gathered_lane([fwd_compute * n / max(total, 1) for n in reversed(sizes)], list(reversed(gathers)), cost, PREFETCH)
     _, finished, end = compute_timeline(graph.backward.nodes, cost)
-    buckets = [_Bucket(placement.reduce_seconds(cost, n), 0.0, update * n / max(total, 1),
-                       placement.gather_seconds(cost, n) if reshard else 0.0) for n in sizes]
+    buckets = [_Bucket(kind("all_reduce").seconds(cost, n, world_size) if w else placement.reduce_seconds(cost, n), 0.0,
+                       update * n / max(total, 1), g if reshard else 0.0) for n, w, g in zip(sizes, whole, gathers)]
     backward = _backward_lane(_segments([finished.get(_last(b).producer, end) for b in groups], end), buckets, cost, SCATTER_LAG)
-    collectives = len(groups) * (2 + reshard + placement.hybrid)
+    collectives = sum(1 if w else 2 + reshard + placement.hybrid for w in whole)
     return forward, backward, collectives
 
 
@@ -206,14 +217,16 @@ class _Lanes:
         return self.link
 
 
-def _gathered_lane(compute: list[float], sizes: list[int], cost: CostModel, placement: Placement, prefetch: int) -> float:
-    """Compute segments, each needing its bucket gathered first; gathers issued ``prefetch``
-    segments ahead. Returns when the last segment ends."""
+def _gathered_lane(compute: list[float], gathers: list[float], cost: CostModel, prefetch: int) -> float:
+    """Compute segments, each needing its bucket gathered first (``gathers``: its link seconds,
+    0 for a bucket with nothing to gather); gathers issued ``prefetch`` segments ahead. Returns
+    when the last segment ends."""
     lanes = _Lanes(cost)
     ends: list[float] = []
-    for i in range(len(sizes)):
-        while len(ends) < min(i + prefetch + 1, len(sizes)):
-            ends.append(lanes.issue(placement.gather_seconds(cost, sizes[len(ends)])))
+    for i in range(len(gathers)):
+        while len(ends) < min(i + prefetch + 1, len(gathers)):
+            seconds = gathers[len(ends)]
+            ends.append(lanes.issue(seconds) if seconds else 0.0)
         lanes.clock = max(lanes.clock, ends[i]) + compute[i]
     return lanes.clock
 
@@ -236,7 +249,8 @@ def _backward_lane(segments: list[float], buckets: list[_Bucket], cost: CostMode
     for i, seconds in enumerate(segments):
         if i < len(buckets) and buckets[i].regather:
             while len(regathered) <= min(i + PREFETCH, len(buckets) - 1):
-                regathered.append(lanes.issue(buckets[len(regathered)].regather))
+                again = buckets[len(regathered)].regather  # 0: a bucket of parameters held whole
+                regathered.append(lanes.issue(again) if again else 0.0)
             lanes.clock = max(lanes.clock, regathered[i])
         lanes.clock += seconds
         if i < len(buckets):

@@ -44,10 +44,11 @@ class PlacementChoice:
 
     def to_table(self) -> str:
         budget = "no memory budget" if self.budget_bytes is None else f"memory budget {self.budget_bytes / MB:.1f} MB per rank"
-        head = f"  {'placement':<46} {'step ms':>9} {'fwd ms':>8} {'bwd ms':>8} {'peak MB':>9} {'held MB':>9}  verdict"
+        width = max([46] + [len(c.name) for c in self.candidates])
+        head = f"  {'placement':<{width}} {'step ms':>9} {'fwd ms':>8} {'bwd ms':>8} {'peak MB':>9} {'held MB':>9}  verdict"
         rows = [f"sharding='auto' chose {self.chosen} ({budget})", head, "  " + "-" * (len(head) - 2)]
         for c in self.candidates:
-            rows.append(f"  {c.name:<46} {c.step_seconds * 1e3:>9.3f} {c.forward_seconds * 1e3:>8.2f} {c.backward_seconds * 1e3:>8.2f} "
+            rows.append(f"  {c.name:<{width}} {c.step_seconds * 1e3:>9.3f} {c.forward_seconds * 1e3:>8.2f} {c.backward_seconds * 1e3:>8.2f} "
                         f"{c.peak_bytes / MB:>9.2f} {c.between_bytes / MB:>9.2f}  {c.verdict}")
         return "\n".join(rows)
 

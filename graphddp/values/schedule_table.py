@@ -168,7 +168,9 @@ class FullScheduleTable(ScheduleValue):
             cap = f", capped at {size_text(graph.cap.nbytes)}: {graph.cap.source}" if graph.cap is not None else ""
             lines.append(
                 f"{graph.kind} ({graph.nodes} nodes): {len(graph.of('gather'))} gather bucket(s), "
-                f"{len(graph.of('reduce_scatter'))} reduce-scatter bucket(s){updates}{cap}"
+                f"{len(graph.of('reduce_scatter'))} reduce-scatter bucket(s)"
+                + (f", {len(graph.of('all_reduce'))} all-reduce bucket(s) of parameters held whole" if graph.of("all_reduce") else "")
+                + f"{updates}{cap}"
             )
             lines.append(f"  {'collective':<18}{'whole':>10}{'per rank':>10}  {'issued after':<24}{'waited before':<24}parameters")
             for b in graph.buckets:

@@ -12,7 +12,7 @@ import torch
 from graphddp.compiler.model_trace import time_example, trace_model
 from graphddp.compiler.optimizer_probe import update_seconds_per_byte
 from graphddp.models import TinyGPT
-from graphddp.plan.choose import PLACEMENTS, TIE, choose, placements
+from graphddp.plan.choose import PLACEMENTS, TIE, choose, placements, whole_below_splits
 from graphddp.plan.cost import host_seconds
 from graphddp.plan.step import _backward_lane, _Bucket, compute_scale, predict_step
 from graphddp.values.choice import PlacementChoice
@@ -150,6 +150,36 @@ def test_without_an_optimizer_only_replicated_is_weighed():
     assert [n for n, _ in placements(False)] == ["replicated"]
 
 
+def test_full_sharding_weighs_holding_the_smaller_parameters_whole():
+    MB = 2**20
+    # a GPT-2 small's sizes: a 147 MB embedding, 3 MB of positions, blocks of 2.25-9 MB weights, LayerNorms and biases
+    gpt = [768 * 4] * 100 + [50257 * 768 * 4, 1024 * 768 * 4] + [768 * 2304 * 4, 768 * 768 * 4, 768 * 3072 * 4, 3072 * 768 * 4, 2304 * 4, 3072 * 4] * 12
+    splits = whole_below_splits(gpt)
+    assert splits == (4, 7, 10)  # each a round number of MB between two sizes, the blocks whole at 10
+    for mb in splits:
+        below = int(mb * MB)
+        assert not any(below - 1 <= n < below + 1 for n in gpt)  # between sizes, never at one
+    assert max(gpt) >= int(max(splits) * MB)  # the embedding is always sharded
+    assert whole_below_splits([4096] * 8) == ()  # one size: nothing to split
+    assert whole_below_splits([10 * MB, 16]) == ()  # a split holding almost nothing whole is full sharding
+    names = [n for n, _ in placements(True, gpt)]
+    assert names[:5] == [n for n, _ in PLACEMENTS]
+    assert names[5:7] == ["sharding='full', reshard_after_forward=False, replicate_below_mb=10", "sharding='full', replicate_below_mb=10"]
+    assert dict(placements(True, gpt)[6][1]) == {"sharding": "full", "reshard_after_forward": True, "replicate_below_mb": 10}
+
+
+def test_parameters_held_whole_are_never_gathered_and_send_one_collective_per_bucket(gpt_facts):
+    _, facts = gpt_facts
+    full = _step(facts, sharding="full")
+    (graph,) = facts
+    everything = max(s.nbytes for s in graph.backward.slots) + 1
+    whole = _step(facts, sharding="full", whole_below=everything)
+    assert whole.collectives < full.collectives and whole.forward < full.forward  # no gather left to wait for
+    assert whole.update == pytest.approx(_step(facts).update, rel=0.01)  # every parameter updated whole
+    assert _step(facts, sharding="full", whole_below=0) == full
+    assert _step(facts, sharding="optimizer", whole_below=everything) == _step(facts, sharding="optimizer")
+
+
 def test_a_choice_round_trips_and_its_fingerprint_is_its_content():
     choice = choose(PLACEMENTS, _fixed(_table([1.0, 0.9, 0.95, 1.2, 1.5], [5, 3, 3, 2, 1])), None)
     back = PlacementChoice.from_dict(json.loads(json.dumps(choice.to_dict())))
@@ -199,7 +229,9 @@ def test_explain_chooses_as_a_run_would_and_its_schedules_carry_the_choice(capsy
     model, x = TinyGPT(), torch.randint(0, 64, (4, 16))
     plans = graphddp.explain(model, x, world_size=8, backend="aot_eager", sharding="auto", optimizer=torch.optim.AdamW)
     choice = plans[0].choice
-    assert [c.name for c in choice.candidates] == [n for n, _ in PLACEMENTS]
+    names = [c.name for c in choice.candidates]
+    assert names == [n for n, _ in placements(True, [p.numel() * p.element_size() for p in model.parameters()])]
+    assert names[:5] == [n for n, _ in PLACEMENTS] and len(names) > 5  # and full sharding holding the smaller parameters whole
     assert type(plans[0]).from_json(plans[0].to_json()).choice == choice
     least = min(c.peak_bytes for c in choice.candidates)
     tight = graphddp.explain(model, x, world_size=8, backend="aot_eager", sharding="auto", optimizer=torch.optim.AdamW,

@@ -54,6 +54,17 @@ def test_peak_is_the_fullest_phase():
     assert step.phase == "optimizer step" and step.at_peak == {"gradients": 68, "workspace": 80}
 
 
+def test_parameters_held_whole_keep_their_bytes_and_state_and_are_not_gathered():
+    facts = _facts(params=("a", "b", "c"))
+    full = predict(facts, "full", 3)
+    mixed = predict(facts, "full", 3, whole_below=30)  # b (28 bytes) and c (12) whole, a (40) sharded
+    adam = lambda n: 8 * n + 4  # noqa: E731
+    assert mixed.breakdown == {**full.breakdown, "parameters": 4 * (4 + 7 + 3), "optimizer_state": adam(4) + adam(7)}
+    assert mixed.at_peak["gathered"] == 80 - 28 - 12 and full.at_peak["gathered"] == 80
+    assert predict(facts, "full", 3, whole_below=0) == full
+    assert predict(facts, "optimizer", 3, whole_below=30) == predict(facts, "optimizer", 3)  # full sharding's option only
+
+
 def test_bad_arguments_name_the_option():
     with pytest.raises(ValueError, match="placement must be one of"):
         predict(_facts(), "zero3", 2)
