@@ -185,6 +185,7 @@ def predicted(model_name: str, world: int, placements: list[str], shard: int | N
     args = batch(0, 0)
     example = args[0] if isinstance(args[0], dict) else tuple(args)
     facts = trace_model(model, example, torch.optim.AdamW(model.parameters(), lr=1e-3), min_cut=False).memory
+
     def one(name: str) -> Any:
         options = PLACEMENTS[name]
         placement = "full" if name == "full_small_whole" else name
