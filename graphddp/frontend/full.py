@@ -158,7 +158,7 @@ class FullyShardedState(ModelState):
         gathers with the other ranks' next collectives: a hang until the process group's
         timeout, or, where those are gathers of the same sizes, the wrong tensors.
         So before its first collective each forward takes part in a fixed-size one
-        (:func:`graphddp.runtime.agree.max_over_ranks`, which pairs only with its own kind) of
+        (:func:`graphddp.runtime.agree.same_on_every_rank`, which pairs only with its own kind) of
         how many forwards this rank has run and whether autograd is on; ranks that differ raise
         :class:`~graphddp.runtime.agree.ScheduleMismatchError` on every rank, naming each side.
         One small all-gather read on the host per forward (its cost: docs/full-sharding.md)."""
@@ -166,8 +166,7 @@ class FullyShardedState(ModelState):
             return
         self._forwards += 1
         mine = [self._forwards, int(torch.is_grad_enabled())]
-        got = agree.max_over_ranks([*mine, *(-v for v in mine)], self.group)
-        if got[:2] == [-v for v in got[2:]]:
+        if agree.same_on_every_rank(mine, self.group):
             return
         sides = "; ".join(
             f"rank {r}: its forward {n}, {'with autograd' if grad else 'under no_grad'}"

@@ -193,6 +193,13 @@ def max_over_ranks(values: Sequence[float], group: Any, dtype: torch.dtype = tor
     return max_reduce(values, group, dtype)
 
 
+def same_on_every_rank(values: Sequence[int], group: Any) -> bool:
+    """Whether every rank of ``group`` passed these ``values``: one maximum over ranks of them and
+    their negations (the largest equals the smallest), so every rank calls it whatever it holds."""
+    got = max_over_ranks([*values, *(-v for v in values)], group)
+    return got[: len(values)] == [-v for v in got[len(values):]] == list(values)
+
+
 def any_rank(bits: Sequence[bool], group: Any) -> list[bool]:
     """Per position, whether any rank of ``group`` passes True."""
     return [v != 0 for v in max_over_ranks([int(bool(b)) for b in bits], group)]

@@ -13,7 +13,7 @@ from typing import Any
 
 from graphddp.plan.cost import CostModel
 from graphddp.runtime import disk
-from graphddp.runtime.agree import layout_hash, max_over_ranks
+from graphddp.runtime.agree import layout_hash, same_on_every_rank
 
 log = logging.getLogger("graphddp")
 
@@ -44,9 +44,7 @@ def settle(measured: CostModel, key: tuple[str, str, int, str], group: Any) -> C
     stored, outside_before = (None, False) if anew or not disk.enabled() else _load(path)
     keep = stored is not None and _close(stored, measured)
     mine = layout_hash(_numbers(stored)) if keep else -1  # type: ignore[arg-type]
-    high, minus_low = max_over_ranks([mine, -mine], group)
-    low = -minus_low
-    if keep and low == high == mine:
+    if same_on_every_rank([mine], group) and keep:
         if outside_before:
             _store(path, stored)  # type: ignore[arg-type] # the outlier is forgotten
         log.info(

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import torch.distributed as dist
 
 from graphddp.runtime import disk
-from graphddp.runtime.agree import layout_hash, max_over_ranks
+from graphddp.runtime.agree import layout_hash, same_on_every_rank
 from graphddp.runtime.calibration_store import RECALIBRATE_ENV
 
 
@@ -34,8 +34,8 @@ def earlier(key: str, names: Sequence[str], group: Any) -> str | None:
         return None
     stored = _load(key) if disk.enabled() and os.environ.get(RECALIBRATE_ENV, "0") != "1" else None
     index = names.index(stored) if stored in names else -1
-    high, minus_low = max_over_ranks([index, -index], group)
-    return names[high] if high == -minus_low and high >= 0 else None
+    agreed = same_on_every_rank([index], group)
+    return names[index] if agreed and index >= 0 else None
 
 
 def remember(key: str, name: str, group: Any) -> None:
