@@ -86,8 +86,8 @@ def lower_part_plan(
 
 
 def _members(pairs: list[Pair], buckets: tuple[PartBucket, ...]) -> list[list[Pair]]:
-    """Each planned bucket's (issue, end) pairs; the plan must cover the pairs exactly, in order."""
-    members = [i for b in buckets for i in b.members]
+    """Each planned bucket's (issue, end) pairs; the plan must cover the pairs exactly, each once."""
+    members = sorted(i for b in buckets for i in b.members)
     if members != list(range(len(pairs))):
         raise RuntimeError(f"graphddp: a plan of {len(members)} collective(s) lowered on a graph of {len(pairs)}: not the graph it was planned from")
     return [[pairs[i] for i in b.members] for b in buckets]

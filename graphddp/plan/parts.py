@@ -7,7 +7,10 @@ their membership itself. The rule is the planner's (:func:`graphddp.plan.greedy.
 DDP's), with consecutive collectives sharing a bucket while they share what one collective must
 (:meth:`PartCollective.key`: kind, group, dtype, device, and whether the part goes on to a
 replicate all-reduce): one collective replaces a bucket's members where the graph has them,
-so a key change closes the bucket. A bucket closes once its bytes (of the full tensors: gathered,
+so a key change closes the bucket. The two kinds of a backward's reduces (a part's
+reduce-scatter, a whole parameter's all-reduce) are bucketed apart, each over its own
+collectives, so where sizes alternate around ``replicate_below_mb`` neither kind's buckets are
+cut into runs of one. A bucket closes once its bytes (of the full tensors: gathered,
 or the gradients sent) reach the cap.
 
 Why a plan and not a fixed cap. Full sharding issues every bucket's collectives every step: an
@@ -85,9 +88,17 @@ def plan_part_buckets(kind: str, gathers: Sequence[PartCollective], reduces: Seq
 
 
 def bucket_collectives(collectives: Sequence[PartCollective], cap_bytes: int) -> tuple[PartBucket, ...]:
-    """Consecutive ``collectives`` of one key, each bucket closing once its bytes reach ``cap_bytes``."""
+    """Consecutive ``collectives`` of one key, each bucket closing once its bytes reach
+    ``cap_bytes``; each kind bucketed apart (a backward's reduce-scatters and its whole
+    parameters' all-reduces interleave, and one kind's run of buckets does not break the
+    other's), the buckets in the order their last members come."""
     key, nbytes = (lambda ic: ic[1].key()), (lambda ic: ic[1].whole_bytes)
-    groups = bucket_by_size(enumerate(collectives), key, nbytes, lambda _: cap_bytes, consecutive=True)
+    kinds = dict.fromkeys(c.kind for c in collectives)
+    groups = [
+        group for k in kinds
+        for group in bucket_by_size([(i, c) for i, c in enumerate(collectives) if c.kind == k], key, nbytes, lambda _: cap_bytes, consecutive=True)
+    ]
+    groups.sort(key=lambda group: group[-1][0])
     return tuple(_bucket(index, [c for _, c in group], tuple(i for i, _ in group)) for index, group in enumerate(groups))
 
 

@@ -160,14 +160,19 @@ def _full(
     """``sharding="full"``: the forward's and the backward's lanes (module docstring), each
     lane's compute under its cost model; each reduce waited :data:`SCATTER_LAG` buckets later,
     its parameters then updated. Gradients of fewer than ``whole_below`` bytes are of parameters
-    held whole: bucketed apart (a bucket holds one kind), never gathered, all-reduced over the
-    ``world_size`` ranks."""
+    held whole: bucketed apart (each kind over its own gradients), never gathered, all-reduced
+    over the ``world_size`` ranks."""
     cost = lanes[1]
     slots = sorted(graph.backward.slots, key=lambda s: (s.position, s.output_index))
     total = sum(s.nbytes for s in slots)
     held = lambda s: s.nbytes < whole_below  # noqa: E731
     cap = planned_cap_bytes(planned, sum(s.nbytes for s in slots if not held(s)), placement.shard.size, reshard, placement)
-    groups = bucket_by_size(slots, key=lambda s: (s.dtype, s.device, held(s)), nbytes=lambda s: s.nbytes, limit=lambda _: cap, consecutive=True)
+    groups = [  # each kind bucketed apart, in the order their last gradients come (graphddp.plan.parts)
+        group for whole in (True, False)
+        for group in bucket_by_size([s for s in slots if held(s) == whole], key=lambda s: (s.dtype, s.device), nbytes=lambda s: s.nbytes,
+                                    limit=lambda _: cap, consecutive=True)
+    ]
+    groups.sort(key=lambda group: (_last(group).position, _last(group).output_index))
     sizes = [sum(s.nbytes for s in b) for b in groups]
     whole = [held(b[0]) for b in groups]
     gathers = [0.0 if w else placement.gather_seconds(cost, n) for n, w in zip(sizes, whole)]

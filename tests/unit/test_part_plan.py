@@ -13,7 +13,7 @@ from graphddp.graph.describe_parts import describe_part_collectives
 from graphddp.graph.part_collectives import lower_part_plan, place_part_collectives
 from graphddp.graph.part_facts import part_facts
 from graphddp.plan.parts import bucket_collectives, plan_part_buckets
-from graphddp.values.part_schedule import GATHER, REDUCE_SCATTER, PartCap, PartCollective
+from graphddp.values.part_schedule import ALL_REDUCE, GATHER, REDUCE_SCATTER, PartCap, PartCollective
 
 KB = 1024
 
@@ -43,6 +43,16 @@ def test_a_key_change_closes_a_bucket(change):
     assert _members(buckets) == [(0, 1), (2, 3), (4,)]
     if "dtype" in change:
         assert [b.dtype for b in buckets] == ["float32", "bfloat16", "float32"]
+
+
+def test_reduce_scatters_and_whole_parameters_all_reduces_bucket_apart_in_the_order_they_end():
+    """replicate_below_mb: a backward's sizes alternating around the threshold alternate the two
+    kinds of reduce; each kind's buckets run over its own collectives, not cut at the other's."""
+    kinds = [REDUCE_SCATTER, ALL_REDUCE, REDUCE_SCATTER, ALL_REDUCE, REDUCE_SCATTER, ALL_REDUCE]
+    facts = [_c(KB, f"p{i}", kind=k) for i, k in enumerate(kinds)]
+    buckets = bucket_collectives(facts, cap_bytes=2 * KB)
+    assert [(b.kind, b.members) for b in buckets] == [(REDUCE_SCATTER, (0, 2)), (ALL_REDUCE, (1, 3)), (REDUCE_SCATTER, (4,)), (ALL_REDUCE, (5,))]
+    assert [b.index for b in buckets] == [0, 1, 2, 3]
 
 
 def test_no_collectives_no_buckets():
