@@ -15,7 +15,7 @@ from graphddp.plan.parts import PREFETCH
 from graphddp.graph.reshard import kept_gathered_bytes
 from graphddp.graph.verify import check_part_collectives, check_part_updates
 from graphddp.graph.verify_common import VerificationError
-from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
+from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_collective, is_wait
 
 GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
@@ -120,7 +120,7 @@ def test_rule_p2_fails_a_part_gradient_returned_unreduced(fake_world, reshard):
         local = graph.call_function(torch.ops.aten.slice.Tensor, (scatter.args[0], 0, 0, outs[k].meta["val"].numel()))
     outs[k] = local
     graph.output_node().args = (tuple(outs),)
-    with pytest.raises(VerificationError, match="P2: .* around a reduce-scatter"):
+    with pytest.raises(VerificationError, match="P2: .* around a reduce"):
         check_part_collectives(broken, backward=True, parts=parts)
 
 
@@ -321,3 +321,31 @@ def test_rule_p6_fails_a_part_not_averaged_over_the_replicate_group(fake_world, 
     broken.recompile()
     with pytest.raises(VerificationError, match=match):
         check_part_collectives(broken, backward=True, parts=parts, placement=placement)
+
+
+@pytest.mark.parametrize("mutation", ["another group", "no parameter held whole", "gradient around the all-reduce"])
+def test_rule_p7_fails_a_whole_parameters_all_reduce_off_every_ranks_group(fake_world, mutation):
+    """replicate_below_mb: the biases (1 KB) whole, all-reduced over every rank in a bucket of their own."""
+    fake_world(8)
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(256, 256) for _ in range(3)))
+    ours = graphddp.compile(model, optimizer=torch.optim.AdamW(model.parameters()), sharding="full", backend="aot_eager",
+                            bucket_cap_mb=0.5, replicate_below_mb=0.01)
+    ours(torch.randn(4, 256)).sum().backward()
+    backward = dict(ours.graphs)["backward"]
+    replicated, parts = ours._state.record.replicated, [f"primals_{k}" for k in range(1, 7)]
+    check_part_collectives(backward, backward=True, parts=parts, replicated=replicated)  # the compiled graph passes
+    broken = copy.deepcopy(backward)
+    reduce = next(n for n in broken.graph.nodes if n.meta.get(ROLE_KEY) == "all_reduce" and is_collective(n))
+    if mutation == "another group":
+        reduce.update_arg(len(reduce.args) - 1, "another group")
+        match, replicated_as = "P7: .* not every rank's group", replicated
+    elif mutation == "no parameter held whole":
+        match, replicated_as = "P7: .* all-reduces a gradient, and no parameter is held whole", None
+    else:
+        wait = next(u for u in reduce.users if is_wait(u))
+        wait.replace_all_uses_with(reduce.args[0])  # the gradient as this rank computed it
+        match, replicated_as = "P2: .* (around|without) a reduce", replicated
+    broken.recompile()
+    with pytest.raises(VerificationError, match=match):
+        check_part_collectives(broken, backward=True, parts=parts, replicated=replicated_as)

@@ -60,10 +60,10 @@ def _check_kept_gathers(gm: fx.GraphModule, allowed: int) -> None:
 
 def _check_part_gradients(gm: fx.GraphModule, parts: Collection[str] | None) -> None:
     for name, index, grad in _part_gradients(gm, parts):
-        through, inputs = above_reduces(grad)  # stopping at reduce-scatter waits
+        through, inputs = above_reduces(grad)  # stopping at the reduces' waits
         around = next((n for n in inputs if n.name.startswith("tangents")), None)
         if around or not through:
-            why = f"around a reduce-scatter (via {around.name})" if around else "without a reduce-scatter"
+            why = f"around a reduce (via {around.name})" if around else "without a reduce"
             _fail(gm, grad, f"P2: the gradient of part {name} (output {index}) reads the incoming gradients {why}")
 
 
