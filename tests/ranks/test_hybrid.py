@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from test_optim_ranks import ADAM_NOISE, TIGHT, _adamw, _hf_gpt2, _hf_loss, _sgd, assert_state_dicts_equal, unequal_pair
+from test_optim_ranks import ADAM_NOISE, TIGHT, _adamw, _hf_gpt2, _hf_loss, _sgd, assert_state_dicts_equal, step_beside_ddp, unequal_pair
 from torch.distributed.device_mesh import init_device_mesh
 
 import graphddp
@@ -160,19 +160,7 @@ def _train(rank: int, world: int, name: str) -> None:
     shard, index = case.shape[1], mesh.get_local_rank(1)
     full = case.sharding == "full"
     for step in range(case.steps):
-        if step == 1:  # a no_sync micro-batch: the next backward carries it into its buckets
-            with ours.no_sync():
-                case.loss(model, rank, 50 + step).backward()
-            with ref.no_sync():
-                case.loss(ref, rank, 50 + step).backward()
-        case.loss(model, rank, step).backward()
-        opt.step()
-        opt.zero_grad()
-        case.loss(ref, rank, step).backward()
-        if case.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), case.max_grad_norm)
-        ref_opt.step()
-        ref_opt.zero_grad()
+        step_beside_ddp(ours, model, opt, ref, ref_opt, case.loss, rank, step, case.max_grad_norm)
         if full:
             _check_full_parts(ours, mine, opt, ref, ref_opt, case, f"{name} step {step}")
             continue

@@ -153,6 +153,26 @@ def assert_state_dicts_equal(a: dict, b: dict, tol: dict, what: str) -> None:
             torch.testing.assert_close(v, b["state"][i][k], **tol, msg=lambda m: f"{what}: state[{i}][{k!r}]: {m}")
 
 
+def step_beside_ddp(ours: Any, model: Any, opt: Any, ref: DDP, ref_opt: Any, loss: Callable, rank: int, step: int,
+                    max_grad_norm: float | None = None) -> None:
+    """One training step of graphddp (``ours`` the object with ``no_sync``, ``model`` what is
+    called) and of DDP beside it with ``clip_grad_norm_`` where graphddp clips; step 1 starts
+    with a ``no_sync`` micro-batch on both, which the next backward carries into its buckets."""
+    if step == 1:
+        with ours.no_sync():
+            loss(model, rank, 50 + step).backward()
+        with ref.no_sync():
+            loss(ref, rank, 50 + step).backward()
+    loss(model, rank, step).backward()
+    opt.step()
+    opt.zero_grad()
+    loss(ref, rank, step).backward()
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm)
+    ref_opt.step()
+    ref_opt.zero_grad()
+
+
 def unequal_pair(make: Callable[[], nn.Module], rank: int) -> tuple[nn.Module, DDP]:
     """A model from ``make`` (seeded) for graphddp, unequal on rank 1 before wrapping (graphddp
     must broadcast rank 0's parameters, as DDP does), and DDP around a copy of it."""

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from test_optim_ranks import ADAM_NOISE, TIGHT, _adamw, _hf_gpt2, _hf_loss, _sgd, assert_state_dicts_equal, unequal_pair
+from test_optim_ranks import ADAM_NOISE, TIGHT, _adamw, _hf_gpt2, _hf_loss, _sgd, assert_state_dicts_equal, step_beside_ddp, unequal_pair
 
 import graphddp
 from graphddp import models
@@ -114,19 +114,7 @@ def _train(rank: int, world: int, name: str) -> None:
     below = int(case.below_mb * MB)
     for step in range(case.steps):
         what = f"{name} step {step}"
-        if step == 1:  # a no_sync micro-batch: the next backward carries it
-            with ours.no_sync():
-                case.loss(model, rank, 50 + step).backward()
-            with ref.no_sync():
-                case.loss(ref, rank, 50 + step).backward()
-        case.loss(model, rank, step).backward()
-        opt.step()
-        opt.zero_grad()
-        case.loss(ref, rank, step).backward()
-        if case.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), case.max_grad_norm)
-        ref_opt.step()
-        ref_opt.zero_grad()
+        step_beside_ddp(ours, model, opt, ref, ref_opt, case.loss, rank, step, case.max_grad_norm)
         gathered = mine.state_dict() if case.backend_object else dict(ours.named_parameters())
         for n, q in ref.module.named_parameters():
             torch.testing.assert_close(gathered[n], q.detach(), **case.tol, msg=lambda m: f"{what} param {n}: {m}")
