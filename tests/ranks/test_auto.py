@@ -1,9 +1,10 @@
-"""``sharding="auto"`` on 2 gloo ranks (and its budget case on 3): the placement chosen at wrap time from a trace of
+"""``sharding="auto"`` on 2 gloo ranks (its budget case on 3): the placement chosen at wrap time from a trace of
 ``example=``, the same on every rank, and trained like DDP over every rank.
 
 A budget only full sharding's predicted peak fits (read off an unbounded choice of the same
 model) makes it choose full sharding, which then trains a GPT with tied weights and a graph
-break like DDP (SGD with momentum); an
+break like DDP (SGD with momentum), on 3 ranks (uneven parts; that GPT fully sharded on 2 ranks:
+test_full_sharding.py's tied_across_break_sgd); an
 unbounded choice trains an MLP like DDP with AdamW whatever it chose; a budget nothing fits fails on every
 rank at wrap time with the smallest predicted peak, before any rank builds a placement. A second
 run of the same wrap keeps the first's choice, and not where the ranks' stores disagree.
@@ -71,8 +72,6 @@ def _full_sharding_when_only_it_fits(rank: int, world: int, steps: int = 3) -> N
 
 
 def _cases(rank: int, world: int) -> None:
-    _full_sharding_when_only_it_fits(rank, world)
-
     mlp_loss = lambda m, r, s: F.mse_loss(m(_mlp_batch(r, s)[0]), _mlp_batch(r, s)[1])  # noqa: E731
     ours = _train_like_ddp(models.MLP, mlp_loss, (_mlp_batch(0, 0)[0],), _adamw, 3, rank)
     _same_on_every_rank((ours.placement_choice.chosen, ours.config.sharding))

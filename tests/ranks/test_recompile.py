@@ -313,39 +313,4 @@ def test_ranks_that_recompile_at_different_steps_equal_ddp() -> None:
 CACHED = (("requires_grad", "fp16"),)
 
 
-@pytest.mark.parametrize("form", ["compile", "backend"])
-def test_one_rank_keeps_updating_in_the_graph_after_a_shape_change(fake_world, form: str) -> None:
-    """The issue's second case as reported: HF GPT-2, optimizer=AdamW, one rank; after (4, 16)
-    batches a (3, 12) batch recompiles, and every parameter keeps stepping, in the graph; also
-    through ``torch.compile(model, backend=graphddp.backend(model, optimizer=))``, on the GPT
-    written here (the form's path, at a quarter of HF GPT-2's compile time)."""
-    fake_world(1)
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = _gpt2() if form == "compile" else _tiny_gpt()
-    ref = copy.deepcopy(model)
-    opt, ref_opt = _optimizer("adamw", model.parameters()), _optimizer("adamw", ref.parameters())
-    if form == "compile":
-        ours = view = graphddp.compile(model, optimizer=opt, backend="aot_eager")
-    else:
-        view = graphddp.backend(model, optimizer=opt, backend="aot_eager")
-        ours = torch.compile(model, backend=view)
-
-    def loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if form == "compile":
-            return m(input_ids=x, labels=x).loss
-        return F.cross_entropy(m(x)[:, :-1].reshape(-1, VOCAB), x[:, 1:].reshape(-1))
-
-    for step, shape in enumerate([(4, 16), (4, 16), SHORT, SHORT]):
-        x = _tokens(0, step, shape)
-        loss(ours, x).backward()
-        loss(ref, x).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            assert p.grad is None, f"step {step}: {name}.grad kept"
-            if p.requires_grad:  # the GPT written here freezes its attention's input bias
-                assert opt.state[p]["step"].item() == step + 1, f"step {step}: {name} stepped {opt.state[p]['step'].item()} times"
-            torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {step} {name}: {m}")
-    graphs = [s for s in view._state.backend.states if s.steps_in_graph]
-    assert len(graphs) == 2 and all(not r.fallbacks for r in view.records), [r.fallbacks for r in view.records]
+# The one-rank shape change of the issue (HF GPT-2, optimizer inside): tests/unit/test_recompile_one_rank.py
