@@ -27,8 +27,18 @@ PLACEMENTS: dict[str, dict[str, Any]] = {
     "full_no_reshard": {"optimizer": True, "sharding": "full", "reshard_after_forward": False},
     # the parameters under 100 KB whole on every rank: the MLP's first and last weights and its biases
     "full_small_whole": {"optimizer": True, "sharding": "full", "reshard_after_forward": True, "replicate_below_mb": 0.1},
+    # FSDP2's usual mixed precision: computed and gathered in bfloat16, gradients reduced in float32
+    "full_bf16": {"optimizer": True, "sharding": "full", "reshard_after_forward": True, "mp_policy": "bf16"},
 }
 
+
+def _bf16() -> Any:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+BF16 = _bf16()
 
 # bytes a step may end above its start and still be trusted: a few small tensors (a step counter, a scalar)
 UNSEEN_SLACK = 4096
@@ -151,6 +161,8 @@ def measure(rank: int, model_name: str, placement: str, mesh: tuple[int, int] | 
     model, batch = MODELS[model_name]()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     options = dict(PLACEMENTS[placement])
+    if options.get("mp_policy") == "bf16":
+        options["mp_policy"] = BF16
     if options.pop("optimizer", False):
         options["optimizer"] = opt
     if mesh is not None:
@@ -184,13 +196,17 @@ def predicted(model_name: str, world: int, placements: list[str], shard: int | N
     model, batch = MODELS[model_name]()
     args = batch(0, 0)
     example = args[0] if isinstance(args[0], dict) else tuple(args)
-    facts = trace_model(model, example, torch.optim.AdamW(model.parameters(), lr=1e-3), min_cut=False).memory
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    facts = trace_model(model, example, opt, min_cut=False).memory
+    policy = {p for p in placements if PLACEMENTS[p].get("mp_policy")}
+    under_policy = trace_model(model, example, opt, min_cut=False, mp_policy=BF16).memory if policy else None
 
     def one(name: str) -> Any:
         options = PLACEMENTS[name]
-        placement = "full" if name == "full_small_whole" else name
+        placement = "full" if name in ("full_small_whole", "full_bf16") else name
         whole_below = int(options.get("replicate_below_mb", 0) * 2**20)
-        return predict(facts, placement, world, shard if placement not in ("replicated", "optimizer_inside") else None, whole_below)
+        return predict(under_policy if name in policy else facts, placement, world,
+                       shard if placement not in ("replicated", "optimizer_inside") else None, whole_below)
 
     return {p: one(p) for p in placements}
 
@@ -241,9 +257,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--mesh", default=None, help="hybrid sharding's (replicate)x(shard), e.g. 2x2: the sharded placements")
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--placements", default=",".join(PLACEMENTS))
     args = parser.parse_args(argv)
     mesh = tuple(int(n) for n in args.mesh.split("x")) if args.mesh else None
-    placements = [p for p in PLACEMENTS if mesh is None or PLACEMENTS[p].get("sharding")]
+    placements = [p for p in args.placements.split(",") if mesh is None or PLACEMENTS[p].get("sharding")]
     cases = [(m, p) for m in args.models.split(",") for p in placements]
     world = mesh[0] * mesh[1] if mesh else args.world
     with tempfile.TemporaryDirectory() as tmp:

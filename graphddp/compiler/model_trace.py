@@ -75,9 +75,7 @@ class _Tracer:
         graph = _Graph(parameter_of_inputs(example_inputs, self.names_by_id))
 
         def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)  # copying a GraphModule's pytree specs
-                graph.min_cut = min_cut_rematerialization_partition(copy.deepcopy(joint), joint_inputs, **kwargs)
+            graph.min_cut = min_cut_rematerialization_partition(_copy_graph(joint), joint_inputs, **kwargs)
             graph.default = default_partition(joint, joint_inputs, **kwargs)
             self.graphs.append(graph)
             return graph.default
@@ -86,16 +84,29 @@ class _Tracer:
         return aot_autograd(fw_compiler=boxed, bw_compiler=boxed, inference_compiler=boxed, partition_fn=partition)(gm, example_inputs)
 
 
+def _copy_graph(joint: fx.GraphModule) -> fx.GraphModule:
+    """``joint`` with its graph copied (a partition rewrites the graph it is given) and its
+    tensors shared: a deep copy would copy a constant the model's code made (Hugging Face's
+    key-value cache) as a fake tensor, which fails."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # copying the graph's pytree specs
+        copied = fx.GraphModule(joint, copy.deepcopy(joint.graph))
+    copied.meta.update(joint.meta)
+    return copied
+
+
 def trace_model(module: nn.Module, example: Any, optimizer: torch.optim.Optimizer | None, min_cut: bool,
-                dynamic: bool | None = None, timed: bool = False) -> ModelTrace:
+                dynamic: bool | None = None, timed: bool = False, mp_policy: Any = None) -> ModelTrace:
     """The trace of ``module`` on ``example`` (module docstring); ``min_cut``: the run's backend
     partitions by min-cut (inductor). Static sizes unless ``dynamic``, as a run's first compile
     has them, even where this process compiled the same code with other shapes before. ``timed``:
     the traced code's forward and backward are timed too (:func:`time_example`), as AOTAutograd's
-    runtime runs the graphs op by op, which is what an ``aot_eager`` run's compute costs."""
+    runtime runs the graphs op by op, which is what an ``aot_eager`` run's compute costs.
+    ``mp_policy``: full sharding's mixed-precision policy, traced as the run computes
+    (:func:`_computed_in`); the parameters' and the optimizer's facts stay their own."""
     tracer = _Tracer(module)
     compiled = torch.compile(module, backend=tracer, dynamic=dynamic, **ISOLATED)
-    with torch.enable_grad(), _unchanged(module), first_compile_shapes(dynamic):
+    with torch.enable_grad(), _unchanged(module), first_compile_shapes(dynamic), _computed_in(module, example, mp_policy) as example:
         call_example(compiled, example)
         measured = time_example(compiled, example, module) if timed else None
     if not tracer.graphs:
@@ -109,10 +120,49 @@ def trace_model(module: nn.Module, example: Any, optimizer: torch.optim.Optimize
         state=state_rules(optimizer, {p.dtype for _, p in params}),
         step_workspace=step_workspace(optimizer), update_workspace=update_workspace(optimizer),
         device=next((p.device.type for _, p in params), "cpu"),
+        **_policy_itemsizes(mp_policy),
         graphs=tuple(_graph_memory(*pair, g.params) for g, pair in runs),
         recomputed=tuple(_graph_memory(*g.min_cut, g.params) for g in tracer.graphs),
     )
     return ModelTrace(steps, memory, measured)
+
+
+def cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    """Every floating-point tensor of ``tree`` cast to ``dtype`` (FSDP2's ``cast_forward_inputs``
+    and ``output_dtype``; integer tensors, such as token ids, stay as they are)."""
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
+
+
+@contextlib.contextmanager
+def _computed_in(module: nn.Module, example: Any, policy: Any) -> Iterator[Any]:
+    """The example to trace, with ``module`` computing as a run under the mixed-precision
+    ``policy`` computes: every floating parameter in the policy's ``param_dtype`` (the run
+    gathers each cast, and casts one it holds whole) and, where the policy casts forward inputs,
+    the example's floating tensors too. So the graphs' activations and gradients have the run's
+    dtypes, including what the model's own code keeps in float32. The parameters' own tensors
+    are put back after."""
+    dtype = getattr(policy, "param_dtype", None)
+    cast = [p for p in module.parameters() if dtype is not None and p.is_floating_point() and p.dtype != dtype]
+    own = [p.data for p in cast]
+    try:
+        for p in cast:
+            p.data = p.data.to(dtype)
+        yield cast_floats(example, dtype) if dtype is not None and policy.cast_forward_inputs else example
+    finally:
+        for p, data in zip(cast, own):
+            p.data = data
+
+
+def _policy_itemsizes(policy: Any) -> dict[str, int]:
+    """:class:`MemoryFacts`' ``compute_itemsize`` and ``reduce_itemsize`` under a mixed-precision
+    ``policy`` (FSDP2's: ``reduce_dtype`` None is ``param_dtype``'s); none without one."""
+    dtype = getattr(policy, "param_dtype", None)
+    if dtype is None:
+        return {}
+    size = lambda d: torch.empty((), dtype=d).element_size()  # noqa: E731
+    return {"compute_itemsize": size(dtype), "reduce_itemsize": size(policy.reduce_dtype or dtype)}
 
 
 def time_example(run: Any, example: Any, module: nn.Module, repeats: int = 2) -> tuple[float, float]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from graphddp.config import ddp_keywords, inductor_settings
+from graphddp.config import ddp_keywords, inductor_settings, sharding
 from graphddp.config.clipping import check_clipping
 from graphddp.hooks.builtin import COMM_HOOKS
 from graphddp.hooks.traced import as_traced_hook
@@ -195,10 +195,10 @@ class DDPConfig:
             raise ValueError(f"sharding must be one of {SHARDINGS}, got {self.sharding!r}")
         if self.gather not in GATHERS:
             raise ValueError(f"gather must be one of {GATHERS}, got {self.gather!r}")
-        self._check_auto()
+        sharding.check_auto(self)
         if self.gather != "backward" and self.sharding != "optimizer":
             raise ValueError(f"gather={self.gather!r} places the all-gathers of sharding='optimizer'; it needs that option")
-        self._check_full_sharding()
+        sharding.check_full_sharding(self)
         clipping = check_clipping(self.max_grad_norm, self.grad_norm_type)
         object.__setattr__(self, "max_grad_norm", clipping[0])
         object.__setattr__(self, "grad_norm_type", clipping[1])
@@ -226,54 +226,6 @@ class DDPConfig:
             where, self.backend, device, self.mode if mode is None else mode,
             self.inductor_options if options is None else dict(options), sharded=self.sharding is not None,
         )
-
-    def _check_auto(self) -> None:
-        """``memory_budget`` belongs to ``sharding="auto"``: bytes (an int) or a fraction of the device's
-        memory (a float in (0, 1]); the knobs auto chooses are refused beside it, never overridden."""
-        budget = self.memory_budget
-        if budget is not None:
-            if self.sharding != "auto":
-                raise ValueError("memory_budget is an option of sharding='auto' (what its choice must fit); it needs that option")
-            fraction = isinstance(budget, float) and 0 < budget <= 1
-            if isinstance(budget, bool) or not (fraction or (isinstance(budget, int) and budget > 0)):
-                raise ValueError(f"memory_budget must be bytes (a positive int) or a fraction in (0, 1] of the device's memory, got {budget!r}")
-        if self.sharding != "auto":
-            return
-        chosen = [n for n, given in (("gather", self.gather != "backward"), ("reshard_after_forward", self.reshard_after_forward is not None),
-                                     ("replicate_below_mb", self.replicate_below_mb is not None),
-                                     ("mp_policy", self.mp_policy is not None)) if given]
-        if chosen:
-            raise ValueError(f"sharding='auto' chooses gather, reshard_after_forward and replicate_below_mb itself and runs no mp_policy yet; "
-                             f"leave {chosen} out, or choose sharding= yourself")
-
-    def _check_full_sharding(self) -> None:
-        """``reshard_after_forward`` and ``mp_policy`` belong to ``sharding="full"`` (None there
-        means True, FSDP2's default); what full sharding does not run is refused by name, never
-        ignored: first, last and per-bucket caps, a comm hook, the eager backend."""
-        if self.sharding != "full":
-            for name in ("reshard_after_forward", "replicate_below_mb", "mp_policy"):
-                if getattr(self, name) is not None:
-                    whose = "" if name == "replicate_below_mb" else " (FSDP2's, same meaning)"
-                    raise ValueError(f"{name} is an option of sharding='full'{whose}; it needs that option")
-            return
-        _check_mp_policy(self.mp_policy)
-        if self.reshard_after_forward is None:
-            object.__setattr__(self, "reshard_after_forward", True)
-        if not isinstance(self.reshard_after_forward, bool):
-            raise ValueError(f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}")
-        below = self.replicate_below_mb
-        if below is not None and (isinstance(below, bool) or not isinstance(below, (int, float)) or not 0 <= below < math.inf):
-            raise ValueError(f"replicate_below_mb must be a number of MB >= 0, got {below!r}")
-        caps = [n for n in ("first_bucket_cap_mb", "last_bucket_cap_mb", "bucket_cap_mb_list")
-                if getattr(self, n) not in (None, AUTO)]
-        refused = caps + (["comm_hook"] if self.comm_hook is not None else [])
-        if refused:
-            raise ValueError(
-                f"sharding='full' does not take {refused} yet: its gather and reduce-scatter buckets have one cap, "
-                "bucket_cap_mb (or one planned from cost when it is left out), and no comm hook; leave them out"
-            )
-        if self.backend == "eager":
-            raise ValueError("sharding='full' needs backend='inductor' or 'aot_eager' (AOTAutograd places the gathers)")
 
     def _check_ddp_keywords(self) -> None:
         """DDP's constructor keywords, each accepted with DDP's meaning or refused by name."""
@@ -384,18 +336,3 @@ class DDPConfig:
         if self.last_bucket_cap_mb is None:
             raise ValueError("last_bucket_cap_mb is not set")
         return int(self.last_bucket_cap_mb * MB)
-
-
-def _check_mp_policy(policy: Any) -> None:
-    """``mp_policy`` is FSDP2's own ``MixedPrecisionPolicy`` (users pass what they pass to
-    ``fully_shard``), its dtypes floating point or None."""
-    if policy is None:
-        return
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    if not isinstance(policy, MixedPrecisionPolicy):
-        raise ValueError(f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got {type(policy).__name__}")
-    for name in ("param_dtype", "reduce_dtype", "output_dtype"):
-        dtype = getattr(policy, name)
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise ValueError(f"mp_policy.{name} must be a floating-point torch.dtype or None, got {dtype!r}")

@@ -40,10 +40,14 @@ def choose_placement(
     if example is None:
         raise ValueError(f"{where}: sharding='auto' needs example=, a batch as the model is called with (a tuple of positional "
                          "inputs, a dict of keyword inputs, or one input): the choice is made from a trace of it")
+    if config.mp_policy is not None and optimizer is None:
+        raise ValueError(f"{where}: sharding='auto' with mp_policy weighs full sharding's placements only (the mode that "
+                         "runs a mixed-precision policy), and they need optimizer=")
     cost = config.cost or calibrate(groups.whole, device)
     budget = _budget(config.memory_budget, device, groups.whole)
     timed = _times_the_model(config, groups.whole)
-    trace = trace_model(module, example, optimizer, min_cut=config.backend == "inductor", dynamic=config.dynamic, timed=timed)
+    trace = trace_model(module, example, optimizer, min_cut=config.backend == "inductor", dynamic=config.dynamic, timed=timed,
+                        mp_policy=config.mp_policy)
     placement = groups.placement
     world = dist.get_world_size(groups.whole)
     compute, update_per_byte = (1.0, 1.0), None
@@ -54,18 +58,21 @@ def choose_placement(
         compute = compute_scale(trace.steps, cost, (measured[0], measured[1]))
         update_per_byte = float(f"{measured[2]:.2g}") if own is not None else None
     entries = max((r.per_element / _itemsize(r.dtype) for r in trace.memory.state), default=0.0)
+    precision = _precision(trace.memory)
 
     def predict(options: dict[str, Any]) -> tuple[float, int, int, float, float]:
         sharding, gather, reshard = options.get("sharding"), options.get("gather", "backward"), options.get("reshard_after_forward", True)
         whole_below = int(options.get("replicate_below_mb", 0) * MB)
         step = predict_step(trace.steps, cost, world, sharding, gather=gather, reshard_after_forward=reshard, placement=placement,
-                            state_entries=entries, compute=compute, update_per_byte=update_per_byte, whole_below=whole_below)
+                            state_entries=entries, compute=compute, update_per_byte=update_per_byte, whole_below=whole_below,
+                            precision=precision)
         memory = predict_memory(trace.memory, memory_placement(sharding, gather, reshard, optimizer is not None), world,
                                 placement.shard.size if sharding else None, whole_below)
         return step.seconds, memory.peak, memory.between_steps, step.forward, step.backward
 
     sizes = [p.numel * p.itemsize for p in trace.memory.params if p.requires_grad]
-    candidates = [c for c in placements(optimizer is not None, sizes) if not (placement.hybrid and c[0] == "replicated")]
+    candidates = [c for c in placements(optimizer is not None, sizes, config.mp_policy is not None)
+                  if not (placement.hybrid and c[0] == "replicated")]
     names = [name for name, _ in candidates]
     key = choice_store.key_of(trace.memory, world, placement.shape(), config.backend, names)  # not the budget: choose checks the fit
     choice = choose(candidates, predict, budget, choice_store.earlier(key, names, groups.whole))
@@ -82,6 +89,15 @@ def _times_the_model(config: DDPConfig, group: Any) -> bool:
     group's defaults) and the run's compiled code runs the traced ops one by one as an eager run
     does (not inductor's fused kernels, which an eager run would overprice)."""
     return config.cost is None and dist.get_backend(group) != "fake" and config.backend != "inductor"
+
+
+def _precision(facts: Any) -> tuple[float, float]:
+    """:func:`graphddp.plan.step.predict_step`'s ``precision`` of a trace under a mixed-precision
+    policy: the parameters' bytes (the largest dtype among them) and the reduce's, per byte computed."""
+    if not facts.compute_itemsize:
+        return 1.0, 1.0
+    own = max((p.itemsize for p in facts.params if p.requires_grad), default=facts.compute_itemsize)
+    return own / facts.compute_itemsize, facts.reduce_itemsize / facts.compute_itemsize
 
 
 def _itemsize(dtype: str) -> int:

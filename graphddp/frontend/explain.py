@@ -137,6 +137,7 @@ def predict_memory(
     device_mesh: tuple[int, int] | None = None,
     example_kwargs: dict[str, Any] | None = None,
     backend: str = "inductor",
+    mp_policy: Any = None,
 ) -> list[MemoryPrediction]:
     """Each placement's bytes on one of ``world_size`` ranks, between steps and at the step's
     peak (:mod:`graphddp.plan.memory` says what is counted), for a loop of ``model(*example_inputs,
@@ -144,7 +145,9 @@ def predict_memory(
     takes it; None: no state), compiled by ``backend`` (its partition decides what the backward
     keeps). One trace of the model (:mod:`graphddp.compiler.model_trace`), no process group:
     every placement is predicted from the same facts. ``device_mesh=(replicate, shard)`` predicts
-    the sharded placements as hybrid sharding over that mesh. ``graphddp.plan.memory.table(predictions)`` prints them."""
+    the sharded placements as hybrid sharding over that mesh. ``mp_policy``: full sharding's
+    mixed-precision policy, traced as a run computes under it; only full sharding's placements
+    (the mode that runs one) are predicted then. ``graphddp.plan.memory.table(predictions)`` prints them."""
     shard = None
     if device_mesh is not None:
         world_size = _mesh_world(device_mesh, world_size, True)
@@ -155,5 +158,7 @@ def predict_memory(
     if example_kwargs and example_inputs:
         raise ValueError("graphddp.predict_memory: pass the inputs positionally or as example_kwargs=, not both")
     made = _optimizer(model, optimizer, False)
-    facts = trace_model(model, example, made, min_cut=backend == "inductor").memory
-    return [predict(facts, p, world_size, shard if p in SHARDED else None) for p in PLACEMENTS]
+    DDPConfig.from_options("graphddp.predict_memory", {"sharding": "full", "mp_policy": mp_policy})  # a bad policy fails before the trace
+    facts = trace_model(model, example, made, min_cut=backend == "inductor", mp_policy=mp_policy).memory
+    placements = [p for p in PLACEMENTS if mp_policy is None or p.startswith("full")]
+    return [predict(facts, p, world_size, shard if p in SHARDED else None) for p in placements]

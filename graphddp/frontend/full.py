@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from graphddp.compiler.full import Compiled, FullyShardedCompiler
 from graphddp.compiler.full_updates import PartUpdates
+from graphddp.compiler.model_trace import cast_floats
 from graphddp.config import MB, DDPConfig
 from graphddp.frontend.mesh import MeshGroups
 from graphddp.frontend.parts import Part, install_whole_state_dicts, optimizer_parts, repoint_optimizer, shard_parameters
@@ -38,14 +39,6 @@ from graphddp.runtime.sync import broadcast_tensors
 from graphddp.values.comm import group_name_of
 from graphddp.values.part_schedule import FullSchedule, PartGraph, RankMemory
 from graphddp.values.placement import Level, Whole
-
-
-def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
-    """Every floating-point tensor of ``tree`` cast to ``dtype`` (FSDP2's ``cast_forward_inputs``
-    and ``output_dtype``; integer tensors, such as token ids, stay as they are)."""
-    from torch.utils._pytree import tree_map_only
-
-    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
 
 class FullyShardedState(ModelState):
@@ -144,13 +137,13 @@ class FullyShardedState(ModelState):
                 broadcast_tensors(buffers, self.group)
         policy = self.config.mp_policy
         if policy is not None and policy.param_dtype is not None and policy.cast_forward_inputs:
-            args, kwargs = _cast_floats((args, kwargs), policy.param_dtype)
+            args, kwargs = cast_floats((args, kwargs), policy.param_dtype)
         return args, kwargs
 
     def after_forward(self, out: Any) -> Any:
         """A mixed-precision policy's output cast."""
         policy = self.config.mp_policy
-        return _cast_floats(out, policy.output_dtype) if policy is not None and policy.output_dtype is not None else out
+        return cast_floats(out, policy.output_dtype) if policy is not None and policy.output_dtype is not None else out
 
     def _check_same_forward(self) -> None:
         """Every rank must run every forward: each one gathers the parameters from all ranks. A

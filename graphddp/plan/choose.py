@@ -40,20 +40,23 @@ SPLIT_APART = 0.1
 SPLIT_LEAST = 0.01
 
 
-def placements(has_optimizer: bool, param_bytes: Sequence[int] = ()) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]:
+def placements(has_optimizer: bool, param_bytes: Sequence[int] = (), mixed_precision: bool = False,
+               ) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]:
     """The candidates: sharding needs the optimizer inside (``optimizer=``); without it, only
     replicated. After full sharding, full sharding with the parameters under each of
     :func:`whole_below_splits` of ``param_bytes`` held whole, most held whole first, each with
-    and without resharding."""
+    and without resharding. With a ``mixed_precision`` policy, full sharding's only: the mode
+    that runs one."""
     if not has_optimizer:
-        return PLACEMENTS[:1]
-    mixed = tuple(
+        return () if mixed_precision else PLACEMENTS[:1]
+    splits = tuple(
         (f"sharding='full', {name}replicate_below_mb={_plain(mb)}",
          (("sharding", "full"), ("reshard_after_forward", reshard), ("replicate_below_mb", mb)))
         for mb in reversed(whole_below_splits(param_bytes))
         for name, reshard in (("reshard_after_forward=False, ", False), ("", True))
     )
-    return PLACEMENTS + mixed
+    whole_model = tuple(p for p in PLACEMENTS if dict(p[1])["sharding"] == "full") if mixed_precision else PLACEMENTS
+    return whole_model + splits
 
 
 def whole_below_splits(param_bytes: Sequence[int]) -> tuple[float, ...]:

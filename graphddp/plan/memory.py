@@ -16,6 +16,9 @@ graph's own peak, the parameters gathered); a backward (its graph's live bytes, 
 :mod:`graphddp.graph.liveness`, with the gradients kept to its end, the bucket's flat copy, the
 update's temporaries inside it, the gathers of full sharding); the optimizer's step after a
 replicated backward (every gradient and its step's temporaries on the largest parameter).
+Under full sharding's mixed-precision policy the graphs were traced computing in its
+``param_dtype`` (their activations, gathered parameters and gradients in it), and the gradients
+are reduced in its ``reduce_dtype``.
 
 Not counted: the allocator's caching and fragmentation (a GPU's reserved bytes exceed these),
 autograd's own workspace, the user's inputs and outputs, and kernels' scratch memory. The compiled
@@ -80,6 +83,10 @@ class MemoryFacts:
     step_workspace: float = 0.0
     update_workspace: float = 0.0
     device: str = "cpu"
+    # under full sharding's mixed-precision policy (0 without one): the graphs' values were traced
+    # in its param_dtype, of compute_itemsize bytes; gradients are reduced in reduce_itemsize
+    compute_itemsize: int = 0
+    reduce_itemsize: int = 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -128,6 +135,8 @@ def predict(facts: MemoryFacts, placement: str, world_size: int, shard_size: int
         raise ValueError(f"shard_size= is hybrid sharding's; placement {placement!r} shards nothing")
     sharded = placement in SHARDED
     full = placement.startswith("full")
+    if facts.compute_itemsize and not full:
+        raise ValueError(f"facts traced under a mixed-precision policy predict full sharding only, not {placement!r}")
     ranks = shard if sharded else 1
     held_whole = {p.name for p in facts.params if full and p.numel * p.itemsize < whole_below}
     parts = [p.numel if p.name in held_whole else _chunk(p.numel, ranks) for p in facts.params]
@@ -143,8 +152,8 @@ def predict(facts: MemoryFacts, placement: str, world_size: int, shard_size: int
     }
     if placement == "optimizer_forward":  # each bucket's all-gathered parameters wait for the next forward
         breakdown["pending_gathers"] = sum(p.numel * p.itemsize for p in trainable)
-    whole_bytes = {p.name: p.numel * p.itemsize for p in facts.params if p.name in held_whole}
-    phases = _phases(facts, placement, largest, shard != world_size and sharded, ranks, whole_bytes)
+    computed = {p.name: p.numel * (facts.compute_itemsize or p.itemsize) for p in facts.params if p.name in held_whole}
+    phases = _phases(facts, placement, largest, shard != world_size and sharded, ranks, computed)
     phase, at_peak = max(phases.items(), key=lambda kv: sum(kv[1].values()))
     between = sum(breakdown.values())
     return MemoryPrediction(placement, world_size, shard, between, between + sum(at_peak.values()), phase, breakdown, at_peak)
@@ -156,19 +165,24 @@ def _phases(
     """Each moment of a step that may be its fullest, and the bytes it adds to what is held
     between steps, by kind. A replicated backward graph's saved activations stay alive to its
     end (its caller holds their list); full sharding's compiler frees each after its last use.
-    ``held_whole``: under full sharding, the bytes of each parameter held whole (never gathered,
-    its gradient all-reduced whole)."""
+    ``held_whole``: under full sharding, the bytes (as the graphs compute them) of each parameter
+    held whole: never gathered, its gradient all-reduced whole. Under a mixed-precision policy
+    each is cast for the forward, a copy as large as a gathered one, and every gradient is
+    reduced in the policy's ``reduce_dtype``."""
     full = placement.startswith("full")
     graphs = facts.recomputed if full else facts.graphs
     workspace = int(facts.update_workspace * largest)  # one parameter's (or part's) update inside the backward
+    copied = {} if facts.compute_itemsize else held_whole  # what a graph reads without a gather or a cast
+    reduced = facts.reduce_itemsize / facts.compute_itemsize if facts.compute_itemsize else 1.0
     phases: dict[str, dict[str, int]] = {}
-    def sharded_bytes(h: GraphMemory) -> int:  # what a full-sharding graph gathers: its parameters not held whole
-        return max(h.param_bytes - sum(held_whole.get(n, 0) for n in h.params), 0)
+    def sharded_bytes(h: GraphMemory) -> int:  # what a full-sharding graph gathers (or casts)
+        return max(h.param_bytes - sum(copied.get(n, 0) for n in h.params), 0)
 
     for k, g in enumerate(graphs):
         earlier = sum(h.saved for h in graphs[:k])
         kept_whole = sum(held_whole.get(n, 0) for n in g.params)  # their gradients all-reduced whole
         part = _chunk(g.gradients - kept_whole, ranks) + kept_whole if placement in SHARDED else 0  # this rank's part of the bucket
+        part = int(part * reduced)
         gathered = 0
         if full:  # the parameters gathered: this graph's, or with them kept from the forward, every graph's so far
             gathered = sum(sharded_bytes(h) for h in graphs[: k + 1]) if placement == "full_no_reshard" else sharded_bytes(g)
@@ -176,6 +190,8 @@ def _phases(
         at = f"backward {k}"
         if full:
             phases[at] = {"activations": earlier, "graph": g.backward_peak, "gathered": gathered}
+            sent = int(g.gradients * reduced)  # the gradients as reduced, and their bucket's flat copy
+            phases[f"bucket {k}"] = {"activations": earlier, "gradients": sent, "in_flight": sent}
             phases[f"update {k}"] = {"activations": earlier, "in_flight": part, "workspace": workspace}
             if hybrid:  # the part, and its average over the replicas
                 phases[f"replicas {k}"] = {"activations": earlier, "in_flight": 2 * part}

@@ -90,6 +90,7 @@ def predict_step(
     graphs: Sequence[StepFacts], cost: CostModel, world_size: int, sharding: str | None = None, *, gather: str = "backward",
     reshard_after_forward: bool = True, placement: Placement | None = None, state_entries: int = 0,
     compute: tuple[float, float] = (1.0, 1.0), update_per_byte: float | None = None, whole_below: int = 0,
+    precision: tuple[float, float] = (1.0, 1.0),
 ) -> StepPrediction:
     """The step of ``graphs`` on ``world_size`` ranks under ``sharding`` (None: replicated;
     ``"optimizer"``; ``"full"``), ``placement`` the parts' groups (default: over every rank);
@@ -98,19 +99,21 @@ def predict_step(
     ``state_entries``: the optimizer's state tensors per parameter (AdamW 2, SGD with momentum 1);
     ``compute``: :func:`compute_scale`'s factors for the forward's and the backward's compute;
     ``update_per_byte``: the optimizer's step measured, seconds per byte of the parameters it
-    updates (else :func:`update_seconds`' memory-bound estimate)."""
+    updates (else :func:`update_seconds`' memory-bound estimate). ``precision``: where ``graphs``
+    were traced in a mixed-precision policy's ``param_dtype`` (their gathers sent so), the bytes a
+    parameter holds and a gradient is reduced in per byte the graphs compute them in."""
     placement = placement or flat("", world_size)
     lanes = (cost.scaled(1 / compute[0], 1.0), cost.scaled(1 / compute[1], 1.0))
     forward = backward = update = 0.0
     collectives = 0
-    whole = whole_below if sharding == "full" else 0
+    whole = whole_below / precision[0] if sharding == "full" else 0  # as the graphs compute them
     for graph in graphs:
-        params = sum(s.nbytes for s in graph.backward.slots)
-        kept = sum(s.nbytes for s in graph.backward.slots if s.nbytes < whole)
+        params = sum(s.nbytes for s in graph.backward.slots) * precision[0]
+        kept = sum(s.nbytes for s in graph.backward.slots if s.nbytes < whole) * precision[0]
         share = (params - kept) / placement.shard.size + kept if sharding else params
         upd = share * update_per_byte if update_per_byte is not None else update_seconds(share, state_entries, cost)
         if sharding == "full":
-            fwd, bwd, count = _full(graph, cost, lanes, placement, reshard_after_forward, upd, world_size, whole)
+            fwd, bwd, count = _full(graph, cost, lanes, placement, reshard_after_forward, upd, world_size, whole, precision[1])
         else:
             fwd, bwd, count = _bucketed(graph, cost, lanes, world_size, sharding, gather, placement, upd)
         forward, backward, update, collectives = forward + fwd, backward + bwd, update + upd, collectives + count
@@ -155,13 +158,13 @@ def _bucketed(
 
 def _full(
     graph: StepFacts, planned: CostModel, lanes: tuple[CostModel, CostModel], placement: Placement, reshard: bool, update: float,
-    world_size: int, whole_below: int = 0,
+    world_size: int, whole_below: float = 0, reduce_scale: float = 1.0,
 ) -> tuple[float, float, int]:
     """``sharding="full"``: the forward's and the backward's lanes (module docstring), each
     lane's compute under its cost model; each reduce waited :data:`SCATTER_LAG` buckets later,
     its parameters then updated. Gradients of fewer than ``whole_below`` bytes are of parameters
     held whole: bucketed apart (each kind over its own gradients), never gathered, all-reduced
-    over the ``world_size`` ranks."""
+    over the ``world_size`` ranks; every reduce sends ``reduce_scale`` bytes per byte of gradient."""
     cost = lanes[1]
     slots = sorted(graph.backward.slots, key=lambda s: (s.position, s.output_index))
     total = sum(s.nbytes for s in slots)
@@ -179,8 +182,9 @@ def _full(
     fwd_compute = compute_timeline(graph.forward, lanes[0])[2]
     forward = _gathered_lane([fwd_compute * n / max(total, 1) for n in reversed(sizes)], list(reversed(gathers)), cost, PREFETCH)
     _, finished, end = compute_timeline(graph.backward.nodes, cost)
-    buckets = [_Bucket(kind("all_reduce").seconds(cost, n, world_size) if w else placement.reduce_seconds(cost, n), 0.0,
-                       update * n / max(total, 1), g if reshard else 0.0) for n, w, g in zip(sizes, whole, gathers)]
+    sent = [int(n * reduce_scale) for n in sizes]
+    buckets = [_Bucket(kind("all_reduce").seconds(cost, s, world_size) if w else placement.reduce_seconds(cost, s), 0.0,
+                       update * n / max(total, 1), g if reshard else 0.0) for n, s, w, g in zip(sizes, sent, whole, gathers)]
     backward = _backward_lane(_segments([finished.get(_last(b).producer, end) for b in groups], end), buckets, cost, SCATTER_LAG)
     collectives = sum(1 if w else 2 + reshard + placement.hybrid for w in whole)
     return forward, backward, collectives

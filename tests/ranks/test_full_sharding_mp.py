@@ -7,7 +7,8 @@ gloo ranks, from the same parameters, with rank-dependent data. Both compute in 
 from parameters cast before they are gathered and reduce their gradients in ``reduce_dtype``;
 the parts and the optimizer state stay fp32. After every step the losses and the whole
 parameters agree to what bf16 compute allows; the compiled graphs show the bytes: every gather
-sends ``param_dtype``, every reduce-scatter ``reduce_dtype``.
+sends ``param_dtype``, every reduce-scatter ``reduce_dtype``. HF GPT-2's case runs
+``sharding="auto"`` with the policy: it weighs full sharding's placements only and trains in the one it chose.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import Callable
 import pytest
 import torch
 import torch.nn as nn
-from test_optim_ranks import _hf_gpt2, _hf_loss, _sgd
+from test_optim_ranks import _hf_gpt2, _hf_loss, _sgd, _tokens
 from test_sharded import _mlp_loss
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -41,12 +42,13 @@ class Case:
     reshard: bool = True
     steps: int = 3
     mesh: tuple[int, int] | None = None  # hybrid sharding: (replicate, shard), for both sides
+    auto: bool = False  # graphddp's sharding="auto" with the policy: it weighs full sharding's placements only
 
 
 CASES = {
     "mlp_bf16_reduce_fp32": Case(models.MLP, _mlp_loss, torch.float32),
     "mlp_bf16_reduce_bf16_kept": Case(models.MLP, _mlp_loss, None, reshard=False),
-    "hf_gpt2_bf16_reduce_fp32": Case(_hf_gpt2, _hf_loss, torch.float32),
+    "hf_gpt2_bf16_reduce_fp32_auto": Case(_hf_gpt2, _hf_loss, torch.float32, auto=True),
     "mlp_bf16_reduce_fp32_inductor": Case(models.MLP, _mlp_loss, torch.float32, backend="inductor", steps=2),
     "mlp_bf16_reduce_fp32_hybrid_2x2": Case(models.MLP, _mlp_loss, torch.float32, mesh=(2, 2)),
 }
@@ -77,8 +79,13 @@ def _train(rank: int, world: int, name: str) -> None:
     opt, ref_opt = _sgd(mine), _sgd(ref)
     # small buckets (4 KB): the forward keeps only the backward's first one, so the backward
     # gathers the rest again, cast to bf16 as in the forward
-    ours = graphddp.compile(mine, optimizer=opt, sharding="full", backend=case.backend, device_mesh=mesh,
-                            reshard_after_forward=case.reshard, mp_policy=_policy(case), bucket_cap_mb=4 / 1024)
+    placement = {"sharding": "auto", "example": {"input_ids": _tokens(0, 0), "labels": _tokens(0, 0)}} if case.auto else \
+        {"sharding": "full", "reshard_after_forward": case.reshard}
+    ours = graphddp.compile(mine, optimizer=opt, backend=case.backend, device_mesh=mesh, mp_policy=_policy(case),
+                            bucket_cap_mb=4 / 1024, **placement)
+    if case.auto:
+        weighed = [c.name for c in ours.placement_choice.candidates]
+        assert ours.config.sharding == "full" and all(n.startswith("sharding='full'") for n in weighed), ours.placement_choice.to_table()
     for step in range(case.steps):
         losses = []
         for m, o in ((ours, opt), (ref, ref_opt)):
@@ -105,7 +112,8 @@ def _train(rank: int, world: int, name: str) -> None:
             if n.target is ALL_TO_ALL and n.meta.get(ROLE_KEY) in sent:
                 sent[n.meta[ROLE_KEY]].add(n.args[0].meta["val"].dtype)
                 regathers += kind == "backward" and n.meta[ROLE_KEY] == "gather"
-    assert (regathers > 0) == case.reshard, f"{name}: {regathers} gathers in the backward with reshard_after_forward={case.reshard}"
+    reshard = ours.config.reshard_after_forward
+    assert (regathers > 0) == reshard, f"{name}: {regathers} gathers in the backward with reshard_after_forward={reshard}"
     assert sent["gather"] == {torch.bfloat16}, f"{name}: gathers sent {sent['gather']}, not bf16"
     assert sent["reduce_scatter"] == {case.reduce_dtype or torch.bfloat16}, f"{name}: reduce-scatters sent {sent['reduce_scatter']}"
 

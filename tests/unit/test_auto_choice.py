@@ -168,6 +168,24 @@ def test_full_sharding_weighs_holding_the_smaller_parameters_whole():
     assert dict(placements(True, gpt)[6][1]) == {"sharding": "full", "reshard_after_forward": True, "replicate_below_mb": 10}
 
 
+def test_with_a_mixed_precision_policy_only_full_sharding_is_weighed():
+    names = [n for n, _ in placements(True, [10 * 2**20, 2**20, 2**20], mixed_precision=True)]
+    assert names[:2] == ["sharding='full', reshard_after_forward=False", "sharding='full'"] and len(names) > 2
+    assert all(n.startswith("sharding='full'") for n in names)
+    assert placements(False, mixed_precision=True) == ()  # full sharding needs the optimizer
+
+
+def test_a_policy_sends_gathers_narrow_and_reduces_wide(gpt_facts):
+    _, facts = gpt_facts  # traced in fp32: as if traced in bf16, the parameters twice the bytes the graphs compute
+    full = _step(facts, sharding="full", bandwidth=0.1)
+    wide = _step(facts, sharding="full", bandwidth=0.1, precision=(2.0, 2.0))
+    assert wide.update == pytest.approx(2 * full.update)  # the parts updated in their own dtype
+    assert wide.backward > full.backward and wide.forward == full.forward  # reduces twice the bytes, gathers the same
+    everything = max(s.nbytes for g in facts for s in g.backward.slots) + 1
+    assert _step(facts, sharding="full", whole_below=2 * everything, precision=(2.0, 1.0)).collectives == \
+        _step(facts, sharding="full", whole_below=everything).collectives  # the option counts the parameter's own bytes
+
+
 def test_parameters_held_whole_are_never_gathered_and_send_one_collective_per_bucket(gpt_facts):
     _, facts = gpt_facts
     full = _step(facts, sharding="full")
@@ -251,8 +269,19 @@ def test_auto_weighs_a_hugging_face_model_from_its_keyword_batch():
     from graphddp.models import tiny_hf_gpt2, tiny_hf_gpt2_batch
 
     model, batch = tiny_hf_gpt2(), tiny_hf_gpt2_batch(0, 0)
-    trace = trace_model(model, batch, torch.optim.AdamW(model.parameters()), min_cut=False)
+    model.config.use_cache = True  # as GPT2Config leaves it: the traced code makes a constant (its cache)
+    opt = torch.optim.AdamW(model.parameters())
+    trace = trace_model(model, batch, opt, min_cut=True)
     assert {s.param_name for g in trace.steps for s in g.backward.slots} == {n for n, _ in model.named_parameters()}
+    # under a bf16 policy the graphs compute in bf16: half the activations and gradients, the parameters' facts their own
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    bf16 = trace_model(model, batch, opt, min_cut=True, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)).memory
+    assert (bf16.compute_itemsize, bf16.reduce_itemsize, bf16.params) == (2, 2, trace.memory.params)
+    total = lambda facts, what: sum(getattr(g, what) for g in facts.recomputed)  # noqa: E731
+    assert total(trace.memory, "gradients") == 2 * total(bf16, "gradients")
+    assert total(bf16, "saved") < 0.75 * total(trace.memory, "saved")  # the loss's graph upcasts its logits to fp32
+    assert all(p.dtype == torch.float32 for p in model.parameters())
     plans = graphddp.explain(model, batch["input_ids"], world_size=4, backend="aot_eager", sharding="auto", optimizer=torch.optim.AdamW)
     peaks = {c.name: c.peak_bytes for c in plans[0].choice.candidates}
     assert peaks["sharding='full'"] < peaks["sharding='optimizer'"] < peaks["replicated"]

@@ -64,6 +64,10 @@ def test_mp_policy_is_fsdp2s_and_belongs_to_full_sharding(fake_world):
     with pytest.raises(ValueError, match="mp_policy.reduce_dtype must be a floating-point torch.dtype"):
         graphddp.compile(model, optimizer=_adamw(model), sharding="full",
                          mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.int32))
+    with pytest.raises(ValueError, match="mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got str"):
+        graphddp.compile(model, optimizer=_adamw(model), sharding="auto", example=torch.randn(2, 16), mp_policy="bf16")
+    with pytest.raises(ValueError, match="sharding='auto' with mp_policy weighs full sharding's placements only .*optimizer="):
+        graphddp.compile(model, sharding="auto", example=torch.randn(2, 16), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
 
 
 def test_full_sharding_needs_the_optimizer(fake_world):

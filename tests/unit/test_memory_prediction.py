@@ -3,6 +3,8 @@ hand-built graph, and the facts one trace of a small model gives. Measured again
 tests/ranks/test_memory_measured.py."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.fx as fx
@@ -63,6 +65,21 @@ def test_parameters_held_whole_keep_their_bytes_and_state_and_are_not_gathered()
     assert mixed.at_peak["gathered"] == 80 - 28 - 12 and full.at_peak["gathered"] == 80
     assert predict(facts, "full", 3, whole_below=0) == full
     assert predict(facts, "optimizer", 3, whole_below=30) == predict(facts, "optimizer", 3)  # full sharding's option only
+
+
+def test_under_a_mixed_precision_policy_gradients_are_reduced_wider_and_whole_parameters_cast():
+    # the graphs traced in bf16 (2 bytes an element), the gradients reduced in fp32 (4)
+    policy = {"compute_itemsize": 2, "reduce_itemsize": 4}
+    wide = dict(gradients=200, backward_peak=10, forward_peak=10)  # the bucket's phase the fullest
+    plain, mixed = predict(_facts(**wide), "full", 2), predict(dataclasses.replace(_facts(**wide), **policy), "full", 2)
+    assert mixed.breakdown == plain.breakdown  # parts and state in their own dtype
+    assert plain.at_peak == {"activations": 0, "gradients": 200, "in_flight": 200}
+    assert (mixed.phase, mixed.at_peak) == ("bucket 0", {"activations": 0, "gradients": 400, "in_flight": 400})
+    held = _facts(params=("a", "b", "c"))  # b and c held whole: without a policy read as they are, with one cast
+    assert predict(held, "full", 3, whole_below=30).at_peak["gathered"] == 80 - 28 - 12
+    assert predict(dataclasses.replace(held, **policy), "full", 3, whole_below=30).at_peak["gathered"] == 80
+    with pytest.raises(ValueError, match="mixed-precision policy predict full sharding only"):
+        predict(dataclasses.replace(_facts(), **policy), "optimizer", 2)
 
 
 def test_bad_arguments_name_the_option():
