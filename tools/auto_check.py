@@ -23,6 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import graphddp
 from graphddp.models import MLP, TinyGPT
@@ -46,8 +47,9 @@ def _models(batch: int) -> dict:
     }
 
 
-def _rank(rank: int, world: int, steps: int, block: int, batch: int, backend: str, only: str) -> None:
+def _rank(rank: int, world: int, steps: int, block: int, batch: int, backend: str, only: str, bf16: bool = False) -> None:
     torch.set_num_threads(1)
+    policy = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if bf16 else {}
     for name, (make, example, loss) in _models(batch).items():
         if only not in name:
             continue
@@ -55,12 +57,12 @@ def _rank(rank: int, world: int, steps: int, block: int, batch: int, backend: st
         base = make()
         auto_model = copy.deepcopy(base)
         chosen = graphddp.compile(auto_model, optimizer=torch.optim.AdamW(auto_model.parameters()), sharding="auto",
-                                  example=example, backend=backend).placement_choice
+                                  example=example, backend=backend, **policy).placement_choice
         runs = {}
         for c in chosen.candidates:
             model = copy.deepcopy(base)
             opt = torch.optim.AdamW(model.parameters())
-            runs[c.name] = (graphddp.compile(model, optimizer=opt, backend=backend, **dict(c.options)), opt)
+            runs[c.name] = (graphddp.compile(model, optimizer=opt, backend=backend, **dict(c.options), **policy), opt)
 
         # per placement: each timed block's seconds per step, and rank 0's forward and backward seconds per step
         times: dict[str, list[float]] = {n: [] for n in runs}
@@ -114,13 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--backend", default="aot_eager")
     p.add_argument("--only", default="", help="the models whose name contains this (mlp, gpt)")
+    p.add_argument("--bf16", action="store_true", help="every placement under FSDP2's bf16 policy (fp32 reduces): full sharding's only")
     args = p.parse_args(argv)
     entered = enter_emulated_link(sys.argv[1:] if argv is None else argv, "tools.auto_check", ENV, args.link_gbit)
     if entered is not None:
         return entered
     print(f"emulated {args.link_gbit:g} Gbit/s link, one thread per rank, AdamW, medians of {args.steps} interleaved blocks "
           f"of {args.block} steps, the slower rank")
-    spawn(_rank, args.world, args.steps, args.block, args.batch, args.backend, args.only, timeout=3000.0, fresh=True)
+    spawn(_rank, args.world, args.steps, args.block, args.batch, args.backend, args.only, args.bf16, timeout=3000.0, fresh=True)
     return 0
 
 
