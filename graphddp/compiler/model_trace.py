@@ -161,8 +161,7 @@ def _policy_itemsizes(policy: Any) -> dict[str, int]:
     dtype = getattr(policy, "param_dtype", None)
     if dtype is None:
         return {}
-    size = lambda d: torch.empty((), dtype=d).element_size()  # noqa: E731
-    return {"compute_itemsize": size(dtype), "reduce_itemsize": size(policy.reduce_dtype or dtype)}
+    return {"compute_itemsize": dtype.itemsize, "reduce_itemsize": (policy.reduce_dtype or dtype).itemsize}
 
 
 def time_example(run: Any, example: Any, module: nn.Module, repeats: int = 2) -> tuple[float, float]:
