@@ -1,8 +1,9 @@
 """Train Hugging Face models built from config in every graphddp mode beside DDP, on gloo CPU ranks.
 
-Each (model, mode) pair: the same initial weights and per-rank batches, AdamW, a loop shaped like
+Each (model, mode) pair: the same initial weights and per-rank batches, a loop shaped like
 nanoGPT's (``--accum`` micro-steps under ``no_sync`` but the last, then ``--clip`` by the global
-norm: ``clip_grad_norm_`` on DDP's side, ``max_grad_norm=`` where graphddp holds the optimizer),
+norm: ``clip_grad_norm_`` on DDP's side, ``max_grad_norm=`` where graphddp holds the optimizer;
+AdamW, what users train with, or SGD with momentum, whose steps show a gradient's scale),
 the losses compared each step and every parameter (a fully sharded model's through its
 ``state_dict()``) and buffer after the steps. A pair prints ``OK`` with its largest parameter
 difference, or ``FAIL`` with the ranks' error. The models are the architectures users train
@@ -12,7 +13,7 @@ relative position bias, tied embeddings) and ViT (a class token and position emb
 bare parameters). Results: docs/real-models.md.
 
 Usage: ``python -m tools.model_sweep [--models llama,t5] [--modes full,auto] [--backend inductor]
-[--world 2] [--steps 3] [--accum 2] [--clip 1.0]``.
+[--world 2] [--steps 3] [--accum 2] [--clip 1.0] [--optimizer sgd]``.
 """
 from __future__ import annotations
 
@@ -102,17 +103,27 @@ MODES: dict[str, dict[str, Any]] = {
     "auto": {"optimizer": True, "sharding": "auto"},
 }
 LOSS_TOL = 1e-4
-PARAM_TOL = 1e-4  # AdamW turns a gradient that is rounding noise (a key bias's) into a step of lr
+# Per optimizer: its constructor and how far a parameter may be from DDP's after the steps. AdamW
+# divides each gradient by its own size, so a gradient that is rounding noise (a key bias's, whose
+# true value is zero) steps by up to a few hundredths of lr either way, and a gradient's scale
+# (an average taken twice, or not at all) shows only through eps; SGD's steps are the gradients.
+OPTIMIZERS: dict[str, tuple[Callable[..., torch.optim.Optimizer], float]] = {
+    "adamw": (lambda params: torch.optim.AdamW(params, lr=1e-2), 5e-4),
+    "sgd": (lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), 1e-6),
+}
 
 
-def train_pair(rank: int, world: int, model: str, mode: str, backend: str, steps: int, accum: int, clip: float | None) -> None:
+def train_pair(
+    rank: int, world: int, model: str, mode: str, backend: str, steps: int, accum: int, clip: float | None,
+    optimizer: str = "adamw",
+) -> None:
     """One pair on this rank (module docstring); raises on the first difference."""
     torch.manual_seed(0)
     make, batch = MODELS[model]
+    make_optimizer, param_tol = OPTIMIZERS[optimizer]
     base = make()
     ref, ours_module = DDP(copy.deepcopy(base)), copy.deepcopy(base)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    opt = torch.optim.AdamW(ours_module.parameters(), lr=1e-2)
+    ref_opt, opt = make_optimizer(ref.parameters()), make_optimizer(ours_module.parameters())
     options = dict(MODES[mode])
     inside = options.pop("optimizer", False)
     if inside:
@@ -141,7 +152,7 @@ def train_pair(rank: int, world: int, model: str, mode: str, backend: str, steps
     for name, value in mine.items():
         if name in theirs:
             diff = (value.detach().float() - theirs[name].detach().float()).abs().max().item()
-            if diff > PARAM_TOL:
+            if diff > param_tol:
                 raise AssertionError(f"{name} after {steps} steps: {diff:.2e} from DDP's")
             if diff > worst:
                 worst, where = diff, name
@@ -167,13 +178,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--accum", type=int, default=1, help="micro-steps per step, all but the last under no_sync")
     parser.add_argument("--clip", type=float, default=None, help="clip the gradients' global L2 norm to this")
+    parser.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adamw")
     args = parser.parse_args(argv)
     failed = 0
     for model in args.models.split(","):
         for mode in args.modes.split(","):
             start = time.perf_counter()
             try:
-                spawn(train_pair, args.world, model, mode, args.backend, args.steps, args.accum, args.clip, timeout=1200)
+                spawn(train_pair, args.world, model, mode, args.backend, args.steps, args.accum, args.clip, args.optimizer, timeout=1200)
             except Exception as e:  # noqa: BLE001 - one pair's failure is reported, the rest still run
                 failed += 1
                 print(f"FAIL {model} {mode}: {str(e)[-2000:]}", flush=True)
