@@ -22,10 +22,7 @@ from graphddp.values import links
 from graphddp.values.schedule import CostModel
 
 BACKENDS = ("inductor", "aot_eager", "eager")
-# sharding=: replicated, the optimizer state on a shard, parameters, gradients and state on a shard,
-# or the one of those graphddp predicts fastest among those that fit (graphddp.plan.choose)
 SHARDINGS = (None, "optimizer", "full", "auto")
-# gather=: where a sharded bucket's all-gather of the updated parts completes (graphddp.optim.insert_shard)
 GATHERS = ("backward", "forward")
 MB = 1024 * 1024
 # DDP's defaults: torch.nn.parallel.distributed._DEFAULT_BUCKET_CAP_MB and
@@ -211,7 +208,7 @@ class DDPConfig:
             )
         object.__setattr__(self, "options", inductor_settings.normalise_options(self.options))
         inductor_settings.check_request(self.backend, self.mode, self.inductor_options)
-        self._check_ddp_keywords()
+        object.__setattr__(self, "device_ids", ddp_keywords.check_keywords(self))
 
     @property
     def inductor_options(self) -> dict[str, Any]:
@@ -226,10 +223,6 @@ class DDPConfig:
             where, self.backend, device, self.mode if mode is None else mode,
             self.inductor_options if options is None else dict(options), sharded=self.sharding is not None,
         )
-
-    def _check_ddp_keywords(self) -> None:
-        """DDP's constructor keywords, each accepted with DDP's meaning or refused by name."""
-        object.__setattr__(self, "device_ids", ddp_keywords.check_keywords(self))
 
     def check_devices(self, where: str, device: torch.device | None) -> None:
         """``device_ids`` and ``output_device`` name the device of the module's parameters."""

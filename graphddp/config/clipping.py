@@ -1,8 +1,6 @@
-"""``max_grad_norm`` and ``grad_norm_type``, checked once for every mode that clips.
-
-What the two options mean is ``torch.nn.utils.clip_grad_norm_(params, max_grad_norm,
-norm_type=grad_norm_type)`` before ``optimizer.step()``; :mod:`graphddp.optim.clip` computes it
-in the graph, ``graphddp.frontend.full`` before the step of the parts.
+"""``max_grad_norm`` and ``grad_norm_type``, checked once for every mode that clips: they mean
+``torch.nn.utils.clip_grad_norm_(params, max_grad_norm, norm_type=grad_norm_type)`` before
+``optimizer.step()``.
 """
 from __future__ import annotations
 

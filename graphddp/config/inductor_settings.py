@@ -24,21 +24,18 @@ INDUCTOR_PINNED_CONFIG: dict[str, Any] = {
 # A backward with sharded buckets (each bucket's wait and update, with gather="backward" its
 # all-gather too, placed after the next bucket's reduce-scatter), and a forward that completes
 # their all-gathers before each bucket's first read (gather="forward"), are compiled in
-# graphddp's order: inductor's comm passes would sink each wait below all the compute that
-# does not read it, and they keep collectives in issue order, so every later reduce-scatter
-# would queue behind the first update, after the whole backward (seen in the generated code on
-# the GPT, and the step far slower: docs/sharding.md); its locality and peak-memory reorders would pull each wait
-# up next to its issue.
+# graphddp's order: inductor's comm passes would sink each wait below all the compute that does
+# not read it, and they keep collectives in issue order, so every later reduce-scatter would
+# queue behind the first update, after the whole backward (docs/sharding.md); its locality and
+# peak-memory reorders would pull each wait up next to its issue.
 #
-# In graphddp's order, inductor's fusion can still undo it: two kernels that share no tensor (a
-# bucket's update, which runs after its reduce-scatter's wait, and the copy of other parameters'
-# parts into the next gather's buffer, needed before that gather's issue) were fused as one
-# loop nest because their loops had one size, and the fused kernel runs after the wait: the
-# wait moved up to its issue and the gather behind it (full sharding's backward on the GPT stalled
-# once per block, and the step was slower than without those fusions: docs/full-sharding.md,
-# python -m tools.full_forward_probe --graphddp). Fusing kernels that share less than
-# FUSION_MIN_SHARED_BYTES of reads (an optimizer's scalar hyperparameters are about 40) saves a
-# loop's launch; it is what inductor's score_fusion_memory_threshold (10 bytes by default) allows.
+# Fusion can still undo that order: two kernels that share no tensor (a bucket's update, after
+# its reduce-scatter's wait, and the copy of other parameters' parts into the next gather's
+# buffer, needed before that gather's issue) fuse as one loop nest when their loops have one
+# size, and the fused kernel runs after the wait: the wait moves up to its issue and the gather
+# behind it (docs/full-sharding.md). A fusion of kernels that share less than
+# FUSION_MIN_SHARED_BYTES of reads (an optimizer's scalar hyperparameters are about 40) saves
+# only a loop's launch; inductor's score_fusion_memory_threshold allows 10 bytes by default.
 FUSION_MIN_SHARED_BYTES = 1024
 INDUCTOR_FX_ORDER_CONFIG: dict[str, Any] = {
     **INDUCTOR_PINNED_CONFIG,

@@ -3,12 +3,10 @@
 Compiling never talks: a rank may compile a graph no other rank compiles at that moment (a new
 sequence length, a branch, a cache miss), and a collective issued then would pair with another
 rank's bucket all-reduce: a hang, or a buffer reduced with the wrong one. Ranks agree in band, at
-run time, in :func:`probe`, the first collective of every synchronising backward graph: a
-fixed-size maximum over ranks of ``[h, -h, *flags]``, ``h`` a hash of the wire layout
-(:meth:`graphddp.values.schedule.Schedule.wire_layout`; as with DDP, ranks whose compute differs
-but whose layout is equal reduce the same gradients). Fixed-size, it never pairs with a bucket of
-another size, and every rank reads the same answer. :func:`check_in_band` is the same probe where
-a difference is an error (the eager average after ``no_sync``).
+run time, in :func:`probe`: a fixed-size maximum over ranks of ``[h, -h, *flags]``, ``h`` a hash
+of the wire layout (as with DDP, ranks whose compute differs but whose layout is equal reduce the
+same gradients). Fixed-size, it never pairs with a bucket of another size, and every rank reads
+the same answer.
 """
 from __future__ import annotations
 
@@ -36,14 +34,21 @@ class ScheduleMismatchError(RuntimeError):
 class CollectiveError(RuntimeError):
     """A collective graphddp issued failed (dead peer, timeout); the cause is chained."""
 
+    @classmethod
+    def of(cls, what: str, cause: BaseException) -> CollectiveError:
+        """The one wording of every such failure: what failed, and the backend's error."""
+        return cls(
+            f"graphddp: {what} failed ({type(cause).__name__}); a peer may have died or timed out. Original error: {cause}"
+        )
+
 
 def _is_fake(group: Any) -> bool:
     return dist.get_backend(group) == "fake"
 
 
 def nothing_to_agree(group: Any) -> bool:
-    """A group of one rank (or a fake one) agrees with itself: no collective is issued. (The
-    GPU lane sets this to False to measure the agreement on one GPU, NCCL at world size 1.)"""
+    """A group of one rank (or a fake one) agrees with itself: no collective is issued. (The GPU
+    lane patches it to False to measure the agreement on one GPU, NCCL at world size 1.)"""
     return dist.get_world_size(group) == 1 or _is_fake(group)
 
 
@@ -79,9 +84,8 @@ _SIDE_STREAMS: dict[int, Any] = {}
 
 
 def _side_stream(device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    """A stream of its own for an agreement's collective on a GPU: NCCL makes a collective wait for
-    the current stream, so on the compute stream reading the answer would wait for the whole
-    queued forward, and the GPU would idle before the backward launches (docs/gpu.md)."""
+    """A stream of its own for an agreement's collective on a GPU: NCCL waits for the current stream,
+    so on the compute stream the answer would wait for the whole queued forward, the GPU idle."""
     if device.type != "cuda":
         return contextlib.nullcontext()
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -100,9 +104,8 @@ def check_in_band(
     layout: tuple[int, tuple[WireBucket, ...]], group: Any, what: str, digest: int | None = None
 ) -> None:
     """Raise :class:`ScheduleMismatchError` on every rank, naming the first differing bucket,
-    unless every rank of ``group`` passes an equal ``layout`` (``(world_size, buckets)``). Called
-    right before the collectives the layout describes; on a difference every rank gathers, so the
-    gather pairs with itself."""
+    unless every rank passes an equal ``layout`` (``(world_size, buckets)``); on a difference every
+    rank gathers, so the gather pairs with itself."""
     same, _ = probe(layout, (), group, what, digest)
     if not same:
         raise ScheduleMismatchError(describe_mismatch(_gather(layout, group), what))
@@ -154,18 +157,14 @@ def probe_async(
 
 
 def _probe_failed(what: str, e: BaseException) -> CollectiveError:
-    return CollectiveError(
-        f"graphddp: the agreement before the gradient all-reduces of {what} failed "
-        f"({type(e).__name__}); a peer may have died or timed out. Original error: {e}"
-    )
+    return CollectiveError.of(f"the agreement before the gradient all-reduces of {what}", e)
 
 
 def max_reduce(values: Sequence[float], group: Any, dtype: torch.dtype = torch.int64) -> list:
     """Per position, the largest of every rank's ``values`` (sent as ``dtype``), read on the host.
-
     An all-gather and the maximum taken here, not a MAX all-reduce: for a few integers the
-    all-reduce's two phases cost two small-message latencies where the all-gather costs one
-    (docs/ddp-features.md), and the host waits for it at every synchronising backward."""
+    all-reduce's two phases cost two small-message latencies where the all-gather costs one, and
+    the host waits for it at every synchronising backward."""
     return max_reduce_async(values, group, dtype)()
 
 
@@ -194,14 +193,14 @@ def max_over_ranks(values: Sequence[float], group: Any, dtype: torch.dtype = tor
 
 
 def same_on_every_rank(values: Sequence[int], group: Any) -> bool:
-    """Whether every rank of ``group`` passed these ``values``: one maximum over ranks of them and
-    their negations (the largest equals the smallest), so every rank calls it whatever it holds."""
+    """Whether every rank passed these ``values``: one maximum over ranks of them and their
+    negations (the largest equals the smallest); every rank calls it, whatever it holds."""
     got = max_over_ranks([*values, *(-v for v in values)], group)
     return got[: len(values)] == [-v for v in got[len(values):]] == list(values)
 
 
 def any_rank(bits: Sequence[bool], group: Any) -> list[bool]:
-    """Per position, whether any rank of ``group`` passes True."""
+    """Per position, whether any rank passes True."""
     return [v != 0 for v in max_over_ranks([int(bool(b)) for b in bits], group)]
 
 

@@ -1,22 +1,17 @@
 """Measure the cost model that ``bucket_cap_mb="auto"`` plans with, once per process group.
 
 It runs when a model is wrapped, where DDP's constructor talks to every rank too, never while
-compiling (:mod:`graphddp.runtime.agree`). Every rank times blocking all-reduces of ``SIZES`` (the
-alpha-beta line through them, :func:`graphddp.plan.cost.fit_link`, unweighted so that the large
-sizes buckets have count most: a fit by relative error underprices the bandwidth,
-docs/auto-plan.md), the compute lane's cost of a collective (:func:`_collective_overhead_seconds`)
-and, on the CPU, its share of a collective's link time (:func:`_host_share`),
-and a matmul, a copy and a one-element add on the model's device (the rates of node estimates).
+compiling. Every rank times blocking all-reduces of ``SIZES`` (their alpha-beta line fitted
+unweighted, so that the large sizes buckets have count most: a fit by relative error underprices
+the bandwidth), the compute lane's cost of a collective and, on the CPU, its share of a
+collective's link time, and a matmul, a copy and a one-element add on the model's device.
 
 Each time is the fastest of its repeats, not their median (what disturbs a microbenchmark only
-adds time), then the largest over ranks, so that every rank plans the same buckets; the host
-share, a difference of two times, is each rank's median over pairs, averaged over ranks
-(:func:`_host_share`). Figures are
+adds time), then the largest over ranks, so that every rank plans the same buckets. Figures are
 rounded to two significant figures so that reruns plan alike and hit the compile cache, and a
-restart keeps stored numbers it measures within ``KEEP_WITHIN`` of
-(:mod:`graphddp.runtime.calibration_store`). A link fit that is noise
-(:func:`graphddp.plan.cost.link_noise`) is measured again, then its latency floored; the model's
-``source`` says which. Under a fake process group nothing is timed: ``CostModel()``'s defaults.
+restart keeps stored numbers it measures close to (:mod:`graphddp.runtime.calibration_store`). A
+link fit that is noise is measured again, then its latency floored; the model's ``source`` says
+which. Under a fake process group nothing is timed: ``CostModel()``'s defaults.
 """
 from __future__ import annotations
 
@@ -37,30 +32,15 @@ from graphddp.values.comm import group_name_of
 
 SIZES = (1 << 16, 1 << 20, 1 << 22)  # bytes per all-reduce: the range buckets span
 # Per all-reduce size: enough that a loopback's fit stays within the band a restart keeps
-# (KEEP_WITHIN), few enough that a slow link calibrates in seconds (docs/auto-plan.md).
+# (KEEP_WITHIN), few enough that a slow link calibrates in seconds.
 REPEATS = 15
 COMPUTE_REPEATS = 15  # a few ms each; a busy machine's cores can run a matmul at two speeds by turns
 
 
-class Calibrations:
-    """The process-wide calibrated cost models, one per (group name, backend, ranks, device type):
-    a calibration measures the group's link, not a model, and costs every rank seconds on a slow
-    link, so only the first wrap on a group pays. :meth:`clear` forgets them."""
-
-    def __init__(self) -> None:
-        self._models: dict[tuple[str, str, int, str], CostModel] = {}
-
-    def get(self, key: tuple[str, str, int, str]) -> CostModel | None:
-        return self._models.get(key)
-
-    def put(self, key: tuple[str, str, int, str], model: CostModel) -> None:
-        self._models[key] = model
-
-    def clear(self) -> None:
-        self._models.clear()
-
-
-CALIBRATIONS = Calibrations()
+# The process's calibrated cost models, per (group name, backend, ranks, device type): a calibration
+# measures the group's link, not a model, and costs every rank seconds on a slow link, so only the
+# first wrap on a group pays.
+CALIBRATIONS: dict[tuple[str, str, int, str], CostModel] = {}
 
 
 def resolve_cost(config: DDPConfig, group: Any, device: torch.device | None) -> DDPConfig:
@@ -72,7 +52,7 @@ def resolve_cost(config: DDPConfig, group: Any, device: torch.device | None) -> 
 
 
 def calibrate(group: Any, device: torch.device | None = None) -> CostModel:
-    """The cost model of ``group``'s link and this device (see the module docstring)."""
+    """The cost model of ``group``'s link and this device; a collective, measured once per group."""
     device = torch.device(device) if device is not None else torch.device("cpu")
     world = dist.get_world_size(group)
     key = (group_name_of(group) if world > 1 else "", str(dist.get_backend(group)), world, device.type)
@@ -101,7 +81,7 @@ def calibrate(group: Any, device: torch.device | None = None) -> CostModel:
             collective_overhead_us=_round2(issue_s * 1e6), collective_host_share=share, **rates, source=source + noise,
         )
     model = settle(model, key, group)
-    CALIBRATIONS.put(key, model)
+    CALIBRATIONS[key] = model
     return model
 
 
@@ -152,8 +132,8 @@ def _allreduce_times(group: Any, device: torch.device, sync: Callable[[], None])
 
 
 def _fit_link(link: list[float], world: int, group: Any, device: torch.device, sync: Callable[[], None]) -> tuple[CostModel, str]:
-    """The link's figures fitted, and what was done about noise (module docstring); every rank
-    holds the same times, so every rank measures again, or none."""
+    """The link's figures fitted, and what was done about noise; every rank holds the same times,
+    so every rank measures again, or none."""
     fitted = fit_link(SIZES, link[:-1], world)
     noise = link_noise(fitted, link[-1], world)
     if noise is None:
@@ -177,15 +157,10 @@ LOADED_COLLECTIVES = 4  # issued into one block, one per quarter
 
 
 def _collective_overhead_seconds(group: Any, device: torch.device, sync: Callable[[], None], small_allreduce_s: float) -> float:
-    """The compute lane's cost of one collective: the time to issue an asynchronous all-reduce
-    or, on the CPU, what a collective takes from the compute beside it, whichever is more.
-
-    A gloo collective's threads run on the cores the ranks compute on: where the ranks take every
-    core, a collective costs the compute far more than issuing it, and planned with the issue time
-    alone the auto plan split a small model by the calibration's noise, slower than DDP
-    (docs/auto-plan.md). Measured as the ranks run: a block of matmuls from a barrier, alone and
-    with ``LOADED_COLLECTIVES`` small all-reduces issued into it (:func:`_compute_lost`). On a GPU
-    the issue time only."""
+    """The compute lane's cost of one collective: the time to issue an asynchronous all-reduce or,
+    on the CPU, what a collective takes from the compute beside it (:func:`_compute_lost`), whichever
+    is more. A gloo collective's threads run on the cores the ranks compute on: where the ranks take
+    every core, a collective costs the compute far more than issuing it."""
     one = torch.zeros(1, device=device)
 
     def issue() -> float:
@@ -210,9 +185,8 @@ def _loaded_block(
     group: Any, sync: Callable[[], None], n: int, seed: int, target_s: float, tensor: torch.Tensor, issues: int,
 ) -> Callable[[bool], None]:
     """A block of ``n x n`` matmuls at least ``target_s`` long; ``block(True)`` issues ``issues``
-    asynchronous all-reduces of ``tensor`` into it, one at the start of each equal part, and
-    waits for them at its end. The operand comes from a private generator seeded ``seed``: the
-    global ones are the user's."""
+    asynchronous all-reduces of ``tensor`` into it, one at the start of each equal part, and waits
+    for them at its end. Its operand comes from a private generator, as in :func:`_compute_times`."""
     a = torch.randn(n, n, generator=torch.Generator().manual_seed(seed))
     block_s = fastest_seconds(lambda: a @ a, sync, COMPUTE_REPEATS)
     part = max(1, math.ceil(target_s / max(block_s, 1e-7) / issues))
@@ -233,8 +207,8 @@ def _loaded_block(
 def _compute_lost(
     group: Any, sync: Callable[[], None], n: int, seed: int, target_s: float, tensor: torch.Tensor, issues: int, repeats: int,
 ) -> float:
-    """What the block of :func:`_loaded_block`, run by every rank from a barrier, loses when
-    loaded: the fastest of ``repeats`` loaded less the fastest alone."""
+    """What a :func:`_loaded_block`, run by every rank from a barrier, loses when loaded: the
+    fastest of ``repeats`` loaded less the fastest alone."""
     block = _loaded_block(group, sync, n, seed, target_s, tensor, issues)
 
     def barrier() -> None:
@@ -252,16 +226,13 @@ _SHARE_N = 256  # matmuls past the cache's size, as a model's are: a collective'
 def _host_share(group: Any, sync: Callable[[], None], allreduce_s: float) -> float:
     """The share of a collective's link time its rank's compute loses on the CPU
     (``CostModel.collective_host_share``): a block of matmuls half again as long as the largest
-    all-reduce of ``SIZES`` (``allreduce_s``) run ``HOST_SHARE_PAIRS`` times alone and loaded
-    with that all-reduce (:func:`_loaded_block`), by turns, each from a barrier; the median of
-    what each pair's loaded block took longer, over the all-reduce's time, averaged over ranks,
-    in steps of :data:`HOST_SHARE_STEP`. The small collectives' fixed cost
-    (``collective_overhead_us``) is in what it loses too, a few microseconds against milliseconds.
+    all-reduce (``allreduce_s``), run alone and loaded with it by turns, each from a barrier; the
+    median of what each pair's loaded block took longer, over the all-reduce's time, averaged over
+    ranks, in steps of ``HOST_SHARE_STEP`` (``collective_overhead_us`` is in it too: microseconds).
 
-    Why pairs, a median and a mean: where ranks share cores, one block's time moves with the
-    scheduling of the others, so the difference of two separate fastest times, or its largest
-    over ranks, measures that noise (docs/auto-sharding.md); each rank pays the share on
-    average, so the average over ranks is the figure."""
+    Pairs and a median: where ranks share cores, one block's time moves with the scheduling of the
+    others, so the difference of two separate fastest times, or its largest over ranks, measures
+    that noise; each rank pays the share on average, so the mean over ranks is the figure."""
     block = _loaded_block(group, sync, _SHARE_N, 2, 1.5 * allreduce_s, torch.zeros(SIZES[-1] // 4), 1)
     block(False)
     block(True)
@@ -284,7 +255,7 @@ def _host_share(group: Any, sync: Callable[[], None], allreduce_s: float) -> flo
 def _collective_seconds(nbytes: int, group: Any, device: torch.device, sync: Callable[[], None]) -> tuple[float, float]:
     """A blocking all-reduce's time and its spread (median minus fastest, what tells a figure from
     noise): each repeat starts from a barrier and takes the slowest rank's time, since a rank that
-    arrives late finds its peers' data sent and returns early (docs/compile-cache.md)."""
+    arrives late finds its peers' data sent and returns early."""
     buf = torch.zeros(nbytes // 4, device=device)
     dist.all_reduce(buf, group=group)  # warm-up: first-call allocation and connection setup
     sync()

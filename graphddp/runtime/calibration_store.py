@@ -22,9 +22,8 @@ RECALIBRATE_ENV = "GRAPHDDP_RECALIBRATE"
 
 # A measurement within this factor of the stored one, in every number (microseconds with
 # US_SLACK added: tens of microseconds of latency are noise; the host share with SHARE_SLACK),
-# keeps the stored one. 2x: the auto plan holds up under a 1.5x error of the model
-# (autoplan.SCENARIOS), two calibrations of one loopback differ by about that much in bandwidth
-# (docs/compile-cache.md), another link by far more.
+# keeps the stored one. 2x: the auto plan holds up under a 1.5x error of the model, two
+# calibrations of one link differ by about that much, another link by far more.
 KEEP_WITHIN = 2.0
 US_SLACK = 100.0
 SHARE_SLACK = 0.1  # added to the host share likewise: a tenth of a collective's time on the host is noise
@@ -32,13 +31,12 @@ SHARE_SLACK = 0.1  # added to the host share likewise: a tenth of a collective's
 
 def settle(measured: CostModel, key: tuple[str, str, int, str], group: Any) -> CostModel:
     """This run's cost model: the one an earlier run of the same group stored, if this run's
-    measurement is within ``KEEP_WITHIN`` of it on every rank, else the measurement. Two
-    measurements of one link differ by their noise, and a plan made from other numbers is another
-    compile. Each rank may have its own cache directory, so the choice is agreed (one maximum over
-    ranks, at wrap time, where calibration talks anyway). A measurement outside the band replaces
-    the stored model only when the run before measured outside it too: one outlier (a busy
-    loopback) plans this run anew without making every later restart replan. A rank whose caches
-    are off keeps nothing, so no rank keeps, but it agrees: the others wait for it there."""
+    measurement is within ``KEEP_WITHIN`` of it on every rank (a plan made from other numbers is
+    another compile), else the measurement. Each rank may have its own cache directory, so the
+    choice is agreed. A measurement outside the band replaces the stored model only when the run
+    before measured outside it too: one outlier plans this run anew without making every later
+    restart replan. A rank whose caches are off keeps nothing, so no rank keeps, but it agrees:
+    the others wait for it there."""
     path = _stored_path(key)
     anew = os.environ.get(RECALIBRATE_ENV, "0") == "1"  # a rank that measures anew keeps nothing: no rank keeps
     stored, outside_before = (None, False) if anew or not disk.enabled() else _load(path)

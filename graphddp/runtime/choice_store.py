@@ -1,12 +1,8 @@
 """The placement an earlier run chose for the same model, batch, optimizer and group: offered to
 :func:`graphddp.plan.choose.choose`, which keeps it while this run predicts it fits and within
-the tie band of the fastest, so that a restart trains in the placement it was trained in.
-
-Why: two runs measure the link and the compute with their noise, and a choice between candidates
-predicted a few percent apart would follow it; the band already says such candidates are not
-told apart. It sits beside the stored calibration (:mod:`graphddp.runtime.calibration_store`),
-follows the same switches, and ``GRAPHDDP_RECALIBRATE=1`` forgets it too. Each rank may have
-its own cache directory, so the earlier choice is agreed: kept only where every rank holds the same.
+the tie band of the fastest, so that a restart trains in the placement it was trained in: two runs
+measure with their noise, and a choice between candidates the band does not tell apart would follow
+it. It follows the stored calibration's switches; ``GRAPHDDP_RECALIBRATE=1`` forgets it too.
 """
 from __future__ import annotations
 
@@ -27,9 +23,9 @@ def key_of(*facts: Any) -> str:
 
 
 def earlier(key: str, names: Sequence[str], group: Any) -> str | None:
-    """The name an earlier run stored under ``key``, if it is one of ``names`` on every rank. Every
-    rank of a real group agrees, even one whose caches are off (it holds none): a rank that skipped
-    the agreement would leave the others waiting in it."""
+    """The name an earlier run stored under ``key``, if it is one of ``names`` on every rank (each
+    may have its own cache directory). Every rank of a real group agrees, even one whose caches are
+    off (it holds none): a rank that skipped the agreement would leave the others waiting in it."""
     if dist.get_backend(group) == "fake":
         return None
     stored = _load(key) if disk.enabled() and os.environ.get(RECALIBRATE_ENV, "0") != "1" else None
@@ -39,13 +35,9 @@ def earlier(key: str, names: Sequence[str], group: Any) -> str | None:
 
 
 def remember(key: str, name: str, group: Any) -> None:
-    if _used(group):
+    """Keep ``name`` under ``key``: on a run's own ranks (not ``explain``'s fake group), caches on."""
+    if dist.get_backend(group) != "fake" and disk.enabled():
         disk.write_atomically(_path(key), json.dumps({"chosen": name}).encode())
-
-
-def _used(group: Any) -> bool:
-    """Where a choice is kept: a run's own ranks (not ``explain``'s fake group), caches on."""
-    return dist.get_backend(group) != "fake" and disk.enabled()
 
 
 def _path(key: str) -> str:

@@ -1,9 +1,7 @@
-"""Files graphddp keeps beside torch's inductor cache: whether it may, and how ranks write them.
+"""Files graphddp keeps beside torch's inductor cache (compiled graphs, calibrations, choices).
 
-Two things persist there: compiled-graph entries (:mod:`graphddp.compiler.cache`) and link
-calibrations (:mod:`graphddp.runtime.calibrate`). Both follow torch's own switches, so a user who
-turns torch's caches off turns graphddp's off too, and both are written so that ranks sharing the
-directory never see half a file.
+They follow torch's own switches, so a user who turns torch's caches off turns graphddp's off too,
+and are written so that ranks sharing the directory never see half a file.
 """
 from __future__ import annotations
 

@@ -3,14 +3,10 @@
 DDP decides at forward time whether the coming backward communicates (``no_sync`` clears
 ``require_backward_grad_sync``, the forward reads it). graphddp does the same, per compiled graph
 and per call, without Dynamo guards: a guard lives in one frame, and after a graph break the inner
-frames are compiled without it, so a guard-selected variant was silently reused for the wrong
-kind of step. A forward under ``no_sync`` registers a pre-hook on the autograd node of that call,
-which tells the dispatcher to run the local variant once; a synchronising forward registers
-nothing. The variants (:mod:`graphddp.runtime.variants`) are data the compiler builds: the
-synchronising one per hook phase, the local one and, with an optimizer, the all-reduces without
-the update, the last two compiled on first use. Before its collectives a synchronising variant
-agrees with the other ranks; in a divergent step it runs locally and hands its gradients to the
-union average (:mod:`graphddp.runtime.union`).
+frames are compiled without it. A forward under ``no_sync`` registers a pre-hook on the autograd
+node of that call, which tells the dispatcher to run the local variant once. Before its
+collectives a synchronising variant agrees with the other ranks; in a divergent step it runs
+locally and hands its gradients to the union average (:mod:`graphddp.runtime.union`).
 """
 from __future__ import annotations
 
@@ -22,7 +18,7 @@ from torch._dynamo.utils import counters
 
 from graphddp.runtime.agree import CollectiveError, layout_hash
 from graphddp.runtime.failures import collective_failure
-from graphddp.runtime.gate import Armed, Gate
+from graphddp.runtime.gate import Armed, Gate, carry_and_divide
 from graphddp.runtime.gathers import Pending
 from graphddp.runtime.usage import GradientUsage
 from graphddp.runtime.variants import GraphState, InGraphUpdate, Synced
@@ -34,8 +30,7 @@ if TYPE_CHECKING:
 
 class BackwardDispatch:
     """The compiled backward AOTAutograd calls: the local or a synchronising variant (``phase``
-    picks which; ``on_sync`` runs before it). A collective that fails inside the graph is
-    re-raised naming graphddp, the graph and the bucket."""
+    picks which; ``on_sync`` runs before it)."""
 
     def __init__(
         self,
@@ -67,10 +62,9 @@ class BackwardDispatch:
         self.carry = carry
         self.parameters = dict(parameters or {})
         self.usage = GradientUsage.of_schedule(next(iter(variants.values())).schedule)
-        # A gated graph carries through its gate (graphddp.runtime.gate), with no variant of its own.
+        # A gated graph's all-reduces go through its group's gate, registered by the compiler before
+        # the graph was compiled; it carries through the gate, with no variant of its own.
         self.gate_carries = gate_carries
-        # A gated graph's all-reduces go through its group's gate (graphddp.runtime.gate),
-        # registered by the compiler before the graph was compiled.
         self.gate = gate
 
     @property
@@ -187,20 +181,16 @@ class BackwardDispatch:
         return GradientUsage.drop(out, outputs, unused)
 
     def _issue_held(self, armed: Armed, schedule: Schedule, carried: list[list[tuple[int, torch.Tensor]]] | None) -> None:
-        """The held buckets divided and all-reduced now, in issue order, with the gradients
-        ``carried`` added first: what every other rank's compiled buckets do (``Armed.allreduce``)."""
+        """The held buckets, with the gradients ``carried`` added, divided and all-reduced now in
+        issue order: what every other rank's compiled buckets do."""
         for index, flat in enumerate(armed.held):
-            with torch.no_grad():
-                for offset, grad in carried[index] if carried is not None else ():
-                    flat.narrow(0, offset, grad.numel()).add_(grad.view(-1))
-                flat.div_(schedule.world_size)
+            carry_and_divide(flat, carried[index] if carried is not None else (), schedule.world_size)
             try:
                 dist.all_reduce(flat, group=self.group)
             except Exception as e:  # noqa: BLE001 - any backend failure, re-raised with context
-                raise CollectiveError(
-                    f"graphddp: the all-reduce of bucket {index} of backward graph {schedule.graph_index}, held by its "
-                    f"agreement and issued after it, failed ({type(e).__name__}); a peer may have died or timed out. "
-                    f"Original error: {e}"
+                raise CollectiveError.of(
+                    f"the all-reduce of bucket {index} of backward graph {schedule.graph_index} (held by its agreement "
+                    "and issued after it)", e,
                 ) from e
 
     def _unused_anywhere(self, schedule: Schedule, unused: frozenset[str]) -> frozenset[str]:

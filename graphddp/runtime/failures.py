@@ -68,7 +68,4 @@ def collective_failure(error: BaseException, schedule: Schedule) -> CollectiveEr
         names = ", ".join(bucket.param_names[:4]) + (", ..." if len(bucket.slots) > 4 else "")
         verb = "issuing" if phase == "issue" else "waiting for"
         what = f"{verb} the {bucket.collective.replace('_', '-')} of bucket {index} ({bucket.nbytes} bytes: {names})"
-    return CollectiveError(
-        f"graphddp: {what} in {where} failed ({type(error).__name__}); a peer may have died or "
-        f"timed out. Original error: {error}"
-    )
+    return CollectiveError.of(f"{what} in {where}", error)

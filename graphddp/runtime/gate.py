@@ -1,23 +1,20 @@
 """The agreement read where it is needed: at the first bucket's issue, not before the backward.
 
 Read before the backward, the agreement (:meth:`graphddp.runtime.step.StepState.agree`) makes the
-host wait a round trip with nothing to hide it behind: where ranks share busy cores that can be
-all of graphddp's per-iteration gap to ``DDP(torch.compile)`` (docs/design-agreement-overlap.md),
-and on a GPU it is time the GPU waits for the host. Issued when the backward starts and read at
-its first bucket's issue, the round trip has usually come back by then.
+host wait a round trip with nothing to hide it behind: on busy shared cores, and on a GPU waiting
+for the host, that is time lost every step. Issued when the backward starts and read at its first
+bucket's issue, the round trip has usually come back by then.
 
 A compiled graph cannot branch on the answer, so the choice is made where every bucket's
-collective goes: the graph all-reduces on :class:`Gate`, a process group registered under its
-own name (:func:`gate_name`) that wraps the user's group and is armed (:class:`Armed`) with the
-running backward's agreement. When the step goes on, each bucket has what it carries from
-``no_sync`` added, is divided by the world size and all-reduced: DDP's arithmetic, in DDP's
-order. Otherwise each is held, undivided, and the graph returns this rank's own gradients, so that
-the dispatcher does what a step that agreed before its backward would have done
-(:meth:`graphddp.runtime.dispatch.BackwardDispatch._gated`). That is why a gated bucket has no
-division in the graph, and why only configurations whose every collective can be held unchanged
-gate (:meth:`graphddp.compiler.rewrite.BackwardRewrite.gates`); every rank of one configuration
-gates alike. A steady graph (:mod:`graphddp.runtime.steady`) carries its agreement as a header of
-its one bucket's all-reduce instead.
+collective goes: the graph all-reduces on :class:`Gate`, a process group registered under its own
+name that wraps the user's group and is armed (:class:`Armed`) with the running backward's
+agreement. When the step goes on, each bucket has what it carries from ``no_sync`` added, is
+divided by the world size and all-reduced: DDP's arithmetic, in DDP's order. Otherwise each is
+held, undivided, and the graph returns this rank's own gradients, so that the dispatcher does what
+a step that agreed before its backward would have done. That is why a gated bucket has no division
+in the graph, and why only configurations whose every collective can be held unchanged gate
+(:meth:`graphddp.compiler.rewrite.BackwardRewrite.gates`); every rank of one configuration gates
+alike.
 """
 from __future__ import annotations
 
@@ -38,6 +35,15 @@ from graphddp.runtime.agree import PendingProbe
 from graphddp.runtime.steady import SteadyHeader
 from graphddp.runtime.step import StepState
 from graphddp.values.comm import gate_name, group_name_of
+
+
+def carry_and_divide(flat: torch.Tensor, carried: Sequence[tuple[int, torch.Tensor]], world: int) -> None:
+    """DDP's arithmetic on a bucket: the gradients it carries, ``(offset, gradient)`` per slot, added,
+    then divided by the world size."""
+    with torch.no_grad():
+        for offset, grad in carried:
+            flat.narrow(0, offset, grad.numel()).add_(grad.view(-1))
+        flat.div_(world)
 
 
 class Armed:
@@ -93,12 +99,9 @@ class Armed:
             done: torch.futures.Future = torch.futures.Future()
             done.set_result([])
             return _create_work_from_future(done)
-        with torch.no_grad():
-            if self.carried is not None:
-                for offset, grad in self.carried[index]:
-                    flat.narrow(0, offset, grad.numel()).add_(grad.view(-1))
-                self.carried[index] = []
-            flat.div_(self.world)
+        carry_and_divide(flat, self.carried[index] if self.carried is not None else (), self.world)
+        if self.carried is not None:
+            self.carried[index] = []
         return inner.allreduce(list(tensors), opts)
 
 
@@ -106,7 +109,7 @@ class HeaderWork(dist.Work):
     """A steady header's all-reduce as its graph waits for it: the header read and, where no rank
     raised a flag, the average copied into the bucket, on the waiting thread. Not a callback on
     the collective's future: that runs on gloo's thread and takes the interpreter's lock from the
-    waiting one, which cost the backward a scheduling round trip per step on busy cores."""
+    waiting one, a scheduling round trip per step on busy cores."""
 
     def __init__(self, work: Any, header: SteadyHeader, wire: torch.Tensor, flat: torch.Tensor) -> None:
         super().__init__()

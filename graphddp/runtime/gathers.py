@@ -1,19 +1,16 @@
 """All-gathers a backward issued and the next forward completes (``gather="forward"``).
 
 With ``sharding="optimizer", gather="forward"`` a compiled backward returns each sharded bucket's
-all-gather of the updated parts un-waited (:mod:`graphddp.optim.insert_shard`): until the next
-forward the parameters hold the previous step's values. :class:`PendingGathers` keeps them; the
-forward of the same graph takes them as inputs and waits for each bucket before its first read
-(:class:`ForwardDispatch`), and anything else that could read the parameters first (another
-graph, ``state_dict()``, the checkpoint functions, ``join()``, :func:`graphddp.finish_gathers`)
-finishes them eagerly. A tensor read directly between steps (an EMA copy) is not seen: such
-code calls :func:`graphddp.finish_gathers`, which is why this is not the default.
+all-gather of the updated parts un-waited: until the next forward the parameters hold the previous
+step's values. The forward of the same graph takes them as inputs and waits for each bucket before
+its first read (:class:`ForwardDispatch`); anything else that could read the parameters first
+(another graph, ``state_dict()``, the checkpoint functions, ``join()``) finishes them eagerly. A
+tensor read directly between steps (an EMA copy) is not seen: such code calls
+:func:`graphddp.finish_gathers`, which is why this is not the default.
 
 The backward issues them, not the next forward, so that completing a bucket needs only a wait,
 never a collective: a ``state_dict()`` that rank 0 alone calls to save a checkpoint would
 otherwise issue an all-gather no other rank joins, and hang. The price is memory between steps.
-Gathers still pending when their owner is collected or the interpreter exits are waited then
-(:func:`_wait_left`): c10d reports an unwaited functional collective as an error of the program.
 """
 from __future__ import annotations
 
@@ -83,8 +80,9 @@ class PendingGathers:
 
 
 def _wait_left(pending: dict[int, Pending]) -> None:
-    """Wait for the all-gathers no forward will take, unwritten; a failure is not raised: the
-    step that issued them has ended, and there is no caller to raise to."""
+    """Wait for the all-gathers no forward will take, unwritten, when their owner is collected or
+    the interpreter exits: c10d reports an unwaited functional collective as an error of the
+    program. A failure is not raised: the step that issued them has ended, and no caller is left."""
     for gathers in pending.values():
         for tensor in gathers.tensors:
             try:

@@ -6,9 +6,8 @@ with ``ZeroRedundancyOptimizer``), a joined rank shadows every collective the ot
 with zeros, in their order: ``Join.notify_join_context``; one maximum over ranks of what the step
 does (:class:`JoinState`); the buffer broadcast and the average after ``no_sync`` when they run;
 in a synchronising backward the agreement, where a joined rank makes the step divergent, and the
-union average with its zeros (through the traced hook, as DDP's join hook runs the hook on zero
-buckets). After everyone joined, every rank takes the model of the last rank to join, as DDP.
-``divide_by_initial_world_size=False`` divides by the ranks still training.
+union average with its zeros. After everyone joined, every rank takes the model of the last rank
+to join, as DDP.
 """
 from __future__ import annotations
 
@@ -81,7 +80,8 @@ class ReplicaJoinHook(JoinHook):
 
 
 def join(view: Any, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False) -> Join:
-    """DDP's ``model.join(...)`` for a graphddp model ``view``."""
+    """DDP's ``model.join(...)`` for a graphddp model ``view``; ``divide_by_initial_world_size=False``
+    divides by the ranks still training."""
     return Join(
         [view], enable=enable, throw_on_early_termination=throw_on_early_termination,
         divide_by_initial_world_size=divide_by_initial_world_size,

@@ -1,19 +1,17 @@
 """The agreement carried in the bucket's own all-reduce, once a position of the step is steady.
 
-For a backward graph of one bucket (nanoGPT's small GPT) the agreement before the bucket makes two
-collectives a step where DDP issues one, and on busy cores each costs a round trip the backward
-cannot hide (docs/design-agreement-overlap.md). Once a position of the step (its n-th
-synchronising backward graph) has agreed on a layout whose one bucket is replicated, gated
-(:mod:`graphddp.runtime.gate`) and on the CPU, that layout is expected there (:class:`Expected`,
+For a backward graph of one bucket the agreement before the bucket makes two collectives a step
+where DDP issues one, and on busy cores each costs a round trip the backward cannot hide. Once a
+position of the step (its n-th synchronising backward graph) has agreed on a layout whose one
+bucket is replicated, gated and on the CPU, that layout is expected there (:class:`Expected`,
 recorded from an answer every rank read alike). From then on the agreement is a header of
 :data:`HEADER` elements after the payload, in the bucket's one all-reduce: each rank writes 1
 where it deviates from the expectation or raises a flag of the agreement, and a sum of 0
 everywhere means what the classic agreement's go-on means: the payload is the average.
 
 It cannot hang or average wrongly: the all-reduce's size is the expectation's, not the rank's (a
-deviating rank sends zeros with its flag raised), every rank reads the same sum, on a raised
-flag no rank uses the payload (a scratch buffer) and every rank asks the classic agreement at
-the same position next. A path with no bucket sends the deviating header, then the probe. A
+deviating rank sends zeros with its flag raised), every rank reads the same sum, on a raised flag
+no rank uses the payload and every rank asks the classic agreement at the same position next. A
 raised flag never sums to 0 in any float dtype, so bf16 buckets carry it too. Not in a join
 context, on a GPU (the host would wait for the collective to read the header), for a graph of
 several buckets, or on a group of one rank.
@@ -40,7 +38,7 @@ class Expected:
 
     def buffer(self) -> torch.Tensor:
         """What the position's all-reduce sends, payload then header: kept from step to step, as DDP
-        keeps its buckets (a fresh one each step cost the page faults of its first touch)."""
+        keeps its buckets (a fresh one would pay the page faults of its first touch every step)."""
         return torch.empty(self.numel + HEADER, dtype=self.dtype)
 
 

@@ -11,8 +11,7 @@ Each synchronising forward records the autograd node its call made, held weakly:
 step while it has a node whose backward ran in this step, or a live one still to run (a dropped
 output frees its node). At the end of every synchronising backward (one engine callback however
 many graphs ran) the listeners run in order and the step is over. The replica writes the step's
-switches through this class's methods; the backend and the dispatchers only read them. Agreement
-with the other ranks, and divergent steps, are in :mod:`graphddp.runtime.step_agreement`.
+switches through this class's methods; the backend and the dispatchers only read them.
 """
 from __future__ import annotations
 
@@ -70,7 +69,7 @@ def current_frame() -> int | None:
 
 
 class StepState(StepAgreement):
-    """The state of the current step (module docstring). One per model replica."""
+    """The state of the current step, one per model replica; its agreement methods are its base's."""
 
     def __init__(self, track_runs: bool = True) -> None:
         # Recording each forward's backward node costs a walk to it and a weak reference per

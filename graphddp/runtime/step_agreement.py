@@ -1,16 +1,14 @@
 """A step's agreement with the other ranks: the half of :class:`~graphddp.runtime.step.StepState`
-that talks to them, which the gate (:mod:`graphddp.runtime.gate`) and steady positions
-(:mod:`graphddp.runtime.steady`) extend. A base of ``StepState`` only: the fields it reads and
-writes are declared in ``StepState.__init__``, the step stays their one owner.
+that talks to them. A base of ``StepState`` only: the fields it reads and writes are declared in
+``StepState.__init__``, the step stays their one owner.
 
 Every synchronising backward graph with buckets first agrees in band (:meth:`agree`): one small
 maximum over ranks of a hash of its wire layout, its position in the step and the synchronising
 forwards the step ran, plus flags. Equal everywhere (the static case), the graph runs its compiled
-all-reduces. Different (control flow used other parameters: LayerDrop, a head per task; ranks ran
-other numbers of graphs), asked for by a joined rank, or with parameters eager code may give a
-gradient (a frame Dynamo runs eagerly), the step is divergent on every rank at once: every later
-graph of it runs its local backward and hands its gradients to the step, and the end of the step
-averages the union (:mod:`graphddp.runtime.union`), as DDP with ``find_unused_parameters=True``.
+all-reduces. Different (control flow used other parameters, or ranks ran other numbers of graphs),
+asked for by a joined rank, or with parameters eager code may give a gradient, the step is
+divergent on every rank at once: every later graph of it runs its local backward and hands its
+gradients to the step, and the end of the step averages the union (:mod:`graphddp.runtime.union`).
 A flag for an unused gradient source makes the graph agree on which parameters were used
 anywhere: the ones used nowhere keep ``grad`` None, as in DDP.
 """
@@ -25,7 +23,7 @@ from graphddp.runtime.steady import Expected, SteadyHeader, send_deviating
 
 
 class StepAgreement:
-    """The agreement methods of :class:`~graphddp.runtime.step.StepState` (module docstring)."""
+    """The agreement methods of :class:`~graphddp.runtime.step.StepState`."""
 
     def agree(self, group: Any, digest: int, what: str, unused_here: bool) -> tuple[bool, bool]:
         """Is this step divergent, and did some rank see an unused gradient source? The same

@@ -1,8 +1,6 @@
-"""Eager state synchronisation outside the graph: broadcast parameters and buffers.
-
-Also the async average of locally accumulated gradients after ``no_sync``.
-Coalesced per (dtype, device) into one flat tensor so a model with hundreds of small buffers
-costs one collective per dtype, not one per tensor. The source is the group's first rank.
+"""Eager synchronisation outside the graph: the broadcast of parameters and buffers, and the
+average of gradients accumulated under ``no_sync``. Both coalesce per (dtype, device) into one
+flat tensor: one collective per dtype, not one per tensor.
 """
 from __future__ import annotations
 

@@ -1,17 +1,16 @@
 """A divergent step: ranks whose graphs produced different gradients average their union.
 
-A graph's compiled buckets pair with the same buckets on every other rank only while ranks run
-the same graphs. LayerDrop (BART's ``encoder_layerdrop``), a head per task, one more graph on one
-rank, or a joined rank that runs nothing break it; the step's in-band agreement sees it before
-the first collective, on every rank at once (:mod:`graphddp.runtime.step_agreement`). At the end
-of the backward, like DDP with ``find_unused_parameters=True``, every rank gathers what every
-rank produced. Where every rank still training ran the same buckets, those are averaged, through
-the traced hook with its state (a joined rank shadows them with zeros, as DDP's join hook does);
-otherwise the union of the parameters, in production order, is averaged in buckets of at most
-``bucket_cap_mb``, zeros where a rank had no gradient (a traced hook is refused by name: its
-buckets and state would differ between ranks). Gradients eager code produced are part of the
-union. A parameter used nowhere keeps its ``grad`` as it was. Cost: this communication does not
-overlap the backward; the static case pays none of it.
+A graph's compiled buckets pair with the same buckets on every other rank only while ranks run the
+same graphs: LayerDrop (BART's ``encoder_layerdrop``), a head per task, one more graph on one rank,
+or a joined rank that runs nothing break it, and the step's agreement makes the step divergent on
+every rank at once. At the end of the backward, like DDP with ``find_unused_parameters=True``,
+every rank gathers what every rank produced. Where every rank still training ran the same buckets,
+those are averaged, through the traced hook with its state (a joined rank shadows them with zeros,
+as DDP's join hook does); otherwise the union of the parameters, in production order, is averaged
+in buckets of at most ``bucket_cap_mb``, zeros where a rank had no gradient (a traced hook is
+refused by name: its buckets and state would differ between ranks). Gradients eager code produced
+are part of the union. A parameter used nowhere keeps its ``grad`` as it was. Cost: this
+communication does not overlap the backward; the static case pays none of it.
 """
 from __future__ import annotations
 

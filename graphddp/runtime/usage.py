@@ -2,13 +2,12 @@
 
 A forward output the loss did not use still reaches the compiled backward, as zeros autograd puts
 in place of its missing gradient, and the graph turns them into zero gradients. DDP (and FSDP2)
-leave such a parameter's ``grad`` None, so ``torch.optim`` skips it, where Adam would move it on
-a zero gradient. A pre-hook on the call's autograd node (:class:`NoneOutputs`) records which
-output gradients were None; a parameter whose every source
-(:func:`graphddp.graph.capture.gradient_sources`) was such a zero was not used by this rank, and
-one OR over the ranks says which no rank used: a parameter some rank used gets the average with
-the others' zeros, as in DDP. A gradient the loss multiplied by zero is still a gradient. Graphs
-where every gradient depends on every output gradient are never asked (``may_be_unused``).
+leave such a parameter's ``grad`` None, so ``torch.optim`` skips it, where Adam would move it on a
+zero gradient. A pre-hook on the call's autograd node (:class:`NoneOutputs`) records which output
+gradients were None; a parameter whose every source was such a zero was not used by this rank, and
+one OR over the ranks says which no rank used: a parameter some rank used gets the average with the
+others' zeros, as in DDP. A gradient the loss multiplied by zero is still a gradient. Graphs where
+every gradient depends on every output gradient are never asked (``may_be_unused``).
 """
 from __future__ import annotations
 

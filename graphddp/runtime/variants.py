@@ -1,9 +1,8 @@
 """What one compiled graph's backward can run, as data: the variants a
 :class:`~graphddp.runtime.dispatch.BackwardDispatch` chooses between (:class:`Synced`, with its
-:class:`InGraphUpdate` when an optimizer is attached; full sharding's updating backward runs one
-too), and the state the graph's forward wrapper shares with it (:class:`GraphState`). Apart from
-the dispatcher because the compiler builds them and the dispatcher only reads them: what a
-variant is, not which one runs.
+:class:`InGraphUpdate` when an optimizer is attached), and the state the graph's forward wrapper
+shares with it (:class:`GraphState`). Apart from the dispatcher because the compiler builds them
+and the dispatcher only reads them: what a variant is, not which one runs.
 """
 from __future__ import annotations
 
