@@ -120,13 +120,10 @@ class ScheduleTable(ScheduleValue):
             )
         if self.optimizer:
             updated = sum(len(b.updates) for b in self.buckets)
-            if self.max_grad_norm is None:
-                lines.append(f"optimizer {self.optimizer}: {updated} of {len(self.param_names)} parameters updated in the graph, each right after its bucket's wait")
-            else:
-                lines.append(
-                    f"optimizer {self.optimizer}: {updated} of {len(self.param_names)} parameters updated in the graph, clipped to a global "
-                    f"L{self.grad_norm_type:g} norm of {self.max_grad_norm:g}: each bucket's gradient norms after its wait, every update after the last wait"
-                )
+            when = "each right after its bucket's wait" if self.max_grad_norm is None else (
+                f"clipped to a global L{self.grad_norm_type:g} norm of {self.max_grad_norm:g}: each bucket's gradient norms "
+                "after its wait, every update after the last wait")
+            lines.append(f"optimizer {self.optimizer}: {updated} of {len(self.param_names)} parameters updated in the graph, {when}")
             late = [n for b in self.buckets for n in b.param_names if n not in b.updates]
             if late:
                 lines.append(f"updated after the backward instead (see graphddp.optim.attached): {', '.join(late)}")
