@@ -1,53 +1,37 @@
 """``bucket_cap_mb="auto"``: the bucket partition that minimises the predicted backward.
 
-Pure, like :mod:`graphddp.plan.planner`: the input is the production-ordered gradients, the
-backward's nodes and a :class:`~graphddp.plan.cost.CostModel`; no rank is asked anything, so ranks
-with the same graph and the same cost model (calibration gives every rank the same numbers)
-plan the same buckets.
+Pure: production-ordered gradients, the backward's nodes and a cost model in, buckets out. No rank is
+asked anything, so ranks with the same graph and cost model (calibration gives every rank the same
+numbers) plan the same buckets.
 
 The model is the one :func:`graphddp.plan.cost.simulate` predicts with:
 
-* compute nodes run back to back; gradient ``k`` (in production order) is ready at ``r_k``,
-  when the node that finalises it ends;
-* a bucket is a run of consecutive gradients (one dtype and device); issuing its collective
-  takes ``c`` of the compute lane (``collective_overhead_us``), pushing back everything after
-  it; its collective takes ``T(B) = A + beta * B`` for ``B`` bytes on the wire (``A``: the
-  per-collective latency, ``2 (p-1)`` ring steps for an all-reduce; ``beta``: the ring's bytes
-  over the bandwidth) and starts once its last gradient is ready, it is issued, and the link has
-  finished the bucket before it;
-* the backward ends when the compute (``C``, plus ``c`` per bucket) ends or the link finishes
-  the last bucket, whichever is later: what the link has left after the last gradient (the
-  exposed tail) is in the sum, and so is every collective's latency and issue.
+* compute nodes run back to back; gradient ``k`` (in production order) is ready at ``r_k``, when the
+  node that finalises it ends;
+* a bucket is a run of consecutive gradients (one dtype and device); issuing its collective takes
+  ``c`` of the compute lane (``collective_overhead_us``), pushing back everything after it; its
+  collectives (:class:`Pricing`) take ``T(B) = A + beta * B`` for ``B`` bytes on the wire (``A``: their
+  ring steps' latency; ``beta``: their bytes on the ring over the bandwidth) and start once its last
+  gradient is ready, it is issued, and the link has finished the bucket before it;
+* the backward ends when the compute (``C``, plus ``c`` per bucket) or the link's last bucket ends,
+  whichever is later.
 
-The collectives priced are those that will run (:class:`Pricing`). Replicated, every bucket is
-an all-reduce. With ``sharding="optimizer"`` every bucket is reduce-scattered in the backward
-(``T`` is the reduce-scatter's ``A_rs + beta_rs * B``: half an all-reduce's steps and bytes).
-With ``gather="backward"`` its updated parts are all-gathered inside the backward too, right
-after the next bucket's reduce-scatter (:data:`graphddp.values.shards.GATHER_LAG`); the model
-puts each all-gather on the link right after its own reduce-scatter (one bucket early), so
-``T`` is ``A_rs + A_ag + beta_rs * B + beta_ag * B_params``: uncompressed, an all-reduce's
-steps and bytes (a compression hook halves the reduce-scatter only; the all-gather carries the
-parameters' own bytes). With ``gather="forward"`` the all-gathers complete in the next forward,
-and the backward has none.
-
-Algorithm (the optimal merge of MG-WFBP, Shi et al. 2019, over a static order, with the
-bucket count in the state because every bucket costs compute time). Let ``F_k(j)`` be the
-earliest time the link can have finished gradients ``1..j`` sent as exactly ``k`` buckets::
+Algorithm (the optimal merge of MG-WFBP, Shi et al. 2019, over a static order, with the bucket count
+in the state because every bucket costs compute time). Let ``F_k(j)`` be the earliest time the link
+can have finished gradients ``1..j`` sent as exactly ``k`` buckets::
 
     F_0(0) = 0
     F_k(j) = min over k <= i <= j of  max(r_j + k c, F_{k-1}(i-1)) + T(bytes(i..j))
     best   = min over k of  max(C + k c, F_k(n))
 
-``max(x, y) + t`` never decreases in ``y``, so an optimal partition's prefix can be swapped
-for any prefix with as many buckets that finishes no later: the recurrence is exact for the
-model, and the argmins rebuild the partition. Ties go to fewer buckets. Once
-``max(C + k c, k A + beta B_total)`` (the compute's end, or the link's lower bound) reaches the
-best found, no partition with more buckets can win, since both terms grow with ``k``; that
-ends the search.
-Each ``k`` is one vectorised ``n x n`` step: ``O(K n^2)`` arithmetic and ``O(n^2)`` memory for
-``n`` gradients of one dtype and device and ``K`` buckets at most (``MAX_BUCKETS``); about a
-second for 1,000 parameters on one CPU core. Dtypes and devices are planned one after the
-other, each as if it had the link alone.
+``max(x, y) + t`` never decreases in ``y``, so an optimal partition's prefix can be swapped for any
+prefix with as many buckets that finishes no later: the recurrence is exact for the model, and the
+argmins rebuild the partition. Ties go to fewer buckets. Once ``max(C + k c, k A + beta B_total)``
+(the compute's end, or the link's lower bound) reaches the best found, no partition with more buckets
+can win, since both terms grow with ``k``; that ends the search. Each ``k`` is one vectorised
+``n x n`` step: ``O(K n^2)`` arithmetic and ``O(n^2)`` memory for ``n`` gradients and at most ``K``
+(:data:`MAX_BUCKETS`) buckets. Dtypes and devices are planned one after the other, each as if it had
+the link alone.
 """
 from __future__ import annotations
 
@@ -70,23 +54,20 @@ MAX_BUCKETS = 128
 
 @dataclasses.dataclass(frozen=True)
 class Pricing:
-    """The collectives a plan's buckets will run, so that the plan minimises what runs.
-
-    ``backward``: each bucket's collective in the backward, on its bytes on the wire.
-    ``alongside``: a second collective of each bucket on the link in the backward (the sharded
-    optimizer's all-gather of its updated parts, on the parameters' own bytes), or None. Every
-    bucket is priced alike: a sharded plan cannot know which buckets will hold a parameter the
-    graph cannot update (tied across a graph break), which stay all-reduces
-    (:func:`graphddp.plan.planner.with_sharding`)."""
+    """The collectives a plan's buckets will run, so that the plan minimises what runs: ``backward``, each
+    bucket's collective on its bytes on the wire, and ``alongside``, the sharded optimizer's all-gather
+    of the bucket's updated parts on the parameters' own bytes, or None. The graph issues that
+    all-gather after the next bucket's reduce-scatter (:data:`graphddp.values.shards.GATHER_LAG`); the
+    model puts it right after its own. Every bucket is priced alike: a sharded plan cannot know which
+    buckets will hold a parameter the graph cannot update, which stay all-reduces."""
 
     backward: CollectiveKind = ALL_REDUCE
     alongside: CollectiveKind | None = None
-    # A gated plan of one CPU bucket carries the step's agreement in that bucket's all-reduce
-    # once the step is steady (graphddp.runtime.steady); a plan of more pays a collective for
-    # it (graphddp.plan.cost.agreement_seconds), as graphddp.simulate prices it.
+    # A gated plan of one CPU bucket carries the step's agreement in that bucket's all-reduce once the
+    # step is steady (graphddp.runtime.steady); a plan of more pays a collective for it.
     agreement_in_one_bucket: bool = False
-    # Where sharded buckets' parts live (graphddp.values.placement): hybrid sharding prices its
-    # reduce-scatter and all-gather over the shard group and the part's all-reduce over the other.
+    # Hybrid sharding prices its reduce-scatter and all-gather over the shard group, the part's
+    # all-reduce over the replicate group.
     placement: Placement | None = None
 
     def agreement(self, cost: CostModel, buckets: int, world_size: int) -> float:
@@ -95,17 +76,14 @@ class Pricing:
 
     @classmethod
     def of(cls, sharding: str | None, gather: str = "backward", placement: Placement | None = None) -> Pricing:
-        """What ``DDPConfig.sharding`` and ``DDPConfig.gather`` will run: all-reduces when
-        replicated; reduce-scatters when sharded, with their all-gathers in the backward when
-        ``gather="backward"`` (with ``"forward"`` they complete in the next forward), over
-        ``placement``'s groups."""
+        """What ``DDPConfig.sharding`` and ``gather`` will run, over ``placement``'s groups: all-reduces
+        replicated, else reduce-scatters, and all-gathers unless ``gather="forward"`` (the next forward's)."""
         if sharding is None:
             return REPLICATED
         return cls(REDUCE_SCATTER, ALL_GATHER if gather == "backward" else None, placement=placement)
 
     def seconds(self, cost: CostModel, wire_nbytes: float, gathered_nbytes: float, world_size: int) -> float:
-        """The link time of one bucket: its collective on ``wire_nbytes``, and the
-        ``alongside`` one on ``gathered_nbytes``."""
+        """One bucket's link time: its collective on ``wire_nbytes``, ``alongside`` on ``gathered_nbytes``."""
         if self.placement is not None:
             alongside = 0.0 if self.alongside is None else self.placement.gather_seconds(cost, int(gathered_nbytes))
             return self.placement.reduce_seconds(cost, int(wire_nbytes)) + alongside
@@ -120,12 +98,11 @@ def best_partition(
     ready: Sequence[float], wire_nbytes: Sequence[int], cost: CostModel, world_size: int, compute_end: float,
     pricing: Pricing = REPLICATED, gathered_nbytes: float | None = None,
 ) -> tuple[list[int], float]:
-    """Optimal runs of consecutive gradients: (index where each bucket starts, predicted end
-    of the backward). ``ready`` is nondecreasing (production order); ``compute_end`` is when
-    the compute ends without any collective issued. ``pricing``: the collectives the buckets
-    run; ``gathered_nbytes``: the bytes its ``alongside`` collectives carry in all (default:
-    the bytes on the wire; a compression hook halves those, not the all-gathered parameters),
-    spread over the gradients as their bytes on the wire are (one dtype: one ratio)."""
+    """Optimal runs of consecutive gradients: (index where each bucket starts, predicted end of the
+    backward). ``ready`` is nondecreasing (production order); ``compute_end`` is when the compute ends
+    without any collective issued. ``gathered_nbytes``: the bytes the ``alongside`` collectives carry
+    in all (default: the bytes on the wire; a compression hook halves those, not the all-gathered
+    parameters), spread over the gradients as their bytes on the wire are (one dtype: one ratio)."""
     n = len(ready)
     if n == 0:
         return [], compute_end
@@ -162,44 +139,34 @@ def best_partition(
     return starts[::-1], best
 
 
-# The model's errors the plan must tolerate: each is (compute speed-up, link speed-up) against
-# the cost model. The benchmark's measured backward lies near the prediction (docs/auto-plan.md),
-# but a model-optimal plan is fragile exactly where the model is wrong: on a busy link it sends
-# late gradients as one large last bucket, hidden only if the link never idles; if the link or
-# the compute is faster than modelled, that bucket is exposed whole. So the plan is chosen
-# against all of these, not the nominal model alone.
+# The model's errors the plan must tolerate: each is (compute speed-up, link speed-up) against the
+# cost model. A model-optimal plan is fragile exactly where the model is wrong: on a busy link it sends
+# late gradients as one large last bucket, hidden only if the link never idles; if the link or the
+# compute is faster than modelled, that bucket is exposed whole. So the plan is chosen against all of
+# these, not the nominal model alone.
 SCENARIOS = ((1.0, 1.0), (1.5, 1.0), (1.0, 1.5))
 
-# Fixed-cap plans (DDP's rule: close a bucket once it holds this many bytes) that compete with
-# the scenarios' optima. Each scenario's optimum is extreme for its own scenario; a cap plan
-# is often the better compromise, and with them among the candidates the chosen plan's worst
-# regret is never above any of these caps' (DDP's default, 1 MB first then 25 MB, included).
+# Fixed-cap plans (DDP's rule) that compete with the scenarios' optima. Each optimum is extreme for
+# its own scenario; a cap plan is often the better compromise, and with them among the candidates the
+# chosen plan's worst regret is never above any of these caps' (DDP's default, 1 then 25 MB, included).
 CANDIDATE_CAPS_MB = ((1.0,), (2.0,), (4.0,), (8.0,), (16.0,), (25.0,), (1.0, 25.0))
 
-# Plans whose worst regret is within this fraction of the smallest are near-ties, and of those
-# the plan of fewest buckets is chosen, then the one whose cuts come latest (a smaller last
-# bucket, as SCENARIOS favours): an order of plans that no figure moves. Why: two calibrations
-# of one link differ by their noise (a latency fitted as 0 on a busy machine, a few percent on
-# the bandwidth), and a plan chosen by the exact minimum flips between near-equal plans with
-# it, each flip a recompile and another plan on a rerun of the same script. A gain this small
-# is below what the cost model can promise (docs/auto-plan.md sets the benchmark's backward
-# against its prediction), and fewer buckets issue fewer collectives, whose cost is the noisiest figure.
-# Plans that differ by more still differ where the figures cross the line between them: a link
-# that really changed, or noise larger than this, still replans.
+# Plans whose worst regret is within this fraction of the smallest are near-ties; of those the plan of
+# fewest buckets is chosen, then the one whose cuts come latest (a smaller last bucket, as SCENARIOS
+# favours): an order that no figure moves. Two calibrations of one link differ by their noise, and a
+# plan chosen by the exact minimum would flip between near-equal plans with it, each flip a recompile
+# and another plan on a rerun. A gain this small is below what the cost model can promise (see
+# docs/auto-plan.md), and fewer buckets issue fewer collectives, whose cost is the noisiest figure. A
+# link that really changed, or noise larger than this, still replans.
 NEAR_TIE = 0.05
-
-
-def _scaled(cost: CostModel, compute: float, link: float) -> CostModel:
-    """``cost`` with its compute ``compute`` times and its link ``link`` times as fast."""
-    return cost.scaled(compute, link)
 
 
 def predicted_step(
     starts: Sequence[int], ready: Sequence[float], wire_nbytes: Sequence[int], cost: CostModel, world_size: int,
     compute_end: float, pricing: Pricing = REPLICATED, gathered_nbytes: float | None = None,
 ) -> float:
-    """The backward the model predicts for buckets starting at ``starts`` (what
-    :func:`best_partition` minimises, for one dtype and device, with the same arguments)."""
+    """The backward the model predicts for buckets starting at ``starts``: what :func:`best_partition`
+    minimises, with the same arguments."""
     issue = cost.collective_overhead_us * 1e-6
     ratio = _gathered_ratio(wire_nbytes, gathered_nbytes)
     bounds = list(starts) + [len(ready)]
@@ -217,8 +184,8 @@ def _gathered_ratio(wire_nbytes: Sequence[int], gathered_nbytes: float | None) -
 
 
 def capped_starts(nbytes: Sequence[int], caps_mb: Sequence[float]) -> tuple[int, ...]:
-    """Where each bucket starts when gradients of ``nbytes`` (production order) are packed
-    as DDP packs them (:func:`bucket_by_size`: a bucket closes once it reaches its cap; the last cap repeats)."""
+    """Where each bucket starts when gradients of ``nbytes`` (production order) are packed as DDP packs
+    them, the last of ``caps_mb`` repeating."""
     limit = lambda closed: caps_mb[min(closed, len(caps_mb) - 1)] * (1 << 20)  # noqa: E731
     return tuple(group[0] for group in bucket_by_size(range(len(nbytes)), lambda _: 0, nbytes.__getitem__, limit))
 
@@ -227,19 +194,16 @@ def robust_partition(
     slots: Sequence[GradSlot], nodes: Sequence[NodeFact], cost: CostModel, world_size: int, ratio: float = 1.0,
     pricing: Pricing = REPLICATED,
 ) -> list[int]:
-    """Where each bucket of ``slots`` (one dtype and device, production order) starts: of the
-    optimal plans for every scenario in ``SCENARIOS`` and the plans of ``CANDIDATE_CAPS_MB``,
-    the one whose worst ratio to each scenario's optimum is smallest, every plan priced by
-    ``pricing``; of those within ``NEAR_TIE`` of that smallest worst ratio, the one of fewest
-    buckets. Under the nominal model alone (``SCENARIOS = ((1, 1),)``) this is within
-    ``NEAR_TIE`` of :func:`best_partition`'s optimum, and is that optimum where no plan of fewer
-    buckets comes that close."""
+    """Where each bucket of ``slots`` (one dtype and device, production order) starts: of the optimal
+    plans for every scenario in ``SCENARIOS`` and the plans of ``CANDIDATE_CAPS_MB``, the one whose
+    worst ratio to each scenario's optimum is smallest, up to ``NEAR_TIE``. Under the nominal model
+    alone (``SCENARIOS = ((1, 1),)``) this is within ``NEAR_TIE`` of :func:`best_partition`'s optimum."""
     wire = [int(s.nbytes * ratio) for s in slots]
     nbytes = [s.nbytes for s in slots]
     gathered = float(sum(nbytes))  # the all-gathers carry the parameters' own bytes
     cases = []
     for compute, link in SCENARIOS:
-        scaled = _scaled(cost, compute, link)
+        scaled = cost.scaled(compute, link)
         _, finished, end = compute_timeline(nodes, scaled)
         ready = [finished.get(s.producer, end) for s in slots]
         starts, best = best_partition(ready, wire, scaled, world_size, end, pricing, gathered)
@@ -263,41 +227,29 @@ def auto_partition(
     wire_ratio: Mapping[tuple[str, str], float] | None = None, *, sharding: str | None = None,
     gather: str = "backward", gated: bool = False, placement: Placement | None = None,
 ) -> list[tuple[GradSlot, ...]]:
-    """Buckets of production-ordered ``ordered``, per (dtype, device) key, by
-    :func:`robust_partition`; ``wire_ratio[key]`` scales bytes to bytes on the wire (a
-    compression hook's half precision: 0.5). ``sharding`` and ``gather`` are
-    ``DDPConfig``'s: the plan prices the collectives they will run (:meth:`Pricing.of`), since
-    a reduce-scatter and the all-gathers after the backward favour other cuts than an
-    all-reduce does. Buckets come back in ready order.
+    """Buckets of production-ordered ``ordered``, per (dtype, device) key, by :func:`robust_partition`;
+    ``wire_ratio[key]`` scales bytes to bytes on the wire (a compression hook's half precision: 0.5).
+    The plan prices what ``sharding`` and ``gather`` will run, since a reduce-scatter and the
+    all-gathers favour other cuts than an all-reduce does. ``gated``: the all-reduces will run gated,
+    so a plan of one CPU bucket saves the agreement's own collective (one dtype and device only: two
+    are two buckets anyway).
 
-    Its arithmetic runs on real tensors even when the backward is compiled inside a fake mode
-    (a dynamic-shape graph's backward is compiled at once, under it): there, turning a result
-    into a float raised and torch hid the error, compiling the backward again later. Symbolic
-    sizes cost nothing in ``nodes`` (:func:`graphddp.graph.capture.extract_facts`), never a rank's
-    own size hint, so ranks planning dynamic graphs from different batches agree.
-
-    ``gated``: the graph's all-reduces will run gated (:mod:`graphddp.runtime.gate`), so a plan
-    of one CPU bucket saves the agreement's own collective once the step is steady
-    (:attr:`Pricing.agreement_in_one_bucket`; one dtype and device only: two are two buckets
-    anyway)."""
+    The arithmetic runs on real tensors even when the backward is compiled inside a fake mode (a
+    dynamic-shape graph's backward is compiled at once, under it): there, turning a result into a float
+    raised and torch hid the error, compiling the backward again later. Symbolic sizes cost nothing in
+    ``nodes`` (:func:`graphddp.graph.capture.extract_facts`), never a rank's own size hint, so ranks
+    planning dynamic graphs from different batches agree."""
     pricing = Pricing.of(sharding, gather, placement)
     keys = {(s.dtype, s.device.split(":")[0]) for s in ordered}
     if gated and len(keys) == 1 and next(iter(keys))[1] == "cpu":
         pricing = dataclasses.replace(pricing, agreement_in_one_bucket=True)
-    with unset_fake_temporarily():
-        return _auto_partition(ordered, nodes, cost, world_size, wire_ratio, pricing)
-
-
-def _auto_partition(
-    ordered: Sequence[GradSlot], nodes: Sequence[NodeFact], cost: CostModel, world_size: int,
-    wire_ratio: Mapping[tuple[str, str], float] | None, pricing: Pricing,
-) -> list[tuple[GradSlot, ...]]:
     by_key: dict[tuple[str, str], list[GradSlot]] = {}
     for slot in ordered:
         by_key.setdefault((slot.dtype, slot.device), []).append(slot)
     buckets: list[tuple[GradSlot, ...]] = []
-    for key, slots in by_key.items():
-        starts = robust_partition(slots, nodes, cost, world_size, (wire_ratio or {}).get(key, 1.0), pricing)
-        bounds = starts + [len(slots)]
-        buckets += [tuple(slots[a:b]) for a, b in zip(bounds, bounds[1:])]
+    with unset_fake_temporarily():
+        for key, slots in by_key.items():
+            starts = robust_partition(slots, nodes, cost, world_size, (wire_ratio or {}).get(key, 1.0), pricing)
+            bounds = starts + [len(slots)]
+            buckets += [tuple(slots[a:b]) for a, b in zip(bounds, bounds[1:])]
     return buckets

@@ -1,16 +1,14 @@
 """``sharding="auto"``: the placement with the best predicted step among those predicted to fit.
 
-Pure: the candidates' predictions (:mod:`graphddp.plan.step`, and each rank's memory) and the
-budget in, a :class:`~graphddp.values.choice.PlacementChoice` out, so every rank that traced the
-same model under the same cost model chooses the same.
+Pure: the candidates' predictions and the budget in, a :class:`~graphddp.values.choice.PlacementChoice`
+out, so every rank that traced the same model under the same cost model chooses the same.
 
-Why a tie band. Two placements within :data:`TIE` of each other's predicted step are not told
-apart by the cost model (its link figures come from a calibration that moves from run to run),
-so the simpler placement of the two wins: the candidates are listed simpler first (replicated,
-then the optimizer sharded, then everything sharded), and the first within the band of the
-fastest is chosen. A placement an earlier run chose (``earlier``: :mod:`graphddp.runtime.choice_store`)
-is chosen instead while it is in the band: the band says the two are not told apart, and a restart
-then trains in the placement it trained in.
+Why a tie band. Two placements within :data:`TIE` of each other's predicted step are not told apart
+by the cost model (its link figures come from a calibration that moves from run to run), so the
+simpler wins: the candidates are listed simpler first (replicated, then the optimizer sharded, then
+everything sharded), and the first within the band of the fastest is chosen. A placement an earlier
+run chose (:mod:`graphddp.runtime.choice_store`) is chosen instead while it is in the band, so that a
+restart trains in the placement it trained in.
 """
 from __future__ import annotations
 
@@ -42,11 +40,10 @@ SPLIT_LEAST = 0.01
 
 def placements(has_optimizer: bool, param_bytes: Sequence[int] = (), mixed_precision: bool = False,
                ) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]:
-    """The candidates: sharding needs the optimizer inside (``optimizer=``); without it, only
-    replicated. After full sharding, full sharding with the parameters under each of
-    :func:`whole_below_splits` of ``param_bytes`` held whole, most held whole first, each with
-    and without resharding. With a ``mixed_precision`` policy, full sharding's only: the mode
-    that runs one."""
+    """The candidates: sharding needs the optimizer inside (``optimizer=``); without it, only replicated.
+    After full sharding, full sharding with the parameters under each of :func:`whole_below_splits`
+    held whole, most held whole first, each with and without resharding. With a ``mixed_precision``
+    policy, full sharding's only: the mode that runs one."""
     if not has_optimizer:
         return () if mixed_precision else PLACEMENTS[:1]
     splits = tuple(
@@ -60,13 +57,11 @@ def placements(has_optimizer: bool, param_bytes: Sequence[int] = (), mixed_preci
 
 
 def whole_below_splits(param_bytes: Sequence[int]) -> tuple[float, ...]:
-    """``replicate_below_mb`` values worth weighing for parameters of ``param_bytes``: each holds
-    whole the parameters under one of their sizes and shards the rest (the largest always
-    sharded). From the split that holds the most whole down, a split is left out where it holds
-    less than :data:`SPLIT_APART` of all the bytes fewer whole than the last one kept (about the
-    same memory, more gathers), and so is a split holding less than :data:`SPLIT_LEAST` whole at
-    all (full sharding's); :data:`MAX_SPLITS` at most. Each value is the roundest number of
-    MB between the two sizes it separates, ascending."""
+    """``replicate_below_mb`` values worth weighing, ascending: each holds whole the parameters under
+    one of their sizes and shards the rest (the largest always sharded). From the split that holds the
+    most whole down, a split is left out where it holds less than :data:`SPLIT_APART` of all the bytes
+    fewer whole than the last one kept (about the same memory, more gathers), or less than
+    :data:`SPLIT_LEAST` whole at all. Each value is the roundest MB between the two sizes it separates."""
     distinct = sorted(set(param_bytes))
     total = sum(param_bytes)
     kept: list[float] = []
@@ -112,9 +107,9 @@ def choose(
     options: Sequence[tuple[str, tuple[tuple[str, Any], ...]]], predict: Callable[[dict[str, Any]], tuple[Any, ...]],
     budget_bytes: int | None, earlier: str | None = None,
 ) -> PlacementChoice:
-    """Weigh each of ``options`` by ``predict(options) -> (step seconds, peak bytes, bytes held
-    between steps[, forward seconds, backward seconds])`` and choose (module docstring). A budget no candidate fits is a ValueError
-    naming the smallest predicted peak."""
+    """Weigh each of ``options`` by ``predict(options) -> (step seconds, peak bytes, bytes held between
+    steps[, forward seconds, backward seconds])`` and choose (module docstring). A budget no candidate
+    fits is a ValueError naming the smallest predicted peak."""
     weighed = [Candidate(name, opts, *predict(dict(opts))) for name, opts in options]
     fits = [c for c in weighed if budget_bytes is None or c.peak_bytes <= budget_bytes]
     if not fits:

@@ -1,35 +1,26 @@
-"""Cost model behind every Schedule: node times, alpha-beta all-reduce times, and a simulated
+"""Cost model behind every Schedule: node times, alpha-beta collective times, and a simulated
 timeline of one backward pass with its communication.
 
-* Compute: a node costs ``max(flops / compute rate, bytes moved / memory bandwidth)`` plus a
-  fixed per-op overhead; the FLOPs and bytes are read off the graph by
-  :mod:`graphddp.graph.capture` into each ``NodeFact``. Measured times override estimates.
+* Compute: a node costs ``max(flops / compute rate, bytes moved / memory bandwidth)`` plus a fixed
+  per-op overhead, from the FLOPs and bytes each ``NodeFact`` holds. Measured times override estimates.
 * Communication: each bucket's collective kind (:mod:`graphddp.values.collectives`) on the ring; an
   all-reduce is ``2 (p-1) alpha + 2 (p-1)/p * bytes / bandwidth``.
-* Timeline: backward nodes run back to back on the compute lane, and issuing a collective
-  takes a fixed time there too, plus ``collective_host_share`` of its link time (on CPU ranks
-  the transport's threads share the compute's cores); a bucket's all-reduce starts once its last gradient is
-  produced, its issue is done and the link is free (one bucket on the wire at a time).
-  Whatever communication ends after the last compute node is *exposed*.
-* Sharded buckets (``Bucket.collective == "reduce_scatter"``): the reduce-scatter is the
-  bucket's collective above, over the placement's groups (:meth:`graphddp.values.placement.
-  Placement.reduce_seconds`: with hybrid sharding, a reduce-scatter over the shard group and an
-  all-reduce of the part over the replicate group). When ``Bucket.gather`` is ``"backward"`` (or None, plans made
-  before it existed) the all-gather of its updated parts is on the link in the backward too:
-  the graph issues it right after the next bucket's reduce-scatter
-  (:data:`graphddp.values.shards.GATHER_LAG`), the model right after its own, one bucket
-  early, so that a bucket's link time is its reduce-scatter's and its all-gather's (on the
-  parameters' own bytes), as :mod:`graphddp.plan.auto` prices it. With ``"forward"`` the
-  all-gather is no part of the backward (it completes in the next forward, before the
-  bucket's parameters are first read).
+* Timeline: backward nodes run back to back on the compute lane, and issuing a collective takes a
+  fixed time there too, plus ``collective_host_share`` of its link time (on CPU ranks the transport's
+  threads share the compute's cores); a bucket's collective starts once its last gradient is produced,
+  its issue is done and the link is free (one bucket on the wire at a time). Whatever communication
+  ends after the last compute node is *exposed*.
+* Sharded buckets (``Bucket.collective == "reduce_scatter"``): the reduce over the placement's groups
+  (:meth:`~graphddp.values.placement.Placement.reduce_seconds`) and, unless ``Bucket.gather`` is
+  ``"forward"`` (the all-gather then completes in the next forward), the all-gather of the updated
+  parts, on the link in the backward one bucket early (:mod:`graphddp.plan.auto` prices it so).
+* The agreement (:mod:`graphddp.runtime.steady`): a gated schedule's one CPU bucket carries it in its
+  all-reduce once the step is steady; a gated schedule of more buckets pays a collective of its own
+  every step (:func:`agreement_seconds`). Schedules that are not gated agree before the backward: the
+  same for every plan, left out.
 
-* The agreement (:mod:`graphddp.runtime.steady`): a gated schedule's one CPU bucket carries it in
-  its all-reduce once the step is steady; a gated schedule of more buckets pays a collective of
-  its own every step, its issue and its latency (:func:`agreement_seconds`), added to the step.
-  (Schedules that are not gated agree before the backward: the same for every plan, left out.)
-
-Everything here is pure arithmetic on Schedule values, so a user can ask "what if the link
-were 100 Gbit/s" without re-tracing.
+Everything here is pure arithmetic on Schedule values, so a user can ask "what if the link were
+100 Gbit/s" without re-tracing.
 """
 from __future__ import annotations
 
@@ -40,7 +31,6 @@ from typing import Mapping, Sequence
 from graphddp.values.collectives import kind
 from graphddp.values.schedule import Bucket, BucketTiming, CostModel, NodeFact, Schedule, Span, Timeline
 
-# CostModel is a value type: it lives in graphddp.values.prediction (graphddp.values.schedule re-exports it)
 __all__ = [
     "LATENCY_FLOOR_US", "CostModel", "agreement_seconds", "compute_timeline", "fit_link", "floor_latency", "host_seconds", "link_noise",
     "pays_agreement", "simulate",
@@ -48,16 +38,15 @@ __all__ = [
 
 
 def agreement_seconds(cost: CostModel, world_size: int) -> float:
-    """What a step pays for the agreement as a collective of its own (module docstring): its
-    issue on the host and the latency of its all-gather of a few integers."""
+    """What a step pays for the agreement as a collective of its own: its issue on the host and the
+    latency of its all-gather of a few integers."""
     if world_size <= 1:
         return 0.0
     return cost.collective_overhead_us * 1e-6 + kind("all_gather").seconds(cost, 64, world_size)
 
 
 def pays_agreement(schedule: Schedule) -> bool:
-    """Does this gated schedule's agreement need a collective of its own once the step is
-    steady (more than one bucket, or not on the CPU)? :mod:`graphddp.runtime.steady`."""
+    """Does this gated schedule's agreement need a collective of its own once the step is steady?"""
     return schedule.gated and not schedule.agreement_in_bucket
 
 
@@ -65,10 +54,9 @@ def compute_timeline(
     nodes: Sequence[NodeFact], cost: CostModel, measured: Mapping[str, float] | None = None,
     lane_after: Mapping[str, float] | None = None,
 ) -> tuple[list[Span], dict[str, float], float]:
-    """The compute lane: compute nodes back to back, each at its measured time if ``measured``
-    has it, else ``cost``'s estimate; after a node, ``lane_after[node]`` seconds of the lane
-    (the collectives issued there: :func:`host_seconds`). Returns (spans, when each node and the
-    issues after it end, when the compute ends)."""
+    """The compute lane: compute nodes back to back, at their ``measured`` time or else ``cost``'s
+    estimate; after a node, ``lane_after[node]`` seconds (the collectives issued there). Returns
+    (spans, when each node and the issues after it end, when the compute ends)."""
     measured = measured or {}
     lane_after = lane_after or {}
     clock = 0.0
@@ -85,13 +73,12 @@ def compute_timeline(
 
 
 def simulate(schedule: Schedule, cost: CostModel | None = None, measured: Mapping[str, float] | None = None) -> Timeline:
-    """Predict the backward pass of ``schedule`` under ``cost`` (see module docstring).
+    """Predict the backward pass of ``schedule`` under ``cost`` (module docstring).
 
-    ``measured`` maps node names to seconds and overrides the estimate of those nodes.
-    Without ``cost``, the cost model the schedule was planned with (``bucket_cap_mb="auto"``),
-    else ``CostModel()``'s defaults. Issuing a bucket's collective takes
-    ``collective_overhead_us`` of the compute lane, right after the node it is issued after
-    (several there: in issue order, the bucket ready when its own issue is done).
+    ``measured`` maps node names to seconds and overrides the estimate of those nodes. Without
+    ``cost``, the cost model the schedule was planned with (``bucket_cap_mb="auto"``), else
+    ``CostModel()``'s defaults. Several buckets issued after one node are issued in order, each ready
+    when its own issue is done.
     """
     cost = cost or schedule.cost_model or CostModel()
     links = [_link_seconds(schedule, bucket, cost) for bucket in schedule.buckets]
@@ -117,14 +104,13 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, measured: Mappin
 
 
 def host_seconds(cost: CostModel, link_seconds: float) -> float:
-    """The compute lane's time for one collective on the link for ``link_seconds``: its issue,
-    and ``collective_host_share`` of its link time."""
+    """The compute lane's time for one collective of ``link_seconds``: its issue, and
+    ``collective_host_share`` of its link time."""
     return cost.collective_overhead_us * 1e-6 + cost.collective_host_share * link_seconds
 
 
 def _link_seconds(schedule: Schedule, bucket: Bucket, cost: CostModel) -> float:
-    """A bucket's time on the link: its collective, or, sharded, its reduce-scatter (hybrid: and
-    the part's all-reduce) and, unless deferred to the forward, the all-gather of its parts."""
+    """A bucket's time on the link (module docstring)."""
     placement = schedule.placement if bucket.collective == "reduce_scatter" else None
     if placement is None:
         return kind(bucket.collective).seconds(cost, bucket.wire_nbytes, schedule.world_size)
@@ -137,11 +123,10 @@ def _link_seconds(schedule: Schedule, bucket: Bucket, cost: CostModel) -> float:
 def fit_link(nbytes: Sequence[int], seconds: Sequence[float], world_size: int, **rest: object) -> CostModel:
     """The CostModel whose ``allreduce_seconds(nbytes[i], world_size)`` best fits ``seconds[i]``.
 
-    ``allreduce_seconds`` is ``a + b * nbytes`` with ``a = 2 (p-1) latency`` and
-    ``b = 2 (p-1)/p * 8 / bandwidth``; the least-squares line is refitted through the origin
-    when its intercept is negative, and flat when its slope is. Buckets of one size alone
-    cannot split the two: the fit then puts everything on the bandwidth. ``rest`` are the
-    other CostModel fields (compute rates, ``source``).
+    ``allreduce_seconds`` is ``a + b * nbytes`` with ``a = 2 (p-1) latency`` and ``b = 2 (p-1)/p * 8 /
+    bandwidth``; the least-squares line is refitted through the origin when its intercept is negative,
+    and flat when its slope is. Buckets of one size alone cannot split the two: the fit then puts
+    everything on the bandwidth. ``rest`` are the other CostModel fields (compute rates, ``source``).
     """
     if world_size < 2 or not nbytes or len(nbytes) != len(seconds):
         raise ValueError(f"need >= 1 bucket time on >= 2 ranks, got {len(seconds)} times, {len(nbytes)} sizes, "
@@ -169,12 +154,11 @@ LATENCY_FLOOR_US = {"cpu": 10.0, "cuda": 2.0}
 def link_noise(fitted: CostModel, spread_s: float, world_size: int) -> str | None:
     """Why the link figures of ``fitted`` (:func:`fit_link`) are noise, or None when they are not.
 
-    Noise: a latency at or below 0 (the line through the all-reduces' times crossed the origin:
-    on a busy machine the small all-reduce took longer than the line through the large ones
-    allows), a bandwidth that is not finite and positive, or a latency smaller than the spread
-    of the repeats it was fitted from (``spread_s``: the smallest all-reduce's median repeat
-    minus its fastest), per ring step. A plan made from such a figure is a plan made from the
-    machine's load, and the next run's differs."""
+    Noise: a bandwidth that is not finite and positive, a latency at or below 0 (on a busy machine the
+    small all-reduce took longer than the line through the large ones allows), or a latency per ring
+    step smaller than the spread of the repeats it was fitted from (``spread_s``: the smallest
+    all-reduce's median repeat minus its fastest). A plan made from such a figure is a plan made from
+    the machine's load, and the next run's differs."""
     steps = 2 * (world_size - 1)
     if not (math.isfinite(fitted.bandwidth_gbps) and fitted.bandwidth_gbps > 0):
         return f"a bandwidth of {fitted.bandwidth_gbps:g} Gbit/s"

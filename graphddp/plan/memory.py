@@ -1,34 +1,34 @@
 """Each rank's memory, in bytes, under every placement, predicted from facts read once off one trace.
 
-:class:`MemoryFacts` are the model's own (its compiled forward and backward before graphddp
-rewrites them, its parameters, the optimizer's state per parameter), read by
-:func:`graphddp.compiler.model_trace.trace_model`; :func:`predict` is pure, so one trace
-predicts every placement, at any world size.
+:class:`MemoryFacts` are the model's own (its compiled forward and backward before graphddp rewrites
+them, its parameters, the optimizer's state per parameter), read by
+:func:`graphddp.compiler.model_trace.trace_model`; :func:`predict` is pure, so one trace predicts
+every placement, at any world size.
 
 Counted: a loop of ``forward; backward; opt.step(); opt.zero_grad()`` on one rank.
 **Between steps**: parameters (a rank's parts, padded, where they are sharded), buffers, the
-optimizer's state (of the parts), and the send buffer a replicated one-bucket graph keeps from step
-to step on the CPU (:mod:`graphddp.runtime.steady`), and with ``gather="forward"``
-(``optimizer_forward``) the all-gathered parameters that wait for the next forward; gradients
-are None after ``zero_grad``.
-**Peak**: that plus the most of these phases: a forward (the activations earlier graphs saved, the
+optimizer's state (of the parts), the send buffer a replicated one-bucket graph keeps from step to
+step on the CPU (:mod:`graphddp.runtime.steady`), and with ``gather="forward"`` the all-gathered
+parameters that wait for the next forward; gradients are None after ``zero_grad``.
+**Peak**: that plus the fullest of these phases: a forward (the activations earlier graphs saved, the
 graph's own peak, the parameters gathered); a backward (its graph's live bytes, from
 :mod:`graphddp.graph.liveness`, with the gradients kept to its end, the bucket's flat copy, the
 update's temporaries inside it, the gathers of full sharding); the optimizer's step after a
-replicated backward (every gradient and its step's temporaries on the largest parameter).
-Under full sharding's mixed-precision policy the graphs were traced computing in its
-``param_dtype`` (their activations, gathered parameters and gradients in it), and the gradients
-are reduced in its ``reduce_dtype``.
+replicated backward (every gradient and its step's temporaries on the largest parameter). Under full
+sharding's mixed-precision policy the graphs were traced computing in its ``param_dtype``, and the
+gradients are reduced in its ``reduce_dtype``.
 
 Not counted: the allocator's caching and fragmentation (a GPU's reserved bytes exceed these),
 autograd's own workspace, the user's inputs and outputs, and kernels' scratch memory. The compiled
-code's temporaries are counted as the graph runs op by op (``aot_eager``); inductor fuses
-pointwise ops, so its peaks are lower. Each graph is taken as one bucket (its gradients in flight
-at once), which is what small models plan and an upper bound for a graph of several buckets.
+code's temporaries are counted as the graph runs op by op (``aot_eager``); inductor fuses pointwise
+ops, so its peaks are lower. Each graph is taken as one bucket (its gradients in flight at once):
+what small models plan, and an upper bound for a graph of several buckets.
 """
 from __future__ import annotations
 
 import dataclasses
+
+from graphddp.values.shards import chunk
 
 PLACEMENTS = ("replicated", "optimizer_inside", "optimizer", "optimizer_forward", "full", "full_no_reshard")
 SHARDED = ("optimizer", "optimizer_forward", "full", "full_no_reshard")
@@ -56,9 +56,9 @@ class StateRule:
 
 @dataclasses.dataclass(frozen=True)
 class GraphMemory:
-    """One Dynamo graph's bytes: its forward's peak, what it saves for the backward (parameters
-    left out), its parameters (whole), their gradients, and its backward's peak with the gradients
-    kept to its end (what the graph's liveness gives, saved activations included)."""
+    """One Dynamo graph's bytes: its forward's peak, what it saves for the backward (parameters left
+    out), its parameters (whole), their gradients, and its backward's peak with the gradients kept to
+    its end (saved activations included)."""
 
     param_bytes: int
     forward_peak: int
@@ -71,9 +71,9 @@ class GraphMemory:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryFacts:
-    """What every placement's prediction reads (module docstring). ``step_workspace``: the
-    optimizer's ``step()`` temporaries per byte of a parameter; ``update_workspace``: the same
-    for the update traced inside the backward."""
+    """What every placement's prediction reads. ``step_workspace``: the optimizer's ``step()``
+    temporaries per byte of a parameter; ``update_workspace``: the same for the update traced inside
+    the backward."""
 
     params: tuple[ParamFact, ...]
     buffer_bytes: int
@@ -110,22 +110,16 @@ class MemoryPrediction:
         return dataclasses.asdict(self)
 
 
-def _chunk(numel: int, ranks: int) -> int:
-    """A part's elements, padding included (graphddp.values.shards.chunk)."""
-    return -(-numel // ranks)
-
-
 def _state_bytes(facts: MemoryFacts, param: ParamFact, elements: int) -> int:
     rule = next((r for r in facts.state if r.dtype == param.dtype), None)
     return 0 if rule is None or not param.requires_grad else rule.per_element * elements + rule.fixed
 
 
 def predict(facts: MemoryFacts, placement: str, world_size: int, shard_size: int | None = None, whole_below: int = 0) -> MemoryPrediction:
-    """The bytes one rank holds under ``placement`` (one of :data:`PLACEMENTS`) with ``world_size``
-    ranks; ``shard_size``: hybrid sharding's shard group (parts over that many ranks, replicated
-    over ``world_size // shard_size``), default every rank; ``whole_below``: under full sharding,
-    parameters of fewer bytes are held whole (``replicate_below_mb``). Rank 0's, the most loaded
-    (the first ranks hold whole chunks)."""
+    """The bytes rank 0, the most loaded (the first ranks hold whole chunks), holds under ``placement``
+    with ``world_size`` ranks. ``shard_size``: hybrid sharding's shard group (parts over that many
+    ranks, replicated over ``world_size // shard_size``), default every rank; ``whole_below``: under
+    full sharding, parameters of fewer bytes are held whole (``replicate_below_mb``)."""
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
     shard = world_size if shard_size is None else shard_size
@@ -139,7 +133,7 @@ def predict(facts: MemoryFacts, placement: str, world_size: int, shard_size: int
         raise ValueError(f"facts traced under a mixed-precision policy predict full sharding only, not {placement!r}")
     ranks = shard if sharded else 1
     held_whole = {p.name for p in facts.params if full and p.numel * p.itemsize < whole_below}
-    parts = [p.numel if p.name in held_whole else _chunk(p.numel, ranks) for p in facts.params]
+    parts = [p.numel if p.name in held_whole else chunk(p.numel, ranks) for p in facts.params]
     whole = sum(p.numel * p.itemsize for p in facts.params)
     trainable = [p for p in facts.params if p.requires_grad]
     largest = max((n * p.itemsize for n, p in zip(parts, facts.params) if p.requires_grad), default=0)  # one update's parameter or part
@@ -162,13 +156,12 @@ def predict(facts: MemoryFacts, placement: str, world_size: int, shard_size: int
 def _phases(
     facts: MemoryFacts, placement: str, largest: int, hybrid: bool, ranks: int, held_whole: dict[str, int],
 ) -> dict[str, dict[str, int]]:
-    """Each moment of a step that may be its fullest, and the bytes it adds to what is held
-    between steps, by kind. A replicated backward graph's saved activations stay alive to its
-    end (its caller holds their list); full sharding's compiler frees each after its last use.
-    ``held_whole``: under full sharding, the bytes (as the graphs compute them) of each parameter
-    held whole: never gathered, its gradient all-reduced whole. Under a mixed-precision policy
-    each is cast for the forward, a copy as large as a gathered one, and every gradient is
-    reduced in the policy's ``reduce_dtype``."""
+    """Each moment of a step that may be its fullest, and the bytes it adds to what is held between
+    steps, by kind. A replicated backward graph's saved activations stay alive to its end (its caller
+    holds their list); full sharding's compiler frees each after its last use. ``held_whole``: under
+    full sharding, the bytes (as the graphs compute them) of each parameter held whole: never
+    gathered, its gradient all-reduced whole; under a mixed-precision policy still cast for the
+    forward, a copy as large as a gathered one."""
     full = placement.startswith("full")
     graphs = facts.recomputed if full else facts.graphs
     workspace = int(facts.update_workspace * largest)  # one parameter's (or part's) update inside the backward
@@ -181,7 +174,7 @@ def _phases(
     for k, g in enumerate(graphs):
         earlier = sum(h.saved for h in graphs[:k])
         kept_whole = sum(held_whole.get(n, 0) for n in g.params)  # their gradients all-reduced whole
-        part = _chunk(g.gradients - kept_whole, ranks) + kept_whole if placement in SHARDED else 0  # this rank's part of the bucket
+        part = chunk(g.gradients - kept_whole, ranks) + kept_whole if placement in SHARDED else 0  # this rank's part of the bucket
         part = int(part * reduced)
         gathered = 0
         if full:  # the parameters gathered: this graph's, or with them kept from the forward, every graph's so far

@@ -1,34 +1,22 @@
 """Pure bucket planning: ``plan(facts, config) -> Schedule``.
 
-No graph edits and no process-group calls happen here. The input is :class:`GraphFacts`
-(production order of every gradient) and :class:`DDPConfig`; the output depends on nothing
-else, so every rank that traced the same graph computes the same plan.
+No graph edits and no process-group calls: the output depends on the :class:`GraphFacts` and the
+:class:`DDPConfig` only, so every rank that traced the same graph computes the same plan.
 
-Algorithm (DDP's ``compute_bucket_assignment_by_size``, as its reducer runs it when it
-rebuilds buckets in gradient-ready order, applied to the static production order):
+Algorithm (DDP's ``compute_bucket_assignment_by_size``, as its reducer runs it when it rebuilds
+buckets in gradient-ready order, applied to the static production order): walk the gradients in
+production order (the topological position of the node that finalises each, then the output index)
+and pack them by :func:`graphddp.plan.greedy.bucket_by_size`, one open bucket per (dtype, device),
+buckets never mixing the two. Each (dtype, device) walks ``config.bucket_size_limits`` one cap per
+bucket, the last repeating (DDP's defaults: 1 MB, then 25 MB). With ``last_bucket_cap_mb`` the
+gradients produced last (a suffix of at most that many bytes, at least one gradient) form a bucket of
+their own: that bucket can only start once the backward has no compute left, so its whole transfer is
+exposed and should be small. Buckets are issued in the order they became ready (the position of
+their last gradient), the order the rewrite inserts them.
 
-1. Walk gradients in production order (topological position of the node that finalises
-   each gradient, ties broken by output index).
-2. Keep one open bucket per (dtype, device); buckets never mix the two.
-3. Add the gradient to its open bucket; once the bucket's bytes reach its cap, close it (so a
-   bucket exceeds its cap by at most its last gradient). Each (dtype, device) walks
-   ``config.bucket_size_limits`` one cap per bucket, the last cap repeating: with DDP's
-   defaults that is (1 MB, 25 MB); with ``bucket_cap_mb`` set, that cap for every bucket;
-   with ``bucket_cap_mb_list``, the list.
-   With ``last_bucket_cap_mb``, the gradients produced last (a suffix of at most that many
-   bytes, at least one gradient) form a bucket of their own: that bucket can only start
-   once the backward has no compute left, so its whole transfer is exposed and should be
-   small. Without it the last bucket is whatever remains (DDP's rule).
-4. Close the remaining open buckets. Buckets are issued in the order they became ready
-   (position of their last gradient), which is the order the rewrite inserts them.
-
-With ``bucket_cap_mb="auto"`` steps 2-4 are replaced by :func:`graphddp.plan.auto.auto_partition`:
-the partition of the same order that minimises the backward ``config.cost`` predicts (its
-defaults when no cost model was resolved, as in a bare ``plan`` call), priced with the
-collectives that will run: all-reduces, or with ``config.sharding == "optimizer"`` the
-reduce-scatters and, with ``config.gather == "backward"``, the all-gathers after the backward
-that :func:`with_sharding` gives the buckets later; the Schedule records that cost model
-instead of caps.
+With ``bucket_cap_mb="auto"`` :func:`graphddp.plan.auto.auto_partition` partitions the same order
+instead, minimising the backward ``config.cost`` predicts (its defaults when none was resolved); the
+Schedule records that cost model instead of caps.
 """
 from __future__ import annotations
 
@@ -58,11 +46,9 @@ def partition(
 ) -> list[tuple[GradSlot, ...]]:
     """Group production-ordered slots into buckets; returns buckets in ready order.
 
-    ``nodes`` and ``world_size`` matter only to ``bucket_cap_mb="auto"``: the compute the
-    all-reduces overlap with, and the ring they run on. ``like`` (the slots of an earlier
-    plan's buckets, a superset of these gradients) gives its buckets instead (a recompile of a
-    graph): gradients it has and this graph lacks are dropped, or with ``fill`` kept as
-    zero-filled slots (:attr:`GradSlot.zero_filled`)."""
+    ``nodes`` and ``world_size`` matter only to ``bucket_cap_mb="auto"``: the compute the all-reduces
+    overlap with, and the ring they run on. ``like`` and ``fill``: :func:`plan`'s ``like``, with ``fill``
+    keeping a gradient this graph lacks as a zero-filled slot."""
     ordered = sorted(slots, key=_order)
     if like is not None:  # in like's order: what a hook's random draws and state follow, as in DDP
         return _as_like(ordered, like, fill)
@@ -71,18 +57,16 @@ def partition(
             ordered, nodes, cost_of(config), world_size, _wire_ratios(ordered, config.comm_dtype),
             sharding=config.sharding, gather=config.gather, gated=gated, placement=placement,
         )
-        done.sort(key=lambda b: _order(b[-1]))
-        return done
-    tails = _tails(ordered, config.last_bucket_cap_bytes) if config.last_bucket_cap_mb is not None else {}
-    in_tail = {id(s) for tail in tails.values() for s in tail}
-    body = [s for s in ordered if id(s) not in in_tail]
-    done = _assign_by_size(body, config.bucket_size_limits) + [tuple(t) for t in tails.values()]
-    done.sort(key=lambda b: _order(b[-1]))
-    return done
+    else:
+        tails = _tails(ordered, config.last_bucket_cap_bytes) if config.last_bucket_cap_mb is not None else {}
+        in_tail = {id(s) for tail in tails.values() for s in tail}
+        body = [s for s in ordered if id(s) not in in_tail]
+        done = _assign_by_size(body, config.bucket_size_limits) + [tuple(t) for t in tails.values()]
+    return sorted(done, key=lambda b: _order(b[-1]))
 
 
 def _as_like(ordered: list[GradSlot], like: tuple[tuple[GradSlot, ...], ...], fill: bool) -> list[tuple[GradSlot, ...]]:
-    """``like``'s buckets over this graph's slots (see :func:`partition`)."""
+    """``like``'s buckets over this graph's slots."""
     current = {s.param_name: s for s in ordered}
     missing = sorted(set(current) - {s.param_name for b in like for s in b})
     if missing:
@@ -104,8 +88,7 @@ def cost_of(config: DDPConfig) -> CostModel:
 
 
 def _wire_ratios(slots: list[GradSlot], comm_dtype: str | None) -> dict[tuple[str, str], float]:
-    """Bytes on the wire per byte of gradient, per (dtype, device): a compression hook's
-    half precision sends half of a float32 bucket."""
+    """Bytes on the wire per byte of gradient, per (dtype, device): a compression hook's dtype over the gradient's."""
     if comm_dtype is None:
         return {}
     size = lambda name: torch.empty((), dtype=getattr(torch, name)).element_size()  # noqa: E731
@@ -113,9 +96,7 @@ def _wire_ratios(slots: list[GradSlot], comm_dtype: str | None) -> dict[tuple[st
 
 
 def _assign_by_size(ordered: list[GradSlot], limits: tuple[int, ...]) -> list[tuple[GradSlot, ...]]:
-    """DDP's ``compute_bucket_assignment_by_size`` over slots already in production order: one
-    open bucket per (dtype, device), each closed bucket advancing its key to the next limit, the
-    last limit repeating; leftover open buckets closed at the end."""
+    """DDP's ``compute_bucket_assignment_by_size`` over slots already in production order (module docstring)."""
     key, limit = (lambda s: (s.dtype, s.device)), (lambda closed: limits[min(closed, len(limits) - 1)])
     return [tuple(b) for b in bucket_by_size(ordered, key, lambda s: s.nbytes, limit)]
 
@@ -151,20 +132,17 @@ def plan(
 ) -> Schedule:
     """Plan the buckets of one backward graph. Pure: same inputs, same Schedule.
 
-    ``config`` is the user's policy; ``world_size`` and ``group_name`` are facts of the job
-    (the process group), recorded in the Schedule: the divisor and the group of every
-    all-reduce. The buckets do not depend on them. ``hook`` names a user's traced hook
-    (``graphddp.hooks.traced``) that every bucket runs instead of the all-reduce. ``like``: the
-    buckets (their slots) of an earlier plan of these gradients or more, kept as they are and
-    in their order: a recompiled graph puts the same buckets on the wire as the graph it
-    replaces, on every rank, whatever its sizes or costs (:func:`partition`). With a ``hook``
-    a gradient the earlier plan had and this graph lacks keeps its place as zeros (DDP's hook
-    sees the same bucket, zeros for an unused parameter); without one it leaves the bucket.
-    ``gated``: the graph's all-reduces run gated (:mod:`graphddp.runtime.gate`; the compiler's
-    ``gates()``), recorded in the Schedule, and priced by an auto plan (a gated plan of one CPU
-    bucket needs no collective of its own for the agreement: :mod:`graphddp.runtime.steady`).
-    ``placement``: where sharded buckets will live (:func:`with_sharding` records it), which an
-    auto plan prices (hybrid sharding's groups).
+    ``config`` is the user's policy; ``world_size`` and ``group_name`` are facts of the job (the
+    process group), recorded in the Schedule: the divisor and the group of every all-reduce. The
+    buckets do not depend on them. ``hook`` names a user's traced hook (``graphddp.hooks.traced``) that
+    every bucket runs instead of the all-reduce. ``like``: the buckets (their slots) of an earlier plan
+    of these gradients or more, kept as they are and in their order: a recompiled graph puts the same
+    buckets on the wire as the graph it replaces, on every rank, whatever its sizes or costs. With a
+    ``hook`` a gradient the earlier plan had and this graph lacks keeps its place as zeros (DDP's hook
+    sees the same bucket, zeros for an unused parameter); without one it leaves the bucket. ``gated``:
+    the graph's all-reduces run gated (:mod:`graphddp.runtime.gate`), recorded in the Schedule and
+    priced by an auto plan. ``placement``: where sharded buckets will live (:func:`with_sharding`
+    records it), which an auto plan prices.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -207,11 +185,10 @@ def with_updates(
     schedule: Schedule, updatable: Collection[str], optimizer: str, max_grad_norm: float | None = None, grad_norm_type: float = 2.0,
 ) -> Schedule:
     """``schedule`` with every bucket updating its ``updatable`` parameters in the graph
-    (``Bucket.updates``, in slot order), ``optimizer`` recorded, and with ``max_grad_norm``
-    the gradients clipped first (by their ``grad_norm_type`` norm). Pure, like ``plan``: which parameters may be updated in the
-    graph is the caller's fact (the optimizer holds them); where each update runs follows from
-    the buckets and the clipping (:meth:`Schedule.update_after`: right after the bucket's own
-    wait, or with clipping after the last one).
+    (``Bucket.updates``, in slot order), ``optimizer`` recorded, and with ``max_grad_norm`` the
+    gradients clipped first (by their ``grad_norm_type`` norm). Pure, like ``plan``: which parameters
+    may be updated in the graph is the caller's fact (the optimizer holds them); where each update runs
+    follows from the buckets and the clipping (:meth:`Schedule.update_after`).
     """
     buckets = tuple(
         dataclasses.replace(b, updates=tuple(n for n in b.param_names if n in updatable)) for b in schedule.buckets
@@ -222,11 +199,10 @@ def with_updates(
 
 def with_sharding(schedule: Schedule, updatable: Collection[str], gather: str = "backward", placement: Placement | None = None) -> Schedule:
     """``schedule`` with every bucket whose parameters can all be updated inside the graph
-    reduce-scattered instead of all-reduced (``Bucket.collective``), for the optimizer on a
-    shard (:mod:`graphddp.optim.shard`). A bucket holding a parameter the graph cannot update
-    (tied across a graph break) stays an all-reduce: the parameter is stepped after the
-    backward, on its shard too. ``gather`` is where each sharded bucket's all-gather completes
-    (``Bucket.gather``: ``"backward"`` or ``"forward"``); ``placement`` where their parts live
+    reduce-scattered instead of all-reduced, for the optimizer on a shard (:mod:`graphddp.optim.shard`).
+    A bucket holding a parameter the graph cannot update (tied across a graph break) stays an
+    all-reduce: the parameter is stepped after the backward, on its shard too. ``gather``: where each
+    sharded bucket's all-gather completes (``Bucket.gather``); ``placement``: where their parts live
     (default: sharded over the schedule's group, every rank). Pure, like ``plan``."""
     placement = placement or flat(schedule.group_name, schedule.world_size)
     if placement.world != schedule.world_size:

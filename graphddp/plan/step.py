@@ -1,36 +1,34 @@
 """The step each placement would take, predicted from the facts of one trace.
 
-Why from one trace: ``sharding="auto"`` compares placements before the first step, and tracing
-the model once per placement would cost a compile each. A placement changes the collectives and
-the optimizer's share, not the model's compute: every placement's step is read off the same
-:class:`StepFacts` (one per Dynamo graph: the backward's nodes and gradients in production order,
-and the forward's compute nodes), with the collectives each placement would run.
+Why from one trace: ``sharding="auto"`` compares placements before the first step, and tracing the
+model once per placement would cost a compile each. A placement changes the collectives and the
+optimizer's share, not the model's compute, so every placement's step is read off the same
+:class:`StepFacts` (one per Dynamo graph), with the collectives that placement would run.
 
-What a step counts, per graph: the forward and the backward as the cost model's two lanes
-(compute, and one link where collectives run one at a time), each collective taking its issue and
-``collective_host_share`` of its link time from the compute lane
-(:func:`graphddp.plan.cost.host_seconds`); the optimizer's update over the parameters a rank
-updates (every one replicated, its parts sharded) on the backward's compute lane, each bucket's
-after its reduce, so that only the last bucket's is sure to be exposed.
+Per graph, a step counts the forward and the backward on the cost model's two lanes (compute, and one
+link where collectives run one at a time; each collective takes :func:`graphddp.plan.cost.host_seconds`
+of the compute lane), and the optimizer's update over the parameters a rank updates (every one
+replicated, its parts sharded) on the backward's compute lane, each bucket's after its reduce, so
+that only the last bucket's is sure to be exposed.
 
-* Replicated and ``sharding="optimizer"``: the backward is :func:`graphddp.plan.cost.simulate` of
-  the buckets the planner would make (``bucket_cap_mb="auto"``); with ``gather="forward"`` the
-  all-gathers of the updated parts are issued at the backward's end and each waited for where
-  the next forward first reads its bucket, which it reads in the reverse of the backward's order.
-* ``sharding="full"``: buckets by :func:`graphddp.plan.parts.planned_cap_bytes`. The forward reads
+* Replicated and ``sharding="optimizer"``: the buckets the planner would make
+  (``bucket_cap_mb="auto"``); with ``gather="forward"`` the all-gathers of the updated parts are
+  issued at the backward's end and each waited for where the next forward first reads its bucket,
+  which it reads in the reverse of the backward's order.
+* ``sharding="full"``: buckets under :func:`graphddp.plan.parts.planned_cap_bytes`. The forward reads
   the parameters in the reverse of their gradients' order, its compute spread over them by bytes;
-  each bucket's all-gather is issued :data:`PREFETCH` buckets ahead and must end before its
-  compute starts. The backward reduce-scatters each bucket once its last gradient is produced and,
-  with ``reshard_after_forward``, gathers the bucket again before the compute that produces its
+  each bucket's all-gather is issued :data:`PREFETCH` buckets ahead and must end before its compute
+  starts. The backward reduce-scatters each bucket once its last gradient is produced and, with
+  ``reshard_after_forward``, gathers the bucket again before the compute that produces its
   gradients, as far ahead.
 
-Node estimates miss what a rank's cores really do with the model's ops (one thread, the other
-ranks' processes beside it): where the run's compute was measured (:func:`compute_scale`), each
-lane's compute is scaled by measured over estimated, the forward's and the backward's apart, and
-the update is the measured seconds per byte of graphddp's update (else a memory-bound pass).
+Node estimates miss what a rank's cores really do with the model's ops (one thread, the other ranks'
+processes beside it): where the run's compute was measured (:func:`compute_scale`), each lane's
+compute is scaled by measured over estimated, and the update is the measured seconds per byte of
+graphddp's update (else a memory-bound pass).
 
-Not counted: the compiled code's own temporaries, the agreement (the same for every placement),
-and a GPU's launch gaps (what the host costs is ``collective_overhead_us`` and ``op_overhead_us``).
+Not counted: the compiled code's own temporaries, the agreement (the same for every placement), and a
+GPU's launch gaps.
 """
 from __future__ import annotations
 
@@ -47,7 +45,6 @@ from graphddp.values.placement import Placement, flat
 from graphddp.values.shards import GATHER_LAG
 from graphddp.values.prediction import CostModel
 from graphddp.values.schedule import GradSlot, GraphFacts, NodeFact
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,14 +70,14 @@ class StepPrediction:
 
 
 def update_seconds(nbytes: int, state_entries: int, cost: CostModel) -> float:
-    """A memory-bound update of ``nbytes`` of parameters: each read and written, its gradient read,
-    and ``state_entries`` state tensors of its size read and written."""
+    """A memory-bound update of ``nbytes`` of parameters: each read and written, its gradient read, and
+    ``state_entries`` state tensors of its size read and written."""
     return nbytes * (3 + 2 * state_entries) / (cost.memory_gbps * 1e9)
 
 
 def compute_scale(graphs: Sequence[StepFacts], cost: CostModel, measured: tuple[float, float]) -> tuple[float, float]:
-    """How many times the node estimates of ``graphs`` under ``cost`` the ``measured`` forward's and
-    backward's seconds are, to two significant figures (a rerun's noise then rarely moves it)."""
+    """The ``measured`` forward's and backward's seconds over their node estimates under ``cost``, to two
+    significant figures (a rerun's noise then rarely moves it)."""
     estimated = (sum(compute_timeline(g.forward, cost)[2] for g in graphs),
                  sum(compute_timeline(g.backward.nodes, cost)[2] for g in graphs))
     return tuple(float(f"{m / e:.2g}") if e > 0 and m > 0 else 1.0 for m, e in zip(measured, estimated))  # type: ignore[return-value]
@@ -92,16 +89,14 @@ def predict_step(
     compute: tuple[float, float] = (1.0, 1.0), update_per_byte: float | None = None, whole_below: int = 0,
     precision: tuple[float, float] = (1.0, 1.0),
 ) -> StepPrediction:
-    """The step of ``graphs`` on ``world_size`` ranks under ``sharding`` (None: replicated;
-    ``"optimizer"``; ``"full"``), ``placement`` the parts' groups (default: over every rank);
-    ``whole_below``: under full sharding, parameters of fewer bytes are held whole (never
-    gathered, their gradients all-reduced over every rank, their update whole).
-    ``state_entries``: the optimizer's state tensors per parameter (AdamW 2, SGD with momentum 1);
-    ``compute``: :func:`compute_scale`'s factors for the forward's and the backward's compute;
-    ``update_per_byte``: the optimizer's step measured, seconds per byte of the parameters it
-    updates (else :func:`update_seconds`' memory-bound estimate). ``precision``: where ``graphs``
-    were traced in a mixed-precision policy's ``param_dtype`` (their gathers sent so), the bytes a
-    parameter holds and a gradient is reduced in per byte the graphs compute them in."""
+    """The step of ``graphs`` on ``world_size`` ranks under ``sharding`` (None: replicated), ``placement``
+    the parts' groups (default: over every rank). ``whole_below``: under full sharding, parameters of
+    fewer bytes are held whole (never gathered, their gradients all-reduced over every rank, their
+    update whole). ``state_entries``: the optimizer's state tensors per parameter (AdamW 2, SGD with
+    momentum 1); ``compute``: :func:`compute_scale`'s factors; ``update_per_byte``: the optimizer's
+    step measured, seconds per byte of the parameters it updates (else :func:`update_seconds`).
+    ``precision``: where ``graphs`` were traced in a mixed-precision policy's ``param_dtype``, the
+    bytes a parameter holds and a gradient is reduced in per byte the graphs compute them in."""
     placement = placement or flat("", world_size)
     lanes = (cost.scaled(1 / compute[0], 1.0), cost.scaled(1 / compute[1], 1.0))
     forward = backward = update = 0.0
@@ -124,12 +119,11 @@ def _bucketed(
     graph: StepFacts, planned: CostModel, lanes: tuple[CostModel, CostModel], world_size: int, sharding: str | None, gather: str,
     placement: Placement, update: float,
 ) -> tuple[float, float, int]:
-    """Replicated or ``sharding="optimizer"``: the planner's buckets on the backward's lanes.
-    Replicated buckets are waited for at the backward's end, each updated after its wait;
-    sharded ones :data:`GATHER_LAG` buckets later, each then updated and its all-gather issued.
-    Deferred gathers (``gather="forward"``) are issued at the backward's end, the bucket the
-    forward reads first (the last) first, and each waited for where its parameters are first read.
-    The buckets are those a run plans with ``planned``, the cost model the run has."""
+    """Replicated or ``sharding="optimizer"``: the buckets a run plans with ``planned``, on the
+    backward's lanes. Replicated buckets are waited for at the backward's end, each updated after its
+    wait; sharded ones :data:`GATHER_LAG` buckets later, each then updated and its all-gather issued.
+    Deferred gathers (``gather="forward"``) are issued at the backward's end, the bucket the forward
+    reads first (the last) first."""
     cost = lanes[1]
     config = DDPConfig(cost=planned, sharding=sharding, gather=gather)
     schedule = plan(graph.backward, config, world_size=world_size, placement=placement if sharding else None)
@@ -160,11 +154,10 @@ def _full(
     graph: StepFacts, planned: CostModel, lanes: tuple[CostModel, CostModel], placement: Placement, reshard: bool, update: float,
     world_size: int, whole_below: float = 0, reduce_scale: float = 1.0,
 ) -> tuple[float, float, int]:
-    """``sharding="full"``: the forward's and the backward's lanes (module docstring), each
-    lane's compute under its cost model; each reduce waited :data:`SCATTER_LAG` buckets later,
-    its parameters then updated. Gradients of fewer than ``whole_below`` bytes are of parameters
-    held whole: bucketed apart (each kind over its own gradients), never gathered, all-reduced
-    over the ``world_size`` ranks; every reduce sends ``reduce_scale`` bytes per byte of gradient."""
+    """``sharding="full"``'s lanes (module docstring); each reduce waited :data:`SCATTER_LAG` buckets
+    later, its parameters then updated. Gradients of fewer than ``whole_below`` bytes are of
+    parameters held whole: bucketed apart, never gathered, all-reduced over the ``world_size`` ranks;
+    every reduce sends ``reduce_scale`` bytes per byte of gradient."""
     cost = lanes[1]
     slots = sorted(graph.backward.slots, key=lambda s: (s.position, s.output_index))
     total = sum(s.nbytes for s in slots)
@@ -192,8 +185,8 @@ def _full(
 
 @dataclasses.dataclass(frozen=True)
 class _Bucket:
-    """One bucket on the backward's lanes: its link seconds (reduce; all-gather in the backward, 0
-    for none; gathered again before its gradients, 0 for none) and its update's compute seconds."""
+    """One bucket on the backward's lanes: its link seconds (reduce; all-gather in the backward;
+    gathered again before its gradients; 0: none) and its update's compute seconds."""
 
     reduce: float
     gather: float
@@ -225,29 +218,33 @@ class _Lanes:
         self.link = max(self.link, self.clock) + seconds
         return self.link
 
+    def issue_through(self, ends: list[float], seconds: Sequence[float], last: int) -> None:
+        """Issue ``seconds[len(ends)..last]`` in order (0: nothing to issue), appending when each ends."""
+        while len(ends) <= min(last, len(seconds) - 1):
+            s = seconds[len(ends)]
+            ends.append(self.issue(s) if s else 0.0)
+
 
 def _gathered_lane(compute: list[float], gathers: list[float], cost: CostModel, prefetch: int) -> float:
-    """Compute segments, each needing its bucket gathered first (``gathers``: its link seconds,
-    0 for a bucket with nothing to gather); gathers issued ``prefetch`` segments ahead. Returns
-    when the last segment ends."""
+    """Compute segments, each needing its bucket gathered first (``gathers``: its link seconds, 0 for
+    nothing to gather), issued ``prefetch`` segments ahead. Returns when the last segment ends."""
     lanes = _Lanes(cost)
     ends: list[float] = []
     for i in range(len(gathers)):
-        while len(ends) < min(i + prefetch + 1, len(gathers)):
-            seconds = gathers[len(ends)]
-            ends.append(lanes.issue(seconds) if seconds else 0.0)
+        lanes.issue_through(ends, gathers, i + prefetch)
         lanes.clock = max(lanes.clock, ends[i]) + compute[i]
     return lanes.clock
 
 
 def _backward_lane(segments: list[float], buckets: list[_Bucket], cost: CostModel, lag: int | None) -> float:
-    """The backward: segment ``i`` produces bucket ``i``'s gradients (after its parameters are
-    gathered again where it has a ``regather``, issued :data:`PREFETCH` buckets ahead), then its
-    reduce is issued; ``lag`` buckets later (None: after the last segment) it is waited for, its
-    update runs and its all-gather is issued. Returns when both lanes are done."""
+    """The backward: segment ``i`` produces bucket ``i``'s gradients (after its parameters are gathered
+    again where it has a ``regather``, issued :data:`PREFETCH` buckets ahead), then its reduce is
+    issued; ``lag`` buckets later (None: after the last segment) it is waited for, its update runs and
+    its all-gather is issued. Returns when both lanes are done."""
     lanes = _Lanes(cost)
     reduced: list[float] = []
     regathered: list[float] = []
+    regathers = [b.regather for b in buckets]
 
     def finish(j: int) -> None:
         lanes.clock = max(lanes.clock, reduced[j]) + buckets[j].update
@@ -257,9 +254,7 @@ def _backward_lane(segments: list[float], buckets: list[_Bucket], cost: CostMode
     done = 0
     for i, seconds in enumerate(segments):
         if i < len(buckets) and buckets[i].regather:
-            while len(regathered) <= min(i + PREFETCH, len(buckets) - 1):
-                again = buckets[len(regathered)].regather  # 0: a bucket of parameters held whole
-                regathered.append(lanes.issue(again) if again else 0.0)
+            lanes.issue_through(regathered, regathers, i + PREFETCH)
             lanes.clock = max(lanes.clock, regathered[i])
         lanes.clock += seconds
         if i < len(buckets):

@@ -1,34 +1,22 @@
 """Collectives as kinds: what every layer needs to know of the collective that merges a bucket.
 
-A bucket names its collective by key (:attr:`graphddp.values.schedule.Bucket.collective`); every
-layer that used to assume an all-reduce asks the kind instead:
+A bucket names its collective by key (``Bucket.collective``), and every layer asks the kind instead of
+assuming an all-reduce: the cost model its :meth:`~CollectiveKind.seconds` (the kind's own ring steps
+and share of the bytes on the wire), the rewrite its :class:`Lowering` for the process group's backend
+(issued through the bucket's :class:`~graphddp.values.placement.Placement` in every mode), the
+verifier its :attr:`~CollectiveKind.ops`, and the readers of generated code :func:`issue_pattern`.
 
-* the cost model: :meth:`CollectiveKind.seconds`, the link time of one bucket from the same
-  alpha-beta numbers (``CostModel``'s latency per ring step and bandwidth), with the kind's
-  own number of ring steps and share of the bytes on the wire;
-* the rewrite: :meth:`CollectiveKind.lower`, the :class:`Lowering` for the process group's
-  backend: the traced call that merges a bucket's scaled flat buffer (its result is waited on
-  with ``wait_tensor``, like every functional collective) and what turns the waited result
-  into the kind's result, issued through the bucket's :class:`~graphddp.values.placement.Placement`
-  in every mode;
-* the verifier: :attr:`CollectiveKind.ops`, the ops a bucket of this kind may be issued with;
-* the code readers (:mod:`graphddp.graph.codeinspect`, :mod:`graphddp.runtime.failures`):
-  :func:`issue_pattern`, the ops' spelling in generated code.
+A kind has one lowering on every backend but where a backend's own op sends more than the kind's
+bytes. gloo's ``reduce_scatter`` sends an all-reduce's bytes (``tools/gloo_wire_bytes.py``), so on gloo
+a reduce-scatter is an ``all_to_all_single`` (rank ``j`` receives every rank's part ``j``: a
+reduce-scatter's bytes) and a local sum of the ``world`` parts received, in rank order.
 
-A kind has one lowering on every backend but where a backend's own op sends more than the
-kind's bytes. gloo's ``reduce_scatter`` is one: it sends an all-reduce's bytes (measured by
-``tools/gloo_wire_bytes.py``, figures in docs/sharding.md), so on gloo a reduce-scatter is an
-``all_to_all_single`` (rank ``j`` receives every rank's part ``j``: a reduce-scatter's bytes)
-and a local sum of the ``world`` parts received, in rank order.
-
-gloo's functional all-gather is the other, for a worse reason: two of them in flight corrupt
-the heap (torch 2.13: ``python -m tools.gloo_gather_race`` dies within seconds, where
-all-to-alls at the same depth run to the end), and a sharded backward keeps two in flight (the
-next bucket's is issued before the previous one's wait). So on gloo an all-gather is an
-``all_to_all_single`` of this rank's part repeated ``world`` times: the same bytes on the wire,
-the same rank-major result, one more part-sized buffer per bucket in flight. Where a kind has
-the same op on a backend as another kind (gloo: both are all-to-alls), a node's kind is its
-role (``graphddp.graph.trace.role``), not its op.
+gloo's functional all-gather is the other, for a worse reason: two of them in flight corrupt the heap
+(``python -m tools.gloo_gather_race``), and a sharded backward keeps two in flight (the next bucket's
+is issued before the previous one's wait). So on gloo an all-gather is an ``all_to_all_single`` of
+this rank's part repeated ``world`` times: the same bytes on the wire, the same rank-major result,
+one more part-sized buffer per bucket in flight. Where two kinds share an op on a backend (gloo: both
+are all-to-alls), a node's kind is its role (``graphddp.graph.trace.role``), not its op.
 
 A new kind is a new :class:`CollectiveKind` in :data:`KINDS`: no layer above changes.
 """

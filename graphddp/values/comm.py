@@ -1,10 +1,5 @@
-"""The ops every collective of graphddp's ends in, and predicates to recognise them.
-
-graphddp's collectives are kinds lowered per backend (:mod:`graphddp.values.collectives`), issued
-through a bucket's placement (:mod:`graphddp.values.placement`) and each waited by
-``_c10d_functional.wait_tensor``; a replicated bucket's is the in-place all-reduce, on a fresh flat
-bucket, so no extra buffer is allocated. Every pass and verifier recognises them with these helpers.
-"""
+"""The functional ops and node tags of graphddp's collectives, and the predicates every pass and verifier
+recognises them by (each kind's lowerings: :mod:`graphddp.values.collectives`)."""
 from __future__ import annotations
 
 import torch

@@ -1,21 +1,16 @@
 """What ``sharding="full"`` put in each compiled graph, and what each rank holds: its Schedule.
 
-In full sharding the collectives are in the graphs before graphddp sees them (every parameter
-read is a gather of the ranks' parts, and AOTAutograd derives each reduce-scatter). Their facts
-(:class:`PartCollective`, read by :mod:`graphddp.graph.part_facts`) are what its buckets are
-planned from (:mod:`graphddp.plan.parts`), as the other modes'
-:class:`~graphddp.values.schedule.Schedule` is planned from its graph's facts: the plan is a
-:class:`PartGraph` of :class:`PartBucket` values, which :mod:`graphddp.graph.part_collectives`
-lowers and :mod:`graphddp.graph.describe_parts` then completes with where the rewrite put each
-bucket, checking that the graph does what was planned. The same value is the schedule: per
-compiled graph, every bucket's collective, its parameters, its bytes, and where it is issued
-and waited; and per rank, the memory the parts, their gradients, the optimizer's state and the
-gathers in flight take. ``graphddp.explain(..., sharding="full")`` returns it for any world
-size, a run's ``model.schedules`` for its own.
+In full sharding the collectives are in the graphs before graphddp sees them (every parameter read is a
+gather of the ranks' parts, and AOTAutograd derives each reduce-scatter). Their facts
+(:class:`PartCollective`) are what its buckets are planned from, as the other modes' Schedule is planned
+from its graph's facts: the plan is a :class:`PartGraph` of :class:`PartBucket` values, which the
+rewrite lowers and then completes with where it put each bucket, checking that the graph does what was
+planned. The same value is the schedule: per compiled graph, every bucket's collective, its
+parameters, its bytes, and where it is issued and waited; and per rank, the memory the parts, their
+gradients, the optimizer's state and the gathers in flight take. ``graphddp.explain(...,
+sharding="full")`` returns it for any world size, a run's ``model.schedules`` for its own.
 
-Plain values only, like :mod:`graphddp.values.schedule`: comparable across ranks,
-serialisable, printable (:mod:`graphddp.values.schedule_table`, every schedule's table, is the
-one module of graphddp it imports).
+Plain values only, like :mod:`graphddp.values.schedule`: comparable across ranks, serialisable, printable.
 """
 from __future__ import annotations
 
@@ -54,10 +49,9 @@ class PartCollective:
 
 @dataclasses.dataclass(frozen=True)
 class PartBucket:
-    """One collective of a compiled graph: a gather of parts, or a reduce of gradients (a
-    reduce-scatter of parts', an all-reduce of whole parameters'). Planned with its first six
-    fields; the rest say where the rewrite put it, filled in from the rewritten graph
-    (:func:`graphddp.graph.describe_parts.describe_part_collectives`)."""
+    """One collective of a compiled graph: a gather of parts, or a reduce of gradients (a reduce-scatter
+    of parts', an all-reduce of whole parameters'). Planned with its first six fields; the rest say
+    where the rewrite put it, filled in from the rewritten graph (:mod:`graphddp.graph.describe_parts`)."""
 
     kind: str  # GATHER | REDUCE_SCATTER | ALL_REDUCE
     index: int  # the bucket's index among the graph's gathers, or among its reduces (both kinds)
@@ -70,6 +64,7 @@ class PartBucket:
     wait_at: int = -1  # position of its wait
     issued_after: str = ""  # the last node before the issue that is not part of a bucket
     waited_before: str = ""  # the first node after the wait that reads what it brought
+
 
 @dataclasses.dataclass(frozen=True)
 class PartCap:
@@ -117,9 +112,8 @@ class RankMemory:
 
 @dataclasses.dataclass(frozen=True)
 class FullSchedule(FullScheduleTable):
-    """``sharding="full"``'s schedule of one Dynamo graph: its compiled forward and backward
-    (None until compiled: the backward compiles at its first call) and the rank's memory (its
-    table: :class:`~graphddp.values.schedule_table.FullScheduleTable`)."""
+    """``sharding="full"``'s schedule of one Dynamo graph: its compiled forward and backward (None until
+    compiled: the backward compiles at its first call) and the rank's memory."""
 
     graph_index: int
     world_size: int
@@ -128,8 +122,8 @@ class FullSchedule(FullScheduleTable):
     forward: PartGraph | None
     backward: PartGraph | None
     memory: RankMemory
-    # Hybrid sharding (graphddp.values.placement): the shard groups' count; world_size is one
-    # group's, the parts' count. 1 without a 2-D device_mesh=.
+    # Hybrid sharding: the shard groups' count; world_size is one group's, the parts' count. 1 without
+    # a 2-D device_mesh=.
     replicas: int = 1
     choice: PlacementChoice | None = None  # sharding="auto": what it weighed and chose
 
@@ -158,12 +152,11 @@ class FullSchedule(FullScheduleTable):
                       "memory": RankMemory(**data["memory"]), "choice": PlacementChoice.from_dict(data.get("choice"))})
 
     def fingerprint(self) -> str:
-        """A hash of the plan: per graph, its buckets in issue order (which interleaves gathers
-        and reduce-scatters), each one's kind, parameters, dtype and sizes. Equal on ranks that
-        compiled the same graphs, and between ``graphddp.explain`` and a run: node names and
-        positions are left out (gloo's lowering of a collective takes more nodes than NCCL's,
-        and explain's fake group takes NCCL's), and so is memory (the optimizer's state appears
-        at its first step)."""
+        """A hash of the plan: per graph, its buckets in issue order, each one's kind, parameters, dtype
+        and sizes. Equal on ranks that compiled the same graphs, and between ``graphddp.explain`` and a
+        run: node names and positions are left out (gloo's lowering of a collective takes more nodes
+        than NCCL's, and explain's fake group takes NCCL's), and so is memory (the optimizer's state
+        appears at its first step)."""
         plan = [
             [graph.kind, list(graph.updates)] + [[b.kind, b.index, list(b.params), b.dtype, b.whole_bytes, b.part_bytes] for b in graph.buckets]
             for graph in self.graphs

@@ -1,23 +1,19 @@
 """Where a bucket's tensors live, and the collectives that follow from it.
 
-A bucket is replicated (every rank holds it whole and all-reduces it) or sharded: each rank of
-a *shard group* holds one part of it, so its gradient is reduce-scattered over that group and,
-after the update, its parts all-gathered over it. With hybrid sharding (a 2-D ``DeviceMesh``,
-FSDP2's HSDP convention: dim 0 replicates, dim 1 shards) the shard groups are themselves
-replicas of one another: after the reduce-scatter each rank's part is all-reduced over its
-*replicate group* (the ranks holding the same part in the other shard groups), so the link
-between groups carries 1/S of the bytes with S ranks per shard group.
+A bucket is replicated (every rank holds it whole and all-reduces it) or sharded: each rank of a
+*shard group* holds one part of it, so its gradient is reduce-scattered over that group and, after
+the update, its parts all-gathered over it. With hybrid sharding (a 2-D ``DeviceMesh``, FSDP2's HSDP
+convention: dim 0 replicates, dim 1 shards) the shard groups are replicas of one another: after the
+reduce-scatter each rank's part is all-reduced over its *replicate group* (the ranks holding the same
+part in the other shard groups), so the link between groups carries 1/S of the bytes with S ranks
+per shard group.
 
-:class:`Placement` is that fact as a value, planned once and read by every sharded mode:
-``sharding="optimizer"`` (:mod:`graphddp.optim.shard_functions` traces its bucket's reduce and
-gather from it) and ``sharding="full"`` (:mod:`graphddp.frontend.parts` gathers each parameter
-and reduces its gradient through it; :mod:`graphddp.graph.part_collectives` buckets them through
-it). The functions below are traced into graphs, so both modes issue the same collectives, in
-the same order, from one definition; a placement's cost is :meth:`Placement.reduce_seconds`. A
-replicated bucket's is :class:`Whole` (:mod:`graphddp.graph.bucket_function`): its reduce the all-reduce.
+:class:`Placement` is that fact as a value, planned once and read by every sharded mode. Its
+collectives are traced into the graphs, so ``sharding="optimizer"`` and ``sharding="full"`` issue the
+same collectives, in the same order, from one definition. A replicated bucket's is :class:`Whole`.
 
-Group names differ between ranks of different shard groups (each group registers its own), so
-a schedule's fingerprint keeps the sizes only (:meth:`Placement.shape`).
+Group names differ between ranks of different shard groups (each group registers its own), so a
+schedule's fingerprint keeps the sizes only (:meth:`Placement.shape`).
 """
 from __future__ import annotations
 
@@ -76,8 +72,8 @@ class Placement:
 
     def issue_reduce(self, scaled: torch.Tensor) -> torch.Tensor:
         """The reduce of a flat buffer already divided by :attr:`world`, over the shard group: the
-        reduce-scatter of a rank-major buffer (``[shard size, part]``), or :class:`Whole`'s
-        all-reduce; returns what :meth:`finish_reduce` waits on."""
+        reduce-scatter of a rank-major buffer (``[shard size, part]``), or :class:`Whole`'s all-reduce;
+        returns what :meth:`finish_reduce` waits on."""
         return self._lowered(self.reduce_kind).issue(scaled, self.shard.name, self.shard.size)
 
     def finish_reduce(self, pending: torch.Tensor, tag: Any = None) -> torch.Tensor:
@@ -88,9 +84,9 @@ class Placement:
         return self.average_replicas(done, tag)
 
     def average_replicas(self, done: torch.Tensor, tag: Any = None) -> torch.Tensor:
-        """A reduce-scatter's finished part, all-reduced over the replicate group and waited
-        (hybrid), or as it is: the tail of :meth:`finish_reduce`, on its own for a graph that
-        issued the reduce-scatter itself (``sharding="full"``'s backward of a gather)."""
+        """A reduce-scatter's finished part, all-reduced over the replicate group and waited (hybrid),
+        or as it is: the tail of :meth:`finish_reduce`, on its own for a graph that issued the
+        reduce-scatter itself (``sharding="full"``'s backward of a gather)."""
         if not self.hybrid:
             return done
         assert self.replicate is not None
@@ -111,10 +107,9 @@ class Placement:
     # -- cost ------------------------------------------------------------------------------------
 
     def reduce_seconds(self, cost: CostModel, nbytes: int) -> float:
-        """Link time of one bucket's reduce (``nbytes`` whole): the reduce-scatter over the shard
-        group, then, hybrid, the all-reduce of a part (1/S of the bytes) over the replicate group,
-        whose ranks lie ``S`` apart (on a :class:`~graphddp.values.prediction.Topology` each level
-        is priced on the link it crosses)."""
+        """Link time of one bucket's reduce (``nbytes`` whole): the reduce-scatter over the shard group,
+        then, hybrid, the all-reduce of a part (1/S of the bytes) over the replicate group, whose ranks
+        lie ``S`` apart (on a :class:`~graphddp.values.prediction.Topology`, another link)."""
         seconds = kind(self.reduce_kind).seconds(cost, nbytes, self.shard.size)
         if self.hybrid:
             assert self.replicate is not None

@@ -1,12 +1,8 @@
 """The cost model's values: the machine a prediction assumes, and the backward it predicts.
 
-A :class:`CostModel` holds a rank's machine parameters (link bandwidth and latency, compute,
-memory, per-op overheads); :func:`graphddp.plan.cost.simulate` prices a Schedule with one and
-returns a :class:`Timeline`. Both are plain immutable values, like the Schedule that records
-the cost model it was planned under (``bucket_cap_mb="auto"``), so they live in the bottom
-layer beside it; they have their own module because neither needs a bucket or a graph, and
-:mod:`graphddp.values.schedule` re-exports them so every value type keeps one import path.
-This module imports nothing from graphddp.
+Plain immutable values, like the Schedule that records the cost model it was planned under, so they
+live in the bottom layer; a module of their own because neither needs a bucket or a graph
+(:mod:`graphddp.values.schedule` re-exports them). This module imports nothing from graphddp.
 """
 from __future__ import annotations
 
@@ -73,22 +69,20 @@ class CostModel:
                 + f" ({self.source})")
 
     def ring_seconds(self, steps: int, wire_nbytes: float) -> float:
-        """A ring collective of ``steps`` latency-bound steps that puts ``wire_nbytes`` on each
-        rank's link: the alpha-beta time every collective kind is priced with
-        (:mod:`graphddp.values.collectives` says how many steps and bytes each kind takes)."""
+        """A ring collective of ``steps`` latency-bound steps that puts ``wire_nbytes`` on each rank's
+        link: the alpha-beta time every collective kind is priced with."""
         return steps * self.latency_us * 1e-6 + wire_nbytes * 8 / (self.bandwidth_gbps * 1e9)
 
     def allreduce_seconds(self, nbytes: int, world_size: int) -> float:
-        """A ring all-reduce of ``nbytes`` per rank (``graphddp.values.collectives.ALL_REDUCE.seconds``):
-        ``2 (p-1)`` steps, ``2 (p-1)/p`` of the bytes on the wire."""
+        """A ring all-reduce of ``nbytes`` per rank, as ``ALL_REDUCE.seconds`` prices it."""
         if world_size <= 1:
             return 0.0
         steps = 2 * (world_size - 1)
         return self.link(world_size).ring_seconds(steps, steps / world_size * nbytes)
 
     def link(self, size: int, stride: int = 1) -> "CostModel":
-        """The one link a ring over ``size`` ranks, ``stride`` ranks apart, runs at: this model's
-        own, for a single link; :class:`Topology` says which of its two levels the ring crosses."""
+        """The one link a ring over ``size`` ranks, ``stride`` ranks apart, runs at: this model's own,
+        for a single link; :class:`Topology` says which of its two levels the ring crosses."""
         return self
 
     def scaled(self, compute: float, link: float) -> "CostModel":

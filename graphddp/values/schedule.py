@@ -1,13 +1,7 @@
-"""The value types of graphddp, the Schedule first: the one artifact that passes from planning
-to rewriting, to users and tests.
+"""The Schedule and its parts: the one artifact that passes from planning to rewriting, to users and tests.
 
-Everything here is immutable and holds only plain values (names, ints, strings), so it can be
-compared across ranks, hashed, serialised and rendered without touching a graph. With
-:mod:`graphddp.values.prediction` (the cost model and the predicted timeline, re-exported here)
-and :mod:`graphddp.values.schedule_table` (the Schedule's terminal table, a base class of it)
-this module is the bottom layer: it imports nothing else from graphddp. ``capture`` reads
-graphs into these values, ``planner`` and ``cost`` compute on them, ``render`` and the passes
-consume them.
+Everything here is immutable and holds only plain values (names, ints, strings), so it can be compared
+across ranks, hashed, serialised and rendered without touching a graph.
 """
 from __future__ import annotations
 
@@ -18,13 +12,12 @@ from typing import Mapping
 
 import torch
 
-# The cost model's values have a module of their own; every value type keeps this import path.
 from graphddp.values.prediction import BucketTiming, CostModel, Span, Timeline  # noqa: F401
 from graphddp.values.choice import PlacementChoice
 from graphddp.values.placement import Placement
 from graphddp.values.schedule_table import ScheduleTable, fields_of, plain, set_only
 
-# The value types, and the cost model's that this module re-exports (their import path).
+# The value types, and the cost model's that this module re-exports: every value type keeps this import path.
 __all__ = [
     "SCHEMA_VERSION", "WAIT_AT_OUTPUT", "Bucket", "BucketTiming", "CostModel", "GradSlot", "GraphFacts", "NodeFact",
     "Schedule", "Span", "Timeline", "dtype_name",
@@ -51,17 +44,16 @@ class GradSlot:
     nbytes: int
     producer: str  # name of the node that finalises this gradient
     position: int  # topological index of ``producer``: the production order
-    # Backward-graph inputs (positions) of the output gradients this gradient is computed from.
-    # When every one of them was None at run time (an output left out of the loss), the
-    # parameter was not used in this step: see :attr:`Schedule.may_be_unused`.
+    # Backward-graph inputs (positions) of the output gradients this gradient is computed from: when every
+    # one was None at run time (an output left out of the loss), the parameter went unused (runtime.usage).
     sources: tuple[int, ...] = ()
 
     @property
     def zero_filled(self) -> bool:
-        """This graph produces no gradient for the parameter, but its bucket keeps its place
-        and carries zeros there, as DDP's bucket does for a parameter unused in a step: a
-        recompile that stopped a parameter's gradient (``requires_grad`` toggled) keeps the
-        buckets a traced hook and its state were made for. No gradient is returned for it."""
+        """This graph produces no gradient for the parameter, but its bucket keeps its place and carries
+        zeros there, as DDP's bucket does for a parameter unused in a step: a recompile that stopped a
+        parameter's gradient (``requires_grad`` toggled) keeps the buckets a traced hook and its state
+        were made for. No gradient is returned for it."""
         return self.output_index < 0
 
     def zero_filled_copy(self) -> "GradSlot":
@@ -95,12 +87,12 @@ WAIT_AT_OUTPUT = "output"
 
 @dataclasses.dataclass(frozen=True)
 class Bucket:
-    """Gradients reduced by one all-reduce, in the order they are laid out in the flat buffer.
+    """Gradients reduced by one collective, in the order they are laid out in the flat buffer.
 
-    ``issue_after`` is the node that finalises the bucket's last gradient: the all-reduce is
-    issued right after it. ``wait_before`` is the first node that reads a reduced gradient;
-    the wait sits just before it. ``overlap`` names the compute nodes in between, the work
-    that can hide this bucket's communication.
+    ``issue_after`` is the node that finalises the bucket's last gradient: the collective is issued
+    right after it. ``wait_before`` is the first node that reads a reduced gradient; the wait sits just
+    before it. ``overlap`` names the compute nodes in between, the work that can hide this bucket's
+    communication.
     """
 
     index: int
@@ -113,8 +105,7 @@ class Bucket:
     comm_dtype: str | None = None  # set by a compression hook: the dtype on the wire
     collective: str = "all_reduce"  # the kind that merges the bucket (graphddp.values.collectives)
     # A sharded bucket (collective "reduce_scatter"): where the all-gather of its updated parts
-    # completes, "backward" (at the backward's end) or "forward" (in the next forward, before
-    # its parameters are first read); None for every other bucket.
+    # completes, "backward" or "forward" (before its parameters are first read); None for every other bucket.
     gather: str | None = None
     # Parameters whose optimizer update runs in the graph right after this bucket's wait
     # (``graphddp.compile(..., optimizer=)``); their gradients are not returned.
@@ -125,9 +116,9 @@ class Bucket:
     hook_wire_nbytes: int | None = None
 
     def wire(self) -> tuple:
-        """What this bucket puts on the wire (:meth:`Schedule.wire_layout`): dtype, device
-        type, wire dtype, hook, bytes and the ordered (parameter name, shape) list."""
-        kind = () if self.collective == "all_reduce" else (self.collective,)  # as before kinds, for all-reduce
+        """What this bucket puts on the wire (:meth:`Schedule.wire_layout`): dtype, device type (the index
+        may differ per rank), wire dtype, hook, bytes and the ordered (parameter name, shape) list."""
+        kind = () if self.collective == "all_reduce" else (self.collective,)  # the default kind goes unnamed
         if self.gather is not None:  # ranks must gather at the same point: part of what they agree on
             kind += (self.gather,)
         return (
@@ -179,20 +170,16 @@ class Schedule(ScheduleTable):
     nodes: tuple[NodeFact, ...] = ()  # the backward graph, in order, with cost inputs
     last_bucket_cap_mb: float | None = None  # cap of the exposed tail bucket (None: off)
     optimizer: str | None = None  # the update compiled after the waits (graphddp.optim.attached), if any
-    # max_grad_norm: the updates scale the gradients to this global L2 norm first. The norm
-    # needs every bucket's average, so every update waits for the last bucket (update_after).
+    # The updates clip the gradients to this global norm first (update_after says where they then run).
     max_grad_norm: float | None = None
     grad_norm_type: float = 2.0  # the p of that norm (clip_grad_norm_'s norm_type); inf: the largest |g|
-    # bucket_cap_mb="auto": the cost model whose predicted backward these buckets minimise
-    # (graphddp.plan.auto); the caps above are then None.
+    # bucket_cap_mb="auto": the cost model whose predicted backward these buckets minimise; the caps are then None.
     cost_model: CostModel | None = None
-    # The agreement is read at the first bucket's issue, not before the backward
-    # (graphddp.runtime.gate): each all-reduce runs on the gate of group_name, which divides
-    # by world_size (so the graph does not), adds what was carried from no_sync, or holds the
-    # bucket when the ranks' steps differ.
+    # The agreement is read at the first bucket's issue, not before the backward (graphddp.runtime.gate):
+    # each all-reduce runs on the gate of group_name, which divides by world_size (so the graph does
+    # not), adds what was carried from no_sync, or holds the bucket when the ranks' steps differ.
     gated: bool = False
-    # Where the sharded buckets' parts live (collective "reduce_scatter"; graphddp.values.placement):
-    # their groups, set with the sharding (plan.planner.with_sharding); None without one.
+    # Where the sharded buckets' parts live, set with the sharding; None without one.
     placement: Placement | None = None
     # sharding="auto": what it weighed and chose (graphddp.plan.choose); None when sharding was given.
     choice: PlacementChoice | None = None
@@ -202,10 +189,10 @@ class Schedule(ScheduleTable):
         return len(self.buckets)
 
     def update_after(self, index: int) -> int:
-        """The bucket whose wait bucket ``index``'s in-graph update follows: its own, so that it
-        runs while later buckets are still on the wire; with ``max_grad_norm`` the last one,
-        since the clip coefficient needs every bucket's average. The one place that decides it:
-        the update pass places updates by it and the verifier checks them against it."""
+        """The bucket whose wait bucket ``index``'s in-graph update follows: its own, so that it runs
+        while later buckets are still on the wire; with ``max_grad_norm`` the last one, since the clip
+        coefficient needs every bucket's average. The one place that decides it: the update pass places
+        updates by it and the verifier checks them against it."""
         return self.buckets[-1].index if self.max_grad_norm is not None and self.buckets else index
 
     @property
@@ -219,9 +206,9 @@ class Schedule(ScheduleTable):
     def structure_error(self) -> str | None:
         """Why this schedule is malformed on its own (no graph needed), or None.
 
-        Bucket ``i`` must sit at position ``i`` (the rewrite tags its nodes ``i``), and no output
-        may be planned into two buckets (it would be reduced twice). The rewrite refuses such a
-        schedule before editing, and the verifier checks it again after.
+        Bucket ``i`` must sit at position ``i`` (the rewrite tags its nodes ``i``), and no output may be
+        planned into two buckets (it would be reduced twice). The rewrite refuses such a schedule
+        before editing, and the verifier checks it again after.
         """
         seen: dict[int, int] = {}
         for position, bucket in enumerate(self.buckets):
@@ -239,7 +226,6 @@ class Schedule(ScheduleTable):
         return None
 
     def to_dict(self) -> dict:
-        # Fields written only when set: plans made without them keep their JSON and fingerprint.
         data = set_only(plain(self), max_grad_norm=None, grad_norm_type=2.0, gated=False, placement=None, choice=None)
         if "grad_norm_type" in data:
             data["grad_norm_type"] = str(self.grad_norm_type)  # "inf": JSON has none
@@ -271,18 +257,17 @@ class Schedule(ScheduleTable):
     def wire_layout(self) -> tuple[int, tuple]:
         """What goes on the wire, and nothing else: what ranks must agree on.
 
-        ``(world_size, buckets)`` with, per bucket in issue order, dtype, device type (the
-        index may differ per rank), wire dtype and the ordered (parameter name, shape) list.
-        Node names, positions and overlap windows are left out: two ranks whose compute
-        differs but whose layouts are equal reduce the same gradients.
+        ``(world_size, buckets)`` with each bucket's :meth:`Bucket.wire`, in issue order. Node names,
+        positions and overlap windows are left out: two ranks whose compute differs but whose layouts
+        are equal reduce the same gradients.
         """
         placed = () if self.placement is None or not self.placement.hybrid else (self.placement.shape(),)
         return (self.world_size, *placed), tuple(b.wire() for b in self.buckets)
 
     def renamed(self, names: Mapping[str, str]) -> "Schedule":
-        """This plan for other parameters of the same shapes: Dynamo runs one compiled graph for
-        several modules of one class when their parent's frame runs eagerly (a graph break in a
-        loop), each call with that module's parameters (:mod:`graphddp.runtime.dispatch`)."""
+        """This plan for other parameters of the same shapes: Dynamo runs one compiled graph for several
+        modules of one class when their parent's frame runs eagerly (a graph break in a loop), each call
+        with that module's parameters."""
         buckets = tuple(
             dataclasses.replace(
                 b, slots=tuple(dataclasses.replace(s, param_name=names.get(s.param_name, s.param_name)) for s in b.slots),
@@ -295,8 +280,8 @@ class Schedule(ScheduleTable):
     def fingerprint(self) -> str:
         """Stable hash of the plan: equal across ranks and runs for the same model and options.
 
-        The process-group name is left out (it is a per-process registry key); the world size
-        and everything that decides what goes on the wire is in.
+        The process-group name is left out (it is a per-process registry key); the world size and
+        everything that decides what goes on the wire is in.
         """
         data = self.to_dict()
         data.pop("group_name")
@@ -314,9 +299,9 @@ class Schedule(ScheduleTable):
 
     @property
     def agreement_in_bucket(self) -> bool:
-        """Does this gated schedule's agreement ride in its bucket's all-reduce once the step is
-        steady (graphddp.runtime.steady): one plain all-reduce bucket on the CPU? The one
-        answer the runtime, the cost model and the table read."""
+        """Does this gated schedule's agreement ride in its bucket's all-reduce once the step is steady
+        (graphddp.runtime.steady): one plain all-reduce bucket on the CPU? The one answer the runtime,
+        the cost model and the table read."""
         if not self.gated or len(self.buckets) != 1:
             return False
         (b,) = self.buckets

@@ -1,10 +1,8 @@
 """Every mode's schedule as a terminal table, and what every schedule value answers.
 
-The table is the longest reader of a schedule and the only one that is prose (the caps or cost
-model it was planned under, where its agreement goes, what the sharded buckets gather and when,
-what the optimizer updates, what each rank holds); it lives apart from the value types so that
-``schedule.py`` and ``part_schedule.py`` hold what a schedule *is*. Both schedules derive from
-:class:`ScheduleValue` through their table, so the log, the CLI, ``graphddp.explain`` and
+The table is the longest reader of a schedule and the only one that is prose; it lives apart from the
+value types so that ``schedule.py`` and ``part_schedule.py`` hold what a schedule *is*. Both schedules
+derive from :class:`ScheduleValue` through their table, so the log, the CLI, ``graphddp.explain`` and
 :mod:`graphddp.render` read every mode's the same way.
 """
 from __future__ import annotations
@@ -23,7 +21,7 @@ MB = 1024 * 1024
 class ScheduleValue:
     """What a schedule of any mode answers: ``graph_index``, ``world_size``, ``to_table(timeline)``,
     ``to_dict()`` in JSON's types, ``fingerprint()`` (equal on ranks and runs with the same plan), and
-    ``predicted``: whether the cost model can time it, as the renderers of a timeline need."""
+    ``predicted``: whether the cost model can time it."""
 
     predicted: bool
 
@@ -51,11 +49,9 @@ class ScheduleTable(ScheduleValue):
         return "agreement read at bucket 0's issue"
 
     def to_table(self, timeline: Timeline | None = None) -> str:
-        """A terminal table: one row per bucket, in issue order.
-
-        With ``timeline`` (``graphddp.simulate(schedule, cost)``) each row gets its predicted
-        ready, start and end times, and a last line sums the step up.
-        """
+        """A terminal table: one row per bucket, in issue order. With ``timeline``
+        (``graphddp.simulate(schedule, cost)``) each row gets its predicted ready, start and end times,
+        and a last line sums the step up."""
         head = f"{'bucket':>6}  {'dtype':<9} {'device':<7} {'params':>6} {'numel':>10} {'MB':>8}  {'issue after':<22} {'overlap':>7}"
         hooked = any(b.hook for b in self.buckets)
         kinds = any(b.collective != "all_reduce" for b in self.buckets)
@@ -124,13 +120,10 @@ class ScheduleTable(ScheduleValue):
             )
         if self.optimizer:
             updated = sum(len(b.updates) for b in self.buckets)
-            if self.max_grad_norm is None:
-                lines.append(f"optimizer {self.optimizer}: {updated} of {len(self.param_names)} parameters updated in the graph, each right after its bucket's wait")
-            else:
-                lines.append(
-                    f"optimizer {self.optimizer}: {updated} of {len(self.param_names)} parameters updated in the graph, clipped to a global "
-                    f"L{self.grad_norm_type:g} norm of {self.max_grad_norm:g}: each bucket's gradient norms after its wait, every update after the last wait"
-                )
+            when = "each right after its bucket's wait" if self.max_grad_norm is None else (
+                f"clipped to a global L{self.grad_norm_type:g} norm of {self.max_grad_norm:g}: each bucket's gradient norms "
+                "after its wait, every update after the last wait")
+            lines.append(f"optimizer {self.optimizer}: {updated} of {len(self.param_names)} parameters updated in the graph, {when}")
             late = [n for b in self.buckets for n in b.param_names if n not in b.updates]
             if late:
                 lines.append(f"updated after the backward instead (see graphddp.optim.attached): {', '.join(late)}")
