@@ -246,7 +246,6 @@ class AttachedOptimizer(LossScaled):
         """``step``/``zero_grad`` become no-ops on the instance, as bound methods: LR schedulers
         wrap ``optimizer.step`` through its ``__func__``."""
         optimizer = self.optimizer
-        step: Any = types.MethodType(attached_step, optimizer)
         if hasattr(optimizer.step, "_wrapped_by_lr_sched"):  # a scheduler came first: keep its mark
 
             def step(*args: Any, **kwargs: Any) -> None:
@@ -254,7 +253,9 @@ class AttachedOptimizer(LossScaled):
                 attached_step(optimizer, *args, **kwargs)
 
             step._wrapped_by_lr_sched = True
-        optimizer.step = step
+            optimizer.step = step
+        else:
+            optimizer.step = types.MethodType(attached_step, optimizer)
         self.owns_step = True
         self.optimizer.zero_grad = types.MethodType(attached_zero_grad, self.optimizer)
         guards.watch(self)  # clipping p.grad is now an error; an enabled GradScaler's scale(loss) marks the step
