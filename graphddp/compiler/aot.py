@@ -2,10 +2,9 @@
 forward and backward passes as peers (:class:`Passes`), then inductor or plain FX code.
 
 Under ``inductor`` the passes run around ``compile_fx``'s ``inner_compile``, so that inductor's
-decompositions, partitioner and joint-graph passes run unchanged (a mode's ``joint`` pass as its
-``joint_custom_pre_pass``); under ``aot_eager`` and ``eager`` they are ``aot_autograd``'s
-compilers, and a mode that asks partitions by min-cut, as inductor does. A pass compiles a graph
-through a :class:`Compiler`, now or at first use (a variant a step may never need).
+decompositions, partitioner and joint-graph passes run unchanged; under ``aot_eager`` and
+``eager`` they are ``aot_autograd``'s compilers. A pass compiles a graph through a
+:class:`Compiler`, now or at first use (a variant a step may never need).
 """
 from __future__ import annotations
 
@@ -18,9 +17,9 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-# Each graphddp torch.compile counts its own recompiles (torch >= 2.13): by default every
-# torch.compile of the same code shares one recompile limit, so earlier compiles of the model's
-# class (explain's, auto's trace, another wrapper's) would push a later one into eager fallback.
+# Each graphddp torch.compile counts its own recompiles: by default every torch.compile of the same
+# code shares one recompile limit, so earlier compiles of the model's class (explain's, auto's
+# trace, another wrapper's) would push a later one into eager fallback.
 ISOLATED = {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
 
 
@@ -36,14 +35,14 @@ class Compiler:
     """How a pass compiles a graph: ``now(graph, extra=(), settings=None)`` returns its code,
     ``later(...)`` a call that compiles it the first time (``extra``: example inputs the graph
     reads beyond AOTAutograd's; ``settings``: inductor's, else the mode's for that graph).
-    ``in_place``: compiling rewrites the graph (inductor's does), so a graph kept is copied first."""
+    ``in_place``: compiling rewrites the graph (inductor's does)."""
 
     now: Callable[..., Any]
     later: Callable[..., Callable[[], Any]]
     in_place: bool
 
     def copy(self, graph: fx.GraphModule) -> fx.GraphModule:
-        """``graph`` to compile where the caller keeps it as it is: a copy if compiling rewrites it."""
+        """``graph`` to compile where the caller keeps it as it is."""
         return copy.deepcopy(graph) if self.in_place else graph
 
 
@@ -52,8 +51,9 @@ class Passes:
     """One mode's work on AOTAutograd's graphs. ``forward(graph, compiler, inference)`` and
     ``backward(graph, compiler)`` return what AOTAutograd runs; ``settings(graph)``: the inductor
     settings pinned for a graph; ``run(graph, inputs)``: a graph's code without inductor;
-    ``joint``: a pass on the joint graph before it is partitioned (a ``CustomGraphPass``, so
-    that inductor's caches key on it); ``min_cut``: partition by min-cut without inductor too."""
+    ``joint``: a pass on the joint graph before it is partitioned (inductor's
+    ``joint_custom_pre_pass``: a ``CustomGraphPass``, so that inductor's caches key on it);
+    ``min_cut``: partition by min-cut without inductor too, as inductor does."""
 
     forward: Callable[[fx.GraphModule, Compiler, bool], Any]
     backward: Callable[[fx.GraphModule, Compiler], Any]
@@ -68,8 +68,8 @@ def compile_aot(
     patches: dict[str, Any] | None = None, functorch: dict[str, Any] | None = None, this_compile: dict[str, Any] | None = None,
 ) -> Callable[..., Any]:
     """``gm`` through AOTAutograd and ``passes`` for ``backend``; with inductor, every graph
-    under the user's ``patches`` (and the joint pass), this call's under ``this_compile`` too
-    (not the variants compiled later), with AOTAutograd's ``functorch`` config patched."""
+    under the user's ``patches``, this call's under ``this_compile`` too (not the variants
+    compiled later), with AOTAutograd's ``functorch`` config patched."""
     if backend != "inductor":
         return _aot_eager(gm, example_inputs, passes)
     from torch._dynamo.convert_frame import compile_lock

@@ -1,21 +1,19 @@
 """Warm restarts: graphddp's compiled graphs from torch's compile caches, its plans beside them.
 
-AOTAutograd's cache makes a plain ``torch.compile`` restart fast, but a hit there would hand its
-backward straight to autograd, skipping graphddp's rewrite and its dispatcher; so graphddp sets
-its own key on the Dynamo graph module (``GM_ATTRIBUTE``, which AOTAutograd hashes into its key)
-and writes an :class:`Entry` beside AOTAutograd's (docs/compile-cache.md):
+A hit in AOTAutograd's cache would hand its backward straight to autograd, skipping graphddp's
+rewrite and its dispatcher; so graphddp sets its own key on the Dynamo graph module
+(``GM_ATTRIBUTE``, which AOTAutograd hashes into its key) and writes an :class:`Entry` beside
+AOTAutograd's (docs/compile-cache.md):
 
 * the key (:func:`plan_key`) covers every input of the plan but the cost model, the autocast
-  state included (AOTAutograd's own key held only whether autocast was on before torch 2.12, and
-  served a graph compiled under bf16 to a run under fp16, docs/gpu.md);
+  state (bf16 or fp16, not only on or off) included;
 * the cost model is checked, not keyed: ``bucket_cap_mb="auto"`` calibrates anew in every run,
   so this run's plan is made from the entry's facts (the planner is pure) and the cache is used
   only if its buckets are the cached ones (else ``compile_cache_replanned``);
 * a hit gives the cold graph: the hit catcher (inductor's post-compile hook) checks that exactly
   the code the entry names was loaded and hands AOTAutograd a :class:`CachedBackward`, which the
   same dispatcher as cold is bound to; without a matching entry it compiles cold
-  (``compile_cache_stale``); what the cache does not hold is derived on first use
-  (:mod:`graphddp.compiler.cache_derivation`);
+  (``compile_cache_stale``); what the cache does not hold is derived on first use;
 * ranks cannot disagree because one hit: a hit reproduces the plan a miss makes from the same
   options and cost model, the cache is file I/O only, and every synchronising backward still
   agrees on the wire layout in band.
@@ -81,12 +79,8 @@ class Key:
     """graphddp's cache key of one Dynamo graph, and what checks a cached plan against this run."""
 
     key: str
-    _facts: Callable[[torch.fx.GraphModule], Any]
+    facts: Callable[[torch.fx.GraphModule], Any]  # what the planner reads of the (untouched) backward graph
     _plan: Callable[[Any, tuple[str, ...]], Any]
-
-    def facts(self, backward: torch.fx.GraphModule) -> Any:
-        """What the planner reads of the (untouched) backward graph."""
-        return self._facts(backward)
 
     def plan(self, facts: Any, unreduced: tuple[str, ...]) -> Any:
         """The Schedule this run plans for a backward graph of these facts, never inside a fake mode."""
@@ -117,8 +111,8 @@ def plan_key(
     backend: Any, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], param_inputs: Mapping[int, str],
     graph_index: int, phase: str,
 ) -> Key | None:
-    """graphddp's cache key of one Dynamo graph (compiled by ``backend``, a
-    :class:`~graphddp.compiler.graph_compiler.GraphCompiler`), or None where it is not cached."""
+    """graphddp's cache key of one Dynamo graph compiled by ``backend`` (a GraphCompiler), or None
+    where it is not cached."""
     reason = None
     config = backend.config
     if not enabled():

@@ -3,8 +3,7 @@
 The ``no_sync`` variant and the rewritten FX graph (``record.graph``) are not in the cache: the
 first time a step or a user needs them, :class:`Derivation` compiles the Dynamo graph once more,
 cold, in the saved tracing context (inductor's compiles hit its FX-graph cache), and checks that
-the forward, the backward and the plan are exactly the cached ones. Apart from
-:mod:`graphddp.compiler.cache`, which is file I/O and key arithmetic.
+the forward, the backward and the plan are exactly the cached ones.
 """
 from __future__ import annotations
 

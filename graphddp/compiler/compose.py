@@ -2,10 +2,9 @@
 each pass ``fn(gm, plan, **opts) -> plan`` (None: the plan is unchanged).
 
 Lists, so that a feature adds its pass where it belongs (the optimizer's update after the
-collectives, a sharded mode's forward all-gathers) once for every compile path (aot_eager, eager,
-inductor, a warm restart's derivation), as Inductor's ``bucketing.py`` and torchtitan's SimpleFSDP
-compose. AOTAutograd hands over the forward graph first; what a pass learns for a later one goes
-into ``opts["shared"]`` (:class:`Shared`), one per Dynamo graph.
+collectives) once for every compile path (aot_eager, eager, inductor, a warm restart's
+derivation). AOTAutograd hands over the forward graph first; what a pass learns for a later one
+goes into ``opts["shared"]`` (:class:`Shared`), one per Dynamo graph.
 """
 from __future__ import annotations
 
@@ -64,7 +63,7 @@ def insert_comm(
     carry: bool = False, **_: Any,
 ) -> Schedule:
     """Each bucket's collective (its kind, or the traced hook) and its wait; with a hook, the bytes
-    its collectives put on the wire; ``carry``: the carrying variant. One rank: nothing."""
+    its collectives put on the wire. One rank: nothing."""
     if any(b.collective == "reduce_scatter" for b in plan.buckets):  # the all-reduce variant starts from it
         shared.before_comm = copy.deepcopy(gm)
     if world_size == 1:

@@ -1,7 +1,7 @@
 """``gather="forward"``: each training forward graph as a :class:`ForwardDispatch`, and its slot
-variant (:mod:`graphddp.optim.insert_gather`). A forward is compiled before its backward is
-planned, which decides what it all-gathers; so a copy of its graph is kept, and the variant that
-takes the all-gathers is built from it and compiled the first time a step needs it.
+variant. A forward is compiled before its backward is planned, which decides what it
+all-gathers; so a copy of its graph is kept, and the variant that takes the all-gathers is built
+from it and compiled the first time a step needs it.
 """
 from __future__ import annotations
 

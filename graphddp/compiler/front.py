@@ -1,10 +1,8 @@
-"""What every mode's torch.compile backend does for a Dynamo graph around the mode's passes
-(:func:`graphddp.compiler.aot.compile_aot`; the replicated and ``sharding="optimizer"`` rewrite in
-:mod:`graphddp.compiler.graph_compiler`, full sharding's in :mod:`graphddp.compiler.full`), written
-once in :class:`GraphFront`: the inputs named as the module's parameters, the inductor settings
-checked, an index per Dynamo graph, and at run time each forward call's backward node found,
-tagged as the optimizer's and told which output gradients were None (an unused parameter's
-gradient stays None, :mod:`graphddp.runtime.usage`), before the mode records the call in its step.
+"""What every mode's torch.compile backend does for a Dynamo graph around the mode's passes,
+written once in :class:`GraphFront`: the inputs named as the module's parameters, the inductor
+settings checked, an index per Dynamo graph, and at run time each forward call's backward node
+found, tagged as the optimizer's and told which output gradients were None (an unused
+parameter's gradient stays None), before the mode records the call in its step.
 """
 from __future__ import annotations
 
@@ -22,13 +20,13 @@ from graphddp.runtime.variants import compiled_backward_node
 
 
 class GraphFront:
-    """A ``torch.compile`` backend's part that every mode shares (module docstring). A mode
-    supplies ``compile_graph(gm, example_inputs, param_inputs, patches, index)``: its passes,
-    returning :meth:`runtime` of the compiled forward; and what a forward call means to its step:
+    """A ``torch.compile`` backend's part that every mode shares. A mode supplies
+    ``compile_graph(gm, example_inputs, param_inputs, patches, index)``: its passes, returning
+    :meth:`runtime` of the compiled forward; and what a forward call means to its step:
     ``before_call(index, param_inputs, renamed)``, whose result the other two are given,
     ``wants_node(before, noting, renamed)`` (finding the backward node walks the outputs' autograd
-    graph) and ``forward_ran(index, node, before, renamed)``. ``optimizer``: the
-    attached optimizer whose backward nodes are tagged (a GradScaler's scale marks the step through them)."""
+    graph) and ``forward_ran(index, node, before, renamed)``. ``optimizer``: the attached
+    optimizer whose backward nodes are tagged (a GradScaler's scale marks the step through them)."""
 
     optimizer: Any = None
     tracked: Callable[[], bool] = staticmethod(lambda: True)  # which forward calls go through the record

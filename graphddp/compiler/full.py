@@ -4,13 +4,10 @@ gathers of parts tagged for recomputation when the forward reshards.
 With full sharding the collectives are in the graphs before graphddp sees them: every
 parameter read is an all-gather of the ranks' parts (:mod:`graphddp.frontend.parts`) and
 AOTAutograd derives its reduce-scatter in the backward. What this module adds is which graph
-gathers what (forward only, or again in the backward: :mod:`graphddp.graph.reshard`), where in
-each graph the collectives are issued and waited, in buckets
-(:mod:`graphddp.graph.part_collectives`, then kept in that order by inductor), the check of that
-placement, what each graph does (:mod:`graphddp.graph.describe_parts`), and each backward's
-variant that updates its parts (:mod:`graphddp.compiler.full_updates`). The buckets' cap is
-planned per graph from the cost model (:mod:`graphddp.plan.parts`) unless
-``bucket_cap_mb`` gives one.
+gathers what (forward only, or again in the backward), where in each graph the collectives are
+issued and waited, in buckets (kept in that order by inductor), the check of that placement,
+what each graph does, and each backward's variant that updates its parts. The buckets' cap is
+planned per graph from the cost model unless ``bucket_cap_mb`` gives one.
 """
 from __future__ import annotations
 
@@ -26,7 +23,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from graphddp.compiler.aot import Compiler, Passes, compile_aot
 from graphddp.compiler.front import GraphFront
-from graphddp.compiler.full_updates import Compile, PartUpdates, UpdatingBackward
+from graphddp.compiler.full_updates import Compile, PartUpdates, UpdatingBackward, part_gradients
 from graphddp.compiler.record import UPDATING, GraphRecord
 from graphddp.config import MB, DDPConfig
 from graphddp.config.inductor_settings import INDUCTOR_FX_ORDER_CONFIG
@@ -47,9 +44,9 @@ from graphddp.values.placement import Placement, Whole
 class Compiled:
     """What the compiler of one fully sharded module keeps: a record of every compiled forward and
     backward graph with its plan (its buckets as planned and placed: ``model.schedules``) and a
-    backward's variant that updates its parts (:data:`UPDATING`). ``names_by_id``: the parts' names, by the
-    id of the part Dynamo passes as a graph input. ``updates``: the optimizer inside the
-    backward (:mod:`graphddp.compiler.full_updates`), None where it steps after it."""
+    backward's variant that updates its parts (:data:`UPDATING`). ``names_by_id``: the parts'
+    names, by the id of the part Dynamo passes as a graph input. ``updates``: the optimizer
+    inside the backward, None where it steps after it."""
 
     names_by_id: Mapping[int, str]
     world_size: int  # the ranks a part is cut over (the shard group's)
@@ -61,9 +58,8 @@ class Compiled:
 
 
 class FullyShardedCompiler(GraphFront):
-    """Full sharding's passes (:class:`_Graph`) behind the front every mode shares; a forward
-    call is recorded while grad mode is on, for the parts' update inside the backward
-    (:meth:`PartUpdates.forward_ran`)."""
+    """Full sharding's passes behind the front every mode shares; a forward call is recorded while
+    grad mode is on, for the parts' update inside the backward."""
 
     tracked = staticmethod(torch.is_grad_enabled)
 
@@ -97,9 +93,9 @@ class FullyShardedCompiler(GraphFront):
 
 class _Graph(CustomGraphPass):
     """One Dynamo graph's passes: with resharding, the joint graph's (inductor's joint-graph
-    pre-pass, with a key for its caches); each forward and backward placed (:func:`_placed`) and
-    kept with what it does (:class:`Compiled`), a backward with the parts' updates compiled in
-    a variant of its own beside the graph as it is."""
+    pre-pass, with a key for its caches); each forward and backward placed and kept with what it
+    does, a backward with the parts' updates compiled in a variant of its own beside the graph
+    as it is."""
 
     def __init__(self, config: DDPConfig, compiled: Compiled, index: int, names: Mapping[str, str]) -> None:
         self.config, self.compiled, self.index, self.names = config, compiled, index, names
@@ -113,8 +109,8 @@ class _Graph(CustomGraphPass):
 
     def __call__(self, joint: fx.Graph) -> None:
         """The joint graph's gathers tagged for the backward to gather again, but the backward's
-        first bucket (:func:`tag_regathers`: a bucket's cap, as planned for the whole graph); what
-        it keeps is read by the P5 check."""
+        first bucket (a bucket's cap, as planned for the whole graph); what it keeps is read by the
+        P5 check."""
         keep = bucket_cap(self.config, whole_bytes(joint), self.compiled.world_size, self.compiled.placement).nbytes
         self.kept = tag_regathers(joint, keep)
 
@@ -126,9 +122,7 @@ class _Graph(CustomGraphPass):
 
     def keep(self, gm: fx.GraphModule, backward: bool) -> UpdatingBackward | None:
         if backward:  # before the rewrite merges gradients into buckets
-            outs = gm.graph.output_node().args[0]
-            count = len(outs) if isinstance(outs, (list, tuple)) else 1
-            self.usage = GradientUsage.of_graph(gm, {i: self.names[input_name(i)] for i in range(count) if input_name(i) in self.names})
+            self.usage = GradientUsage.of_graph(gm, part_gradients(gm, self.names))
         else:
             reshard.mark_saved_outputs(gm)  # a user's output that views a gathered parameter is not kept for the backward
         plan = _placed(gm, self.config, self.compiled, backward, self.kept, tuple(self.names))
@@ -178,8 +172,7 @@ class _Graph(CustomGraphPass):
         group, names = self.compiled.group, tuple(usage.outputs)
 
         def dropping(args: list) -> Any:
-            """Gradients of the parts no rank used this step returned as None, and not
-            updated inside (:mod:`graphddp.runtime.usage`)."""
+            """Gradients of the parts no rank used this step returned as None, and not updated inside."""
             unused = GradientUsage.unused_anywhere(names, usage.unused(*self.none_outputs.take(), args), group)
             out = choose(args, unused) if choose is not None else plain(args)
             return GradientUsage.drop(out, usage.outputs, unused)
@@ -190,11 +183,8 @@ class _Graph(CustomGraphPass):
 
 def _placed(gm: fx.GraphModule, config: DDPConfig, compiled: Compiled, backward: bool, kept: Kept, parts: tuple[str, ...]) -> PartGraph:
     """The graph's collectives bucketed under :func:`bucket_cap` and placed where a step wants
-    them (:mod:`graphddp.graph.part_collectives`), checked after the rewrite when
-    ``config.verify`` (:mod:`graphddp.graph.verify`: every one of the ``parts``' gradients
-    reduced; a resharding forward may keep the gathers ``kept``; hybrid placement: each part
-    also averaged over the replicate group; a parameter held whole, over every rank). Returns
-    the buckets planned."""
+    them, checked after the rewrite when ``config.verify`` (a resharding forward may keep the
+    gathers ``kept``); returns the buckets planned."""
     placement, replicated = compiled.placement, compiled.replicated
     cap = bucket_cap(config, whole_bytes(gm.graph), compiled.world_size, placement)
     plan = place_part_collectives(gm.graph, "backward" if backward else "forward", cap, placement=placement, replicated=replicated)
@@ -207,9 +197,8 @@ def _placed(gm: fx.GraphModule, config: DDPConfig, compiled: Compiled, backward:
 def bucket_cap(config: DDPConfig, whole: int, world_size: int, placement: Placement | None = None) -> PartCap:
     """The cap of a graph's gather and reduce-scatter buckets, ``whole`` the bytes its
     collectives carry whole, ``world_size`` the ranks a part is cut over (``placement``'s shard
-    group, whose replicate group adds its all-reduce): ``bucket_cap_mb`` where given, else planned from the cost model
-    (:func:`graphddp.plan.parts.planned_cap_bytes`; ``config.cost``, calibrated when the
-    model was wrapped, or the given one)."""
+    group, whose replicate group adds its all-reduce): ``bucket_cap_mb`` where given, else planned
+    from ``config.cost`` (calibrated when the model was wrapped, or the given one)."""
     if isinstance(config.bucket_cap_mb, (int, float)):
         return PartCap(int(config.bucket_cap_mb * MB), "bucket_cap_mb")
     cost = config.cost

@@ -1,7 +1,6 @@
 """``sharding="full"``'s optimizer inside the backward: the variant of each backward graph that
-updates its parts (:func:`graphddp.optim.insert_update.insert_part_updates`), and at every
-backward the choice between it and the graph as compiled, which returns the parts' gradients to
-torch's ``opt.step()``.
+updates its parts, and at every backward the choice between it and the graph as compiled, which
+returns the parts' gradients to torch's ``opt.step()``.
 
 The user's loop does not change: ``opt.step()`` and ``opt.zero_grad()`` stay torch's. A part
 updated inside the backward has no gradient (``grad`` None), and torch's optimizers skip a
@@ -15,14 +14,13 @@ A backward updates inside where that is the whole step for its parts. Where a pa
 gradient accumulated by earlier micro-steps (the synchronising micro-step after ``no_sync``),
 the carrying variant adds it to this backward's gradient, updates, and leaves the part none.
 Otherwise the backward returns the gradients and ``opt.step()`` steps them, for one of the
-reasons of :meth:`graphddp.runtime.step.StepState.not_inside`. Each backward runs as every mode's
-does, through an :class:`~graphddp.runtime.variants.InGraphUpdate`; ``GraphDDP.updates`` counts
-each case: ``"inside"``, ``"inside, carried"``, or the reason.
+reasons of ``StepState.not_inside``. ``GraphDDP.updates`` counts each case: ``"inside"``,
+``"inside, carried"``, or the reason.
 
 Not inside the backward at all (every step through ``opt.step()``): optimizer classes other
 than ``torch.optim`` SGD, Adam and AdamW, and ``max_grad_norm`` (the global norm needs every
-gradient before any update). Refused by name, as for the replicated optimizer inside
-(:mod:`graphddp.optim.guards`): ``clip_grad_norm_`` on the parts (``max_grad_norm=`` does it).
+gradient before any update). ``clip_grad_norm_`` on the parts is refused by name, as for the
+replicated optimizer inside (``max_grad_norm=`` does it).
 """
 from __future__ import annotations
 
@@ -55,6 +53,18 @@ class UpdatingBackward:
 
 
 Compile = Callable[[], Callable[[list], Any]]  # a variant's compiled code, compiled at the first call if not before
+
+
+def part_values(gm: fx.GraphModule, names: Mapping[str, str]) -> dict[str, Any]:
+    """The fake values of the parts ``gm`` reads, by part name (``names``: input name -> part)."""
+    return {names[n.name]: n.meta["val"] for n in gm.graph.find_nodes(op="placeholder") if n.name in names}
+
+
+def part_gradients(gm: fx.GraphModule, names: Mapping[str, str]) -> dict[int, str]:
+    """A backward's outputs that are parts' gradients (input ``i``'s at output ``i``), by index."""
+    outs = gm.graph.output_node().args[0]
+    count = len(outs) if isinstance(outs, (list, tuple)) else 1
+    return {i: names[input_name(i)] for i in range(count) if input_name(i) in names}
 
 
 class PartUpdates:
@@ -92,20 +102,15 @@ class PartUpdates:
     def forward_compiled(self, index: int, gm: fx.GraphModule, names: Mapping[str, str]) -> None:
         """Keep the fake values of the parts a forward graph reads (their storages: what a
         backward input aliasing one is found by)."""
-        values = {names[n.name]: n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder" and n.name in names}
-        self.forward_values[index] = values
+        values = self.forward_values[index] = part_values(gm, names)
         self.entries[index] = self.step.add_graph(None, values).index
 
     def backward_variant(self, index: int, gm: fx.GraphModule, names: Mapping[str, str]) -> UpdatingBackward | None:
         """``gm`` (placed, checked) with its parts' updates, on a copy; None when it updates none."""
-        outs = gm.graph.output_node().args[0]
-        if not isinstance(outs, (list, tuple)):
+        if not isinstance(gm.graph.output_node().args[0], (list, tuple)):
             return None
-        grads = {i: names[input_name(i)] for i in range(len(outs)) if input_name(i) in names}
-        values = dict(self.forward_values.get(index, {}))
-        for node in gm.graph.nodes:  # a part the backward reads: its own input's value
-            if node.op == "placeholder" and node.name in names:
-                values[names[node.name]] = node.meta["val"]
+        grads = part_gradients(gm, names)
+        values = {**self.forward_values.get(index, {}), **part_values(gm, names)}  # a part the backward reads: its own input's
         stepped = [n for n in grads.values() if n in values and self.attached.rule(n) is not None]  # the optimizer holds them
         if not stepped:
             return None
@@ -128,9 +133,8 @@ class PartUpdates:
 
     def backward(self, index: int, variant: UpdatingBackward, plain: Compile, updating: Compile, carrying: Compile) -> Callable[[list], Any]:
         """What AOTAutograd runs as graph ``index``'s backward: where the update inside is the
-        whole step for its parts, the updating variant (or, where they hold gradients
-        accumulated before, the carrying one, which adds them and leaves them none); else the
-        graph as compiled, returning their gradients to ``opt.step()``."""
+        whole step for its parts, the updating (or carrying) variant; else the graph as compiled,
+        returning their gradients to ``opt.step()``."""
         params = [self.attached.params[n] for n in variant.names]
 
         def allowed(unused: frozenset[str]) -> bool:

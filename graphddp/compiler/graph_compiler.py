@@ -1,13 +1,12 @@
 """The torch.compile backend of replicated and ``sharding="optimizer"`` models: graphddp's
-forward and backward passes (:mod:`graphddp.compiler.compose`, :mod:`graphddp.compiler.rewrite`)
-on every graph AOTAutograd splits a Dynamo graph into, before it is compiled
-(:mod:`graphddp.compiler.inductor`, through :func:`graphddp.compiler.aot.compile_aot`).
+forward and backward passes on every graph AOTAutograd splits a Dynamo graph into, before it is
+compiled (:mod:`graphddp.compiler.inductor`).
 
 Under inductor its comm reordering (``raise_comms``, ``sink_waits``) issues each all-reduce when
 its bucket is ready and waits late (inductor's defaults issue and wait back to back: no overlap).
-``aot_eager`` runs the graphs as plain FX code (fast to compile, for tests), ``eager`` node by node
-through :class:`torch.fx.Interpreter` (for a debugger). A traced hook with phases (PowerSGD) gets
-one rewritten graph per phase, compiled on first use.
+``aot_eager`` runs the graphs as plain FX code (fast to compile, for tests), ``eager`` node by
+node (for a debugger). A traced hook with phases (PowerSGD) gets one rewritten graph per phase,
+compiled on first use.
 """
 from __future__ import annotations
 
@@ -29,7 +28,7 @@ from graphddp.compiler.inductor import ReplicatedCompile
 from graphddp.compiler.record import CARRY, GraphRecord
 from graphddp.compiler.rewrite import BackwardRewrite
 from graphddp.compiler.updates import InGraphUpdates
-from graphddp.config import DDPConfig
+from graphddp.config import DEFAULT_BUCKET_CAP_MB, MB, DDPConfig
 from graphddp.graph.alias_outputs import copy_parameter_outputs
 from graphddp.graph.bucket_function import HookContext
 from graphddp.hooks.traced import HookState
@@ -46,10 +45,9 @@ from graphddp.values.comm import group_name_of
 class GraphCompiler(GraphFront, InGraphUpdates, HookRuntime, BackwardRewrite):
     """A torch.compile backend that rewrites every backward graph per the bucket plan.
 
-    Each Dynamo graph's backward comes in variants (:mod:`graphddp.runtime.dispatch`):
-    synchronising, local (``no_sync``) and, with an optimizer, without the update. Which one runs
-    is read from the step (:class:`graphddp.runtime.step.StepState`) at every forward call, never
-    at compile time: the backend tells the step what ran, it never decides a step's phase."""
+    Each Dynamo graph's backward comes in variants: synchronising, local (``no_sync``) and, with
+    an optimizer, without the update. Which one runs is read from the step at every forward call,
+    never at compile time: the backend tells the step what ran, it never decides a step's phase."""
 
     def __init__(
         self,
@@ -72,17 +70,17 @@ class GraphCompiler(GraphFront, InGraphUpdates, HookRuntime, BackwardRewrite):
         # A user's traced hook runs only where there is someone to talk to.
         self.hook = config.traced_hook if self.world_size > 1 else None
         self.hook_state = HookState(self.hook) if self.hook is not None else None
-        self._hook_context = HookContext(group, dict(parameters or {}))
         # By name: max_grad_norm asks which hold a gradient; a carrying backward takes their .grad.
         self.parameters = dict(parameters or {})
+        self._hook_context = HookContext(group, self.parameters)
         self.dispatches: dict[int, BackwardDispatch] = {}
         self.forward_slots = ForwardSlots(self.step.gathers, config.verify)  # gather="forward": the training forwards
         self.frames = FramePlans()  # what a recompile inherits from its frame's graphs
-        # The passes every graph goes through (graphddp.compiler.compose): features add theirs.
+        # The passes every graph goes through: features add theirs.
         self.forward_passes: list[Any] = [record_parameter_values]
         self.backward_passes: list[Any] = [insert_comm, verify_comm] + ([self._optimizer_pass] if optimizer is not None else [])
         self.rank = dist.get_rank(group)
-        # Where sharded buckets live (sharding="optimizer"; graphddp.values.placement): the sharded state's groups.
+        # Where sharded buckets live (sharding="optimizer"): the sharded state's groups.
         sharded = getattr(optimizer, "sharded", None)
         self.placement = sharded.placement if sharded is not None else None
         if optimizer is not None and config.sharding == "optimizer":  # which buckets are sharded: before the collectives
@@ -90,7 +88,7 @@ class GraphCompiler(GraphFront, InGraphUpdates, HookRuntime, BackwardRewrite):
         # Warnings about updates left to torch's step, once per graph and reason.
         self._warned: set[tuple[int, str]] = set()
         self.union = UnionAverage(
-            group, dict(parameters or {}), _cap_bytes(config), config.comm_dtype, self.hook, self.hook_state,
+            group, self.parameters, _cap_bytes(config), config.comm_dtype, self.hook, self.hook_state,
             self._hook_context, lambda: [d.schedule for d in self.dispatches.values()],
         )
         self.step.carry_ready = lambda index: index in self.dispatches and self.dispatches[index].can_carry
@@ -220,7 +218,5 @@ class GraphCompiler(GraphFront, InGraphUpdates, HookRuntime, BackwardRewrite):
 
 def _cap_bytes(config: DDPConfig) -> float:
     """The union average's bucket size: the user's cap, or DDP's default under an auto plan."""
-    from graphddp.config import DEFAULT_BUCKET_CAP_MB
-
     cap = config.bucket_cap_mb
-    return float(cap if isinstance(cap, (int, float)) else DEFAULT_BUCKET_CAP_MB) * 1024 * 1024
+    return float(cap if isinstance(cap, (int, float)) else DEFAULT_BUCKET_CAP_MB) * MB

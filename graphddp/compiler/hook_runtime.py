@@ -2,9 +2,8 @@
 
 Around the compiled graphs a traced hook still has run-time work: its state tensors as each
 graph's extra inputs, its eager work before a synchronising step, the eager hook on accumulated
-gradients after ``no_sync``, and the refusal of a gradient two graphs of a step split. These are
-the compiler's listeners on the step; :class:`HookRuntime` is mixed into GraphCompiler, whose
-attributes it reads.
+gradients after ``no_sync``, and the refusal of a gradient two graphs of a step split.
+:class:`HookRuntime` is mixed into GraphCompiler, whose attributes it reads.
 """
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ from graphddp.values.comm import BUCKET_KEY, ROLE_KEY
 
 
 class HookRuntime:
-    """GraphCompiler's run-time side of a user's traced hook, and its end-of-step listeners."""
+    """GraphCompiler's run-time side of a user's traced hook, and its listeners on the step."""
 
     def _hook_args(self, record: GraphRecord, graph_index: int) -> Callable[[], list[torch.Tensor]]:
         """The real state tensors of ``record``'s hook inputs, in input order (graphddp owns them)."""
@@ -63,8 +62,7 @@ class HookRuntime:
         code alone agrees here first (its first and only agreement)."""
         step = self.step
         if self.world_size > 1 and not step.divergent and step.eager and not step.probed:
-            # Only eager code gave gradients on this rank: its agreement is made here, and pairs
-            # with another rank's first backward graph, or with its own made here.
+            # pairs with another rank's first backward graph, or with its own made here
             step.agree(self.group, 0, "the gradients of eager code", False)
         if step.divergent and self.world_size > 1:
             self.union.run(step, self.hook_runs_now())

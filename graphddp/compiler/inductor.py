@@ -1,6 +1,6 @@
 """The replicated compiler's passes (and ``sharding="optimizer"``'s) through :func:`compile_aot`:
 the rewrite of each backward, inductor's pinned settings, variants compiled on first use, and warm
-restarts from the compile cache (:mod:`graphddp.compiler.cache`).
+restarts from the compile cache.
 """
 from __future__ import annotations
 
@@ -23,11 +23,11 @@ from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
 
 
 class ReplicatedCompile:
-    """One Dynamo graph of the replicated compiler (and ``sharding="optimizer"``'s) through
-    :func:`compile_aot`: each forward recorded (``record_forward``; ``gather="forward"``: its code
-    replaced by ``wrap_forward(graph, code, compile_graph)``), each backward rewritten into a
-    record per variant (``rewrite``) and run through ``dispatch``; the variant of the phase in use
-    now compiled now, the others at first use; with a ``cache`` key, the AOTAutograd cache on."""
+    """One Dynamo graph of the replicated compiler: each forward recorded (``record_forward``;
+    ``gather="forward"``: its code replaced by ``wrap_forward(graph, code, compile_graph)``), each
+    backward rewritten into a record per variant (``rewrite``) and run through ``dispatch``; the
+    variant of the phase in use now compiled now, the others at first use; with a ``cache`` key,
+    the AOTAutograd cache on."""
 
     def __init__(
         self, backend: str, gm: fx.GraphModule, record_forward: Callable[[fx.GraphModule], None],
@@ -42,9 +42,9 @@ class ReplicatedCompile:
 
     def compile(self, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         # The example inputs are passed down, never kept: they are the real tensors of Dynamo's first
-        # call (a graph after a break gets the previous graph's outputs: a GPT's logits), and the job
-        # lives as long as the compiled code does. Kept, they would hold a large model's first logits
-        # on the device for the whole run (docs/gpu.md); a later compile (a cache hit's derivation) fakes them.
+        # call (a graph after a break gets the previous graph's outputs: a GPT's logits), which this
+        # object would hold for as long as the compiled code lives; a later compile (a cache hit's
+        # derivation) fakes them.
         return self.cold(example_inputs) if self.cache is None else self.through_cache(self.cache, example_inputs)
 
     # -- the compile, with or without the AOTAutograd cache ---------------------------------------
@@ -92,7 +92,7 @@ class ReplicatedCompile:
             return finish(records, synced, grads, compiler.later(plain), compiled, facts)
 
         def run(graph: fx.GraphModule, _inputs: Sequence[Any]) -> Any:
-            """``aot_eager``: the graph's FX code; ``eager``: node by node through :class:`fx.Interpreter` (for a debugger)."""
+            """``aot_eager``: the graph's FX code; ``eager``: node by node through :class:`fx.Interpreter`."""
             return make_boxed_func(graph if self.backend != "eager" else lambda *args: fx.Interpreter(graph).run(*args))
 
         return Passes(forward, backward, pinned_config, run)

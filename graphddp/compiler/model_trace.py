@@ -2,14 +2,12 @@
 chooses from and what :func:`graphddp.predict_memory` predicts from.
 
 Why one trace: a placement changes the collectives, the optimizer's share and what is gathered,
-not the model's graphs, so every placement's step (:class:`graphddp.plan.step.StepFacts`) and
-memory (:class:`graphddp.plan.memory.MemoryFacts`) is read off the same graphs. The example
-batch's forward runs once through Dynamo and AOTAutograd as plain FX code, without a backward:
-each joint graph is partitioned both ways a run may (the default partition, and min-cut, which
-inductor and full sharding compile and which recomputes cheap activations in the backward), so
-the backward's graph is known without running it. What the trace holds is one forward's
-activations beside the whole parameters, which the module holds anyway before it is placed, and
-it leaves no mark on the module (buffers and random streams are put back).
+not the model's graphs, so every placement's step and memory facts are read off the same graphs.
+The example batch's forward runs once through Dynamo and AOTAutograd as plain FX code, without a
+backward: each joint graph is partitioned both ways a run may (the default partition, and
+min-cut, which inductor and full sharding compile), so the backward's graph is known without
+running it. The trace holds one forward's activations beside the whole parameters, which the
+module holds anyway before it is placed, and leaves no mark on the module.
 """
 from __future__ import annotations
 
@@ -31,6 +29,7 @@ from graphddp.graph.capture import extract_facts, graph_nodes, names_by_identity
 from graphddp.graph.liveness import liveness, saved_storages, value_bytes
 from graphddp.plan.memory import GraphMemory, MemoryFacts, ParamFact
 from graphddp.plan.step import StepFacts
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelTrace:
@@ -97,13 +96,11 @@ def _copy_graph(joint: fx.GraphModule) -> fx.GraphModule:
 
 def trace_model(module: nn.Module, example: Any, optimizer: torch.optim.Optimizer | None, min_cut: bool,
                 dynamic: bool | None = None, timed: bool = False, mp_policy: Any = None) -> ModelTrace:
-    """The trace of ``module`` on ``example`` (module docstring); ``min_cut``: the run's backend
-    partitions by min-cut (inductor). Static sizes unless ``dynamic``, as a run's first compile
-    has them, even where this process compiled the same code with other shapes before. ``timed``:
-    the traced code's forward and backward are timed too (:func:`time_example`), as AOTAutograd's
-    runtime runs the graphs op by op, which is what an ``aot_eager`` run's compute costs.
-    ``mp_policy``: full sharding's mixed-precision policy, traced as the run computes
-    (:func:`_computed_in`); the parameters' and the optimizer's facts stay their own."""
+    """The trace of ``module`` on ``example``; ``min_cut``: the run's backend partitions by min-cut
+    (inductor). Static sizes unless ``dynamic``, as a run's first compile has them. ``timed``: the
+    traced code's forward and backward are timed too, op by op as an ``aot_eager`` run computes.
+    ``mp_policy``: full sharding's mixed-precision policy, traced as the run computes; the
+    parameters' and the optimizer's facts stay their own."""
     tracer = _Tracer(module)
     compiled = torch.compile(module, backend=tracer, dynamic=dynamic, **ISOLATED)
     with torch.enable_grad(), _unchanged(module), first_compile_shapes(dynamic), _computed_in(module, example, mp_policy) as example:
@@ -138,11 +135,10 @@ def cast_floats(tree: Any, dtype: torch.dtype) -> Any:
 @contextlib.contextmanager
 def _computed_in(module: nn.Module, example: Any, policy: Any) -> Iterator[Any]:
     """The example to trace, with ``module`` computing as a run under the mixed-precision
-    ``policy`` computes: every floating parameter in the policy's ``param_dtype`` (the run
-    gathers each cast, and casts one it holds whole) and, where the policy casts forward inputs,
-    the example's floating tensors too. So the graphs' activations and gradients have the run's
-    dtypes, including what the model's own code keeps in float32. The parameters' own tensors
-    are put back after."""
+    ``policy`` computes: every floating parameter in the policy's ``param_dtype`` and, where the
+    policy casts forward inputs, the example's floating tensors too; so the graphs' activations
+    and gradients have the run's dtypes, including what the model's own code keeps in float32.
+    The parameters' own tensors are put back after."""
     dtype = getattr(policy, "param_dtype", None)
     cast = [p for p in module.parameters() if dtype is not None and p.is_floating_point() and p.dtype != dtype]
     own = [p.data for p in cast]
@@ -167,10 +163,9 @@ def _policy_itemsizes(policy: Any) -> dict[str, int]:
 def time_example(run: Any, example: Any, module: nn.Module, repeats: int = 2) -> tuple[float, float]:
     """Seconds of one forward of ``run`` (``module`` or a compiled form of it) on ``example`` and
     of its backward (the fastest of ``repeats`` after a warm-up): what this rank's cores take for
-    the model's ops, which node estimates miss. The backward is taken by
-    :func:`torch.autograd.grad` over the sum of every floating output, so no ``.grad`` is written
-    (0 seconds where no output it can read needs a gradient: nothing was timed); buffers and
-    random streams are put back."""
+    the model's ops, which node estimates miss. The backward is :func:`torch.autograd.grad` of
+    the sum of every floating output, so no ``.grad`` is written (0 seconds where no output needs
+    a gradient); buffers and random streams are put back."""
     import time
 
     params = [p for p in module.parameters() if p.requires_grad]
@@ -194,10 +189,10 @@ def time_example(run: Any, example: Any, module: nn.Module, repeats: int = 2) ->
 
 
 def floating_outputs(out: Any) -> Iterator[torch.Tensor]:
-    """The floating-point tensors of a model's output: a tensor, or inside any container
-    ``torch.utils._pytree`` knows (mappings, sequences, a Hugging Face output) and dataclasses and
-    namespaces, which it takes for leaves. The sum of those that need a gradient is the loss the
-    trace and ``explain`` take a backward of when none is given."""
+    """The floating-point tensors of a model's output: a tensor, or inside any container pytree
+    knows (mappings, sequences, a Hugging Face output) and the dataclasses and namespaces it takes
+    for leaves. The sum of those that need a gradient is the loss the trace and ``explain`` take a
+    backward of."""
     for leaf in tree_leaves(out):
         if isinstance(leaf, torch.Tensor):
             if leaf.is_floating_point():
@@ -210,9 +205,8 @@ def floating_outputs(out: Any) -> Iterator[torch.Tensor]:
 
 @contextlib.contextmanager
 def _unchanged(module: nn.Module) -> Iterator[None]:
-    """The trace's forward leaves no mark: the buffers it updates (BatchNorm's running
-    statistics) and the random streams it draws from (dropout) are put back, so the run's first
-    step is the step it would be without the trace."""
+    """The buffers the body updates (BatchNorm's running statistics) and the random streams it
+    draws from (dropout) put back, so the run's first step is the one it would be without it."""
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
@@ -228,8 +222,8 @@ def _unchanged(module: nn.Module) -> Iterator[None]:
 
 
 def _graph_memory(forward: fx.GraphModule, backward: fx.GraphModule, params: dict[int, str]) -> GraphMemory:
-    """A Dynamo graph's bytes (:class:`GraphMemory`); ``params``: its inputs that are parameters
-    (the backward's outputs at those positions are their gradients)."""
+    """A Dynamo graph's bytes; ``params``: its inputs that are parameters (the backward's outputs
+    at those positions are their gradients)."""
     same = saved_storages(forward)
     fw = liveness(forward, ())
     primals = [n for n in forward.graph.nodes if n.op == "placeholder"]

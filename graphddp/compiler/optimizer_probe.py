@@ -1,8 +1,6 @@
-"""What an optimizer holds and needs, read off probes of its class (never the user's
-optimizer or parameters): its state per parameter, the temporaries of its own ``step()``, and
-those of graphddp's update traced inside the backward. The state is read by stepping a probe
-with the user's hyperparameters on two small parameters per dtype, so that the state that grows
-with a parameter's size and the state that does not (Adam's ``step``) come out apart.
+"""What an optimizer holds and needs, read off probes of its class (never the user's optimizer
+or parameters): its state per parameter, the temporaries of its own ``step()``, and those of
+graphddp's update traced inside the backward.
 """
 from __future__ import annotations
 
@@ -29,7 +27,8 @@ def _hyper(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 def state_rules(optimizer: torch.optim.Optimizer | None, dtypes: set[torch.dtype]) -> tuple[StateRule, ...]:
     """Per dtype, the optimizer's state bytes of a parameter of n elements as ``per_element * n +
     fixed``: a probe of its class with its first group's hyperparameters, stepped once on a
-    parameter of 4 and one of 8 elements (a zero gradient: values do not matter, only sizes)."""
+    parameter of 4 and one of 8 elements, so that the state that grows with a parameter's size and
+    the state that does not (Adam's ``step``) come apart (a zero gradient: only sizes matter)."""
     if optimizer is None:
         return ()
     hyper = _hyper(optimizer)
@@ -90,9 +89,9 @@ def step_workspace(optimizer: torch.optim.Optimizer | None) -> float:
 
 
 def _traced_update(optimizer: torch.optim.Optimizer | None, n: int, device: torch.device) -> tuple[Any, tuple] | None:
-    """graphddp's update inside the backward for ``optimizer``'s first group (the function the
-    backward traces, and its arguments: a parameter of ``n`` elements on ``device``, its gradient,
-    state and hyperparameters); None where the optimizer is not one graphddp updates inside."""
+    """graphddp's update inside the backward for ``optimizer``'s first group and its arguments (a
+    parameter of ``n`` elements on ``device``, its gradient, state and hyperparameters); None where
+    the optimizer is not one graphddp updates inside."""
     from graphddp.optim.attached import SUPPORTED, UPDATES, _group_rule, fake_state, hyper_values
 
     if optimizer is None or type(optimizer).__name__ not in SUPPORTED:
@@ -120,7 +119,7 @@ _TIMED = 1 << 20  # elements the update is timed on: enough to run at the memory
 def update_seconds_per_byte(optimizer: torch.optim.Optimizer | None, device: torch.device) -> float | None:
     """graphddp's update inside the backward, op by op as aot_eager runs it, timed on one parameter
     of ``_TIMED`` elements on ``device``: seconds per byte of parameter, the fastest of three after
-    a warm-up. None where the optimizer is not one graphddp updates inside."""
+    a warm-up; None where the optimizer is not one graphddp updates inside."""
     traced = _traced_update(optimizer, _TIMED, device)
     if traced is None:
         return None

@@ -16,7 +16,7 @@ from graphddp.values.schedule import Schedule
 
 
 # The records' key of a graph's carrying variant: each bucket also takes the gradients
-# accumulated under no_sync (graphddp.graph.insert_comm, carry=True).
+# accumulated under no_sync.
 CARRY = "carry"
 # Full sharding's key of a backward's variant that updates its parts inside.
 UPDATING = "backward_update"
@@ -38,13 +38,12 @@ class GraphRecord:
     # the graph cannot update alone.
     without_update: fx.GraphModule | None = None
 
-    # A user hook with phases (graphddp.hooks.PowerSGD): every phase's record, this one included.
+    # A user hook with phases (PowerSGD): every phase's record, this one included.
     phases: dict[str, "GraphRecord"] = dataclasses.field(default_factory=dict)
     # With an optimizer: parameters whose update torch's step took over after the backward, by
     # reason (StepState.not_inside), as of the last step it happened.
     fallbacks: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
-    # Variants compiled beside the graph, by kind: the carrying one (CARRY), full sharding's
-    # backward that updates its parts inside (UPDATING).
+    # Variants compiled beside the graph, by kind (CARRY, UPDATING).
     variants: dict[str, "GraphRecord"] = dataclasses.field(default_factory=dict)
 
     @property

@@ -24,8 +24,7 @@ log = logging.getLogger("graphddp")
 
 
 class BackwardRewrite:
-    """GraphCompiler's plan and rewrite of one backward graph, and the configuration's facts
-    that decide its variants."""
+    """GraphCompiler's plan and rewrite of one backward graph (module docstring)."""
 
     def carries(self) -> bool:
         """Can a step after ``no_sync`` carry its accumulated gradients into the compiled buckets
@@ -34,9 +33,9 @@ class BackwardRewrite:
         return self.world_size > 1 and self.hook is None and self.config.sharding in (None, "optimizer")
 
     def gates(self) -> bool:
-        """Are this configuration's graphs gated (:mod:`graphddp.runtime.gate`)? Where every bucket
-        can be held local unchanged: replicated buckets, the built-in hook, no compression, no
-        optimizer inside the backward, and ranks to agree with."""
+        """Are this configuration's graphs gated? Where every bucket can be held local unchanged:
+        replicated buckets, the built-in hook, no compression, no optimizer inside the backward,
+        and ranks to agree with."""
         return (
             self.carries() and self.optimizer is None and self.config.comm_dtype is None
             and agrees_at_run_time(self.group)
@@ -70,7 +69,7 @@ class BackwardRewrite:
         return schedule
 
     def frame_plans(self, graph_index: int) -> list[Any]:
-        """The plans :meth:`plan_graph` may reuse for graph ``graph_index`` (the compile cache's key)."""
+        """The plans :meth:`plan_graph` may reuse for graph ``graph_index`` (for the compile cache's key)."""
         return self.frames.names(self._frame(graph_index))
 
     def rewrite_backward(

@@ -3,9 +3,8 @@
 Each backward graph goes on after its collectives: which parameters it can update itself, the
 sharded plan (``sharding="optimizer"``), with_updates -> insert_update -> verify_updates, and the
 variant without the update for steps the graph cannot update alone. At run time an
-:class:`~graphddp.runtime.variants.InGraphUpdate` decides step by step whether the graph's update
-is the whole step (``GraphRecord.fallbacks`` records when not). :class:`InGraphUpdates` is mixed
-into GraphCompiler and reads its attributes (``optimizer``, ``config``, ``step``, ``parameters``...).
+``InGraphUpdate`` decides step by step whether the graph's update is the whole step
+(``GraphRecord.fallbacks`` records when not). Mixed into GraphCompiler, whose attributes it reads.
 """
 from __future__ import annotations
 
@@ -20,12 +19,10 @@ import torch.fx as fx
 from graphddp.compiler.compose import Shared
 from graphddp.compiler.record import GraphRecord
 from graphddp.graph.insert_comm import insert_collectives
-from graphddp.optim.attached import AttachedOptimizer
 from graphddp.optim.insert_shard import insert_sharded_updates
 from graphddp.optim.shard_functions import shard_layout
 from graphddp.optim.insert_update import UpdateInputs, insert_update, written_inputs
-from graphddp.optim.verify import verify_updates
-from graphddp.optim.verify import verify_sharded
+from graphddp.optim.verify import verify_sharded, verify_updates
 from graphddp.plan.planner import with_sharding, with_updates
 from graphddp.runtime.variants import InGraphUpdate
 from graphddp.values.schedule import Schedule
@@ -56,8 +53,8 @@ class InGraphUpdates:
         tensors = {**self.parameters, **optimizer.params}
 
         def allowed(unused: frozenset[str]) -> bool:
-            """The graph's update is the whole step for its parameters (:meth:`StepState.not_inside`);
-            otherwise torch's step runs for them after the backward."""
+            """The graph's update is the whole step for its parameters; otherwise torch's step runs
+            for them after the backward."""
             held = tuple(n for n in graded if n in tensors and tensors[n].grad is not None)
             reason = self.step.not_inside(
                 graph_index, names, scaled=optimizer.scaled, unused=unused, held=held, in_norm=self._has_gradients if clip else None
@@ -86,14 +83,6 @@ class InGraphUpdates:
             stacklevel=2,
         )
 
-    def _optimizer_pass(self, gm: fx.GraphModule, schedule: Schedule, *, graph_index: int, shared: Shared, carry: bool = False, **_: Any) -> Schedule:
-        """The optimizer's backward pass, after the collectives: the graph from before it goes to
-        ``shared.without_update``, the parameters tied across a graph break to ``shared.tied``."""
-        if self.optimizer is None or not shared.fw_values:
-            return schedule
-        schedule, shared.without_update, shared.tied = self._add_updates(gm, schedule, graph_index, self.optimizer, shared, carry)
-        return schedule
-
     def _updatable(self, schedule: Schedule, graph_index: int, fw_values: Mapping[str, Any]) -> tuple[list[str], tuple[str, ...]]:
         """The parameters the graph can update itself, and those a graph of another frame also
         reads (tied across a graph break: part of their gradient comes from there, so they keep
@@ -111,7 +100,7 @@ class InGraphUpdates:
         ``max_grad_norm``, all or none: the norm is one, so a gradient of the optimizer's that
         the graph would leave to the step after the backward (tied across a graph break, or in
         a bucket beside a parameter the optimizer does not hold) leaves every one there, where
-        torch clips them together, whole (:meth:`AttachedOptimizer.finish`)."""
+        torch clips them together, whole."""
         if not shared.fw_values:
             return schedule
         updatable, tied = self._updatable(schedule, graph_index, shared.fw_values)
@@ -124,14 +113,16 @@ class InGraphUpdates:
         ]
         return schedule if tied or left else sharded
 
-    def _add_updates(
-        self, gm: fx.GraphModule, schedule: Schedule, graph_index: int, optimizer: AttachedOptimizer, shared: Shared, carry: bool = False,
-    ) -> tuple[Schedule, fx.GraphModule | None, tuple[str, ...]]:
-        """with_updates -> insert_update -> verify_updates, then the sharded buckets; returns the
-        schedule with its updates, the graph without them (None when nothing is updated) and the
-        tied parameters."""
-        fw_values = shared.fw_values
+    def _optimizer_pass(self, gm: fx.GraphModule, schedule: Schedule, *, graph_index: int, shared: Shared, carry: bool = False, **_: Any) -> Schedule:
+        """The optimizer's backward pass, after the collectives: with_updates -> insert_update ->
+        verify_updates, then the sharded buckets. The graph without the updates goes to
+        ``shared.without_update`` (None when nothing is updated), the parameters tied across a graph
+        break to ``shared.tied``."""
+        optimizer, fw_values = self.optimizer, shared.fw_values
+        if optimizer is None or not fw_values:
+            return schedule
         updatable, tied = self._updatable(schedule, graph_index, fw_values)
+        shared.tied = tied
         max_norm = self.config.max_grad_norm
         if max_norm is not None and tied:  # part of the norm comes from another graph: torch clips and steps them all
             updatable = []
@@ -146,8 +137,8 @@ class InGraphUpdates:
                 stacklevel=2,
             )
         if not updatable:
-            return schedule, None, tied
-        without_update = self._without_update(gm, schedule, shared, carry)
+            return schedule
+        shared.without_update = self._without_update(gm, schedule, shared, carry)
         schedule = with_updates(schedule, updatable, str(optimizer), max_norm, self.config.grad_norm_type)
         inputs = UpdateInputs.of(optimizer, updatable, fw_values)
         insert_update(gm, schedule, inputs)
@@ -158,7 +149,7 @@ class InGraphUpdates:
             log.debug("backward graph %d after insert_sharded_updates:\n%s", graph_index, gm.code)
             if self.config.verify:
                 verify_sharded(gm, schedule)
-        return schedule, without_update, tied
+        return schedule
 
     def _without_update(self, gm: fx.GraphModule, schedule: Schedule, shared: Shared, carry: bool = False) -> fx.GraphModule:
         """The variant for steps the graph cannot update alone: every gradient averaged (sharded

@@ -91,10 +91,9 @@ def _group_rule(optimizer: torch.optim.Optimizer, index: int) -> UpdateRule:
 
 
 def adam_step(rule: UpdateRule, like: torch.Tensor, step: torch.Tensor | None = None) -> torch.Tensor:
-    """Adam's ``state["step"]`` for ``like``, where torch's ``Adam._init_group`` puts it: on the
-    device if capturable or fused, else a host scalar. The graph was traced for that place (a host
-    step costs a host kernel per parameter on a GPU, docs/gpu.md), so a given ``step`` (say,
-    loaded) is moved there; None: a new one at zero."""
+    """Adam's ``state["step"]`` for ``like`` where torch's ``Adam._init_group`` puts it (on the device
+    if capturable or fused, else a host scalar), the place the graph was traced for: a given
+    ``step`` (say, loaded) is moved there; None: a new one at zero."""
     device = like.device if rule.flag("capturable") or rule.flag("fused") else torch.device("cpu")
     dtype = torch.float32 if rule.flag("fused") or torch.get_default_dtype() != F64 else F64  # torch's _get_scalar_dtype
     if step is None:
@@ -186,32 +185,19 @@ def adam_update(rule: UpdateRule, param: torch.Tensor, grad: torch.Tensor, state
 UPDATES: dict[str, Callable[..., None]] = {"sgd": sgd_update, "adam": adam_update}
 
 
-def bucket_update_fn(
-    rules: Sequence[UpdateRule], group_of: Sequence[int], groups: Sequence[int], clipped: bool = False
-) -> Callable[..., None]:
-    """One bucket's update: arguments the gradients, then :func:`layout`'s inputs, then (with
-    ``clipped``) the clip coefficient every gradient is multiplied by first."""
-    n = len(rules)
+def param_update_fn(rule: UpdateRule, clipped: bool = False) -> Callable[..., None]:
+    """One parameter's update: arguments its gradient, the parameter, its state (``rule.state``),
+    its group's hyperparameters, then (with ``clipped``) the clip coefficient the gradient is
+    multiplied by first."""
+    width = len(rule.state)
 
-    def update(*args: torch.Tensor) -> None:
+    def update(grad: torch.Tensor, param: torch.Tensor, *rest: torch.Tensor) -> None:
         if clipped:
-            *args, coef = args
-        grads, rest = args[:n], list(args[n:])
-        if clipped:
+            *rest, coef = rest
             with role("update"):  # clip_grad_norm_'s in-place mul_, before the step reads the gradient
-                grads = [g * coef for g in grads]
-        per_param = []
-        for rule in rules:
-            width = 1 + len(rule.state)
-            per_param.append(rest[:width])
-            rest = rest[width:]
-        hyper: dict[int, list[torch.Tensor]] = {}
-        for g in groups:
-            width = len(rules[group_of.index(g)].hyper)
-            hyper[g], rest = rest[:width], rest[width:]
+                grad = grad * coef
         with role("update"):
-            for rule, grad, (param, *state), g in zip(rules, grads, per_param, group_of):
-                UPDATES[rule.kind](rule, param, grad, state, hyper[g])
+            UPDATES[rule.kind](rule, param, grad, list(rest[:width]), list(rest[width:]))
 
     return update
 
@@ -260,7 +246,6 @@ class AttachedOptimizer(LossScaled):
         """``step``/``zero_grad`` become no-ops on the instance, as bound methods: LR schedulers
         wrap ``optimizer.step`` through its ``__func__``."""
         optimizer = self.optimizer
-        step: Any = types.MethodType(attached_step, optimizer)
         if hasattr(optimizer.step, "_wrapped_by_lr_sched"):  # a scheduler came first: keep its mark
 
             def step(*args: Any, **kwargs: Any) -> None:
@@ -268,7 +253,9 @@ class AttachedOptimizer(LossScaled):
                 attached_step(optimizer, *args, **kwargs)
 
             step._wrapped_by_lr_sched = True
-        optimizer.step = step
+            optimizer.step = step
+        else:
+            optimizer.step = types.MethodType(attached_step, optimizer)
         self.owns_step = True
         self.optimizer.zero_grad = types.MethodType(attached_zero_grad, self.optimizer)
         guards.watch(self)  # clipping p.grad is now an error; an enabled GradScaler's scale(loss) marks the step
@@ -332,8 +319,8 @@ class AttachedOptimizer(LossScaled):
     def finish(self) -> None:
         """At the end of every synchronising backward: torch's step for the parameters the graphs
         left a grad, then no gradient is kept. With ``max_grad_norm``, ``clip_grad_norm_`` over the
-        whole module first: a step that left anything to torch left everything, all-reduced
-        (:mod:`graphddp.compiler.updates`). A scaled step's gradients wait for ``GradScaler.step``."""
+        whole module first: a step that left anything to torch left everything, all-reduced. A
+        scaled step's gradients wait for ``GradScaler.step``."""
         if self.scaled:
             return
         if any(p.grad is not None for p in self.params.values()):
@@ -348,7 +335,8 @@ class AttachedOptimizer(LossScaled):
 
 
 def layout(rules: Sequence[UpdateRule], group_of: Sequence[int]) -> tuple[list[str], list[int]]:
-    """Placeholder names after the gradients (see :func:`bucket_update_fn`) and the groups used."""
+    """Placeholder names of the updates' inputs: per parameter itself and its state, then per group
+    used its hyperparameters; and the groups used."""
     names: list[str] = []
     for k, rule in enumerate(rules):
         names.append(f"update_param_{k}")
@@ -358,3 +346,11 @@ def layout(rules: Sequence[UpdateRule], group_of: Sequence[int]) -> tuple[list[s
         names.extend(f"update_group{g}_{h}" for h in rules[group_of.index(g)].hyper)
     return names, groups
 
+
+def cut(values: Sequence[Any], widths: Sequence[int]) -> list[list[Any]]:
+    """``values`` cut into consecutive runs of ``widths``: a layout's inputs per parameter and group."""
+    runs, at = [], 0
+    for width in widths:
+        runs.append(list(values[at:at + width]))
+        at += width
+    return runs

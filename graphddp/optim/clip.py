@@ -132,9 +132,15 @@ def insert_clip(
 ) -> fx.Node:
     """:func:`insert_norms`, then the coefficient after the last norm; returns its node."""
     norms = insert_norms(graph, buckets, norm_type, decompositions)
-    last = buckets[-1][0]
-    traced = trace(coefficient_fn(max_norm, norm_type), [n.meta["val"] for n in norms], "the clip coefficient", decompositions)
-    coef = splice(graph, traced, norms, after_all(graph, norms), last)
+    return splice_coefficient(graph, coefficient_fn(max_norm, norm_type), norms, buckets[-1][0], decompositions)
+
+
+def splice_coefficient(
+    graph: fx.Graph, fn: Callable[..., torch.Tensor], inputs: list[fx.Node], bucket: int, decompositions: Mapping[Any, Callable[..., Any]],
+) -> fx.Node:
+    """The clip coefficient ``fn(*inputs)`` after the last of ``inputs``: the one node tagged as it."""
+    traced = trace(fn, [n.meta["val"] for n in inputs], "the clip coefficient", decompositions)
+    coef = splice(graph, traced, inputs, after_all(graph, inputs), bucket)
     coef.meta[ROLE_KEY] = CLIP_COEFFICIENT
     return coef
 
@@ -170,8 +176,7 @@ def clip_parts_before_step(
             sums = [(v.square() if norm_type == 2.0 else v.abs().pow(norm_type)).sum() for v in values]
             share = torch.stack([s / ranks if id(p) in whole else s for s, p in zip(sums, held)]).sum()
         dist.all_reduce(share, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
-        total = share if inf else share.sqrt() if norm_type == 2.0 else share.pow(1.0 / norm_type)
-        coef = torch.clamp(max_norm / (total + EPS), max=1.0)
+        coef = torch.clamp(max_norm / (_root(share, norm_type) + EPS), max=1.0)
         torch._foreach_mul_(grads, coef.to(grads[0].device))
 
     return optimizer.register_step_pre_hook(clip)

@@ -18,8 +18,7 @@ Algorithm
       compiler tagged with its attached optimizer (:data:`ATTACHED_NODE`)? Then that step is
       marked scaled before ``backward()``, so no parameter is updated with scaled gradients.
     * an enabled scaler's ``unscale_``/``step`` on an attached optimizer not marked scaled: refused
-      (the backward updated already). Over parts (``sharding="full"``) ``unscale_`` agrees on the inf
-      flag over the ranks (:func:`agree_found_inf`).
+      (the backward updated already); over parts ``unscale_`` agrees on the inf flag over the ranks.
 
     Wrappers, because the error must come where the user's code does the wrong thing: nothing
     graphddp runs sees a clip call or a scaled loss. With no attached optimizer alive each costs one
@@ -40,10 +39,10 @@ import torch.nn.utils.clip_grad as clip_grad
 from graphddp.graph.capture import autograd_nodes
 
 # Key of the autograd node metadata the compiler sets on every forward of a model whose
-# optimizer is attached (graphddp.compiler.graph_compiler).
+# optimizer is attached.
 ATTACHED_NODE = "graphddp_attached_optimizer"
 
-# torch's own, kept before wrapping: the fallback step clips with it (graphddp.optim.attached).
+# torch's own, kept before wrapping: the fallback step clips with it.
 clip_grad_norm_ = clip_grad.clip_grad_norm_
 
 _ATTACHED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # live AttachedOptimizer objects

@@ -2,7 +2,7 @@
 
 Runs after :func:`~graphddp.graph.insert_comm.insert_collectives`, which leaves the buckets whose
 collective is ``"reduce_scatter"`` here, and places :mod:`graphddp.optim.shard_functions`' traced
-functions, in :mod:`graphddp.values.shards`' layout (each parameter cut into ``world`` chunks)::
+functions, each parameter cut into ``world`` chunks::
 
     <issue_after node>
     flatten         g_i -> pad to world * c_i -> view [world, c_i]; compress; div(world_size)
@@ -28,9 +28,8 @@ completing them never needs a collective: a ``state_dict()`` one rank alone call
 ``max_grad_norm``: see :meth:`_Splicer.clipped`.
 
 New inputs per sharded bucket (:func:`layout`): its parameters, the state of every part this rank
-owns, the hyperparameters. Each parameter is read and written through its one node, as in
-:mod:`graphddp.optim.insert_update`, every read before the write. :func:`graphddp.optim.verify.verify_sharded`
-checks the result.
+owns, the hyperparameters. Each parameter is read and written through its one node, every read
+before the write, as in :mod:`graphddp.optim.insert_update`.
 """
 from __future__ import annotations
 
@@ -46,7 +45,7 @@ from graphddp.graph.capture import ancestors, storage_of
 from graphddp.graph.anchors import IssuePoints, place_buckets
 from graphddp.graph.bucket_function import SHARDED, gather_fn, write_fn
 from graphddp.graph.insert_comm import carried_inputs
-from graphddp.graph.trace import after_all, set_outputs, splice, trace
+from graphddp.graph.trace import set_outputs, splice, trace
 from graphddp.hooks import builtin as hooks
 from graphddp.optim import clip
 from graphddp.optim.insert_update import UpdateInputs, add_update_inputs, read_through
@@ -54,7 +53,6 @@ from graphddp.optim.shard_functions import (
     ShardLayout, clipped_update_fn, layout, reduce_fn, shard_layout, state_values, update_fn,
 )
 from graphddp.values.collectives import kind
-from graphddp.values.comm import ROLE_KEY
 from graphddp.values.schedule import Bucket, Schedule
 from graphddp.values.shards import GATHER_LAG
 
@@ -81,9 +79,7 @@ def _coefficient_value(reduces: list[fx.GraphModule], fake_mode: Any) -> torch.T
         return torch.empty((), dtype=functools.reduce(torch.promote_types, [q.dtype for q in squares]), device=squares[0].device)
 
 
-def insert_sharded_updates(
-    gm: fx.GraphModule, schedule: Schedule, inputs: UpdateInputs, *, rank: int, hook: hooks.CommHook | None = None,
-) -> list[ShardLayout]:
+def insert_sharded_updates(gm: fx.GraphModule, schedule: Schedule, inputs: UpdateInputs, *, rank: int) -> list[ShardLayout]:
     """Splice every sharded bucket; returns their layouts in bucket order (the runtime passes each
     one's :func:`layout` inputs). A no-op without one."""
     sharded = [b for b in schedule.buckets if b.collective == SHARDED]
@@ -110,7 +106,7 @@ def insert_sharded_updates(
     reduces = {}  # max_grad_norm: per bucket, the trace of its reduce-scatter to its part and its norms' shares
     for shard in shards if clipped else ():
         b = shard.bucket
-        fn = reduce_fn(shard, hook or hooks.for_bucket(b), schedule.grad_norm_type)
+        fn = reduce_fn(shard, hooks.for_bucket(b), schedule.grad_norm_type)
         reduces[b.index] = trace(fn, gradients(b), f"sharded bucket {b.index}'s average", decompositions)
     coef = _coefficient_value(list(reduces.values()), fake_mode) if clipped else None
     rests = {shard.bucket.index: state_values(shard, fake_mode, inputs.values) for shard in shards}  # after the parameters
@@ -119,15 +115,15 @@ def insert_sharded_updates(
         b = shard.bucket
         # With clipping every update waits for the coefficient, at the end of the backward.
         point = output if clipped else _update_point(at, placements[b.index], issues, position, output)
-        private = b.gather == "forward" or _reads_after(point, _storages(inputs.values[n] for n in b.param_names), output)
         params = [inputs.values[n] for n in b.param_names]
+        private = b.gather == "forward" or _reads_after(point, _storages(params), output)
         rest = rests[b.index]
         if clipped:
             grad_part = _outputs(reduces[b.index])[0]
             fn = clipped_update_fn(shard, private)
             update = trace(fn, [grad_part, *params, *rest, coef], f"sharded bucket {b.index}'s update", decompositions)
         else:
-            fn = update_fn(shard, hook or hooks.for_bucket(b), private, b.index in carried)
+            fn = update_fn(shard, hooks.for_bucket(b), private, b.index in carried)
             update = trace(fn, gradients(b) + params + rest, f"sharded bucket {b.index}", decompositions)
         result = _outputs(update)
         # What ends the bucket in this graph: its wait and writes, or (gather="forward") its all-gather.
@@ -226,9 +222,7 @@ class _Splicer:
         coefficient = clip.sharded_coefficient_fn(
             schedule.max_grad_norm, schedule.grad_norm_type, len(squares), schedule.placement.shard.name, schedule.placement.shard.size
         )
-        traced = trace(coefficient, [n.meta["val"] for n in squares + norms], "the clip coefficient", decompositions)
-        coef = splice(graph, traced, squares + norms, after_all(graph, squares + norms), last)
-        coef.meta[ROLE_KEY] = clip.CLIP_COEFFICIENT
+        coef = clip.splice_coefficient(graph, coefficient, squares + norms, last, decompositions)
         for index, grads in returned:  # clip_grad_norm_ scales every gradient of the module
             scaled = clip.insert_scaled(graph, coef, grads, index, decompositions)
             for g, new in zip(grads, scaled):

@@ -1,18 +1,15 @@
 """Apply the optimizer inside a backward graph: each parameter updated right after its gradient
 arrives, by one splice (:class:`_Updates`) for every placement.
 
-* Replicated buckets (:func:`insert_update`, after :func:`~graphddp.graph.insert_comm`; at world
-  size 1 on the graph as it is): each bucket's ``Bucket.updates`` are spliced after the bucket's
-  unflatten views, so bucket ``i``'s update runs before bucket ``i + 1``'s wait, while later
-  buckets are on the wire. With ``Schedule.max_grad_norm`` every update waits for the clip
-  coefficient (``Schedule.update_after``).
-* ``sharding="full"``'s parts (:func:`insert_part_updates`): each gathered part's gradient (a
-  reduce-scatter bucket's wait cut back into parts, :mod:`graphddp.graph.part_collectives`) updates
-  the part there; the carrying variant first adds what the part accumulated earlier in the step.
+* Replicated buckets (:func:`insert_update`, after the collectives, if any): each bucket's
+  ``Bucket.updates`` are spliced after the bucket's unflatten views, so bucket ``i``'s update runs
+  before bucket ``i + 1``'s wait, while later buckets are on the wire. With ``max_grad_norm`` every
+  update waits for the clip coefficient (``Schedule.update_after``).
+* ``sharding="full"``'s parts (:func:`insert_part_updates`): each part's gradient (a reduce-scatter
+  bucket's wait cut back into parts) updates the part there; the carrying variant first adds what
+  the part accumulated earlier in the step.
 
-Either way the update is traced (:func:`graphddp.optim.attached.bucket_update_fn`), runs after its
-gradient and every read of its parameter's memory, and the gradient is then returned as None. New
-inputs follow the existing placeholders in ``optim.layout`` order, role ``update_input``.
+New inputs follow the existing placeholders in ``optim.layout`` order, role ``update_input``.
 
 Aliasing. A saved parameter, or a saved view of one (``t(weight)``), is an input of the backward;
 a compiler cannot know two inputs share memory, so an in-place update could be reordered before a
@@ -23,9 +20,8 @@ every read of a saved input aliasing it becomes an ``as_strided`` view of that i
 through the one node the update mutates, and come first. The runtime checks on the first call that
 each written input is its parameter's memory (``WRITES``).
 
-Postcondition (``graphddp.optim.verify`` U1-U7; :func:`graphddp.graph.verify.check_part_updates`
-P4 for parts): every updated parameter written once, after its gradient's wait and every other
-read of its memory; its gradient output None.
+Postcondition (U1-U7 of :mod:`graphddp.optim.verify`; P4 for parts): every updated parameter
+written once, after its gradient's wait and every other read of its memory; its gradient output None.
 """
 from __future__ import annotations
 
@@ -66,10 +62,6 @@ class UpdateInputs:
         return UpdateInputs(rules, {n: optimizer.group_of[n] for n in names}, {n: values[n] for n in names})  # type: ignore[arg-type]
 
 
-def replicated(schedule: Schedule) -> list:
-    return [b for b in schedule.buckets if b.collective != "reduce_scatter"]
-
-
 def read_through(graph: fx.Graph, new: Mapping[str, fx.Node], inputs: UpdateInputs) -> None:
     """Each parameter read and updated through its own new input ``new[name]``: saved aliases
     rewritten to views of it (module docstring: Aliasing)."""
@@ -95,7 +87,7 @@ def read_through(graph: fx.Graph, new: Mapping[str, fx.Node], inputs: UpdateInpu
 
 def written_inputs(gm: fx.GraphModule) -> tuple[tuple[int, str], ...]:
     """Each input an update writes a parameter through, ``(position, name)``: what the runtime checks
-    is the parameter's memory (:meth:`graphddp.runtime.variants.InGraphUpdate.check_writes`)."""
+    is the parameter's memory."""
     placeholders = gm.graph.find_nodes(op="placeholder")
     return tuple((i, ph.meta[WRITES]) for i, ph in enumerate(placeholders) if WRITES in ph.meta)
 
@@ -118,16 +110,8 @@ def append_update_inputs(
         for g in groups:
             vals.extend(torch.empty((), dtype=optim.F64) for _ in rules[group_of.index(g)].hyper)
     nodes = add_update_inputs(graph, labels, vals)
-    per_name: dict[str, list[fx.Node]] = {}
-    at = 0
-    for name, rule in zip(names, rules):
-        per_name[name] = nodes[at:at + 1 + len(rule.state)]
-        at += 1 + len(rule.state)
-    per_group: dict[int, list[fx.Node]] = {}
-    for g in groups:
-        width = len(rules[group_of.index(g)].hyper)
-        per_group[g], at = nodes[at:at + width], at + width
-    return per_name, per_group
+    cut = optim.cut(nodes, [1 + len(r.state) for r in rules] + [len(rules[group_of.index(g)].hyper) for g in groups])
+    return dict(zip(names, cut)), dict(zip(groups, cut[len(names):]))
 
 
 def add_update_inputs(graph: fx.Graph, labels: Sequence[str], vals: Sequence[torch.Tensor]) -> list[fx.Node]:
@@ -135,13 +119,11 @@ def add_update_inputs(graph: fx.Graph, labels: Sequence[str], vals: Sequence[tor
 
 
 class UpdateTraces:
-    """Each parameter's update, traced once per signature and reused for its lookalikes.
-
-    Tracing once per parameter is a large part of a large model's compile (docs/gpu.md), and a
-    transformer's layers repeat shapes. A reused graph gets every node's fake value computed afresh
-    from its own inputs (a fake run, far cheaper than tracing), so no two parameters share a storage,
-    which the verifiers and inductor read for aliasing. Symbolic shapes are traced each time; one
-    cache per graph rewrite."""
+    """Each parameter's update, traced once per signature and reused for its lookalikes (a
+    transformer's layers repeat shapes, and tracing every parameter would weigh on a large model's
+    compile). A reused graph gets every node's fake value computed afresh from its own inputs, so
+    no two parameters share a storage, which the verifiers and inductor read for aliasing. Symbolic
+    shapes are traced each time; one cache per graph rewrite."""
 
     def __init__(self, decompositions: Mapping[Any, Any]) -> None:
         self.decompositions = decompositions
@@ -151,8 +133,7 @@ class UpdateTraces:
         key = _signature(rule, clipped, vals)
         cached = self.graphs.get(key) if key is not None else None
         if cached is None:
-            fn = optim.bucket_update_fn([rule], [0], [0], clipped=clipped)
-            cached = trace(fn, vals, what, self.decompositions)
+            cached = trace(optim.param_update_fn(rule, clipped), vals, what, self.decompositions)
             if key is not None:
                 self.graphs[key] = cached
             return cached
@@ -219,16 +200,17 @@ class _Updates:
 
 def insert_update(gm: fx.GraphModule, schedule: Schedule, inputs: UpdateInputs) -> fx.GraphModule:
     """Splice every replicated bucket's optimizer update; a no-op when no bucket updates a parameter."""
-    if not any(b.updates for b in replicated(schedule)):
+    buckets = [b for b in schedule.buckets if b.collective != "reduce_scatter"]
+    if not any(b.updates for b in buckets):
         return gm
     graph = gm.graph
     outs: list[Any] = list(graph.output_node().args[0])
-    updates = _Updates(graph, [n for b in replicated(schedule) for n in b.updates], inputs)
+    updates = _Updates(graph, [n for b in buckets for n in b.updates], inputs)
     coef = None
-    if schedule.max_grad_norm is not None:  # the norm of every gradient first (graphddp.optim.clip)
-        graded = [(b.index, [outs[s.output_index] for s in b.slots if not s.zero_filled]) for b in replicated(schedule)]
+    if schedule.max_grad_norm is not None:  # the norm of every gradient first
+        graded = [(b.index, [outs[s.output_index] for s in b.slots if not s.zero_filled]) for b in buckets]
         coef = insert_clip(graph, graded, schedule.max_grad_norm, schedule.grad_norm_type, updates.decompositions)
-    for bucket in replicated(schedule):
+    for bucket in buckets:
         if coef is not None:  # what the graph still returns is clipped too
             kept = [s for s in bucket.slots if s.param_name not in bucket.updates and not s.zero_filled]
             scaled = insert_scaled(graph, coef, [outs[s.output_index] for s in kept], bucket.index, updates.decompositions)

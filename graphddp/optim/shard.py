@@ -22,6 +22,7 @@ from graphddp.values.comm import group_name_of
 from graphddp.values.placement import Placement, flat
 from graphddp.values.shards import part, whole
 
+
 class ShardedState:
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: Mapping[str, nn.Parameter], rules: Sequence[UpdateRule],

@@ -1,7 +1,7 @@
 """A sharded bucket's layout on this rank and its update, traced between the bucket's reduce-scatter
-and all-gather (:mod:`graphddp.graph.bucket_function`'s; :mod:`graphddp.optim.insert_shard` places
-them): here because its rules and state are the optimizer's. Every node is tagged with its role,
-which the pass and :func:`graphddp.optim.verify.verify_sharded` read.
+and all-gather (:mod:`graphddp.optim.insert_shard` places them): here, not beside the other bucket
+functions, because its rules and state are the optimizer's. Every node is tagged with its role,
+which the pass and the verifier read.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from graphddp.graph.bucket_function import chunks, flat_view, gather_fn, issue_c
 from graphddp.graph.trace import fresh_copy, role
 from graphddp.hooks import builtin as hooks
 from graphddp.optim import clip
-from graphddp.optim.attached import F64, UPDATES, UpdateRule, fake_state
+from graphddp.optim.attached import F64, UPDATES, UpdateRule, cut, fake_state
 from graphddp.values.placement import Placement
 from graphddp.values.schedule import Bucket
 from graphddp.values.shards import part
@@ -47,6 +47,9 @@ class ShardLayout:
     def owned(self) -> list[int]:
         return [i for i, (lo, hi) in enumerate(self.parts) if hi > lo]
 
+    def hyper(self, group: int) -> tuple[str, ...]:
+        return self.rules[self.group_of.index(group)].hyper
+
 
 def shard_layout(bucket: Bucket, rules: Mapping[str, UpdateRule], groups: Mapping[str, int], placement: Placement, rank: int) -> ShardLayout:
     """``rank``: this rank's index in the shard group."""
@@ -64,7 +67,7 @@ def layout(shard: ShardLayout) -> list[str]:
     for k in shard.owned():
         names.extend(f"shard{b}_{s}_{k}" for s in shard.rules[k].state)
     for g in shard.groups:
-        names.extend(f"shard{b}_group{g}_{h}" for h in shard.rules[shard.group_of.index(g)].hyper)
+        names.extend(f"shard{b}_group{g}_{h}" for h in shard.hyper(g))
     return names
 
 
@@ -86,14 +89,9 @@ def _copies(shard: ShardLayout, params: Sequence[torch.Tensor], private: bool) -
 def _step(shard: ShardLayout, grad_part: torch.Tensor, work: list[torch.Tensor], rest: list[torch.Tensor]) -> torch.Tensor:
     """The optimizer's math on each owned part; returns the all-gather of the updated parts, not
     waited, or with ``gather="forward"`` the parts themselves."""
-    states = {}
-    for k in shard.owned():
-        width = len(shard.rules[k].state)
-        states[k], rest = rest[:width], rest[width:]
-    hyper = {}
-    for g in shard.groups:
-        width = len(shard.rules[shard.group_of.index(g)].hyper)
-        hyper[g], rest = rest[:width], rest[width:]
+    owned = shard.owned()
+    runs = cut(rest, [len(shard.rules[k].state) for k in owned] + [len(shard.hyper(g)) for g in shard.groups])
+    states, hyper = dict(zip(owned, runs)), dict(zip(shard.groups, runs[len(owned):]))
     with role("update"):
         at = 0
         for k, c in enumerate(shard.chunks):
@@ -162,5 +160,5 @@ def state_values(shard: ShardLayout, fake_mode: Any, values: Mapping[str, torch.
             lo, hi = shard.parts[k]
             vals.extend(fake_state(shard.rules[k], p, lambda: torch.empty(hi - lo, dtype=p.dtype, device=p.device)))
         for g in shard.groups:
-            vals.extend(torch.empty((), dtype=F64) for _ in shard.rules[shard.group_of.index(g)].hyper)
+            vals.extend(torch.empty((), dtype=F64) for _ in shard.hyper(g))
     return vals

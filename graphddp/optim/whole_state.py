@@ -47,9 +47,8 @@ def check_whole_state(name: str, state: Mapping[str, Any], numel: int) -> None:
 @dataclasses.dataclass(frozen=True)
 class WholeState:
     """The parameters a sharded optimizer steps, in its order (a state dict's index): each one's
-    name (for messages) and whole shape, cut over ``group``; ``padded``: a part keeps its padding
-    (``sharding="full"``) or not, and a rank owning no element of a parameter holds no state for it.
-    ``held_whole``: the indices of parameters every rank holds whole (``replicate_below_mb``)."""
+    name (for messages) and whole shape, cut over ``group``; ``padded``: ``sharding="full"``'s
+    parts (module docstring); ``held_whole``: the indices of parameters every rank holds whole."""
 
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
