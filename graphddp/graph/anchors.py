@@ -1,9 +1,8 @@
 """Where each bucket of a Schedule goes in a graph: its names resolved to nodes, checked first.
 
-Both rewrites of a backward (:mod:`graphddp.graph.insert_comm`, :mod:`graphddp.optim.insert_shard`)
-need the nodes a Schedule names, and to know it fits the graph before they edit anything
-(:func:`place_buckets`, read-only); both then splice each bucket in two parts through one
-:class:`IssuePoints`: after the issue point, and before the wait (or update) point.
+Both rewrites of a backward (replicated and sharded) check that the Schedule fits the graph before
+they edit anything (:func:`place_buckets`, read-only), then splice each bucket in two parts through
+one :class:`IssuePoints`: after the issue point, and before the wait (or update) point.
 """
 from __future__ import annotations
 
@@ -97,8 +96,7 @@ class IssuePoints:
     def splice(
         self, traced: fx.GraphModule, inputs: Sequence[fx.Node], issue: fx.Node, late: Collection[fx.Node], wait: fx.Node, bucket: int,
     ) -> Any:
-        """``traced`` spliced in two parts: its ``late`` nodes right before ``wait``, the rest
-        right after ``issue``; returns its outputs (:func:`graphddp.graph.trace.splice`)."""
+        """``traced`` spliced in two parts: its ``late`` nodes right before ``wait``, the rest right after ``issue``."""
         issue = self.last_input if issue.op == "placeholder" else issue
         early = self.cursor.get(issue, issue).next
         outputs = splice(self.graph, traced, inputs, early, bucket, late=(late, wait))

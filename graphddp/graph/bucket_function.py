@@ -1,11 +1,10 @@
 """What a bucket does, as Python functions traced into a graph: flatten, the hook, the collective
 through the bucket's placement, the wait, and the unflatten or (sharded) the parameters' writes.
 
-:mod:`graphddp.graph.insert_comm` traces a replicated bucket's; after ``no_sync`` a traced hook runs
-eagerly on the accumulated gradients instead (:func:`run_hook_eagerly`), with the same ``GradBucket``
-and the same check of its result. A sharded bucket's flat layout, and full sharding's, is rank-major
-``[world, chunk]`` columns (:func:`rank_major`); the optimizer's update between its reduce-scatter
-and its all-gather is :mod:`graphddp.optim.shard_functions`'. Nothing here reads or edits a graph.
+After ``no_sync`` a traced hook runs eagerly on the accumulated gradients instead
+(:func:`run_hook_eagerly`), with the same ``GradBucket`` and the same check of its result. A sharded
+bucket's flat layout, and full sharding's, is rank-major ``[world, chunk]`` columns
+(:func:`rank_major`). Nothing here reads or edits a graph.
 """
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ import torch
 
 from graphddp.graph.trace import fresh_copy, role
 from graphddp.hooks import builtin as hooks
-from graphddp.hooks.traced import GradBucket, HookState, StateSpec, TracedHook
+from graphddp.hooks.traced import GradBucket, HookState, TracedHook
 from graphddp.values.comm import gate_name
 from graphddp.values.placement import Level, Placement, Whole
 from graphddp.values.schedule import Bucket, Schedule
@@ -69,8 +68,7 @@ def _check_result(bucket: Bucket, hook_name: str, done: Any, verb: str = "return
 
 
 def carry_in(grads: Sequence[torch.Tensor], carried: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
-    """Each gradient plus its slot's accumulated under ``no_sync`` (DDP's bucket after ``no_sync``
-    holds the sum, and averages it once)."""
+    """Each gradient plus its slot's accumulated under ``no_sync``: DDP averages the sum once."""
     if not carried:
         return grads
     with role("carry"):
@@ -108,7 +106,7 @@ def columns_of(flat: torch.Tensor, world: int, widths: Sequence[int]) -> Iterato
 
 def row_parts(row: torch.Tensor, widths: Sequence[int], sizes: Sequence[int]) -> Iterator[torch.Tensor]:
     """One rank's row of the layout (what its reduce-scatter returns): per member the first
-    ``sizes[k]`` elements of its chunk (all, or what the rank owns); yielded as :func:`columns_of`."""
+    ``sizes[k]`` elements of its chunk (all, or what the rank owns), one at a time."""
     at = 0
     for c, size in zip(widths, sizes, strict=True):
         yield row[at:at + size]
@@ -118,13 +116,12 @@ def row_parts(row: torch.Tensor, widths: Sequence[int], sizes: Sequence[int]) ->
 def issue_columns(
     placement: Placement, hook: hooks.CommHook, bucket: Bucket, grads: Sequence[torch.Tensor], carried: Sequence[torch.Tensor],
 ) -> torch.Tensor:
-    """The bucket's gradients (plus ``carried``, accumulated under ``no_sync``) flattened, compressed,
-    divided by the placement's world and reduce-scattered; returns what to wait on."""
+    """The bucket's gradients (plus ``carried``) flattened, compressed, divided by the placement's
+    world and reduce-scattered; returns what to wait on."""
     world = placement.shard.size
     grads = carry_in(grads, carried)
-    # Cast and divide each gradient's columns before they are concatenated (elementwise, so
-    # the same values): inductor then writes the concatenation in one pass, where a division
-    # after it took a second whole-bucket buffer, alive next to the first.
+    # Cast and divide each gradient's columns before they are concatenated (elementwise, so the
+    # same values): inductor then writes the concatenation in one pass, not a second whole buffer.
     columns = []
     for grad, slot, c in zip(grads, bucket.slots, chunks(bucket, world)):
         with role("flatten"):
@@ -174,10 +171,10 @@ def _builtin_fn(bucket: Bucket, hook: hooks.CommHook, schedule: Schedule) -> Cal
 
 
 def _user_fn(
-    bucket: Bucket, hook: TracedHook, schedule: Schedule, ctx: HookContext, declared: list[StateSpec] | None
+    bucket: Bucket, hook: TracedHook, schedule: Schedule, ctx: HookContext, dry: bool = False
 ) -> Callable[..., list[torch.Tensor]]:
-    """gradients -> flatten (fresh memory) -> the user's hook -> views; ``declared`` None: a
-    dry run that only learns the hook's state tensors (appended to ``learned``)."""
+    """gradients -> flatten (fresh memory) -> the user's hook -> views; ``dry``: a run that only
+    learns the hook's state tensors (its ``learned``)."""
     n = len(bucket.slots)
     params = [ctx.parameters[name] for name in bucket.param_names if name in ctx.parameters]
 
@@ -188,10 +185,10 @@ def _user_fn(
             if n == 1:  # the hook may write its buffer in place: never the gradient's own memory
                 flat = fresh_copy(flat)
         is_last = bucket.index == schedule.num_buckets - 1
-        gb = GradBucket(bucket, flat, ctx.group, schedule.world_size, is_last, params, None if declared is None else states)
+        gb = GradBucket(bucket, flat, ctx.group, schedule.world_size, is_last, params, None if dry else states)
         with role("hook"):
             done = hook(gb)
-        if declared is None:
+        if dry:
             run.learned = gb.declared  # type: ignore[attr-defined]
         _check_result(bucket, hook.name, done)
         return _unflatten(done, bucket)
@@ -220,7 +217,7 @@ def run_hook_eagerly(hook: TracedHook, schedule: Schedule, ctx: HookContext, sta
 def hook_bucket_eagerly(
     hook: TracedHook, schedule: Schedule, bucket: Bucket, flat: torch.Tensor, ctx: HookContext, states: HookState
 ) -> torch.Tensor:
-    """``hook`` on one bucket's local flat gradients ``flat``, now: the averaged flat tensor."""
+    """``hook`` on one bucket's local flat gradients, now: the averaged flat tensor."""
     params = [ctx.parameters[name] for name in bucket.param_names]
     is_last = bucket.index == schedule.num_buckets - 1
     gb = GradBucket(bucket, flat, ctx.group, schedule.world_size, is_last, params, states.of(schedule.graph_index, bucket.index))

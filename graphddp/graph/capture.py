@@ -11,7 +11,7 @@ to the graph, so planning is a pure function that tests can feed by hand.
 from __future__ import annotations
 
 import operator
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -33,49 +33,42 @@ def is_view(node: fx.Node) -> bool:
     return target in _UNMARKED_VIEWS or (isinstance(target, torch._ops.OpOverload) and target.is_view)
 
 
+def reach(start: Iterable[fx.Node], step: Callable[[fx.Node], Iterable[fx.Node]]) -> list[fx.Node]:
+    """``start`` and every node ``step`` leads to from one, transitively, each once, in the order met."""
+    seen: dict[fx.Node, None] = {}
+    todo = list(start)
+    while todo:
+        node = todo.pop()
+        if node not in seen:
+            seen[node] = None
+            todo.extend(step(node))
+    return list(seen)
+
+
 def ancestors(node: fx.Node) -> set[fx.Node]:
     """``node`` and every node it depends on, transitively."""
-    seen: set[fx.Node] = set()
-    todo = [node]
-    while todo:
-        n = todo.pop()
-        if n not in seen:
-            seen.add(n)
-            todo.extend(n.all_input_nodes)
-    return seen
+    return set(reach([node], lambda n: n.all_input_nodes))
 
 
 def descendants(start: Sequence[fx.Node]) -> set[fx.Node]:
     """Every node in ``start`` and every node that reads one, transitively (the output node left out)."""
-    seen: set[fx.Node] = set()
-    todo = list(start)
-    while todo:
-        node = todo.pop()
-        if node in seen or node.op == "output":
-            continue
-        seen.add(node)
-        todo.extend(node.users)
-    return seen
+    return set(reach([n for n in start if n.op != "output"], lambda n: [u for u in n.users if u.op != "output"]))
 
 
 def views_of(node: fx.Node) -> list[fx.Node]:
     """``node`` and every view of it, transitively (they share its storage); ``split``'s
     pieces are reached through their ``getitem``."""
-    out: list[fx.Node] = []
-    todo = [node]
-    while todo:
-        n = todo.pop()
-        if n in out:
-            continue
-        out.append(n)
-        todo.extend(u for u in n.users if is_view(u) or u.target is operator.getitem)
-    return out
+    return reach([node], lambda n: [u for u in n.users if is_view(u) or u.target is operator.getitem])
 
 
 def storage_of(val: Any) -> int | None:
     """Identity of the memory behind a (fake) tensor value, shared by its views; None for anything
     else. It is trace-time aliasing: a compiled forward may still save a copy of a parameter."""
     return StorageWeakRef(val.untyped_storage()).cdata if isinstance(val, torch.Tensor) else None
+
+
+def byte_size(val: torch.Tensor) -> int:
+    return val.numel() * val.element_size()
 
 
 def is_compute(node: fx.Node) -> bool:
@@ -142,8 +135,6 @@ def _flops_and_bytes(node: fx.Node) -> tuple[int, int]:
     if packet not in flop_registry:
         return 0, nbytes
     return _concrete(flop_registry[packet](*args_vals[0], out_val=val, **args_vals[1])), nbytes
-
-
 
 
 def gradient_sources(gm: fx.GraphModule) -> dict[fx.Node, tuple[int, ...]]:

@@ -1,14 +1,9 @@
 """Complete ``sharding="full"``'s plan of a graph with where the rewrite put each bucket, read
 from the rewritten graph, and check that the graph does what was planned.
 
-Not a planner: :mod:`graphddp.plan.parts` decides the buckets (a
-:class:`~graphddp.values.part_schedule.PartGraph`), :mod:`graphddp.graph.part_collectives`
-makes them and their places in the graph, and tags every node it adds with ``ROLE_KEY`` and
-``BUCKET_KEY``; this module reads those tags (the same :mod:`graphddp.graph.verify`
-checks), so where the schedule says a bucket is issued and waited is where the graph does it.
-Parameter names come from the graph's inputs: AOTAutograd names its forward inputs
-``primals_1..n`` in the order Dynamo passed them (a backward keeps a saved input's name), and a
-backward's outputs are the gradients of those inputs in the same order.
+Not a planner: it reads the ``ROLE_KEY`` and ``BUCKET_KEY`` tags the rewrite puts on every node it
+adds, as the verifier does, so where the schedule says a bucket is issued and waited is where the
+graph does it. Parameter names come from the graph's inputs (:func:`~graphddp.graph.part_facts.input_name`).
 """
 from __future__ import annotations
 
@@ -17,6 +12,7 @@ from typing import Callable, Mapping
 
 import torch.fx as fx
 
+from graphddp.graph.capture import byte_size, reach
 from graphddp.graph.part_facts import output_positions, outputs_reached
 from graphddp.graph.reshard import kept_gathered_bytes
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
@@ -31,10 +27,9 @@ def describe_part_collectives(
     gm: fx.GraphModule, plan: PartGraph, world_size: int, names: Mapping[str, str],
 ) -> tuple[PartGraph, list[str]]:
     """``plan``, the buckets lowered into ``gm``, with its parameters named by ``names`` (an
-    input's name, :func:`input_name`, to its parameter's) and each bucket placed as ``gm`` has it,
-    in graph order; and where ``gm``'s buckets differ from the plan (empty where they agree). A
-    bucket's parameters are compared as a set: the reading meets them walking the graph, in an
-    order casts can change."""
+    input's name to its parameter's) and each bucket placed as ``gm`` has it, in graph order; and
+    where ``gm``'s buckets differ from the plan (empty where they agree). A bucket's parameters are
+    compared as a set: the reading meets them walking the graph, in an order casts can change."""
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     tagged: dict[tuple[str, int], list[fx.Node]] = {}  # (role, bucket) -> its nodes, in graph order
@@ -82,7 +77,7 @@ def _placed(
     collective = next(n for n in issue if str(n.target).startswith("_c10d_functional."))
     sent = collective.args[0] if role in REDUCES else collective  # the whole: gradients sent, or gathered
     val = sent.meta["val"]
-    whole = val.numel() * val.element_size()
+    whole = byte_size(val)
     part = whole if role == ALL_REDUCE else whole // world  # an all-reduce's bucket is whole on every rank
     params = _gathered_inputs(issue, names) if role == GATHER else _gradient_outputs(wait, names, positions)
     inside = set(received)
@@ -94,14 +89,7 @@ def _placed(
 
 def _gathered_inputs(issue: list[fx.Node], names: Mapping[str, str]) -> tuple[str, ...]:
     """The graph inputs a gather bucket sends, in the order its nodes read them."""
-    found: list[str] = []
-    for node in issue:
-        for arg in node.all_input_nodes:
-            if arg.op == "placeholder":
-                name = names.get(arg.name, arg.name)
-                if name not in found:
-                    found.append(name)
-    return tuple(found)
+    return tuple(dict.fromkeys(names.get(a.name, a.name) for node in issue for a in node.all_input_nodes if a.op == "placeholder"))
 
 
 def _gradient_outputs(wait: fx.Node, names: Mapping[str, str], positions: Mapping[fx.Node, list[int]]) -> tuple[str, ...]:
@@ -122,16 +110,6 @@ def _before(nodes: list[fx.Node], at: int) -> str:
 
 def _first_reader(wait: fx.Node, inside: Callable[[fx.Node], bool], order: dict[fx.Node, int]) -> str:
     """The first node, in graph order, that reads the wait's result past the bucket's own nodes."""
-    readers: list[fx.Node] = []
-    todo = [wait]
-    seen = {wait}
-    while todo:
-        for user in todo.pop().users:
-            if user in seen:
-                continue
-            seen.add(user)
-            if inside(user):
-                todo.append(user)
-            else:
-                readers.append(user)
+    region = reach([wait], lambda n: [u for u in n.users if inside(u)])
+    readers = [u for n in region for u in n.users if not inside(u)]
     return min(readers, key=order.__getitem__).name if readers else "end"

@@ -1,13 +1,12 @@
 """Apply a Schedule to a backward graph: flatten, average, all-reduce, wait, unflatten.
 
-The planner decides where communication goes; this pass only carries the Schedule out, and refuses
-(before editing anything) one that does not fit the graph. A bucket is one small function
-(``graph/bucket_function.py``) with its communication hook called inside, traced on the graph's
-fake gradients and spliced in two parts at the nodes ``graph/anchors.py`` resolves: its last stage's
-waits and what follows right before ``wait_before``, the rest right after ``issue_after``
-(``_late_part``). Every bucket is traced before the first edit, so neither a schedule nor a hook
-that does not fit leaves a half-rewritten graph. ``Schedule.gated``: each all-reduce runs undivided
-on the gate of the group (``graphddp.runtime.gate``), which divides or holds it local.
+The planner decides where communication goes; this pass only carries the Schedule out. A bucket is
+one small function with its communication hook called inside, traced on the graph's fake gradients
+and spliced in two parts: its last stage's waits and what follows right before ``wait_before``, the
+rest right after ``issue_after`` (``_late_part``). Every bucket is placed and traced before the first
+edit, so neither a schedule nor a hook that does not fit leaves a half-rewritten graph.
+``Schedule.gated``: each all-reduce runs undivided on the gate of the group (``graphddp.runtime.gate``),
+which divides or holds it local.
 
 Precondition: ``gm`` is the AOTAutograd backward the schedule was planned from (its node names exist,
 output ``slot.output_index`` is that slot's gradient of the slot's shape and dtype, every node has a
@@ -37,7 +36,7 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from graphddp.graph.bucket_function import HookContext, _builtin_fn, _user_fn
+from graphddp.graph.bucket_function import SHARDED, HookContext, _builtin_fn, _user_fn
 from graphddp.graph.capture import descendants
 from graphddp.graph.anchors import Anchors, IssuePoints, place_buckets
 from graphddp.graph.trace import add_inputs, set_outputs, trace
@@ -51,9 +50,6 @@ aten = torch.ops.aten
 HOOK_STATE = "hook_state"  # ROLE_KEY of the placeholders a user hook's state tensors get
 HOOK_STATE_SPEC = "graphddp_hook_state"  # their meta: the StateSpec
 ZERO_FILL = "zero_fill"  # ROLE_KEY of the zeros a zero-filled slot's place carries
-
-
-# -- a bucket is one traced function ----------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +79,7 @@ def _trace_user_bucket(
     grads = [_value(slot, outs, zeros) for slot in bucket.slots]
     fake_mode = detect_fake_mode(tuple(grads))
     try:
-        dry = _user_fn(bucket, hook, schedule, ctx, None)
+        dry = _user_fn(bucket, hook, schedule, ctx, dry=True)
         with fake_mode:
             dry(*grads)
             specs = list(dry.learned)  # type: ignore[attr-defined]
@@ -91,7 +87,7 @@ def _trace_user_bucket(
         # Decomposed as inductor wants the backward graph (it refuses e.g. a bare _to_copy).
         from torch._inductor.decomposition import select_decomp_table
 
-        gm = trace(_user_fn(bucket, hook, schedule, ctx, specs), [*grads, *states], what, select_decomp_table())
+        gm = trace(_user_fn(bucket, hook, schedule, ctx), [*grads, *states], what, select_decomp_table())
     except Exception as e:  # noqa: BLE001 - anything the tracer raises, named with the hook
         if str(e).startswith("graphddp"):  # ours already names it
             raise
@@ -225,7 +221,7 @@ def insert_collectives(
     output = graph.output_node()
     outs: list[Any] = list(output.args[0])
     # A sharded bucket (reduce-scatter, its update, an all-gather) is the optimizer's pass's.
-    anchors = [p for p in place_buckets(gm, schedule, outs) if p.bucket.collective != "reduce_scatter"]
+    anchors = [p for p in place_buckets(gm, schedule, outs) if p.bucket.collective != SHARDED]
     zero_values = _zero_values(graph, schedule)
     if carry and (isinstance(hook, TracedHook) or zero_values):
         raise ValueError(

@@ -1,7 +1,5 @@
-"""The invariants every mode's checker states once, whatever a bucket's placement.
-
-Each mode's verifier checks what is its own and calls these, passing what its placement gives (the
-group, which wait averages, the rule's name in that mode):
+"""The invariants every mode's verifier shares, stated once; each caller passes what its placement
+gives (the group, which wait averages, the rule's name in that mode):
 
 W. **Waited once.** A collective graphddp issued is read only by its one wait: read before, it is a
    buffer still on the wire; waited twice, two completions of one work (rule 1, S1, P1).
@@ -21,8 +19,8 @@ H. **Hybrid: each part averaged over its replicas, once**, by its own bucket's a
 C. **One clip coefficient, read by every returned gradient** (none without ``max_grad_norm``): two
    would clip by different norms, and a gradient around it leaves unclipped (U7, S6).
 
-Memory is told by the storage of each node's fake value (:class:`Memory`), so views are found
-without naming each view op. Nothing here edits a graph.
+Memory is told by the storage of each node's fake value, so views are found without naming each
+view op. Nothing here edits a graph.
 """
 from __future__ import annotations
 
@@ -92,11 +90,10 @@ def written_last(
 ) -> fx.Node:
     """L for one updated tensor written by ``writes``; returns the write. ``aliases``: other inputs
     that are the same tensor at run time (their fake values do not share its storage)."""
-    if len(writes) != 1:
-        where = writes[0] if writes else gm.graph.output_node()
-        if not writes:
-            raise VerificationError(f"graphddp verify: {what}: no write of it, expected 1 ({rule})")
-        _fail(gm, where, f"{what}: {len(writes)} writes of it, expected 1 ({_names(writes)}) ({rule})")
+    if not writes:
+        raise VerificationError(f"graphddp verify: {what}: no write of it, expected 1 ({rule})")
+    if len(writes) > 1:
+        _fail(gm, writes[0], f"{what}: {len(writes)} writes of it, expected 1 ({_names(writes)}) ({rule})")
     (write,) = writes
     targets = {memory(root(write.args[0], memory)), *(memory(a) for a in aliases)} - {None}
     for target in targets:

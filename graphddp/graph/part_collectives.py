@@ -2,19 +2,17 @@
 
 AOTAutograd leaves each parameter's collectives where autograd met them: in the forward, the
 all-gather of a part right before its first read and waited at once; in the backward, each
-reduce-scatter right after its gradient and waited at once. Compiled that way nothing overlaps
-(inductor's own comm passes made it worse: they raised every gather to the top of the forward,
-each still waited right after its issue, and the step was slower than FSDP2's:
-docs/design-full-sharding.md). This pass rewrites them, one graph at a time, and the compiler
-then keeps graphddp's order (``INDUCTOR_FX_ORDER_CONFIG``):
+reduce-scatter right after its gradient and waited at once. Compiled that way nothing overlaps, and
+inductor's own comm passes raise every gather to the top of the forward, each still waited at once
+(docs/design-full-sharding.md). This pass rewrites them, one graph at a time, and the compiler then
+keeps graphddp's order (``INDUCTOR_FX_ORDER_CONFIG``):
 
 * **buckets.** Consecutive gathers, in the order their parameters are first read, form buckets
   of up to ``cap`` gathered bytes (a bucket closes once it reaches the cap, DDP's rule), and the
   backward's reduce-scatters, in issue order, the same way: one collective per bucket, in a
-  sharded bucket's rank-major layout (:func:`~graphddp.graph.bucket_function.rank_major`), so a
-  transformer block's dozen gathers become a few. Which collectives share a bucket is
-  planned before the rewrite, from the facts of the graph's collectives alone
-  (:mod:`graphddp.graph.part_facts`, :mod:`graphddp.plan.parts`); this pass lowers the plan.
+  sharded bucket's rank-major layout, so a transformer block's dozen gathers become a few. Which
+  collectives share a bucket is planned before the rewrite, from the facts of the graph's
+  collectives alone (:mod:`graphddp.graph.part_facts`); this pass lowers the plan.
 * **placement.** Bucket ``i``'s gather is issued right before the wait of bucket ``i -
   prefetch``, so ``prefetch`` buckets travel while the compute reads the ones before them; each
   wait stays right before its first parameter's first read. A reduce-scatter bucket is issued
@@ -22,18 +20,15 @@ then keeps graphddp's order (``INDUCTOR_FX_ORDER_CONFIG``):
   later (with the few ops that read its result), so ``lag`` travel while later gradients are
   computed and each full-size gradient dies after its send.
 * **per backend** every collective is issued and waited through the parts' placement, as its kind
-  lowers it (:mod:`graphddp.values.collectives`): on gloo all-to-alls, where prefetching's gathers
-  in flight would corrupt the heap; the cost is the parts repeated, a bucket's gathered size.
+  lowers it: on gloo all-to-alls, where prefetching's gathers in flight would corrupt the heap; the
+  cost is the parts repeated, a bucket's gathered size.
 * **hybrid** (a 2-D ``device_mesh=``) each part's gradient comes out of the frontend's gather
-  reduce-scattered over the shard group and then all-reduced over the replicate group; a
-  bucket does the same once for all its parts, from the parts'
-  :class:`~graphddp.values.placement.Placement` (:meth:`~Placement.finish_reduce`):
-  reduce-scatter, wait, one all-reduce of the bucket's part, wait (roles ``"replicate"`` and
+  reduce-scattered over the shard group and then all-reduced over the replicate group; a bucket
+  does the same once for all its parts (:meth:`Placement.finish_reduce`, roles ``"replicate"`` and
   ``"replicate_wait"``).
 
 Every node added carries ``ROLE_KEY`` (``"gather"``, ``"gather_wait"``, ``"reduce_scatter"``,
-``"reduce_scatter_wait"``) and ``BUCKET_KEY``. Postconditions, checked after the rewrite by
-:mod:`graphddp.graph.verify`.
+``"reduce_scatter_wait"``) and ``BUCKET_KEY``; :mod:`graphddp.graph.verify` checks the result.
 """
 from __future__ import annotations
 
@@ -43,7 +38,7 @@ import torch
 import torch.fx as fx
 
 from graphddp.graph.bucket_function import columns_of, rank_major, row_parts
-from graphddp.graph.capture import ancestors
+from graphddp.graph.capture import ancestors, reach
 from graphddp.graph.part_facts import ALL_GATHER, Pair, part_facts, part_gathers, part_input, reduces, wait_of
 from graphddp.graph.anchors import IssuePoints
 from graphddp.graph.trace import role, role_of, splice, trace
@@ -54,17 +49,13 @@ from graphddp.values.part_schedule import ALL_REDUCE, GATHER, REDUCES, PartBucke
 from graphddp.values.placement import Placement, Whole, flat as flat_placement
 
 
-
 def place_part_collectives(
     graph: fx.Graph, kind: str, cap: PartCap, prefetch: int = PREFETCH, lag: int = SCATTER_LAG, placement: Placement | None = None,
     replicated: Whole | None = None,
 ) -> PartGraph:
-    """Bucket and place every gather of a part and every reduce of a gradient (module docstring):
-    the graph's collectives each waited once, their facts read (:func:`part_facts`), the buckets
-    planned from them alone (:func:`plan_part_buckets`: a bucket closes once its gathered, or
-    whole-gradient, bytes reach ``cap``), and that plan lowered. ``placement``: the parts'
-    (hybrid: each reduce-scatter's part all-reduced over its replicate group, which the bucket
-    then does once for all its parts); ``replicated``: the parameters' held whole, whose
+    """Bucket and place every gather of a part and every reduce of a gradient: the graph's
+    collectives each waited once, their facts read, the buckets planned from them alone, and that
+    plan lowered. ``placement``: the parts'; ``replicated``: the parameters' held whole, whose
     gradients' all-reduces are bucketed too. Returns the plan, a ``kind`` graph's."""
     _one_wait_per_gather(graph)
     _one_wait_each(graph)
@@ -102,22 +93,12 @@ def above_reduces(node: fx.Node, also: Collection[str] = ()) -> tuple[list[fx.No
     the order met, and the inputs it reaches without passing one (what a gradient is made of:
     averaged parts or parameters, or something local)."""
     stops = {"reduce_scatter_wait", "all_reduce_wait", *also}
-    waits: list[fx.Node] = []
-    inputs: list[fx.Node] = []
-    seen: set[fx.Node] = set()
-    todo = [node]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if is_wait(n) and n.meta.get(ROLE_KEY) in stops:
-            waits.append(n)
-        elif n.op == "placeholder":
-            inputs.append(n)
-        else:
-            todo.extend(n.all_input_nodes)
-    return waits, inputs
+
+    def stop(n: fx.Node) -> bool:
+        return is_wait(n) and n.meta.get(ROLE_KEY) in stops
+
+    met = reach([node], lambda n: [] if stop(n) or n.op == "placeholder" else n.all_input_nodes)
+    return [n for n in met if stop(n)], [n for n in met if n.op == "placeholder"]
 
 
 def _one_wait_per_gather(graph: fx.Graph) -> None:
@@ -160,8 +141,7 @@ def _chain(issue: fx.Node, end: fx.Node) -> list[fx.Node]:
 
 def _gather_fn(placement: Placement, sizes: Sequence[int], dtype: torch.dtype) -> Callable[..., list[torch.Tensor]]:
     """One bucket's gather: its parts (cast to ``dtype``, a policy's ``param_dtype``) concatenated
-    and gathered over the placement's shard group (the all-gather kind, lowered for the group's
-    backend), each parameter cut back out of the ``[shard size, parts]`` rows."""
+    and gathered over the shard group, each parameter cut back out of the ``[shard size, parts]`` rows."""
     world = placement.shard.size
 
     def gather(*parts: torch.Tensor) -> list[torch.Tensor]:
@@ -176,8 +156,8 @@ def _gather_fn(placement: Placement, sizes: Sequence[int], dtype: torch.dtype) -
 
 
 def _scatter_fn(placement: Placement, sizes: Sequence[int]) -> Callable[..., list[torch.Tensor]]:
-    """One bucket's reduce, from its placement: the reduce-scatter over the shard group (lowered
-    per backend), and with a replicate group one all-reduce of the bucket's part over it."""
+    """One bucket's reduce-scatter over the shard group and, with a replicate group, one all-reduce
+    of the bucket's part over it."""
     world = placement.shard.size
 
     def scatter(*grads: torch.Tensor) -> list[torch.Tensor]:
@@ -190,8 +170,7 @@ def _scatter_fn(placement: Placement, sizes: Sequence[int]) -> Callable[..., lis
 
 
 def _all_reduce_fn(placement: Whole, sizes: Sequence[int]) -> Callable[..., list[torch.Tensor]]:
-    """One bucket's all-reduce of whole gradients (of ``sizes`` elements) over the placement's
-    group (lowered per backend), each gradient cut back out of the flat buffer."""
+    """One bucket's all-reduce of whole gradients over the placement's group, each cut back out."""
 
     def all_reduce(*grads: torch.Tensor) -> list[torch.Tensor]:
         with role(ALL_REDUCE):
@@ -203,11 +182,10 @@ def _all_reduce_fn(placement: Whole, sizes: Sequence[int]) -> Callable[..., list
 
 
 def _bucket_gathers(graph: fx.Graph, buckets: list[list[tuple[fx.Node, fx.Node]]], prefetch: int) -> None:
-    """Each bucket's gathers replaced by one, spliced in two parts: its wait and the parameters
-    cut out of it right before the bucket's first wait, its issue right before the wait of bucket
-    ``i - prefetch``. The first ``prefetch`` are issued after the graph's inputs, in bucket order
-    (:class:`IssuePoints`): a collective backend runs them in the order they are issued (gloo's
-    two threads take the first two), so bucket 0, which the compute needs first, goes out first."""
+    """Each bucket's gathers replaced by one, spliced in two parts where the module docstring places
+    them. The first ``prefetch`` are issued after the graph's inputs, in bucket order: a backend runs
+    them in the order they are issued (gloo's two threads take the first two), so bucket 0, which
+    the compute needs first, goes out first."""
     top, waits = IssuePoints(graph), []
     for index, bucket in enumerate(buckets):
         _, world, group = bucket[0][0].args
@@ -232,12 +210,10 @@ def _bucket_reduces(
     graph: fx.Graph, buckets: list[list[tuple[fx.Node, fx.Node]]], kinds: Sequence[str], lag: int, placement: Placement | None = None,
     replicated: Whole | None = None,
 ) -> None:
-    """Each bucket's reduces replaced by one, spliced in two parts: its issue where its last one
-    was issued, its wait (and what reads its result there) right before the issue of the bucket
-    ``lag`` later, or, where that bucket's gradients read it, right after its own issue, as the
-    last ``lag`` buckets'. A reduce-scatter bucket whose parts were each all-reduced over
-    ``placement``'s replicate group reduces through that placement (one all-reduce); an
-    all-reduce bucket (``kinds``) through ``replicated``."""
+    """Each bucket's reduces replaced by one, spliced in two parts where the module docstring places
+    them; where the bucket ``lag`` later reads its result, and for the last ``lag`` buckets, its wait
+    stays right after its own issue. A hybrid reduce-scatter bucket reduces through ``placement``;
+    an all-reduce bucket (``kinds``) through ``replicated``."""
     for index, (bucket, kind) in enumerate(zip(buckets, kinds)):
         grads = [r.args[0] for r, _ in bucket]
         if kind == ALL_REDUCE:
@@ -290,11 +266,5 @@ def _readers_before(wait: fx.Node, anchor: fx.Node) -> list[fx.Node]:
     """``wait`` and every node before ``anchor`` that reads it, transitively, in graph order."""
     order = {n: i for i, n in enumerate(wait.graph.nodes)}
     limit = order[anchor]
-    found = {wait}
-    todo = [wait]
-    while todo:
-        for user in todo.pop().users:
-            if user not in found and user.op != "output" and order[user] < limit:
-                found.add(user)
-                todo.append(user)
+    found = reach([wait], lambda n: [u for u in n.users if u.op != "output" and order[u] < limit])
     return sorted(found, key=order.__getitem__)

@@ -1,11 +1,10 @@
 """What ``sharding="full"``'s bucketing needs to know of one graph, read before the rewrite.
 
 Every gather of a part and every reduce of a gradient (a part's reduce-scatter, or the all-reduce
-of a parameter every rank holds whole), in the order :mod:`graphddp.graph.part_collectives`
-takes them, as the nodes it rewrites (:func:`part_gathers`, :func:`reduces`) and as plain values
-(:func:`part_facts`: :class:`~graphddp.values.part_schedule.PartCollective`). The buckets are
-planned from the values alone (:mod:`graphddp.plan.parts`), so which collectives share a
-bucket is a decision made before the graph is touched, and the same decision whatever lowers it.
+of a parameter every rank holds whole), in the order the rewrite takes them, as the nodes it
+rewrites (:func:`part_gathers`, :func:`reduces`) and as plain values (:func:`part_facts`). The
+buckets are planned from the values alone (:mod:`graphddp.plan.parts`), so which collectives share
+a bucket is decided before the graph is touched, and the same whatever lowers it.
 """
 from __future__ import annotations
 
@@ -14,6 +13,7 @@ from typing import Any, Mapping
 import torch
 import torch.fx as fx
 
+from graphddp.graph.capture import byte_size
 from graphddp.values.comm import is_wait
 from graphddp.values.part_schedule import ALL_REDUCE, GATHER, REDUCE_SCATTER, PartCollective
 from graphddp.values.placement import Placement, Whole
@@ -33,8 +33,7 @@ def part_facts(
     """The facts of ``graph``'s gathers and reduces (``placement``: the parts', whose replicate
     group a hybrid reduce-scatter's part goes on to; ``replicated``: the placement of the
     parameters held whole, whose gradients are all-reduced), each list in the rewrite's order.
-    Read from a graph whose collectives are each waited once (what
-    :func:`graphddp.graph.part_collectives.place_part_collectives` makes of it first)."""
+    Read from a graph whose collectives are each waited once (as the rewrite makes it first)."""
     outputs = output_positions(graph)
     gathers = [_fact(GATHER, pair, (part_input(pair[0]).name,)) for pair in part_gathers(graph)]  # type: ignore[union-attr]
     kinds = {_REDUCE_SCATTER: REDUCE_SCATTER, _ALL_REDUCE: ALL_REDUCE}
@@ -46,7 +45,7 @@ def _fact(kind: str, pair: Pair, params: tuple[str, ...]) -> PartCollective:
     issue, end = pair
     val = issue.meta["val"]
     return PartCollective(
-        kind=kind, sends=issue.args[0].name, params=params, whole_bytes=_nbytes(_whole(issue)),  # type: ignore[union-attr]
+        kind=kind, sends=issue.args[0].name, params=params, whole_bytes=byte_size(_whole(issue)),  # type: ignore[union-attr]
         dtype=dtype_name(val.dtype), device=str(val.device), group=str(issue.args[-1]), replicated=end is not wait_of(issue),
     )
 
@@ -85,18 +84,13 @@ def outputs_reached(end: fx.Node, positions: Mapping[fx.Node, list[int]]) -> tup
 
 
 def whole_bytes(graph: fx.Graph) -> int:
-    """What the graph's collectives carry whole, in bytes: its gathered parameters, or its
-    parts' gradients reduce-scattered, whichever is more (a forward only gathers; a backward reduce-scatters, and
-    gathers again when the forward reshards). What a planned cap is sized by
-    (:func:`graphddp.plan.parts.planned_cap_bytes`)."""
+    """What the graph's collectives carry whole, in bytes: its gathered parameters, or its parts'
+    gradients reduce-scattered, whichever is more (a forward only gathers; a backward
+    reduce-scatters, and gathers again when the forward reshards). What a planned cap is sized by."""
     def total(pairs: list[Pair]) -> int:
-        return sum(_nbytes(_whole(issue)) for issue, _ in pairs)
+        return sum(byte_size(_whole(issue)) for issue, _ in pairs)
 
     return max(total(part_gathers(graph)), total(reduces(graph)))
-
-
-def _nbytes(val: Any) -> int:
-    return val.numel() * val.element_size()
 
 
 def _whole(issue: fx.Node) -> Any:
@@ -126,10 +120,9 @@ def part_gathers(graph: fx.Graph) -> list[Pair]:
 
 def reduces(graph: fx.Graph, placement: Placement | None = None, replicated: Whole | None = None) -> list[Pair]:
     """In issue order: (reduce-scatter, the node its part is final at): its wait, or with a
-    hybrid ``placement`` the wait of the all-reduce of that part over the replicate group
-    (:class:`graphddp.frontend.parts._Gather`'s); and with ``replicated``, (all-reduce, its wait)
-    of each gradient of a parameter held whole (:class:`graphddp.frontend.parts._Replicated`'s:
-    a sum over that placement's group of what no reduce-scatter received)."""
+    hybrid ``placement`` the wait of the all-reduce of that part over the replicate group; and with
+    ``replicated``, (all-reduce, its wait) of each gradient of a parameter held whole (a sum over
+    that placement's group of what no reduce-scatter received)."""
     pairs = []
     for n in graph.nodes:
         if n.target is _REDUCE_SCATTER and n.args[1] == "sum" and (w := wait_of(n)) is not None:

@@ -23,11 +23,10 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from graphddp.graph.capture import descendants, is_view, output_nodes, views_of
-from graphddp.graph.part_facts import part_input
+from graphddp.graph.capture import byte_size, descendants, is_view, output_nodes, reach, views_of
+from graphddp.graph.part_facts import ALL_GATHER, part_input, wait_of
 from graphddp.values.comm import ROLE_KEY, is_wait
 
-_ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 # One id for every tagged node: the partitioner's cleanup forces a save where a tagged node
 # feeds a tagged node of a *later* checkpoint region; here there is one "region".
 _REGION = 0
@@ -45,7 +44,7 @@ class Kept:
 def tag_regathers(graph: fx.Graph, keep_bytes: int = 0) -> Kept:
     """Tag every all-gather of a graph input, its wait and its views for recomputation, but the
     first ``keep_bytes`` the backward reads; returns the parts kept."""
-    gathers = [n for n in graph.nodes if n.target is _ALL_GATHER and part_input(n) is not None]
+    gathers = [n for n in graph.nodes if n.target is ALL_GATHER and part_input(n) is not None]
     kept = _first_read_by_backward(graph, gathers, keep_bytes)
     for node in gathers:
         if part_input(node).name in kept.inputs:
@@ -53,16 +52,11 @@ def tag_regathers(graph: fx.Graph, keep_bytes: int = 0) -> Kept:
         _tag(node, CheckpointPolicy.MUST_RECOMPUTE)
         if node.args[0] is not part_input(node):  # a policy's cast of the part: recomputed with it
             _tag(node.args[0], CheckpointPolicy.MUST_RECOMPUTE)
-        todo = list(node.users)
-        while todo:
-            user = todo.pop()
+        for user in reach(node.users, lambda u: u.users if is_wait(u) or is_view(u) else []):
             if is_wait(user):
                 _tag(user, CheckpointPolicy.MUST_RECOMPUTE)
             elif is_view(user):
                 _tag(user, CheckpointPolicy.PREFER_RECOMPUTE)
-            else:
-                continue
-            todo.extend(user.users)
     return kept
 
 
@@ -76,15 +70,14 @@ def _first_read_by_backward(graph: fx.Graph, gathers: list[fx.Node], keep_bytes:
     first: dict[fx.Node, int] = {}  # part input -> the backward's first read of its gathered value
     sizes: dict[fx.Node, int] = {}
     for gather in gathers:
-        wait = next((u for u in gather.users if is_wait(u)), None)
+        wait = wait_of(gather)
         if wait is None:
             continue
         reads = [order[u] for v in views_of(wait) for u in v.users if u in backward]
         if reads:
             part = part_input(gather)
             first[part] = min(reads + [first.get(part, len(order))])
-            val = wait.meta["val"]
-            sizes[part] = val.numel() * val.element_size()
+            sizes[part] = byte_size(wait.meta["val"])
     inputs: list[str] = []
     nbytes = 0
     for part in sorted(first, key=first.__getitem__):
@@ -123,8 +116,7 @@ def kept_gathered(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
 
 
 def kept_gathered_bytes(gm: fx.GraphModule) -> int:
-    """The bytes of :func:`kept_gathered`'s tensors."""
-    return sum(node.meta["val"].numel() * node.meta["val"].element_size() for node in kept_gathered(gm))
+    return sum(byte_size(node.meta["val"]) for node in kept_gathered(gm))
 
 
 def _tag(node: fx.Node, policy: CheckpointPolicy) -> None:

@@ -47,8 +47,8 @@ def set_outputs(graph: fx.Graph, outs: Sequence[Any]) -> None:
     that adds, drops (``None``) or replaces an output goes through here.
 
     Inductor's comprehensive padding (GPU inputs only) follows every ``user_visible_output_idxs``
-    index to a node, so a dropped output listed there crashed it. An index stays visible while its
-    output is a node; an added output is visible (its strides are the traced ones); recorded
+    index to a node, so a dropped output listed there would crash it. An index stays visible while
+    its output is a node; an added output is visible (its strides are the traced ones); recorded
     ``original_output_strides`` are recorded again.
     """
     output = graph.output_node()

@@ -1,13 +1,11 @@
-"""Communication hooks: what a bucket does to its flat buffer on each side of the all-reduce.
+"""The built-in communication hooks: what a bucket does to its flat buffer around the all-reduce.
 
-Users' hooks and PowerSGD are traced into the graph in place of the all-reduce
-(:mod:`graphddp.hooks.traced`); the built-in ones here are DDP's default ``allreduce_hook`` and
-its ``fp16_compress_hook`` / ``bf16_compress_hook``, named in :data:`COMM_HOOKS`. A built-in hook
-is a pair of tensor functions traced with the rest of the bucket on fake tensors: ``compress``
-right after the gradients are flattened (its result is divided and all-reduced: what goes on
-the wire) and ``decompress`` right after the wait (the bucket's dtype and ``numel``: the
-gradients are views into it). Casts use ``comm.CAST``, the prim the decomposed backward graph
-and the verifier expect.
+DDP's default ``allreduce_hook`` and its ``fp16_compress_hook`` / ``bf16_compress_hook`` (users'
+hooks and PowerSGD are traced in place of the all-reduce instead). A built-in hook is a pair of
+tensor functions traced with the rest of the bucket on fake tensors: ``compress`` right after the
+gradients are flattened (its result is divided and all-reduced: what goes on the wire) and
+``decompress`` right after the wait (the bucket's dtype and ``numel``: the gradients are views
+into it). Casts use ``comm.CAST``, the prim the decomposed backward graph and the verifier expect.
 """
 from __future__ import annotations
 
@@ -16,12 +14,8 @@ from typing import Callable
 
 import torch
 
-from graphddp.hooks.powersgd import PowerSGD
-from graphddp.hooks.traced import HOOK_STATE_KEY, GradBucket, TracedHook
 from graphddp.values.comm import CAST
 from graphddp.values.schedule import Bucket
-
-__all__ = ["ALLREDUCE", "BUILTIN", "HOOK_STATE_KEY", "CommHook", "GradBucket", "PowerSGD", "TracedHook", "cast_hook", "for_bucket"]
 
 # The built-in hooks users name in ``comm_hook=``, and the dtype each sends buckets in.
 COMM_HOOKS = {"fp16_compress": "float16", "bf16_compress": "bfloat16"}

@@ -1,18 +1,10 @@
-"""Comm hooks written as users write them: examples the tests run against DDP's own.
-
-``fp16_hook`` and ``int8_hook`` are hooks for ``graphddp.compile(..., comm_hook=(state, hook))``
-in DDP's vocabulary (:mod:`graphddp.hooks.traced` traces them into the graph);
-``ddp_bf16_compress_hook`` is the reference DDP runs where it refuses its own
-``bf16_compress_hook`` (on gloo).
-"""
+"""Comm hooks as users write them for ``comm_hook=(state, hook)``, in DDP's vocabulary, and a
+reference DDP runs where it refuses its own: examples the tests run against DDP's hooks."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-
-
-# -- users' comm hooks, as a user writes them for comm_hook=(state, hook) ----------------------------
 
 
 def fp16_hook(state, bucket):
@@ -28,9 +20,6 @@ def int8_hook(state, bucket):
     q = (flat / scale).round().to(torch.int8)
     total = funcol.all_reduce(q.to(torch.int32), "sum", bucket.group)
     return total.to(flat.dtype) * scale / bucket.world_size
-
-
-# -- DDP's reference hooks where DDP refuses them -----------------------------------------------------
 
 
 def ddp_bf16_compress_hook(state, bucket):  # unannotated: DDP checks a hook's annotations

@@ -100,9 +100,10 @@ class PowerSGD(TracedHook):
     ) -> None:
         import numpy as np
 
-        for name, value in (("matrix_approximation_rank", matrix_approximation_rank), ("start_powerSGD_iter", start_powerSGD_iter)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name.startswith("matrix") else 0):
-                raise ValueError(f"PowerSGD: {name} must be an int >= {1 if name.startswith('matrix') else 0}, got {value!r}")
+        least_of = (("matrix_approximation_rank", matrix_approximation_rank, 1), ("start_powerSGD_iter", start_powerSGD_iter, 0))
+        for name, value, least in least_of:
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"PowerSGD: {name} must be an int >= {least}, got {value!r}")
         if not min_compression_rate >= 0:
             raise ValueError(f"PowerSGD: min_compression_rate must be >= 0, got {min_compression_rate!r}")
         super().__init__(None, lambda state, bucket: self.compress(bucket), name="PowerSGD")
@@ -149,7 +150,7 @@ class PowerSGD(TracedHook):
 
     # -- traced, per bucket ---------------------------------------------------------------------
     def compress(self, bucket: GradBucket) -> torch.Tensor:
-        """The compressed average of one bucket (module docstring, step 2-3)."""
+        """The compressed average of one bucket."""
         layout = self.layout(bucket.plan)
         flat = bucket.buffer()
         if self.use_error_feedback:
@@ -201,7 +202,7 @@ class PowerSGD(TracedHook):
         return "allreduce" if self.iter < self.start_powerSGD_iter else "powersgd"
 
     def before_step(self, states: HookState, graph_index: int, schedule: Any) -> None:
-        """Draw Q for the buckets that need fresh values, as DDP does (module docstring)."""
+        """Draw Q for the buckets that need fresh values, as DDP does."""
         if self.phase() != "powersgd":
             return
         for bucket in schedule.buckets:

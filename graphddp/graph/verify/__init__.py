@@ -3,12 +3,11 @@ their plan, whatever the placement.
 
 Every rule is one a rewrite can get wrong in a graph FX lint still accepts (lint only guarantees
 def-before-use), and each has a mutation test that only it catches (``tests/unit``: grep the rule's
-name). A failure raises :class:`VerificationError` showing the offending node with its neighbours.
-Only collectives graphddp inserted (tagged with a bucket) are checked; the model's own (tensor
-parallelism) are left alone. Nothing is mutated. The rules every placement shares are stated once
-in :mod:`graphddp.graph.invariants` (the letter after a rule); the modules here hold the rest, by
-kind: :mod:`.order` (who issues what, where), :mod:`.layout` (what a buffer holds),
-:mod:`.updates` (the optimizer inside the backward), :mod:`.parts` (the sharded collectives).
+name). Only collectives graphddp inserted (tagged with a bucket) are checked; the model's own
+(tensor parallelism) are left alone. Nothing is mutated. The rules every placement shares are
+stated once in :mod:`graphddp.graph.invariants` (the letter after a rule); the modules here hold
+the rest, by kind: order (who issues what, where), layout (what a buffer holds), updates (the
+optimizer inside the backward), parts (the sharded collectives).
 
 Replicated buckets, :func:`verify` (a bucket ``i`` at position ``i``, no output in two: 0):
 
@@ -104,8 +103,7 @@ def verify(gm: fx.GraphModule, schedule: Schedule, expected: Mapping[int, str]) 
         raise VerificationError(f"graphddp verify: {problem}")
     g = _Graph(gm)
     hooked = {b.index for b in schedule.buckets if b.hook}
-    # Sharded buckets (reduce-scatter, update, all-gather) are the optimizer's: graphddp.optim.verify.verify_sharded.
-    sharded = {b.index for b in schedule.buckets if b.collective == "reduce_scatter"}
+    sharded = {b.index for b in schedule.buckets if b.collective == "reduce_scatter"}  # the optimizer's: verify_sharded
     reduces = _collect_all_reduces(g, schedule, hooked | sharded)
     _check_stray_waits(g, sharded)
     _check_fake_values(g)

@@ -135,9 +135,8 @@ def _carried_sum(g: _Graph, bucket: Bucket, piece: fx.Node, add: fx.Node, slot: 
 
 
 def _check_carried(g: _Graph, sharded: Collection[int] = ()) -> None:
-    """Each carried input is read once, by its bucket's ``add`` (:mod:`graphddp.graph.invariants`'
-    O; 7 checked which slot). Not those of ``sharded`` buckets, which the optimizer's pass reads
-    (``graphddp.optim.verify.verify_sharded``, S7)."""
+    """O: each carried input is read once, by its bucket's ``add`` (7 checked which slot); not those
+    of ``sharded`` buckets, which the optimizer's pass reads (S7)."""
     for node in g.gm.graph.nodes:
         index = node.meta.get(BUCKET_KEY)
         if node.op == "placeholder" and node.meta.get(ROLE_KEY) == CARRIED and index not in sharded:

@@ -6,6 +6,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from graphddp.graph.capture import reach
 from graphddp.graph.invariants import on_group, waited_once
 from graphddp.graph.verify.layout import _chain, _check_casts, _check_in_flight, _check_layout, _check_scale
 from graphddp.graph.verify_common import VerificationError, _fail, _Graph
@@ -16,10 +17,6 @@ from graphddp.values.schedule import WAIT_AT_OUTPUT, Bucket, Schedule
 aten = torch.ops.aten
 # What graphddp places between a bucket's wait and the gradients it returns.
 _UNFLATTEN_ROLES = {"decompress", "unflatten"}
-
-
-def _arg(node: fx.Node, i: int, name: str) -> Any:
-    return node.args[i] if len(node.args) > i else node.kwargs.get(name)
 
 
 def _collect_all_reduces(g: _Graph, schedule: Schedule, hooked: set[int]) -> dict[int, fx.Node]:
@@ -58,8 +55,8 @@ def _check_stray_waits(g: _Graph, skipped: set[int]) -> None:
 
 
 def _check_reduction(g: _Graph, bucket: Bucket, ar: fx.Node, schedule: Schedule) -> None:
-    """A sum (the scale divides, 5), on the schedule's group (:mod:`graphddp.graph.invariants`' R)."""
-    op = _arg(ar, 1, "reduce_op")
+    """A sum (the scale divides, 5), on the schedule's group (R)."""
+    op = ar.args[1] if len(ar.args) > 1 else ar.kwargs.get("reduce_op")
     if op != "sum":
         _fail(g.gm, ar, f"bucket {bucket.index}'s all-reduce {ar.name} reduces with {op!r}, expected 'sum'")
     expected = gate_name(schedule.group_name) if schedule.gated else schedule.group_name
@@ -86,14 +83,7 @@ def _check_issue_order(g: _Graph, bucket: Bucket, issued: list[fx.Node]) -> None
 
 def _reduced_region(wait: fx.Node, index: int) -> set[fx.Node]:
     """The wait and graphddp's decompress/unflatten nodes of its bucket that read it."""
-    region, todo = set(), [wait]
-    while todo:
-        n = todo.pop()
-        if n in region:
-            continue
-        region.add(n)
-        todo.extend(u for u in n.users if is_ours(u, index) and u.meta.get(ROLE_KEY) in _UNFLATTEN_ROLES)
-    return region
+    return set(reach([wait], lambda n: [u for u in n.users if is_ours(u, index) and u.meta.get(ROLE_KEY) in _UNFLATTEN_ROLES]))
 
 
 def _wait_target(g: _Graph, bucket: Bucket, at: fx.Node) -> fx.Node:

@@ -8,6 +8,7 @@ import torch
 import torch.fx as fx
 
 from graphddp.graph.invariants import Memory, from_average, not_returned, root, written_last
+from graphddp.graph.part_facts import input_name
 from graphddp.graph.verify_common import VerificationError, _fail
 from graphddp.values.comm import ROLE_KEY, is_wait
 
@@ -39,6 +40,6 @@ def check_part_updates(gm: fx.GraphModule, updated: Mapping[int, str]) -> None:
     for k, (index, name) in enumerate(sorted(updated.items())):
         what = f"P4: the update of part {name!r} (output {index})"
         not_returned(gm, outs[index], "P4", what)
-        targets = [t for t in (inputs.get(f"primals_{index + 1}"), extra[k]) if t is not None]
+        targets = [t for t in (inputs.get(input_name(index)), extra[k]) if t is not None]
         write = written_last(gm, [w for t in targets for w in writes.get(t, [])], memory, "P4", what, aliases=targets)
         from_average(gm, write, reduce_waits, "P4", what, "a reduce")
