@@ -8,11 +8,10 @@ import os as _os
 
 from graphddp import render
 from graphddp.config import DDPConfig
-from graphddp.frontend.api import GraphDDP, compile
+from graphddp.frontend.api import GraphDDP, compile, full_optimizer_state_dict, load_full_optimizer_state_dict
 from graphddp.frontend.backend import GraphDDPCompileBackend, backend
 from graphddp.frontend.backend import register as _register_backend_name
 from graphddp.frontend.explain import explain, predict_memory
-from graphddp.frontend.api import full_optimizer_state_dict, load_full_optimizer_state_dict
 from graphddp.graph.verify import VerificationError, verify
 from graphddp.plan.cost import CostModel, simulate
 from graphddp.runtime.agree import CollectiveError, ScheduleMismatchError

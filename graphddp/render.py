@@ -18,6 +18,10 @@ COMPUTE_TID, COMM_TID = 0, 1
 _PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"]
 
 
+def _colour(bucket: Any) -> str:
+    return _PALETTE[bucket.index % len(_PALETTE)]
+
+
 def table(schedule: ScheduleValue, cost: CostModel | None = None) -> str:
     """``schedule.to_table()``, with each bucket's predicted ready, start and end times where the
     cost model times the schedule (``schedule.predicted``)."""
@@ -25,8 +29,7 @@ def table(schedule: ScheduleValue, cost: CostModel | None = None) -> str:
 
 
 def _timed(schedule: ScheduleValue, what: str) -> Schedule:
-    """``schedule``, which ``what`` draws from the cost model's timeline: refused by name where
-    the cost model does not time it (full sharding's, read back from the compiled graphs)."""
+    """``schedule``, refused by name where the cost model does not time it (full sharding's)."""
     if not schedule.predicted:
         raise ValueError(f"graphddp.render.{what}: this schedule has no predicted timeline (sharding='full'); render.table shows it")
     return schedule  # type: ignore[return-value]
@@ -61,10 +64,8 @@ def chrome_trace(schedule: Schedule, cost: CostModel | None = None, path: str | 
 def dot(schedule: Schedule) -> str:
     """The backward graph as Graphviz dot: each bucket's gradient producers filled in the
     bucket's colour, and the inserted all-reduce (box) and wait (octagon) nodes marked."""
-    schedule, colour = _timed(schedule, "dot"), {}
-    for b in schedule.buckets:
-        for s in b.slots:
-            colour[s.producer] = _PALETTE[b.index % len(_PALETTE)]
+    schedule = _timed(schedule, "dot")
+    colour = {s.producer: _colour(b) for b in schedule.buckets for s in b.slots}
     lines = [f'digraph "graphddp_backward_{schedule.graph_index}" {{', "  rankdir=TB;", '  node [shape=ellipse, fontsize=10];']
     for n in schedule.nodes:
         attrs = f'label="{n.name}"'
@@ -75,7 +76,7 @@ def dot(schedule: Schedule) -> str:
         lines.append(f'  "{n.name}" [{attrs}];')
         lines.extend(f'  "{i}" -> "{n.name}";' for i in n.inputs)
     for b in schedule.buckets:
-        c = _PALETTE[b.index % len(_PALETTE)]
+        c = _colour(b)
         ar, wait = f"all_reduce[{b.index}]", f"wait[{b.index}]"
         lines.append(f'  "{ar}" [shape=box, style="filled,bold", fillcolor="{c}", label="all_reduce bucket {b.index}\\n{b.wire_nbytes / 2**20:.2f} MB"];')
         lines.append(f'  "{wait}" [shape=octagon, style="filled,bold", fillcolor="{c}", label="wait bucket {b.index}"];')
@@ -101,7 +102,7 @@ def plot(schedule: Schedule, path: str, cost: CostModel | None = None) -> None:
     fig, ax = plt.subplots(figsize=(10, 2.6))
     ax.broken_barh([(s.start * 1e3, (s.end - s.start) * 1e3) for s in timeline.compute], (10, 8), facecolors="#888888")
     for b, t in zip(schedule.buckets, timeline.buckets):
-        c = _PALETTE[b.index % len(_PALETTE)]
+        c = _colour(b)
         ax.broken_barh([(t.start * 1e3, (t.end - t.start) * 1e3)], (0, 8), facecolors=c, edgecolor="black")
         ax.text((t.start + t.end) / 2 * 1e3, 4, str(b.index), ha="center", va="center", fontsize=8)
         ax.axvline(t.ready * 1e3, ymin=0.0, ymax=0.95, color=c, linestyle=":", linewidth=1)

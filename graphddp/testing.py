@@ -27,8 +27,8 @@ GPU_PATHS_ENV = "GRAPHDDP_TEST_INDUCTOR_GPU_PATHS"
 
 def force_inductor_gpu_paths() -> None:
     """Make inductor take, for CPU graphs, its GPU-only comprehensive padding path, which reads
-    output-node bookkeeping a CPU compile never reads: a rewrite that left it stale crashed on
-    every GPU and passed every CPU test. Process-wide, for test processes."""
+    output-node bookkeeping a CPU compile never reads: a rewrite that leaves it stale crashes on
+    every GPU and passes every CPU test. Process-wide, for test processes."""
     from torch._inductor import config as inductor_config
 
     if hasattr(inductor_config, "disable_padding_cpu"):
@@ -102,9 +102,13 @@ def _entry(
         if not reported:
             errors.put((rank, traceback.format_exc()))
         raise
-    # Passed. Skip interpreter finalization: gloo objects still referenced there (from Dynamo's
-    # caches, say) are destroyed while Python is half torn down, which can abort the process
-    # ("terminate called without an active exception") after every check has passed.
+    _exit_without_finalizing()
+
+
+def _exit_without_finalizing() -> None:
+    """Exit a rank's process without interpreter finalization: gloo objects still referenced there
+    (from Dynamo's caches, say) are destroyed while Python is half torn down, which can abort the
+    process ("terminate called without an active exception") after every check has passed."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
@@ -160,13 +164,17 @@ def spawn(
         while not errors.empty():
             reports.append(errors.get())
         if reports:
-            text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(reports))
-            raise RuntimeError(f"{len(reports)} rank(s) failed:\n{text}")
+            raise _failed(reports)
         if timed_out:
             raise TimeoutError(f"ranks still running after {timeout}s")
         bad = [p.exitcode for p in procs if p.exitcode != 0]
         if bad:
             raise RuntimeError(f"ranks exited with codes {bad}")
+
+
+def _failed(reports: list[tuple[int, str]]) -> RuntimeError:
+    text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(reports))
+    return RuntimeError(f"{len(reports)} rank(s) failed:\n{text}")
 
 
 # -- a pool of ranks reused across spawn() calls ----------------------------------------------------
@@ -216,9 +224,7 @@ def _pool_entry(rank: int, world_size: int, store_path: str, tasks: Any, results
             except BaseException:  # noqa: BLE001
                 error = traceback.format_exc()
         results.put((task_id, rank, error))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    _exit_without_finalizing()
 
 
 class RankPool:
@@ -276,8 +282,7 @@ class RankPool:
                 errors[rank] = error
         if errors:
             self.close()
-            text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
-            raise RuntimeError(f"{len(errors)} rank(s) failed:\n{text}")
+            raise _failed(list(errors.items()))
 
     def close(self) -> None:
         self._ok = False

@@ -31,8 +31,7 @@ _OUTER_COMPILE = (
 
 class ModelView(Joinable):
     """The surface both forms (``graphddp.compile``'s module, ``graphddp.backend``'s object) show
-    of their mode's :class:`~graphddp.frontend.wrap.ModelState`. A ``Joinable``, so
-    ``Join([model, ...])`` takes it."""
+    of their mode's :class:`ModelState`. A ``Joinable``, so ``Join([model, ...])`` takes it."""
 
     _state: ModelState
 
@@ -189,11 +188,10 @@ class GraphDDP(ModelView, nn.Module):
 def build_state(
     where: str, module: nn.Module, process_group: Any, device_mesh: Any, optimizer: Any, options: dict[str, Any], example: Any = None,
 ) -> ModelState:
-    """The wrap both forms share (``where`` names the one asked), in every mode: ``optimizer``
-    checked before any collective, so every rank fails alike; the checks and the broadcast every
-    mode makes (whole tensors, before a mode cuts them); with ``sharding="auto"`` the placement
-    chosen from a trace of ``example`` (:mod:`graphddp.frontend.auto`); the cost model measured on
-    the group now, since compiling never talks; then the mode's state, built after the last collective."""
+    """The wrap both forms share (``where`` names the one asked), in every mode. Its order is the
+    point: ``optimizer`` checked before any collective, so every rank fails alike; the broadcast
+    of whole tensors, before a mode cuts them; the cost model measured on the group now, since
+    compiling never talks; the mode's state built after the last collective."""
     check_module_and_world(where, module)
     config = DDPConfig.from_options(where, options)
     if example is not None and config.sharding != "auto":
@@ -204,7 +202,7 @@ def build_state(
     mode, checked = (None, None) if auto else _mode(where, module, config, optimizer)
     device = check_and_broadcast(where, module, groups.whole, config)
     choice = None
-    if auto:  # the chosen mode's checks run after the broadcast: every rank chose the same, so every rank fails alike
+    if auto:  # its mode's checks run after the broadcast: every rank chose the same, so every rank fails alike
         config, choice = choose_placement(where, module, groups, optimizer, config, example, device)
         check_optimizer(where, config, optimizer)
         mode, checked = _mode(where, module, config, optimizer)

@@ -1,12 +1,12 @@
 """``sharding="auto"`` at wrap time: trace ``example=`` once, predict every placement's step and
-memory from that trace, choose (:mod:`graphddp.plan.choose`), and check that every rank chose
-the same before the chosen mode is built. An earlier run's choice for the same model, batch,
-optimizer and group is kept while it stays in the tie band (:mod:`graphddp.runtime.choice_store`).
+memory from that trace, choose, and check that every rank chose the same before the chosen mode
+is built. An earlier run's choice for the same model, batch, optimizer and group is kept while it
+stays in the tie band.
 
 Why at wrap time and from an example batch: full sharding cuts the parameters when the model is
 wrapped, so the placement must be known then, and a placement's peak depends on the activations
 the backward keeps, which only a trace of a real batch shows. The trace runs one forward (no
-backward) on the whole parameters the module holds anyway (:mod:`graphddp.compiler.model_trace`).
+backward) on the whole parameters the module holds anyway.
 """
 from __future__ import annotations
 
@@ -35,8 +35,7 @@ def choose_placement(
     where: str, module: nn.Module, groups: MeshGroups, optimizer: Any, config: DDPConfig, example: Any, device: torch.device | None,
 ) -> tuple[DDPConfig, PlacementChoice]:
     """The config of the chosen placement (``sharding``, ``gather``, ``reshard_after_forward`` set)
-    and the choice. Every rank calls it at once: the budget is every rank's smallest, and the
-    choice is compared between ranks before any rank builds it."""
+    and the choice. Every rank calls it at once: the budget is every rank's smallest."""
     if example is None:
         raise ValueError(f"{where}: sharding='auto' needs example=, a batch as the model is called with (a tuple of positional "
                          "inputs, a dict of keyword inputs, or one input): the choice is made from a trace of it")
@@ -83,17 +82,16 @@ def choose_placement(
 
 
 def _times_the_model(config: DDPConfig, group: Any) -> bool:
-    """Whether the step's compute is measured on the traced model
-    (:func:`graphddp.compiler.model_trace.time_example`) rather than only
-    estimated per node: where the cost model was measured on this machine (not given, not a fake
-    group's defaults) and the run's compiled code runs the traced ops one by one as an eager run
-    does (not inductor's fused kernels, which an eager run would overprice)."""
+    """Whether the step's compute is measured on the traced model rather than only estimated per
+    node: where the cost model was measured on this machine (not given, not a fake group's
+    defaults) and the run's compiled code runs the traced ops one by one as an eager run does (not
+    inductor's fused kernels, which an eager run would overprice)."""
     return config.cost is None and dist.get_backend(group) != "fake" and config.backend != "inductor"
 
 
 def _precision(facts: Any) -> tuple[float, float]:
-    """:func:`graphddp.plan.step.predict_step`'s ``precision`` of a trace under a mixed-precision
-    policy: the parameters' bytes (the largest dtype among them) and the reduce's, per byte computed."""
+    """``predict_step``'s ``precision`` of a trace under a mixed-precision policy: the parameters'
+    bytes (the largest dtype among them) and the reduce's, per byte computed."""
     if not facts.compute_itemsize:
         return 1.0, 1.0
     own = max((p.itemsize for p in facts.params if p.requires_grad), default=facts.compute_itemsize)

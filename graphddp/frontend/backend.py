@@ -3,8 +3,7 @@
 * ``torch.compile(model, backend=graphddp.backend(model, **options))``: :func:`backend` does the
   wrap-time work of ``graphddp.compile`` now and wraps ``model.forward`` with the mode's
   per-forward work, which runs eagerly, graph breaks around the compiled forward. DDP's switches
-  (``no_sync()``, ``require_backward_grad_sync``, ``register_comm_hook``) are the backend object's:
-  there is no wrapper module, and the switch set on the model is refused at the next forward.
+  (``no_sync()``, ``require_backward_grad_sync``, ``register_comm_hook``) are the backend object's.
 * ``torch.compile(model, backend="graphddp")``: the same for code that takes a backend name, which
   finds the :func:`backend` made for the graph's model: call ``graphddp.backend`` first.
 
@@ -85,7 +84,6 @@ class GraphDDPCompileBackend(ModelView):
         else:
             self.module.forward = self._restore
         self._restore = _DETACHED
-        self._param_ids = set()
 
 
 _UNSET, _DETACHED = object(), object()

@@ -15,6 +15,7 @@ import sys
 from typing import Any, Sequence
 
 FORMATS = ("table", "json", "trace", "dot", "png", "svg")
+_COST_FLAGS = ("bandwidth_gbps", "latency_us", "compute_tflops", "collective_overhead_us")  # CostModel's fields, as flags
 
 
 def _load_factory(spec: str):
@@ -85,6 +86,18 @@ def _optional_bool(text: str) -> bool | None:
     return choices[text.lower()]
 
 
+# Each option's argparse kind, where it is not a float (or, for a boolean default, a --flag/--no-flag pair).
+_KINDS: dict[str, dict] = {
+    "bucket_cap_mb": {"type": _cap, "metavar": "MB|auto"},
+    "bucket_cap_mb_list": {"type": _cap_list, "metavar": "MB,MB,..."},
+    **{name: {"type": str} for name in ("backend", "comm_hook", "mode", "sharding", "gather")},
+    "options": {"type": _json_dict, "metavar": "JSON"},
+    "dynamic": {"type": _optional_bool, "metavar": "true|false|none"},
+    "memory_budget": {"type": _budget, "metavar": "BYTES|FRACTION"},
+    "reshard_after_forward": {"type": _optional_bool, "metavar": "true|false"},
+}
+
+
 def add_option_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per ``DDPConfig`` option (``bucket_cap_mb`` -> ``--bucket-cap-mb``), its help text
     from the field, its default None: "not given", so ``options_from_args`` passes only what the
@@ -92,31 +105,13 @@ def add_option_flags(parser: argparse.ArgumentParser) -> None:
     from graphddp.config import DDPConfig
 
     for field in DDPConfig.option_fields():
-        if field.name == "cost":
-            continue  # an object: explain builds it from --bandwidth-gbps and the like, or names it with --cost
-        if field.name == "mp_policy":
-            continue  # an object (FSDP2's MixedPrecisionPolicy): graphddp.explain(mp_policy=...) takes it
-        if field.name in DDPConfig.ddp_keywords():
-            continue  # DDP's constructor keywords change no plan: nothing to explain
+        # cost: explain builds it from --bandwidth-gbps and the like, or names it with --cost; mp_policy: an object
+        # (FSDP2's MixedPrecisionPolicy) that graphddp.explain(mp_policy=...) takes; DDP's keywords change no plan.
+        if field.name in ("cost", "mp_policy") or field.name in DDPConfig.ddp_keywords():
+            continue
+        otherwise = {"action": argparse.BooleanOptionalAction} if isinstance(field.default, bool) else {"type": float}
         flag = "--" + field.name.replace("_", "-")
-        kind: dict = {"type": float}
-        if field.name == "bucket_cap_mb":
-            kind = {"type": _cap, "metavar": "MB|auto"}
-        elif field.name == "bucket_cap_mb_list":
-            kind = {"type": _cap_list, "metavar": "MB,MB,..."}
-        elif field.name in ("backend", "comm_hook", "mode", "sharding", "gather"):
-            kind = {"type": str}
-        elif field.name == "options":
-            kind = {"type": _json_dict, "metavar": "JSON"}
-        elif field.name == "dynamic":
-            kind = {"type": _optional_bool, "metavar": "true|false|none"}
-        elif field.name == "memory_budget":
-            kind = {"type": _budget, "metavar": "BYTES|FRACTION"}
-        elif field.name == "reshard_after_forward":
-            kind = {"type": _optional_bool, "metavar": "true|false"}
-        elif isinstance(field.default, bool):
-            kind = {"action": argparse.BooleanOptionalAction}
-        parser.add_argument(flag, dest=field.name, default=None, help=_help(field), **kind)
+        parser.add_argument(flag, dest=field.name, default=None, help=_help(field), **_KINDS.get(field.name, otherwise))
 
 
 def _help(field: Any) -> str:
@@ -180,10 +175,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "with --sharding full its state is counted")
     add_option_flags(p)
     costs = p.add_argument_group("cost model", "for the predicted times, and the plan of --bucket-cap-mb auto")
-    costs.add_argument("--bandwidth-gbps", type=float, default=CostModel.bandwidth_gbps)
-    costs.add_argument("--latency-us", type=float, default=CostModel.latency_us)
-    costs.add_argument("--compute-tflops", type=float, default=CostModel.compute_tflops)
-    costs.add_argument("--collective-overhead-us", type=float, default=CostModel.collective_overhead_us)
+    for name in _COST_FLAGS:
+        costs.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(CostModel, name))
     costs.add_argument("--cost", metavar="NAME", help="a link preset instead of the flags above: "
                        f"{', '.join(links.names()[:3])}, or GPU+NET[xNICS] (e.g. h100+ndr400x8, a100+eth100)")
     p.add_argument("--format", choices=FORMATS, default="table")
@@ -192,8 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = options_from_args(args)
     try:  # a bad option is a usage error: say so before loading and tracing the model
         cost = links.preset(args.cost) if args.cost else CostModel(
-            bandwidth_gbps=args.bandwidth_gbps, latency_us=args.latency_us, compute_tflops=args.compute_tflops,
-            collective_overhead_us=args.collective_overhead_us, source="python -m graphddp explain's flags")
+            **{name: getattr(args, name) for name in _COST_FLAGS}, source="python -m graphddp explain's flags")
         planned = options.get("sharding") == "auto" or (args.cost and DDPConfig.from_options("python -m graphddp explain", options).auto)
         if options.get("bucket_cap_mb") == "auto" or planned:
             options["cost"] = cost
@@ -224,13 +216,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         text = json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
     else:
         text = "\n".join(render.dot(s) for s in schedules)
-    _write(text, args.out)
-    return 0
-
-
-def _write(text: str, out: str | None) -> None:
-    if out:
-        with open(out, "w") as f:
-            f.write(text + "\n")
-    else:
+    if not args.out:
         print(text)
+        return 0
+    with open(args.out, "w") as f:
+        f.write(text + "\n")
+    return 0

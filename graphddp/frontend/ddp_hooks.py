@@ -1,22 +1,10 @@
 """DDP's ``register_comm_hook(state, hook)``, as a value of graphddp's ``comm_hook=`` option.
 
-DDP's own hooks are written for eager execution (Futures, state mutated in Python), so tracing
-them would fail; four have an in-graph equivalent, so a swap from DDP keeps working:
-
-=====================================================  ==========================================
-DDP's hook                                             graphddp's ``comm_hook=``
-=====================================================  ==========================================
-``default_hooks.allreduce_hook``                       ``None`` (the plain average)
-``default_hooks.fp16_compress_hook``                   ``"fp16_compress"``
-``default_hooks.bf16_compress_hook``                   ``"bf16_compress"``
-``powerSGD_hook.powerSGD_hook`` + ``PowerSGDState``    ``graphddp.hooks.PowerSGD`` with the state's
-                                                       settings, its random stream and step count
-=====================================================  ==========================================
-
-Refused by name: a process group other than the model's, a ``PowerSGDState`` that has compressed
-already (its tensors belong to DDP's buckets), and DDP's other hooks. Any other hook is the user's
-own, traced as ``comm_hook=(state, hook)``. The ``PowerSGDState`` is read once: graphddp's PowerSGD
-keeps its own state, so the DDP state's ``iter`` and statistics do not move.
+DDP's own hooks are written for eager execution (Futures, state mutated in Python), so tracing them
+would fail; four have an in-graph equivalent (:data:`_GROUP_HOOKS`, and ``powerSGD_hook`` as
+:class:`graphddp.hooks.PowerSGD`), so a swap from DDP keeps working. DDP's other hooks are refused by
+name; any other hook is the user's own, traced as ``comm_hook=(state, hook)``. The user's view of
+each case: docs/options.md.
 """
 from __future__ import annotations
 
@@ -37,6 +25,11 @@ _GROUP_HOOKS: dict[Callable[..., Any], str | None] = {
     default_hooks.bf16_compress_hook: "bf16_compress",
 }
 MAPPED = ("allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "powerSGD_hook")
+# A PowerSGDState's settings, which graphddp's PowerSGD takes under the same names.
+_POWERSGD_SETTINGS = (
+    "matrix_approximation_rank", "start_powerSGD_iter", "min_compression_rate", "use_error_feedback", "warm_start",
+    "orthogonalization_epsilon", "batch_tensors_with_same_shape",
+)
 
 
 def as_comm_hook(where: str, state: object, hook: Callable[..., Any], group: Any) -> tuple[Any, str]:
@@ -71,7 +64,8 @@ def _check_group(where: str, what: str, state_group: Any, group: Any) -> None:
 
 
 def _powersgd(where: str, state: Any, group: Any) -> PowerSGD:
-    """graphddp's PowerSGD with a ``PowerSGDState``'s settings, random stream and step count."""
+    """graphddp's PowerSGD with a ``PowerSGDState``'s settings, random stream and step count. The state is
+    read once: the hook keeps its own, so the DDP state's ``iter`` and statistics do not move."""
     if not isinstance(state, ddp_powersgd.PowerSGDState):
         raise TypeError(f"{where}: powerSGD_hook's state must be a PowerSGDState, got {type(state).__name__}")
     _check_group(where, "the PowerSGDState's process_group", state.process_group, group)
@@ -81,15 +75,7 @@ def _powersgd(where: str, state: Any, group: Any) -> PowerSGD:
             f"{where}: the PowerSGDState has compressed already: its {used} hold tensors of DDP's buckets, "
             "which graphddp's buckets do not reuse; register a fresh PowerSGDState"
         )
-    hook = PowerSGD(
-        matrix_approximation_rank=state.matrix_approximation_rank,
-        start_powerSGD_iter=state.start_powerSGD_iter,
-        min_compression_rate=state.min_compression_rate,
-        use_error_feedback=state.use_error_feedback,
-        warm_start=state.warm_start,
-        orthogonalization_epsilon=state.orthogonalization_epsilon,
-        batch_tensors_with_same_shape=state.batch_tensors_with_same_shape,
-    )
+    hook = PowerSGD(**{setting: getattr(state, setting) for setting in _POWERSGD_SETTINGS})
     # random_seed is not kept by PowerSGDState, only the stream it seeded: continue that stream.
     hook.load_extra_state({"iter": state.iter, "rng": state.rng.get_state()})
     return hook

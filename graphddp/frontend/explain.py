@@ -1,14 +1,10 @@
-"""``graphddp.explain``: see the plan for N ranks without N ranks.
+"""``graphddp.explain`` and ``graphddp.predict_memory``: the plan and the bytes of N ranks, without N ranks.
 
-Runs the same compile path as a real job (same options, so the same backward graph and the
-same buckets) in this one process, under a fake process group that pretends to have
-``world_size`` ranks. One forward and backward on the example inputs triggers the backward
-compile; the model is deep-copied first, so its parameters, gradients and buffers are left
-untouched.
-
-It leaves nothing behind: the fake group is destroyed, the exception hook that
-``init_process_group`` installs is put back, and the compiled copy counts its recompiles in
-its own region, so later compiles of the same model class do not inherit them.
+``explain`` runs the same compile path as a real job (same options, so the same backward graph and
+the same buckets) in this one process, under a fake process group of ``world_size`` ranks, on a
+deep copy of the model, whose one forward and backward trigger the compile. It leaves nothing
+behind: the fake group is destroyed, ``sys.excepthook`` put back, and the copy counts its
+recompiles in its own region, so later compiles of the same model class do not inherit them.
 """
 from __future__ import annotations
 
@@ -40,12 +36,9 @@ def _default_loss(out: Any) -> torch.Tensor:
 
 @contextlib.contextmanager
 def fake_process_group(world_size: int) -> Iterator[None]:
-    """A default process group of ``world_size`` pretend ranks for the duration of the block.
-
-    The fake backend (torch's, registered by importing its module) runs no collective; planning
-    needs only the group's size and name. ``init_process_group`` replaces ``sys.excepthook``
-    with one that prefixes ``[rank0]``; the original is restored on exit.
-    """
+    """A default process group of ``world_size`` pretend ranks for the block: torch's fake backend
+    runs no collective, and planning needs only the group's size and name. ``init_process_group``
+    replaces ``sys.excepthook`` (to prefix ``[rank0]``); the original is restored on exit."""
     import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers backend "fake"
 
     if dist.is_initialized():
@@ -76,24 +69,19 @@ def explain(
     :class:`~graphddp.values.part_schedule.FullSchedule` (every gather and reduce-scatter of the
     compiled forward and backward, and the memory each rank holds).
 
-    ``options`` are ``graphddp.compile``'s (:class:`~graphddp.config.DDPConfig`'s fields) and
-    mean the same, so the plan shown is the plan a run with those options would use.
-    ``loss_fn(output)`` makes the scalar to differentiate (default: the sum of every output
-    tensor that requires grad). ``optimizer``: what makes the run's optimizer from parameters
-    (``torch.optim.AdamW``, or ``lambda ps: torch.optim.AdamW(ps, lr=3e-4)``), passed to compile
-    as ``optimizer=`` (the optimizer inside the backward); with ``sharding="full"`` it steps once
-    after the backward so that the schedule counts its state. Without it, the modes that need
-    one plan with a still SGD (lr 0), which keeps no state.
-    ``device_mesh=(replicate, shard)``: hybrid sharding's mesh shape (``world_size`` is then
-    their product); each sharded bucket's placement shows both levels. ``sharding="auto"``
-    chooses from ``example_inputs`` as a run would from ``example=``; each schedule carries the
-    choice (``schedule.choice``: every placement weighed, its predicted step and peak, why it won
-    or lost); it weighs the sharded placements only with ``optimizer=``.
+    ``options`` are ``graphddp.compile``'s and mean the same, so the plan shown is the plan a run
+    with those options would use. ``loss_fn(output)`` makes the scalar to differentiate (default:
+    the sum of every output tensor that requires grad). ``optimizer``: what makes the run's
+    optimizer from parameters (``torch.optim.AdamW``, or ``lambda ps: torch.optim.AdamW(ps, lr=3e-4)``),
+    compiled into the backward as ``optimizer=``; with ``sharding="full"`` it steps once after the
+    backward so that the schedule counts its state. Without it, the modes that need one plan with a
+    still SGD (lr 0), which keeps no state. ``device_mesh=(replicate, shard)``: hybrid sharding's
+    mesh shape (``world_size`` is then their product; each sharded bucket's placement shows both
+    levels). ``sharding="auto"`` chooses from ``example_inputs`` as a run would from ``example=``,
+    weighing the sharded placements only with ``optimizer=``; each schedule carries the choice
+    (``schedule.choice``: every placement weighed, its predicted step and peak, why it won or lost).
     """
-    if device_mesh is not None:
-        world_size = _mesh_world(device_mesh, world_size, "world_size" in options)
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    world_size = _world(world_size, device_mesh)
     if optimizer is not None and not callable(optimizer):
         raise ValueError(f"graphddp.explain: optimizer= makes the optimizer from parameters (e.g. torch.optim.AdamW), got {optimizer!r}")
     config = DDPConfig.from_options("graphddp.explain", options)  # bad options fail before any tracing
@@ -110,11 +98,19 @@ def explain(
         return compiled.schedules
 
 
-def _mesh_world(shape: Any, world_size: int, given: bool) -> int:
-    """The world of a hybrid mesh ``(replicate, shard)``, checked."""
-    if not (isinstance(shape, (tuple, list)) and len(shape) == 2 and all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape)):
-        raise ValueError(f"graphddp.explain: device_mesh= is a shape (replicate, shard) of positive ints, got {shape!r}")
-    return shape[0] * shape[1]
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _world(world_size: Any, mesh: Any) -> int:
+    """``world_size`` or, given a hybrid mesh's shape ``(replicate, shard)``, their product; checked."""
+    if mesh is not None:
+        if not (isinstance(mesh, (tuple, list)) and len(mesh) == 2 and all(_positive_int(d) for d in mesh)):
+            raise ValueError(f"graphddp.explain: device_mesh= is a shape (replicate, shard) of positive ints, got {mesh!r}")
+        world_size = mesh[0] * mesh[1]
+    if not _positive_int(world_size):
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    return world_size
 
 
 def _optimizer(model: nn.Module, make: Callable[..., torch.optim.Optimizer] | None, needed: bool) -> torch.optim.Optimizer | None:
@@ -143,17 +139,13 @@ def predict_memory(
     peak (:mod:`graphddp.plan.memory` says what is counted), for a loop of ``model(*example_inputs,
     **example_kwargs)``, a backward and the ``optimizer`` (made from parameters, as :func:`explain`
     takes it; None: no state), compiled by ``backend`` (its partition decides what the backward
-    keeps). One trace of the model (:mod:`graphddp.compiler.model_trace`), no process group:
-    every placement is predicted from the same facts. ``device_mesh=(replicate, shard)`` predicts
-    the sharded placements as hybrid sharding over that mesh. ``mp_policy``: full sharding's
-    mixed-precision policy, traced as a run computes under it; only full sharding's placements
-    (the mode that runs one) are predicted then. ``graphddp.plan.memory.table(predictions)`` prints them."""
-    shard = None
-    if device_mesh is not None:
-        world_size = _mesh_world(device_mesh, world_size, True)
-        shard = device_mesh[1]
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    keeps). One trace of the model, no process group: every placement is predicted from the same
+    facts. ``device_mesh=(replicate, shard)`` predicts the sharded placements as hybrid sharding
+    over that mesh. ``mp_policy``: full sharding's mixed-precision policy, traced as a run computes
+    under it; only full sharding's placements (the mode that runs one) are predicted then.
+    ``graphddp.plan.memory.table(predictions)`` prints them."""
+    world_size = _world(world_size, device_mesh)
+    shard = device_mesh[1] if device_mesh is not None else None
     example = dict(example_kwargs) if example_kwargs else tuple(example_inputs)
     if example_kwargs and example_inputs:
         raise ValueError("graphddp.predict_memory: pass the inputs positionally or as example_kwargs=, not both")

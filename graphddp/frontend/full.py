@@ -1,21 +1,16 @@
 """``graphddp.compile(model, optimizer=opt, sharding="full")``: parameters, gradients and optimizer
 state held 1/N per rank, each parameter gathered where the forward and the backward read it.
 
-How each parameter becomes this rank's part and every read of it a gather (SimpleFSDP's idea
-with plain tensors), with the gradient reduce-scattered back: :mod:`graphddp.frontend.parts`.
-With ``reshard_after_forward`` (default True) the backward gathers again instead of keeping the
-gathered parameters (:mod:`graphddp.graph.reshard`). Which backward updates its parts itself,
-and what it leaves to ``opt.step()`` (a ``no_sync`` micro-step's accumulation, a weight tied
-across a graph break, other optimizer classes): :mod:`graphddp.compiler.full_updates`.
+The cut (parameters to parts, reads to gathers, gradients reduce-scattered back) is
+:mod:`graphddp.frontend.parts`. With ``reshard_after_forward`` (default True) the backward gathers
+again instead of keeping the gathered parameters (:mod:`graphddp.graph.reshard`). Which backward
+updates its parts itself, and what it leaves to ``opt.step()``: :mod:`graphddp.compiler.full_updates`.
 
-The parts are this mode's residency (:class:`FullyShardedState`): the optimizer is re-pointed at
-them, so its state is 1/N per rank, while the state dicts and ``named_parameters()`` stay whole
-(gathered, so **every rank calls them**: checkpoints move between world sizes and to plain
-models) and ``model.module``'s own parameters are the parts. With a 2-D ``device_mesh=``
-(FSDP2's HSDP) every "N" is the shard dim's size, each part's gradient averaged over the
-replicate group too (:class:`graphddp.values.placement.Placement`). What each of these means in
-use, ``mp_policy=`` (FSDP2's ``MixedPrecisionPolicy``) and what is not supported yet (comm
-hooks, ``join()``, refused by name): docs/full-sharding.md.
+The parts are this mode's residency: the optimizer steps them, so its state is 1/N per rank, and
+``model.module``'s own parameters are the parts, while the state dicts and ``named_parameters()``
+stay whole (gathered, so **every rank calls them**: checkpoints move between world sizes and to
+plain models). With a 2-D ``device_mesh=`` (FSDP2's HSDP) every "N" is the shard dim's size. Each
+option in use, ``mp_policy=``, and what is refused by name (comm hooks, ``join()``): docs/full-sharding.md.
 """
 from __future__ import annotations
 
@@ -30,7 +25,7 @@ from graphddp.compiler.full_updates import PartUpdates
 from graphddp.compiler.model_trace import cast_floats
 from graphddp.config import MB, DDPConfig
 from graphddp.frontend.mesh import MeshGroups
-from graphddp.frontend.parts import Part, install_whole_state_dicts, optimizer_parts, repoint_optimizer, shard_parameters
+from graphddp.frontend.parts import Part, install_whole_state_dicts, repoint_optimizer, shard_parameters
 from graphddp.frontend.wrap import ModelState
 from graphddp.plan.parts import PREFETCH
 from graphddp.optim import clip, guards
@@ -42,11 +37,10 @@ from graphddp.values.placement import Level, Whole
 
 
 class FullyShardedState(ModelState):
-    """One fully sharded model on this rank (module docstring): its parameters cut into this
-    rank's parts, once the wrap's broadcast has made them agree. With a 2-D ``device_mesh=``
-    (hybrid) the parts, the optimizer's state and the clip's norm are over the shard group (each
-    replicate group holds the same averaged parts: a norm summed over every rank would count each
-    part once per replica); the rest stays on every rank's group."""
+    """One fully sharded model on this rank, cut into parts once the wrap's broadcast has made the
+    parameters agree. With a 2-D ``device_mesh=`` the parts, the optimizer's state and the clip's norm
+    are over the shard group (every replicate group holds the same averaged parts: a norm over every
+    rank would count each part once per replica); the rest runs on every rank's group."""
 
     optimizer: torch.optim.Optimizer
 
@@ -59,7 +53,7 @@ class FullyShardedState(ModelState):
         for part in parts.values():
             # clip_grad_norm_ on parts is refused (graphddp.optim.guards), told whether max_grad_norm clips already
             setattr(part.part, guards.PART, True if config.max_grad_norm is None else (config.max_grad_norm, config.grad_norm_type))
-        repoint_optimizer(optimizer, parts, groups.shard)
+        self.whole_state = repoint_optimizer(optimizer, parts, groups.shard)
         if config.max_grad_norm is not None:
             whole_parts = {id(p.part) for p in parts.values() if p.group is None}
             clip.clip_parts_before_step(optimizer, config.max_grad_norm, config.grad_norm_type, groups.shard, whole_parts)
@@ -75,14 +69,12 @@ class FullyShardedState(ModelState):
             replicated=replicated,
         )
         self.records = self.record.records  # every compiled graph's, in order
-        self.whole_state = optimizer_parts(optimizer, {id(p.part): p for p in parts.values()}, groups.shard)
         install_whole_state_dicts(module, parts)
         self.compile_graph = FullyShardedCompiler(config, self.record)
 
     @property
     def world_size(self) -> int:
-        """The ranks each parameter is cut over: the shard group's (every rank without a 2-D
-        ``device_mesh=``); state dicts gather over it, each replicate group holding the same parts."""
+        """The ranks each parameter is cut over: the shard group's (every rank without a 2-D ``device_mesh=``)."""
         return dist.get_world_size(self._groups.shard)
 
     @property
@@ -91,9 +83,8 @@ class FullyShardedState(ModelState):
 
     @property
     def schedules(self) -> list[FullSchedule]:
-        """One :class:`~graphddp.values.part_schedule.FullSchedule` per Dynamo graph compiled so
-        far: its forward's and backward's collectives as planned, placed as the compiled graphs
-        have them, and what this rank holds."""
+        """One per Dynamo graph compiled so far: its forward's and backward's collectives as planned,
+        placed as the compiled graphs have them, and what this rank holds."""
         by_index: dict[int, dict[str, PartGraph]] = {}
         for record in self.records:
             by_index.setdefault(record.index, {})[record.kind] = record.schedule
@@ -107,10 +98,9 @@ class FullyShardedState(ModelState):
         ]
 
     def _memory(self, forward: PartGraph | None, backward: PartGraph | None) -> RankMemory:
-        """What this rank holds: the parts, their gradients and state (the whole model), and
-        the gathers of one graph in flight at once, and those its forward keeps for the backward
-        (read off the compiled forward's outputs: without resharding, those the backward reads;
-        with it, the backward's first bucket, :mod:`graphddp.graph.reshard`)."""
+        """What this rank holds: the parts, their gradients and state (the whole model), the gathers
+        of one graph in flight at once, and those its forward keeps for the backward (read off the
+        compiled forward's outputs: those the backward reads, or with resharding its first bucket's)."""
         parts = [p.part for p in self._parts.values()]
         size = lambda t: t.numel() * t.element_size()  # noqa: E731
         states = [self.optimizer.state.get(p, {}) for p in parts]
@@ -132,9 +122,7 @@ class FullyShardedState(ModelState):
         buffers' broadcast, a mixed-precision policy's input cast."""
         self._check_same_forward()
         if self.config.broadcast_buffers and dist.get_world_size(self.group) > 1:
-            buffers = list(self.module.buffers())
-            if buffers:
-                broadcast_tensors(buffers, self.group)
+            broadcast_tensors(list(self.module.buffers()), self.group)
         policy = self.config.mp_policy
         if policy is not None and policy.param_dtype is not None and policy.cast_forward_inputs:
             args, kwargs = cast_floats((args, kwargs), policy.param_dtype)
@@ -146,15 +134,12 @@ class FullyShardedState(ModelState):
         return cast_floats(out, policy.output_dtype) if policy is not None and policy.output_dtype is not None else out
 
     def _check_same_forward(self) -> None:
-        """Every rank must run every forward: each one gathers the parameters from all ranks. A
-        forward one rank runs alone (nanoGPT's ``estimate_loss`` on rank 0) would pair its
-        gathers with the other ranks' next collectives: a hang until the process group's
-        timeout, or, where those are gathers of the same sizes, the wrong tensors.
-        So before its first collective each forward takes part in a fixed-size one
-        (:func:`graphddp.runtime.agree.same_on_every_rank`, which pairs only with its own kind) of
-        how many forwards this rank has run and whether autograd is on; ranks that differ raise
-        :class:`~graphddp.runtime.agree.ScheduleMismatchError` on every rank, naming each side.
-        One small all-gather read on the host per forward (its cost: docs/full-sharding.md)."""
+        """Every rank must run every forward, as each gathers from all ranks: a forward one rank runs
+        alone (nanoGPT's ``estimate_loss`` on rank 0) would pair its gathers with the others' next
+        collectives, a hang or, where the sizes match, the wrong tensors. So before its first
+        collective each forward agrees, in a fixed-size collective that pairs only with its own kind,
+        on how many forwards this rank has run and whether autograd is on; ranks that differ raise
+        on every rank, naming each side (its cost, one small all-gather: docs/full-sharding.md)."""
         if agree.nothing_to_agree(self.group):
             return
         self._forwards += 1
@@ -173,9 +158,9 @@ class FullyShardedState(ModelState):
 
     @property
     def updates(self) -> dict[str, int]:
-        """How many backwards updated their parts inside (``"inside"``) and how many left them
-        to ``opt.step()``, by reason (:mod:`graphddp.compiler.full_updates`); empty where the
-        optimizer steps after every backward (its class, or ``max_grad_norm``)."""
+        """How many backwards updated their parts inside (``"inside"``) and how many left them to
+        ``opt.step()``, by reason; empty where the optimizer steps after every backward (its class,
+        or ``max_grad_norm``)."""
         updates = self.record.updates
         return {} if updates is None else dict(updates.counts)
 
@@ -197,7 +182,7 @@ class FullyShardedState(ModelState):
         return super().load_state_dict(state_dict, strict)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
-        """The whole current values, gathered (every rank calls it), detached (module docstring)."""
+        """The whole current values, gathered (every rank calls it), detached."""
         seen: set[int] = set()
         for name, part in self._by_name.items():
             if remove_duplicate and id(part) in seen:
@@ -208,12 +193,5 @@ class FullyShardedState(ModelState):
             setattr(gathered, guards.GATHERED_COPY, getattr(part.part, guards.PART, True))
             yield (f"{prefix}.{name}" if prefix else name), gathered
 
-    def full_optimizer_state_dict(self) -> dict[str, Any]:
-        """The state dict a plain optimizer of the same class over the whole parameters would
-        have (every rank calls it: :meth:`WholeState.state_dict`)."""
-        return self.whole_state.state_dict(self.optimizer)
-
-    def load_full_optimizer_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Load a whole optimizer state: each rank keeps its part of every entry."""
-        self.whole_state.load(self.optimizer, state)
-
+    def _whole_optimizer(self) -> tuple[torch.optim.Optimizer, Any]:
+        return self.optimizer, self.whole_state

@@ -29,11 +29,6 @@ class MeshGroups:
         level = lambda g: Level(group_name_of(g), dist.get_world_size(g))  # noqa: E731
         return Placement(level(self.shard), level(self.replicate) if self.replicate is not None else None)
 
-    @property
-    def shard_rank(self) -> int:
-        """This rank's index in its shard group: which part it holds."""
-        return dist.get_rank(self.shard)
-
 
 def flat_groups(group: Any) -> MeshGroups:
     return MeshGroups(group, group)

@@ -1,27 +1,15 @@
-"""The parts of ``sharding="full"``: each parameter cut to this rank's part, every read of it a gather.
+"""The cut of ``sharding="full"``: each parameter to this rank's part, every read of it a gather.
 
-How (docs/design-full-sharding.md, SimpleFSDP's idea with plain tensors). Each parameter is
-replaced in its module by this rank's part (:func:`graphddp.values.shards.padded_part`, the cut
-``sharding="optimizer"`` uses), and the module's class by a subclass whose property of the same
-name all-gathers the parts and views the result as the whole parameter. ``torch.compile`` traces
-these gathers into the forward graphs (across graph breaks: every graph gathers what it reads),
-and AOTAutograd derives each gather's backward, a reduce-scatter of the gradient, so every rank
-receives the gradient of its part, summed over ranks; :class:`_Average` divides the whole
-gradient by the world size first, as DDP does. With a mixed-precision policy, or hybrid
-sharding (a 2-D ``device_mesh=``: parts cut over the shard group, each part's gradient then
-averaged over the replicate group too), the gather and its backward are :class:`_Gather`.
-With ``reshard_after_forward`` (default True) the backward gathers again instead of keeping
-the gathered parameters (:mod:`graphddp.graph.reshard`). A parameter smaller than
-``replicate_below_mb`` stays whole on every rank (a part over one rank, held by each): never
-gathered, its read is :class:`_Replicated`, whose backward all-reduces its gradient over every
-rank (the :class:`~graphddp.values.placement.Whole` placement's reduce, which
-:mod:`graphddp.graph.part_collectives` buckets beside the reduce-scatters).
+Each parameter is replaced in its module by this rank's part (:func:`graphddp.values.shards.padded_part`,
+the cut ``sharding="optimizer"`` uses), and the module's class by a subclass whose property of the same
+name all-gathers the parts and views the result as the whole parameter (SimpleFSDP's idea with plain
+tensors, docs/design-full-sharding.md). ``torch.compile`` traces these gathers into every graph that
+reads the parameter (across graph breaks too), and AOTAutograd derives each gather's backward, a
+reduce-scatter of the gradient, so every rank receives its part's gradient summed over ranks. A
+parameter smaller than ``replicate_below_mb`` stays whole on every rank and is never gathered.
 
-The optimizer is re-pointed at the parts (:func:`repoint_optimizer`), any state it has cut to
-them, and state dicts hold whole tensors (:func:`install_whole_state_dicts`,
-:func:`optimizer_parts`). A module of its own because this is the cut itself, done once at wrap
-time; :mod:`graphddp.frontend.full` builds the mode around it (the returned module, its state
-dicts, its schedules).
+The cut is made once, at wrap time, with the optimizer re-pointed at the parts and state dicts that
+hold whole tensors; :mod:`graphddp.frontend.full` builds the mode around it.
 """
 from __future__ import annotations
 
@@ -86,17 +74,13 @@ _WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
 class _Gather(torch.autograd.Function):
-    """The gather of a part with a backward of graphddp's own, where the one autograd derives
-    for the functional all-gather (a reduce-scatter of the gradient as it comes, over the one
-    group) would be wrong: with a mixed-precision policy (FSDP2's, same meaning) the parts are
-    cast to ``param_dtype`` and gathered in it, and the gradient sent in ``reduce_dtype``; with
-    hybrid sharding each part gradient is also averaged over the replicate group. The forward
-    all-gathers over the placement's shard group; the backward casts the whole gradient to
-    ``reduce_dtype``, divides it by every rank of the average (:attr:`Placement.world`),
-    reduce-scatters it (sum) over the shard group, all-reduces the part over the replicate
-    group (:meth:`Placement.average_replicas`) and casts it back to the part's dtype, where the
-    optimizer steps it. The raw reduce-scatter is what
-    :mod:`graphddp.graph.part_collectives` finds, buckets and lowers per backend."""
+    """The gather of a part with graphddp's own backward, where the one autograd derives for the
+    functional all-gather (the gradient reduce-scattered as it comes, over one group) would be
+    wrong: under a mixed-precision policy (FSDP2's meaning) the parts are gathered in
+    ``param_dtype``, the gradient sent in ``reduce_dtype`` and cast back to the part's dtype, where
+    the optimizer steps it; with hybrid sharding each part's gradient is also averaged over the
+    replicate group. The raw reduce-scatter is what :mod:`graphddp.graph.part_collectives` finds,
+    buckets and lowers per backend."""
 
     @staticmethod
     def forward(ctx: Any, part: torch.Tensor, placement: Placement, param_dtype: torch.dtype,  # type: ignore[override]
@@ -113,10 +97,9 @@ class _Gather(torch.autograd.Function):
 
 
 class _Replicated(torch.autograd.Function):
-    """The read of a parameter held whole on every rank: the parameter as it is (in a policy's
-    ``param_dtype``), and in the backward its gradient in ``reduce_dtype``, divided by every
-    rank and all-reduced over them (the placement's one group), cast back to the parameter's
-    dtype: DDP's average, which :mod:`graphddp.graph.part_collectives` buckets."""
+    """The read of a parameter held whole on every rank: the parameter itself (in a policy's
+    ``param_dtype``), whose backward is DDP's average, in ``reduce_dtype``, over the placement's
+    one group, which :mod:`graphddp.graph.part_collectives` buckets beside the reduce-scatters."""
 
     @staticmethod
     def forward(ctx: Any, whole: torch.Tensor, placement: Whole, param_dtype: torch.dtype,  # type: ignore[override]
@@ -131,25 +114,20 @@ class _Replicated(torch.autograd.Function):
         return _WAIT(_AR(sent, "sum", placement.shard.name)).to(ctx.part_dtype), None, None, None
 
 
-def _read_whole(flat_param: torch.Tensor, shape: tuple[int, ...], placement: Whole, policy: Any = None) -> torch.Tensor:
-    """A replicated parameter's read (:class:`_Replicated`), viewed as its shape."""
-    param_dtype = getattr(policy, "param_dtype", None) or flat_param.dtype
-    reduce_dtype = getattr(policy, "reduce_dtype", None) or param_dtype
-    return _Replicated.apply(flat_param, placement, param_dtype, reduce_dtype).view(shape)
-
-
-def _gathered(part: torch.Tensor, shape: tuple[int, ...], group: Any, policy: Any = None, placement: Placement | None = None) -> torch.Tensor:
-    """The whole parameter from every rank's part over ``group`` (the shard group): all-gather,
-    drop the padding, view; with a mixed-precision ``policy`` in its ``param_dtype``, or a
-    hybrid ``placement``, through :class:`_Gather`."""
-    world = dist.get_world_size(group)
-    param_dtype = getattr(policy, "param_dtype", None) or part.dtype
-    reduce_dtype = getattr(policy, "reduce_dtype", None) or param_dtype
-    hybrid = placement is not None and placement.hybrid
-    if param_dtype == part.dtype and reduce_dtype == part.dtype and not hybrid:
-        return _Average.apply(_all_gather(part, 0, group)[: math.prod(shape)].view(shape), world)
-    full = _Gather.apply(part, placement if placement is not None else flat(group.group_name, world), param_dtype, reduce_dtype)
-    return full[: math.prod(shape)].view(shape)
+def _read(part: nn.Parameter) -> torch.Tensor:
+    """The whole parameter a part stands for (:func:`shard_parameters` tags the part): the part
+    itself where it is whole; else every rank's part gathered, the padding dropped; through
+    :class:`_Gather` only where a policy's dtypes or a hybrid placement need its backward."""
+    shape, group, placement = part._graphddp_shape, part._graphddp_group, part._graphddp_placement
+    param_dtype = getattr(part._graphddp_policy, "param_dtype", None) or part.dtype
+    reduce_dtype = getattr(part._graphddp_policy, "reduce_dtype", None) or param_dtype
+    if group is None:
+        return _Replicated.apply(part, placement, param_dtype, reduce_dtype).view(shape)
+    world, numel = dist.get_world_size(group), math.prod(shape)
+    if param_dtype == reduce_dtype == part.dtype and not (placement is not None and placement.hybrid):
+        return _Average.apply(_all_gather(part, 0, group)[:numel].view(shape), world)
+    placement = placement if placement is not None else flat(group.group_name, world)
+    return _Gather.apply(part, placement, param_dtype, reduce_dtype)[:numel].view(shape)
 
 
 _SHARDED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
@@ -161,12 +139,7 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
     key = (cls, names)
     if key not in _SHARDED_CLASSES:
         def prop(name: str) -> property:
-            def getter(self: nn.Module) -> torch.Tensor:
-                q = self._parameters[name]
-                if q._graphddp_group is None:
-                    return _read_whole(q, q._graphddp_shape, q._graphddp_placement, q._graphddp_policy)
-                return _gathered(q, q._graphddp_shape, q._graphddp_group, q._graphddp_policy, q._graphddp_placement)
-            return property(getter)
+            return property(lambda self: _read(self._parameters[name]))
 
         _SHARDED_CLASSES[key] = type(f"FullySharded{cls.__name__}", (cls,), {n: prop(n) for n in names})
     return _SHARDED_CLASSES[key]
@@ -176,11 +149,10 @@ def shard_parameters(
     module: nn.Module, group: Any, policy: Any = None, placement: Placement | None = None, replicated: Whole | None = None,
     below_bytes: int = 0,
 ) -> dict[int, Part]:
-    """Replace every parameter of ``module`` by this rank's part over ``group`` (the shard
-    group) and every read of it by a gather (module docstring); ``placement``: where each part
-    gradient is averaged (None: over ``group`` alone). A parameter of fewer than ``below_bytes``
-    stays whole on every rank, its gradient averaged over ``replicated``'s group. Returns the
-    parts by the id of the parameter they replace."""
+    """Replace every parameter of ``module`` by this rank's part over ``group`` (the shard group)
+    and every read of it by a gather; ``placement``: where each part's gradient is averaged (None:
+    over ``group`` alone). A parameter of fewer than ``below_bytes`` stays whole on every rank, its
+    gradient averaged over ``replicated``'s group. Returns the parts by the replaced parameter's id."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     parts: dict[int, Part] = {}  # by the replaced parameter's id
     placed: dict[int, Part] = {}  # by the part's id: a module reached twice holds parts already
@@ -206,10 +178,11 @@ def shard_parameters(
     return parts
 
 
-def repoint_optimizer(optimizer: torch.optim.Optimizer, parts: Mapping[int, Part], group: Any) -> None:
+def repoint_optimizer(optimizer: torch.optim.Optimizer, parts: Mapping[int, Part], group: Any) -> WholeState:
     """Make ``optimizer`` step the parts: its param groups name them instead of the whole
     parameters, and any state it has is cut to this rank's part (:meth:`WholeState.cut`: every
-    elementwise entry checked first; a step count stays as it is)."""
+    elementwise entry checked first; a step count stays as it is). Returns the :class:`WholeState`
+    that moves its state whole in and out of the padded parts over ``group`` (the shard group)."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     stray = next((p for p in params if id(p) not in parts), None)
     if stray is not None:
@@ -217,30 +190,24 @@ def repoint_optimizer(optimizer: torch.optim.Optimizer, parts: Mapping[int, Part
             "graphddp.compile(..., sharding='full'): the optimizer holds a tensor that is not a parameter of the "
             f"module (shape {list(stray.shape)}); build it over model.parameters() before graphddp.compile"
         )
-    cut = optimizer_parts(optimizer, parts, group).cut
-    states = {parts[id(p)].part: cut(i, optimizer.state[p]) for i, p in enumerate(params) if optimizer.state.get(p)}
+    ordered = [parts[id(p)] for p in params]
+    held_whole = frozenset(i for i, p in enumerate(ordered) if p.group is None)
+    whole_state = WholeState(tuple(p.names[0] for p in ordered), tuple(p.shape for p in ordered), group, padded=True, held_whole=held_whole)
+    states = {ordered[i].part: whole_state.cut(i, optimizer.state[p]) for i, p in enumerate(params) if optimizer.state.get(p)}
     optimizer.state.clear()
     optimizer.state.update(states)
     for g in optimizer.param_groups:
         g["params"] = [parts[id(p)].part for p in g["params"]]
-
-
-def optimizer_parts(optimizer: torch.optim.Optimizer, parts: Mapping[int, Part], group: Any) -> WholeState:
-    """The optimizer's state, whole in and out of its padded parts over ``group`` (the shard group);
-    ``parts`` by the id of the tensors the optimizer holds (the whole parameters, or the parts)."""
-    ordered = [parts[id(p)] for g in optimizer.param_groups for p in g["params"]]
-    held_whole = frozenset(i for i, p in enumerate(ordered) if p.group is None)
-    return WholeState(tuple(p.names[0] for p in ordered), tuple(p.shape for p in ordered), group, padded=True, held_whole=held_whole)
+    return whole_state
 
 
 def install_whole_state_dicts(module: nn.Module, parts: Mapping[int, Part]) -> None:
     """Make ``module.state_dict()`` gather every parameter whole under the module's own keys, and
-    ``module.load_state_dict`` keep this rank's part of it: checkpoints move between world sizes
-    and to plain models, a pipeline's ``model.state_dict()`` under ``graphddp.backend`` alike.
-    Every rank calls them: they gather."""
+    ``module.load_state_dict`` keep this rank's part of it, as hooks on the module so that a
+    pipeline's ``model.state_dict()`` under ``graphddp.backend`` gathers too. Every rank calls them."""
     by_name = {name: part for part in parts.values() for name in part.names}
 
-    def gather_parts(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    def gather_parts(module: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
         done: dict[int, torch.Tensor] = {}  # a tied weight: gathered once
         for name, part in by_name.items():
             if prefix + name in state:

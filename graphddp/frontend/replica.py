@@ -1,17 +1,16 @@
-"""One rank's replica of a data-parallel model: the work around every forward call.
+"""One rank's replica of a data-parallel model (replicated and ``sharding="optimizer"``): the work
+around every forward call.
 
 DDP does at forward time what no compiled graph can: it broadcasts buffers (``broadcast_buffers``)
 and, once a synchronising forward begins, starts averaging gradients accumulated under ``no_sync``;
 and in graphddp a parameter no compiled graph of the forward covers must not keep an un-averaged
-gradient. :class:`Replica` does that work for the replicated and ``sharding="optimizer"`` modes,
-between the compiled forward's two Dynamo-disabled calls, :meth:`Replica.before_forward` and
-:meth:`Replica.after_forward`, in both forms; what every mode's state answers alike is
-:class:`graphddp.frontend.wrap.ModelState`'s.
+gradient. :class:`Replica` does that work in both forms, between the compiled forward's two
+Dynamo-disabled calls, :meth:`Replica.before_forward` and :meth:`Replica.after_forward`.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -66,8 +65,7 @@ class Replica(ModelState):
         """The step and the compiler for ``config``; again when :meth:`register_comm_hook` changes
         the hook before anything ran (only ``sync``, the user's switch, has state yet)."""
         self.config = config
-        # What this step is: the one owner (graphddp.runtime.step). Which graphs ran is asked only by
-        # the optimizer inside the backward and by a traced hook.
+        # Which graphs ran is asked only by the optimizer inside the backward and by a traced hook.
         self.step = StepState(track_runs=self.optimizer is not None or config.traced_hook is not None)
         self.step.set_sync(sync)
         self.step.set_accumulated_average(self._average_accumulated)
@@ -81,8 +79,10 @@ class Replica(ModelState):
     def _average_accumulated(self, shadow: bool) -> None:
         """Average the gradients accumulated under ``no_sync`` now (a joined rank: zeros), for a
         step that cannot carry them into its buckets."""
-        trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-        average_async(trainable, self.group, shadow=shadow).wait()
+        average_async(self._trainable(), self.group, shadow=shadow).wait()
+
+    def _trainable(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
 
     def compile_graph(self, gm: Any, example_inputs: Any, **compile_kwargs: Any) -> Any:
         return self.backend(gm, example_inputs, **compile_kwargs)
@@ -152,22 +152,12 @@ class Replica(ModelState):
     def join_hook(self, **kwargs: Any) -> JoinHook:
         return join_hook(self, **kwargs)
 
-    # -- the optimizer's whole state: its own, or gathered from the parts with sharding="optimizer" --
-    def _attached(self) -> AttachedOptimizer:
+    def _whole_optimizer(self) -> tuple[torch.optim.Optimizer, Any]:
+        """Its own state, or with ``sharding="optimizer"`` this rank's part of every bucket's."""
         assert self.optimizer is not None, "graphddp.frontend.api._state_of refuses a model without optimizer="
         self.finish_gathers()  # gather="forward": the parameters as the state describes them
-        return self.optimizer
-
-    def full_optimizer_state_dict(self) -> dict[str, Any]:
-        attached = self._attached()
-        return attached.optimizer.state_dict() if attached.sharded is None else attached.sharded.whole_state.state_dict(attached.optimizer)
-
-    def load_full_optimizer_state_dict(self, state: Mapping[str, Any]) -> None:
-        attached = self._attached()
-        if attached.sharded is None:
-            attached.optimizer.load_state_dict(state)
-        else:
-            attached.sharded.whole_state.load(attached.optimizer, state)
+        sharded = self.optimizer.sharded
+        return self.optimizer.optimizer, None if sharded is None else sharded.whole_state
 
     def before_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Broadcast buffers; start averaging gradients accumulated under ``no_sync``; inside
@@ -196,8 +186,7 @@ class Replica(ModelState):
         if eager_hook:
             step.hook_accumulated()  # a user's hook must see the accumulated total
         elif pending:
-            trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-            self._pending = average_async(trainable, self.group)  # hidden behind the forward
+            self._pending = average_async(self._trainable(), self.group)  # hidden behind the forward
         return args, kwargs
 
     def after_forward(self, out: Any) -> Any:
@@ -208,13 +197,9 @@ class Replica(ModelState):
             self._pending = None
             step.accumulated_averaged()
         step.gathers.finish()  # gather="forward": those no graph of this forward took
-        # One walk of the module a forward: the parameters no graph of this forward covered,
-        # which both checks below ask about (none in the steady state).
+        # One walk of the module per forward, for both checks below (it finds none in the steady state).
         checks = step.carrying or (torch.is_grad_enabled() and self._syncing and self.world_size > 1)
-        covered = step.ran_params
-        uncovered = (
-            [(name, p) for name, p in self.module.named_parameters() if p.requires_grad and name not in covered] if checks else []
-        )
+        uncovered = [(name, p) for name, p in self._trainable() if name not in step.ran_params] if checks else []
         if step.carrying and any(p.grad is not None for _, p in uncovered):
             step.block_carry()  # an accumulated gradient no graph of this step takes into a bucket
         if torch.is_grad_enabled():
@@ -264,7 +249,7 @@ class Replica(ModelState):
         reached = _reached_parameters(out, set(uncovered))
         for key, (name, p) in uncovered.items():
             kind = "eager" if key in reached else "error"
-            if key in reached:
+            if kind == "eager":
                 step.expect_eager_gradient(name, p.grad)
             held = self._guard_handles.get(name)
             if held is not None and held[0] == kind:

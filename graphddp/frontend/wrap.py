@@ -1,8 +1,6 @@
 """The wrap every mode shares, as DDP's constructor does it: what every mode checks and
 broadcasts once, before any graph exists, and :class:`ModelState`, what every mode's state
-answers alike. A mode supplies only where the model's tensors live and the work around a forward:
-:class:`graphddp.frontend.replica.Replica` keeps whole replicas (replicated and
-``sharding="optimizer"``), :class:`graphddp.frontend.full.FullyShardedState` this rank's parts.
+answers alike.
 """
 from __future__ import annotations
 
@@ -32,8 +30,7 @@ def _check_devices(module: nn.Module) -> torch.device | None:
 
 
 def _refuse_sparse_gradients(where: str, module: nn.Module) -> None:
-    """Refused by name now: graphddp's buckets are dense, and a sparse gradient failed deep in the
-    rewrite."""
+    """Refused by name now, where a sparse gradient would otherwise fail deep in the rewrite."""
     for prefix, sub in module.named_modules():
         if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
             name = f"{prefix}.weight" if prefix else "weight"
@@ -101,11 +98,11 @@ def check_and_broadcast(where: str, module: nn.Module, group: Any, config: DDPCo
 
 class ModelState:
     """A wrapped model's state on this rank, in every mode: what both forms
-    (:class:`graphddp.frontend.api.ModelView`) read and run. A mode's class is built after the
-    wrap's last collective, from what its :meth:`checked_optimizer` returned before the first, and
-    supplies its residency: ``world_size``, ``schedules``, ``named_parameters``, the optimizer's
-    whole state, ``compile_graph`` (the torch.compile backend of both forms) and the work around a
-    forward (``before_forward``, ``after_forward``)."""
+    (:class:`graphddp.frontend.api.ModelView`) read and run. A mode's class (``Replica``: whole
+    replicas, ``FullyShardedState``: this rank's parts) is built after the wrap's last collective,
+    from what its :meth:`checked_optimizer` returned before the first, and supplies its residency:
+    ``world_size``, ``schedules``, ``named_parameters``, the optimizer's whole state,
+    ``compile_graph`` (the torch.compile backend of both forms) and the work around a forward."""
 
     hook_state: Any = None  # a traced comm hook's state, checkpointed with the module's
     choice: Any = None  # sharding="auto"'s PlacementChoice (graphddp.frontend.auto); None when sharding was given
@@ -124,6 +121,22 @@ class ModelState:
 
     def finish_gathers(self) -> None:
         """Nothing is left on the wire between steps, unless the mode leaves its all-gathers there."""
+
+    def _whole_optimizer(self) -> tuple[torch.optim.Optimizer, Any]:
+        """The torch optimizer and, where it holds this rank's parts, the ``WholeState`` that takes
+        its state whole and back (None: it holds the whole state)."""
+        raise NotImplementedError
+
+    def full_optimizer_state_dict(self) -> dict[str, Any]:
+        optimizer, whole_state = self._whole_optimizer()
+        return optimizer.state_dict() if whole_state is None else whole_state.state_dict(optimizer)
+
+    def load_full_optimizer_state_dict(self, state: Mapping[str, Any]) -> None:
+        optimizer, whole_state = self._whole_optimizer()
+        if whole_state is None:
+            optimizer.load_state_dict(state)
+        else:
+            whole_state.load(optimizer, state)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         """The module's own, pending all-gathers (``gather="forward"``) completed first."""
