@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from graphddp.runtime.agree import PendingProbe, layout_hash, nothing_to_agree, probe_async
+from graphddp.runtime import agree
+from graphddp.runtime.agree import PendingProbe, layout_hash, probe_async
 from graphddp.runtime.steady import Expected, SteadyHeader, send_deviating
 
 
@@ -59,9 +60,10 @@ class StepAgreement:
         return layout
 
     def _alone(self, group: Any) -> bool:
-        """``nothing_to_agree(group)``, asked once per group (a steady backward asks every step)."""
+        """``agree.nothing_to_agree(group)``, asked once per group (a steady backward asks every
+        step); read through the module, where a test that agrees at world size 1 patches it."""
         if self._solo is None or self._solo[0] is not group:
-            self._solo = (group, nothing_to_agree(group))
+            self._solo = (group, agree.nothing_to_agree(group))
         return self._solo[1]
 
     @staticmethod
