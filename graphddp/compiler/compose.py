@@ -18,6 +18,7 @@ import torch.fx as fx
 from graphddp.graph.insert_comm import insert_collectives
 from graphddp.graph.verify import verify
 from graphddp.plan.planner import with_wire_bytes
+from graphddp.values.collectives import SHARDED
 from graphddp.values.comm import wire_bytes
 from graphddp.values.schedule import Schedule
 
@@ -64,7 +65,7 @@ def insert_comm(
 ) -> Schedule:
     """Each bucket's collective (its kind, or the traced hook) and its wait; with a hook, the bytes
     its collectives put on the wire. One rank: nothing."""
-    if any(b.collective == "reduce_scatter" for b in plan.buckets):  # the all-reduce variant starts from it
+    if any(b.collective == SHARDED for b in plan.buckets):  # the all-reduce variant starts from it
         shared.before_comm = copy.deepcopy(gm)
     if world_size == 1:
         return plan

@@ -25,6 +25,7 @@ from graphddp.optim.insert_update import UpdateInputs, insert_update, written_in
 from graphddp.optim.verify import verify_sharded, verify_updates
 from graphddp.plan.planner import with_sharding, with_updates
 from graphddp.runtime.variants import InGraphUpdate
+from graphddp.values.collectives import ALL_REDUCE, SHARDED
 from graphddp.values.schedule import Schedule
 
 log = logging.getLogger("graphddp")
@@ -40,7 +41,7 @@ class InGraphUpdates:
         names = tuple(n for b in record.schedule.buckets for n in b.updates)
         if optimizer is None or not names:
             return None
-        sharded = [b for b in record.schedule.buckets if b.collective == "reduce_scatter"]
+        sharded = [b for b in record.schedule.buckets if b.collective == SHARDED]
         replicated = tuple(n for b in record.schedule.buckets if b not in sharded for n in b.updates)
         shards = tuple(
             shard_layout(b, {n: optimizer.rule(n) for n in b.param_names}, optimizer.group_of, record.schedule.placement, optimizer.sharded.rank)
@@ -108,7 +109,7 @@ class InGraphUpdates:
         if self.config.max_grad_norm is None:
             return sharded
         left = [
-            s.param_name for b in sharded.buckets if b.collective != "reduce_scatter"
+            s.param_name for b in sharded.buckets if b.collective != SHARDED
             for s in b.slots if not s.zero_filled and self.optimizer.rule(s.param_name)
         ]
         return schedule if tied or left else sharded
@@ -127,7 +128,7 @@ class InGraphUpdates:
         if max_norm is not None and tied:  # part of the norm comes from another graph: torch clips and steps them all
             updatable = []
         if self.config.sharding == "optimizer":  # the rest of a bucket with a tied parameter: the shard's step after
-            updatable = [n for b in schedule.buckets if b.collective == "reduce_scatter" for n in b.param_names]
+            updatable = [n for b in schedule.buckets if b.collective == SHARDED for n in b.param_names]
         if tied:
             self._warned.add((graph_index, "shared"))
             warnings.warn(
@@ -158,6 +159,6 @@ class InGraphUpdates:
             return copy.deepcopy(gm)
         graph = copy.deepcopy(shared.before_comm)
         if self.world_size > 1:
-            replicated = [dataclasses.replace(b, collective="all_reduce") for b in schedule.buckets]
+            replicated = [dataclasses.replace(b, collective=ALL_REDUCE.key) for b in schedule.buckets]
             insert_collectives(graph, dataclasses.replace(schedule, buckets=tuple(replicated)), carry=carry)
         return graph

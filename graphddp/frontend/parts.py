@@ -23,6 +23,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 
 from graphddp.optim.whole_state import WholeState
+from graphddp.values.collectives import ALL_GATHER_OP, ALL_REDUCE_OUT_OP, REDUCE_SCATTER_OP
+from graphddp.values.comm import WAIT
 from graphddp.values.placement import Placement, Whole, flat
 from graphddp.values.shards import padded_part, whole
 
@@ -67,12 +69,6 @@ class Part:
         return padded_part(value, world, rank)
 
 
-_AG = torch.ops._c10d_functional.all_gather_into_tensor.default
-_RS = torch.ops._c10d_functional.reduce_scatter_tensor.default
-_AR = torch.ops._c10d_functional.all_reduce.default
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
-
-
 class _Gather(torch.autograd.Function):
     """The gather of a part with graphddp's own backward, where the one autograd derives for the
     functional all-gather (the gradient reduce-scattered as it comes, over one group) would be
@@ -86,13 +82,13 @@ class _Gather(torch.autograd.Function):
     def forward(ctx: Any, part: torch.Tensor, placement: Placement, param_dtype: torch.dtype,  # type: ignore[override]
                 reduce_dtype: torch.dtype) -> torch.Tensor:
         ctx.placement, ctx.reduce_dtype, ctx.part_dtype = placement, reduce_dtype, part.dtype
-        return _WAIT(_AG(part.to(param_dtype), placement.shard.size, placement.shard.name))
+        return WAIT(ALL_GATHER_OP(part.to(param_dtype), placement.shard.size, placement.shard.name))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         placement = ctx.placement
         sent = grad.to(ctx.reduce_dtype) / placement.world
-        done = placement.average_replicas(_WAIT(_RS(sent, "sum", placement.shard.size, placement.shard.name)))
+        done = placement.average_replicas(WAIT(REDUCE_SCATTER_OP(sent, "sum", placement.shard.size, placement.shard.name)))
         return done.to(ctx.part_dtype), None, None, None
 
 
@@ -111,7 +107,7 @@ class _Replicated(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         placement = ctx.placement
         sent = grad.to(ctx.reduce_dtype) / placement.world
-        return _WAIT(_AR(sent, "sum", placement.shard.name)).to(ctx.part_dtype), None, None, None
+        return WAIT(ALL_REDUCE_OUT_OP(sent, "sum", placement.shard.name)).to(ctx.part_dtype), None, None, None
 
 
 def _read(part: nn.Parameter) -> torch.Tensor:

@@ -16,13 +16,13 @@ import torch
 from graphddp.graph.trace import fresh_copy, role
 from graphddp.hooks import builtin as hooks
 from graphddp.hooks.traced import GradBucket, HookState, TracedHook
+from graphddp.values.collectives import ALL_GATHER, SHARDED
 from graphddp.values.comm import gate_name
 from graphddp.values.placement import Level, Placement, Whole
 from graphddp.values.schedule import Bucket, Schedule
 from graphddp.values.shards import chunk
 
 aten = torch.ops.aten
-SHARDED = "reduce_scatter"  # Bucket.collective of a sharded bucket
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,7 +230,7 @@ def hook_bucket_eagerly(
 def gather_fn(placement: Placement) -> Callable[[torch.Tensor], torch.Tensor]:
 
     def run(parts: torch.Tensor) -> torch.Tensor:
-        with role("all_gather"):
+        with role(ALL_GATHER.key):
             return placement.issue_gather(parts)
 
     return run

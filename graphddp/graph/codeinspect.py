@@ -13,12 +13,11 @@ import re
 import torch.fx as fx
 
 from graphddp.graph.capture import is_compute
-from graphddp.values.collectives import all_ops, issue_pattern
+from graphddp.values.collectives import WAIT_PATTERN as _WAIT, all_ops, issue_pattern
 from graphddp.values.comm import is_wait
 
 _ISSUE = issue_pattern()  # any bucket collective kind's op
 _ASSIGNED = re.compile(r"^\s*(\w+) = ")
-_WAIT = re.compile(r"_c10d_functional\.wait_tensor\.default\((\w+)")
 _KERNEL = re.compile(r"^\s*(?:\w+ = )?(cpp_fused_\w+|triton_\w+|extern_kernels\.\w+|aten\.\w+|torch\.ops\.aten\.\w+)[\.(]")
 
 

@@ -15,12 +15,12 @@ import torch.fx as fx
 from graphddp.graph.capture import byte_size, reach
 from graphddp.graph.part_facts import output_positions, outputs_reached
 from graphddp.graph.reshard import kept_gathered_bytes
-from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
-from graphddp.values.part_schedule import ALL_REDUCE, GATHER, PART_KINDS, REDUCE_SCATTER, REDUCES, PartBucket, PartGraph
+from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_collective, is_wait
+from graphddp.values.part_schedule import ALL_REDUCE, GATHER, PART_KINDS, REDUCE_SCATTER, REDUCES, WAIT_OF, PartBucket, PartGraph
 from graphddp.values.placement import REPLICATE, REPLICATE_WAIT
 from graphddp.values.schedule import dtype_name
 
-_ROLES = {k for kind in PART_KINDS for k in (kind, f"{kind}_wait")} | {REPLICATE, REPLICATE_WAIT}
+_ROLES = {*PART_KINDS, *WAIT_OF.values(), REPLICATE, REPLICATE_WAIT}
 
 
 def describe_part_collectives(
@@ -60,7 +60,7 @@ def describe_part_collectives(
 def _received(tagged: Mapping[tuple[str, int], list[fx.Node]], role: str, index: int) -> list[fx.Node]:
     """The nodes that wait for and cut what a bucket received, its own wait first: with hybrid
     sharding a reduce-scatter's part all-reduced over the replicate group and waited too."""
-    found = list(tagged[(f"{role}_wait", index)])
+    found = list(tagged[(WAIT_OF[role], index)])
     if role == REDUCE_SCATTER:
         found += tagged.get((REPLICATE, index), []) + tagged.get((REPLICATE_WAIT, index), [])
     return found
@@ -74,7 +74,7 @@ def _placed(
     it received; with the bytes and dtype of the graph's collective, and the parameters it carries."""
     role, issue, received = bucket.kind, tagged[(bucket.kind, bucket.index)], _received(tagged, bucket.kind, bucket.index)
     wait = next(n for n in received if is_wait(n))
-    collective = next(n for n in issue if str(n.target).startswith("_c10d_functional."))
+    collective = next(n for n in issue if is_collective(n))
     sent = collective.args[0] if role in REDUCES else collective  # the whole: gradients sent, or gathered
     val = sent.meta["val"]
     whole = byte_size(val)

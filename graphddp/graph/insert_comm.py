@@ -36,12 +36,13 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from graphddp.graph.bucket_function import SHARDED, HookContext, _builtin_fn, _user_fn
+from graphddp.graph.bucket_function import HookContext, _builtin_fn, _user_fn
 from graphddp.graph.capture import descendants
 from graphddp.graph.anchors import Anchors, IssuePoints, place_buckets
 from graphddp.graph.trace import add_inputs, set_outputs, trace
 from graphddp.hooks import builtin as hooks
 from graphddp.hooks.traced import StateSpec, TracedHook
+from graphddp.values.collectives import SHARDED
 from graphddp.values.comm import BUCKET_KEY, CARRIED, ROLE_KEY, group_of, is_collective, is_wait
 from graphddp.values.schedule import Bucket, GradSlot, Schedule
 

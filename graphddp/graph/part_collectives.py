@@ -39,13 +39,13 @@ import torch.fx as fx
 
 from graphddp.graph.bucket_function import columns_of, rank_major, row_parts
 from graphddp.graph.capture import ancestors, reach
-from graphddp.graph.part_facts import ALL_GATHER, Pair, part_facts, part_gathers, part_input, reduces, wait_of
+from graphddp.graph.part_facts import Pair, part_facts, part_gathers, part_input, reduces, wait_of
 from graphddp.graph.anchors import IssuePoints
 from graphddp.graph.trace import role, role_of, splice, trace
 from graphddp.plan.parts import PREFETCH, SCATTER_LAG, plan_part_buckets
-from graphddp.values import collectives
+from graphddp.values.collectives import ALL_GATHER_OP, REDUCE_SCATTER_OP
 from graphddp.values.comm import CAST, ROLE_KEY, is_wait
-from graphddp.values.part_schedule import ALL_REDUCE, GATHER, REDUCES, PartBucket, PartCap, PartGraph
+from graphddp.values.part_schedule import ALL_REDUCE, GATHER, REDUCE_SCATTER, REDUCE_WAITS, REDUCES, WAIT_OF, PartBucket, PartCap, PartGraph
 from graphddp.values.placement import Placement, Whole, flat as flat_placement
 
 
@@ -92,7 +92,7 @@ def above_reduces(node: fx.Node, also: Collection[str] = ()) -> tuple[list[fx.No
     (reduce-scatters and all-reduces, and waits of the roles in ``also``): the waits it meets, in
     the order met, and the inputs it reaches without passing one (what a gradient is made of:
     averaged parts or parameters, or something local)."""
-    stops = {"reduce_scatter_wait", "all_reduce_wait", *also}
+    stops = {*REDUCE_WAITS, *also}
 
     def stop(n: fx.Node) -> bool:
         return is_wait(n) and n.meta.get(ROLE_KEY) in stops
@@ -106,7 +106,7 @@ def _one_wait_per_gather(graph: fx.Graph) -> None:
     parameter makes AOTAutograd return the gathered base beside the graph's own reads. Its
     later waits read the first's result, which comes before each of them in graph order."""
     order = {n: i for i, n in enumerate(graph.nodes)}
-    for issue in [n for n in graph.nodes if n.target is ALL_GATHER]:
+    for issue in [n for n in graph.nodes if n.target is ALL_GATHER_OP]:
         first, *later = sorted((u for u in issue.users if is_wait(u)), key=order.__getitem__) or [None]
         for wait in later:
             wait.replace_all_uses_with(first)
@@ -120,7 +120,7 @@ def _one_wait_each(graph: fx.Graph) -> None:
     (AOTAutograd's min-cut) eliminates common subexpressions, which merges the collectives and
     keeps the waits apart. Each wait gets its own copy of the collective back, as AOTAutograd
     traced them: each gradient is one slot of a bucket."""
-    for issue in [n for n in graph.nodes if n.target is collectives.REDUCE_SCATTER.op]:
+    for issue in [n for n in graph.nodes if n.target is REDUCE_SCATTER_OP]:
         for wait in [u for u in issue.users if is_wait(u)][1:]:
             with graph.inserting_before(wait):
                 twin = graph.node_copy(issue)
@@ -145,11 +145,11 @@ def _gather_fn(placement: Placement, sizes: Sequence[int], dtype: torch.dtype) -
     world = placement.shard.size
 
     def gather(*parts: torch.Tensor) -> list[torch.Tensor]:
-        with role("gather"):
+        with role(GATHER):
             # a policy's param_dtype: cast, then sent (the prim inductor lowers: it has no _to_copy)
             parts = tuple(p if p.dtype == dtype else CAST(p, dtype) for p in parts)
             sent = placement.issue_gather(torch.cat(parts) if len(parts) > 1 else parts[0])
-        with role("gather_wait"):  # each parameter's gathered layout: its parts in rank order
+        with role(WAIT_OF[GATHER]):  # each parameter's gathered layout: its parts in rank order
             return [column.reshape(-1) for column in columns_of(placement.finish_gather(sent), world, sizes)]
 
     return gather
@@ -161,9 +161,9 @@ def _scatter_fn(placement: Placement, sizes: Sequence[int]) -> Callable[..., lis
     world = placement.shard.size
 
     def scatter(*grads: torch.Tensor) -> list[torch.Tensor]:
-        with role("reduce_scatter"):
+        with role(REDUCE_SCATTER):
             sent = placement.issue_reduce(rank_major([g.view(world, c) for g, c in zip(grads, sizes)]))
-        with role("reduce_scatter_wait"):
+        with role(WAIT_OF[REDUCE_SCATTER]):
             return list(row_parts(placement.finish_reduce(sent, tag=role), sizes, sizes))
 
     return scatter
@@ -175,7 +175,7 @@ def _all_reduce_fn(placement: Whole, sizes: Sequence[int]) -> Callable[..., list
     def all_reduce(*grads: torch.Tensor) -> list[torch.Tensor]:
         with role(ALL_REDUCE):
             sent = placement.issue_reduce(torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1))
-        with role(f"{ALL_REDUCE}_wait"):
+        with role(WAIT_OF[ALL_REDUCE]):
             return list(placement.finish_reduce(sent).split(list(sizes)))
 
     return all_reduce
@@ -194,7 +194,7 @@ def _bucket_gathers(graph: fx.Graph, buckets: list[list[tuple[fx.Node, fx.Node]]
         dtype = bucket[0][0].meta["val"].dtype  # one per bucket (the plan keys on it)
         fn = _gather_fn(flat_placement(group, world), [p.meta["val"].shape[0] for p in parts], dtype)
         traced = trace(fn, [p.meta["val"] for p in parts], f"gather bucket {index}")
-        late = {n for n in traced.graph.nodes if role_of(n) == "gather_wait"}
+        late = {n for n in traced.graph.nodes if role_of(n) == WAIT_OF[GATHER]}
         if index < prefetch:
             results = top.splice(traced, parts, top.last_input, late, bucket[0][1], index)
         else:
@@ -259,7 +259,7 @@ def _after(graph: fx.Graph, results: list[fx.Node]) -> None:
 
 def _gather_wait(result: fx.Node) -> fx.Node:
     """The wait of the gather bucket ``result`` was cut out of."""
-    return next(n for n in ancestors(result) if is_wait(n) and n.meta.get(ROLE_KEY) == "gather_wait")
+    return next(n for n in ancestors(result) if is_wait(n) and n.meta.get(ROLE_KEY) == WAIT_OF[GATHER])
 
 
 def _readers_before(wait: fx.Node, anchor: fx.Node) -> list[fx.Node]:

@@ -14,17 +14,16 @@ import torch
 import torch.fx as fx
 
 from graphddp.graph.capture import byte_size
-from graphddp.values.comm import is_wait
+from graphddp.values.collectives import ALL_GATHER_OP, ALL_REDUCE_OUT_OP, REDUCE_SCATTER_OP
+from graphddp.values.comm import CAST, is_wait
 from graphddp.values.part_schedule import ALL_REDUCE, GATHER, REDUCE_SCATTER, PartCollective
 from graphddp.values.placement import Placement, Whole
 from graphddp.values.schedule import dtype_name
 
-ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
-_REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
-_ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
-_CASTS = (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
+_CASTS = (CAST, torch.ops.aten._to_copy.default)
 
 Pair = tuple[fx.Node, fx.Node]  # (a collective's issue, the node its result is final at)
+UPDATE_PARAM = "update_param_"  # + k: the input of the k-th parameter an attached optimizer updates in the graph (optim.attached.layout)
 
 
 def part_facts(
@@ -36,7 +35,7 @@ def part_facts(
     Read from a graph whose collectives are each waited once (as the rewrite makes it first)."""
     outputs = output_positions(graph)
     gathers = [_fact(GATHER, pair, (part_input(pair[0]).name,)) for pair in part_gathers(graph)]  # type: ignore[union-attr]
-    kinds = {_REDUCE_SCATTER: REDUCE_SCATTER, _ALL_REDUCE: ALL_REDUCE}
+    kinds = {REDUCE_SCATTER_OP: REDUCE_SCATTER, ALL_REDUCE_OUT_OP: ALL_REDUCE}
     found = [_fact(kinds[pair[0].target], pair, outputs_reached(pair[1], outputs)) for pair in reduces(graph, placement, replicated)]
     return gathers, found
 
@@ -95,7 +94,7 @@ def whole_bytes(graph: fx.Graph) -> int:
 
 def _whole(issue: fx.Node) -> Any:
     """The full tensor of a collective: a gather's result, or the gradient a reduce-scatter sends."""
-    return (issue if issue.target is ALL_GATHER else issue.args[0]).meta["val"]  # type: ignore[union-attr]
+    return (issue if issue.target is ALL_GATHER_OP else issue.args[0]).meta["val"]  # type: ignore[union-attr]
 
 
 def wait_of(issue: fx.Node) -> fx.Node | None:
@@ -114,7 +113,7 @@ def part_input(gather: fx.Node) -> fx.Node | None:
 def part_gathers(graph: fx.Graph) -> list[Pair]:
     """(gather, wait) of every graph input gathered, in the order their waits come (each wait
     right before its parameter's first read, where AOTAutograd put it)."""
-    pairs = [(n, wait_of(n)) for n in graph.nodes if n.target is ALL_GATHER and part_input(n) is not None]
+    pairs = [(n, wait_of(n)) for n in graph.nodes if n.target is ALL_GATHER_OP and part_input(n) is not None]
     return [(g, w) for g, w in pairs if w is not None]
 
 
@@ -125,7 +124,7 @@ def reduces(graph: fx.Graph, placement: Placement | None = None, replicated: Who
     that placement's group of what no reduce-scatter received)."""
     pairs = []
     for n in graph.nodes:
-        if n.target is _REDUCE_SCATTER and n.args[1] == "sum" and (w := wait_of(n)) is not None:
+        if n.target is REDUCE_SCATTER_OP and n.args[1] == "sum" and (w := wait_of(n)) is not None:
             pairs.append((n, _replicated(w, placement) or w))
         elif replicated is not None and _whole_reduce(n, replicated) and (w := wait_of(n)) is not None:
             pairs.append((n, w))
@@ -133,8 +132,8 @@ def reduces(graph: fx.Graph, placement: Placement | None = None, replicated: Who
 
 
 def _whole_reduce(node: fx.Node, replicated: Whole) -> bool:
-    sent = node.args[0] if node.target is _ALL_REDUCE else None
-    received = isinstance(sent, fx.Node) and is_wait(sent) and getattr(sent.args[0], "target", None) is _REDUCE_SCATTER
+    sent = node.args[0] if node.target is ALL_REDUCE_OUT_OP else None
+    received = isinstance(sent, fx.Node) and is_wait(sent) and getattr(sent.args[0], "target", None) is REDUCE_SCATTER_OP
     return sent is not None and node.args[1] == "sum" and node.args[2] == replicated.shard.name and not received
 
 
@@ -144,6 +143,6 @@ def _replicated(wait: fx.Node, placement: Placement | None) -> fx.Node | None:
     if placement is None or not placement.hybrid or len(wait.users) != 1:
         return None
     (reduce,) = wait.users
-    if reduce.target is not _ALL_REDUCE or reduce.args[0] is not wait or reduce.args[2] != placement.replicate.name:  # type: ignore[union-attr]
+    if reduce.target is not ALL_REDUCE_OUT_OP or reduce.args[0] is not wait or reduce.args[2] != placement.replicate.name:  # type: ignore[union-attr]
         return None
     return wait_of(reduce) if len(reduce.users) == 1 else None

@@ -24,8 +24,10 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from graphddp.graph.capture import byte_size, descendants, is_view, output_nodes, reach, views_of
-from graphddp.graph.part_facts import ALL_GATHER, part_input, wait_of
+from graphddp.graph.part_facts import part_input, wait_of
+from graphddp.values.collectives import ALL_GATHER_OP
 from graphddp.values.comm import ROLE_KEY, is_wait
+from graphddp.values.part_schedule import GATHER, WAIT_OF
 
 # One id for every tagged node: the partitioner's cleanup forces a save where a tagged node
 # feeds a tagged node of a *later* checkpoint region; here there is one "region".
@@ -44,7 +46,7 @@ class Kept:
 def tag_regathers(graph: fx.Graph, keep_bytes: int = 0) -> Kept:
     """Tag every all-gather of a graph input, its wait and its views for recomputation, but the
     first ``keep_bytes`` the backward reads; returns the parts kept."""
-    gathers = [n for n in graph.nodes if n.target is ALL_GATHER and part_input(n) is not None]
+    gathers = [n for n in graph.nodes if n.target is ALL_GATHER_OP and part_input(n) is not None]
     kept = _first_read_by_backward(graph, gathers, keep_bytes)
     for node in gathers:
         if part_input(node).name in kept.inputs:
@@ -108,9 +110,9 @@ def kept_gathered(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
     roots: dict[fx.Node, fx.Node] = {}
     for out in output_nodes(gm)[gm.meta.get(SAVED_FROM, 0):]:
         node = out
-        while isinstance(node, fx.Node) and node.meta.get(ROLE_KEY) != "gather_wait" and is_view(node):
+        while isinstance(node, fx.Node) and node.meta.get(ROLE_KEY) != WAIT_OF[GATHER] and is_view(node):
             node = node.args[0]
-        if isinstance(node, fx.Node) and node.meta.get(ROLE_KEY) == "gather_wait":
+        if isinstance(node, fx.Node) and node.meta.get(ROLE_KEY) == WAIT_OF[GATHER]:
             roots.setdefault(node, out)
     return roots
 

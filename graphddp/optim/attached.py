@@ -36,6 +36,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.nn as nn
 
+from graphddp.graph.part_facts import UPDATE_PARAM
 from graphddp.graph.trace import role
 from graphddp.optim import guards
 from graphddp.optim.scaled_step import LossScaled, attached_step, attached_zero_grad
@@ -339,7 +340,7 @@ def layout(rules: Sequence[UpdateRule], group_of: Sequence[int]) -> tuple[list[s
     used its hyperparameters; and the groups used."""
     names: list[str] = []
     for k, rule in enumerate(rules):
-        names.append(f"update_param_{k}")
+        names.append(f"{UPDATE_PARAM}{k}")
         names.extend(f"update_{s}_{k}" for s in rule.state)
     groups = sorted(set(group_of))
     for g in groups:

@@ -29,7 +29,7 @@ import torch.fx as fx
 
 from graphddp.graph.bucket_function import row_parts
 from graphddp.graph.trace import after_all, role, splice, trace
-from graphddp.values.collectives import backend_of, kind
+from graphddp.values import collectives
 from graphddp.values.comm import ALL_REDUCE, BUCKET_KEY, ROLE_KEY, WAIT
 
 CLIP_NORM = "clip_norm"  # role of each gradient's norm
@@ -96,7 +96,7 @@ def sharded_coefficient_fn(max_norm: float, norm_type: float, buckets: int, grou
     """The clip coefficient from every sharded bucket's :func:`part_norms`, combined over ranks by one
     all-reduce, and the norms of the gradients the graph returns (whole already: not combined)."""
     op = reduce_op(norm_type)
-    issue = kind("all_reduce").lower(backend_of(group_name)).issue if op == "sum" else (
+    issue = collectives.ALL_REDUCE.lower(collectives.backend_of(group_name)).issue if op == "sum" else (
         lambda flat, group, _world: ALL_REDUCE(flat, op, group))
 
     def coefficient(*args: torch.Tensor) -> torch.Tensor:

@@ -43,7 +43,7 @@ from torch._guards import detect_fake_mode
 
 from graphddp.graph.capture import ancestors, storage_of
 from graphddp.graph.anchors import IssuePoints, place_buckets
-from graphddp.graph.bucket_function import SHARDED, gather_fn, write_fn
+from graphddp.graph.bucket_function import gather_fn, write_fn
 from graphddp.graph.insert_comm import carried_inputs
 from graphddp.graph.trace import set_outputs, splice, trace
 from graphddp.hooks import builtin as hooks
@@ -52,7 +52,7 @@ from graphddp.optim.insert_update import UpdateInputs, add_update_inputs, read_t
 from graphddp.optim.shard_functions import (
     ShardLayout, clipped_update_fn, layout, reduce_fn, shard_layout, state_values, update_fn,
 )
-from graphddp.values.collectives import kind
+from graphddp.values.collectives import SHARDED, kind
 from graphddp.values.schedule import Bucket, Schedule
 from graphddp.values.shards import GATHER_LAG
 

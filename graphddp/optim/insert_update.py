@@ -37,6 +37,7 @@ from graphddp.graph.part_collectives import above_reduces
 from graphddp.graph.trace import add_inputs, after_all, set_outputs, splice, trace
 from graphddp.optim import attached as optim
 from graphddp.optim.clip import insert_clip, insert_scaled
+from graphddp.values.collectives import SHARDED
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY
 from graphddp.values.schedule import Schedule
 
@@ -200,7 +201,7 @@ class _Updates:
 
 def insert_update(gm: fx.GraphModule, schedule: Schedule, inputs: UpdateInputs) -> fx.GraphModule:
     """Splice every replicated bucket's optimizer update; a no-op when no bucket updates a parameter."""
-    buckets = [b for b in schedule.buckets if b.collective != "reduce_scatter"]
+    buckets = [b for b in schedule.buckets if b.collective != SHARDED]
     if not any(b.updates for b in buckets):
         return gm
     graph = gm.graph

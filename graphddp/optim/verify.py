@@ -13,24 +13,24 @@ from graphddp.graph.invariants import (
     Memory, carried_once, clip_coefficient, from_average, not_returned, over_replicas, returned_clipped, root, waited_once,
     written_last,
 )
+from graphddp.graph.part_facts import UPDATE_PARAM
 from graphddp.graph.verify.updates import check_writes
 from graphddp.graph.verify_common import VerificationError, _fail, _Graph
 from graphddp.optim.clip import CLIP, CLIP_COEFFICIENT, CLIP_NORM, reduce_op
-from graphddp.values.collectives import kind
+from graphddp.values.collectives import ALL_GATHER, ALL_TO_ALL_OP, REDUCE_SCATTER, SHARDED
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_collective, is_wait
 from graphddp.values.placement import REPLICATE, flat
 from graphddp.values.schedule import Schedule
 
 aten = torch.ops.aten
-ALL_TO_ALL = kind("reduce_scatter").lower("gloo").op  # a reduce-scatter on gloo: its rows are summed after the wait
 
 
 def verify_updates(gm: fx.GraphModule, schedule: Schedule) -> None:
     """Check U1-U7."""
     g = _Graph(gm)
     nodes, storage, order, outs = g.nodes, Memory(g.nodes), g.order, g.outs
-    update_params = [n for n in nodes if n.op == "placeholder" and n.name.startswith("update_param_")]
-    buckets = [b for b in schedule.buckets if b.collective != "reduce_scatter"]  # sharded: verify_sharded
+    update_params = [n for n in nodes if n.op == "placeholder" and n.name.startswith(UPDATE_PARAM)]
+    buckets = [b for b in schedule.buckets if b.collective != SHARDED]  # sharded: verify_sharded
     names = [n for b in buckets for n in b.updates]
     if len(update_params) != len(names):
         raise VerificationError(f"graphddp verify: the schedule updates {len(names)} parameters, the graph has {len(update_params)} update_param inputs")
@@ -103,15 +103,15 @@ def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
     """Check S1-S7."""
     g = _Graph(gm)
     memory_of, order, by_name, outs = Memory(g.nodes), g.order, g.by_name, g.outs
-    rs_ops, ag_ops = kind("reduce_scatter").ops, kind("all_gather").ops
+    rs_ops, ag_ops = REDUCE_SCATTER.ops, ALL_GATHER.ops
     placement = schedule.placement or flat(schedule.group_name, schedule.world_size)
     issued: dict[int, tuple[fx.Node, fx.Node]] = {}  # per sharded bucket: its reduce-scatter and all-gather
     carried = carried_inputs(gm.graph)  # the carrying variant's accumulated gradients, per bucket
-    for bucket in (b for b in schedule.buckets if b.collective == "reduce_scatter"):
+    for bucket in (b for b in schedule.buckets if b.collective == SHARDED):
         mine = g.bucket_nodes(bucket.index)
         collectives = [n for n in mine if is_collective(n) and n.meta.get(ROLE_KEY) != CLIP]  # S6 checks the norms' all-reduce
         # by role: on gloo both are all-to-alls (graphddp.values.collectives)
-        gathers = [n for n in collectives if n.target in ag_ops and n.meta.get(ROLE_KEY) == "all_gather"]
+        gathers = [n for n in collectives if n.target in ag_ops and n.meta.get(ROLE_KEY) == ALL_GATHER.key]
         replicas = [n for n in collectives if n.meta.get(ROLE_KEY) == REPLICATE]
         scatters = [n for n in collectives if n.target in rs_ops and n not in gathers and n not in replicas]
         where = f"sharded bucket {bucket.index}"
@@ -136,14 +136,14 @@ def verify_sharded(gm: fx.GraphModule, schedule: Schedule) -> None:
                 _fail(gm, scatter, f"{where}: the reduce-scatter does not follow the gradient of {slot.param_name!r} (S2)")
         scatter_waits = [u for u in scatter.users if is_wait(u)]
         from_average(gm, gather, scatter_waits, "S3", f"{where}: the all-gather", "the reduce-scatter")
-        if scatter.target is ALL_TO_ALL:
+        if scatter.target is ALL_TO_ALL_OP:  # a reduce-scatter on gloo: its rows are summed after the wait
             _check_rows_summed(gm, where, scatter_waits, placement.shard.size)
         for slot in bucket.slots:
             not_returned(gm, outs[slot.output_index], "S4", f"{where}: {slot.param_name!r}")
         gather_waits = [u for u in gather.users if is_wait(u)]
         writes = [n for n in mine if n.target is aten.copy_.default and n.meta.get(ROLE_KEY) == "write"]
         if bucket.gather == "forward":
-            deferred = [b for b in schedule.buckets if b.collective == "reduce_scatter" and b.gather == "forward"]
+            deferred = [b for b in schedule.buckets if b.collective == SHARDED and b.gather == "forward"]
             if gather_waits or writes or gather not in outs[len(outs) - len(deferred):]:
                 _fail(gm, gather, f"{where}: gather='forward' leaves the all-gather un-waited and returned, and writes "
                                   f"no parameter in the backward (S5)")
@@ -172,7 +172,7 @@ def _check_clipping(gm: fx.GraphModule, schedule: Schedule, outs: list, issued: 
             _fail(gm, summed[0], f"sharded bucket {index}: the all-reduce of the parts' norms does not read its reduce-scatter's wait (S6)")
         if gather not in later:
             _fail(gm, gather, f"sharded bucket {index}: its parts are updated without the clip coefficient (S6)")
-    replicated = [b for b in schedule.buckets if b.collective != "reduce_scatter"]
+    replicated = [b for b in schedule.buckets if b.collective != SHARDED]
     returned_clipped(gm, replicated, outs, later, "S6")
     for bucket in replicated:
         graded = any(not s.zero_filled and isinstance(outs[s.output_index], fx.Node) for s in bucket.slots)

@@ -28,7 +28,7 @@ import dataclasses
 import math
 from typing import Mapping, Sequence
 
-from graphddp.values.collectives import kind
+from graphddp.values.collectives import ALL_GATHER, SHARDED, kind
 from graphddp.values.schedule import Bucket, BucketTiming, CostModel, NodeFact, Schedule, Span, Timeline
 
 __all__ = [
@@ -42,7 +42,7 @@ def agreement_seconds(cost: CostModel, world_size: int) -> float:
     latency of its all-gather of a few integers."""
     if world_size <= 1:
         return 0.0
-    return cost.collective_overhead_us * 1e-6 + kind("all_gather").seconds(cost, 64, world_size)
+    return cost.collective_overhead_us * 1e-6 + ALL_GATHER.seconds(cost, 64, world_size)
 
 
 def pays_agreement(schedule: Schedule) -> bool:
@@ -111,7 +111,7 @@ def host_seconds(cost: CostModel, link_seconds: float) -> float:
 
 def _link_seconds(schedule: Schedule, bucket: Bucket, cost: CostModel) -> float:
     """A bucket's time on the link (module docstring)."""
-    placement = schedule.placement if bucket.collective == "reduce_scatter" else None
+    placement = schedule.placement if bucket.collective == SHARDED else None
     if placement is None:
         return kind(bucket.collective).seconds(cost, bucket.wire_nbytes, schedule.world_size)
     seconds = placement.reduce_seconds(cost, bucket.wire_nbytes)

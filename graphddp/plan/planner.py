@@ -28,6 +28,7 @@ import torch
 from graphddp.config import DDPConfig
 from graphddp.plan.auto import auto_partition
 from graphddp.plan.greedy import bucket_by_size
+from graphddp.values.collectives import SHARDED
 from graphddp.values.placement import Placement, flat
 from graphddp.values.schedule import WAIT_AT_OUTPUT, Bucket, CostModel, GradSlot, GraphFacts, NodeFact, Schedule
 
@@ -208,7 +209,7 @@ def with_sharding(schedule: Schedule, updatable: Collection[str], gather: str = 
     if placement.world != schedule.world_size:
         raise ValueError(f"graphddp: a placement over {placement.world} ranks for a schedule of {schedule.world_size}")
     buckets = tuple(
-        dataclasses.replace(b, collective="reduce_scatter", gather=gather) if b.slots and all(n in updatable for n in b.param_names) else b
+        dataclasses.replace(b, collective=SHARDED, gather=gather) if b.slots and all(n in updatable for n in b.param_names) else b
         for b in schedule.buckets
     )
     return dataclasses.replace(schedule, buckets=buckets, placement=placement)

@@ -40,7 +40,7 @@ from graphddp.plan.cost import agreement_seconds, compute_timeline, host_seconds
 from graphddp.plan.greedy import bucket_by_size
 from graphddp.plan.parts import PREFETCH, SCATTER_LAG, planned_cap_bytes
 from graphddp.plan.planner import plan, with_sharding
-from graphddp.values.collectives import kind
+from graphddp.values.collectives import ALL_REDUCE, kind
 from graphddp.values.placement import Placement, flat
 from graphddp.values.shards import GATHER_LAG
 from graphddp.values.prediction import CostModel
@@ -176,7 +176,7 @@ def _full(
     forward = _gathered_lane([fwd_compute * n / max(total, 1) for n in reversed(sizes)], list(reversed(gathers)), cost, PREFETCH)
     _, finished, end = compute_timeline(graph.backward.nodes, cost)
     sent = [int(n * reduce_scale) for n in sizes]
-    buckets = [_Bucket(kind("all_reduce").seconds(cost, s, world_size) if w else placement.reduce_seconds(cost, s), 0.0,
+    buckets = [_Bucket(ALL_REDUCE.seconds(cost, s, world_size) if w else placement.reduce_seconds(cost, s), 0.0,
                        update * n / max(total, 1), g if reshard else 0.0) for n, s, w, g in zip(sizes, sent, whole, gathers)]
     backward = _backward_lane(_segments([finished.get(_last(b).producer, end) for b in groups], end), buckets, cost, SCATTER_LAG)
     collectives = sum(1 if w else 2 + reshard + placement.hybrid for w in whole)

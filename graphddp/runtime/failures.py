@@ -12,14 +12,11 @@ import re
 from types import TracebackType
 
 from graphddp.runtime.agree import CollectiveError
-from graphddp.values.collectives import all_ops
+from graphddp.values.collectives import WAIT_PATTERN, issue_pattern
 from graphddp.values.schedule import Schedule
 
-_ISSUE = re.compile(
-    r"(?:(\w+)\s*=\s*)?torch\.ops\._c10d_functional\.(?:"
-    + "|".join(sorted(re.escape(op._opname) for op in all_ops())) + r")\.default\((\w+)"
-)  # the issue of any bucket collective kind
-_WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((\w+)")
+_ISSUE = re.compile(r"(?:(\w+)\s*=\s*)?torch\.ops\." + issue_pattern().pattern)  # the issue of any bucket collective kind
+_WAIT = re.compile(r"torch\.ops\." + WAIT_PATTERN.pattern)
 
 
 def _collective_frame(tb: TracebackType | None) -> tuple[str, int] | None:

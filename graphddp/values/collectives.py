@@ -28,8 +28,15 @@ from typing import Callable, Mapping
 
 import torch
 
-from graphddp.values.comm import ALL_REDUCE as ALL_REDUCE_OP
+from graphddp.values.comm import ALL_REDUCE as ALL_REDUCE_OP, WAIT
 from graphddp.values.prediction import CostModel
+
+# The kinds' functional ops (the in-place all-reduce and the wait: graphddp.values.comm)
+ALL_REDUCE_OUT_OP = torch.ops._c10d_functional.all_reduce.default  # out of place, as AOTAutograd traces it (sharding="full")
+REDUCE_SCATTER_OP = torch.ops._c10d_functional.reduce_scatter_tensor.default
+ALL_GATHER_OP = torch.ops._c10d_functional.all_gather_into_tensor.default
+ALL_TO_ALL_OP = torch.ops._c10d_functional.all_to_all_single.default
+WAIT_PATTERN = re.compile(rf"_c10d_functional\.{WAIT._opname}\.default\((\w+)")  # a wait in generated code; group 1: its buffer
 
 
 def _as_is(done: torch.Tensor, world: int) -> torch.Tensor:
@@ -85,15 +92,12 @@ ALL_REDUCE = CollectiveKind(
     wire_share=lambda p: 2 * (p - 1) / p,
 )
 
+
 # A sharded bucket (graphddp.values.shards): each rank receives the sum of its part only...
-_REDUCE_SCATTER_OP = torch.ops._c10d_functional.reduce_scatter_tensor.default
-_ALL_TO_ALL_OP = torch.ops._c10d_functional.all_to_all_single.default
-
-
 def _all_to_all(flat: torch.Tensor, group: str, world: int) -> torch.Tensor:
     """Rank ``j`` receives part ``j`` of every rank's buffer, rank-major: ``world`` rows."""
     split = [flat.numel() // world] * world
-    return _ALL_TO_ALL_OP(flat, split, split, group)
+    return ALL_TO_ALL_OP(flat, split, split, group)
 
 
 def _sum_rows(received: torch.Tensor, world: int) -> torch.Tensor:
@@ -102,31 +106,31 @@ def _sum_rows(received: torch.Tensor, world: int) -> torch.Tensor:
 
 REDUCE_SCATTER = CollectiveKind(
     key="reduce_scatter",
-    lowering=Lowering(_REDUCE_SCATTER_OP, lambda flat, group, world: _REDUCE_SCATTER_OP(flat, "sum", world, group)),
+    lowering=Lowering(REDUCE_SCATTER_OP, lambda flat, group, world: REDUCE_SCATTER_OP(flat, "sum", world, group)),
     ring_steps=lambda p: p - 1,
     wire_share=lambda p: (p - 1) / p,
-    by_backend={"gloo": Lowering(_ALL_TO_ALL_OP, _all_to_all, _sum_rows)},  # module docstring
+    by_backend={"gloo": Lowering(ALL_TO_ALL_OP, _all_to_all, _sum_rows)},  # module docstring
 )
+
+
 # ... and after updating it, gives every rank every part back. ``nbytes`` is the whole bucket.
-_ALL_GATHER_OP = torch.ops._c10d_functional.all_gather_into_tensor.default
-
-
 def _gather_by_all_to_all(part: torch.Tensor, group: str, world: int) -> torch.Tensor:
     """Every rank's part, rank-major, as ``all_gather_into_tensor`` lays it out: rank ``j``
     receives part ``j`` of every rank's buffer, and every part of this rank's buffer is its part."""
     split = [part.numel()] * world
-    return _ALL_TO_ALL_OP(torch.ops.aten.repeat.default(part, [world]), split, split, group)
+    return ALL_TO_ALL_OP(torch.ops.aten.repeat.default(part, [world]), split, split, group)
 
 
 ALL_GATHER = CollectiveKind(
     key="all_gather",
-    lowering=Lowering(_ALL_GATHER_OP, lambda part, group, world: _ALL_GATHER_OP(part, world, group)),
+    lowering=Lowering(ALL_GATHER_OP, lambda part, group, world: ALL_GATHER_OP(part, world, group)),
     ring_steps=lambda p: p - 1,
     wire_share=lambda p: (p - 1) / p,
-    by_backend={"gloo": Lowering(_ALL_TO_ALL_OP, _gather_by_all_to_all)},  # module docstring
+    by_backend={"gloo": Lowering(ALL_TO_ALL_OP, _gather_by_all_to_all)},  # module docstring
 )
 
 KINDS: dict[str, CollectiveKind] = {k.key: k for k in (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER)}
+SHARDED = REDUCE_SCATTER.key  # Bucket.collective of a sharded bucket (a replicated one's: ALL_REDUCE.key)
 
 
 def kind(key: str) -> CollectiveKind:

@@ -18,14 +18,17 @@ import dataclasses
 import hashlib
 import json
 
+from graphddp.values import collectives
 from graphddp.values.choice import PlacementChoice
 from graphddp.values.schedule_table import FullScheduleTable, fields_of, plain, set_only
 
 # A part's gather; a part's gradient reduce-scattered; a gradient of a parameter every rank holds
 # whole (replicate_below_mb) all-reduced. The last two are a backward's reduces, indexed together.
-GATHER, REDUCE_SCATTER, ALL_REDUCE = "gather", "reduce_scatter", "all_reduce"
+GATHER, REDUCE_SCATTER, ALL_REDUCE = "gather", collectives.REDUCE_SCATTER.key, collectives.ALL_REDUCE.key
 PART_KINDS = (GATHER, REDUCE_SCATTER, ALL_REDUCE)
 REDUCES = (REDUCE_SCATTER, ALL_REDUCE)
+WAIT_OF = {k: f"{k}_wait" for k in PART_KINDS}  # in a rewritten graph: the ROLE_KEY of a bucket's wait (its issue's: its kind)
+REDUCE_WAITS = tuple(WAIT_OF[k] for k in REDUCES)
 
 
 @dataclasses.dataclass(frozen=True)

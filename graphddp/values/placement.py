@@ -22,11 +22,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from graphddp.values.collectives import Lowering, backend_of, kind
+from graphddp.values.collectives import ALL_GATHER, ALL_REDUCE, ALL_REDUCE_OUT_OP, REDUCE_SCATTER, Lowering, backend_of, kind
 from graphddp.values.comm import WAIT
 from graphddp.values.prediction import CostModel
 
-_ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default  # out of place: also traced by AOTAutograd
 REPLICATE = "replicate"  # ROLE_KEY of the all-reduce of a part over the replicate group
 REPLICATE_WAIT = "replicate_wait"
 
@@ -45,7 +44,7 @@ class Placement:
 
     shard: Level
     replicate: Level | None = None
-    reduce_kind: ClassVar[str] = "reduce_scatter"  # the collective of issue_reduce, by its kind's key
+    reduce_kind: ClassVar[str] = REDUCE_SCATTER.key  # the collective of issue_reduce, by its kind's key
 
     @property
     def world(self) -> int:
@@ -91,18 +90,18 @@ class Placement:
             return done
         assert self.replicate is not None
         if tag is None:
-            return WAIT(_ALL_REDUCE(done, "sum", self.replicate.name))
+            return WAIT(ALL_REDUCE_OUT_OP(done, "sum", self.replicate.name))
         with tag(REPLICATE):
-            issued = _ALL_REDUCE(done, "sum", self.replicate.name)
+            issued = ALL_REDUCE_OUT_OP(done, "sum", self.replicate.name)
         with tag(REPLICATE_WAIT):
             return WAIT(issued)
 
     def issue_gather(self, part: torch.Tensor) -> torch.Tensor:
         """Every shard rank's ``part``, rank-major, over the shard group; :meth:`finish_gather` waits on it."""
-        return self._lowered("all_gather").issue(part, self.shard.name, self.shard.size)
+        return self._lowered(ALL_GATHER.key).issue(part, self.shard.name, self.shard.size)
 
     def finish_gather(self, pending: torch.Tensor) -> torch.Tensor:
-        return self._lowered("all_gather").finish(WAIT(pending), self.shard.size)
+        return self._lowered(ALL_GATHER.key).finish(WAIT(pending), self.shard.size)
 
     # -- cost ------------------------------------------------------------------------------------
 
@@ -113,12 +112,12 @@ class Placement:
         seconds = kind(self.reduce_kind).seconds(cost, nbytes, self.shard.size)
         if self.hybrid:
             assert self.replicate is not None
-            seconds += kind("all_reduce").seconds(cost, nbytes // self.shard.size, self.replicate.size, stride=self.shard.size)
+            seconds += ALL_REDUCE.seconds(cost, nbytes // self.shard.size, self.replicate.size, stride=self.shard.size)
         return seconds
 
     def gather_seconds(self, cost: CostModel, nbytes: int) -> float:
         """Link time of one bucket's all-gather over the shard group (``nbytes`` whole)."""
-        return kind("all_gather").seconds(cost, nbytes, self.shard.size)
+        return ALL_GATHER.seconds(cost, nbytes, self.shard.size)
 
     # -- records ---------------------------------------------------------------------------------
 
@@ -138,7 +137,7 @@ class Whole(Placement):
     """A replicated bucket: whole on every rank of its one group (``shard``), so its reduce is the
     bucket's collective (an all-reduce kind), through the same lowerings as a sharded bucket's."""
 
-    reduce_kind: str = "all_reduce"  # type: ignore[misc]
+    reduce_kind: str = ALL_REDUCE.key  # type: ignore[misc]
 
 
 def flat(name: str, size: int) -> Placement:

@@ -90,6 +90,7 @@ from graphddp.graph.verify.order import (
 from graphddp.graph.verify.parts import check_part_collectives, check_replicated
 from graphddp.graph.verify.updates import check_part_updates
 from graphddp.graph.verify_common import VerificationError, _Graph
+from graphddp.values.collectives import SHARDED
 from graphddp.values.comm import wire_bytes
 from graphddp.values.schedule import Schedule
 
@@ -103,7 +104,7 @@ def verify(gm: fx.GraphModule, schedule: Schedule, expected: Mapping[int, str]) 
         raise VerificationError(f"graphddp verify: {problem}")
     g = _Graph(gm)
     hooked = {b.index for b in schedule.buckets if b.hook}
-    sharded = {b.index for b in schedule.buckets if b.collective == "reduce_scatter"}  # the optimizer's: verify_sharded
+    sharded = {b.index for b in schedule.buckets if b.collective == SHARDED}  # the optimizer's: verify_sharded
     reduces = _collect_all_reduces(g, schedule, hooked | sharded)
     _check_stray_waits(g, sharded)
     _check_fake_values(g)

@@ -3,23 +3,20 @@ reduce-scattered once after its gradients, averaged over its replicas, resharded
 parameter held whole all-reduced over every rank."""
 from __future__ import annotations
 
-import re
 from typing import Collection
 
-import torch
 import torch.fx as fx
 
 from graphddp.graph.capture import ancestors
 from graphddp.graph.invariants import on_group, over_replicas, waited_once
 from graphddp.graph.part_collectives import above_reduces
+from graphddp.graph.part_facts import input_name
 from graphddp.graph.reshard import kept_gathered, kept_gathered_bytes
 from graphddp.graph.verify_common import _fail
+from graphddp.values.collectives import ALL_REDUCE_OUT_OP
 from graphddp.values.comm import ROLE_KEY, is_collective, is_wait
-from graphddp.values.part_schedule import ALL_REDUCE
+from graphddp.values.part_schedule import ALL_REDUCE, GATHER, REDUCE_SCATTER, REDUCE_WAITS, REDUCES, WAIT_OF
 from graphddp.values.placement import REPLICATE_WAIT, Placement, Whole
-
-_ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
-_PRIMAL = re.compile(r"primals_(\d+)$")
 
 
 def check_part_collectives(
@@ -33,9 +30,9 @@ def check_part_collectives(
     for issue in gm.graph.nodes:
         if is_collective(issue):
             waited_once(gm, issue, "P1", f"{issue.target}")
-    reduces = [n for n in gm.graph.nodes if is_collective(n) and n.meta.get(ROLE_KEY) in ("reduce_scatter", ALL_REDUCE)]
+    reduces = [n for n in gm.graph.nodes if is_collective(n) and n.meta.get(ROLE_KEY) in REDUCES]
     for issue in reduces:
-        again = [a for a in ancestors(issue.args[0]) if is_wait(a) and a.meta.get(ROLE_KEY) in ("reduce_scatter_wait", f"{ALL_REDUCE}_wait")]
+        again = [a for a in ancestors(issue.args[0]) if is_wait(a) and a.meta.get(ROLE_KEY) in REDUCE_WAITS]
         if again:
             _fail(gm, issue, f"P3: {issue.name} reduces what {again[0].name} received: a gradient averaged twice")
     for issue in (n for n in reduces if n.meta.get(ROLE_KEY) == ALL_REDUCE):
@@ -74,17 +71,10 @@ def _part_gradients(gm: fx.GraphModule, parts: Collection[str] | None) -> list[t
     if not isinstance(outs, (tuple, list)):
         return []
     if parts is None:
-        parts = [n.name for n in gm.graph.nodes if n.op == "placeholder" and any(u.meta.get(ROLE_KEY) == "gather" for u in n.users)]
-    found = []
-    for name in parts:
-        match = _PRIMAL.match(name)
-        if match is None:
-            continue
-        index = int(match.group(1)) - 1
-        grad = outs[index] if index < len(outs) else None
-        if isinstance(grad, fx.Node):  # else no gradient (a frozen part) or not this graph's to return
-            found.append((name, index, grad))
-    return found
+        parts = [n.name for n in gm.graph.nodes if n.op == "placeholder" and any(u.meta.get(ROLE_KEY) == GATHER for u in n.users)]
+    index = {input_name(i): i for i in range(len(outs))}  # output i is the gradient of input i
+    found = [(name, index[name], outs[index[name]]) for name in parts if name in index]
+    return [f for f in found if isinstance(f[2], fx.Node)]  # else no gradient (a frozen part) or not this graph's to return
 
 
 def check_replicated(gm: fx.GraphModule, placement: Placement, grads: list[tuple[str, int, fx.Node]]) -> None:
@@ -92,14 +82,14 @@ def check_replicated(gm: fx.GraphModule, placement: Placement, grads: list[tuple
     assert placement.replicate is not None
     nodes = [n for n in gm.graph.nodes if is_collective(n)]
     for issue in nodes:
-        if issue.meta.get(ROLE_KEY) in ("gather", "reduce_scatter"):
+        if issue.meta.get(ROLE_KEY) in (GATHER, REDUCE_SCATTER):
             on_group(gm, issue, placement.shard.name, "P6", "P6", "the shard group")
-    reduces = [n for n in nodes if n.target is _ALL_REDUCE]
-    for issue in (n for n in nodes if n.meta.get(ROLE_KEY) == "reduce_scatter"):
+    reduces = [n for n in nodes if n.target is ALL_REDUCE_OUT_OP]
+    for issue in (n for n in nodes if n.meta.get(ROLE_KEY) == REDUCE_SCATTER):
         over_replicas(gm, issue, reduces, placement.replicate.name, "P6", "P6")
     for name, index, grad in grads:
         waits, _ = above_reduces(grad, also=(REPLICATE_WAIT,))  # stopping at either wait
-        if waits and all(w.meta.get(ROLE_KEY) == f"{ALL_REDUCE}_wait" for w in waits):
+        if waits and all(w.meta.get(ROLE_KEY) == WAIT_OF[ALL_REDUCE] for w in waits):
             continue  # held whole: all-reduced over every rank (P7)
         around = next((w for w in waits if w.meta.get(ROLE_KEY) != REPLICATE_WAIT), None)
         if around is not None:

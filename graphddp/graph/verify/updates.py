@@ -8,9 +8,10 @@ import torch
 import torch.fx as fx
 
 from graphddp.graph.invariants import Memory, from_average, not_returned, root, written_last
-from graphddp.graph.part_facts import input_name
+from graphddp.graph.part_facts import UPDATE_PARAM, input_name
 from graphddp.graph.verify_common import VerificationError, _fail
 from graphddp.values.comm import ROLE_KEY, is_wait
+from graphddp.values.part_schedule import REDUCE_WAITS
 
 
 def check_writes(gm: fx.GraphModule, where: str, names: tuple[str, ...], writes: list[fx.Node], gather_waits: list[fx.Node],
@@ -28,7 +29,7 @@ def check_part_updates(gm: fx.GraphModule, updated: Mapping[int, str]) -> None:
     nodes = list(gm.graph.nodes)
     outs = gm.graph.output_node().args[0]
     inputs = {n.name: n for n in nodes if n.op == "placeholder"}
-    extra = [n for n in nodes if n.op == "placeholder" and n.name.startswith("update_param_")]
+    extra = [n for n in nodes if n.op == "placeholder" and n.name.startswith(UPDATE_PARAM)]
     if len(extra) != len(updated):
         raise VerificationError(f"graphddp verify: P4: {len(updated)} parts updated, {len(extra)} update_param inputs")
     writes: dict[fx.Node, list[fx.Node]] = {}
@@ -36,7 +37,7 @@ def check_part_updates(gm: fx.GraphModule, updated: Mapping[int, str]) -> None:
         if node.target is torch.ops.aten.copy_.default and node.meta.get(ROLE_KEY) == "update":
             writes.setdefault(node.args[0], []).append(node)  # the update writes its input itself
     memory = Memory(nodes)
-    reduce_waits = [n for n in nodes if is_wait(n) and n.meta.get(ROLE_KEY) in ("reduce_scatter_wait", "all_reduce_wait")]
+    reduce_waits = [n for n in nodes if is_wait(n) and n.meta.get(ROLE_KEY) in REDUCE_WAITS]
     for k, (index, name) in enumerate(sorted(updated.items())):
         what = f"P4: the update of part {name!r} (output {index})"
         not_returned(gm, outs[index], "P4", what)
