@@ -20,11 +20,11 @@ from graphddp.hooks.traced import as_traced_hook
 from graphddp.config.inductor_settings import INDUCTOR_MODES
 from graphddp.values import links
 from graphddp.values.schedule import CostModel
+from graphddp.values.schedule_table import MB  # graphddp.config.MB, re-exported
 
 BACKENDS = ("inductor", "aot_eager", "eager")
 SHARDINGS = (None, "optimizer", "full", "auto")
 GATHERS = ("backward", "forward")
-MB = 1024 * 1024
 # DDP's defaults: torch.nn.parallel.distributed._DEFAULT_BUCKET_CAP_MB and
 # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES (1 MiB), the latter used only while
 # bucket_cap_mb is left unset.

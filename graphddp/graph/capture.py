@@ -19,7 +19,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.flop_counter import flop_registry
 
-from graphddp.values.schedule import GradSlot, GraphFacts, NodeFact, dtype_name
+from graphddp.values.schedule import GradSlot, GraphFacts, NodeFact, dtype_name, production_order
 
 # Views whose schema does not say so: ``_unsafe_view`` is a view that skips the alias checks.
 _UNMARKED_VIEWS = {torch.ops.aten._unsafe_view.default}
@@ -193,7 +193,7 @@ def extract_facts(gm: fx.GraphModule, param_inputs: Mapping[int, str]) -> GraphF
                 sources=sources.get(grad, ()),
             )
         )
-    slots.sort(key=lambda s: (s.position, s.output_index))
+    slots.sort(key=production_order)
     return GraphFacts(nodes=nodes, slots=tuple(slots))
 
 

@@ -83,10 +83,10 @@ class Pricing:
         return cls(REDUCE_SCATTER, ALL_GATHER if gather == "backward" else None, placement=placement)
 
     def seconds(self, cost: CostModel, wire_nbytes: float, gathered_nbytes: float, world_size: int) -> float:
-        """One bucket's link time: its collective on ``wire_nbytes``, ``alongside`` on ``gathered_nbytes``."""
+        """One bucket's link time: its collective on ``wire_nbytes``, ``alongside`` on ``gathered_nbytes``. Bytes
+        only, not yet a Bucket: every bucket priced alike, and without a placement each kind over every rank."""
         if self.placement is not None:
-            alongside = 0.0 if self.alongside is None else self.placement.gather_seconds(cost, int(gathered_nbytes))
-            return self.placement.reduce_seconds(cost, int(wire_nbytes)) + alongside
+            return sum(self.placement.link_seconds(cost, int(wire_nbytes), None if self.alongside is None else int(gathered_nbytes)))
         alongside = 0.0 if self.alongside is None else self.alongside.seconds(cost, gathered_nbytes, world_size)
         return self.backward.seconds(cost, wire_nbytes, world_size) + alongside
 

@@ -11,7 +11,7 @@ timeline of one backward pass with its communication.
   its issue is done and the link is free (one bucket on the wire at a time). Whatever communication
   ends after the last compute node is *exposed*.
 * Sharded buckets (``Bucket.collective == "reduce_scatter"``): the reduce over the placement's groups
-  (:meth:`~graphddp.values.placement.Placement.reduce_seconds`) and, unless ``Bucket.gather`` is
+  (:meth:`~graphddp.values.placement.Placement.link_seconds`) and, unless ``Bucket.gather`` is
   ``"forward"`` (the all-gather then completes in the next forward), the all-gather of the updated
   parts, on the link in the backward one bucket early (:mod:`graphddp.plan.auto` prices it so).
 * The agreement (:mod:`graphddp.runtime.steady`): a gated schedule's one CPU bucket carries it in its
@@ -32,8 +32,8 @@ from graphddp.values.collectives import ALL_GATHER, SHARDED, kind
 from graphddp.values.schedule import Bucket, BucketTiming, CostModel, NodeFact, Schedule, Span, Timeline
 
 __all__ = [
-    "LATENCY_FLOOR_US", "CostModel", "agreement_seconds", "compute_timeline", "fit_link", "floor_latency", "host_seconds", "link_noise",
-    "pays_agreement", "simulate",
+    "LATENCY_FLOOR_US", "CostModel", "agreement_seconds", "bucket_seconds", "compute_timeline", "fit_link", "floor_latency", "host_seconds",
+    "link_noise", "pays_agreement", "simulate",
 ]
 
 
@@ -81,7 +81,7 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, measured: Mappin
     when its own issue is done.
     """
     cost = cost or schedule.cost_model or CostModel()
-    links = [_link_seconds(schedule, bucket, cost) for bucket in schedule.buckets]
+    links = [sum(bucket_seconds(schedule, bucket, cost)) for bucket in schedule.buckets]  # the all-gather right behind the reduce
     lane: dict[str, float] = {}
     for bucket, seconds in zip(schedule.buckets, links):
         lane[bucket.issue_after] = lane.get(bucket.issue_after, 0.0) + host_seconds(cost, seconds)
@@ -109,15 +109,13 @@ def host_seconds(cost: CostModel, link_seconds: float) -> float:
     return cost.collective_overhead_us * 1e-6 + cost.collective_host_share * link_seconds
 
 
-def _link_seconds(schedule: Schedule, bucket: Bucket, cost: CostModel) -> float:
-    """A bucket's time on the link (module docstring)."""
+def bucket_seconds(schedule: Schedule, bucket: Bucket, cost: CostModel) -> tuple[float, float]:
+    """A bucket's time on the link (module docstring), as :meth:`~graphddp.values.placement.Placement.link_seconds`
+    gives it: a sharded bucket's over the schedule's placement, any other's one collective over every rank."""
     placement = schedule.placement if bucket.collective == SHARDED else None
     if placement is None:
-        return kind(bucket.collective).seconds(cost, bucket.wire_nbytes, schedule.world_size)
-    seconds = placement.reduce_seconds(cost, bucket.wire_nbytes)
-    if bucket.gather != "forward":
-        seconds += placement.gather_seconds(cost, bucket.nbytes)
-    return seconds
+        return kind(bucket.collective).seconds(cost, bucket.wire_nbytes, schedule.world_size), 0.0
+    return placement.link_seconds(cost, bucket.wire_nbytes, None if bucket.gather == "forward" else bucket.nbytes)
 
 
 def fit_link(nbytes: Sequence[int], seconds: Sequence[float], world_size: int, **rest: object) -> CostModel:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from graphddp.values.schedule_table import MB
 from graphddp.values.shards import chunk
 
 PLACEMENTS = ("replicated", "optimizer_inside", "optimizer", "optimizer_forward", "full", "full_no_reshard")
@@ -207,10 +208,10 @@ def _phases(
 
 def table(predictions: list[MemoryPrediction]) -> str:
     """One line per prediction: between steps, peak, the phase of the peak and what it holds."""
-    mb = lambda n: f"{n / 2**20:9.2f}"  # noqa: E731
+    mb = lambda n: f"{n / MB:9.2f}"  # noqa: E731
     lines = [f"{'placement':<18}{'ranks':>7}{'between MB':>11}{'peak MB':>10}  peak in / bytes held (MB)"]
     for p in predictions:
         ranks = f"{p.world_size}" if p.shard_size == p.world_size else f"{p.world_size // p.shard_size}x{p.shard_size}"
-        held = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in {**p.breakdown, **p.at_peak}.items() if v)
+        held = ", ".join(f"{k} {v / MB:.2f}" for k, v in {**p.breakdown, **p.at_peak}.items() if v)
         lines.append(f"{p.placement:<18}{ranks:>7}{mb(p.between_steps):>11}{mb(p.peak):>10}  {p.phase}: {held}")
     return "\n".join(lines)

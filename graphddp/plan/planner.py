@@ -30,14 +30,9 @@ from graphddp.plan.auto import auto_partition
 from graphddp.plan.greedy import bucket_by_size
 from graphddp.values.collectives import SHARDED
 from graphddp.values.placement import Placement, flat
-from graphddp.values.schedule import WAIT_AT_OUTPUT, Bucket, CostModel, GradSlot, GraphFacts, NodeFact, Schedule
+from graphddp.values.schedule import WAIT_AT_OUTPUT, Bucket, CostModel, GradSlot, GraphFacts, NodeFact, Schedule, production_order
 
 DtypeDevice = tuple[str, str]  # buckets never mix either
-
-
-def _order(slot: GradSlot) -> tuple[int, int]:
-    """Production order: the producer's topological position, then the output index."""
-    return (slot.position, slot.output_index)
 
 
 def partition(
@@ -50,7 +45,7 @@ def partition(
     ``nodes`` and ``world_size`` matter only to ``bucket_cap_mb="auto"``: the compute the all-reduces
     overlap with, and the ring they run on. ``like`` and ``fill``: :func:`plan`'s ``like``, with ``fill``
     keeping a gradient this graph lacks as a zero-filled slot."""
-    ordered = sorted(slots, key=_order)
+    ordered = sorted(slots, key=production_order)
     if like is not None:  # in like's order: what a hook's random draws and state follow, as in DDP
         return _as_like(ordered, like, fill)
     if config.auto:
@@ -63,7 +58,7 @@ def partition(
         in_tail = {id(s) for tail in tails.values() for s in tail}
         body = [s for s in ordered if id(s) not in in_tail]
         done = _assign_by_size(body, config.bucket_size_limits) + [tuple(t) for t in tails.values()]
-    return sorted(done, key=lambda b: _order(b[-1]))
+    return sorted(done, key=lambda b: production_order(b[-1]))
 
 
 def _as_like(ordered: list[GradSlot], like: tuple[tuple[GradSlot, ...], ...], fill: bool) -> list[tuple[GradSlot, ...]]:

@@ -36,15 +36,15 @@ import dataclasses
 from typing import Sequence
 
 from graphddp.config import DDPConfig
-from graphddp.plan.cost import agreement_seconds, compute_timeline, host_seconds, pays_agreement
+from graphddp.plan.cost import agreement_seconds, bucket_seconds, compute_timeline, host_seconds, pays_agreement
 from graphddp.plan.greedy import bucket_by_size
 from graphddp.plan.parts import PREFETCH, SCATTER_LAG, planned_cap_bytes
 from graphddp.plan.planner import plan, with_sharding
-from graphddp.values.collectives import ALL_REDUCE, kind
+from graphddp.values.collectives import ALL_REDUCE
 from graphddp.values.placement import Placement, flat
 from graphddp.values.shards import GATHER_LAG
 from graphddp.values.prediction import CostModel
-from graphddp.values.schedule import GradSlot, GraphFacts, NodeFact
+from graphddp.values.schedule import GradSlot, GraphFacts, NodeFact, production_order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,11 +132,8 @@ def _bucketed(
     _, finished, end = compute_timeline(schedule.nodes, cost)
     order = sorted(schedule.buckets, key=lambda b: finished.get(b.issue_after, end))
     total = max(sum(b.nbytes for b in order), 1)
-    buckets = [_Bucket(
-        reduce=placement.reduce_seconds(cost, b.wire_nbytes) if sharding else kind(b.collective).seconds(cost, b.wire_nbytes, world_size),
-        gather=placement.gather_seconds(cost, b.nbytes) if sharding and gather == "backward" else 0.0,
-        update=update * b.nbytes / total,
-    ) for b in order]
+    # simulate's link times, the all-gather apart: it is issued after the bucket's update, GATHER_LAG buckets later
+    buckets = [_Bucket(*bucket_seconds(schedule, b, cost), update=update * b.nbytes / total) for b in order]
     backward = _backward_lane(_segments([finished.get(b.issue_after, end) for b in order], end), buckets, cost,
                               GATHER_LAG if sharding else None)
     if pays_agreement(schedule):
@@ -159,7 +156,7 @@ def _full(
     parameters held whole: bucketed apart, never gathered, all-reduced over the ``world_size`` ranks;
     every reduce sends ``reduce_scale`` bytes per byte of gradient."""
     cost = lanes[1]
-    slots = sorted(graph.backward.slots, key=lambda s: (s.position, s.output_index))
+    slots = sorted(graph.backward.slots, key=production_order)
     total = sum(s.nbytes for s in slots)
     held = lambda s: s.nbytes < whole_below  # noqa: E731
     cap = planned_cap_bytes(planned, sum(s.nbytes for s in slots if not held(s)), placement.shard.size, reshard, placement)
@@ -168,7 +165,7 @@ def _full(
         for group in bucket_by_size([s for s in slots if held(s) == whole], key=lambda s: (s.dtype, s.device), nbytes=lambda s: s.nbytes,
                                     limit=lambda _: cap, consecutive=True)
     ]
-    groups.sort(key=lambda group: (_last(group).position, _last(group).output_index))
+    groups.sort(key=lambda group: production_order(_last(group)))
     sizes = [sum(s.nbytes for s in b) for b in groups]
     whole = [held(b[0]) for b in groups]
     gathers = [0.0 if w else placement.gather_seconds(cost, n) for n, w in zip(sizes, whole)]
@@ -200,7 +197,7 @@ def _segments(ready: list[float], end: float) -> list[float]:
 
 
 def _last(bucket: list[GradSlot]) -> GradSlot:
-    return max(bucket, key=lambda s: (s.position, s.output_index))
+    return max(bucket, key=production_order)
 
 
 @dataclasses.dataclass

@@ -8,7 +8,7 @@ import hashlib
 import json
 from typing import Any
 
-MB = 2**20
+from graphddp.values.schedule_table import MB
 
 
 @dataclasses.dataclass(frozen=True)

@@ -119,6 +119,10 @@ class Placement:
         """Link time of one bucket's all-gather over the shard group (``nbytes`` whole)."""
         return ALL_GATHER.seconds(cost, nbytes, self.shard.size)
 
+    def link_seconds(self, cost: CostModel, wire_nbytes: int, gathered_nbytes: int | None) -> tuple[float, float]:
+        """One bucket's link time: its reduce of ``wire_nbytes``, its all-gather of ``gathered_nbytes`` in the backward (None: 0.0)."""
+        return self.reduce_seconds(cost, wire_nbytes), 0.0 if gathered_nbytes is None else self.gather_seconds(cost, gathered_nbytes)
+
     # -- records ---------------------------------------------------------------------------------
 
     def to_dict(self) -> dict:

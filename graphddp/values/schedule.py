@@ -20,7 +20,7 @@ from graphddp.values.schedule_table import ScheduleTable, fields_of, plain, set_
 # The value types, and the cost model's that this module re-exports: every value type keeps this import path.
 __all__ = [
     "SCHEMA_VERSION", "WAIT_AT_OUTPUT", "Bucket", "BucketTiming", "CostModel", "GradSlot", "GraphFacts", "NodeFact",
-    "Schedule", "Span", "Timeline", "dtype_name",
+    "Schedule", "Span", "Timeline", "dtype_name", "production_order",
 ]
 
 SCHEMA_VERSION = 1
@@ -59,6 +59,11 @@ class GradSlot:
     def zero_filled_copy(self) -> "GradSlot":
         """This slot in a graph that produces no gradient for it (:attr:`zero_filled`)."""
         return dataclasses.replace(self, output_index=-1, producer="", position=-1)
+
+
+def production_order(slot: GradSlot) -> tuple[int, int]:
+    """The order gradients are produced in: the producer's topological position, then the output index."""
+    return (slot.position, slot.output_index)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from graphddp.values.prediction import Timeline
 
-MB = 1024 * 1024
+MB = 2**20  # bytes in a MB, wherever graphddp counts or shows them (graphddp.config re-exports it)
 
 
 class ScheduleValue:
@@ -65,7 +65,7 @@ class ScheduleTable(ScheduleValue):
             policy = f"caps first={self.first_bucket_cap_mb} MB rest={self.bucket_cap_mb} MB" + (
                 f" last={self.last_bucket_cap_mb} MB" if self.last_bucket_cap_mb is not None else "")
         lines = [
-            f"graph {self.graph_index}: {self.num_buckets} buckets, {self.nbytes / 2**20:.2f} MB, "
+            f"graph {self.graph_index}: {self.num_buckets} buckets, {self.nbytes / MB:.2f} MB, "
             f"world_size={self.world_size}, {policy}"
             + (f", {self._agreement()} (gated)" if self.gated else ""),
             head,
@@ -75,10 +75,10 @@ class ScheduleTable(ScheduleValue):
             names = clip(", ".join(b.param_names), 60, "...")
             row = (
                 f"{b.index:>6}  {b.dtype:<9} {b.device:<7} {len(b.slots):>6} {b.numel:>10} "
-                f"{b.nbytes / 2**20:>8.3f}  {b.issue_after:<22} {len(b.overlap):>7}"
+                f"{b.nbytes / MB:>8.3f}  {b.issue_after:<22} {len(b.overlap):>7}"
             )
             if hooked:
-                row += f" {b.wire_nbytes / 2**20:>8.3f}  {(b.hook or 'allreduce')[:12]:<12}"
+                row += f" {b.wire_nbytes / MB:>8.3f}  {(b.hook or 'allreduce')[:12]:<12}"
             if kinds:
                 row += f" {b.collective:<14}"
             if timeline:

@@ -77,8 +77,8 @@ def test_schedule_is_the_bottom_layer_and_imports_have_no_cycle():
     assert graph["graphddp.values.prediction"] == set()
     assert graph["graphddp.values.schedule_table"] == {"graphddp.values.prediction"}  # Timeline, for annotations only
     # A schedule records where its sharded buckets live: the placement, built on the collective kinds.
-    # ... and, with sharding="auto", the choice it was made by (a value of its own, importing nothing).
-    assert graph["graphddp.values.choice"] == set()
+    # ... and, with sharding="auto", the choice it was made by (a value of its own, importing only the tables' MB).
+    assert graph["graphddp.values.choice"] == {"graphddp.values.schedule_table"}
     assert graph["graphddp.values.schedule"] == {
         "graphddp.values.prediction", "graphddp.values.schedule_table", "graphddp.values.placement", "graphddp.values.choice",
     }
