@@ -92,14 +92,13 @@ def _traced_update(optimizer: torch.optim.Optimizer | None, n: int, device: torc
     """graphddp's update inside the backward for ``optimizer``'s first group and its arguments (a
     parameter of ``n`` elements on ``device``, its gradient, state and hyperparameters); None where
     the optimizer is not one graphddp updates inside."""
-    from graphddp.optim.attached import SUPPORTED, UPDATES, _group_rule, fake_state, hyper_values
+    from graphddp.optim.attached import SUPPORTED, UPDATES, _group_rule, fake_state, hyper_tensors
 
     if optimizer is None or type(optimizer).__name__ not in SUPPORTED:
         return None
     rule = _group_rule(optimizer, 0)
     param, grad = torch.zeros(n, device=device), torch.full((n,), 1e-3, device=device)
-    state = fake_state(rule, param, lambda: torch.zeros(n, device=device))
-    hyper = [torch.tensor(v, dtype=torch.float64) for v in hyper_values(optimizer.param_groups[0], rule)]
+    state, hyper = fake_state(rule, param, lambda: torch.zeros(n, device=device)), hyper_tensors(optimizer.param_groups[0], rule)
     return (lambda p, g, st, h: UPDATES[rule.kind](rule, p, g, st, h)), (param, grad, state, hyper)
 
 

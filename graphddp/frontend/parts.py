@@ -176,7 +176,7 @@ def shard_parameters(
 
 def repoint_optimizer(optimizer: torch.optim.Optimizer, parts: Mapping[int, Part], group: Any) -> WholeState:
     """Make ``optimizer`` step the parts: its param groups name them instead of the whole
-    parameters, and any state it has is cut to this rank's part (:meth:`WholeState.cut`: every
+    parameters, and any state it has is cut to this rank's part (:meth:`WholeState.cut_held`: every
     elementwise entry checked first; a step count stays as it is). Returns the :class:`WholeState`
     that moves its state whole in and out of the padded parts over ``group`` (the shard group)."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -189,9 +189,7 @@ def repoint_optimizer(optimizer: torch.optim.Optimizer, parts: Mapping[int, Part
     ordered = [parts[id(p)] for p in params]
     held_whole = frozenset(i for i, p in enumerate(ordered) if p.group is None)
     whole_state = WholeState(tuple(p.names[0] for p in ordered), tuple(p.shape for p in ordered), group, padded=True, held_whole=held_whole)
-    states = {ordered[i].part: whole_state.cut(i, optimizer.state[p]) for i, p in enumerate(params) if optimizer.state.get(p)}
-    optimizer.state.clear()
-    optimizer.state.update(states)
+    whole_state.cut_held(optimizer, [p.part for p in ordered])
     for g in optimizer.param_groups:
         g["params"] = [parts[id(p)].part for p in g["params"]]
     return whole_state

@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import types
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -105,8 +105,12 @@ def adam_step(rule: UpdateRule, like: torch.Tensor, step: torch.Tensor | None = 
 def fake_state(rule: UpdateRule, like: torch.Tensor, moment: Callable[[], torch.Tensor]) -> list[torch.Tensor]:
     """Values shaped as ``rule.state`` for ``like`` (a parameter or part), each moment ``moment()``:
     call it in the graph's fake mode, for the update's new inputs."""
-    flag = lambda: torch.empty((), dtype=torch.bool)  # noqa: E731
-    return [adam_step(rule, like) if s == "step" else flag() if s == "first" else moment() for s in rule.state]
+    return [adam_step(rule, like) if s == "step" else torch.empty((), dtype=torch.bool) if s == "first" else moment() for s in rule.state]
+
+
+def fake_hyper(rules: Iterable[UpdateRule]) -> list[torch.Tensor]:
+    """Per param group's rule, values as :func:`hyper_tensors` makes them: in the graph's fake mode."""
+    return [torch.empty((), dtype=F64) for rule in rules for _ in rule.hyper]
 
 
 def init_adam_state(rule: UpdateRule, state: dict[str, Any], like: torch.Tensor, zeros: Callable[[], torch.Tensor]) -> None:
@@ -124,6 +128,11 @@ def hyper_values(group: Mapping[str, Any], rule: UpdateRule) -> list[float]:
         return [float(group["lr"]), float(group["momentum"]), float(group["dampening"]), float(group["weight_decay"])]
     beta1, beta2 = group["betas"]
     return [float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"])]
+
+
+def hyper_tensors(group: Mapping[str, Any], rule: UpdateRule) -> list[torch.Tensor]:
+    """:func:`hyper_values` as the update's inputs: float64 scalars, as torch computes them in Python."""
+    return [torch.tensor(v, dtype=F64) for v in hyper_values(group, rule)]
 
 
 # -- the math, traced into the graph ---------------------------------------------------------
@@ -300,15 +309,12 @@ class AttachedOptimizer(LossScaled):
                 if buf is None:  # torch starts it at the first step: until then, in our hands
                     buf = fresh[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 tensors.extend([buf, torch.tensor(name in fresh)])
-        for g in groups:
-            group = self.optimizer.param_groups[g]
-            tensors.extend(torch.tensor(v, dtype=F64) for v in hyper_values(group, self.rules[g]))
+        tensors.extend(t for g in groups for t in hyper_tensors(self.optimizer.param_groups[g], self.rules[g]))
         for shard in shards:
             tensors.extend(self.params[n] for n in shard.bucket.param_names)
             for k in shard.owned():
                 tensors.extend(self.sharded.update_tensors(shard.bucket.slots[k].param_name))
-            for g in shard.groups:
-                tensors.extend(self.sharded.hyper(g))
+            tensors.extend(t for g in shard.groups for t in hyper_tensors(self.optimizer.param_groups[g], self.rules[g]))
         return UpdateArgs(tensors, fresh)
 
     def updated(self, args: UpdateArgs) -> None:

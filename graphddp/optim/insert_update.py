@@ -101,15 +101,12 @@ def append_update_inputs(
     rules = [inputs.rules[n] for n in names]
     group_of = [inputs.groups[n] for n in names]
     labels, groups = optim.layout(rules, group_of)
-    fake_mode = detect_fake_mode(tuple(inputs.values.values()))
     vals: list[torch.Tensor] = []
-    with fake_mode:
+    with detect_fake_mode(tuple(inputs.values.values())):
         for name, rule in zip(names, rules):
             p = inputs.values[name]
-            vals.append(p)
-            vals.extend(optim.fake_state(rule, p, lambda: torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=p.device)))
-        for g in groups:
-            vals.extend(torch.empty((), dtype=optim.F64) for _ in rules[group_of.index(g)].hyper)
+            vals += [p, *optim.fake_state(rule, p, lambda: torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=p.device))]
+        vals.extend(optim.fake_hyper(rules[group_of.index(g)] for g in groups))
     nodes = add_update_inputs(graph, labels, vals)
     cut = optim.cut(nodes, [1 + len(r.state) for r in rules] + [len(rules[group_of.index(g)].hyper) for g in groups])
     return dict(zip(names, cut)), dict(zip(groups, cut[len(names):]))

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from graphddp.optim.attached import F64, UPDATES, UpdateRule, hyper_values, init_adam_state
+from graphddp.optim.attached import UPDATES, UpdateRule, hyper_tensors, init_adam_state
 from graphddp.optim.whole_state import WholeState
 from graphddp.values.comm import group_name_of
 from graphddp.values.placement import Placement, flat
@@ -39,12 +39,7 @@ class ShardedState:
         names = {id(p): n for n, p in self.params.items()}
         order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]  # a state dict's indices
         self.whole_state = WholeState(tuple(order), tuple(tuple(self.params[n].shape) for n in order), group, padded=False)
-        # State the optimizer has at wrap time (a resume that loaded a plain state_dict() first, as
-        # nanoGPT does) is whole: cut, as a loaded full state is (every entry checked first).
-        params = [self.params[n] for n in order]
-        cut = {p: self.whole_state.cut(i, optimizer.state[p]) for i, p in enumerate(params) if optimizer.state.get(p)}
-        optimizer.state.clear()
-        optimizer.state.update({p: state for p, state in cut.items() if state is not None})
+        self.whole_state.cut_held(optimizer, [self.params[n] for n in order])  # the parameters stay whole: the same keys
 
     def part(self, name: str) -> tuple[int, int]:
         return part(self.params[name].numel(), self.world, self.rank)
@@ -77,9 +72,6 @@ class ShardedState:
             buf = state["momentum_buffer"] = self.params[name].new_zeros(hi - lo)
         return [buf, torch.tensor(first)]
 
-    def hyper(self, group: int) -> list[torch.Tensor]:
-        return [torch.tensor(v, dtype=F64) for v in hyper_values(self.optimizer.param_groups[group], self.rules[group])]
-
     # -- the eager sharded step ----------------------------------------------------------------
     @torch.no_grad()
     def step(self, names: Iterable[str]) -> None:
@@ -88,7 +80,7 @@ class ShardedState:
             p = self.params[name]
             if p.grad is not None:
                 by_kind.setdefault((p.dtype, p.device), []).append(name)
-        hyper = {g: self.hyper(g) for g in {self.group_of[n] for names_ in by_kind.values() for n in names_}}
+        hyper = {g: hyper_tensors(group, self.rules[g]) for g, group in enumerate(self.optimizer.param_groups)}
         for names_ in by_kind.values():
             parts = []
             for name in names_:

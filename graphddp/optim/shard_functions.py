@@ -14,7 +14,7 @@ from graphddp.graph.bucket_function import chunks, flat_view, gather_fn, issue_c
 from graphddp.graph.trace import fresh_copy, role
 from graphddp.hooks import builtin as hooks
 from graphddp.optim import clip
-from graphddp.optim.attached import F64, UPDATES, UpdateRule, cut, fake_state
+from graphddp.optim.attached import UPDATES, UpdateRule, cut, fake_hyper, fake_state
 from graphddp.values.placement import Placement
 from graphddp.values.schedule import Bucket
 from graphddp.values.shards import part
@@ -159,6 +159,4 @@ def state_values(shard: ShardLayout, fake_mode: Any, values: Mapping[str, torch.
             p = values[shard.bucket.slots[k].param_name]
             lo, hi = shard.parts[k]
             vals.extend(fake_state(shard.rules[k], p, lambda: torch.empty(hi - lo, dtype=p.dtype, device=p.device)))
-        for g in shard.groups:
-            vals.extend(torch.empty((), dtype=F64) for _ in shard.hyper(g))
-    return vals
+        return vals + fake_hyper(shard.rules[shard.group_of.index(g)] for g in shard.groups)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -77,6 +77,17 @@ class WholeState:
 
         return {k: cut(v) if _elementwise(k, v) else _copied(v) for k, v in state.items()}
 
+    def _cut_all(self, states: Mapping[int, Mapping[str, Any] | None]) -> dict[int, dict[str, Any]]:
+        return {i: cut for i, s in states.items() if s and (cut := self.cut(i, s)) is not None}  # None: no element here
+
+    def cut_held(self, optimizer: torch.optim.Optimizer, stepped: Sequence[torch.Tensor]) -> None:
+        """The whole state ``optimizer`` holds at wrap time (a resume's plain ``state_dict()``) cut as a
+        loaded one is, every entry checked first, keyed by what steps parameter ``i`` now: ``stepped[i]``."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        cut = self._cut_all({i: optimizer.state.get(p) for i, p in enumerate(params)})
+        optimizer.state.clear()
+        optimizer.state.update({stepped[i]: s for i, s in cut.items()})
+
     def state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The state dict a plain optimizer of the same class over the whole parameters would have
         (every rank of the group calls it: it gathers)."""
@@ -113,5 +124,4 @@ class WholeState:
         if any(not 0 <= i < len(self.shapes) for i in states):
             raise ValueError(f"load_full_optimizer_state_dict: the state holds entries for {len(states)} parameters "
                              f"(indices up to {max(states)}), the optimizer steps {len(self.shapes)}")
-        cut = {i: self.cut(i, s) for i, s in states.items() if s}
-        optimizer.load_state_dict({**full, "state": {i: s for i, s in cut.items() if s is not None}})
+        optimizer.load_state_dict({**full, "state": self._cut_all(states)})
