@@ -4,7 +4,7 @@ flat tensor: one collective per dtype, not one per tensor.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,12 +25,13 @@ def _coalesce(tensors: Sequence[torch.Tensor]) -> dict[tuple[torch.dtype, torch.
     return groups
 
 
-def _scatter_back(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+def flat_views(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Each of ``tensors`` with its slice of ``flat`` (laid out as ``torch.cat`` of their
+    flattened values), viewed to its shape: no copy, the caller writes it back."""
     offset = 0
     for t in tensors:
-        n = t.numel()
-        t.copy_(flat[offset:offset + n].view_as(t))
-        offset += n
+        yield t, flat[offset:offset + t.numel()].view_as(t)
+        offset += t.numel()
 
 
 class PendingAverage:
@@ -45,10 +46,8 @@ class PendingAverage:
             work.wait()
             if not params:  # a joined rank's shadow: nothing to write
                 continue
-            offset, counts = 0, flat[-len(params):]
-            for p, count in zip(params, counts.tolist()):
-                piece = flat[offset:offset + p.numel()].view_as(p)
-                offset += p.numel()
+            counts = flat[-len(params):].tolist()
+            for (p, piece), count in zip(flat_views(flat, params), counts):
                 if p.grad is not None:
                     p.grad.copy_(piece)
                 elif count > 0:  # no gradient here, but on some rank: take the average
@@ -93,4 +92,5 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], group: Any, src_in_group:
     for ts in _coalesce(tensors).values():
         flat = torch.cat([t.detach().reshape(-1) for t in ts])
         dist.broadcast(flat, src=src, group=group)
-        _scatter_back(flat, ts)
+        for t, piece in flat_views(flat, ts):
+            t.copy_(piece)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from graphddp.runtime.agree import ScheduleMismatchError, any_rank, gather
+from graphddp.runtime.sync import flat_views
 from graphddp.values.schedule import Bucket, Schedule
 
 
@@ -175,11 +176,7 @@ class UnionAverage:
 
     @torch.no_grad()
     def _write(self, names: Sequence[str], done: torch.Tensor, used: set[str]) -> None:
-        offset = 0
-        for name in names:
-            p = self.params[name]
-            piece = done[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
+        for name, (p, piece) in zip(names, flat_views(done, [self.params[n] for n in names])):
             if name not in used:
                 continue
             if p.grad is None:
