@@ -33,8 +33,8 @@ def first_compile_shapes(dynamic: bool | None) -> contextlib.AbstractContextMana
 @dataclasses.dataclass(frozen=True)
 class Compiler:
     """How a pass compiles a graph: ``now(graph, extra=(), settings=None)`` returns its code,
-    ``later(...)`` a call that compiles it the first time (``extra``: example inputs the graph
-    reads beyond AOTAutograd's; ``settings``: inductor's, else the mode's for that graph).
+    ``later(...)`` a call that compiles it the first time (``extra``: example inputs the graph reads beyond
+    AOTAutograd's, later's by default its placeholders' past those; ``settings``: inductor's, else the mode's for that graph).
     ``in_place``: compiling rewrites the graph (inductor's does)."""
 
     now: Callable[..., Any]
@@ -87,10 +87,12 @@ def compile_aot(
             with inductor_config.patch(passes.settings(g) if settings is None else settings):
                 return compile_fx_inner(g, [*given, *extra], **kwargs)
 
-        def later(g: fx.GraphModule, extra: Sequence[Any] = (), settings: dict[str, Any] | None = None) -> Callable[[], Any]:
+        def later(g: fx.GraphModule, extra: Sequence[Any] | None = None, settings: dict[str, Any] | None = None) -> Callable[[], Any]:
             """As AOTAutograd compiles its own backward lazily: under the tracing and compile
             contexts of now, so that shape guards and fake tensors are the ones ``g`` was traced with."""
             contexts = TracingContext.try_get(), CompileContext.try_get()
+            if extra is None:  # the fake values of the inputs ``g`` appended to AOTAutograd's
+                extra = [n.meta["val"] for n in g.graph.find_nodes(op="placeholder")][len(given):]
 
             def compile_now() -> Any:
                 pinned = {**patches, **(passes.settings(g) if settings is None else settings)}

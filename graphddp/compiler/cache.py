@@ -276,16 +276,16 @@ def _autocast_state() -> list[tuple[str, bool, torch.dtype]]:
 
 @contextlib.contextmanager
 def _autocast(state: list[tuple[str, bool, torch.dtype]]) -> Iterator[None]:
+    def put(values: list[tuple[str, bool, torch.dtype]]) -> None:
+        for device, on, dtype in values:
+            torch.set_autocast_enabled(device, on)
+            torch.set_autocast_dtype(device, dtype)
     saved = _autocast_state()
     try:
-        for device, on, dtype in state:
-            torch.set_autocast_enabled(device, on)
-            torch.set_autocast_dtype(device, dtype)
+        put(state)
         yield
     finally:
-        for device, on, dtype in saved:
-            torch.set_autocast_enabled(device, on)
-            torch.set_autocast_dtype(device, dtype)
+        put(saved)
 
 
 def log_hit(graph_index: int, schedule: Any) -> None:

@@ -34,8 +34,8 @@ class ForwardSlots:
         param_inputs: Mapping[int, str],
     ) -> ForwardDispatch:
         """Graph ``graph_index``'s forward (``fw``, the graph before it was compiled, ``plain`` its
-        code) as a dispatcher; ``compile_graph(graph, extra example inputs)`` compiles a variant of
-        it on first use."""
+        code) as a dispatcher; ``compile_graph(graph)`` (:attr:`Compiler.later`) compiles a
+        variant of it on first use."""
         forward = ForwardDispatch(plain, graph_index, self.gathers)
         self.forwards[graph_index] = forward
         index = {name: i for i, name in param_inputs.items()}
@@ -48,8 +48,7 @@ class ForwardSlots:
                 if self.verify:
                     verify_forward_gathers(graph, shards)
                 forward.slot_graph = copy.deepcopy(graph)
-                extra = [n.meta["val"] for n in graph.graph.nodes if n.op == "placeholder"][-len(shards):]
-                return compile_graph(graph, extra)()
+                return compile_graph(graph)()  # the shards' placeholders, appended, as extra inputs
 
             return compile_slot
 

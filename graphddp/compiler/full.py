@@ -158,11 +158,8 @@ class _Graph(CustomGraphPass):
         if variant is None:
             plain, choose = compiler.now(gm), None
         else:
-            given = len(gm.graph.find_nodes(op="placeholder"))
-
             def lazily(graph: fx.GraphModule) -> Compile:
-                extra = [n.meta["val"] for n in graph.graph.find_nodes(op="placeholder")][given:]
-                return functools.cache(compiler.later(compiler.copy(graph), extra))
+                return functools.cache(compiler.later(compiler.copy(graph)))  # its inputs past AOTAutograd's as extra
 
             updating = lazily(variant.graph)()
             choose = self.compiled.updates.backward(self.index, variant, lazily(gm), lambda: updating, lazily(variant.carrying))
