@@ -80,7 +80,8 @@ class ShardedState:
             p = self.params[name]
             if p.grad is not None:
                 by_kind.setdefault((p.dtype, p.device), []).append(name)
-        hyper = {g: hyper_tensors(group, self.rules[g]) for g, group in enumerate(self.optimizer.param_groups)}
+        used = {self.group_of[n] for names_ in by_kind.values() for n in names_}  # groups with a gradient this step
+        hyper = {g: hyper_tensors(self.optimizer.param_groups[g], self.rules[g]) for g in used}
         for names_ in by_kind.values():
             parts = []
             for name in names_:
