@@ -97,7 +97,7 @@ def _a_second_run_keeps_the_first_runs_choice(rank: int) -> None:
                                 cost=CostModel(bandwidth_gbps=0.1)).placement_choice
 
     def store(where: str, name: str) -> None:
-        (stored,) = os.listdir(shared[0])
+        (stored,) = [f for f in os.listdir(shared[0]) if f.startswith("choice-")]  # not another rank's .tmp- file mid-write
         with open(os.path.join(where, stored), "w") as f:
             json.dump({"chosen": name}, f)
 
