@@ -356,9 +356,9 @@ def test_a_thousand_parameters_plan_in_seconds():
     n = 1000
     facts = _facts([(37 * i) % 5000 * 64 + 1 for i in range(n)], [10**7 + (i % 7) * 10**8 for i in range(n)])
     for cost in (CostModel(bandwidth_gbps=1.0, latency_us=50.0), CostModel(bandwidth_gbps=100.0, latency_us=5.0)):
-        start = time.perf_counter()
+        start = time.process_time()  # the planner's own work: CPU time, whatever else the machine runs
         s = plan(facts, DDPConfig(bucket_cap_mb="auto", cost=cost), world_size=64)
-        assert time.perf_counter() - start < 10.0
+        assert time.process_time() - start < 10.0
         assert sorted(x.output_index for b in s.buckets for x in b.slots) == list(range(n))
 
 
