@@ -307,6 +307,18 @@ def init_fake_process_group(world_size: int, rank: int = 0) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
+def update_runs(model: Any) -> list[tuple[int, int]]:
+    """Per compiled graph of ``model`` (what ``graphddp.compile`` returned): how many synchronising
+    backwards updated inside it, and how many left the update to torch's step."""
+    step = model._state.step
+    runs = []
+    for index in range(len(step.graphs)):
+        counts = step.updates(index)
+        inside = counts.get("inside", 0) + counts.get("inside, carried", 0)
+        runs.append((inside, sum(counts.values()) - inside))
+    return runs
+
+
 def paired_grads(ours: nn.Module, ref: nn.Module, step: int) -> Iterator[tuple[str, nn.Parameter, nn.Parameter]]:
     """``(name, ours, reference)`` for every parameter both have a grad for; a grad on one side only
     (a missed or extra reduction) fails."""

@@ -14,8 +14,7 @@ A backward updates inside where that is the whole step for its parts. Where a pa
 gradient accumulated by earlier micro-steps (the synchronising micro-step after ``no_sync``),
 the carrying variant adds it to this backward's gradient, updates, and leaves the part none.
 Otherwise the backward returns the gradients and ``opt.step()`` steps them, for one of the
-reasons of ``StepState.not_inside``. ``GraphDDP.updates`` counts each case: ``"inside"``,
-``"inside, carried"``, or the reason.
+reasons of ``StepState.not_inside``; the step counts each case (``GraphDDP.updates``).
 
 Not inside the backward at all (every step through ``opt.step()``): optimizer classes other
 than ``torch.optim`` SGD, Adam and AdamW, and ``max_grad_norm`` (the global norm needs every
@@ -24,7 +23,6 @@ replicated optimizer inside (``max_grad_norm=`` does it).
 """
 from __future__ import annotations
 
-import collections
 import copy
 import dataclasses
 from typing import Any, Callable, Mapping
@@ -37,7 +35,7 @@ from graphddp.graph.verify import check_part_updates
 from graphddp.optim import guards
 from graphddp.optim.attached import AttachedOptimizer
 from graphddp.optim.insert_update import UpdateInputs, insert_part_updates, written_inputs
-from graphddp.runtime.step import StepState
+from graphddp.runtime.step import NotInside, StepState
 from graphddp.runtime.variants import InGraphUpdate
 
 
@@ -71,17 +69,15 @@ class PartUpdates:
     """The parts' optimizer inside the backward graphs of one fully sharded module (module
     docstring): the rewrite at compile time, the choice at each backward, the counts."""
 
-    def __init__(self, attached: AttachedOptimizer, syncing: Callable[[], bool], verify: bool) -> None:
+    def __init__(self, attached: AttachedOptimizer, step: StepState, verify: bool) -> None:
         self.attached = attached
-        self.syncing = syncing  # require_backward_grad_sync, read at each forward
+        self.step = step  # the model's: require_backward_grad_sync, the forwards whose backward is to come, the counts
         self.verify = verify
         self.forward_values: dict[int, dict[str, Any]] = {}  # per Dynamo graph: its parts' fake values
-        self.step = StepState()  # the forwards whose backward is to come, and the backwards of this backward pass
         self.entries: dict[int, int] = {}  # Dynamo graph -> its entry in the step (reading its parts)
-        self.counts: collections.Counter[str] = collections.Counter()  # "inside" or a reason
 
     @staticmethod
-    def of(optimizer: torch.optim.Optimizer, module: torch.nn.Module, syncing: Callable[[], bool], verify: bool,
+    def of(optimizer: torch.optim.Optimizer, module: torch.nn.Module, step: StepState, verify: bool,
            max_grad_norm: float | None) -> "PartUpdates | None":
         """The updates for ``optimizer`` (already over the parts), or None where it cannot run
         inside the backward (module docstring)."""
@@ -91,7 +87,7 @@ class PartUpdates:
             attached = AttachedOptimizer(optimizer, module, "graphddp.compile")
         except (TypeError, ValueError):
             return None
-        updates = PartUpdates(attached, syncing, verify)
+        updates = PartUpdates(attached, step, verify)
         # opt.step() ends the step; so does one GradScaler skipped
         optimizer.register_step_post_hook(lambda *_: updates.step.optimizer_stepped())
         attached.after_scaler_step = (updates.step.optimizer_stepped,)
@@ -129,7 +125,7 @@ class PartUpdates:
     def forward_ran(self, index: int, node: Any, foreign: bool) -> None:
         """Graph ``index``'s forward made ``node``, whose backward is to come: under ``no_sync``
         or not, and with other parts than it was compiled for (``foreign``) or not."""
-        self.step.record_run(self.entries[index], node, local=not self.syncing(), foreign=foreign)
+        self.step.record_run(self.entries[index], node, local=not self.step.sync, foreign=foreign)
 
     def backward(self, index: int, variant: UpdatingBackward, plain: Compile, updating: Compile, carrying: Compile) -> Callable[[list], Any]:
         """What AOTAutograd runs as graph ``index``'s backward: where the update inside is the
@@ -137,24 +133,22 @@ class PartUpdates:
         returning their gradients to ``opt.step()``."""
         params = [self.attached.params[n] for n in variant.names]
 
-        def allowed(unused: frozenset[str]) -> bool:
-            entry = self.entries[index]
-            self.step.synchronising_backward(entry)
-            reason = self.step.not_inside(entry, variant.names, scaled=self.attached.scaled, unused=unused)
-            if reason is not None:
-                self.counts[reason.kind] += 1
-            return reason is None
+        def not_inside(unused: frozenset[str]) -> NotInside | None:
+            self.step.synchronising_backward(self.entries[index])
+            return self.step.not_inside(self.entries[index], variant.names, scaled=self.attached.scaled, unused=unused)
 
-        update = InGraphUpdate(self.attached, variant.names, allowed, plain, written_inputs(variant.graph))
+        update = InGraphUpdate(self.attached, variant.names, not_inside, plain, written_inputs(variant.graph))
 
         def run(args: list, unused: frozenset[str] = frozenset()) -> Any:
-            if not update.allowed(unused):
+            reason = update.not_inside(unused)
+            if reason is not None:
+                self.step.count_update(self.entries[index], reason.kind)
                 return update.after(args)
             if all(p.grad is None for p in params):
                 out, kind = update.inside(updating, args), "inside"
             else:
                 out, kind = update.inside(carrying, args, params), "inside, carried"
-            self.counts[kind] += 1
+            self.step.count_update(self.entries[index], kind)
             return out
 
         run._boxed_call = True  # type: ignore[attr-defined]

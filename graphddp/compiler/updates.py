@@ -24,6 +24,7 @@ from graphddp.optim.shard_functions import shard_layout
 from graphddp.optim.insert_update import UpdateInputs, insert_update, written_inputs
 from graphddp.optim.verify import verify_sharded, verify_updates
 from graphddp.plan.planner import with_sharding, with_updates
+from graphddp.runtime.step import NotInside
 from graphddp.runtime.variants import InGraphUpdate
 from graphddp.values.collectives import ALL_REDUCE, SHARDED
 from graphddp.values.schedule import Schedule
@@ -53,18 +54,18 @@ class InGraphUpdates:
         graded = tuple(s.param_name for b in record.schedule.buckets for s in b.slots if not s.zero_filled) if clip else names
         tensors = {**self.parameters, **optimizer.params}
 
-        def allowed(unused: frozenset[str]) -> bool:
-            """The graph's update is the whole step for its parameters; otherwise torch's step runs
-            for them after the backward."""
+        def not_inside(unused: frozenset[str]) -> NotInside | None:
+            """None where the graph's update is the whole step for its parameters; otherwise torch's
+            step runs for them after the backward, and the reason is recorded."""
             held = tuple(n for n in graded if n in tensors and tensors[n].grad is not None)
             reason = self.step.not_inside(
                 graph_index, names, scaled=optimizer.scaled, unused=unused, held=held, in_norm=self._has_gradients if clip else None
             )
             if reason is not None:
                 self._fallback(record, graph_index, reason.kind, reason.names, reason.why)
-            return reason is None
+            return reason
 
-        return InGraphUpdate(optimizer, replicated, allowed, compile_grads, written_inputs(record.graph), shards=shards)
+        return InGraphUpdate(optimizer, replicated, not_inside, compile_grads, written_inputs(record.graph), shards=shards)
 
     def _has_gradients(self, graph_index: int) -> bool:
         """Does graph ``graph_index`` read a parameter that takes a gradient (adds to a norm)?"""

@@ -88,7 +88,9 @@ class ModelView(Joinable):
 
     @property
     def updates(self) -> dict[str, int]:
-        """``sharding="full"``: how many backwards updated their parts inside, and why the others did not."""
+        """With an optimizer inside the backward, in every mode: how many synchronising backwards
+        updated inside (``"inside"``; ``"inside, carried"`` where full sharding's parts held an
+        accumulated gradient) and how many left the update to torch's step, by reason."""
         return self._state.updates
 
     @property

@@ -30,6 +30,7 @@ from graphddp.frontend.wrap import ModelState
 from graphddp.plan.parts import PREFETCH
 from graphddp.optim import clip, guards
 from graphddp.runtime import agree
+from graphddp.runtime.step import StepState
 from graphddp.runtime.sync import broadcast_tensors
 from graphddp.values.comm import group_name_of
 from graphddp.values.part_schedule import FullSchedule, PartGraph, RankMemory
@@ -61,9 +62,9 @@ class FullyShardedState(ModelState):
         self._groups = groups
         self._parts = parts
         self._by_name = {name: part for part in parts.values() for name in part.names}
-        self.sync = True  # DDP's require_backward_grad_sync, read at the forward
+        self.step = StepState()  # require_backward_grad_sync, read at the forward; the optimizer inside's runs and counts
         self._forwards = 0  # run by this rank: every rank runs every forward (_check_same_forward)
-        updates = PartUpdates.of(optimizer, module, lambda: self.sync, config.verify, config.max_grad_norm)
+        updates = PartUpdates.of(optimizer, module, self.step, config.verify, config.max_grad_norm)
         self.record = Compiled(
             {id(p.part): p.names[0] for p in parts.values()}, self.world_size, updates, groups.whole, placement=groups.placement,
             replicated=replicated,
@@ -155,14 +156,6 @@ class FullyShardedState(ModelState):
             "the parameters from every rank, so every rank runs every forward, evaluation included (nanoGPT's "
             "estimate_loss runs on rank 0 alone: run it on every rank)"
         )
-
-    @property
-    def updates(self) -> dict[str, int]:
-        """How many backwards updated their parts inside (``"inside"``) and how many left them to
-        ``opt.step()``, by reason; empty where the optimizer steps after every backward (its class,
-        or ``max_grad_norm``)."""
-        updates = self.record.updates
-        return {} if updates is None else dict(updates.counts)
 
     def join(self, view: Any, *_: Any, **__: Any) -> Any:
         raise NotImplementedError("graphddp: join() is not supported with sharding='full' yet (every forward gathers)")

@@ -134,14 +134,6 @@ class Replica(ModelState):
     def hook_state(self) -> Any:
         return self.backend.hook_state
 
-    @property
-    def sync(self) -> bool:
-        return self.step.sync
-
-    @sync.setter
-    def sync(self, value: bool) -> None:
-        self.step.set_sync(value)
-
     def finish_gathers(self) -> None:
         self.step.gathers.finish()
 

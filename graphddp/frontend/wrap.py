@@ -13,6 +13,7 @@ import torch.nn as nn
 from graphddp.config import DDPConfig
 from graphddp.hooks.traced import HOOK_STATE_KEY
 from graphddp.runtime.agree import check_parameter_agreement
+from graphddp.runtime.step import StepState
 from graphddp.runtime.sync import broadcast_tensors
 
 
@@ -106,6 +107,21 @@ class ModelState:
 
     hook_state: Any = None  # a traced comm hook's state, checkpointed with the module's
     choice: Any = None  # sharding="auto"'s PlacementChoice (graphddp.frontend.auto); None when sharding was given
+    step: StepState  # the one owner of the state of a step, the mode's
+
+    @property
+    def sync(self) -> bool:
+        return self.step.sync
+
+    @sync.setter
+    def sync(self, value: bool) -> None:
+        self.step.set_sync(value)
+
+    @property
+    def updates(self) -> dict[str, int]:
+        """How many synchronising backwards updated inside, and how many left the update to torch's
+        step, by reason (:meth:`StepState.not_inside`); empty without an optimizer inside the backward."""
+        return self.step.updates()
 
     def __init__(self, module: nn.Module, group: Any, config: DDPConfig, optimizer: Any) -> None:
         self.module = module

@@ -10,7 +10,7 @@ locally and hands its gradients to the union average (:mod:`graphddp.runtime.uni
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -20,12 +20,10 @@ from graphddp.runtime.agree import CollectiveError, layout_hash
 from graphddp.runtime.failures import collective_failure
 from graphddp.runtime.gate import Armed, Gate, carry_and_divide
 from graphddp.runtime.gathers import Pending
+from graphddp.runtime.step import NotInside, StepState
 from graphddp.runtime.usage import GradientUsage
 from graphddp.runtime.variants import GraphState, InGraphUpdate, Synced
 from graphddp.values.schedule import Schedule
-
-if TYPE_CHECKING:
-    from graphddp.runtime.step import StepState
 
 
 class BackwardDispatch:
@@ -38,7 +36,7 @@ class BackwardDispatch:
         variants: dict[str, Synced],
         compile_plain: Callable[[], Callable[[list[Any]], Any]],
         group: Any,
-        step: "StepState",
+        step: StepState,
         phase: Callable[[], str] | None = None,
         on_sync: Callable[[Synced], None] | None = None,
         carry: Synced | None = None,
@@ -233,8 +231,10 @@ class BackwardDispatch:
         return out
 
     def _with_update(self, synced: Synced, update: InGraphUpdate, args: list[Any], unused: frozenset[str], other: bool) -> Any:
-        if other or not update.allowed(unused):
-            self.state.steps_after += 1
+        index = synced.schedule.graph_index
+        reason = NotInside("other parts", update.names) if other else update.not_inside(unused)
+        if reason is not None:
+            self.step.count_update(index, reason.kind)
             return update.after(args)
         out = update.inside(synced.code, args)
         deferred = update.deferred_shards
@@ -244,7 +244,7 @@ class BackwardDispatch:
             del out[len(out) - len(deferred):]
             names = frozenset(n for s in deferred for n in s.bucket.param_names)
             self.step.gathers.put(synced.schedule.graph_index, Pending(names, tensors, update.write_deferred))
-        self.state.steps_in_graph += 1
+        self.step.count_update(index, "inside")
         return out
 
     def plain(self) -> Callable[[list[Any]], Any]:

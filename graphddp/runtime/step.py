@@ -15,6 +15,7 @@ switches through this class's methods; the backend and the dispatchers only read
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import weakref
@@ -93,6 +94,7 @@ class StepState(StepAgreement):
         # them (a frame Dynamo skipped): name -> its grad before the backward. Any makes the step divergent.
         self.eager: dict[str, torch.Tensor | None] = {}
         self._runs: dict[int, list[_Run]] = {}
+        self._updates: collections.Counter[tuple[int, str]] = collections.Counter()  # (graph, "inside" or a reason): backwards
         self._listeners: list[Callable[[], None]] = []
         self._end_queued = False
         # gather="forward": all-gathers the last backward issued, completed by the next forward.
@@ -275,6 +277,20 @@ class StepState(StepAgreement):
             (held, "accumulated", held, ""),
         )
         return next((NotInside(kind, tuple(which), why) for holds, kind, which, why in reasons if holds), None)
+
+    def count_update(self, index: int, kind: str) -> None:
+        """A synchronising backward of graph ``index`` updated inside (``"inside"``, ``"inside,
+        carried"``) or left its update to torch's step (a :meth:`not_inside` kind)."""
+        self._updates[index, kind] += 1
+
+    def updates(self, index: int | None = None) -> dict[str, int]:
+        """How many synchronising backwards (of graph ``index``, or of every graph) updated inside,
+        and how many did not, by reason."""
+        counts: collections.Counter[str] = collections.Counter()
+        for (graph, kind), n in self._updates.items():
+            if index is None or graph == index:
+                counts[kind] += n
+        return dict(counts)
 
     def optimizer_stepped(self) -> None:
         """torch's ``opt.step()`` ended a step that no synchronising backward ends (sharding="full"):

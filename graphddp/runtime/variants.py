@@ -18,6 +18,7 @@ from graphddp.values.schedule import Schedule
 
 if TYPE_CHECKING:
     from graphddp.optim.attached import AttachedOptimizer
+    from graphddp.runtime.step import NotInside
 
 _COMPILED_BACKWARD = "CompiledFunctionBackward"
 
@@ -28,8 +29,6 @@ class GraphState:
     def __init__(self) -> None:
         self._local_next = False  # set by a pre-hook right before the node's backward runs
         self.plain_compiles = 0  # how often the communication-free backward was compiled
-        self.steps_in_graph = 0  # synchronising backwards that updated inside the graph
-        self.steps_after = 0  # ... that left the update to torch's step after the backward
         self.held = 0  # gated backwards whose agreement held the buckets (graphddp.runtime.gate)
 
         self._renamed: dict[str, str] | None = None  # the next backward's parameters, when not the compiled ones
@@ -72,11 +71,11 @@ def compiled_backward_node(outputs: Iterable[Any], inputs: Iterable[Any]) -> Any
 class InGraphUpdate:
     """How one graph's variant that updates inside runs the attached optimizer, in every mode: its
     update's inputs after the graph's own, and the variant without the update for the steps it is
-    not the whole step (``allowed``)."""
+    not the whole step (``not_inside``)."""
 
     attached: "AttachedOptimizer"
     names: tuple[str, ...]  # parameters the graph updates, in its input order
-    allowed: Callable[[frozenset[str]], bool]  # may this step update inside the graph (given the unused)
+    not_inside: Callable[[frozenset[str]], "NotInside | None"]  # why this step may not update inside the graph (given the unused)
     compile_grads: Callable[[], Callable[[list[Any]], Any]]  # the variant without the update
     writes: tuple[tuple[int, str], ...]  # backward inputs the update writes, each a parameter's memory
     grads: Callable[[list[Any]], Any] | None = None

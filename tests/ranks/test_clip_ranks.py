@@ -34,7 +34,7 @@ from test_optim_ranks import ADAM_NOISE, TIGHT, _adamw, _gpt_loss, _hf_gpt2, _hf
 
 import graphddp
 from graphddp import models
-from graphddp.testing import spawn
+from graphddp.testing import spawn, update_runs
 from graphddp.hooks.examples import ddp_bf16_compress_hook
 
 MICRO_STEP = 2  # this step is two micro-steps, the first with require_backward_grad_sync=False
@@ -181,7 +181,7 @@ def _train(rank: int, world: int, name: str) -> None:
                 torch.testing.assert_close(p.detach(), q.detach(), **case.tol, msg=lambda m: f"{name} step {step} {n}: {m}")
             state = graphddp.full_optimizer_state_dict(ours) if sharded else opt.state_dict()
             assert_state_dicts_equal(state, ref_opt.state_dict(), case.tol, f"{name} step {step}")
-    updating = [(st.steps_in_graph, st.steps_after) for st in ours._state.backend.states if st.steps_in_graph + st.steps_after]
+    updating = [r for r in update_runs(ours) if sum(r)]
     assert tuple(updating) == case.expect_runs, f"{name}: (in-graph, after-backward) steps per graph {updating}"
     clipped = [s for s in ours.schedules if any(b.updates for b in s.buckets)]
     assert all(s.max_grad_norm == case.max_norm and s.grad_norm_type == case.norm_type for s in clipped)
@@ -262,7 +262,7 @@ def _train_norms(rank: int, world: int, name: str) -> None:
             assert ours.updates == {}, f"{what}: {ours.updates}"
             continue
         assert all(s.grad_norm_type == norm_type for s in ours.schedules if any(b.updates for b in s.buckets))
-        runs = [(st.steps_in_graph, st.steps_after) for st in ours._state.backend.states if st.steps_in_graph + st.steps_after]
+        runs = [r for r in update_runs(ours) if sum(r)]
         assert all(r == ((case.steps, 0) if case.in_graph else (0, case.steps)) for r in runs) and runs, f"{what}: {runs}"
 
 

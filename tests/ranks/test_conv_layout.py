@@ -29,7 +29,7 @@ from test_optim_ranks import ADAM_NOISE, TIGHT, assert_state_dicts_equal
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import graphddp
-from graphddp.testing import spawn
+from graphddp.testing import spawn, update_runs
 
 STEPS = 3
 
@@ -163,7 +163,7 @@ def _train_case(case: Case, name: str, rank: int) -> None:
     if case.sharding == "full":
         assert ours.updates.get("inside") == STEPS, f"{name}: updates {ours.updates}, expected every step inside"
     else:
-        runs = [(st.steps_in_graph, st.steps_after) for st in ours._state.backend.states]
+        runs = update_runs(ours)
         assert runs == [(STEPS, 0)], f"{name}: (in-graph, after-backward) steps {runs}"
         _assert_relaid(ours, mine, case.relaid, name)
 

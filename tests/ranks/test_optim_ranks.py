@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import graphddp
 from graphddp import models
-from graphddp.testing import spawn
+from graphddp.testing import spawn, update_runs
 
 TIGHT = {"atol": 2e-6, "rtol": 1e-5}
 ADAM_NOISE = {"atol": 1e-4, "rtol": 1e-3}  # Adam on zero-gradient parameters (module docstring)
@@ -234,7 +234,7 @@ def _train(rank: int, world: int, name: str) -> None:
         updated = sum(len(b.updates) for s in view.schedules for b in s.buckets)
         assert updated > 0, f"{name}: no parameter was updated inside a graph"
         # Which variant each graph ran: inside the graph, except where it cannot be the whole step.
-        runs = tuple((st.steps_in_graph, st.steps_after) for st, sched in zip(view._state.backend.states, _by_graph(view)) if sched.buckets)
+        runs = tuple(r for r, sched in zip(update_runs(view), _by_graph(view)) if sched.buckets)
         assert runs == case.expect_runs, f"{name}: (in-graph, after-backward) steps per graph {runs}, expected {case.expect_runs}"
     told = [str(w.message) for w in warned if "torch's step" in str(w.message)]
     assert all(any(n in t for t in told) for n in case.tied) and (told == []) == (case.tied == ()), told

@@ -29,6 +29,7 @@ from graphddp.graph.verify import VerificationError
 from graphddp.models import MLP, GraphBreakMLP
 from graphddp.optim.clip import CLIP_COEFFICIENT, CLIP_NORM
 from graphddp.optim.verify import verify_updates
+from graphddp.testing import update_runs
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_wait
 
 aten = torch.ops.aten
@@ -125,8 +126,7 @@ def test_clipped_steps_equal_clip_grad_norm_then_step(fake_world, world: int, he
         for p, q in outside:
             torch.testing.assert_close(p.grad, q.grad, **TOL)
     assert norms[0] > 0.05 and norms[1] > 0.05 and norms[2] < 0.05, norms
-    (state,) = gd._state.backend.states
-    assert (state.steps_in_graph, state.steps_after) == (3, 0)
+    assert update_runs(gd) == [(3, 0)]
     assert len(outside) == (held != "all")
 
 
@@ -153,7 +153,7 @@ def test_graph_break_and_micro_steps_clip_and_step_after_the_backward(fake_world
             ref_opt.zero_grad()
             _assert_same(gd, opt, ref, ref_opt, f"step {step}")
     assert sum("spans 2 compiled graphs" in str(w.message) for w in warned) == 2, "once per graph"
-    assert all(s.steps_in_graph == 0 and s.steps_after == 3 for s in gd._state.backend.states)
+    assert all(r == (0, 3) for r in update_runs(gd))
     assert all("clip spans graphs" in r.fallbacks for r in gd.records), [r.fallbacks for r in gd.records]
     assert all(p.grad is None for p in gd.parameters())
 

@@ -157,14 +157,15 @@ def test_each_parameter_becomes_its_part_and_tied_weights_share_one(fake_world):
     assert all(type(m).__name__.startswith("FullySharded") for m in model.modules() if m._parameters)
 
 
-def test_the_parts_updated_inside_refuse_clipping_and_leave_a_scaled_step_to_the_grad_scaler(fake_world):
-    """With AdamW each backward updates its parts itself (graphddp.compiler.full_updates): clipping
-    the parts' p.grad would clip nothing, refused by name; a loss an enabled GradScaler scaled
-    makes the backward return the parts' gradients to ``scaler.step`` instead (reason "scaler")."""
+@pytest.mark.parametrize("sharding", [None, "optimizer", "full"])
+def test_the_updates_inside_refuse_clipping_and_leave_a_scaled_step_to_the_grad_scaler(fake_world, sharding):
+    """With AdamW each backward updates its parameters (or parts) itself: clipping their p.grad
+    would clip nothing, refused by name; a loss an enabled GradScaler scaled makes the backward
+    return the gradients to ``scaler.step`` instead (reason "scaler"), counted alike in every mode."""
     fake_world(8)
     model = models.MLP()
     opt = _adamw(model)
-    ours = graphddp.compile(model, optimizer=opt, sharding="full", backend="aot_eager")
+    ours = graphddp.compile(model, optimizer=opt, sharding=sharding, backend="aot_eager")
     loss = ours(torch.randn(2, 16)).sum()
     with pytest.raises(RuntimeError, match="max_grad_norm="):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

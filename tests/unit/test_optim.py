@@ -290,14 +290,13 @@ def test_two_forwards_then_one_backward_is_one_step(fake_world) -> None:
     (gd(a).sum() + gd(b).sum()).backward()
     ((ref(a).sum() + ref(b).sum()) / 4).backward()
     ref_opt.step()
-    (state,) = gd._state.backend.states
-    assert (state.steps_in_graph, state.steps_after) == (0, 2)
+    assert gd.updates == {"ran twice": 2}, "each of the graph's two backwards leaves it to torch's step"
     assert all(opt.state[p]["step"].item() == 1.0 for p in gd.parameters())
     for p, q in zip(gd.parameters(), ref.parameters()):
         assert p.grad is None
         torch.testing.assert_close(p.detach(), q.detach(), atol=1e-6, rtol=1e-5)
     gd(a).sum().backward()  # and the next step is in the graph again
-    assert (state.steps_in_graph, state.steps_after) == (1, 2)
+    assert gd.updates == {"ran twice": 2, "inside": 1}
 
 
 def test_two_graphs_of_one_frame_in_one_step_fall_back_to_one_torch_step(fake_world) -> None:
@@ -323,13 +322,13 @@ def test_two_graphs_of_one_frame_in_one_step_fall_back_to_one_torch_step(fake_wo
     ref_opt.step()
     ref_opt.zero_grad()
     assert len(gd.records) == 2 and all(r.fallbacks.get("shared") for r in gd.records), [r.fallbacks for r in gd.records]
-    assert [(s.steps_in_graph, s.steps_after) for s in gd._state.backend.states] == [(1, 1), (0, 1)]
+    assert [gd._state.step.updates(i) for i in (0, 1)] == [{"inside": 1, "shared": 1}, {"shared": 1}]
     assert all(opt.state[p]["step"].item() == 2.0 for p in gd.parameters())
     for p, q in zip(gd.parameters(), ref.parameters()):
         assert p.grad is None
         torch.testing.assert_close(p.detach(), q.detach(), atol=1e-6, rtol=1e-5)
     gd(b).sum().backward()  # one graph in this step: inside it again
-    assert gd._state.backend.states[1].steps_in_graph == 1
+    assert gd._state.step.updates(1) == {"shared": 1, "inside": 1}
 
 
 def test_a_backward_that_raises_does_not_stop_later_steps(fake_world) -> None:
@@ -347,12 +346,11 @@ def test_a_backward_that_raises_does_not_stop_later_steps(fake_world) -> None:
         loss.backward()
     handle.remove()
     before = [p.detach().clone() for p in gd.parameters()]
-    (state,) = gd._state.backend.states
-    in_graph = state.steps_in_graph
+    in_graph = gd.updates.get("inside", 0)
     gd(x).sum().backward()
-    assert state.steps_in_graph == in_graph + 1, "the failed backward's step is over: this one is whole"
+    assert gd.updates.get("inside", 0) == in_graph + 1, "the failed backward's step is over: this one is whole"
     (gd(x).sum() + gd(x).sum()).backward()  # the graph's forward ran twice: torch's step at the end of the backward
-    assert state.steps_after >= 1, "a step whose graph ran twice updates after the backward"
+    assert gd.updates.get("ran twice", 0) >= 1, "a step whose graph ran twice updates after the backward"
     assert all(p.grad is None for p in gd.parameters()), "torch's step ran and cleared the gradients"
     assert any(not torch.equal(a, b) for a, b in zip(before, gd.parameters()))
 
@@ -383,8 +381,7 @@ def _beside_torch(fake_world, make: Callable[[Any], torch.optim.Optimizer], chec
 def test_world_size_one_updates_in_the_graph_like_torch(fake_world) -> None:
     """No all-reduce to follow: each bucket's update still goes in the graph, before the output."""
     gd = _beside_torch(fake_world, OPTIMIZERS["adam_wd_amsgrad"])
-    (state,) = gd._state.backend.states
-    assert state.steps_in_graph == 3 and gd.records[0].schedule.num_buckets >= 2
+    assert gd.updates == {"inside": 3} and gd.records[0].schedule.num_buckets >= 2
 
 
 def test_adams_step_lives_where_torchs_own_would(fake_world) -> None:
@@ -404,8 +401,7 @@ def test_adams_step_lives_where_torchs_own_would(fake_world) -> None:
     torch.set_default_dtype(torch.float64)
     try:
         gd = _beside_torch(fake_world, lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True), check)
-        (state,) = gd._state.backend.states
-        assert state.steps_in_graph == 3
+        assert gd.updates == {"inside": 3}
     finally:
         torch.set_default_dtype(default)
     rule = optim._group_rule(torch.optim.Adam([nn.Parameter(torch.zeros(3))], capturable=True), 0)
