@@ -134,21 +134,22 @@ class PartUpdates:
         params = [self.attached.params[n] for n in variant.names]
 
         def not_inside(unused: frozenset[str]) -> NotInside | None:
-            self.step.synchronising_backward(self.entries[index])
             return self.step.not_inside(self.entries[index], variant.names, scaled=self.attached.scaled, unused=unused)
 
         update = InGraphUpdate(self.attached, variant.names, not_inside, plain, written_inputs(variant.graph))
 
         def run(args: list, unused: frozenset[str] = frozenset()) -> Any:
+            entry = self.entries[index]
+            self.step.synchronising_backward(entry)
             reason = update.not_inside(unused)
             if reason is not None:
-                self.step.count_update(self.entries[index], reason.kind)
+                self.step.count_update(entry, reason.kind)
                 return update.after(args)
             if all(p.grad is None for p in params):
                 out, kind = update.inside(updating, args), "inside"
             else:
                 out, kind = update.inside(carrying, args, params), "inside, carried"
-            self.step.count_update(self.entries[index], kind)
+            self.step.count_update(entry, kind)
             return out
 
         run._boxed_call = True  # type: ignore[attr-defined]
