@@ -120,10 +120,12 @@ class FullyShardedState(ModelState):
 
     def before_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Every forward's work before the compiled one: the check that every rank runs it, the
-        buffers' broadcast, a mixed-precision policy's input cast."""
+        buffers' broadcast (DDP's rule: :meth:`ModelState.buffers_to_broadcast`), a mixed-precision
+        policy's input cast."""
         self._check_same_forward()
-        if self.config.broadcast_buffers and dist.get_world_size(self.group) > 1:
-            broadcast_tensors(list(self.module.buffers()), self.group)
+        buffers = self.buffers_to_broadcast()
+        if buffers:
+            broadcast_tensors(buffers, self.group)
         policy = self.config.mp_policy
         if policy is not None and policy.param_dtype is not None and policy.cast_forward_inputs:
             args, kwargs = cast_floats((args, kwargs), policy.param_dtype)
@@ -131,6 +133,7 @@ class FullyShardedState(ModelState):
 
     def after_forward(self, out: Any) -> Any:
         """A mixed-precision policy's output cast."""
+        self.forward_synchronised(self.step.sync and torch.is_grad_enabled())
         policy = self.config.mp_policy
         return cast_floats(out, policy.output_dtype) if policy is not None and policy.output_dtype is not None else out
 

@@ -50,7 +50,6 @@ class Replica(ModelState):
         self._hook_registered = False  # register_comm_hook was called (DDP allows it once)
         self._forwards_began = False  # register_comm_hook comes before the first forward, as in DDP
         self._guard_handles: dict[str, Any] = {}
-        self._sync_buffers_next = True  # DDP: buffers sync before a forward that follows a synced one
         self._pending: PendingAverage | None = None
         self._syncing = True
         if optimizer is not None and config.gather == "forward":
@@ -159,7 +158,7 @@ class Replica(ModelState):
         self._forwards_began = True
         step.begin_forward()
         self._syncing = step.sync and torch.is_grad_enabled()
-        buffers = list(self.module.buffers()) if distributed and self.config.broadcast_buffers and self._sync_buffers_next else []
+        buffers = self.buffers_to_broadcast()
         eager_hook = distributed and self._syncing and step.accumulated and self.backend.hook_runs_now()
         pending = distributed and self._syncing and step.accumulated and not eager_hook
         if pending and self.backend.carries():  # the backward's buckets average them: nothing to do now
@@ -200,7 +199,7 @@ class Replica(ModelState):
                 self._take_returned_parameters(out)
             if not step.sync:
                 step.accumulate()
-        self._sync_buffers_next = self._syncing
+        self.forward_synchronised(self._syncing)
         return out
 
     def _take_returned_parameters(self, out: Any) -> None:

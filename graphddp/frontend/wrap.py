@@ -129,11 +129,25 @@ class ModelState:
         self.config = config
         self.optimizer = optimizer
         self.joinable: Any = None  # the view users pass to torch.distributed.algorithms.Join
+        self._buffers_next = True  # DDP's require_forward_param_sync: broadcast the buffers before the next forward
 
     @staticmethod
     def checked_optimizer(where: str, module: nn.Module, config: DDPConfig, optimizer: Any) -> Any:
         """``optimizer=`` as the mode keeps it, checked before any collective."""
         return optimizer
+
+    def buffers_to_broadcast(self) -> list[torch.Tensor]:
+        """DDP's rule for ``broadcast_buffers``: the module's buffers go from the group's first rank
+        before a forward that follows a synchronising one (the first forward included), so under
+        ``no_sync`` and after a ``no_grad`` forward each rank keeps its own until then."""
+        if self.config.broadcast_buffers and self._buffers_next and dist.get_world_size(self.group) > 1:
+            return list(self.module.buffers())
+        return []
+
+    def forward_synchronised(self, syncing: bool) -> None:
+        """After a forward: whether it synchronises (grad mode on, outside ``no_sync``), which decides
+        the next forward's :meth:`buffers_to_broadcast`."""
+        self._buffers_next = syncing
 
     def finish_gathers(self) -> None:
         """Nothing is left on the wire between steps, unless the mode leaves its all-gathers there."""

@@ -150,6 +150,9 @@ def _check(case: Case, name: str, ours: Any, mine: nn.Module, ref: DDP, ref_opt:
         assert p.dim() == 1 and p.numel() == chunk(ours.parts[n].numel, world), f"{name}: {n} is held as {tuple(p.shape)}, not its part"
         assert p.grad is None, f"{name} step {step}: {n}.grad kept after zero_grad"
     assert_state_dicts_equal(graphddp.full_optimizer_state_dict(ours), ref_opt.state_dict(), case.tol, f"{name} step {step}")
+    ref_buffers = dict(ref.module.named_buffers())  # this rank's: broadcast before the forwards DDP broadcasts before
+    for n, b in mine.named_buffers():
+        torch.testing.assert_close(b, ref_buffers[n], **case.tol, msg=lambda m: f"{name} step {step} buffer {n}: {m}")
 
 
 def _train(rank: int, world: int, name: str) -> None:
