@@ -35,6 +35,7 @@ from graphddp.graph.reshard import Kept, tag_regathers
 from graphddp.graph.verify_common import VerificationError
 from graphddp.graph.verify import check_part_collectives
 from graphddp.plan.parts import planned_cap_bytes
+from graphddp.runtime.agree import layout_hash
 from graphddp.runtime.usage import GradientUsage, NoneOutputs
 from graphddp.values.part_schedule import PartCap, PartGraph
 from graphddp.values.placement import Placement, Whole
@@ -55,6 +56,20 @@ class Compiled:
     placement: Placement | None = None  # where the parts' gradients are averaged (hybrid: the replicate group too)
     replicated: Whole | None = None  # where the gradients of parameters held whole are averaged (replicate_below_mb)
     records: list[GraphRecord] = dataclasses.field(default_factory=list)
+    reads: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # per Dynamo graph: the parts it reads
+    ran: list[int] = dataclasses.field(default_factory=list)  # the Dynamo graphs called since the ranks last agreed
+    layouts: dict[int, tuple[tuple, int]] = dataclasses.field(default_factory=dict)  # per Dynamo graph: what it sends, its hash
+
+    def take_ran(self) -> tuple[list[tuple], int]:
+        """What the graphs called since the last agreement sent, and its hash, taken
+        (:meth:`FullyShardedState._check_same_forward`): a training graph's forward buckets as
+        placed, an inference graph's parts read (each its own gather)."""
+        for index in set(self.ran) - set(self.layouts):
+            forward = next((r.schedule for r in self.records if r.kind == "forward" and r.index == index), None)
+            layout = ("forward", forward.wire_layout()) if forward is not None else ("inference", self.reads.get(index, ()))
+            self.layouts[index] = layout, layout_hash(layout)
+        ran, self.ran = self.ran, []
+        return [self.layouts[i][0] for i in ran], layout_hash([self.layouts[i][1] for i in ran])
 
 
 class FullyShardedCompiler(GraphFront):
@@ -78,7 +93,16 @@ class FullyShardedCompiler(GraphFront):
         joint = graph if self.config.reshard_after_forward else None
         passes = Passes(graph.forward_pass, graph.backward_pass, lambda _: {}, boxed_nop, joint, min_cut=True)
         fn = compile_aot(self.config.backend, gm, example_inputs, passes, {**patches, **INDUCTOR_FX_ORDER_CONFIG})
-        return self.runtime(fn, index, param_inputs, example_inputs, graph.none_outputs, graph.may_be_unused)
+        self.compiled.reads[index] = tuple(param_inputs.values())
+        called = self.runtime(fn, index, param_inputs, example_inputs, graph.none_outputs, graph.may_be_unused)
+
+        def noted(*args: Any) -> Any:
+            """Every call, with autograd or without, kept for the next forward's agreement."""
+            self.compiled.ran.append(index)
+            return called(*args)
+
+        noted._boxed_call = called._boxed_call  # type: ignore[attr-defined]
+        return noted
 
     def before_call(self, index: int, param_inputs: Mapping[int, str], renamed: dict[str, str] | None) -> None:
         return None

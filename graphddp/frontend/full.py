@@ -138,21 +138,29 @@ class FullyShardedState(ModelState):
         return cast_floats(out, policy.output_dtype) if policy is not None and policy.output_dtype is not None else out
 
     def _check_same_forward(self) -> None:
-        """Every rank must run every forward, as each gathers from all ranks: a forward one rank runs
-        alone (nanoGPT's ``estimate_loss`` on rank 0) would pair its gathers with the others' next
-        collectives, a hang or, where the sizes match, the wrong tensors. So before its first
-        collective each forward agrees, in a fixed-size collective that pairs only with its own kind,
-        on how many forwards this rank has run and whether autograd is on; ranks that differ raise
-        on every rank, naming each side (its cost, one small all-gather: docs/full-sharding.md)."""
+        """Every rank must run every forward, and the same graphs, as each gathers from all ranks: a
+        forward one rank runs alone (nanoGPT's ``estimate_loss`` on rank 0) would pair its gathers
+        with the others' next collectives, a hang or, where the sizes match, the wrong tensors; so
+        would graphs that gather other parameters on other ranks. So before its first collective
+        each forward agrees, in a fixed-size collective that pairs only with its own kind, on how
+        many forwards this rank has run, whether autograd is on, and a hash of what the graphs
+        called since the last forward sent (:meth:`Compiled.take_ran`: a forward that ran other
+        graphs on other ranks is found at the next one, before another collective); ranks that
+        differ raise on every rank, naming each side (its cost, one small all-gather:
+        docs/full-sharding.md)."""
         if agree.nothing_to_agree(self.group):
+            self.record.ran.clear()
             return
         self._forwards += 1
-        mine = [self._forwards, int(torch.is_grad_enabled())]
+        layouts, digest = self.record.take_ran()
+        mine = [self._forwards, int(torch.is_grad_enabled()), digest]
         if agree.same_on_every_rank(mine, self.group):
             return
+        everyone = agree.gather((mine[:2], layouts), self.group)
+        if all(counts == everyone[0][0] for counts, _ in everyone):
+            raise agree.ScheduleMismatchError(_different_graphs([ran for _, ran in everyone], self._forwards - 1))
         sides = "; ".join(
-            f"rank {r}: its forward {n}, {'with autograd' if grad else 'under no_grad'}"
-            for r, (n, grad) in enumerate(agree.gather(mine, self.group))
+            f"rank {r}: its forward {n}, {'with autograd' if grad else 'under no_grad'}" for r, ((n, grad), _) in enumerate(everyone)
         )
         raise agree.ScheduleMismatchError(
             f"graphddp: sharding='full': the ranks are not running the same forward ({sides}). Every forward gathers "
@@ -191,3 +199,25 @@ class FullyShardedState(ModelState):
 
     def _whole_optimizer(self) -> tuple[torch.optim.Optimizer, Any]:
         return self.optimizer, self.whole_state
+
+
+def _different_graphs(ran: list[list[tuple]], forward: int) -> str:
+    """Where the graphs the ranks called in their forward ``forward`` (and its backward) first
+    gathered differently: the first graph call and bucket where a rank differs from rank 0."""
+    other = next(r for r, layouts in enumerate(ran) if layouts != ran[0])
+    k = next((i for i, (a, b) in enumerate(zip(ran[0], ran[other])) if a != b), min(len(ran[0]), len(ran[other])))
+
+    def side(rank: int) -> str:
+        if k >= len(ran[rank]):
+            return f"rank {rank} called {len(ran[rank])} compiled graph(s)"
+        kind, layout = ran[rank][k]
+        if kind == "inference":
+            return f"rank {rank}'s gathers {list(layout)}"
+        return f"rank {rank}'s gathers " + "; ".join(f"{b[0]} {b[1]} of {list(b[3])}" for b in layout)
+
+    return (
+        f"graphddp: sharding='full': the ranks ran different compiled graphs in their forward {forward}, graph call {k + 1}: "
+        f"{side(0)}, {side(other)}. Each gather pairs the ranks' parts of one parameter, so this step's gathered values "
+        "were wrong; every rank must run the same modules in the same order (a branch on the rank may take another "
+        "input, not other parameters)"
+    )

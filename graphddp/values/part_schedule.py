@@ -93,6 +93,12 @@ class PartGraph:
     def of(self, *kinds: str) -> tuple[PartBucket, ...]:
         return tuple(b for b in self.buckets if b.kind in kinds)
 
+    def wire_layout(self) -> tuple[tuple[str, str, int, tuple[str, ...]], ...]:
+        """What its buckets send, in issue order (each one's kind, dtype, bytes, parameters): what the
+        ranks must agree on. Node names and positions are left out, as in the fingerprint: a rank
+        that recompiled a graph for other input shapes sends the same."""
+        return tuple((b.kind, b.dtype, b.whole_bytes, b.params) for b in self.buckets)
+
     def in_flight_bytes(self, prefetch: int) -> int:
         """The most gathered bytes in flight at once: ``prefetch + 1`` consecutive gather buckets
         (the one being read, and those issued ahead of it)."""

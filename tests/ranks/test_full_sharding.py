@@ -333,3 +333,38 @@ def _evaluate_on_rank_zero(rank: int, world: int) -> None:
 
 def test_a_forward_on_one_rank_alone_is_an_error_on_every_rank() -> None:
     spawn(_evaluate_on_rank_zero, 2)
+
+
+class _TwoHeads(nn.Module):
+    """Two heads of one shape; the forward's ``second`` picks one (Dynamo compiles a graph per value)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, second: bool) -> torch.Tensor:
+        return (self.b if second else self.a)(torch.relu(self.body(x)))
+
+
+def _heads_by_rank(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ours = graphddp.compile(model, optimizer=opt, sharding="full", backend="aot_eager")
+
+    def train(second: bool, batch: int = 4) -> None:
+        ours(torch.randn(batch, 8), second).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    train(False)
+    train(False, batch=4 + rank)  # another batch size on rank 1 (its own recompile): the same gathers, no error
+    train(True)  # every rank the other head: the same gathers again
+    train(rank == 1)  # rank 1's head is not rank 0's: its parts were gathered with rank 0's other head ...
+    with pytest.raises(ScheduleMismatchError, match=r"different compiled graphs in their forward 4, graph call 1: "
+                       r"rank 0's gathers .*'a\.weight'.*, rank 1's gathers .*'b\.weight'"):
+        train(False)  # ... found before the next forward's first gather, on every rank
+
+
+def test_graphs_that_gather_other_parameters_on_other_ranks_are_an_error_on_every_rank() -> None:
+    spawn(_heads_by_rank, 2)
