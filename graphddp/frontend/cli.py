@@ -193,8 +193,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         p.error(str(e))
 
-    if options.get("sharding") == "full" and args.format not in ("table", "json"):  # its schedule is not predicted
-        p.error(f"--format {args.format}: sharding='full' has a table or json (--format table|json)")
     if args.format in ("png", "svg") and not args.out:
         p.error(f"--format {args.format} needs --out FILE")
     model, example_inputs = _load_factory(args.factory)()

@@ -12,7 +12,7 @@ from typing import Callable, Mapping
 
 import torch.fx as fx
 
-from graphddp.graph.capture import byte_size, reach
+from graphddp.graph.capture import byte_size, graph_nodes, reach
 from graphddp.graph.part_facts import output_positions, outputs_reached
 from graphddp.graph.reshard import kept_gathered_bytes
 from graphddp.values.comm import BUCKET_KEY, ROLE_KEY, is_collective, is_wait
@@ -54,7 +54,10 @@ def describe_part_collectives(
         buckets.append(placed)
     buckets.sort(key=lambda b: b.issue_at)
     kept = kept_gathered_bytes(gm) if plan.kind == "forward" else 0
-    return dataclasses.replace(plan, nodes=len(nodes), buckets=tuple(buckets), kept_bytes=kept), wrong
+    facts = tuple(
+        dataclasses.replace(fact, is_compute=False) if is_collective(n) or is_wait(n) else fact for n, fact in zip(nodes, graph_nodes(gm))
+    )
+    return dataclasses.replace(plan, nodes=len(nodes), buckets=tuple(buckets), kept_bytes=kept, facts=facts), wrong
 
 
 def _received(tagged: Mapping[tuple[str, int], list[fx.Node]], role: str, index: int) -> list[fx.Node]:

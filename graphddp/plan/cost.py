@@ -14,6 +14,10 @@ timeline of one backward pass with its communication.
   (:meth:`~graphddp.values.placement.Placement.link_seconds`) and, unless ``Bucket.gather`` is
   ``"forward"`` (the all-gather then completes in the next forward), the all-gather of the updated
   parts, on the link in the backward one bucket early (:mod:`graphddp.plan.auto` prices it so).
+* ``sharding="full"`` (:func:`simulate_full`): each placed graph as it runs, forward and backward:
+  its nodes in order on the compute lane, each bucket on the link from its issue (a gather over the
+  shard group; a reduce-scatter, hybrid then the all-reduce of its part; a whole parameter's
+  all-reduce over every rank), and the compute stopped at a bucket's wait until it ends.
 * The agreement (:mod:`graphddp.runtime.steady`): a gated schedule's one CPU bucket carries it in its
   all-reduce once the step is steady; a gated schedule of more buckets pays a collective of its own
   every step (:func:`agreement_seconds`). Schedules that are not gated agree before the backward: the
@@ -28,12 +32,14 @@ import dataclasses
 import math
 from typing import Mapping, Sequence
 
-from graphddp.values.collectives import ALL_GATHER, SHARDED, kind
+from graphddp.values.collectives import ALL_GATHER, ALL_REDUCE, SHARDED, kind
+from graphddp.values.part_schedule import GATHER, REDUCE_SCATTER, FullSchedule, PartBucket, PartGraph
+from graphddp.values.placement import Level, Placement
 from graphddp.values.schedule import Bucket, BucketTiming, CostModel, NodeFact, Schedule, Span, Timeline
 
 __all__ = [
     "LATENCY_FLOOR_US", "CostModel", "agreement_seconds", "bucket_seconds", "compute_timeline", "fit_link", "floor_latency", "host_seconds",
-    "link_noise", "pays_agreement", "simulate",
+    "link_noise", "pays_agreement", "simulate", "simulate_full",
 ]
 
 
@@ -101,6 +107,53 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, measured: Mappin
     flat = cost.link(schedule.world_size)  # a topology's: the level a flat ring over the world crosses
     link = f"{flat.bandwidth_gbps:g} Gbit/s, {flat.latency_us:g} us"
     return Timeline(tuple(spans), tuple(timings), clock, step, link)
+
+
+def simulate_full(schedule: FullSchedule, cost: CostModel | None = None) -> tuple[Timeline, ...]:
+    """Predict each of a ``sharding="full"`` schedule's placed graphs (``schedule.graphs``) under
+    ``cost`` (default ``CostModel()``'s), as :func:`simulate` does a backward (module docstring)."""
+    cost = cost or CostModel()
+    replicas = Level("", schedule.replicas) if schedule.replicas > 1 else None
+    placement = Placement(Level("", schedule.world_size), replicas)
+    return tuple(_simulate_placed(graph, cost, placement) for graph in schedule.graphs)
+
+
+def _link_seconds(bucket: PartBucket, cost: CostModel, placement: Placement) -> float:
+    if bucket.kind == GATHER:
+        return placement.gather_seconds(cost, bucket.whole_bytes)
+    if bucket.kind == REDUCE_SCATTER:
+        return placement.reduce_seconds(cost, bucket.whole_bytes)
+    return ALL_REDUCE.seconds(cost, bucket.whole_bytes, placement.world)  # a parameter every rank holds whole
+
+
+def _simulate_placed(graph: PartGraph, cost: CostModel, placement: Placement) -> Timeline:
+    """One placed graph: its nodes in order; at a bucket's issue node its issue's host time, then the
+    bucket on the link once the link is free; at its wait node the compute waits for its end."""
+    issued = {b.issue_at: k for k, b in enumerate(graph.buckets)}
+    waited = {b.wait_at: k for k, b in enumerate(graph.buckets)}
+    clock = busy = link_free = 0.0
+    spans: list[Span] = []
+    timings: dict[int, BucketTiming] = {}
+    for node in graph.facts:
+        k = waited.get(node.position)
+        if k is not None and k in timings:
+            clock = max(clock, timings[k].end)
+        seconds = cost.compute_seconds(node.flops, node.nbytes) if node.is_compute else 0.0
+        k = issued.get(node.position)
+        if k is not None:
+            bucket = graph.buckets[k]
+            link = _link_seconds(bucket, cost, placement)
+            seconds += host_seconds(cost, link)
+            start = max(clock + seconds, link_free)
+            link_free = start + link
+            timings[k] = BucketTiming(bucket.index, clock + seconds, start, link_free, bucket.part_bytes)
+        if seconds:
+            spans.append(Span(node.name, clock, clock + seconds))
+        clock += seconds
+        busy += seconds
+    flat = cost.link(placement.world)
+    ordered = tuple(timings[k] for k in sorted(timings))
+    return Timeline(tuple(spans), ordered, busy, max(clock, link_free), f"{flat.bandwidth_gbps:g} Gbit/s, {flat.latency_us:g} us")
 
 
 def host_seconds(cost: CostModel, link_seconds: float) -> float:

@@ -20,6 +20,7 @@ import json
 
 from graphddp.values import collectives
 from graphddp.values.choice import PlacementChoice
+from graphddp.values.schedule import NodeFact
 from graphddp.values.schedule_table import FullScheduleTable, fields_of, plain, set_only
 
 # A part's gather; a part's gradient reduce-scattered; a gradient of a parameter every rank holds
@@ -89,6 +90,8 @@ class PartGraph:
     nodes: int = 0  # the rewritten graph's, once placed
     updates: tuple[str, ...] = ()  # the parts a backward updates inside (the optimizer inside the backward)
     kept_bytes: int = 0  # a forward's gathered parameters it keeps for its backward (its outputs hold them)
+    # Once placed: the graph's nodes, a collective and its wait not compute (what its timeline is predicted from)
+    facts: tuple[NodeFact, ...] = ()
 
     def of(self, *kinds: str) -> tuple[PartBucket, ...]:
         return tuple(b for b in self.buckets if b.kind in kinds)
@@ -155,7 +158,8 @@ class FullSchedule(FullScheduleTable):
                 return None
             buckets = tuple(PartBucket(**{**b, "members": (), "params": tuple(b["params"])}) for b in d["buckets"])
             cap = PartCap(**d["cap"]) if d["cap"] is not None else None
-            return PartGraph(**{**d, "buckets": buckets, "cap": cap, "updates": tuple(d["updates"])})
+            facts = tuple(NodeFact(**{**f, "inputs": tuple(f["inputs"])}) for f in d.get("facts", ()))
+            return PartGraph(**{**d, "buckets": buckets, "cap": cap, "updates": tuple(d["updates"]), "facts": facts})
 
         return cls(**{**fields_of(cls, data), "forward": graph(data["forward"]), "backward": graph(data["backward"]),
                       "memory": RankMemory(**data["memory"]), "choice": PlacementChoice.from_dict(data.get("choice"))})

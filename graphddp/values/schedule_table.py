@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
     from graphddp.values.prediction import Timeline
@@ -135,12 +135,15 @@ class ScheduleTable(ScheduleValue):
 class FullScheduleTable(ScheduleValue):
     """:class:`~graphddp.values.part_schedule.FullSchedule`'s table (module docstring)."""
 
-    predicted = False  # read back from the compiled graphs: the cost model times a backward's buckets only
+    @property
+    def predicted(self) -> bool:
+        """Whether its graphs carry their nodes (placed, or loaded from JSON that has them): the cost model times them."""
+        return bool(self.graphs) and all(g.facts for g in self.graphs)
 
-    def to_table(self, timeline: Timeline | None = None) -> str:
-        """A terminal table: the rank's memory, then per compiled graph one row per bucket, in graph order."""
-        if timeline is not None:
-            raise ValueError("sharding='full' has no predicted timeline: its schedule is read back from the compiled graphs")
+    def to_table(self, timeline: Sequence[Timeline] | None = None) -> str:
+        """A terminal table: the rank's memory, then per compiled graph one row per bucket, in graph
+        order. With ``timeline``, one per graph (``graphddp.plan.cost.simulate_full``), each row gets
+        its predicted issue, start and end times, and each graph a line that sums it up."""
         m = self.memory
         state = size_text(m.optimizer_state) if m.optimizer_state else "none (not stepped yet, or an optimizer that keeps none)"
         ranks = f"{self.world_size} ranks" if self.replicas == 1 else (
@@ -156,7 +159,8 @@ class FullScheduleTable(ScheduleValue):
             f"this graph's gathers: at most {size_text(m.gathered_in_flight)} in flight at once, "
             f"{size_text(m.kept_to_backward)} kept from the forward to the backward",
         ]
-        for graph in self.graphs:
+        for n, graph in enumerate(self.graphs):
+            t = timeline[n] if timeline else None
             updates = f"; updates {len(graph.updates)} part(s) inside, each after its gradient's wait" if graph.updates else ""
             cap = f", capped at {size_text(graph.cap.nbytes)}: {graph.cap.source}" if graph.cap is not None else ""
             lines.append(
@@ -165,11 +169,18 @@ class FullScheduleTable(ScheduleValue):
                 + (f", {len(graph.of('all_reduce'))} all-reduce bucket(s) of parameters held whole" if graph.of("all_reduce") else "")
                 + f"{updates}{cap}"
             )
-            lines.append(f"  {'collective':<18}{'whole':>10}{'per rank':>10}  {'issued after':<24}{'waited before':<24}parameters")
-            for b in graph.buckets:
+            times = f"{'issue ms':>9}{'start ms':>9}{'end ms':>9}  " if t else ""
+            lines.append(f"  {'collective':<18}{'whole':>10}{'per rank':>10}  {'issued after':<24}{'waited before':<24}{times}parameters")
+            for k, b in enumerate(graph.buckets):
+                at = f"{t.buckets[k].ready * 1e3:>9.3f}{t.buckets[k].start * 1e3:>9.3f}{t.buckets[k].end * 1e3:>9.3f}  " if t else ""
                 lines.append(
                     f"  {b.kind + ' ' + str(b.index):<18}{size_text(b.whole_bytes):>10}{size_text(b.part_bytes):>10}  "
-                    f"{clip(b.issued_after, 22, '~'):<24}{clip(b.waited_before, 22, '~'):<24}{', '.join(b.params)}"
+                    f"{clip(b.issued_after, 22, '~'):<24}{clip(b.waited_before, 22, '~'):<24}{at}{', '.join(b.params)}"
+                )
+            if t:
+                lines.append(
+                    f"  predicted ({t.link}): {graph.kind} compute {t.compute_seconds * 1e3:.3f} ms, communication "
+                    f"{t.comm_seconds * 1e3:.3f} ms, graph {t.step_seconds * 1e3:.3f} ms, exposed communication {t.exposed_seconds * 1e3:.3f} ms"
                 )
         if self.backward is None:
             lines.append("backward: not compiled yet")

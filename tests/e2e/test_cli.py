@@ -62,8 +62,8 @@ def test_cli_end_to_end(tmp_path, capsys):
 
 def test_cli_explains_full_sharding(tmp_path, capsys):
     """--sharding full (a string flag, and --reshard-after-forward a true/false one): the gathers and
-    reduce-scatters read back from the compiled graphs, AdamW's state counted; formats it has not
-    (a predicted timeline) are refused by name, before the model is traced."""
+    reduce-scatters read back from the compiled graphs, AdamW's state counted; its predicted
+    timeline as a trace, forward and backward."""
     out = tmp_path / "full.json"
     _main("explain", "examples/factories.py:mlp", "--world-size", "64", "--sharding", "full", "--reshard-after-forward",
           "false", "--optimizer", "AdamW", "--backend", "aot_eager", "--format", "json", "--out", str(out))
@@ -72,8 +72,13 @@ def test_cli_explains_full_sharding(tmp_path, capsys):
     assert [b["kind"] for b in data["forward"]["buckets"]] and all(b["kind"] == "gather" for b in data["forward"]["buckets"])
     assert {b["kind"] for b in data["backward"]["buckets"]} == {"reduce_scatter"}  # kept to the backward: no re-gather
     assert data["memory"]["optimizer_state"] >= 2 * data["memory"]["parameters"]
-    err = _usage_error(capsys, "explain", "examples/factories.py:nope", "--sharding", "full", "--format", "png", "--out", "x.png")
-    assert "sharding='full' has a table or json" in err  # the factory is never loaded
+    trace = tmp_path / "full.trace.json"
+    _main("explain", "examples/factories.py:mlp", "--world-size", "64", "--sharding", "full", "--optimizer", "AdamW",
+          "--backend", "aot_eager", "--format", "trace", "--out", str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
+    lanes = {e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert lanes == {"graphddp forward graph 0", "graphddp backward graph 0"}
+    assert {e["cat"] for e in events if e.get("tid") == 1 and e["ph"] == "X"} == {"gather", "reduce_scatter"}
 
 
 def test_help_reads_as_plain_text(capsys):

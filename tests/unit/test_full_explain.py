@@ -65,15 +65,43 @@ def test_the_schedule_shows_every_gather_and_reduce_scatter_and_each_ranks_memor
     assert "tok.weight" not in _names(s.backward.of("gather")) and "ln.weight" in _names(s.backward.of("gather"))
     table = s.to_table()
     assert all(n in table for n in names) and "reshard_after_forward=True" in table and "gather 0" in table
-    # read, shown and loaded as every mode's schedule: one table renderer (no predicted times), a JSON round trip
-    assert graphddp.render.table(s) == table and not s.predicted
-    with pytest.raises(ValueError, match="sharding='full' has no predicted timeline"):
-        s.to_table(timeline=object())
-    for draw in (graphddp.render.chrome_trace, graphddp.render.dot, lambda s: graphddp.render.plot(s, "x.png")):
-        with pytest.raises(ValueError, match=r"graphddp\.render\.\w+: this schedule has no predicted timeline"):
-            draw(s)
+    # read, shown and loaded as every mode's schedule: the table with predicted times, a JSON round trip
+    assert s.predicted and graphddp.render.table(s) != table and graphddp.render.table(s).startswith(table.splitlines()[0])
     again = FullSchedule.from_json(json.dumps(json.loads(s.to_json())))
     assert again.to_dict() == s.to_dict() and again.fingerprint() == s.fingerprint() and again.to_table() == table
+    assert graphddp.render.table(again) == graphddp.render.table(s)
+
+
+def test_every_renderer_draws_the_forward_and_the_backward_as_predicted(tmp_path):
+    """A placed graph's timeline (graphddp.plan.cost.simulate_full): per graph, a compute lane with
+    every compute node and each collective's issue, a link lane with every bucket one at a time,
+    each starting no earlier than its issue; the trace, the dot and the plot draw both graphs."""
+    (s,) = _explain(_gpt())
+    timelines = graphddp.plan.cost.simulate_full(s)
+    assert len(timelines) == 2
+    for graph, t in zip(s.graphs, timelines):
+        assert len(t.buckets) == len(graph.buckets) and all(b.ready <= b.start < b.end for b in t.buckets)
+        assert all(a.end <= b.start + 1e-12 for a, b in zip(t.buckets, t.buckets[1:])), "one bucket on the link at a time"
+        assert t.step_seconds >= max(t.compute_seconds, t.buckets[-1].end - 1e-12) and t.exposed_seconds > 0
+        computed = {sp.name for sp in t.compute}
+        assert {graph.facts[b.issue_at].name for b in graph.buckets} <= computed, "an issue takes the host's time"
+        assert not {graph.facts[b.wait_at].name for b in graph.buckets} & computed, "a wait computes nothing"
+    table = graphddp.render.table(s)
+    assert table.count("predicted (10 Gbit/s, 20 us): forward compute") == 1 and "predicted (10 Gbit/s, 20 us): backward" in table
+    trace = graphddp.render.chrome_trace(s)
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert names == {"graphddp forward graph 0", "graphddp backward graph 0"}
+    comm = [e for e in trace["traceEvents"] if e.get("tid") == 1 and e["ph"] == "X"]
+    assert len(comm) == len(s.forward.buckets) + len(s.backward.buckets)
+    assert {e["cat"] for e in comm} == {"gather", "reduce_scatter"} and set(trace["otherData"]["graphs"]) == names
+    dot = graphddp.render.dot(s)
+    assert dot.count("digraph") == 2 and dot.count("shape=box") == len(comm) == dot.count("shape=octagon")
+    graphddp.render.plot(s, str(tmp_path / "full.png"))
+    assert (tmp_path / "full.png").stat().st_size > 0
+    unplaced = FullSchedule.from_dict({**s.to_dict(), "forward": {**s.to_dict()["forward"], "facts": []}})
+    assert not unplaced.predicted and graphddp.render.table(unplaced) == s.to_table()
+    with pytest.raises(ValueError, match=r"graphddp\.render\.dot: this schedule has no predicted timeline"):
+        graphddp.render.dot(unplaced)
 
 
 def test_kept_to_the_backward_the_backward_only_reduce_scatters():
@@ -115,3 +143,32 @@ def test_the_table_says_how_far_ahead_gathers_are_issued_not_a_count_of_buckets(
     head = s.to_table().splitlines()[0]
     assert head.endswith(f"gathers issued up to {PREFETCH} bucket(s) ahead of the one being read"), head
     assert "gather bucket(s)" not in head
+
+
+def test_a_placed_graph_waits_for_its_gather_only_where_the_compute_has_not_hidden_it():
+    """By hand: a gather issued at node 0 and waited at node 3 behind two compute nodes; its link
+    time either hides behind them (the graph takes the compute's time) or the compute stops at the wait."""
+    from graphddp.plan.cost import simulate_full
+    from graphddp.values.part_schedule import PartBucket, PartGraph, RankMemory
+    from graphddp.values.prediction import CostModel
+    from graphddp.values.schedule import NodeFact
+
+    facts = (
+        NodeFact("gather", 0, False), NodeFact("mm_1", 1, True, flops=10**9), NodeFact("mm_2", 2, True, flops=10**9),
+        NodeFact("wait", 3, False), NodeFact("mm_3", 4, True, flops=10**9),
+    )
+    gather = PartBucket("gather", 0, (0,), ("w",), "float32", whole_bytes=8 * 2**20, part_bytes=2**20, issue_at=0, wait_at=3)
+    memory = RankMemory(0, 0, 0, 0, 0, 0)
+    schedule = FullSchedule(0, 8, False, 2, PartGraph("forward", (gather,), facts=facts), None, memory)
+    for gbps, stalls in ((1000.0, False), (1.0, True)):
+        cost = CostModel(compute_tflops=1.0, bandwidth_gbps=gbps, latency_us=0.0, op_overhead_us=0.0, collective_overhead_us=0.0,
+                         collective_host_share=0.0)
+        (t,) = simulate_full(schedule, cost)
+        link = 7 / 8 * 8 * 2**20 * 8 / (gbps * 1e9)  # a ring all-gather: (p-1)/p of the whole bytes
+        (b,) = t.buckets
+        assert (b.ready, b.start) == (0.0, 0.0) and b.end == pytest.approx(link)
+        assert t.compute_seconds == pytest.approx(3e-3)
+        assert [s.name for s in t.compute] == ["mm_1", "mm_2", "mm_3"]
+        third = t.compute[-1]
+        assert third.start == pytest.approx(max(2e-3, link)) and stalls == (link > 2e-3)
+        assert t.step_seconds == pytest.approx(third.end)

@@ -86,7 +86,10 @@ def test_schedule_is_the_bottom_layer_and_imports_have_no_cycle():
     assert graph["graphddp.values.placement"] == {"graphddp.values.prediction", "graphddp.values.collectives", "graphddp.values.comm"}
     assert graph["graphddp.values.collectives"] == {"graphddp.values.prediction", "graphddp.values.comm"}  # the kinds: under the value types
     assert graph["graphddp.graph.capture"] == {"graphddp.values.schedule"}
-    assert graph["graphddp.plan.cost"] == {"graphddp.values.schedule", "graphddp.values.collectives"}
+    # the cost model times every mode's schedule: a backward's Schedule, a FullSchedule's placed graphs over their placement
+    assert graph["graphddp.plan.cost"] == {
+        "graphddp.values.schedule", "graphddp.values.collectives", "graphddp.values.part_schedule", "graphddp.values.placement",
+    }
     below_the_top = {m for m in graph if m not in ("graphddp", "graphddp.__main__", "graphddp.frontend.cli", "graphddp.testing")}
     assert not [m for m in below_the_top if "graphddp" in graph[m]], "only the top imports the package itself"
     assert _cycle(graph) is None, _cycle(graph)
