@@ -144,7 +144,7 @@ class _Graph(CustomGraphPass):
             key = (self.config.bucket_cap_mb, self.config.cost, self.compiled.world_size, shape)
             return hashlib.sha256(f.read() + repr(key).encode()).digest()
 
-    def keep(self, gm: fx.GraphModule, backward: bool) -> UpdatingBackward | None:
+    def keep(self, gm: fx.GraphModule, backward: bool) -> tuple[GraphRecord, UpdatingBackward | None]:
         if backward:  # before the rewrite merges gradients into buckets
             self.usage = GradientUsage.of_graph(gm, part_gradients(gm, self.names))
         else:
@@ -165,7 +165,7 @@ class _Graph(CustomGraphPass):
             record.schedule = dataclasses.replace(described, updates=variant.names)
             record.variants[UPDATING] = GraphRecord(record.schedule, variant.graph, kind=UPDATING, index=self.index)
         compiled.records.append(record)
-        return variant
+        return record, variant
 
     def forward_pass(self, gm: fx.GraphModule, compiler: Compiler, inference: bool) -> Any:
         """The forward placed and kept, then compiled (an inference graph as it is)."""
@@ -178,7 +178,7 @@ class _Graph(CustomGraphPass):
         or where the parts are updated inside, the choice between it and the variants
         (:meth:`PartUpdates.backward`), the updating one compiled now, the graph as it is and the
         carrying one when a step first needs them."""
-        variant = self.keep(gm, True)
+        record, variant = self.keep(gm, True)
         if variant is None:
             plain, choose = compiler.now(gm), None
         else:
@@ -186,7 +186,7 @@ class _Graph(CustomGraphPass):
                 return functools.cache(compiler.later(compiler.copy(graph)))  # its inputs past AOTAutograd's as extra
 
             updating = lazily(variant.graph)()
-            choose = self.compiled.updates.backward(self.index, variant, lazily(gm), lambda: updating, lazily(variant.carrying))
+            choose = self.compiled.updates.backward(self.index, variant, lazily(gm), lambda: updating, lazily(variant.carrying), record)
         usage = self.usage
         if usage is None or not usage.may_be_unused:
             return choose if choose is not None else plain

@@ -30,6 +30,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.fx as fx
 
+from graphddp.compiler.record import GraphRecord
 from graphddp.graph.part_facts import input_name
 from graphddp.graph.verify import check_part_updates
 from graphddp.optim import guards
@@ -75,6 +76,7 @@ class PartUpdates:
         self.verify = verify
         self.forward_values: dict[int, dict[str, Any]] = {}  # per Dynamo graph: its parts' fake values
         self.entries: dict[int, int] = {}  # Dynamo graph -> its entry in the step (reading its parts)
+        self.warned: set[tuple[int, str]] = set()  # (graph, reason) warned of once (GraphRecord.fell_back)
 
     @staticmethod
     def of(optimizer: torch.optim.Optimizer, module: torch.nn.Module, step: StepState, verify: bool,
@@ -127,14 +129,19 @@ class PartUpdates:
         or not, and with other parts than it was compiled for (``foreign``) or not."""
         self.step.record_run(self.entries[index], node, local=not self.step.sync, foreign=foreign)
 
-    def backward(self, index: int, variant: UpdatingBackward, plain: Compile, updating: Compile, carrying: Compile) -> Callable[[list], Any]:
+    def backward(
+        self, index: int, variant: UpdatingBackward, plain: Compile, updating: Compile, carrying: Compile, record: GraphRecord,
+    ) -> Callable[[list], Any]:
         """What AOTAutograd runs as graph ``index``'s backward: where the update inside is the
         whole step for its parts, the updating (or carrying) variant; else the graph as compiled,
-        returning their gradients to ``opt.step()``."""
+        returning their gradients to ``opt.step()``, and the reason on its ``record``."""
         params = [self.attached.params[n] for n in variant.names]
 
         def not_inside(unused: frozenset[str]) -> NotInside | None:
-            return self.step.not_inside(self.entries[index], variant.names, scaled=self.attached.scaled, unused=unused)
+            reason = self.step.not_inside(self.entries[index], variant.names, scaled=self.attached.scaled, unused=unused)
+            if reason is not None:
+                record.fell_back(reason.kind, reason.names, reason.why, self.warned)
+            return reason
 
         update = InGraphUpdate(self.attached, variant.names, not_inside, plain, written_inputs(variant.graph))
 

@@ -4,7 +4,8 @@ backends and the compile cache that make records, so that none imports another f
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import warnings
+from typing import Any, Sequence
 
 import torch.fx as fx
 
@@ -45,6 +46,21 @@ class GraphRecord:
     fallbacks: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     # Variants compiled beside the graph, by kind (CARRY, UPDATING).
     variants: dict[str, "GraphRecord"] = dataclasses.field(default_factory=dict)
+
+    def fell_back(self, kind: str, names: Sequence[str], why: str, warned: set[tuple[int, str]]) -> None:
+        """Torch's step after the backward updates ``names``, for the reason ``kind``
+        (``StepState.not_inside``): recorded in :attr:`fallbacks` and, where there is a ``why``,
+        warned once per graph and kind (``warned``: the mode's set of those warned): right, but not overlapped."""
+        self.fallbacks[kind] = tuple(names)
+        if not why or (self.index, kind) in warned:
+            return
+        warned.add((self.index, kind))
+        warnings.warn(
+            f"graphddp: optimizer= : backward graph {self.index} leaves the update of {list(names)} to torch's step "
+            f"after the backward ({why}); the result is the same, the update is not overlapped with the backward. "
+            "GraphRecord.fallbacks shows it.",
+            stacklevel=3,
+        )
 
     @property
     def carrying(self) -> "GraphRecord | None":

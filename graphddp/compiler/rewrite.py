@@ -90,7 +90,7 @@ class BackwardRewrite:
             shared=shared, carry=carry,
         )
         log.info("graphddp plan for backward graph %d (fingerprint %s):\n%s", graph_index, schedule.fingerprint(), schedule.to_table())
-        record = GraphRecord(schedule=schedule, graph=gm, without_update=shared.without_update)
+        record = GraphRecord(schedule=schedule, graph=gm, index=graph_index, without_update=shared.without_update)
         if shared.tied:
             record.fallbacks["shared"] = shared.tied
         return record

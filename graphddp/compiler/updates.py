@@ -12,7 +12,7 @@ import copy
 import dataclasses
 import logging
 import warnings
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import torch.fx as fx
 
@@ -62,7 +62,7 @@ class InGraphUpdates:
                 graph_index, names, scaled=optimizer.scaled, unused=unused, held=held, in_norm=self._has_gradients if clip else None
             )
             if reason is not None:
-                self._fallback(record, graph_index, reason.kind, reason.names, reason.why)
+                record.fell_back(reason.kind, reason.names, reason.why, self._warned)
             return reason
 
         return InGraphUpdate(optimizer, replicated, not_inside, compile_grads, written_inputs(record.graph), shards=shards)
@@ -70,20 +70,6 @@ class InGraphUpdates:
     def _has_gradients(self, graph_index: int) -> bool:
         """Does graph ``graph_index`` read a parameter that takes a gradient (adds to a norm)?"""
         return any(p.requires_grad for n in self.step.graphs[graph_index].params if (p := self.parameters.get(n)) is not None)
-
-    def _fallback(self, record: GraphRecord, graph_index: int, kind: str, names: Sequence[str], why: str) -> None:
-        """Record (and warn once per graph and kind, where there is a ``why``) that torch's step
-        after the backward updates ``names``: right, but not overlapped."""
-        record.fallbacks[kind] = tuple(names)
-        if not why or (graph_index, kind) in self._warned:
-            return
-        self._warned.add((graph_index, kind))
-        warnings.warn(
-            f"graphddp: optimizer= : backward graph {graph_index} leaves the update of {list(names)} to torch's step "
-            f"after the backward ({why}); the result is the same, the update is not overlapped with the backward. "
-            "GraphRecord.fallbacks shows it.",
-            stacklevel=2,
-        )
 
     def _updatable(self, schedule: Schedule, graph_index: int, fw_values: Mapping[str, Any]) -> tuple[list[str], tuple[str, ...]]:
         """The parameters the graph can update itself, and those a graph of another frame also

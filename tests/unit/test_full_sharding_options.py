@@ -1,6 +1,8 @@
 """``sharding="full"`` in one process (a fake group of 8 ranks): what it refuses by name, and how
 it cuts a model (parts, tied weights, one class per kind of module). Training against DDP is
 tests/ranks/test_full_sharding.py."""
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -180,6 +182,23 @@ def test_the_updates_inside_refuse_clipping_and_leave_a_scaled_step_to_the_grad_
     opt.zero_grad()
     ours(torch.randn(2, 16)).sum().backward()
     assert ours.updates == {"inside": 2, "scaler": 1}
+
+
+@pytest.mark.parametrize("sharding", [None, "optimizer", "full"])
+def test_a_weight_tied_across_a_graph_break_is_left_to_the_step_with_a_warning_and_a_record_in_every_mode(fake_world, sharding):
+    """The same reason leads to the same things in every mode: a warning naming the parameter, once,
+    and the backward's record (``GraphRecord.fallbacks["shared"]``)."""
+    fake_world(8)
+    torch.manual_seed(0)
+    model = models.BreakGPT(vocab=64, dim=32, heads=2, layers=2, seq=8)
+    ours = graphddp.compile(model, optimizer=_adamw(model), sharding=sharding, backend="aot_eager")
+    x = torch.randint(0, 64, (2, 8))
+    with pytest.warns(UserWarning, match=r"tok\.weight.*to torch's step"):
+        ours(x).float().mean().backward()
+    assert [r.fallbacks["shared"] for r in ours.records if "shared" in r.fallbacks] == [("tok.weight",)] * 2  # both graphs
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per graph and reason
+        ours(x).float().mean().backward()
 
 
 def test_other_optimizers_and_max_grad_norm_step_after_the_backward(fake_world):
