@@ -63,7 +63,9 @@ def _refuse_unpredicted(schedule: ScheduleValue, what: str) -> None:
 
 
 def _colour(bucket: Any) -> str:
-    return _PALETTE[bucket.index % len(_PALETTE)]
+    """A bucket's colour by its index; a placed graph's reduces half the palette away from its gathers of the same index."""
+    shift = len(_PALETTE) // 2 if isinstance(bucket, PartBucket) and bucket.kind != "gather" else 0
+    return _PALETTE[(bucket.index + shift) % len(_PALETTE)]
 
 
 def table(schedule: ScheduleValue, cost: CostModel | None = None) -> str:
