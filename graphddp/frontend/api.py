@@ -83,7 +83,8 @@ class ModelView(Joinable):
 
     @property
     def parts(self) -> dict[str, Any]:
-        """``sharding="full"``: every parameter name (tied weights: each of theirs) and this rank's part of it."""
+        """The parameters this rank holds a part of, by name: with ``sharding="full"`` every one (tied
+        weights: each of their names); in the other modes none, every rank holds them whole."""
         return self._state.parts
 
     @property

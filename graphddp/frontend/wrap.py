@@ -118,6 +118,11 @@ class ModelState:
         self.step.set_sync(value)
 
     @property
+    def parts(self) -> dict[str, Any]:
+        """Whole replicas hold no part (``FullyShardedState`` holds one of every parameter)."""
+        return {}
+
+    @property
     def updates(self) -> dict[str, int]:
         """How many synchronising backwards updated inside, and how many left the update to torch's
         step, by reason (:meth:`StepState.not_inside`); empty without an optimizer inside the backward."""

@@ -106,7 +106,9 @@ def test_both_forms_show_one_surface_and_refuse_what_full_sharding_lacks_by_name
         graphddp.compile(model, optimizer=_adamw(model), sharding="full", backend="aot_eager"),
         graphddp.backend(other, optimizer=_adamw(other), sharding="full", backend="aot_eager"),
     ]
-    assert type(forms[0]) is type(graphddp.compile(models.MLP(), backend="aot_eager"))
+    replicated = graphddp.compile(models.MLP(), backend="aot_eager")
+    assert type(forms[0]) is type(replicated)
+    assert replicated.parts == {} and set(forms[0].parts) == {n for n, _ in model.named_parameters()}  # a part of each, or none
     for made in forms:
         with pytest.raises(NotImplementedError, match=r"join\(\) is not supported with sharding='full'"):
             made.join()
