@@ -47,14 +47,21 @@ def _lanes(schedule: ScheduleValue, what: str, cost: CostModel | None) -> list[_
     """``schedule``'s predicted graphs, refused by name where it has no nodes to time (a loaded
     schedule written without them)."""
     _refuse_unpredicted(schedule, what)
-    index = schedule.graph_index  # type: ignore[attr-defined]
+    index, predicted = schedule.graph_index, _predicted(schedule, cost)  # type: ignore[attr-defined]
     if isinstance(schedule, FullSchedule):
         return [
             _Lane(f"graphddp {g.kind} graph {index}", 2 * index + (g.kind == "backward"), g.buckets, t)
-            for g, t in zip(schedule.graphs, simulate_full(schedule, cost))
+            for g, t in zip(schedule.graphs, predicted)
         ]
+    return [_Lane(f"graphddp backward graph {index}", index, schedule.buckets, predicted)]  # type: ignore[attr-defined]
+
+
+def _predicted(schedule: ScheduleValue, cost: CostModel | None) -> Any:
+    """What ``schedule.to_table`` takes: a backward's timeline, or one per placed graph of a ``FullSchedule``."""
+    if isinstance(schedule, FullSchedule):
+        return simulate_full(schedule, cost)
     assert isinstance(schedule, Schedule)
-    return [_Lane(f"graphddp backward graph {index}", index, schedule.buckets, simulate(schedule, cost))]
+    return simulate(schedule, cost)
 
 
 def _refuse_unpredicted(schedule: ScheduleValue, what: str) -> None:
@@ -71,11 +78,7 @@ def _colour(bucket: Any) -> str:
 def table(schedule: ScheduleValue, cost: CostModel | None = None) -> str:
     """``schedule.to_table()``, with each bucket's predicted times where the cost model times the
     schedule (``schedule.predicted``)."""
-    if not schedule.predicted:
-        return schedule.to_table()
-    if isinstance(schedule, FullSchedule):
-        return schedule.to_table(simulate_full(schedule, cost))
-    return schedule.to_table(simulate(schedule, cost))  # type: ignore[arg-type]
+    return schedule.to_table(_predicted(schedule, cost) if schedule.predicted else None)
 
 
 def chrome_trace(schedule: ScheduleValue, cost: CostModel | None = None, path: str | None = None) -> dict[str, Any]:
