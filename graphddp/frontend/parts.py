@@ -110,20 +110,40 @@ class _Replicated(torch.autograd.Function):
         return WAIT(ALL_REDUCE_OUT_OP(sent, "sum", placement.shard.name)).to(ctx.part_dtype), None, None, None
 
 
-def _read(part: nn.Parameter) -> torch.Tensor:
-    """The whole parameter a part stands for (:func:`shard_parameters` tags the part): the part
-    itself where it is whole; else every rank's part gathered, the padding dropped; through
-    :class:`_Gather` only where a policy's dtypes or a hybrid placement need its backward."""
-    shape, group, placement = part._graphddp_shape, part._graphddp_group, part._graphddp_placement
-    param_dtype = getattr(part._graphddp_policy, "param_dtype", None) or part.dtype
-    reduce_dtype = getattr(part._graphddp_policy, "reduce_dtype", None) or param_dtype
-    if group is None:
+@dataclasses.dataclass(frozen=True)
+class _Read:
+    """How a part is read whole, fixed at the cut: the parameter's shape, the part's placement
+    (a :class:`Whole` where it is held whole on every rank), and a policy's dtypes (None: the
+    part's own, and the ``param_dtype``)."""
+
+    shape: tuple[int, ...]
+    placement: Placement
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+
+
+@torch._dynamo.allow_in_graph
+def _whole_of(part: torch.Tensor, read: _Read) -> torch.Tensor:
+    """The whole parameter ``part`` stands for: the part itself where it is whole; else every
+    rank's part gathered, the padding dropped; through :class:`_Gather` only where a policy's
+    dtypes or a hybrid placement need its backward. One node to Dynamo, which AOTAutograd traces:
+    Dynamo itself would trace each read's autograd function apart, at every read of every
+    parameter (its cost: docs/full-sharding.md, compile time)."""
+    placement, shape = read.placement, read.shape
+    param_dtype = read.param_dtype or part.dtype
+    reduce_dtype = read.reduce_dtype or param_dtype
+    if isinstance(placement, Whole):
         return _Replicated.apply(part, placement, param_dtype, reduce_dtype).view(shape)
-    world, numel = dist.get_world_size(group), math.prod(shape)
-    if param_dtype == reduce_dtype == part.dtype and not (placement is not None and placement.hybrid):
-        return _Average.apply(_all_gather(part, 0, group)[:numel].view(shape), world)
-    placement = placement if placement is not None else flat(group.group_name, world)
+    numel = math.prod(shape)
+    if param_dtype == reduce_dtype == part.dtype and not placement.hybrid:
+        gathered = _all_gather(part, 0, placement.shard.name)
+        return _Average.apply(gathered[:numel].view(shape), placement.shard.size)
     return _Gather.apply(part, placement, param_dtype, reduce_dtype)[:numel].view(shape)
+
+
+def _read(part: nn.Parameter) -> torch.Tensor:
+    """The property of every parameter name of a cut module (:func:`shard_parameters` tags the part)."""
+    return _whole_of(part, part._graphddp_read)
 
 
 _SHARDED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
@@ -162,8 +182,10 @@ def shard_parameters(
             if entry is None:
                 keep = replicated is not None and p.numel() * p.element_size() < below_bytes
                 q = nn.Parameter(padded_part(p, 1, 0) if keep else padded_part(p, world, rank), requires_grad=p.requires_grad)
-                q._graphddp_shape, q._graphddp_group, q._graphddp_policy = tuple(p.shape), None if keep else group, policy  # type: ignore[attr-defined]
-                q._graphddp_placement = replicated if keep else placement  # type: ignore[attr-defined]
+                q._graphddp_read = _Read(  # type: ignore[attr-defined]
+                    tuple(p.shape), replicated if keep else placement or flat(group.group_name, world),
+                    getattr(policy, "param_dtype", None), getattr(policy, "reduce_dtype", None),
+                )
                 entry = parts[id(p)] = placed[id(q)] = Part(q, tuple(p.shape), [], None if keep else group)
             full_name = f"{mod_name}.{name}" if mod_name else name
             if full_name not in entry.names:

@@ -71,12 +71,31 @@ def _hf_gpt2_wide() -> nn.Module:  # 1.8 MB of fp32 parameters
     return GPT2LMHeadModel(cfg)
 
 
+class _EagerHead(nn.Module):
+    """An MLP whose last layer runs outside every compiled graph: its parameters are read, gathered
+    and reduce-scattered eagerly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = models.MLP(d_out=8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _eager_head(self, self.body(x))
+
+
+@torch._dynamo.disable
+def _eager_head(model: _EagerHead, h: torch.Tensor) -> torch.Tensor:
+    return model.head(torch.relu(h))
+
+
 CASES = {
     "mlp_adamw": Case(models.MLP, _mlp_loss, _adamw),
     "mlp_adamw_kept_to_the_backward": Case(models.MLP, _mlp_loss, _adamw, reshard=False),
     "mlp_sgd_nesterov_clipped": Case(models.MLP, _mlp_loss, _sgd, max_grad_norm=0.05),
     "frozen_mlp_adamw": Case(models.FrozenMLP, _mlp_loss, _adamw),
     "cnn_adamw": Case(CNN, _cnn_loss, _adamw),
+    "eager_head_adamw": Case(_EagerHead, _mlp_loss, _adamw),
     "tied_across_break_sgd": Case(lambda: models.BreakGPT(vocab=64, dim=32, heads=2, layers=2, seq=8), _gpt_loss, _sgd),
     # GPT-2 with AdamW updating its parts inside: test_hybrid.py's full_hf_gpt2_adamw_2x2 (a shard
     # group of 2, this file's parts); GPT-2 in this file: hf_gpt2_sgd_planned_buckets.
