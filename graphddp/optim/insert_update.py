@@ -26,6 +26,7 @@ written once, after its gradient's wait and every other read of its memory; its 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -116,29 +117,28 @@ def add_update_inputs(graph: fx.Graph, labels: Sequence[str], vals: Sequence[tor
     return add_inputs(graph, labels, [{"val": val, ROLE_KEY: UPDATE_INPUT} for val in vals])
 
 
-class UpdateTraces:
-    """Each parameter's update, traced once per signature and reused for its lookalikes (a
-    transformer's layers repeat shapes, and tracing every parameter would weigh on a large model's
-    compile). A reused graph gets every node's fake value computed afresh from its own inputs, so
-    no two parameters share a storage, which the verifiers and inductor read for aliasing. Symbolic
-    shapes are traced each time; one cache per graph rewrite."""
+# Per fake mode (one Dynamo graph's, shared by its backward and every variant of it): each update
+# signature's traced graph.
+_TRACED: weakref.WeakKeyDictionary[Any, dict[tuple, fx.GraphModule]] = weakref.WeakKeyDictionary()
 
-    def __init__(self, decompositions: Mapping[Any, Any]) -> None:
-        self.decompositions = decompositions
-        self.graphs: dict[tuple, fx.GraphModule] = {}
 
-    def traced(self, rule: optim.UpdateRule, clipped: bool, vals: list[torch.Tensor], what: str) -> fx.GraphModule:
-        key = _signature(rule, clipped, vals)
-        cached = self.graphs.get(key) if key is not None else None
-        if cached is None:
-            cached = trace(optim.param_update_fn(rule, clipped), vals, what, self.decompositions)
-            if key is not None:
-                self.graphs[key] = cached
-            return cached
-        fake_mode = detect_fake_mode(tuple(vals))
-        with fake_mode:
-            _FakeValues(cached).run(*vals)
+def traced_update(rule: optim.UpdateRule, clipped: bool, vals: list[torch.Tensor], what: str, decompositions: Mapping[Any, Any]) -> fx.GraphModule:
+    """A parameter's update, traced once per signature and reused for its lookalikes: a
+    transformer's layers repeat shapes, and a backward's variants (without the update, carrying)
+    repeat its updates, so tracing each one would weigh on a large model's compile. A reused graph
+    gets every node's fake value computed afresh from its own inputs, so no two parameters share
+    a storage, which the verifiers and inductor read for aliasing. Symbolic shapes are traced each
+    time; a graph is reused only under the fake mode it was traced in."""
+    fake_mode = detect_fake_mode(tuple(vals))
+    key = _signature(rule, clipped, vals)
+    graphs = _TRACED.setdefault(fake_mode, {}) if key is not None and fake_mode is not None else {}
+    cached = graphs.get(key)
+    if cached is None:
+        cached = graphs[key] = trace(optim.param_update_fn(rule, clipped), vals, what, decompositions)
         return cached
+    with fake_mode:
+        _FakeValues(cached).run(*vals)
+    return cached
 
 
 class _FakeValues(fx.Interpreter):
@@ -173,7 +173,6 @@ class _Updates:
         self.per_name, self.per_group = append_update_inputs(graph, names, inputs)
         read_through(graph, {n: self.per_name[n][0] for n in names}, inputs)
         self.decompositions = select_decomp_table()
-        self.traces = UpdateTraces(self.decompositions)
 
     def point(self, names: Sequence[str], grads: Sequence[fx.Node], after: Sequence[fx.Node] = ()) -> fx.Node:
         """The node the updates of ``names`` go before: after their gradients, every read of their
@@ -192,7 +191,7 @@ class _Updates:
         if coef is not None:
             args.append(coef)
         vals = [a.meta["val"] for a in args]
-        traced = self.traces.traced(self.inputs.rules[name], coef is not None, vals, f"the optimizer update of {name!r}")
+        traced = traced_update(self.inputs.rules[name], coef is not None, vals, f"the optimizer update of {name!r}", self.decompositions)
         splice(self.graph, traced, args, point, bucket)
 
 
