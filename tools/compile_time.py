@@ -21,6 +21,7 @@ Run it from a tree nobody edits: graphddp's cache key covers graphddp's source.
     python -m tools.compile_time --profile prof        # cProfile of rank 0, one file per run
     python -m tools.compile_time --graphddp-options '{"bucket_cap_mb": 25}'
     python -m tools.compile_time --graphddp-options '{"optimizer": "adamw"}'   # AdamW: after the backward / inside it
+    python -m tools.compile_time --backend aot_eager --warm-runs 0 --graphddp-options '{"optimizer": "adamw", "sharding": "full"}'
 """
 from __future__ import annotations
 
@@ -94,13 +95,17 @@ def _install_timers(timers: Timers, mode: str) -> None:
     if mode != "graphddp":
         return
     import graphddp.compiler.compose as compose
-    import graphddp.compiler.graph_compiler as backend
+    import graphddp.compiler.full as full
+    import graphddp.compiler.full_updates as full_updates
+    import graphddp.compiler.rewrite as rewrite
 
-    for name in ("extract_facts", "plan"):
-        timers.wrap(backend, name, f"graphddp {name}")
+    for name in ("extract_facts", "plan"):  # looked up in the rewrite's module at call time
+        timers.wrap(rewrite, name, f"graphddp {name}")
     for name in ("insert_collectives", "verify"):  # looked up in the pass list's module at call time
         timers.wrap(compose, name, f"graphddp {name}")
-    timers.wrap(backend.GraphCompiler, "rewrite_backward", "graphddp rewrite_backward (all passes)")
+    timers.wrap(rewrite.BackwardRewrite, "rewrite_backward", "graphddp rewrite_backward (all passes)")
+    timers.wrap(full, "_placed", "graphddp sharding='full' placement")
+    timers.wrap(full_updates.PartUpdates, "backward_variant", "graphddp sharding='full' updating variants")
     import graphddp.compiler.cache as cache
 
     for name in ("plan_key", "load", "store"):
@@ -158,7 +163,7 @@ def _rank(
     options = dict(options)
     optimizer = _optimizer(options.pop("optimizer", None), model)
     if mode == "plain":
-        compiled = torch.compile(model)
+        compiled = torch.compile(model, backend=options.get("backend", "inductor"))
     else:
         import graphddp
 
@@ -201,7 +206,7 @@ def _rank(
     }
     if mode == "graphddp":
         report["fingerprints"] = [s.fingerprint() for s in compiled.schedules]
-        costs = {s.cost_model.describe() for s in compiled.schedules if s.cost_model is not None}
+        costs = {s.cost_model.describe() for s in compiled.schedules if getattr(s, "cost_model", None) is not None}
         report["cost_models"] = sorted(costs)  # what "auto" planned with: kept from an earlier run, or measured
     with open(f"{out_path}.{rank}", "w") as f:
         json.dump(report, f)
@@ -249,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("n_layer", "n_embd", "n_head", "vocab_size", "seq", "batch"):
         parser.add_argument(f"--{key.replace('_', '-')}", type=int, help=f"override the preset's {key}")
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--backend", default="inductor", help="both modes' torch.compile backend (aot_eager: tracing alone, no C++)")
     parser.add_argument(
         "--graphddp-options", default="{}",
         help='graphddp.compile options as JSON, e.g. \'{"bucket_cap_mb": 25}\' (default: its defaults; note '
@@ -261,12 +267,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", help="write cProfile stats of rank 0 as PROFILE.<mode>.<cold|warm>.<i>")
     parser.add_argument("--json", help="write every report here")
     args = parser.parse_args(argv)
-    options = json.loads(args.graphddp_options)
+    options = {**json.loads(args.graphddp_options), "backend": args.backend}
     cfg = dict(PRESETS[args.preset])
     for key in cfg:
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
-    print(f"GPT-2 {cfg}, {args.world_size} gloo ranks, 1 thread each, torch.compile backend inductor, graphddp options {options}")
+    print(f"GPT-2 {cfg}, {args.world_size} gloo ranks, 1 thread each, torch.compile backend {args.backend}, graphddp options {options}")
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
 
     def record(mode: str, kind: str, i: int, j: int, cache: str) -> None:
