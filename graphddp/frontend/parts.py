@@ -25,7 +25,7 @@ import torch.nn as nn
 from graphddp.optim.whole_state import WholeState
 from graphddp.values.collectives import ALL_GATHER_OP, ALL_REDUCE_OUT_OP, REDUCE_SCATTER_OP
 from graphddp.values.comm import WAIT
-from graphddp.values.placement import Placement, Whole, flat
+from graphddp.values.placement import Level, Placement, Whole, flat
 from graphddp.values.shards import padded_part, whole
 
 # The functional all-gather whose backward reduce-scatters: its torch 2.13 name, or the older one.
@@ -110,30 +110,33 @@ class _Replicated(torch.autograd.Function):
         return WAIT(ALL_REDUCE_OUT_OP(sent, "sum", placement.shard.name)).to(ctx.part_dtype), None, None, None
 
 
-@dataclasses.dataclass(frozen=True)
-class _Read:
-    """How a part is read whole, fixed at the cut: the parameter's shape, the part's placement
-    (a :class:`Whole` where it is held whole on every rank), and a policy's dtypes (None: the
-    part's own, and the ``param_dtype``)."""
-
-    shape: tuple[int, ...]
-    placement: Placement
-    param_dtype: torch.dtype | None
-    reduce_dtype: torch.dtype | None
+def _read_args(shape: tuple[int, ...], placement: Placement, policy: Any) -> tuple:
+    """How a part is read whole, fixed at the cut, as :func:`_whole_of`'s arguments after the part:
+    the parameter's shape, its placement's groups ((name, size) each) and whether it is held whole
+    on every rank, and a policy's dtypes (None: the part's own, and the ``param_dtype``). Plain
+    values, so that Dynamo puts them in the graph as constants."""
+    replicate = None if placement.replicate is None else (placement.replicate.name, placement.replicate.size)
+    return (
+        shape, (placement.shard.name, placement.shard.size), replicate, isinstance(placement, Whole),
+        getattr(policy, "param_dtype", None), getattr(policy, "reduce_dtype", None),
+    )
 
 
 @torch._dynamo.allow_in_graph
-def _whole_of(part: torch.Tensor, read: _Read) -> torch.Tensor:
-    """The whole parameter ``part`` stands for: the part itself where it is whole; else every
-    rank's part gathered, the padding dropped; through :class:`_Gather` only where a policy's
-    dtypes or a hybrid placement need its backward. One node to Dynamo, which AOTAutograd traces:
-    Dynamo itself would trace each read's autograd function apart, at every read of every
-    parameter (its cost: docs/full-sharding.md, compile time)."""
-    placement, shape = read.placement, read.shape
-    param_dtype = read.param_dtype or part.dtype
-    reduce_dtype = read.reduce_dtype or param_dtype
-    if isinstance(placement, Whole):
-        return _Replicated.apply(part, placement, param_dtype, reduce_dtype).view(shape)
+def _whole_of(
+    part: torch.Tensor, shape: tuple[int, ...], shard: tuple[str, int], replicate: tuple[str, int] | None, whole: bool,
+    param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """The whole parameter ``part`` stands for (:func:`_read_args`): the part itself where it is
+    whole; else every rank's part gathered, the padding dropped; through :class:`_Gather` only
+    where a policy's dtypes or a hybrid placement need its backward. One node to Dynamo, which
+    AOTAutograd traces: Dynamo itself would trace each read's autograd function apart, at every
+    read of every parameter (its cost: docs/full-sharding.md, compile time)."""
+    param_dtype = param_dtype or part.dtype
+    reduce_dtype = reduce_dtype or param_dtype
+    if whole:
+        return _Replicated.apply(part, Whole(Level(*shard)), param_dtype, reduce_dtype).view(shape)
+    placement = Placement(Level(*shard), None if replicate is None else Level(*replicate))
     numel = math.prod(shape)
     if param_dtype == reduce_dtype == part.dtype and not placement.hybrid:
         gathered = _all_gather(part, 0, placement.shard.name)
@@ -143,7 +146,7 @@ def _whole_of(part: torch.Tensor, read: _Read) -> torch.Tensor:
 
 def _read(part: nn.Parameter) -> torch.Tensor:
     """The property of every parameter name of a cut module (:func:`shard_parameters` tags the part)."""
-    return _whole_of(part, part._graphddp_read)
+    return _whole_of(part, *part._graphddp_read)
 
 
 _SHARDED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
@@ -182,10 +185,8 @@ def shard_parameters(
             if entry is None:
                 keep = replicated is not None and p.numel() * p.element_size() < below_bytes
                 q = nn.Parameter(padded_part(p, 1, 0) if keep else padded_part(p, world, rank), requires_grad=p.requires_grad)
-                q._graphddp_read = _Read(  # type: ignore[attr-defined]
-                    tuple(p.shape), replicated if keep else placement or flat(group.group_name, world),
-                    getattr(policy, "param_dtype", None), getattr(policy, "reduce_dtype", None),
-                )
+                where = replicated if keep else placement or flat(group.group_name, world)
+                q._graphddp_read = _read_args(tuple(p.shape), where, policy)  # type: ignore[attr-defined]
                 entry = parts[id(p)] = placed[id(q)] = Part(q, tuple(p.shape), [], None if keep else group)
             full_name = f"{mod_name}.{name}" if mod_name else name
             if full_name not in entry.names:
