@@ -124,11 +124,11 @@ _TRACED: weakref.WeakKeyDictionary[Any, dict[tuple, fx.GraphModule]] = weakref.W
 
 def traced_update(rule: optim.UpdateRule, clipped: bool, vals: list[torch.Tensor], what: str, decompositions: Mapping[Any, Any]) -> fx.GraphModule:
     """A parameter's update, traced once per signature and reused for its lookalikes: a
-    transformer's layers repeat shapes, and a backward's variants (without the update, carrying)
-    repeat its updates, so tracing each one would weigh on a large model's compile. A reused graph
-    gets every node's fake value computed afresh from its own inputs, so no two parameters share
-    a storage, which the verifiers and inductor read for aliasing. Symbolic shapes are traced each
-    time; a graph is reused only under the fake mode it was traced in."""
+    transformer's layers repeat shapes, and a backward's carrying variant repeats its updates, so
+    tracing each one would weigh on a large model's compile. A reused graph gets every node's fake
+    value computed afresh from its own inputs, so no two parameters share a storage, which the
+    verifiers and inductor read for aliasing. Symbolic shapes are traced each time; a graph is
+    reused only under the fake mode it was traced in."""
     fake_mode = detect_fake_mode(tuple(vals))
     key = _signature(rule, clipped, vals)
     graphs = _TRACED.setdefault(fake_mode, {}) if key is not None and fake_mode is not None else {}
