@@ -195,19 +195,20 @@ def adam_update(rule: UpdateRule, param: torch.Tensor, grad: torch.Tensor, state
 UPDATES: dict[str, Callable[..., None]] = {"sgd": sgd_update, "adam": adam_update}
 
 
-def param_update_fn(rule: UpdateRule, clipped: bool = False) -> Callable[..., None]:
+def param_update_fn(rule: UpdateRule, clipped: bool = False) -> Callable[..., torch.Tensor]:
     """One parameter's update: arguments its gradient, the parameter, its state (``rule.state``),
     its group's hyperparameters, then (with ``clipped``) the clip coefficient the gradient is
-    multiplied by first."""
+    multiplied by first. Returns the parameter as written, which a trace's later readers read."""
     width = len(rule.state)
 
-    def update(grad: torch.Tensor, param: torch.Tensor, *rest: torch.Tensor) -> None:
+    def update(grad: torch.Tensor, param: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
         if clipped:
             *rest, coef = rest
             with role("update"):  # clip_grad_norm_'s in-place mul_, before the step reads the gradient
                 grad = grad * coef
         with role("update"):
             UPDATES[rule.kind](rule, param, grad, list(rest[:width]), list(rest[width:]))
+        return param
 
     return update
 

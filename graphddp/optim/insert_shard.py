@@ -48,9 +48,9 @@ from graphddp.graph.insert_comm import carried_inputs
 from graphddp.graph.trace import set_outputs, splice, trace
 from graphddp.hooks import builtin as hooks
 from graphddp.optim import clip
-from graphddp.optim.insert_update import UpdateInputs, add_update_inputs, read_through
+from graphddp.optim.insert_update import UpdateInputs, add_update_inputs, read_through, splice_update
 from graphddp.optim.shard_functions import (
-    ShardLayout, clipped_update_fn, layout, reduce_fn, shard_layout, state_values, update_fn,
+    ShardLayout, clipped_update_fn, layout, pack_fn, part_update_args, reduce_fn, shard_layout, state_values, update_fn,
 )
 from graphddp.values.collectives import SHARDED, kind
 from graphddp.values.schedule import Bucket, Schedule
@@ -62,7 +62,8 @@ class _Traced:
     """One sharded bucket's traced functions, spliced by :class:`_Splicer`."""
 
     shard: ShardLayout
-    update: fx.GraphModule  # without clipping, the whole bucket (:func:`update_fn`); with, from the part on
+    update: fx.GraphModule  # to the shares and copies the updates write: without clipping from the gradients (:func:`update_fn`), with from the part
+    pack: fx.GraphModule  # the updated copies to the all-gather (:func:`pack_fn`)
     tail: fx.GraphModule  # its wait and writes, or (gather="forward") its all-gather
     reduce: fx.GraphModule | None = None  # with clipping: the reduce-scatter to the part and its squares
 
@@ -117,21 +118,22 @@ def insert_sharded_updates(gm: fx.GraphModule, schedule: Schedule, inputs: Updat
         point = output if clipped else _update_point(at, placements[b.index], issues, position, output)
         params = [inputs.values[n] for n in b.param_names]
         private = b.gather == "forward" or _reads_after(point, _storages(params), output)
-        rest = rests[b.index]
         if clipped:
             grad_part = _outputs(reduces[b.index])[0]
             fn = clipped_update_fn(shard, private)
-            update = trace(fn, [grad_part, *params, *rest, coef], f"sharded bucket {b.index}'s update", decompositions)
+            update = trace(fn, [grad_part, *params, coef], f"sharded bucket {b.index}'s update", decompositions)
         else:
             fn = update_fn(shard, hooks.for_bucket(b), private, b.index in carried)
-            update = trace(fn, gradients(b) + params + rest, f"sharded bucket {b.index}", decompositions)
-        result = _outputs(update)
+            update = trace(fn, gradients(b) + params, f"sharded bucket {b.index}", decompositions)
+        work = list(_outputs(update)[len(shard.owned()):])
+        pack = trace(pack_fn(shard), work, f"sharded bucket {b.index}'s all-gather", decompositions)
+        result = _outputs(pack)
         # What ends the bucket in this graph: its wait and writes, or (gather="forward") its all-gather.
         if b.gather == "forward":
             tail = trace(gather_fn(shard.placement), [result], f"sharded bucket {b.index}'s all-gather")
         else:
             tail = trace(write_fn(b, shard.placement), [result, *params], f"sharded bucket {b.index}'s write")
-        traced.append(_Traced(shard, update, tail, reduces.get(b.index)))
+        traced.append(_Traced(shard, update, pack, tail, reduces.get(b.index)))
     new_params = {}
     new_rest = {}
     for shard in shards:
@@ -142,7 +144,7 @@ def insert_sharded_updates(gm: fx.GraphModule, schedule: Schedule, inputs: Updat
         new_params.update(zip(shard.bucket.param_names, nodes[:n]))
         new_rest[shard.bucket.index] = nodes[n:]
     read_through(graph, new_params, inputs)
-    splicer = _Splicer(graph, traced, outs, new_params, new_rest, carried, IssuePoints(graph), placements, issues, position)
+    splicer = _Splicer(graph, traced, outs, new_params, new_rest, carried, IssuePoints(graph), placements, issues, position, decompositions)
     if clipped:
         splicer.clipped(schedule, decompositions)
     else:
@@ -169,6 +171,7 @@ class _Splicer:
     placements: Mapping[int, Any]
     issues: list[fx.Node]  # per bucket, its issue point (placement)
     position: Mapping[fx.Node, int]  # each node's place in the graph before any edit
+    decompositions: Mapping[Any, Any]
     deferred: dict[int, Any] = dataclasses.field(default_factory=dict)  # gather="forward": bucket position -> its updated parts
 
     def _taken(self, bucket: Bucket) -> tuple[list[fx.Node], list[fx.Node]]:
@@ -185,6 +188,17 @@ class _Splicer:
         wait = _update_point(at, p, self.issues, self.position, self.graph.output_node())
         return self.early.splice(traced, inputs, p.issue, _not_for_the_issue(traced), wait, bucket.index), wait
 
+    def _updated(self, t: _Traced, outputs: list[fx.Node], point: fx.Node) -> Any:
+        """The bucket's parts updated from ``outputs`` (:func:`update_fn`'s) before ``point``, one
+        spliced update per part, then packed: returns the all-gather (or the parts, gather="forward")."""
+        b, shard = t.shard.bucket, t.shard
+        owned = len(shard.owned())
+        work = list(outputs[owned:])
+        for k, args in part_update_args(shard, outputs[:owned], work, self.rest[b.index]):
+            what = f"the optimizer update of {b.param_names[k]!r}'s part"
+            work[k] = splice_update(self.graph, shard.rules[k], args, point, b.index, what, self.decompositions)
+        return splice(self.graph, t.pack, work, point, b.index)
+
     def overlapped(self) -> None:
         output = self.graph.output_node()
         writes = []
@@ -192,7 +206,8 @@ class _Splicer:
         for at, t in enumerate(self.traced):
             b = t.shard.bucket
             grads, params = self._taken(b)
-            gathered, wait = self._from_issue(at, b, t.update, grads + params + self.rest[b.index])
+            outputs, wait = self._from_issue(at, b, t.update, grads + params)
+            gathered = self._updated(t, outputs, wait)
             late_points.append(wait)
             if b.gather == "forward":
                 self.deferred[at] = gathered
@@ -231,7 +246,7 @@ class _Splicer:
         for at, t in enumerate(self.traced):
             b = t.shard.bucket
             params = [self.param_node[n] for n in b.param_names]
-            gathered = splice(graph, t.update, [parts[at], *params, *self.rest[b.index], coef], output, b.index)
+            gathered = self._updated(t, splice(graph, t.update, [parts[at], *params, coef], output, b.index), output)
             if pending is not None:
                 splice(graph, *pending)
                 pending = None

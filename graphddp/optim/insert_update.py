@@ -141,6 +141,16 @@ def traced_update(rule: optim.UpdateRule, clipped: bool, vals: list[torch.Tensor
     return cached
 
 
+def splice_update(
+    graph: fx.Graph, rule: optim.UpdateRule, args: Sequence[fx.Node], point: fx.Node, bucket: int, what: str,
+    decompositions: Mapping[Any, Any], clipped: bool = False,
+) -> fx.Node:
+    """One update (:func:`~graphddp.optim.attached.param_update_fn`'s arguments ``args``) spliced
+    before ``point`` from :func:`traced_update`; returns the node of the parameter as written."""
+    traced = traced_update(rule, clipped, [a.meta["val"] for a in args], what, decompositions)
+    return splice(graph, traced, args, point, bucket)
+
+
 class _FakeValues(fx.Interpreter):
 
     def run_node(self, n: fx.Node) -> Any:
@@ -190,9 +200,8 @@ class _Updates:
         args = [grad, *self.per_name[name], *self.per_group[self.inputs.groups[name]]]
         if coef is not None:
             args.append(coef)
-        vals = [a.meta["val"] for a in args]
-        traced = traced_update(self.inputs.rules[name], coef is not None, vals, f"the optimizer update of {name!r}", self.decompositions)
-        splice(self.graph, traced, args, point, bucket)
+        what = f"the optimizer update of {name!r}"
+        splice_update(self.graph, self.inputs.rules[name], args, point, bucket, what, self.decompositions, coef is not None)
 
 
 def insert_update(gm: fx.GraphModule, schedule: Schedule, inputs: UpdateInputs) -> fx.GraphModule:

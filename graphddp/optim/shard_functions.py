@@ -14,7 +14,7 @@ from graphddp.graph.bucket_function import chunks, flat_view, gather_fn, issue_c
 from graphddp.graph.trace import fresh_copy, role
 from graphddp.hooks import builtin as hooks
 from graphddp.optim import clip
-from graphddp.optim.attached import UPDATES, UpdateRule, cut, fake_hyper, fake_state
+from graphddp.optim.attached import UpdateRule, cut, fake_hyper, fake_state
 from graphddp.values.placement import Placement
 from graphddp.values.schedule import Bucket
 from graphddp.values.shards import part
@@ -86,37 +86,41 @@ def _copies(shard: ShardLayout, params: Sequence[torch.Tensor], private: bool) -
         return [copy(aten.slice.Tensor(flat_view(p, s.numel), 0, lo, hi)) for p, s, (lo, hi) in zip(params, shard.bucket.slots, shard.parts)]
 
 
-def _step(shard: ShardLayout, grad_part: torch.Tensor, work: list[torch.Tensor], rest: list[torch.Tensor]) -> torch.Tensor:
-    """The optimizer's math on each owned part; returns the all-gather of the updated parts, not
-    waited, or with ``gather="forward"`` the parts themselves."""
-    owned = shard.owned()
-    runs = cut(rest, [len(shard.rules[k].state) for k in owned] + [len(shard.hyper(g)) for g in shard.groups])
-    states, hyper = dict(zip(owned, runs)), dict(zip(shard.groups, runs[len(owned):]))
+def _shares(shard: ShardLayout, grad_part: torch.Tensor) -> list[torch.Tensor]:
+    """Per owned part (:meth:`ShardLayout.owned`), its share of this rank's row of the average."""
+    shares, at = [], 0
     with role("update"):
-        at = 0
         for k, c in enumerate(shard.chunks):
             lo, hi = shard.parts[k]
-            if k in states:
-                rule = shard.rules[k]
-                UPDATES[rule.kind](rule, work[k], aten.slice.Tensor(grad_part, 0, at, at + hi - lo), states[k], hyper[shard.group_of[k]])
+            if hi > lo:
+                shares.append(aten.slice.Tensor(grad_part, 0, at, at + hi - lo))
             at += c
-        mine = aten.cat.default([aten.constant_pad_nd.default(w, [0, c - w.numel()]) for w, c in zip(work, shard.chunks)])
-    if shard.bucket.gather == "forward":
-        return mine
-    return gather_fn(shard.placement)(mine)
+    return shares
 
 
-def update_fn(shard: ShardLayout, hook: hooks.CommHook, private: bool, carry: bool) -> Callable[..., torch.Tensor]:
-    """(grads[, carried], params, states, hypers) -> :func:`_step`'s result: a bucket updated as soon
-    as its average arrives."""
+def part_update_args(shard: ShardLayout, shares: Sequence[Any], work: Sequence[Any], rest: Sequence[Any]) -> list[tuple[int, list[Any]]]:
+    """Per owned part ``k``, the arguments of its update (:func:`~graphddp.optim.attached.param_update_fn`):
+    its share, its copy, its state, its group's hyperparameters; from :func:`update_fn`'s outputs
+    and the bucket's inputs after the parameters (:func:`layout`)."""
+    owned = shard.owned()
+    runs = cut(rest, [len(shard.rules[k].state) for k in owned] + [len(shard.hyper(g)) for g in shard.groups])
+    hyper = dict(zip(shard.groups, runs[len(owned):]))
+    return [(k, [share, work[k], *state, *hyper[shard.group_of[k]]]) for k, share, state in zip(owned, shares, runs)]
+
+
+def update_fn(shard: ShardLayout, hook: hooks.CommHook, private: bool, carry: bool) -> Callable[..., list[torch.Tensor]]:
+    """(grads[, carried], params) -> [per owned part its share of the average, per slot the copy
+    of this rank's part its update writes]: the bucket reduce-scattered and ready to update. Each
+    part's update is spliced apart (:func:`~graphddp.optim.insert_update.splice_update`, traced once
+    per signature), then :func:`pack_fn`."""
     n = len(shard.bucket.slots)
     m = 2 * n if carry else n
 
-    def run(*args: torch.Tensor) -> torch.Tensor:
-        grads, carried, params, rest = args[:n], args[n:m], args[m:m + n], list(args[m + n:])
+    def run(*args: torch.Tensor) -> list[torch.Tensor]:
+        grads, carried, params = args[:n], args[n:m], args[m:]
         pending = issue_columns(shard.placement, hook, shard.bucket, grads, carried)
         work = _copies(shard, params, private)
-        return _step(shard, receive(shard.placement, hook, shard.bucket, pending), work, rest)
+        return [*_shares(shard, receive(shard.placement, hook, shard.bucket, pending)), *work]
 
     return run
 
@@ -137,17 +141,30 @@ def reduce_fn(
     return run
 
 
-def clipped_update_fn(shard: ShardLayout, private: bool) -> Callable[..., torch.Tensor]:
-    """``max_grad_norm``, second half: (part, params, states, hypers, coefficient) -> as
-    :func:`update_fn`, from the part times the coefficient."""
-    n = len(shard.bucket.slots)
+def clipped_update_fn(shard: ShardLayout, private: bool) -> Callable[..., list[torch.Tensor]]:
+    """``max_grad_norm``, second half: (part, params, coefficient) -> as :func:`update_fn`, the
+    shares cut from the part times the coefficient."""
 
-    def run(grad_part: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
-        params, rest, coef = args[:n], list(args[n:-1]), args[-1]
+    def run(grad_part: torch.Tensor, *args: torch.Tensor) -> list[torch.Tensor]:
+        params, coef = args[:-1], args[-1]
         work = _copies(shard, params, private)
         with role(clip.CLIP):
             grad_part = aten.mul.Tensor(grad_part, coef)
-        return _step(shard, grad_part, work, rest)
+        return [*_shares(shard, grad_part), *work]
+
+    return run
+
+
+def pack_fn(shard: ShardLayout) -> Callable[..., torch.Tensor]:
+    """(the updated copies) -> their all-gather, not waited, or with ``gather="forward"`` the
+    padded parts themselves."""
+
+    def run(*work: torch.Tensor) -> torch.Tensor:
+        with role("update"):
+            mine = aten.cat.default([aten.constant_pad_nd.default(w, [0, c - w.numel()]) for w, c in zip(work, shard.chunks)])
+        if shard.bucket.gather == "forward":
+            return mine
+        return gather_fn(shard.placement)(mine)
 
     return run
 
