@@ -13,7 +13,8 @@ functions, each parameter cut into ``world`` chunks::
     update          work_i = a copy of this rank's part of param_i (a clone inductor folds, or
                     graph.trace.fresh_copy where the old values are read after the update)
     wait            wait_tensor; decompress
-    update          the optimizer's math on work_i, the gradient's part and the state (in place)
+    update          the optimizer's math on work_i, the gradient's part and the state (in place),
+                    spliced per part from one trace per signature (insert_update.splice_update)
     all_gather      all_gather_into_tensor(cat(pad(work_i, c_i)))
     # gather="backward": after the next bucket's all-gather, if nothing after reads the bucket's
     # parameters (_write_point), else at the output

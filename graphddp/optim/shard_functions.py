@@ -1,7 +1,9 @@
-"""A sharded bucket's layout on this rank and its update, traced between the bucket's reduce-scatter
-and all-gather (:mod:`graphddp.optim.insert_shard` places them): here, not beside the other bucket
-functions, because its rules and state are the optimizer's. Every node is tagged with its role,
-which the pass and the verifier read.
+"""A sharded bucket's layout on this rank and the functions traced around its update, between the
+bucket's reduce-scatter and all-gather (:mod:`graphddp.optim.insert_shard` places them): here, not
+beside the other bucket functions, because its rules and state are the optimizer's. Each part's
+update itself is spliced apart, from one trace per signature
+(:func:`graphddp.optim.insert_update.splice_update`). Every node is tagged with its role, which
+the pass and the verifier read.
 """
 from __future__ import annotations
 
