@@ -20,6 +20,18 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 
+def missing_torch_feature(feature: str) -> str | None:
+    """Why a test of ``feature`` cannot run on this torch (a skip reason), or None: graphddp runs
+    without them, as the features they serve say. ``"caches"``: graphddp's compile cache and
+    stored calibrations (``runtime.disk.hooked``); ``"isolated_recompiles"``: each compile counting
+    its own recompiles (``torch.compile(isolate_recompiles=)``)."""
+    from graphddp.compiler.aot import ISOLATED
+    from graphddp.runtime import disk
+
+    have = {"caches": disk.hooked, "isolated_recompiles": lambda: bool(ISOLATED)}[feature]()
+    return None if have else f"torch {torch.__version__} has no {feature} hook; graphddp runs without it"
+
+
 # Set to "1" (graphddp's suite sets it), spawned ranks and force_inductor_gpu_paths' callers
 # compile CPU graphs through the inductor paths that otherwise run only for GPU inputs.
 GPU_PATHS_ENV = "GRAPHDDP_TEST_INDUCTOR_GPU_PATHS"

@@ -38,6 +38,18 @@ def _frozen_survivors():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _own_recompile_limit():
+    """On a torch where every compile of the same code shares one recompile limit (no
+    ``isolate_recompiles``), each test starts from a Dynamo reset: else the suite's compiles of
+    the same model classes reach the limit and later tests' models run eagerly."""
+    from graphddp.testing import missing_torch_feature
+
+    if missing_torch_feature("isolated_recompiles"):
+        torch._dynamo.reset()
+    yield
+
+
 @pytest.fixture
 def fake_world():
     """A fake process group of 8 ranks in this process, torn down after the test."""

@@ -17,19 +17,26 @@ log = logging.getLogger("graphddp")
 ENV = "GRAPHDDP_COMPILE_CACHE"
 
 
+def hooked() -> bool:
+    """This torch has the hook a cache hit's backward is served through (inductor's
+    ``cudagraph_policy``; torch 2.11 has not): without it graphddp keeps no files."""
+    from torch._inductor import config as inductor_config
+
+    return hasattr(inductor_config, "cudagraph_policy")
+
+
 def enabled() -> bool:
     """Torch's local AOTAutograd cache is on, nothing forbids ours, and this torch has the hook."""
     from torch._functorch import config as functorch_config
-    from torch._inductor import config as inductor_config
 
     return (
-        os.environ.get(ENV, "1") != "0"
+        hooked()
+        and os.environ.get(ENV, "1") != "0"
         and functorch_config.enable_autograd_cache
         and not torch.compiler.config.force_disable_caches
         # A bundled entry holds the backward's code itself; ours is a dispatcher (not an OutputCode).
         and not functorch_config.bundled_autograd_cache
         and not torch._dynamo.config.caching_precompile
-        and hasattr(inductor_config, "cudagraph_policy")
     )
 
 

@@ -17,13 +17,16 @@ import copy
 import json
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 import graphddp
 from graphddp.models import MLP
-from graphddp.testing import graph_caches_in, paired_grads, spawn
+from graphddp.testing import graph_caches_in, missing_torch_feature, paired_grads, spawn
+
+pytestmark = pytest.mark.skipif(bool(missing_torch_feature("caches")), reason=str(missing_torch_feature("caches")))
 
 # Caps given, so the plan's inputs are the same run to run: bucket_cap_mb="auto" plans with a
 # cost model calibrated on the link at wrap time, which a restart measures anew (and the key

@@ -9,10 +9,12 @@ that measure differently: ranks/test_calibrate_ranks.py.
 """
 from __future__ import annotations
 
+import pytest
 import torch.distributed as dist
 
 from graphddp import CostModel
 from graphddp.runtime import calibrate
+from graphddp.testing import missing_torch_feature
 
 
 def test_a_fake_group_measures_nothing_and_says_so(fake_world):
@@ -26,6 +28,7 @@ def test_two_significant_figures():
     assert [calibrate._round2(x) for x in (0.0, 1234.5, 0.012345, 9.96, float("inf"))] == [0.0, 1200.0, 0.012, 10.0, float("inf")]
 
 
+@pytest.mark.skipif(bool(missing_torch_feature("caches")), reason=str(missing_torch_feature("caches")))
 def test_a_calibration_kept_from_the_cache_says_where_and_how_to_measure_anew(fake_world, tmp_path, monkeypatch, caplog):
     """A run that plans with the numbers an earlier run stored logs the file and the switch that
     measures anew (GRAPHDDP_RECALIBRATE=1), which then replaces the stored numbers."""

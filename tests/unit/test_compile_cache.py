@@ -10,7 +10,9 @@ import torch.nn as nn
 import graphddp
 from graphddp import CostModel
 from graphddp.models import MLP
-from graphddp.testing import graph_caches_in
+from graphddp.testing import graph_caches_in, missing_torch_feature
+
+pytestmark = pytest.mark.skipif(bool(missing_torch_feature("caches")), reason=str(missing_torch_feature("caches")))
 
 
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
