@@ -6,6 +6,12 @@ graph before and after every pass (logger name: ``graphddp``).
 import logging as _logging
 import os as _os
 
+import torch as _torch
+
+# pyproject.toml's floor, said at import where pip did not check it (a 2.10 pre-release passes: NGC's builds are)
+if tuple(int(x) for x in _torch.__version__.split(".")[:2]) < (2, 10):
+    raise ImportError(f"graphddp needs torch 2.10 or newer (pyproject.toml); this is torch {_torch.__version__}")
+
 from graphddp import render
 from graphddp.config import DDPConfig
 from graphddp.frontend.api import GraphDDP, compile, full_optimizer_state_dict, load_full_optimizer_state_dict

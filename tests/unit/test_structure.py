@@ -24,6 +24,7 @@ import graphddp
 from graphddp.config import DDPConfig
 from graphddp.frontend.cli import add_option_flags, options_from_args
 from graphddp.models import MLP, GraphBreakMLP
+from graphddp.testing import missing_torch_feature
 
 PACKAGE = pathlib.Path(graphddp.__file__).parent
 
@@ -147,6 +148,7 @@ def test_explain_takes_every_option_compile_does():
     assert {b.comm_dtype for b in schedule.buckets} == {"bfloat16"}
 
 
+@pytest.mark.skipif(bool(missing_torch_feature("isolated_recompiles")), reason=str(missing_torch_feature("isolated_recompiles")))
 def test_explain_leaves_no_group_no_hook_and_no_recompile_budget_behind(fake_world):
     """Ten explains of a model with a graph break, then a real compile of it still compiles
     both of its graphs.
@@ -314,3 +316,15 @@ def test_the_package_names_no_dates_and_no_issue_numbers():
 def test_a_date_or_an_issue_number_is_caught():
     text = "ok\n# since 2026-11-27\n(issue 37)\nsee pytorch#181564\nIssue #5\ncolour '#888888', 2.4 ms, 1e-3\n"
     assert _history(text) == [2, 3, 4, 5]
+
+
+def test_a_torch_older_than_the_floor_is_refused_at_import_naming_both_versions(monkeypatch):
+    """pyproject.toml's floor, for an environment pip did not check; a pre-release of the floor
+    (an NGC build: 2.10.0a0+...) passes."""
+    import importlib
+
+    monkeypatch.setattr(torch, "__version__", "2.9.1+cu128")
+    with pytest.raises(ImportError, match=r"torch 2\.10 or newer .*this is torch 2\.9\.1\+cu128"):
+        importlib.reload(graphddp)
+    monkeypatch.setattr(torch, "__version__", "2.10.0a0+ecf3bae")
+    importlib.reload(graphddp)
