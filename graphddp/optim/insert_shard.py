@@ -147,7 +147,7 @@ def insert_sharded_updates(gm: fx.GraphModule, schedule: Schedule, inputs: Updat
     read_through(graph, new_params, inputs)
     splicer = _Splicer(graph, traced, outs, new_params, new_rest, carried, IssuePoints(graph), placements, issues, position, decompositions)
     if clipped:
-        splicer.clipped(schedule, decompositions)
+        splicer.clipped(schedule)
     else:
         splicer.overlapped()
     # gather="forward": every all-gather at the output, the last bucket's first.
@@ -217,7 +217,7 @@ class _Splicer:
         for at, tail, inputs, index in writes:  # each bucket's wait and parameter writes
             splice(self.graph, tail, inputs, _write_point(late_points, at, inputs[1:], output), index)
 
-    def clipped(self, schedule: Schedule, decompositions: Mapping[Any, Any]) -> None:
+    def clipped(self, schedule: Schedule) -> None:
         """Every update needs the global norm: each bucket's wait and its parts' norm shares go
         where its update would be; at the end one all-reduce of the shares (with the norms of the
         gradients still returned, which it scales too) gives the coefficient, then every bucket's
@@ -233,14 +233,14 @@ class _Splicer:
             (b.index, [self.outs[s.output_index] for s in b.slots if not s.zero_filled and self.outs[s.output_index] is not None])
             for b in schedule.buckets if b.collective != SHARDED
         ]
-        norms = clip.insert_norms(graph, returned, schedule.grad_norm_type, decompositions)
+        norms = clip.insert_norms(graph, returned, schedule.grad_norm_type, self.decompositions)
         last = self.traced[-1].shard.bucket.index
         coefficient = clip.sharded_coefficient_fn(
             schedule.max_grad_norm, schedule.grad_norm_type, len(squares), schedule.placement.shard.name, schedule.placement.shard.size
         )
-        coef = clip.splice_coefficient(graph, coefficient, squares + norms, last, decompositions)
+        coef = clip.splice_coefficient(graph, coefficient, squares + norms, last, self.decompositions)
         for index, grads in returned:  # clip_grad_norm_ scales every gradient of the module
-            scaled = clip.insert_scaled(graph, coef, grads, index, decompositions)
+            scaled = clip.insert_scaled(graph, coef, grads, index, self.decompositions)
             for g, new in zip(grads, scaled):
                 self.outs[self.outs.index(g)] = new
         pending = None
